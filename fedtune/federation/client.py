@@ -1,0 +1,48 @@
+"""Client side of a method: the abstract Client every method implements.
+
+A client is built fresh for each call (``fit`` or ``evaluate``) by the engine, from its id, its
+resource profile and the process's :class:`~fedtune.runtime.RunContext` (which caches the base
+model and the tokenized data, so 1,000 registered clients do not hold 1,000 models). Clients are
+stateless between rounds; a method that needs per-client memory keeps it in ``self.state``, a dict
+of arrays that the engine persists per client id (Flower: the node's ``context.state``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from fedtune.federation.messages import Message
+
+if TYPE_CHECKING:
+    from fedtune.federation.profiles import ClientProfile
+    from fedtune.runtime import RunContext
+
+
+class Client(ABC):
+    """Client-side logic of one method: local training and evaluation on a Message."""
+
+    def __init__(
+        self,
+        cid: int,
+        profile: "ClientProfile",
+        context: "RunContext",
+        state: dict[str, np.ndarray] | None = None,
+    ) -> None:
+        self.cid = cid
+        self.profile = profile
+        self.context = context
+        self.config = context.config
+        self.options = context.options
+        self.state = state if state is not None else {}
+
+    @abstractmethod
+    def fit(self, message: Message) -> Message:
+        """Train locally from the server's Message; reply with the update and ``meta`` metrics
+        (by convention ``num_examples``, ``steps``, ``train_loss``)."""
+
+    def evaluate(self, message: Message) -> Message:
+        """Evaluate locally; reply with metrics in ``meta`` (default: not supported)."""
+        raise RuntimeError(f"{type(self).__name__} does not implement federated evaluation")

@@ -1,0 +1,55 @@
+"""Per-client resource profiles: every per-client difference is data from the config, not code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ClientProfile(BaseModel):
+    """Resources of one client. Methods read the fields they need and ignore the rest."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int | None = Field(None, gt=0, description="LoRA rank budget (heterogeneous-rank methods)")
+    sketch_ratio: float | None = Field(None, gt=0, le=1, description="FSLoRA k_i / r")
+    capacity: float | None = Field(None, gt=0, le=1, description="fraction of the model it can train")
+    speed: float = Field(1.0, gt=0, description="relative compute speed (1 = reference)")
+
+
+def _profile(fields: dict[str, Any], where: str) -> ClientProfile:
+    try:
+        return ClientProfile(**fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise ValueError(f"{where}.{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err.get('input')!r})") from None
+
+
+def build_profiles(
+    num_clients: int,
+    explicit: list[dict[str, Any]] | None,
+    choices: dict[str, list[Any]] | None,
+    seed: int,
+) -> list[ClientProfile]:
+    """Profiles for clients ``0..num_clients-1``: an explicit list (one per client, or one for
+    all), or each field drawn uniformly from its choices with ``seed``; else defaults."""
+    if explicit is not None:
+        if len(explicit) == 1:
+            explicit = explicit * num_clients
+        if len(explicit) != num_clients:
+            raise ValueError(
+                f"federation.profiles: expected 1 or {num_clients} profiles (federation.num_clients), got {len(explicit)}"
+            )
+        return [_profile(p, f"federation.profiles[{i}]") for i, p in enumerate(explicit)]
+    if choices:
+        rng = np.random.default_rng([seed, 0x9F0F])
+        drawn: dict[str, list[Any]] = {}
+        for key in sorted(choices):
+            values = list(choices[key])
+            if not values:
+                raise ValueError(f"federation.profile_choices.{key}: expected a non-empty list")
+            drawn[key] = [values[i] for i in rng.integers(0, len(values), size=num_clients)]
+        return [_profile({k: v[i] for k, v in drawn.items()}, "federation.profile_choices") for i in range(num_clients)]
+    return [ClientProfile() for _ in range(num_clients)]

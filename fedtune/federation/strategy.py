@@ -1,0 +1,87 @@
+"""Server side of a method: the abstract Strategy every method implements.
+
+A Strategy talks to clients only through :class:`~fedtune.federation.messages.Message`.
+The engines (in-process simulation, Flower) call, each round::
+
+    messages = strategy.configure_fit(rnd, client_ids)      # one Message per sampled client
+    replies  = {cid: client.fit(messages[cid]) ...}          # run by the engine
+    metrics  = strategy.aggregate_fit(rnd, replies)
+    metrics |= strategy.evaluate(rnd)                        # centralized evaluation, optional
+    # federated evaluation, optional:
+    replies  = {cid: client.evaluate(m) for cid, m in strategy.configure_evaluate(rnd, ids).items()}
+    metrics |= strategy.aggregate_evaluate(rnd, replies)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from fedtune.federation.messages import Message
+
+if TYPE_CHECKING:
+    from fedtune.runtime import RunContext
+
+
+class Strategy(ABC):
+    """Server-side logic of one method. Holds the global state; never touches client objects."""
+
+    def __init__(self, context: "RunContext") -> None:
+        self.context = context
+        self.config = context.config
+        self.options = context.options  # the method's own typed options
+
+    @abstractmethod
+    def initialize(self) -> None:
+        """Build the initial global state (called once before round 1)."""
+
+    @abstractmethod
+    def configure_fit(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
+        """One Message per sampled client for round ``rnd`` (messages may differ per client)."""
+
+    @abstractmethod
+    def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
+        """Fold the clients' replies into the global state; return round metrics."""
+
+    def evaluate(self, rnd: int) -> dict[str, float]:
+        """Centralized evaluation of the global state (default: none)."""
+        return {}
+
+    def configure_evaluate(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
+        """Messages for federated evaluation (default: none)."""
+        return {}
+
+    def aggregate_evaluate(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
+        """Combine federated evaluation replies (default: example-weighted mean of metrics)."""
+        return weighted_mean_meta(replies)
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the strategy holds, as named arrays and JSON-able values."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+    def save(self, run_dir: Path) -> None:
+        """Write the final artifacts (for LoRA methods: the adapter with ``save_pretrained``)."""
+
+
+def weighted_mean_meta(replies: dict[int, Message], weight_key: str = "num_examples") -> dict[str, float]:
+    """Mean of the numeric metadata of replies, weighted by ``meta[weight_key]`` (else uniform)."""
+    if not replies:
+        return {}
+    metas = [m.meta for m in replies.values()]
+    weights = np.array([float(m.get(weight_key, 1.0)) for m in metas])
+    if weights.sum() <= 0:
+        weights = np.ones(len(metas))
+    keys = sorted({k for m in metas for k, v in m.items() if isinstance(v, (int, float)) and k != weight_key})
+    out = {}
+    for key in keys:
+        pairs = [(w, float(m[key])) for w, m in zip(weights, metas) if isinstance(m.get(key), (int, float))]
+        ws = np.array([p[0] for p in pairs])
+        out[key] = float(np.dot(ws, [p[1] for p in pairs]) / ws.sum())
+    return out

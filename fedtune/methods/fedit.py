@@ -1,0 +1,55 @@
+"""FedIT: FedAvg over LoRA adapters of one uniform rank (Zhang et al. 2024).
+
+Round t: the server sends the global adapter (every LoRA pair B, A and the classifier head); each
+client trains it for H local steps and uploads its update Delta_i = theta_i - theta^t; the server
+sets theta^{t+1} = theta^t + sum_i p_i Delta_i, p_i proportional to the client's data size
+(FedAvg; ``options.weighting = "uniform"`` gives p_i = 1/N).
+"""
+
+from __future__ import annotations
+
+from fedtune.federation.messages import Message
+from fedtune.methods.lora_common import (
+    GlobalAdapterStrategy,
+    LoraClient,
+    Weighting,
+    client_weights,
+    decode_update,
+    mean_train_loss,
+    weighted_average,
+)
+from fedtune.registry import MethodOptions, register
+
+
+class FedITOptions(MethodOptions):
+    weighting: Weighting = "examples"
+
+
+class FedITStrategy(GlobalAdapterStrategy):
+    """FedIT: FedAvg of LoRA adapters with a uniform rank (Zhang et al. 2024)."""
+
+    def initialize(self) -> None:
+        self.rank = self.config.model.lora_rank
+        self.global_arrays = self.context.workspace.state(self.rank)
+
+    def configure_fit(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
+        message = Message(self.global_arrays, {"round": rnd, "rank": self.rank})
+        return {cid: message for cid in client_ids}
+
+    def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
+        if not replies:
+            return {}
+        updates = [decode_update(m.arrays) for m in replies.values()]
+        mean = weighted_average(updates, client_weights(replies, self.options.weighting))
+        self.global_arrays = {k: v + mean[k] for k, v in self.global_arrays.items()}
+        return mean_train_loss(replies)
+
+
+class FedITClient(LoraClient):
+    def fit(self, message: Message) -> Message:
+        received = message.arrays
+        trained, result = self.train_adapter(received, message.meta["round"], message.meta["rank"])
+        return self.upload({k: trained[k] - received[k] for k in trained}, result)
+
+
+register("fedit", FedITStrategy, FedITClient, FedITOptions)

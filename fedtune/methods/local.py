@@ -1,0 +1,77 @@
+"""Local: every client trains its own adapter alone, no aggregation (reference lower bound).
+
+The server sends the common initial adapter once, in a client's first message; the client keeps
+its adapter in its persistent state and never uploads weights. Evaluation is federated: every
+client evaluates its own adapter on the test set, and the reported accuracy is the plain mean of
+the client accuracies (``accuracy_std`` their spread).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedtune.federation.messages import Message
+from fedtune.methods.lora_common import LoraClient, mean_train_loss
+from fedtune.models.training import evaluate_model
+from fedtune.registry import register
+from fedtune.methods.fedit import FedITStrategy
+
+
+class LocalStrategy(FedITStrategy):
+    """Local: each client trains alone; reports the mean of client accuracies."""
+
+    def initialize(self) -> None:
+        super().initialize()
+        self.sent_init: set[int] = set()
+
+    def _message(self, cid: int, rnd: int) -> Message:
+        first = cid not in self.sent_init
+        self.sent_init.add(cid)
+        return Message(self.global_arrays if first else {}, {"round": rnd, "rank": self.rank})
+
+    def configure_fit(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
+        return {cid: self._message(cid, rnd) for cid in client_ids}
+
+    def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
+        return mean_train_loss(replies)
+
+    def evaluate(self, rnd: int) -> dict[str, float]:
+        return {}
+
+    def configure_evaluate(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
+        return {cid: self._message(cid, rnd) for cid in client_ids}
+
+    def aggregate_evaluate(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
+        acc = np.array([m.meta["accuracy"] for m in replies.values()])
+        loss = np.array([m.meta["loss"] for m in replies.values()])
+        return {"accuracy": float(acc.mean()), "accuracy_std": float(acc.std()), "loss": float(loss.mean())}
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "sent_init": sorted(self.sent_init)}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.sent_init = set(state["sent_init"])
+
+    def save(self, run_dir) -> None:
+        """Local has no global adapter: nothing to save (client adapters stay with clients)."""
+
+
+class LocalClient(LoraClient):
+    def _adapter(self, message: Message) -> dict[str, np.ndarray]:
+        if message.arrays:
+            self.state.update(message.arrays)
+        return self.state
+
+    def fit(self, message: Message) -> Message:
+        trained, result = self.train_adapter(self._adapter(message), message.meta["round"], message.meta["rank"])
+        self.state.update(trained)
+        return Message({}, result.meta())
+
+    def evaluate(self, message: Message) -> Message:
+        ws = self.context.workspace
+        ws.load(self._adapter(message), message.meta["rank"])
+        return Message({}, evaluate_model(ws.model, self.context.test, self.config.train.eval_batch_size))
+
+
+register("local", LocalStrategy, LocalClient)

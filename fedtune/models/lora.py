@@ -1,0 +1,109 @@
+"""LoRA through PEFT: one base model per process, one adapter per rank, named flat arrays.
+
+Adapter state is a dict ``name -> array`` over the trainable parameters of the active adapter,
+with names free of PEFT's adapter and wrapper parts, for example
+``bert.encoder.layer.0.attention.self.query.lora_A.weight`` (shape (r, n)) and
+``...lora_B.weight`` (shape (m, r)), plus the classifier head (``classifier.weight``, ...).
+PEFT computes ``W0 x + (alpha / r) B A x`` for an adapter of rank r.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from fedtune.config import ModelConfig
+from fedtune.models.loading import load_classifier
+
+HEAD_MODULES = ["classifier"]
+
+
+def lora_config(cfg: ModelConfig, rank: int, alpha: float | None = None):
+    from peft import LoraConfig, TaskType
+
+    return LoraConfig(
+        task_type=TaskType.SEQ_CLS,
+        r=rank,
+        lora_alpha=cfg.lora_alpha if alpha is None else alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=list(cfg.target_modules),
+        modules_to_save=list(HEAD_MODULES),
+    )
+
+
+def _short_name(name: str, adapter: str) -> str:
+    return name.replace(f".{adapter}.", ".").replace("base_model.model.", "").replace(".modules_to_save", "")
+
+
+def lora_pairs(names) -> list[tuple[str, str]]:
+    """``(lora_A name, lora_B name)`` for every adapted module, in order."""
+    return [(n, n.replace("lora_A", "lora_B")) for n in names if ".lora_A." in n]
+
+
+class LoraWorkspace:
+    """The base model shared by all clients of a process, with PEFT LoRA adapters by rank.
+
+    ``activate(rank)`` switches to the adapter of that rank (created on first use) and returns
+    its trainable parameters by short name; loading arrays into them is a copy, so a client
+    sees nothing of the previous one."""
+
+    def __init__(self, cfg: ModelConfig, num_labels: int, seed: int) -> None:
+        self.cfg = cfg
+        self.num_labels = num_labels
+        self.seed = seed
+        self.base = load_classifier(cfg.name, num_labels, seed)
+        self.model = None  # PeftModel once an adapter exists
+        self._params: dict[str, dict[str, torch.nn.Parameter]] = {}
+        self._target_names: set[str] | None = None
+
+    @staticmethod
+    def adapter_name(rank: int, alpha: float | None = None) -> str:
+        return f"r{rank}" if alpha is None else f"r{rank}a{alpha:g}"
+
+    def activate(self, rank: int, alpha: float | None = None) -> dict[str, torch.nn.Parameter]:
+        """Make the rank-``rank`` adapter (scaling ``alpha / rank``) the only active, trainable one."""
+        from peft import get_peft_model
+
+        name = self.adapter_name(rank, alpha)
+        if self.model is None:
+            torch.manual_seed(self.seed + 1)
+            self.model = get_peft_model(self.base, lora_config(self.cfg, rank, alpha), adapter_name=name)
+        elif name not in self.model.peft_config:
+            torch.manual_seed(self.seed + 1)
+            self.model.add_adapter(name, lora_config(self.cfg, rank, alpha))
+        self.model.set_adapter(name)
+        if name not in self._params:
+            self._params[name] = {
+                _short_name(n, name): p for n, p in self.model.named_parameters() if p.requires_grad
+            }
+        return self._params[name]
+
+    def state(self, rank: int, alpha: float | None = None) -> dict[str, np.ndarray]:
+        """A copy of the adapter's arrays (float32 numpy)."""
+        return {k: p.detach().cpu().numpy().copy() for k, p in self.activate(rank, alpha).items()}
+
+    def load(self, arrays: Mapping[str, np.ndarray], rank: int, alpha: float | None = None) -> dict[str, torch.nn.Parameter]:
+        """Activate the adapter and copy ``arrays`` into it; every trainable array must be given."""
+        params = self.activate(rank, alpha)
+        missing = params.keys() - arrays.keys()
+        if missing:
+            raise KeyError(f"adapter state lacks {sorted(missing)[:3]}")
+        with torch.no_grad():
+            for k, p in params.items():
+                p.copy_(torch.as_tensor(arrays[k]))
+        return params
+
+    def save_pretrained(self, out_dir: Path, arrays: Mapping[str, np.ndarray], rank: int, alpha: float | None = None) -> None:
+        """Write ``arrays`` as a standard PEFT adapter (``PeftModel.from_pretrained`` loads it
+        onto ``load_classifier(name, num_labels, seed)``)."""
+        from peft import get_peft_model
+
+        fresh = get_peft_model(load_classifier(self.cfg.name, self.num_labels, self.seed), lora_config(self.cfg, rank, alpha))
+        params = {_short_name(n, "default"): p for n, p in fresh.named_parameters() if p.requires_grad}
+        with torch.no_grad():
+            for k, p in params.items():
+                p.copy_(torch.as_tensor(arrays[k]))
+        fresh.save_pretrained(str(out_dir))

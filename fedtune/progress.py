@@ -1,0 +1,58 @@
+"""Live per-round display of a run (round, clients, losses, accuracy, MB up/down)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from fedtune.config import RunConfig
+from fedtune.federation.simulation import RoundRecord
+
+MB = 1e6
+
+
+def _pct(value) -> str:
+    return "–" if value is None else f"{100 * value:.2f}%"
+
+
+class RoundPrinter:
+    """Prints one line per round as it ends, and a final summary."""
+
+    def __init__(self, console: Console, config: RunConfig) -> None:
+        self.console = console
+        self.config = config
+        self.up = self.down = 0
+
+    def start(self, context) -> None:
+        c = self.config
+        self.console.print(
+            f"[bold]{c.run_name}[/]: method {c.method}, data {c.data.name}, model {c.model.name}, "
+            f"{c.federation.num_clients} clients ({c.federation.sample_size()} per round), {c.rounds} rounds",
+            soft_wrap=True,
+        )
+
+    def __call__(self, rec: RoundRecord) -> None:
+        self.up += sum(rec.client_bytes_up.values())
+        self.down += sum(rec.client_bytes_down.values())
+        m = rec.metrics
+        loss = m.get("train_loss")
+        self.console.print(
+            f"round {rec.round:>3}/{self.config.rounds}  clients {len(rec.clients):>3}  "
+            f"train loss {'–' if loss is None else f'{loss:.4f}'}  acc {_pct(m.get('accuracy'))}  "
+            f"up {self.up / MB:8.3f} MB  down {self.down / MB:8.3f} MB  {rec.wall_s:6.1f}s",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+    def finish(self, summary: dict) -> None:
+        table = Table(title=f"run folder: {summary['run_dir']}")
+        for col in ("final accuracy", "majority-class rate", "MB up", "MB down", "wall s"):
+            table.add_column(col, justify="right")
+        table.add_row(
+            _pct(summary["final_accuracy"]),
+            _pct(summary["majority_accuracy"]),
+            f"{summary['total_bytes_up'] / MB:.3f}",
+            f"{summary['total_bytes_down'] / MB:.3f}",
+            f"{summary['wall_s']:.1f}",
+        )
+        Console().print(table)

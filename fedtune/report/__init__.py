@@ -1,0 +1,143 @@
+"""Summarise fedtune run folders (``summary.json`` + ``metrics.jsonl``) as a markdown table and plots."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ReportError", "RunRecord", "load_run", "markdown_table", "cumulative_mb_up", "plot_runs", "make_report"]
+
+_EXPECTED = "expected a fedtune run folder"
+_COLUMNS = ["Run", "Method", "Data", "Rounds", "Final acc (%)", "Best acc (%)", "Majority acc (%)",
+            "Final loss", "MB up", "MB down", "Wall s"]
+
+
+class ReportError(ValueError):
+    """An unreadable run folder; the message is one line naming the file."""
+
+
+@dataclass
+class RunRecord:
+    """One run: its ``summary.json`` object and its per-round ``metrics.jsonl`` objects."""
+
+    path: Path
+    summary: dict[str, Any]
+    rounds: list[dict[str, Any]]
+
+    @property
+    def name(self) -> str:
+        return str(self.summary.get("name") or self.path.name)
+
+
+def _read_text(path: Path) -> str:
+    if not path.is_file():
+        raise ReportError(f"{path}: file not found ({_EXPECTED})")
+    return path.read_text(encoding="utf-8")
+
+
+def _parse_object(text: str, where: str, expected: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ReportError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno}; expected {expected})") from None
+    if not isinstance(value, dict):
+        raise ReportError(f"{where}: got {type(value).__name__} (expected {expected})")
+    return value
+
+
+def load_run(run_dir: Path) -> RunRecord:
+    """Load ``run_dir/summary.json`` and ``run_dir/metrics.jsonl``; raise :class:`ReportError` if unreadable."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ReportError(f"{run_dir}: folder not found ({_EXPECTED})")
+    summary_path, metrics_path = run_dir / "summary.json", run_dir / "metrics.jsonl"
+    summary = _parse_object(_read_text(summary_path), str(summary_path), "a JSON object")
+    rounds = [
+        _parse_object(line, f"{metrics_path}, line {n}", "one JSON object per round")
+        for n, line in enumerate(_read_text(metrics_path).splitlines(), start=1)
+        if line.strip()
+    ]
+    return RunRecord(run_dir, summary, rounds)
+
+
+def _accuracies(run: RunRecord) -> list[float]:
+    return [r["accuracy"] for r in run.rounds if r.get("accuracy") is not None]
+
+
+def _fmt(value: Any, spec: str = "", scale: float = 1) -> str:
+    return "–" if value is None else format(value * scale, spec)
+
+
+def markdown_table(runs: list[RunRecord]) -> str:
+    """A GitHub markdown table with one row per run; missing values render as ``–``."""
+    lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "|".join("---" for _ in _COLUMNS) + "|"]
+    for run in runs:
+        s = run.summary
+        best = s.get("best_accuracy", max(_accuracies(run), default=None))
+        cells = [
+            run.name.replace("|", "\\|"), str(s.get("method") or "–"), str(s.get("data") or "–"),
+            _fmt(s.get("rounds")),
+            _fmt(s.get("final_accuracy"), ".2f", 100), _fmt(best, ".2f", 100),
+            _fmt(s.get("majority_accuracy"), ".2f", 100), _fmt(s.get("final_loss"), ".4f"),
+            _fmt(s.get("total_bytes_up"), ".3f", 1e-6), _fmt(s.get("total_bytes_down"), ".3f", 1e-6),
+            _fmt(s.get("wall_s"), ".1f"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def cumulative_mb_up(rounds: list[dict[str, Any]]) -> list[float]:
+    """Megabytes uploaded up to and including each round (one value per round)."""
+    total, out = 0, []
+    for r in rounds:
+        total += r.get("bytes_up") or 0
+        out.append(total / 1e6)
+    return out
+
+
+def plot_runs(runs: list[RunRecord], out_dir: Path) -> list[Path]:
+    """Write ``accuracy_vs_round.png`` and ``accuracy_vs_mb_up.png`` into ``out_dir``; return their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    specs = [
+        ("accuracy_vs_round.png", "Round", "Accuracy vs round", lambda run: [r.get("round") for r in run.rounds]),
+        ("accuracy_vs_mb_up.png", "Cumulative MB uploaded", "Accuracy vs upload", lambda run: cumulative_mb_up(run.rounds)),
+    ]
+    paths = []
+    for filename, xlabel, title, xs_of in specs:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        try:
+            for run in runs:
+                pts = [(x, r["accuracy"]) for x, r in zip(xs_of(run), run.rounds) if r.get("accuracy") is not None]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", markersize=3, label=run.name)
+            ax.set(title=title, xlabel=xlabel, ylabel="Accuracy")
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend()
+            fig.tight_layout()
+            fig.savefig(out_dir / filename, dpi=120)
+        finally:
+            plt.close(fig)
+        paths.append(out_dir / filename)
+    return paths
+
+
+def make_report(run_dirs: list[Path], out_dir: Path | None = None) -> tuple[str, list[Path]]:
+    """Load runs, write ``report.md`` and the plots to ``out_dir`` (default: first run's parent)."""
+    if not run_dirs:
+        raise ReportError("no run folders given (expected at least one fedtune run folder)")
+    runs = [load_run(Path(d)) for d in run_dirs]
+    out_dir = Path(out_dir) if out_dir is not None else Path(run_dirs[0]).parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    markdown = markdown_table(runs)
+    report = out_dir / "report.md"
+    report.write_text(markdown, encoding="utf-8")
+    return markdown, [report, *plot_runs(runs, out_dir)]
