@@ -99,3 +99,13 @@ class GlobalAdapterStrategy(Strategy):
 
     def save(self, run_dir: Path) -> None:
         self.context.workspace.save_pretrained(run_dir / "adapter", self.global_arrays, self.rank, self.alpha)
+
+
+def client_rank(profile, global_rank: int) -> int:
+    """A client's LoRA rank budget: ``profile.rank``, else ``round(profile.sketch_ratio * r)``
+    (FSLoRA's k_i, so heterogeneous-rank baselines get r_i = k_i), else the global rank."""
+    if profile.rank is not None:
+        return min(int(profile.rank), global_rank)
+    if profile.sketch_ratio is not None:
+        return max(1, min(global_rank, round(profile.sketch_ratio * global_rank)))
+    return global_rank
