@@ -115,6 +115,8 @@ def _format_error(err: ValidationError) -> str:
     given = first.get("input")
     shown = "" if first["type"] == "missing" or isinstance(given, dict) else f" (got {given!r})"
     more = f" [+{len(err.errors()) - 1} more]" if len(err.errors()) > 1 else ""
+    if first["type"] == "value_error" and msg.startswith(where):  # a section check naming its field
+        return f"{msg}{more}"
     return f"{where}: {msg}{shown}{more}"
 
 

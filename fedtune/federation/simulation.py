@@ -24,12 +24,16 @@ def sample_clients(num_clients: int, sample_size: int, seed: int, rnd: int) -> l
     return sorted(int(c) for c in rng.choice(num_clients, size=sample_size, replace=False))
 
 
-def exchange(message: Message, handler: Callable[[Message], Message]) -> tuple[Message, int, int]:
-    """Send ``message`` as bytes, run ``handler`` on the decoded copy, return the decoded reply
-    and the bytes down and up."""
+def exchange(message: Message, handler: Callable[[Message], Message]) -> tuple[Message, int, int, float]:
+    """Send ``message`` as bytes, run ``handler`` on the decoded copy; return the decoded reply,
+    the bytes down and up, and the seconds the handler took (the client's compute)."""
     down = message.encode()
-    reply = handler(Message.decode(down)).encode()
-    return Message.decode(reply), len(down), len(reply)
+    received = Message.decode(down)
+    start = time.perf_counter()
+    reply = handler(received)
+    seconds = time.perf_counter() - start
+    up = reply.encode()
+    return Message.decode(up), len(down), len(up), seconds
 
 
 @dataclass
@@ -85,11 +89,11 @@ def run_rounds(
         replies = {}
         for cid, message in strategy.configure_fit(rnd, record.clients).items():
             client = make_client(cid, states.setdefault(cid, {}))
-            reply, down, up = exchange(message, client.fit)
+            reply, down, up, seconds = exchange(message, client.fit)
             replies[cid] = reply
             record.client_bytes_down[cid], record.client_bytes_up[cid] = down, up
             record.client_steps[cid] = int(reply.meta.get("steps", 0))
-            record.client_compute_s[cid] = float(reply.meta.get("compute_s", 0.0))
+            record.client_compute_s[cid] = seconds
         record.metrics.update(strategy.aggregate_fit(rnd, replies))
         if rnd % eval_every == 0 or rnd == rounds:
             record.metrics.update(strategy.evaluate(rnd))
@@ -97,7 +101,7 @@ def run_rounds(
             eval_replies = {}
             for cid, message in eval_messages.items():
                 client = make_client(cid, states.setdefault(cid, {}))
-                eval_replies[cid], down, up = exchange(message, client.evaluate)
+                eval_replies[cid], down, up, _ = exchange(message, client.evaluate)
                 record.eval_bytes += down + up
             if eval_replies:
                 record.metrics.update(strategy.aggregate_evaluate(rnd, eval_replies))

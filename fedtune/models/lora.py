@@ -68,12 +68,13 @@ class LoraWorkspace:
         from peft import get_peft_model
 
         name = self.adapter_name(rank, alpha)
-        if self.model is None:
-            torch.manual_seed(self.seed + 1)
-            self.model = get_peft_model(self.base, lora_config(self.cfg, rank, alpha), adapter_name=name)
-        elif name not in self.model.peft_config:
-            torch.manual_seed(self.seed + 1)
-            self.model.add_adapter(name, lora_config(self.cfg, rank, alpha))
+        if self.model is None or name not in self.model.peft_config:
+            with torch.random.fork_rng():  # seeded init that leaves the global RNG untouched
+                torch.manual_seed(self.seed + 1)
+                if self.model is None:
+                    self.model = get_peft_model(self.base, lora_config(self.cfg, rank, alpha), adapter_name=name)
+                else:
+                    self.model.add_adapter(name, lora_config(self.cfg, rank, alpha))
         self.model.set_adapter(name)
         if name not in self._params:
             self._params[name] = {

@@ -20,7 +20,9 @@ class FitResult:
     compute_s: float
 
     def meta(self) -> dict[str, float]:
-        return {"train_loss": self.loss, "steps": self.steps, "num_examples": self.num_examples, "compute_s": self.compute_s}
+        """What a client reports in its reply. Compute time is left out: it would make the
+        upload size vary from run to run; the engines time the client call themselves."""
+        return {"train_loss": self.loss, "steps": self.steps, "num_examples": self.num_examples}
 
 
 def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:

@@ -1,0 +1,148 @@
+"""FlexLoRA: heterogeneous ranks through the SVD of the averaged full-size update (Bai et al.
+2024, official FederatedScope code), FSLoRA's baseline of Section 2.2 / 5.2.
+
+Round t: client i receives a rank-r_i pair (B_i, A_i) (+ head), trains it with PEFT's scale
+s_i = alpha / r_i for H steps and uploads its update; the server rebuilds the trained pair
+exactly (what it sent plus the update; with ``federation.upload_topk`` the update is the
+sparsified one) and forms, per adapted module,
+
+    Delta W^{t+1} = sum_i p_i s_i B_i A_i                       (m, n), p_i proportional to data size
+
+(``weighting = "uniform"``: p_i = 1/N). Delta W replaces the previous one: clients started from
+the previous global, so their products carry it. Redistribution (round t+1): each client gets
+the truncated SVD at its own rank, U_{r_i} S_{r_i} V_{r_i}^T, as B = U_{r_i} S_{r_i} / s_i,
+A = V_{r_i}^T, so s_i B A is the best rank-r_i approximation of Delta W (Eckart-Young). One SVD
+per module and round serves every client. Round 1 (no Delta W yet) sends the truncation of the
+common rank-r PEFT initialization (B = 0). The head is averaged FedAvg-style.
+
+Global model. ``global_model = "svd"`` (default): the rank-r truncated SVD of Delta W as a
+standard PEFT rank-r adapter (scale alpha/r), the best adapter of the global rank (what is
+evaluated and saved with ``save_pretrained``). ``"merged"``: evaluate W0 + Delta W exactly,
+Delta W merged reversibly into the base weights (its rank can reach sum_i r_i > r); the saved
+adapter stays the rank-r SVD.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+from fedtune.federation.messages import Message
+from fedtune.methods.hetero_common import (
+    RankedAdapterClient,
+    a_name,
+    array_rank,
+    b_name,
+    head_arrays,
+    is_head,
+    is_lora_b,
+    lora_scale,
+    merged_into_base,
+    svd_factors_from,
+    truncate_rank,
+    weighted_product_sum,
+)
+from fedtune.methods.lora_common import (
+    GlobalAdapterStrategy,
+    Weighting,
+    client_rank,
+    client_weights,
+    decode_update,
+    mean_train_loss,
+    weighted_average,
+)
+from fedtune.models.training import evaluate_model
+from fedtune.registry import MethodOptions, register
+
+
+class FlexLoRAOptions(MethodOptions):
+    weighting: Weighting = "examples"
+    global_model: Literal["svd", "merged"] = "svd"
+
+
+class FlexLoRAStrategy(GlobalAdapterStrategy):
+    """FlexLoRA: average full-size B_i A_i, redistribute by truncated SVD (Bai et al. 2024)."""
+
+    def initialize(self) -> None:
+        self.rank = self.config.model.lora_rank
+        self.alpha_cfg = float(self.config.model.lora_alpha)
+        self.init_arrays = self.context.workspace.state(self.rank)  # common rank-r init, B = 0
+        self.global_arrays = {k: v.copy() for k, v in self.init_arrays.items()}
+        self.delta: dict[str, np.ndarray] = {}  # module path -> Delta W (m, n), float64
+        self._svd: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._sent: dict[int, dict[str, np.ndarray]] = {}
+
+    # -- redistribution ---------------------------------------------------------------------
+    def _refresh_svd(self) -> None:
+        """Top-r SVD of every module's Delta W, and the rank-r global adapter from it."""
+        self._svd = {}
+        for path, delta in self.delta.items():
+            u, s, vt = np.linalg.svd(delta, full_matrices=False)
+            self._svd[path] = (u[:, : self.rank], s[: self.rank], vt[: self.rank])
+        self.global_arrays = {**self.client_adapter(self.rank), **head_arrays(self.global_arrays)}
+
+    def client_adapter(self, rank: int) -> dict[str, np.ndarray]:
+        """The LoRA pairs a rank-``rank`` client starts from (without the head)."""
+        if not self.delta:
+            return {k: v for k, v in truncate_rank(self.init_arrays, rank).items() if not is_head(k)}
+        scale = lora_scale(self.alpha_cfg, rank)
+        out = {}
+        for path, (u, s, vt) in self._svd.items():
+            out[b_name(path)], out[a_name(path)] = svd_factors_from(u, s, vt, rank, scale)
+        return out
+
+    def configure_fit(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
+        self._sent = {}
+        head = head_arrays(self.global_arrays)
+        by_rank: dict[int, dict[str, np.ndarray]] = {}
+        out = {}
+        for cid in client_ids:
+            rank = client_rank(self.context.profiles[cid], self.rank)
+            if rank not in by_rank:
+                by_rank[rank] = {**self.client_adapter(rank), **head}
+            self._sent[cid] = by_rank[rank]
+            out[cid] = Message(by_rank[rank], {"round": rnd, "rank": rank})
+        return out
+
+    # -- aggregation ------------------------------------------------------------------------
+    def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
+        if not replies:
+            return {}
+        trained = []
+        for cid, message in replies.items():
+            update, sent = decode_update(message.arrays), self._sent[cid]
+            trained.append({k: sent[k] + update[k] for k in sent})  # B_i, A_i exactly
+        weights = client_weights(replies, self.options.weighting)
+        scales = [lora_scale(self.alpha_cfg, array_rank(t)) for t in trained]
+        self.delta = weighted_product_sum(trained, weights, scales)
+        head = weighted_average([head_arrays(t) for t in trained], weights)
+        self.global_arrays = {**self.global_arrays, **head}
+        self._refresh_svd()
+        self._sent = {}
+        return mean_train_loss(replies)
+
+    # -- evaluation and state ---------------------------------------------------------------
+    def evaluate(self, rnd: int) -> dict[str, float]:
+        if self.options.global_model == "svd" or not self.delta:
+            return super().evaluate(rnd)
+        ws = self.context.workspace
+        zero_b = {k: (np.zeros_like(v) if is_lora_b(k) else v) for k, v in self.global_arrays.items()}
+        ws.load(zero_b, self.rank)
+        with merged_into_base(ws, self.delta):
+            return evaluate_model(ws.model, self.context.test, self.config.train.eval_batch_size)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "init": dict(self.init_arrays), "delta": dict(self.delta)}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.alpha_cfg = float(self.config.model.lora_alpha)
+        self.init_arrays = {k: np.asarray(v, dtype=np.float32) for k, v in state["init"].items()}
+        self.delta = {k: np.asarray(v, dtype=np.float64) for k, v in state.get("delta", {}).items()}
+        self._sent = {}
+        if self.delta:
+            self._refresh_svd()
+
+
+register("flexlora", FlexLoRAStrategy, RankedAdapterClient, FlexLoRAOptions)

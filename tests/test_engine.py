@@ -1,0 +1,144 @@
+"""The engine is method-agnostic, deterministic, and accounts bytes exactly."""
+
+import json
+
+import numpy as np
+import pytest
+
+from fedtune.federation.client import Client
+from fedtune.federation.messages import Message
+from fedtune.federation.simulation import run_rounds, sample_clients
+from fedtune.federation.strategy import Strategy
+from fedtune.registry import MethodOptions, get_method, register
+from fedtune.runtime import RunContext
+
+
+class VectorOptions(MethodOptions):
+    dim: int = 3
+
+
+class VectorMean(Strategy):
+    """Toy: the global state is a vector; clients send back their id added to it; server averages."""
+
+    def initialize(self):
+        self.x = np.zeros(self.options.dim)
+
+    def configure_fit(self, rnd, client_ids):
+        return {cid: Message({"x": self.x}, {"round": rnd}) for cid in client_ids}
+
+    def aggregate_fit(self, rnd, replies):
+        self.x = np.mean([m.arrays["x"] for m in replies.values()], axis=0)
+        return {"n": len(replies)}
+
+    def state_dict(self):
+        return {"x": self.x}
+
+    def load_state_dict(self, state):
+        self.x = state["x"]
+
+
+class VectorClient(Client):
+    def fit(self, message):
+        self.state["calls"] = self.state.get("calls", 0) + 1
+        return Message({"x": message.arrays["x"] + self.cid}, {"steps": self.state["calls"]})
+
+
+def test_a_method_defined_here_runs_through_the_registry(tiny_config):
+    register("toy-vector-mean", VectorMean, VectorClient, VectorOptions, "toy")
+    ctx = RunContext(tiny_config("method=toy-vector-mean", "options.dim=2", "rounds=3"))
+    strategy = ctx.strategy()
+    strategy.initialize()
+    history = run_rounds(strategy, ctx.client, 4, 4, 3, seed=0)
+    # each round: x <- mean(x + cid) = x + 1.5
+    assert np.allclose(strategy.x, [4.5, 4.5])
+    assert history[-1].client_steps == {0: 3, 1: 3, 2: 3, 3: 3}  # per-client state persisted
+    down = Message({"x": np.zeros(2)}, {"round": 1}).nbytes
+    assert history[0].client_bytes_down[0] == down
+
+
+def test_sampling_is_seeded_and_without_replacement():
+    a = [sample_clients(100, 10, seed=1, rnd=r) for r in range(1, 6)]
+    assert a == [sample_clients(100, 10, seed=1, rnd=r) for r in range(1, 6)]
+    assert all(len(set(s)) == 10 for s in a) and a[0] != a[1]
+    assert sample_clients(5, 10, seed=0, rnd=1) == [0, 1, 2, 3, 4]
+
+
+def test_fedit_upload_is_parameter_count_times_dtype_plus_header(tiny_config):
+    from fedtune.run import run_experiment
+
+    cfg = tiny_config("method=fedit", "model.lora_rank=4", "federation.clients_per_round=3")
+    ctx = RunContext(cfg)
+    adapter = ctx.workspace.state(4)
+    n_params = sum(a.size for a in adapter.values())
+    # 2 layers x (query, value) x (A: 4x32 + B: 32x4) + head (3x32 + 3)
+    assert n_params == 2 * 2 * (4 * 32 + 32 * 4) + 3 * 32 + 3
+    strategy = ctx.strategy()
+    strategy.initialize()
+    reply = ctx.client(0).fit(strategy.configure_fit(1, [0])[0])
+    specs = [[k, "<f4", list(v.shape)] for k, v in adapter.items()]
+    header = 8 + len(json.dumps({"meta": reply.meta, "arrays": specs}, separators=(",", ":")).encode())
+    assert len(reply.encode()) == reply.nbytes == n_params * 4 + header
+
+    summary = run_experiment(cfg)
+    lines = [json.loads(line) for line in open(f"{summary['run_dir']}/metrics.jsonl")]
+    assert len(lines) == 2
+    for line in lines:
+        assert len(line["clients"]) == 3
+        for cid in line["clients"]:
+            overhead = line["client_bytes_up"][str(cid)] - n_params * 4
+            assert len(json.dumps({"arrays": specs})) < overhead < header + 40  # only the header differs
+    assert summary["total_bytes_up"] == sum(line["bytes_up"] for line in lines)
+
+
+def test_same_seed_same_numbers(tiny_config):
+    from fedtune.run import run_experiment
+
+    a = run_experiment(tiny_config("name=a"))
+    b = run_experiment(tiny_config("name=b"))
+    assert a["final_accuracy"] == b["final_accuracy"] and a["final_loss"] == b["final_loss"]
+
+
+def test_local_reports_mean_of_client_accuracies(tiny_config):
+    from fedtune.run import run_experiment
+
+    summary = run_experiment(tiny_config("method=local", "rounds=1"))
+    line = json.loads(open(f"{summary['run_dir']}/metrics.jsonl").readline())
+    assert 0 <= line["accuracy"] <= 1 and "accuracy_std" in line
+    assert line["bytes_up"] < 2000  # local uploads metrics only, never weights
+
+
+def test_run_folder_and_saved_adapter_reproduce_final_predictions(tiny_config):
+    from peft import PeftModel
+
+    from fedtune.models.loading import load_classifier
+    from fedtune.models.training import predict
+    from fedtune.run import load_state, run_experiment
+
+    cfg = tiny_config("method=fedit")
+    summary = run_experiment(cfg)
+    run_dir = summary["run_dir"]
+    for name in ("config.toml", "metrics.jsonl", "summary.json", "label_histograms.json", "checkpoint.npz", "adapter"):
+        assert (__import__("pathlib").Path(run_dir) / name).exists(), name
+    # the run's final model: the strategy's global state loaded into a fresh workspace
+    ctx = RunContext(cfg)
+    state = load_state(__import__("pathlib").Path(run_dir) / "checkpoint.npz")
+    ws = ctx.workspace
+    ws.load(state["global"], int(state["rank"]))
+    expected = predict(ws.model, ctx.test, 64)
+    # the saved adapter, loaded the standard PEFT way onto the base model
+    base = load_classifier(cfg.model.name, ctx.num_labels, cfg.seed)
+    loaded = PeftModel.from_pretrained(base, f"{run_dir}/adapter")
+    got = predict(loaded, ctx.test, 64)
+    assert np.array_equal(got, expected)
+    ws.model.eval(), loaded.eval()
+    batch = ctx.test.collate(np.arange(8))
+    import torch
+
+    with torch.no_grad():
+        assert torch.allclose(ws.model(**batch).logits, loaded(**batch).logits, atol=1e-5)
+    assert summary["majority_accuracy"] > 0 and summary["final_accuracy"] is not None
+
+
+def test_unknown_method_lists_the_known_ones():
+    with pytest.raises(Exception, match="fedit"):
+        get_method("nope")
