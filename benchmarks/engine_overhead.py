@@ -1,0 +1,157 @@
+"""Engine overhead: R rounds of FedIT in fedtune's embedded engine vs. a bare PyTorch loop.
+
+The bare loop is what most training scripts do: keep the texts, tokenize each batch as it goes
+(dynamic padding), load the global adapter into the model, train the same local steps on the
+same examples (same index batches), FedAvg the adapters, evaluate the test set in batches
+of the training batch size. fedtune tokenizes each set once, and evaluates in large length-sorted
+no-grad batches; it also encodes/decodes every message (the price of exact byte accounting).
+
+Both start after the same model and text loading; the two are interleaved ``--repeats`` times and
+the minimum of each is kept. Prints the ratio and writes benchmarks/results/engine_overhead.{md,json}.
+
+    python benchmarks/engine_overhead.py [--rounds 3 --clients 4 --steps 10 --repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from fedtune.config import load_config  # noqa: E402
+from fedtune.federation.simulation import run_rounds, sample_clients  # noqa: E402
+from fedtune.models.training import seed_for  # noqa: E402
+from fedtune.runtime import RunContext  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def fedtune_job(config) -> tuple[float, float]:
+    """Wall seconds and final accuracy of the embedded engine (model already loaded)."""
+    server, clients = RunContext(config), RunContext(config)
+    server.workspace, clients.workspace, server.raw_data, clients.raw_data  # load models and texts
+    start = time.perf_counter()
+    strategy = server.strategy()
+    strategy.initialize()
+    fed = config.federation
+    history = run_rounds(strategy, clients.client, fed.num_clients, fed.sample_size(), config.rounds, config.seed)
+    return time.perf_counter() - start, history[-1].metrics["accuracy"]
+
+
+def bare_job(config) -> tuple[float, float]:
+    """The same job as a plain script: per-batch tokenization, state-dict FedAvg."""
+    ctx = RunContext(config)
+    train, test = ctx.raw_data
+    parts, tokenizer, model = ctx.partitions, ctx.tokenizer, ctx.workspace.base
+    rank, tc = config.model.lora_rank, config.train
+    from peft import get_peft_model
+
+    from fedtune.models.lora import lora_config
+
+    with torch.random.fork_rng():
+        torch.manual_seed(config.seed + 1)
+        model = get_peft_model(model, lora_config(config.model, rank))
+    start = time.perf_counter()
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    global_state = {n: p.detach().clone() for n, p in trainable.items()}
+
+    def batch_of(texts, labels):
+        enc = tokenizer(texts, padding=True, truncation=True, max_length=config.data.max_length, return_tensors="pt")
+        return {**enc, "labels": torch.as_tensor(labels)}
+
+    fed = config.federation
+    for rnd in range(1, config.rounds + 1):
+        new_states, sizes = [], []
+        for cid in sample_clients(fed.num_clients, fed.sample_size(), config.seed, rnd):
+            with torch.no_grad():
+                for n, p in trainable.items():
+                    p.copy_(global_state[n])
+            seed = seed_for(config.seed, rnd, cid)
+            torch.manual_seed(seed)
+            rng = np.random.default_rng(seed)
+            pool, steps = parts[cid], 0
+            optimizer = torch.optim.AdamW(trainable.values(), lr=tc.lr, weight_decay=tc.weight_decay)
+            model.train()
+            while steps < tc.local_steps:  # the same index batches as fedtune without length grouping
+                order = pool[rng.permutation(len(pool))]
+                for i in range(0, len(order), tc.batch_size):
+                    if steps == tc.local_steps:
+                        break
+                    idx = order[i : i + tc.batch_size]
+                    loss = model(**batch_of([train.texts[j] for j in idx], train.labels[idx])).loss
+                    optimizer.zero_grad()
+                    loss.backward()
+                    optimizer.step()
+                    steps += 1
+            new_states.append({n: p.detach().clone() for n, p in trainable.items()})
+            sizes.append(len(pool))
+        weights = torch.tensor(sizes, dtype=torch.float32) / sum(sizes)
+        global_state = {n: sum(w * s[n] for w, s in zip(weights, new_states)) for n in global_state}
+        with torch.no_grad():
+            for n, p in trainable.items():
+                p.copy_(global_state[n])
+        model.eval()
+        correct = 0
+        with torch.no_grad():
+            for i in range(0, len(test), tc.batch_size):
+                b = batch_of(test.texts[i : i + tc.batch_size], test.labels[i : i + tc.batch_size])
+                correct += (model(**b).logits.argmax(-1) == b["labels"]).sum().item()
+        accuracy = correct / len(test)
+    return time.perf_counter() - start, accuracy
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--model", default="minilm")
+    args = ap.parse_args()
+    common = [
+        "method=fedit", f"model.name={args.model}", "data.name=tweets", "data.max_train_samples=2000",
+        "data.max_test_samples=1000", f"federation.num_clients={args.clients}", f"rounds={args.rounds}",
+        f"train.local_steps={args.steps}", "train.batch_size=16", "data.partition=iid",
+    ]
+    variants = {
+        "bare": (bare_job, load_config(None, common)),
+        "fedtune": (fedtune_job, load_config(None, common + ["train.group_by_length=false"])),
+        "fedtune+grouped": (fedtune_job, load_config(None, common + ["train.group_by_length=true"])),
+    }
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    acc: dict[str, float] = {}
+    for rep in range(args.repeats):
+        for name, (job, cfg) in variants.items():
+            seconds, acc[name] = job(cfg)
+            times[name].append(seconds)
+            print(f"repeat {rep + 1}: {name:<16} {seconds:7.2f} s  accuracy {acc[name]:.4f}", flush=True)
+    best = {k: min(v) for k, v in times.items()}
+    ratio = best["fedtune"] / best["bare"]
+    ratio_grouped = best["fedtune+grouped"] / best["bare"]
+    print(f"ratio fedtune / bare loop: {ratio:.3f} (same batches), {ratio_grouped:.3f} (length-grouped batches)")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    result = {"args": vars(args), "seconds": times, "best_s": best, "accuracy": acc,
+              "ratio_same_batches": ratio, "ratio_grouped": ratio_grouped, "threads": torch.get_num_threads()}
+    (RESULTS / "engine_overhead.json").write_text(json.dumps(result, indent=2))
+    (RESULTS / "engine_overhead.md").write_text(
+        f"# Engine overhead: FedIT, {args.rounds} rounds x {args.clients} clients x {args.steps} steps ({args.model})\n\n"
+        f"Command: `python benchmarks/engine_overhead.py --rounds {args.rounds} --clients {args.clients} "
+        f"--steps {args.steps} --repeats {args.repeats} --model {args.model}`; min of {args.repeats} interleaved "
+        f"repeats, torch threads {torch.get_num_threads()}.\n\n"
+        "| variant | best s | final accuracy | ratio to bare loop |\n|---|---|---|---|\n"
+        + "".join(f"| {k} | {best[k]:.2f} | {acc[k]:.4f} | {best[k] / best['bare']:.3f} |\n" for k in variants)
+    )
+
+
+if __name__ == "__main__":
+    main()
