@@ -16,7 +16,8 @@ console = Console(stderr=True)
 
 
 def _fail(message: str, code: int = 2) -> None:
-    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    console.print("[bold red]error:[/]", end=" ")
+    console.print(message, markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

@@ -171,12 +171,16 @@ def load_text_dataset(cfg: DataConfig) -> tuple[TextDataset, TextDataset]:
         root = data_dir(cfg)
         train_path, test_path = root / spec.train_file, root / spec.test_file
         if not (train_path.is_file() and test_path.is_file()):
+            missing = (
+                f"data '{cfg.name}': {spec.train_file} / {spec.test_file} not found in data directory {root} "
+                f"(set data.data_dir or {DATA_DIR_ENV}); the hub dataset would be '{spec.hub_name}'"
+            )
             if os.environ.get("HF_HUB_OFFLINE") == "1":
-                raise ConfigError(
-                    f"data '{cfg.name}': {spec.train_file} / {spec.test_file} not found in data directory {root} "
-                    f"(set data.data_dir or {DATA_DIR_ENV}); with a network it would load hub dataset '{spec.hub_name}'"
-                )
-            return _load_hub(spec.hub_name, cfg, spec.hub_test_split, spec.classes)
+                raise ConfigError(f"{missing}, but HF_HUB_OFFLINE=1")
+            try:
+                return _load_hub(spec.hub_name, cfg, spec.hub_test_split, spec.classes)
+            except ConfigError as exc:
+                raise ConfigError(f"{missing}, which failed: {exc}") from None
         cols = ("sentence", "label") if spec.header else (0, 1)
         parts = []
         for path in (train_path, test_path):

@@ -1,0 +1,43 @@
+"""The command line: methods, run (including its errors), report."""
+
+import json
+
+from typer.testing import CliRunner
+
+from fedtune.cli import app
+from tests.conftest import TINY
+
+runner = CliRunner()
+
+
+def test_methods_lists_one_line_per_method():
+    result = runner.invoke(app, ["methods"])
+    assert result.exit_code == 0
+    names = [line.split()[0] for line in result.output.strip().splitlines()]
+    assert {"fedit", "local"} <= set(names)
+
+
+def test_invalid_value_exits_2_with_one_line_naming_the_key():
+    result = runner.invoke(app, ["run", "--set", "data.alpha=0"])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "data.alpha" in lines[0] and "Traceback" not in result.output
+
+
+def test_missing_dataset_names_the_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = runner.invoke(app, ["run", "--set", "data=sst2", "--set", f"data.data_dir={tmp_path}", *sum((["--set", t] for t in TINY[2:]), [])])
+    assert result.exit_code == 2
+    assert str(tmp_path) in result.output and "stanfordnlp/sst2" in result.output
+
+
+def test_run_then_report(tmp_path):
+    sets = sum((["--set", t] for t in TINY), []) + ["--set", f"output_dir={tmp_path}", "--set", "name=cli"]
+    result = runner.invoke(app, ["run", *sets])
+    assert result.exit_code == 0, result.output
+    assert "round   2/2" in result.output and "majority-class rate" in result.output
+    summary = json.loads((tmp_path / "cli" / "summary.json").read_text())
+    assert summary["rounds"] == 2
+    report = runner.invoke(app, ["report", str(tmp_path / "cli"), "--out", str(tmp_path / "rep")])
+    assert report.exit_code == 0 and "| cli |" in report.output
+    assert (tmp_path / "rep" / "accuracy_vs_mb_up.png").exists()
