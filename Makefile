@@ -26,10 +26,10 @@ run: venv
 	$(BIN)/fedtune run configs/default.toml
 
 test: venv
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q
 
 test-all: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "slow or not slow"
 
 bench: venv
 	$(BIN)/python benchmarks/engine_overhead.py

@@ -17,6 +17,7 @@ import numpy as np
 
 from fedtune.config import RunConfig
 from fedtune.federation.simulation import RoundRecord, run_rounds
+from fedtune.federation.strategy import Strategy
 from fedtune.runtime import RunContext
 
 
@@ -61,20 +62,38 @@ def load_state(path: Path) -> dict:
     return state
 
 
+Engine = Callable[[Strategy, Callable[[RoundRecord], None]], list[RoundRecord]]
+
+
+def _embedded_engine(config: RunConfig) -> Engine:
+    clients = RunContext(config)  # the clients' side: shares nothing with the server but Messages
+    fed = config.federation
+
+    def engine(strategy: Strategy, on_round: Callable[[RoundRecord], None]) -> list[RoundRecord]:
+        return run_rounds(
+            strategy, clients.client, fed.num_clients, fed.sample_size(), config.rounds, config.seed,
+            config.eval_every, on_round,
+        )
+
+    return engine
+
+
 def run_experiment(
     config: RunConfig,
     on_round: Callable[[RoundRecord], None] | None = None,
     on_start: Callable[[RunContext], None] | None = None,
+    engine: Engine | None = None,
+    engine_name: str = "embedded",
 ) -> dict:
-    """Run ``config`` with the embedded engine; return the summary (also in ``summary.json``)."""
+    """Run ``config`` and return the summary (also in ``summary.json``). ``engine(strategy,
+    on_round)`` runs the rounds (default: the embedded engine, clients in this process)."""
     start = time.perf_counter()
     server = RunContext(config)
-    clients = RunContext(config)  # the clients' process: shares nothing with the server but Messages
     run_dir = Path(config.output_dir) / config.run_name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(_toml(config))
     (run_dir / "label_histograms.json").write_text(
-        json.dumps({"label_names": clients.label_names, "clients": clients.histograms()})
+        json.dumps({"label_names": server.label_names, "clients": server.histograms()})
     )
     if on_start is not None:
         on_start(server)
@@ -89,16 +108,7 @@ def run_experiment(
             if on_round is not None:
                 on_round(rec)
 
-        history = run_rounds(
-            strategy,
-            clients.client,
-            config.federation.num_clients,
-            config.federation.sample_size(),
-            config.rounds,
-            config.seed,
-            config.eval_every,
-            record,
-        )
+        history = (engine or _embedded_engine(config))(strategy, record)
     save_state(run_dir / "checkpoint.npz", strategy.state_dict())
     strategy.save(run_dir)
     evaluated = [r.metrics["accuracy"] for r in history if "accuracy" in r.metrics]
@@ -118,6 +128,7 @@ def run_experiment(
         "total_compute_s": sum(sum(r.client_compute_s.values()) for r in history),
         "wall_s": time.perf_counter() - start,
         "run_dir": str(run_dir),
+        "engine": engine_name,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -8,12 +8,12 @@ from fedtune.federation.messages import Message
 
 def test_roundtrip_preserves_arrays_dtypes_and_meta():
     msg = Message(
-        {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "i": np.array([3, 1], dtype=np.int32), "e": np.zeros((0, 4))},
+        {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "i": np.array([3, 1], dtype=np.int32), "e": np.zeros((0, 4)), "s": np.float64(2.5)},
         {"round": 3, "name": "x", "nested": {"k": [1, 2]}},
     )
     back = Message.decode(msg.encode())
     assert back.meta == msg.meta
-    assert list(back.arrays) == ["a", "i", "e"]
+    assert list(back.arrays) == ["a", "i", "e", "s"] and back.arrays["s"].shape == ()
     for k in msg.arrays:
         assert back.arrays[k].dtype == msg.arrays[k].dtype
         assert np.array_equal(back.arrays[k], msg.arrays[k])

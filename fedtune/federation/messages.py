@@ -25,7 +25,7 @@ _PREFIX = struct.Struct("<4sI")
 def _as_numpy(value: Any) -> np.ndarray:
     if hasattr(value, "detach"):  # torch.Tensor, without importing torch here
         value = value.detach().cpu().numpy()
-    array = np.ascontiguousarray(value)
+    array = np.asarray(value, order="C")  # keeps 0-d arrays 0-d (ascontiguousarray would not)
     if array.dtype == object:
         raise TypeError("Message arrays must have a numeric dtype, got object")
     return array

@@ -68,6 +68,69 @@ class RoundRecord:
         }
 
 
+#: ``transport(kind, rnd, messages)`` delivers ``messages`` (client id -> Message) as ``kind``
+#: ("train" or "evaluate") and returns client id -> (reply, bytes down, bytes up, client seconds),
+#: in the order of ``messages`` (aggregation sums in that order).
+Transport = Callable[[str, int, dict[int, Message]], dict[int, tuple[Message, int, int, float]]]
+
+
+def local_transport(make_client: Callable[[int, dict], Any]) -> Transport:
+    """In-process delivery: a fresh client per message, built by ``make_client(cid, state)``,
+    where ``state`` is that client's persistent dict (see Client), kept here between rounds."""
+    states: dict[int, dict] = {}
+
+    def send(kind: str, rnd: int, messages: dict[int, Message]) -> dict[int, tuple[Message, int, int, float]]:
+        out = {}
+        for cid, message in messages.items():
+            client = make_client(cid, states.setdefault(cid, {}))
+            out[cid] = exchange(message, client.fit if kind == "train" else client.evaluate)
+            states[cid] = client.state
+        return out
+
+    return send
+
+
+def drive_rounds(
+    strategy: Strategy,
+    transport: Transport,
+    num_clients: int,
+    sample_size: int,
+    rounds: int,
+    seed: int,
+    eval_every: int = 1,
+    on_round: Callable[[RoundRecord], None] | None = None,
+    start_round: int = 1,
+) -> list[RoundRecord]:
+    """Rounds ``start_round..rounds`` of ``strategy``, messages delivered by ``transport`` (the
+    embedded engine's :func:`local_transport`, or Flower's grid): one loop for every engine."""
+    history = []
+    for rnd in range(start_round, rounds + 1):
+        start = time.perf_counter()
+        record = RoundRecord(rnd, sample_clients(num_clients, sample_size, seed, rnd))
+        replies = {}
+        fit_messages = strategy.configure_fit(rnd, record.clients)
+        for cid, (reply, down, up, seconds) in transport("train", rnd, fit_messages).items():
+            replies[cid] = reply
+            record.client_bytes_down[cid], record.client_bytes_up[cid] = down, up
+            record.client_steps[cid] = int(reply.meta.get("steps", 0))
+            record.client_compute_s[cid] = seconds
+        record.metrics.update(strategy.aggregate_fit(rnd, replies))
+        if rnd % eval_every == 0 or rnd == rounds:
+            record.metrics.update(strategy.evaluate(rnd))
+            eval_messages = strategy.configure_evaluate(rnd, list(range(num_clients)))
+            eval_replies = {}
+            for cid, (reply, down, up, _) in transport("evaluate", rnd, eval_messages).items():
+                eval_replies[cid] = reply
+                record.eval_bytes += down + up
+            if eval_replies:
+                record.metrics.update(strategy.aggregate_evaluate(rnd, eval_replies))
+        record.wall_s = time.perf_counter() - start
+        history.append(record)
+        if on_round is not None:
+            on_round(record)
+    return history
+
+
 def run_rounds(
     strategy: Strategy,
     make_client: Callable[[int, dict], Any],
@@ -79,34 +142,7 @@ def run_rounds(
     on_round: Callable[[RoundRecord], None] | None = None,
     start_round: int = 1,
 ) -> list[RoundRecord]:
-    """Run rounds ``start_round..rounds`` of ``strategy`` against clients built by
-    ``make_client(cid, state)``; ``state`` is that client's persistent dict (see Client)."""
-    states: dict[int, dict] = {}
-    history = []
-    for rnd in range(start_round, rounds + 1):
-        start = time.perf_counter()
-        record = RoundRecord(rnd, sample_clients(num_clients, sample_size, seed, rnd))
-        replies = {}
-        for cid, message in strategy.configure_fit(rnd, record.clients).items():
-            client = make_client(cid, states.setdefault(cid, {}))
-            reply, down, up, seconds = exchange(message, client.fit)
-            replies[cid] = reply
-            record.client_bytes_down[cid], record.client_bytes_up[cid] = down, up
-            record.client_steps[cid] = int(reply.meta.get("steps", 0))
-            record.client_compute_s[cid] = seconds
-        record.metrics.update(strategy.aggregate_fit(rnd, replies))
-        if rnd % eval_every == 0 or rnd == rounds:
-            record.metrics.update(strategy.evaluate(rnd))
-            eval_messages = strategy.configure_evaluate(rnd, list(range(num_clients)))
-            eval_replies = {}
-            for cid, message in eval_messages.items():
-                client = make_client(cid, states.setdefault(cid, {}))
-                eval_replies[cid], down, up, _ = exchange(message, client.evaluate)
-                record.eval_bytes += down + up
-            if eval_replies:
-                record.metrics.update(strategy.aggregate_evaluate(rnd, eval_replies))
-        record.wall_s = time.perf_counter() - start
-        history.append(record)
-        if on_round is not None:
-            on_round(record)
-    return history
+    """The embedded engine: :func:`drive_rounds` with in-process clients from ``make_client``."""
+    return drive_rounds(
+        strategy, local_transport(make_client), num_clients, sample_size, rounds, seed, eval_every, on_round, start_round
+    )
