@@ -33,10 +33,6 @@ def run(
     warnings.filterwarnings("ignore", category=FutureWarning)
     try:
         config = load_config(recipe, set_)
-        if config.train.threads:
-            import torch
-
-            torch.set_num_threads(config.train.threads)
         from fedtune.progress import RoundPrinter
         from fedtune.run import run_experiment
 

@@ -88,6 +88,10 @@ def run_experiment(
     """Run ``config`` and return the summary (also in ``summary.json``). ``engine(strategy,
     on_round)`` runs the rounds (default: the embedded engine, clients in this process)."""
     start = time.perf_counter()
+    if config.train.threads:
+        import torch
+
+        torch.set_num_threads(config.train.threads)
     server = RunContext(config)
     run_dir = Path(config.output_dir) / config.run_name
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,9 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
+
+torch.set_num_threads(1)  # the tests use tiny models: threads cost more than they give
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -103,9 +103,9 @@ class GlobalAdapterStrategy(Strategy):
 
 def client_rank(profile, global_rank: int) -> int:
     """A client's LoRA rank budget: ``profile.rank``, else ``round(profile.sketch_ratio * r)``
-    (FSLoRA's k_i, so heterogeneous-rank baselines get r_i = k_i), else the global rank."""
+    (FSLoRA's k_i, rounded half up, so heterogeneous-rank baselines get r_i = k_i), else the global rank."""
     if profile.rank is not None:
         return min(int(profile.rank), global_rank)
     if profile.sketch_ratio is not None:
-        return max(1, min(global_rank, round(profile.sketch_ratio * global_rank)))
+        return max(1, min(global_rank, int(profile.sketch_ratio * global_rank + 0.5)))  # half up
     return global_rank

@@ -1,0 +1,224 @@
+"""FSLoRA: federated sketching LoRA (Fang et al. 2025), Algorithm 1.
+
+The server keeps, per adapted module, one global rank-r pair B (m, r), A (r, n) (r =
+``model.lora_rank``) and the classifier head. Round t, for each sampled client i:
+
+1. **Sketch** (Def. 3.1): the server draws S_i^t = (r/k_i) sum_{j in I} e_j e_j^T, i.e. an index
+   set I of k_i = ``client_rank(profile, r)`` ranks (``profile.sketch_ratio``), uniform without
+   replacement, sorted, from a generator seeded by (run seed, round, client id) alone: reproducible
+   and independent of the sampling order, and E[S] = I_r. **One index set per client per round,
+   shared by every LoRA pair** (the paper draws one sketch S_i^t per device per round);
+   ``options.per_module_sketch = true`` draws an independent set per module instead.
+2. **Download**: the dense global modules and I (``options.download = "dense"``, as in the paper),
+   or only the active slices B[:, I], A[I, :], the head and I (``"active"``).
+3. **Local training**, eq. (4): the client trains W0 + (alpha/r) B S A for H steps with the
+   configured optimizer. Since B S A = (r/k) B[:, I] A[I, :], this is a PEFT LoRA adapter of
+   rank k *with the same lora_alpha*: PEFT's scaling alpha/k equals (alpha/r) (r/k) exactly, so
+   W0 + (alpha/r) B S A = W0 + (alpha/k) B[:, I] A[I, :]. Compute is proportional to k (no dense
+   masked product), and the gradients w.r.t. B[:, I], A[I, :] are those of eq. (3) restricted to
+   I. The ranks outside I are not parameters of the client at all, so they stay exactly
+   unchanged, with any optimizer: Adam's per-coordinate update of the slice equals dense Adam on
+   the sketched loss (whose gradient is zero outside I), and weight decay (AdamW) only reaches
+   the k active ranks, as eq. (4) prescribes. (The published code's "scale B's gradient by S^2"
+   trick is exact only for plain SGD, and its name test never matched, so it never sketched.)
+4. **Upload** (Alg. 1 line 7): only Delta B[:, I] (m, k), Delta A[I, :] (k, n), the head delta
+   and I (int32). ``federation.upload_topk`` applies top-k to the deltas, never to I.
+5. **Aggregate**, eq. (5): the server scatters each reply back to (m, r) / (r, n) (zeros outside
+   I_i) and sets X^{t+1} = X^t + sum_i p_i Delta X_i, p_i = 1/|replies| (eq. (5) with the clients
+   that replied; ``options.weighting = "examples"`` gives FedAvg's data-size weights). This is a
+   plain mean over clients, not a per-rank mean over the clients that covered a rank: eq. (5)
+   keeps the 1/N, which with E[S] = I makes the aggregate unbiased. The head is averaged with
+   the same weights, as in FedIT.
+
+With k_i = r (sketch_ratio 1) every I is 0..r-1 and FSLoRA is FedIT step for step. Evaluation and
+saving use the rank-r global adapter (scaling alpha/r).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Mapping
+
+import numpy as np
+from pydantic import Field
+
+from fedtune.federation.messages import Message
+from fedtune.methods.lora_common import (
+    GlobalAdapterStrategy,
+    LoraClient,
+    Weighting,
+    client_rank,
+    client_weights,
+    decode_update,
+    mean_train_loss,
+)
+from fedtune.models.lora import lora_pairs
+from fedtune.registry import MethodOptions, register
+
+SKETCH_PREFIX = "sketch/"
+SHARED_SKETCH = SKETCH_PREFIX + "index"  # one index set I for every LoRA pair (int32, sorted)
+_SKETCH_STREAM = 0xF5104A
+
+
+class FSLoRAOptions(MethodOptions):
+    weighting: Weighting = Field("uniform", description="eq. (5) mean (uniform) or FedAvg data-size weights (examples)")
+    download: Literal["dense", "active"] = Field(
+        "dense", description="send the dense global modules (paper) or only the active slices B[:, I], A[I, :]"
+    )
+    per_module_sketch: bool = Field(False, description="draw an index set per LoRA module instead of one per client")
+
+
+# -- sketches -------------------------------------------------------------------------------
+
+
+def sketch_indices(seed: int, rnd: int, cid: int, rank: int, k: int, stream: int = 0) -> np.ndarray:
+    """Index set I of a random-k sketch S in S(r, k) (Def. 3.1): k of the r ranks, uniform
+    without replacement, from (seed, round, client, stream) alone; sorted, int32, shape (k,)."""
+    if not 1 <= k <= rank:
+        raise ValueError(f"sketch size k={k} must be in 1..{rank}")
+    rng = np.random.default_rng([int(seed), int(rnd), int(cid), int(stream), _SKETCH_STREAM])
+    return np.sort(rng.choice(rank, size=k, replace=False)).astype(np.int32)
+
+
+def sketch_matrix(index: np.ndarray, rank: int) -> np.ndarray:
+    """The (r, r) diagonal sketch S = (r/k) sum_{j in I} e_j e_j^T (Def. 3.1), for reference."""
+    diag = np.zeros(rank, dtype=np.float64)
+    diag[np.asarray(index)] = rank / len(index)
+    return np.diag(diag)
+
+
+def sketch_key(a_name: str) -> str:
+    """Message key of a per-module index set (``sketch/<module path>``)."""
+    return SKETCH_PREFIX + a_name.removesuffix(".lora_A.weight")
+
+
+def is_sketch_key(name: str) -> bool:
+    return name.startswith(SKETCH_PREFIX)
+
+
+def sketch_arrays(indices: Mapping[str, np.ndarray], shared: bool) -> dict[str, np.ndarray]:
+    """The Message arrays carrying the index sets: one shared array, or one per module."""
+    if shared:
+        return {SHARED_SKETCH: next(iter(indices.values()))}
+    return {sketch_key(a): idx for a, idx in indices.items()}
+
+
+def read_indices(arrays: Mapping[str, np.ndarray], pairs: list[tuple[str, str]], rank: int | None = None) -> dict[str, np.ndarray]:
+    """A name -> index set I from a Message's arrays (shared or per module), validated: int,
+    1-D, unique, in 0..rank-1 when ``rank`` is given, and the same k for every pair."""
+    out: dict[str, np.ndarray] = {}
+    for a_name, _ in pairs:
+        key = SHARED_SKETCH if SHARED_SKETCH in arrays else sketch_key(a_name)
+        if key not in arrays:
+            raise ValueError(f"fslora: message lacks the sketch index {key!r}")
+        idx = np.asarray(arrays[key])
+        if idx.ndim != 1 or idx.size == 0 or not np.issubdtype(idx.dtype, np.integer):
+            raise ValueError(f"fslora: sketch index {key!r} must be a non-empty 1-D integer array")
+        if len(np.unique(idx)) != idx.size or idx.min() < 0 or (rank is not None and idx.max() >= rank):
+            raise ValueError(f"fslora: sketch index {key!r} must hold distinct ranks in 0..{rank}")
+        out[a_name] = idx.astype(np.int64)
+    if len({len(i) for i in out.values()}) > 1:
+        raise ValueError("fslora: every module's sketch must have the same size k")
+    return out
+
+
+def param_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The adapter arrays of a Message, without the sketch indices."""
+    return {k: v for k, v in arrays.items() if not is_sketch_key(k)}
+
+
+def slice_adapter(arrays: Mapping[str, np.ndarray], indices: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The rank-k adapter of the active ranks: B[:, I] (m, k), A[I, :] (k, n); the head as is."""
+    out = dict(arrays)
+    for a_name, idx in indices.items():
+        b_name = a_name.replace("lora_A", "lora_B")
+        out[a_name] = np.ascontiguousarray(arrays[a_name][idx, :])  # (k, n)
+        out[b_name] = np.ascontiguousarray(arrays[b_name][:, idx])  # (m, k)
+    return out
+
+
+# -- server -------------------------------------------------------------------------------
+
+
+class FSLoRAStrategy(GlobalAdapterStrategy):
+    """FSLoRA: sketched rank-k updates of a rank-r global LoRA pair (Fang et al. 2025)."""
+
+    def initialize(self) -> None:
+        self.rank = self.config.model.lora_rank
+        self.global_arrays = self.context.workspace.state(self.rank)
+
+    @property
+    def pairs(self) -> list[tuple[str, str]]:
+        return lora_pairs(self.global_arrays)
+
+    def sketch(self, rnd: int, cid: int) -> dict[str, np.ndarray]:
+        """Client ``cid``'s index sets of round ``rnd``: A name -> I (shared by all pairs unless
+        ``per_module_sketch``); k_i = client_rank(profile, r)."""
+        k = client_rank(self.context.profiles[cid], self.rank)
+        seed = self.config.seed
+        if not self.options.per_module_sketch:
+            idx = sketch_indices(seed, rnd, cid, self.rank, k)
+            return {a: idx for a, _ in self.pairs}
+        return {a: sketch_indices(seed, rnd, cid, self.rank, k, stream=j + 1) for j, (a, _) in enumerate(self.pairs)}
+
+    def configure_fit(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
+        messages = {}
+        for cid in client_ids:
+            indices = self.sketch(rnd, cid)
+            arrays = self.global_arrays if self.options.download == "dense" else slice_adapter(self.global_arrays, indices)
+            sketch = sketch_arrays(indices, shared=not self.options.per_module_sketch)
+            meta = {"round": rnd, "rank": self.rank, "download": self.options.download}
+            messages[cid] = Message({**arrays, **sketch}, meta)
+        return messages
+
+    def _reply_indices(self, rnd: int, cid: int, reply: Message) -> dict[str, np.ndarray]:
+        """The reply's index sets, checked against the server's own draw."""
+        indices = read_indices(reply.arrays, self.pairs, self.rank)
+        expected = self.sketch(rnd, cid)
+        if any(not np.array_equal(indices[a], expected[a]) for a in expected):
+            raise ValueError(f"fslora: client {cid} replied with a sketch other than the one it was sent")
+        return indices
+
+    def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
+        """Rebuild each sparse update (zeros outside I_i) and apply eq. (5)."""
+        if not replies:
+            return {}
+        w = np.asarray(client_weights(replies, self.options.weighting), dtype=np.float64)
+        p = w / w.sum()
+        total = {k: np.zeros_like(v) for k, v in self.global_arrays.items()}
+        for p_i, (cid, reply) in zip(p, replies.items()):
+            indices = self._reply_indices(rnd, cid, reply)
+            update = decode_update(param_arrays(reply.arrays))
+            if update.keys() != total.keys():
+                raise ValueError(f"fslora: client {cid} update has arrays {sorted(update.keys() ^ total.keys())[:3]} mismatched")
+            p_i = float(p_i)
+            for a_name, b_name in self.pairs:
+                idx = indices[a_name]
+                total[a_name][idx, :] += p_i * update[a_name]  # (k, n) into rows I
+                total[b_name][:, idx] += p_i * update[b_name]  # (m, k) into columns I
+            for name in total.keys() - {n for pair in self.pairs for n in pair}:
+                total[name] += p_i * update[name]  # head: dense, FedIT-style
+        self.global_arrays = {k: v + total[k] for k, v in self.global_arrays.items()}
+        return mean_train_loss(replies)
+
+
+# -- client -------------------------------------------------------------------------------
+
+
+class FSLoRAClient(LoraClient):
+    def fit(self, message: Message) -> Message:
+        received = param_arrays(message.arrays)
+        pairs = lora_pairs(received)
+        rank = int(message.meta["rank"])
+        indices = read_indices(message.arrays, pairs, rank)
+        local = slice_adapter(received, indices) if message.meta["download"] == "dense" else received
+        k = len(next(iter(indices.values())))
+        # rank-k PEFT adapter, same lora_alpha: alpha/k = (alpha/r)(r/k), i.e. W0 + (alpha/r) B S A
+        trained, result = self.train_adapter(local, message.meta["round"], k)
+        reply = self.upload({name: trained[name] - local[name] for name in trained}, result, k=k)
+        reply.arrays.update(sketch_arrays(
+            {a: idx.astype(np.int32) for a, idx in indices.items()}, shared=SHARED_SKETCH in message.arrays
+        ))
+        return reply
+
+
+register("fslora", FSLoRAStrategy, FSLoRAClient, FSLoRAOptions)
