@@ -290,7 +290,7 @@ def test_flower_simulation_matches_embedded_engine(tmp_path, embedded):
     flower_history = []
 
     # Execute
-    summary = flower.run_flower_simulation(config, timeout=300, on_round=flower_history.append)
+    summary = flower.run_flower_simulation(config, timeout=1200, on_round=flower_history.append)
 
     # Assert
     assert not ray.is_initialized()
@@ -313,7 +313,7 @@ def test_flower_simulation_surfaces_a_client_failure(tmp_path):
             expected = r"(?s)client [01] \(Flower node \d+\) failed in round 1 \(train\).*missing"
             with pytest.raises(FlowerClientError, match=expected):
                 run_simulation(
-                    flower.make_server_app(config, timeout=300),
+                    flower.make_server_app(config, timeout=1200),
                     make_client_app(broken),
                     2,
                     backend_config=flower.ray_backend_config(2),
