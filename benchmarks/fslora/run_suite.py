@@ -965,7 +965,8 @@ def main(argv: list[str] | None = None) -> int:
         print("warning: FEDTUNE_DATA_DIR is not set (sst2/agnews are read from it)", flush=True)
     command = (f"HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR={shlex.quote(os.environ.get('FEDTUNE_DATA_DIR', '../shared/data'))} "
                ".venv/bin/python benchmarks/fslora/run_suite.py "
-               + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))).strip()
+               + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
+                          if a != "--report-only")).strip()  # the command that runs the suite
 
     plan = build_plan(scale, seeds, out)
     wanted: dict[str, RunSpec] = {}
