@@ -61,23 +61,23 @@ class LoopbackGrid(Grid):
         self.sent: list[FlowerMessage] = []
 
     def set_run(self, run):  # pragma: no cover - unused
-        raise NotImplementedError
+        raise AssertionError("serve() must not call this Grid member")
 
     @property
     def run(self):  # pragma: no cover - unused
-        raise NotImplementedError
+        raise AssertionError("serve() must not call this Grid member")
 
     def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):  # pragma: no cover
-        raise NotImplementedError
+        raise AssertionError("serve() must not call this Grid member")
 
     def get_node_ids(self):
         return list(self.contexts)
 
     def push_messages(self, messages):  # pragma: no cover - unused
-        raise NotImplementedError
+        raise AssertionError("serve() must not call this Grid member")
 
     def pull_messages(self, message_ids):  # pragma: no cover - unused
-        raise NotImplementedError
+        raise AssertionError("serve() must not call this Grid member")
 
     def send_and_receive(self, messages, *, timeout=None):
         replies = []
