@@ -368,13 +368,7 @@ def _stop_tree(popens) -> None:
             proc.terminate()
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(tree, timeout=10)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=10)
+    flower.reap(tree, 10)
     for popen in popens:
         popen.wait(timeout=10)
 

@@ -414,11 +414,17 @@ class _ReapDescendants:
 
         self.done.set()
         self.thread.join()
-        procs = list(self.seen.values())  # psutil.Process checks its create time: no PID reuse
-        _, alive = psutil.wait_procs(procs, timeout=self.grace_s)
-        for proc in alive:
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(alive, timeout=5)
+        reap(list(self.seen.values()), self.grace_s)  # psutil.Process checks its create time: no PID reuse
+
+
+def reap(procs: list, grace_s: float) -> None:
+    """Wait up to ``grace_s`` for ``procs`` (psutil.Process) to end, then kill the rest by PID."""
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=5)
