@@ -14,6 +14,13 @@ Experiments (each a list of named run configs built with ``fedtune.config.load_c
 - ``fig4c``: k/r in {0.125, 0.25, 0.5, 1} at r = 64.
 - ``fig7``: top-k upload compression (``federation.upload_topk``) with k/r in {0.125, 0.25, 0.5, 1},
   accuracy vs per-device upload MB, with fig4c's uncompressed runs as the reference.
+- ``horizon``: not in the paper. Table 5.1's FedIT and FSLoRA runs on SST-2, continued to 3 R rounds,
+  to test whether FSLoRA's gap to FedIT at R rounds is a short-run effect (the first R rounds are
+  the very same computation as Table 5.1's runs, which the report checks).
+- ``alpha``: not in the paper, which does not state lora_alpha. Table 5.1 (SST-2) and Figure 4(b)
+  again with a fixed lora_alpha = 16 instead of 2 r. With 2 r, a device training k of r ranks
+  scales its update by (alpha / r)(r / k) = 2 r / k, so the r = 64 methods train with up to 8x
+  FedIT's (r = 8) scale and fig4b's scale grows with r; with a fixed alpha it is alpha / k for all.
 
 The figures run on SST-2 only; Table 5.1 on SST-2 and AG News. Every set is split over 20 devices
 with Dirichlet(0.5) label skew. Identical configs are run once and shared between experiments
@@ -43,6 +50,7 @@ import sys
 import time
 import traceback
 import warnings
+from contextlib import contextmanager
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from multiprocessing import get_context
@@ -63,7 +71,7 @@ from fedtune.config import RunConfig, load_config  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "fslora"
 QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "fslora-quick"
-EXPERIMENTS = ["table51", "fig3", "fig4b", "fig4c", "fig7"]  # also the order that owns shared runs
+EXPERIMENTS = ["table51", "fig3", "fig4b", "fig4c", "fig7", "horizon", "alpha"]  # also the order that owns shared runs
 METHODS = ["fedit", "fslora", "heterolora", "flexlora", "fedstacklora"]
 HETERO_RATIOS = [0.125, 0.25, 0.5, 0.75]  # paper Sec. 5.2: k_i / r drawn per device from this set
 
@@ -118,6 +126,9 @@ class Scale:
     fig4b_k: int = 8
     ratios: tuple = (0.125, 0.25, 0.5, 1.0)  # fig4c and fig7
     topk: float = 0.5
+    horizon_factor: int = 3  # horizon: rounds = factor x R
+    horizon_methods: tuple = ("fedit", "fslora")
+    fixed_alpha: float = 16.0  # alpha: lora_alpha at every rank (elsewhere 2 r)
 
 
 QUICK = Scale(
@@ -158,7 +169,8 @@ def q(value: Any) -> str:
     return repr(value)
 
 
-def common_overrides(scale: Scale, data: str, seed: int, rank: int, rounds: int | None = None) -> list[str]:
+def common_overrides(scale: Scale, data: str, seed: int, rank: int, rounds: int | None = None,
+                     alpha: float | None = None) -> list[str]:
     out = {
         "seed": seed,
         "rounds": rounds or scale.rounds,
@@ -169,7 +181,7 @@ def common_overrides(scale: Scale, data: str, seed: int, rank: int, rounds: int 
         "data.max_length": scale.max_length,
         "model.name": scale.model,
         "model.lora_rank": rank,
-        "model.lora_alpha": ALPHA_PER_RANK * rank,
+        "model.lora_alpha": ALPHA_PER_RANK * rank if alpha is None else alpha,
         "model.lora_dropout": DROPOUT,
         "model.target_modules": TARGETS,
         "train.local_steps": scale.local_steps,
@@ -207,27 +219,38 @@ def fair_fedit_rank(scale: Scale, seed: int) -> int:
     return min(client_rank(p, scale.rank) for p in profiles)
 
 
+def table51_spec(experiment: str, scale: Scale, method: str, data: str, seed: int,
+                 rounds: int | None = None, alpha: float | None = None, name: str = "") -> RunSpec:
+    """One Table 5.1 run: heterogeneous k_i / r for every method but FedIT (uniform r = min k_i)."""
+    rank = fair_fedit_rank(scale, seed) if method == "fedit" else scale.rank
+    ov = common_overrides(scale, data, seed, rank, rounds, alpha) + method_overrides(method)
+    if method != "fedit":
+        ov.append(hetero_choices())
+    return RunSpec(experiment, name or f"{method}-{data}-s{seed}", ov,
+                   {"method": method, "data": data, "seed": seed, "rank": rank, "rounds": rounds or scale.rounds,
+                    "alpha": alpha})
+
+
 def specs_table51(scale: Scale, seeds: list[int]) -> list[RunSpec]:
-    out = []
-    for data in scale.table_data:
-        for seed in seeds:
-            for method in METHODS:
-                rank = fair_fedit_rank(scale, seed) if method == "fedit" else scale.rank
-                ov = common_overrides(scale, data, seed, rank) + method_overrides(method)
-                if method != "fedit":
-                    ov.append(hetero_choices())
-                out.append(RunSpec("table51", f"{method}-{data}-s{seed}", ov,
-                                   {"method": method, "data": data, "seed": seed, "rank": rank}))
-    return out
+    return [table51_spec("table51", scale, method, data, seed)
+            for data in scale.table_data for seed in seeds for method in METHODS]
+
+
+def specs_horizon(scale: Scale, seeds: list[int]) -> list[RunSpec]:
+    return [table51_spec("horizon", scale, method, data, seed, rounds=scale.horizon_factor * scale.rounds)
+            for data in scale.fig_data for seed in seeds for method in scale.horizon_methods]
 
 
 def fslora_spec(experiment: str, name: str, scale: Scale, data: str, seed: int, rank: int, ratio: float,
-                rounds: int | None = None, topk: float | None = None, **labels) -> RunSpec:
-    ov = common_overrides(scale, data, seed, rank, rounds) + method_overrides("fslora") + [uniform_profile(ratio)]
+                rounds: int | None = None, topk: float | None = None, alpha: float | None = None,
+                **labels) -> RunSpec:
+    ov = (common_overrides(scale, data, seed, rank, rounds, alpha) + method_overrides("fslora")
+          + [uniform_profile(ratio)])
     if topk is not None:
         ov.append(f"federation.upload_topk={q(topk)}")
     return RunSpec(experiment, name, ov, {"method": "fslora", "data": data, "seed": seed, "rank": rank,
-                                          "ratio": ratio, "rounds": rounds or scale.rounds, "topk": topk, **labels})
+                                          "ratio": ratio, "rounds": rounds or scale.rounds, "topk": topk,
+                                          "alpha": alpha, **labels})
 
 
 def specs_fig3(scale: Scale, seeds: list[int]) -> list[RunSpec]:
@@ -244,10 +267,11 @@ def specs_fig3(scale: Scale, seeds: list[int]) -> list[RunSpec]:
     return out
 
 
-def specs_fig4b(scale: Scale, seeds: list[int]) -> list[RunSpec]:
+def specs_fig4b(scale: Scale, seeds: list[int], experiment: str = "fig4b", alpha: float | None = None,
+                tag: str = "") -> list[RunSpec]:
     return [
-        fslora_spec("fig4b", f"r{rank}-k{scale.fig4b_k}-{data}-s{seed}", scale, data, seed, rank,
-                    min(1.0, scale.fig4b_k / rank))
+        fslora_spec(experiment, f"{tag}r{rank}-k{scale.fig4b_k}-{data}-s{seed}", scale, data, seed, rank,
+                    min(1.0, scale.fig4b_k / rank), alpha=alpha, part="fig4b")
         for data in scale.fig_data for seed in seeds for rank in scale.fig4b_ranks
     ]
 
@@ -267,8 +291,19 @@ def specs_fig7(scale: Scale, seeds: list[int]) -> list[RunSpec]:
     ]
 
 
+def specs_alpha(scale: Scale, seeds: list[int]) -> list[RunSpec]:
+    """Table 5.1 (figure data sets) and fig4b at ``lora_alpha = scale.fixed_alpha`` for every rank."""
+    tag = f"alpha{scale.fixed_alpha:g}-"
+    table = [table51_spec("alpha", scale, method, data, seed, alpha=scale.fixed_alpha,
+                          name=f"{tag}{method}-{data}-s{seed}")
+             for data in scale.fig_data for seed in seeds for method in METHODS]
+    for spec in table:
+        spec.labels["part"] = "table51"
+    return table + specs_fig4b(scale, seeds, "alpha", scale.fixed_alpha, tag)
+
+
 BUILDERS = {"table51": specs_table51, "fig3": specs_fig3, "fig4b": specs_fig4b, "fig4c": specs_fig4c,
-            "fig7": specs_fig7}
+            "fig7": specs_fig7, "horizon": specs_horizon, "alpha": specs_alpha}
 
 
 def config_key(config: RunConfig) -> str:
@@ -616,6 +651,19 @@ def _plt():
     return plt
 
 
+@contextmanager
+def figure(path: Path, *args, **kwargs):
+    """``plt.subplots(*args, **kwargs)`` as ``(fig, axes)``, saved to ``path`` on success and closed."""
+    plt = _plt()
+    fig, axes = plt.subplots(*args, **kwargs)
+    try:
+        yield fig, axes
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+
+
 def scale_section(scale: Scale, seeds: list[int], data_sets: tuple, command: str, extra: list[str]) -> str:
     train = ", ".join(f"{d}: {scale.train_samples.get(d) or 'all'}" for d in data_sets)
     test = ", ".join(f"{d}: {scale.test_samples.get(d) or 'all'}" for d in data_sets)
@@ -669,7 +717,6 @@ def runs_section(specs: list[RunSpec], out: Path) -> str:
 
 
 def report_table51(specs: list[RunSpec], scale: Scale, seeds: list[int], head: str, out: Path) -> str:
-    plt = _plt()
     data_sets = [d for d in scale.table_data if any(s.labels["data"] == d for s in specs)]
     lines = ["# Table 5.1 (CPU scale): heterogeneous LoRA methods", "",
              f"Global rank r = {scale.rank}; each device's k_i / r is drawn (with the seed) from "
@@ -709,8 +756,7 @@ def report_table51(specs: list[RunSpec], scale: Scale, seeds: list[int], head: s
               "messages. Client compute s: summed wall seconds of the client fit calls (`total_compute_s`), "
               "measured with two runs sharing two cores, so only rough ratios between methods are meaningful.",
               "", "![accuracy vs round](table51.png)", ""]
-    fig, axes = plt.subplots(1, len(data_sets), figsize=(5.5 * len(data_sets), 4), squeeze=False)
-    try:
+    with figure(out / "table51.png", 1, len(data_sets), figsize=(5.5 * len(data_sets), 4), squeeze=False) as (fig, axes):
         for ax, d in zip(axes[0], data_sets):
             for method in METHODS:
                 pts = mean_curve([s for s in specs if s.labels["method"] == method and s.labels["data"] == d])
@@ -722,10 +768,6 @@ def report_table51(specs: list[RunSpec], scale: Scale, seeds: list[int], head: s
             ax.grid(alpha=0.3)
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "table51.png", dpi=120)
-    finally:
-        plt.close(fig)
     return "\n".join(lines) + "\n" + runs_section(specs, out)
 
 
@@ -747,7 +789,6 @@ def _mb(specs: list[RunSpec]) -> str:
 
 
 def report_fig3(specs: list[RunSpec], scale: Scale, head: str, out: Path) -> str:
-    plt = _plt()
     ranks = list(scale.fig3_ranks)
     lines = ["# Figure 3 (CPU scale): FSLoRA with vs without sketching at an equal upload budget", "",
              f"Uniform k/r = {scale.fig3_ratio:g} (sketch) vs k/r = 1 (no sketch: FSLoRA is then FedIT with "
@@ -766,8 +807,7 @@ def report_fig3(specs: list[RunSpec], scale: Scale, head: str, out: Path) -> str
         yes = [s for s in specs if s.labels["rank"] == r and s.labels["sketch"] and s.labels["data"] == data]
         lines.append(f"| {r} | {_cell(no)} | {_mb(no)} | {_cell(yes)} | {_mb(yes)} |")
     lines += ["", f"Data: {', '.join(scale.fig_data)} only.", "", "![fig3](fig3.png)", ""]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    try:
+    with figure(out / "fig3.png", 1, 2, figsize=(11, 4)) as (fig, (ax1, ax2)):
         width = 0.38
         for j, (sketch, label) in enumerate([(False, "w/o sketching (k/r = 1)"),
                                              (True, f"w/ sketching (k/r = {scale.fig3_ratio:g})")]):
@@ -796,18 +836,12 @@ def report_fig3(specs: list[RunSpec], scale: Scale, head: str, out: Path) -> str
         ax2.grid(alpha=0.3)
         if ax2.get_legend_handles_labels()[0]:
             ax2.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "fig3.png", dpi=120)
-    finally:
-        plt.close(fig)
     return "\n".join(lines) + "\n" + runs_section(specs, out)
 
 
 def _sweep_plot(out: Path, filename: str, xs: list, groups: list[list[RunSpec]], title: str, xlabel: str,
                 log2: bool = False) -> None:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(5.5, 4))
-    try:
+    with figure(out / filename, figsize=(5.5, 4)) as (fig, ax):
         pts = [(x, *_final(g)[:2]) for x, g in zip(xs, groups)]
         pts = [p for p in pts if p[1] is not None]
         if pts:
@@ -817,10 +851,6 @@ def _sweep_plot(out: Path, filename: str, xs: list, groups: list[list[RunSpec]],
         ax.set_xticks(xs, [f"{x:g}" for x in xs])
         ax.set(title=title, xlabel=xlabel, ylabel="final accuracy (%)")
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / filename, dpi=120)
-    finally:
-        plt.close(fig)
 
 
 def report_fig4b(specs: list[RunSpec], scale: Scale, head: str, out: Path) -> str:
@@ -856,7 +886,6 @@ def report_fig4c(specs: list[RunSpec], scale: Scale, head: str, out: Path) -> st
 
 
 def report_fig7(specs: list[RunSpec], ref: list[RunSpec], scale: Scale, head: str, out: Path) -> str:
-    plt = _plt()
     data = scale.fig_data[0]
     lines = ["# Figure 7 (CPU scale): top-k compression with and without sketching", "",
              f"FSLoRA at r = {scale.rank}, uniform k/r, every upload top-k sparsified "
@@ -877,9 +906,8 @@ def report_fig7(specs: list[RunSpec], ref: list[RunSpec], scale: Scale, head: st
         r = [s for s in ref if s.labels["ratio"] == x and s.labels["data"] == data]
         lines.append(f"| {x:g} | {_cell(g)} | {_mb(g)} | {_cell(r)} | {_mb(r)} |")
     lines += ["", f"Data: {', '.join(scale.fig_data)} only.", "", "![fig7](fig7.png)", ""]
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    try:
-        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    with figure(out / "fig7.png", figsize=(6.5, 4.5)) as (fig, ax):
+        colors = _plt().rcParams["axes.prop_cycle"].by_key()["color"]
         for i, x in enumerate(scale.ratios):
             for group, style, tag in [(specs, "-", f"top-k {scale.topk:g}"), (ref, "--", "no top-k")]:
                 pts = mean_curve([s for s in group if s.labels["ratio"] == x and s.labels["data"] == data])
@@ -892,11 +920,113 @@ def report_fig7(specs: list[RunSpec], ref: list[RunSpec], scale: Scale, head: st
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "fig7.png", dpi=120)
-    finally:
-        plt.close(fig)
     return "\n".join(lines) + "\n" + runs_section(specs + [s for s in ref if s.labels["data"] == data], out)
+
+
+def report_horizon(specs: list[RunSpec], table51: list[RunSpec], scale: Scale, head: str, out: Path) -> str:
+    data = scale.fig_data[0]
+    methods = list(scale.horizon_methods)
+    rounds = scale.horizon_factor * scale.rounds
+    lines = [f"# Longer horizon (not in the paper): Table 5.1's {' and '.join(methods)} runs to {rounds} rounds", "",
+             f"Table 5.1 stops at R = {scale.rounds} rounds, about 1 % of the paper's 200 x 50 local steps. These "
+             f"runs continue the very same {data} configurations (same seeds, devices, sketches and data order) "
+             f"to {scale.horizon_factor} R = {rounds} rounds, to see whether the gap between the methods closes "
+             "with more training. Nothing else changes, so the accuracy at round R must equal Table 5.1's final "
+             "accuracy; the last column checks that.", "", head, "## Results", ""]
+    evals = sorted(set.intersection(*[{p[0] for p in curve(s)} for s in specs]) if all(curve(s) for s in specs)
+                   else set())
+    cols = ["method"] + [f"acc @ {r} (%)" for r in evals] + ["MB up / device", f"round {scale.rounds} = Table 5.1?"]
+    lines += ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for method in methods:
+        group = [s for s in specs if s.labels["method"] == method and s.labels["data"] == data]
+        row = [method + (" (r = min k_i)" if method == "fedit" else "")]
+        for r in evals:
+            row.append(pct([next(p[2] for p in curve(s) if p[0] == r) for s in group]))
+        checks = []
+        for s in group:
+            ref = next((t for t in table51 if t.labels["method"] == method and t.labels["data"] == data
+                        and t.labels["seed"] == s.labels["seed"]), None)
+            here = next((p[2] for p in curve(s) if p[0] == scale.rounds), None)
+            there = (load_summary(ref) or {}).get("final_accuracy") if ref else None
+            if here is None or there is None:
+                checks.append(f"s{s.labels['seed']}: –")
+            else:
+                checks.append(f"s{s.labels['seed']}: " + ("yes" if here == there else f"no ({100 * here:.2f} vs {100 * there:.2f})"))
+        row += [_mb(group), ", ".join(checks)]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Accuracy: mean ± sample std over the seeds at each evaluated round. MB up / device: the "
+              f"whole {rounds} rounds.", "", "![horizon](horizon.png)", ""]
+    with figure(out / "horizon.png", figsize=(6, 4)) as (fig, ax):
+        for method in methods:
+            pts = mean_curve([s for s in specs if s.labels["method"] == method and s.labels["data"] == data])
+            if pts:
+                ax.plot([p[0] for p in pts], [100 * p[2] for p in pts], marker="o", ms=3, label=method)
+        ax.axvline(scale.rounds, color="gray", ls=":", lw=1, label=f"Table 5.1 stops (R = {scale.rounds})")
+        ax.set(title=f"{data}: accuracy vs round (mean over seeds)", xlabel="round", ylabel="accuracy (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return "\n".join(lines) + "\n" + runs_section(specs, out)
+
+
+def report_alpha(specs: list[RunSpec], plan: dict[str, list[RunSpec]], scale: Scale, head: str, out: Path) -> str:
+    data = scale.fig_data[0]
+    a = scale.fixed_alpha
+    k = scale.fig4b_k
+    table = [s for s in specs if s.labels["part"] == "table51" and s.labels["data"] == data]
+    sweep = [s for s in specs if s.labels["part"] == "fig4b" and s.labels["data"] == data]
+    ref_table = [s for s in plan["table51"] if s.labels["data"] == data]
+    ref_sweep = [s for s in plan["fig4b"] if s.labels["data"] == data]
+
+    def of(group: list[RunSpec], **match) -> list[RunSpec]:
+        return [s for s in group if all(s.labels[key] == v for key, v in match.items())]
+
+    lines = [f"# LoRA scaling (not in the paper): lora_alpha = 2 r vs a fixed lora_alpha = {a:g}", "",
+             "The paper does not state lora_alpha. The suite's main runs use lora_alpha = 2 r. PEFT scales a "
+             "rank-k adapter by alpha / k, which for a device that trains k of the r global ranks is exactly "
+             "FSLoRA's (alpha / r)(r / k), and HeteroLoRA, FlexLoRA and FedStackLoRA scale a rank-r_i device by "
+             f"alpha / r_i. With alpha = 2 r the scale is 2 r / k: at r = {scale.rank} the devices train at "
+             f"{2 * scale.rank / round(max(HETERO_RATIOS) * scale.rank):.3g} to {1 / min(HETERO_RATIOS) * 2:g}, "
+             f"while FedIT at r = {k} trains at 2, and in Figure 4(b) the scale grows with r (2 r / {k}). "
+             f"With a fixed alpha = {a:g} every device's scale is {a:g} / k_i, the same function of its own "
+             f"rank for every method and every global r; FedIT (r = {k}, alpha = {a:g}) and r = {k} in "
+             "Figure 4(b) are the same runs in both settings.", "",
+             "Same runs otherwise (seeds, devices, sketches, data order, lr); nothing else was tried.", "",
+             head, "## Table 5.1 on " + data, "",
+             f"| method | alpha = 2 r acc (%) | alpha = {a:g} acc (%) |", "|---|---|---|"]
+    for method in METHODS:
+        label = method + (" (r = min k_i)" if method == "fedit" else "")
+        lines.append(f"| {label} | {_cell(of(ref_table, method=method))} | {_cell(of(table, method=method))} |")
+    lines += ["", f"## Figure 4(b): global rank r at k = {k}", "",
+              f"| r | k/r | alpha = 2 r: device scale | acc (%) | alpha = {a:g}: device scale | acc (%) |",
+              "|---|---|---|---|---|---|"]
+    for r in scale.fig4b_ranks:
+        kk = min(k, r)
+        lines.append(f"| {r} | {kk / r:g} | {2 * r / kk:g} | {_cell(of(ref_sweep, rank=r))} | {a / kk:g} | "
+                     f"{_cell(of(sweep, rank=r))} |")
+    lines += ["", "Accuracy: final, mean ± sample std over the seeds.", "", "![alpha](alpha.png)", ""]
+    with figure(out / "alpha.png", 1, 2, figsize=(11, 4)) as (fig, (ax1, ax2)):
+        width = 0.38
+        for j, (group, label) in enumerate([(ref_table, "alpha = 2 r"), (table, f"alpha = {a:g}")]):
+            ms = [_final(of(group, method=m)) for m in METHODS]
+            ax1.bar([i + (j - 0.5) * width for i in range(len(METHODS))], [m[0] or 0.0 for m in ms], width,
+                    yerr=[m[1] or 0.0 for m in ms], capsize=3, label=label)
+        ax1.set_xticks(range(len(METHODS)), METHODS, fontsize=8)
+        ax1.set(title=f"{data}: Table 5.1 methods", ylabel="final accuracy (%)")
+        ax1.set_ylim(40, None)
+        ax1.grid(alpha=0.3, axis="y")
+        ax1.legend(fontsize=8)
+        for group, label in [(ref_sweep, "alpha = 2 r"), (sweep, f"alpha = {a:g}")]:
+            pts = [(r, *_final(of(group, rank=r))[:2]) for r in scale.fig4b_ranks]
+            pts = [pt for pt in pts if pt[1] is not None]
+            if pts:
+                ax2.errorbar([pt[0] for pt in pts], [pt[1] for pt in pts], yerr=[pt[2] for pt in pts], marker="o",
+                             capsize=3, label=label)
+        ax2.set_xscale("log", base=2)
+        ax2.set_xticks(list(scale.fig4b_ranks), [str(r) for r in scale.fig4b_ranks])
+        ax2.set(title=f"{data}: FSLoRA, k = {k}", xlabel="global rank r", ylabel="final accuracy (%)")
+        ax2.grid(alpha=0.3)
+        ax2.legend(fontsize=8)
+    return "\n".join(lines) + "\n" + runs_section(specs, out)
 
 
 def write_reports(plan: dict[str, list[RunSpec]], selected: list[str], scale: Scale, seeds: list[int], out: Path,
@@ -915,8 +1045,12 @@ def write_reports(plan: dict[str, list[RunSpec]], selected: list[str], scale: Sc
             text = report_fig4b(specs, scale, head, out)
         elif exp == "fig4c":
             text = report_fig4c(specs, scale, head, out)
-        else:
+        elif exp == "fig7":
             text = report_fig7(specs, plan["fig4c"], scale, head, out)
+        elif exp == "horizon":
+            text = report_horizon(specs, plan["table51"], scale, head, out)
+        else:
+            text = report_alpha(specs, plan, scale, head, out)
         path = out / f"{exp}.md"
         path.write_text(text, encoding="utf-8")
         written += [path, out / f"{exp}.png"]
