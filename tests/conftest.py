@@ -31,6 +31,14 @@ TINY = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """One torch thread in every test (tiny tensors, a shared 2-core machine), even after a test
+    whose run set ``train.threads``."""
+    torch.set_num_threads(1)
+    yield
+
+
 @pytest.fixture
 def tiny_config(tmp_path):
     """``tiny_config(*overrides)``: a fast RunConfig (2-layer BERT, hidden 32) writing under tmp_path."""

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from fedtune.config import load_config
 from fedtune.federation.compression import IDX, SHAPE, VAL, is_topk_encoded, topk_count, topk_decode, topk_encode
@@ -106,14 +105,6 @@ def test_decode_passes_through_arrays_outside_the_codec_and_rejects_malformed_tr
 
 
 # -- composition with the methods' uploads --------------------------------------------------------------
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def run_one_round(method: str, *overrides: str):

@@ -46,15 +46,6 @@ BASE = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one torch thread is fastest (and fair to a shared 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make_config(*overrides: str, method: str = "fslora", clients: int = 3):
     return load_config(None, [*BASE, f"method={method}", f"federation.num_clients={clients}", *overrides])
 

@@ -50,15 +50,6 @@ RANKS = [2, 4, 8]  # heterogeneous r_i for clients 0, 1, 2
 PROFILES = "federation.profiles=[{rank=2},{rank=4},{rank=8}]"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The test machine is shared: one torch thread keeps the tiny runs fast and steady."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def tiny(method: str, *extra: str, tmp_path: Path | None = None):
     out = [f"output_dir={tmp_path}"] if tmp_path is not None else []
     return load_config(None, [f"method={method}", *TINY, *out, *extra])
