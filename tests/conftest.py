@@ -36,7 +36,6 @@ def one_torch_thread():
     """One torch thread in every test (tiny tensors, a shared 2-core machine), even after a test
     whose run set ``train.threads``."""
     torch.set_num_threads(1)
-    yield
 
 
 @pytest.fixture
