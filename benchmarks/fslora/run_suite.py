@@ -842,50 +842,48 @@ def report_fig3(specs: list[RunSpec], scale: Scale, head: str, out: Path) -> str
     return "\n".join(lines) + "\n" + runs_section(specs, out)
 
 
-def _sweep_plot(out: Path, filename: str, xs: list, groups: list[list[RunSpec]], title: str, xlabel: str,
-                log2: bool = False) -> None:
-    with figure(out / filename, figsize=(5.5, 4)) as (fig, ax):
+def sweep_report(exp: str, title: str, intro: str, specs: list[RunSpec], scale: Scale, head: str, out: Path,
+                 label: str, xs: tuple, columns: list[str], cells, xlabel: str, plot_title: str) -> str:
+    """An FSLoRA sweep over ``labels[label] in xs`` (fig data set): a table with ``columns`` (from
+    ``cells(x)``) plus final accuracy and MB up per device, and final accuracy vs x (log2 axis)."""
+    data = scale.fig_data[0]
+    groups = [[s for s in specs if s.labels[label] == x and s.labels["data"] == data] for x in xs]
+    cols = columns + ["final acc (%)", "MB up / device"]
+    lines = [title, "", intro, "", head, "## Results", "",
+             "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for x, g in zip(xs, groups):
+        lines.append("| " + " | ".join([*cells(x), _cell(g), _mb(g)]) + " |")
+    lines += ["", f"Data: {', '.join(scale.fig_data)} only.", "", f"![{exp}]({exp}.png)", ""]
+    with figure(out / f"{exp}.png", figsize=(5.5, 4)) as (fig, ax):
         pts = [(x, *_final(g)[:2]) for x, g in zip(xs, groups)]
         pts = [p for p in pts if p[1] is not None]
         if pts:
             ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", capsize=3)
-        if log2:
-            ax.set_xscale("log", base=2)
-        ax.set_xticks(xs, [f"{x:g}" for x in xs])
-        ax.set(title=title, xlabel=xlabel, ylabel="final accuracy (%)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(xs), [f"{x:g}" for x in xs])
+        ax.set(title=plot_title, xlabel=xlabel, ylabel="final accuracy (%)")
         ax.grid(alpha=0.3)
+    return "\n".join(lines) + "\n" + runs_section(specs, out)
 
 
 def report_fig4b(specs: list[RunSpec], scale: Scale, head: str, out: Path) -> str:
-    data = scale.fig_data[0]
-    groups = [[s for s in specs if s.labels["rank"] == r and s.labels["data"] == data] for r in scale.fig4b_ranks]
-    lines = ["# Figure 4(b) (CPU scale): global rank r at a fixed k", "",
-             f"FSLoRA with every device updating k = {scale.fig4b_k} ranks (uniform k/r = {scale.fig4b_k}/r, "
+    k = scale.fig4b_k
+    intro = (f"FSLoRA with every device updating k = {k} ranks (uniform k/r = {k}/r, "
              "`federation.profiles = [{sketch_ratio = k/r}]`): each device's upload and compute stay those of "
-             f"a rank-{scale.fig4b_k} adapter while the global rank grows. r = {scale.fig4b_k} is k/r = 1 "
-             "(no sketching; the paper's Figure 6 reference point). lora_alpha = 2 r at every r.", "",
-             head, "## Results", "", "| r | k/r | final acc (%) | MB up / device |", "|---|---|---|---|"]
-    for r, g in zip(scale.fig4b_ranks, groups):
-        lines.append(f"| {r} | {min(1.0, scale.fig4b_k / r):g} | {_cell(g)} | {_mb(g)} |")
-    lines += ["", f"Data: {', '.join(scale.fig_data)} only.", "", "![fig4b](fig4b.png)", ""]
-    _sweep_plot(out, "fig4b.png", list(scale.fig4b_ranks), groups, f"{data}: FSLoRA, k = {scale.fig4b_k}",
-                "global rank r", log2=True)
-    return "\n".join(lines) + "\n" + runs_section(specs, out)
+             f"a rank-{k} adapter while the global rank grows. r = {k} is k/r = 1 "
+             "(no sketching; the paper's Figure 6 reference point). lora_alpha = 2 r at every r.")
+    return sweep_report("fig4b", "# Figure 4(b) (CPU scale): global rank r at a fixed k", intro, specs, scale, head,
+                        out, "rank", scale.fig4b_ranks, ["r", "k/r"], lambda r: [str(r), f"{min(1.0, k / r):g}"],
+                        "global rank r", f"{scale.fig_data[0]}: FSLoRA, k = {k}")
 
 
 def report_fig4c(specs: list[RunSpec], scale: Scale, head: str, out: Path) -> str:
-    data = scale.fig_data[0]
-    groups = [[s for s in specs if s.labels["ratio"] == x and s.labels["data"] == data] for x in scale.ratios]
-    lines = ["# Figure 4(c) (CPU scale): sketching ratio at r = %d" % scale.rank, "",
-             f"FSLoRA, global rank r = {scale.rank}, uniform k/r for every device "
-             "(`federation.profiles = [{sketch_ratio = k/r}]`); k/r = 1 is no sketching.", "",
-             head, "## Results", "", "| k/r | k | final acc (%) | MB up / device |", "|---|---|---|---|"]
-    for x, g in zip(scale.ratios, groups):
-        lines.append(f"| {x:g} | {round(x * scale.rank)} | {_cell(g)} | {_mb(g)} |")
-    lines += ["", f"Data: {', '.join(scale.fig_data)} only.", "", "![fig4c](fig4c.png)", ""]
-    _sweep_plot(out, "fig4c.png", list(scale.ratios), groups, f"{data}: FSLoRA, r = {scale.rank}",
-                "sketching ratio k/r", log2=True)
-    return "\n".join(lines) + "\n" + runs_section(specs, out)
+    intro = (f"FSLoRA, global rank r = {scale.rank}, uniform k/r for every device "
+             "(`federation.profiles = [{sketch_ratio = k/r}]`); k/r = 1 is no sketching.")
+    return sweep_report("fig4c", f"# Figure 4(c) (CPU scale): sketching ratio at r = {scale.rank}", intro, specs,
+                        scale, head, out, "ratio", scale.ratios, ["k/r", "k"],
+                        lambda x: [f"{x:g}", str(round(x * scale.rank))],
+                        "sketching ratio k/r", f"{scale.fig_data[0]}: FSLoRA, r = {scale.rank}")
 
 
 def report_fig7(specs: list[RunSpec], ref: list[RunSpec], scale: Scale, head: str, out: Path) -> str:
