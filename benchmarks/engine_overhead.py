@@ -29,7 +29,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from fedtune.config import load_config  # noqa: E402
-from fedtune.federation.simulation import run_rounds, sample_clients  # noqa: E402
+from fedtune.engines.embedded import run_rounds  # noqa: E402
+from fedtune.engines.rounds import sample_clients  # noqa: E402
 from fedtune.models.training import seed_for  # noqa: E402
 from fedtune.runtime import RunContext  # noqa: E402
 
@@ -39,7 +40,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def fedtune_job(config) -> tuple[float, float, float]:
     """Wall seconds, CPU seconds and final accuracy of the embedded engine (model already loaded)."""
     server, clients = RunContext(config), RunContext(config)
-    server.workspace, clients.workspace, server.raw_data, clients.raw_data  # load models and texts
+    server.workspace, clients.workspace, server.task.data, clients.task.data  # load models and texts (tokenizing is timed)
     start, cpu = time.perf_counter(), time.process_time()
     strategy = server.strategy()
     strategy.initialize()
@@ -51,8 +52,8 @@ def fedtune_job(config) -> tuple[float, float, float]:
 def bare_job(config) -> tuple[float, float, float]:
     """The same job as a plain script: per-batch tokenization, state-dict FedAvg."""
     ctx = RunContext(config)
-    train, test = ctx.raw_data
-    parts, tokenizer, model = ctx.partitions, ctx.tokenizer, ctx.workspace.base
+    train, test = ctx.task.data
+    parts, tokenizer, model = ctx.partitions, ctx.task.tokenizer, ctx.workspace.base
     rank, tc = config.model.lora_rank, config.train
     from peft import get_peft_model
 
@@ -60,7 +61,7 @@ def bare_job(config) -> tuple[float, float, float]:
 
     with torch.random.fork_rng():
         torch.manual_seed(config.seed + 1)
-        model = get_peft_model(model, lora_config(config.model, rank))
+        model = get_peft_model(model, lora_config(ctx.task, rank))
     start, cpu = time.perf_counter(), time.process_time()
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     global_state = {n: p.detach().clone() for n, p in trainable.items()}

@@ -1,10 +1,8 @@
-"""The ``fedtune`` command line: run, methods, report."""
+"""The ``fedtune`` command line: run, methods, tasks, report."""
 
 from __future__ import annotations
 
-import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -28,9 +26,9 @@ def run(
 ) -> None:
     """Run one federated fine-tuning experiment and write runs/<name>/."""
     from fedtune.config import ConfigError, load_config
+    from fedtune.process import setup_process
 
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore", category=FutureWarning)
+    setup_process()
     try:
         config = load_config(recipe, set_)
         from fedtune.progress import RoundPrinter
@@ -44,12 +42,24 @@ def run(
 
 
 @app.command()
-def methods() -> None:
+def methods(verbose: bool = typer.Option(False, "--verbose", "-v", help="also the task kinds each runs on")) -> None:
     """List the registered methods."""
     from fedtune.registry import list_methods
 
     for spec in list_methods():
         typer.echo(f"{spec.name:<14} {spec.description}")
+        if verbose:
+            typer.echo(f"{'':<14} tasks: {', '.join(spec.supported_tasks())}")
+
+
+@app.command()
+def tasks() -> None:
+    """List the task kinds (``task.kind``) with their default data set and model."""
+    from fedtune.tasks import list_tasks
+
+    for task in list_tasks():
+        defaults = ", ".join(f"{k} {v}" for k, v in task.defaults.items())
+        typer.echo(f"{task.kind:<22} {task.description} [{defaults}]")
 
 
 @app.command()

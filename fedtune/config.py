@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fedtune.protocol.profiles import ClientProfile, check_profile_choices
+
 
 class ConfigError(ValueError):
     """An invalid configuration key or value; the message is one line naming it."""
@@ -27,8 +29,26 @@ class _Section(BaseModel):
         return {"name": value} if isinstance(value, str) else value
 
 
+class TaskConfig(_Section):
+    """What a run learns (``fedtune tasks``): ``kind`` plus the task's own options, checked by the
+    task (``task = "image-classification"`` is ``[task] kind = "image-classification"``)."""
+
+    model_config = ConfigDict(extra="allow")
+    kind: str = Field("text-classification", description="task kind (fedtune tasks)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _string_is_name(cls, value: Any) -> Any:
+        return {"kind": value} if isinstance(value, str) else value
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The task's own options (every key but ``kind``)."""
+        return dict(self.model_extra or {})
+
+
 class DataConfig(_Section):
-    name: str = Field("tweets", description="named set (tweets, sst2, agnews), a local file, or hub:<dataset>")
+    name: str | None = Field(None, description="data set (default: the task's; text: tweets, sst2, agnews, a local file, or hub:<dataset>)")
     data_dir: str | None = Field(None, description="folder of named sets (default: $FEDTUNE_DATA_DIR)")
     test_path: str | None = Field(None, description="evaluation file when name is a local file")
     text_column: str | None = Field(None, description="text column (local files and hub sets)")
@@ -44,11 +64,14 @@ class DataConfig(_Section):
 
 
 class ModelConfig(_Section):
-    name: str = Field("minilm", description="minilm (packaged), a hub name, or a local path")
+    name: str | None = Field(None, description="model (default: the task's; text: minilm), a hub name, or a local path")
     lora_rank: int = Field(8, gt=0)
     lora_alpha: float = Field(16.0, gt=0)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = Field(default_factory=lambda: ["query", "value"])
+    target_modules: list[str] | None = Field(None, description="LoRA target modules (default: the task's for its model)")
+    finetune: Literal["full", "head"] = Field(
+        "full", description="what methods without LoRA (fedavg) train: every parameter, or the head only"
+    )
 
 
 class TrainConfig(_Section):
@@ -66,12 +89,18 @@ class FederationConfig(_Section):
     num_clients: int = Field(10, gt=0)
     clients_per_round: int | None = Field(None, gt=0, description="clients sampled per round")
     fraction: float | None = Field(None, gt=0, le=1, description="fraction sampled per round")
-    profiles: list[dict[str, Any]] | None = Field(None, description="one resource profile per client")
+    profiles: list[ClientProfile] | None = Field(None, description="one resource profile per client (or one for all)")
     profile_choices: dict[str, list[Any]] | None = Field(None, description="draw each profile field from a set")
     upload_topk: float | None = Field(None, gt=0, le=1, description="keep this fraction of each uploaded update (top-k)")
 
     @model_validator(mode="after")
     def _check(self) -> "FederationConfig":
+        if self.profiles is not None and len(self.profiles) not in (1, self.num_clients):
+            raise ValueError(
+                f"federation.profiles: expected 1 or {self.num_clients} profiles (federation.num_clients), got {len(self.profiles)}"
+            )
+        if self.profile_choices is not None:
+            check_profile_choices(self.profile_choices)
         if self.clients_per_round is not None and self.fraction is not None:
             raise ValueError("give federation.clients_per_round or federation.fraction, not both")
         if self.clients_per_round is not None and self.clients_per_round > self.num_clients:
@@ -97,6 +126,7 @@ class RunConfig(BaseModel):
     rounds: int = Field(10, gt=0)
     eval_every: int = Field(1, gt=0, description="evaluate every this many rounds (and the last)")
     output_dir: str = "runs"
+    task: TaskConfig = Field(default_factory=TaskConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -105,12 +135,13 @@ class RunConfig(BaseModel):
 
     @property
     def run_name(self) -> str:
-        return self.name or f"{self.method}-{Path(self.data.name).stem.replace(':', '_')}-s{self.seed}"
+        data = Path(self.data.name).stem.replace(":", "_") if self.data.name else self.task.kind
+        return self.name or f"{self.method}-{data}-s{self.seed}"
 
 
 def _format_error(err: ValidationError) -> str:
     first = err.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "config"
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"]).lstrip(".") or "config"
     msg = first["msg"].removeprefix("Value error, ")
     given = first.get("input")
     shown = "" if first["type"] == "missing" or isinstance(given, dict) else f" (got {given!r})"
@@ -163,9 +194,9 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
         raise ConfigError(_format_error(exc)) from None
 
 
-def validate_options(config: RunConfig, options_cls: type[BaseModel]) -> BaseModel:
-    """The method's typed options from ``config.options``, errors prefixed with ``options.``."""
+def validate_options(values: dict[str, Any], options_cls: type[BaseModel], prefix: str = "options") -> BaseModel:
+    """Typed options (a method's ``[options]``, a task's ``[task]``), errors prefixed with ``prefix.``."""
     try:
-        return options_cls.model_validate(config.options)
+        return options_cls.model_validate(values)
     except ValidationError as exc:
-        raise ConfigError("options." + _format_error(exc)) from None
+        raise ConfigError(f"{prefix}." + _format_error(exc)) from None

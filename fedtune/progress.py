@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fedtune.config import RunConfig
-from fedtune.federation.simulation import RoundRecord
+from fedtune.engines.rounds import RoundRecord
 
 MB = 1e6
 
@@ -24,9 +24,9 @@ class RoundPrinter:
         self.up = self.down = 0
 
     def start(self, context) -> None:
-        c = self.config
+        c = self.config = context.config  # resolved: the task's default data and model named
         self.console.print(
-            f"[bold]{c.run_name}[/]: method {c.method}, data {c.data.name}, model {c.model.name}, "
+            f"[bold]{c.run_name}[/]: method {c.method}, task {c.task.kind}, data {c.data.name}, model {c.model.name}, "
             f"{c.federation.num_clients} clients ({c.federation.sample_size()} per round), {c.rounds} rounds",
             soft_wrap=True,
         )

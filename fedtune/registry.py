@@ -1,7 +1,8 @@
-"""Method registry: name -> (Strategy class, Client class, options Config class).
+"""Method registry: name -> (Strategy class, Client class, options Config class, what it needs).
 
 A method module registers itself with :func:`register`; the engines look methods up by name
-and never branch on it.
+and never branch on it. A method names the task capabilities it needs (``requires``: for
+example ``"lora"``, a model with LoRA targets); it runs on every task kind that offers them.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict
 
 from fedtune.config import ConfigError
-from fedtune.federation.client import Client
-from fedtune.federation.strategy import Strategy
+from fedtune.protocol.client import Client
+from fedtune.protocol.strategy import Strategy
+from fedtune.tasks import get_task_class, list_tasks
 
 
 class MethodOptions(BaseModel):
@@ -30,6 +32,23 @@ class MethodSpec:
     client: type[Client]
     options: type[MethodOptions]
     description: str
+    requires: frozenset[str] = frozenset()
+
+    def supports(self, kind: str) -> bool:
+        return self.requires <= get_task_class(kind).capabilities
+
+    def supported_tasks(self) -> list[str]:
+        """The registered task kinds this method runs on."""
+        return [t.kind for t in list_tasks() if self.requires <= t.capabilities]
+
+    def check_task(self, kind: str) -> None:
+        """Stop with one line when the method cannot run on task ``kind``."""
+        if not self.supports(kind):
+            need = ", ".join(sorted(self.requires - get_task_class(kind).capabilities))
+            raise ConfigError(
+                f"method {self.name!r} does not support task {kind!r} (it needs: {need}); "
+                f"its tasks are {', '.join(self.supported_tasks()) or 'none'}"
+            )
 
 
 _METHODS: dict[str, MethodSpec] = {}
@@ -41,9 +60,12 @@ def register(
     client: type[Client],
     options: type[MethodOptions] = MethodOptions,
     description: str = "",
+    requires: tuple[str, ...] = (),
 ) -> MethodSpec:
-    """Register a method under ``name`` (re-registering a name replaces it)."""
-    spec = MethodSpec(name, strategy, client, options, description or (strategy.__doc__ or "").strip().split("\n")[0])
+    """Register a method under ``name`` (re-registering a name replaces it); ``requires``: the
+    task capabilities it needs (``("lora",)`` for a LoRA method)."""
+    doc = description or (strategy.__doc__ or "").strip().split("\n")[0]
+    spec = MethodSpec(name, strategy, client, options, doc, frozenset(requires))
     _METHODS[name] = spec
     return spec
 

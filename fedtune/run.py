@@ -13,11 +13,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-
+from fedtune.checkpoint import save_state
 from fedtune.config import RunConfig
-from fedtune.federation.simulation import RoundRecord, run_rounds
-from fedtune.federation.strategy import Strategy
+from fedtune.engines.embedded import embedded_engine
+from fedtune.engines.rounds import RoundRecord
+from fedtune.process import setup_process
+from fedtune.protocol.strategy import Strategy
 from fedtune.runtime import RunContext
 
 
@@ -27,55 +28,7 @@ def _toml(config: RunConfig) -> str:
     return tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))
 
 
-def save_state(path: Path, state: dict) -> None:
-    """A strategy state (nested dicts of arrays and JSON values) as one .npz, written atomically."""
-    flat: dict[str, np.ndarray] = {}
-    plain: dict = {}
-
-    def walk(node, prefix, out_plain):
-        for key, value in node.items():
-            if isinstance(value, dict):
-                walk(value, f"{prefix}{key}/", out_plain.setdefault(key, {}))
-            elif isinstance(value, np.ndarray):
-                flat[f"{prefix}{key}"] = value
-            else:
-                out_plain[key] = value
-
-    walk(state, "", plain)
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, __json__=np.frombuffer(json.dumps(plain).encode(), dtype=np.uint8), **flat)
-    tmp.replace(path)
-
-
-def load_state(path: Path) -> dict:
-    """Inverse of :func:`save_state`."""
-    with np.load(path) as z:
-        state = json.loads(bytes(z["__json__"]).decode())
-        for key in z.files:
-            if key == "__json__":
-                continue
-            node = state
-            *parents, leaf = key.split("/")
-            for p in parents:
-                node = node.setdefault(p, {})
-            node[leaf] = z[key]
-    return state
-
-
 Engine = Callable[[Strategy, Callable[[RoundRecord], None]], list[RoundRecord]]
-
-
-def _embedded_engine(config: RunConfig) -> Engine:
-    clients = RunContext(config)  # the clients' side: shares nothing with the server but Messages
-    fed = config.federation
-
-    def engine(strategy: Strategy, on_round: Callable[[RoundRecord], None]) -> list[RoundRecord]:
-        return run_rounds(
-            strategy, clients.client, fed.num_clients, fed.sample_size(), config.rounds, config.seed,
-            config.eval_every, on_round,
-        )
-
-    return engine
 
 
 def run_experiment(
@@ -86,18 +39,17 @@ def run_experiment(
     engine_name: str = "embedded",
 ) -> dict:
     """Run ``config`` and return the summary (also in ``summary.json``). ``engine(strategy,
-    on_round)`` runs the rounds (default: the embedded engine, clients in this process)."""
+    on_round)`` runs the rounds (default: :func:`~fedtune.engines.embedded.embedded_engine`,
+    clients in this process)."""
     start = time.perf_counter()
-    if config.train.threads:
-        import torch
-
-        torch.set_num_threads(config.train.threads)
+    setup_process(config.train.threads)
     server = RunContext(config)
+    config = server.config  # resolved: the task's defaults filled in
     run_dir = Path(config.output_dir) / config.run_name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(_toml(config))
     (run_dir / "label_histograms.json").write_text(
-        json.dumps({"label_names": server.label_names, "clients": server.histograms()})
+        json.dumps({"label_names": server.task.label_names, "clients": server.histograms()})
     )
     if on_start is not None:
         on_start(server)
@@ -112,21 +64,22 @@ def run_experiment(
             if on_round is not None:
                 on_round(rec)
 
-        history = (engine or _embedded_engine(config))(strategy, record)
+        history = (engine or embedded_engine(config))(strategy, record)
     save_state(run_dir / "checkpoint.npz", strategy.state_dict())
     strategy.save(run_dir)
     evaluated = [r.metrics["accuracy"] for r in history if "accuracy" in r.metrics]
     summary = {
         "name": config.run_name,
         "method": config.method,
+        "task": config.task.kind,
         "data": config.data.name,
         "rounds": config.rounds,
         "seed": config.seed,
         "final_accuracy": history[-1].metrics.get("accuracy"),
         "best_accuracy": max(evaluated) if evaluated else None,
         "final_loss": history[-1].metrics.get("loss"),
-        "majority_accuracy": server.majority_rate,
-        "test_examples": len(server.raw_data[1]),
+        "majority_accuracy": server.task.majority_rate(),
+        "test_examples": len(server.task.test),
         "total_bytes_up": sum(sum(r.client_bytes_up.values()) for r in history),
         "total_bytes_down": sum(sum(r.client_bytes_down.values()) for r in history),
         "total_compute_s": sum(sum(r.client_compute_s.values()) for r in history),

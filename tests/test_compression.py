@@ -1,4 +1,4 @@
-"""Tests for top-k upload compression (fedtune.federation.compression, Kuo et al. 2024): the kept
+"""Tests for top-k upload compression (fedtune.protocol.compression, Kuo et al. 2024): the kept
 entries, the exact encoded bytes, decoding, and its composition with FedIT and FSLoRA uploads."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from fedtune.config import load_config
-from fedtune.federation.compression import IDX, SHAPE, VAL, is_topk_encoded, topk_count, topk_decode, topk_encode
-from fedtune.federation.messages import Message
-from fedtune.federation.simulation import run_rounds
+from fedtune.protocol.compression import IDX, SHAPE, VAL, is_topk_encoded, topk_count, topk_decode, topk_encode
+from fedtune.protocol.messages import Message
+from fedtune.engines.embedded import run_rounds
 from fedtune.methods.fslora import SHARED_SKETCH, read_indices
 from fedtune.methods.lora_common import decode_update
 from fedtune.models.lora import lora_pairs

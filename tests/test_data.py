@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from fedtune.config import ConfigError, DataConfig
-from fedtune.data import label_histograms, load_text_dataset, partition
+from fedtune.data.partition import label_histograms, partition
+from fedtune.data.text import load_text_dataset
 from fedtune.data.batches import TokenizedSet
 
 

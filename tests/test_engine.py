@@ -1,14 +1,16 @@
 """The engine is method-agnostic, deterministic, and accounts bytes exactly."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from fedtune.federation.client import Client
-from fedtune.federation.messages import Message
-from fedtune.federation.simulation import run_rounds, sample_clients
-from fedtune.federation.strategy import Strategy
+from fedtune.protocol.client import Client
+from fedtune.protocol.messages import Message
+from fedtune.engines.embedded import run_rounds
+from fedtune.engines.rounds import sample_clients
+from fedtune.protocol.strategy import Strategy
 from fedtune.registry import MethodOptions, get_method, register
 from fedtune.runtime import RunContext
 
@@ -108,34 +110,31 @@ def test_local_reports_mean_of_client_accuracies(tiny_config):
 
 
 def test_run_folder_and_saved_adapter_reproduce_final_predictions(tiny_config):
+    import torch
     from peft import PeftModel
 
-    from fedtune.models.loading import load_classifier
-    from fedtune.models.training import predict
-    from fedtune.run import load_state, run_experiment
+    from fedtune.checkpoint import load_state
+    from fedtune.run import run_experiment
 
     cfg = tiny_config("method=fedit")
     summary = run_experiment(cfg)
-    run_dir = summary["run_dir"]
+    run_dir = Path(summary["run_dir"])
     for name in ("config.toml", "metrics.jsonl", "summary.json", "label_histograms.json", "checkpoint.npz", "adapter"):
-        assert (__import__("pathlib").Path(run_dir) / name).exists(), name
+        assert (run_dir / name).exists(), name
     # the run's final model: the strategy's global state loaded into a fresh workspace
     ctx = RunContext(cfg)
-    state = load_state(__import__("pathlib").Path(run_dir) / "checkpoint.npz")
+    state = load_state(run_dir / "checkpoint.npz")
     ws = ctx.workspace
     ws.load(state["global"], int(state["rank"]))
-    expected = predict(ws.model, ctx.test, 64)
-    # the saved adapter, loaded the standard PEFT way onto the base model
-    base = load_classifier(cfg.model.name, ctx.num_labels, cfg.seed)
-    loaded = PeftModel.from_pretrained(base, f"{run_dir}/adapter")
-    got = predict(loaded, ctx.test, 64)
-    assert np.array_equal(got, expected)
+    # the saved adapter, loaded the standard PEFT way onto the task's base model
+    loaded = PeftModel.from_pretrained(ctx.task.build_model(cfg.seed), str(run_dir / "adapter"))
+    test = ctx.task.tokenized[1]
+    batch = test.collate(np.arange(len(test)))
     ws.model.eval(), loaded.eval()
-    batch = ctx.test.collate(np.arange(8))
-    import torch
-
     with torch.no_grad():
-        assert torch.allclose(ws.model(**batch).logits, loaded(**batch).logits, atol=1e-5)
+        expected, got = ws.model(**batch).logits, loaded(**batch).logits
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    assert torch.allclose(got, expected, atol=1e-5)
     assert summary["majority_accuracy"] > 0 and summary["final_accuracy"] is not None
 
 

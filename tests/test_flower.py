@@ -17,8 +17,8 @@ from flwr.app import Message as FlowerMessage
 from flwr.serverapp import Grid
 
 from fedtune.config import load_config
-from fedtune.federation import flower
-from fedtune.federation.flower import (
+from fedtune.engines import flower
+from fedtune.engines.flower import (
     FlowerClientError,
     config_from_run_config,
     make_client_app,
@@ -28,8 +28,9 @@ from fedtune.federation.flower import (
     state_to_record,
     unpack,
 )
-from fedtune.federation.messages import Message
-from fedtune.run import load_state, run_experiment
+from fedtune.protocol.messages import Message
+from fedtune.checkpoint import load_state
+from fedtune.run import run_experiment
 
 TINY = [
     "method=fedit",
@@ -210,7 +211,7 @@ def test_loopback_flower_apps_match_embedded_engine(task_identity, tmp_path, emb
 
 
 def test_federated_evaluation_and_client_state_match_embedded_engine(task_identity, tmp_path, monkeypatch):
-    from fedtune.federation.simulation import run_rounds
+    from fedtune.engines.embedded import run_rounds
     from fedtune.methods.fedit import FedITClient, FedITStrategy
     from fedtune.runtime import RunContext
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from fedtune.config import ConfigError, load_config
-from fedtune.federation.messages import Message
-from fedtune.federation.simulation import exchange, run_rounds
+from fedtune.protocol.messages import Message
+from fedtune.engines.embedded import exchange, run_rounds
 from fedtune.methods.fslora import (
     SHARED_SKETCH,
     read_indices,
@@ -259,8 +259,6 @@ def test_rank_k_adapter_gradient_equals_autograd_of_dense_sketched_loss():
     client's gradient through the PEFT rank-k adapter on B[:, I], A[I, :]; zero outside I."""
     from torch.func import functional_call
 
-    from fedtune.models.loading import load_classifier
-
     config = make_config(profiles(0.375), "model.lora_alpha=12", clients=1)  # k = 3, alpha/r = 1.5
     ctx = RunContext(config)
     ws = ctx.workspace
@@ -268,7 +266,7 @@ def test_rank_k_adapter_gradient_equals_autograd_of_dense_sketched_loss():
     global_arrays = {k: (0.2 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in ws.state(RANK).items()}
     pairs = lora_pairs(global_arrays)
     idx = sketch_indices(0, 1, 0, RANK, 3)
-    batch = ctx.train.collate(np.arange(8))
+    batch = ctx.task.tokenized[0].collate(np.arange(8))
 
     # the client's path: the rank-k PEFT adapter loaded with the active slices
     params = ws.load(slice_adapter(global_arrays, {a: idx for a, _ in pairs}), 3)
@@ -279,7 +277,7 @@ def test_rank_k_adapter_gradient_equals_autograd_of_dense_sketched_loss():
     client_grads = {k: p.grad.detach().numpy().copy() for k, p in params.items()}
 
     # the reference: W = W0 + (alpha/r) B S A as a dense weight in an un-adapted copy of the model
-    base = load_classifier(config.model.name, ctx.num_labels, config.seed).eval()
+    base = ctx.task.build_model(config.seed).eval()
     peft_params = dict(ws.model.named_parameters())
     S = torch.tensor(sketch_matrix(idx, RANK), dtype=torch.float32)
     leaves = {k: torch.tensor(v, requires_grad=True) for k, v in global_arrays.items()}

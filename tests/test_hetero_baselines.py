@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fedtune.config import load_config
-from fedtune.federation.messages import Message
+from fedtune.protocol.messages import Message
 from fedtune.methods.fedstacklora import DENSE, STACK_B, split_downlink
 from fedtune.methods.hetero_common import (
     a_name,
@@ -27,7 +27,8 @@ from fedtune.methods.hetero_common import (
     weighted_product_sum,
     zero_pad_average,
 )
-from fedtune.run import load_state, run_experiment, save_state
+from fedtune.checkpoint import load_state, save_state
+from fedtune.run import run_experiment
 from fedtune.runtime import RunContext
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from fedtune.federation.messages import Message
+from fedtune.protocol.messages import Message
 
 
 def test_roundtrip_preserves_arrays_dtypes_and_meta():

@@ -1,6 +1,4 @@
-"""Data: sources (packaged, data directory, local files, hub), partitioners, tokenized batches."""
+"""Data: sources (packaged sets, a data directory, local files, the hub), partitioners, batches.
 
-from fedtune.data.partition import label_histograms, partition
-from fedtune.data.sources import TextDataset, load_text_dataset, subsample
-
-__all__ = ["TextDataset", "label_histograms", "load_text_dataset", "partition", "subsample"]
+Modules import no model code; each task (``fedtune/tasks/``) combines a source with its model.
+"""

@@ -8,16 +8,8 @@ sets theta^{t+1} = theta^t + sum_i p_i Delta_i, p_i proportional to the client's
 
 from __future__ import annotations
 
-from fedtune.federation.messages import Message
-from fedtune.methods.lora_common import (
-    GlobalAdapterStrategy,
-    LoraClient,
-    Weighting,
-    client_weights,
-    decode_update,
-    mean_train_loss,
-    weighted_average,
-)
+from fedtune.methods.lora_common import LORA, BroadcastAverage, GlobalAdapterStrategy, LoraClient, Weighting
+from fedtune.protocol.messages import Message
 from fedtune.registry import MethodOptions, register
 
 
@@ -25,24 +17,15 @@ class FedITOptions(MethodOptions):
     weighting: Weighting = "examples"
 
 
-class FedITStrategy(GlobalAdapterStrategy):
+class FedITStrategy(BroadcastAverage, GlobalAdapterStrategy):
     """FedIT: FedAvg of LoRA adapters with a uniform rank (Zhang et al. 2024)."""
 
     def initialize(self) -> None:
         self.rank = self.config.model.lora_rank
         self.global_arrays = self.context.workspace.state(self.rank)
 
-    def configure_fit(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
-        message = Message(self.global_arrays, {"round": rnd, "rank": self.rank})
-        return {cid: message for cid in client_ids}
-
-    def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
-        if not replies:
-            return {}
-        updates = [decode_update(m.arrays) for m in replies.values()]
-        mean = weighted_average(updates, client_weights(replies, self.options.weighting))
-        self.global_arrays = {k: v + mean[k] for k, v in self.global_arrays.items()}
-        return mean_train_loss(replies)
+    def fit_meta(self, rnd: int) -> dict:
+        return {"round": rnd, "rank": self.rank}
 
 
 class FedITClient(LoraClient):
@@ -52,4 +35,4 @@ class FedITClient(LoraClient):
         return self.upload({k: trained[k] - received[k] for k in trained}, result)
 
 
-register("fedit", FedITStrategy, FedITClient, FedITOptions)
+register("fedit", FedITStrategy, FedITClient, FedITOptions, requires=LORA)

@@ -35,8 +35,8 @@ from typing import Literal, Mapping
 
 import numpy as np
 
-from fedtune.federation.messages import Message
-from fedtune.federation.strategy import Strategy
+from fedtune.protocol.messages import Message
+from fedtune.protocol.strategy import Strategy
 from fedtune.methods.hetero_common import (
     a_name,
     array_rank,
@@ -51,6 +51,7 @@ from fedtune.methods.hetero_common import (
     svd_factors,
 )
 from fedtune.methods.lora_common import (
+    LORA,
     LoraClient,
     Weighting,
     client_rank,
@@ -59,7 +60,6 @@ from fedtune.methods.lora_common import (
     mean_train_loss,
     weighted_average,
 )
-from fedtune.models.training import evaluate_model
 from fedtune.registry import MethodOptions, register
 
 DENSE, STACK_B, STACK_A = ".merged_delta", ".stack_B", ".stack_A"
@@ -155,7 +155,7 @@ class FedStackLoRAStrategy(Strategy):
         arrays = {k: np.zeros(tuple(p.shape), dtype=np.float32) for k, p in params.items()}
         ws.load({**arrays, **self.head}, self.rank)
         with merged_into_base(ws, self.merged):
-            return evaluate_model(ws.model, self.context.test, self.config.train.eval_batch_size)
+            return self.context.task.evaluate(ws.model, self.config.train.eval_batch_size)
 
     def state_dict(self) -> dict:
         return {
@@ -200,4 +200,4 @@ class FedStackLoRAClient(LoraClient):
         return self.upload({k: trained[k] - start[k] for k in trained}, result)
 
 
-register("fedstacklora", FedStackLoRAStrategy, FedStackLoRAClient, FedStackLoRAOptions)
+register("fedstacklora", FedStackLoRAStrategy, FedStackLoRAClient, FedStackLoRAOptions, requires=LORA)

@@ -28,7 +28,7 @@ from typing import Literal
 
 import numpy as np
 
-from fedtune.federation.messages import Message
+from fedtune.protocol.messages import Message
 from fedtune.methods.hetero_common import (
     RankedAdapterClient,
     a_name,
@@ -44,6 +44,7 @@ from fedtune.methods.hetero_common import (
     weighted_product_sum,
 )
 from fedtune.methods.lora_common import (
+    LORA,
     GlobalAdapterStrategy,
     Weighting,
     client_rank,
@@ -52,7 +53,6 @@ from fedtune.methods.lora_common import (
     mean_train_loss,
     weighted_average,
 )
-from fedtune.models.training import evaluate_model
 from fedtune.registry import MethodOptions, register
 
 
@@ -130,7 +130,7 @@ class FlexLoRAStrategy(GlobalAdapterStrategy):
         zero_b = {k: (np.zeros_like(v) if is_lora_b(k) else v) for k, v in self.global_arrays.items()}
         ws.load(zero_b, self.rank)
         with merged_into_base(ws, self.delta):
-            return evaluate_model(ws.model, self.context.test, self.config.train.eval_batch_size)
+            return self.context.task.evaluate(ws.model, self.config.train.eval_batch_size)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "init": dict(self.init_arrays), "delta": dict(self.delta)}
@@ -145,4 +145,4 @@ class FlexLoRAStrategy(GlobalAdapterStrategy):
             self._refresh_svd()
 
 
-register("flexlora", FlexLoRAStrategy, RankedAdapterClient, FlexLoRAOptions)
+register("flexlora", FlexLoRAStrategy, RankedAdapterClient, FlexLoRAOptions, requires=LORA)

@@ -41,8 +41,9 @@ from typing import Literal, Mapping
 import numpy as np
 from pydantic import Field
 
-from fedtune.federation.messages import Message
+from fedtune.protocol.messages import Message
 from fedtune.methods.lora_common import (
+    LORA,
     GlobalAdapterStrategy,
     LoraClient,
     Weighting,
@@ -221,4 +222,4 @@ class FSLoRAClient(LoraClient):
         return reply
 
 
-register("fslora", FSLoRAStrategy, FSLoRAClient, FSLoRAOptions)
+register("fslora", FSLoRAStrategy, FSLoRAClient, FSLoRAOptions, requires=LORA)

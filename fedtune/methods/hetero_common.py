@@ -18,7 +18,7 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from fedtune.federation.messages import Message
+from fedtune.protocol.messages import Message
 from fedtune.methods.lora_common import LoraClient
 
 LORA_A, LORA_B = ".lora_A.", ".lora_B."

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from fedtune.federation.messages import Message
+from fedtune.protocol.messages import Message
 from fedtune.methods.hetero_common import RankedAdapterClient, truncate_rank, zero_pad_average
 from fedtune.methods.lora_common import (
+    LORA,
     GlobalAdapterStrategy,
     Weighting,
     client_rank,
@@ -79,4 +80,4 @@ class HeteroLoRAStrategy(GlobalAdapterStrategy):
         return mean_train_loss(replies)
 
 
-register("heterolora", HeteroLoRAStrategy, RankedAdapterClient, HeteroLoRAOptions)
+register("heterolora", HeteroLoRAStrategy, RankedAdapterClient, HeteroLoRAOptions, requires=LORA)

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedtune.federation.messages import Message
-from fedtune.methods.lora_common import LoraClient, mean_train_loss
-from fedtune.models.training import evaluate_model
+from fedtune.protocol.messages import Message
+from fedtune.methods.lora_common import LORA, LoraClient, mean_train_loss
 from fedtune.registry import register
 from fedtune.methods.fedit import FedITStrategy
 
@@ -71,7 +70,7 @@ class LocalClient(LoraClient):
     def evaluate(self, message: Message) -> Message:
         ws = self.context.workspace
         ws.load(self._adapter(message), message.meta["rank"])
-        return Message({}, evaluate_model(ws.model, self.context.test, self.config.train.eval_batch_size))
+        return Message({}, self.context.task.evaluate(ws.model, self.config.train.eval_batch_size))
 
 
-register("local", LocalStrategy, LocalClient)
+register("local", LocalStrategy, LocalClient, requires=LORA)

@@ -12,26 +12,27 @@ from typing import Iterable, Literal, Mapping
 
 import numpy as np
 
-from fedtune.federation.client import Client
-from fedtune.federation.messages import Message
-from fedtune.federation.strategy import Strategy
-from fedtune.models.training import FitResult, evaluate_model, seed_for, train_local
+from fedtune.protocol.client import Client
+from fedtune.protocol.messages import Message
+from fedtune.protocol.strategy import Strategy
+from fedtune.models.training import FitResult, seed_for, train_local
 
 Weighting = Literal["examples", "uniform"]
+LORA = ("lora",)  # the task capability every LoRA method requires (register(..., requires=LORA))
 
 
 def encode_update(update: dict[str, np.ndarray], topk: float | None) -> dict[str, np.ndarray]:
     """Arrays to upload for ``update`` (identity unless ``federation.upload_topk`` is set)."""
     if topk is None:
         return update
-    from fedtune.federation.compression import topk_encode
+    from fedtune.protocol.compression import topk_encode
 
     return topk_encode(update, topk)
 
 
 def decode_update(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Inverse of :func:`encode_update` (dense arrays pass through)."""
-    from fedtune.federation.compression import is_topk_encoded, topk_decode
+    from fedtune.protocol.compression import is_topk_encoded, topk_decode
 
     return topk_decode(arrays) if is_topk_encoded(arrays) else dict(arrays)
 
@@ -53,7 +54,42 @@ def mean_train_loss(replies: Mapping[int, Message]) -> dict[str, float]:
     return {"train_loss": float(np.mean(losses))} if losses else {}
 
 
-class LoraClient(Client):
+class UpdateClient(Client):
+    """A client that uploads an update (trained minus received arrays) through the upload codec."""
+
+    def upload(self, update: dict[str, np.ndarray], result: FitResult, **meta) -> Message:
+        """The reply: the (possibly compressed) update and the fit metrics."""
+        return Message(encode_update(update, self.config.federation.upload_topk), {**result.meta(), **meta})
+
+    def train_seed(self, rnd: int) -> int:
+        """Data order and dropout of this client in round ``rnd``: from (run seed, round, client) alone."""
+        return seed_for(self.config.seed, rnd, self.cid)
+
+
+class BroadcastAverage(Strategy):
+    """FedAvg's round over ``self.global_arrays``: every sampled client gets the same arrays
+    (and :meth:`fit_meta`); the server adds the weighted mean of the clients' updates,
+    theta^{t+1} = theta^t + sum_i p_i Delta_i (``options.weighting``)."""
+
+    global_arrays: dict[str, np.ndarray]
+
+    def fit_meta(self, rnd: int) -> dict:
+        return {"round": rnd}
+
+    def configure_fit(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
+        message = Message(self.global_arrays, self.fit_meta(rnd))
+        return {cid: message for cid in client_ids}
+
+    def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
+        if not replies:
+            return {}
+        updates = [decode_update(m.arrays) for m in replies.values()]
+        mean = weighted_average(updates, client_weights(replies, self.options.weighting))
+        self.global_arrays = {k: v + mean[k] for k, v in self.global_arrays.items()}
+        return mean_train_loss(replies)
+
+
+class LoraClient(UpdateClient):
     """A client that loads the received adapter of a given rank, trains it locally, and
     returns the new arrays and its fit result."""
 
@@ -65,16 +101,12 @@ class LoraClient(Client):
         result = train_local(
             ws.model,
             list(params.values()),
-            self.context.train,
+            self.context.task,
             self.context.partitions[self.cid],
             self.config.train,
-            seed_for(self.config.seed, rnd, self.cid),
+            self.train_seed(rnd),
         )
         return {k: p.detach().numpy().copy() for k, p in params.items()}, result
-
-    def upload(self, update: dict[str, np.ndarray], result: FitResult, **meta) -> Message:
-        """The reply: the (possibly compressed) update and the fit metrics."""
-        return Message(encode_update(update, self.config.federation.upload_topk), {**result.meta(), **meta})
 
 
 class GlobalAdapterStrategy(Strategy):
@@ -88,7 +120,7 @@ class GlobalAdapterStrategy(Strategy):
     def evaluate(self, rnd: int) -> dict[str, float]:
         ws = self.context.workspace
         ws.load(self.global_arrays, self.rank, self.alpha)
-        return evaluate_model(ws.model, self.context.test, self.config.train.eval_batch_size)
+        return self.context.task.evaluate(ws.model, self.config.train.eval_batch_size)
 
     def state_dict(self) -> dict:
         return {"rank": self.rank, "global": {k: v.copy() for k, v in self.global_arrays.items()}}

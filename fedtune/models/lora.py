@@ -3,8 +3,12 @@
 Adapter state is a dict ``name -> array`` over the trainable parameters of the active adapter,
 with names free of PEFT's adapter and wrapper parts, for example
 ``bert.encoder.layer.0.attention.self.query.lora_A.weight`` (shape (r, n)) and
-``...lora_B.weight`` (shape (m, r)), plus the classifier head (``classifier.weight``, ...).
-PEFT computes ``W0 x + (alpha / r) B A x`` for an adapter of rank r.
+``...lora_B.weight`` (shape (m, r)), plus the task's head (``classifier.weight``, ...).
+PEFT computes ``W0 x + (alpha / r) B A x`` for an adapter of rank r (a convolution's A is
+(r, c_in, k, k) and its B (c_out, r, 1, 1)).
+
+The base model, its LoRA targets and its head come from the task
+(:meth:`~fedtune.tasks.base.Task.build_model`, ``lora_targets``, ``head_modules``).
 """
 
 from __future__ import annotations
@@ -15,22 +19,25 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from fedtune.config import ModelConfig
-from fedtune.models.loading import load_classifier
-
-HEAD_MODULES = ["classifier"]
+from fedtune.config import ConfigError
 
 
-def lora_config(cfg: ModelConfig, rank: int, alpha: float | None = None):
-    from peft import LoraConfig, TaskType
+def lora_config(task, rank: int, alpha: float | None = None):
+    """PEFT's LoraConfig for ``task``'s model: ``model.target_modules`` (default: the task's),
+    the task's head as ``modules_to_save``, ``model.lora_alpha`` unless ``alpha`` is given."""
+    from peft import LoraConfig
 
+    cfg = task.config.model
+    targets = list(cfg.target_modules) if cfg.target_modules is not None else task.lora_targets()
+    if not targets:
+        raise ConfigError(f"model.target_modules: the {task.kind} model {cfg.name!r} has no default LoRA targets; name them")
     return LoraConfig(
-        task_type=TaskType.SEQ_CLS,
+        task_type=task.peft_task_type,
         r=rank,
         lora_alpha=cfg.lora_alpha if alpha is None else alpha,
         lora_dropout=cfg.lora_dropout,
-        target_modules=list(cfg.target_modules),
-        modules_to_save=list(HEAD_MODULES),
+        target_modules=targets,
+        modules_to_save=task.head_modules() or None,
     )
 
 
@@ -50,11 +57,10 @@ class LoraWorkspace:
     its trainable parameters by short name; loading arrays into them is a copy, so a client
     sees nothing of the previous one."""
 
-    def __init__(self, cfg: ModelConfig, num_labels: int, seed: int) -> None:
-        self.cfg = cfg
-        self.num_labels = num_labels
+    def __init__(self, task, seed: int) -> None:
+        self.task = task
         self.seed = seed
-        self.base = load_classifier(cfg.name, num_labels, seed)
+        self.base = task.build_model(seed)
         self.model = None  # PeftModel once an adapter exists
         self._params: dict[str, dict[str, torch.nn.Parameter]] = {}
         self._target_names: set[str] | None = None
@@ -72,9 +78,9 @@ class LoraWorkspace:
             with torch.random.fork_rng():  # seeded init that leaves the global RNG untouched
                 torch.manual_seed(self.seed + 1)
                 if self.model is None:
-                    self.model = get_peft_model(self.base, lora_config(self.cfg, rank, alpha), adapter_name=name)
+                    self.model = get_peft_model(self.base, lora_config(self.task, rank, alpha), adapter_name=name)
                 else:
-                    self.model.add_adapter(name, lora_config(self.cfg, rank, alpha))
+                    self.model.add_adapter(name, lora_config(self.task, rank, alpha))
         self.model.set_adapter(name)
         if name not in self._params:
             self._params[name] = {
@@ -99,10 +105,10 @@ class LoraWorkspace:
 
     def save_pretrained(self, out_dir: Path, arrays: Mapping[str, np.ndarray], rank: int, alpha: float | None = None) -> None:
         """Write ``arrays`` as a standard PEFT adapter (``PeftModel.from_pretrained`` loads it
-        onto ``load_classifier(name, num_labels, seed)``)."""
+        onto the task's base model, ``task.build_model(seed)``)."""
         from peft import get_peft_model
 
-        fresh = get_peft_model(load_classifier(self.cfg.name, self.num_labels, self.seed), lora_config(self.cfg, rank, alpha))
+        fresh = get_peft_model(self.task.build_model(self.seed), lora_config(self.task, rank, alpha))
         params = {_short_name(n, "default"): p for n, p in fresh.named_parameters() if p.requires_grad}
         with torch.no_grad():
             for k, p in params.items():

@@ -1,15 +1,15 @@
-"""Local training and batched no-grad evaluation, shared by every method's clients and servers."""
+"""Local training and no-grad evaluation, shared by every method's clients and servers and every task."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
 
 from fedtune.config import TrainConfig
-from fedtune.data.batches import TokenizedSet
 
 
 @dataclass
@@ -36,24 +36,40 @@ def seed_for(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint32).view(np.uint64)[0] >> 1)
 
 
+_NORMS = (torch.nn.modules.batchnorm._BatchNorm,)
+
+
+def train_mode(model: torch.nn.Module) -> None:
+    """``model.train()``, except batch norms whose affine parameters are frozen: they keep their
+    running statistics (eval mode). A frozen base model is shared by every client of a process
+    and by the server, so a statistic updated by one client's batches would leak into the next
+    client and into evaluation; trained norms (full fine-tuning) update them, and methods that
+    train them carry their buffers in their state."""
+    model.train()
+    for module in model.modules():
+        if isinstance(module, _NORMS) and not any(p.requires_grad for p in module.parameters(recurse=False)):
+            module.eval()
+
+
 def train_local(
     model: torch.nn.Module,
     params: list[torch.nn.Parameter],
-    data: TokenizedSet,
+    task: Any,
     pool: np.ndarray,
     cfg: TrainConfig,
     seed: int,
 ) -> FitResult:
-    """``cfg.local_steps`` optimizer steps on batches from ``pool``; data order and dropout are
-    fixed by ``seed`` (so the same client, round and seed train identically in any process)."""
+    """``cfg.local_steps`` optimizer steps of ``task.loss`` on ``task.train_batches(pool, ...)``;
+    data order and dropout are fixed by ``seed`` (so the same client, round and seed train
+    identically in any process)."""
     start = time.perf_counter()
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     optimizer = make_optimizer(params, cfg)
-    model.train()
+    train_mode(model)
     total = 0.0
-    for batch in data.train_batches(pool, cfg.batch_size, cfg.local_steps, rng, cfg.group_by_length):
-        loss = model(**batch).loss
+    for batch in task.train_batches(pool, cfg.batch_size, cfg.local_steps, rng):
+        loss = task.loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -62,25 +78,26 @@ def train_local(
 
 
 @torch.inference_mode()
-def evaluate_model(model: torch.nn.Module, data: TokenizedSet, batch_size: int) -> dict[str, float]:
-    """Accuracy and mean cross-entropy over ``data``, in length-sorted batches."""
+def evaluate_classifier(
+    model: torch.nn.Module,
+    batches: Iterable[Any],
+    forward: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+) -> dict[str, float]:
+    """Accuracy and mean cross-entropy over ``batches``; ``forward(model, batch)`` returns
+    (logits (B, C), labels (B,), the batch's mean loss)."""
     model.eval()
-    correct, loss_sum = 0, 0.0
-    for batch in data.eval_batches(batch_size):
-        out = model(**batch)
-        loss_sum += out.loss.item() * len(batch["labels"])
-        correct += (out.logits.argmax(-1) == batch["labels"]).sum().item()
-    n = max(len(data), 1)
+    correct, loss_sum, n = 0, 0.0, 0
+    for batch in batches:
+        logits, labels, loss = forward(model, batch)
+        loss_sum += loss.item() * len(labels)
+        correct += (logits.argmax(-1) == labels).sum().item()
+        n += len(labels)
+    n = max(n, 1)
     return {"accuracy": correct / n, "loss": loss_sum / n}
 
 
-@torch.inference_mode()
-def predict(model: torch.nn.Module, data: TokenizedSet, batch_size: int) -> np.ndarray:
-    """Predicted labels in the order of ``data``."""
-    model.eval()
-    out = np.empty(len(data), dtype=np.int64)
-    order = np.argsort(data.lengths, kind="stable")
-    for i in range(0, len(order), batch_size):
-        idx = order[i : i + batch_size]
-        out[idx] = model(**data.collate(idx)).logits.argmax(-1).numpy()
-    return out
+def freeze_except(model: torch.nn.Module, trainable_prefixes: list[str]) -> torch.nn.Module:
+    """``requires_grad`` only for parameters under the named modules (``model.finetune = "head"``)."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(any(name == p or name.startswith(p + ".") for p in trainable_prefixes))
+    return model

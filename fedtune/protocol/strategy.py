@@ -1,6 +1,6 @@
 """Server side of a method: the abstract Strategy every method implements.
 
-A Strategy talks to clients only through :class:`~fedtune.federation.messages.Message`.
+A Strategy talks to clients only through :class:`~fedtune.protocol.messages.Message`.
 The engines (in-process simulation, Flower) call, each round::
 
     messages = strategy.configure_fit(rnd, client_ids)      # one Message per sampled client
@@ -16,20 +16,19 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from fedtune.federation.messages import Message
-
-if TYPE_CHECKING:
-    from fedtune.runtime import RunContext
+from fedtune.protocol.messages import Message
 
 
 class Strategy(ABC):
     """Server-side logic of one method. Holds the global state; never touches client objects."""
 
-    def __init__(self, context: "RunContext") -> None:
+    def __init__(self, context: Any) -> None:
+        """``context``: the process's run context (:class:`fedtune.runtime.RunContext`): the
+        config, the method's options, the client profiles, the task and its cached model."""
         self.context = context
         self.config = context.config
         self.options = context.options  # the method's own typed options

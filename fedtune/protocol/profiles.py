@@ -27,9 +27,22 @@ def _profile(fields: dict[str, Any], where: str) -> ClientProfile:
         raise ValueError(f"{where}.{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err.get('input')!r})") from None
 
 
+def check_profile_choices(choices: dict[str, list[Any]]) -> None:
+    """Every key a profile field, every choice a valid value of it (ValueError naming the first bad one)."""
+    for key, values in choices.items():
+        if key not in ClientProfile.model_fields:
+            raise ValueError(
+                f"federation.profile_choices.{key}: not a profile field; expected one of {', '.join(ClientProfile.model_fields)}"
+            )
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"federation.profile_choices.{key}: expected a non-empty list")
+        for value in values:
+            _profile({key: value}, "federation.profile_choices")
+
+
 def build_profiles(
     num_clients: int,
-    explicit: list[dict[str, Any]] | None,
+    explicit: list[ClientProfile | dict[str, Any]] | None,
     choices: dict[str, list[Any]] | None,
     seed: int,
 ) -> list[ClientProfile]:
@@ -37,19 +50,18 @@ def build_profiles(
     all), or each field drawn uniformly from its choices with ``seed``; else defaults."""
     if explicit is not None:
         if len(explicit) == 1:
-            explicit = explicit * num_clients
+            explicit = list(explicit) * num_clients
         if len(explicit) != num_clients:
             raise ValueError(
                 f"federation.profiles: expected 1 or {num_clients} profiles (federation.num_clients), got {len(explicit)}"
             )
-        return [_profile(p, f"federation.profiles[{i}]") for i, p in enumerate(explicit)]
+        return [p if isinstance(p, ClientProfile) else _profile(p, f"federation.profiles[{i}]") for i, p in enumerate(explicit)]
     if choices:
+        check_profile_choices(choices)
         rng = np.random.default_rng([seed, 0x9F0F])
         drawn: dict[str, list[Any]] = {}
         for key in sorted(choices):
             values = list(choices[key])
-            if not values:
-                raise ValueError(f"federation.profile_choices.{key}: expected a non-empty list")
             drawn[key] = [values[i] for i in rng.integers(0, len(values), size=num_clients)]
         return [_profile({k: v[i] for k, v in drawn.items()}, "federation.profile_choices") for i in range(num_clients)]
     return [ClientProfile() for _ in range(num_clients)]

@@ -1,6 +1,6 @@
 """The same Strategy and Client objects as a Flower ServerApp / ClientApp (flwr Message API).
 
-Wire: a fedtune :class:`~fedtune.federation.messages.Message` crosses inside a Flower Message as
+Wire: a fedtune :class:`~fedtune.protocol.messages.Message` crosses inside a Flower Message as
 its own encoding, one ``bytes`` value of a ConfigRecord::
 
     RecordDict {"fedtune": ConfigRecord {"message": Message.encode(), "cid": <client id>}}
@@ -20,7 +20,7 @@ each client id is played by exactly one node. Each message also names its client
 ClientApp refuses a message meant for another one. A client's persistent state (``Client.state``)
 lives in its node's ``context.state`` as an ArrayRecord.
 
-The round loop is the embedded engine's (:func:`~fedtune.federation.simulation.drive_rounds`), with a batched transport: all
+The round loop is the embedded engine's (:func:`~fedtune.engines.embedded.drive_rounds`), with a batched transport: all
 clients of a round are sent at once (``grid.send_and_receive``), so nodes train in parallel, and
 the replies are put back in the order of ``configure_fit`` (aggregation order fixes float sums).
 A reply carrying an error raises :class:`FlowerClientError`, naming the client. The ClientApp
@@ -29,7 +29,7 @@ ConfigRecord, outside the accounted bytes), as the embedded engine times it arou
 
 Usage::
 
-    from fedtune.federation.flower import run_flower_simulation
+    from fedtune.engines.flower import run_flower_simulation
     summary = run_flower_simulation(load_config("configs/fedit.toml"))   # Ray, one node per client
 
 Deployment (``flwr run flower_app <superlink>``, see ``flower_app/pyproject.toml``): the app's
@@ -54,9 +54,10 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from fedtune.config import RunConfig
-from fedtune.federation.messages import Message
-from fedtune.federation.simulation import RoundRecord, drive_rounds
-from fedtune.federation.strategy import Strategy
+from fedtune.process import setup_process
+from fedtune.protocol.messages import Message
+from fedtune.engines.rounds import RoundRecord, drive_rounds
+from fedtune.protocol.strategy import Strategy
 
 RECORD = "fedtune"  # RecordDict key of the ConfigRecord that carries a fedtune Message
 BLOB = "message"  # ConfigRecord key: Message.encode()
@@ -118,13 +119,6 @@ def config_from_run_config(run_config: Mapping[str, Any]) -> RunConfig:
     return load_config(run_config.get("recipe") or None, overrides)
 
 
-def _apply_threads(config: RunConfig) -> None:
-    if config.train.threads:
-        import torch
-
-        torch.set_num_threads(config.train.threads)
-
-
 # -- client side ---------------------------------------------------------------------------------
 _CONTEXTS: dict[str, Any] = {}  # config JSON -> RunContext, one per process (a Ray actor, a SuperNode)
 _CONTEXTS_LOCK = threading.Lock()
@@ -137,7 +131,7 @@ def _process_context(config: RunConfig):
     key = config.model_dump_json()
     with _CONTEXTS_LOCK:
         if key not in _CONTEXTS:
-            _apply_threads(config)
+            setup_process(config.train.threads)
             _CONTEXTS[key] = RunContext(config)
         return _CONTEXTS[key]
 
@@ -165,7 +159,7 @@ def handle_client_message(config: RunConfig | None, message: FlowerMessage, cont
         raise RuntimeError(f"message for client {cid} reached the node of client {pid}")
     config = config if config is not None else config_from_run_config(context.run_config)
     client = _process_context(config).client(pid, state_from_record(context.state.get(STATE)))
-    start = time.perf_counter()  # the engine times the client call, as simulation.exchange does
+    start = time.perf_counter()  # the engine times the client call, as embedded.exchange does
     reply = client.fit(request) if kind == "train" else client.evaluate(request)
     seconds = time.perf_counter() - start
     context.state[STATE] = state_to_record(client.state)
@@ -281,7 +275,7 @@ def serve(
     engine does (:func:`fedtune.run.run_experiment`, summary marked ``"engine": "flower"``)."""
     from fedtune.run import run_experiment
 
-    _apply_threads(config)
+    setup_process(config.train.threads)
     fed = config.federation
 
     def engine(strategy: Strategy, record: Callable[[RoundRecord], None]) -> list[RoundRecord]:
@@ -351,7 +345,7 @@ def run_flower_simulation(
     num_supernodes = num_clients if num_supernodes is None else num_supernodes
     if num_supernodes != num_clients:
         raise ValueError(f"num_supernodes={num_supernodes}: one node plays one client, expected {num_clients}")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    setup_process()
     backend = ray_backend_config(num_supernodes, verbose)
     for key, value in (backend_config or {}).items():
         backend[key] = {**backend.get(key, {}), **value} if isinstance(value, dict) else value

@@ -41,9 +41,6 @@ class TextDataset:
     def subset(self, idx: np.ndarray) -> "TextDataset":
         return TextDataset([self.texts[i] for i in idx], self.labels[idx], self.label_names)
 
-    def majority_rate(self) -> float:
-        """Accuracy of always predicting the most frequent label."""
-        return float(np.bincount(self.labels, minlength=len(self.label_names)).max() / max(len(self), 1))
 
 
 @dataclass(frozen=True)
@@ -207,11 +204,3 @@ def load_text_dataset(cfg: DataConfig) -> tuple[TextDataset, TextDataset]:
         return TextDataset(texts, y[: len(texts)], names), TextDataset(test_texts, y[len(texts) :], names)
     y, names = _encode_labels(raw, None, str(path))
     return _split(TextDataset(texts, y, names))
-
-
-def subsample(ds: TextDataset, limit: int | None, seed: int) -> TextDataset:
-    """At most ``limit`` examples, drawn without replacement with ``seed`` (order kept)."""
-    if limit is None or limit >= len(ds):
-        return ds
-    idx = np.sort(np.random.default_rng(seed).choice(len(ds), size=limit, replace=False))
-    return ds.subset(idx)

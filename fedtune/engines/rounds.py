@@ -1,7 +1,6 @@
-"""Embedded simulation engine: in-process, sequential, deterministic under the run's seed.
-
-Every message crosses as bytes (encode, then decode on the other side), so nothing is shared
-between the server and a client, and the bytes accounted are the bytes that crossed.
+"""The round loop every engine runs (:func:`drive_rounds`): seeded client sampling, a
+Strategy's configure / aggregate calls, and per-round records with the bytes that crossed.
+An engine supplies only a :data:`Transport` that delivers a round's Messages to clients.
 """
 
 from __future__ import annotations
@@ -12,8 +11,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fedtune.federation.messages import Message
-from fedtune.federation.strategy import Strategy
+from fedtune.protocol.messages import Message
+from fedtune.protocol.strategy import Strategy
 
 
 def sample_clients(num_clients: int, sample_size: int, seed: int, rnd: int) -> list[int]:
@@ -22,18 +21,6 @@ def sample_clients(num_clients: int, sample_size: int, seed: int, rnd: int) -> l
         return list(range(num_clients))
     rng = np.random.default_rng([seed, rnd, 0x5A])
     return sorted(int(c) for c in rng.choice(num_clients, size=sample_size, replace=False))
-
-
-def exchange(message: Message, handler: Callable[[Message], Message]) -> tuple[Message, int, int, float]:
-    """Send ``message`` as bytes, run ``handler`` on the decoded copy; return the decoded reply,
-    the bytes down and up, and the seconds the handler took (the client's compute)."""
-    down = message.encode()
-    received = Message.decode(down)
-    start = time.perf_counter()
-    reply = handler(received)
-    seconds = time.perf_counter() - start
-    up = reply.encode()
-    return Message.decode(up), len(down), len(up), seconds
 
 
 @dataclass
@@ -74,22 +61,6 @@ class RoundRecord:
 Transport = Callable[[str, int, dict[int, Message]], dict[int, tuple[Message, int, int, float]]]
 
 
-def local_transport(make_client: Callable[[int, dict], Any]) -> Transport:
-    """In-process delivery: a fresh client per message, built by ``make_client(cid, state)``,
-    where ``state`` is that client's persistent dict (see Client), kept here between rounds."""
-    states: dict[int, dict] = {}
-
-    def send(kind: str, rnd: int, messages: dict[int, Message]) -> dict[int, tuple[Message, int, int, float]]:
-        out = {}
-        for cid, message in messages.items():
-            client = make_client(cid, states.setdefault(cid, {}))
-            out[cid] = exchange(message, client.fit if kind == "train" else client.evaluate)
-            states[cid] = client.state
-        return out
-
-    return send
-
-
 def drive_rounds(
     strategy: Strategy,
     transport: Transport,
@@ -102,7 +73,7 @@ def drive_rounds(
     start_round: int = 1,
 ) -> list[RoundRecord]:
     """Rounds ``start_round..rounds`` of ``strategy``, messages delivered by ``transport`` (the
-    embedded engine's :func:`local_transport`, or Flower's grid): one loop for every engine."""
+    embedded engine's :func:`~fedtune.engines.embedded.local_transport`, or Flower's grid): one loop for every engine."""
     history = []
     for rnd in range(start_round, rounds + 1):
         start = time.perf_counter()
@@ -129,20 +100,3 @@ def drive_rounds(
         if on_round is not None:
             on_round(record)
     return history
-
-
-def run_rounds(
-    strategy: Strategy,
-    make_client: Callable[[int, dict], Any],
-    num_clients: int,
-    sample_size: int,
-    rounds: int,
-    seed: int,
-    eval_every: int = 1,
-    on_round: Callable[[RoundRecord], None] | None = None,
-    start_round: int = 1,
-) -> list[RoundRecord]:
-    """The embedded engine: :func:`drive_rounds` with in-process clients from ``make_client``."""
-    return drive_rounds(
-        strategy, local_transport(make_client), num_clients, sample_size, rounds, seed, eval_every, on_round, start_round
-    )

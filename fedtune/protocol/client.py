@@ -1,8 +1,8 @@
 """Client side of a method: the abstract Client every method implements.
 
 A client is built fresh for each call (``fit`` or ``evaluate``) by the engine, from its id, its
-resource profile and the process's :class:`~fedtune.runtime.RunContext` (which caches the base
-model and the tokenized data, so 1,000 registered clients do not hold 1,000 models). Clients are
+resource profile and the process's run context (:class:`fedtune.runtime.RunContext`, which caches
+the task's base model and data, so 1,000 registered clients do not hold 1,000 models). Clients are
 stateless between rounds; a method that needs per-client memory keeps it in ``self.state``, a dict
 of arrays that the engine persists per client id (Flower: the node's ``context.state``).
 """
@@ -10,15 +10,12 @@ of arrays that the engine persists per client id (Flower: the node's ``context.s
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
-from fedtune.federation.messages import Message
-
-if TYPE_CHECKING:
-    from fedtune.federation.profiles import ClientProfile
-    from fedtune.runtime import RunContext
+from fedtune.protocol.messages import Message
+from fedtune.protocol.profiles import ClientProfile
 
 
 class Client(ABC):
@@ -27,8 +24,8 @@ class Client(ABC):
     def __init__(
         self,
         cid: int,
-        profile: "ClientProfile",
-        context: "RunContext",
+        profile: ClientProfile,
+        context: Any,
         state: dict[str, np.ndarray] | None = None,
     ) -> None:
         self.cid = cid

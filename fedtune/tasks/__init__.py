@@ -1,0 +1,60 @@
+"""Task kinds by name: each module of this package registers its :class:`~fedtune.tasks.base.Task`.
+
+    fedtune tasks                      # the kinds, one line each
+    fedtune run --set task=image-classification --set method=fedavg
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from fedtune.config import ConfigError, RunConfig, validate_options
+from fedtune.tasks.base import Task, TaskOptions
+
+_TASKS: dict[str, type[Task]] = {}
+
+
+def register_task(task: type[Task]) -> type[Task]:
+    """Register ``task`` under ``task.kind`` (usable as a class decorator)."""
+    _TASKS[task.kind] = task
+    return task
+
+
+def _load_builtin_tasks() -> None:
+    for info in pkgutil.iter_modules(__path__):
+        if info.name != "base":
+            importlib.import_module(f"{__name__}.{info.name}")
+
+
+def get_task_class(kind: str) -> type[Task]:
+    _load_builtin_tasks()
+    if kind not in _TASKS:
+        raise ConfigError(f"task.kind: unknown task {kind!r}; expected one of {', '.join(sorted(_TASKS))}")
+    return _TASKS[kind]
+
+
+def list_tasks() -> list[type[Task]]:
+    _load_builtin_tasks()
+    return [_TASKS[k] for k in sorted(_TASKS)]
+
+
+def resolve_config(config: RunConfig) -> RunConfig:
+    """``config`` with the task's defaults filled in where the recipe left them out
+    (``data.name``, ``model.name``), so the run folder's config.toml names everything."""
+    task = get_task_class(config.task.kind)
+    updates = {}
+    for section in ("data", "model"):
+        value = task.defaults.get(f"{section}.name")
+        if getattr(config, section).name is None and value is not None:
+            updates[section] = getattr(config, section).model_copy(update={"name": value})
+    return config.model_copy(update=updates) if updates else config
+
+
+def build_task(config: RunConfig) -> Task:
+    """The Task of ``config`` (resolved), its options checked (errors name ``task.<field>``)."""
+    cls = get_task_class(config.task.kind)
+    return cls(config, validate_options(config.task.options, cls.Options, prefix="task"))
+
+
+__all__ = ["Task", "TaskOptions", "build_task", "get_task_class", "list_tasks", "register_task", "resolve_config"]

@@ -1,0 +1,150 @@
+"""The Task interface: what a run learns (data, model, batches, loss, metrics), beside the method
+(how parties collaborate) and the engine (how messages travel).
+
+A task kind is one module in ``fedtune/tasks/`` that subclasses :class:`Task` and calls
+:func:`fedtune.tasks.register_task`. One Task object per process (held by the RunContext) caches
+its data in the form training needs (tokenized text, decoded images, log-mel features), computed
+once on first use. Methods and engines only call the methods below; they never branch on the
+kind. A method that needs more than this interface (for example a bilevel split of parameters)
+asks for a capability (:attr:`Task.capabilities`).
+
+The datasets a task returns are its own types; the interface needs only ``len(ds)``,
+``ds.labels`` (an int64 array, one label per example, used by the partitioners) and
+``ds.subset(idx)``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from functools import cached_property
+from typing import Any, ClassVar, Iterator
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from fedtune.config import RunConfig
+
+
+class TaskOptions(BaseModel):
+    """Base for a task's own options (the ``[task]`` table of a recipe, beside ``kind``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def subsample(ds: Any, limit: int | None, seed: int) -> Any:
+    """At most ``limit`` examples of ``ds``, drawn without replacement with ``seed`` (order kept)."""
+    if limit is None or limit >= len(ds):
+        return ds
+    idx = np.sort(np.random.default_rng(seed).choice(len(ds), size=limit, replace=False))
+    return ds.subset(idx)
+
+
+def majority_rate(labels: np.ndarray) -> float:
+    """Accuracy of always predicting the most frequent label."""
+    labels = np.asarray(labels)
+    return float(np.bincount(labels).max() / len(labels)) if len(labels) else 0.0
+
+
+class Task(ABC):
+    """One kind of learning problem: its data, its model, its batches, loss and metrics.
+
+    Subclasses set :attr:`kind`, :attr:`defaults` (``data.name`` / ``model.name`` when the
+    recipe leaves them out), optionally :attr:`Options` and :attr:`capabilities`, and implement
+    the abstract methods.
+    """
+
+    kind: ClassVar[str]
+    description: ClassVar[str] = ""
+    #: what the task offers beyond the basics: "lora" (a model with LoRA target modules)
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+    #: config values used when the recipe leaves them out: {"data.name": ..., "model.name": ...}
+    defaults: ClassVar[dict[str, str]] = {}
+    Options: ClassVar[type[TaskOptions]] = TaskOptions
+    #: PEFT TaskType name of the model (for example "SEQ_CLS"), None for a custom module
+    peft_task_type: ClassVar[str | None] = None
+    #: overrides that make a run of this kind take seconds (a tiny model, a few examples, real
+    #: data): the contract test runs every method that supports the kind on them
+    test_overrides: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, config: RunConfig, options: TaskOptions) -> None:
+        self.config = config
+        self.options = options
+
+    # -- data --------------------------------------------------------------------------------
+    @abstractmethod
+    def load(self) -> tuple[Any, Any]:
+        """(training pool, test set) in full, before any subsampling."""
+
+    @cached_property
+    def data(self) -> tuple[Any, Any]:
+        """(training pool, test set), subsampled to ``data.max_train_samples`` (with the run's
+        seed) and ``data.max_test_samples`` (seed 0: every run of a set tests on the same examples)."""
+        cfg = self.config.data
+        train, test = self.load()
+        return subsample(train, cfg.max_train_samples, self.config.seed), subsample(test, cfg.max_test_samples, 0)
+
+    @property
+    def train(self) -> Any:
+        return self.data[0]
+
+    @property
+    def test(self) -> Any:
+        return self.data[1]
+
+    @property
+    @abstractmethod
+    def label_names(self) -> list[str]:
+        """Class names, in label order."""
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.label_names)
+
+    def partition(self, num_clients: int, seed: int) -> list[np.ndarray]:
+        """Client id -> indices into the training pool (``data.partition`` over the pool's labels)."""
+        from fedtune.data.partition import partition
+
+        cfg = self.config.data
+        return partition(self.train.labels, num_clients, cfg.partition, cfg.alpha, seed)
+
+    def majority_rate(self) -> float:
+        """The reference accuracy a learned model must beat: the test set's majority-class rate."""
+        return majority_rate(self.test.labels)
+
+    # -- model -------------------------------------------------------------------------------
+    @abstractmethod
+    def build_model(self, seed: int) -> torch.nn.Module:
+        """The base model, its head freshly initialized from ``seed`` (every process that builds
+        it, server or client, gets the same weights before training). Parameters that
+        ``model.finetune = "head"`` freezes have ``requires_grad = False``."""
+
+    def lora_targets(self) -> list[str]:
+        """Default LoRA target modules of the task's model (``model.target_modules`` overrides;
+        empty: the model has none, and a LoRA method asks the user to name them)."""
+        return []
+
+    def head_modules(self) -> list[str]:
+        """Modules trained in full next to LoRA (PEFT ``modules_to_save``): the head."""
+        return []
+
+    def parameter_groups(self, names: list[str]) -> dict[str, list[str]]:
+        """Trainable parameter names by group (CoMMIT tunes ``encoder`` and ``language_model``
+        at different rates); default: one group ``model``."""
+        return {"model": list(names)}
+
+    # -- batches, loss, metrics --------------------------------------------------------------
+    @abstractmethod
+    def train_batches(
+        self, pool: np.ndarray, batch_size: int, steps: int, rng: np.random.Generator
+    ) -> Iterator[Any]:
+        """``steps`` training batches from the examples ``pool`` of the training set, in an
+        order fixed by ``rng``."""
+
+    @abstractmethod
+    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        """The training loss of ``model`` on ``batch`` (a scalar tensor)."""
+
+    @abstractmethod
+    def evaluate(self, model: torch.nn.Module, batch_size: int) -> dict[str, float]:
+        """Metrics of ``model`` on the test set; always ``accuracy`` and ``loss``."""
