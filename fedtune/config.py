@@ -56,8 +56,11 @@ class DataConfig(_Section):
     hub_config: str | None = Field(None, description="hub dataset configuration name")
     train_split: str = "train"
     test_split: str = "test"
-    partition: Literal["iid", "dirichlet"] = "dirichlet"
+    partition: Literal["iid", "dirichlet", "dirichlet-client", "shards"] = Field(
+        "dirichlet", description="iid; Dirichlet label skew per class or per client (Hsu et al. 2019); label shards"
+    )
     alpha: float = Field(0.5, gt=0, description="Dirichlet concentration (smaller = more label skew)")
+    shards_per_client: int = Field(2, gt=0, description="shards partition: label-sorted shards per client")
     max_train_samples: int | None = Field(None, gt=0, description="subsample the training pool")
     max_test_samples: int | None = Field(None, gt=0, description="subsample the test set")
     max_length: int = Field(64, gt=1, le=4096, description="tokens per example")

@@ -105,8 +105,7 @@ class Task(ABC):
         """Client id -> indices into the training pool (``data.partition`` over the pool's labels)."""
         from fedtune.data.partition import partition
 
-        cfg = self.config.data
-        return partition(self.train.labels, num_clients, cfg.partition, cfg.alpha, seed)
+        return partition(self.train.labels, num_clients, self.config.data, seed)
 
     def majority_rate(self) -> float:
         """The reference accuracy a learned model must beat: the test set's majority-class rate."""
