@@ -1,13 +1,21 @@
-"""Summarise fedtune run folders (``summary.json`` + ``metrics.jsonl``) as a markdown table and plots."""
+"""Summarise fedtune run folders (``summary.json`` + ``metrics.jsonl``) as a markdown table and plots.
+
+The building blocks are shared with the benchmark suites (:mod:`fedtune.harness`): :func:`load_run`
+reads a run folder, :func:`table_lines` writes any markdown table, and :func:`figure` is the one
+plotting context (Agg backend, ``tight_layout``, 120 dpi, always closed).
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ReportError", "RunRecord", "load_run", "markdown_table", "cumulative_mb_up", "plot_runs", "make_report"]
+__all__ = ["ReportError", "RunRecord", "load_run", "table_lines", "markdown_table", "cumulative_mb_up", "pyplot",
+           "figure", "plot_runs", "make_report"]
 
 _EXPECTED = "expected a fedtune run folder"
 _COLUMNS = ["Run", "Method", "Data", "Rounds", "Final acc (%)", "Best acc (%)", "Majority acc (%)",
@@ -70,9 +78,15 @@ def _fmt(value: Any, spec: str = "", scale: float = 1) -> str:
     return "–" if value is None else format(value * scale, spec)
 
 
+def table_lines(columns: Sequence[str], rows: Sequence[Sequence[str]] = ()) -> list[str]:
+    """The lines of a GitHub markdown table: the header, the ``---`` separator, one line per row."""
+    return ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|",
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
 def markdown_table(runs: list[RunRecord]) -> str:
     """A GitHub markdown table with one row per run; missing values render as ``–``."""
-    lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "|".join("---" for _ in _COLUMNS) + "|"]
+    rows = []
     for run in runs:
         s = run.summary
         best = s.get("best_accuracy", max(_accuracies(run), default=None))
@@ -84,8 +98,8 @@ def markdown_table(runs: list[RunRecord]) -> str:
             _fmt(s.get("total_bytes_up"), ".3f", 1e-6), _fmt(s.get("total_bytes_down"), ".3f", 1e-6),
             _fmt(s.get("wall_s"), ".1f"),
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        rows.append(cells)
+    return "\n".join(table_lines(_COLUMNS, rows)) + "\n"
 
 
 def cumulative_mb_up(rounds: list[dict[str, Any]]) -> list[float]:
@@ -97,13 +111,32 @@ def cumulative_mb_up(rounds: list[dict[str, Any]]) -> list[float]:
     return out
 
 
-def plot_runs(runs: list[RunRecord], out_dir: Path) -> list[Path]:
-    """Write ``accuracy_vs_round.png`` and ``accuracy_vs_mb_up.png`` into ``out_dir``; return their paths."""
+def pyplot():
+    """``matplotlib.pyplot`` on the non-interactive Agg backend (imported on first use)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+@contextmanager
+def figure(path: Path, *args: Any, **kwargs: Any) -> Iterator[tuple[Any, Any]]:
+    """``plt.subplots(*args, **kwargs)`` as ``(fig, axes)``; on leaving the block without an error
+    the figure is laid out tightly and saved to ``path`` at 120 dpi. It is closed either way."""
+    plt = pyplot()
+    fig, axes = plt.subplots(*args, **kwargs)
+    try:
+        yield fig, axes
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+
+
+def plot_runs(runs: list[RunRecord], out_dir: Path) -> list[Path]:
+    """Write ``accuracy_vs_round.png`` and ``accuracy_vs_mb_up.png`` into ``out_dir``; return their paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     specs = [
@@ -112,8 +145,7 @@ def plot_runs(runs: list[RunRecord], out_dir: Path) -> list[Path]:
     ]
     paths = []
     for filename, xlabel, title, xs_of in specs:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        try:
+        with figure(out_dir / filename, figsize=(6, 4)) as (fig, ax):
             for run in runs:
                 pts = [(x, r["accuracy"]) for x, r in zip(xs_of(run), run.rounds) if r.get("accuracy") is not None]
                 if pts:
@@ -122,10 +154,6 @@ def plot_runs(runs: list[RunRecord], out_dir: Path) -> list[Path]:
             ax.grid(alpha=0.3)
             if ax.get_legend_handles_labels()[0]:
                 ax.legend()
-            fig.tight_layout()
-            fig.savefig(out_dir / filename, dpi=120)
-        finally:
-            plt.close(fig)
         paths.append(out_dir / filename)
     return paths
 

@@ -1,0 +1,115 @@
+r"""One benchmark harness for every paper's suite: plan, resume, worker pool, statistics, reports.
+
+A suite is a short module that says which runs each experiment needs and what its reports say;
+the harness does the rest:
+
+- :mod:`~fedtune.harness.plan`: :class:`RunSpec` (a named run = the suite's recipe TOML plus
+  ``key=value`` overrides, resolved with :func:`fedtune.config.load_config`), :func:`read_overlays`
+  (named groups of overrides kept in ``configs/``), :func:`build_plan` (identical configs across
+  experiments run once, in ``out/runs/<first experiment>/<name>``);
+- :mod:`~fedtune.harness.runs`: resume (a run with a ``summary.json`` of the very same config is
+  ``done`` and skipped) and reading finished runs back;
+- :mod:`~fedtune.harness.pool`: spawned workers with one torch thread each;
+- :mod:`~fedtune.harness.cost`: a per-run cost model and the ``--plan`` time estimate;
+- :mod:`~fedtune.harness.stats`: mean and sample std over seeds, the mean of a run's last N
+  evaluations, seed-averaged curves;
+- :mod:`~fedtune.harness.report`: markdown cells and tables over specs, one plotting context;
+- :mod:`~fedtune.harness.cli`: the standard command line (``--only``, ``--seeds``, ``--quick``,
+  ``--workers``, ``--plan``, ``--report-only``, ``--out``) and the steps every suite takes.
+
+Example, a whole suite (``benchmarks/fslora/run_suite.py`` is a full one)::
+
+    import sys
+    from pathlib import Path
+
+    from fedtune.harness import (RunSpec, accuracy_cell, build_plan, output_dir, parse_selection, read_overlays,
+                                 run_suite, runs_section, suite_parser, table_lines)
+
+    RECIPE = Path("configs/benchmarks/mysuite.toml")  # what every run shares (model, lr, data, clients)
+    OVERLAYS = read_overlays("configs/benchmarks/mysuite-overlays.toml")  # [quick], [fedit], ...
+    EXPERIMENTS = ["ranks"]
+    RANKS = (4, 8, 16)
+
+    def ranks(seeds, scale):  # FedIT at three LoRA ranks
+        return [RunSpec(f"r{r}-s{seed}", [*scale, *OVERLAYS["fedit"], f"seed={seed}", f"model.lora_rank={r}"],
+                        {"rank": r, "seed": seed})
+                for seed in seeds for r in RANKS]
+
+    def main(argv=None):
+        args = suite_parser("FedIT over LoRA ranks", EXPERIMENTS).parse_args(argv)
+        selected, seeds = parse_selection(args, EXPERIMENTS)
+        out = output_dir(args, Path("benchmarks/results/mysuite"), Path("benchmarks/results/_scratch/mysuite"))
+        plan = build_plan({"ranks": ranks(seeds, OVERLAYS["quick"] if args.quick else [])}, RECIPE, out)
+
+        def write_reports():
+            rows = [[str(r), accuracy_cell([s for s in plan["ranks"] if s.labels["rank"] == r])] for r in RANKS]
+            text = "\n".join(["# FedIT over LoRA ranks", "", *table_lines(["r", "final acc (%)"], rows), ""])
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "ranks.md").write_text(text + "\n" + runs_section(plan["ranks"], out))
+            return [out / "ranks.md"]
+
+        costs = {s.key: 60.0 for s in plan["ranks"]}  # seconds per run; or cost.estimate_s(config, Costs(...), n)
+        return run_suite(plan, selected, args, costs, write_reports, root=Path.cwd())
+
+    if __name__ == "__main__":
+        sys.exit(main())
+
+Name the data set and the model in the recipe: ``run_experiment`` writes the config with the
+task's defaults filled in, and resume compares that with the planned config.
+
+Workers call :func:`fedtune.run.run_experiment`; the harness imports nothing else from the engine.
+"""
+
+from fedtune.harness.cli import (
+    SuiteError,
+    estimate_minutes,
+    output_dir,
+    parse_selection,
+    print_plan,
+    run_suite,
+    suite_command,
+    suite_parser,
+)
+from fedtune.harness.cost import Costs, Probe, calibrate, estimate_s, eval_rounds, makespan, probe
+from fedtune.harness.plan import (
+    Plan,
+    RunSpec,
+    assignments,
+    build_plan,
+    config_key,
+    distinct_runs,
+    read_overlays,
+    toml_value,
+    with_labels,
+)
+from fedtune.harness.pool import imap_unordered, run_config, run_specs, setup_worker
+from fedtune.harness.report import (
+    accuracy_cell,
+    averaged_curve,
+    curve,
+    figure,
+    final_accuracy,
+    mean_text,
+    per_device_mb,
+    percent,
+    pyplot,
+    run_accuracy,
+    runs_section,
+    table_lines,
+    upload_cell,
+)
+from fedtune.harness.runs import load_finished, load_rounds, load_summary, run_state, unfinished
+from fedtune.harness.stats import Curve, evaluations, mean, mean_curve, mean_of_last, mean_std
+
+__all__ = [
+    "SuiteError", "estimate_minutes", "output_dir", "parse_selection", "print_plan", "run_suite",
+    "suite_command", "suite_parser",
+    "Costs", "Probe", "calibrate", "estimate_s", "eval_rounds", "makespan", "probe",
+    "Plan", "RunSpec", "assignments", "build_plan", "config_key", "distinct_runs", "read_overlays", "toml_value",
+    "with_labels",
+    "imap_unordered", "run_config", "run_specs", "setup_worker",
+    "accuracy_cell", "averaged_curve", "curve", "figure", "final_accuracy", "mean_text", "per_device_mb", "percent",
+    "pyplot", "run_accuracy", "runs_section", "table_lines", "upload_cell",
+    "load_finished", "load_rounds", "load_summary", "run_state", "unfinished",
+    "Curve", "evaluations", "mean", "mean_curve", "mean_of_last", "mean_std",
+]

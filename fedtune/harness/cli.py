@@ -1,0 +1,124 @@
+"""The standard command line of a suite and the steps every suite takes.
+
+``suite_parser`` gives every suite the same options (``--only``, ``--seeds``, ``--quick``,
+``--workers``, ``--budget-minutes``, ``--plan``, ``--report-only``, ``--out``); a suite adds its
+own with ``parser.add_argument``. ``run_suite`` then lists the plan with each run's state and
+estimate, stops there for ``--plan``, runs what is unfinished in the worker pool (unless
+``--report-only``) and writes the reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from fedtune.harness.cost import makespan
+from fedtune.harness.plan import Plan, RunSpec, distinct_runs
+from fedtune.harness.pool import run_specs
+from fedtune.harness.runs import run_state, unfinished
+
+
+class SuiteError(ValueError):
+    """A bad command line for a suite; the message is one line."""
+
+
+def suite_parser(description: str, experiments: Sequence[str], *, seeds: str = "0,1", workers: int = 2,
+                 budget_minutes: float = 120.0) -> argparse.ArgumentParser:
+    """An argument parser with the options every suite has (defaults: all ``experiments``, ``seeds``)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default=",".join(experiments), help=f"comma-separated subset of {','.join(experiments)}")
+    p.add_argument("--seeds", default=seeds, help=f"comma-separated seeds (default {seeds})")
+    p.add_argument("--quick", action="store_true", help="smoke test: a tiny model, a few rounds, a scratch folder")
+    p.add_argument("--workers", type=int, default=workers,
+                   help=f"parallel runs, one torch thread each (default {workers})")
+    p.add_argument("--budget-minutes", type=float, default=budget_minutes,
+                   help="time budget the up-front estimate is checked against (warns when exceeded)")
+    p.add_argument("--plan", action="store_true", help="print the runs and the estimate, run nothing")
+    p.add_argument("--report-only", action="store_true", help="only rewrite the markdown and plots")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default: the suite's results folder)")
+    return p
+
+
+def parse_selection(args: argparse.Namespace, experiments: Sequence[str]) -> tuple[list[str], list[int]]:
+    """``--only`` (in the suite's experiment order) and ``--seeds`` as lists; :class:`SuiteError` if bad."""
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    selected = [e.strip() for e in args.only.split(",") if e.strip()]
+    unknown = [e for e in selected if e not in experiments]
+    if unknown:
+        raise SuiteError(f"--only: unknown {unknown} (expected {list(experiments)})")
+    if not seeds:
+        raise SuiteError("--seeds: none given")
+    return [e for e in experiments if e in selected], seeds
+
+
+def output_dir(args: argparse.Namespace, results: Path, quick_results: Path) -> Path:
+    """``--out``, else the suite's results folder (its scratch folder with ``--quick``), absolute."""
+    return (args.out or (quick_results if args.quick else results)).resolve()
+
+
+def suite_command(script: str, argv: Sequence[str] | None = None) -> str:
+    """The command that runs the suite as invoked (``--report-only`` dropped), for its reports."""
+    data_dir = shlex.quote(os.environ.get("FEDTUNE_DATA_DIR", "../shared/data"))
+    args = sys.argv[1:] if argv is None else argv
+    return (f"HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR={data_dir} .venv/bin/python {script} "
+            + " ".join(shlex.quote(a) for a in args if a != "--report-only")).strip()
+
+
+def estimate_minutes(specs: Sequence[RunSpec], costs: dict[str, float], workers: int) -> float:
+    """Minutes the specs take on ``workers`` free cores (``costs``: seconds by spec key)."""
+    return makespan([costs[s.key] for s in specs], workers) / 60
+
+
+def print_plan(plan: Plan, selected: Sequence[str], costs: dict[str, float]) -> None:
+    """Each selected experiment's runs with their state (``[done]``, ``[stale]``, ``[todo]``), the
+    folder of a shared run and the run's estimate."""
+    for experiment in selected:
+        print(f"  {experiment}: {len(plan[experiment])} runs")
+        for spec in plan[experiment]:
+            shared = f" = {spec.owner}/{spec.run_dir.name}" if spec.shared else ""
+            print(f"    [{run_state(spec)}] {spec.name}{shared}  (~{costs[spec.key] / 60:.1f} min)")
+
+
+def run_suite(plan: Plan, selected: Sequence[str], args: argparse.Namespace, costs: dict[str, float],
+              write_reports: Callable[[], list[Path]], *, root: Path, notes: Sequence[str] = ()) -> int:
+    """The standard steps once the suite has its plan: print it (``costs``: estimated seconds by spec
+    key; ``notes``: extra lines, such as the cost model's source), stop for ``--plan``, run the
+    unfinished runs in ``--workers`` processes (unless ``--report-only``), then ``write_reports()``
+    (paths printed relative to ``root``). Returns the exit status, 0 or 1 when runs failed (they
+    are listed; rerun the command to retry them); exits 130 on Ctrl-C."""
+    runs = distinct_runs(plan, selected)
+    pending = unfinished(runs)
+    stale = [s for s in pending if run_state(s) == "stale"]
+    print_plan(plan, selected, costs)
+    print(f"{sum(len(plan[e]) for e in selected)} runs listed, {len(runs)} distinct configs, {len(pending)} to run"
+          + (f" ({len(stale)} stale: finished with another config, will be overwritten)" if stale else "") + ".")
+    for line in notes:
+        print(line)
+    estimate = estimate_minutes(pending, costs, args.workers)
+    print(f"estimate: {estimate:.0f} min for the pending runs on {args.workers} workers with free cores; whole "
+          f"selection {estimate_minutes(runs, costs, args.workers):.0f} min", flush=True)
+    if estimate > args.budget_minutes:
+        print(f"warning: the estimate {estimate:.0f} min exceeds --budget-minutes {args.budget_minutes:g}", flush=True)
+    if args.plan:
+        return 0
+    failures: list[str] = []
+    if not args.report_only:
+        start = time.perf_counter()
+        failures, interrupted = run_specs(pending, costs, args.workers)
+        print(f"runs {'stopped' if interrupted else 'finished'} after {(time.perf_counter() - start) / 60:.1f} min; "
+              f"{len(failures)} failed", flush=True)
+        if interrupted:  # skip the pool's exit-time joins (they wait on the terminated workers)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
+    written = write_reports()
+    print("wrote " + ", ".join(os.path.relpath(p, root) for p in written if p.exists()))
+    if failures:
+        print("failed runs:\n  " + "\n  ".join(failures))
+        return 1
+    return 0

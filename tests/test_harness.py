@@ -1,0 +1,256 @@
+"""The benchmark harness: plan sharing, resume, statistics, cost model, report cells, the worker
+pool and the standard command line. No training: run folders are written by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import tomli_w
+
+from fedtune.config import load_config
+from fedtune.harness import (
+    Costs,
+    RunSpec,
+    SuiteError,
+    accuracy_cell,
+    assignments,
+    build_plan,
+    distinct_runs,
+    estimate_s,
+    eval_rounds,
+    evaluations,
+    imap_unordered,
+    load_rounds,
+    makespan,
+    mean_curve,
+    mean_of_last,
+    mean_std,
+    parse_selection,
+    read_overlays,
+    run_state,
+    runs_section,
+    suite_command,
+    suite_parser,
+    toml_value,
+    unfinished,
+    upload_cell,
+)
+from fedtune.report import table_lines
+
+RECIPE = """
+rounds = 4
+[data]
+name = "sst2"
+[model]
+name = "tiny-bert"
+[federation]
+num_clients = 4
+"""
+
+OVERLAYS = """
+[fedit]
+method = "fedit"
+options = { weighting = "examples" }
+
+[quick]
+rounds = 2
+[quick.train]
+local_steps = 2
+"""
+
+
+@pytest.fixture
+def recipe(tmp_path) -> Path:
+    path = tmp_path / "recipe.toml"
+    path.write_text(RECIPE)
+    return path
+
+
+def two_experiments() -> dict[str, list[RunSpec]]:
+    """``ranks`` at ranks 4 and 8; ``seeds`` at rank 8 for seeds 0 and 1: ``seeds``' seed-0 run is
+    ``ranks``' r8 run."""
+    return {
+        "ranks": [RunSpec(f"r{r}", [f"model.lora_rank={r}"], {"rank": r}) for r in (4, 8)],
+        "seeds": [RunSpec(f"s{s}", ["model.lora_rank=8", f"seed={s}"], {"seed": s}) for s in (0, 1)],
+    }
+
+
+def finish(spec: RunSpec, accuracies: list[float | None], bytes_up: int = 1_000_000) -> None:
+    """Write the run folder ``run_experiment`` would leave (config.toml, metrics.jsonl, summary.json)."""
+    spec.run_dir.mkdir(parents=True, exist_ok=True)
+    (spec.run_dir / "config.toml").write_text(tomli_w.dumps(spec.config.model_dump(mode="json", exclude_none=True)))
+    rounds = [{"round": i + 1, "accuracy": a, "bytes_up": bytes_up} for i, a in enumerate(accuracies)]
+    (spec.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    summary = {"name": spec.name, "rounds": len(rounds), "final_accuracy": accuracies[-1],
+               "total_bytes_up": bytes_up * len(rounds), "wall_s": 12.0}
+    (spec.run_dir / "summary.json").write_text(json.dumps(summary))
+
+
+# -- plan ---------------------------------------------------------------------------------------
+
+
+def test_identical_configs_are_one_run_in_the_first_experiments_folder(recipe, tmp_path):
+    plan = build_plan(two_experiments(), recipe, tmp_path / "out")
+    (r4, r8), (s0, s1) = plan["ranks"], plan["seeds"]
+    assert [s.experiment for s in plan["seeds"]] == ["seeds", "seeds"]
+    assert not r8.shared and s0.shared and s0.owner == "ranks"
+    assert s0.key == r8.key and s0.config is r8.config and s0.run_dir == tmp_path / "out" / "runs" / "ranks" / "r8"
+    assert s1.run_dir == tmp_path / "out" / "runs" / "seeds" / "s1" and not s1.shared
+    assert r8.config.name == "r8" and r8.config.output_dir == str(tmp_path / "out" / "runs" / "ranks")
+    assert r8.config.rounds == 4 and r8.config.model.lora_rank == 8  # the recipe plus the overrides
+    assert [s.name for s in distinct_runs(plan, ["ranks", "seeds"])] == ["r4", "r8", "s1"]
+    assert [s.name for s in distinct_runs(plan, ["seeds"])] == ["s0", "s1"]  # s0 still in ranks' folder
+
+
+def test_config_key_ignores_only_name_and_folder(recipe, tmp_path):
+    a = build_plan({"x": [RunSpec("a", [])]}, recipe, tmp_path / "one")["x"][0]
+    b = build_plan({"y": [RunSpec("b", [])]}, recipe, tmp_path / "two")["y"][0]
+    c = build_plan({"x": [RunSpec("a", ["train.lr=0.001"])]}, recipe, tmp_path / "one")["x"][0]
+    assert a.key == b.key != c.key
+
+
+def test_overlays_are_overrides_that_merge_into_the_recipe(recipe, tmp_path):
+    path = tmp_path / "overlays.toml"
+    path.write_text(OVERLAYS)
+    overlays = read_overlays(path)
+    assert overlays["fedit"] == ['method="fedit"', 'options.weighting="examples"']
+    assert overlays["quick"] == ["rounds=2", "train.local_steps=2"]
+    config = load_config(recipe, [*overlays["fedit"], *overlays["quick"]])
+    assert (config.method, config.options, config.rounds) == ("fedit", {"weighting": "examples"}, 2)
+    assert config.train.local_steps == 2 and config.train.batch_size == 16  # merged, not replaced
+    assert config.data.name == "sst2"
+
+
+def test_toml_values_parse_back_to_the_same_value(recipe):
+    values = {"model.target_modules": ["query", "value"], "train.lr": 1e-3, "train.group_by_length": False,
+              "federation.profile_choices": {"sketch_ratio": [0.125, 0.5]}, "data.name": 'a "quoted" name'}
+    config = load_config(recipe, assignments(values))
+    assert config.model.target_modules == ["query", "value"] and config.train.lr == 1e-3
+    assert config.train.group_by_length is False and config.data.name == 'a "quoted" name'
+    assert config.federation.profile_choices == {"sketch_ratio": [0.125, 0.5]}
+    assert toml_value([{"sketch_ratio": 0.5}]) == "[{sketch_ratio = 0.5}]"
+
+
+# -- resume -------------------------------------------------------------------------------------
+
+
+def test_resume_skips_runs_whose_summary_is_of_the_same_config(recipe, tmp_path):
+    plan = build_plan(two_experiments(), recipe, tmp_path)
+    r4, r8 = plan["ranks"]
+    s0, s1 = plan["seeds"]
+    assert {run_state(s) for s in (r4, r8, s0, s1)} == {"todo"}
+    finish(r8, [0.5, 0.6])
+    assert run_state(r8) == run_state(s0) == "done"  # the shared run is done for both experiments
+    assert unfinished(distinct_runs(plan, ["ranks", "seeds"])) == [r4, s1]
+    finish(r4, [0.5])
+    (r4.run_dir / "config.toml").write_text(tomli_w.dumps(r8.config.model_dump(mode="json", exclude_none=True)))
+    assert run_state(r4) == "stale"  # a finished run of another config under this name: rerun
+    (r8.run_dir / "summary.json").write_text('{"name": "r8", "final_acc')  # cut short by a kill
+    assert run_state(r8) == "todo" and load_rounds(r8) == []
+
+
+# -- statistics ---------------------------------------------------------------------------------
+
+
+def test_mean_std_is_the_sample_std():
+    m, s = mean_std([1.0, 2.0, 4.0])
+    assert m == pytest.approx(7 / 3)
+    assert s == pytest.approx(math.sqrt(((1 - 7 / 3) ** 2 + (2 - 7 / 3) ** 2 + (4 - 7 / 3) ** 2) / 2))
+    assert mean_std([3.0]) == (3.0, 0.0) and mean_std([]) == (None, None)
+
+
+def test_mean_of_last_n_evaluations_skips_rounds_without_one():
+    rounds = [{"round": 1, "accuracy": 0.5}, {"round": 2, "accuracy": None}, {"round": 3, "accuracy": 0.7},
+              {"round": 4}, {"round": 5, "accuracy": 0.9}]
+    assert mean_of_last(rounds, 1) == 0.9  # the final point
+    assert mean_of_last(rounds, 2) == pytest.approx(0.8)
+    assert mean_of_last(rounds, 10) == pytest.approx(0.7)  # all three there are
+    assert mean_of_last([{"round": 1, "loss": 0.3}], 3) is None
+    assert mean_of_last([{"round": 1, "loss": 0.3}, {"round": 2, "loss": 0.1}], 2, metric="loss") == pytest.approx(0.2)
+    with pytest.raises(ValueError):
+        mean_of_last(rounds, 0)
+
+
+def test_curves_accumulate_upload_and_average_over_common_rounds():
+    a = [{"round": 1, "accuracy": None, "bytes_up": 2_000_000}, {"round": 2, "accuracy": 0.6, "bytes_up": 2_000_000}]
+    assert evaluations(a, num_clients=2) == [(2, 2.0, 0.6)]
+    b = [(2, 4.0, 0.8), (3, 6.0, 0.9)]
+    assert mean_curve([evaluations(a, num_clients=2), b, []]) == [(2, 3.0, pytest.approx(0.7))]
+    assert mean_curve([[], []]) == []
+
+
+# -- cost model ---------------------------------------------------------------------------------
+
+
+def test_estimate_and_lpt_makespan(recipe):
+    config = load_config(recipe, ["rounds=5", "eval_every=2", "federation.clients_per_round=2", "train.local_steps=3"])
+    assert eval_rounds(5, 2) == 3  # rounds 2, 4 and the last
+    costs = Costs(step_s=1.0, eval_s_per_example=0.01, run_setup_s=7.0, client_overhead_s=0.5)
+    assert estimate_s(config, costs, test_examples=100) == pytest.approx(7 + 5 * 2 * (3 * 1.0 + 0.5) + 3 * 100 * 0.01)
+    assert makespan([5, 4, 3, 3, 3], 2) == 10  # longest first: {5, 3} = 8 and {4, 3, 3} = 10
+    assert makespan([], 2) == 0.0
+
+
+# -- report cells -------------------------------------------------------------------------------
+
+
+def test_cells_and_runs_section_show_pending_runs(recipe, tmp_path):
+    plan = build_plan(two_experiments(), recipe, tmp_path)
+    s0, s1 = plan["seeds"]
+    assert accuracy_cell([s0, s1]) == "pending" and upload_cell([s0, s1]) == "–"
+    finish(s0, [0.5, 0.75])
+    assert accuracy_cell([s0, s1]) == "75.00 ± 0.00 (n=1)"
+    assert upload_cell([s0, s1]) == "0.500"  # 2 MB over 4 clients
+    finish(s1, [0.25, 0.25])
+    assert accuracy_cell([s0, s1]) == f"50.00 ± {math.sqrt(2 * 25 ** 2):.2f}"
+    assert accuracy_cell([s0, s1], last=2) == f"43.75 ± {math.sqrt(2 * 18.75 ** 2):.2f}"  # (62.5, 25) over seeds
+    (s1.run_dir / "summary.json").unlink()
+    section = runs_section([s0, s1], tmp_path)
+    assert "| s0 | `runs/ranks/r8` (shared with ranks) | 75.00 | 2 | 0.500 | 12 |" in section
+    assert "| s1 | `runs/seeds/s1` | pending | 4 | – | – |" in section
+
+
+def test_table_lines():
+    assert table_lines(["a", "b"], [["1", "2"]]) == ["| a | b |", "|---|---|", "| 1 | 2 |"]
+
+
+# -- worker pool --------------------------------------------------------------------------------
+
+
+def torch_threads(job: int) -> tuple[int, int, int]:
+    """A trivial job: its number, its worker's process id and torch thread count (a negative job fails)."""
+    import torch
+
+    if job < 0:
+        raise ValueError(f"job {job} fails")
+    return job, os.getpid(), torch.get_num_threads()
+
+
+def test_pool_runs_jobs_in_spawned_workers_with_one_thread():
+    results = {item: (result, error) for item, result, error in imap_unordered(torch_threads, [1, -1, 2], workers=2)}
+    assert sorted(results) == [-1, 1, 2]
+    for job in (1, 2):
+        (number, pid, threads), error = results[job]
+        assert error is None and number == job and pid != os.getpid() and threads == 1
+    result, error = results[-1]
+    assert result is None and "ValueError: job -1 fails" in error  # reported, and the others still ran
+
+
+# -- command line -------------------------------------------------------------------------------
+
+
+def test_standard_command_line():
+    parser = suite_parser("a suite", ["a", "b", "c"])
+    args = parser.parse_args(["--only", "c,a", "--seeds", "0,2", "--workers", "1", "--plan"])
+    assert parse_selection(args, ["a", "b", "c"]) == (["a", "c"], [0, 2])  # in the suite's order
+    assert args.workers == 1 and args.plan and not args.report_only and not args.quick
+    with pytest.raises(SuiteError, match="unknown"):
+        parse_selection(parser.parse_args(["--only", "d"]), ["a", "b", "c"])
+    with pytest.raises(SuiteError, match="seeds"):
+        parse_selection(parser.parse_args(["--seeds", ","]), ["a", "b", "c"])
+    command = suite_command("benchmarks/x/run_suite.py", ["--quick", "--report-only", "--only", "a b"])
+    assert command.endswith(".venv/bin/python benchmarks/x/run_suite.py --quick --only 'a b'")
