@@ -23,33 +23,60 @@ def _fail(message: str, code: int = 2) -> None:
 def run(
     recipe: Optional[Path] = typer.Argument(None, help="TOML recipe (see configs/)"),
     set_: list[str] = typer.Option([], "--set", "-s", help="override: key=value (dotted keys, e.g. data.alpha=0.1)"),
+    resume: Optional[Path] = typer.Option(
+        None, "--resume", help="continue this run folder from its last checkpointed round (its config.toml, plus --set)"
+    ),
 ) -> None:
-    """Run one federated fine-tuning experiment and write runs/<name>/."""
+    """Run one federated fine-tuning experiment and write runs/<name>/ (Ctrl-C: stop after the
+    current round's checkpoint; --resume continues it)."""
     from fedtune.config import ConfigError, load_config
+    from fedtune.engines.rounds import RoundFailed, RunInterrupted
     from fedtune.process import setup_process
 
     setup_process()
     try:
+        if resume is not None:
+            if recipe is not None:
+                raise ConfigError("--resume: give a run folder or a recipe, not both")
+            if not (resume / "config.toml").is_file():
+                raise ConfigError(f"--resume {str(resume)!r}: not a run folder (no config.toml)")
+            set_ = [f"output_dir={resume.parent}", f"name={resume.name}", *set_]
+            recipe = resume / "config.toml"
         config = load_config(recipe, set_)
         from fedtune.progress import RoundPrinter
-        from fedtune.run import run_experiment
+        from fedtune.run import run_dir_of, run_experiment
 
         printer = RoundPrinter(console, config)
-        summary = run_experiment(config, on_round=printer, on_start=printer.start)
+        summary = run_experiment(config, on_round=printer, on_start=printer.start, resume=resume is not None)
     except ConfigError as exc:
         _fail(str(exc))
+    except RoundFailed as exc:
+        _fail(f"{exc}; the last complete round is checkpointed: fedtune run --resume {run_dir_of(config)}", code=1)
+    except RunInterrupted as exc:
+        _fail(f"{exc}; continue with: fedtune run --resume {run_dir_of(config)}", code=130)
     printer.finish(summary)
 
 
 @app.command()
-def methods(verbose: bool = typer.Option(False, "--verbose", "-v", help="also the task kinds each runs on")) -> None:
+def methods(
+    verbose: bool = typer.Option(
+        False, "--verbose", "-v", help="also each method's task kinds, options, and the settings that depart from its paper"
+    ),
+) -> None:
     """List the registered methods."""
     from fedtune.registry import list_methods
 
+    pad = " " * 15
     for spec in list_methods():
         typer.echo(f"{spec.name:<14} {spec.description}")
-        if verbose:
-            typer.echo(f"{'':<14} tasks: {', '.join(spec.supported_tasks())}")
+        if not verbose:
+            continue
+        typer.echo(f"{pad}tasks: {', '.join(spec.supported_tasks())}")
+        for name, field in spec.options.model_fields.items():
+            about = f"  ({field.description})" if field.description else ""
+            typer.echo(f"{pad}options.{name} = {field.default!r}{about}")
+        for key, text in getattr(spec.options, "deviations", {}).items():
+            typer.echo(f"{pad}deviation: {key}: {text}")
 
 
 @app.command()

@@ -15,6 +15,15 @@ def _pct(value) -> str:
     return "–" if value is None else f"{100 * value:.2f}%"
 
 
+def _drops(rec: RoundRecord) -> str:
+    """`` dropped 2 (client 3: why; client 5: why)`` when clients were dropped this round."""
+    if not rec.dropped:
+        return ""
+    shown = "; ".join(f"client {cid}: {why}" for cid, why in list(rec.dropped.items())[:3])
+    more = f"; +{len(rec.dropped) - 3} more" if len(rec.dropped) > 3 else ""
+    return f"  dropped {len(rec.dropped)} ({shown}{more})"
+
+
 class RoundPrinter:
     """Prints one line per round as it ends, and a final summary."""
 
@@ -39,7 +48,7 @@ class RoundPrinter:
         self.console.print(
             f"round {rec.round:>3}/{self.config.rounds}  clients {len(rec.clients):>3}  "
             f"train loss {'–' if loss is None else f'{loss:.4f}'}  acc {_pct(m.get('accuracy'))}  "
-            f"up {self.up / MB:8.3f} MB  down {self.down / MB:8.3f} MB  {rec.wall_s:6.1f}s",
+            f"up {self.up / MB:8.3f} MB  down {self.down / MB:8.3f} MB  {rec.wall_s:6.1f}s" + _drops(rec),
             highlight=False,
             soft_wrap=True,
         )

@@ -2,8 +2,9 @@
 
 ``runs/<name>/`` holds ``config.toml`` (the resolved config: ``fedtune run`` it to repeat the
 run), ``label_histograms.json``, ``metrics.jsonl`` (one line per round, flushed as it ends),
-``checkpoint.npz`` (the strategy's final state), ``adapter/`` (PEFT ``save_pretrained``) and
-``summary.json``.
+``checkpoint.npz`` (rewritten atomically after every round: the round, the strategy's state and
+the engine's), the method's final artifacts (LoRA methods: ``adapter/``, PEFT
+``save_pretrained``) and ``summary.json``.
 """
 
 from __future__ import annotations
@@ -13,12 +14,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from fedtune.checkpoint import save_state
+from fedtune.checkpoint import load_state, save_state
 from fedtune.config import ConfigError, RunConfig
-from fedtune.engines.embedded import embedded_engine
-from fedtune.engines.rounds import RoundRecord
+from fedtune.engines.embedded import EmbeddedEngine
+from fedtune.engines.rounds import Engine, RoundRecord
 from fedtune.process import setup_process
-from fedtune.protocol.strategy import Strategy
 from fedtune.runtime import RunContext
 
 
@@ -28,7 +28,57 @@ def _toml(config: RunConfig) -> str:
     return tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))
 
 
-Engine = Callable[[Strategy, Callable[[RoundRecord], None]], list[RoundRecord]]
+ROUND_KEY, ENGINE_KEY = "_round", "_engine"  # checkpoint.npz: the strategy's state plus these two
+
+
+def _interrupt_flag():
+    """A flag set by the first Ctrl-C (SIGINT) while a run is in progress: the run stops after
+    the current round's checkpoint. A second Ctrl-C interrupts at once. Returns (is_set,
+    restore) where ``restore()`` puts the previous handler back."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        return stop.is_set, lambda: None
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    return stop.is_set, lambda: signal.signal(signal.SIGINT, previous)
+
+
+def _summary(config: RunConfig, lines: list[dict], server: RunContext, run_dir: Path, wall_s: float, engine: str) -> dict:
+    """``summary.json`` from the run's ``metrics.jsonl`` lines (all rounds, resumed ones too)."""
+    evaluated = [line["accuracy"] for line in lines if line.get("accuracy") is not None]
+    return {
+        "name": config.run_name,
+        "method": config.method,
+        "task": config.task.kind,
+        "data": config.data.name,
+        "rounds": config.rounds,
+        "seed": config.seed,
+        "final_accuracy": lines[-1].get("accuracy"),
+        "best_accuracy": max(evaluated) if evaluated else None,
+        "final_loss": lines[-1].get("loss"),
+        "majority_accuracy": server.task.majority_rate(),
+        "test_examples": len(server.task.test),
+        "total_bytes_up": sum(line["bytes_up"] for line in lines),
+        "total_bytes_down": sum(line["bytes_down"] for line in lines),
+        "total_compute_s": sum(line["compute_s"] for line in lines),
+        "dropped": sum(len(line.get("dropped", {})) for line in lines),
+        "wall_s": wall_s,
+        "run_dir": str(run_dir),
+        "engine": engine,
+    }
+
+
+def run_dir_of(config: RunConfig) -> Path:
+    return Path(config.output_dir) / config.run_name
 
 
 def run_experiment(
@@ -36,59 +86,71 @@ def run_experiment(
     on_round: Callable[[RoundRecord], None] | None = None,
     on_start: Callable[[RunContext], None] | None = None,
     engine: Engine | None = None,
-    engine_name: str = "embedded",
+    resume: bool = False,
 ) -> dict:
-    """Run ``config`` and return the summary (also in ``summary.json``). ``engine(strategy,
-    on_round)`` runs the rounds (default: :func:`~fedtune.engines.embedded.embedded_engine`,
-    clients in this process)."""
+    """Run ``config`` and return the summary (also in ``summary.json``). ``engine`` runs the
+    rounds (default: :class:`~fedtune.engines.embedded.EmbeddedEngine`, clients in this process).
+
+    After every round the metrics line is appended and ``checkpoint.npz`` is rewritten
+    atomically: the strategy's state, plus the round (``_round``) and the engine's state
+    (``_engine``: the embedded engine's client states). ``resume``
+    continues a run folder from its last checkpointed round; the rounds are seeded by (seed,
+    round, client) alone, so a resumed run ends bit-identical to an uninterrupted one. Ctrl-C
+    stops after the current round's checkpoint (:class:`~fedtune.engines.rounds.RunInterrupted`)."""
     start = time.perf_counter()
     setup_process(config.train.threads)
     server = RunContext(config)
     config = server.config  # resolved: the task's defaults filled in
-    run_dir = Path(config.output_dir) / config.run_name
+    run_dir = run_dir_of(config)
+    checkpoint = run_dir / "checkpoint.npz"
+    if resume and not checkpoint.is_file():
+        raise ConfigError(f"--resume {str(run_dir)!r}: no checkpoint.npz there (no round has completed)")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"output_dir {config.output_dir!r}: cannot create the run folder ({exc.strerror})") from None
-    (run_dir / "config.toml").write_text(_toml(config))
+    if not resume:
+        (run_dir / "config.toml").write_text(_toml(config))
     (run_dir / "label_histograms.json").write_text(
         json.dumps({"label_names": server.task.label_names, "clients": server.histograms()})
     )
+    engine = engine or EmbeddedEngine(config)
     strategy = server.strategy()
     strategy.initialize()  # loads the model: a bad model.name stops here, before any output
+    metrics_path = run_dir / "metrics.jsonl"
+    lines: list[dict] = []
+    start_round = 1
+    if resume:
+        state = load_state(checkpoint)
+        done = int(state.pop(ROUND_KEY))
+        engine.load_state_dict(state.pop(ENGINE_KEY, {}))
+        strategy.load_state_dict(state)
+        lines = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
+        lines = [x for x in lines if x["round"] <= done]  # a round after the checkpoint is redone
+        start_round = done + 1
     if on_start is not None:
         on_start(server)
-    metrics_path = run_dir / "metrics.jsonl"
-    with metrics_path.open("w") as sink:
+    stop_requested, restore = _interrupt_flag()
+    try:
+        if resume:  # the lines up to the checkpoint, written atomically, then appended to
+            tmp = metrics_path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+            tmp.replace(metrics_path)
+        with metrics_path.open("a" if resume else "w") as sink:
 
-        def record(rec: RoundRecord) -> None:
-            sink.write(json.dumps(rec.to_json()) + "\n")
-            sink.flush()
-            if on_round is not None:
-                on_round(rec)
+            def record(rec: RoundRecord) -> None:
+                line = rec.to_json()
+                lines.append(line)
+                sink.write(json.dumps(line) + "\n")
+                sink.flush()
+                save_state(checkpoint, {**strategy.state_dict(), ROUND_KEY: rec.round, ENGINE_KEY: engine.state_dict()})
+                if on_round is not None:
+                    on_round(rec)
 
-        history = (engine or embedded_engine(config))(strategy, record)
-    save_state(run_dir / "checkpoint.npz", strategy.state_dict())
+            engine.run(strategy, record, start_round, stop_requested)
+    finally:
+        restore()
     strategy.save(run_dir)
-    evaluated = [r.metrics["accuracy"] for r in history if "accuracy" in r.metrics]
-    summary = {
-        "name": config.run_name,
-        "method": config.method,
-        "task": config.task.kind,
-        "data": config.data.name,
-        "rounds": config.rounds,
-        "seed": config.seed,
-        "final_accuracy": history[-1].metrics.get("accuracy"),
-        "best_accuracy": max(evaluated) if evaluated else None,
-        "final_loss": history[-1].metrics.get("loss"),
-        "majority_accuracy": server.task.majority_rate(),
-        "test_examples": len(server.task.test),
-        "total_bytes_up": sum(sum(r.client_bytes_up.values()) for r in history),
-        "total_bytes_down": sum(sum(r.client_bytes_down.values()) for r in history),
-        "total_compute_s": sum(sum(r.client_compute_s.values()) for r in history),
-        "wall_s": time.perf_counter() - start,
-        "run_dir": str(run_dir),
-        "engine": engine_name,
-    }
+    summary = _summary(config, lines, server, run_dir, time.perf_counter() - start, engine.name)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -64,6 +64,8 @@ def test_method_runs_on_task(tmp_path, method, kind):
     assert summary["task"] == kind and 0.0 < summary["majority_accuracy"] <= 1.0
     # the final state round-trips through the checkpoint into a fresh strategy
     state = load_state(run_dir / "checkpoint.npz")
+    assert state.pop("_round") == 2
+    state.pop("_engine")
     fresh = RunContext(tiny(tmp_path, method, kind)).strategy()
     fresh.load_state_dict(state)
     again = fresh.state_dict()

@@ -2,7 +2,7 @@
 
 Every message crosses as bytes (encode, then decode on the other side), so nothing is shared
 between the server and a client, and the bytes accounted are the bytes that crossed. The
-clients get a RunContext of their own (:func:`embedded_engine`): server and clients share
+clients get a RunContext of their own (:class:`EmbeddedEngine`): server and clients share
 nothing but Messages.
 """
 
@@ -12,7 +12,7 @@ import time
 from typing import Any, Callable
 
 from fedtune.config import RunConfig
-from fedtune.engines.rounds import RoundRecord, Transport, drive_rounds
+from fedtune.engines.rounds import Delivery, Engine, RoundPolicy, RoundRecord, answer, drive_rounds
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
 
@@ -29,20 +29,28 @@ def exchange(message: Message, handler: Callable[[Message], Message]) -> tuple[M
     return Message.decode(up), len(down), len(up), seconds
 
 
-def local_transport(make_client: Callable[[int, dict], Any]) -> Transport:
+class LocalTransport:
     """In-process delivery: a fresh client per message, built by ``make_client(cid, state)``,
-    where ``state`` is that client's persistent dict (see Client), kept here between rounds."""
-    states: dict[int, dict] = {}
+    where ``state`` is a copy of that client's persistent dict (see Client), kept here between
+    rounds and updated only when the client answers. A client that raises is a failed
+    :class:`~fedtune.engines.rounds.Delivery` (the round loop drops it), not a crash."""
 
-    def send(kind: str, rnd: int, messages: dict[int, Message]) -> dict[int, tuple[Message, int, int, float]]:
+    def __init__(self, make_client: Callable[[int, dict], Any], seed: int) -> None:
+        self.make_client, self.seed = make_client, seed
+        self.states: dict[int, dict] = {}
+
+    def __call__(self, kind: str, rnd: int, messages: dict[int, Message], attempt: int = 0) -> dict[int, Delivery]:
         out = {}
         for cid, message in messages.items():
-            client = make_client(cid, states.setdefault(cid, {}))
-            out[cid] = exchange(message, client.fit if kind == "train" else client.evaluate)
-            states[cid] = client.state
+            client = self.make_client(cid, dict(self.states.get(cid, {})))
+            try:
+                reply, down, up, seconds = exchange(message, lambda m: answer(client, kind, m, self.seed, rnd, attempt))
+            except Exception as exc:  # noqa: BLE001 - any client failure is a drop, named in the record
+                out[cid] = Delivery(None, message.nbytes, error=f"{type(exc).__name__}: {exc}")
+                continue
+            self.states[cid] = client.state
+            out[cid] = Delivery(reply, down, up, seconds, sender=cid, round=rnd)
         return out
-
-    return send
 
 
 def run_rounds(
@@ -55,25 +63,32 @@ def run_rounds(
     eval_every: int = 1,
     on_round: Callable[[RoundRecord], None] | None = None,
     start_round: int = 1,
+    policy: RoundPolicy = RoundPolicy(),
 ) -> list[RoundRecord]:
-    """The embedded engine: :func:`drive_rounds` with in-process clients from ``make_client``."""
+    """The embedded engine's rounds: :func:`drive_rounds` with in-process clients from ``make_client``."""
     return drive_rounds(
-        strategy, local_transport(make_client), num_clients, sample_size, rounds, seed, eval_every, on_round, start_round
+        strategy, LocalTransport(make_client, seed), num_clients, sample_size, rounds, seed, eval_every, on_round,
+        start_round, policy,
     )
 
 
-def embedded_engine(config: RunConfig) -> Callable[[Strategy, Callable[[RoundRecord], None]], list[RoundRecord]]:
-    """The engine :func:`fedtune.run.run_experiment` uses by default: ``engine(strategy, on_round)``
-    runs every round with the clients in this process, on a RunContext of their own."""
-    from fedtune.runtime import RunContext
+class EmbeddedEngine(Engine):
+    """The default engine of :func:`fedtune.run.run_experiment`: every client in this process, on
+    a RunContext of its own; its client states are part of the run's checkpoint."""
 
-    clients = RunContext(config)
-    fed = config.federation
+    name = "embedded"
 
-    def engine(strategy: Strategy, on_round: Callable[[RoundRecord], None]) -> list[RoundRecord]:
-        return run_rounds(
-            strategy, clients.client, fed.num_clients, fed.sample_size(), config.rounds, config.seed,
-            config.eval_every, on_round,
-        )
+    def __init__(self, config: RunConfig) -> None:
+        from fedtune.runtime import RunContext
 
-    return engine
+        super().__init__(config)
+        self.local = LocalTransport(RunContext(config).client, config.seed)
+
+    def transport(self) -> LocalTransport:
+        return self.local
+
+    def state_dict(self) -> dict:
+        return {str(cid): dict(state) for cid, state in self.local.states.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.local.states = {int(cid): dict(s) for cid, s in state.items()}

@@ -20,10 +20,11 @@ each client id is played by exactly one node. Each message also names its client
 ClientApp refuses a message meant for another one. A client's persistent state (``Client.state``)
 lives in its node's ``context.state`` as an ArrayRecord.
 
-The round loop is the embedded engine's (:func:`~fedtune.engines.embedded.drive_rounds`), with a batched transport: all
-clients of a round are sent at once (``grid.send_and_receive``), so nodes train in parallel, and
-the replies are put back in the order of ``configure_fit`` (aggregation order fixes float sums).
-A reply carrying an error raises :class:`FlowerClientError`, naming the client. The ClientApp
+The round loop is every engine's (:func:`~fedtune.engines.rounds.drive_rounds`), with a batched
+transport: all clients of a round are sent at once (``grid.send_and_receive``), so nodes train in
+parallel, and the replies are put back in the order of ``configure_fit`` (aggregation order fixes
+float sums). A reply carrying an error, or none within the deadline, is a drop (the round loop
+records it and retries a round short of ``federation.min_replies``). The ClientApp
 times the Client call and returns the seconds beside the message (``compute_s`` in the same
 ConfigRecord, outside the accounted bytes), as the embedded engine times it around the call.
 
@@ -56,8 +57,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedtune.config import RunConfig
 from fedtune.process import setup_process
 from fedtune.protocol.messages import Message
-from fedtune.engines.rounds import RoundRecord, drive_rounds
-from fedtune.protocol.strategy import Strategy
+from fedtune.engines.rounds import Delivery, Engine, RoundRecord, answer
 
 RECORD = "fedtune"  # RecordDict key of the ConfigRecord that carries a fedtune Message
 BLOB = "message"  # ConfigRecord key: Message.encode()
@@ -66,6 +66,8 @@ STATE = "fedtune-state"  # context.state key: the client's persistent arrays (Ar
 PARTITION_ID = "partition-id"  # node_config key naming the client id a node plays
 
 COMPUTE_S = "compute_s"  # ConfigRecord key of a reply: seconds the Client call took on the node
+ROUND = "round"  # ConfigRecord key: the round a message belongs to (request) or claims (reply)
+ATTEMPT = "attempt"  # ConfigRecord key of a request: the round's attempt (fault injection draws)
 
 class FlowerClientError(RuntimeError):
     """A ClientApp failed (or never answered); names the client, its node, the round and kind."""
@@ -147,7 +149,9 @@ def _partition_id(context: Context) -> int:
 
 def handle_client_message(config: RunConfig | None, message: FlowerMessage, context: Context) -> FlowerMessage:
     """Answer one Flower message as fedtune client ``partition-id``: build the Client from this
-    process's RunContext and the node's persistent state, run ``fit`` (train) or ``evaluate``."""
+    process's RunContext and the node's persistent state, serve it with
+    :func:`~fedtune.engines.rounds.answer` (fault injection, then ``fit`` or ``evaluate``). A
+    failure propagates: Flower returns it to the server as an error reply (a drop)."""
     pid = _partition_id(context)
     kind = message.metadata.message_type.split(".")[0]
     if kind == "query":  # the server's hello: which client id does this node play?
@@ -157,13 +161,15 @@ def handle_client_message(config: RunConfig | None, message: FlowerMessage, cont
     cid, request, _ = unpack(message.content)
     if cid != pid:
         raise RuntimeError(f"message for client {cid} reached the node of client {pid}")
+    envelope = message.content[RECORD]
+    rnd, attempt = int(envelope.get(ROUND, 0)), int(envelope.get(ATTEMPT, 0))
     config = config if config is not None else config_from_run_config(context.run_config)
     client = _process_context(config).client(pid, state_from_record(context.state.get(STATE)))
     start = time.perf_counter()  # the engine times the client call, as embedded.exchange does
-    reply = client.fit(request) if kind == "train" else client.evaluate(request)
+    reply = answer(client, kind, request, config.seed, rnd, attempt)
     seconds = time.perf_counter() - start
     context.state[STATE] = state_to_record(client.state)
-    content, _ = pack(reply, pid, **{COMPUTE_S: seconds})
+    content, _ = pack(reply, pid, **{COMPUTE_S: seconds, ROUND: rnd})
     return FlowerMessage(content, reply_to=message)
 
 
@@ -227,13 +233,15 @@ def discover_nodes(grid: Grid, num_clients: int, timeout: float | None = None) -
 
 
 class GridTransport:
-    """Send a round's messages through a Flower Grid in one batch and collect the replies."""
+    """Send a round's messages through a Flower Grid in one batch and collect the replies; a
+    client that fails (an error reply) or does not answer within ``timeout`` seconds is a failed
+    :class:`~fedtune.engines.rounds.Delivery` (dropped by the round loop)."""
 
     def __init__(self, grid: Grid, node_of: dict[int, int], timeout: float | None = None) -> None:
         self.grid, self.node_of, self.timeout = grid, node_of, timeout
         self.cid_of = {nid: cid for cid, nid in node_of.items()}
 
-    def __call__(self, kind: str, rnd: int, messages: dict[int, Message]) -> dict[int, tuple[Message, int, int, float]]:
+    def __call__(self, kind: str, rnd: int, messages: dict[int, Message], attempt: int = 0) -> dict[int, Delivery]:
         if not messages:
             return {}
         out, down = [], {}
@@ -243,25 +251,47 @@ class GridTransport:
                 encoded[id(message)] = message.encode()
             data = encoded[id(message)]
             down[cid] = len(data)
-            content = RecordDict({RECORD: ConfigRecord({BLOB: data, CID: int(cid)})})
+            content = RecordDict({RECORD: ConfigRecord({BLOB: data, CID: int(cid), ROUND: rnd, ATTEMPT: attempt})})
             out.append(FlowerMessage(content, dst_node_id=self.node_of[cid], message_type=kind, group_id=str(rnd)))
-        received: dict[int, tuple[Message, int, float]] = {}
+        received: dict[int, Delivery] = {}
         for reply in self.grid.send_and_receive(out, timeout=self.timeout):
-            nid = reply.metadata.src_node_id
-            cid = self.cid_of.get(nid)
+            cid = self.cid_of.get(reply.metadata.src_node_id)
+            if cid is None or cid not in messages:
+                continue  # a node we did not ask: ignore
             if reply.has_error():
-                raise FlowerClientError(cid, nid, rnd, kind, reply.error.reason)
-            got, message, up = unpack(reply.content)
-            if got != cid:
-                raise FlowerClientError(cid, nid, rnd, kind, f"reply claims to come from client {got}")
-            received[cid] = (message, up, float(reply.content[RECORD].get(COMPUTE_S, 0.0)))
-        missing = [cid for cid in messages if cid not in received]
-        if missing:
-            raise FlowerClientError(
-                missing[0], self.node_of[missing[0]], rnd, kind, f"no reply within {self.timeout} s (clients {missing})"
-            )
+                received[cid] = Delivery(None, down[cid], error=f"client error: {reply.error.reason}")
+                continue
+            try:
+                sender, message, up = unpack(reply.content)
+                record = reply.content[RECORD]
+                received[cid] = Delivery(
+                    message, down[cid], up, float(record.get(COMPUTE_S, 0.0)), sender, int(record.get(ROUND, -1))
+                )
+            except Exception as exc:  # noqa: BLE001 - a reply that does not even decode is a drop
+                received[cid] = Delivery(None, down[cid], error=f"undecodable reply ({exc})")
         # in configure order: aggregation sums in dict order, as the embedded engine does
-        return {cid: (received[cid][0], down[cid], received[cid][1], received[cid][2]) for cid in messages}
+        return {
+            cid: received.get(cid) or Delivery(None, down[cid], error=f"no reply within {self.timeout} s")
+            for cid in messages
+        }
+
+
+class FlowerEngine(Engine):
+    """Rounds over a Flower Grid: nodes are discovered on first use (:func:`discover_nodes`);
+    client state lives on the nodes (``context.state``), not in the server's checkpoint."""
+
+    name = "flower"
+
+    def __init__(self, config: RunConfig, grid: Grid, timeout: float | None = None) -> None:
+        super().__init__(config)
+        self.grid, self.timeout, self._transport = grid, timeout, None
+
+    def transport(self) -> GridTransport:
+        if self._transport is None:
+            fed = self.config.federation
+            node_of = discover_nodes(self.grid, fed.num_clients, self.timeout)
+            self._transport = GridTransport(self.grid, node_of, fed.round_timeout_s or self.timeout)
+        return self._transport
 
 
 def serve(
@@ -270,22 +300,14 @@ def serve(
     timeout: float | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
     on_start: Callable[[Any], None] | None = None,
+    resume: bool = False,
 ) -> dict:
     """Run ``config``'s method over ``grid`` and write the run folder exactly as the embedded
     engine does (:func:`fedtune.run.run_experiment`, summary marked ``"engine": "flower"``)."""
     from fedtune.run import run_experiment
 
     setup_process(config.train.threads)
-    fed = config.federation
-
-    def engine(strategy: Strategy, record: Callable[[RoundRecord], None]) -> list[RoundRecord]:
-        transport = GridTransport(grid, discover_nodes(grid, fed.num_clients, timeout), timeout)
-        return drive_rounds(
-            strategy, transport, fed.num_clients, fed.sample_size(), config.rounds, config.seed, config.eval_every,
-            record,
-        )
-
-    return run_experiment(config, on_round, on_start, engine=engine, engine_name="flower")
+    return run_experiment(config, on_round, on_start, engine=FlowerEngine(config, grid, timeout), resume=resume)
 
 
 def make_server_app(
@@ -340,7 +362,8 @@ def run_flower_simulation(
     """Run ``config`` as a Flower ServerApp + ClientApp with ``flwr.simulation.run_simulation``
     (Ray backend, one virtual SuperNode per client, :func:`ray_backend_config` updated with
     ``backend_config``; Ray is shut down at the end); return the summary (``summary.json``).
-    A ClientApp failure raises :class:`FlowerClientError`."""
+    A ClientApp failure is a drop; a round without ``federation.min_replies`` valid replies
+    raises :class:`~fedtune.engines.rounds.RoundFailed`."""
     num_clients = config.federation.num_clients
     num_supernodes = num_clients if num_supernodes is None else num_supernodes
     if num_supernodes != num_clients:

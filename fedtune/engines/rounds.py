@@ -1,26 +1,112 @@
 """The round loop every engine runs (:func:`drive_rounds`): seeded client sampling, a
-Strategy's configure / aggregate calls, and per-round records with the bytes that crossed.
-An engine supplies only a :data:`Transport` that delivers a round's Messages to clients.
+Strategy's configure / aggregate calls, reply validation, drops and retries, and per-round
+records with the bytes that crossed. An engine supplies only a :data:`Transport` that delivers a
+round's Messages to clients and brings back one :class:`Delivery` per client.
+
+Faults (both engines). A client that raises, misses the round's deadline
+(``federation.round_timeout_s``) or never answers is *dropped* for that round, and so is a
+reply that fails validation: the wrong client id or round, larger than
+``federation.max_reply_bytes``, or arrays other than :meth:`Strategy.reply_spec` expects
+(names, shapes, dtypes, finite values; :mod:`fedtune.protocol.validation`). Dropped replies never
+reach ``aggregate_fit``. A round aggregates when at least ``federation.min_replies`` replies are
+valid; otherwise it is retried with a fresh sample (seeded by the attempt), up to
+``federation.max_retries`` times, after which :class:`RoundFailed` stops the run (the caller has
+checkpointed the last complete round). Every drop (who, why) is in the round's record.
+
+Fault injection for tests and benchmarks: profile fields ``failure_prob`` (a client fails a
+request with that probability, drawn from (seed, round, client, attempt)) and ``delay_s`` (it
+waits that long before answering), applied on the client side by :func:`answer`.
 """
 
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
+from fedtune.protocol.client import Client
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
+from fedtune.protocol.validation import check_arrays
 
 
-def sample_clients(num_clients: int, sample_size: int, seed: int, rnd: int) -> list[int]:
-    """Clients of round ``rnd``: uniform without replacement, from (seed, round) alone."""
+def sample_clients(num_clients: int, sample_size: int, seed: int, rnd: int, attempt: int = 0) -> list[int]:
+    """Clients of round ``rnd``: uniform without replacement, from (seed, round, attempt) alone."""
     if sample_size >= num_clients:
         return list(range(num_clients))
-    rng = np.random.default_rng([seed, rnd, 0x5A])
+    rng = np.random.default_rng([seed, rnd, 0x5A] if attempt == 0 else [seed, rnd, 0x5A, attempt])
     return sorted(int(c) for c in rng.choice(num_clients, size=sample_size, replace=False))
+
+
+class InjectedFailure(RuntimeError):
+    """A failure injected by the client's profile (``failure_prob``)."""
+
+
+def answer(client: Client, kind: str, message: Message, seed: int, rnd: int, attempt: int = 0) -> Message:
+    """Serve one request on the client side, as every engine does: the profile's injected delay
+    and failure first, then ``fit`` ("train") or ``evaluate``."""
+    profile = client.profile
+    if profile.delay_s:
+        time.sleep(profile.delay_s)
+    if profile.failure_prob and np.random.default_rng([seed, rnd, client.cid, attempt, 0xFA11]).random() < profile.failure_prob:
+        raise InjectedFailure(f"injected failure (failure_prob {profile.failure_prob})")
+    return client.fit(message) if kind == "train" else client.evaluate(message)
+
+
+@dataclass
+class Delivery:
+    """One client's answer to one message, as the transport saw it."""
+
+    reply: Message | None  # None when the client failed or never answered
+    down: int  # bytes sent to the client
+    up: int = 0  # bytes it sent back
+    seconds: float = 0.0  # its compute time
+    sender: int | None = None  # the client id the reply claims
+    round: int | None = None  # the round the reply claims
+    error: str | None = None  # why there is no reply
+
+
+#: ``transport(kind, rnd, messages, attempt)`` delivers ``messages`` (client id -> Message) as
+#: ``kind`` ("train" or "evaluate") and returns client id -> Delivery for every message, in the
+#: order of ``messages`` (aggregation sums in that order).
+Transport = Callable[[str, int, dict[int, Message], int], dict[int, Delivery]]
+
+
+@dataclass(frozen=True)
+class RoundPolicy:
+    """How a round treats faults (``federation.*``)."""
+
+    min_replies: int = 1
+    max_retries: int = 2
+    timeout_s: float | None = None
+    max_reply_bytes: int = 256 * 2**20
+
+    @classmethod
+    def of(cls, fed: Any) -> "RoundPolicy":
+        return cls(fed.min_replies, fed.max_retries, fed.round_timeout_s, fed.max_reply_bytes)
+
+    def rejection(self, strategy: Strategy, rnd: int, cid: int, sent: Message, got: Delivery) -> str | None:
+        """Why ``got`` may not be aggregated, or None."""
+        if got.error is not None:
+            return got.error
+        if got.reply is None:
+            return "no reply"
+        if got.sender != cid:
+            return f"reply claims to come from client {got.sender}"
+        if got.round != rnd:
+            return f"reply claims round {got.round}"
+        if self.timeout_s is not None and got.seconds > self.timeout_s:
+            return f"missed the {self.timeout_s:g} s deadline ({got.seconds:.2f} s)"
+        if got.up > self.max_reply_bytes:
+            return f"reply of {got.up} bytes exceeds federation.max_reply_bytes = {self.max_reply_bytes}"
+        return check_arrays(got.reply.arrays, strategy.reply_spec(rnd, cid, sent) if sent is not None else None)
+
+
+class RoundFailed(RuntimeError):
+    """A round stayed short of ``federation.min_replies`` valid replies after every retry."""
 
 
 @dataclass
@@ -32,12 +118,14 @@ class RoundRecord:
     client_bytes_down: dict[int, int] = field(default_factory=dict)
     client_steps: dict[int, int] = field(default_factory=dict)
     client_compute_s: dict[int, float] = field(default_factory=dict)
+    dropped: dict[int, str] = field(default_factory=dict)  # client -> why (every attempt of the round)
+    attempts: int = 1
     eval_bytes: int = 0
     wall_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         """The ``metrics.jsonl`` line for this round."""
-        return {
+        line = {
             "round": self.round,
             "accuracy": self.metrics.get("accuracy"),
             "loss": self.metrics.get("loss"),
@@ -53,12 +141,28 @@ class RoundRecord:
             "client_steps": {str(k): v for k, v in self.client_steps.items()},
             "client_compute_s": {str(k): round(v, 4) for k, v in self.client_compute_s.items()},
         }
+        if self.dropped or self.attempts > 1:
+            line["dropped"] = {str(k): v for k, v in self.dropped.items()}
+            line["attempts"] = self.attempts
+        return line
 
 
-#: ``transport(kind, rnd, messages)`` delivers ``messages`` (client id -> Message) as ``kind``
-#: ("train" or "evaluate") and returns client id -> (reply, bytes down, bytes up, client seconds),
-#: in the order of ``messages`` (aggregation sums in that order).
-Transport = Callable[[str, int, dict[int, Message]], dict[int, tuple[Message, int, int, float]]]
+def _train(strategy: Strategy, transport: Transport, policy: RoundPolicy, record: RoundRecord,
+           clients: list[int], rnd: int, attempt: int) -> dict[int, Message]:
+    """One attempt at the training exchange: the valid replies; bytes and drops go to ``record``."""
+    sent = strategy.configure_fit(rnd, clients)
+    valid = {}
+    for cid, got in transport("train", rnd, sent, attempt).items():
+        record.client_bytes_down[cid] = record.client_bytes_down.get(cid, 0) + got.down
+        record.client_bytes_up[cid] = record.client_bytes_up.get(cid, 0) + got.up
+        record.client_compute_s[cid] = record.client_compute_s.get(cid, 0.0) + got.seconds
+        reason = policy.rejection(strategy, rnd, cid, sent[cid], got)
+        if reason is None:
+            valid[cid] = got.reply
+            record.client_steps[cid] = int(got.reply.meta.get("steps", 0))
+        else:
+            record.dropped[cid] = reason if attempt == 0 else f"attempt {attempt + 1}: {reason}"
+    return valid
 
 
 def drive_rounds(
@@ -71,32 +175,88 @@ def drive_rounds(
     eval_every: int = 1,
     on_round: Callable[[RoundRecord], None] | None = None,
     start_round: int = 1,
+    policy: RoundPolicy = RoundPolicy(),
+    should_stop: Callable[[], bool] = lambda: False,
 ) -> list[RoundRecord]:
     """Rounds ``start_round..rounds`` of ``strategy``, messages delivered by ``transport`` (the
-    embedded engine's :func:`~fedtune.engines.embedded.local_transport`, or Flower's grid): one loop for every engine."""
+    embedded engine's in-process clients, or Flower's grid): one loop for every engine.
+    ``on_round`` sees each record as its round ends (the caller writes metrics and the
+    checkpoint there); ``should_stop()`` is asked after each round (Ctrl-C)."""
     history = []
     for rnd in range(start_round, rounds + 1):
         start = time.perf_counter()
-        record = RoundRecord(rnd, sample_clients(num_clients, sample_size, seed, rnd))
-        replies = {}
-        fit_messages = strategy.configure_fit(rnd, record.clients)
-        for cid, (reply, down, up, seconds) in transport("train", rnd, fit_messages).items():
-            replies[cid] = reply
-            record.client_bytes_down[cid], record.client_bytes_up[cid] = down, up
-            record.client_steps[cid] = int(reply.meta.get("steps", 0))
-            record.client_compute_s[cid] = seconds
+        record = RoundRecord(rnd, [])
+        for attempt in range(policy.max_retries + 1):
+            record.attempts = attempt + 1
+            clients = sample_clients(num_clients, sample_size, seed, rnd, attempt)
+            record.clients = sorted(set(record.clients) | set(clients))
+            replies = _train(strategy, transport, policy, record, clients, rnd, attempt)
+            if len(replies) >= policy.min_replies:
+                break
+        else:
+            raise RoundFailed(
+                f"round {rnd}: fewer than federation.min_replies = {policy.min_replies} valid replies after "
+                f"{policy.max_retries + 1} attempts; drops: {record.dropped}"
+            )
         record.metrics.update(strategy.aggregate_fit(rnd, replies))
         if rnd % eval_every == 0 or rnd == rounds:
             record.metrics.update(strategy.evaluate(rnd))
             eval_messages = strategy.configure_evaluate(rnd, list(range(num_clients)))
             eval_replies = {}
-            for cid, (reply, down, up, _) in transport("evaluate", rnd, eval_messages).items():
-                eval_replies[cid] = reply
-                record.eval_bytes += down + up
+            for cid, got in transport("evaluate", rnd, eval_messages, 0).items():
+                record.eval_bytes += got.down + got.up
+                reason = policy.rejection(strategy, rnd, cid, None, got)
+                if reason is None:
+                    eval_replies[cid] = got.reply
+                else:
+                    record.dropped.setdefault(cid, f"evaluation: {reason}")
             if eval_replies:
                 record.metrics.update(strategy.aggregate_evaluate(rnd, eval_replies))
         record.wall_s = time.perf_counter() - start
         history.append(record)
         if on_round is not None:
             on_round(record)
+        if should_stop() and rnd < rounds:
+            raise RunInterrupted(rnd)
     return history
+
+
+class RunInterrupted(Exception):
+    """The run was asked to stop (Ctrl-C) and stopped after round ``round`` (checkpointed)."""
+
+    def __init__(self, rnd: int) -> None:
+        super().__init__(f"interrupted after round {rnd}")
+        self.round = rnd
+
+
+class Engine(ABC):
+    """What runs a run's rounds: a transport to the clients, plus whatever state the checkpoint
+    must keep beside the strategy's (the embedded engine's client states)."""
+
+    name = "engine"
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+    @abstractmethod
+    def transport(self) -> Transport:
+        """The transport of this run (built on first use: Flower discovers its nodes here)."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (resume)."""
+
+    def run(
+        self,
+        strategy: Strategy,
+        on_round: Callable[[RoundRecord], None] | None = None,
+        start_round: int = 1,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> list[RoundRecord]:
+        c, fed = self.config, self.config.federation
+        return drive_rounds(
+            strategy, self.transport(), fed.num_clients, fed.sample_size(), c.rounds, c.seed, c.eval_every,
+            on_round, start_round, RoundPolicy.of(fed), should_stop,
+        )

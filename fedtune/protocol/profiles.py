@@ -17,6 +17,8 @@ class ClientProfile(BaseModel):
     sketch_ratio: float | None = Field(None, gt=0, le=1, description="FSLoRA k_i / r")
     capacity: float | None = Field(None, gt=0, le=1, description="fraction of the model it can train")
     speed: float = Field(1.0, gt=0, description="relative compute speed (1 = reference)")
+    failure_prob: float = Field(0.0, ge=0, le=1, description="fault injection: chance the client fails a request")
+    delay_s: float = Field(0.0, ge=0, description="fault injection: seconds the client waits before answering")
 
 
 def _profile(fields: dict[str, Any], where: str) -> ClientProfile:

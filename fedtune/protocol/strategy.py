@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from fedtune.protocol.messages import Message
+from fedtune.protocol.validation import ArraySpec
 
 
 class Strategy(ABC):
@@ -44,6 +45,12 @@ class Strategy(ABC):
     @abstractmethod
     def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
         """Fold the clients' replies into the global state; return round metrics."""
+
+    def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec] | None:
+        """The arrays expected in client ``cid``'s reply to ``sent`` in round ``rnd``: the engine
+        rejects (drops) a reply that does not match before :meth:`aggregate_fit` sees it
+        (:func:`fedtune.protocol.validation.check_arrays`). None: only finite values are checked."""
+        return None
 
     def evaluate(self, rnd: int) -> dict[str, float]:
         """Centralized evaluation of the global state (default: none)."""

@@ -1,0 +1,85 @@
+"""Reply validation: is a client's reply what the method expects from that client this round?
+
+A Strategy describes the arrays it expects back from a client (:meth:`Strategy.reply_spec`):
+name -> :class:`ArraySpec` (shape and dtype). :func:`check_arrays` compares a reply with it:
+the same names (an array the method lets the upload codec compress may instead arrive as its
+top-k triple ``name.topk_idx / .topk_val / .topk_shape``, checked entry by entry), the same
+shapes and dtypes, and finite values everywhere. It returns the reason a reply is rejected,
+or None; it never raises, whatever the reply holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from fedtune.protocol.compression import IDX, SHAPE, VAL
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """What one array of a reply must be: its shape and dtype (numpy name)."""
+
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    compressible: bool = True  # may arrive top-k encoded (float updates through the upload codec)
+
+    @classmethod
+    def like(cls, array: np.ndarray, compressible: bool = True) -> "ArraySpec":
+        array = np.asarray(array)
+        return cls(tuple(int(s) for s in array.shape), array.dtype.name, compressible and array.dtype.kind == "f")
+
+
+def spec_like(arrays: Mapping[str, np.ndarray]) -> dict[str, ArraySpec]:
+    """The spec of a reply with the same names, shapes and dtypes as ``arrays``."""
+    return {name: ArraySpec.like(a) for name, a in arrays.items()}
+
+
+def _check_topk(name: str, arrays: Mapping[str, np.ndarray], spec: ArraySpec) -> str | None:
+    idx, val, shape = (np.asarray(arrays.get(name + s)) if name + s in arrays else None for s in (IDX, VAL, SHAPE))
+    if idx is None or val is None or shape is None:
+        return f"array {name!r}: incomplete top-k triple"
+    if shape.ndim != 1 or shape.dtype.kind not in "iu" or tuple(int(s) for s in shape) != spec.shape:
+        return f"array {name!r}: top-k shape {shape.tolist()} where {list(spec.shape)} was expected"
+    size = int(np.prod(spec.shape, dtype=np.int64))
+    if idx.ndim != 1 or idx.dtype.kind not in "iu" or val.shape != idx.shape or val.dtype.kind != "f":
+        return f"array {name!r}: top-k needs 1-D integer indices and as many float values"
+    if idx.size > size or (idx.size and (idx.min() < 0 or idx.max() >= size)) or len(np.unique(idx)) != idx.size:
+        return f"array {name!r}: top-k indices outside its {size} entries or repeated"
+    if not np.isfinite(val).all():
+        return f"array {name!r}: non-finite values"
+    return None
+
+
+def check_arrays(arrays: Mapping[str, np.ndarray], spec: Mapping[str, ArraySpec] | None) -> str | None:
+    """Why ``arrays`` (a reply's) do not match ``spec``, or None when they do. ``spec`` None:
+    only the values are checked (finite floats)."""
+    if spec is None:
+        for name, a in arrays.items():
+            if np.asarray(a).dtype.kind == "f" and not np.isfinite(a).all():
+                return f"array {name!r}: non-finite values"
+        return None
+    seen: set[str] = set()
+    for name, want in spec.items():
+        if name in arrays:
+            a = np.asarray(arrays[name])
+            if tuple(a.shape) != want.shape:
+                return f"array {name!r}: shape {list(a.shape)} where {list(want.shape)} was expected"
+            if a.dtype.name != want.dtype:
+                return f"array {name!r}: dtype {a.dtype} where {want.dtype} was expected"
+            if a.dtype.kind == "f" and not np.isfinite(a).all():
+                return f"array {name!r}: non-finite values"
+            seen.add(name)
+        elif want.compressible and name + IDX in arrays:
+            reason = _check_topk(name, arrays, want)
+            if reason:
+                return reason
+            seen.update(name + s for s in (IDX, VAL, SHAPE))
+        else:
+            return f"array {name!r} missing"
+    extra = sorted(set(arrays) - seen)
+    if extra:
+        return f"unexpected arrays {extra[:3]}"
+    return None
