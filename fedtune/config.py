@@ -81,11 +81,22 @@ class TrainConfig(_Section):
     local_steps: int = Field(10, gt=0, description="optimizer steps per client per round (H)")
     batch_size: int = Field(16, gt=0)
     lr: float = Field(5e-4, gt=0)
-    optimizer: Literal["adamw", "sgd"] = "adamw"
+    optimizer: Literal["adamw", "sgd"] = Field(
+        "adamw", description="local optimizer; FSLoRA's Algorithm 1 takes plain SGD steps (eq. (4))"
+    )
+    momentum: float = Field(
+        0.0, ge=0, lt=1, description="heavy-ball momentum of optimizer='sgd' (the published FSLoRA GLUE clients: 0.9)"
+    )
     weight_decay: float = Field(0.0, ge=0)
     eval_batch_size: int = Field(128, gt=0)
     group_by_length: bool = Field(True, description="batch examples of similar length (less padding)")
     threads: int | None = Field(None, gt=0, description="torch threads (default: torch's choice)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainConfig":
+        if self.momentum and self.optimizer != "sgd":
+            raise ValueError(f"train.momentum: applies to train.optimizer='sgd' (got optimizer={self.optimizer!r})")
+        return self
 
 
 class FederationConfig(_Section):
@@ -95,6 +106,18 @@ class FederationConfig(_Section):
     profiles: list[ClientProfile] | None = Field(None, description="one resource profile per client (or one for all)")
     profile_choices: dict[str, list[Any]] | None = Field(None, description="draw each profile field from a set")
     upload_topk: float | None = Field(None, gt=0, le=1, description="keep this fraction of each uploaded update (top-k)")
+    server_optimizer: Literal["sgd", "adam"] = Field(
+        "sgd", description="server step on the aggregated update: sgd (lr 1: the method's own rule) or adam (FedAdam)"
+    )
+    server_lr: float | None = Field(None, gt=0, description="server learning rate (sgd: default 1; adam: required)")
+    server_betas: tuple[float, float] = Field((0.9, 0.999), description="FedAdam's (beta1, beta2)")
+    server_eps: float = Field(1e-8, gt=0, description="FedAdam's epsilon (Reddi et al.'s tau)")
+    server_weight_decay: float = Field(0.0, ge=0, description="FedAdam's decoupled weight decay (torch AdamW: 0.01)")
+    server_bias_correction: bool = Field(True, description="FedAdam with Adam's bias correction (torch) or without (Reddi et al.)")
+    min_replies: int = Field(1, gt=0, description="valid replies a round needs to aggregate (else it is retried)")
+    max_retries: int = Field(2, ge=0, description="retries of a round short of min_replies before the run stops")
+    round_timeout_s: float | None = Field(None, gt=0, description="a client slower than this in a round is dropped")
+    max_reply_bytes: int = Field(256 * 2**20, gt=0, description="a larger reply is rejected")
 
     @model_validator(mode="after")
     def _check(self) -> "FederationConfig":
@@ -104,13 +127,29 @@ class FederationConfig(_Section):
             )
         if self.profile_choices is not None:
             check_profile_choices(self.profile_choices)
+        adam_only = [k for k in ("server_betas", "server_eps", "server_weight_decay", "server_bias_correction")
+                     if getattr(self, k) != type(self).model_fields[k].default]
+        if self.server_optimizer == "sgd" and adam_only:
+            raise ValueError(f"federation.{adam_only[0]}: applies to federation.server_optimizer='adam'")
+        if self.server_optimizer == "adam" and self.server_lr is None:
+            raise ValueError("federation.server_lr: required with server_optimizer='adam' (the published FSLoRA code uses 5e-4)")
+        if not all(0 <= b < 1 for b in self.server_betas):
+            raise ValueError(f"federation.server_betas: expected two values in [0, 1) (got {list(self.server_betas)})")
         if self.clients_per_round is not None and self.fraction is not None:
             raise ValueError("give federation.clients_per_round or federation.fraction, not both")
         if self.clients_per_round is not None and self.clients_per_round > self.num_clients:
             raise ValueError(
                 f"federation.clients_per_round: expected at most num_clients={self.num_clients}, got {self.clients_per_round}"
             )
+        if self.min_replies > self.sample_size():
+            raise ValueError(
+                f"federation.min_replies: expected at most the {self.sample_size()} clients sampled per round, got {self.min_replies}"
+            )
         return self
+
+    def resolved_server_lr(self) -> float:
+        """``server_lr``, or 1 (the plain sum of eq. (5) / FedAvg) when not given."""
+        return 1.0 if self.server_lr is None else float(self.server_lr)
 
     def sample_size(self) -> int:
         if self.clients_per_round is not None:
@@ -129,6 +168,9 @@ class RunConfig(BaseModel):
     rounds: int = Field(10, gt=0)
     eval_every: int = Field(1, gt=0, description="evaluate every this many rounds (and the last)")
     output_dir: str = "runs"
+    engine: Literal["embedded", "flower-sim", "flower"] = Field(
+        "embedded", description="embedded (in-process), flower-sim (Flower's simulation) or flower (a loopback deployment)"
+    )
     task: TaskConfig = Field(default_factory=TaskConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
