@@ -118,6 +118,9 @@ class FederationConfig(_Section):
     max_retries: int = Field(2, ge=0, description="retries of a round short of min_replies before the run stops")
     round_timeout_s: float | None = Field(None, gt=0, description="a client slower than this in a round is dropped")
     max_reply_bytes: int = Field(256 * 2**20, gt=0, description="a larger reply is rejected")
+    nodes: int | None = Field(
+        None, gt=0, description="engine 'flower': SuperNodes, each playing a group of clients (default: min(clients per round, cores))"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "FederationConfig":
@@ -196,6 +199,9 @@ def _format_error(err: ValidationError) -> str:
     return f"{where}: {msg}{shown}{more}"
 
 
+SHORTHAND = {"task": "kind"}  # what a section given as a plain string names (default: "name")
+
+
 def parse_value(text: str) -> Any:
     """A ``--set`` value: TOML syntax if it parses (numbers, booleans, lists), else a string."""
     try:
@@ -214,7 +220,7 @@ def apply_override(tree: dict[str, Any], assignment: str) -> None:
     for part in parts[:-1]:
         child = node.get(part)
         if isinstance(child, str):  # `data = "sst2"` then `--set data.alpha=0.1`
-            child = {"name": child}
+            child = {SHORTHAND.get(part, "name"): child}
         node[part] = child if isinstance(child, dict) else {}
         node = node[part]
     node[parts[-1]] = parse_value(text.strip())

@@ -66,6 +66,7 @@ def _summary(config: RunConfig, lines: list[dict], server: RunContext, run_dir: 
         "best_accuracy": max(evaluated) if evaluated else None,
         "final_loss": lines[-1].get("loss"),
         "majority_accuracy": server.task.majority_rate(),
+        "reference_name": server.task.reference_name,
         "test_examples": len(server.task.test),
         "total_bytes_up": sum(line["bytes_up"] for line in lines),
         "total_bytes_down": sum(line["bytes_down"] for line in lines),

@@ -112,6 +112,9 @@ class Task(ABC):
 
         return partition(self.train.labels, num_clients, self.config.data, seed)
 
+    #: what :meth:`majority_rate` is, as the run's summary line names it
+    reference_name: ClassVar[str] = "majority-class rate"
+
     def majority_rate(self) -> float:
         """The reference accuracy a learned model must beat: the test set's majority-class rate."""
         return majority_rate(self.test.labels)
