@@ -141,3 +141,66 @@ def test_run_folder_and_saved_adapter_reproduce_final_predictions(tiny_config):
 def test_unknown_method_lists_the_known_ones():
     with pytest.raises(Exception, match="fedit"):
         get_method("nope")
+
+
+class TwoPhase(Strategy):
+    """Toy two-exchange round: fit sends x and gets x + cid back (averaged); the phase "sum"
+    then sends the new x to the clients that answered and gets cid * x back (summed)."""
+
+    def initialize(self):
+        self.x, self.total = np.zeros(2), np.zeros(2)
+
+    def configure_fit(self, rnd, client_ids):
+        return {cid: Message({"x": self.x}, {"round": rnd}) for cid in client_ids}
+
+    def aggregate_fit(self, rnd, replies):
+        self.x = np.mean([m.arrays["x"] for m in replies.values()], axis=0)
+        return {}
+
+    def phases(self, rnd):
+        return ("sum",)
+
+    def configure_phase(self, phase, rnd, client_ids):
+        return {cid: Message({"x": self.x}, {"round": rnd, "phase": phase}) for cid in client_ids}
+
+    def aggregate_phase(self, phase, rnd, replies):
+        self.total = self.total + sum(m.arrays["y"] for m in replies.values())
+        return {"phase_replies": len(replies)}
+
+    def reply_spec(self, rnd, cid, sent):
+        from fedtune.protocol.validation import spec_like
+
+        return spec_like({"y" if "phase" in sent.meta else "x": sent.arrays["x"]})
+
+    def state_dict(self):
+        return {"x": self.x, "total": self.total}
+
+    def load_state_dict(self, state):
+        self.x, self.total = state["x"], state["total"]
+
+
+class TwoPhaseClient(Client):
+    def fit(self, message):
+        return Message({"x": message.arrays["x"] + self.cid}, {"steps": 1})
+
+    def phase(self, name, message):
+        assert name == "sum"
+        if self.cid == 3:  # answers with the wrong array: dropped from the phase only
+            return Message({"x": message.arrays["x"]}, {})
+        return Message({"y": self.cid * message.arrays["x"]}, {})
+
+
+def test_a_round_with_a_second_exchange_runs_it_on_the_clients_that_answered(tiny_config):
+    register("toy-two-phase", TwoPhase, TwoPhaseClient, MethodOptions, "toy")
+    ctx = RunContext(tiny_config("method=toy-two-phase"))
+    strategy = ctx.strategy()
+    strategy.initialize()
+    history = run_rounds(strategy, ctx.client, 4, 4, 1, seed=0)
+    # fit: x = mean(0 + cid) = 1.5; phase: clients 0, 1, 2 send cid * 1.5, client 3 is dropped
+    assert np.allclose(strategy.x, 1.5) and np.allclose(strategy.total, (0 + 1 + 2) * 1.5)
+    record = history[0]
+    assert record.metrics["phase_replies"] == 3
+    assert record.dropped == {3: "sum: array 'y' missing"}
+    fit_down = Message({"x": np.zeros(2)}, {"round": 1}).nbytes
+    phase_down = Message({"x": np.zeros(2)}, {"round": 1, "phase": "sum"}).nbytes
+    assert record.client_bytes_down[0] == fit_down + phase_down  # both exchanges accounted

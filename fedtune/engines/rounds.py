@@ -8,7 +8,11 @@ Faults (both engines). A client that raises, misses the round's deadline
 reply that fails validation: the wrong client id or round, larger than
 ``federation.max_reply_bytes``, or arrays other than :meth:`Strategy.reply_spec` expects
 (names, shapes, dtypes, finite values; :mod:`fedtune.protocol.validation`). Dropped replies never
-reach ``aggregate_fit``. A round aggregates when at least ``federation.min_replies`` replies are
+reach ``aggregate_fit``. A round may hold further exchanges after the training one
+(:meth:`Strategy.phases`: RABO's two phases, BoMM's party / cloud exchanges), each with the
+clients still answering, each validated, byte-accounted and recorded the same way; a phase short
+of ``min_replies`` stops the run (the round is redone from its checkpoint on resume). A round
+aggregates when at least ``federation.min_replies`` replies are
 valid; otherwise it is retried with a fresh sample (seeded by the attempt), up to
 ``federation.max_retries`` times, after which :class:`RoundFailed` stops the run (the caller has
 checkpointed the last complete round). Every drop (who, why) is in the round's record.
@@ -41,19 +45,26 @@ def sample_clients(num_clients: int, sample_size: int, seed: int, rnd: int, atte
     return sorted(int(c) for c in rng.choice(num_clients, size=sample_size, replace=False))
 
 
+TRAIN, EVALUATE = "train", "evaluate"  # transport kinds; any other kind is a Strategy phase
+
+
 class InjectedFailure(RuntimeError):
     """A failure injected by the client's profile (``failure_prob``)."""
 
 
 def answer(client: Client, kind: str, message: Message, seed: int, rnd: int, attempt: int = 0) -> Message:
     """Serve one request on the client side, as every engine does: the profile's injected delay
-    and failure first, then ``fit`` ("train") or ``evaluate``."""
+    and failure first, then ``fit`` ("train"), ``evaluate``, or the named phase."""
     profile = client.profile
     if profile.delay_s:
         time.sleep(profile.delay_s)
     if profile.failure_prob and np.random.default_rng([seed, rnd, client.cid, attempt, 0xFA11]).random() < profile.failure_prob:
         raise InjectedFailure(f"injected failure (failure_prob {profile.failure_prob})")
-    return client.fit(message) if kind == "train" else client.evaluate(message)
+    if kind == TRAIN:
+        return client.fit(message)
+    if kind == EVALUATE:
+        return client.evaluate(message)
+    return client.phase(kind, message)
 
 
 @dataclass
@@ -70,7 +81,7 @@ class Delivery:
 
 
 #: ``transport(kind, rnd, messages, attempt)`` delivers ``messages`` (client id -> Message) as
-#: ``kind`` ("train" or "evaluate") and returns client id -> Delivery for every message, in the
+#: ``kind`` ("train", "evaluate" or a Strategy phase name) and returns client id -> Delivery for every message, in the
 #: order of ``messages`` (aggregation sums in that order).
 Transport = Callable[[str, int, dict[int, Message], int], dict[int, Delivery]]
 
@@ -147,21 +158,23 @@ class RoundRecord:
         return line
 
 
-def _train(strategy: Strategy, transport: Transport, policy: RoundPolicy, record: RoundRecord,
-           clients: list[int], rnd: int, attempt: int) -> dict[int, Message]:
-    """One attempt at the training exchange: the valid replies; bytes and drops go to ``record``."""
-    sent = strategy.configure_fit(rnd, clients)
+def _exchange(strategy: Strategy, transport: Transport, policy: RoundPolicy, record: RoundRecord,
+              kind: str, sent: dict[int, Message], rnd: int, attempt: int) -> dict[int, Message]:
+    """One exchange of a round (training or a phase): the valid replies; bytes and drops go to
+    ``record``."""
     valid = {}
-    for cid, got in transport("train", rnd, sent, attempt).items():
+    for cid, got in transport(kind, rnd, sent, attempt).items():
         record.client_bytes_down[cid] = record.client_bytes_down.get(cid, 0) + got.down
         record.client_bytes_up[cid] = record.client_bytes_up.get(cid, 0) + got.up
         record.client_compute_s[cid] = record.client_compute_s.get(cid, 0.0) + got.seconds
         reason = policy.rejection(strategy, rnd, cid, sent[cid], got)
         if reason is None:
             valid[cid] = got.reply
-            record.client_steps[cid] = int(got.reply.meta.get("steps", 0))
+            if kind == TRAIN:
+                record.client_steps[cid] = int(got.reply.meta.get("steps", 0))
         else:
-            record.dropped[cid] = reason if attempt == 0 else f"attempt {attempt + 1}: {reason}"
+            where = (f"attempt {attempt + 1}: " if attempt else "") + (f"{kind}: " if kind != TRAIN else "")
+            record.dropped[cid] = where + reason
     return valid
 
 
@@ -190,7 +203,8 @@ def drive_rounds(
             record.attempts = attempt + 1
             clients = sample_clients(num_clients, sample_size, seed, rnd, attempt)
             record.clients = sorted(set(record.clients) | set(clients))
-            replies = _train(strategy, transport, policy, record, clients, rnd, attempt)
+            sent = strategy.configure_fit(rnd, clients)
+            replies = _exchange(strategy, transport, policy, record, TRAIN, sent, rnd, attempt)
             if len(replies) >= policy.min_replies:
                 break
         else:
@@ -199,11 +213,20 @@ def drive_rounds(
                 f"{policy.max_retries + 1} attempts; drops: {record.dropped}"
             )
         record.metrics.update(strategy.aggregate_fit(rnd, replies))
+        for phase in strategy.phases(rnd):  # further exchanges, with the clients still answering
+            sent = strategy.configure_phase(phase, rnd, sorted(replies))
+            replies = _exchange(strategy, transport, policy, record, phase, sent, rnd, 0)
+            if len(replies) < policy.min_replies:
+                raise RoundFailed(
+                    f"round {rnd}, phase {phase!r}: fewer than federation.min_replies = {policy.min_replies} "
+                    f"valid replies; drops: {record.dropped}"
+                )
+            record.metrics.update(strategy.aggregate_phase(phase, rnd, replies))
         if rnd % eval_every == 0 or rnd == rounds:
             record.metrics.update(strategy.evaluate(rnd))
             eval_messages = strategy.configure_evaluate(rnd, list(range(num_clients)))
             eval_replies = {}
-            for cid, got in transport("evaluate", rnd, eval_messages, 0).items():
+            for cid, got in transport(EVALUATE, rnd, eval_messages, 0).items():
                 record.eval_bytes += got.down + got.up
                 reason = policy.rejection(strategy, rnd, cid, None, got)
                 if reason is None:

@@ -40,6 +40,10 @@ class Client(ABC):
         """Train locally from the server's Message; reply with the update and ``meta`` metrics
         (by convention ``num_examples``, ``steps``, ``train_loss``)."""
 
+    def phase(self, name: str, message: Message) -> Message:
+        """Answer a further exchange of the round (:meth:`Strategy.phases`); default: none."""
+        raise RuntimeError(f"{type(self).__name__} does not implement phase {name!r}")
+
     def evaluate(self, message: Message) -> Message:
         """Evaluate locally; reply with metrics in ``meta`` (default: not supported)."""
         raise RuntimeError(f"{type(self).__name__} does not implement federated evaluation")

@@ -46,10 +46,30 @@ class Strategy(ABC):
     def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
         """Fold the clients' replies into the global state; return round metrics."""
 
+    def phases(self, rnd: int) -> tuple[str, ...]:
+        """Further exchanges of round ``rnd`` after the training one, in order (default none).
+
+        A round is then: ``configure_fit`` / ``Client.fit`` / ``aggregate_fit``, and for each
+        named phase p, with the clients whose replies were valid so far:
+        ``configure_phase(p, ...)`` / ``Client.phase(p, message)`` / ``aggregate_phase(p, ...)``
+        (RABO's hypergradient exchange after the inner one, BoMM's party / cloud exchanges).
+        Every phase's messages are byte-accounted and validated like the training ones."""
+        return ()
+
+    def configure_phase(self, phase: str, rnd: int, client_ids: list[int]) -> dict[int, Message]:
+        """One Message per client for ``phase`` of round ``rnd`` (see :meth:`phases`)."""
+        raise RuntimeError(f"{type(self).__name__} declares phase {phase!r} but does not configure it")
+
+    def aggregate_phase(self, phase: str, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
+        """Fold the replies of ``phase`` into the global state; return round metrics."""
+        raise RuntimeError(f"{type(self).__name__} declares phase {phase!r} but does not aggregate it")
+
     def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec] | None:
         """The arrays expected in client ``cid``'s reply to ``sent`` in round ``rnd``: the engine
-        rejects (drops) a reply that does not match before :meth:`aggregate_fit` sees it
-        (:func:`fedtune.protocol.validation.check_arrays`). None: only finite values are checked."""
+        rejects (drops) a reply that does not match before :meth:`aggregate_fit` (or
+        :meth:`aggregate_phase`) sees it (:func:`fedtune.protocol.validation.check_arrays`); ``sent``
+        tells the phase apart if the strategy puts it in ``sent.meta``. None: only finite values
+        are checked."""
         return None
 
     def evaluate(self, rnd: int) -> dict[str, float]:
