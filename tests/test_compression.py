@@ -16,7 +16,7 @@ from fedtune.protocol.messages import Message
 from fedtune.engines.embedded import run_rounds
 from fedtune.methods.fslora import SHARED_SKETCH, read_indices
 from fedtune.methods.lora_common import decode_update
-from fedtune.models.lora import lora_pairs
+from fedtune.methods.lora_arrays import lora_pairs
 from fedtune.runtime import RunContext
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,5 +1,7 @@
 """Tests for FSLoRA (fedtune.methods.fslora): the sketch, the sliced training and upload, eq. (5),
-equivalence with FedIT at k = r, exact byte accounting, and the gradient of the sketched loss.
+equivalence with FedIT at k = r, exact byte accounting, the gradient of the sketched loss, and one
+plain-SGD step through FSLoRAClient.fit and eq. (5) that fails on the four unfaithful variants
+(per-drawer averaging, a missing r/k, the wrong ranks, dense training masked at upload).
 
 Tiny model (2-layer BERT, hidden 32), r = 8, a few local steps: the whole file runs in seconds.
 """
@@ -25,7 +27,7 @@ from fedtune.methods.fslora import (
     sketch_matrix,
     slice_adapter,
 )
-from fedtune.models.lora import lora_pairs
+from fedtune.methods.lora_arrays import lora_pairs
 from fedtune.runtime import RunContext
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -335,3 +337,80 @@ def test_state_dict_round_trip_resumes_the_same_global_adapter():
 def test_bad_option_is_a_config_error_naming_the_field(option, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         RunContext(make_config(option))
+
+
+# -- unfaithful variants: one plain-SGD step through FSLoRAClient.fit and eq. (5) ------------------
+
+
+def disjoint_round(strategy, first: int = 1) -> int:
+    """A round whose sketches of clients 0 and 1 are disjoint (k = r/2: they split the ranks)."""
+    for rnd in range(first, first + 2000):
+        a, b = (strategy.sketch(rnd, c)[strategy.pairs[0][0]] for c in (0, 1))
+        if not np.intersect1d(a, b).size:
+            return rnd
+    raise AssertionError("no disjoint draw")
+
+
+def test_one_sgd_step_is_gamma_r_over_k_grad_on_active_ranks_and_eq5_gives_each_rank_a_1_over_n_share():
+    """Two devices, k = r/2 = 4, disjoint index sets I_0, I_1 (together every rank once), one plain
+    SGD step of rate gamma, alpha = 16 (alpha/r = 2). With G = dL/dW at W = W0 + (alpha/r) B S A
+    (autograd on a fresh dense copy of the model, the client's batch and dropout draw), Lemma 3.2
+    and eq. (4) give the client's upload
+
+        Delta B[:, I] = -gamma (r/k) (alpha/r) G A[I, :]^T,   Delta A[I, :] = -gamma (r/k) (alpha/r) B[:, I]^T G,
+
+    the client's model afterwards is W0 + (alpha/r) B' S A' where B', A' differ from B, A only on I,
+    and eq. (5) moves every rank by 1/N = 1/2 of its one drawer's update. Fails on: averaging each
+    rank over its drawers only (a), training at scale alpha/r without S's r/k (b), training other
+    ranks than I (c), and training the dense rank-r adapter and masking at upload (d)."""
+    from tests.lora_reference import dense_gradients, effective_deltas
+
+    gamma, alpha, k = 0.5, 16.0, RANK // 2
+    config = make_config(profiles(0.5, 0.5), "train.optimizer=sgd", f"train.lr={gamma}", "train.local_steps=1",
+                         f"model.lora_alpha={alpha}", clients=2)
+    server, clients = RunContext(config), RunContext(config)
+    strategy = server.strategy()
+    strategy.initialize()
+    rng = np.random.default_rng(1)
+    strategy.global_arrays = {k_: (0.3 * rng.standard_normal(v.shape)).astype(np.float32)
+                              for k_, v in strategy.global_arrays.items()}
+    before = {k_: v.astype(np.float64) for k_, v in strategy.global_arrays.items()}
+    rnd = disjoint_round(strategy)
+    messages = strategy.configure_fit(rnd, [0, 1])
+    replies, expected = {}, {}
+    for cid in (0, 1):
+        I = strategy.sketch(rnd, cid)[strategy.pairs[0][0]]
+        S = sketch_matrix(I, RANK)
+        deltas = {a.removesuffix(".lora_A.weight"): (alpha / RANK) * before[b] @ S @ before[a] for a, b in strategy.pairs}
+        head = {n: v for n, v in strategy.global_arrays.items() if n.startswith("classifier.")}
+        G, g_head = dense_gradients(clients, cid, rnd, deltas, head)
+        replies[cid] = exchange(messages[cid], clients.client(cid, {}).fit)[0]
+        trained_model = effective_deltas(clients.workspace)  # the client's model after its step
+        expected[cid] = {}
+        for a, b in strategy.pairs:
+            path = a.removesuffix(".lora_A.weight")
+            step_b = -gamma * (RANK / k) * (alpha / RANK) * G[path] @ before[a][I, :].T  # (m, k)
+            step_a = -gamma * (RANK / k) * (alpha / RANK) * before[b][:, I].T @ G[path]  # (k, n)
+            expected[cid][a], expected[cid][b] = (I, step_a), (I, step_b)
+            scale = np.abs(step_b).max()
+            np.testing.assert_allclose(replies[cid].arrays[b], step_b, rtol=1e-3, atol=1e-4 * scale, err_msg=b)
+            np.testing.assert_allclose(replies[cid].arrays[a], step_a, rtol=1e-3, atol=1e-4 * np.abs(step_a).max(), err_msg=a)
+            # ranks outside I unchanged on the client: its model is W0 + (alpha/r) B' S A'
+            b_new, a_new = before[b].copy(), before[a].copy()
+            b_new[:, I] += step_b
+            a_new[I, :] += step_a
+            model = (alpha / RANK) * b_new @ S @ a_new
+            np.testing.assert_allclose(trained_model[path], model, rtol=1e-3, atol=1e-4 * np.abs(model).max(), err_msg=path)
+        for n in head:
+            np.testing.assert_allclose(replies[cid].arrays[n], -gamma * g_head[n], rtol=1e-3, atol=1e-7, err_msg=n)
+
+    strategy.aggregate_fit(rnd, replies)
+    after = {k_: v.astype(np.float64) for k_, v in strategy.global_arrays.items()}
+    for a, b in strategy.pairs:
+        moved_a, moved_b = np.zeros_like(before[a]), np.zeros_like(before[b])
+        for cid in (0, 1):  # every rank drawn by exactly one of the N = 2 devices: a 1/2 share each
+            I, step_a = expected[cid][a]
+            moved_a[I, :] += step_a / 2
+            moved_b[:, I] += expected[cid][b][1] / 2
+        np.testing.assert_allclose(after[a] - before[a], moved_a, rtol=1e-3, atol=1e-4 * np.abs(moved_a).max(), err_msg=a)
+        np.testing.assert_allclose(after[b] - before[b], moved_b, rtol=1e-3, atol=1e-4 * np.abs(moved_b).max(), err_msg=b)

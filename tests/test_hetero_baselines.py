@@ -1,4 +1,6 @@
-"""Tests for the heterogeneous-rank baselines: HeteroLoRA, FlexLoRA, FedStackLoRA (FLoRA).
+"""Tests for the heterogeneous-rank baselines: HeteroLoRA (and HetLoRA's options), FlexLoRA,
+FedStackLoRA (FLoRA), including one unfaithful variant of each that a test driving the real
+Client.fit / Strategy.aggregate_fit catches.
 
 Prepare / Execute / Assert, on hand-made matrices and on the tiny 2-layer BERT (hidden 32).
 """
@@ -16,12 +18,12 @@ import torch
 from fedtune.config import load_config
 from fedtune.protocol.messages import Message
 from fedtune.methods.fedstacklora import DENSE, STACK_B, split_downlink
-from fedtune.methods.hetero_common import (
+from fedtune.methods.hetero_common import merged_into_base
+from fedtune.methods.lora_arrays import (
     a_name,
     b_name,
     fresh_lora_a,
     lora_paths,
-    merged_into_base,
     stack_factors,
     svd_factors,
     weighted_product_sum,
@@ -362,3 +364,180 @@ def test_recipe_parses(method):
     assert config.federation.num_clients == 20
     assert config.federation.profile_choices == {"sketch_ratio": [0.125, 0.25, 0.5, 0.75]}
     RunContext(config)  # options validate; profiles build
+
+
+# -- unfaithful variants, through the real Client.fit and Strategy.aggregate_fit ---------------
+def exchange_all(strategy, clients, rnd: int, cids=(0, 1, 2), after_fit=None) -> dict[int, Message]:
+    """configure_fit, each client's fit on the decoded message (``after_fit(cid)`` right after),
+    decoded replies."""
+    messages = strategy.configure_fit(rnd, list(cids))
+    replies = {}
+    for cid in cids:
+        replies[cid] = Message.decode(clients.client(cid).fit(Message.decode(messages[cid].encode())).encode())
+        if after_fit is not None:
+            after_fit(cid)
+    return replies
+
+
+@pytest.mark.parametrize("scaling", ["rank", "global"])
+def test_heterolora_one_sgd_step_is_the_gradient_of_the_truncated_model_at_its_scale(scaling):
+    """Ranks r_i = 2, 4, 8 of r = 8, one plain-SGD step of rate gamma. Client i's model is
+    W0 + s_i B[:, :r_i] A[:r_i, :] with s_i = alpha / r_i ("rank") or alpha / r ("global", alpha_i =
+    alpha r_i / r); with G = dL/dW there (autograd on a dense copy), its upload is
+    Delta B = -gamma s_i G A[:r_i]^T, Delta A = -gamma s_i B[:, :r_i]^T G, and the server adds
+    sum_i (1/3) pad_8(Delta_i). Fails on a client that trains at a scale other than the one the
+    server names (for example one that ignores ``meta["alpha"]``)."""
+    from tests.lora_reference import dense_gradients
+
+    gamma = 20.0  # a large rate: the uploaded difference of float32 arrays must resolve the step
+    config = tiny("heterolora", PROFILES, f"options.scaling={scaling}", "train.optimizer=sgd", f"train.lr={gamma}")
+    strategy, clients = RunContext(config).strategy(), RunContext(config)
+    strategy.initialize()
+    rng = np.random.default_rng(8)
+    strategy.global_arrays = {k: (0.3 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in strategy.global_arrays.items()}
+    g0 = {k: v.astype(np.float64) for k, v in strategy.global_arrays.items()}
+    paths = lora_paths(g0)
+    head = {k: v for k, v in strategy.global_arrays.items() if k.startswith("classifier.")}
+    replies = exchange_all(strategy, clients, 1)
+    moved = {k: np.zeros_like(v) for k, v in g0.items()}
+    for cid, r_i in enumerate(RANKS):
+        s_i = ALPHA / r_i if scaling == "rank" else ALPHA / RANK
+        b_i = {p: g0[b_name(p)][:, :r_i] for p in paths}
+        a_i = {p: g0[a_name(p)][:r_i] for p in paths}
+        G, g_head = dense_gradients(clients, cid, 1, {p: s_i * b_i[p] @ a_i[p] for p in paths}, head)
+        for p in paths:
+            step_b, step_a = -gamma * s_i * G[p] @ a_i[p].T, -gamma * s_i * b_i[p].T @ G[p]
+            np.testing.assert_allclose(replies[cid].arrays[b_name(p)], step_b, rtol=1e-3, atol=1e-3 * np.abs(step_b).max())
+            np.testing.assert_allclose(replies[cid].arrays[a_name(p)], step_a, rtol=1e-3, atol=1e-3 * np.abs(step_a).max())
+            moved[b_name(p)][:, :r_i] += step_b / 3
+            moved[a_name(p)][:r_i] += step_a / 3
+        for k in head:
+            moved[k] += -gamma * g_head[k] / 3
+    strategy.aggregate_fit(1, replies)
+    for k, v in strategy.global_arrays.items():
+        np.testing.assert_allclose(v - g0[k], moved[k], rtol=1e-3, atol=1e-3 * np.abs(moved[k]).max() + 1e-9, err_msg=k)
+
+
+def test_flexlora_delta_w_is_replaced_each_round_by_the_clients_products():
+    """Two real rounds: after each, Delta W = sum_i p_i (alpha/r_i) B_i A_i of the pairs the clients
+    actually trained (what was sent plus the update), p_i by data size. Round 2's clients started
+    from round 1's SVD, so their products already carry Delta W^1. Fails on a server that
+    accumulates Delta W across rounds (Delta W^2 = Delta W^1 + sum_i ...)."""
+    config = tiny("flexlora", PROFILES)
+    strategy, clients = RunContext(config).strategy(), RunContext(config)
+    strategy.initialize()
+    for rnd in (1, 2):
+        sent = {cid: m.arrays for cid, m in strategy.configure_fit(rnd, [0, 1, 2]).items()}
+        replies = exchange_all(strategy, clients, rnd)
+        n = np.array([replies[c].meta["num_examples"] for c in range(3)], dtype=np.float64)
+        p = n / n.sum()
+        strategy.aggregate_fit(rnd, replies)
+        for path in strategy.delta:
+            expected = sum(
+                p[c] * ALPHA / RANKS[c]
+                * (sent[c][b_name(path)] + replies[c].arrays[b_name(path)]).astype(np.float64)
+                @ (sent[c][a_name(path)] + replies[c].arrays[a_name(path)]).astype(np.float64)
+                for c in range(3)
+            )
+            np.testing.assert_allclose(strategy.delta[path], expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max(),
+                                       err_msg=f"round {rnd} {path}")
+
+
+def test_fedstacklora_merges_the_pairs_the_clients_actually_trained():
+    """Two real rounds: the merged Delta W grows each round by sum_i p_i (alpha/r_i) B_i A_i of the
+    pairs left in each client's adapter after its fit (read from the client process's workspace),
+    so the server's rebuild A_i = A_i^init + Delta A_i must use the initialization the client
+    started from. Fails on a client whose fresh A is not the one the server regenerates (for
+    example PEFT's own seeded init of the workspace adapter)."""
+    config = tiny("fedstacklora", PROFILES)
+    strategy, clients = RunContext(config).strategy(), RunContext(config)
+    strategy.initialize()
+    expected: dict[str, np.ndarray] = {}
+    for rnd in (1, 2):
+        pairs = {}
+
+        def snapshot(cid):
+            pairs[cid] = clients.workspace.state(RANKS[cid])
+
+        replies = exchange_all(strategy, clients, rnd, after_fit=snapshot)
+        n = np.array([replies[c].meta["num_examples"] for c in range(3)], dtype=np.float64)
+        p = n / n.sum()
+        strategy.aggregate_fit(rnd, replies)
+        for path in strategy.paths:
+            expected[path] = expected.get(path, 0.0) + sum(
+                p[c] * ALPHA / RANKS[c] * pairs[c][b_name(path)].astype(np.float64) @ pairs[c][a_name(path)].astype(np.float64)
+                for c in range(3)
+            )
+            np.testing.assert_allclose(strategy.merged[path], expected[path], rtol=1e-5,
+                                       atol=1e-6 * np.abs(expected[path]).max(), err_msg=f"round {rnd} {path}")
+
+
+# -- HetLoRA (Cho et al. 2024): sparsity-weighted module aggregation, rank self-pruning ---------
+def test_hetlora_sparsity_weighted_module_aggregation_hand_computed():
+    """weighting = "sparsity", aggregate = "modules": p_i = ||S_i|| / Z with ||S_i||^2 = sum over
+    modules of ||(alpha/r_i) B_i A_i||_F^2 of the trained pairs, and the new global adapter is
+    sum_i p_i pad_8(theta_i) (rank indices j >= r_i get nothing from client i). Fails on weights
+    computed from the uploaded updates instead of the trained modules."""
+    ctx = RunContext(tiny("heterolora", PROFILES, "options.weighting=sparsity", "options.aggregate=modules"))
+    strategy = ctx.strategy()
+    strategy.initialize()
+    rng = np.random.default_rng(11)
+    strategy.global_arrays = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in strategy.global_arrays.items()}
+    messages = strategy.configure_fit(1, [0, 1, 2])
+    trained, replies = fake_replies(strategy, messages, rng)
+    strategy.aggregate_fit(1, replies)
+    paths = lora_paths(trained[0])
+    norms = np.array([
+        math.sqrt(sum(np.sum((ALPHA / RANKS[c] * trained[c][b_name(p)].astype(np.float64) @ trained[c][a_name(p)]) ** 2)
+                      for p in paths))
+        for c in range(3)
+    ])
+    p_i = norms / norms.sum()
+    for k, v in strategy.global_arrays.items():
+        expected = np.zeros(v.shape)
+        for c in range(3):
+            t = trained[c][k].astype(np.float64)
+            if k.endswith("lora_A.weight"):
+                expected[: t.shape[0]] += p_i[c] * t
+            elif k.endswith("lora_B.weight"):
+                expected[:, : t.shape[1]] += p_i[c] * t
+            else:
+                expected += p_i[c] * t
+        np.testing.assert_allclose(v, expected, rtol=1e-5, atol=1e-6, err_msg=k)
+    assert np.any(strategy.global_arrays[a_name(paths[0])][4:] != 0)  # the rank-8 client covers 4..7
+    assert abs(p_i.sum() - 1) < 1e-12 and len(set(np.round(p_i, 6))) == 3
+
+
+def test_hetlora_self_pruning_drops_the_tail_when_its_norm_shrinks_and_the_server_keeps_the_rank():
+    """self_pruning with gamma = 0.75: a rank-8 client penalizes lambda sum ||B[:, 6:]|| ||A[6:]||.
+    From a global adapter with a non-zero tail and a large lambda, the tail's norm product shrinks,
+    so the client uploads ranks 0..5 only; the server records rank 6 and sends rank 6 next round.
+    The penalty is what shrinks it: without it (lambda = 0) the same step leaves a larger tail.
+    From PEFT's initial adapter (B = 0, tail product 0) nothing can shrink: no pruning."""
+    from fedtune.methods.heterolora import tail_norm_product
+
+    opts = ["federation.profiles=[{rank=8}]", "federation.num_clients=1", "options.self_pruning=true",
+            "options.prune_gamma=0.75", "train.optimizer=sgd", "train.lr=0.05"]
+    tails = {}
+    for lam in (0.0, 5.0):
+        config = tiny("heterolora", *opts, f"options.prune_lambda={lam}")
+        strategy, clients = RunContext(config).strategy(), RunContext(config)
+        strategy.initialize()
+        fresh = strategy.configure_fit(1, [0])[0]
+        reply = clients.client(0).fit(Message.decode(fresh.encode()))
+        assert reply.arrays[a_name(lora_paths(reply.arrays)[0])].shape[0] == 8  # B = 0: never pruned
+        rng = np.random.default_rng(12)
+        strategy.global_arrays = {k: (0.5 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in strategy.global_arrays.items()}
+        start = tail_norm_product(strategy.global_arrays, 6)
+        replies = exchange_all(strategy, clients, 2, cids=(0,))
+        tails[lam] = tail_norm_product(clients.workspace.state(8), 6)
+        strategy.aggregate_fit(2, replies)
+        if lam:
+            assert tails[lam] < start
+            assert replies[0].arrays[a_name(lora_paths(replies[0].arrays)[0])].shape[0] == 6
+            assert strategy.pruned == {0: 6}
+            assert strategy.configure_fit(3, [0])[0].meta["rank"] == 6
+            fresh = RunContext(config).strategy()
+            fresh.load_state_dict(strategy.state_dict())
+            assert fresh.client_rank(0) == 6
+    assert tails[5.0] < tails[0.0]

@@ -3,18 +3,35 @@
 Round t: the server sends the global adapter (every LoRA pair B, A and the classifier head); each
 client trains it for H local steps and uploads its update Delta_i = theta_i - theta^t; the server
 sets theta^{t+1} = theta^t + sum_i p_i Delta_i, p_i proportional to the client's data size
-(FedAvg; ``options.weighting = "uniform"`` gives p_i = 1/N).
+(FedAvg; ``options.weighting = "uniform"`` gives p_i = 1/N), through the server optimizer
+(``federation.server_optimizer``; default: exactly this sum).
 """
 
 from __future__ import annotations
 
-from fedtune.methods.lora_common import LORA, BroadcastAverage, GlobalAdapterStrategy, LoraClient, Weighting
+from typing import ClassVar
+
+from pydantic import Field
+
+from fedtune.methods.lora_common import (
+    LORA,
+    SERVER_DEVIATIONS,
+    BroadcastAverage,
+    GlobalAdapterStrategy,
+    LoraClient,
+    Weighting,
+)
 from fedtune.protocol.messages import Message
 from fedtune.registry import MethodOptions, register
 
 
 class FedITOptions(MethodOptions):
-    weighting: Weighting = "examples"
+    weighting: Weighting = Field("examples", description="p_i: data size (FedAvg) or 1/N")
+
+    deviations: ClassVar[dict[str, str]] = {
+        **SERVER_DEVIATIONS,
+        "options.weighting": "'uniform' departs from FedAvg's data-size weights",
+    }
 
 
 class FedITStrategy(BroadcastAverage, GlobalAdapterStrategy):

@@ -12,6 +12,7 @@ server stacks along the rank axis, folding each client's weight and PEFT scale i
     B_stack A_stack = sum_i p_i s_i B_i A_i,     Delta W^{t+1} = Delta W^t + B_stack A_stack
 
 (p_i proportional to data size; ``weighting = "uniform"``: 1/N). The head is averaged FedAvg-style.
+Both go through the server optimizer (``federation.server_optimizer``; default: exactly this sum).
 
 Transport of the merged base. Clients are stateless and share nothing with the server but
 Messages, so each round the server must ship the whole merged Delta W^t (FLoRA's clients keep
@@ -31,13 +32,16 @@ R = max min(m, n) with lora_alpha = R (scale 1): B = U S, A = V^T.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Mapping
+from typing import ClassVar, Literal, Mapping
 
 import numpy as np
+from pydantic import Field
 
+from fedtune.config import ConfigError
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
-from fedtune.methods.hetero_common import (
+from fedtune.methods.hetero_common import merged_into_base
+from fedtune.methods.lora_arrays import (
     a_name,
     array_rank,
     b_name,
@@ -46,13 +50,14 @@ from fedtune.methods.hetero_common import (
     is_lora_a,
     lora_paths,
     lora_scale,
-    merged_into_base,
     stack_factors,
     svd_factors,
 )
 from fedtune.methods.lora_common import (
     LORA,
+    SERVER_DEVIATIONS,
     LoraClient,
+    ServerOptimized,
     Weighting,
     client_rank,
     client_weights,
@@ -67,8 +72,15 @@ _DOWNLINK = (DENSE, STACK_B, STACK_A)
 
 
 class FedStackLoRAOptions(MethodOptions):
-    weighting: Weighting = "examples"
-    transport: Literal["dense", "stacks"] = "dense"
+    weighting: Weighting = Field("examples", description="p_i: data size (FLoRA) or 1/N")
+    transport: Literal["dense", "stacks"] = Field(
+        "dense", description="ship the merged Delta W dense or as all past stacks (needs the plain server step)"
+    )
+
+    deviations: ClassVar[dict[str, str]] = {
+        **SERVER_DEVIATIONS,
+        "options.weighting": "'uniform' departs from FLoRA's data-size weights",
+    }
 
 
 def split_downlink(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -93,10 +105,15 @@ def fresh_adapter(shapes: Mapping[str, tuple[int, ...]], seed: int, rnd: int, ci
     }
 
 
-class FedStackLoRAStrategy(Strategy):
+class FedStackLoRAStrategy(ServerOptimized, Strategy):
     """FedStackLoRA (FLoRA): stack B_i and p_i A_i, merge into the base (Wang et al. 2024)."""
 
     def initialize(self) -> None:
+        if self.options.transport == "stacks" and not self.server_opt.is_identity:
+            raise ConfigError(
+                "options.transport: 'stacks' ships B_stack A_stack exactly, which a server optimizer other than "
+                "sgd at server_lr 1 does not keep; use transport='dense'"
+            )
         self.rank = self.config.model.lora_rank
         init = self.context.workspace.state(self.rank)
         self.head = head_arrays(init)
@@ -136,15 +153,18 @@ class FedStackLoRAStrategy(Strategy):
         weights = client_weights(replies, self.options.weighting)
         alpha = self.config.model.lora_alpha
         scales = [lora_scale(alpha, array_rank(ad)) for ad in adapters]
+        products = {}
         for path, (b, a) in stack_factors(adapters, weights, scales).items():
-            self.merged[path] = self.merged[path] + b @ a if path in self.merged else b @ a
+            products[path] = b @ a  # Delta W^{t+1} - Delta W^t = B_stack A_stack
             if self.options.transport == "stacks":
                 if path in self.stacks:
                     b0, a0 = self.stacks[path]
                     b, a = np.concatenate([b0, b], axis=1), np.concatenate([a0, a], axis=0)
                 self.stacks[path] = (b, a)
         mean = weighted_average(head_updates, weights)
-        self.head = {k: v + mean[k] for k, v in self.head.items()}
+        new = self.server_opt.step({**self.merged, **self.head}, {**products, **mean})
+        self.merged = {path: v for path, v in new.items() if path in products or path in self.merged}
+        self.head = {k: new[k] for k in self.head}
         stacked = sum(array_rank(ad) for ad in adapters)
         return {**mean_train_loss(replies), "stacked_rank": float(stacked)}
 
@@ -163,6 +183,7 @@ class FedStackLoRAStrategy(Strategy):
             "head": dict(self.head),
             "merged": dict(self.merged),
             "stacks": {p: {"B": b, "A": a} for p, (b, a) in self.stacks.items()},
+            **self.server_state(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -171,6 +192,7 @@ class FedStackLoRAStrategy(Strategy):
         self.merged = {k: np.asarray(v, dtype=np.float64) for k, v in state.get("merged", {}).items()}
         self.stacks = {p: (np.asarray(s["B"]), np.asarray(s["A"])) for p, s in state.get("stacks", {}).items()}
         self.paths = lora_paths(self.context.workspace.state(self.rank))
+        self.load_server_state(state)
 
     def save(self, run_dir: Path) -> None:
         """W0 + Delta W as an exact full-rank PEFT adapter (scale 1) plus the head."""

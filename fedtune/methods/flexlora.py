@@ -9,9 +9,10 @@ sparsified one) and forms, per adapted module,
     Delta W^{t+1} = sum_i p_i s_i B_i A_i                       (m, n), p_i proportional to data size
 
 (``weighting = "uniform"``: p_i = 1/N). Delta W replaces the previous one: clients started from
-the previous global, so their products carry it. Redistribution (round t+1): each client gets
-the truncated SVD at its own rank, U_{r_i} S_{r_i} V_{r_i}^T, as B = U_{r_i} S_{r_i} / s_i,
-A = V_{r_i}^T, so s_i B A is the best rank-r_i approximation of Delta W (Eckart-Young). One SVD
+the previous global, so their products carry it (a ``federation.server_optimizer`` other than
+plain SGD at lr 1, a deviation, steps from the old Delta W toward the new one instead; the head
+likewise). Redistribution (round t+1): each client gets the truncated SVD at its own rank,
+U_{r_i} S_{r_i} V_{r_i}^T, as B = U_{r_i} S_{r_i} / s_i, A = V_{r_i}^T, so s_i B A is the best rank-r_i approximation of Delta W (Eckart-Young). One SVD
 per module and round serves every client. Round 1 (no Delta W yet) sends the truncation of the
 common rank-r PEFT initialization (B = 0). The head is averaged FedAvg-style.
 
@@ -24,13 +25,14 @@ adapter stays the rank-r SVD.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
+from pydantic import Field
 
 from fedtune.protocol.messages import Message
-from fedtune.methods.hetero_common import (
-    RankedAdapterClient,
+from fedtune.methods.hetero_common import RankedAdapterClient, merged_into_base
+from fedtune.methods.lora_arrays import (
     a_name,
     array_rank,
     b_name,
@@ -38,13 +40,13 @@ from fedtune.methods.hetero_common import (
     is_head,
     is_lora_b,
     lora_scale,
-    merged_into_base,
     svd_factors_from,
     truncate_rank,
     weighted_product_sum,
 )
 from fedtune.methods.lora_common import (
     LORA,
+    SERVER_DEVIATIONS,
     GlobalAdapterStrategy,
     Weighting,
     client_rank,
@@ -57,8 +59,15 @@ from fedtune.registry import MethodOptions, register
 
 
 class FlexLoRAOptions(MethodOptions):
-    weighting: Weighting = "examples"
-    global_model: Literal["svd", "merged"] = "svd"
+    weighting: Weighting = Field("examples", description="p_i: data size (FlexLoRA) or 1/N")
+    global_model: Literal["svd", "merged"] = Field(
+        "svd", description="evaluate the rank-r SVD of Delta W (a PEFT adapter) or W0 + Delta W exactly"
+    )
+
+    deviations: ClassVar[dict[str, str]] = {
+        **SERVER_DEVIATIONS,
+        "options.weighting": "'uniform' departs from FlexLoRA's data-size weights",
+    }
 
 
 class FlexLoRAStrategy(GlobalAdapterStrategy):
@@ -115,9 +124,13 @@ class FlexLoRAStrategy(GlobalAdapterStrategy):
             trained.append({k: sent[k] + update[k] for k in sent})  # B_i, A_i exactly
         weights = client_weights(replies, self.options.weighting)
         scales = [lora_scale(self.alpha_cfg, array_rank(t)) for t in trained]
-        self.delta = weighted_product_sum(trained, weights, scales)
+        delta = weighted_product_sum(trained, weights, scales)
         head = weighted_average([head_arrays(t) for t in trained], weights)
-        self.global_arrays = {**self.global_arrays, **head}
+        # the new Delta W and head replace the old ones (through the server optimizer, if any)
+        old = {**self.delta, **head_arrays(self.global_arrays)}
+        new = self.server_opt.move_to(old, {**delta, **head})
+        self.delta = {path: new[path] for path in delta}
+        self.global_arrays = {**self.global_arrays, **{k: new[k] for k in head}}
         self._refresh_svd()
         self._sent = {}
         return mean_train_loss(replies)

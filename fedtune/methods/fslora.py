@@ -12,23 +12,39 @@ The server keeps, per adapted module, one global rank-r pair B (m, r), A (r, n) 
 2. **Download**: the dense global modules and I (``options.download = "dense"``, as in the paper),
    or only the active slices B[:, I], A[I, :], the head and I (``"active"``).
 3. **Local training**, eq. (4): the client trains W0 + (alpha/r) B S A for H steps with the
-   configured optimizer. Since B S A = (r/k) B[:, I] A[I, :], this is a PEFT LoRA adapter of
+   configured optimizer (``train.optimizer``; Algorithm 1 takes plain SGD steps, see below). Since B S A = (r/k) B[:, I] A[I, :], this is a PEFT LoRA adapter of
    rank k *with the same lora_alpha*: PEFT's scaling alpha/k equals (alpha/r) (r/k) exactly, so
    W0 + (alpha/r) B S A = W0 + (alpha/k) B[:, I] A[I, :]. Compute is proportional to k (no dense
    masked product), and the gradients w.r.t. B[:, I], A[I, :] are those of eq. (3) restricted to
    I. The ranks outside I are not parameters of the client at all, so they stay exactly
    unchanged, with any optimizer: Adam's per-coordinate update of the slice equals dense Adam on
    the sketched loss (whose gradient is zero outside I), and weight decay (AdamW) only reaches
-   the k active ranks, as eq. (4) prescribes. (The published code's "scale B's gradient by S^2"
+   the k active ranks (eq. (4) leaves the others untouched). (The published code's "scale B's gradient by S^2"
    trick is exact only for plain SGD, and its name test never matched, so it never sketched.)
 4. **Upload** (Alg. 1 line 7): only Delta B[:, I] (m, k), Delta A[I, :] (k, n), the head delta
    and I (int32). ``federation.upload_topk`` applies top-k to the deltas, never to I.
 5. **Aggregate**, eq. (5): the server scatters each reply back to (m, r) / (r, n) (zeros outside
    I_i) and sets X^{t+1} = X^t + sum_i p_i Delta X_i, p_i = 1/|replies| (eq. (5) with the clients
-   that replied; ``options.weighting = "examples"`` gives FedAvg's data-size weights). This is a
-   plain mean over clients, not a per-rank mean over the clients that covered a rank: eq. (5)
-   keeps the 1/N, which with E[S] = I makes the aggregate unbiased. The head is averaged with
-   the same weights, as in FedIT.
+   that replied). This is a plain mean over clients, not a per-rank mean over the clients that
+   drew a rank: eq. (5) keeps the 1/N. The head is averaged with the same weights, as in FedIT.
+   The sum goes through the server optimizer (``federation.server_optimizer``; the default,
+   plain SGD at server lr 1, is eq. (5) exactly).
+
+**When the update is unbiased.** E[S] = I_r (Def. 3.1) makes the sketched *SGD* step unbiased:
+with plain SGD (``train.optimizer = "sgd"``, eq. (4)), rank j is active with probability k/r
+and its step carries the factor r/k from S (Lemma 3.2), so its expected update is that of an
+unsketched step, and eq. (5)'s 1/N average keeps it so. Under an adaptive optimizer (AdamW, the
+default here) the per-coordinate normalization removes the r/k factor from the step size, so
+eq. (5) shrinks each rank's expected update to about k/r of an unsketched one: the sketched
+update is then *not* unbiased, and small-k devices move the global adapter less per round.
+
+Deviations from the paper (labelled in ``fedtune methods --verbose``): ``train.optimizer =
+"adamw"`` (the default; Algorithm 1 uses SGD), ``train.momentum > 0`` (the published GLUE
+clients' SGD momentum 0.9), ``federation.server_optimizer = "adam"`` or ``server_lr != 1`` (the
+published code's server AdamW on the averaged update; eq. (5) adds the plain mean),
+``options.weighting = "examples"`` (eq. (5) weights 1/N) and ``options.per_module_sketch``
+(the paper draws one S_i^t per device per round). ``options.download = "active"`` changes only
+the bytes sent, not the algorithm.
 
 With k_i = r (sketch_ratio 1) every I is 0..r-1 and FSLoRA is FedIT step for step. Evaluation and
 saving use the rank-r global adapter (scaling alpha/r).
@@ -36,14 +52,16 @@ saving use the rank-r global adapter (scaling alpha/r).
 
 from __future__ import annotations
 
-from typing import Literal, Mapping
+from typing import ClassVar, Literal, Mapping
 
 import numpy as np
 from pydantic import Field
 
 from fedtune.protocol.messages import Message
+from fedtune.methods.lora_arrays import add_ranks, lora_pairs, module_path, take_ranks
 from fedtune.methods.lora_common import (
     LORA,
+    SERVER_DEVIATIONS,
     GlobalAdapterStrategy,
     LoraClient,
     Weighting,
@@ -52,7 +70,6 @@ from fedtune.methods.lora_common import (
     decode_update,
     mean_train_loss,
 )
-from fedtune.models.lora import lora_pairs
 from fedtune.registry import MethodOptions, register
 
 SKETCH_PREFIX = "sketch/"
@@ -66,6 +83,15 @@ class FSLoRAOptions(MethodOptions):
         "dense", description="send the dense global modules (paper) or only the active slices B[:, I], A[I, :]"
     )
     per_module_sketch: bool = Field(False, description="draw an index set per LoRA module instead of one per client")
+
+    deviations: ClassVar[dict[str, str]] = {
+        "train.optimizer": "'adamw' (the default) departs from Algorithm 1, whose eq. (4) takes plain SGD steps; E[S] = I "
+        "makes SGD steps unbiased, but under AdamW eq. (5) shrinks each rank's expected update to k/r of an unsketched one",
+        "train.momentum": "a value above 0 (heavy-ball SGD; the published GLUE clients use 0.9) departs from eq. (4)",
+        **SERVER_DEVIATIONS,
+        "options.weighting": "'examples' (data-size weights) departs from eq. (5)'s 1/N",
+        "options.per_module_sketch": "true departs from the paper's one sketch S_i^t per device per round",
+    }
 
 
 # -- sketches -------------------------------------------------------------------------------
@@ -89,7 +115,7 @@ def sketch_matrix(index: np.ndarray, rank: int) -> np.ndarray:
 
 def sketch_key(a_name: str) -> str:
     """Message key of a per-module index set (``sketch/<module path>``)."""
-    return SKETCH_PREFIX + a_name.removesuffix(".lora_A.weight")
+    return SKETCH_PREFIX + module_path(a_name)
 
 
 def is_sketch_key(name: str) -> bool:
@@ -129,12 +155,7 @@ def param_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def slice_adapter(arrays: Mapping[str, np.ndarray], indices: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The rank-k adapter of the active ranks: B[:, I] (m, k), A[I, :] (k, n); the head as is."""
-    out = dict(arrays)
-    for a_name, idx in indices.items():
-        b_name = a_name.replace("lora_A", "lora_B")
-        out[a_name] = np.ascontiguousarray(arrays[a_name][idx, :])  # (k, n)
-        out[b_name] = np.ascontiguousarray(arrays[b_name][:, idx])  # (m, k)
-    return out
+    return take_ranks(arrays, indices)
 
 
 # -- server -------------------------------------------------------------------------------
@@ -191,14 +212,9 @@ class FSLoRAStrategy(GlobalAdapterStrategy):
             update = decode_update(param_arrays(reply.arrays))
             if update.keys() != total.keys():
                 raise ValueError(f"fslora: client {cid} update has arrays {sorted(update.keys() ^ total.keys())[:3]} mismatched")
-            p_i = float(p_i)
-            for a_name, b_name in self.pairs:
-                idx = indices[a_name]
-                total[a_name][idx, :] += p_i * update[a_name]  # (k, n) into rows I
-                total[b_name][:, idx] += p_i * update[b_name]  # (m, k) into columns I
-            for name in total.keys() - {n for pair in self.pairs for n in pair}:
-                total[name] += p_i * update[name]  # head: dense, FedIT-style
-        self.global_arrays = {k: v + total[k] for k, v in self.global_arrays.items()}
+            for name, x in update.items():  # (k, n) into rows I, (m, k) into columns I; head dense
+                add_ranks(total[name], name, x, indices, float(p_i))
+        self.global_arrays = self.server_opt.step(self.global_arrays, total)
         return mean_train_loss(replies)
 
 

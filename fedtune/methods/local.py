@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedtune.config import ConfigError
 from fedtune.protocol.messages import Message
 from fedtune.methods.lora_common import LORA, LoraClient, mean_train_loss
 from fedtune.registry import register
@@ -20,6 +21,8 @@ class LocalStrategy(FedITStrategy):
     """Local: each client trains alone; reports the mean of client accuracies."""
 
     def initialize(self) -> None:
+        if not self.server_opt.is_identity:
+            raise ConfigError("federation.server_optimizer: method 'local' aggregates nothing; leave the server step at sgd, lr 1")
         super().initialize()
         self.sent_init: set[int] = set()
 

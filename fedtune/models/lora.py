@@ -45,11 +45,6 @@ def _short_name(name: str, adapter: str) -> str:
     return name.replace(f".{adapter}.", ".").replace("base_model.model.", "").replace(".modules_to_save", "")
 
 
-def lora_pairs(names) -> list[tuple[str, str]]:
-    """``(lora_A name, lora_B name)`` for every adapted module, in order."""
-    return [(n, n.replace("lora_A", "lora_B")) for n in names if ".lora_A." in n]
-
-
 class LoraWorkspace:
     """The base model shared by all clients of a process, with PEFT LoRA adapters by rank.
 

@@ -26,8 +26,10 @@ class FitResult:
 
 
 def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """``train.optimizer``: plain SGD (heavy-ball with ``train.momentum``; the buffer starts at zero
+    each call, i.e. each client each round) or AdamW."""
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
