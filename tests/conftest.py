@@ -47,3 +47,26 @@ def tiny_config(tmp_path):
         return load_config(None, [*TINY, f"output_dir={tmp_path / 'runs'}", *overrides])
 
     return make
+
+
+def variants(kind: str) -> list[str]:
+    """The task's tiny configurations: the default one and its named variants."""
+    from fedtune.tasks import get_task_class
+
+    return ["", *get_task_class(kind).test_variants]
+
+
+def tiny(tmp_path, method: str, kind: str, *extra: str, variant: str = ""):
+    """A seconds-long config of ``method`` on task ``kind`` (its ``test_overrides`` and the named
+    variant): 3 clients, 2 per round, 2 rounds, heterogeneous ranks, writing under ``tmp_path``."""
+    from fedtune.config import load_config
+    from fedtune.tasks import get_task_class
+
+    task = get_task_class(kind)
+    return load_config(None, [
+        f"method={method}", f"task.kind={kind}", *task.test_overrides, *task.test_variants.get(variant, ()),
+        "federation.num_clients=3",
+        "federation.clients_per_round=2", "rounds=2", "train.local_steps=2", "train.batch_size=4",
+        "model.lora_rank=4", "federation.profile_choices={rank=[2,4], sketch_ratio=[0.5,1.0]}",  # heterogeneous ranks
+        "train.eval_batch_size=16", f"output_dir={tmp_path}", *extra,
+    ])

@@ -18,18 +18,10 @@ from fedtune.config import ConfigError, load_config
 from fedtune.registry import get_method, list_methods
 from fedtune.run import run_experiment
 from fedtune.runtime import RunContext
-from fedtune.tasks import get_task_class, list_tasks
+from fedtune.tasks import list_tasks
+from tests.conftest import tiny, variants
 
-CASES = [(spec.name, kind) for spec in list_methods() for kind in spec.supported_tasks()]
-
-
-def tiny(tmp_path: Path, method: str, kind: str, *extra: str):
-    task = get_task_class(kind)
-    return load_config(None, [
-        f"method={method}", f"task.kind={kind}", *task.test_overrides, "federation.num_clients=3",
-        "federation.clients_per_round=2", "rounds=2", "train.local_steps=2", "train.batch_size=4",
-        "train.eval_batch_size=16", f"output_dir={tmp_path}", *extra,
-    ])
+CASES = [(spec.name, kind, v) for spec in list_methods() for kind in spec.supported_tasks() for v in variants(kind)]
 
 
 def flatten(state: dict, prefix: str = "") -> dict:
@@ -51,9 +43,9 @@ def test_every_task_kind_has_test_overrides_and_every_method_a_task():
         assert spec.supported_tasks(), f"method {spec.name} runs on no registered task"
 
 
-@pytest.mark.parametrize(("method", "kind"), CASES, ids=[f"{m}-{k}" for m, k in CASES])
-def test_method_runs_on_task(tmp_path, method, kind):
-    summary = run_experiment(tiny(tmp_path, method, kind))
+@pytest.mark.parametrize(("method", "kind", "variant"), CASES, ids=[f"{m}-{k}{'-' + v if v else ''}" for m, k, v in CASES])
+def test_method_runs_on_task(tmp_path, method, kind, variant):
+    summary = run_experiment(tiny(tmp_path, method, kind, variant=variant))
     run_dir = Path(summary["run_dir"])
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["round"] for line in lines] == [1, 2]
@@ -66,7 +58,7 @@ def test_method_runs_on_task(tmp_path, method, kind):
     state = load_state(run_dir / "checkpoint.npz")
     assert state.pop("_round") == 2
     state.pop("_engine")
-    fresh = RunContext(tiny(tmp_path, method, kind)).strategy()
+    fresh = RunContext(tiny(tmp_path, method, kind, variant=variant)).strategy()
     fresh.load_state_dict(state)
     again = fresh.state_dict()
     a, b = flatten(state), flatten(again)

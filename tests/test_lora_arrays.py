@@ -84,3 +84,39 @@ def test_add_ranks_adds_a_weighted_slice_in_place():
     head = np.ones(3, dtype=np.float32)
     add_ranks(head, "classifier.bias", np.ones(3, dtype=np.float32), None, 2.0)
     np.testing.assert_array_equal(head, np.full(3, 3.0))
+
+
+def test_convolution_lora_product_is_what_peft_computes(tiny_config):
+    """A convolution's LoRA (A (r, c_in, kh, kw), B (c_out, r, 1, 1)): W0 + s B A with the product
+    taken as matrices and reshaped onto the conv weight gives the adapted model's outputs
+    exactly; put / take keep the trailing dimensions; a fresh A has PEFT's conv fan-in bound."""
+    import torch
+
+    from fedtune.methods.hetero_common import merged_into_base
+    from fedtune.methods.lora_arrays import fresh_lora_a, is_head, lora_scale, pair_product
+    from fedtune.runtime import RunContext
+
+    config = tiny_config("task=image-classification", "model.name=small-cnn", "data.name=digits",
+                         "data.max_train_samples=40", "data.max_test_samples=16", "model.lora_rank=3",
+                         "model.lora_alpha=6")
+    ctx = RunContext(config)
+    ws = ctx.workspace
+    rng = np.random.default_rng(0)
+    arrays = {k: (0.3 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in ws.state(3).items()}
+    convs = [p for p in lora_paths(arrays) if arrays[a_name(p)].ndim == 4]
+    assert convs, "the small CNN's LoRA targets are convolutions"
+    batch = next(ctx.task.train_batches(np.arange(8), 8, 1, np.random.default_rng(0)))
+    ws.load(arrays, 3)
+    ws.model.eval()
+    with torch.no_grad():
+        adapted = ctx.task.loss(ws.model, batch)
+    zero = {k: (v if is_head(k) else np.zeros_like(v)) for k, v in arrays.items()}
+    ws.load(zero, 3)
+    deltas = {p: lora_scale(6, 3) * pair_product(arrays, p) for p in lora_paths(arrays)}
+    with merged_into_base(ws, deltas), torch.no_grad():
+        merged = ctx.task.loss(ws.model, batch)
+    assert torch.allclose(adapted, merged, atol=1e-5)
+    a = arrays[a_name(convs[0])]
+    assert put(a_name(convs[0]), take(a_name(convs[0]), a, np.array([2, 0])), np.array([2, 0]), 3).shape == a.shape
+    fresh = fresh_lora_a(a_name(convs[0]), a.shape, 0, 1, 0)
+    assert np.abs(fresh).max() <= 1 / np.sqrt(np.prod(a.shape[1:])) and fresh.shape == a.shape

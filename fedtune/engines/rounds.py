@@ -113,7 +113,11 @@ class RoundPolicy:
             return f"missed the {self.timeout_s:g} s deadline ({got.seconds:.2f} s)"
         if got.up > self.max_reply_bytes:
             return f"reply of {got.up} bytes exceeds federation.max_reply_bytes = {self.max_reply_bytes}"
-        return check_arrays(got.reply.arrays, strategy.reply_spec(rnd, cid, sent) if sent is not None else None)
+        spec = strategy.reply_spec(rnd, cid, sent) if sent is not None else None
+        if isinstance(spec, list):  # alternative forms (a client that may prune its rank, say)
+            reasons = [check_arrays(got.reply.arrays, s) for s in spec]
+            return None if None in reasons else reasons[0]
+        return check_arrays(got.reply.arrays, spec)
 
 
 class RoundFailed(RuntimeError):

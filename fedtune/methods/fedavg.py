@@ -69,10 +69,11 @@ class FedAvgStrategy(BroadcastAverage):
         return self.context.task.evaluate(self.context.model, self.config.train.eval_batch_size)
 
     def state_dict(self) -> dict:
-        return {"global": {k: v.copy() for k, v in self.global_arrays.items()}}
+        return {"global": {k: v.copy() for k, v in self.global_arrays.items()}, **self.server_state()}
 
     def load_state_dict(self, state: dict) -> None:
         self.global_arrays = {k: np.asarray(v).copy() for k, v in state["global"].items()}
+        self.load_server_state(state)
 
     def save(self, run_dir: Path) -> None:
         from safetensors.torch import save_model

@@ -39,6 +39,7 @@ from pydantic import Field
 
 from fedtune.config import ConfigError
 from fedtune.protocol.messages import Message
+from fedtune.protocol.validation import ArraySpec, spec_like
 from fedtune.protocol.strategy import Strategy
 from fedtune.methods.hetero_common import merged_into_base
 from fedtune.methods.lora_arrays import (
@@ -51,6 +52,7 @@ from fedtune.methods.lora_arrays import (
     lora_paths,
     lora_scale,
     stack_factors,
+    shaped_like,
     svd_factors,
 )
 from fedtune.methods.lora_common import (
@@ -137,6 +139,10 @@ class FedStackLoRAStrategy(ServerOptimized, Strategy):
             for cid in client_ids
         }
 
+    def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec]:
+        """The update of a fresh rank-r_i adapter and of the head (what the client trained)."""
+        return spec_like(self.context.workspace.state(int(sent.meta["rank"])))
+
     def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
         if not replies:
             return {}
@@ -198,12 +204,12 @@ class FedStackLoRAStrategy(ServerOptimized, Strategy):
         """W0 + Delta W as an exact full-rank PEFT adapter (scale 1) plus the head."""
         ws = self.context.workspace
         shapes = {k: v.shape for k, v in ws.state(self.rank).items()}
-        full = max(min(shapes[b_name(p)][0], shapes[a_name(p)][1]) for p in self.paths)
+        mn = {p: (shapes[b_name(p)][0], int(np.prod(shapes[a_name(p)][1:]))) for p in self.paths}  # Delta W (m, n)
+        full = max(min(m, n) for m, n in mn.values())
         arrays = dict(self.head)
         for path in self.paths:
-            m, n = shapes[b_name(path)][0], shapes[a_name(path)][1]
-            delta = self.merged.get(path, np.zeros((m, n)))
-            arrays[b_name(path)], arrays[a_name(path)] = svd_factors(delta, full, 1.0)
+            b, a = svd_factors(self.merged.get(path, np.zeros(mn[path])), full, 1.0)
+            arrays[b_name(path)], arrays[a_name(path)] = shaped_like(b, a, shapes[b_name(path)], shapes[a_name(path)])
         ws.save_pretrained(run_dir / "adapter", arrays, full, float(full))
 
 

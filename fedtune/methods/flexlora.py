@@ -40,6 +40,7 @@ from fedtune.methods.lora_arrays import (
     is_head,
     is_lora_b,
     lora_scale,
+    shaped_like,
     svd_factors_from,
     truncate_rank,
     weighted_product_sum,
@@ -98,7 +99,9 @@ class FlexLoRAStrategy(GlobalAdapterStrategy):
         scale = lora_scale(self.alpha_cfg, rank)
         out = {}
         for path, (u, s, vt) in self._svd.items():
-            out[b_name(path)], out[a_name(path)] = svd_factors_from(u, s, vt, rank, scale)
+            b, a = svd_factors_from(u, s, vt, rank, scale)
+            shapes = self.init_arrays[b_name(path)].shape, self.init_arrays[a_name(path)].shape
+            out[b_name(path)], out[a_name(path)] = shaped_like(b, a, *shapes)  # a convolution's 4-D factors
         return out
 
     def configure_fit(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:

@@ -58,6 +58,7 @@ import numpy as np
 from pydantic import Field
 
 from fedtune.protocol.messages import Message
+from fedtune.protocol.validation import ArraySpec, spec_like
 from fedtune.methods.lora_arrays import add_ranks, lora_pairs, module_path, take_ranks
 from fedtune.methods.lora_common import (
     LORA,
@@ -191,6 +192,13 @@ class FSLoRAStrategy(GlobalAdapterStrategy):
             meta = {"round": rnd, "rank": self.rank, "download": self.options.download}
             messages[cid] = Message({**arrays, **sketch}, meta)
         return messages
+
+    def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec]:
+        """Delta B[:, I] (m, k), Delta A[I, :] (k, n) of every pair, the head's update, and I."""
+        indices = self.sketch(rnd, cid)
+        update = spec_like(slice_adapter(self.global_arrays, indices))
+        sketch = sketch_arrays({a: idx.astype(np.int32) for a, idx in indices.items()}, not self.options.per_module_sketch)
+        return {**update, **spec_like(sketch)}
 
     def _reply_indices(self, rnd: int, cid: int, reply: Message) -> dict[str, np.ndarray]:
         """The reply's index sets, checked against the server's own draw."""

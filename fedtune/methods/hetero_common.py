@@ -30,7 +30,7 @@ def _base_weight(workspace, path: str) -> torch.Tensor:
 def merged_into_base(workspace, deltas: Mapping[str, np.ndarray]) -> Iterator[None]:
     """Run the body with ``W0 + Delta W`` in the workspace's frozen base layers; restore W0.
 
-    ``deltas`` maps a module path to its (m, n) Delta W. The base weights are copied before
+    ``deltas`` maps a module path to its (m, n) Delta W (a convolution's (c_out, c_in kh kw)). The base weights are copied before
     and copied back afterwards (also on error), so the restore is exact: the next client, or
     the server's evaluation in the same process, sees W0 untouched."""
     saved: dict[str, torch.Tensor] = {}
@@ -41,6 +41,8 @@ def merged_into_base(workspace, deltas: Mapping[str, np.ndarray]) -> Iterator[No
                 d = torch.as_tensor(np.asarray(delta), dtype=weight.dtype)
                 if d.shape != weight.shape and d.T.shape == weight.shape:  # fan_in_fan_out layers
                     d = d.T
+                elif d.shape != weight.shape and d.numel() == weight.numel():  # a convolution's (c_out, c_in kh kw)
+                    d = d.reshape(weight.shape)
                 saved[path] = weight.detach().clone()
                 weight.add_(d)
         yield

@@ -80,7 +80,9 @@ from fedtune.methods.lora_common import (
     client_weights,
     decode_update,
     mean_train_loss,
+    update_of,
 )
+from fedtune.protocol.validation import ArraySpec, spec_like
 from fedtune.registry import MethodOptions, register
 
 
@@ -158,6 +160,16 @@ class HeteroLoRAStrategy(GlobalAdapterStrategy):
                 meta["alpha"] = self.client_alpha(rank)
             out[cid] = Message(truncate_rank(self.global_arrays, rank), meta)
         return out
+
+    def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec] | list[dict[str, ArraySpec]]:
+        """An update of the truncation sent; with ``self_pruning`` also its pruned form (ranks
+        below ``tail_start``)."""
+        full = update_of(sent)
+        rank = int(sent.meta["rank"])
+        start = tail_start(rank, self.options.prune_gamma)
+        if not self.options.self_pruning or start >= rank:
+            return full
+        return [full, spec_like(truncate_rank(sent.arrays, start))]
 
     def weights(self, replies: dict[int, Message], trained: list[dict[str, np.ndarray]]) -> list[float]:
         if self.options.weighting != "sparsity":

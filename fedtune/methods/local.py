@@ -27,14 +27,20 @@ class LocalStrategy(FedITStrategy):
         self.sent_init: set[int] = set()
 
     def _message(self, cid: int, rnd: int) -> Message:
+        """The initial adapter until the client has answered once (a client that failed gets it
+        again), then nothing but the round."""
         first = cid not in self.sent_init
-        self.sent_init.add(cid)
         return Message(self.global_arrays if first else {}, {"round": rnd, "rank": self.rank})
+
+    def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict:
+        """Local clients upload metrics only, never arrays."""
+        return {}
 
     def configure_fit(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
         return {cid: self._message(cid, rnd) for cid in client_ids}
 
     def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
+        self.sent_init.update(replies)
         return mean_train_loss(replies)
 
     def evaluate(self, rnd: int) -> dict[str, float]:
@@ -44,6 +50,7 @@ class LocalStrategy(FedITStrategy):
         return {cid: self._message(cid, rnd) for cid in client_ids}
 
     def aggregate_evaluate(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
+        self.sent_init.update(replies)
         acc = np.array([m.meta["accuracy"] for m in replies.values()])
         loss = np.array([m.meta["loss"] for m in replies.values()])
         return {"accuracy": float(acc.mean()), "accuracy_std": float(acc.std()), "loss": float(loss.mean())}

@@ -3,7 +3,10 @@
 Adapter state travels as flat ``name -> array`` dicts (:mod:`fedtune.models.lora`): per adapted
 module at ``<path>``, ``<path>.lora_A.weight`` A (r, n) and ``<path>.lora_B.weight`` B (m, r);
 every other array (the task's head) is a *head* array. PEFT computes ``W0 + s B A`` with
-``s = alpha / r`` (:func:`lora_scale`).
+``s = alpha / r`` (:func:`lora_scale`). A convolution's LoRA is A (r, c_in, kh, kw) and
+B (c_out, r, 1, 1): rank selections index its rank axis as they do a matrix's, and products see
+it as the matrices A (r, c_in kh kw) and B (c_out, r) (:func:`as_matrix`), so Delta W is
+(c_out, c_in kh kw), reshaped onto the convolution's weight where it is applied.
 
 Rank selections. Every heterogeneous-rank method moves between a rank-r adapter and a rank-k one
 through an index set I of k ranks (int array into 0..r-1):
@@ -114,10 +117,10 @@ def put(name: str, x: np.ndarray, index: np.ndarray, rank: int, dtype=None) -> n
     set to ``x``; a head array as is (converted to ``dtype`` when given)."""
     dtype = x.dtype if dtype is None else dtype
     if is_lora_a(name):
-        out = np.zeros((rank, x.shape[1]), dtype=dtype)
+        out = np.zeros((rank, *x.shape[1:]), dtype=dtype)
         out[index] = x
     elif is_lora_b(name):
-        out = np.zeros((x.shape[0], rank), dtype=dtype)
+        out = np.zeros((x.shape[0], rank, *x.shape[2:]), dtype=dtype)
         out[:, index] = x
     else:
         out = np.asarray(x, dtype=dtype)
@@ -181,9 +184,20 @@ def weights_sum_to_one(weights: Sequence[float]) -> np.ndarray:
     return p / p.sum()
 
 
+def as_matrix(name: str, x: np.ndarray) -> np.ndarray:
+    """A LoRA factor as a matrix: a convolution's A (r, c_in, kh, kw) as (r, c_in kh kw), its
+    B (c_out, r, 1, 1) as (c_out, r); a linear layer's as it is."""
+    if is_lora_a(name):
+        return x.reshape(x.shape[0], -1)
+    if is_lora_b(name):
+        return x.reshape(x.shape[0], x.shape[1])
+    return x
+
+
 def pair_product(adapter: Mapping[str, np.ndarray], path: str) -> np.ndarray:
-    """B A of the module at ``path`` (float64, (m, n))."""
-    return adapter[b_name(path)].astype(np.float64) @ adapter[a_name(path)].astype(np.float64)
+    """B A of the module at ``path`` (float64, (m, n); a convolution's n = c_in kh kw)."""
+    b, a = as_matrix(b_name(path), adapter[b_name(path)]), as_matrix(a_name(path), adapter[a_name(path)])
+    return b.astype(np.float64) @ a.astype(np.float64)
 
 
 def weighted_product_sum(
@@ -224,6 +238,14 @@ def svd_factors_from(u: np.ndarray, s: np.ndarray, vt: np.ndarray, rank: int, sc
     return b, a
 
 
+def shaped_like(b: np.ndarray, a: np.ndarray, b_shape: tuple[int, ...], a_shape: tuple[int, ...]):
+    """Matrix factors B (m, r), A (r, n) reshaped to an adapter's factor shapes of rank r
+    (a convolution's (c_out, r, 1, 1) and (r, c_in, kh, kw)); ``*_shape`` give the trailing
+    dimensions (their rank axis is replaced by r)."""
+    r = b.shape[1]
+    return b.reshape(b_shape[0], r, *b_shape[2:]), a.reshape(r, *a_shape[1:])
+
+
 def stack_factors(
     adapters: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float], scales: Sequence[float]
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -233,18 +255,20 @@ def stack_factors(
     p = weights_sum_to_one(weights)
     out = {}
     for path in lora_paths(adapters[0]):
-        b = np.concatenate([ad[b_name(path)].astype(np.float64) for ad in adapters], axis=1)
+        b = np.concatenate([as_matrix(b_name(path), ad[b_name(path)]).astype(np.float64) for ad in adapters], axis=1)
         a = np.concatenate(
-            [(pi * si) * ad[a_name(path)].astype(np.float64) for pi, si, ad in zip(p, scales, adapters)], axis=0
+            [(pi * si) * as_matrix(a_name(path), ad[a_name(path)]).astype(np.float64) for pi, si, ad in zip(p, scales, adapters)],
+            axis=0,
         )
         out[path] = (b, a)
     return out
 
 
-def fresh_lora_a(name: str, shape: tuple[int, int], seed: int, rnd: int, cid: int) -> np.ndarray:
-    """A freshly initialized ``lora_A`` (r, n) for client ``cid`` in round ``rnd``: PEFT's
-    default (kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(n), 1/sqrt(n))), drawn from
-    (seed, round, client, name) alone, so the server can regenerate it from the config."""
+def fresh_lora_a(name: str, shape: tuple[int, ...], seed: int, rnd: int, cid: int) -> np.ndarray:
+    """A freshly initialized ``lora_A`` (r, n) (a convolution's (r, c_in, kh, kw)) for client
+    ``cid`` in round ``rnd``: PEFT's default (kaiming-uniform with a = sqrt(5), i.e.
+    U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = n or c_in kh kw), drawn from (seed, round, client,
+    name) alone, so the server can regenerate it from the config."""
     rng = np.random.default_rng([int(seed), int(rnd), int(cid), zlib.crc32(name.encode())])
-    bound = 1.0 / np.sqrt(shape[1])
+    bound = 1.0 / np.sqrt(int(np.prod(shape[1:])))
     return rng.uniform(-bound, bound, size=shape).astype(np.float32)

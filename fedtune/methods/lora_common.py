@@ -18,6 +18,7 @@ import torch
 from fedtune.protocol.client import Client
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
+from fedtune.protocol.validation import ArraySpec, spec_like
 from fedtune.methods.server_optimizer import ServerOptimizer
 from fedtune.models.training import FitResult, seed_for, train_local
 
@@ -66,6 +67,12 @@ def mean_train_loss(replies: Mapping[int, Message]) -> dict[str, float]:
     return {"train_loss": float(np.mean(losses))} if losses else {}
 
 
+def update_of(sent: Message) -> dict[str, ArraySpec]:
+    """The reply of a client that uploads an update of every array it was sent: the same names,
+    shapes and dtypes (each may arrive top-k encoded)."""
+    return spec_like(sent.arrays)
+
+
 class UpdateClient(Client):
     """A client that uploads an update (trained minus received arrays) through the upload codec."""
 
@@ -112,6 +119,9 @@ class BroadcastAverage(ServerOptimized, Strategy):
     def configure_fit(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
         message = Message(self.global_arrays, self.fit_meta(rnd))
         return {cid: message for cid in client_ids}
+
+    def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec]:
+        return update_of(sent)
 
     def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
         if not replies:
@@ -165,11 +175,15 @@ class LoraClient(UpdateClient):
 
 class GlobalAdapterStrategy(ServerOptimized, Strategy):
     """A strategy whose global state is one adapter (``self.global_arrays``) of rank ``self.rank``:
-    centralized evaluation, state_dict (with the server optimizer's) and saving come for free."""
+    centralized evaluation, state_dict (with the server optimizer's) and saving come for free;
+    clients are expected to reply with an update of every array they were sent."""
 
     rank: int
     global_arrays: dict[str, np.ndarray]
     alpha: float | None = None
+
+    def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec]:
+        return update_of(sent)
 
     def evaluate(self, rnd: int) -> dict[str, float]:
         ws = self.context.workspace

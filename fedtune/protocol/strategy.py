@@ -64,12 +64,12 @@ class Strategy(ABC):
         """Fold the replies of ``phase`` into the global state; return round metrics."""
         raise RuntimeError(f"{type(self).__name__} declares phase {phase!r} but does not aggregate it")
 
-    def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec] | None:
+    def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec] | list[dict[str, ArraySpec]] | None:
         """The arrays expected in client ``cid``'s reply to ``sent`` in round ``rnd``: the engine
         rejects (drops) a reply that does not match before :meth:`aggregate_fit` (or
         :meth:`aggregate_phase`) sees it (:func:`fedtune.protocol.validation.check_arrays`); ``sent``
-        tells the phase apart if the strategy puts it in ``sent.meta``. None: only finite values
-        are checked."""
+        tells the phase apart if the strategy puts it in ``sent.meta``. A list: alternative forms,
+        any of which is valid. None: only finite values are checked."""
         return None
 
     def evaluate(self, rnd: int) -> dict[str, float]:

@@ -86,6 +86,7 @@ class AudioClassification(Task):
         "model.name=tiny-wav2vec2", "data.name=fsdd", "data.max_train_samples=96", "data.max_test_samples=40",
         "task.clip_seconds=0.5",
     )
+    test_variants = {"conv-lora": ("model.name=audio-cnn",)}
     options: AudioOptions
 
     def load(self) -> tuple[AudioSet, AudioSet]:

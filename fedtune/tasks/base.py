@@ -66,6 +66,9 @@ class Task(ABC):
     #: overrides that make a run of this kind take seconds (a tiny model, a few examples, real
     #: data): the contract test runs every method that supports the kind on them
     test_overrides: ClassVar[tuple[str, ...]] = ()
+    #: further named configurations the contract test runs too (each on top of ``test_overrides``),
+    #: for model families the default one does not exercise (LoRA on convolutions, say)
+    test_variants: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     def __init__(self, config: RunConfig, options: TaskOptions) -> None:
         self.config = config

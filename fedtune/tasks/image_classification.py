@@ -82,6 +82,7 @@ class ImageClassification(Task):
     test_overrides = (
         "model.name=tiny-vit", "data.name=digits", "data.max_train_samples=160", "data.max_test_samples=64",
     )
+    test_variants = {"conv-lora": ("model.name=small-cnn",)}
 
     def __init__(self, config, options) -> None:
         super().__init__(config, options)
