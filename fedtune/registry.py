@@ -41,6 +41,10 @@ class MethodSpec:
         """The registered task kinds this method runs on."""
         return [t.kind for t in list_tasks() if self.requires <= t.capabilities]
 
+    def supports_config(self, config) -> bool:
+        """Whether the method runs on ``config``'s task with ``config``'s model."""
+        return self.requires <= get_task_class(config.task.kind).capabilities_for(config)
+
     def check_task(self, kind: str) -> None:
         """Stop with one line when the method cannot run on task ``kind``."""
         if not self.supports(kind):
@@ -48,6 +52,16 @@ class MethodSpec:
             raise ConfigError(
                 f"method {self.name!r} does not support task {kind!r} (it needs: {need}); "
                 f"its tasks are {', '.join(self.supported_tasks()) or 'none'}"
+            )
+
+    def check_config(self, config) -> None:
+        """Stop with one line when the method cannot run on ``config``'s task and model."""
+        self.check_task(config.task.kind)
+        if not self.supports_config(config):
+            need = ", ".join(sorted(self.requires - get_task_class(config.task.kind).capabilities_for(config)))
+            raise ConfigError(
+                f"method {self.name!r} does not support model {config.model.name!r} of task {config.task.kind!r} "
+                f"(it needs: {need})"
             )
 
 

@@ -25,7 +25,7 @@ class RunContext:
     def __init__(self, config: RunConfig) -> None:
         self.config = resolve_config(config)
         self.method: MethodSpec = get_method(config.method)
-        self.method.check_task(self.config.task.kind)
+        self.method.check_config(self.config)
         self.options = validate_options(config.options, self.method.options)
         self.task: Task = build_task(self.config)
         fed = config.federation

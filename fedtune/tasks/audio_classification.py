@@ -77,7 +77,13 @@ def logits_of(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.
 class AudioClassification(Task):
     kind = "audio-classification"
     description = "audio -> class: FSDD spoken digits (official split); log-mel conv net or HF audio models"
-    capabilities = frozenset({"lora"})
+    capabilities = frozenset({"lora", "transformer"})
+
+    @classmethod
+    def capabilities_for(cls, config) -> frozenset[str]:
+        """LoRA on every model; transformer blocks only in the HF audio models."""
+        name = config.model.name or cls.defaults["model.name"]
+        return cls.capabilities - {"transformer"} if is_small_net(name) else cls.capabilities
     defaults = {"data.name": "fsdd", "model.name": SMALL_NET}
     Options = AudioOptions
     peft_task_type = None  # a plain PeftModel: the small net and HF audio models take keyword tensors

@@ -56,7 +56,9 @@ class Task(ABC):
 
     kind: ClassVar[str]
     description: ClassVar[str] = ""
-    #: what the task offers beyond the basics: "lora" (a model with LoRA target modules)
+    #: what the task offers beyond the basics with some of its models: "lora" (LoRA target
+    #: modules), "transformer" (transformer blocks with FFNs), ...; :meth:`capabilities_for` says
+    #: which of them the configured model has
     capabilities: ClassVar[frozenset[str]] = frozenset()
     #: config values used when the recipe leaves them out: {"data.name": ..., "model.name": ...}
     defaults: ClassVar[dict[str, str]] = {}
@@ -69,6 +71,11 @@ class Task(ABC):
     #: further named configurations the contract test runs too (each on top of ``test_overrides``),
     #: for model families the default one does not exercise (LoRA on convolutions, say)
     test_variants: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+    @classmethod
+    def capabilities_for(cls, config: RunConfig) -> frozenset[str]:
+        """The capabilities of the task with ``config``'s model (default: all of them)."""
+        return cls.capabilities
 
     def __init__(self, config: RunConfig, options: TaskOptions) -> None:
         self.config = config

@@ -75,7 +75,15 @@ class ImageClassification(Task):
         "image -> class: fashion-mnist, digits, mnist, image folders, hub sets; MobileNetV2, EfficientNet-Lite0, "
         "small CNN, HF ViTs"
     )
-    capabilities = frozenset({"lora"})
+    capabilities = frozenset({"lora", "transformer"})
+
+    @classmethod
+    def capabilities_for(cls, config) -> frozenset[str]:
+        """LoRA on every model; transformer blocks only in ViTs (``tiny-vit``, HF models)."""
+        from fedtune.models.vision import image_model_spec
+
+        family = image_model_spec(config.model.name or cls.defaults["model.name"]).family
+        return cls.capabilities if family in ("tiny-vit", "hf") else cls.capabilities - {"transformer"}
     defaults = {"data.name": "fashion-mnist", "model.name": "mobilenet-v2"}
     Options = ImageClassificationOptions
     peft_task_type = None  # a custom module (tensor in, logits out)

@@ -103,7 +103,7 @@ class Instruction(Task):
     kind = "instruction"
     description = ("image / audio + question -> answer text: fashion-mnist, digits, mnist, fsdd questions; "
                    "encoder + projector prefix into SmolLM2 (LoRA)")
-    capabilities = frozenset({"lora"})
+    capabilities = frozenset({"lora", "transformer"})
     defaults = {"data.name": "fashion-mnist", "model.name": plm.SMOLLM2}
     Options = InstructionOptions
     peft_task_type = None  # a custom module: PEFT's generic PeftModel

@@ -2,8 +2,9 @@
 
 Data (``data.name``): ``tweets`` (packaged, the default), ``sst2`` and ``agnews`` (data directory),
 a local ``.tsv/.csv/.jsonl`` file, or ``hub:<dataset>`` (:mod:`fedtune.data.text`). Each set is
-tokenized once per process (:class:`~fedtune.data.batches.TokenizedSet`), training batches grouped
-by length (``train.group_by_length``), evaluation in length-sorted no-grad batches. Model
+tokenized once per machine (:meth:`~fedtune.data.batches.TokenizedSet.cached`: an on-disk cache
+that later processes map in milliseconds), training batches grouped by length
+(``train.group_by_length``), evaluation in length-sorted no-grad batches. Model
 (``model.name``): the packaged all-MiniLM-L6-v2 (``minilm``, the default), any Hugging Face
 sequence-classification model by name or path, or ``tiny-bert`` (2 layers, hidden 32) for tests;
 LoRA targets ``query`` / ``value`` (or PEFT's defaults for the model type), head ``classifier``.
@@ -30,7 +31,7 @@ HEAD = ["classifier"]
 class TextClassification(Task):
     kind = "text-classification"
     description = "text -> class: tweets (packaged), sst2, agnews, local files, hub sets; HF encoders (MiniLM)"
-    capabilities = frozenset({"lora"})
+    capabilities = frozenset({"lora", "transformer"})
     defaults = {"data.name": "tweets", "model.name": "minilm"}
     peft_task_type = "SEQ_CLS"
     test_overrides = (
@@ -54,8 +55,10 @@ class TextClassification(Task):
     @cached_property
     def tokenized(self) -> tuple[TokenizedSet, TokenizedSet]:
         """(training pool, test set), tokenized once (clients index the pool with their partition)."""
-        length = self.config.data.max_length
-        return tuple(TokenizedSet.from_texts(self.tokenizer, ds.texts, ds.labels, length) for ds in self.data)
+        from fedtune.models.loading import tokenizer_key
+
+        length, key = self.config.data.max_length, tokenizer_key(self.config.model.name)
+        return tuple(TokenizedSet.cached(lambda: self.tokenizer, key, ds.texts, ds.labels, length) for ds in self.data)
 
     # -- model -------------------------------------------------------------------------------
     def build_model(self, seed: int) -> torch.nn.Module:

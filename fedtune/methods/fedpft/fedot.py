@@ -1,0 +1,201 @@
+"""FedOT: Offsite-Tuning (Xiao et al. 2023) with many clients, FedPFT's baseline (Peng et al. 2024, Sec. 4.1.2).
+
+The model's layers split into the bottom ``adapter_bottom`` and top ``adapter_top`` layers (the
+*adapter*) and the middle ones, which the server compresses by **uniform layer drop** into an
+*emulator* of ``emulator_layers`` of them (Offsite-Tuning's ``uniform_choose_layers``: indices
+round(i (n-1)/(k-1)) of the n middle layers, both ends kept; default k = round(3/8 n), the
+paper's 8 -> 3 for BERT-base) and distills it before FL: the emulator's output must match the
+full middle block's on a public data set, as Offsite-Tuning's ``get_kd_loss`` (normalized MSE,
+:func:`~fedtune.models.proxy_distill.normalized_mse`), every emulator parameter training, the
+adapter (identical in both) frozen. The emulator then stays frozen.
+
+FL: clients get the proxy (adapter + emulator + embeddings + head) once through Messages
+(:mod:`.proxy`), tune LoRA on the adapter layers' attention (the task's LoRA targets restricted
+to those layers) and the head, FedAvg. The paper keeps "the number of trainable parameters the
+same for all three methods": LoRA sits on fewer layers here, so its rank is ``adapter_rank``
+(default lora_rank x layers / adapter layers, with lora_alpha scaled alike so alpha / r is
+unchanged). Evaluation plugs the adapter into the full model (its LoRA renamed from the proxy's
+layer positions to the full model's), ``accuracy``; the proxy's is ``proxy_accuracy``.
+``distill_before = false`` is FedOT without emulator distillation (plain layer drop).
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from fedtune.config import ConfigError
+from fedtune.methods.fedpft.proxy import (
+    ModelTask,
+    ProxyClient,
+    ProxyOptions,
+    ProxyStrategy,
+    load_tensors,
+    lora_target_modules,
+    state_tensors,
+)
+from fedtune.methods.lora_common import LORA, SERVER_DEVIATIONS
+from fedtune.models.ffn_proxy import ProxyShape, find_stack, keep_layers, uniform_choose
+from fedtune.models.lora import LoraWorkspace
+from fedtune.models.proxy_distill import DistillPairs
+from fedtune.registry import register
+
+
+class FedOTOptions(ProxyOptions):
+    adapter_bottom: int = Field(1, ge=0, description="bottom layers of the adapter (paper: 2 of 12)")
+    adapter_top: int = Field(1, ge=0, description="top layers of the adapter (paper: 2 of 12)")
+    emulator_layers: int | None = Field(None, ge=0, description="middle layers kept (None: round(3/8 of them), paper 8 -> 3)")
+    adapter_rank: int | None = Field(None, gt=0, description="LoRA rank on the adapter (None: lora_rank x layers / adapter layers)")
+
+    proxy_fields: ClassVar[tuple[str, ...]] = ProxyOptions.proxy_fields + ("adapter_bottom", "adapter_top", "emulator_layers")
+    deviations: ClassVar[dict[str, str]] = {
+        **SERVER_DEVIATIONS,
+        "options.distill_data": "None (default) distills on the task's own held-out examples, not a public corpus",
+        "options.weighting": "'uniform' departs from FedAvg's data-size weights",
+    }
+
+
+def layer_plan(n_layers: int, bottom: int, top: int, emulator: int | None) -> list[int]:
+    """The full model's layers the proxy keeps: the bottom adapter, the emulator (uniform drop of
+    the middle), the top adapter."""
+    middle = n_layers - bottom - top
+    if middle < 0:
+        raise ConfigError(f"options.adapter_bottom + adapter_top = {bottom + top} exceeds the model's {n_layers} layers")
+    k = (max(1, round(3 * middle / 8)) if middle else 0) if emulator is None else emulator
+    if k > middle:
+        raise ConfigError(f"options.emulator_layers = {k}: the model has only {middle} middle layers")
+    emulator_idx = [bottom + j for j in uniform_choose(middle, k)] if k else []
+    return list(range(bottom)) + emulator_idx + list(range(n_layers - top, n_layers))
+
+
+def adapter_targets(task, model: torch.nn.Module, stack_path: str, positions: list[int]) -> list[str]:
+    """The task's LoRA targets in ``model`` that lie in layers ``positions`` of its stack."""
+    inside = tuple(f"{stack_path}.{p}." for p in positions)
+    return [n for n in lora_target_modules(task, model) if n.startswith(inside)]
+
+
+class FedOTStrategy(ProxyStrategy):
+    """FedOT: Offsite-Tuning in FL, adapter layers tuned around a frozen layer-drop emulator (Xiao et al. 2023)."""
+
+    method_name = "fedot"
+
+    def __init__(self, context) -> None:
+        super().__init__(context)
+        self.keep: list[int] = []
+        self.n_layers = 0
+
+    @property
+    def adapter_positions(self) -> list[int]:
+        """Positions, in the proxy, of the adapter's layers."""
+        o, n = self.options, len(self.keep)
+        return list(range(o.adapter_bottom)) + list(range(n - o.adapter_top, n))
+
+    @property
+    def emulator_positions(self) -> list[int]:
+        o = self.options
+        return list(range(o.adapter_bottom, len(self.keep) - o.adapter_top))
+
+    def construct(self):
+        o = self.options
+        model = self.context.task.build_model(self.config.seed)
+        full_params = sum(p.numel() for p in model.parameters())
+        self.n_layers = len(find_stack(model))
+        self.keep = layer_plan(self.n_layers, o.adapter_bottom, o.adapter_top, o.emulator_layers)
+        stack = keep_layers(model, self.keep)
+        record = {"layers": self.keep, "full_params": full_params, "proxy_params": sum(p.numel() for p in model.parameters())}
+        emulator = self.emulator_positions
+        if o.distill_before and o.distill_steps and emulator:
+            teacher = self.teacher()
+            t_stack = find_stack(teacher)
+            model.requires_grad_(False)
+            params = [p for i in emulator for p in stack.layers[i].parameters()]
+            for p in params:
+                p.requires_grad_(True)
+            pairs = DistillPairs(teacher, model, [t_stack.layers[self.n_layers - o.adapter_top - 1]],
+                                 [stack.layers[emulator[-1]]])
+            record["distill"] = self.run_distillation(pairs, params, o.distill_steps, 0,
+                                                      "fedot: emulator distillation")
+            model.requires_grad_(False)
+        return model, record
+
+    def restore(self, state: dict) -> None:
+        self.keep = [int(i) for i in np.asarray(state["layers"]).ravel()]
+        self.n_layers = int(state["n_layers"])
+
+    def rebuild(self, state: dict) -> torch.nn.Module:
+        model = self.context.task.build_model(self.config.seed)
+        keep_layers(model, self.keep)
+        load_tensors(state_tensors(model), state["emulator"], strict=False)
+        return model
+
+    def proxy_state(self) -> dict:
+        if self._proxy is None and self._proxy_state is not None:
+            return self._proxy_state
+        path = find_stack(self.proxy).path
+        inside = tuple(f"{path}.{i}." for i in self.emulator_positions)
+        emulator = {k: t.detach().numpy().copy() for k, t in self.clean_tensors.items() if k.startswith(inside)}
+        return {"layers": np.asarray(self.keep, dtype=np.int64), "n_layers": self.n_layers, "emulator": emulator}
+
+    @property
+    def shape(self) -> ProxyShape:
+        return ProxyShape(layers=tuple(self.keep))
+
+    # -- the adapter --------------------------------------------------------------------------------------
+    def load_or_construct(self) -> None:
+        super().load_or_construct()
+        o, cfg = self.options, self.config.model
+        n_adapter = o.adapter_bottom + o.adapter_top
+        if n_adapter == 0:
+            raise ConfigError("options.adapter_bottom + adapter_top: the adapter needs at least one layer")
+        self.rank = o.adapter_rank or max(1, round(cfg.lora_rank * self.n_layers / n_adapter))
+        self.alpha = cfg.lora_alpha * self.rank / cfg.lora_rank
+
+    def proxy_targets(self) -> list[str]:
+        return adapter_targets(self.context.task, self.proxy, find_stack(self.proxy).path, self.adapter_positions)
+
+    def to_full(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The adapter's arrays named by the full model's layers (proxy position p -> layer keep[p])."""
+        path = find_stack(self.proxy).path + "."
+        out = {}
+        for name, a in arrays.items():
+            if name.startswith(path):
+                pos, rest = name[len(path):].split(".", 1)
+                name = f"{path}{self.keep[int(pos)]}.{rest}"
+            out[name] = a
+        return out
+
+    @cached_property
+    def full_ws(self) -> LoraWorkspace:
+        """LoRA on the full model's adapter layers only (plug-back)."""
+        task, seed = self.context.task, self.config.seed
+        model = task.build_model(seed)
+        stack = find_stack(model)
+        targets = adapter_targets(task, model, stack.path, [self.keep[p] for p in self.adapter_positions])
+        return LoraWorkspace(ModelTask(task, lambda: task.build_model(seed), targets), seed)
+
+    def evaluate_full(self) -> dict[str, float]:
+        ws = self.full_ws
+        ws.load(self.to_full(self.global_arrays), self.rank, self.alpha)
+        return self.context.task.evaluate(ws.model, self.config.train.eval_batch_size)
+
+    def save(self, run_dir: Path) -> None:
+        self.full_ws.save_pretrained(run_dir / "adapter", self.to_full(self.global_arrays), self.rank, self.alpha)
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.__dict__.pop("full_ws", None)
+
+
+class FedOTClient(ProxyClient):
+    def proxy_targets(self, model: torch.nn.Module) -> list[str]:
+        o, n = self.options, len(self.store["shape"].layers)
+        positions = list(range(o.adapter_bottom)) + list(range(n - o.adapter_top, n))
+        return adapter_targets(self.context.task, model, find_stack(model).path, positions)
+
+
+register("fedot", FedOTStrategy, FedOTClient, FedOTOptions, requires=(*LORA, "transformer"))

@@ -1,0 +1,537 @@
+"""Federated fine-tuning on a proxy sub-model, the part FedPFT and FedOT share.
+
+**Server.** Before round 1 it builds the proxy from the task's model (the method's
+:meth:`ProxyStrategy.construct`, usually with a distillation on a public data set, progress on
+stderr) and caches it in the run folder (``<method>-proxy.npz``, keyed by every setting that
+shapes it; ``options.proxy_cache_dir`` shares it between runs), so a rerun skips it. The global
+state is one LoRA adapter (``self.global_arrays``, names as in the full model) averaged with
+FedAvg (``options.weighting``) through the server optimizer. Evaluation plugs the adapter into
+the **full** model (``accuracy``, ``loss``: the paper's point) and reports the proxy with the same
+adapter beside it (``proxy_accuracy``, ``proxy_loss``).
+
+**Proxy download, through Messages only.** A client knows nothing of the proxy but what it
+receives. The server remembers, per client, the proxy version the client's last valid reply
+said it holds (a reply carries ``meta["proxy_version"]``; a client that was sent a message and
+gave no valid reply is forgotten). A client the server knows nothing of gets the whole proxy
+(every tensor of its state dict, ``proxy/<name>``, and its shape in ``meta``); a client one or
+more versions behind gets the method's delta (FedPFT: the neurons changed since); an up-to-date
+client gets only the adapter. Every byte is in the Message, so the engines count it; the
+strategy's round metrics split out ``proxy_download_bytes`` (whole proxies) and
+``neuron_download_bytes`` (deltas), payload bytes. The client keeps the version number in its
+persistent ``state``; the tensors of each version live in a store of its process (its
+RunContext), filled only from received Messages and shared by the clients of that process
+(deduplication of identical copies, nothing more). The server's record of who holds what is not
+checkpointed: after ``--resume`` (a new process, an empty store) every client downloads the proxy
+again, so a resumed run counts those extra bytes; its accuracies are unaffected.
+
+**Client.** Builds the proxy's skeleton once per process (the task's model reshaped by the
+received :class:`~fedtune.models.ffn_proxy.ProxyShape`), loads *every* tensor of the held version
+into it (nothing of the locally built weights survives), trains the received adapter on it for
+``train.local_steps`` and uploads the update (trained minus received, through the upload codec).
+Its reply's ``meta["peak_mem_bytes"]`` is its training memory
+(:mod:`fedtune.models.train_memory`): the strategy reports ``client_peak_mem_mb`` (max over the
+round's clients).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Mapping
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from fedtune.checkpoint import load_state, save_state
+from fedtune.config import ConfigError, RunConfig
+from fedtune.methods.lora_common import (
+    GlobalAdapterStrategy,
+    UpdateClient,
+    Weighting,
+    client_weights,
+    decode_update,
+    mean_train_loss,
+    weighted_average,
+)
+from fedtune.models.ffn_proxy import ProxyShape, SubmodelError, apply_shape, find_stack
+from fedtune.models.lora import LoraWorkspace
+from fedtune.models.proxy_distill import DistillPairs, distill, distill_error
+from fedtune.models.train_memory import ActivationMeter, optimizer_states, training_peak_bytes
+from fedtune.models.training import FitResult, train_local
+from fedtune.protocol.messages import Message
+from fedtune.protocol.validation import ArraySpec, spec_like
+from fedtune.registry import MethodOptions
+from fedtune.tasks import build_task
+from fedtune.tasks.base import subsample
+
+PROXY = "proxy/"  # whole-proxy arrays of a fit message
+MB = 1e6
+
+
+class ProxyOptions(MethodOptions):
+    """Options every proxy method has: FedAvg weights, the public data set and the distillation."""
+
+    weighting: Weighting = Field("examples", description="p_i: data size (FedAvg) or 1/N")
+    distill_before: bool = Field(True, description="distill the proxy from the full model before FL")
+    distill_data: str | None = Field(
+        None, description="public data set (a data.name of the task's kind, e.g. agnews for SST-2) for distillation; "
+        "None: the examples of the task's own training source outside the clients' pool (data.max_train_samples)")
+    distill_samples: int = Field(4000, gt=0, description="examples of the public set loaded")
+    distill_steps: int = Field(200, ge=0, description="distillation steps before FL")
+    distill_batch_size: int = Field(32, gt=0)
+    distill_lr: float = Field(6e-4, gt=0, description="AdamW lr, linear warm-up 6 % then decay (paper C.2: 6e-4)")
+    distill_weight_decay: float = Field(0.01, ge=0, description="paper C.2: 0.01")
+    distill_seed: int | None = Field(
+        None, description="seed of the distillation's data draw and order (None: the run's seed); runs that differ only "
+        "in their seed then share one proxy (options.proxy_cache_dir)")
+    eval_proxy: bool = Field(True, description="also evaluate the proxy with the global adapter (proxy_accuracy)")
+    proxy_cache_dir: str | None = Field(None, description="folder shared by runs for distilled proxies (also cached in the run folder)")
+
+    #: options that change the proxy built before FL (its cache key); subclasses add theirs
+    proxy_fields: ClassVar[tuple[str, ...]] = (
+        "distill_before", "distill_data", "distill_samples", "distill_steps", "distill_batch_size", "distill_lr",
+        "distill_weight_decay")
+
+    def distill_seed_of(self, run_seed: int) -> int:
+        return run_seed if self.distill_seed is None else self.distill_seed
+
+
+class ModelTask:
+    """The run's task with ``build_model`` returning ``factory()`` (a proxy, or the full model with
+    other LoRA targets) and, when ``targets`` is given, those LoRA target modules; everything else
+    is the task's own (for :class:`~fedtune.models.lora.LoraWorkspace`)."""
+
+    def __init__(self, task: Any, factory: Callable[[], torch.nn.Module], targets: list[str] | None = None) -> None:
+        self._task, self._factory = task, factory
+        cfg = task.config
+        self.config = cfg if targets is None else cfg.model_copy(
+            update={"model": cfg.model.model_copy(update={"target_modules": list(targets)})})
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._task, name)
+
+    def build_model(self, seed: int) -> torch.nn.Module:
+        return self._factory()
+
+
+def lora_target_modules(task: Any, model: torch.nn.Module) -> list[str]:
+    """Full names of the modules of ``model`` that the task's LoRA targets match (PEFT's rule:
+    the name, or a name ending in ``.target``)."""
+    cfg = task.config.model
+    targets = list(cfg.target_modules) if cfg.target_modules is not None else task.lora_targets()
+    return [n for n, _ in model.named_modules() if n and any(n == t or n.endswith("." + t) for t in targets)]
+
+
+def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict, tensors kept as the live parameters / buffers."""
+    return dict(model.state_dict(keep_vars=True))
+
+
+def as_arrays(tensors: Mapping[str, torch.Tensor], prefix: str = "") -> dict[str, np.ndarray]:
+    return {prefix + k: t.detach().cpu().numpy() for k, t in tensors.items()}
+
+
+def load_tensors(tensors: Mapping[str, torch.Tensor], arrays: Mapping[str, np.ndarray], strict: bool = True) -> None:
+    """Copy ``arrays`` into the named ``tensors`` (all of them when ``strict``)."""
+    if strict and set(arrays) != set(tensors):
+        missing, extra = sorted(set(tensors) - set(arrays)), sorted(set(arrays) - set(tensors))
+        raise ValueError(f"proxy arrays do not fit the skeleton: missing {missing[:3]}, unexpected {extra[:3]}")
+    with torch.no_grad():
+        for name, array in arrays.items():
+            tensors[name].copy_(torch.as_tensor(array))
+
+
+def train_lora(ws: LoraWorkspace, arrays: Mapping[str, np.ndarray], rank: int, alpha: float | None, task: Any,
+               pool: np.ndarray, config: RunConfig, seed: int) -> tuple[dict[str, np.ndarray], FitResult, int]:
+    """Load ``arrays`` into ``ws``'s adapter, train it locally (:func:`train_local`), and measure
+    the training's peak memory (:func:`~fedtune.models.train_memory.training_peak_bytes`).
+    Returns (trained arrays, fit result, peak bytes)."""
+    params = ws.load(arrays, rank, alpha)
+    with ActivationMeter(ws.model) as meter:
+        result = train_local(ws.model, list(params.values()), task, pool, config.train, seed)
+    peak = training_peak_bytes(ws.model, list(params.values()),
+                               optimizer_states(config.train.optimizer, config.train.momentum), meter.peak)
+    return {k: p.detach().numpy().copy() for k, p in params.items()}, result, peak
+
+
+def memory_metrics(replies: Mapping[int, Message]) -> dict[str, float]:
+    peaks = [float(m.meta["peak_mem_bytes"]) for m in replies.values() if "peak_mem_bytes" in m.meta]
+    return {"client_peak_mem_mb": max(peaks) / MB} if peaks else {}
+
+
+def size_metrics(model_params: int, adapter: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """What a client holds and trains: the parameters of its model (without LoRA) and of the adapter."""
+    return {"client_model_params": float(model_params), "client_trainable_params": float(sum(a.size for a in adapter.values()))}
+
+
+def base_params(model: torch.nn.Module) -> int:
+    """Parameters of a model, LoRA and PEFT's trainable copies of the head left out."""
+    return sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n and "modules_to_save" not in n)
+
+
+class _Indices:
+    """An index "data set" for :func:`~fedtune.tasks.base.subsample`: which examples it keeps."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def subset(self, idx: np.ndarray) -> np.ndarray:
+        return np.asarray(idx)
+
+
+def public_source(config: RunConfig, name: str | None, samples: int, seed: int) -> tuple[Any, np.ndarray]:
+    """(a Task of the run's kind over the public data set, the pool of its examples to use).
+    ``name``: a data set of the same kind (``samples`` of its training examples, drawn with
+    ``seed``). None: the task's own training source, the examples the clients' pool leaves out
+    (``data.max_train_samples`` draws the pool, with the run's seed, as
+    :func:`~fedtune.tasks.base.subsample`), at most ``samples`` of them (drawn with ``seed``)."""
+    data = config.data.model_copy(update={"max_test_samples": 8})
+    if name is not None:
+        data = data.model_copy(update={"name": name, "max_train_samples": samples, "test_path": None})
+        task = build_task(config.model_copy(update={"data": data, "seed": seed}))
+        return task, np.arange(len(task.train))
+    limit = config.data.max_train_samples
+    task = build_task(config.model_copy(update={"data": data.model_copy(update={"max_train_samples": None})}))
+    n = len(task.train)
+    if limit is None or limit >= n:
+        raise ConfigError("options.distill_data: name a public data set of the task's kind for distillation "
+                          "(none given, and data.max_train_samples leaves no example of the training source out of "
+                          "the clients' pool)")
+    held_out = np.setdiff1d(np.arange(n), subsample(_Indices(n), limit, config.seed))
+    if len(held_out) > samples:
+        held_out = np.sort(np.random.default_rng([seed, 0xD157]).choice(held_out, samples, replace=False))
+    return task, held_out
+
+
+def progress(label: str, steps: int) -> Callable[[int, float], None]:
+    """A ``log(step, loss)`` that prints about ten lines to stderr."""
+    every = max(1, steps // 10)
+
+    def log(step: int, loss: float) -> None:
+        if step % every == 0 or step == steps:
+            print(f"{label}: step {step}/{steps}, loss {loss:.4f}", file=sys.stderr, flush=True)
+
+    return log
+
+
+class ProxyStrategy(GlobalAdapterStrategy):
+    """Server side of FL on a proxy (module docstring). Subclasses build and describe the proxy:
+    :meth:`construct`, :meth:`rebuild`, :meth:`proxy_state`, :attr:`shape`, and say which adapter
+    the clients train (:meth:`initial_adapter`, :attr:`rank`, :attr:`alpha`)."""
+
+    method_name: ClassVar[str]
+
+    def __init__(self, context: Any) -> None:
+        super().__init__(context)
+        self.version = 0  # the proxy's version (FedPFT bumps it at each neuron-level alignment)
+        self.held: dict[int, int] = {}  # client -> proxy version its last valid reply holds
+        self._sent: set[int] = set()
+        self._round = -1
+        self._bytes: dict[str, int] = {}
+        self._proxy: torch.nn.Module | None = None
+        self._proxy_state: dict | None = None
+        self.record: dict = {}
+
+    # -- what a subclass provides -----------------------------------------------------------------
+    def construct(self) -> tuple[torch.nn.Module, dict]:
+        """The proxy before FL (built, distilled) and a JSON-able record of how it was made."""
+        raise NotImplementedError
+
+    def rebuild(self, state: dict) -> torch.nn.Module:
+        """The proxy from :meth:`proxy_state`'s ``state`` (and the task's model)."""
+        raise NotImplementedError
+
+    def proxy_state(self) -> dict:
+        """The proxy as named arrays and JSON values (what differs from the task's model)."""
+        raise NotImplementedError
+
+    @property
+    def shape(self) -> ProxyShape:
+        raise NotImplementedError
+
+    def initial_adapter(self) -> dict[str, np.ndarray]:
+        return self.proxy_ws.state(self.rank, self.alpha)
+
+    def fit_meta(self, rnd: int) -> dict:
+        return {}
+
+    def delta_arrays(self, base: int) -> dict[str, np.ndarray]:
+        """Arrays that bring a client from proxy version ``base`` to :attr:`version`."""
+        raise RuntimeError(f"{type(self).__name__}: the proxy never changes, yet a client holds version {base}")
+
+    def after_aggregate(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
+        return {}
+
+    def extra_reply_spec(self, sent: Message) -> dict[str, ArraySpec]:
+        return {}
+
+    def restore(self, state: dict) -> None:
+        """Read what the strategy keeps beside the modules from :meth:`proxy_state`'s ``state``."""
+
+    # -- the proxy ------------------------------------------------------------------------------------
+    @property
+    def proxy(self) -> torch.nn.Module:
+        """The proxy module (wrapped in place by :attr:`proxy_ws` once that exists)."""
+        if self._proxy is None:
+            if self._proxy_state is None:
+                raise RuntimeError("the proxy is neither built (initialize) nor loaded (load_state_dict)")
+            self._proxy = self.rebuild(self._proxy_state)
+        return self._proxy
+
+    @cached_property
+    def clean_tensors(self) -> dict[str, torch.Tensor]:
+        """The proxy's state dict as the client downloads it (names before LoRA wrapping), live."""
+        return state_tensors(self.proxy)
+
+    @cached_property
+    def proxy_ws(self) -> LoraWorkspace:
+        """LoRA on the proxy (the clients' model), for evaluation and alignment."""
+        _ = self.clean_tensors  # before PEFT wraps the proxy in place
+        return LoraWorkspace(ModelTask(self.context.task, lambda: self.proxy, self.proxy_targets()), self.config.seed)
+
+    def proxy_targets(self) -> list[str] | None:
+        """LoRA targets on the proxy (None: the task's)."""
+        return None
+
+    @cached_property
+    def public(self) -> tuple[Any, np.ndarray, np.ndarray]:
+        """(public Task, training pool, held-out pool) for distillation (:func:`public_source`)."""
+        o = self.options
+        task, pool = public_source(self.config, o.distill_data, o.distill_samples, o.distill_seed_of(self.config.seed))
+        n_eval = min(256, len(pool) // 5)
+        return task, pool[: len(pool) - n_eval], pool[len(pool) - n_eval:]
+
+    def public_batches(self, steps: int, stream: int, held_out: bool = False):
+        task, pool, heldout = self.public
+        rng = np.random.default_rng([self.options.distill_seed_of(self.config.seed), 0xD157, stream])
+        return task.train_batches(heldout if held_out else pool, self.options.distill_batch_size, steps, rng)
+
+    def forward(self, model: torch.nn.Module, batch: Any) -> Any:
+        """A forward pass on a batch (the task's loss; distillation cuts it short before the head)."""
+        return self.context.task.loss(model, batch)
+
+    def run_distillation(self, pairs: DistillPairs, params: list, steps: int, stream: int, label: str,
+                         masks: dict | None = None) -> dict:
+        """:func:`distill` on public batches, with the held-out error before and after."""
+        heldout_steps = max(1, len(self.public[2]) // self.options.distill_batch_size)
+        before = distill_error(pairs, self.public_batches(heldout_steps, stream, True), self.forward)
+        losses = distill(pairs, params, self.public_batches(steps, stream), self.forward, steps, self.options.distill_lr,
+                         self.options.distill_weight_decay, masks=masks, log=progress(label, steps))
+        after = distill_error(pairs, self.public_batches(heldout_steps, stream, True), self.forward)
+        return {"steps": steps, "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+                "heldout_loss_before": before[0], "heldout_loss_after": after[0],
+                "heldout_output_error_before": before[1], "heldout_output_error_after": after[1]}
+
+    def teacher(self) -> torch.nn.Module:
+        """The full model without any adapter (the server's, when not yet wrapped by LoRA)."""
+        ws = self.context.workspace
+        return ws.base if ws.model is None else self.context.task.build_model(self.config.seed)
+
+    # -- cache ----------------------------------------------------------------------------------------
+    def cache_key(self) -> str:
+        c, o = self.config, self.options
+        # the run's seed shapes the proxy through the distillation's draw (distill_seed overrides it) and,
+        # without a public set, through the clients' pool that the held-out examples complement
+        seeds = [o.distill_seed_of(c.seed), c.seed if o.distill_data is None else None]
+        what = {"method": self.method_name, "seeds": seeds, "task": c.task.model_dump(mode="json"),
+                "model": c.model.model_dump(mode="json", include={"name", "finetune"}),
+                "data": c.data.model_dump(mode="json", include={"name", "data_dir", "max_train_samples", "max_length"}),
+                "options": {k: getattr(o, k) for k in type(o).proxy_fields}}
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+    def cache_paths(self) -> list[Path]:
+        from fedtune.run import run_dir_of
+
+        paths = [run_dir_of(self.config) / f"{self.method_name}-proxy.npz"]
+        if self.options.proxy_cache_dir:
+            paths.append(Path(self.options.proxy_cache_dir) / f"{self.method_name}-proxy-{self.cache_key()}.npz")
+        return paths
+
+    def load_or_construct(self) -> None:
+        key = self.cache_key()
+        for path in self.cache_paths():
+            if path.is_file():
+                cached = load_state(path)
+                if cached.get("key") == key:
+                    self._proxy_state, self.record = cached["proxy"], {**cached.get("record", {}), "cache": str(path)}
+                    self.restore(self._proxy_state)
+                    self._proxy = self.rebuild(self._proxy_state)
+                    break
+        else:
+            self._proxy, self.record = self.construct()
+        state = {"key": key, "proxy": self.proxy_state(), "record": {k: v for k, v in self.record.items() if k != "cache"}}
+        for path in self.cache_paths():
+            if not path.is_file():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                save_state(path, state)
+
+    # -- Strategy -------------------------------------------------------------------------------------
+    def initialize(self) -> None:
+        try:
+            self.load_or_construct()
+        except SubmodelError as exc:
+            raise ConfigError(f"method {self.method_name!r}: {exc}") from None
+        self.global_arrays = self.initial_adapter()
+
+    def configure_fit(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
+        if rnd != self._round:
+            self._round, self._sent, self._bytes = rnd, set(), {}
+        out = {}
+        for cid in client_ids:
+            arrays, meta = dict(self.global_arrays), {"round": rnd, "rank": self.rank, "alpha": self.alpha,
+                                                      "proxy_version": self.version, **self.fit_meta(rnd)}
+            base = self.held.get(cid)
+            if base is None:
+                extra = as_arrays(self.clean_tensors, PROXY)
+                meta.update(proxy="full", proxy_shape=self.shape.to_meta())
+                key = "proxy_download_bytes"
+            elif base != self.version:
+                extra = self.delta_arrays(base)
+                meta.update(proxy="delta", proxy_base=base)
+                key = "neuron_download_bytes"
+            else:
+                extra, key = {}, None
+            if key:
+                self._bytes[key] = self._bytes.get(key, 0) + sum(a.nbytes for a in extra.values())
+                count = key.replace("_bytes", "s")  # proxy_downloads, neuron_downloads: how many messages
+                self._bytes[count] = self._bytes.get(count, 0) + 1
+            out[cid] = Message({**arrays, **extra}, meta)
+            self._sent.add(cid)
+        return out
+
+    def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec]:
+        return {**spec_like(self.global_arrays), **self.extra_reply_spec(sent)}
+
+    def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
+        for cid in self._sent - set(replies):
+            self.held.pop(cid, None)
+        for cid, reply in replies.items():
+            self.held[cid] = int(reply.meta["proxy_version"])
+        metrics: dict[str, float] = {k: float(v) for k, v in self._bytes.items()}
+        if not replies:
+            return metrics
+        updates = [decode_update({k: v for k, v in m.arrays.items() if k in self.global_arrays or ".topk_" in k})
+                   for m in replies.values()]
+        mean = weighted_average(updates, client_weights(replies, self.options.weighting))
+        self.global_arrays = self.server_opt.step(self.global_arrays, mean)
+        metrics.update(mean_train_loss(replies))
+        metrics.update(memory_metrics(replies))
+        metrics.update(size_metrics(sum(t.numel() for t in self.clean_tensors.values() if isinstance(t, torch.nn.Parameter)),
+                                    self.global_arrays))
+        metrics.update(self.after_aggregate(rnd, replies))
+        return metrics
+
+    def evaluate_full(self) -> dict[str, float]:
+        """The adapter plugged into the full model (plug-back)."""
+        return GlobalAdapterStrategy.evaluate(self, 0)
+
+    def evaluate(self, rnd: int) -> dict[str, float]:
+        metrics = self.evaluate_full()
+        if self.options.eval_proxy:
+            ws = self.proxy_ws
+            ws.load(self.global_arrays, self.rank, self.alpha)
+            proxy = self.context.task.evaluate(ws.model, self.config.train.eval_batch_size)
+            metrics.update({f"proxy_{k}": v for k, v in proxy.items()})
+        return metrics
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "alpha": -1.0 if self.alpha is None else float(self.alpha),
+                "proxy": self.proxy_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        alpha = float(state["alpha"])
+        self.alpha = None if alpha < 0 else alpha
+        self._proxy_state, self._proxy = state["proxy"], None
+        self.restore(state["proxy"])
+        self.__dict__.pop("clean_tensors", None)
+        self.__dict__.pop("proxy_ws", None)
+
+
+class ProxyClient(UpdateClient):
+    """Client side of FL on a proxy (module docstring): receive or update the proxy, train the
+    adapter on it, upload the update."""
+
+    @property
+    def store(self) -> dict:
+        """This process's proxy store (versions received through Messages, the skeleton)."""
+        return vars(self.context).setdefault("_proxy_store", {"versions": {}})
+
+    def apply_delta(self, base: dict[str, np.ndarray], message: Message) -> dict[str, np.ndarray]:
+        raise RuntimeError(f"{type(self).__name__} cannot apply a proxy delta")
+
+    def receive(self, message: Message) -> int:
+        """Bring this client's proxy to the message's version; returns it."""
+        meta, store = message.meta, self.store
+        version, kind = int(meta["proxy_version"]), meta.get("proxy")
+        held = int(self.state["proxy_version"]) if "proxy_version" in self.state else None
+        if kind == "full":
+            shape = ProxyShape.from_meta(meta["proxy_shape"])
+            if store.get("shape") != shape:
+                store.update(shape=shape, versions={}, skeleton=None, loaded=None)
+            store["versions"][version] = {k[len(PROXY):]: v for k, v in message.arrays.items() if k.startswith(PROXY)}
+        elif kind == "delta":
+            base = int(meta["proxy_base"])
+            if held != base or base not in store["versions"]:
+                raise RuntimeError(f"client {self.cid}: proxy delta from version {base}, but it holds {held}")
+            store["versions"][version] = self.apply_delta(store["versions"][base], message)
+        elif held != version or version not in store["versions"]:
+            raise RuntimeError(f"client {self.cid}: holds proxy version {held}, the server assumed {version}")
+        self.state["proxy_version"] = np.asarray(version, dtype=np.int64)
+        return version
+
+    def workspace(self, version: int) -> LoraWorkspace:
+        """LoRA on the skeleton, holding proxy ``version``."""
+        store = self.store
+        if store.get("skeleton") is None:
+            model = apply_shape(self.context.task.build_model(self.config.seed), store["shape"])
+            store["tensors"], store["stack"] = state_tensors(model), find_stack(model)
+            targets = self.proxy_targets(model)
+            store["skeleton"] = LoraWorkspace(ModelTask(self.context.task, lambda: model, targets), self.config.seed)
+            store["loaded"] = None
+        if store["loaded"] != version:
+            load_tensors(store["tensors"], store["versions"][version])
+            store["loaded"] = version
+        return store["skeleton"]
+
+    def proxy_targets(self, model: torch.nn.Module) -> list[str] | None:
+        return None
+
+    def before_training(self, ws: LoraWorkspace, message: Message) -> dict[str, np.ndarray]:
+        """Arrays to upload beside the update, computed before training (FedPFT: APoZ)."""
+        return {}
+
+    def fit(self, message: Message) -> Message:
+        meta = message.meta
+        version = self.receive(message)
+        ws = self.workspace(version)
+        rank, alpha = int(meta["rank"]), meta.get("alpha")
+        received = {k: v for k, v in message.arrays.items() if not k.startswith(PROXY) and "/" not in k}
+        ws.load(received, rank, alpha)
+        extra = self.before_training(ws, message)
+        trained, result, peak = train_lora(ws, received, rank, alpha, self.context.task, self.context.partitions[self.cid],
+                                           self.config, self.train_seed(int(meta["round"])))
+        reply = self.upload({k: trained[k] - received[k] for k in trained}, result, proxy_version=version,
+                            peak_mem_bytes=int(peak))
+        reply.arrays.update(extra)
+        return reply
+
+
+def check_layers(stack_len: int, layers: list[int], what: str) -> None:
+    bad = [i for i in layers if not 0 <= i < stack_len]
+    if bad:
+        raise ConfigError(f"{what}: layers {bad} do not exist (the model has {stack_len} layers)")
+
+
+__all__ = [
+    "MB", "PROXY", "ModelTask", "ProxyClient", "ProxyOptions", "ProxyStrategy", "as_arrays", "base_params",
+    "check_layers", "find_stack", "load_tensors", "lora_target_modules", "memory_metrics", "progress", "public_source",
+    "size_metrics", "state_tensors", "train_lora",
+]
