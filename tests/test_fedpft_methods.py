@@ -262,7 +262,7 @@ def test_fedpft_refuses_models_without_a_known_ffn(tmp_path):
     config = load_config(None, ["method=fedpft", "task.kind=image-classification", "model.name=small-cnn",
                                 "data.name=digits", "data.max_train_samples=64", "data.max_test_samples=16",
                                 f"output_dir={tmp_path}"])
-    with pytest.raises(ConfigError, match="no transformer FFN found; supported layouts"):
+    with pytest.raises(ConfigError, match=r"method 'fedpft' does not support model 'small-cnn' .*needs: transformer"):
         RunContext(config).strategy().initialize()
 
 
