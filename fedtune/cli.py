@@ -1,4 +1,4 @@
-"""The ``fedtune`` command line: run, methods, tasks, report."""
+"""The ``fedtune`` command line: run, methods, tasks, report, deploy."""
 
 from __future__ import annotations
 
@@ -28,8 +28,11 @@ def run(
     ),
 ) -> None:
     """Run one federated fine-tuning experiment and write runs/<name>/ (Ctrl-C: stop after the
-    current round's checkpoint; --resume continues it)."""
+    current round's checkpoint; --resume continues it). --set engine=embedded (default, in this
+    process), flower-sim (Flower's Ray simulation) or flower (a loopback Flower deployment:
+    SuperLink, SuperNodes and workers on 127.0.0.1, stopped at the end)."""
     from fedtune.config import ConfigError, load_config
+    from fedtune.engines.deployment import DeploymentError
     from fedtune.engines.rounds import RoundFailed, RunInterrupted
     from fedtune.process import setup_process
 
@@ -44,17 +47,34 @@ def run(
             recipe = resume / "config.toml"
         config = load_config(recipe, set_)
         from fedtune.progress import RoundPrinter
-        from fedtune.run import run_dir_of, run_experiment
+        from fedtune.run import run_dir_of
 
         printer = RoundPrinter(console, config)
-        summary = run_experiment(config, on_round=printer, on_start=printer.start, resume=resume is not None)
+        summary = _run_on_engine(config, printer, resume is not None)
     except ConfigError as exc:
         _fail(str(exc))
     except RoundFailed as exc:
         _fail(f"{exc}; the last complete round is checkpointed: fedtune run --resume {run_dir_of(config)}", code=1)
     except RunInterrupted as exc:
         _fail(f"{exc}; continue with: fedtune run --resume {run_dir_of(config)}", code=130)
+    except DeploymentError as exc:
+        _fail(f"engine {config.engine}: {exc}", code=1)
     printer.finish(summary)
+
+
+def _run_on_engine(config, printer, resume: bool) -> dict:
+    """``config`` on its ``engine``: the same run folder and round lines from each."""
+    if config.engine == "flower-sim":
+        from fedtune.engines.flower import run_flower_simulation
+
+        return run_flower_simulation(config, on_round=printer, on_start=printer.start, resume=resume)
+    if config.engine == "flower":
+        from fedtune.engines.deployment import run_flower_deployment
+
+        return run_flower_deployment(config, on_round=printer, on_start=printer.start, resume=resume)
+    from fedtune.run import run_experiment
+
+    return run_experiment(config, on_round=printer, on_start=printer.start, resume=resume)
 
 
 @app.command()
@@ -106,5 +126,175 @@ def report(
         console.print(f"wrote {path}")
 
 
+# -- deploy: Flower processes for real machines -------------------------------------------------
+deploy_app = typer.Typer(no_args_is_help=True, help="Flower deployment on real machines (see docs/flower.md).")
+app.add_typer(deploy_app, name="deploy")
+EXTRA = typer.Option([], "--flower-arg", help="passed to the Flower command as is (repeat)")
+
+
+def _security(insecure: bool, certificates: Optional[Path], what: str) -> None:
+    if insecure == (certificates is not None):
+        _fail(f"deploy {what}: give --insecure or the TLS certificate option (not both, not neither)")
+    if certificates is not None and not certificates.exists():
+        _fail(f"deploy {what}: {certificates} not found")
+
+
+def _wait(procs) -> int:
+    """Wait until a process ends (or Ctrl-C, or SIGTERM); its exit code."""
+    import signal
+    import time
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        return 130
+    return next(p.returncode for p in procs if p.poll() is not None)
+
+
+@deploy_app.command("superlink")
+def deploy_superlink(
+    host: str = typer.Option("0.0.0.0", help="address to listen on (Fleet, Control and runtime APIs)"),
+    port: int = typer.Option(9092, help="port of the SuperLink's APIs"),
+    certificates: Optional[Path] = typer.Option(
+        None, help="folder with ca.crt, server.pem, server.key (TLS; `fedtune deploy certificates` makes a test set)"
+    ),
+    insecure: bool = typer.Option(False, "--insecure", help="no TLS (trusted networks only)"),
+    auth: bool = typer.Option(False, "--auth", help="admit only SuperNodes registered with `flwr supernode register` (needs TLS)"),
+    extra: list[str] = EXTRA,
+) -> None:
+    """Start a Flower SuperLink for fedtune (flower-superlink, no runtime dependency installation)."""
+    from fedtune.engines.deployment import Processes, flower_env, superlink_args
+
+    _security(insecure, certificates, "superlink")
+    if auth and insecure:
+        _fail("deploy superlink: --auth needs TLS (--certificates); Flower refuses authentication without it")
+    certs = None if certificates is None else {
+        "ca": certificates / "ca.crt", "cert": certificates / "server.pem", "key": certificates / "server.key"
+    }
+    for path in (certs or {}).values():
+        if not path.is_file():
+            _fail(f"deploy superlink --certificates: {path} not found")
+    logs = Path.cwd()
+    procs = Processes(logs)
+    try:
+        link = procs.start("superlink", superlink_args(host, port, certs, auth, extra), flower_env())
+        console.print(f"SuperLink on {host}:{port} (log: {logs / 'superlink.log'}); Ctrl-C stops it")
+        code = _wait([link])
+    finally:
+        procs.stop()
+    raise typer.Exit(code)
+
+
+@deploy_app.command("supernode")
+def deploy_supernode(
+    superlink: str = typer.Option(..., help="the SuperLink's address, HOST:PORT"),
+    clients: str = typer.Option(..., help="fedtune client ids this node plays: 3, 0-4 or 0,2,5-7"),
+    port: int = typer.Option(9094, help="port of this SuperNode's local runtime API"),
+    root_certificates: Optional[Path] = typer.Option(None, help="CA certificate that signed the SuperLink's (TLS)"),
+    insecure: bool = typer.Option(False, "--insecure", help="no TLS (trusted networks only)"),
+    auth_key: Optional[Path] = typer.Option(None, help="this node's private key (OpenSSH EC; its .pub registered)"),
+    threads: Optional[int] = typer.Option(None, min=1, help="torch threads (default: all cores)"),
+    worker: bool = typer.Option(True, help="a warm fedtune worker next to the node (else each message loads the model)"),
+    extra: list[str] = EXTRA,
+) -> None:
+    """Start a Flower SuperNode playing fedtune clients, with its warm worker; Ctrl-C stops both."""
+    import tempfile
+
+    from fedtune.engines.deployment import Processes, flower_env, supernode_args, wait_for_worker, worker_args
+    from fedtune.engines.flower import parse_clients
+
+    _security(insecure, root_certificates, "supernode")
+    if auth_key is not None and not auth_key.is_file():
+        _fail(f"deploy supernode --auth-key: {auth_key} not found")
+    try:
+        ids = parse_clients(clients)
+    except ValueError:
+        ids = []
+    if not ids:
+        _fail(f"deploy supernode --clients: expected ids like 3, 0-4 or 0,2,5-7 (got {clients!r})")
+    home = Path(tempfile.mkdtemp(prefix="fedtune-node-"))
+    procs = Processes(home)
+    try:
+        sock = None
+        if worker:
+            sock = str(home / "worker.sock")
+            proc = procs.start("worker", worker_args(sock, threads), flower_env())
+            wait_for_worker(sock, proc, procs.log_of(proc))
+        node = procs.start("supernode", supernode_args(superlink, port, ids, root_certificates, auth_key, sock, threads,
+                                                       extra), flower_env())
+        console.print(f"SuperNode for clients {clients} -> {superlink} (logs: {home}); Ctrl-C stops it")
+        code = _wait([p for _, p, _ in procs.started])
+    finally:
+        procs.stop()
+    raise typer.Exit(code)
+
+
+@deploy_app.command("run")
+def deploy_run(
+    recipe: Optional[Path] = typer.Argument(None, help="TOML recipe (see configs/)"),
+    superlink: str = typer.Option(..., help="the SuperLink's address, HOST:PORT"),
+    set_: list[str] = typer.Option([], "--set", "-s", help="override: key=value"),
+    root_certificates: Optional[Path] = typer.Option(None, help="CA certificate that signed the SuperLink's (TLS)"),
+    insecure: bool = typer.Option(False, "--insecure", help="no TLS (trusted networks only)"),
+    timeout: float = typer.Option(0, help="seconds to wait for nodes and for each round's replies (0: no limit)"),
+    clipping_norm: float = typer.Option(0, help="> 0: nodes clip each update to this L2 norm (Flower's fixedclipping_mod)"),
+) -> None:
+    """Submit a recipe to a running SuperLink (flwr run) and stream its logs; the run folder is
+    written on the SuperLink's machine (output_dir there)."""
+    import tempfile
+
+    from fedtune.config import ConfigError, load_config
+    from fedtune.engines.deployment import DeploymentError, Processes, run_app, write_flower_config
+
+    _security(insecure, root_certificates, "run")
+    try:
+        config = load_config(recipe, set_)
+    except ConfigError as exc:
+        _fail(str(exc))
+    home = Path(tempfile.mkdtemp(prefix="fedtune-run-"))
+    connection = write_flower_config(home, superlink, root_certificates and root_certificates.resolve())
+    procs = Processes(home)
+    try:
+        run_app(config, home, connection, procs, timeout=timeout, clipping_norm=clipping_norm, local=False,
+                on_output=lambda text: sys.stderr.write(text))
+    except DeploymentError as exc:
+        _fail(str(exc), code=1)
+    finally:
+        procs.stop()
+
+
+@deploy_app.command("certificates")
+def deploy_certificates(
+    out: Path = typer.Argument(..., help="folder for ca.crt, server.pem, server.key"),
+    host: list[str] = typer.Option(["127.0.0.1", "localhost"], "--host", help="the SuperLink's IP or DNS name (repeat)"),
+) -> None:
+    """A self-signed CA and a SuperLink certificate for trials (use your own PKI in production)."""
+    from fedtune.engines.deployment import generate_certificates
+
+    for path in generate_certificates(out, host).values():
+        console.print(f"wrote {path}")
+
+
+@deploy_app.command("node-key")
+def deploy_node_key(
+    out: Path = typer.Argument(..., help="folder for the key pair"),
+    name: str = typer.Option("supernode", help="file name of the private key (public: NAME.pub)"),
+) -> None:
+    """A SuperNode authentication key pair; register NAME.pub with `flwr supernode register`."""
+    from fedtune.engines.deployment import generate_node_key
+
+    for path in generate_node_key(out, name):
+        console.print(f"wrote {path}")
+
+
 def main() -> None:  # pragma: no cover
     sys.exit(app())
+
+
+if __name__ == "__main__":  # pragma: no cover - `python -m fedtune.cli`
+    main()

@@ -1,8 +1,11 @@
 """The same fedtune Strategy/Client objects run through Flower (ServerApp + ClientApp, Message
 API) give what the embedded engine gives: the same global adapter and the same bytes.
 
-Fast tests drive the apps through an in-process loopback Grid; one test runs the real Flower
-simulation runtime (Ray backend, one virtual SuperNode per client).
+Fast tests drive the apps through an in-process loopback Grid (Flower-native records, Flower's
+own ``fixedclipping_mod``, a node's worker); one test runs the real Flower simulation runtime
+(Ray backend, one virtual SuperNode per client). Every method against the embedded engine:
+tests/test_flower_contract.py; real loopback deployments (TLS, authentication, Ctrl-C):
+tests/test_flower_deploy.py.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import Context, Error, RecordDict
+from flwr.app import ConfigRecord, Context, Error, RecordDict
 from flwr.app import Message as FlowerMessage
 from flwr.serverapp import Grid
 
@@ -49,18 +52,23 @@ TINY = [
 class LoopbackGrid(Grid):
     """A Grid that hands each message to a ClientApp in this process, one Context per node
     (node ids deliberately unrelated to partition ids, replies in reverse order; the nodes in
-    ``drop`` never answer a train message)."""
+    ``drop`` never answer a train message). ``groups``: the client ids of each node (default:
+    one client per node, Flower's ``partition-id``)."""
 
-    def __init__(self, client_app, num_nodes: int, drop: set[int] = frozenset()) -> None:
+    def __init__(self, client_app, num_nodes: int, drop: set[int] = frozenset(), groups=None) -> None:
         self.app, self.drop = client_app, drop
-        self.contexts = {
-            7000 + 13 * (num_nodes - i): Context(
-                run_id=1, node_id=7000 + 13 * (num_nodes - i),
-                node_config={"partition-id": i, "num-partitions": num_nodes}, state=RecordDict(), run_config={},
+        groups = groups or [[i] for i in range(num_nodes)]
+        self.contexts = {}
+        for i, clients in enumerate(groups):
+            node_id = 7000 + 13 * (len(groups) - i)
+            node_config = (
+                {"partition-id": clients[0], "num-partitions": len(groups)} if groups is None or len(clients) == 1
+                else {"fedtune-clients": flower.format_clients(clients)}
             )
-            for i in range(num_nodes)
-        }
+            self.contexts[node_id] = Context(run_id=1, node_id=node_id, node_config=node_config, state=RecordDict(),
+                                             run_config={})
         self.sent: list[FlowerMessage] = []
+        self.replies: dict[str, FlowerMessage] = {}
 
     def set_run(self, run):  # pragma: no cover - unused
         raise AssertionError("serve() must not call this Grid member")
@@ -75,25 +83,32 @@ class LoopbackGrid(Grid):
     def get_node_ids(self):
         return list(self.contexts)
 
-    def push_messages(self, messages):  # pragma: no cover - unused
-        raise AssertionError("serve() must not call this Grid member")
-
-    def pull_messages(self, message_ids):  # pragma: no cover - unused
-        raise AssertionError("serve() must not call this Grid member")
-
-    def send_and_receive(self, messages, *, timeout=None):
-        replies = []
+    def push_messages(self, messages):
+        ids = []
         for message in messages:
             self.sent.append(message)
             message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            ids.append(message.metadata.message_id)
             context = self.contexts[message.metadata.dst_node_id]
-            if context.node_config["partition-id"] in self.drop and message.metadata.message_type == "train":
+            if self._dropped(context) and message.metadata.message_type == "train":
                 continue
             try:
-                replies.append(self.app(message, context))
+                reply = self.app(message, context)
             except Exception as exc:  # what the Flower runtime does with a failing ClientApp
-                replies.append(FlowerMessage(Error(code=0, reason=repr(exc)), reply_to=message))
-        return replies[::-1]
+                reply = FlowerMessage(Error(code=0, reason=repr(exc)), reply_to=message)
+            self.replies[message.metadata.message_id] = reply
+        return ids
+
+    def _dropped(self, context) -> bool:
+        config = context.node_config
+        clients = [config["partition-id"]] if "partition-id" in config else flower.parse_clients(config["fedtune-clients"])
+        return bool(set(clients) & set(self.drop))
+
+    def pull_messages(self, message_ids):
+        return [self.replies.pop(i) for i in reversed(list(message_ids)) if i in self.replies]
+
+    def send_and_receive(self, messages, *, timeout=None):  # pragma: no cover - serve() pushes and pulls
+        raise AssertionError("serve() must not call send_and_receive (it waits 3 s between pulls)")
 
 
 @pytest.fixture
@@ -152,7 +167,9 @@ def test_pack_unpack_round_trip_through_flower_serialization():
     proto.ParseFromString(wire)
     cid, back, nbytes_back = unpack(recorddict_from_proto(proto))
 
-    # Assert
+    # Assert: Flower-native records (one ArrayRecord, one ConfigRecord), the fedtune bytes counted
+    assert list(content.array_records) == [flower.ARRAYS] and list(content.config_records) == [flower.RECORD]
+    assert list(content[flower.ARRAYS]) == list(arrays)
     assert cid == 17 and nbytes == nbytes_back == len(message.encode()) == message.nbytes
     assert list(back.arrays) == list(arrays) and back.meta == message.meta
     for key, value in message.arrays.items():
@@ -246,7 +263,9 @@ def test_federated_evaluation_and_client_state_match_embedded_engine(task_identi
         np.testing.assert_allclose([f.metrics[k] for k in e.metrics], list(e.metrics.values()), rtol=1e-6)
 
 
-def test_failing_client_is_dropped_and_named(task_identity, tmp_path, monkeypatch):
+@pytest.fixture
+def client_1_fails_in_round_2(monkeypatch):
+    """FedIT's client 1 raises "out of memory on purpose" in round 2."""
     from fedtune.methods.fedit import FedITClient
 
     original = FedITClient.fit
@@ -257,6 +276,9 @@ def test_failing_client_is_dropped_and_named(task_identity, tmp_path, monkeypatc
         return original(self, message)
 
     monkeypatch.setattr(FedITClient, "fit", fit)
+
+
+def test_failing_client_is_dropped_and_named(task_identity, tmp_path, client_1_fails_in_round_2):
     config = _config(tmp_path)
     grid = LoopbackGrid(make_client_app(config), config.federation.num_clients)
     summary = serve(grid, config, timeout=60)
@@ -272,9 +294,9 @@ def test_failing_client_is_dropped_and_named(task_identity, tmp_path, monkeypatc
 
 def test_missing_reply_is_dropped_and_missing_node_raises(task_identity, tmp_path):
     config = _config(tmp_path)
-    summary = serve(LoopbackGrid(make_client_app(config), 2, drop={0}), config, timeout=60)
+    summary = serve(LoopbackGrid(make_client_app(config), 2, drop={0}), config, timeout=2)
     line = json.loads(Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines()[0])
-    assert line["dropped"] == {"0": "no reply within 60 s"}
+    assert line["dropped"] == {"0": "no reply within 2 s"}
     with pytest.raises(TimeoutError, match="1 Flower nodes connected"):
         serve(LoopbackGrid(make_client_app(config), 1), config, timeout=0.5)
 
@@ -286,8 +308,8 @@ def test_message_for_another_client_is_refused(task_identity, tmp_path):
     node = grid.get_node_ids()[0]
     content, _ = pack(Message({}, {"round": 1}), cid=1 - grid.contexts[node].node_config["partition-id"])
     message = FlowerMessage(content, dst_node_id=node, message_type="train", group_id="1")
-    (reply,) = grid.send_and_receive([message])
-    assert reply.has_error() and "reached the node of client" in reply.error.reason
+    (reply,) = grid.pull_messages(grid.push_messages([message]))
+    assert reply.has_error() and "reached a node that plays clients" in reply.error.reason
 
 
 # -- the real Flower simulation runtime (Ray) -------------------------------------------------------
@@ -331,117 +353,177 @@ def test_flower_simulation_surfaces_a_client_failure(tmp_path):
                 ray.shutdown()
 
 
-# -- a real multi-process deployment on 127.0.0.1 (SuperLink, SuperNodes, `flwr run`) -------------
-def _free_ports(count: int) -> list[int]:
-    import socket
+# -- Flower mods: client-side fixed clipping (central DP) with fedit --------------------------------
+def _round_one_updates(monkeypatch, config, grid, request_config=None):
+    """The updates FedIT's strategy aggregates in round 1 (client id -> flat update)."""
+    from fedtune.methods.fedit import FedITStrategy
 
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+    seen = {}
+    original = FedITStrategy.aggregate_fit
 
+    def aggregate_fit(self, rnd, replies):
+        if rnd == 1:
+            seen.update({cid: np.concatenate([a.ravel() for a in m.arrays.values()]) for cid, m in replies.items()})
+        return original(self, rnd, replies)
 
-def _wait_for_port(port: int, timeout: float = 120) -> None:
-    import socket
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout:.0f} s") from None
-            time.sleep(0.25)
+    monkeypatch.setattr(FedITStrategy, "aggregate_fit", aggregate_fit)
+    serve(grid, config, timeout=60, request_config=request_config)
+    monkeypatch.setattr(FedITStrategy, "aggregate_fit", original)
+    return seen
 
 
-def _stop_tree(popens) -> None:
-    """Stop what we started and everything it spawned (Flower detaches its SuperExec into a new
-    session, so process groups are not enough): collect the whole tree first, then stop by PID."""
-    import psutil
+def test_fixedclipping_mod_clips_fedit_updates_to_the_norm(task_identity, tmp_path, monkeypatch):
+    from flwr.clientapp.mod import fixedclipping_mod
 
-    tree = []
-    for popen in popens:
-        try:
-            root = psutil.Process(popen.pid)
-            tree += [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            pass
-    for proc in reversed(tree):
-        try:
-            proc.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    flower.reap(tree, 10)
-    for popen in popens:
-        popen.wait(timeout=10)
+    clipping = flower.only_when_clipping(fixedclipping_mod)  # Flower's mod, on requests that ask for it
+
+    # Prepare: the unclipped round-1 updates, and a norm well below theirs
+    config = _config(tmp_path / "plain", "rounds=1")
+    plain = _round_one_updates(monkeypatch, config, LoopbackGrid(make_client_app(config, mods=[clipping]), 2))
+    norms = {cid: float(np.linalg.norm(u)) for cid, u in plain.items()}
+    clip = 0.25 * min(norms.values())
+
+    # Execute: the server sends clipping_norm; the mod clips reply - request
+    config = _config(tmp_path / "clipped", "rounds=1")
+    grid = LoopbackGrid(make_client_app(config, mods=[clipping]), 2)
+    clipped = _round_one_updates(monkeypatch, config, grid, {flower.CLIPPING_NORM: clip})
+
+    # Assert: each update now has norm clip (what the mod promises: min(1, C / ||u||) u) and the
+    # direction of the unclipped one
+    train = [m for m in grid.sent if m.metadata.message_type == "train"]
+    assert train and all(m.content[flower.RECORD][flower.CLIPPING_NORM] == clip for m in train)
+    assert clipped.keys() == plain.keys()
+    for cid, update in clipped.items():
+        np.testing.assert_allclose(np.linalg.norm(update), clip, rtol=1e-4)
+        np.testing.assert_allclose(update, plain[cid] * (clip / norms[cid]), atol=1e-6)
+
+    # ... and a norm above theirs leaves them as they were
+    config = _config(tmp_path / "loose", "rounds=1")
+    grid = LoopbackGrid(make_client_app(config, mods=[clipping]), 2)
+    loose = _round_one_updates(monkeypatch, config, grid, {flower.CLIPPING_NORM: 10 * max(norms.values())})
+    for cid, update in loose.items():
+        np.testing.assert_allclose(update, plain[cid], atol=1e-6)
 
 
-@pytest.mark.slow
-def test_flower_deployment_matches_embedded_engine(tmp_path, embedded):
-    import os
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
+def test_fixedclipping_mod_needs_one_array_record_and_the_norm_from_the_server(task_identity, tmp_path):
+    from flwr.clientapp.mod import fixedclipping_mod
 
-    # Prepare: a SuperLink and two SuperNodes on free loopback ports, a private FLWR_HOME
-    bin_dir = Path(sys.executable).parent
-    app_dir = Path(__file__).resolve().parents[1] / "flower_app"
-    link, *node_ports = _free_ports(3)
-    home = tmp_path / "flwr-home"
-    home.mkdir()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\naddress = "127.0.0.1:{link}"\ninsecure = true\n'
-    )
-    env = {
-        **os.environ,
-        "FLWR_HOME": str(home),
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-    }
-    out = tmp_path / "runs"
-    overrides = "; ".join([*TINY, f"output_dir={out}"])
-    started = []
+    config = _config(tmp_path)
+    grid = LoopbackGrid(make_client_app(config, mods=[fixedclipping_mod]), 2)
+    node = grid.get_node_ids()[0]
+    cid = grid.contexts[node].node_config["partition-id"]
 
-    def start(name, *args):
-        log = open(tmp_path / f"{name}.log", "w")
-        started.append(subprocess.Popen(args, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT))
+    def ask(**extra):
+        content, _ = pack(Message({"x": np.ones(3, np.float32)}, {"round": 1}), cid, **extra)
+        message = FlowerMessage(content, dst_node_id=node, message_type="train", group_id="1")
+        (reply,) = grid.pull_messages(grid.push_messages([message]))
+        return reply
+
+    # a request without clipping_norm is rejected by the mod itself, before fedtune sees it
+    reply = ask(round=1)
+    assert reply.has_error() and "clipping_norm" in reply.error.reason
+    # the node's query (no ArrayRecord) too: hence only_when_clipping in the deployment's ClientApp
+    query = FlowerMessage(RecordDict({flower.RECORD: ConfigRecord({})}), dst_node_id=node,
+                          message_type="query", group_id="0")
+    (reply,) = grid.pull_messages(grid.push_messages([query]))
+    assert reply.has_error() and "ArrayRecord" in reply.error.reason
+
+
+# -- a node's worker ------------------------------------------------------------------------------------
+def test_worker_serves_the_node_and_reports_client_failures(task_identity, tmp_path, embedded, monkeypatch):
+    import threading
+
+    from fedtune.methods.fedit import FedITClient
+
+    # Prepare: a worker thread on a Unix socket; nodes whose node_config names it
+    address = str(tmp_path / "w.sock")
+    threading.Thread(target=flower.run_worker, args=(address, 1), daemon=True).start()
+    deadline = __import__("time").monotonic() + 120
+    while not Path(f"{address}.key").exists():
+        assert __import__("time").monotonic() < deadline, "worker not ready"
+        __import__("time").sleep(0.05)
+    config = _config(tmp_path / "flower")
+    grid = LoopbackGrid(make_client_app(config), 2)
+    for context in grid.contexts.values():
+        context.node_config[flower.NODE_WORKER] = address
+    history = []
+    calls, call_worker = [], flower.call_worker
+    monkeypatch.setattr(flower, "call_worker", lambda *a: calls.append(a[3]) or call_worker(*a))
 
     # Execute
-    try:
-        start("superlink", bin_dir / "flower-superlink", "--insecure", "--disable-runtime-dependency-installation",
-              "--host", "127.0.0.1", "--port", str(link))
-        _wait_for_port(link)
-        for cid, port in enumerate(node_ports):
-            start(f"supernode{cid}", bin_dir / "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{link}",
-                  "--port", str(port), "--node-config", f"partition-id={cid} num-partitions=2")
-        for port in node_ports:
-            _wait_for_port(port)
-        run = subprocess.run(
-            [bin_dir / "flwr", "run", app_dir, "loopback", "--stream", "--run-config", f"overrides='{overrides}'"],
-            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=500,
-        )
-        summary_path = out / "fedit-tweets-s3" / "summary.json"
-        deadline = time.monotonic() + 60
-        while not summary_path.exists() and time.monotonic() < deadline:
-            time.sleep(0.5)
-    finally:
-        _stop_tree(started)
+    summary = serve(grid, config, timeout=60, on_round=history.append)
 
-    # Assert
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    assert json.loads(summary_path.read_text())["engine"] == "flower"
-    embedded_state, embedded_history = embedded
-    flower_state = load_state(summary_path.parent / "checkpoint.npz")
-    for key, value in embedded_state["global"].items():
-        np.testing.assert_allclose(flower_state["global"][key], value, rtol=0, atol=1e-6, err_msg=key)
-    lines = [json.loads(line) for line in (summary_path.parent / "metrics.jsonl").read_text().splitlines()]
-    assert [line["clients"] for line in lines] == [r.clients for r in embedded_history]
-    for key in ("client_bytes_down", "client_bytes_up"):
-        expected = [{str(c): b for c, b in getattr(r, key).items()} for r in embedded_history]
-        assert [line[key] for line in lines] == expected
+    # Assert: the embedded engine's run, computed by the worker
+    _assert_same_run(load_state(f"{summary['run_dir']}/checkpoint.npz"), history, embedded)
+    assert sorted(calls) == [0, 0, 1, 1]  # every train request of the 2 rounds went to the worker
+
+    # a client failing in the worker is a drop naming the worker's reason
+    monkeypatch.setattr(flower, "call_worker", call_worker)
+    original = FedITClient.fit
+    monkeypatch.setattr(FedITClient, "fit", lambda self, m: (_ for _ in ()).throw(ValueError("bad luck")) if self.cid == 0
+                        else original(self, m))
+    config = _config(tmp_path / "failing", "rounds=1")
+    grid = LoopbackGrid(make_client_app(config), 2)
+    for context in grid.contexts.values():
+        context.node_config[flower.NODE_WORKER] = address
+    summary = serve(grid, config, timeout=60)
+    line = json.loads(Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines()[0])
+    assert list(line["dropped"]) == ["0"] and "ValueError: bad luck" in line["dropped"]["0"]
+    # an unreachable worker is a drop too, not a hang
+    for context in grid.contexts.values():
+        context.node_config[flower.NODE_WORKER] = str(tmp_path / "nobody.sock")
+    with pytest.raises(RoundFailed, match="unreachable"):
+        serve(grid, _config(tmp_path / "gone", "rounds=1", "federation.max_retries=0"), timeout=60)
+
+
+def test_client_ids_parse_and_format():
+    assert flower.parse_clients("0-3,7, 9-10") == [0, 1, 2, 3, 7, 9, 10]
+    assert flower.format_clients([10, 0, 1, 2, 3, 7, 9]) == "0-3,7,9-10"
+    assert flower.parse_clients(flower.format_clients(range(1000))) == list(range(1000))
+
+
+def test_cli_runs_each_engine(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from fedtune import cli
+    from fedtune.engines import deployment
+
+    calls = []
+
+    def fake(name):
+        def run(config, on_round=None, on_start=None, resume=False, **_):
+            calls.append((name, config.engine, resume, callable(on_round), callable(on_start)))
+            return {"run_dir": str(tmp_path), "final_accuracy": 0.5, "majority_accuracy": 0.4, "total_bytes_up": 1,
+                    "total_bytes_down": 1, "wall_s": 1.0}
+        return run
+
+    monkeypatch.setattr(flower, "run_flower_simulation", fake("simulation"))
+    monkeypatch.setattr(deployment, "run_flower_deployment", fake("deployment"))
+    for engine in ("flower-sim", "flower"):
+        result = CliRunner().invoke(cli.app, ["run", "--set", f"engine={engine}", "--set", f"output_dir={tmp_path}"])
+        assert result.exit_code == 0, result.output
+    assert calls == [("simulation", "flower-sim", False, True, True), ("deployment", "flower", False, True, True)]
+    result = CliRunner().invoke(cli.app, ["run", "--set", "engine=ray"])
+    assert result.exit_code == 2 and "engine" in result.output
+
+
+def test_tokenized_cache_gives_the_same_batches(tmp_path, monkeypatch):
+    """What a ClientApp maps from the on-disk cache is what tokenizing gives: ids, dtypes, batches."""
+    from fedtune.data.batches import TokenizedSet
+    from fedtune.data.cache import CACHE_ENV
+    from fedtune.runtime import RunContext
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    task = RunContext(_config(tmp_path)).task
+    (train, _), tokenizer = task.data, task.tokenizer
+    reference = TokenizedSet.from_texts(tokenizer, train.texts, train.labels, 16)
+    calls = []
+    for _ in range(2):  # a miss (tokenizes, writes), then a hit (maps; the tokenizer is not asked)
+        got = TokenizedSet.cached(lambda: calls.append(1) or tokenizer, "tok", train.texts, train.labels, 16)
+        assert got.pad_id == reference.pad_id and len(got) == len(reference)
+        assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(got.ids, reference.ids))
+        batches = [list(s.train_batches(np.arange(len(s)), 8, 5, np.random.default_rng(1), True)) for s in (got, reference)]
+        assert all(np.array_equal(x[k], y[k]) for x, y in zip(*batches) for k in x)
+    assert calls == [1] and len(list((tmp_path / "cache" / "tokens").iterdir())) == 1
+    TokenizedSet.cached(lambda: tokenizer, "tok", train.texts, train.labels, 17)  # another length: another entry
+    assert len(list((tmp_path / "cache" / "tokens").iterdir())) == 2

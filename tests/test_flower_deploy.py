@@ -1,0 +1,169 @@
+"""Real loopback deployments (SuperLink, workers, SuperNodes and ``flwr run`` on 127.0.0.1, in a
+private FLWR_HOME): TLS and SuperNode authentication refuse strangers, Ctrl-C stops a run after
+its round's checkpoint and stops every process, and the pieces that need no processes.
+
+The deployments take a minute or more on a loaded 2-core machine: those tests are ``slow``
+(``pytest -m slow tests/test_flower_deploy.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedtune.config import load_config
+from fedtune.engines import deployment
+from fedtune.engines.deployment import LoopbackDeployment, generate_certificates, generate_node_key
+
+TINY = [
+    "method=fedit", "model.name=tiny-bert", "data=tweets", "data.max_train_samples=200", "data.max_test_samples=100",
+    "federation.num_clients=2", "train.local_steps=2", "seed=3",
+]
+
+
+def _flower_processes() -> set[int]:
+    """PIDs of this user's Flower and fedtune-worker processes now."""
+    import psutil
+
+    out = set()
+    for proc in psutil.process_iter(["pid", "uids", "cmdline"]):
+        try:
+            cmd = " ".join(proc.info["cmdline"] or [])
+            if proc.info["uids"].real == os.getuid() and ("flwr" in cmd or "flower-" in cmd or "run_worker" in cmd):
+                out.add(proc.pid)
+        except (psutil.Error, TypeError):
+            pass
+    return out
+
+
+def _online_nodes(d: LoopbackDeployment) -> list[str]:
+    done = subprocess.run([deployment.flower_command("flwr"), "supernode", "list", d.connection, "--format", "json"],
+                          env=d.env(), cwd=d.home, capture_output=True, text=True, timeout=120)
+    return [n["node-id"] for n in json.loads(done.stdout)["nodes"] if n["status"] == "online"]
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.5)
+
+
+# -- no processes ----------------------------------------------------------------------------------
+def test_certificates_and_node_keys_load_as_flower_needs(tmp_path):
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
+
+    paths = generate_certificates(tmp_path, ["127.0.0.1", "superlink.example"])
+    cert = x509.load_pem_x509_certificate(paths["cert"].read_bytes())
+    ca = x509.load_pem_x509_certificate(paths["ca"].read_bytes())
+    cert.verify_directly_issued_by(ca)
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    assert names.get_values_for_type(x509.DNSName) == ["superlink.example"]
+    assert oct(paths["key"].stat().st_mode & 0o777) == "0o600"
+    private, public = generate_node_key(tmp_path, "node")
+    assert isinstance(load_ssh_private_key(private.read_bytes(), None), ec.EllipticCurvePrivateKey)
+    assert isinstance(load_ssh_public_key(public.read_bytes()), ec.EllipticCurvePublicKey)
+
+
+def test_deployment_pieces(tmp_path):
+    assert deployment.client_groups(10, 3) == [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9]]
+    assert deployment.client_groups(1000, 2)[1] == list(range(500, 1000))
+    config = load_config(None, [*TINY, "federation.num_clients=1000", "federation.clients_per_round=10"])
+    assert deployment.default_nodes(config) == min(10, os.cpu_count() or 1)
+    assert deployment.default_nodes(load_config(None, [*TINY, "federation.nodes=5"])) == 2  # at most one per client
+    args = deployment.supernode_args("h:1", 5, [0, 1, 2, 7], Path("ca.crt"), Path("k"), "/s.sock", 3)
+    node_config = args[args.index("--node-config") + 1]
+    assert node_config == 'fedtune-clients="0-2,7" fedtune-worker="/s.sock" fedtune-threads=3'
+    assert args[-4:] == ["--root-certificates", "ca.crt", "--auth-supernode-private-key", "k"]
+    assert "--insecure" in deployment.superlink_args("0.0.0.0", 1)
+    assert "--enable-supernode-auth" in deployment.superlink_args("0.0.0.0", 1, {"ca": 1, "cert": 2, "key": 3}, True)
+    with pytest.raises(ValueError, match="needs TLS"):
+        LoopbackDeployment([[0]], auth=True)
+
+
+def test_the_written_app_matches_flower_app(tmp_path):
+    """flower_app/pyproject.toml (for `flwr run flower_app ...` by hand) names the same apps and
+    run config keys as the app fedtune writes for its own deployments."""
+    import tomllib
+
+    written = tomllib.loads(deployment.write_app(tmp_path).joinpath("pyproject.toml").read_text())
+    shipped = tomllib.loads((Path(__file__).resolve().parents[1] / "flower_app" / "pyproject.toml").read_text())
+    assert shipped["tool"]["flwr"]["app"]["components"] == written["tool"]["flwr"]["app"]["components"]
+    assert shipped["tool"]["flwr"]["app"]["config"] == written["tool"]["flwr"]["app"]["config"]
+    assert tuple(written["tool"]["flwr"]["app"]["config"]) == deployment.APP_CONFIG_KEYS
+
+
+# -- TLS and authentication ------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_tls_and_authentication_admit_registered_nodes_only(tmp_path):
+    import httpx
+
+    before = _flower_processes()
+    config = load_config(None, [*TINY, "rounds=1", f"output_dir={tmp_path / 'runs'}"])
+    with LoopbackDeployment([[0], [1]], tls=True, auth=True, log_dir=tmp_path / "logs") as d:
+        # the registered nodes connect over TLS and a run works
+        summary = d.run(config, timeout=300)
+        assert summary["engine"] == "flower" and summary["dropped"] == 0
+        registered = _online_nodes(d)
+        assert len(registered) == 2
+
+        # a SuperNode with a key the SuperLink does not know is refused: it gives up, never online
+        key, _ = generate_node_key(d.home / "keys", "stranger")
+        stranger = d.start_supernode([0], name="stranger", private_key=key, wait=False)
+        _wait_for(lambda: stranger.poll() is not None, 120, "the unregistered SuperNode was not refused")
+        assert stranger.returncode != 0
+        assert "Failed to activate SuperNode" in (tmp_path / "logs" / "stranger.log").read_text()
+
+        # a plaintext SuperNode cannot connect to the TLS SuperLink ...
+        plain = d.start_supernode([1], name="plaintext", insecure=True, wait=False)
+        _wait_for(lambda: "Connection attempt failed" in (tmp_path / "logs" / "plaintext.log").read_text(),
+                  120, "the plaintext SuperNode was not refused")
+        assert plain.poll() is None or plain.returncode != 0
+        assert sorted(_online_nodes(d)) == sorted(registered)
+        # ... nor can any plaintext HTTP client, while one that trusts the CA completes the handshake
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://{d.address}/", timeout=10)
+        assert httpx.get(f"https://{d.address}/", verify=str(d.certificates["ca"]), timeout=10).status_code > 0
+    assert not (_flower_processes() - before), "a deployment process outlived the deployment"
+
+
+# -- Ctrl-C ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_ctrl_c_stops_after_the_round_checkpoint_and_every_process(tmp_path):
+    before = _flower_processes()
+    out = tmp_path / "runs"
+    args = [sys.executable, "-m", "fedtune.cli", "run", *[f"--set={x}" for x in TINY], "--set=rounds=4",
+            "--set=engine=flower", f"--set=output_dir={out}"]
+    env = {**os.environ, "COLUMNS": "200"}
+    metrics = out / "fedit-tweets-s3" / "metrics.jsonl"
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 1, 400, "no round finished")
+        proc.send_signal(signal.SIGINT)
+        text, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, text[-2000:]
+    assert "fedtune run --resume" in text
+    done = [json.loads(x)["round"] for x in metrics.read_text().splitlines()]
+    assert 1 <= len(done) < 4 and done == list(range(1, len(done) + 1))
+    _wait_for(lambda: not (_flower_processes() - before), 30, "a deployment process outlived Ctrl-C")
+
+    # resume on the same engine finishes the run
+    again = subprocess.run([sys.executable, "-m", "fedtune.cli", "run", "--resume", str(metrics.parent)], env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-2000:]
+    assert [json.loads(x)["round"] for x in metrics.read_text().splitlines()] == [1, 2, 3, 4]
+    assert json.loads((metrics.parent / "summary.json").read_text())["engine"] == "flower"
+    assert not (_flower_processes() - before)
