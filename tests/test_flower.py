@@ -527,3 +527,24 @@ def test_tokenized_cache_gives_the_same_batches(tmp_path, monkeypatch):
     assert calls == [1] and len(list((tmp_path / "cache" / "tokens").iterdir())) == 1
     TokenizedSet.cached(lambda: tokenizer, "tok", train.texts, train.labels, 17)  # another length: another entry
     assert len(list((tmp_path / "cache" / "tokens").iterdir())) == 2
+
+
+def test_a_round_with_a_further_exchange_runs_on_flower_as_embedded(task_identity, tmp_path):
+    """A Strategy phase (a second exchange in the round) crosses Flower as a "train" message
+    naming its phase: same state, same bytes and the same drop as the embedded engine."""
+    from fedtune.registry import MethodOptions, register
+    from tests.test_engine import TwoPhase, TwoPhaseClient
+
+    register("toy-two-phase", TwoPhase, TwoPhaseClient, MethodOptions, "toy")
+    config = _config(tmp_path, "method=toy-two-phase", "federation.num_clients=4", "rounds=1")
+    flower_history = []
+    serve(LoopbackGrid(make_client_app(config), 4), config, timeout=60, on_round=flower_history.append)
+    strategy = flower_history and load_state(tmp_path / config.run_name / "checkpoint.npz")
+    assert np.allclose(strategy["x"], 1.5) and np.allclose(strategy["total"], (0 + 1 + 2) * 1.5)
+    record = flower_history[0]
+    assert record.dropped == {3: "sum: array 'y' missing"} and record.metrics["phase_replies"] == 3
+    embedded = []
+    run_experiment(_config(tmp_path / "e", "method=toy-two-phase", "federation.num_clients=4", "rounds=1"),
+                   on_round=embedded.append)
+    assert record.client_bytes_down == embedded[0].client_bytes_down
+    assert record.client_bytes_up == embedded[0].client_bytes_up

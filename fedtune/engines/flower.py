@@ -100,6 +100,7 @@ META = "meta"  # ConfigRecord key: JSON of Message.meta
 CID = "cid"  # ConfigRecord key: the fedtune client id the message is for / from
 ROUND = "round"  # ConfigRecord key: the round a message belongs to (request) or claims (reply)
 ATTEMPT = "attempt"  # ConfigRecord key of a request: the round's attempt (fault injection draws)
+PHASE = "phase"  # ConfigRecord key of a request: the Strategy phase it belongs to (sent as "train")
 COMPUTE_S = "compute_s"  # ConfigRecord key of a reply: seconds the Client call took on the node
 CLIENTS = "clients"  # ConfigRecord key of a query reply: the client ids the node plays
 CLIPPING_NORM = "clipping_norm"  # ConfigRecord key read by Flower's clipping mods (KEY_CLIPPING_NORM)
@@ -311,6 +312,7 @@ def _serve_one(config: RunConfig, kind: str, content: RecordDict, suffix: str, c
         raise RuntimeError(f"message for client {cid} reached a node that plays clients {format_clients(clients)}")
     envelope = content[RECORD + suffix]
     rnd, attempt = int(envelope.get(ROUND, 0)), int(envelope.get(ATTEMPT, 0))
+    kind = str(envelope.get(PHASE, kind))  # a further exchange of the round travels as "train"
     state = from_array_record(context.state.get(f"{STATE}-{cid}"))
     threads = context.node_config.get(NODE_THREADS)
     worker = context.node_config.get(NODE_WORKER)
@@ -511,6 +513,9 @@ class GridTransport:
         if not messages:
             return {}
         extra = self.request_config if kind == "train" else {}
+        wire = kind if kind in ("train", "evaluate") else "train"  # Flower's message types
+        if wire != kind:
+            extra = {PHASE: kind}
         by_node: dict[int, list[int]] = {}
         for cid in messages:
             by_node.setdefault(self.node_of[cid], []).append(cid)
@@ -518,7 +523,7 @@ class GridTransport:
         for nid, cids in by_node.items():
             # a node playing several of this exchange's clients gets them in one bundle (one
             # ClientApp process), unless a mod needs one ArrayRecord per message (clipping)
-            groups = [cids] if self.bundle and len(cids) > 1 and not extra else [[cid] for cid in cids]
+            groups = [cids] if self.bundle and len(cids) > 1 and CLIPPING_NORM not in extra else [[cid] for cid in cids]
             for group in groups:
                 content = RecordDict()
                 for cid in group:
@@ -530,7 +535,7 @@ class GridTransport:
                                         **{ROUND: rnd, ATTEMPT: attempt, **extra})
                 if len(group) > 1:
                     content[BUNDLE] = ConfigRecord({CLIENTS: group})
-                out.append(FlowerMessage(content, dst_node_id=nid, message_type=kind, group_id=str(rnd)))
+                out.append(FlowerMessage(content, dst_node_id=nid, message_type=wire, group_id=str(rnd)))
                 targets.append(group)
         pushed, pulled_at = time.time(), {}
         ids, replies = exchange(self.grid, out, self.timeout, pulled_at=pulled_at)
