@@ -174,8 +174,7 @@ def _exchange(strategy: Strategy, transport: Transport, policy: RoundPolicy, rec
         reason = policy.rejection(strategy, rnd, cid, sent[cid], got)
         if reason is None:
             valid[cid] = got.reply
-            if kind == TRAIN:
-                record.client_steps[cid] = int(got.reply.meta.get("steps", 0))
+            record.client_steps[cid] = record.client_steps.get(cid, 0) + int(got.reply.meta.get("steps", 0))
         else:
             where = (f"attempt {attempt + 1}: " if attempt else "") + (f"{kind}: " if kind != TRAIN else "")
             record.dropped[cid] = where + reason

@@ -1,0 +1,98 @@
+"""BoMM (multi-modality large-small model bidirectional collaboration) and the five baselines of its
+Section 5.1, registered as ``bomm``, ``bomm-local``, ``bomm-mm-local``, ``bomm-vanilla``,
+``bomm-mm-ac`` and ``bomm-mm-uc`` (the names carry the prefix because ``local`` is the LoRA
+methods' reference). They run on the ``paired-multimodal`` task.
+
+- :mod:`~fedtune.methods.bomm.options`: the options (shared by all six) and the mode of each;
+- :mod:`~fedtune.methods.bomm.party`: a party (Client): its small model, what it sends, local
+  training with completions and the scheduler;
+- :mod:`~fedtune.methods.bomm.cloud`: the cloud (Strategy): alignment, generator, classifier, the
+  round's exchanges;
+- :mod:`~fedtune.methods.bomm.common`: what both sides share.
+
+The networks and the equations are in :mod:`fedtune.models.bomm`.
+
+Baselines (Section 5.1), as implemented (:data:`~fedtune.methods.bomm.options.MODES`):
+
+- ``bomm-local`` (LOCAL): each party trains its small model on its labeled rows; no cloud.
+- ``bomm-mm-local`` (MM-LOCAL): each party trains its own generator (regression, on its complete
+  rows) and completes its missing modalities before local training; no cloud.
+- ``bomm-vanilla`` (Vanilla): parties send the aligned ids' representations; the cloud trains its
+  classifier on them; parties train on their local data.
+- ``bomm-mm-ac`` (MM-AC): Vanilla, and the cloud's generator (regression on the real targets of the
+  aligned rows) completes the aligned rows' missing modalities, for the cloud and for the parties.
+- ``bomm-mm-uc`` (MM-UC): as MM-AC over every row, aligned and unaligned.
+- ``bomm``: MM-UC's data flow with global prototype-guided alignment, the preference-driven
+  generator and the parties' scheduler.
+"""
+
+from __future__ import annotations
+
+from fedtune.methods.bomm.cloud import BommCloud
+from fedtune.methods.bomm.common import PAIRED
+from fedtune.methods.bomm.options import MODES, BommOptions
+from fedtune.methods.bomm.party import BommParty
+from fedtune.registry import register
+
+
+class LocalCloud(BommCloud):
+    """BoMM's LOCAL baseline: each party trains its small model alone."""
+
+    mode = MODES["bomm-local"]
+
+
+class LocalParty(BommParty):
+    mode = MODES["bomm-local"]
+
+
+class MMLocalCloud(BommCloud):
+    """BoMM's MM-LOCAL baseline: each party completes missing modalities with its own generator."""
+
+    mode = MODES["bomm-mm-local"]
+
+
+class MMLocalParty(BommParty):
+    mode = MODES["bomm-mm-local"]
+
+
+class VanillaCloud(BommCloud):
+    """BoMM's Vanilla baseline: the cloud trains on the aligned ids' representations."""
+
+    mode = MODES["bomm-vanilla"]
+
+
+class VanillaParty(BommParty):
+    mode = MODES["bomm-vanilla"]
+
+
+class MMACCloud(BommCloud):
+    """BoMM's MM-AC baseline: Vanilla plus cloud completion of the aligned rows."""
+
+    mode = MODES["bomm-mm-ac"]
+
+
+class MMACParty(BommParty):
+    mode = MODES["bomm-mm-ac"]
+
+
+class MMUCCloud(BommCloud):
+    """BoMM's MM-UC baseline: cloud completion of aligned and unaligned rows."""
+
+    mode = MODES["bomm-mm-uc"]
+
+
+class MMUCParty(BommParty):
+    mode = MODES["bomm-mm-uc"]
+
+
+METHODS = {
+    "bomm": (BommCloud, BommParty),
+    "bomm-local": (LocalCloud, LocalParty),
+    "bomm-mm-local": (MMLocalCloud, MMLocalParty),
+    "bomm-vanilla": (VanillaCloud, VanillaParty),
+    "bomm-mm-ac": (MMACCloud, MMACParty),
+    "bomm-mm-uc": (MMUCCloud, MMUCParty),
+}
+for _name, (_cloud, _party) in METHODS.items():
+    assert _cloud.mode == _party.mode == MODES[_name]
+    register(_name, _cloud, _party, BommOptions, requires=(PAIRED,))
