@@ -25,9 +25,9 @@ class RunContext:
     def __init__(self, config: RunConfig) -> None:
         self.config = resolve_config(config)
         self.method: MethodSpec = get_method(config.method)
+        self.task: Task = build_task(self.config)  # the task's own options first: errors name task.<field>
         self.method.check_config(self.config)
         self.options = validate_options(config.options, self.method.options)
-        self.task: Task = build_task(self.config)
         fed = config.federation
         try:
             self.profiles: list[ClientProfile] = build_profiles(

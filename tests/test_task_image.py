@@ -21,7 +21,8 @@ from fedtune.data.images import (
 from fedtune.models import vision
 from fedtune.runtime import RunContext
 
-IMAGE = ["task.kind=image-classification", "data.name=digits", "data.max_train_samples=240", "data.max_test_samples=90"]
+IMAGE = ["task.kind=image-classification", "model.name=small-cnn", "data.name=digits", "data.max_train_samples=240",
+         "data.max_test_samples=90"]
 
 
 def write_idx(path: Path, array: np.ndarray) -> None:
