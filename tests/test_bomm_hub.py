@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from fedtune.config import ConfigError
-from fedtune.models.bomm.captions import load_coco, load_cub, load_hub_captions, majority_category
+from fedtune.data.captions import load_coco, load_cub, load_hub_captions, majority_category
 from fedtune.models.bomm.dual_encoder import TINY_CLIP, DualEncoder
 
 

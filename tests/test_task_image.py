@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from fedtune.config import ConfigError, DataConfig
+from fedtune.data.batches import index_batches
 from fedtune.data.images import (
     image_tensor,
-    index_batches,
     load_image_set,
     long_tail_indices,
     read_idx,

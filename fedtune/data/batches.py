@@ -16,6 +16,20 @@ import torch
 GROUP_CHUNK = 8  # batches per length-sorted chunk when grouping by length
 
 
+def index_batches(pool: np.ndarray, batch_size: int, steps: int, rng: np.random.Generator) -> Iterator[np.ndarray]:
+    """``steps`` index batches from ``pool``: epochs of a fresh ``rng`` permutation, the last batch
+    of an epoch possibly smaller (the order
+    :meth:`TokenizedSet.train_batches` uses without length grouping)."""
+    produced = 0
+    while produced < steps:
+        order = pool[rng.permutation(len(pool))]
+        for i in range(0, len(order), batch_size):
+            if produced == steps:
+                return
+            yield order[i : i + batch_size]
+            produced += 1
+
+
 @dataclass
 class TokenizedSet:
     """Token ids (unpadded, one array per example) and labels, tokenized once at start-up."""
@@ -82,18 +96,19 @@ class TokenizedSet:
         """``steps`` batches from ``pool``: epochs of a fresh permutation, the last batch of an
         epoch possibly smaller. With ``group_by_length``, examples of similar length share a batch
         (sorted within chunks of ``GROUP_CHUNK`` batches, chunk order kept random)."""
+        if not group_by_length:
+            yield from (self.collate(b) for b in index_batches(pool, batch_size, steps, rng))
+            return
         produced = 0
-        lengths = self.lengths if group_by_length else None
+        lengths = self.lengths
         while produced < steps:
             order = pool[rng.permutation(len(pool))]
-            if lengths is not None:
-                chunk = batch_size * GROUP_CHUNK
-                order = np.concatenate(
-                    [c[np.argsort(lengths[c], kind="stable")] for c in np.split(order, range(chunk, len(order), chunk))]
-                )
+            chunk = batch_size * GROUP_CHUNK
+            order = np.concatenate(
+                [c[np.argsort(lengths[c], kind="stable")] for c in np.split(order, range(chunk, len(order), chunk))]
+            )
             batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-            if lengths is not None:
-                batches = [batches[i] for i in rng.permutation(len(batches))]
+            batches = [batches[i] for i in rng.permutation(len(batches))]
             for b in batches[: steps - produced]:
                 yield self.collate(b)
             produced += min(len(batches), steps - produced)

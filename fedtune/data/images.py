@@ -28,7 +28,7 @@ import gzip
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -312,16 +312,3 @@ def image_tensor(
     :func:`normalize_images` of :func:`resize_images`."""
     return normalize_images(resize_images(images, size), channels, mean, std)
 
-
-def index_batches(pool: np.ndarray, batch_size: int, steps: int, rng: np.random.Generator) -> Iterator[np.ndarray]:
-    """``steps`` index batches from ``pool``: epochs of a fresh ``rng`` permutation, the last batch
-    of an epoch possibly smaller (the order :class:`~fedtune.data.batches.TokenizedSet` uses
-    without length grouping)."""
-    produced = 0
-    while produced < steps:
-        order = pool[rng.permutation(len(pool))]
-        for i in range(0, len(order), batch_size):
-            if produced == steps:
-                return
-            yield order[i : i + batch_size]
-            produced += 1

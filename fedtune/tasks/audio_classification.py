@@ -32,7 +32,7 @@ from pydantic import Field
 
 from fedtune.config import ConfigError
 from fedtune.data.audio import AudioSet, load_fsdd, log_mel, standardize_clips
-from fedtune.data.images import index_batches
+from fedtune.data.batches import index_batches
 from fedtune.data.text import data_dir
 from fedtune.models.audio import (
     SMALL_NET, audio_head_modules, audio_model_names, build_small_net, hf_audio_inputs, is_small_net,

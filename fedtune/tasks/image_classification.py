@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from fedtune.config import DataConfig
-from fedtune.data.images import ImageSet, index_batches, load_image_set, long_tail_indices, normalize_images, resize_images
+from fedtune.data.batches import index_batches
+from fedtune.data.images import ImageSet, load_image_set, long_tail_indices, normalize_images, resize_images
 from fedtune.data.text import data_dir
 from fedtune.models.training import evaluate_classifier, freeze_except
 from fedtune.models.vision import ImageModelSpec, build_image_model, image_model_spec, lora_target_names

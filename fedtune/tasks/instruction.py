@@ -273,7 +273,7 @@ class Instruction(Task):
 
     # -- batches, loss, metrics --------------------------------------------------------------
     def train_batches(self, pool: np.ndarray, batch_size: int, steps: int, rng: np.random.Generator):
-        from fedtune.data.images import index_batches
+        from fedtune.data.batches import index_batches
 
         for idx in index_batches(pool, batch_size, steps, rng):
             yield self.batch(self.train, idx)

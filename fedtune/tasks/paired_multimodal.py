@@ -37,7 +37,8 @@ from pydantic import Field
 
 from fedtune.config import ConfigError
 from fedtune.data.audio import load_fsdd
-from fedtune.data.images import image_tensor, index_batches, load_image_set
+from fedtune.data.batches import index_batches
+from fedtune.data.images import image_tensor, load_image_set
 from fedtune.data.paired import AUDIO, IMAGE, PairedSet, build_paired_test, build_paired_train
 from fedtune.data.text import data_dir
 from fedtune.models.audio import seeded

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from fedtune.config import ConfigError
-from fedtune.data.images import index_batches
+from fedtune.data.batches import index_batches
 from fedtune.data.paired import missing_modality
 from fedtune.methods.bomm.common import (
     GENERATOR_INIT, SCHEDULER_INIT, Standardizer, fit_generator, generate, load_module, module_arrays, party_seed,

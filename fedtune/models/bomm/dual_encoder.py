@@ -9,7 +9,7 @@ form BoMM's parties send. ``tiny-clip`` is a random 1-layer CLIP (hidden 16, pro
 
 Nothing offline has CLIP weights (see the data README), so the paired task here uses the frozen
 MobileNetV2 of :mod:`~fedtune.models.bomm.backbone`; an image + caption task (MS COCO, CUB-200 with
-Reed et al.'s captions: :mod:`~fedtune.models.bomm.captions`) would use a DualEncoder as phi.
+Reed et al.'s captions: :mod:`~fedtune.data.captions`) would use a DualEncoder as phi.
 """
 
 from __future__ import annotations

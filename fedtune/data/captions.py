@@ -13,9 +13,8 @@ captioned image set on the Hugging Face hub.
 - :func:`load_hub_captions`: ``datasets.load_dataset(name)`` with image, caption(s) and label columns.
 
 Each returns a :class:`CaptionedImages`. Nothing here is downloaded in tests: they build tiny sets in
-code. This module is a prototype beside BoMM: its place is ``fedtune/data/`` with an image + text
-paired task (see the BoMM notes); the representations would come from
-:class:`~fedtune.models.bomm.dual_encoder.DualEncoder`.
+code. No task serves these sets yet (an image + text paired task would); their representations
+would come from :class:`~fedtune.models.bomm.dual_encoder.DualEncoder`.
 """
 
 from __future__ import annotations
