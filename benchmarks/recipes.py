@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from fedtune.config import ConfigError, RunConfig, load_config  # noqa: E402
+from fedtune.config import ConfigError, RunConfig, flat_keys, load_config  # noqa: E402
 from fedtune.harness import (  # noqa: E402
     RunSpec, SuiteError, build_plan, distinct_runs, load_rounds, load_summary, mean_of_last, output_dir,
     run_suite, suite_command, suite_parser, table_lines, toml_value,
@@ -87,16 +87,6 @@ def recipes(configs: Path = CONFIGS) -> list[Path]:
     return sorted(configs.glob("*.toml"))
 
 
-def _leaves(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_leaves(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def recipe_overrides(path: Path) -> list[str]:
     """The recipe as ``key=value`` overrides of an empty config, with the data set and model the
     task would fill in named (the run folder's config names them; resume compares configs), and
@@ -106,7 +96,7 @@ def recipe_overrides(path: Path) -> list[str]:
     tree = tomllib.loads(path.read_text(encoding="utf-8"))
     tree.pop("name", None)
     tree.pop("output_dir", None)
-    overrides = [f"{k}={toml_value(v)}" for k, v in _leaves(tree).items()]
+    overrides = [f"{k}={toml_value(v)}" for k, v in flat_keys(tree).items()]
     written = load_config(path)
     resolved = resolve_config(written)
     for section in ("data", "model"):

@@ -226,6 +226,18 @@ def apply_override(tree: dict[str, Any], assignment: str) -> None:
     node[parts[-1]] = parse_value(text.strip())
 
 
+def flat_keys(tree: dict[str, Any], sep: str = ".") -> dict[str, Any]:
+    """A nested dict as one ``{"a.b.c": value}`` dict (the inverse of :func:`apply_override`'s
+    nesting); ``sep`` joins the keys."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update({f"{key}{sep}{sub}": leaf for sub, leaf in flat_keys(value, sep).items()})
+        else:
+            out[key] = value
+    return out
+
+
 def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Read a TOML recipe (optional), apply ``key=value`` overrides, validate."""
     tree: dict[str, Any] = {}

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from fedtune.checkpoint import load_state
-from fedtune.config import ConfigError, load_config
+from fedtune.config import ConfigError, flat_keys
 from fedtune.registry import get_method, list_methods
 from fedtune.run import run_experiment
 from fedtune.runtime import RunContext
@@ -30,15 +30,9 @@ CASES = [
 ]
 
 
-def flatten(state: dict, prefix: str = "") -> dict:
+def flatten(state: dict) -> dict:
     """Nested state dicts as one ``a/b/c -> value`` dict."""
-    out = {}
-    for key, value in state.items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}/"))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
+    return flat_keys(state, "/")
 
 
 def test_every_task_kind_has_test_overrides_and_every_method_a_task():

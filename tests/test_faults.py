@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from fedtune.checkpoint import load_state
-from fedtune.engines.embedded import LocalTransport
+from fedtune.config import flat_keys
 from fedtune.engines.rounds import Delivery, RoundFailed, RoundPolicy, drive_rounds
 from fedtune.protocol.compression import topk_encode
 from fedtune.protocol.messages import Message
@@ -161,20 +161,10 @@ def test_resume_from_a_checkpoint_equals_running_straight_through(tmp_path, meth
     resumed = run_experiment(tiny(tmp_path / "b", method, kind, "rounds=3"), resume=True)
     a, b = load_state(Path(straight["run_dir"], "checkpoint.npz")), load_state(Path(resumed["run_dir"], "checkpoint.npz"))
     assert [m["accuracy"] for m in metrics(straight)] == [m["accuracy"] for m in metrics(resumed)]
-    flat_a, flat_b = _flatten(a), _flatten(b)
+    flat_a, flat_b = flat_keys(a, "/"), flat_keys(b, "/")
     assert flat_a.keys() == flat_b.keys()
     for key in flat_a:
         assert np.array_equal(np.asarray(flat_a[key]), np.asarray(flat_b[key])), key
-
-
-def _flatten(state: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in state.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}/"))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def test_sigkill_at_a_random_round_then_resume_is_bit_identical(tmp_path):

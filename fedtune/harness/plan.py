@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedtune.config import RunConfig, load_config
+from fedtune.config import RunConfig, flat_keys, load_config
 
 #: experiment name -> its specs, in the suite's experiment order (the order that owns shared runs)
 Plan = dict[str, list["RunSpec"]]
@@ -61,22 +61,12 @@ def assignments(values: Mapping[str, Any]) -> list[str]:
     return [f"{key}={toml_value(value)}" for key, value in values.items()]
 
 
-def _leaves(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_leaves(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def read_overlays(path: str | Path) -> dict[str, list[str]]:
     """Named overlays from a TOML file: each top-level table is a partial recipe, returned as
     overrides, one per value (``[quick.model] name = "tiny-bert"`` gives ``quick`` the override
     ``model.name="tiny-bert"``), so tables merge into the recipe's like ``--set`` does."""
     tree = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    return {name: assignments(_leaves(table)) for name, table in tree.items()}
+    return {name: assignments(flat_keys(table)) for name, table in tree.items()}
 
 
 def config_key(config: RunConfig) -> str:
