@@ -70,3 +70,15 @@ def tiny(tmp_path, method: str, kind: str, *extra: str, variant: str = ""):
         "model.lora_rank=4", "federation.profile_choices={rank=[2,4], sketch_ratio=[0.5,1.0]}",  # heterogeneous ranks
         "train.eval_batch_size=16", f"output_dir={tmp_path}", *extra,
     ])
+
+
+def load_script(path: Path, name: str):
+    """A benchmark script (not a package module) imported from its file as module ``name``."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

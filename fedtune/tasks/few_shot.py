@@ -205,6 +205,9 @@ class FewShot(Task):
     kind = "few-shot"
     description = "N-way K-shot episodes: Omniglot, alphabets split across clients; 4-block conv net, ProtoNet or fitted linear head"
     defaults = {"data.name": "omniglot", "model.name": "conv4"}
+    #: "bilevel": an (outer x, inner y) split of the model (backbone, per-episode heads) for the
+    #: bilevel methods (RABO's hyper-representation problem, :mod:`fedtune.methods.rabo_problems`)
+    capabilities = frozenset({"bilevel"})
     Options = FewShotOptions
     test_overrides = (
         "task.filters=8", "task.q_query=2", "task.eval_episodes=20", "train.batch_size=2", "train.local_steps=2",

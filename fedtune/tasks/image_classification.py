@@ -76,11 +76,13 @@ class ImageClassification(Task):
         "image -> class: fashion-mnist, digits, mnist, image folders, hub sets; MobileNetV2, EfficientNet-Lite0, "
         "small CNN, HF ViTs"
     )
-    capabilities = frozenset({"lora", "transformer"})
+    #: "bilevel": VS-loss tuning (x = the loss's per-class parameters, y = the model) for the
+    #: bilevel methods (RABO Sec. V-B, :mod:`fedtune.methods.rabo_problems`), on every model
+    capabilities = frozenset({"lora", "transformer", "bilevel"})
 
     @classmethod
     def capabilities_for(cls, config) -> frozenset[str]:
-        """LoRA on every model; transformer blocks only in ViTs (``tiny-vit``, HF models)."""
+        """LoRA and loss tuning on every model; transformer blocks only in ViTs (``tiny-vit``, HF models)."""
         from fedtune.models.vision import image_model_spec
 
         family = image_model_spec(config.model.name or cls.defaults["model.name"]).family
