@@ -4,11 +4,11 @@ has finished."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "bomm" / "run_suite.py"
@@ -16,11 +16,7 @@ SUITE = ROOT / "benchmarks" / "bomm" / "run_suite.py"
 
 @pytest.fixture(scope="module")
 def suite():
-    spec = importlib.util.spec_from_file_location("bomm_run_suite", SUITE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SUITE, "bomm_run_suite")
 
 
 @pytest.fixture(scope="module")

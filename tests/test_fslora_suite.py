@@ -8,13 +8,13 @@ same configuration in both.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import tomli_w
+
+from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "fslora" / "run_suite.py"
@@ -22,11 +22,7 @@ SUITE = ROOT / "benchmarks" / "fslora" / "run_suite.py"
 
 @pytest.fixture(scope="module")
 def suite():
-    spec = importlib.util.spec_from_file_location("fslora_run_suite", SUITE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SUITE, "fslora_run_suite")
 
 
 @pytest.fixture(scope="module")

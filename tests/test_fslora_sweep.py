@@ -6,14 +6,14 @@ recipes. Only configs and hand-written run folders (no training).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import tomli_w
+
+from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP = ROOT / "benchmarks" / "fslora" / "sweep.py"
@@ -21,11 +21,7 @@ SWEEP = ROOT / "benchmarks" / "fslora" / "sweep.py"
 
 @pytest.fixture(scope="module")
 def sweep():
-    spec = importlib.util.spec_from_file_location("fslora_sweep", SWEEP)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SWEEP, "fslora_sweep")
 
 
 @pytest.fixture(scope="module")

@@ -4,15 +4,15 @@ training)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import tomli_w
+
+from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "recipes.py"
@@ -20,11 +20,7 @@ SCRIPT = ROOT / "benchmarks" / "recipes.py"
 
 @pytest.fixture(scope="module")
 def rb():
-    spec = importlib.util.spec_from_file_location("recipes_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "recipes_bench")
 
 
 def finish(spec, accuracies: list[float], reference: float, test_examples: int, every: int = 1) -> None:

@@ -57,7 +57,8 @@ class Task(ABC):
     kind: ClassVar[str]
     description: ClassVar[str] = ""
     #: what the task offers beyond the basics with some of its models: "lora" (LoRA target
-    #: modules), "transformer" (transformer blocks with FFNs), ...; :meth:`capabilities_for` says
+    #: modules), "transformer" (transformer blocks with FFNs), "encoder+lm" (parameter groups
+    #: ``encoder`` and ``language_model``), ...; :meth:`capabilities_for` says
     #: which of them the configured model has
     capabilities: ClassVar[frozenset[str]] = frozenset()
     #: config values used when the recipe leaves them out: {"data.name": ..., "model.name": ...}

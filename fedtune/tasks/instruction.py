@@ -103,7 +103,9 @@ class Instruction(Task):
     kind = "instruction"
     description = ("image / audio + question -> answer text: fashion-mnist, digits, mnist, fsdd questions; "
                    "encoder + projector prefix into SmolLM2 (LoRA)")
-    capabilities = frozenset({"lora", "transformer"})
+    #: "encoder+lm": trainable parameters split into an ``encoder`` and a ``language_model`` group
+    #: (:meth:`parameter_groups`), what CoMMIT's two-component trainers need
+    capabilities = frozenset({"lora", "transformer", "encoder+lm"})
     defaults = {"data.name": "fashion-mnist", "model.name": plm.SMOLLM2}
     Options = InstructionOptions
     peft_task_type = None  # a custom module: PEFT's generic PeftModel

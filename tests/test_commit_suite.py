@@ -1,0 +1,92 @@
+"""The CoMMIT benchmark suite's plan and reports (configs only, no training): each experiment runs the
+configuration its report names (the recipe plus a modality overlay plus the trainer), shared runs are
+one config in the owner's folder, the scale options reach every run, and the reports render before
+any run has finished."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import load_script
+
+ROOT = Path(__file__).resolve().parents[1]
+SUITE = ROOT / "benchmarks" / "commit" / "run_suite.py"
+
+
+@pytest.fixture(scope="module")
+def suite():
+    return load_script(SUITE, "commit_run_suite")
+
+
+@pytest.fixture(scope="module")
+def plan(suite, tmp_path_factory):
+    return suite.build_suite_plan([0, 1, 2], suite.Scale(), tmp_path_factory.mktemp("suite"))
+
+
+def test_every_run_is_the_recipe_plus_its_modality_and_trainer(suite, plan):
+    from fedtune.config import load_config
+
+    recipe = load_config(suite.RECIPE)
+    data = {"image": "fashion-mnist", "audio": "fsdd"}
+    for spec in (s for specs in plan.values() for s in specs):
+        c, labels = spec.config, spec.labels
+        assert c.method == "commit" and c.seed == labels["seed"] and c.options["trainer"] == labels["trainer"]
+        assert c.data.name == data[labels["modality"]] and c.task.kind == "instruction"
+        assert (c.model.name, c.train.lr, c.train.batch_size, c.model.lora_rank) == (
+            recipe.model.name, recipe.train.lr, recipe.train.batch_size, recipe.model.lora_rank)
+        assert c.options["n_kappa"] == recipe.options["n_kappa"] and c.options["l_lr"] == recipe.options["l_lr"]
+        assert c.task.options["questions"][-1] == "describe"  # the several-word answers (ROUGE-L)
+        if labels["federated"]:
+            assert (c.federation.num_clients, c.rounds, c.task.options["partition_by"]) == (4, 5, "question")
+        else:  # centralized: one party, one optimizer throughout
+            assert (c.federation.num_clients, c.rounds, c.train.local_steps) == (1, 1, recipe.train.local_steps)
+
+
+def test_the_experiments_cover_the_papers_trainers(suite, plan):
+    def trainers(exp):
+        return {s.labels["trainer"] for s in plan[exp]}
+
+    assert trainers("table1") == {"constant", "feature-cd", "language-cd", "commit-clr", "commit"}
+    assert trainers("fig6") == {"constant", "language-lr-up", "vision-lr-up", "commit-clr", "commit"}
+    assert trainers("fig3") == {"constant", "language-lr-up", "vision-lr-up"}
+    assert {s.labels["modality"] for s in plan["table1"]} == {"image", "audio"} and len(plan["table1"]) == 2 * 5 * 3
+    assert all(s.labels["federated"] for s in plan["federated"]) and not any(s.labels["federated"] for s in plan["table1"])
+
+
+def test_shared_runs_are_one_config_in_the_owner_folder(plan):
+    by_name = {(s.experiment, s.name): s for specs in plan.values() for s in specs}
+    owner = by_name[("table1", "image-constant-seed0")]
+    for exp in ("fig45", "fig6", "fig3"):
+        shared = by_name[(exp, "image-constant-seed0")]
+        assert shared.shared and shared.owner == "table1" and shared.key == owner.key and shared.run_dir == owner.run_dir
+    assert by_name[("fig3", "audio-vision-lr-up-seed1")].owner == "fig6"
+    keys = [s.key for specs in plan.values() for s in specs if not s.shared]
+    assert len(keys) == len(set(keys))  # every distinct config runs once
+
+
+def test_scale_options_reach_every_run_and_bad_ones_name_the_option(suite, tmp_path):
+    args = suite.parse_args(["--steps", "40", "--test-samples", "100", "--modalities", "image"])
+    scale, modalities = suite.selection(args)
+    plan = suite.build_suite_plan([0], scale, tmp_path)
+    for spec in (s for specs in plan.values() for s in specs):
+        c = spec.config
+        assert c.data.max_test_samples == 100
+        assert c.train.local_steps == (4 if spec.labels["federated"] else 40)  # 40 client steps over 5 rounds x 2
+    restricted = suite.restrict(plan, modalities)
+    assert {s.labels["modality"] for specs in restricted.values() for s in specs} == {"image"}
+    assert len(restricted["table1"]) == 5
+    for bad, option in ((["--modalities", "video"], "--modalities"), (["--steps", "0"], "--steps")):
+        with pytest.raises(suite.SuiteError, match=f"^{option}:"):
+            suite.selection(suite.parse_args(bad))
+
+
+def test_quick_scale_and_reports_render_before_any_run(suite, tmp_path):
+    scale, _ = suite.selection(suite.parse_args(["--quick"]))
+    plan = suite.build_suite_plan([0], scale, tmp_path)
+    assert all(s.config.model.name == "tiny-llama" for specs in plan.values() for s in specs)
+    written = suite.write_reports(plan, suite.EXPERIMENTS, [0], tmp_path, "cmd")
+    text = (tmp_path / "table1.md").read_text()
+    assert "pending" in text and "| CoMMIT |" in text and "| Feature CD |" in text
+    assert all(p.exists() for p in written)
