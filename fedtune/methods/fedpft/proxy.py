@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from abc import abstractmethod
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping
@@ -240,21 +241,22 @@ class ProxyStrategy(GlobalAdapterStrategy):
         self.record: dict = {}
 
     # -- what a subclass provides -----------------------------------------------------------------
+    @abstractmethod
     def construct(self) -> tuple[torch.nn.Module, dict]:
         """The proxy before FL (built, distilled) and a JSON-able record of how it was made."""
-        raise NotImplementedError
 
+    @abstractmethod
     def rebuild(self, state: dict) -> torch.nn.Module:
         """The proxy from :meth:`proxy_state`'s ``state`` (and the task's model)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def proxy_state(self) -> dict:
         """The proxy as named arrays and JSON values (what differs from the task's model)."""
-        raise NotImplementedError
 
     @property
+    @abstractmethod
     def shape(self) -> ProxyShape:
-        raise NotImplementedError
+        """The proxy's shape (which FFN neurons each compressed layer keeps)."""
 
     def initial_adapter(self) -> dict[str, np.ndarray]:
         return self.proxy_ws.state(self.rank, self.alpha)
