@@ -252,5 +252,7 @@ def test_standard_command_line():
         parse_selection(parser.parse_args(["--only", "d"]), ["a", "b", "c"])
     with pytest.raises(SuiteError, match="seeds"):
         parse_selection(parser.parse_args(["--seeds", ","]), ["a", "b", "c"])
+    with pytest.raises(SuiteError, match="^--seeds: comma-separated integers expected, got '0,x'$"):
+        parse_selection(parser.parse_args(["--seeds", "0,x"]), ["a", "b", "c"])
     command = suite_command("benchmarks/x/run_suite.py", ["--quick", "--report-only", "--only", "a b"])
     assert command.endswith(".venv/bin/python benchmarks/x/run_suite.py --quick --only 'a b'")

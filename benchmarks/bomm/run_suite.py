@@ -30,7 +30,6 @@ Accuracies are the mean of each run's last ``LAST`` evaluations, then mean +- sa
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -44,7 +43,7 @@ from fedtune.config import RunConfig, load_config  # noqa: E402
 from fedtune.methods.bomm.options import BommOptions  # noqa: E402
 from fedtune.harness import (  # noqa: E402
     Costs, RunSpec, SuiteError, assignments, averaged_curve, build_plan, distinct_runs, estimate_minutes, estimate_s,
-    figure, load_rounds, load_summary, mean_of_last, mean_std, output_dir, parse_selection, read_overlays, run_suite,
+    figure, load_rounds, load_summary, mean_of_last, mean_std, offline_data, output_dir, parse_selection, read_overlays, run_suite,
     runs_section, suite_command, suite_parser, table_lines, with_labels,
 )
 
@@ -453,9 +452,7 @@ def main(argv=None) -> int:
         return 2
     scale = scale_from_args(args)
     out = output_dir(args, RESULTS, QUICK_RESULTS)
-    if not os.environ.get("FEDTUNE_DATA_DIR"):
-        print("warning: FEDTUNE_DATA_DIR is not set (the FSDD recordings are read from it)", flush=True)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    offline_data("the FSDD recordings")
     command = suite_command("benchmarks/bomm/run_suite.py", argv)
     plan = build_suite_plan(scale, seeds, out)
     runs = distinct_runs(plan, selected)

@@ -34,7 +34,6 @@ modalities' runs (the reports keep the others' cells as "pending").
 from __future__ import annotations
 
 import math
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +45,7 @@ if str(REPO) not in sys.path:
 from fedtune.config import RunConfig, load_config  # noqa: E402
 from fedtune.harness import (  # noqa: E402
     RunSpec, SuiteError, build_plan, distinct_runs, estimate_minutes, eval_rounds, figure, load_rounds, load_summary,
-    mean_std, output_dir, parse_selection, read_overlays, run_suite, runs_section, suite_command, suite_parser,
+    mean_std, offline_data, output_dir, parse_selection, read_overlays, run_suite, runs_section, suite_command, suite_parser,
     table_lines, with_labels,
 )
 
@@ -502,9 +501,7 @@ def main(argv=None) -> int:
         print(exc)
         return 2
     out = output_dir(args, RESULTS, QUICK_RESULTS)
-    if not os.environ.get("FEDTUNE_DATA_DIR"):
-        print("warning: FEDTUNE_DATA_DIR is not set (Fashion-MNIST and FSDD are read from it)", flush=True)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    offline_data("Fashion-MNIST and FSDD")
     command = suite_command("benchmarks/commit/run_suite.py", argv)
     plan = build_suite_plan(seeds, scale, out)
     to_run = restrict(plan, modalities)

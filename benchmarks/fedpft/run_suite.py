@@ -40,7 +40,6 @@ distillation steps) written to ``benchmarks/results/_scratch/fedpft-quick/`` (gi
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +51,7 @@ if str(REPO) not in sys.path:
 from fedtune.config import load_config  # noqa: E402
 from fedtune.harness import (  # noqa: E402
     Costs, RunSpec, SuiteError, accuracy_cell, averaged_curve, build_plan, distinct_runs, estimate_minutes, estimate_s, eval_rounds,
-    figure, load_rounds, mean_of_last, mean_text, output_dir, parse_selection, percent, read_overlays, run_suite,
+    figure, load_rounds, mean_of_last, mean_text, offline_data, output_dir, parse_selection, percent, read_overlays, run_suite,
     runs_section, suite_command, suite_parser, table_lines, with_labels,
 )
 from fedtune.harness.stats import mean, mean_std  # noqa: E402
@@ -397,9 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = output_dir(args, RESULTS, QUICK_RESULTS)
     scale = Scale(args.quick, out)
-    if not os.environ.get("FEDTUNE_DATA_DIR"):
-        print("warning: FEDTUNE_DATA_DIR is not set (sst2/agnews are read from it)", flush=True)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    offline_data("sst2/agnews")
     if "table2" in selected and not args.quick:
         ensure_random_vit()
     plan = build_plan({e: BUILDERS[e](scale, seeds) for e in EXPERIMENTS}, RECIPE, out)

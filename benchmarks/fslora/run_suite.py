@@ -58,7 +58,7 @@ if str(REPO) not in sys.path:
 from fedtune.config import RunConfig, load_config  # noqa: E402
 from fedtune.harness import (  # noqa: E402
     Costs, RunSpec, SuiteError, accuracy_cell, assignments, averaged_curve, build_plan, calibrate, curve,
-    distinct_runs, estimate_minutes, estimate_s, figure, final_accuracy, load_summary, mean_text, output_dir,
+    distinct_runs, estimate_minutes, estimate_s, figure, final_accuracy, load_summary, mean_text, offline_data, output_dir,
     parse_selection, percent, probe, pyplot, read_overlays, run_suite, runs_section, suite_command, suite_parser,
     table_lines, upload_cell, with_labels,
 )
@@ -672,9 +672,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     scale = scale_from_args(args)
     out = output_dir(args, RESULTS, QUICK_RESULTS)
-    if not os.environ.get("FEDTUNE_DATA_DIR"):
-        print("warning: FEDTUNE_DATA_DIR is not set (sst2/agnews are read from it)", flush=True)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    offline_data("sst2/agnews")
     command = suite_command("benchmarks/fslora/run_suite.py", argv)
     plan = build_suite_plan(scale, seeds, out)
 

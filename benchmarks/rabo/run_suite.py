@@ -33,7 +33,6 @@ Identical configs are run once and shared (Table III's 10-client runs are Table 
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -45,7 +44,7 @@ if str(REPO) not in sys.path:
 from fedtune.config import RunConfig  # noqa: E402
 from fedtune.harness import (  # noqa: E402
     RunSpec, SuiteError, accuracy_cell, averaged_curve, build_plan, distinct_runs, estimate_minutes, eval_rounds,
-    figure, load_rounds, load_summary, mean, mean_text, output_dir, parse_selection, percent, read_overlays,
+    figure, load_rounds, load_summary, mean, mean_text, offline_data, output_dir, parse_selection, percent, read_overlays,
     run_suite, runs_section, suite_command, suite_parser, table_lines, toml_value, with_labels,
 )
 
@@ -414,9 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     scale = quick_scale() if args.quick else Scale()
     scale = replace(scale, settings=settings, updates=args.updates)
     out = output_dir(args, RESULTS, QUICK_RESULTS)
-    if not os.environ.get("FEDTUNE_DATA_DIR"):
-        print("warning: FEDTUNE_DATA_DIR is not set (omniglot is read from it)", flush=True)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    offline_data("omniglot")
     plan = build_suite_plan(scale, seeds, out)
     plan = {e: [s for s in specs if s.labels["method"] in methods] for e, specs in plan.items()}
     runs = distinct_runs(plan, selected)

@@ -63,6 +63,7 @@ Workers call :func:`fedtune.run.run_experiment`; the harness imports nothing els
 from fedtune.harness.cli import (
     SuiteError,
     estimate_minutes,
+    offline_data,
     output_dir,
     parse_selection,
     print_plan,
@@ -102,7 +103,7 @@ from fedtune.harness.runs import load_finished, load_rounds, load_summary, run_s
 from fedtune.harness.stats import Curve, evaluations, mean, mean_curve, mean_of_last, mean_std
 
 __all__ = [
-    "SuiteError", "estimate_minutes", "output_dir", "parse_selection", "print_plan", "run_suite",
+    "SuiteError", "estimate_minutes", "offline_data", "output_dir", "parse_selection", "print_plan", "run_suite",
     "suite_command", "suite_parser",
     "Costs", "Probe", "calibrate", "estimate_s", "eval_rounds", "makespan", "probe",
     "Plan", "RunSpec", "assignments", "build_plan", "config_key", "distinct_runs", "read_overlays", "toml_value",

@@ -46,7 +46,10 @@ def suite_parser(description: str, experiments: Sequence[str], *, seeds: str = "
 
 def parse_selection(args: argparse.Namespace, experiments: Sequence[str]) -> tuple[list[str], list[int]]:
     """``--only`` (in the suite's experiment order) and ``--seeds`` as lists; :class:`SuiteError` if bad."""
-    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        raise SuiteError(f"--seeds: comma-separated integers expected, got {args.seeds!r}") from None
     selected = [e.strip() for e in args.only.split(",") if e.strip()]
     unknown = [e for e in selected if e not in experiments]
     if unknown:
@@ -59,6 +62,14 @@ def parse_selection(args: argparse.Namespace, experiments: Sequence[str]) -> tup
 def output_dir(args: argparse.Namespace, results: Path, quick_results: Path) -> Path:
     """``--out``, else the suite's results folder (its scratch folder with ``--quick``), absolute."""
     return (args.out or (quick_results if args.quick else results)).resolve()
+
+
+def offline_data(reads: str) -> None:
+    """Run the suite's models and data offline (``HF_HUB_OFFLINE=1`` unless set); warn when
+    ``FEDTUNE_DATA_DIR``, where ``reads`` (for example "sst2/agnews") come from, is not set."""
+    if not os.environ.get("FEDTUNE_DATA_DIR"):
+        print(f"warning: FEDTUNE_DATA_DIR is not set ({reads} read from it)", flush=True)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def suite_command(script: str, argv: Sequence[str] | None = None) -> str:
