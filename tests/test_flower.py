@@ -32,6 +32,7 @@ from fedtune.engines.flower import (
     unpack,
 )
 from fedtune.checkpoint import load_state
+from fedtune.engines.deployment import ReapDescendants
 from fedtune.engines.rounds import RoundFailed
 from fedtune.protocol.messages import Message
 from fedtune.run import run_experiment
@@ -339,7 +340,7 @@ def test_flower_simulation_surfaces_a_client_failure(tmp_path):
     broken = _config(tmp_path, f"data.name={tmp_path / 'missing.csv'}")
 
     # Execute / Assert
-    with flower._ReapDescendants():
+    with ReapDescendants():
         try:
             with pytest.raises(RoundFailed, match=r"(?s)round 1: fewer than .*missing"):
                 run_simulation(
