@@ -361,12 +361,15 @@ def test_coordinate_descent_switches_at_the_stated_condition(ctx, start, batch, 
     check_cd_switch(ctx, start, batch, trainer)
 
 
-def check_federated_one_client_is_centralized(tmp_path):
+def check_federated_one_client_is_centralized(tmp_path, carry: bool = False, reference_carry: bool | None = None):
     """num_clients = 1 through the engine (the real CommitClient.fit and CommitStrategy.aggregate_fit,
     messages as bytes, FedAvg, the server's schedule) against the trainer called directly for the same
-    rounds on all the data, the schedule carried over."""
+    rounds on all the data, the schedule carried over; with ``carry`` (``options.carry_optimizer``)
+    one optimizer continues across the rounds, otherwise each round starts a fresh one (the reference
+    does as ``reference_carry``, by default ``carry``)."""
+    reference_carry = carry if reference_carry is None else reference_carry
     cfg = config(tmp_path, "federation.num_clients=1", "rounds=2", "train.local_steps=3", "options.trainer=commit",
-                 "options.l_lr=2", "options.n_kappa=4")
+                 "options.l_lr=2", "options.n_kappa=4", f"options.carry_optimizer={str(carry).lower()}")
     summary = run_experiment(cfg)
     run_dir = Path(summary["run_dir"])
     state = load_state(run_dir / "checkpoint.npz")
@@ -378,12 +381,19 @@ def check_federated_one_client_is_centralized(tmp_path):
     assert len(pool) == len(ref.task.train)  # one client holds all the data
     coord = commit.coordination(ref.options, ref.config)
     schedule = Schedule.start(coord)
+    held: list[torch.optim.Optimizer] = []
+
+    def optimizer(groups):
+        if not (reference_carry and held):
+            held[:] = [make_optimizer(groups, cfg.train)]
+        return held[0]
+
     for rnd in (1, 2):
         seed = seed_for(cfg.seed, rnd, 0)
         torch.manual_seed(seed)
         batches = ref.task.train_batches(pool, cfg.train.batch_size, cfg.train.local_steps, np.random.default_rng(seed))
         schedule, curves = train_coordinated(ref.workspace.model, commit.component_params(ref.task, params), batches,
-                                             coord, schedule, lambda g: make_optimizer(g, cfg.train))
+                                             coord, schedule, optimizer)
         # float32 kernels may round differently from one allocation to the next: kappa, a ratio of
         # distances of order 1e-4, agrees to 1e-3 (a lost schedule or update would differ at once)
         assert lines[rnd - 1]["client_curves"]["0"]["kappa"] == pytest.approx(curves["kappa"], rel=1e-3)
@@ -395,6 +405,21 @@ def check_federated_one_client_is_centralized(tmp_path):
 
 def test_federated_with_one_client_equals_centralized_tuning(tmp_path):
     check_federated_one_client_is_centralized(tmp_path)
+
+
+def test_carry_optimizer_continues_one_optimizer_across_centralized_rounds(tmp_path):
+    """options.carry_optimizer: the client's AdamW state survives the round (Client.state, through
+    the engine); the same run without it (a fresh optimizer in round 2) is a different run, so a
+    client that ignored the option or lost its state would fail the first check."""
+    check_federated_one_client_is_centralized(tmp_path / "carry", carry=True)
+    with pytest.raises(AssertionError):  # the carried run is not the fresh-optimizer reference
+        check_federated_one_client_is_centralized(tmp_path / "fresh-reference", carry=True, reference_carry=False)
+
+
+def test_carry_optimizer_is_refused_with_more_than_one_client(tmp_path):
+    cfg = config(tmp_path, "federation.num_clients=2", "options.carry_optimizer=true")
+    with pytest.raises(ConfigError, match=r"^options.carry_optimizer: centralized mode only"):
+        run_experiment(cfg)
 
 
 def test_federated_rounds_record_per_client_kappa_curves_and_merge_schedules(tmp_path):

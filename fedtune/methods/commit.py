@@ -23,7 +23,9 @@ update with its schedule and per-step curves. The server averages the updates (F
 aggregation) and merges the schedules (:meth:`~fedtune.models.balance.Schedule.merge`: kappa windows
 and rates averaged with the FedAvg weights). **Centralized mode** is ``federation.num_clients = 1``:
 one party holding all data; the merge is then the identity, so its schedule runs on across rounds
-exactly as in one continuous run (``rounds = 1`` also keeps one optimizer throughout).
+exactly as in one continuous run; its optimizer does too with ``options.carry_optimizer`` (kept in
+the client's persistent state), so a centralized run can be evaluated every round (``rounds = 1``
+also keeps one optimizer throughout).
 Federated clients are partitioned by question type (``task.partition_by = "question"``) or answer
 (label) skew (``data.partition = "dirichlet"``) like any instruction run.
 
@@ -55,7 +57,7 @@ from fedtune.methods.lora_common import (
     client_weights,
 )
 from fedtune.models.balance import S, T, TRAINERS, Coordination, Schedule, train_coordinated
-from fedtune.models.training import FitResult, make_optimizer
+from fedtune.models.training import FitResult, make_optimizer, optimizer_arrays, restore_optimizer
 from fedtune.protocol.messages import Message
 from fedtune.registry import MethodOptions, register
 
@@ -80,6 +82,9 @@ class CommitOptions(MethodOptions):
                                    "run's steps (rounds x local_steps)")
     measure_kappa: bool = Field(True, description="measure kappa for constant / lr-up trainers too (2 forwards a step)")
     weighting: Weighting = Field("examples", description="FedAvg weights p_i: data size or 1/N")
+    carry_optimizer: bool = Field(False, description="centralized mode (one client) only: the optimizer's state "
+                                  "carries across rounds, so R rounds of H steps train as one run of R x H steps "
+                                  "evaluated every round")
 
     deviations: ClassVar[dict[str, str]] = {
         **SERVER_DEVIATIONS,
@@ -124,6 +129,9 @@ class CommitStrategy(BroadcastAverage, GlobalAdapterStrategy):
     def initialize(self) -> None:
         if self.config.model.lora_dropout:
             raise ConfigError("model.lora_dropout: method 'commit' compares deterministic predictions; set it to 0")
+        if self.options.carry_optimizer and self.config.federation.num_clients != 1:
+            raise ConfigError(f"options.carry_optimizer: centralized mode only (federation.num_clients = 1), got "
+                              f"{self.config.federation.num_clients} clients")
         self.rank = self.config.model.lora_rank
         ws = self.context.workspace
         component_params(self.context.task, ws.activate(self.rank))
@@ -168,10 +176,20 @@ class CommitClient(LoraClient):
         torch.manual_seed(seed)
         pool = self.context.partitions[self.cid]
         batches = task.train_batches(pool, cfg.batch_size, cfg.local_steps, np.random.default_rng(seed))
+        built: list[torch.optim.Optimizer] = []
+
+        def optimizer(groups: list[dict]) -> torch.optim.Optimizer:
+            built.append(make_optimizer(groups, cfg))
+            if self.options.carry_optimizer:  # centralized: continue last round's optimizer
+                restore_optimizer(built[0], self.state)
+            return built[0]
+
         schedule, curves = train_coordinated(
             ws.model, component_params(task, params), batches, coordination(self.options, self.config),
-            Schedule.from_meta(message.meta["schedule"]), lambda groups: make_optimizer(groups, cfg),
+            Schedule.from_meta(message.meta["schedule"]), optimizer,
         )
+        if self.options.carry_optimizer:
+            self.state = optimizer_arrays(built[0])
         trained = {k: p.detach().numpy().copy() for k, p in params.items()}
         result = FitResult(float(np.mean(curves["loss"])), cfg.local_steps, len(pool), time.perf_counter() - start)
         return self.upload({k: trained[k] - received[k] for k in trained}, result, schedule=schedule.to_meta(),

@@ -33,6 +33,32 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
+def optimizer_arrays(optimizer: torch.optim.Optimizer, prefix: str = "optimizer/") -> dict[str, np.ndarray]:
+    """The optimizer's per-parameter state (AdamW's step and moments, SGD's momentum buffer) as
+    arrays ``{prefix}{i}/{key}``, ``i`` the parameter's position over the param groups: what a
+    client keeps in its persistent ``state`` to continue one optimizer across rounds."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {f"{prefix}{i}/{key}": value.detach().cpu().numpy().copy()
+            for i, p in enumerate(params) for key, value in optimizer.state.get(p, {}).items()
+            if isinstance(value, torch.Tensor)}
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, arrays: dict[str, np.ndarray],
+                      prefix: str = "optimizer/") -> None:
+    """Load what :func:`optimizer_arrays` returned into a fresh ``optimizer`` over parameters of
+    the same shapes in the same order (its learning rates stay as built)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for name, value in arrays.items():
+        if not name.startswith(prefix):
+            continue
+        index, key = name[len(prefix):].split("/", 1)
+        param = params[int(index)]
+        tensor = torch.from_numpy(np.array(value))
+        if tensor.dim() and tensor.shape != param.shape:
+            raise ValueError(f"optimizer state {name!r}: shape {tuple(tensor.shape)}, parameter {tuple(param.shape)}")
+        optimizer.state[param][key] = tensor
+
+
 def seed_for(*parts: int) -> int:
     """A 63-bit seed from integers (run seed, round, client, ...), stable across processes."""
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint32).view(np.uint64)[0] >> 1)
