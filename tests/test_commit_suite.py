@@ -82,6 +82,29 @@ def test_scale_options_reach_every_run_and_bad_ones_name_the_option(suite, tmp_p
             suite.selection(suite.parse_args(bad))
 
 
+def test_evals_split_a_centralized_run_into_evaluated_rounds_with_one_optimizer(suite, tmp_path):
+    scale, _ = suite.selection(suite.parse_args(["--steps", "40", "--evals", "4"]))
+    plan = suite.build_suite_plan([0], scale, tmp_path)
+    for spec in (s for specs in plan.values() for s in specs):
+        c = spec.config
+        if spec.labels["federated"]:  # --evals leaves the federated runs alone
+            assert (c.rounds, c.train.local_steps, c.options.get("carry_optimizer", False)) == (5, 4, False)
+        else:
+            assert (c.rounds, c.train.local_steps, c.eval_every, c.options["carry_optimizer"]) == (4, 10, 1, True)
+    with pytest.raises(suite.SuiteError, match="^--evals: expected a divisor of the 40 steps per run, got 3$"):
+        suite.selection(suite.parse_args(["--steps", "40", "--evals", "3"]))
+
+
+def test_a_cell_is_the_mean_of_the_last_three_evaluations(suite, tmp_path):
+    from tests.test_harness import finish
+
+    scale, _ = suite.selection(suite.parse_args(["--quick", "--evals", "2"]))
+    spec = suite.build_suite_plan([0], scale, tmp_path)["table1"][0]
+    finish(spec, [0.1, None, 0.2, 0.3, 0.7])  # rounds 1-5, round 2 not evaluated
+    assert suite.run_metric(spec, "accuracy") == pytest.approx(0.4)  # (0.2 + 0.3 + 0.7) / 3, not 0.7
+    assert suite.metric_cell([spec], "accuracy") == "40.00 ± 0.00"
+
+
 def test_quick_scale_and_reports_render_before_any_run(suite, tmp_path):
     scale, _ = suite.selection(suite.parse_args(["--quick"]))
     plan = suite.build_suite_plan([0], scale, tmp_path)

@@ -27,8 +27,11 @@ Identical configs run once and are shared between experiments. Experiments:
     ... --steps 40 --test-samples 100 --modalities image --only table1   # a scaled-down slice
 
 ``--steps`` / ``--test-samples`` scale every run (centralized: ``train.local_steps``; federated: the
-same client steps spread over its 5 rounds x 2 clients); ``--modalities`` runs only those
-modalities' runs (the reports keep the others' cells as "pending").
+same client steps spread over its 5 rounds x 2 clients); ``--evals N`` splits a centralized run's
+steps into N rounds with one optimizer throughout (``options.carry_optimizer``) and an evaluation
+after each, and the tables report the mean of the last (up to) 3 evaluations instead of the single
+final one; ``--modalities`` runs only those modalities' runs (the reports keep the others' cells
+as "pending").
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ if str(REPO) not in sys.path:
 from fedtune.config import RunConfig, load_config  # noqa: E402
 from fedtune.harness import (  # noqa: E402
     RunSpec, SuiteError, build_plan, distinct_runs, estimate_minutes, eval_rounds, figure, load_rounds, load_summary,
-    mean_std, offline_data, output_dir, parse_selection, read_overlays, run_suite, runs_section, suite_command, suite_parser,
+    mean_of_last, mean_std, offline_data, output_dir, parse_selection, read_overlays, run_suite, runs_section, suite_command, suite_parser,
     table_lines, with_labels,
 )
 
@@ -63,6 +66,7 @@ FIG6 = ["constant", "language-lr-up", "vision-lr-up", "commit-clr", "commit"]
 FIG3 = ["constant", "language-lr-up", "vision-lr-up"]
 FEDERATED = ["constant", "commit-clr", "commit"]
 SMOOTH = 10  # steps in the moving average of the plotted curves
+LAST_EVALS = 3  # a table cell is the mean of each run's last (up to) LAST_EVALS evaluations
 
 PAPER_TABLE1 = {  # accuracy (QA) / ROUGE-L (captioning), BLIP-2 (vision) and SALMONN (audio)
     "constant": (54.06, 37.16, 26.48, 42.49, 24.60, 15.10, 33.32),
@@ -76,12 +80,13 @@ PAPER_TABLE1 = {  # accuracy (QA) / ROUGE-L (captioning), BLIP-2 (vision) and SA
 # -- run specifications ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class Scale:
-    """What every run adds to the recipe: ``--quick``, and ``--steps`` / ``--test-samples`` (None:
-    the recipe's 120 steps and 200 test questions)."""
+    """What every run adds to the recipe: ``--quick``, and ``--steps`` / ``--test-samples`` / ``--evals``
+    (None: the recipe's 120 steps, 200 test questions, one evaluation at the end)."""
 
     quick: bool = False
     steps: int | None = None
     test_samples: int | None = None
+    evals: int | None = None
 
     def overrides(self, modality: str, federated: bool = False) -> list[str]:
         out = [*OVERLAYS[modality]]
@@ -96,6 +101,10 @@ class Scale:
                 out.append(f"train.local_steps={max(1, round(self.steps / per_round))}")
             else:
                 out.append(f"train.local_steps={self.steps}")
+        if self.evals is not None and not federated:  # the run's steps over `evals` rounds, one optimizer
+            steps = load_config(RECIPE, out).train.local_steps
+            out += [f"rounds={self.evals}", f"train.local_steps={steps // self.evals}", "eval_every=1",
+                    "options.carry_optimizer=true"]
         if self.test_samples is not None:
             out.append(f"data.max_test_samples={self.test_samples}")
         return out
@@ -135,6 +144,9 @@ def parse_args(argv=None):
                           budget_minutes=240.0)
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default: the recipe's 120)")
     parser.add_argument("--test-samples", type=int, default=None, help="test questions (default: the recipe's 200)")
+    parser.add_argument("--evals", type=int, default=None,
+                        help="centralized runs: evaluations, one per round of steps/evals steps with one optimizer "
+                             "throughout (default: one, at the end); cells: the mean of the last 3")
     parser.add_argument("--modalities", default=",".join(MODALITIES), help="comma-separated subset of image,audio to run")
     return parser.parse_args(argv)
 
@@ -145,11 +157,16 @@ def selection(args) -> tuple[Scale, list[str]]:
     unknown = [m for m in modalities if m not in MODALITIES]
     if unknown or not modalities:
         raise SuiteError(f"--modalities: expected a subset of {MODALITIES}, got {args.modalities!r}")
-    for name in ("steps", "test_samples"):
+    for name in ("steps", "test_samples", "evals"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise SuiteError(f"--{name.replace('_', '-')}: expected a positive number, got {value}")
-    return Scale(args.quick, args.steps, args.test_samples), modalities
+    scale = Scale(args.quick, args.steps, args.test_samples, args.evals)
+    if args.evals is not None:
+        steps = load_config(RECIPE, Scale(args.quick, args.steps).overrides(modalities[0])).train.local_steps
+        if steps % args.evals:
+            raise SuiteError(f"--evals: expected a divisor of the {steps} steps per run, got {args.evals}")
+    return scale, modalities
 
 
 # -- cost model ------------------------------------------------------------------------------
@@ -205,9 +222,18 @@ def smooth(values: list[float], window: int = SMOOTH) -> list[float]:
     return out
 
 
+def run_metric(spec_: RunSpec, metric: str) -> float | None:
+    """The finished run's ``metric``: the mean of its last (up to) :data:`LAST_EVALS` evaluations."""
+    return mean_of_last(load_rounds(spec_), LAST_EVALS, metric) if load_summary(spec_) else None
+
+
+def metric_values(specs: list[RunSpec], metric: str, scale: float = 100.0) -> list[float]:
+    """:func:`run_metric` of each finished run that has it, times ``scale``."""
+    return [scale * v for v in (run_metric(s, metric) for s in specs) if v is not None]
+
+
 def metric_cell(specs: list[RunSpec], metric: str, scale: float = 100.0) -> str:
-    values = [scale * x[metric] for x in (load_rounds(s)[-1] if load_summary(s) else None for s in specs)
-              if x is not None and x.get(metric) is not None]
+    values = metric_values(specs, metric, scale)
     m, s = mean_std(values)
     if m is None:
         return "pending"
@@ -215,7 +241,7 @@ def metric_cell(specs: list[RunSpec], metric: str, scale: float = 100.0) -> str:
 
 
 def metric_mean(specs: list[RunSpec], metric: str) -> float | None:
-    values = [100 * load_rounds(s)[-1][metric] for s in specs if load_summary(s) and load_rounds(s)[-1].get(metric) is not None]
+    values = metric_values(specs, metric)
     return sum(values) / len(values) if values else None
 
 
@@ -240,6 +266,12 @@ def stat_cell(values: list[float | None], digits: int = 3) -> str:
 
 
 # -- reports ---------------------------------------------------------------------------------
+def evaluated(config: RunConfig) -> str:
+    """What a cell averages for a run of ``config`` (its evaluations: every ``eval_every`` rounds and the last)."""
+    n = min(LAST_EVALS, eval_rounds(config.rounds, config.eval_every))
+    return "the final evaluation" if n == 1 else f"each run's mean of its last {n} evaluations"
+
+
 def setup_section(plan, seeds: list[int], command: str) -> str:
     specs = [s for exp in plan.values() for s in exp]
     base = specs[0].config
@@ -256,7 +288,8 @@ def setup_section(plan, seeds: list[int], command: str) -> str:
         + "; ".join(f"{m}: `{data[m]}`, {' + '.join(questions(specs, m))} questions" for m in MODALITIES)
         + " (describe answers run to several words: ROUGE-L) |",
         f"| training | Adam, lr 1e-4 (Constant LR) | AdamW, lr {base.train.lr:g}, {base.rounds} x "
-        f"{base.train.local_steps} steps of batch {base.train.batch_size}, one party (centralized) |",
+        f"{base.train.local_steps} steps of batch {base.train.batch_size}, one party (centralized)"
+        + (", one optimizer throughout, evaluated after each round" if base.rounds > 1 else "") + " |",
         f"| CoMMIT | alpha, gamma, N_kappa, L_lr, lambda, d not stated | alpha = 2 x lr, gamma {o.get('gamma', 1.0)}, "
         f"N_kappa {o['n_kappa']}, L_lr {o['l_lr']}, lambda {o['reg_weight']}, d = total variation |",
         f"| Language / Vision LR up | 1e-3 vs 1e-4 | {o['lr_up']:g} x lr for that component |",
@@ -264,7 +297,7 @@ def setup_section(plan, seeds: list[int], command: str) -> str:
         f"{o['cd_window']} steps is below {o['cd_tolerance']}, at the latest after {o['cd_max_fraction']:g} of the steps |",
         f"| seeds | not stated | {', '.join(map(str, seeds))} |", "",
         "Nothing is tuned per trainer: every trainer runs with the same recipe. Cells: mean ± sample std over "
-        f"seeds of the final evaluation (exact match and ROUGE-L in %, {base.data.max_test_samples} test questions).", "",
+        f"seeds of {evaluated(base)} (exact match and ROUGE-L in %, {base.data.max_test_samples} test questions).", "",
     ]
     distinct = {s.key: s for s in specs}.values()
     done = sum(load_summary(s) is not None for s in distinct)
@@ -341,8 +374,8 @@ def ordering_notes(specs: list[RunSpec]) -> list[str]:
             means = {t: metric_mean(with_labels(specs, modality=m, trainer=t), metric) for t in TABLE1}
             if any(v is None for v in means.values()):
                 continue
-            spread = max((mean_std([100 * load_rounds(s)[-1][metric] for s in with_labels(specs, modality=m, trainer=t)
-                                    if load_summary(s)])[1] or 0.0) for t in TABLE1)
+            spread = max((mean_std(metric_values(with_labels(specs, modality=m, trainer=t), metric))[1] or 0.0)
+                         for t in TABLE1)
             best = max(means, key=means.get)
             notes.append(f"- {m}, {name}: CoMMIT-CLR {means['commit-clr'] - means['constant']:+.2f} and CoMMIT "
                          f"{means['commit'] - means['constant']:+.2f} points vs Constant LR; best: {LABEL[best]} "
