@@ -95,6 +95,15 @@ def test_evals_split_a_centralized_run_into_evaluated_rounds_with_one_optimizer(
         suite.selection(suite.parse_args(["--steps", "40", "--evals", "3"]))
 
 
+def test_lr_sets_every_runs_base_rate(suite, tmp_path):
+    scale, _ = suite.selection(suite.parse_args(["--lr", "3e-4"]))
+    plan = suite.build_suite_plan([0], scale, tmp_path)
+    assert {s.config.train.lr for specs in plan.values() for s in specs} == {3e-4}
+    for bad in ("0", "-1", "nan"):
+        with pytest.raises(suite.SuiteError, match="^--lr: expected a positive number"):
+            suite.selection(suite.parse_args(["--lr", bad]))
+
+
 def test_a_cell_is_the_mean_of_the_last_three_evaluations(suite, tmp_path):
     from tests.test_harness import finish
 

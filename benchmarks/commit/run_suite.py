@@ -27,7 +27,8 @@ Identical configs run once and are shared between experiments. Experiments:
     ... --steps 40 --test-samples 100 --modalities image --only table1   # a scaled-down slice
 
 ``--steps`` / ``--test-samples`` scale every run (centralized: ``train.local_steps``; federated: the
-same client steps spread over its 5 rounds x 2 clients); ``--evals N`` splits a centralized run's
+same client steps spread over its 5 rounds x 2 clients); ``--lr`` sets every run's base rate
+(a rate sweep: one ``--out`` folder per rate); ``--evals N`` splits a centralized run's
 steps into N rounds with one optimizer throughout (``options.carry_optimizer``) and an evaluation
 after each, and the tables report the mean of the last (up to) 3 evaluations instead of the single
 final one; ``--modalities`` runs only those modalities' runs (the reports keep the others' cells
@@ -81,12 +82,13 @@ PAPER_TABLE1 = {  # accuracy (QA) / ROUGE-L (captioning), BLIP-2 (vision) and SA
 @dataclass(frozen=True)
 class Scale:
     """What every run adds to the recipe: ``--quick``, and ``--steps`` / ``--test-samples`` / ``--evals``
-    (None: the recipe's 120 steps, 200 test questions, one evaluation at the end)."""
+    / ``--lr`` (None: the recipe's 120 steps, 200 test questions, one evaluation at the end, lr)."""
 
     quick: bool = False
     steps: int | None = None
     test_samples: int | None = None
     evals: int | None = None
+    lr: float | None = None
 
     def overrides(self, modality: str, federated: bool = False) -> list[str]:
         out = [*OVERLAYS[modality]]
@@ -107,6 +109,8 @@ class Scale:
                     "options.carry_optimizer=true"]
         if self.test_samples is not None:
             out.append(f"data.max_test_samples={self.test_samples}")
+        if self.lr is not None:
+            out.append(f"train.lr={self.lr!r}")
         return out
 
 
@@ -147,6 +151,9 @@ def parse_args(argv=None):
     parser.add_argument("--evals", type=int, default=None,
                         help="centralized runs: evaluations, one per round of steps/evals steps with one optimizer "
                              "throughout (default: one, at the end); cells: the mean of the last 3")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="every run's base learning rate train.lr (default: the recipe's; CoMMIT's alpha "
+                             "follows as 2 x lr); for a rate sweep, one --out folder per rate")
     parser.add_argument("--modalities", default=",".join(MODALITIES), help="comma-separated subset of image,audio to run")
     return parser.parse_args(argv)
 
@@ -161,7 +168,9 @@ def selection(args) -> tuple[Scale, list[str]]:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise SuiteError(f"--{name.replace('_', '-')}: expected a positive number, got {value}")
-    scale = Scale(args.quick, args.steps, args.test_samples, args.evals)
+    if args.lr is not None and not (args.lr > 0 and math.isfinite(args.lr)):
+        raise SuiteError(f"--lr: expected a positive number, got {args.lr}")
+    scale = Scale(args.quick, args.steps, args.test_samples, args.evals, args.lr)
     if args.evals is not None:
         steps = load_config(RECIPE, Scale(args.quick, args.steps).overrides(modalities[0])).train.local_steps
         if steps % args.evals:
