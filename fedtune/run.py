@@ -105,7 +105,8 @@ def run_experiment(
     run_dir = run_dir_of(config)
     checkpoint = run_dir / "checkpoint.npz"
     if resume and not checkpoint.is_file():
-        raise ConfigError(f"--resume {str(run_dir)!r}: no checkpoint.npz there (no round has completed; run it again without --resume)")
+        raise ConfigError(f"--resume {str(run_dir)!r}: no checkpoint.npz there (no round has completed; "
+                          "run it again without --resume)")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -42,9 +42,9 @@ if str(REPO) not in sys.path:
 from fedtune.config import RunConfig, load_config  # noqa: E402
 from fedtune.methods.bomm.options import BommOptions  # noqa: E402
 from fedtune.harness import (  # noqa: E402
-    Costs, RunSpec, SuiteError, assignments, averaged_curve, build_plan, distinct_runs, estimate_minutes, estimate_s,
-    figure, load_rounds, load_summary, mean_of_last, mean_std, offline_data, output_dir, parse_selection, read_overlays, run_suite,
-    runs_section, suite_command, suite_parser, table_lines, with_labels,
+    Costs, RunSpec, SuiteError, assignments, averaged_curve, build_plan, distinct_runs, estimate_minutes,
+    estimate_s, figure, load_rounds, load_summary, mean_of_last, mean_std, offline_data, output_dir,
+    parse_selection, read_overlays, run_suite, runs_section, suite_command, suite_parser, table_lines, with_labels,
 )
 
 RECIPE = REPO / "configs" / "benchmarks" / "bomm-suite.toml"

@@ -48,9 +48,9 @@ if str(REPO) not in sys.path:
 
 from fedtune.config import RunConfig, load_config  # noqa: E402
 from fedtune.harness import (  # noqa: E402
-    RunSpec, SuiteError, build_plan, distinct_runs, estimate_minutes, eval_rounds, figure, load_rounds, load_summary,
-    mean_of_last, mean_std, offline_data, output_dir, parse_selection, read_overlays, run_suite, runs_section, suite_command, suite_parser,
-    table_lines, with_labels,
+    RunSpec, SuiteError, build_plan, distinct_runs, estimate_minutes, eval_rounds, figure, load_rounds,
+    load_summary, mean_of_last, mean_std, offline_data, output_dir, parse_selection, read_overlays, run_suite,
+    runs_section, suite_command, suite_parser, table_lines, with_labels,
 )
 
 RECIPE = REPO / "configs" / "benchmarks" / "commit-suite.toml"

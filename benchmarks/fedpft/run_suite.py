@@ -50,9 +50,10 @@ if str(REPO) not in sys.path:
 
 from fedtune.config import load_config  # noqa: E402
 from fedtune.harness import (  # noqa: E402
-    Costs, RunSpec, SuiteError, accuracy_cell, averaged_curve, build_plan, distinct_runs, estimate_minutes, estimate_s, eval_rounds,
-    figure, load_rounds, mean_of_last, mean_text, offline_data, output_dir, parse_selection, percent, read_overlays, run_suite,
-    runs_section, suite_command, suite_parser, table_lines, with_labels,
+    Costs, RunSpec, SuiteError, accuracy_cell, averaged_curve, build_plan, distinct_runs, estimate_minutes,
+    estimate_s, eval_rounds, figure, load_rounds, mean_of_last, mean_text, offline_data, output_dir,
+    parse_selection, percent, read_overlays, run_suite, runs_section, suite_command, suite_parser, table_lines,
+    with_labels,
 )
 from fedtune.harness.stats import mean, mean_std  # noqa: E402
 

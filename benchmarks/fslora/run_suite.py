@@ -58,9 +58,9 @@ if str(REPO) not in sys.path:
 from fedtune.config import RunConfig, load_config  # noqa: E402
 from fedtune.harness import (  # noqa: E402
     Costs, RunSpec, SuiteError, accuracy_cell, assignments, averaged_curve, build_plan, calibrate, curve,
-    distinct_runs, estimate_minutes, estimate_s, figure, final_accuracy, load_summary, mean_text, offline_data, output_dir,
-    parse_selection, percent, probe, pyplot, read_overlays, run_suite, runs_section, suite_command, suite_parser,
-    table_lines, upload_cell, with_labels,
+    distinct_runs, estimate_minutes, estimate_s, figure, final_accuracy, load_summary, mean_text, offline_data,
+    output_dir, parse_selection, percent, probe, pyplot, read_overlays, run_suite, runs_section, suite_command,
+    suite_parser, table_lines, upload_cell, with_labels,
 )
 from fedtune.process import setup_process  # noqa: E402
 

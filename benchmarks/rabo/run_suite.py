@@ -44,8 +44,8 @@ if str(REPO) not in sys.path:
 from fedtune.config import RunConfig  # noqa: E402
 from fedtune.harness import (  # noqa: E402
     RunSpec, SuiteError, accuracy_cell, averaged_curve, build_plan, distinct_runs, estimate_minutes, eval_rounds,
-    figure, load_rounds, load_summary, mean, mean_text, offline_data, output_dir, parse_selection, percent, read_overlays,
-    run_suite, runs_section, suite_command, suite_parser, table_lines, toml_value, with_labels,
+    figure, load_rounds, load_summary, mean, mean_text, offline_data, output_dir, parse_selection, percent,
+    read_overlays, run_suite, runs_section, suite_command, suite_parser, table_lines, toml_value, with_labels,
 )
 
 FEW_SHOT_RECIPE = REPO / "configs" / "benchmarks" / "rabo-suite.toml"
