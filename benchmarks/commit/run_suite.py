@@ -90,10 +90,15 @@ class Scale:
     evals: int | None = None
     lr: float | None = None
 
+    def _overlays(self, modality: str) -> list[str]:
+        return [*OVERLAYS[modality], *([*OVERLAYS["quick"], *OVERLAYS[f"quick-{modality}"]] if self.quick else [])]
+
+    def centralized_steps(self, modality: str) -> int:
+        """A centralized run's training steps in all: ``--steps``, else the recipe's."""
+        return self.steps if self.steps is not None else load_config(RECIPE, self._overlays(modality)).train.local_steps
+
     def overrides(self, modality: str, federated: bool = False) -> list[str]:
-        out = [*OVERLAYS[modality]]
-        if self.quick:
-            out += [*OVERLAYS["quick"], *OVERLAYS[f"quick-{modality}"]]
+        out = self._overlays(modality)
         if federated:
             out += [*OVERLAYS["federated"], *(OVERLAYS["quick-federated"] if self.quick else [])]
         if self.steps is not None:
@@ -104,9 +109,8 @@ class Scale:
             else:
                 out.append(f"train.local_steps={self.steps}")
         if self.evals is not None and not federated:  # the run's steps over `evals` rounds, one optimizer
-            steps = load_config(RECIPE, out).train.local_steps
-            out += [f"rounds={self.evals}", f"train.local_steps={steps // self.evals}", "eval_every=1",
-                    "options.carry_optimizer=true"]
+            out += [f"rounds={self.evals}", f"train.local_steps={self.centralized_steps(modality) // self.evals}",
+                    "eval_every=1", "options.carry_optimizer=true"]
         if self.test_samples is not None:
             out.append(f"data.max_test_samples={self.test_samples}")
         if self.lr is not None:
@@ -171,10 +175,9 @@ def selection(args) -> tuple[Scale, list[str]]:
     if args.lr is not None and not (args.lr > 0 and math.isfinite(args.lr)):
         raise SuiteError(f"--lr: expected a positive number, got {args.lr}")
     scale = Scale(args.quick, args.steps, args.test_samples, args.evals, args.lr)
-    if args.evals is not None:
-        steps = load_config(RECIPE, Scale(args.quick, args.steps).overrides(modalities[0])).train.local_steps
-        if steps % args.evals:
-            raise SuiteError(f"--evals: expected a divisor of the {steps} steps per run, got {args.evals}")
+    if args.evals is not None and scale.centralized_steps(modalities[0]) % args.evals:
+        raise SuiteError(f"--evals: expected a divisor of the {scale.centralized_steps(modalities[0])} steps per "
+                         f"run, got {args.evals}")
     return scale, modalities
 
 

@@ -176,20 +176,20 @@ class CommitClient(LoraClient):
         torch.manual_seed(seed)
         pool = self.context.partitions[self.cid]
         batches = task.train_batches(pool, cfg.batch_size, cfg.local_steps, np.random.default_rng(seed))
-        built: list[torch.optim.Optimizer] = []
+        built: list[torch.optim.Optimizer] = []  # train_coordinated builds one optimizer
 
         def optimizer(groups: list[dict]) -> torch.optim.Optimizer:
             built.append(make_optimizer(groups, cfg))
             if self.options.carry_optimizer:  # centralized: continue last round's optimizer
-                restore_optimizer(built[0], self.state)
-            return built[0]
+                restore_optimizer(built[-1], self.state)
+            return built[-1]
 
         schedule, curves = train_coordinated(
             ws.model, component_params(task, params), batches, coordination(self.options, self.config),
             Schedule.from_meta(message.meta["schedule"]), optimizer,
         )
         if self.options.carry_optimizer:
-            self.state = optimizer_arrays(built[0])
+            self.state = optimizer_arrays(built[-1])
         trained = {k: p.detach().numpy().copy() for k, p in params.items()}
         result = FitResult(float(np.mean(curves["loss"])), cfg.local_steps, len(pool), time.perf_counter() - start)
         return self.upload({k: trained[k] - received[k] for k in trained}, result, schedule=schedule.to_meta(),
