@@ -109,7 +109,7 @@ def test_the_chosen_rate_is_the_argmax_of_the_mean_of_the_last_3_evaluations(swe
     assert choice.setting == {"lr": 1e-3}
     assert choice.score == pytest.approx((0.8 + 0.8 + 0.7) / 3)
     assert choice.runner_up[0] == {"lr": 3e-4} and choice.margin == pytest.approx(100 * (2.3 / 3 - 0.7))
-    assert choice.at_edge is None
+    assert choice.at_edge() is None
     # Table 5.1 runs that group, and only that group, at the chosen rate on every table seed
     table = plan["table"]
     assert {(s.labels["row"], s.labels["family"]) for s in table} == {("heterolora", "adamw")}
@@ -136,17 +136,19 @@ def test_fedit_table_runs_use_each_seeds_own_min_k(sweep, tmp_path):
         finish(spec, [0.6 + 0.05 * i] * 4)
     plan, choices, _ = sweep.build_sweep_plan(scale, 0, [1, 2, 3], out)
     assert choices[("fedit", "sgdm")].setting == {"lr": max(sweep.LR_GRID["sgdm"])}
-    assert choices[("fedit", "sgdm")].at_edge == "largest"
+    assert choices[("fedit", "sgdm")].at_edge() == "largest"
     for spec in plan["table"]:
         assert spec.config.model.lora_rank == sweep.fair_fedit_rank(scale, spec.labels["seed"])
         assert (spec.config.train.optimizer, spec.config.train.momentum) == ("sgd", 0.9)
 
 
-def test_ties_go_to_the_smaller_rate_and_a_run_without_evaluations_never_wins(sweep):
-    c = sweep.choose_from("fslora", "adamw", [({"lr": 3e-4}, 0.7), ({"lr": 1e-3}, 0.7), ({"lr": 3e-3}, None)])
+def test_ties_go_to_the_smaller_rate_and_a_run_without_evaluations_never_wins():
+    from fedtune.harness import choose_from
+
+    c = choose_from([({"lr": 3e-4}, 0.7), ({"lr": 1e-3}, 0.7), ({"lr": 3e-3}, None)])
     assert c.setting == {"lr": 3e-4} and c.margin == 0.0
-    assert sweep.choose_from("fslora", "adamw", [({"lr": 3e-4}, None)]) is None
-    nan = sweep.choose_from("fslora", "adamw", [({"lr": 3e-4}, float("nan")), ({"lr": 1e-3}, 0.51)])
+    assert choose_from([({"lr": 3e-4}, None)]) is None
+    nan = choose_from([({"lr": 3e-4}, float("nan")), ({"lr": 1e-3}, 0.51)])
     assert nan.setting == {"lr": 1e-3}
 
 

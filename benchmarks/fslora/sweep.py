@@ -63,10 +63,11 @@ if str(REPO) not in sys.path:
 
 from fedtune.config import ConfigError, RunConfig, load_config  # noqa: E402
 from fedtune.harness import (  # noqa: E402
-    Costs, RunSpec, SuiteError, accuracy_cell, assignments, averaged_curve, build_plan, distinct_runs, estimate_s,
+    Choice, Costs, RunSpec, SuiteError, accuracy_cell, assignments, averaged_curve, build_plan, distinct_runs, estimate_s,
     figure, final_accuracy, load_summary, makespan, mean_std, output_dir, parse_selection, read_overlays,
-    run_accuracy, run_state, run_suite, runs_section, suite_command, suite_parser, table_lines, with_labels,
+    run_accuracy, run_suite, runs_section, suite_command, suite_parser, table_lines, with_labels,
 )
+from fedtune.harness import choose as choose_runs  # noqa: E402
 
 RECIPE = REPO / "configs" / "benchmarks" / "fslora-sweep.toml"
 OVERLAYS = read_overlays(REPO / "configs" / "benchmarks" / "fslora-sweep-overlays.toml")
@@ -184,60 +185,15 @@ def specs_sweep(scale: Scale, seed: int) -> list[RunSpec]:
             for family in FAMILIES for row in ROWS for setting in settings(scale, row, family)]
 
 
-@dataclass
-class Choice:
-    """A (row, family)'s chosen setting: the sweep run with the highest mean of its last LAST
-    evaluations, and every grid point's score (fractions; None: no evaluation)."""
-
-    row: str
-    family: str
-    setting: dict[str, float]
-    score: float
-    scores: list[tuple[dict[str, float], float | None]]
-
-    @property
-    def runner_up(self) -> tuple[dict[str, float], float] | None:
-        others = [(s, v) for s, v in self.scores if s != self.setting and v is not None]
-        return max(others, key=lambda sv: sv[1]) if others else None
-
-    @property
-    def at_edge(self) -> str | None:
-        """"smallest" / "largest" when the chosen client rate is an end of the grid (a rate beyond it
-        might do better), else None."""
-        lrs = sorted({s["lr"] for s, _ in self.scores})
-        if len(lrs) < 2:
-            return None
-        return "smallest" if self.setting["lr"] == lrs[0] else "largest" if self.setting["lr"] == lrs[-1] else None
-
-    @property
-    def margin(self) -> float | None:
-        """Points (percent) by which the chosen setting beat the best other grid point."""
-        other = self.runner_up
-        return None if other is None else 100 * (self.score - other[1])
-
-
 def setting_of(spec: RunSpec) -> dict[str, float]:
     return {"lr": spec.labels["lr"], **({"server_lr": spec.labels["server_lr"]}
                                          if spec.labels.get("server_lr") is not None else {})}
 
 
-def choose_from(row: str, family: str, scores: list[tuple[dict[str, float], float | None]]) -> Choice | None:
-    """The argmax of the scores (grid order; ties: the first, the smaller rate); None when no grid
-    point has a score."""
-    scored = [(s, v) for s, v in scores if v is not None and not math.isnan(v)]
-    if not scored:
-        return None
-    best = max(scored, key=lambda sv: sv[1])  # max keeps the first of equal values
-    return Choice(row, family, best[0], best[1], scores)
-
-
 def choose(sweep: list[RunSpec], row: str, family: str) -> Choice | None:
-    """The chosen setting of ``(row, family)`` once all its sweep runs are finished, else None."""
-    group = sorted(with_labels(sweep, row=row, family=family),
-                   key=lambda s: (s.labels["lr"], s.labels.get("server_lr") or 0.0))
-    if not group or any(run_state(s) != "done" for s in group):
-        return None
-    return choose_from(row, family, [(setting_of(s), run_accuracy(s, LAST)) for s in group])
+    """The chosen setting of ``(row, family)`` once all its sweep runs are finished, else None: the
+    argmax of the mean of each run's last LAST evaluations (:func:`fedtune.harness.choose`)."""
+    return choose_runs(with_labels(sweep, row=row, family=family), setting_of, lambda s: run_accuracy(s, LAST))
 
 
 def specs_table(scale: Scale, seeds: list[int], choices: dict[tuple[str, str], Choice | None]) -> list[RunSpec]:
@@ -364,8 +320,8 @@ def report_sweep(plan, choices, scale: Scale, head: str, out: Path) -> str:
                                                           f"{setting_text(choice.runner_up[0])}")
                     if majority is not None and 100 * choice.score < 100 * majority + 2:
                         won += " — no grid point learned (all within 2 points of the majority-class rate)"
-                    elif choice.at_edge:
-                        won += f" (the grid's {choice.at_edge} lr: a rate beyond it might do better)"
+                    elif choice.at_edge():
+                        won += f" (the grid's {choice.at_edge()} lr: a rate beyond it might do better)"
                 rows.append([name, *cells, won if slr in (None, sorted(scale.server_lr_grid)[0]) else "〃"])
         lines += table_lines(["method", *(f"lr {lr:g}" for lr in sorted(scale.lr_grid[family])), "chosen"], rows)
         lines.append("")

@@ -10,6 +10,8 @@ the harness does the rest:
 - :mod:`~fedtune.harness.runs`: resume (a run with a ``summary.json`` of the very same config is
   ``done`` and skipped) and reading finished runs back;
 - :mod:`~fedtune.harness.pool`: spawned workers with one torch thread each;
+- :mod:`~fedtune.harness.choice`: per-group selection of a setting (each method at its own best
+  learning rate): the argmax of a score over a finished grid of runs;
 - :mod:`~fedtune.harness.cost`: a per-run cost model and the ``--plan`` time estimate;
 - :mod:`~fedtune.harness.stats`: mean and sample std over seeds, the mean of a run's last N
   evaluations, seed-averaged curves;
@@ -71,6 +73,7 @@ from fedtune.harness.cli import (
     suite_command,
     suite_parser,
 )
+from fedtune.harness.choice import Choice, choose, choose_from
 from fedtune.harness.cost import Costs, Probe, calibrate, estimate_s, eval_rounds, makespan, probe
 from fedtune.harness.plan import (
     Plan,
@@ -105,6 +108,7 @@ from fedtune.harness.stats import Curve, evaluations, mean, mean_curve, mean_of_
 __all__ = [
     "SuiteError", "estimate_minutes", "offline_data", "output_dir", "parse_selection", "print_plan", "run_suite",
     "suite_command", "suite_parser",
+    "Choice", "choose", "choose_from",
     "Costs", "Probe", "calibrate", "estimate_s", "eval_rounds", "makespan", "probe",
     "Plan", "RunSpec", "assignments", "build_plan", "config_key", "distinct_runs", "read_overlays", "toml_value",
     "with_labels",

@@ -1,0 +1,69 @@
+"""Per-group hyperparameter selection: a fair comparison runs each method at its own best rate.
+
+A *group* (a method, a method x optimizer family, a trainer x modality, ...) runs a grid of
+*settings* (``{"lr": 1e-3}``, ``{"lr": 1e-3, "server_lr": 3e-3}``) on one seed; once every grid run
+is finished, the setting with the highest score (for example the mean of the run's last three
+evaluations) is the group's :class:`Choice`, and the reported runs then use it on other seeds, so
+the reported figure is not the maximum the selection picked.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fedtune.harness.plan import RunSpec
+from fedtune.harness.runs import run_state
+
+Setting = dict[str, float]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A group's chosen setting, its score, and every grid point's score in grid order (scores are
+    fractions; None: the run has no evaluation)."""
+
+    setting: Setting
+    score: float
+    scores: list[tuple[Setting, float | None]]
+
+    @property
+    def runner_up(self) -> tuple[Setting, float] | None:
+        others = [(s, v) for s, v in self.scores if s != self.setting and v is not None and not math.isnan(v)]
+        return max(others, key=lambda sv: sv[1]) if others else None
+
+    @property
+    def margin(self) -> float | None:
+        """Points (percent) by which the chosen setting beat the best other grid point."""
+        other = self.runner_up
+        return None if other is None else 100 * (self.score - other[1])
+
+    def at_edge(self, key: str = "lr") -> str | None:
+        """``"smallest"`` / ``"largest"`` when the chosen ``key`` is an end of the grid's values (a value
+        beyond it might do better), else None (also for a grid of one value)."""
+        values = sorted({s[key] for s, _ in self.scores})
+        if len(values) < 2:
+            return None
+        return ("smallest" if self.setting[key] == values[0] else
+                "largest" if self.setting[key] == values[-1] else None)
+
+
+def choose_from(scores: list[tuple[Setting, float | None]]) -> Choice | None:
+    """The argmax of the scores (ties: the first in grid order, i.e. the smaller rate); None when no
+    grid point has a score."""
+    scored = [(s, v) for s, v in scores if v is not None and not math.isnan(v)]
+    if not scored:
+        return None
+    best = max(scored, key=lambda sv: sv[1])  # max keeps the first of equal values
+    return Choice(best[0], best[1], scores)
+
+
+def choose(group: list[RunSpec], setting_of: Callable[[RunSpec], Setting],
+           score: Callable[[RunSpec], float | None]) -> Choice | None:
+    """The group's choice once every one of its grid runs is finished (None before, or for no runs);
+    the grid is ordered by the settings' values (``setting_of``'s key order)."""
+    if not group or any(run_state(s) != "done" for s in group):
+        return None
+    ordered = sorted(group, key=lambda s: tuple(setting_of(s).values()))
+    return choose_from([(setting_of(s), score(s)) for s in ordered])
