@@ -13,12 +13,16 @@ import tomli_w
 
 from fedtune.config import load_config
 from fedtune.harness import (
+    Choice,
     Costs,
     RunSpec,
     SuiteError,
     accuracy_cell,
     assignments,
     build_plan,
+    choice_text,
+    choose,
+    choose_from,
     distinct_runs,
     estimate_s,
     eval_rounds,
@@ -35,6 +39,7 @@ from fedtune.harness import (
     runs_section,
     suite_command,
     suite_parser,
+    sweep_first,
     toml_value,
     unfinished,
     upload_cell,
@@ -88,6 +93,39 @@ def finish(spec: RunSpec, accuracies: list[float | None], bytes_up: int = 1_000_
     summary = {"name": spec.name, "rounds": len(rounds), "final_accuracy": accuracies[-1],
                "total_bytes_up": bytes_up * len(rounds), "wall_s": 12.0}
     (spec.run_dir / "summary.json").write_text(json.dumps(summary))
+
+
+# -- per-group selection ------------------------------------------------------------------------
+
+
+def test_a_group_is_chosen_only_when_its_whole_grid_is_finished_by_the_mean_of_its_last_evaluations(recipe, tmp_path):
+    grid = (3e-4, 1e-3, 3e-3)
+    plan = build_plan({"sweep": [RunSpec(f"lr{lr:g}", [f"train.lr={lr}"], {"lr": lr}) for lr in reversed(grid)]},
+                      recipe, tmp_path / "out")
+    by_lr = {s.labels["lr"]: s for s in plan["sweep"]}
+    setting, score = (lambda s: {"lr": s.labels["lr"]}), (lambda s: mean_of_last(load_rounds(s), 2))
+    finish(by_lr[3e-4], [0.5, 0.9, 0.6])  # the best single point, but a last-2 mean of 0.75
+    finish(by_lr[1e-3], [0.7, 0.8, 0.8])  # last-2 mean 0.8: the choice
+    assert choose(plan["sweep"], setting, score) is None  # 3e-3 not finished
+    finish(by_lr[3e-3], [0.7, 0.2, 0.3])
+    choice = choose(plan["sweep"], setting, score)
+    assert choice.setting == {"lr": 1e-3} and choice.score == pytest.approx(0.8)
+    assert [s for s, _ in choice.scores] == [{"lr": lr} for lr in grid]  # grid order, whatever the plan's order
+    assert choice.runner_up == ({"lr": 3e-4}, pytest.approx(0.75)) and choice.margin == pytest.approx(5.0)
+    assert choice.at_edge() is None
+    assert choice_text(choice, 0.5) == "lr 0.001 by 5.00 points over lr 0.0003"
+    assert choose([], setting, score) is None
+
+
+def test_choice_text_warns_at_the_grid_edge_and_when_nothing_learned():
+    edge = choose_from([({"lr": 1e-3}, 0.6), ({"lr": 3e-3}, 0.7)])
+    assert edge.at_edge() == "largest"
+    assert choice_text(edge, 0.5).endswith("(the grid's largest lr: a rate beyond it might do better)")
+    assert "no grid point learned" in choice_text(edge, 0.69, "majority-answer rate")
+    assert "majority-answer rate" in choice_text(edge, 0.69, "majority-answer rate")
+    assert choice_text(None) == "waiting for the sweep"
+    two = Choice({"lr": 1e-3, "server_lr": 3e-3}, 0.8, [({"lr": 1e-3, "server_lr": 3e-3}, 0.8)])
+    assert choice_text(two) == "lr 0.001, server lr 0.003" and two.at_edge() is None and two.margin is None
 
 
 # -- plan ---------------------------------------------------------------------------------------
@@ -256,3 +294,20 @@ def test_standard_command_line():
         parse_selection(parser.parse_args(["--seeds", "0,x"]), ["a", "b", "c"])
     command = suite_command("benchmarks/x/run_suite.py", ["--quick", "--report-only", "--only", "a b"])
     assert command.endswith(".venv/bin/python benchmarks/x/run_suite.py --quick --only 'a b'")
+
+
+def test_the_sweep_runs_before_the_experiments_planned_from_it():
+    parser = suite_parser("a suite", ["sweep", "table", "fig"])
+    calls = []
+
+    def stage(selection):
+        calls.append(selection)
+        return {"sweep": 1, "table": 0}.get(selection[0], 0)
+
+    assert sweep_first(stage, ["sweep", "table", "fig"], parser.parse_args([])) == 1  # a failed sweep run shows
+    assert calls == [["sweep"], ["table", "fig"]]
+    for argv, selected in ((["--plan"], ["sweep", "table"]), (["--report-only"], ["sweep", "table"]), ([], ["table"]),
+                           ([], ["sweep"])):
+        calls.clear()
+        sweep_first(stage, selected, parser.parse_args(argv))
+        assert calls == [selected]  # one plan: nothing runs, or nothing is planned from a sweep

@@ -63,9 +63,10 @@ if str(REPO) not in sys.path:
 
 from fedtune.config import ConfigError, RunConfig, load_config  # noqa: E402
 from fedtune.harness import (  # noqa: E402
-    Choice, Costs, RunSpec, SuiteError, accuracy_cell, assignments, averaged_curve, build_plan, distinct_runs, estimate_s,
-    figure, final_accuracy, load_summary, makespan, mean_std, output_dir, parse_selection, read_overlays,
-    run_accuracy, run_suite, runs_section, suite_command, suite_parser, table_lines, with_labels,
+    Choice, Costs, RunSpec, SuiteError, accuracy_cell, assignments, averaged_curve, build_plan, choice_text,
+    distinct_runs, estimate_s, figure, final_accuracy, load_summary, makespan, mean_std, output_dir, parse_selection,
+    read_overlays, run_accuracy, run_suite, runs_section, setting_text, suite_command, suite_parser, sweep_first,
+    table_lines, with_labels,
 )
 from fedtune.harness import choose as choose_runs  # noqa: E402
 
@@ -151,10 +152,6 @@ def settings(scale: Scale, row: str, family: str) -> list[dict[str, float]]:
 
 def setting_name(setting: dict[str, float]) -> str:
     return f"lr{setting['lr']:g}" + (f"-slr{setting['server_lr']:g}" if "server_lr" in setting else "")
-
-
-def setting_text(setting: dict[str, float]) -> str:
-    return f"lr {setting['lr']:g}" + (f", server lr {setting['server_lr']:g}" if "server_lr" in setting else "")
 
 
 def fair_fedit_rank(scale: Scale, seed: int) -> int:
@@ -312,16 +309,7 @@ def report_sweep(plan, choices, scale: Scale, head: str, out: Path) -> str:
                     chosen = choice and choice.setting == {"lr": lr, **({"server_lr": slr} if slr else {})}
                     cells.append(f"**{text}**" if chosen else text)
                 name = row + (f" (server lr {slr:g})" if slr else "")
-                if choice is None:
-                    won = "waiting for the sweep"
-                else:
-                    margin = choice.margin
-                    won = setting_text(choice.setting) + ("" if margin is None else f" by {margin:.2f} points over "
-                                                          f"{setting_text(choice.runner_up[0])}")
-                    if majority is not None and 100 * choice.score < 100 * majority + 2:
-                        won += " — no grid point learned (all within 2 points of the majority-class rate)"
-                    elif choice.at_edge():
-                        won += f" (the grid's {choice.at_edge()} lr: a rate beyond it might do better)"
+                won = choice_text(choice, majority)
                 rows.append([name, *cells, won if slr in (None, sorted(scale.server_lr_grid)[0]) else "〃"])
         lines += table_lines(["method", *(f"lr {lr:g}" for lr in sorted(scale.lr_grid[family])), "chosen"], rows)
         lines.append("")
@@ -773,10 +761,7 @@ def main(argv: list[str] | None = None) -> int:
                          lambda: write_reports(plan, choices, scale, args.sweep_seed, seeds, out, command, cost_note),
                          root=REPO, notes=notes)
 
-    if selected == EXPERIMENTS and not (args.plan or args.report_only):
-        status = stage(["sweep"])  # stage 2 is planned from stage 1's finished runs
-        return max(status, stage(["table"]))
-    return stage(selected)
+    return sweep_first(stage, selected, args)  # the table is planned from the sweep's finished runs
 
 
 if __name__ == "__main__":

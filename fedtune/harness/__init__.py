@@ -72,8 +72,9 @@ from fedtune.harness.cli import (
     run_suite,
     suite_command,
     suite_parser,
+    sweep_first,
 )
-from fedtune.harness.choice import Choice, choose, choose_from
+from fedtune.harness.choice import Choice, choice_text, choose, choose_from, setting_text
 from fedtune.harness.cost import Costs, Probe, calibrate, estimate_s, eval_rounds, makespan, probe
 from fedtune.harness.plan import (
     Plan,
@@ -107,8 +108,8 @@ from fedtune.harness.stats import Curve, evaluations, mean, mean_curve, mean_of_
 
 __all__ = [
     "SuiteError", "estimate_minutes", "offline_data", "output_dir", "parse_selection", "print_plan", "run_suite",
-    "suite_command", "suite_parser",
-    "Choice", "choose", "choose_from",
+    "suite_command", "suite_parser", "sweep_first",
+    "Choice", "choice_text", "choose", "choose_from", "setting_text",
     "Costs", "Probe", "calibrate", "estimate_s", "eval_rounds", "makespan", "probe",
     "Plan", "RunSpec", "assignments", "build_plan", "config_key", "distinct_runs", "read_overlays", "toml_value",
     "with_labels",

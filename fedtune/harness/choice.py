@@ -67,3 +67,28 @@ def choose(group: list[RunSpec], setting_of: Callable[[RunSpec], Setting],
         return None
     ordered = sorted(group, key=lambda s: tuple(setting_of(s).values()))
     return choose_from([(setting_of(s), score(s)) for s in ordered])
+
+
+LEARNED_POINTS = 2.0  # a choice within this many points of the reference rate learned nothing
+
+
+def setting_text(setting: Setting) -> str:
+    """``{"lr": 0.001, "server_lr": 0.003}`` -> ``"lr 0.001, server lr 0.003"``."""
+    return ", ".join(f"{key.replace('_', ' ')} {value:g}" for key, value in setting.items())
+
+
+def choice_text(choice: Choice | None, reference: float | None = None,
+                reference_name: str = "majority-class rate") -> str:
+    """A report's line for a group's choice: the setting, its margin over the runner-up, and a warning
+    when it learned nothing (within :data:`LEARNED_POINTS` of ``reference``, a fraction) or lies at
+    an end of the learning-rate grid."""
+    if choice is None:
+        return "waiting for the sweep"
+    text = setting_text(choice.setting)
+    if choice.margin is not None:
+        text += f" by {choice.margin:.2f} points over {setting_text(choice.runner_up[0])}"
+    if reference is not None and 100 * choice.score < 100 * reference + LEARNED_POINTS:
+        return text + f" — no grid point learned (all within {LEARNED_POINTS:g} points of the {reference_name})"
+    if choice.at_edge():
+        text += f" (the grid's {choice.at_edge()} lr: a rate beyond it might do better)"
+    return text

@@ -95,6 +95,18 @@ def print_plan(plan: Plan, selected: Sequence[str], costs: dict[str, float]) -> 
             print(f"    [{run_state(spec)}] {spec.name}{shared}  (~{costs[spec.key] / 60:.1f} min)")
 
 
+def sweep_first(stage: Callable[[list[str]], int], selected: Sequence[str], args: argparse.Namespace,
+                sweep: str = "sweep") -> int:
+    """Run the ``selected`` experiments through ``stage`` (which plans and runs them); when they hold
+    the ``sweep`` and experiments planned from its choices, the sweep runs first and the rest is
+    planned afterwards, from its finished runs (not for ``--plan`` or ``--report-only``). Returns
+    the worse exit status."""
+    rest = [e for e in selected if e != sweep]
+    if sweep in selected and rest and not (args.plan or args.report_only):
+        return max(stage([sweep]), stage(rest))
+    return stage(list(selected))
+
+
 def run_suite(plan: Plan, selected: Sequence[str], args: argparse.Namespace, costs: dict[str, float],
               write_reports: Callable[[], list[Path]], *, root: Path, notes: Sequence[str] = ()) -> int:
     """The standard steps once the suite has its plan: print it (``costs``: estimated seconds by spec
