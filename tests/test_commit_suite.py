@@ -122,3 +122,51 @@ def test_quick_scale_and_reports_render_before_any_run(suite, tmp_path):
     text = (tmp_path / "table1.md").read_text()
     assert "pending" in text and "| CoMMIT |" in text and "| Feature CD |" in text
     assert all(p.exists() for p in written)
+
+
+def test_with_a_rate_grid_each_trainer_runs_the_tables_at_its_own_chosen_rate(suite, tmp_path):
+    from tests.test_harness import finish
+
+    args = suite.parse_args(["--lr-grid", "3e-3,3e-4,1e-3", "--only", "table1", "--seeds", "1,2", "--evals", "4",
+                             "--steps", "40"])
+    scale, _ = suite.selection(args)
+    sweep, selected = suite.sweep_selection(args, ["table1"])
+    assert selected == ["sweep", "table1"] and sweep == suite.Sweep((3e-4, 1e-3, 3e-3), 0)
+    plan = suite.build_suite_plan([1, 2], scale, tmp_path, sweep)
+    runs = plan["sweep"]
+    assert {(s.labels["modality"], s.labels["trainer"], s.config.train.lr, s.config.seed) for s in runs} == {
+        (m, t, lr, 0) for m in suite.MODALITIES for t in suite.TABLE1 for lr in sweep.grid}
+    assert all(s.labels["lr"] == s.config.train.lr and s.config.rounds == 4 for s in runs)
+    assert plan["table1"] == [] and plan["fig45"] == []  # every group waits for its sweep
+    assert {s.config.train.lr for s in plan["fig6"]} == {suite.load_config(suite.RECIPE).train.lr}  # not swept
+    group = {s.labels["lr"]: s for s in suite.with_labels(runs, modality="image", trainer="commit")}
+    finish(group[3e-4], [0.1, 0.5, 0.5, 0.5])  # the best final point, but a last-3 mean of 0.5
+    finish(group[1e-3], [0.2, 0.6, 0.6, 0.4])  # last-3 mean 0.533: chosen
+    finish(group[3e-3], [0.7, 0.3, 0.3, 0.3])  # the best single evaluation, early
+    plan = suite.build_suite_plan([1, 2], scale, tmp_path, sweep)
+    choice = suite.choices_of(plan["sweep"])[("image", "commit")]
+    assert choice.setting == {"lr": 1e-3} and choice.score == pytest.approx(1.6 / 3)
+    for exp in ("table1", "fig45"):
+        assert {(s.labels["modality"], s.labels["trainer"], s.labels["seed"]) for s in plan[exp]} == {
+            ("image", "commit", 1), ("image", "commit", 2)}
+        for s in plan[exp]:  # the chosen run's config on another seed
+            assert s.config.model_dump(exclude={"seed", "name", "output_dir"}) == group[1e-3].config.model_dump(
+                exclude={"seed", "name", "output_dir"})
+    written = suite.write_reports(plan, ["sweep", "table1"], [1, 2], tmp_path, "cmd", sweep)
+    text = (tmp_path / "sweep.md").read_text()
+    assert "| CoMMIT | 50.00 | **53.33** | 30.00 | lr 0.001 by 3.33 points over lr 0.0003" in text
+    assert "| Constant LR | pending | pending | pending | waiting for the sweep |" in text
+    assert "| CoMMIT | 0.001 | pending |" in (tmp_path / "table1.md").read_text()
+    assert all(p.exists() for p in written)
+
+
+def test_the_sweep_needs_a_grid_and_a_grid_needs_positive_rates(suite):
+    with pytest.raises(suite.SuiteError, match="^--only sweep: needs --lr-grid"):
+        suite.sweep_selection(suite.parse_args(["--only", "sweep"]), ["sweep"])
+    for bad in ("", "1e-3,x", "1e-3,0", "-1", "inf"):
+        with pytest.raises(suite.SuiteError, match="^--lr-grid: expected comma-separated positive learning rates"):
+            suite.sweep_selection(suite.parse_args(["--lr-grid", bad]), ["table1"])
+    args = suite.parse_args([])
+    assert suite.parse_selection(args, suite.EXPERIMENTS)[0] == suite.EXPERIMENTS[1:]  # no sweep by default
+    assert suite.sweep_selection(args, ["fig6"]) == (None, ["fig6"])
+    assert suite.sweep_selection(suite.parse_args(["--lr-grid", "1e-3"]), ["fig6"])[1] == ["fig6"]  # nothing swept

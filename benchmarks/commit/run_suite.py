@@ -8,6 +8,11 @@ this?" / "Describe the picture." over a frozen MobileNetV2; ``audio`` FSDD "Whic
 "Describe the recording." over fixed log-mel features) and the trainer (``options.trainer``).
 Identical configs run once and are shared between experiments. Experiments:
 
+- ``sweep`` (with ``--lr-grid``): each (modality, trainer) of Table 1 on the grid's learning rates
+  (``train.lr``: both components' base rate; CoMMIT's alpha = 2 x lr) on ``--sweep-seed``; the rate
+  with the highest mean of the run's last 3 evaluations (exact match) is chosen for that (modality,
+  trainer), and ``table1`` / ``fig45`` then run it on ``--seeds`` (written to
+  ``benchmarks/results/commit-swept/``; a group whose sweep is unfinished has no table runs yet).
 - ``table1``: Table 1. Constant LR, Feature CD, Language CD, CoMMIT-CLR and CoMMIT on both modalities:
   exact match over all questions, exact match of the short-answer question (the paper's QA accuracy),
   and ROUGE-L (its captioning metric: the describe answers run to several words).
@@ -25,6 +30,7 @@ Identical configs run once and are shared between experiments. Experiments:
     ... --quick          # smoke test: tiny-llama, 64 examples, 6 steps, to benchmarks/results/_scratch/commit-quick/
     ... --report-only    # rewrite the markdown and plots from the run folders that exist
     ... --steps 40 --test-samples 100 --modalities image --only table1   # a scaled-down slice
+    ... --lr-grid 3e-4,1e-3,3e-3 --seeds 1,2,3 --only table1,fig45 --steps 80 --evals 4   # per-trainer rates
 
 ``--steps`` / ``--test-samples`` scale every run (centralized: ``train.local_steps``; federated: the
 same client steps spread over its 5 rounds x 2 clients); ``--lr`` sets every run's base rate
@@ -48,16 +54,18 @@ if str(REPO) not in sys.path:
 
 from fedtune.config import RunConfig, load_config  # noqa: E402
 from fedtune.harness import (  # noqa: E402
-    RunSpec, SuiteError, build_plan, distinct_runs, estimate_minutes, eval_rounds, figure, load_rounds,
-    load_summary, mean_of_last, mean_std, offline_data, output_dir, parse_selection, read_overlays, run_suite,
-    runs_section, suite_command, suite_parser, table_lines, with_labels,
+    Choice, RunSpec, SuiteError, build_plan, choice_text, choose, distinct_runs, estimate_minutes, eval_rounds, figure,
+    load_rounds, load_summary, mean_of_last, mean_std, offline_data, output_dir, parse_selection, read_overlays,
+    run_suite, runs_section, suite_command, suite_parser, sweep_first, table_lines, with_labels,
 )
 
 RECIPE = REPO / "configs" / "benchmarks" / "commit-suite.toml"
 OVERLAYS = read_overlays(REPO / "configs" / "benchmarks" / "commit-suite-overlays.toml")
 RESULTS = REPO / "benchmarks" / "results" / "commit"
+SWEPT_RESULTS = REPO / "benchmarks" / "results" / "commit-swept"  # --lr-grid: every trainer at its own rate
 QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "commit-quick"
-EXPERIMENTS = ["table1", "fig45", "fig6", "fig3", "federated"]  # also the order that owns shared runs
+EXPERIMENTS = ["sweep", "table1", "fig45", "fig6", "fig3", "federated"]  # also the order that owns shared runs
+SWEPT = ("table1", "fig45")  # with --lr-grid: run at each (modality, trainer)'s chosen rate
 MODALITIES = ["image", "audio"]
 LABEL = {"constant": "Constant LR", "language-lr-up": "Language LR up", "vision-lr-up": "Vision LR up",
          "feature-cd": "Feature CD", "language-cd": "Language CD", "commit-clr": "CoMMIT-CLR", "commit": "CoMMIT"}
@@ -118,11 +126,31 @@ class Scale:
         return out
 
 
-def spec(modality: str, trainer: str, seed: int, scale: Scale, federated: bool = False) -> RunSpec:
-    mode = "fed-" if federated else ""
-    return RunSpec(f"{mode}{modality}-{trainer}-seed{seed}",
-                   [*scale.overrides(modality, federated), f'options.trainer="{trainer}"', f"seed={seed}"],
-                   {"modality": modality, "trainer": trainer, "seed": seed, "federated": federated})
+@dataclass(frozen=True)
+class Sweep:
+    """``--lr-grid`` / ``--sweep-seed``: the learning rates each (modality, trainer) of Table 1 runs on
+    the sweep seed, ascending."""
+
+    grid: tuple[float, ...]
+    seed: int = 0
+
+
+def spec(modality: str, trainer: str, seed: int, scale: Scale, federated: bool = False,
+         lr: float | None = None) -> RunSpec:
+    """One run; ``lr`` (a swept or chosen rate, named in the run) overrides the scale's base rate."""
+    mode, rate = "fed-" if federated else "", "" if lr is None else f"-lr{lr:g}"
+    return RunSpec(f"{mode}{modality}-{trainer}{rate}-seed{seed}",
+                   [*scale.overrides(modality, federated), f'options.trainer="{trainer}"', f"seed={seed}",
+                    *([] if lr is None else [f"train.lr={lr!r}"])],
+                   {"modality": modality, "trainer": trainer, "seed": seed, "federated": federated, "lr": lr})
+
+
+def choices_of(sweep_runs: list[RunSpec]) -> dict[tuple[str, str], Choice | None]:
+    """Each (modality, trainer)'s chosen rate: the argmax over its finished sweep runs of the mean of
+    the last :data:`LAST_EVALS` evaluations' exact match (None while any of its runs is unfinished)."""
+    return {(m, t): choose(with_labels(sweep_runs, modality=m, trainer=t), lambda s: {"lr": s.labels["lr"]},
+                           lambda s: run_metric(s, "accuracy"))
+            for m in MODALITIES for t in TABLE1 if with_labels(sweep_runs, modality=m, trainer=t)}
 
 
 def questions(specs: list[RunSpec], modality: str) -> list[str]:
@@ -131,12 +159,20 @@ def questions(specs: list[RunSpec], modality: str) -> list[str]:
     return list(group[0].config.task.options["questions"]) if group else []
 
 
-def build_suite_plan(seeds: list[int], scale: Scale, out: Path) -> dict[str, list[RunSpec]]:
+def build_suite_plan(seeds: list[int], scale: Scale, out: Path, sweep: Sweep | None = None) -> dict[str, list[RunSpec]]:
     """Every experiment's runs (all of them, so that which folder owns a shared run never depends on
-    ``--only`` or ``--modalities``), resolved to their configs and canonical run folders."""
+    ``--only`` or ``--modalities``), resolved to their configs and canonical run folders. With a
+    ``sweep``, Table 1's and Figures 4/5's runs of a (modality, trainer) use its chosen rate, and
+    wait (are not planned) until its sweep runs are all finished."""
     grid = lambda trainers: [spec(m, t, s, scale) for m in MODALITIES for t in trainers for s in seeds]  # noqa: E731
+    swept, chosen = [], grid
+    if sweep is not None:
+        swept = [spec(m, t, sweep.seed, scale, lr=lr) for m in MODALITIES for t in TABLE1 for lr in sweep.grid]
+        choices = choices_of(build_plan({"sweep": swept}, RECIPE, out)["sweep"])
+        chosen = lambda trainers: [spec(m, t, s, scale, lr=c.setting["lr"])  # noqa: E731
+                                   for m in MODALITIES for t in trainers if (c := choices[(m, t)]) for s in seeds]
     experiments = {
-        "table1": grid(TABLE1), "fig45": grid(FIG45), "fig6": grid(FIG6), "fig3": grid(FIG3),
+        "sweep": swept, "table1": chosen(TABLE1), "fig45": chosen(FIG45), "fig6": grid(FIG6), "fig3": grid(FIG3),
         "federated": [spec("image", t, s, scale, federated=True) for t in FEDERATED for s in seeds],
     }
     return build_plan(experiments, RECIPE, out)
@@ -159,6 +195,13 @@ def parse_args(argv=None):
                         help="every run's base learning rate train.lr (default: the recipe's; CoMMIT's alpha "
                              "follows as 2 x lr); for a rate sweep, one --out folder per rate")
     parser.add_argument("--modalities", default=",".join(MODALITIES), help="comma-separated subset of image,audio to run")
+    parser.add_argument("--lr-grid", default=None,
+                        help="comma-separated learning rates: sweep each (modality, trainer) of Table 1 over them on "
+                             "--sweep-seed, then run table1 / fig45 at each one's chosen rate (adds the sweep "
+                             "experiment; results to benchmarks/results/commit-swept/)")
+    parser.add_argument("--sweep-seed", type=int, default=0,
+                        help="the seed whose sweep runs choose the rates (default 0)")
+    parser.set_defaults(only=",".join(e for e in EXPERIMENTS if e != "sweep"))  # the sweep comes with --lr-grid
     return parser.parse_args(argv)
 
 
@@ -179,6 +222,24 @@ def selection(args) -> tuple[Scale, list[str]]:
         raise SuiteError(f"--evals: expected a divisor of the {scale.centralized_steps(modalities[0])} steps per "
                          f"run, got {args.evals}")
     return scale, modalities
+
+
+def sweep_selection(args, selected: list[str]) -> tuple[Sweep | None, list[str]]:
+    """``--lr-grid`` as a :class:`Sweep` (None without it) and the experiments to run: the sweep joins
+    those planned from it (``table1``, ``fig45``); :class:`SuiteError` naming the option when bad."""
+    if args.lr_grid is None:
+        if "sweep" in selected:
+            raise SuiteError("--only sweep: needs --lr-grid (the learning rates to sweep)")
+        return None, selected
+    try:
+        grid = tuple(sorted({float(x) for x in args.lr_grid.split(",") if x.strip()}))
+    except ValueError:
+        grid = ()
+    if not grid or not all(lr > 0 and math.isfinite(lr) for lr in grid):
+        raise SuiteError(f"--lr-grid: expected comma-separated positive learning rates, got {args.lr_grid!r}")
+    if any(e in SWEPT for e in selected) and "sweep" not in selected:
+        selected = ["sweep", *selected]
+    return Sweep(grid, args.sweep_seed), selected
 
 
 # -- cost model ------------------------------------------------------------------------------
@@ -284,7 +345,7 @@ def evaluated(config: RunConfig) -> str:
     return "the final evaluation" if n == 1 else f"each run's mean of its last {n} evaluations"
 
 
-def setup_section(plan, seeds: list[int], command: str) -> str:
+def setup_section(plan, seeds: list[int], command: str, sweep: Sweep | None = None) -> str:
     specs = [s for exp in plan.values() for s in exp]
     base = specs[0].config
     o = base.options
@@ -299,7 +360,9 @@ def setup_section(plan, seeds: list[int], command: str) -> str:
         "| tasks | A-OKVQA, IconQA, TextVQA; ClothoAQA, MACS, SDD | "
         + "; ".join(f"{m}: `{data[m]}`, {' + '.join(questions(specs, m))} questions" for m in MODALITIES)
         + " (describe answers run to several words: ROUGE-L) |",
-        f"| training | Adam, lr 1e-4 (Constant LR) | AdamW, lr {base.train.lr:g}, {base.rounds} x "
+        "| training | Adam, lr 1e-4 (Constant LR) | AdamW, "
+        + ("lr swept per trainer and modality (Table 1, Figs. 4/5)" if sweep else f"lr {base.train.lr:g}")
+        + f", {base.rounds} x "
         f"{base.train.local_steps} steps of batch {base.train.batch_size}, one party (centralized)"
         + (", one optimizer throughout, evaluated after each round" if base.rounds > 1 else "") + " |",
         f"| CoMMIT | alpha, gamma, N_kappa, L_lr, lambda, d not stated | alpha = 2 x lr, gamma {o.get('gamma', 1.0)}, "
@@ -308,8 +371,16 @@ def setup_section(plan, seeds: list[int], command: str) -> str:
         f"| Feature / Language CD | 'until weights stabilize' | switch when the relative weight change over "
         f"{o['cd_window']} steps is below {o['cd_tolerance']}, at the latest after {o['cd_max_fraction']:g} of the steps |",
         f"| seeds | not stated | {', '.join(map(str, seeds))} |", "",
-        "Nothing is tuned per trainer: every trainer runs with the same recipe. Cells: mean ± sample std over "
-        f"seeds of {evaluated(base)} (exact match and ROUGE-L in %, {base.data.max_test_samples} test questions).", "",
+        (f"**Rates.** Each trainer's learning rate (train.lr: both components' base rate; CoMMIT's alpha = 2 x lr) is "
+         f"chosen per modality on seed {sweep.seed} from {{{', '.join(f'{lr:g}' for lr in sweep.grid)}}}: the rate "
+         f"with the highest mean of its last {LAST_EVALS} evaluations' exact match (`sweep.md`; ties: the smaller rate). "
+         f"Table 1 and Figs. 4/5 run it on seeds {', '.join(map(str, seeds))}"
+         + (" (the sweep seed among them: its run is the one that chose the rate, a biased figure)"
+            if sweep.seed in seeds else ", which played no part in the choice")
+         + f"; the other figures run at lr {base_lr(specs):g} for every trainer. " if sweep else
+         "Nothing is tuned per trainer: every trainer runs with the same recipe. ")
+        + f"Cells: mean ± sample std over seeds of {evaluated(base)} (exact match and ROUGE-L in %, "
+        f"{base.data.max_test_samples} test questions).", "",
     ]
     distinct = {s.key: s for s in specs}.values()
     done = sum(load_summary(s) is not None for s in distinct)
@@ -321,17 +392,30 @@ def setup_section(plan, seeds: list[int], command: str) -> str:
     return "\n".join(lines)
 
 
-def report_table1(specs: list[RunSpec], head: str, out: Path) -> str:
+def short_question(specs: list[RunSpec], modality: str) -> str | None:
+    """The modality's short-answer question (None: no run of it planned yet)."""
+    return next(iter(questions(specs, modality)), None)
+
+
+def base_lr(specs: list[RunSpec]) -> float:
+    """The learning rate of the runs that are not swept (the recipe's, or ``--lr``)."""
+    return next(s.config.train.lr for s in specs if s.labels["lr"] is None)
+
+
+def report_table1(specs: list[RunSpec], head: str, out: Path, sweep: Sweep | None = None) -> str:
     cols, rows = ["Trainer"], []
     for m in MODALITIES:
-        cols += [f"{m}: exact match", f"{m}: {questions(specs, m)[0]} question", f"{m}: ROUGE-L"]
+        cols += [f"{m}: lr (swept)"] if sweep else []
+        cols += [f"{m}: exact match", f"{m}: {short_question(specs, m) or 'short-answer'} question", f"{m}: ROUGE-L"]
     cols.append("average")
     for t in TABLE1:
         row = [LABEL[t]]
         means = []
         for m in MODALITIES:
             group = with_labels(specs, modality=m, trainer=t)
-            row += [metric_cell(group, "accuracy"), metric_cell(group, f"accuracy_{questions(specs, m)[0]}"),
+            if sweep:
+                row.append(f"{group[0].labels['lr']:g}" if group else "waiting for the sweep")
+            row += [metric_cell(group, "accuracy"), metric_cell(group, f"accuracy_{short_question(specs, m)}"),
                     metric_cell(group, "rouge_l")]
             means += [metric_mean(group, "accuracy"), metric_mean(group, "rouge_l")]
         row.append("pending" if None in means else f"{sum(means) / len(means):.2f}")
@@ -342,6 +426,42 @@ def report_table1(specs: list[RunSpec], head: str, out: Path) -> str:
              "", *table_lines(["Method", "A-OKVQA", "IconQA", "TextVQA", "ClothoAQA", "MACS", "SDD", "Average"], paper), "",
              *ordering_notes(specs), *cd_switches(specs)]
     return "\n".join(lines) + "\n" + runs_section(specs, out)
+
+
+def report_sweep(specs: list[RunSpec], head: str, out: Path, sweep: Sweep | None = None) -> str:
+    """Each (modality, trainer)'s exact match at every grid rate on the sweep seed, and its choice."""
+    choices = choices_of(specs)
+    lines = ["# Learning-rate sweep (CPU scale): each trainer's own rate", "",
+             f"Each cell: the run's mean of its last (up to) {LAST_EVALS} evaluations' exact match (%), one seed; "
+             "**bold**: the chosen rate (automatic argmax), which Table 1 and Figures 4/5 then run on the table seeds.", "", head]
+    size = (5.5 * len(MODALITIES), 4)
+    with figure(out / "sweep.png", 1, len(MODALITIES), figsize=size, squeeze=False) as (fig, axes):
+        for ax, m in zip(axes[0], MODALITIES):
+            done = [x for x in map(load_summary, with_labels(specs, modality=m)) if x]
+            reference = done[0].get("majority_accuracy") if done else None
+            rows = []
+            for t in TABLE1:
+                group = sorted(with_labels(specs, modality=m, trainer=t), key=lambda s: s.labels["lr"])
+                choice = choices.get((m, t))
+                scores = [run_metric(s, "accuracy") for s in group]
+                cells = ["pending" if v is None else f"{100 * v:.2f}" for v in scores]
+                rows.append([LABEL[t], *(f"**{c}**" if choice and s.labels["lr"] == choice.setting["lr"] else c
+                                         for s, c in zip(group, cells)),
+                             choice_text(choice, reference, "majority-answer rate")])
+                pts = [(s.labels["lr"], 100 * v) for s, v in zip(group, scores) if v is not None]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", ms=3, label=LABEL[t])
+            lrs = sorted({s.labels["lr"] for s in with_labels(specs, modality=m)})
+            lines += [f"## {m}", "", *table_lines(["Trainer", *(f"lr {lr:g}" for lr in lrs), "chosen"], rows), "",
+                      "Reference, exact match of always giving the most frequent answer: "
+                      + (f"{100 * reference:.1f}%." if reference is not None else "pending."), ""]
+            ax.set_xscale("log")
+            ax.set(title=f"{m}: sweep seed", xlabel="learning rate",
+                   ylabel=f"exact match, mean of last {LAST_EVALS} (%)")
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+    return "\n".join([*lines, "![sweep](sweep.png)", ""]) + "\n" + runs_section(specs, out)
 
 
 def reference_line(specs: list[RunSpec]) -> str:
@@ -524,15 +644,16 @@ def report_federated(specs: list[RunSpec], head: str, out: Path) -> str:
     return "\n".join(lines) + "\n" + runs_section(specs, out)
 
 
-def write_reports(plan, selected, seeds, out: Path, command: str) -> list[Path]:
+def write_reports(plan, selected, seeds, out: Path, command: str, sweep: Sweep | None = None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    head = setup_section(plan, seeds, command)
-    writers = {"table1": report_table1, "fig45": report_fig45, "fig6": report_fig6, "fig3": report_fig3,
-               "federated": report_federated}
+    head = setup_section(plan, seeds, command, sweep)
+    swept = {"sweep": report_sweep, "table1": report_table1}  # the writers that say which rates were chosen
+    writers = {**swept, "fig45": report_fig45, "fig6": report_fig6, "fig3": report_fig3, "federated": report_federated}
     written = []
     for exp in selected:
         path = out / f"{exp}.md"
-        path.write_text(writers[exp](plan[exp], head, out))
+        extra = (sweep,) if exp in swept else ()
+        path.write_text(writers[exp](plan[exp], head, out, *extra))
         written += [path] + ([out / f"{exp}.png"] if (out / f"{exp}.png").exists() else [])
     return written
 
@@ -542,24 +663,39 @@ def main(argv=None) -> int:
     try:
         selected, seeds = parse_selection(args, EXPERIMENTS)
         scale, modalities = selection(args)
+        sweep, selected = sweep_selection(args, selected)
     except SuiteError as exc:
         print(exc)
         return 2
-    out = output_dir(args, RESULTS, QUICK_RESULTS)
+    out = output_dir(args, SWEPT_RESULTS if sweep else RESULTS, QUICK_RESULTS)
     offline_data("Fashion-MNIST and FSDD")
     command = suite_command("benchmarks/commit/run_suite.py", argv)
-    plan = build_suite_plan(seeds, scale, out)
-    to_run = restrict(plan, modalities)
-    runs = distinct_runs(to_run, selected)
-    costs = {s.key: run_cost(s.config) for s in runs}
+    if sweep and sweep.seed in seeds and any(e in SWEPT for e in selected):
+        print(f"warning: the sweep seed {sweep.seed} is among --seeds: its table run is the run that chose the rate "
+              "(a biased figure)", flush=True)
     base = load_config(RECIPE, scale.overrides(modalities[0]))
-    print(f"CoMMIT suite: {', '.join(selected)}; modalities {', '.join(modalities)}; seeds {seeds}; model "
-          f"{base.model.name}; {base.rounds} x {base.train.local_steps} steps of batch {base.train.batch_size} per "
-          f"centralized run -> {out}")
-    note = (f"cost model: per-trainer step seconds measured on this machine (~{estimate_minutes(runs, costs, 1):.0f} "
-            "min of one core for the selection)")
-    return run_suite(to_run, selected, args, costs, lambda: write_reports(plan, selected, seeds, out, command),
-                     root=REPO, notes=[note])
+    print(f"CoMMIT suite: {', '.join(selected)}; modalities {', '.join(modalities)}; seeds {seeds}"
+          + (f"; rates {', '.join(f'{lr:g}' for lr in sweep.grid)} swept on seed {sweep.seed}" if sweep else "")
+          + f"; model {base.model.name}; {base.rounds} x {base.train.local_steps} steps of batch "
+          f"{base.train.batch_size} per centralized run -> {out}")
+
+    def stage(experiments: list[str]) -> int:
+        plan = build_suite_plan(seeds, scale, out, sweep)
+        to_run = restrict(plan, modalities)
+        runs = distinct_runs(to_run, experiments)
+        costs = {s.key: run_cost(s.config) for s in runs}
+        notes = [f"cost model: per-trainer step seconds measured on this machine "
+                 f"(~{estimate_minutes(runs, costs, 1):.0f} min of one core for the selection)"]
+        if sweep:
+            waiting = sorted({k for k, c in choices_of(plan["sweep"]).items() if c is None and k[0] in modalities})
+            notes.append(f"{', '.join(e for e in experiments if e in SWEPT) or 'table1 / fig45'}: "
+                         f"{len(waiting)} (modality, trainer) groups wait for their sweep"
+                         + (f" ({', '.join(f'{m}/{t}' for m, t in waiting)}: {len(seeds) * len(waiting)} "
+                            "table runs to come)" if waiting else ""))
+        return run_suite(to_run, experiments, args, costs,
+                         lambda: write_reports(plan, experiments, seeds, out, command, sweep), root=REPO, notes=notes)
+
+    return sweep_first(stage, selected, args)  # table1 / fig45 are planned from the sweep's finished runs
 
 
 if __name__ == "__main__":
