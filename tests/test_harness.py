@@ -15,6 +15,9 @@ from fedtune.config import load_config
 from fedtune.harness import (
     Choice,
     Costs,
+    Sweep,
+    add_sweep_options,
+    biased_seed_warning,
     RunSpec,
     SuiteError,
     accuracy_cell,
@@ -40,6 +43,7 @@ from fedtune.harness import (
     suite_command,
     suite_parser,
     sweep_first,
+    sweep_selection,
     toml_value,
     unfinished,
     upload_cell,
@@ -311,3 +315,24 @@ def test_the_sweep_runs_before_the_experiments_planned_from_it():
         calls.clear()
         sweep_first(stage, selected, parser.parse_args(argv))
         assert calls == [selected]  # one plan: nothing runs, or nothing is planned from a sweep
+
+
+def test_the_sweep_needs_a_grid_and_a_grid_needs_positive_rates(capsys):
+    experiments = ["sweep", "table", "fig"]
+    parser = suite_parser("a suite", experiments)
+    add_sweep_options(parser, experiments, "each method")
+    args = parser.parse_args([])
+    assert parse_selection(args, experiments)[0] == ["table", "fig"]  # no sweep by default
+    assert sweep_selection(args, ["table", "fig"], ["table"]) == (None, ["table", "fig"])
+    with pytest.raises(SuiteError, match="^--only sweep: needs --lr-grid"):
+        sweep_selection(parser.parse_args(["--only", "sweep"]), ["sweep"], ["table"])
+    for bad in ("", "1e-3,x", "1e-3,0", "-1", "inf", "nan"):
+        with pytest.raises(SuiteError, match="^--lr-grid: expected comma-separated positive learning rates"):
+            sweep_selection(parser.parse_args(["--lr-grid", bad]), ["table"], ["table"])
+    args = parser.parse_args(["--lr-grid", "3e-3,1e-3,3e-3", "--sweep-seed", "4"])
+    assert sweep_selection(args, ["table", "fig"], ["table"]) == (Sweep((1e-3, 3e-3), 4), ["sweep", "table", "fig"])
+    assert sweep_selection(args, ["fig"], ["table"]) == (Sweep((1e-3, 3e-3), 4), ["fig"])  # nothing planned from it
+    biased_seed_warning(Sweep((1e-3,), 4), [1, 2], ["table"], ["table"])
+    assert capsys.readouterr().out == ""
+    biased_seed_warning(Sweep((1e-3,), 4), [4, 5], ["table"], ["table"])
+    assert "the sweep seed 4 is among --seeds" in capsys.readouterr().out

@@ -54,9 +54,10 @@ if str(REPO) not in sys.path:
 
 from fedtune.config import RunConfig, load_config  # noqa: E402
 from fedtune.harness import (  # noqa: E402
-    Choice, RunSpec, SuiteError, build_plan, choice_text, choose, distinct_runs, estimate_minutes, eval_rounds, figure,
-    load_rounds, load_summary, mean_of_last, mean_std, offline_data, output_dir, parse_selection, read_overlays,
-    run_suite, runs_section, suite_command, suite_parser, sweep_first, table_lines, with_labels,
+    Choice, RunSpec, SuiteError, Sweep, add_sweep_options, biased_seed_warning, build_plan, choice_text, choose,
+    distinct_runs, estimate_minutes, eval_rounds, figure, load_rounds, load_summary, mean_of_last, mean_std,
+    offline_data, output_dir, parse_selection, read_overlays, run_suite, runs_section, suite_command, suite_parser,
+    sweep_first, sweep_selection, table_lines, with_labels,
 )
 
 RECIPE = REPO / "configs" / "benchmarks" / "commit-suite.toml"
@@ -126,15 +127,6 @@ class Scale:
         return out
 
 
-@dataclass(frozen=True)
-class Sweep:
-    """``--lr-grid`` / ``--sweep-seed``: the learning rates each (modality, trainer) of Table 1 runs on
-    the sweep seed, ascending."""
-
-    grid: tuple[float, ...]
-    seed: int = 0
-
-
 def spec(modality: str, trainer: str, seed: int, scale: Scale, federated: bool = False,
          lr: float | None = None) -> RunSpec:
     """One run; ``lr`` (a swept or chosen rate, named in the run) overrides the scale's base rate."""
@@ -195,13 +187,8 @@ def parse_args(argv=None):
                         help="every run's base learning rate train.lr (default: the recipe's; CoMMIT's alpha "
                              "follows as 2 x lr); for a rate sweep, one --out folder per rate")
     parser.add_argument("--modalities", default=",".join(MODALITIES), help="comma-separated subset of image,audio to run")
-    parser.add_argument("--lr-grid", default=None,
-                        help="comma-separated learning rates: sweep each (modality, trainer) of Table 1 over them on "
-                             "--sweep-seed, then run table1 / fig45 at each one's chosen rate (adds the sweep "
-                             "experiment; results to benchmarks/results/commit-swept/)")
-    parser.add_argument("--sweep-seed", type=int, default=0,
-                        help="the seed whose sweep runs choose the rates (default 0)")
-    parser.set_defaults(only=",".join(e for e in EXPERIMENTS if e != "sweep"))  # the sweep comes with --lr-grid
+    add_sweep_options(parser, EXPERIMENTS, "each (modality, trainer) of Table 1 (for table1 / fig45; results to "
+                      "benchmarks/results/commit-swept/)")
     return parser.parse_args(argv)
 
 
@@ -222,24 +209,6 @@ def selection(args) -> tuple[Scale, list[str]]:
         raise SuiteError(f"--evals: expected a divisor of the {scale.centralized_steps(modalities[0])} steps per "
                          f"run, got {args.evals}")
     return scale, modalities
-
-
-def sweep_selection(args, selected: list[str]) -> tuple[Sweep | None, list[str]]:
-    """``--lr-grid`` as a :class:`Sweep` (None without it) and the experiments to run: the sweep joins
-    those planned from it (``table1``, ``fig45``); :class:`SuiteError` naming the option when bad."""
-    if args.lr_grid is None:
-        if "sweep" in selected:
-            raise SuiteError("--only sweep: needs --lr-grid (the learning rates to sweep)")
-        return None, selected
-    try:
-        grid = tuple(sorted({float(x) for x in args.lr_grid.split(",") if x.strip()}))
-    except ValueError:
-        grid = ()
-    if not grid or not all(lr > 0 and math.isfinite(lr) for lr in grid):
-        raise SuiteError(f"--lr-grid: expected comma-separated positive learning rates, got {args.lr_grid!r}")
-    if any(e in SWEPT for e in selected) and "sweep" not in selected:
-        selected = ["sweep", *selected]
-    return Sweep(grid, args.sweep_seed), selected
 
 
 # -- cost model ------------------------------------------------------------------------------
@@ -663,16 +632,14 @@ def main(argv=None) -> int:
     try:
         selected, seeds = parse_selection(args, EXPERIMENTS)
         scale, modalities = selection(args)
-        sweep, selected = sweep_selection(args, selected)
+        sweep, selected = sweep_selection(args, selected, SWEPT)
     except SuiteError as exc:
         print(exc)
         return 2
     out = output_dir(args, SWEPT_RESULTS if sweep else RESULTS, QUICK_RESULTS)
     offline_data("Fashion-MNIST and FSDD")
     command = suite_command("benchmarks/commit/run_suite.py", argv)
-    if sweep and sweep.seed in seeds and any(e in SWEPT for e in selected):
-        print(f"warning: the sweep seed {sweep.seed} is among --seeds: its table run is the run that chose the rate "
-              "(a biased figure)", flush=True)
+    biased_seed_warning(sweep, seeds, selected, SWEPT)
     base = load_config(RECIPE, scale.overrides(modalities[0]))
     print(f"CoMMIT suite: {', '.join(selected)}; modalities {', '.join(modalities)}; seeds {seeds}"
           + (f"; rates {', '.join(f'{lr:g}' for lr in sweep.grid)} swept on seed {sweep.seed}" if sweep else "")

@@ -64,6 +64,8 @@ Workers call :func:`fedtune.run.run_experiment`; the harness imports nothing els
 
 from fedtune.harness.cli import (
     SuiteError,
+    add_sweep_options,
+    biased_seed_warning,
     estimate_minutes,
     offline_data,
     output_dir,
@@ -73,8 +75,9 @@ from fedtune.harness.cli import (
     suite_command,
     suite_parser,
     sweep_first,
+    sweep_selection,
 )
-from fedtune.harness.choice import Choice, choice_text, choose, choose_from, setting_text
+from fedtune.harness.choice import Choice, Sweep, choice_text, choose, choose_from, setting_text
 from fedtune.harness.cost import Costs, Probe, calibrate, estimate_s, eval_rounds, makespan, probe
 from fedtune.harness.plan import (
     Plan,
@@ -107,9 +110,9 @@ from fedtune.harness.runs import load_finished, load_rounds, load_summary, run_s
 from fedtune.harness.stats import Curve, evaluations, mean, mean_curve, mean_of_last, mean_std
 
 __all__ = [
-    "SuiteError", "estimate_minutes", "offline_data", "output_dir", "parse_selection", "print_plan", "run_suite",
-    "suite_command", "suite_parser", "sweep_first",
-    "Choice", "choice_text", "choose", "choose_from", "setting_text",
+    "SuiteError", "add_sweep_options", "biased_seed_warning", "estimate_minutes", "offline_data", "output_dir", "parse_selection", "print_plan", "run_suite",
+    "suite_command", "suite_parser", "sweep_first", "sweep_selection",
+    "Choice", "Sweep", "choice_text", "choose", "choose_from", "setting_text",
     "Costs", "Probe", "calibrate", "estimate_s", "eval_rounds", "makespan", "probe",
     "Plan", "RunSpec", "assignments", "build_plan", "config_key", "distinct_runs", "read_overlays", "toml_value",
     "with_labels",

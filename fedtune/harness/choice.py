@@ -20,6 +20,15 @@ Setting = dict[str, float]
 
 
 @dataclass(frozen=True)
+class Sweep:
+    """A suite's learning-rate sweep (``--lr-grid``, ``--sweep-seed``): the rates, ascending, that
+    every swept group runs on the sweep seed."""
+
+    grid: tuple[float, ...]
+    seed: int = 0
+
+
+@dataclass(frozen=True)
 class Choice:
     """A group's chosen setting, its score, and every grid point's score in grid order (scores are
     fractions; None: the run has no evaluation)."""

@@ -2,7 +2,8 @@
 
 ``suite_parser`` gives every suite the same options (``--only``, ``--seeds``, ``--quick``,
 ``--workers``, ``--budget-minutes``, ``--plan``, ``--report-only``, ``--out``); a suite adds its
-own with ``parser.add_argument``. ``run_suite`` then lists the plan with each run's state and
+own with ``parser.add_argument``, and a per-method learning-rate sweep with ``add_sweep_options``
+(``--lr-grid``, ``--sweep-seed``), ``sweep_selection`` and ``sweep_first``. ``run_suite`` then lists the plan with each run's state and
 estimate, stops there for ``--plan``, runs what is unfinished in the worker pool (unless
 ``--report-only``) and writes the reports.
 """
@@ -10,6 +11,7 @@ estimate, stops there for ``--plan``, runs what is unfinished in the worker pool
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import sys
@@ -17,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from fedtune.harness.choice import Sweep
 from fedtune.harness.cost import makespan
 from fedtune.harness.plan import Plan, RunSpec, distinct_runs
 from fedtune.harness.pool import run_specs
@@ -93,6 +96,46 @@ def print_plan(plan: Plan, selected: Sequence[str], costs: dict[str, float]) -> 
         for spec in plan[experiment]:
             shared = f" = {spec.owner}/{spec.run_dir.name}" if spec.shared else ""
             print(f"    [{run_state(spec)}] {spec.name}{shared}  (~{costs[spec.key] / 60:.1f} min)")
+
+
+def add_sweep_options(parser: argparse.ArgumentParser, experiments: Sequence[str], swept: str) -> None:
+    """``--lr-grid`` and ``--sweep-seed`` (see :func:`sweep_selection`); the ``sweep`` experiment
+    leaves ``--only``'s default (it comes with ``--lr-grid``). ``swept``: what the rates apply to."""
+    parser.add_argument("--lr-grid", default=None,
+                        help=f"comma-separated learning rates: sweep {swept} over them on --sweep-seed, then run "
+                             "the experiments planned from the sweep at each one's chosen rate")
+    parser.add_argument("--sweep-seed", type=int, default=0, help="the seed whose sweep runs choose the rates (default 0)")
+    parser.set_defaults(only=",".join(e for e in experiments if e != "sweep"))
+
+
+def sweep_selection(args: argparse.Namespace, selected: Sequence[str],
+                    dependents: Sequence[str]) -> tuple[Sweep | None, list[str]]:
+    """``--lr-grid`` as a :class:`~fedtune.harness.choice.Sweep` (None without it) and the experiments
+    to run: ``sweep`` joins the ``dependents`` (those planned from its choices) when they are
+    selected; a warning when a table seed is the sweep seed; :class:`SuiteError` naming the option
+    when bad."""
+    selected = list(selected)
+    if args.lr_grid is None:
+        if "sweep" in selected:
+            raise SuiteError("--only sweep: needs --lr-grid (the learning rates to sweep)")
+        return None, selected
+    try:
+        grid = tuple(sorted({float(x) for x in args.lr_grid.split(",") if x.strip()}))
+    except ValueError:
+        grid = ()
+    if not grid or not all(lr > 0 and math.isfinite(lr) for lr in grid):
+        raise SuiteError(f"--lr-grid: expected comma-separated positive learning rates, got {args.lr_grid!r}")
+    if any(e in dependents for e in selected) and "sweep" not in selected:
+        selected = ["sweep", *selected]
+    return Sweep(grid, args.sweep_seed), selected
+
+
+def biased_seed_warning(sweep: Sweep | None, seeds: Sequence[int], selected: Sequence[str],
+                        dependents: Sequence[str]) -> None:
+    """Warn when a run of the chosen rates uses the seed that chose them (its figure is biased)."""
+    if sweep and sweep.seed in seeds and any(e in dependents for e in selected):
+        print(f"warning: the sweep seed {sweep.seed} is among --seeds: its run at the chosen rate is the run that "
+              "chose it (a biased figure)", flush=True)
 
 
 def sweep_first(stage: Callable[[list[str]], int], selected: Sequence[str], args: argparse.Namespace,
