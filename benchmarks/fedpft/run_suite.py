@@ -4,6 +4,13 @@ App. C-F), written to ``benchmarks/results/fedpft/``.
 Experiments (named runs on :mod:`fedtune.harness`; a run is ``configs/benchmarks/fedpft-suite.toml``
 plus overlays from ``fedpft-suite-overlays.toml`` plus the experiment's settings):
 
+- ``sweep`` (with ``--lr-grid``): each method of Table 1 on SST-2 and AG News at every rate of the
+  grid on ``--sweep-seed``; the rate with the highest mean of the run's last 3 evaluations (full-model
+  accuracy) is that (data set, method)'s choice. Table 1 then runs each (data set, method) at its
+  choice, and Tables 3-5 (SST-2) each method at its SST-2 choice (the ablations and the t / p
+  settings at FedPFT's), on ``--seeds``; a run whose choice is not made yet waits. Written to
+  ``benchmarks/results/fedpft-swept/``. Table 2 (the random ViT: costs, not accuracy) keeps the
+  recipe's rate.
 - ``table1``: Table 1. FedPETuning, FedOT, FedPFT on SST-2 and AG News with MiniLM, I.I.D.:
   full-model accuracy (adapter plugged back) and the proxy's, trainable and transmitted
   parameters, client compute seconds and peak client training memory.
@@ -33,6 +40,7 @@ thread each); a run with a ``summary.json`` of the same config is skipped (resum
         .venv/bin/python benchmarks/fedpft/run_suite.py [--only table1,table4] [--seeds 0,1,2] [--quick]
     ... --plan           # the runs and the time estimate, nothing run
     ... --report-only    # rewrite the markdown and plots from the run folders that exist
+    ... --lr-grid 1e-3,2e-3,4e-3 --seeds 1,2,3 --only table1   # each method at its own rate
 
 ``--quick`` is a smoke test (tiny-bert / tiny-vit, 2 rounds, a few hundred examples, 5
 distillation steps) written to ``benchmarks/results/_scratch/fedpft-quick/`` (git-ignored).
@@ -50,18 +58,20 @@ if str(REPO) not in sys.path:
 
 from fedtune.config import load_config  # noqa: E402
 from fedtune.harness import (  # noqa: E402
-    Costs, RunSpec, SuiteError, accuracy_cell, averaged_curve, build_plan, distinct_runs, estimate_minutes,
-    estimate_s, eval_rounds, figure, load_rounds, mean_of_last, mean_text, offline_data, output_dir,
-    parse_selection, percent, read_overlays, run_suite, runs_section, suite_command, suite_parser, table_lines,
-    with_labels,
+    Choice, Costs, RunSpec, SuiteError, Sweep, accuracy_cell, add_sweep_options, averaged_curve, biased_seed_warning,
+    build_plan, choice_text, choose, distinct_runs, estimate_minutes, estimate_s, eval_rounds, figure, load_rounds,
+    load_summary, mean_of_last, mean_text, offline_data, output_dir, parse_selection, percent, read_overlays,
+    run_suite, runs_section, suite_command, suite_parser, sweep_first, sweep_selection, table_lines, with_labels,
 )
 from fedtune.harness.stats import mean, mean_std  # noqa: E402
 
 RECIPE = REPO / "configs" / "benchmarks" / "fedpft-suite.toml"
 OVERLAYS = read_overlays(REPO / "configs" / "benchmarks" / "fedpft-suite-overlays.toml")
 RESULTS = REPO / "benchmarks" / "results" / "fedpft"
+SWEPT_RESULTS = REPO / "benchmarks" / "results" / "fedpft-swept"  # --lr-grid: every method at its own rate
 QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "fedpft-quick"
-EXPERIMENTS = ["table1", "table2", "table3", "table4", "table5"]
+EXPERIMENTS = ["sweep", "table1", "table2", "table3", "table4", "table5"]  # also the order that owns shared runs
+SWEPT = ("table1", "table3", "table4", "table5")  # with --lr-grid: at each (data set, method)'s chosen rate
 METHODS = ["fedpetuning", "fedot", "fedpft"]
 LABEL = {"fedpetuning": "FedPETuning", "fedot": "FedOT", "fedpft": "FedPFT", "fedpft_n": "FedPFT_N",
          "fedpft_b": "FedPFT_B", "fedpft_d": "FedPFT_D"}
@@ -96,6 +106,7 @@ PAPER = {  # Tables 1-5 (BERT), App. F (SST-2 ablation)
 class Scale:
     quick: bool
     out: Path
+    sweep: Sweep | None = None
 
     def overrides(self, data: str, method: str, *extra: str) -> list[str]:
         """A run's overrides: its data set's overlay, --quick's, the model, its method's (and, for
@@ -116,38 +127,96 @@ class Scale:
         return out + list(extra)
 
 
-def spec(scale: Scale, name: str, data: str, method: str, seed: int, *extra: str, **labels) -> RunSpec:
-    return RunSpec(name, scale.overrides(data, method, f"seed={seed}", *extra),
-                   {"method": method, "data": data, "seed": seed, **labels})
+WAIT = object()  # Rates.of: the (data set, method)'s sweep is not finished
 
 
-def specs_table1(scale: Scale, seeds: list[int]) -> list[RunSpec]:
-    return [spec(scale, f"{m}-{d}-s{s}", d, m, s) for d in TEXT for s in seeds for m in METHODS]
+@dataclass(frozen=True)
+class Rates:
+    """The learning rate of each (data set, method): the recipe's (None) without a sweep; with one,
+    the chosen rate of the swept data sets (:data:`TEXT`), :data:`WAIT` while not chosen."""
+
+    chosen: dict[tuple[str, str], float] | None = None
+
+    def of(self, data: str, method: str):
+        if self.chosen is None or data not in TEXT:
+            return None
+        return self.chosen.get((data, method), WAIT)
 
 
-def specs_table2(scale: Scale, seeds: list[int]) -> list[RunSpec]:
+def spec(scale: Scale, name: str, data: str, method: str, seed: int, *extra: str, lr: float | None = None,
+         **labels) -> RunSpec:
+    """One run; ``lr`` (a swept or chosen rate, named in the run) overrides the recipe's."""
+    rate = [] if lr is None else [f"train.lr={lr!r}"]
+    return RunSpec(name + ("" if lr is None else f"-lr{lr:g}"),
+                   scale.overrides(data, method, f"seed={seed}", *extra, *rate),
+                   {"method": method, "data": data, "seed": seed, "lr": lr, **labels})
+
+
+def rated(rates: Rates, data: str, method: str, make) -> list[RunSpec]:
+    """``[make(lr)]`` at the (data set, method)'s rate, or ``[]`` while it waits for the sweep."""
+    lr = rates.of(data, method)
+    return [] if lr is WAIT else [make(lr)]
+
+
+def specs_sweep(scale: Scale, seeds: list[int], rates: Rates) -> list[RunSpec]:
+    if scale.sweep is None:
+        return []
+    s = scale.sweep.seed
+    return [spec(scale, f"{m}-{d}-s{s}", d, m, s, lr=lr) for d in TEXT for m in METHODS for lr in scale.sweep.grid]
+
+
+def specs_table1(scale: Scale, seeds: list[int], rates: Rates) -> list[RunSpec]:
+    return [r for d in TEXT for s in seeds for m in METHODS
+            for r in rated(rates, d, m, lambda lr: spec(scale, f"{m}-{d}-s{s}", d, m, s, lr=lr))]
+
+
+def specs_table2(scale: Scale, seeds: list[int], rates: Rates) -> list[RunSpec]:
     return [spec(scale, f"{m}-vit-digits-s{s}", "digits", m, s) for s in seeds for m in METHODS]
 
 
-def specs_table3(scale: Scale, seeds: list[int]) -> list[RunSpec]:
-    return [spec(scale, f"{m}-sst2-dir{a:g}-s{s}", "sst2", m, s, 'data.partition="dirichlet"', f"data.alpha={a}",
-                 alpha=a) for a in ALPHAS for s in seeds for m in METHODS]
+def specs_table3(scale: Scale, seeds: list[int], rates: Rates) -> list[RunSpec]:
+    return [r for a in ALPHAS for s in seeds for m in METHODS
+            for r in rated(rates, "sst2", m, lambda lr: spec(
+                scale, f"{m}-sst2-dir{a:g}-s{s}", "sst2", m, s, 'data.partition="dirichlet"', f"data.alpha={a}",
+                lr=lr, alpha=a))]
 
 
-def specs_table4(scale: Scale, seeds: list[int]) -> list[RunSpec]:
+def specs_table4(scale: Scale, seeds: list[int], rates: Rates) -> list[RunSpec]:
     variants = {"fedot": ("fedot", []), **{v: ("fedpft", o) for v, o in ABLATIONS.items()}}
-    return [spec(scale, f"{v}-sst2-s{s}", "sst2", m, s, *o, variant=v) for s in seeds for v, (m, o) in variants.items()]
+    return [r for s in seeds for v, (m, o) in variants.items()
+            for r in rated(rates, "sst2", m, lambda lr: spec(scale, f"{v}-sst2-s{s}", "sst2", m, s, *o, lr=lr,
+                                                                  variant=v))]
 
 
-def specs_table5(scale: Scale, seeds: list[int]) -> list[RunSpec]:
-    out = [spec(scale, f"fedpft-sst2-t{t}-s{s}", "sst2", "fedpft", s, f"options.align_interval={t}", part="t", t=t, p=0.5)
-           for t in T_VALUES for s in seeds]
-    return out + [spec(scale, f"fedpft-sst2-p{p:g}-s{s}", "sst2", "fedpft", s, f"options.align_fraction={p}", part="p",
-                       t=10, p=p) for p in P_VALUES for s in seeds]
+def specs_table5(scale: Scale, seeds: list[int], rates: Rates) -> list[RunSpec]:
+    t_runs = [r for t in T_VALUES for s in seeds for r in rated(rates, "sst2", "fedpft", lambda lr: spec(
+        scale, f"fedpft-sst2-t{t}-s{s}", "sst2", "fedpft", s, f"options.align_interval={t}", lr=lr, part="t", t=t,
+        p=0.5))]
+    return t_runs + [r for p in P_VALUES for s in seeds for r in rated(rates, "sst2", "fedpft", lambda lr: spec(
+        scale, f"fedpft-sst2-p{p:g}-s{s}", "sst2", "fedpft", s, f"options.align_fraction={p}", lr=lr, part="p", t=10,
+        p=p))]
 
 
-BUILDERS = {"table1": specs_table1, "table2": specs_table2, "table3": specs_table3, "table4": specs_table4,
-            "table5": specs_table5}
+def choices_of(sweep_runs: list[RunSpec]) -> dict[tuple[str, str], Choice | None]:
+    """Each swept (data set, method)'s choice: the argmax over its finished sweep runs of the mean of
+    the last :data:`LAST` evaluations' full-model accuracy (None while any of its runs is unfinished)."""
+    return {(d, m): choose(with_labels(sweep_runs, data=d, method=m), lambda s: {"lr": s.labels["lr"]},
+                           lambda s: last_mean(s, "accuracy"))
+            for d in TEXT for m in METHODS if with_labels(sweep_runs, data=d, method=m)}
+
+
+def build_suite_plan(scale: Scale, seeds: list[int], out: Path):
+    """Every experiment's runs (all of them, so that which folder owns a shared run never depends on
+    ``--only``), with the sweep's choices where ``scale.sweep`` is set."""
+    rates = Rates()
+    if scale.sweep is not None:
+        sweep = build_plan({"sweep": specs_sweep(scale, seeds, rates)}, RECIPE, out)["sweep"]
+        rates = Rates({k: c.setting["lr"] for k, c in choices_of(sweep).items() if c})
+    return build_plan({e: BUILDERS[e](scale, seeds, rates) for e in EXPERIMENTS}, RECIPE, out)
+
+
+BUILDERS = {"sweep": specs_sweep, "table1": specs_table1, "table2": specs_table2, "table3": specs_table3,
+            "table4": specs_table4, "table5": specs_table5}
 
 
 def ensure_random_vit() -> Path:
@@ -262,27 +331,83 @@ def head(scale: Scale, seeds: list[int], command: str, note: str) -> str:
     return "\n".join([
         "## Setup", "", "Produced by", "", "```bash", command, "```", "",
         f"Model `{base.model.name}`; {base.federation.num_clients} clients, {base.federation.sample_size()} sampled per "
-        f"round, {base.rounds} rounds of {base.train.local_steps} local steps (batch {base.train.batch_size}, AdamW, lr "
-        f"{base.train.lr:g}); LoRA rank {base.model.lora_rank} (alpha {base.model.lora_alpha:g}) on query / value + the "
+        f"round, {base.rounds} rounds of {base.train.local_steps} local steps (batch {base.train.batch_size}, AdamW, "
+        + ("lr chosen per data set and method, see below" if scale.sweep else f"lr {base.train.lr:g}")
+        + f"); LoRA rank {base.model.lora_rank} (alpha {base.model.lora_alpha:g}) on query / value + the "
         f"head; seeds {', '.join(map(str, seeds))}. At full scale (MiniLM; --quick runs tiny random models): "
         "FedPFT keeps 25 % of the FFN neurons of layers 1-4, 200 "
         "distillation steps before FL, t = 10, p = 0.5, 20 alignment steps; FedOT's adapter = layers 0 and 5 (LoRA rank "
         "24, the same trainable budget), emulator = layers 1 and 4 (uniform drop of 4 to 2), 200 distillation steps. "
         "Public sets: AG News for SST-2, SST-2 for AG News, Fashion-MNIST for digits. Accuracy: mean of each run's "
         f"last {LAST} evaluations, then mean ± sample std over seeds; `accuracy` is the full model's with the "
-        "adapter plugged back, `proxy` the proxy's with the same adapter.", "", note, ""])
+        "adapter plugged back, `proxy` the proxy's with the same adapter.", "", *rates_text(scale, seeds), note, ""])
+
+
+def rates_text(scale: Scale, seeds: list[int]) -> list[str]:
+    """The setup's paragraph on how the rates were chosen (nothing without a sweep)."""
+    if scale.sweep is None:
+        return []
+    sw = scale.sweep
+    return [f"**Rates.** Each method's learning rate is chosen per data set on seed {sw.seed} from "
+            f"{{{', '.join(f'{lr:g}' for lr in sw.grid)}}}: the rate with the highest mean of its last {LAST} "
+            "evaluations' full-model accuracy (`sweep.md`; ties: the smaller rate). Table 1 runs each (data set, "
+            "method) at its choice, Tables 3-5 each method at its SST-2 choice (the ablations and the t / p settings "
+            f"at FedPFT's), on seeds {', '.join(map(str, seeds))}"
+            + (" (the sweep seed among them: its run is the one that chose the rate, a biased figure)."
+               if sw.seed in seeds else ", which played no part in the choice.")
+            + " Table 2 (random ViT) runs at the recipe's rate.", ""]
+
+
+def rate_cell(specs: list[RunSpec]) -> str:
+    """The learning rate the specs ran at (one value, or the distinct ones)."""
+    rates = sorted({s.config.train.lr for s in specs})
+    return ", ".join(f"{lr:g}" for lr in rates) if rates else "waiting for the sweep"
+
+
+def write_sweep(specs, scale, hd, out: Path) -> str:
+    """Each (data set, method)'s accuracy at every grid rate on the sweep seed, and its choice."""
+    choices = choices_of(specs)
+    lines = ["# Learning-rate sweep (CPU scale): each method's own rate", "",
+             f"Each cell: the run's mean of its last {LAST} evaluations' full-model accuracy (%), one seed; **bold**: "
+             "the chosen rate (automatic argmax).", "", hd]
+    with figure(out / "sweep.png", 1, len(TEXT), figsize=(5.5 * len(TEXT), 4), squeeze=False) as (fig, axes):
+        for ax, d in zip(axes[0], TEXT):
+            done = [x for x in map(load_summary, with_labels(specs, data=d)) if x]
+            reference = done[0].get("majority_accuracy") if done else None
+            rows = []
+            for m in METHODS:
+                group = sorted(with_labels(specs, data=d, method=m), key=lambda x: x.labels["lr"])
+                choice = choices.get((d, m))
+                scores = [last_mean(x, "accuracy") for x in group]
+                cells = ["pending" if v is None else f"{100 * v:.2f}" for v in scores]
+                rows.append([LABEL[m], *(f"**{c}**" if choice and x.labels["lr"] == choice.setting["lr"] else c
+                                         for x, c in zip(group, cells)), choice_text(choice, reference)])
+                pts = [(x.labels["lr"], 100 * v) for x, v in zip(group, scores) if v is not None]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", ms=3, label=LABEL[m])
+            lrs = sorted({x.labels["lr"] for x in with_labels(specs, data=d)})
+            lines += [f"## {d}", "", *table_lines(["method", *(f"lr {lr:g}" for lr in lrs), "chosen"], rows), "",
+                      "Majority-class rate: " + (f"{100 * reference:.2f}%." if reference is not None else "pending."),
+                      ""]
+            ax.set_xscale("log")
+            ax.set(title=f"{d}: sweep seed", xlabel="learning rate", ylabel=f"accuracy, mean of last {LAST} (%)")
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+    return "\n".join([*lines, "![sweep](sweep.png)", ""]) + "\n" + runs_section(specs, out)
 
 
 def write_table1(specs, scale, hd, out: Path) -> str:
     lines = ["# Table 1 (CPU scale): FedPETuning, FedOT, FedPFT on SST-2 and AG News (MiniLM, I.I.D.)", "", hd,
              "## Results", ""]
-    cols = ["method"] + [f"{d} {w}" for d in TEXT for w in ("acc (%)", "proxy acc (%)")] + [f"sst2 {c}" for c in COST_COLUMNS]
+    what = ("lr", "acc (%)", "proxy acc (%)") if scale.sweep else ("acc (%)", "proxy acc (%)")
+    cols = ["method"] + [f"{d} {w}" for d in TEXT for w in what] + [f"sst2 {c}" for c in COST_COLUMNS]
     rows = []
     for m in METHODS:
         row = [LABEL[m]]
         for d in TEXT:
             g = with_labels(specs, method=m, data=d)
-            row += [accuracy_cell(g, LAST), proxy_cell(g)]
+            row += ([rate_cell(g)] if scale.sweep else []) + [accuracy_cell(g, LAST), proxy_cell(g)]
         rows.append(row + cost_cells(with_labels(specs, method=m, data="sst2")))
     lines += table_lines(cols, rows)
     lines += [""] + [ordering_note({m: [last_mean(s, "accuracy") for s in with_labels(specs, method=m, data=d)]
@@ -383,46 +508,62 @@ def write_table5(specs, scale, hd, out: Path) -> str:
     return "\n".join(lines + [""]) + "\n" + runs_section(specs, out)
 
 
-WRITERS = {"table1": write_table1, "table2": write_table2, "table3": write_table3, "table4": write_table4,
-           "table5": write_table5}
+WRITERS = {"sweep": write_sweep, "table1": write_table1, "table2": write_table2, "table3": write_table3,
+           "table4": write_table4, "table5": write_table5}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="0,1,2", budget_minutes=600)
+    add_sweep_options(p, EXPERIMENTS, "each method of Table 1 on SST-2 and AG News (for tables 1, 3-5; results to "
+                      "benchmarks/results/fedpft-swept/)")
     args = p.parse_args(argv)
     try:
         selected, seeds = parse_selection(args, EXPERIMENTS)
+        sweep, selected = sweep_selection(args, selected, SWEPT)
     except SuiteError as exc:
         print(exc)
         return 2
-    out = output_dir(args, RESULTS, QUICK_RESULTS)
-    scale = Scale(args.quick, out)
+    out = output_dir(args, SWEPT_RESULTS if sweep else RESULTS, QUICK_RESULTS)
+    scale = Scale(args.quick, out, sweep)
     offline_data("sst2/agnews")
+    biased_seed_warning(sweep, seeds, selected, SWEPT)
     if "table2" in selected and not args.quick:
         ensure_random_vit()
-    plan = build_plan({e: BUILDERS[e](scale, seeds) for e in EXPERIMENTS}, RECIPE, out)
-    runs = distinct_runs(plan, selected)
-    costs = plan_costs(runs)
     command = suite_command("benchmarks/fedpft/run_suite.py", argv)
-    note = (f"Cost model: per-step and evaluation costs measured by the FSLoRA suite's --calibrate on this VM (MiniLM, "
-            f"one thread), plus the proxy methods' distillation, proxy evaluation, APoZ passes and alignments. "
-            f"Estimated suite time with {args.workers} worker(s): {estimate_minutes(runs, costs, args.workers):.0f} min.")
-
-    def write_reports() -> list[Path]:
-        out.mkdir(parents=True, exist_ok=True)
-        hd = head(scale, seeds, command, note)
-        written = []
-        for exp in selected:
-            path = out / f"{exp}.md"
-            path.write_text(WRITERS[exp](plan[exp], scale, hd, out), encoding="utf-8")
-            written += [path, out / f"{exp}.png"]
-        return written
-
     base = load_config(RECIPE, scale.overrides("sst2", "fedpft"))
-    print(f"FedPFT suite: {', '.join(selected)}; seeds {seeds}; model {base.model.name}; R={base.rounds}, "
-          f"H={base.train.local_steps}, {base.federation.sample_size()}/{base.federation.num_clients} clients per "
-          f"round -> {out}")
-    return run_suite(plan, selected, args, costs, write_reports, root=REPO, notes=[note])
+    print(f"FedPFT suite: {', '.join(selected)}; seeds {seeds}"
+          + (f"; rates {', '.join(f'{lr:g}' for lr in sweep.grid)} swept on seed {sweep.seed}" if sweep else "")
+          + f"; model {base.model.name}; R={base.rounds}, H={base.train.local_steps}, "
+          f"{base.federation.sample_size()}/{base.federation.num_clients} clients per round -> {out}")
+
+    def stage(experiments: list[str]) -> int:
+        plan = build_suite_plan(scale, seeds, out)
+        runs = distinct_runs(plan, experiments)
+        costs = plan_costs(runs)
+        note = (f"Cost model: per-step and evaluation costs measured by the FSLoRA suite's --calibrate on this VM "
+                f"(MiniLM, one thread), plus the proxy methods' distillation, proxy evaluation, APoZ passes and "
+                f"alignments. Estimated time of the selection with {args.workers} worker(s): "
+                f"{estimate_minutes(runs, costs, args.workers):.0f} min.")
+        notes = [note]
+        if sweep:
+            waiting = sorted(k for k, c in choices_of(plan["sweep"]).items() if c is None)
+            notes.append(f"{len(waiting)} (data set, method) groups wait for their sweep"
+                         + (f": {', '.join(f'{d}/{m}' for d, m in waiting)} (their table runs are planned once it "
+                            "is finished)" if waiting else ""))
+
+        def write_reports() -> list[Path]:
+            out.mkdir(parents=True, exist_ok=True)
+            hd = head(scale, seeds, command, note)
+            written = []
+            for exp in experiments:
+                path = out / f"{exp}.md"
+                path.write_text(WRITERS[exp](plan[exp], scale, hd, out), encoding="utf-8")
+                written += [path, out / f"{exp}.png"]
+            return written
+
+        return run_suite(plan, experiments, args, costs, write_reports, root=REPO, notes=notes)
+
+    return sweep_first(stage, selected, args)  # tables 1, 3-5 are planned from the sweep's finished runs
 
 
 if __name__ == "__main__":
