@@ -88,11 +88,14 @@ def two_experiments() -> dict[str, list[RunSpec]]:
     }
 
 
-def finish(spec: RunSpec, accuracies: list[float | None], bytes_up: int = 1_000_000) -> None:
-    """Write the run folder ``run_experiment`` would leave (config.toml, metrics.jsonl, summary.json)."""
+def finish(spec: RunSpec, accuracies: list[float | None], bytes_up: int = 1_000_000,
+           rounds_evaluated: list[int] | None = None) -> None:
+    """Write the run folder ``run_experiment`` would leave (config.toml, metrics.jsonl, summary.json),
+    the accuracies at rounds 1, 2, ... (or at ``rounds_evaluated``)."""
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     (spec.run_dir / "config.toml").write_text(tomli_w.dumps(spec.config.model_dump(mode="json", exclude_none=True)))
-    rounds = [{"round": i + 1, "accuracy": a, "bytes_up": bytes_up} for i, a in enumerate(accuracies)]
+    numbers = rounds_evaluated or range(1, len(accuracies) + 1)
+    rounds = [{"round": r, "accuracy": a, "bytes_up": bytes_up} for r, a in zip(numbers, accuracies)]
     (spec.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
     summary = {"name": spec.name, "rounds": len(rounds), "final_accuracy": accuracies[-1],
                "total_bytes_up": bytes_up * len(rounds), "wall_s": 12.0}
@@ -329,6 +332,14 @@ def test_the_sweep_needs_a_grid_and_a_grid_needs_positive_rates(capsys):
     for bad in ("", "1e-3,x", "1e-3,0", "-1", "inf", "nan"):
         with pytest.raises(SuiteError, match="^--lr-grid: expected comma-separated positive learning rates"):
             sweep_selection(parser.parse_args(["--lr-grid", bad]), ["table"], ["table"])
+    factors = suite_parser("a suite", experiments)
+    add_sweep_options(factors, experiments, "each method", factors=True, sweep_seed=3)
+    assert sweep_selection(factors.parse_args(["--lr-factors", "1,0.3"]), ["table"], ["table"]) == (
+        Sweep((0.3, 1.0), 3), ["sweep", "table"])
+    with pytest.raises(SuiteError, match="^--lr-factors: expected comma-separated positive multiples of each"):
+        sweep_selection(factors.parse_args(["--lr-factors", "0"]), ["table"], ["table"])
+    with pytest.raises(SuiteError, match="^--only sweep: needs --lr-factors"):
+        sweep_selection(factors.parse_args(["--only", "sweep"]), ["sweep"], ["table"])
     args = parser.parse_args(["--lr-grid", "3e-3,1e-3,3e-3", "--sweep-seed", "4"])
     assert sweep_selection(args, ["table", "fig"], ["table"]) == (Sweep((1e-3, 3e-3), 4), ["sweep", "table", "fig"])
     assert sweep_selection(args, ["fig"], ["table"]) == (Sweep((1e-3, 3e-3), 4), ["fig"])  # nothing planned from it

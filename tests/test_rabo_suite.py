@@ -81,3 +81,49 @@ def test_every_run_has_an_estimate_and_quick_is_small(suite, tmp_path):
             for s in specs:
                 assert suite.estimate_s(s.config) > 0
     assert all(s.config.rounds == 2 for specs in quick.values() for s in specs if s.experiment != "fig4")
+
+
+
+def test_a_factor_sweep_scales_each_methods_own_step_size_and_the_tables_use_the_choice(suite, tmp_path):
+    from dataclasses import replace
+
+    from tests.test_harness import finish
+
+    scale = replace(suite.Scale(), settings=("w5s1",), updates=30, sweep=suite.Sweep((0.3, 1.0, 3.0), 3))
+    plan = suite.build_suite_plan(scale, [0, 1, 2], tmp_path)
+    unswept = suite.build_suite_plan(replace(scale, sweep=None), [0, 1, 2], tmp_path)
+    base = {s.labels["method"]: s.config for s in unswept["table2"] if s.labels["seed"] == 0}
+    for s in plan["sweep"]:
+        m, f, c = s.labels["method"], s.labels["factor"], s.config
+        assert (s.labels["setting"], c.seed) == ("w5s1", 3)
+        if m in suite.BILEVEL:  # the outer step scales; the inner problem and the AdamW rate do not
+            assert c.options["outer_lr"] == pytest.approx(f * base[m].options["outer_lr"])
+            assert c.options["inner_lr"] == base[m].options["inner_lr"] and c.train.lr == base[m].train.lr
+        else:
+            assert c.train.lr == pytest.approx(f * base[m].train.lr)
+            assert c.options == base[m].options
+    assert plan["table2"] == [] and plan["table3"] == []  # every method waits for its sweep
+    assert [s.key for s in plan["fig3"]] == [s.key for s in unswept["fig3"]]  # not swept
+    runs = {(s.labels["method"], s.labels["factor"]): s for s in plan["sweep"]}
+    # Bilevel runs evaluate every 5 rounds (one update each), FedAvg every round of 10 updates: the
+    # figure is the mean of the last 3 evaluations at 10, 20, 30 updates
+    every5 = (5, 10, 15, 20, 25, 30)
+    finish(runs[("rabo", 0.3)], [0.2, 0.2, 0.9, 0.2, 0.9, 0.3], rounds_evaluated=every5)  # 0.233: best off-budget
+    finish(runs[("rabo", 1.0)], [0.2, 0.5, 0.2, 0.5, 0.2, 0.5], rounds_evaluated=every5)  # 0.5: chosen
+    finish(runs[("rabo", 3.0)], [0.2, 0.3, 0.2, 0.3, 0.2, 0.6], rounds_evaluated=every5)  # 0.4: best final point
+    for f, accs in ((0.3, [0.3, 0.3, 0.3]), (1.0, [0.3, 0.4, 0.4]), (3.0, [0.3, 0.5, 0.6])):
+        finish(runs[("fedavg", f)], accs)
+    choices = suite.choices_of(plan["sweep"])
+    assert choices["rabo"].setting == {"factor": 1.0} and choices["rabo"].score == pytest.approx(0.5)
+    assert choices["fedavg"].setting == {"factor": 3.0} and choices["fedavg"].at_edge("factor") == "largest"
+    plan = suite.build_suite_plan(scale, [0, 1, 2], tmp_path)
+    table = {(s.labels["method"], s.labels["seed"]): s for s in plan["table2"]}
+    assert set(table) == {(m, seed) for m in ("rabo", "fedavg") for seed in (0, 1, 2)}
+    for seed in (0, 1, 2):  # factor 1: the unswept suite's very run; factor 3: the scaled rate on every seed
+        assert table[("rabo", seed)].key == next(s.key for s in unswept["table2"] if (s.labels["method"], s.labels[
+            "seed"]) == ("rabo", seed))
+        assert table[("fedavg", seed)].config.train.lr == pytest.approx(3 * base["fedavg"].train.lr)
+    assert {(s.labels["method"], s.labels["clients"]) for s in plan["table3"]} == {("rabo", n) for n in scale.clients}
+    text = suite.report_sweep(plan["sweep"], scale, "head", tmp_path)
+    assert "| RABO | `options.outer_lr` | 23.33 (0.015) | **50.00 (0.05)** | 40.00 (0.15) | factor 1 by 10.00 points" in text
+    assert "(the grid's largest factor: a rate beyond it might do better)" in text

@@ -7,6 +7,12 @@ Experiments (named runs on :mod:`fedtune.harness`; a few-shot run is
 ``rabo-suite-overlays.toml`` + the experiment's settings; a loss-tuning run starts from
 ``rabo-losstune-suite.toml``):
 
+- ``sweep`` (with ``--lr-factors``): each method on 5-way 1-shot at every multiple of its own step
+  size (the bilevel methods' outer step ``options.outer_lr``, the single-level methods' AdamW
+  ``train.lr``) on ``--sweep-seed`` (default 3, outside the table seeds); the multiple with the
+  highest Table II figure (mean of the last 3 evaluations at multiples of 10 updates) is that
+  method's choice, which Table II (every column) and Table III then run. Factor 1 is the recipe's
+  rate, so its table runs are the unswept suite's.
 - ``table2``: Table II. RABO, RAFBO, full-model bilevel (FedMBO style), FedAvg, Static (HeteroFL),
   FedRolex, FIARSE on Omniglot 5-way / 20-way, 1-shot / 5-shot; capacities two clients each of
   {1, 1/2, 1/4, 1/8, 1/16} (FedMBO and FedAvg: full model). Accuracy on held-out alphabets.
@@ -27,6 +33,7 @@ Experiments (named runs on :mod:`fedtune.harness`; a few-shot run is
     ... --settings w5s1,w5s5   # only these N-way K-shot columns of Table II
     ... --updates 30    # 30 backbone updates per client instead of 60 (every method's rounds alike)
     ... --methods rabo,fedmbo   # only these methods' runs
+    ... --lr-factors 0.3,1,3 --only table2 --settings w5s1 --updates 30   # each method at its own rate
 
 Identical configs are run once and shared (Table III's 10-client runs are Table II's).
 """
@@ -41,11 +48,12 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from fedtune.config import RunConfig  # noqa: E402
+from fedtune.config import RunConfig, load_config  # noqa: E402
 from fedtune.harness import (  # noqa: E402
-    RunSpec, SuiteError, accuracy_cell, averaged_curve, build_plan, distinct_runs, estimate_minutes, eval_rounds,
-    figure, load_rounds, load_summary, mean, mean_text, offline_data, output_dir, parse_selection, percent,
-    read_overlays, run_suite, runs_section, suite_command, suite_parser, table_lines, toml_value, with_labels,
+    Choice, RunSpec, SuiteError, Sweep, accuracy_cell, add_sweep_options, averaged_curve, biased_seed_warning,
+    build_plan, choice_text, choose, distinct_runs, estimate_minutes, eval_rounds, figure, load_rounds, load_summary,
+    mean, mean_text, offline_data, output_dir, parse_selection, percent, read_overlays, run_suite, runs_section,
+    suite_command, suite_parser, sweep_first, sweep_selection, table_lines, toml_value, with_labels,
 )
 
 FEW_SHOT_RECIPE = REPO / "configs" / "benchmarks" / "rabo-suite.toml"
@@ -53,7 +61,9 @@ LOSS_RECIPE = REPO / "configs" / "benchmarks" / "rabo-losstune-suite.toml"
 OVERLAYS = read_overlays(REPO / "configs" / "benchmarks" / "rabo-suite-overlays.toml")
 RESULTS = REPO / "benchmarks" / "results" / "rabo"
 QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "rabo-quick"
-EXPERIMENTS = ["table2", "fig4", "fig3", "table3", "fig5"]  # also the order that owns shared runs
+EXPERIMENTS = ["sweep", "table2", "fig4", "fig3", "table3", "fig5"]  # also the order that owns shared runs
+SWEPT = ("table2", "table3")  # with --lr-factors: each method at its chosen multiple of its own rate
+SWEEP_SETTING = "w5s1"
 METHODS = ["rabo", "rafbo", "fedmbo", "fedavg", "static", "fedrolex", "fiarse"]
 BILEVEL = ["rabo", "rafbo", "fedmbo"]
 SETTINGS = {"w5s1": "5-way 1-shot", "w5s5": "5-way 5-shot", "w20s1": "20-way 1-shot", "w20s5": "20-way 5-shot"}
@@ -82,6 +92,7 @@ class Scale:
     table3_settings: tuple = ("w5s1", "w5s5")
     per_round: int = 10  # clients sampled per round beyond 10 clients (Table III)
     updates: int | None = None  # backbone updates per client (default the recipe's 60; --updates)
+    sweep: Sweep | None = None  # --lr-factors: multiples of each method's own step size
 
     def budget(self, method: str) -> list[str]:
         """``updates`` backbone updates per client: bilevel, one outer step a round, evaluated 6 times;
@@ -92,9 +103,13 @@ class Scale:
             return [f"rounds={self.updates}", f"eval_every={max(1, self.updates // 6)}"]
         return [f"rounds={max(1, self.updates // 10)}", "eval_every=1"]
 
-    def few_shot(self, setting: str, method: str, *extra: str) -> list[str]:
-        return [*OVERLAYS[setting], *OVERLAYS[method], *self.budget(method), *(OVERLAYS["quick"] if self.quick else []),
-                *extra]
+    def few_shot(self, setting: str, method: str, *extra: str, factor: float | None = None) -> list[str]:
+        """A few-shot run's overrides; ``factor`` scales the method's own step size (:func:`rate_key`)."""
+        out = [*OVERLAYS[setting], *OVERLAYS[method], *self.budget(method), *(OVERLAYS["quick"] if self.quick else []),
+               *extra]
+        if factor is None or factor == 1.0:
+            return out
+        return out + [f"{rate_key(method)}={factor * base_rate(load_config(FEW_SHOT_RECIPE, out), method)!r}"]
 
     def loss_tuning(self, method: str, *extra: str) -> list[str]:
         return [*OVERLAYS[f"lt_{method}"], *(OVERLAYS["quick_lt"] if self.quick else []), *extra]
@@ -104,19 +119,51 @@ def quick_scale() -> Scale:
     return Scale(quick=True, clients=(10, 20))
 
 
+def rate_key(method: str) -> str:
+    """The step size a method's sweep scales: the bilevel outer step (x's hypergradient step), or the
+    single-level methods' AdamW learning rate."""
+    return "options.outer_lr" if method in BILEVEL else "train.lr"
+
+
+def base_rate(config: RunConfig, method: str) -> float:
+    return config.options["outer_lr"] if method in BILEVEL else config.train.lr
+
+
+WAIT = object()  # a method whose sweep is not finished
+
+
+def factor_of(chosen: dict[str, float] | None, method: str):
+    """The method's step-size factor for the tables: None (the recipe's) without a sweep, its chosen
+    factor, or :data:`WAIT`."""
+    return None if chosen is None else chosen.get(method, WAIT)
+
+
+def named(name: str, factor: float | None) -> str:
+    return name if factor is None or factor == 1.0 else f"{name}-x{factor:g}"
+
+
 # -- run specifications ----------------------------------------------------------------------------
-def specs_table2(scale: Scale, seeds: list[int]) -> list[RunSpec]:
-    return [RunSpec(f"{m}-{s}-s{seed}", scale.few_shot(s, m, f"seed={seed}"), {"method": m, "setting": s, "seed": seed})
-            for s in scale.settings for seed in seeds for m in METHODS]
+def specs_sweep(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
+    if scale.sweep is None:
+        return []
+    seed, s = scale.sweep.seed, SWEEP_SETTING
+    return [RunSpec(named(f"{m}-{s}-s{seed}", f), scale.few_shot(s, m, f"seed={seed}", factor=f),
+                    {"method": m, "setting": s, "seed": seed, "factor": f}) for m in METHODS for f in scale.sweep.grid]
 
 
-def specs_fig4(scale: Scale, seeds: list[int]) -> list[RunSpec]:
+def specs_table2(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
+    return [RunSpec(named(f"{m}-{s}-s{seed}", f), scale.few_shot(s, m, f"seed={seed}", factor=f),
+                    {"method": m, "setting": s, "seed": seed, "factor": f})
+            for s in scale.settings for seed in seeds for m in METHODS if (f := factor_of(chosen, m)) is not WAIT]
+
+
+def specs_fig4(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
     rounds = ["rounds=2", "eval_every=2"] if scale.quick else ["rounds=3", "eval_every=3"]
     return [RunSpec(f"flops-{m}-w5s1-s{seed}", scale.few_shot("w5s1", m, f"seed={seed}", *rounds, "options.count_flops=true"),
                     {"method": m, "setting": "w5s1", "seed": seed}) for seed in seeds for m in BILEVEL]
 
 
-def specs_fig3(scale: Scale, seeds: list[int]) -> list[RunSpec]:
+def specs_fig3(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
     return [RunSpec(f"{m}-cstar{c}-w5s5-s{seed}",
                     scale.few_shot("w5s5", m, f"seed={seed}", "federation.profiles=[{capacity=0.25}]",
                                    'options.masks="segment"', f"options.segments={SEGMENTS[c]}"),
@@ -131,10 +178,12 @@ def clients_overrides(n: int, per_round: int) -> list[str]:
             f"federation.clients_per_round={per_round}"]
 
 
-def specs_table3(scale: Scale, seeds: list[int]) -> list[RunSpec]:
-    return [RunSpec(f"{m}-{s}-n{n}-s{seed}", scale.few_shot(s, m, f"seed={seed}", *clients_overrides(n, scale.per_round)),
-                    {"method": m, "setting": s, "clients": n, "seed": seed})
-            for s in scale.table3_settings for seed in seeds for m in ("rabo", "rafbo") for n in scale.clients]
+def specs_table3(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
+    return [RunSpec(named(f"{m}-{s}-n{n}-s{seed}", f),
+                    scale.few_shot(s, m, f"seed={seed}", *clients_overrides(n, scale.per_round), factor=f),
+                    {"method": m, "setting": s, "clients": n, "seed": seed, "factor": f})
+            for s in scale.table3_settings for seed in seeds for m in ("rabo", "rafbo") for n in scale.clients
+            if (f := factor_of(chosen, m)) is not WAIT]
 
 
 def specs_fig5(scale: Scale, seeds: list[int]) -> list[RunSpec]:
@@ -142,12 +191,26 @@ def specs_fig5(scale: Scale, seeds: list[int]) -> list[RunSpec]:
             for seed in seeds for m in METHODS]
 
 
-FEW_SHOT = {"table2": specs_table2, "fig4": specs_fig4, "fig3": specs_fig3, "table3": specs_table3}
+FEW_SHOT = {"sweep": specs_sweep, "table2": specs_table2, "fig4": specs_fig4, "fig3": specs_fig3,
+            "table3": specs_table3}
+
+
+def choices_of(sweep_runs: list[RunSpec]) -> dict[str, Choice | None]:
+    """Each method's chosen factor: the argmax over its finished sweep runs of :func:`budget_accuracy`
+    (None while any of its runs is unfinished)."""
+    return {m: choose(with_labels(sweep_runs, method=m), lambda s: {"factor": s.labels["factor"]}, budget_accuracy)
+            for m in METHODS if with_labels(sweep_runs, method=m)}
 
 
 def build_suite_plan(scale: Scale, seeds: list[int], out: Path) -> dict[str, list[RunSpec]]:
-    """Every experiment's runs, resolved (all experiments, so run ownership never depends on --only)."""
-    plan = build_plan({e: f(scale, seeds) for e, f in FEW_SHOT.items()}, FEW_SHOT_RECIPE, out)
+    """Every experiment's runs, resolved (all experiments, so run ownership never depends on --only);
+    with ``scale.sweep``, Tables II and III at each method's chosen factor (a method waits until its
+    sweep is finished)."""
+    chosen = None
+    if scale.sweep is not None:
+        plan = build_plan({e: f(scale, seeds) for e, f in FEW_SHOT.items()}, FEW_SHOT_RECIPE, out)
+        chosen = {m: c.setting["factor"] for m, c in choices_of(plan["sweep"]).items() if c}
+    plan = build_plan({e: f(scale, seeds, chosen) for e, f in FEW_SHOT.items()}, FEW_SHOT_RECIPE, out)
     plan.update(build_plan({"fig5": specs_fig5(scale, seeds)}, LOSS_RECIPE, out))
     return {e: plan[e] for e in EXPERIMENTS}
 
@@ -200,8 +263,12 @@ def setup_section(scale: Scale, seeds: list[int], command: str, estimate: str) -
         f"| seeds | not stated | {', '.join(map(str, seeds))} |",
         "", "Accuracy: each run's mean of its last 3 evaluations (Table II: its last 3 evaluations at a multiple of 10 "
         "backbone updates per client, the same update counts for every method), then mean ± sample std over the "
-        "seeds. "
-        "Nothing is tuned per method; the bilevel methods share their step sizes. " + estimate, ""])
+        "seeds. " + (
+            f"Step sizes: each method's own (bilevel: the outer step; single-level: the AdamW learning rate) times "
+            f"the factor chosen on seed {scale.sweep.seed} from {{{', '.join(f'{f:g}' for f in scale.sweep.grid)}}} "
+            f"({SETTINGS[SWEEP_SETTING]}, `sweep.md`) for Tables II and III; the other experiments at factor 1. "
+            if scale.sweep else "Nothing is tuned per method; the bilevel methods share their step sizes. ")
+        + estimate, ""])
 
 
 def curve_plot(path: Path, groups: list[tuple[str, list[RunSpec]]], title: str, metric: str = "accuracy",
@@ -240,17 +307,51 @@ def budget_cell(specs: list[RunSpec]) -> str:
     return percent(values) + (f" (n={n})" if 0 < n < len(specs) else "")
 
 
+def step_size(specs: list[RunSpec]) -> str:
+    """The step size the method's runs used (``x factor`` where swept), or that they wait."""
+    if not specs:
+        return "waiting for the sweep"
+    s = specs[0]
+    rate = f"{base_rate(s.config, s.labels['method']):g}"
+    return rate if s.labels.get("factor") is None else f"{rate} (x{s.labels['factor']:g})"
+
+
+def report_sweep(specs, scale, head, out) -> str:
+    """Each method's Table II figure at every factor of its own step size on the sweep seed."""
+    choices = choices_of(specs)
+    factors = sorted({s.labels["factor"] for s in specs})
+    rows = []
+    for m in METHODS:
+        group = sorted(with_labels(specs, method=m), key=lambda s: s.labels["factor"])
+        cells = []
+        for s in group:
+            v = budget_accuracy(s)  # None: unfinished, or no evaluation at a multiple of 10 updates (--quick)
+            text = ("pending" if not load_summary(s) else "–" if v is None else f"{100 * v:.2f}")
+            text += f" ({base_rate(s.config, m):g})"
+            chosen = choices.get(m) and choices[m].setting["factor"] == s.labels["factor"]
+            cells.append(f"**{text}**" if chosen else text)
+        rows.append([LABEL[m], f"`{rate_key(m)}`", *cells, choice_text(choices.get(m), 1 / 5, "chance rate")])
+    lines = ["# Step-size sweep (CPU scale): each method at its own rate", "",
+             f"{SETTINGS[SWEEP_SETTING]}, one seed. Each cell: the run's Table II figure (mean of its last {LAST} "
+             "evaluations at multiples of 10 backbone updates per client, %) and, in brackets, the step size it ran "
+             "at; **bold**: the chosen factor (automatic argmax), which Tables II and III then run.", "", head,
+             "## Results", "", *table_lines(["method", "step size", *(f"x {f:g}" for f in factors), "chosen"], rows),
+             ""]
+    return "\n".join(lines) + "\n" + runs_section(specs, out)
+
+
 def report_table2(specs, scale, head, out) -> str:
     settings = [s for s in scale.settings if with_labels(specs, setting=s)]
     rows = []
     for m in METHODS:
-        row = [LABEL[m]]
+        row = [LABEL[m]] + ([step_size(with_labels(specs, method=m))] if scale.sweep else [])
         for i, s in enumerate(settings):
             paper = PAPER_TABLE2.get(m)
             group = with_labels(specs, method=m, setting=s)
             row += [budget_cell(group), accuracy_cell(group), f"{paper[list(SETTINGS).index(s)]:.2f}" if paper else "–"]
         rows.append(row)
-    cols = ["method"] + [c for s in settings for c in (f"{SETTINGS[s]} (%)", "final (%)", "paper")]
+    cols = ["method", *(["step size"] if scale.sweep else [])] + [
+        c for s in settings for c in (f"{SETTINGS[s]} (%)", "final (%)", "paper")]
     lines = ["# Table II (CPU scale): N-way K-shot accuracy on held-out Omniglot alphabets", "", head, "## Results", "",
              *table_lines(cols, rows), "",
              "First column: each run's mean of its last 3 evaluations at a multiple of 10 backbone updates per "
@@ -369,6 +470,7 @@ def write_reports(plan, selected, scale, seeds, out, command, estimate) -> list[
     out.mkdir(parents=True, exist_ok=True)
     head = setup_section(scale, seeds, command, estimate)
     reports = {
+        "sweep": lambda: report_sweep(plan["sweep"], scale, head, out),
         "table2": lambda: report_table2(plan["table2"], scale, head, out),
         "fig4": lambda: report_fig4(plan["fig4"], plan["table2"], head, out),
         "fig3": lambda: report_fig3(plan["fig3"], head, out),
@@ -385,6 +487,8 @@ def write_reports(plan, selected, scale, seeds, out, command, estimate) -> list[
 
 def main(argv: list[str] | None = None) -> int:
     parser = suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="0,1,2")
+    add_sweep_options(parser, EXPERIMENTS, f"each method's own step size on {SETTINGS[SWEEP_SETTING]} (for table2, "
+                      "table3)", factors=True, sweep_seed=3)
     parser.add_argument("--updates", type=int, default=None,
                         help="few-shot backbone updates per client (default 60; a multiple of 10): scales every "
                              "method's rounds alike")
@@ -396,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         selected, seeds = parse_selection(args, EXPERIMENTS)
+        sweep, selected = sweep_selection(args, selected, SWEPT)
         settings = tuple(s for s in args.settings.split(",") if s)
         unknown = [s for s in settings if s not in SETTINGS]
         if args.updates is not None and (args.updates < 10 or args.updates % 10):
@@ -411,19 +516,33 @@ def main(argv: list[str] | None = None) -> int:
         print(exc)
         return 2
     scale = quick_scale() if args.quick else Scale()
-    scale = replace(scale, settings=settings, updates=args.updates)
+    scale = replace(scale, settings=settings, updates=args.updates, sweep=sweep)
     out = output_dir(args, RESULTS, QUICK_RESULTS)
     offline_data("omniglot")
-    plan = build_suite_plan(scale, seeds, out)
-    plan = {e: [s for s in specs if s.labels["method"] in methods] for e, specs in plan.items()}
-    runs = distinct_runs(plan, selected)
-    costs = {s.key: estimate_s(s.config) for s in runs}
-    estimate = (f"Estimated suite time (built-in cost model, {args.workers} workers): "
-                f"{estimate_minutes(runs, costs, args.workers):.0f} min.")
+    biased_seed_warning(sweep, seeds, selected, SWEPT)
     command = suite_command("benchmarks/rabo/run_suite.py", argv)
-    print(f"RABO suite: {', '.join(selected)}; seeds {seeds} -> {out}")
-    return run_suite(plan, selected, args, costs, lambda: write_reports(plan, selected, scale, seeds, out, command, estimate),
-                     root=REPO, notes=["cost model: built-in per-method constants (benchmarks/rabo/run_suite.py)"])
+    print(f"RABO suite: {', '.join(selected)}; seeds {seeds}"
+          + (f"; step-size factors {', '.join(f'{f:g}' for f in sweep.grid)} swept on seed {sweep.seed}"
+             if sweep else "")
+          + f" -> {out}")
+
+    def stage(experiments: list[str]) -> int:
+        plan = build_suite_plan(scale, seeds, out)
+        plan = {e: [s for s in specs if s.labels["method"] in methods] for e, specs in plan.items()}
+        runs = distinct_runs(plan, experiments)
+        costs = {s.key: estimate_s(s.config) for s in runs}
+        estimate = (f"Estimated time of the selection (built-in cost model, {args.workers} workers): "
+                    f"{estimate_minutes(runs, costs, args.workers):.0f} min.")
+        notes = ["cost model: built-in per-method constants (benchmarks/rabo/run_suite.py)"]
+        if sweep:
+            waiting = [m for m, c in choices_of(plan["sweep"]).items() if c is None]
+            notes.append(f"{len(waiting)} methods wait for their sweep"
+                         + (f": {', '.join(waiting)}" if waiting else ""))
+        return run_suite(plan, experiments, args, costs,
+                         lambda: write_reports(plan, experiments, scale, seeds, out, command, estimate), root=REPO,
+                         notes=notes)
+
+    return sweep_first(stage, selected, args)  # tables II and III are planned from the sweep's finished runs
 
 
 if __name__ == "__main__":

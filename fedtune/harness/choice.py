@@ -98,6 +98,7 @@ def choice_text(choice: Choice | None, reference: float | None = None,
         text += f" by {choice.margin:.2f} points over {setting_text(choice.runner_up[0])}"
     if reference is not None and 100 * choice.score < 100 * reference + LEARNED_POINTS:
         return text + f" — no grid point learned (all within {LEARNED_POINTS:g} points of the {reference_name})"
-    if choice.at_edge():
-        text += f" (the grid's {choice.at_edge()} lr: a rate beyond it might do better)"
+    key = next(iter(choice.setting))  # the swept rate (a second key, such as a server rate, is not an edge)
+    if choice.at_edge(key):
+        text += f" (the grid's {choice.at_edge(key)} {key.replace('_', ' ')}: a rate beyond it might do better)"
     return text

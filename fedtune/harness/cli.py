@@ -98,33 +98,39 @@ def print_plan(plan: Plan, selected: Sequence[str], costs: dict[str, float]) -> 
             print(f"    [{run_state(spec)}] {spec.name}{shared}  (~{costs[spec.key] / 60:.1f} min)")
 
 
-def add_sweep_options(parser: argparse.ArgumentParser, experiments: Sequence[str], swept: str) -> None:
-    """``--lr-grid`` and ``--sweep-seed`` (see :func:`sweep_selection`); the ``sweep`` experiment
-    leaves ``--only``'s default (it comes with ``--lr-grid``). ``swept``: what the rates apply to."""
-    parser.add_argument("--lr-grid", default=None,
-                        help=f"comma-separated learning rates: sweep {swept} over them on --sweep-seed, then run "
-                             "the experiments planned from the sweep at each one's chosen rate")
-    parser.add_argument("--sweep-seed", type=int, default=0, help="the seed whose sweep runs choose the rates (default 0)")
-    parser.set_defaults(only=",".join(e for e in experiments if e != "sweep"))
+def add_sweep_options(parser: argparse.ArgumentParser, experiments: Sequence[str], swept: str, *,
+                      factors: bool = False, sweep_seed: int = 0) -> None:
+    """``--lr-grid`` (or, with ``factors``, ``--lr-factors``: multiples of each method's own rate, for
+    suites whose methods tune different step sizes) and ``--sweep-seed`` (see :func:`sweep_selection`);
+    the ``sweep`` experiment leaves ``--only``'s default (it comes with the grid). ``swept``: what
+    the rates apply to."""
+    option, values = ("--lr-factors", "multiples of each method's own rate") if factors else ("--lr-grid",
+                                                                                                "learning rates")
+    parser.add_argument(option, dest="lr_grid", default=None,
+                        help=f"comma-separated {values}: sweep {swept} over them on --sweep-seed, then run the "
+                             "experiments planned from the sweep at each one's chosen rate")
+    parser.add_argument("--sweep-seed", type=int, default=sweep_seed,
+                        help=f"the seed whose sweep runs choose the rates (default {sweep_seed})")
+    parser.set_defaults(only=",".join(e for e in experiments if e != "sweep"), sweep_option=(option, values))
 
 
 def sweep_selection(args: argparse.Namespace, selected: Sequence[str],
                     dependents: Sequence[str]) -> tuple[Sweep | None, list[str]]:
-    """``--lr-grid`` as a :class:`~fedtune.harness.choice.Sweep` (None without it) and the experiments
-    to run: ``sweep`` joins the ``dependents`` (those planned from its choices) when they are
-    selected; a warning when a table seed is the sweep seed; :class:`SuiteError` naming the option
-    when bad."""
+    """The grid option as a :class:`~fedtune.harness.choice.Sweep` (None without it) and the
+    experiments to run: ``sweep`` joins the ``dependents`` (those planned from its choices) when
+    they are selected; :class:`SuiteError` naming the option when bad."""
     selected = list(selected)
+    option, values = getattr(args, "sweep_option", ("--lr-grid", "learning rates"))
     if args.lr_grid is None:
         if "sweep" in selected:
-            raise SuiteError("--only sweep: needs --lr-grid (the learning rates to sweep)")
+            raise SuiteError(f"--only sweep: needs {option} (the {values} to sweep)")
         return None, selected
     try:
         grid = tuple(sorted({float(x) for x in args.lr_grid.split(",") if x.strip()}))
     except ValueError:
         grid = ()
     if not grid or not all(lr > 0 and math.isfinite(lr) for lr in grid):
-        raise SuiteError(f"--lr-grid: expected comma-separated positive learning rates, got {args.lr_grid!r}")
+        raise SuiteError(f"{option}: expected comma-separated positive {values}, got {args.lr_grid!r}")
     if any(e in dependents for e in selected) and "sweep" not in selected:
         selected = ["sweep", *selected]
     return Sweep(grid, args.sweep_seed), selected
