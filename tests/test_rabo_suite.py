@@ -125,5 +125,6 @@ def test_a_factor_sweep_scales_each_methods_own_step_size_and_the_tables_use_the
         assert table[("fedavg", seed)].config.train.lr == pytest.approx(3 * base["fedavg"].train.lr)
     assert {(s.labels["method"], s.labels["clients"]) for s in plan["table3"]} == {("rabo", n) for n in scale.clients}
     text = suite.report_sweep(plan["sweep"], scale, "head", tmp_path)
-    assert "| RABO | `options.outer_lr` | 23.33 (0.015) | **50.00 (0.05)** | 40.00 (0.15) | factor 1 by 10.00 points" in text
+    assert ("| RABO (`options.outer_lr` x 1 = 0.05) | 23.33 | **50.00** | 40.00 | factor 1 by 10.00 points over factor 3 |"
+            in text)
     assert "(the grid's largest factor: a rate beyond it might do better)" in text

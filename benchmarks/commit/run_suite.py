@@ -54,10 +54,10 @@ if str(REPO) not in sys.path:
 
 from fedtune.config import RunConfig, load_config  # noqa: E402
 from fedtune.harness import (  # noqa: E402
-    Choice, RunSpec, SuiteError, Sweep, add_sweep_options, biased_seed_warning, build_plan, choice_text, choose,
+    Choice, RunSpec, SuiteError, Sweep, add_sweep_options, biased_seed_warning, build_plan, choose,
     distinct_runs, estimate_minutes, eval_rounds, figure, load_rounds, load_summary, mean_of_last, mean_std,
     offline_data, output_dir, parse_selection, read_overlays, run_suite, runs_section, suite_command, suite_parser,
-    sweep_first, sweep_selection, table_lines, with_labels,
+    sweep_first, sweep_sections, sweep_selection, table_lines, with_labels,
 )
 
 RECIPE = REPO / "configs" / "benchmarks" / "commit-suite.toml"
@@ -402,34 +402,13 @@ def report_sweep(specs: list[RunSpec], head: str, out: Path, sweep: Sweep | None
     choices = choices_of(specs)
     lines = ["# Learning-rate sweep (CPU scale): each trainer's own rate", "",
              f"Each cell: the run's mean of its last (up to) {LAST_EVALS} evaluations' exact match (%), one seed; "
-             "**bold**: the chosen rate (automatic argmax), which Table 1 and Figures 4/5 then run on the table seeds.", "", head]
-    size = (5.5 * len(MODALITIES), 4)
-    with figure(out / "sweep.png", 1, len(MODALITIES), figsize=size, squeeze=False) as (fig, axes):
-        for ax, m in zip(axes[0], MODALITIES):
-            done = [x for x in map(load_summary, with_labels(specs, modality=m)) if x]
-            reference = done[0].get("majority_accuracy") if done else None
-            rows = []
-            for t in TABLE1:
-                group = sorted(with_labels(specs, modality=m, trainer=t), key=lambda s: s.labels["lr"])
-                choice = choices.get((m, t))
-                scores = [run_metric(s, "accuracy") for s in group]
-                cells = ["pending" if v is None else f"{100 * v:.2f}" for v in scores]
-                rows.append([LABEL[t], *(f"**{c}**" if choice and s.labels["lr"] == choice.setting["lr"] else c
-                                         for s, c in zip(group, cells)),
-                             choice_text(choice, reference, "majority-answer rate")])
-                pts = [(s.labels["lr"], 100 * v) for s, v in zip(group, scores) if v is not None]
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", ms=3, label=LABEL[t])
-            lrs = sorted({s.labels["lr"] for s in with_labels(specs, modality=m)})
-            lines += [f"## {m}", "", *table_lines(["Trainer", *(f"lr {lr:g}" for lr in lrs), "chosen"], rows), "",
-                      "Reference, exact match of always giving the most frequent answer: "
-                      + (f"{100 * reference:.1f}%." if reference is not None else "pending."), ""]
-            ax.set_xscale("log")
-            ax.set(title=f"{m}: sweep seed", xlabel="learning rate",
-                   ylabel=f"exact match, mean of last {LAST_EVALS} (%)")
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
+             "**bold**: the chosen rate (automatic argmax), which Table 1 and Figures 4/5 then run on the table seeds.",
+             "", head]
+    panels = {m: {LABEL[t]: with_labels(specs, modality=m, trainer=t) for t in TABLE1} for m in MODALITIES}
+    lines += sweep_sections(panels, {m: {LABEL[t]: choices.get((m, t)) for t in TABLE1} for m in MODALITIES},
+                            lambda s: run_metric(s, "accuracy"), out / "sweep.png", row_title="Trainer",
+                            reference_name="majority-answer rate",
+                            ylabel=f"exact match, mean of last {LAST_EVALS} (%)")
     return "\n".join([*lines, "![sweep](sweep.png)", ""]) + "\n" + runs_section(specs, out)
 
 

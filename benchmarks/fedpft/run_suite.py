@@ -59,9 +59,10 @@ if str(REPO) not in sys.path:
 from fedtune.config import load_config  # noqa: E402
 from fedtune.harness import (  # noqa: E402
     Choice, Costs, RunSpec, SuiteError, Sweep, accuracy_cell, add_sweep_options, averaged_curve, biased_seed_warning,
-    build_plan, choice_text, choose, distinct_runs, estimate_minutes, estimate_s, eval_rounds, figure, load_rounds,
-    load_summary, mean_of_last, mean_text, offline_data, output_dir, parse_selection, percent, read_overlays,
-    run_suite, runs_section, suite_command, suite_parser, sweep_first, sweep_selection, table_lines, with_labels,
+    build_plan, choose, distinct_runs, estimate_minutes, estimate_s, eval_rounds, figure, load_rounds,
+    mean_of_last, mean_text, offline_data, output_dir, parse_selection, percent, read_overlays,
+    run_suite, runs_section, suite_command, suite_parser, sweep_first, sweep_sections, sweep_selection, table_lines,
+    with_labels,
 )
 from fedtune.harness.stats import mean, mean_std  # noqa: E402
 
@@ -370,30 +371,10 @@ def write_sweep(specs, scale, hd, out: Path) -> str:
     lines = ["# Learning-rate sweep (CPU scale): each method's own rate", "",
              f"Each cell: the run's mean of its last {LAST} evaluations' full-model accuracy (%), one seed; **bold**: "
              "the chosen rate (automatic argmax).", "", hd]
-    with figure(out / "sweep.png", 1, len(TEXT), figsize=(5.5 * len(TEXT), 4), squeeze=False) as (fig, axes):
-        for ax, d in zip(axes[0], TEXT):
-            done = [x for x in map(load_summary, with_labels(specs, data=d)) if x]
-            reference = done[0].get("majority_accuracy") if done else None
-            rows = []
-            for m in METHODS:
-                group = sorted(with_labels(specs, data=d, method=m), key=lambda x: x.labels["lr"])
-                choice = choices.get((d, m))
-                scores = [last_mean(x, "accuracy") for x in group]
-                cells = ["pending" if v is None else f"{100 * v:.2f}" for v in scores]
-                rows.append([LABEL[m], *(f"**{c}**" if choice and x.labels["lr"] == choice.setting["lr"] else c
-                                         for x, c in zip(group, cells)), choice_text(choice, reference)])
-                pts = [(x.labels["lr"], 100 * v) for x, v in zip(group, scores) if v is not None]
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", ms=3, label=LABEL[m])
-            lrs = sorted({x.labels["lr"] for x in with_labels(specs, data=d)})
-            lines += [f"## {d}", "", *table_lines(["method", *(f"lr {lr:g}" for lr in lrs), "chosen"], rows), "",
-                      "Majority-class rate: " + (f"{100 * reference:.2f}%." if reference is not None else "pending."),
-                      ""]
-            ax.set_xscale("log")
-            ax.set(title=f"{d}: sweep seed", xlabel="learning rate", ylabel=f"accuracy, mean of last {LAST} (%)")
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
+    panels = {d: {LABEL[m]: with_labels(specs, data=d, method=m) for m in METHODS} for d in TEXT}
+    lines += sweep_sections(panels, {d: {LABEL[m]: choices.get((d, m)) for m in METHODS} for d in TEXT},
+                            lambda s: last_mean(s, "accuracy"), out / "sweep.png",
+                            ylabel=f"accuracy, mean of last {LAST} (%)")
     return "\n".join([*lines, "![sweep](sweep.png)", ""]) + "\n" + runs_section(specs, out)
 
 

@@ -51,9 +51,9 @@ if str(REPO) not in sys.path:
 from fedtune.config import RunConfig, load_config  # noqa: E402
 from fedtune.harness import (  # noqa: E402
     Choice, RunSpec, SuiteError, Sweep, accuracy_cell, add_sweep_options, averaged_curve, biased_seed_warning,
-    build_plan, choice_text, choose, distinct_runs, estimate_minutes, eval_rounds, figure, load_rounds, load_summary,
+    build_plan, choose, distinct_runs, estimate_minutes, eval_rounds, figure, load_rounds, load_summary,
     mean, mean_text, offline_data, output_dir, parse_selection, percent, read_overlays, run_suite, runs_section,
-    suite_command, suite_parser, sweep_first, sweep_selection, table_lines, toml_value, with_labels,
+    suite_command, suite_parser, sweep_first, sweep_sections, sweep_selection, table_lines, toml_value, with_labels,
 )
 
 FEW_SHOT_RECIPE = REPO / "configs" / "benchmarks" / "rabo-suite.toml"
@@ -319,24 +319,16 @@ def step_size(specs: list[RunSpec]) -> str:
 def report_sweep(specs, scale, head, out) -> str:
     """Each method's Table II figure at every factor of its own step size on the sweep seed."""
     choices = choices_of(specs)
-    factors = sorted({s.labels["factor"] for s in specs})
-    rows = []
-    for m in METHODS:
-        group = sorted(with_labels(specs, method=m), key=lambda s: s.labels["factor"])
-        cells = []
-        for s in group:
-            v = budget_accuracy(s)  # None: unfinished, or no evaluation at a multiple of 10 updates (--quick)
-            text = ("pending" if not load_summary(s) else "–" if v is None else f"{100 * v:.2f}")
-            text += f" ({base_rate(s.config, m):g})"
-            chosen = choices.get(m) and choices[m].setting["factor"] == s.labels["factor"]
-            cells.append(f"**{text}**" if chosen else text)
-        rows.append([LABEL[m], f"`{rate_key(m)}`", *cells, choice_text(choices.get(m), 1 / 5, "chance rate")])
+    rows = {m: f"{LABEL[m]} (`{rate_key(m)}` x 1 = {base_rate(s.config, m) / s.labels['factor']:g})"
+            for m in METHODS if (s := next(iter(with_labels(specs, method=m)), None))}
     lines = ["# Step-size sweep (CPU scale): each method at its own rate", "",
-             f"{SETTINGS[SWEEP_SETTING]}, one seed. Each cell: the run's Table II figure (mean of its last {LAST} "
-             "evaluations at multiples of 10 backbone updates per client, %) and, in brackets, the step size it ran "
-             "at; **bold**: the chosen factor (automatic argmax), which Tables II and III then run.", "", head,
-             "## Results", "", *table_lines(["method", "step size", *(f"x {f:g}" for f in factors), "chosen"], rows),
-             ""]
+             f"One seed. Each cell: the run's Table II figure (mean of its last {LAST} evaluations at multiples of 10 "
+             "backbone updates per client, %) at a factor of the method's own step size; **bold**: the chosen factor "
+             "(automatic argmax), which Tables II and III then run.", "", head, "## Results", "",
+             *sweep_sections({SETTINGS[SWEEP_SETTING]: {rows[m]: with_labels(specs, method=m) for m in rows}},
+                             {SETTINGS[SWEEP_SETTING]: {rows[m]: choices.get(m) for m in rows}}, budget_accuracy,
+                             out / "sweep.png", key="factor", reference_name="chance rate (1/N)",
+                             ylabel=f"mean of last {LAST} evaluations (%)"), "![sweep](sweep.png)", ""]
     return "\n".join(lines) + "\n" + runs_section(specs, out)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from fedtune.harness.plan import RunSpec
 from fedtune.harness.runs import run_state
@@ -102,3 +103,48 @@ def choice_text(choice: Choice | None, reference: float | None = None,
     if choice.at_edge(key):
         text += f" (the grid's {choice.at_edge(key)} {key.replace('_', ' ')}: a rate beyond it might do better)"
     return text
+
+
+def sweep_sections(panels: dict[str, dict[str, list[RunSpec]]], choices: dict[str, dict[str, Choice | None]],
+                   score: Callable[[RunSpec], float | None], png: Path, *, key: str = "lr", row_title: str = "method",
+                   reference_name: str = "majority-class rate", ylabel: str = "score (%)") -> list[str]:
+    """A sweep report's markdown, one section per panel (a data set, a modality): a row per group
+    (its runs, each labelled with its ``key`` value), a column per grid value with the run's score
+    in percent (**bold**: the group's choice; ``pending`` until finished, ``–`` without a score),
+    the :func:`choice_text` of the group, and the reference rate the panel's runs report
+    (``majority_accuracy``); and a plot of the scores against ``key``, a panel each, at ``png``."""
+    from fedtune.harness.runs import load_summary
+    from fedtune.report import figure, table_lines
+
+    lines: list[str] = []
+    with figure(png, 1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False) as (fig, axes):
+        for ax, (panel, groups) in zip(axes[0], panels.items()):
+            runs = [s for group in groups.values() for s in group]
+            done = [x for x in map(load_summary, runs) if x]
+            reference = done[0].get("majority_accuracy") if done else None
+            rows = []
+            for name, group in groups.items():
+                group = sorted(group, key=lambda s: s.labels[key])
+                choice = choices[panel].get(name)
+                scores = [score(s) if load_summary(s) else None for s in group]
+                cells = ["pending" if not load_summary(s) else "–" if v is None else f"{100 * v:.2f}"
+                         for s, v in zip(group, scores)]
+                finished = all(load_summary(s) for s in group)
+                chosen = ("no grid point has a score" if choice is None and finished
+                          else choice_text(choice, reference, reference_name))
+                rows.append([name, *(f"**{c}**" if choice and s.labels[key] == choice.setting[key] else c
+                                     for s, c in zip(group, cells)), chosen])
+                points = [(s.labels[key], 100 * v) for s, v in zip(group, scores) if v is not None]
+                if points:
+                    ax.plot(*zip(*points), marker="o", ms=3, label=name)
+            values = sorted({s.labels[key] for s in runs})
+            name = key.replace("_", " ")
+            lines += [f"## {panel}", "", *table_lines([row_title, *(f"{name} {v:g}" for v in values), "chosen"], rows),
+                      "", f"{reference_name[0].upper()}{reference_name[1:]}: "
+                      + (f"{100 * reference:.2f}%." if reference is not None else "pending."), ""]
+            ax.set_xscale("log")
+            ax.set(title=f"{panel}: sweep seed", xlabel=name, ylabel=ylabel)
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+    return lines
