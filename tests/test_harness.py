@@ -43,6 +43,7 @@ from fedtune.harness import (
     suite_command,
     suite_parser,
     sweep_first,
+    sweep_sections,
     sweep_selection,
     toml_value,
     unfinished,
@@ -122,6 +123,17 @@ def test_a_group_is_chosen_only_when_its_whole_grid_is_finished_by_the_mean_of_i
     assert choice.at_edge() is None
     assert choice_text(choice, 0.5) == "lr 0.001 by 5.00 points over lr 0.0003"
     assert choose([], setting, score) is None
+    other = build_plan({"sweep": [RunSpec(f"b{lr:g}", [f"train.lr={lr}", "seed=1"], {"lr": lr}) for lr in grid]},
+                       recipe, tmp_path / "out")["sweep"]
+    finish(other[0], [None, None])  # finished, never evaluated; the others unfinished
+    lines = sweep_sections({"sst2": {"A": plan["sweep"], "B": other}}, {"sst2": {"A": choice, "B": None}}, score,
+                           tmp_path / "sweep.png")
+    assert "| A | 75.00 | **80.00** | 25.00 | lr 0.001 by 5.00 points over lr 0.0003 |" in lines
+    assert "| B | – | pending | pending | waiting for the sweep |" in lines
+    finish(other[1], [None])
+    finish(other[2], [None])
+    lines = sweep_sections({"sst2": {"B": other}}, {"sst2": {"B": None}}, score, tmp_path / "sweep.png")
+    assert "| B | – | – | – | no grid point has a score |" in lines and (tmp_path / "sweep.png").exists()
 
 
 def test_choice_text_warns_at_the_grid_edge_and_when_nothing_learned():
