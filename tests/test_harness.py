@@ -297,6 +297,37 @@ def test_pool_runs_jobs_in_spawned_workers_with_one_thread():
     assert result is None and "ValueError: job -1 fails" in error  # reported, and the others still ran
 
 
+def test_a_run_cut_short_continues_from_its_checkpoint_and_ends_as_an_uninterrupted_one(recipe, tmp_path):
+    from fedtune.harness.pool import resumable, run_config
+    from fedtune.run import run_experiment
+
+    quick = ["rounds=3", "train.local_steps=1", "data.max_train_samples=64", "data.max_test_samples=32"]
+    plan = build_plan({"a": [RunSpec("cut", quick)]}, recipe, tmp_path / "a")
+    plan.update(build_plan({"b": [RunSpec("whole", quick)]}, recipe, tmp_path / "b"))
+    cut, whole = plan["a"][0], plan["b"][0]
+    assert cut.key == whole.key and cut.run_dir != whole.run_dir
+    assert not resumable(cut.config)
+
+    def kill_after_round_2(record):
+        if record.round == 2:
+            raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError, match="killed"):
+        run_experiment(cut.config, on_round=kill_after_round_2)
+    assert run_state(cut) == "todo" and resumable(cut.config)
+    first_two = (cut.run_dir / "metrics.jsonl").read_text().splitlines()
+    summary, _ = run_config(cut.config)  # the pool's job: continues at round 3
+    text = (cut.run_dir / "metrics.jsonl").read_text().splitlines()
+    assert text[:2] == first_two and [json.loads(x)["round"] for x in text] == [1, 2, 3]  # rounds 1-2 not rerun
+    run_experiment(whole.config)  # the same run, uninterrupted, in another folder
+    again = (whole.run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["accuracy"] for x in text] == [json.loads(x)["accuracy"] for x in again]
+    assert summary["final_loss"] == json.loads((whole.run_dir / "summary.json").read_text())["final_loss"]
+    other = cut.config.model_dump(mode="json", exclude_none=True) | {"seed": 9}
+    (cut.run_dir / "config.toml").write_text(tomli_w.dumps(other))
+    assert not resumable(cut.config)  # another config's checkpoint: start afresh
+
+
 # -- command line -------------------------------------------------------------------------------
 
 

@@ -9,7 +9,8 @@ the harness does the rest:
   experiments run once, in ``out/runs/<first experiment>/<name>``);
 - :mod:`~fedtune.harness.runs`: resume (a run with a ``summary.json`` of the very same config is
   ``done`` and skipped) and reading finished runs back;
-- :mod:`~fedtune.harness.pool`: spawned workers with one torch thread each;
+- :mod:`~fedtune.harness.pool`: spawned workers with one torch thread each; a run cut short (a
+  killed or interrupted suite) continues from its last checkpointed round;
 - :mod:`~fedtune.harness.choice`: per-group selection of a setting (each method at its own best
   learning rate): the argmax of a score over a finished grid of runs;
 - :mod:`~fedtune.harness.cost`: a per-run cost model and the ``--plan`` time estimate;

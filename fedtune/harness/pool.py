@@ -2,13 +2,15 @@
 
 ``spawn`` (not ``fork``) gives every worker a fresh interpreter, so no thread pool or tokenizer
 state is inherited; each worker runs :func:`fedtune.process.setup_process` once. Ctrl-C stops the
-workers (the jobs in flight are lost; finished ones are kept).
+workers: finished runs are kept, and a run in flight continues from its last checkpointed round
+when the suite is run again.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import tomllib
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import closing
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fedtune.config import RunConfig
-from fedtune.harness.plan import RunSpec
+from fedtune.harness.plan import RunSpec, config_key
 from fedtune.process import setup_process
 
 Item = TypeVar("Item")
@@ -75,14 +77,29 @@ def imap_unordered(fn: Callable[[Item], Any], items: Iterable[Item], workers: in
                 process.join(timeout=10)
 
 
+def resumable(config: RunConfig) -> bool:
+    """Whether the run folder holds a run of this very config that was cut short (a killed or
+    interrupted suite) with a ``checkpoint.npz`` to continue from."""
+    run_dir = Path(config.output_dir) / config.run_name
+    if not (run_dir / "checkpoint.npz").is_file():
+        return False
+    try:
+        saved = RunConfig.model_validate(tomllib.loads((run_dir / "config.toml").read_text()))
+    except Exception:  # absent or unreadable: start afresh
+        return False
+    return config_key(saved) == config_key(config)
+
+
 def run_config(config: RunConfig) -> tuple[dict[str, Any], float]:
-    """Worker job: ``run_experiment(config)``; returns its summary and the seconds it took."""
+    """Worker job: ``run_experiment(config)``, continuing from the checkpoint of a cut-short run of
+    the same config (:func:`resumable`; a resumed run ends bit-identical to an uninterrupted one);
+    returns its summary and the seconds it took."""
     from fedtune.run import run_experiment
 
     start = time.perf_counter()
     # a stale summary must not outlive the config.toml the new run writes first
     (Path(config.output_dir) / config.run_name / "summary.json").unlink(missing_ok=True)
-    return run_experiment(config), time.perf_counter() - start
+    return run_experiment(config, resume=resumable(config)), time.perf_counter() - start
 
 
 def run_specs(specs: list[RunSpec], costs: dict[str, float], workers: int) -> tuple[list[str], bool]:

@@ -2,7 +2,8 @@
 
 A run is finished when its folder holds a ``summary.json`` and its ``config.toml`` is the spec's
 very config (``run_experiment`` writes the config first and the summary last, so a run cut short
-has none). A suite runs only the unfinished ones, so an interrupted suite resumes where it stopped.
+has none). A suite runs only the unfinished ones, so an interrupted suite resumes where it stopped;
+a run it cut short continues from its ``checkpoint.npz`` (:func:`fedtune.harness.pool.resumable`).
 """
 
 from __future__ import annotations
