@@ -225,8 +225,8 @@ def deploy_supernode(
             sock = str(home / "worker.sock")
             proc = procs.start("worker", worker_args(sock, threads), flower_env())
             wait_for_worker(sock, proc, procs.log_of(proc))
-        node = procs.start("supernode", supernode_args(superlink, port, ids, root_certificates, auth_key, sock, threads,
-                                                       extra), flower_env())
+        procs.start("supernode", supernode_args(superlink, port, ids, root_certificates, auth_key, sock, threads,
+                                                extra), flower_env())
         console.print(f"SuperNode for clients {clients} -> {superlink} (logs: {home}); Ctrl-C stops it")
         code = _wait([p for _, p, _ in procs.started])
     finally:

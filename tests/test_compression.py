@@ -145,7 +145,8 @@ def test_topk_composes_with_fslora_sliced_uploads_and_never_touches_the_index():
     for cid, k in ((0, 4), (1, 2)):
         reply = replies[cid]
         assert reply.arrays[SHARED_SKETCH].dtype == np.int32 and reply.arrays[SHARED_SKETCH].shape == (k,)
-        idx = read_indices(reply.arrays, pairs, RANK)[pairs[0][0]]
+        # the index arrives whole (read_indices raises unless it holds k distinct ranks in 0..r-1)
+        assert len(read_indices(reply.arrays, pairs, RANK)[pairs[0][0]]) == k
         # the encoded shapes are the sliced ones: top-k runs on Delta B[:, I], Delta A[I, :], the head
         sliced = dict(shapes)
         for a_name, b_name in pairs:

@@ -152,7 +152,7 @@ def test_choice_text_warns_at_the_grid_edge_and_when_nothing_learned():
 
 def test_identical_configs_are_one_run_in_the_first_experiments_folder(recipe, tmp_path):
     plan = build_plan(two_experiments(), recipe, tmp_path / "out")
-    (r4, r8), (s0, s1) = plan["ranks"], plan["seeds"]
+    (_, r8), (s0, s1) = plan["ranks"], plan["seeds"]
     assert [s.experiment for s in plan["seeds"]] == ["seeds", "seeds"]
     assert not r8.shared and s0.shared and s0.owner == "ranks"
     assert s0.key == r8.key and s0.config is r8.config and s0.run_dir == tmp_path / "out" / "runs" / "ranks" / "r8"

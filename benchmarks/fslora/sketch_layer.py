@@ -131,7 +131,7 @@ def report(ms: dict, args) -> str:
         f"A {HIDDEN}x{HIDDEN} linear layer with a PEFT LoRA adapter (the FSLoRA client's path: a rank-k",
         f"adapter with the same lora_alpha={args.alpha:g}), batch {BATCH} x {TOKENS} tokens, float32,",
         f"torch {torch.__version__}, {args.threads} CPU thread(s), {platform.machine()}, {os.cpu_count()} cores shared",
-        f"with other jobs. One forward + backward per step (gradients for x, A and B; W0 frozen;",
+        "with other jobs. One forward + backward per step (gradients for x, A and B; W0 frozen;",
         f"gradients reset to None each step). Median of {args.reps} interleaved repetitions of {args.inner}",
         "steps; CPU time (process_time) is the main number because the machine is shared; wall time beside it.",
         "",
