@@ -111,7 +111,9 @@ def run_experiment(
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"output_dir {config.output_dir!r}: cannot create the run folder ({exc.strerror})") from None
-    if not resume:
+    if not resume:  # a fresh run: no earlier run's checkpoint or summary may outlive the config it replaces
+        for stale in (checkpoint, run_dir / "summary.json"):
+            stale.unlink(missing_ok=True)
         (run_dir / "config.toml").write_text(_toml(config))
     (run_dir / "label_histograms.json").write_text(
         json.dumps({"label_names": server.task.label_names, "clients": server.histograms()})

@@ -326,6 +326,17 @@ def test_a_run_cut_short_continues_from_its_checkpoint_and_ends_as_an_uninterrup
     other = cut.config.model_dump(mode="json", exclude_none=True) | {"seed": 9}
     (cut.run_dir / "config.toml").write_text(tomli_w.dumps(other))
     assert not resumable(cut.config)  # another config's checkpoint: start afresh
+    # a run of another config under the same name, killed before its first round ends, leaves no
+    # checkpoint behind: the finished run's checkpoint must not pass for its progress
+    seed9 = build_plan({"a": [RunSpec("cut", [*quick, "seed=9"])]}, recipe, tmp_path / "a")["a"][0]
+
+    def killed_before_round_1(context):
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError, match="killed"):
+        run_experiment(seed9.config, on_start=killed_before_round_1)
+    assert not (cut.run_dir / "checkpoint.npz").exists() and not (cut.run_dir / "summary.json").exists()
+    assert not resumable(seed9.config) and run_state(seed9) == "todo"
 
 
 # -- command line -------------------------------------------------------------------------------

@@ -97,8 +97,6 @@ def run_config(config: RunConfig) -> tuple[dict[str, Any], float]:
     from fedtune.run import run_experiment
 
     start = time.perf_counter()
-    # a stale summary must not outlive the config.toml the new run writes first
-    (Path(config.output_dir) / config.run_name / "summary.json").unlink(missing_ok=True)
     return run_experiment(config, resume=resumable(config)), time.perf_counter() - start
 
 
