@@ -138,6 +138,7 @@ def test_with_a_rate_grid_each_trainer_runs_the_tables_at_its_own_chosen_rate(su
         (m, t, lr, 0) for m in suite.MODALITIES for t in suite.TABLE1 for lr in sweep.grid}
     assert all(s.labels["lr"] == s.config.train.lr and s.config.rounds == 4 for s in runs)
     assert plan["table1"] == [] and plan["fig45"] == []  # every group waits for its sweep
+    waiting = {s.key: s.run_dir for s in plan["fig6"] + plan["fig3"]}
     assert {s.config.train.lr for s in plan["fig6"]} == {suite.load_config(suite.RECIPE).train.lr}  # not swept
     group = {s.labels["lr"]: s for s in suite.with_labels(runs, modality="image", trainer="commit")}
     finish(group[3e-4], [0.1, 0.5, 0.5, 0.5])  # the best final point, but a last-3 mean of 0.5
@@ -152,6 +153,9 @@ def test_with_a_rate_grid_each_trainer_runs_the_tables_at_its_own_chosen_rate(su
         for s in plan[exp]:  # the chosen run's config on another seed
             assert s.config.model_dump(exclude={"seed", "name", "output_dir"}) == group[1e-3].config.model_dump(
                 exclude={"seed", "name", "output_dir"})
+    for s in plan["fig6"] + plan["fig3"]:  # a choice never moves a run of the unswept figures to another folder
+        assert s.run_dir == waiting[s.key] and s.owner in ("fig6", "fig3")
+    assert any(t.key == f.key for t in plan["table1"] for f in plan["fig6"])  # the chosen 1e-3 is fig6's rate
     written = suite.write_reports(plan, ["sweep", "table1"], [1, 2], tmp_path, "cmd", sweep)
     text = (tmp_path / "sweep.md").read_text()
     assert "| CoMMIT | 50.00 | **53.33** | 30.00 | lr 0.001 by 3.33 points over lr 0.0003" in text

@@ -167,7 +167,11 @@ def build_suite_plan(seeds: list[int], scale: Scale, out: Path, sweep: Sweep | N
         "sweep": swept, "table1": chosen(TABLE1), "fig45": chosen(FIG45), "fig6": grid(FIG6), "fig3": grid(FIG3),
         "federated": [spec("image", t, s, scale, federated=True) for t in FEDERATED for s in seeds],
     }
-    return build_plan(experiments, RECIPE, out)
+    # ownership: the experiments planned from the sweep come last when sweeping, so that a run they
+    # share with another one (a rate chosen equal to the base rate) keeps that one's folder
+    order = [e for e in EXPERIMENTS if sweep is None or e not in SWEPT] + ([*SWEPT] if sweep else [])
+    plan = build_plan({e: experiments[e] for e in order}, RECIPE, out)
+    return {e: plan[e] for e in EXPERIMENTS}
 
 
 def restrict(plan: dict[str, list[RunSpec]], modalities: list[str]) -> dict[str, list[RunSpec]]:
