@@ -43,6 +43,7 @@ from fedtune.harness import (
     suite_command,
     suite_parser,
     sweep_first,
+    sweep_note,
     sweep_sections,
     sweep_selection,
     toml_value,
@@ -134,6 +135,10 @@ def test_a_group_is_chosen_only_when_its_whole_grid_is_finished_by_the_mean_of_i
     finish(other[2], [None])
     lines = sweep_sections({"sst2": {"B": other}}, {"sst2": {"B": None}}, score, tmp_path / "sweep.png")
     assert "| B | – | – | – | no grid point has a score |" in lines and (tmp_path / "sweep.png").exists()
+    assert sweep_note({"A": plan["sweep"], "B": other}, {"A": choice, "B": None}, "methods") == (
+        "0 methods wait for their sweep; 1 finished it without a score (no evaluation counted; no table runs): B")
+    (other[2].run_dir / "summary.json").unlink()
+    assert sweep_note({"A": plan["sweep"], "B": other}, {"A": choice}, "methods") == "1 methods wait for their sweep: B"
 
 
 def test_choice_text_warns_at_the_grid_edge_and_when_nothing_learned():
@@ -383,8 +388,9 @@ def test_the_sweep_needs_a_grid_and_a_grid_needs_positive_rates(capsys):
     assert sweep_selection(args, ["table", "fig"], ["table"]) == (None, ["table", "fig"])
     with pytest.raises(SuiteError, match="^--only sweep: needs --lr-grid"):
         sweep_selection(parser.parse_args(["--only", "sweep"]), ["sweep"], ["table"])
-    for bad in ("", "1e-3,x", "1e-3,0", "-1", "inf", "nan"):
-        with pytest.raises(SuiteError, match="^--lr-grid: expected comma-separated positive learning rates"):
+    for bad in ("", "1e-3,x", "1e-3,0", "-1", "inf", "nan", "1e-3,1.0000001e-3"):
+        with pytest.raises(SuiteError, match="^--lr-grid: (expected comma-separated positive learning rates|values "
+                                             "must differ)"):
             sweep_selection(parser.parse_args(["--lr-grid", bad]), ["table"], ["table"])
     factors = suite_parser("a suite", experiments)
     add_sweep_options(factors, experiments, "each method", factors=True, sweep_seed=3)

@@ -57,7 +57,7 @@ from fedtune.harness import (  # noqa: E402
     Choice, RunSpec, SuiteError, Sweep, add_sweep_options, biased_seed_warning, build_plan, choose,
     distinct_runs, estimate_minutes, eval_rounds, figure, load_rounds, load_summary, mean_of_last, mean_std,
     offline_data, output_dir, parse_selection, read_overlays, run_suite, runs_section, suite_command, suite_parser,
-    sweep_first, sweep_sections, sweep_selection, table_lines, with_labels,
+    sweep_first, sweep_note, sweep_sections, sweep_selection, table_lines, with_labels,
 )
 
 RECIPE = REPO / "configs" / "benchmarks" / "commit-suite.toml"
@@ -637,11 +637,10 @@ def main(argv=None) -> int:
         notes = [f"cost model: per-trainer step seconds measured on this machine "
                  f"(~{estimate_minutes(runs, costs, 1):.0f} min of one core for the selection)"]
         if sweep:
-            waiting = sorted({k for k, c in choices_of(plan["sweep"]).items() if c is None and k[0] in modalities})
-            notes.append(f"{', '.join(e for e in experiments if e in SWEPT) or 'table1 / fig45'}: "
-                         f"{len(waiting)} (modality, trainer) groups wait for their sweep"
-                         + (f" ({', '.join(f'{m}/{t}' for m, t in waiting)}: {len(seeds) * len(waiting)} "
-                            "table runs to come)" if waiting else ""))
+            choices = choices_of(plan["sweep"])
+            groups = {f"{m}/{t}": with_labels(plan["sweep"], modality=m, trainer=t) for m in modalities for t in TABLE1}
+            notes.append(sweep_note(groups, {f"{m}/{t}": choices.get((m, t)) for m in modalities for t in TABLE1},
+                                    "(modality, trainer) groups"))
         return run_suite(to_run, experiments, args, costs,
                          lambda: write_reports(plan, experiments, seeds, out, command, sweep), root=REPO, notes=notes)
 

@@ -61,8 +61,8 @@ from fedtune.harness import (  # noqa: E402
     Choice, Costs, RunSpec, SuiteError, Sweep, accuracy_cell, add_sweep_options, averaged_curve, biased_seed_warning,
     build_plan, choose, distinct_runs, estimate_minutes, estimate_s, eval_rounds, figure, load_rounds,
     mean_of_last, mean_text, offline_data, output_dir, parse_selection, percent, read_overlays,
-    run_suite, runs_section, suite_command, suite_parser, sweep_first, sweep_sections, sweep_selection, table_lines,
-    with_labels,
+    run_suite, runs_section, suite_command, suite_parser, sweep_first, sweep_note, sweep_sections, sweep_selection,
+    table_lines, with_labels,
 )
 from fedtune.harness.stats import mean, mean_std  # noqa: E402
 
@@ -527,10 +527,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{estimate_minutes(runs, costs, args.workers):.0f} min.")
         notes = [note]
         if sweep:
-            waiting = sorted(k for k, c in choices_of(plan["sweep"]).items() if c is None)
-            notes.append(f"{len(waiting)} (data set, method) groups wait for their sweep"
-                         + (f": {', '.join(f'{d}/{m}' for d, m in waiting)} (their table runs are planned once it "
-                            "is finished)" if waiting else ""))
+            choices = choices_of(plan["sweep"])
+            groups = {f"{d}/{m}": with_labels(plan["sweep"], data=d, method=m) for d in TEXT for m in METHODS}
+            notes.append(sweep_note(groups, {f"{d}/{m}": choices.get((d, m)) for d in TEXT for m in METHODS},
+                                    "(data set, method) groups"))
 
         def write_reports() -> list[Path]:
             out.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,9 @@ Experiments (named runs on :mod:`fedtune.harness`; a few-shot run is
   ``train.lr``) on ``--sweep-seed`` (default 3, outside the table seeds); the multiple with the
   highest Table II figure (mean of the last 3 evaluations at multiples of 10 updates) is that
   method's choice, which Table II (every column) and Table III then run. Factor 1 is the recipe's
-  rate, so its table runs are the unswept suite's.
+  rate, so its table runs are the unswept suite's. The swept protocol writes its reports to the
+  same ``benchmarks/results/rabo/`` (replacing the unswept ``table2.md`` / ``table3.md``; each
+  says which protocol it reports) so that factor-1 runs are not run twice.
 - ``table2``: Table II. RABO, RAFBO, full-model bilevel (FedMBO style), FedAvg, Static (HeteroFL),
   FedRolex, FIARSE on Omniglot 5-way / 20-way, 1-shot / 5-shot; capacities two clients each of
   {1, 1/2, 1/4, 1/8, 1/16} (FedMBO and FedAvg: full model). Accuracy on held-out alphabets.
@@ -53,7 +55,8 @@ from fedtune.harness import (  # noqa: E402
     Choice, RunSpec, SuiteError, Sweep, accuracy_cell, add_sweep_options, averaged_curve, biased_seed_warning,
     build_plan, choose, distinct_runs, estimate_minutes, eval_rounds, figure, load_rounds, load_summary,
     mean, mean_text, offline_data, output_dir, parse_selection, percent, read_overlays, run_suite, runs_section,
-    suite_command, suite_parser, sweep_first, sweep_sections, sweep_selection, table_lines, toml_value, with_labels,
+    suite_command, suite_parser, sweep_first, sweep_note, sweep_sections, sweep_selection, table_lines, toml_value,
+    with_labels,
 )
 
 FEW_SHOT_RECIPE = REPO / "configs" / "benchmarks" / "rabo-suite.toml"
@@ -527,9 +530,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{estimate_minutes(runs, costs, args.workers):.0f} min.")
         notes = ["cost model: built-in per-method constants (benchmarks/rabo/run_suite.py)"]
         if sweep:
-            waiting = [m for m, c in choices_of(plan["sweep"]).items() if c is None]
-            notes.append(f"{len(waiting)} methods wait for their sweep"
-                         + (f": {', '.join(waiting)}" if waiting else ""))
+            notes.append(sweep_note({m: with_labels(plan["sweep"], method=m) for m in methods},
+                                    choices_of(plan["sweep"]), "methods"))
         return run_suite(plan, experiments, args, costs,
                          lambda: write_reports(plan, experiments, scale, seeds, out, command, estimate), root=REPO,
                          notes=notes)

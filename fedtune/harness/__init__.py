@@ -78,7 +78,16 @@ from fedtune.harness.cli import (
     sweep_first,
     sweep_selection,
 )
-from fedtune.harness.choice import Choice, Sweep, choice_text, choose, choose_from, setting_text, sweep_sections
+from fedtune.harness.choice import (
+    Choice,
+    Sweep,
+    choice_text,
+    choose,
+    choose_from,
+    setting_text,
+    sweep_note,
+    sweep_sections,
+)
 from fedtune.harness.cost import Costs, Probe, calibrate, estimate_s, eval_rounds, makespan, probe
 from fedtune.harness.plan import (
     Plan,
@@ -113,7 +122,7 @@ from fedtune.harness.stats import Curve, evaluations, mean, mean_curve, mean_of_
 __all__ = [
     "SuiteError", "add_sweep_options", "biased_seed_warning", "estimate_minutes", "offline_data", "output_dir", "parse_selection", "print_plan", "run_suite",
     "suite_command", "suite_parser", "sweep_first", "sweep_selection",
-    "Choice", "Sweep", "choice_text", "choose", "choose_from", "setting_text", "sweep_sections",
+    "Choice", "Sweep", "choice_text", "choose", "choose_from", "setting_text", "sweep_note", "sweep_sections",
     "Costs", "Probe", "calibrate", "estimate_s", "eval_rounds", "makespan", "probe",
     "Plan", "RunSpec", "assignments", "build_plan", "config_key", "distinct_runs", "read_overlays", "toml_value",
     "with_labels",

@@ -127,6 +127,7 @@ def sweep_sections(panels: dict[str, dict[str, list[RunSpec]]], choices: dict[st
                 group = sorted(group, key=lambda s: s.labels[key])
                 choice = choices[panel].get(name)
                 scores = [score(s) if load_summary(s) else None for s in group]
+                scores = [None if v is None or math.isnan(v) else v for v in scores]
                 cells = ["pending" if not load_summary(s) else "–" if v is None else f"{100 * v:.2f}"
                          for s, v in zip(group, scores)]
                 finished = all(load_summary(s) for s in group)
@@ -148,3 +149,16 @@ def sweep_sections(panels: dict[str, dict[str, list[RunSpec]]], choices: dict[st
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7)
     return lines
+
+
+def sweep_note(groups: dict[str, list[RunSpec]], choices: dict[str, Choice | None], what: str) -> str:
+    """A plan's line on the groups without a choice: those still waiting for their sweep runs, and
+    those whose sweep finished without any score (they get no table runs)."""
+    unchosen = [name for name in groups if choices.get(name) is None]
+    waiting = [name for name in unchosen if any(run_state(s) != "done" for s in groups[name])]
+    scoreless = [name for name in unchosen if name not in waiting]
+    text = f"{len(waiting)} {what} wait for their sweep" + (f": {', '.join(waiting)}" if waiting else "")
+    if scoreless:
+        text += (f"; {len(scoreless)} finished it without a score (no evaluation counted; no table runs): "
+                 + ", ".join(scoreless))
+    return text

@@ -131,6 +131,8 @@ def sweep_selection(args: argparse.Namespace, selected: Sequence[str],
         grid = ()
     if not grid or not all(lr > 0 and math.isfinite(lr) for lr in grid):
         raise SuiteError(f"{option}: expected comma-separated positive {values}, got {args.lr_grid!r}")
+    if len({f"{lr:g}" for lr in grid}) < len(grid):  # run names carry the value as {:g}
+        raise SuiteError(f"{option}: values must differ in their first 6 significant digits, got {args.lr_grid!r}")
     if any(e in dependents for e in selected) and "sweep" not in selected:
         selected = ["sweep", *selected]
     return Sweep(grid, args.sweep_seed), selected
