@@ -104,6 +104,7 @@ def test_the_chosen_rate_is_the_argmax_of_the_mean_of_the_last_3_evaluations(swe
     finish(group[3e-4], [0.55, 0.6, 0.6, 0.6, 0.9])
     finish(group[1e-3], [0.55, 0.6, 0.8, 0.8, 0.7])
     finish(group[3e-3], [0.95, 0.95, 0.5, 0.5, 0.5])
+    finish(group[1e-2], [0.5] * 5)  # diverged
     plan, choices, waiting = sweep.build_sweep_plan(scale, 0, [1, 2, 3], out)
     choice = choices[("heterolora", "adamw")]
     assert choice.setting == {"lr": 1e-3}
@@ -158,7 +159,7 @@ def test_reports_and_verdicts_over_hand_made_runs(sweep, tmp_path):
     plan, _, _ = sweep.build_sweep_plan(scale, 0, [1, 2], out)
     for row in ("fslora", "heterolora"):
         for spec in sweep.with_labels(plan["sweep"], row=row, family="adamw"):
-            finish(spec, [0.6 + spec.labels["lr"]] * 3)
+            finish(spec, [0.6 + spec.labels["lr"] if spec.labels["lr"] <= 3e-3 else 0.5] * 3)  # peak at 3e-3
     plan, choices, _ = sweep.build_sweep_plan(scale, 0, [1, 2], out)
     table = {(s.labels["row"], s.labels["seed"]): s for s in plan["table"]}
     finish(table["fslora", 1], [0.70, 0.72, 0.74])
