@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -342,6 +343,22 @@ def test_a_run_cut_short_continues_from_its_checkpoint_and_ends_as_an_uninterrup
         run_experiment(seed9.config, on_start=killed_before_round_1)
     assert not (cut.run_dir / "checkpoint.npz").exists() and not (cut.run_dir / "summary.json").exists()
     assert not resumable(seed9.config) and run_state(seed9) == "todo"
+
+
+def sleep_or_return(job: int) -> int:
+    if job:
+        time.sleep(60)
+    return job
+
+
+def test_an_abandoned_pool_stops_its_workers():
+    import multiprocessing
+
+    results = imap_unordered(sleep_or_return, [0, 1, 1], workers=2)
+    start = time.perf_counter()
+    assert next(results)[1] == 0
+    results.close()  # what Ctrl-C in a suite does: the two sleeping jobs must not run on
+    assert multiprocessing.active_children() == [] and time.perf_counter() - start < 30
 
 
 # -- command line -------------------------------------------------------------------------------

@@ -71,8 +71,9 @@ def imap_unordered(fn: Callable[[Item], Any], items: Iterable[Item], workers: in
         if completed:
             pool.shutdown(wait=True)
         else:  # interrupted (Ctrl-C here or in the caller) or abandoned: stop the jobs in flight
+            running = list((getattr(pool, "_processes", None) or {}).values())  # shutdown() forgets them
             pool.shutdown(wait=False, cancel_futures=True)
-            for process in list((getattr(pool, "_processes", None) or {}).values()):
+            for process in running:
                 process.terminate()
                 process.join(timeout=10)
 
