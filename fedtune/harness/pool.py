@@ -97,8 +97,10 @@ def run_config(config: RunConfig) -> tuple[dict[str, Any], float]:
     returns its summary and the seconds it took."""
     from fedtune.run import run_experiment
 
-    start = time.perf_counter()
-    return run_experiment(config, resume=resumable(config)), time.perf_counter() - start
+    start, resume = time.perf_counter(), resumable(config)
+    if resume:
+        print(f"{config.name}: continuing from its checkpoint", flush=True)
+    return run_experiment(config, resume=resume), time.perf_counter() - start
 
 
 def run_specs(specs: list[RunSpec], costs: dict[str, float], workers: int) -> tuple[list[str], bool]:
