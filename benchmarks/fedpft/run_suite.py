@@ -26,8 +26,9 @@ plus overlays from ``fedpft-suite-overlays.toml`` plus the experiment's settings
 - ``table5``: Table 5 (on SST-2; the paper uses QNLI, not available offline): alignment interval
   t in {5, 10, 20} at p = 0.5, and p in {0.3, 0.5, 0.8} at t = 10.
 
-Scale (what is cut): MiniLM (6 layers, d 384) for BERT-base; 100 clients with 10 per round as the
-paper, but 30 rounds of 8 local steps (paper: 500 rounds of one local epoch); 200 distillation
+Scale (what is cut): MiniLM (6 layers, d 384) for BERT-base; 100 clients as the paper but 5 sampled
+per round (paper: 10; halved to fit the swept suite on 2 cores), 30 rounds of 8 local steps (paper:
+500 rounds of one local epoch); 200 distillation
 steps of 32 examples of the other text set (paper: 5 epochs of BookCorpus + Wikipedia); FedPFT
 compresses the middle 4 of 6 layers (paper: 10 of 12), FedOT keeps 1 + 1 adapter layers and
 drops the middle 4 to 2 (paper: 2 + 2, 8 to 3). Accuracy: mean of the last 3 evaluations
