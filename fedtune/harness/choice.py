@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedtune.harness.plan import RunSpec
-from fedtune.harness.runs import run_state
+from fedtune.harness.runs import load_summary, run_state
+from fedtune.report import figure, table_lines
 
 Setting = dict[str, float]
 
@@ -113,9 +114,6 @@ def sweep_sections(panels: dict[str, dict[str, list[RunSpec]]], choices: dict[st
     in percent (**bold**: the group's choice; ``pending`` until finished, ``–`` without a score),
     the :func:`choice_text` of the group, and the reference rate the panel's runs report
     (``majority_accuracy``); and a plot of the scores against ``key``, a panel each, at ``png``."""
-    from fedtune.harness.runs import load_summary
-    from fedtune.report import figure, table_lines
-
     lines: list[str] = []
     with figure(png, 1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False) as (fig, axes):
         for ax, (panel, groups) in zip(axes[0], panels.items()):

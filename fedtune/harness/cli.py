@@ -3,9 +3,9 @@
 ``suite_parser`` gives every suite the same options (``--only``, ``--seeds``, ``--quick``,
 ``--workers``, ``--budget-minutes``, ``--plan``, ``--report-only``, ``--out``); a suite adds its
 own with ``parser.add_argument``, and a per-method learning-rate sweep with ``add_sweep_options``
-(``--lr-grid``, ``--sweep-seed``), ``sweep_selection`` and ``sweep_first``. ``run_suite`` then lists the plan with each run's state and
-estimate, stops there for ``--plan``, runs what is unfinished in the worker pool (unless
-``--report-only``) and writes the reports.
+(``--lr-grid``, ``--sweep-seed``), ``sweep_selection`` and ``sweep_first``. ``run_suite`` then
+lists the plan with each run's state and estimate, stops there for ``--plan``, runs what is
+unfinished in the worker pool (unless ``--report-only``) and writes the reports.
 """
 
 from __future__ import annotations
