@@ -758,9 +758,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fair FSLoRA benchmark: {', '.join(selection)}; sweep seed {args.sweep_seed}, table seeds {seeds}; "
               f"model {base.model.name}; R={base.rounds}, H={base.train.local_steps}, "
               f"{base.federation.sample_size()}/{base.federation.num_clients} devices per round -> {out}")
-        return run_suite(plan, selection, args, costs,
-                         lambda: write_reports(plan, choices, scale, args.sweep_seed, seeds, out, command, cost_note),
-                         root=REPO, notes=notes)
+        def reports() -> list[Path]:  # the choices as the runs just finished left them
+            now, chosen, _ = build_sweep_plan(scale, args.sweep_seed, seeds, out)
+            return write_reports(now, chosen, scale, args.sweep_seed, seeds, out, command, cost_note)
+
+        return run_suite(plan, selection, args, costs, reports, root=REPO, notes=notes)
 
     return sweep_first(stage, selected, args)  # the table is planned from the sweep's finished runs
 
