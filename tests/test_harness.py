@@ -354,11 +354,14 @@ def sleep_or_return(job: int) -> int:
 def test_an_abandoned_pool_stops_its_workers():
     import multiprocessing
 
+    before = set(multiprocessing.active_children())  # children of other tests, if any, are not this pool's
     results = imap_unordered(sleep_or_return, [0, 1, 1], workers=2)
-    start = time.perf_counter()
     assert next(results)[1] == 0
-    results.close()  # what Ctrl-C in a suite does: the two sleeping jobs must not run on
-    assert multiprocessing.active_children() == [] and time.perf_counter() - start < 30
+    results.close()  # what Ctrl-C in a suite does: the two sleeping (60 s) jobs must not run on
+    deadline = time.perf_counter() + 20  # a loaded machine may take a moment to reap them
+    while set(multiprocessing.active_children()) - before and time.perf_counter() < deadline:
+        time.sleep(0.2)
+    assert not set(multiprocessing.active_children()) - before
 
 
 # -- command line -------------------------------------------------------------------------------
