@@ -124,11 +124,11 @@ def sweep_sections(panels: dict[str, dict[str, list[RunSpec]]], choices: dict[st
             for name, group in groups.items():
                 group = sorted(group, key=lambda s: s.labels[key])
                 choice = choices[panel].get(name)
-                scores = [score(s) if load_summary(s) else None for s in group]
+                ended = [load_summary(s) is not None for s in group]  # read each run folder once
+                scores = [score(s) if d else None for s, d in zip(group, ended)]
                 scores = [None if v is None or math.isnan(v) else v for v in scores]
-                cells = ["pending" if not load_summary(s) else "–" if v is None else f"{100 * v:.2f}"
-                         for s, v in zip(group, scores)]
-                finished = all(load_summary(s) for s in group)
+                cells = ["pending" if not d else "–" if v is None else f"{100 * v:.2f}" for d, v in zip(ended, scores)]
+                finished = all(ended)
                 chosen = ("no grid point has a score" if choice is None and finished
                           else choice_text(choice, reference, reference_name))
                 rows.append([name, *(f"**{c}**" if choice and s.labels[key] == choice.setting[key] else c
