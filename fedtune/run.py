@@ -52,6 +52,19 @@ def _interrupt_flag():
     return stop.is_set, lambda: signal.signal(signal.SIGINT, previous)
 
 
+def environment() -> dict:
+    """Where a run ran, for ``summary.json``: timings and, at the last bits, numerics depend on it
+    (a benchmark folder may hold runs from more than one machine)."""
+    import os
+    import platform
+    from importlib.metadata import version
+
+    import torch
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": version("transformers"),
+            "platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+
+
 def _summary(config: RunConfig, lines: list[dict], server: RunContext, run_dir: Path, wall_s: float, engine: str) -> dict:
     """``summary.json`` from the run's ``metrics.jsonl`` lines (all rounds, resumed ones too)."""
     evaluated = [line["accuracy"] for line in lines if line.get("accuracy") is not None]
@@ -75,6 +88,7 @@ def _summary(config: RunConfig, lines: list[dict], server: RunContext, run_dir: 
         "wall_s": wall_s,
         "run_dir": str(run_dir),
         "engine": engine,
+        "environment": environment(),
     }
 
 

@@ -121,6 +121,7 @@ def test_run_folder_and_saved_adapter_reproduce_final_predictions(tiny_config):
     run_dir = Path(summary["run_dir"])
     for name in ("config.toml", "metrics.jsonl", "summary.json", "label_histograms.json", "checkpoint.npz", "adapter"):
         assert (run_dir / name).exists(), name
+    assert summary["environment"]["torch"] == torch.__version__  # where it ran: timings depend on it
     # the run's final model: the strategy's global state loaded into a fresh workspace
     ctx = RunContext(cfg)
     state = load_state(run_dir / "checkpoint.npz")
