@@ -237,6 +237,11 @@ def test_recipe_changes_from_winners(sweep, tmp_path):
     assert changes["local.toml"].train is None and "not swept" in changes["local.toml"].basis
     report = sweep.recipe_changes_report(list(changes.values()))
     assert "fslora.toml" in report and "adam lr 0.003" in report
+    # a recipe pinned to a rate measured on itself keeps it
+    pinned = (configs / "fedit.toml").read_text().replace("\nlr = ", "\nlr = 1e-3  # measured on this recipe\n# was: lr = ")
+    (configs / "fedit.toml").write_text(pinned)
+    kept = {c.recipe.name: c for c in sweep.recipe_changes(results, configs)}["fedit.toml"]
+    assert kept.train is None and "measured on this recipe" in kept.basis
     # unfinished tables: the sweep scores decide, and the basis says so
     results["families"]["sgdm"]["fslora"]["table_runs"] = 1
     results["families"]["sgdm"]["fslora"]["sweep_score"] = 0.9

@@ -558,10 +558,15 @@ def best_for_recipe(method: str, results: dict) -> tuple[str, str, str] | None:
     return row, fam, "table" if complete else "sweep"
 
 
+#: a recipe whose text holds this keeps its rate: the sweep's was tried on it and did not learn
+PINNED = "measured on this recipe"
+
+
 def recipe_changes(results: dict, configs: Path = REPO / "configs") -> list[RecipeChange]:
     """What the winners change in every recipe of ``configs/*.toml``: recipes of a swept method on
     text classification with MiniLM take the best row's [train] values (and, for FSLoRA, its server
-    step); other recipes are listed with the reason they are left alone."""
+    step); other recipes (and those :data:`PINNED` to a rate measured on the recipe itself) are
+    listed with the reason they are left alone."""
     changes = []
     for path in sorted(configs.glob("*.toml")):
         try:
@@ -571,7 +576,9 @@ def recipe_changes(results: dict, configs: Path = REPO / "configs") -> list[Reci
             continue
         method, task = config.method, config.task.kind
         reason = ""
-        if method not in RECIPE_ROWS:
+        if PINNED in path.read_text(encoding="utf-8"):
+            reason = f"its rate is {PINNED} (benchmarks/recipes.py): the sweep's does not learn there"
+        elif method not in RECIPE_ROWS:
             reason = f"method {method} was not swept"
         elif task != "text-classification" or (config.model.name or "minilm") != "minilm":
             reason = f"{task} / {config.model.name}: not the swept task and model"
