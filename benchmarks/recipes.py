@@ -373,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         plan = build_recipes_plan(paths, options, out / "recipes", options.similar_max_minutes)
+        # the report covers every recipe and experiment, whatever subset this command runs
+        whole = plan if len(paths) == len(recipes()) else build_recipes_plan(
+            recipes(), options, out / "recipes", options.similar_max_minutes)
     except (SuiteError, ConfigError) as exc:
         print(exc)
         return 2
@@ -380,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     costs = {s.key: rough_cost_s(s.config, _previous(s)) for s in runs}
     command = suite_command("benchmarks/recipes.py", argv)
     print(f"recipes: {len(paths)} in configs/, experiments {', '.join(selected)} -> {out}")
-    return run_suite(plan, selected, args, costs, lambda: write_reports(plan, out, command, options, selected),
+    return run_suite(plan, selected, args, costs, lambda: write_reports(whole, out, command, options, EXPERIMENTS),
                      root=REPO, notes=["estimate: rough (a finished run's own time, else per-model step guesses)"])
 
 
