@@ -134,3 +134,11 @@ def test_table_over_hand_made_runs(rb, tmp_path):
     assert by_run["fedit"]["clearly_above"] is True and by_run["few-shot"]["clearly_above"] is False
     assert by_run["fedit-on-tweets"]["own_data"] is False and by_run["bare"]["finished"] is False
     assert all(p.exists() for p in written)
+
+
+def test_a_subset_command_reports_every_recipe(rb):
+    """``--recipes X --only own`` runs X's own run only, but the report it writes still has a row
+    (and the similar-data columns) for every recipe: it must not shrink the table to X."""
+    assert rb.main(["--quick", "--report-only", "--recipes", "local", "--only", "own"]) == 0
+    report = (rb.QUICK_RESULTS / "recipes.md").read_text()
+    assert all(f"| {p.name} |" in report for p in rb.recipes()) and "similar data" in report
