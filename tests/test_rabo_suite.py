@@ -93,7 +93,7 @@ def test_a_factor_sweep_scales_each_methods_own_step_size_and_the_tables_use_the
     plan = suite.build_suite_plan(scale, [0, 1, 2], tmp_path)
     unswept = suite.build_suite_plan(replace(scale, sweep=None), [0, 1, 2], tmp_path)
     base = {s.labels["method"]: s.config for s in unswept["table2"] if s.labels["seed"] == 0}
-    for s in plan["sweep"]:
+    for s in suite.with_labels(plan["sweep"], problem="few-shot"):
         m, f, c = s.labels["method"], s.labels["factor"], s.config
         assert (s.labels["setting"], c.seed) == ("w5s1", 3)
         if m in suite.BILEVEL:  # the outer step scales; the inner problem and the AdamW rate do not
@@ -104,7 +104,7 @@ def test_a_factor_sweep_scales_each_methods_own_step_size_and_the_tables_use_the
             assert c.options == base[m].options
     assert plan["table2"] == [] and plan["table3"] == []  # every method waits for its sweep
     assert [s.key for s in plan["fig3"]] == [s.key for s in unswept["fig3"]]  # not swept
-    runs = {(s.labels["method"], s.labels["factor"]): s for s in plan["sweep"]}
+    runs = {(s.labels["method"], s.labels["factor"]): s for s in suite.with_labels(plan["sweep"], problem="few-shot")}
     # Bilevel runs evaluate every 5 rounds (one update each), FedAvg every round of 10 updates: the
     # figure is the mean of the last 3 evaluations at 10, 20, 30 updates
     every5 = (5, 10, 15, 20, 25, 30)
@@ -128,3 +128,65 @@ def test_a_factor_sweep_scales_each_methods_own_step_size_and_the_tables_use_the
     assert ("| RABO (`options.outer_lr` x 1 = 0.05) | 23.33 | **50.00** | 40.00 | factor 1 by 10.00 points over factor 3 |"
             in text)
     assert "(the grid's largest factor: a rate beyond it might do better)" in text
+
+
+def test_figure5_has_its_own_sweep_of_every_step_size_and_runs_each_methods_choice(suite, tmp_path):
+    """The loss-tuning sweep scales the bilevel methods' outer (VS-loss) and inner (model) steps
+    together and the single-level methods' AdamW rate; it is scored by the mean of the last 3
+    evaluations, chooses only Figure 5's factors (never Table II's), and Figure 5 waits for it."""
+    from dataclasses import replace
+
+    from tests.test_harness import finish
+
+    scale = replace(suite.Scale(), settings=("w5s1",), updates=30, sweep=suite.Sweep((1.0, 3.0), 3),
+                    lt_grid=(0.1, 0.3, 1.0))
+    plan = suite.build_suite_plan(scale, [0, 1, 2], tmp_path)
+    unswept = suite.build_suite_plan(replace(scale, sweep=None), [0, 1, 2], tmp_path)
+    base = {s.labels["method"]: s.config for s in unswept["fig5"] if s.labels["seed"] == 0}
+    lt = suite.with_labels(plan["sweep"], problem="loss-tuning")
+    assert len(lt) == 3 * len(suite.METHODS) and plan["fig5"] == []  # every method waits for its sweep
+    for s in lt:
+        m, f, c = s.labels["method"], s.labels["factor"], s.config
+        assert c.seed == 3 and c.task.kind == "image-classification" and s.run_dir.parent.name == "sweep"
+        if m in suite.BILEVEL:
+            assert c.options["outer_lr"] == pytest.approx(f * base[m].options["outer_lr"])
+            assert c.options["inner_lr"] == pytest.approx(f * base[m].options["inner_lr"])
+            assert c.options["inner_steps"] == base[m].options["inner_steps"] and c.train.lr == base[m].train.lr
+        else:
+            assert c.train.lr == pytest.approx(f * base[m].train.lr) and c.options == base[m].options
+    runs = {(s.labels["method"], s.labels["factor"]): s for s in lt}
+    every10 = (10, 20, 30, 40, 50, 60)
+    finish(runs[("rabo", 0.1)], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], rounds_evaluated=every10)  # last 3: 0.5, chosen
+    finish(runs[("rabo", 0.3)], [0.1, 0.2, 0.3, 0.2, 0.2, 0.9], rounds_evaluated=every10)  # the best final point
+    finish(runs[("rabo", 1.0)], [0.5, 0.7, 0.7, 0.4, 0.3, 0.2], rounds_evaluated=every10)  # peaks, falls back
+    choices = suite.choices_of(plan["sweep"], "loss-tuning")
+    assert choices["rabo"].setting == {"factor": 0.1} and choices["rabo"].score == pytest.approx(0.5)
+    assert suite.choices_of(plan["sweep"], "few-shot").get("rabo") is None  # Table II's sweep is another one
+    plan = suite.build_suite_plan(scale, [0, 1, 2], tmp_path)
+    assert plan["table2"] == []
+    fig5 = {s.labels["seed"]: s for s in plan["fig5"]}
+    assert set(fig5) == {0, 1, 2} and {s.labels["method"] for s in plan["fig5"]} == {"rabo"}
+    for seed, s in fig5.items():
+        assert s.config.options["outer_lr"] == pytest.approx(0.1 * base["rabo"].options["outer_lr"])
+        assert s.config.seed == seed and s.run_dir.parent.name == "fig5" and s.name == f"lt-rabo-s{seed}-x0.1"
+    text = suite.report_sweep(plan["sweep"], scale, "head", tmp_path)
+    assert "## loss tuning (Figure 5)" in text
+    assert "| RABO (`options.outer_lr` x 1 = 0.1, `options.inner_lr` x 1 = 0.05) | **50.00** | 43.33 | 30.00 |" in text
+    assert "| outer_lr 0.01, inner_lr 0.005 (x0.1) |" in suite.report_fig5(plan["fig5"], scale, "head", tmp_path)
+
+
+def test_figure5_at_factor_one_is_the_unswept_run(suite, tmp_path):
+    """A method whose loss-tuning choice is factor 1 reruns nothing: its Figure 5 runs are the
+    unswept suite's folders and configs."""
+    from dataclasses import replace
+
+    from tests.test_harness import finish
+
+    scale = replace(suite.Scale(), sweep=suite.Sweep((1.0,), 3), lt_grid=(0.3, 1.0))
+    plan = suite.build_suite_plan(scale, [0, 1], tmp_path)
+    for s in suite.with_labels(plan["sweep"], problem="loss-tuning", method="fedavg"):
+        finish(s, [0.2, 0.6, 0.6] if s.labels["factor"] == 1.0 else [0.2, 0.3, 0.3])
+    plan = suite.build_suite_plan(scale, [0, 1], tmp_path)
+    unswept = suite.build_suite_plan(replace(scale, sweep=None), [0, 1], tmp_path)
+    assert [(s.name, s.key, s.run_dir) for s in plan["fig5"]] == [
+        (s.name, s.key, s.run_dir) for s in unswept["fig5"] if s.labels["method"] == "fedavg"]

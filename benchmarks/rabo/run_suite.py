@@ -14,7 +14,11 @@ Experiments (named runs on :mod:`fedtune.harness`; a few-shot run is
   method's choice, which Table II (every column) and Table III then run. Factor 1 is the recipe's
   rate, so its table runs are the unswept suite's. The swept protocol writes its reports to the
   same ``benchmarks/results/rabo/`` (replacing the unswept ``table2.md`` / ``table3.md``; each
-  says which protocol it reports) so that factor-1 runs are not run twice.
+  says which protocol it reports) so that factor-1 runs are not run twice. Figure 5's loss-tuning
+  problem has its own sweep on the same seed over ``--lt-factors`` (default 0.1, 0.3, 1, 3), scored
+  by the mean of the last 3 evaluations' balanced accuracy: there a factor scales every step size
+  the method takes (bilevel: the VS-loss step ``options.outer_lr`` and the model step
+  ``options.inner_lr`` together; single-level: ``train.lr``).
 - ``table2``: Table II. RABO, RAFBO, full-model bilevel (FedMBO style), FedAvg, Static (HeteroFL),
   FedRolex, FIARSE on Omniglot 5-way / 20-way, 1-shot / 5-shot; capacities two clients each of
   {1, 1/2, 1/4, 1/8, 1/16} (FedMBO and FedAvg: full model). Accuracy on held-out alphabets.
@@ -26,7 +30,8 @@ Experiments (named runs on :mod:`fedtune.harness`; a few-shot run is
 - ``table3``: Table III. RABO and RAFBO with 10, 20, 30, 50 clients (10 sampled per round beyond
   10), 5-way 1-shot and 5-shot, the same capacity mix.
 - ``fig5``: Figure 5. VS-loss tuning on long-tailed Fashion-MNIST (all clients at capacity 1/2):
-  the three bilevel methods against the single-level ones (plain cross-entropy, no tuning).
+  the three bilevel methods against the single-level ones (plain cross-entropy, no tuning); with
+  ``--lr-factors``, each method at its factor chosen by the loss-tuning sweep.
 
     HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR=../shared/data .venv/bin/python benchmarks/rabo/run_suite.py [--only table2] [--seeds 0,1,2]
     ... --plan          # the runs and the time estimate, nothing run
@@ -36,6 +41,7 @@ Experiments (named runs on :mod:`fedtune.harness`; a few-shot run is
     ... --updates 30    # 30 backbone updates per client instead of 60 (every method's rounds alike)
     ... --methods rabo,fedmbo   # only these methods' runs
     ... --lr-factors 0.3,1,3 --only table2 --settings w5s1 --updates 30   # each method at its own rate
+    ... --lr-factors 0.3,1,3,10,30,100 --lt-factors 0.1,0.3,1,3 --only fig5   # Figure 5 at its own rates
 
 Identical configs are run once and shared (Table III's 10-client runs are Table II's).
 """
@@ -54,7 +60,8 @@ from fedtune.config import RunConfig, load_config  # noqa: E402
 from fedtune.harness import (  # noqa: E402
     Choice, RunSpec, SuiteError, Sweep, accuracy_cell, add_sweep_options, averaged_curve, biased_seed_warning,
     build_plan, choose, distinct_runs, estimate_minutes, eval_rounds, figure, load_rounds, load_summary,
-    mean, mean_text, offline_data, output_dir, parse_selection, percent, read_overlays, run_suite, runs_section,
+    mean, mean_text, offline_data, output_dir, parse_grid, parse_selection, percent, read_overlays, run_accuracy,
+    run_suite, runs_section,
     suite_command, suite_parser, sweep_first, sweep_note, sweep_sections, sweep_selection, table_lines, toml_value,
     with_labels,
 )
@@ -65,7 +72,8 @@ OVERLAYS = read_overlays(REPO / "configs" / "benchmarks" / "rabo-suite-overlays.
 RESULTS = REPO / "benchmarks" / "results" / "rabo"
 QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "rabo-quick"
 EXPERIMENTS = ["sweep", "table2", "fig4", "fig3", "table3", "fig5"]  # also the order that owns shared runs
-SWEPT = ("table2", "table3")  # with --lr-factors: each method at its chosen multiple of its own rate
+SWEPT = ("table2", "table3", "fig5")  # with --lr-factors: each method at its chosen multiple of its own rate
+LT_FACTORS = "0.1,0.3,1,3"  # --lt-factors' default: the loss-tuning sweep's multiples
 SWEEP_SETTING = "w5s1"
 METHODS = ["rabo", "rafbo", "fedmbo", "fedavg", "static", "fedrolex", "fiarse"]
 BILEVEL = ["rabo", "rafbo", "fedmbo"]
@@ -96,6 +104,7 @@ class Scale:
     per_round: int = 10  # clients sampled per round beyond 10 clients (Table III)
     updates: int | None = None  # backbone updates per client (default the recipe's 60; --updates)
     sweep: Sweep | None = None  # --lr-factors: multiples of each method's own step size
+    lt_grid: tuple = (0.1, 0.3, 1.0, 3.0)  # --lt-factors: the loss-tuning sweep's multiples (with sweep)
 
     def budget(self, method: str) -> list[str]:
         """``updates`` backbone updates per client: bilevel, one outer step a round, evaluated 6 times;
@@ -114,8 +123,13 @@ class Scale:
             return out
         return out + [f"{rate_key(method)}={factor * base_rate(load_config(FEW_SHOT_RECIPE, out), method)!r}"]
 
-    def loss_tuning(self, method: str, *extra: str) -> list[str]:
-        return [*OVERLAYS[f"lt_{method}"], *(OVERLAYS["quick_lt"] if self.quick else []), *extra]
+    def loss_tuning(self, method: str, *extra: str, factor: float | None = None) -> list[str]:
+        """A loss-tuning run's overrides; ``factor`` scales each of :func:`lt_rate_keys`."""
+        out = [*OVERLAYS[f"lt_{method}"], *(OVERLAYS["quick_lt"] if self.quick else []), *extra]
+        if factor is None or factor == 1.0:
+            return out
+        config = load_config(LOSS_RECIPE, out)
+        return out + [f"{key}={factor * lt_rate(config, key)!r}" for key in lt_rate_keys(method)]
 
 
 def quick_scale() -> Scale:
@@ -130,6 +144,17 @@ def rate_key(method: str) -> str:
 
 def base_rate(config: RunConfig, method: str) -> float:
     return config.options["outer_lr"] if method in BILEVEL else config.train.lr
+
+
+def lt_rate_keys(method: str) -> tuple[str, ...]:
+    """The step sizes a loss-tuning factor scales: all the method takes. Bilevel: the VS-loss
+    parameters' step (outer) and the model's SGD step (inner), together, as the model's step is the
+    one the single-level methods' factor scales; single-level: the AdamW learning rate."""
+    return ("options.outer_lr", "options.inner_lr") if method in BILEVEL else ("train.lr",)
+
+
+def lt_rate(config: RunConfig, key: str) -> float:
+    return config.train.lr if key == "train.lr" else config.options[key.split(".", 1)[1]]
 
 
 WAIT = object()  # a method whose sweep is not finished
@@ -151,7 +176,18 @@ def specs_sweep(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
         return []
     seed, s = scale.sweep.seed, SWEEP_SETTING
     return [RunSpec(named(f"{m}-{s}-s{seed}", f), scale.few_shot(s, m, f"seed={seed}", factor=f),
-                    {"method": m, "setting": s, "seed": seed, "factor": f}) for m in METHODS for f in scale.sweep.grid]
+                    {"problem": "few-shot", "method": m, "setting": s, "seed": seed, "factor": f})
+            for m in METHODS for f in scale.sweep.grid]
+
+
+def specs_lt_sweep(scale: Scale) -> list[RunSpec]:
+    """Figure 5's sweep: each method on the loss-tuning problem at every ``scale.lt_grid`` factor."""
+    if scale.sweep is None:
+        return []
+    seed = scale.sweep.seed
+    return [RunSpec(named(f"lt-{m}-s{seed}", f), scale.loss_tuning(m, f"seed={seed}", factor=f),
+                    {"problem": "loss-tuning", "method": m, "seed": seed, "factor": f})
+            for m in METHODS for f in scale.lt_grid]
 
 
 def specs_table2(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
@@ -189,44 +225,60 @@ def specs_table3(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
             if (f := factor_of(chosen, m)) is not WAIT]
 
 
-def specs_fig5(scale: Scale, seeds: list[int]) -> list[RunSpec]:
-    return [RunSpec(f"lt-{m}-s{seed}", scale.loss_tuning(m, f"seed={seed}"), {"method": m, "seed": seed})
-            for seed in seeds for m in METHODS]
+def specs_fig5(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
+    return [RunSpec(named(f"lt-{m}-s{seed}", f), scale.loss_tuning(m, f"seed={seed}", factor=f),
+                    {"method": m, "seed": seed, "factor": f})
+            for seed in seeds for m in METHODS if (f := factor_of(chosen, m)) is not WAIT]
 
 
 FEW_SHOT = {"sweep": specs_sweep, "table2": specs_table2, "fig4": specs_fig4, "fig3": specs_fig3,
             "table3": specs_table3}
 
 
-def choices_of(sweep_runs: list[RunSpec]) -> dict[str, Choice | None]:
-    """Each method's chosen factor: the argmax over its finished sweep runs of :func:`budget_accuracy`
-    (None while any of its runs is unfinished)."""
-    return {m: choose(with_labels(sweep_runs, method=m), lambda s: {"factor": s.labels["factor"]}, budget_accuracy)
-            for m in METHODS if with_labels(sweep_runs, method=m)}
+def sweep_score(spec: RunSpec) -> float | None:
+    """A sweep run's figure: Table II's (:func:`budget_accuracy`) on the few-shot problem; on the
+    loss-tuning one, Figure 5's, the mean of its last LAST evaluations (balanced accuracy)."""
+    return budget_accuracy(spec) if spec.labels["problem"] == "few-shot" else run_accuracy(spec, LAST)
+
+
+def choices_of(sweep_runs: list[RunSpec], problem: str = "few-shot") -> dict[str, Choice | None]:
+    """Each method's chosen factor on ``problem``: the argmax over its finished sweep runs of
+    :func:`sweep_score` (None while any of its runs is unfinished)."""
+    runs = with_labels(sweep_runs, problem=problem)
+    return {m: choose(with_labels(runs, method=m), lambda s: {"factor": s.labels["factor"]}, sweep_score)
+            for m in METHODS if with_labels(runs, method=m)}
+
+
+def chosen_factors(sweep_runs: list[RunSpec], problem: str) -> dict[str, float]:
+    return {m: c.setting["factor"] for m, c in choices_of(sweep_runs, problem).items() if c}
 
 
 def build_suite_plan(scale: Scale, seeds: list[int], out: Path) -> dict[str, list[RunSpec]]:
     """Every experiment's runs, resolved (all experiments, so run ownership never depends on --only);
-    with ``scale.sweep``, Tables II and III at each method's chosen factor (a method waits until its
-    sweep is finished)."""
-    chosen = None
+    with ``scale.sweep``, Tables II and III and Figure 5 at each method's chosen factor on their
+    problem (a method waits until its sweep is finished)."""
+    few_shot = lt = None
     if scale.sweep is not None:
         plan = build_plan({e: f(scale, seeds) for e, f in FEW_SHOT.items()}, FEW_SHOT_RECIPE, out)
-        chosen = {m: c.setting["factor"] for m, c in choices_of(plan["sweep"]).items() if c}
-    plan = build_plan({e: f(scale, seeds, chosen) for e, f in FEW_SHOT.items()}, FEW_SHOT_RECIPE, out)
-    plan.update(build_plan({"fig5": specs_fig5(scale, seeds)}, LOSS_RECIPE, out))
+        few_shot = chosen_factors(plan["sweep"], "few-shot")
+        lt = chosen_factors(build_plan({"sweep": specs_lt_sweep(scale)}, LOSS_RECIPE, out)["sweep"], "loss-tuning")
+    plan = build_plan({e: f(scale, seeds, few_shot) for e, f in FEW_SHOT.items()}, FEW_SHOT_RECIPE, out)
+    loss = build_plan({"sweep": specs_lt_sweep(scale), "fig5": specs_fig5(scale, seeds, lt)}, LOSS_RECIPE, out)
+    plan["sweep"] += loss["sweep"]
+    plan["fig5"] = loss["fig5"]
     return {e: plan[e] for e in EXPERIMENTS}
 
 
 # -- cost model -------------------------------------------------------------------------------------
 # Seconds per client and round on one free core of the 2-core VM for the 5-way 1-shot suite
 # configuration (32 filters), extrapolated from 64-filter runs on a free 16-core machine (x 2 for
-# the VM, / 2 for the half width) and one local RABO loss-tuning run; single-level methods: per
-# local step. Few-shot work scales with the images per episode, N (K + Q).
+# the VM, / 2 for the half width); single-level methods: per local step. Few-shot work scales with
+# the images per episode, N (K + Q). Loss tuning: the clients' compute seconds per client and round
+# of the factor-1 Figure 5 runs on this VM (seed 0, 2 workers), and ~2.5 s per evaluation.
 CLIENT_ROUND_S = {"rabo": 0.2, "rafbo": 0.65, "fedmbo": 0.4}
 LOCAL_STEP_S = {"fedavg": 0.3, "static": 0.14, "fedrolex": 0.14, "fiarse": 0.3}
-LOSS_CLIENT_ROUND_S = {"rabo": 0.8, "rafbo": 1.6, "fedmbo": 1.2, "fedavg": 0.6, "static": 0.35, "fedrolex": 0.35,
-                       "fiarse": 0.8}
+LOSS_CLIENT_ROUND_S = {"rabo": 0.34, "rafbo": 0.35, "fedmbo": 0.83, "fedavg": 0.22, "static": 0.12, "fedrolex": 0.12,
+                       "fiarse": 0.23}
 FLOPS_SLOWDOWN = 2.0  # torch's FLOP counter
 
 
@@ -241,7 +293,7 @@ def estimate_s(config: RunConfig) -> float:
         evals = eval_rounds(config.rounds, config.eval_every) * task.get("eval_episodes", 600) * 0.02 * images
         return 5 + client_rounds * per * images + evals
     scale = (config.data.max_train_samples or 15000) / 15000
-    evals = eval_rounds(config.rounds, config.eval_every) * 6.0 * (config.data.max_test_samples or 10000) / 10000
+    evals = eval_rounds(config.rounds, config.eval_every) * 2.5 * (config.data.max_test_samples or 10000) / 10000
     return 10 + client_rounds * LOSS_CLIENT_ROUND_S[config.method] * max(scale, 0.2) + evals
 
 
@@ -269,7 +321,9 @@ def setup_section(scale: Scale, seeds: list[int], command: str, estimate: str) -
         "seeds. " + (
             f"Step sizes: each method's own (bilevel: the outer step; single-level: the AdamW learning rate) times "
             f"the factor chosen on seed {scale.sweep.seed} from {{{', '.join(f'{f:g}' for f in scale.sweep.grid)}}} "
-            f"({SETTINGS[SWEEP_SETTING]}, `sweep.md`) for Tables II and III; the other experiments at factor 1. "
+            f"({SETTINGS[SWEEP_SETTING]}, `sweep.md`) for Tables II and III, and from "
+            f"{{{', '.join(f'{f:g}' for f in scale.lt_grid)}}} on the loss-tuning problem for Figure 5 (there "
+            f"the bilevel methods' outer and inner steps together); Figures 3 and 4 at factor 1. "
             if scale.sweep else "Nothing is tuned per method; the bilevel methods share their step sizes. ")
         + estimate, ""])
 
@@ -320,19 +374,35 @@ def step_size(specs: list[RunSpec]) -> str:
 
 
 def report_sweep(specs, scale, head, out) -> str:
-    """Each method's Table II figure at every factor of its own step size on the sweep seed."""
-    choices = choices_of(specs)
-    rows = {m: f"{LABEL[m]} (`{rate_key(m)}` x 1 = {base_rate(s.config, m) / s.labels['factor']:g})"
-            for m in METHODS if (s := next(iter(with_labels(specs, method=m)), None))}
+    """Each method's figure at every factor of its own step size on the sweep seed: Table II's on
+    the few-shot problem, Figure 5's on the loss-tuning one."""
+    panels, choices = {}, {}
+    for problem, title in (("few-shot", SETTINGS[SWEEP_SETTING]), ("loss-tuning", "loss tuning (Figure 5)")):
+        runs = with_labels(specs, problem=problem)
+        rows = {m: f"{LABEL[m]} ({sweep_rates(group[0], problem)})"
+                for m in METHODS if (group := with_labels(runs, method=m))}
+        if rows:
+            panels[title] = {rows[m]: with_labels(runs, method=m) for m in rows}
+            picked = choices_of(runs, problem)
+            choices[title] = {rows[m]: picked.get(m) for m in rows}
     lines = ["# Step-size sweep (CPU scale): each method at its own rate", "",
-             f"One seed. Each cell: the run's Table II figure (mean of its last {LAST} evaluations at multiples of 10 "
-             "backbone updates per client, %) at a factor of the method's own step size; **bold**: the chosen factor "
-             "(automatic argmax), which Tables II and III then run.", "", head, "## Results", "",
-             *sweep_sections({SETTINGS[SWEEP_SETTING]: {rows[m]: with_labels(specs, method=m) for m in rows}},
-                             {SETTINGS[SWEEP_SETTING]: {rows[m]: choices.get(m) for m in rows}}, budget_accuracy,
-                             out / "sweep.png", key="factor", reference_name="chance rate (1/N)",
+             f"One seed. Each cell: the run's figure (%) at a factor of the method's own step size; **bold**: the "
+             f"chosen factor (automatic argmax), which the tables then run. {SETTINGS[SWEEP_SETTING]}: Table II's "
+             f"figure (mean of the last {LAST} evaluations at multiples of 10 backbone updates per client), for "
+             f"Tables II and III. Loss tuning: Figure 5's (mean of the last {LAST} evaluations' balanced accuracy), "
+             "for Figure 5.", "", head, "## Results", "",
+             *sweep_sections(panels, choices, sweep_score, out / "sweep.png",
+                             key="factor", reference_name="chance rate (1/N)",
                              ylabel=f"mean of last {LAST} evaluations (%)"), "![sweep](sweep.png)", ""]
     return "\n".join(lines) + "\n" + runs_section(specs, out)
+
+
+def sweep_rates(spec: RunSpec, problem: str) -> str:
+    """The step sizes factor 1 stands for: ``options.outer_lr x 1 = 0.05``."""
+    m, f = spec.labels["method"], spec.labels["factor"]
+    if problem == "few-shot":
+        return f"`{rate_key(m)}` x 1 = {base_rate(spec.config, m) / f:g}"
+    return ", ".join(f"`{key}` x 1 = {lt_rate(spec.config, key) / f:g}" for key in lt_rate_keys(m))
 
 
 def report_table2(specs, scale, head, out) -> str:
@@ -445,8 +515,18 @@ def report_table3(specs, scale, head, out) -> str:
     return "\n".join(lines) + "\n" + runs_section(specs, out)
 
 
-def report_fig5(specs, head, out) -> str:
-    rows = [[LABEL[m], accuracy_cell(with_labels(specs, method=m), LAST),
+def lt_step_size(specs: list[RunSpec]) -> str:
+    """The loss-tuning step sizes the method's runs used (``x factor`` where swept), or that they wait."""
+    if not specs:
+        return "waiting for the sweep"
+    s = specs[0]
+    rates = ", ".join(f"{key.split('.')[-1]} {lt_rate(s.config, key):g}" for key in lt_rate_keys(s.labels["method"]))
+    return rates if s.labels.get("factor") is None else f"{rates} (x{s.labels['factor']:g})"
+
+
+def report_fig5(specs, scale, head, out) -> str:
+    rows = [[LABEL[m], *([lt_step_size(with_labels(specs, method=m))] if scale.sweep else []),
+             accuracy_cell(with_labels(specs, method=m), LAST),
              mean_text([s.get("final_loss") for s in map(load_summary, with_labels(specs, method=m)) if s], ".3f")]
             for m in METHODS]
     lines = ["# Figure 5 (CPU scale): loss-function tuning on long-tailed Fashion-MNIST", "",
@@ -455,7 +535,8 @@ def report_fig5(specs, head, out) -> str:
              "train with plain cross-entropy on all the client's data. Every client at capacity 1/2 (the full "
              "bilevel baseline and FedAvg: the full model). Paper: RABO above the single-level sub-model methods "
              "and competitive with full-model FedAvg.", "", head, "## Results", "",
-             *table_lines(["method", "balanced acc (%)", "final test loss"], rows), "", "![fig5](fig5.png)", ""]
+             *table_lines(["method", *(["step size"] if scale.sweep else []), "balanced acc (%)", "final test loss"],
+                          rows), "", "![fig5](fig5.png)", ""]
     curve_plot(out / "fig5.png", [(LABEL[m], with_labels(specs, method=m)) for m in METHODS],
                "long-tailed Fashion-MNIST: balanced accuracy", "balanced_accuracy")
     return "\n".join(lines) + "\n" + runs_section(specs, out)
@@ -470,7 +551,7 @@ def write_reports(plan, selected, scale, seeds, out, command, estimate) -> list[
         "fig4": lambda: report_fig4(plan["fig4"], plan["table2"], head, out),
         "fig3": lambda: report_fig3(plan["fig3"], head, out),
         "table3": lambda: report_table3(plan["table3"], scale, head, out),
-        "fig5": lambda: report_fig5(plan["fig5"], head, out),
+        "fig5": lambda: report_fig5(plan["fig5"], scale, head, out),
     }
     written = []
     for exp in selected:
@@ -484,6 +565,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="0,1,2")
     add_sweep_options(parser, EXPERIMENTS, f"each method's own step size on {SETTINGS[SWEEP_SETTING]} (for table2, "
                       "table3)", factors=True, sweep_seed=3)
+    parser.add_argument("--lt-factors", default=LT_FACTORS,
+                        help=f"with --lr-factors: the multiples swept on Figure 5's loss-tuning problem (default "
+                             f"{LT_FACTORS})")
     parser.add_argument("--updates", type=int, default=None,
                         help="few-shot backbone updates per client (default 60; a multiple of 10): scales every "
                              "method's rounds alike")
@@ -496,6 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         selected, seeds = parse_selection(args, EXPERIMENTS)
         sweep, selected = sweep_selection(args, selected, SWEPT)
+        lt_grid = parse_grid(args.lt_factors, "--lt-factors", "multiples of each method's own rates")
         settings = tuple(s for s in args.settings.split(",") if s)
         unknown = [s for s in settings if s not in SETTINGS]
         if args.updates is not None and (args.updates < 10 or args.updates % 10):
@@ -511,14 +596,14 @@ def main(argv: list[str] | None = None) -> int:
         print(exc)
         return 2
     scale = quick_scale() if args.quick else Scale()
-    scale = replace(scale, settings=settings, updates=args.updates, sweep=sweep)
+    scale = replace(scale, settings=settings, updates=args.updates, sweep=sweep, lt_grid=lt_grid)
     out = output_dir(args, RESULTS, QUICK_RESULTS)
     offline_data("omniglot")
     biased_seed_warning(sweep, seeds, selected, SWEPT)
     command = suite_command("benchmarks/rabo/run_suite.py", argv)
     print(f"RABO suite: {', '.join(selected)}; seeds {seeds}"
-          + (f"; step-size factors {', '.join(f'{f:g}' for f in sweep.grid)} swept on seed {sweep.seed}"
-             if sweep else "")
+          + (f"; step-size factors {', '.join(f'{f:g}' for f in sweep.grid)} (loss tuning: "
+             f"{', '.join(f'{f:g}' for f in lt_grid)}) swept on seed {sweep.seed}" if sweep else "")
           + f" -> {out}")
 
     def stage(experiments: list[str]) -> int:
@@ -529,9 +614,10 @@ def main(argv: list[str] | None = None) -> int:
         estimate = (f"Estimated time of the selection (built-in cost model, {args.workers} workers): "
                     f"{estimate_minutes(runs, costs, args.workers):.0f} min.")
         notes = ["cost model: built-in per-method constants (benchmarks/rabo/run_suite.py)"]
-        if sweep:
-            notes.append(sweep_note({m: with_labels(plan["sweep"], method=m) for m in methods},
-                                    choices_of(plan["sweep"]), "methods"))
+        for problem in ("few-shot", "loss-tuning") if sweep else ():
+            runs = with_labels(plan["sweep"], problem=problem)
+            notes.append(f"{problem}: " + sweep_note({m: with_labels(runs, method=m) for m in methods},
+                                                     choices_of(runs, problem), "methods"))
         return run_suite(plan, experiments, args, costs,
                          lambda: write_reports(plan, experiments, scale, seeds, out, command, estimate), root=REPO,
                          notes=notes)

@@ -70,6 +70,7 @@ from fedtune.harness.cli import (
     estimate_minutes,
     offline_data,
     output_dir,
+    parse_grid,
     parse_selection,
     print_plan,
     run_suite,
@@ -121,7 +122,8 @@ from fedtune.harness.stats import Curve, evaluations, mean, mean_curve, mean_of_
 
 __all__ = [
     "SuiteError", "add_sweep_options", "biased_seed_warning", "estimate_minutes", "offline_data", "output_dir",
-    "parse_selection", "print_plan", "run_suite", "suite_command", "suite_parser", "sweep_first", "sweep_selection",
+    "parse_grid", "parse_selection", "print_plan", "run_suite", "suite_command", "suite_parser", "sweep_first",
+    "sweep_selection",
     "Choice", "Sweep", "choice_text", "choose", "choose_from", "setting_text", "sweep_note", "sweep_sections",
     "Costs", "Probe", "calibrate", "estimate_s", "eval_rounds", "makespan", "probe",
     "Plan", "RunSpec", "assignments", "build_plan", "config_key", "distinct_runs", "read_overlays", "toml_value",

@@ -125,17 +125,24 @@ def sweep_selection(args: argparse.Namespace, selected: Sequence[str],
         if "sweep" in selected:
             raise SuiteError(f"--only sweep: needs {option} (the {values} to sweep)")
         return None, selected
-    try:
-        grid = tuple(sorted({float(x) for x in args.lr_grid.split(",") if x.strip()}))
-    except ValueError:
-        grid = ()
-    if not grid or not all(lr > 0 and math.isfinite(lr) for lr in grid):
-        raise SuiteError(f"{option}: expected comma-separated positive {values}, got {args.lr_grid!r}")
-    if len({f"{lr:g}" for lr in grid}) < len(grid):  # run names carry the value as {:g}
-        raise SuiteError(f"{option}: values must differ in their first 6 significant digits, got {args.lr_grid!r}")
+    grid = parse_grid(args.lr_grid, option, values)
     if any(e in dependents for e in selected) and "sweep" not in selected:
         selected = ["sweep", *selected]
     return Sweep(grid, args.sweep_seed), selected
+
+
+def parse_grid(text: str, option: str, values: str = "learning rates") -> tuple[float, ...]:
+    """A comma-separated grid of positive numbers, ascending; :class:`SuiteError` naming ``option``
+    when one is not a positive number or two print alike (run names carry each value as ``{:g}``)."""
+    try:
+        grid = tuple(sorted({float(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        grid = ()
+    if not grid or not all(v > 0 and math.isfinite(v) for v in grid):
+        raise SuiteError(f"{option}: expected comma-separated positive {values}, got {text!r}")
+    if len({f"{v:g}" for v in grid}) < len(grid):
+        raise SuiteError(f"{option}: values must differ in their first 6 significant digits, got {text!r}")
+    return grid
 
 
 def biased_seed_warning(sweep: Sweep | None, seeds: Sequence[int], selected: Sequence[str],
