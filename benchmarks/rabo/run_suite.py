@@ -15,9 +15,9 @@ Experiments (named runs on :mod:`fedtune.harness`; a few-shot run is
   rate, so its table runs are the unswept suite's. The swept protocol writes its reports to the
   same ``benchmarks/results/rabo/`` (replacing the unswept ``table2.md`` / ``table3.md``; each
   says which protocol it reports) so that factor-1 runs are not run twice. Figure 5's loss-tuning
-  problem has its own sweep on the same seed over ``--lt-factors`` (default 0.1, 0.3, 1, 3, 10), scored
-  by the mean of the last 3 evaluations' balanced accuracy: there a factor scales every step size
-  the method takes (bilevel: the VS-loss step ``options.outer_lr`` and the model step
+  problem has its own sweep on the same seed over ``--lt-factors`` (default 0.1, 0.3, 1, 3, 10,
+  30), scored by the mean of the last 3 evaluations' balanced accuracy: there a factor scales every
+  step size the method takes (bilevel: the VS-loss step ``options.outer_lr`` and the model step
   ``options.inner_lr`` together; single-level: ``train.lr``).
 - ``table2``: Table II. RABO, RAFBO, full-model bilevel (FedMBO style), FedAvg, Static (HeteroFL),
   FedRolex, FIARSE on Omniglot 5-way / 20-way, 1-shot / 5-shot; capacities two clients each of
@@ -41,7 +41,7 @@ Experiments (named runs on :mod:`fedtune.harness`; a few-shot run is
     ... --updates 30    # 30 backbone updates per client instead of 60 (every method's rounds alike)
     ... --methods rabo,fedmbo   # only these methods' runs
     ... --lr-factors 0.3,1,3 --only table2 --settings w5s1 --updates 30   # each method at its own rate
-    ... --lr-factors 0.3,1,3,10,30,100 --lt-factors 0.1,0.3,1,3,10 --only fig5   # Figure 5 at its own rates
+    ... --lr-factors 0.3,1,3,10,30,100 --lt-factors 0.1,0.3,1,3,10,30 --only fig5   # Figure 5 at its own rates
 
 Identical configs are run once and shared (Table III's 10-client runs are Table II's).
 """
@@ -73,7 +73,7 @@ RESULTS = REPO / "benchmarks" / "results" / "rabo"
 QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "rabo-quick"
 EXPERIMENTS = ["sweep", "table2", "fig4", "fig3", "table3", "fig5"]  # also the order that owns shared runs
 SWEPT = ("table2", "table3", "fig5")  # with --lr-factors: each method at its chosen multiple of its own rate
-LT_FACTORS = "0.1,0.3,1,3,10"  # --lt-factors' default: the loss-tuning sweep's multiples
+LT_FACTORS = "0.1,0.3,1,3,10,30"  # --lt-factors' default: the loss-tuning sweep's multiples
 SWEEP_SETTING = "w5s1"
 METHODS = ["rabo", "rafbo", "fedmbo", "fedavg", "static", "fedrolex", "fiarse"]
 BILEVEL = ["rabo", "rafbo", "fedmbo"]
