@@ -564,7 +564,7 @@ def write_reports(plan, selected, scale, seeds, out, command, estimate) -> list[
 def main(argv: list[str] | None = None) -> int:
     parser = suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="0,1,2")
     add_sweep_options(parser, EXPERIMENTS, f"each method's own step size on {SETTINGS[SWEEP_SETTING]} (for table2, "
-                      "table3)", factors=True, sweep_seed=3)
+                      "table3; --lt-factors: fig5)", factors=True, sweep_seed=3)
     parser.add_argument("--lt-factors", default=LT_FACTORS,
                         help=f"with --lr-factors: the multiples swept on Figure 5's loss-tuning problem (default "
                              f"{LT_FACTORS})")
@@ -615,9 +615,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{estimate_minutes(runs, costs, args.workers):.0f} min.")
         notes = ["cost model: built-in per-method constants (benchmarks/rabo/run_suite.py)"]
         for problem in ("few-shot", "loss-tuning") if sweep else ():
-            runs = with_labels(plan["sweep"], problem=problem)
-            notes.append(f"{problem}: " + sweep_note({m: with_labels(runs, method=m) for m in methods},
-                                                     choices_of(runs, problem), "methods"))
+            swept = with_labels(plan["sweep"], problem=problem)
+            notes.append(f"{problem}: " + sweep_note({m: with_labels(swept, method=m) for m in methods},
+                                                     choices_of(swept, problem), "methods"))
         return run_suite(plan, experiments, args, costs,
                          lambda: write_reports(plan, experiments, scale, seeds, out, command, estimate), root=REPO,
                          notes=notes)
