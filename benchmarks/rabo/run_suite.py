@@ -129,7 +129,7 @@ class Scale:
         if factor is None or factor == 1.0:
             return out
         config = load_config(LOSS_RECIPE, out)
-        return out + [f"{key}={factor * lt_rate(config, key)!r}" for key in lt_rate_keys(method)]
+        return out + [f"{key}={factor * rate_value(config, key)!r}" for key in lt_rate_keys(method)]
 
 
 def quick_scale() -> Scale:
@@ -143,7 +143,7 @@ def rate_key(method: str) -> str:
 
 
 def base_rate(config: RunConfig, method: str) -> float:
-    return config.options["outer_lr"] if method in BILEVEL else config.train.lr
+    return rate_value(config, rate_key(method))
 
 
 def lt_rate_keys(method: str) -> tuple[str, ...]:
@@ -153,7 +153,8 @@ def lt_rate_keys(method: str) -> tuple[str, ...]:
     return ("options.outer_lr", "options.inner_lr") if method in BILEVEL else ("train.lr",)
 
 
-def lt_rate(config: RunConfig, key: str) -> float:
+def rate_value(config: RunConfig, key: str) -> float:
+    """The value of a step-size key (``train.lr`` or ``options.<name>``) in ``config``."""
     return config.train.lr if key == "train.lr" else config.options[key.split(".", 1)[1]]
 
 
@@ -364,13 +365,14 @@ def budget_cell(specs: list[RunSpec]) -> str:
     return percent(values) + (f" (n={n})" if 0 < n < len(specs) else "")
 
 
-def step_size(specs: list[RunSpec]) -> str:
-    """The step size the method's runs used (``x factor`` where swept), or that they wait."""
+def step_size(specs: list[RunSpec], keys_of=lambda m: (rate_key(m),)) -> str:
+    """The step sizes ``keys_of(method)`` the method's runs used (Figure 5: :func:`lt_rate_keys`),
+    with ``x factor`` where swept; or that they wait for the sweep."""
     if not specs:
         return "waiting for the sweep"
     s = specs[0]
-    rate = f"{base_rate(s.config, s.labels['method']):g}"
-    return rate if s.labels.get("factor") is None else f"{rate} (x{s.labels['factor']:g})"
+    rates = ", ".join(f"{key.split('.')[-1]} {rate_value(s.config, key):g}" for key in keys_of(s.labels["method"]))
+    return rates if s.labels.get("factor") is None else f"{rates} (x{s.labels['factor']:g})"
 
 
 def report_sweep(specs, scale, head, out) -> str:
@@ -402,7 +404,7 @@ def sweep_rates(spec: RunSpec, problem: str) -> str:
     m, f = spec.labels["method"], spec.labels["factor"]
     if problem == "few-shot":
         return f"`{rate_key(m)}` x 1 = {base_rate(spec.config, m) / f:g}"
-    return ", ".join(f"`{key}` x 1 = {lt_rate(spec.config, key) / f:g}" for key in lt_rate_keys(m))
+    return ", ".join(f"`{key}` x 1 = {rate_value(spec.config, key) / f:g}" for key in lt_rate_keys(m))
 
 
 def report_table2(specs, scale, head, out) -> str:
@@ -515,17 +517,8 @@ def report_table3(specs, scale, head, out) -> str:
     return "\n".join(lines) + "\n" + runs_section(specs, out)
 
 
-def lt_step_size(specs: list[RunSpec]) -> str:
-    """The loss-tuning step sizes the method's runs used (``x factor`` where swept), or that they wait."""
-    if not specs:
-        return "waiting for the sweep"
-    s = specs[0]
-    rates = ", ".join(f"{key.split('.')[-1]} {lt_rate(s.config, key):g}" for key in lt_rate_keys(s.labels["method"]))
-    return rates if s.labels.get("factor") is None else f"{rates} (x{s.labels['factor']:g})"
-
-
 def report_fig5(specs, scale, head, out) -> str:
-    rows = [[LABEL[m], *([lt_step_size(with_labels(specs, method=m))] if scale.sweep else []),
+    rows = [[LABEL[m], *([step_size(with_labels(specs, method=m), lt_rate_keys)] if scale.sweep else []),
              accuracy_cell(with_labels(specs, method=m), LAST),
              mean_text([s.get("final_loss") for s in map(load_summary, with_labels(specs, method=m)) if s], ".3f")]
             for m in METHODS]
