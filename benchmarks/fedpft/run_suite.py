@@ -323,7 +323,7 @@ def ordering_note(values: dict[str, list[float | None]], label: str) -> str:
         return f"{label}: pending."
     pft, ot, pet = 100 * means["fedpft"], 100 * means["fedot"], 100 * means["fedpetuning"]
     above = "above" if pft > ot else "not above"
-    return (f"{label}: FedPFT {pft:.2f} is {above} FedOT {ot:.2f} ({pft - ot:+.2f}) and {pet - pft:+.2f} points "
+    return (f"{label}: FedPFT {pft:.2f} is {above} FedOT {ot:.2f} ({pft - ot:+.2f}) and {abs(pet - pft):.2f} points "
             f"{'below' if pet >= pft else 'above'} FedPETuning {pet:.2f}"
             + ("" if pft > ot else " — the paper's FedPFT > FedOT does not reproduce here") + ".")
 
