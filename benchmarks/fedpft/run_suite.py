@@ -418,11 +418,14 @@ def write_table1(specs, scale, hd, out: Path) -> str:
 
 
 def write_table2(specs, scale, hd, out: Path) -> str:
+    digits_lr = load_config(RECIPE, scale.overrides("digits", "fedpft")).train.lr
     lines = ["# Table 2 (CPU scale): a random 4-layer ViT on digits", "",
              "**No pretrained ViT installs offline.** These runs use a randomly initialised ViT (4 layers, hidden 64, "
              "d_ff 256, 16x16 inputs) written by the suite: they exercise FedPFT's ViT path (transformers' `mlp.fc1` / "
              "`mlp.fc2` layout) and its costs. A random teacher carries no knowledge for the proxy to keep, so the "
-             "accuracies do not test the paper's claim (CIFAR-10 on ViT-base).", "", hd, "## Results", ""]
+             "accuracies do not test the paper's claim (CIFAR-10 on ViT-base). The setup below is the suite's common one; "
+             f"here the model is this ViT and the rate the digits overlay's {digits_lr:g}, everything else as stated.",
+             "", hd, "## Results", ""]
     rows = [[LABEL[m], accuracy_cell(g := with_labels(specs, method=m), LAST), proxy_cell(g), *cost_cells(g)] for m in METHODS]
     lines += table_lines(["method", "acc (%)", "proxy acc (%)", *COST_COLUMNS], rows)
     lines += ["", ordering_note({m: [last_mean(s, "accuracy") for s in with_labels(specs, method=m)] for m in METHODS},
