@@ -318,3 +318,78 @@ def test_activation_meter_counts_saved_activations_once_and_not_weights():
     assert meter.peak == 5 * 8 * 4 + 5 * 4 * 4 and meter.current == 0
     assert weight_bytes(lin) == (8 * 4 + 4) * 4
     assert training_peak_bytes(lin, [lin.weight], 2, meter.peak) == weight_bytes(lin) + 3 * 32 * 4 + meter.peak
+
+
+# -- review additions (paste into tests/test_fedpft.py) ----------------------------------------------------
+
+
+def test_apoz_counts_exact_relu_zeros_at_threshold_zero():
+    """Eq. (14) counts O == 0. With ReLU an off neuron outputs exactly 0, which must count at
+    threshold 0 (a strict ``a < threshold`` counts nothing on ReLU models); a neuron with b1 = 0
+    (relu(0) = 0) is off too."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(vocab_size=60, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=8, max_position_embeddings=32, hidden_act="relu")).eval()
+    stack = find_stack(model)
+    ffn = stack.ffn(1)
+    bias = torch.tensor([-1.0, 1.0, 0.0, 0.5, -2.0, 3.0, -0.1, 1.0])
+    with torch.no_grad():
+        ffn.up.weight.zero_()
+        ffn.up.bias.copy_(bias)
+    batches = list(token_batches(2, 7))
+    zeros, tokens = count_zero_activations(model, [ffn], stack.layers[1], batches, forward, 0.0)
+    assert tokens == [2 * 8 * 12]
+    assert zeros[0].tolist() == [tokens[0] if b <= 0 else 0 for b in bias.tolist()]
+
+
+def test_weight_term_of_eq13_carries_gradient():
+    """Eq. (13)'s mu ||W1 W2 - W1' W2'||^2 is part of the objective: its gradient reaches the
+    student's FFN weights (the published code reads ``.data``, so its term has none)."""
+    teacher, student = tiny_bert(ffn_std=0.3), tiny_bert(ffn_std=0.3)
+    compress_ffns(student, [0, 1], 0.25)
+    t, s = find_stack(teacher), find_stack(student)
+    batch = next(token_batches(1, 1))
+    grads = {}
+    for mu in (0.0, 1.0):
+        student.zero_grad(set_to_none=True)
+        pairs = DistillPairs(teacher, student, t.layers, s.layers,
+                             [(weight_product(t.ffn(i)).detach(), s.ffn(i)) for i in (0, 1)], mu=mu)
+        pairs.loss(forward, batch)[0].backward()
+        grads[mu] = s.ffn(0).up.weight.grad.clone()
+    # the difference is exactly mu * d(weight term)/dW1 of layer 0, computed by autograd on its own
+    w1 = s.ffn(0).up.weight.detach().clone().requires_grad_(True)
+    wt = weight_product(t.ffn(0)).detach()
+    (normalized_mse(wt, s.ffn(0).down.weight.detach() @ w1) / 2).backward()
+    assert w1.grad.abs().max() > 0
+    assert torch.allclose(grads[1.0] - grads[0.0], w1.grad, atol=1e-6, rtol=1e-4)
+
+
+def test_select_neurons_takes_the_highest_apoz_and_breaks_ties_at_random():
+    from fedtune.methods.fedpft.fedpft import select_neurons
+
+    apoz = np.array([0.1, 0.9, 0.5, 0.9, 0.2, 0.7, 0.0, 0.3])
+    assert select_neurons(apoz, 0.25, np.random.default_rng(0)).tolist() == [1, 3]
+    assert select_neurons(apoz, 0.5, np.random.default_rng(0)).tolist() == [1, 2, 3, 5]
+    ties = np.full(16, 0.5)
+    picks = {tuple(select_neurons(ties, 0.25, np.random.default_rng(seed)).tolist()) for seed in range(10)}
+    assert len(picks) > 1 and all(list(p) == sorted(p) and len(p) == 4 for p in picks)
+
+
+def test_distillation_clips_the_gradient_norm_at_one_every_step(monkeypatch):
+    """Appendix C.2: gradient clipping with max grad norm 1 (Adam hides its absence on a toy run)."""
+    teacher, student = tiny_bert(ffn_std=0.3), tiny_bert(ffn_std=0.3)
+    compress_ffns(student, [0, 1], 0.25)
+    t, s = find_stack(teacher), find_stack(student)
+    params = [p for i in (0, 1) for p in s.ffn(i).parameters()]
+    calls, real = [], torch.nn.utils.clip_grad_norm_
+
+    def spy(parameters, max_norm, *args, **kwargs):
+        parameters = list(parameters)
+        calls.append((max_norm, {id(p) for p in parameters}))
+        return real(parameters, max_norm, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    distill(DistillPairs(teacher, student, t.layers, s.layers), params, token_batches(3, 2), forward, 3, lr=1e-3)
+    assert [c[0] for c in calls] == [1.0] * 3 and all(c[1] == {id(p) for p in params} for c in calls)

@@ -311,3 +311,231 @@ def test_proxy_clients_train_in_less_memory_than_fedpetuning(tmp_path):
         replies, metrics = fed.round(1, [0])
         peaks[method] = metrics["client_peak_mem_mb"]
     assert peaks["fedpft"] < peaks["fedpetuning"] and peaks["fedot"] < peaks["fedpetuning"]
+
+
+# -- review additions (paste into tests/test_fedpft_methods.py) ---------------------------------------------
+
+
+def test_apoz_is_pooled_over_the_round_clients_positions(tmp_path, monkeypatch):
+    """Eq. (14) averages over the data: the server divides the summed zero counts by the summed
+    positions, so a client with more tokens weighs more (not the mean of per-client APoZ)."""
+    from fedtune.protocol.messages import Message
+
+    fed = Federation(tmp_path, "fedpft", "options.align_interval=1", "options.distill_before=false")
+    s = fed.strategy
+    seen = []
+
+    def capture(apoz, fraction, rng):
+        seen.append(apoz.copy())
+        return np.arange(1)
+
+    monkeypatch.setattr(fedpft_module, "select_neurons", capture)
+    monkeypatch.setattr(s, "align", lambda selected, rnd: {"heldout_output_error_before": 0.0,
+                                                           "heldout_output_error_after": 0.0})
+    width = len(s.kept[s.layers[0]])
+    replies = {}
+    for cid, (zeros, positions) in enumerate([(10, 10), (0, 90)]):  # APoZ of neuron 0: 1.0 and 0.0
+        counts = np.zeros(width, np.int32)
+        counts[0], counts[1] = zeros, positions // 2
+        arrays = {f"{APOZ}{i}": counts.copy() for i in s.layers}
+        arrays[TOKENS] = np.full(len(s.layers), positions, np.int64)
+        replies[cid] = Message(arrays, {})
+    metrics = s.after_aggregate(1, replies)
+    assert len(seen) == len(s.layers) and s.version == 1
+    for apoz in seen:
+        assert apoz[0] == pytest.approx(10 / 100)  # pooled; the per-client mean would be 0.5
+        assert apoz[1] == pytest.approx(50 / 100) and apoz[2] == 0.0
+    assert metrics["apoz_upload_bytes"] == 2 * (4 * width + 8) * len(s.layers)
+
+
+def test_alignment_runs_every_t_rounds_and_not_in_the_last(tmp_path):
+    fed = Federation(tmp_path, "fedpft", "options.align_interval=3", "options.distill_before=false", "rounds=10")
+    s = fed.strategy
+    assert [r for r in range(1, 11) if s.align_round(r)] == [3, 6, 9]
+    sent = s.configure_fit(3, [0])[0]
+    assert sent.meta.get("apoz") is True and "apoz" not in s.configure_fit(4, [0])[0].meta
+
+
+def test_a_client_several_versions_behind_gets_the_union_of_changed_neurons(tmp_path, monkeypatch):
+    """Client 0 trains in round 1, misses round 2 (two alignments happen meanwhile), returns in
+    round 3: its delta holds every neuron changed in versions 1 and 2, and afterwards it holds
+    exactly the server's proxy."""
+    fed = Federation(tmp_path, "fedpft", "options.align_interval=1", "options.align_fraction=0.25",
+                     "options.distill_before=false", "options.align_steps=3", "rounds=3")
+    # round 3, the last, does not align
+    calls = []
+
+    def disjoint(apoz, fraction, rng):  # version 1: neurons 0-3, version 2: neurons 12-15
+        n = max(1, round(fraction * len(apoz)))
+        calls.append(n)
+        return np.arange(n) if len(calls) <= 2 else np.arange(len(apoz) - n, len(apoz))
+
+    monkeypatch.setattr(fedpft_module, "select_neurons", disjoint)
+    fed.round(1, [0, 1])
+    fed.round(2, [1])
+    assert fed.strategy.version == 2
+    replies, metrics = fed.round(3, [0])
+    sent = fed.sent[0]
+    assert sent.meta["proxy"] == "delta" and sent.meta["proxy_base"] == 0
+    hidden, layers = 32, fed.strategy.layers
+    for i in layers:
+        assert sent.arrays[f"{DELTA}{i}/idx"].tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    k = 8
+    per_layer = 4 * k + 4 * k * hidden + 4 * k + 4 * hidden * k + 4 * hidden  # idx, W1 rows, b1, W2 columns, b2
+    assert metrics["neuron_download_bytes"] == len(layers) * per_layer
+    assert int(fed.states[0]["proxy_version"]) == 2 == fed.strategy.version
+    held = vars(fed.clients)["_proxy_store"]["versions"][2]  # what client 0 built from its delta
+    for name, tensor in fed.strategy.clean_tensors.items():
+        assert np.array_equal(held[name], tensor.detach().numpy()), name
+
+
+def test_layer_level_distillation_uses_mu_and_trains_only_the_compressed_ffns(tmp_path):
+    """Eq. (13) before FL: the held-out loss minus its output term is mu times the normalized
+    ||W1 W2 - W1' W2'||^2 of the freshly compressed proxy (averaged over the compressed layers), and
+    every tensor outside the compressed FFNs is still the full model's."""
+    from fedtune.models.proxy_distill import normalized_mse
+
+    fed = Federation(tmp_path, "fedpft", "options.distill_mu=0.5", "options.distill_steps=10")
+    s = fed.strategy
+    full = s.context.task.build_model(fed.config.seed)
+    t, p = find_stack(full), find_stack(s.proxy)
+    with torch.no_grad():
+        terms = []
+        for i in s.layers:
+            kept = torch.as_tensor(s.kept[i], dtype=torch.long)
+            f = t.ffn(i)
+            terms.append(float(normalized_mse(f.down.weight @ f.up.weight, f.down.weight[:, kept] @ f.up.weight[kept])))
+    record = s.record["distill"]
+    assert record["heldout_loss_before"] - record["heldout_output_error_before"] == pytest.approx(
+        0.5 * sum(terms) / len(terms), rel=1e-3)
+    ffn_names = {n for i in s.layers for n in p.param_names(i).values()}
+    state = full.state_dict()
+    for name, tensor in s.clean_tensors.items():
+        if name not in ffn_names:
+            assert torch.equal(tensor, state[name]), name
+    for i in s.layers:  # the compressed FFNs did train
+        kept = torch.as_tensor(s.kept[i], dtype=torch.long)
+        assert not torch.equal(p.ffn(i).up.weight, t.ffn(i).up.weight[kept])
+
+
+def test_fedot_emulator_distillation_reads_the_middle_block_and_trains_only_the_emulator(tmp_path):
+    """With every middle layer kept, the emulator is the full middle block: the distillation's
+    held-out output error starts at exactly 0 (the teacher is read at the last middle layer);
+    the adapter layers, embeddings and head stay the full model's."""
+    fed = Federation(tmp_path, "fedot", "options.adapter_bottom=0", "options.adapter_top=1",
+                     "options.emulator_layers=1", "options.distill_steps=5")
+    s = fed.strategy
+    assert s.keep == [0, 1] and s.emulator_positions == [0]
+    assert s.record["distill"]["heldout_output_error_before"] == 0.0
+    state = s.context.task.build_model(fed.config.seed).state_dict()
+    emulator = f"{find_stack(s.proxy).path}.0."
+    outside = [n for n in s.clean_tensors if not n.startswith(emulator)]
+    assert outside and all(torch.equal(s.clean_tensors[n], state[n]) for n in outside)
+
+
+@pytest.mark.parametrize("method", ["fedpft", "fedot", "fedpetuning"])
+def test_global_adapter_is_the_data_weighted_mean_of_the_trained_adapters(tmp_path, monkeypatch, method):
+    """FedAvg of the adapter: after a round, global = received + sum_i (n_i / n) (trained_i - received)
+    with n_i the clients' data sizes (a sign-flipped or unweighted update fails)."""
+    import fedtune.methods.fedpft.fedpetuning as petuning_module
+    import fedtune.methods.fedpft.proxy as proxy_module
+
+    module = petuning_module if method == "fedpetuning" else proxy_module
+    extra = ["options.distill_before=false"] if method != "fedpetuning" else []
+    fed = Federation(tmp_path, method, *extra)
+    trained = []
+    real = module.train_lora
+
+    def recording(*args, **kwargs):
+        out = real(*args, **kwargs)
+        trained.append(out[0])
+        return out
+
+    monkeypatch.setattr(module, "train_lora", recording)
+    received = {k: v.copy() for k, v in fed.strategy.global_arrays.items()}
+    sizes = [len(fed.server.partitions[c]) for c in (0, 1)]
+    assert sizes[0] != sizes[1]
+    fed.round(1, [0, 1])
+    w = np.asarray(sizes, dtype=np.float64) / sum(sizes)
+    for name, value in fed.strategy.global_arrays.items():
+        expected = received[name] + sum(p * (t[name] - received[name]) for p, t in zip(w, trained))
+        np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-7, err_msg=name)
+    assert any(not np.array_equal(fed.strategy.global_arrays[k], received[k]) for k in received)
+
+
+def test_fedpft_accuracy_is_the_full_model_with_the_adapter(tmp_path):
+    """``accuracy`` / ``loss`` are the full model's with the global adapter plugged in (the paper's
+    point); the proxy's are reported beside them."""
+    fed = Federation(tmp_path, "fedpft", "options.distill_before=false")
+    fed.round(1, [0])
+    s = fed.strategy
+    metrics = s.evaluate(1)
+    ws = fed.server.workspace
+    ws.load(s.global_arrays, s.rank)
+    full = fed.server.task.evaluate(ws.model, fed.config.train.eval_batch_size)
+    assert metrics["loss"] == full["loss"] and metrics["accuracy"] == full["accuracy"]
+    assert metrics["proxy_loss"] != metrics["loss"]
+
+
+def test_fedpft_compresses_the_intermediate_layers_by_default():
+    from fedtune.methods.fedpft.fedpft import compressed_layers
+
+    assert compressed_layers(12, None) == list(range(1, 11))  # paper Sec. 4.1.3: the intermediate 10 of 12
+    assert compressed_layers(6, None) == [1, 2, 3, 4] and compressed_layers(2, None) == [0, 1]
+    assert compressed_layers(4, [0]) == [1, 2, 3]
+
+
+def test_neuron_level_alignment_trains_b2_and_nothing_outside_the_compressed_ffns(tmp_path):
+    """The neuron-level step trains the selected neurons' W1 rows / b1 / W2 columns and b2 (the
+    published split layer's bias); attention, norms, embeddings and the head stay bit-identical."""
+    fed = Federation(tmp_path, "fedpft", "options.align_interval=1", "options.distill_before=false",
+                     "options.align_steps=5")
+    s = fed.strategy
+    before = {k: t.detach().clone() for k, t in s.clean_tensors.items()}
+    stack = find_stack(s.proxy)
+    ffn_names = {n for i in s.layers for n in stack.param_names(i).values()}
+    fed.round(1, [0, 1])
+    assert s.version == 1
+    for i in s.layers:
+        b2 = stack.param_names(i)["down.bias"]
+        assert not torch.equal(s.clean_tensors[b2], before[b2]), b2
+    for name, tensor in s.clean_tensors.items():
+        if name not in ffn_names:
+            assert torch.equal(tensor, before[name]), name
+
+
+def test_neuron_level_alignment_compares_full_and_proxy_with_the_same_adapter(tmp_path):
+    """keep_ratio 1.0: the proxy is the full model, so with the current global adapter on both
+    (teacher and student) the alignment's held-out error starts at exactly 0."""
+    fed = Federation(tmp_path, "fedpft", "options.keep_ratio=1.0", "options.distill_before=false",
+                     "options.align_interval=1", "options.align_steps=2")
+    _, metrics = fed.round(1, [0, 1])
+    assert any(np.abs(v).max() > 0 for k, v in fed.strategy.global_arrays.items() if "lora_B" in k)
+    assert fed.strategy.version == 1 and metrics["align_heldout_error_before"] == 0.0
+
+
+def test_client_apoz_counts_its_data_with_the_received_adapter_before_training(tmp_path):
+    """Eq. (14) on the client: every real token of (at most ``apoz_max_examples``) examples of its
+    own data, on the proxy it holds with the adapter it received, before local training."""
+    import math
+
+    from fedtune.models.proxy_distill import count_zero_activations
+    from fedtune.models.training import seed_for
+
+    fed = Federation(tmp_path, "fedpft", "options.align_interval=1", "options.distill_before=false",
+                     "options.apoz_max_examples=16", "train.local_steps=4")
+    s, task, cfg = fed.strategy, fed.server.task, fed.config.train
+    # round 1 first (its client gets adapter B = 0), so that round 2's received adapter is a trained one
+    fed.round(1, [1])
+    received = {k: v.copy() for k, v in s.global_arrays.items()}
+    ws = s.proxy_ws
+    ws.load(received, s.rank, s.alpha)
+    stack, pool = find_stack(s.proxy), fed.server.partitions[0]
+    rng = np.random.default_rng(seed_for(fed.config.seed, 2, 0, 0xA907))
+    batches = task.train_batches(pool, cfg.batch_size, math.ceil(min(len(pool), 16) / cfg.batch_size), rng)
+    zeros, tokens = count_zero_activations(ws.model, [stack.ffn(i) for i in s.layers], stack.layers[max(s.layers)],
+                                           batches, task.loss, 0.0)
+    replies, _ = fed.round(2, [0])
+    assert len(pool) > 16 > cfg.batch_size and replies[0].arrays[TOKENS].tolist() == tokens
+    for i, z in zip(s.layers, zeros):
+        assert np.array_equal(replies[0].arrays[f"{APOZ}{i}"], z.numpy().astype(np.int32)), i

@@ -11,7 +11,8 @@
    model's on a public data set (``options.distill_data``), loss = mean over the compressed
    layers of the normalized MSE of the outputs plus ``options.distill_mu`` times the normalized
    MSE of W1 W2 (:mod:`fedtune.models.proxy_distill`, as the published ``DistillBertModel``).
-   (The published code also trains the LayerNorm after the FFN; here only the FFN trains.)
+   (The published code also trains the LayerNorm after the FFN; here only the FFN trains, and
+   teacher and student run in eval mode, without dropout, so the target is deterministic.)
 3. **FL on the proxy**: clients tune LoRA on the proxy's attention (the task's LoRA targets; a
    target inside a compressed FFN is refused) and the head; FedAvg (:mod:`.proxy`).
 4. **Neuron-level distillation during FL** (Sec. 3.5.2, eq. 14): in every round t with
@@ -46,6 +47,11 @@ data, so re-aligning it disturbs local adaptation least. The published ``align_m
 ascending, freezes the lowest ``int(align_retained_ratio * d_ff')`` and trains the rest, i.e.
 the highest-APoZ neurons; with its default 0.5 that is p = 0.5 updated. ``align_fraction`` is
 the paper's p (the fraction *updated*).
+
+**APoZ sample.** Eq. (14) averages over a client's whole local set M_DT; a client here counts
+at most ``apoz_max_examples`` (default 512; rounded up to whole batches) of its examples, in its
+round's seeded batch order, to bound the extra forward passes on a large client; raise it to
+count everything.
 
 Ablations (Table 4): ``distill_before = false, distill_during = false`` (FedPFT_N),
 ``distill_during = false`` (FedPFT_B), ``distill_before = false`` (FedPFT_D).
