@@ -161,12 +161,12 @@ def expected_rates(kappas, alpha, gamma, n_kappa, l_lr):
 def check_schedule_eq6():
     """The scheduler on a given kappa sequence, with L_lr = 2 and N_kappa = 3."""
     kappas = [0.5, 2.0, 4.0, 0.25, 1.0, 8.0, 3.0]
-    coord = Coordination(trainer="commit-clr", lr=1e-3, alpha=3e-3, gamma=1.5, n_kappa=3, l_lr=2)
+    coord = Coordination(trainer="commit-clr", lr=1e-3, alpha=4e-3, gamma=1.5, n_kappa=3, l_lr=2)  # alpha/2gamma != lr
     schedule, used = Schedule.start(coord), []
     for k in kappas:
         used.append(schedule.rates)
         schedule.observe(k, coord)
-    for got, want in zip(used, expected_rates(kappas, 3e-3, 1.5, 3, 2)):
+    for got, want in zip(used, expected_rates(kappas, 4e-3, 1.5, 3, 2)):
         assert got == pytest.approx(want, rel=1e-12)
     assert schedule.kappas == kappas[-3:]
     assert used[2][1] < used[2][0]  # kappa~ = 1.25 > 1 after step 2: T moved more, so T's rate is the smaller
@@ -431,7 +431,8 @@ def test_federated_rounds_record_per_client_kappa_curves_and_merge_schedules(tmp
     assert set(curves) == {"0", "1"} and all(len(c["kappa"]) == 2 for c in curves.values())
     kappas = [k for c in curves.values() for k in c["kappa"]]
     assert line["kappa"] == pytest.approx(np.mean(kappas)) and line["kappa_std"] == pytest.approx(np.std(kappas))
-    # the server's rates: the clients' rates averaged with their data sizes
+    # the server's rates: the clients' rates averaged with their data sizes (equal here, 32 / 32; unequal
+    # sizes: test_two_client_round_is_fedavg_of_the_clients_own_runs)
     ctx = RunContext(cfg)
     sizes = [len(p) for p in ctx.partitions]
     rates = [balance.coordinated_rates(np.mean(c["kappa"]), 2 * cfg.train.lr, 1.0) for c in curves.values()]
@@ -636,3 +637,202 @@ def test_bad_options_stop_with_one_line_naming_the_field(tmp_path, override, fie
     with pytest.raises(ConfigError) as info:
         RunContext(config(tmp_path, override))
     assert str(info.value).startswith(field + ":") and "\n" not in str(info.value)
+
+
+# -- unfaithful variants the checks above let through (found by applying them one at a time) ------
+def test_lookahead_on_a_fresh_optimizer_leaves_it_fresh(ctx, start, batch):
+    """The provisional step of a round's first step (a fresh optimizer, no state yet) leaves no state
+    behind: the real step is then the optimizer's first (AdamW's step count and moments from zero)."""
+    _, groups = groups_of(ctx, start)
+    model = ctx.workspace.model.eval()
+    s, t = groups[balance.S], groups[balance.T]
+    optimizer = adamw([{"params": s}, {"params": t}])
+    plm.answer_loss(model, batch).backward()
+    ahead = balance.lookahead(optimizer, s + t)
+    assert len(optimizer.state) == 0
+    optimizer.step()
+    assert all(torch.equal(p.detach(), a) for p, a in zip(s + t, ahead))
+    assert all(float(optimizer.state[p]["step"]) == 1 for p in s + t)
+
+
+def test_commit_first_step_is_a_fresh_adamw_step_on_the_regularized_gradient(ctx, start, batch):
+    """End to end: CoMMIT's one step from a fresh AdamW equals a fresh AdamW's step (the same rates)
+    on the gradient it was finally given (grad L - lambda grad D), so the provisional step left nothing."""
+    seen = []
+
+    class Recording(torch.optim.AdamW):
+        def step(self, closure=None):
+            seen.append([p.grad.clone() for g in self.param_groups for p in g["params"]])
+            return super().step(closure)
+
+    coord = Coordination(trainer="commit", lr=1e-3, reg_weight=5.0)
+    _, curves = run(ctx, start, [batch], coord, lambda groups: Recording(groups, lr=1e-3))
+    assert len(seen) == 2  # the provisional step, then the real one
+    after = ctx.workspace.state(RANK)
+    params, groups = groups_of(ctx, start)
+    ps = groups[balance.S] + groups[balance.T]
+    replay = torch.optim.AdamW([{"params": groups[balance.S], "lr": curves["lr_S"][0]},
+                                {"params": groups[balance.T], "lr": curves["lr_T"][0]}], lr=1e-3)
+    for p, g in zip(ps, seen[1]):
+        p.grad = g
+    replay.step()
+    names = {id(p): n for n, p in params.items()}
+    for p in ps:
+        assert np.allclose(p.detach().numpy(), after[names[id(p)]], rtol=0, atol=1e-9), names[id(p)]
+
+
+@pytest.mark.parametrize("trainer", ["feature-cd", "language-cd"])
+def test_cd_windows_restart_after_each_check(ctx, start, batch, trainer):
+    """Within one call, window k compares the first component's weights with theta(t - W), their value
+    at the window's own start, not at the round's start."""
+    first, _ = CD_FIRST[trainer]
+    g = 0 if first == balance.S else 1
+    seen = []
+
+    class Recording(torch.optim.AdamW):
+        def step(self, closure=None):
+            seen.append([p.detach().clone() for p in self.param_groups[g]["params"]])
+            return super().step(closure)
+
+    coord = Coordination(trainer=trainer, lr=1e-3, cd_window=2, cd_tolerance=0.0)
+    _, curves = run(ctx, start, [batch] * 4, coord, lambda groups: Recording(groups, lr=1e-3))
+    assert [c is None for c in curves["cd_change"]] == [True, False, True, False]
+    now = [p.detach() for p in commit.component_params(ctx.task, ctx.workspace.activate(RANK))[first]]
+    mid = seen[2]  # theta(t - W) for the second window: the weights before step 3
+    by_hand = math.sqrt(sum(float((a - b).pow(2).sum()) for a, b in zip(now, mid))) / math.sqrt(
+        sum(float(b.pow(2).sum()) for b in mid))
+    assert curves["cd_change"][3] == pytest.approx(by_hand, rel=1e-5)
+
+
+@pytest.mark.parametrize("trainer", ["feature-cd", "language-cd"])
+def test_cd_leaves_the_frozen_components_optimizer_state_alone(ctx, start, batch, trainer):
+    """CD's frozen component gets no gradient, so the optimizer neither moves it nor advances its
+    state: after 1 step of the first component and 2 of the second, AdamW has counted 1 and 2."""
+    first, second = CD_FIRST[trainer]
+    built = []
+
+    def make_opt(groups):
+        built.append(adamw(groups))
+        return built[-1]
+
+    coord = Coordination(trainer=trainer, lr=1e-3, cd_window=1, cd_tolerance=1e9)  # switch after step 1
+    _, groups = groups_of(ctx, start)
+    schedule, _ = train_coordinated(ctx.workspace.model, groups, [batch] * 3, coord, Schedule.start(coord), make_opt)
+    assert schedule.phase == 1
+    state = built[0].state
+    assert all(float(state[p]["step"]) == 1 for p in groups[first])
+    assert all(float(state[p]["step"]) == 2 for p in groups[second])
+
+
+def test_coordination_carries_every_option(tmp_path):
+    """Each method option reaches the trainer (a dropped one would silently run at its default)."""
+    from fedtune.config import validate_options
+
+    cfg = config(tmp_path, "rounds=3", "train.local_steps=5", "options.trainer=commit-clr", "options.alpha=0.007",
+                 "options.gamma=1.7", "options.n_kappa=3", "options.l_lr=4", "options.reg_weight=0.3",
+                 "options.metric=kl", "options.lr_up=3.0", "options.cd_window=6", "options.cd_tolerance=0.02",
+                 "options.cd_max_fraction=0.3", "options.measure_kappa=false")
+    options = validate_options(cfg.options, get_method("commit").options)
+    assert commit.coordination(options, cfg) == Coordination(
+        trainer="commit-clr", lr=cfg.train.lr, alpha=0.007, gamma=1.7, n_kappa=3, l_lr=4, reg_weight=0.3,
+        metric="kl", lr_up=3.0, cd_window=6, cd_tolerance=0.02,
+        cd_max_steps=5,  # ceil(0.3 x 3 rounds x 5 steps): a share of the run, not of a round
+        measure=False)
+
+
+def test_rates_before_the_first_refresh_are_eq6_at_kappa_one():
+    """Until the first refresh both rates are alpha / (2 gamma) (kappa~ = 1), not train.lr."""
+    coord = Coordination(trainer="commit-clr", lr=1e-3, alpha=5e-3, gamma=2.0, l_lr=3)
+    schedule = Schedule.start(coord)
+    assert schedule.rates == pytest.approx((5e-3 / 4, 5e-3 / 4), rel=1e-12)
+    schedule.observe(3.0, coord)
+    schedule.observe(3.0, coord)
+    assert schedule.rates == pytest.approx((5e-3 / 4, 5e-3 / 4), rel=1e-12)
+    schedule.observe(3.0, coord)
+    assert schedule.rates == pytest.approx((5e-3 / (2 * (1 / 3 + 1)), 5e-3 / (2 * 4)), rel=1e-12)
+
+
+def test_answer_distance_by_hand_for_both_metrics():
+    """d averaged over each example's answer tokens, then the batch: TV, and KL(p_t || p_t+1) with p_t
+    the reference (first argument)."""
+    torch.manual_seed(0)
+    ref, logits = torch.randn(2, 3, 5), torch.randn(2, 3, 5)
+    targets = torch.tensor([[-100, 1, 2], [3, 4, 0]])
+    p, q = torch.softmax(ref.double(), -1), torch.softmax(logits.double(), -1)
+    for metric, tok in (("tv", 0.5 * (p - q).abs().sum(-1)), ("kl", (p * (p.log() - q.log())).sum(-1))):
+        want = float((tok[0, 1:].mean() + tok[1].mean()) / 2)
+        assert float(balance.answer_distance(ref, logits, targets, metric)) == pytest.approx(want, rel=1e-5), metric
+
+
+def test_schedule_merge_aligns_windows_on_their_latest_kappas():
+    a, b = Schedule(6, [1.0, 2.0, 3.0], (0.1, 0.3), 0), Schedule(5, [6.0, 7.0], (0.2, 0.2), 0)
+    m = Schedule.merge([a, b], [1, 1])
+    assert m.kappas == pytest.approx([4.0, 5.0]) and m.step == 6
+
+
+def test_normalized_gradient_curves_are_section_4_2s(ctx, start, batch):
+    """||G^S|| / ||theta_S|| and ||G^T|| / ||theta_T|| (Section 4.2) of the loss gradient at theta_t."""
+    _, curves = run(ctx, start, [batch], Coordination(trainer="constant", lr=1e-3))
+    _, groups = groups_of(ctx, start)
+    loss = plm.answer_loss(ctx.workspace.model.eval(), batch)
+    for name, key in ((balance.S, "grad_S"), (balance.T, "grad_T")):
+        ps = groups[name]
+        grads = torch.autograd.grad(loss, ps, retain_graph=True)
+        want = math.sqrt(sum(float(g.pow(2).sum()) for g in grads)) / math.sqrt(
+            sum(float(p.detach().pow(2).sum()) for p in ps))
+        assert curves[key][0] == pytest.approx(want, rel=1e-5), key
+
+
+def test_two_client_round_is_fedavg_of_the_clients_own_runs(tmp_path):
+    """Two clients of unequal data sizes, one round: the server's adapter is theta + sum_i p_i Delta_i
+    and its rates sum_i p_i beta_i, p_i the clients' data sizes (FedAvg), each Delta_i and beta_i the
+    trainer's own run on client i's batches from the server's schedule."""
+    cfg = config(tmp_path, "federation.num_clients=2", "rounds=1", "train.local_steps=2", "options.trainer=commit",
+                 "options.l_lr=1")
+    summary = run_experiment(cfg)
+    state = load_state(Path(summary["run_dir"]) / "checkpoint.npz")
+    ref = RunContext(cfg)
+    params = ref.workspace.activate(RANK)
+    start = ref.workspace.state(RANK)
+    sizes = [len(p) for p in ref.partitions]
+    assert sizes[0] != sizes[1]  # the weights matter
+    coord = commit.coordination(ref.options, ref.config)
+    updates, rates = [], []
+    for cid in (0, 1):
+        ref.workspace.load(start, RANK)
+        seed = seed_for(cfg.seed, 1, cid)
+        torch.manual_seed(seed)
+        batches = ref.task.train_batches(ref.partitions[cid], cfg.train.batch_size, cfg.train.local_steps,
+                                         np.random.default_rng(seed))
+        schedule, _ = train_coordinated(ref.workspace.model, commit.component_params(ref.task, params), batches, coord,
+                                        Schedule.start(coord), lambda groups: make_optimizer(groups, cfg.train))
+        updates.append({k: p.detach().numpy() - start[k] for k, p in params.items()})
+        rates.append(schedule.rates)
+    w = [s / sum(sizes) for s in sizes]
+    for k in start:
+        want = start[k] + w[0] * updates[0][k] + w[1] * updates[1][k]
+        assert np.allclose(state["global"][k], want, atol=1e-6), k
+    want_rates = [w[0] * rates[0][i] + w[1] * rates[1][i] for i in range(2)]
+    assert Schedule.from_meta(state["schedule"]).rates == pytest.approx(want_rates, rel=1e-4)
+
+
+def test_balance_coefficient_at_its_edges():
+    """kappa = d_T / d_S clipped to KAPPA_RANGE; S not moving: the largest kappa (T is all the learning),
+    neither moving: 1 (balance)."""
+    lo, hi = balance.KAPPA_RANGE
+    assert balance.balance_coefficient(2.0, 4.0) == 0.5
+    assert balance.balance_coefficient(1e-3, 0.0) == hi and balance.balance_coefficient(0.0, 0.0) == 1.0
+    assert balance.balance_coefficient(1.0, 1e-12) == hi and balance.balance_coefficient(1e-12, 1.0) == lo
+
+
+def test_trainer_predicts_in_evaluation_mode(ctx, start, batch):
+    """y_hat (Section 5.2) is the model's evaluation-mode prediction: the trainer runs it in eval mode."""
+    modes = []
+    model = ctx.workspace.model
+    model.train()
+    hook = plm.unwrap(model).register_forward_pre_hook(lambda module, args: modes.append(module.training))
+    try:
+        run(ctx, start, [batch], Coordination(trainer="commit", lr=1e-3))
+    finally:
+        hook.remove()
+    assert modes and not any(modes)
