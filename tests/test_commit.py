@@ -172,17 +172,25 @@ def check_schedule_eq6():
     assert used[2][1] < used[2][0]  # kappa~ = 1.25 > 1 after step 2: T moved more, so T's rate is the smaller
 
 
+def recording(base: type[torch.optim.Optimizer], capture):
+    """An optimizer class of ``base`` whose every step() first appends ``capture(optimizer)`` to
+    the returned list (what the trainer handed the optimizer, step by step)."""
+    seen = []
+
+    class Recording(base):
+        def step(self, closure=None):
+            seen.append(capture(self))
+            return super().step(closure)
+
+    return Recording, seen
+
+
 def check_trainer_uses_eq6(ctx, start, batch):
     """CoMMIT-CLR over 5 steps: the rates it applies follow eq. (6) of the kappas it measured, and
     plain SGD moves each component by -rate x its gradient (the rates reach the right groups)."""
     coord = Coordination(trainer="commit-clr", lr=0.05, n_kappa=3, l_lr=2)
-    seen = []
-
-    class Recording(torch.optim.SGD):
-        def step(self, closure=None):
-            seen.append([[p.detach().clone() for p in g["params"]] + [p.grad.clone() for p in g["params"]]
-                         for g in self.param_groups])
-            return super().step(closure)
+    Recording, seen = recording(torch.optim.SGD, lambda opt: [
+        [p.detach().clone() for p in g["params"]] + [p.grad.clone() for p in g["params"]] for g in opt.param_groups])
 
     _, curves = run(ctx, start, [batch] * 5, coord, lambda groups: Recording(groups, lr=1.0))
     want = expected_rates(curves["kappa"], coord.advantage, coord.gamma, 3, 2)
@@ -204,12 +212,8 @@ def check_regularizer_gradient(ctx, start, batch, coord_cls=Coordination):
     function of the adapter's arrays written independently of the trainer)."""
     lam, rates = 5.0, (0.3, 0.2)
     coord = coord_cls(trainer="commit", lr=0.25, reg_weight=lam)
-    seen = []
-
-    class Recording(torch.optim.SGD):  # records the gradients each step() is given
-        def step(self, closure=None):
-            seen.append({id(p): p.grad.clone() for g in self.param_groups for p in g["params"]})
-            return super().step(closure)
+    Recording, seen = recording(torch.optim.SGD, lambda opt: {  # the gradients each step() is given
+        id(p): p.grad.clone() for g in opt.param_groups for p in g["params"]})
 
     schedule = Schedule(0, [], rates, 0)
     _, curves = run(ctx, start, [batch], coord, lambda groups: Recording(groups, lr=1.0), schedule)
@@ -658,12 +662,8 @@ def test_lookahead_on_a_fresh_optimizer_leaves_it_fresh(ctx, start, batch):
 def test_commit_first_step_is_a_fresh_adamw_step_on_the_regularized_gradient(ctx, start, batch):
     """End to end: CoMMIT's one step from a fresh AdamW equals a fresh AdamW's step (the same rates)
     on the gradient it was finally given (grad L - lambda grad D), so the provisional step left nothing."""
-    seen = []
-
-    class Recording(torch.optim.AdamW):
-        def step(self, closure=None):
-            seen.append([p.grad.clone() for g in self.param_groups for p in g["params"]])
-            return super().step(closure)
+    Recording, seen = recording(torch.optim.AdamW, lambda opt: [
+        p.grad.clone() for g in opt.param_groups for p in g["params"]])
 
     coord = Coordination(trainer="commit", lr=1e-3, reg_weight=5.0)
     _, curves = run(ctx, start, [batch], coord, lambda groups: Recording(groups, lr=1e-3))
@@ -687,12 +687,8 @@ def test_cd_windows_restart_after_each_check(ctx, start, batch, trainer):
     at the window's own start, not at the round's start."""
     first, _ = CD_FIRST[trainer]
     g = 0 if first == balance.S else 1
-    seen = []
-
-    class Recording(torch.optim.AdamW):
-        def step(self, closure=None):
-            seen.append([p.detach().clone() for p in self.param_groups[g]["params"]])
-            return super().step(closure)
+    Recording, seen = recording(torch.optim.AdamW, lambda opt: [
+        p.detach().clone() for p in opt.param_groups[g]["params"]])
 
     coord = Coordination(trainer=trainer, lr=1e-3, cd_window=2, cd_tolerance=0.0)
     _, curves = run(ctx, start, [batch] * 4, coord, lambda groups: Recording(groups, lr=1e-3))
