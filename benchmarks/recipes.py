@@ -44,8 +44,8 @@ if str(REPO) not in sys.path:
 
 from fedtune.config import ConfigError, RunConfig, flat_keys, load_config  # noqa: E402
 from fedtune.harness import (  # noqa: E402
-    RunSpec, SuiteError, build_plan, distinct_runs, load_rounds, load_summary, mean_of_last, output_dir,
-    run_suite, suite_command, suite_parser, table_lines, toml_value,
+    MIN_MARGIN, Z, RunSpec, SuiteError, build_plan, clearly_above, distinct_runs, load_rounds, load_summary,
+    mean_of_last, output_dir, run_suite, suite_command, suite_parser, table_lines, toml_value,
 )
 
 CONFIGS = REPO / "configs"
@@ -53,9 +53,6 @@ RESULTS = REPO / "benchmarks" / "results"
 QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "recipes-quick"
 EXPERIMENTS = ["own", "similar"]
 LAST = 3
-#: clearly above: mean of the last LAST evaluations >= reference + max(MIN_MARGIN, Z * binomial SE)
-MIN_MARGIN = 0.02
-Z = 3.0
 SIMILAR_MAX_MINUTES = 15.0  # "where cheap": similar-data runs of recipes estimated at most this long
 QUICK = ["rounds=2", "eval_every=1", "train.local_steps=2"]
 QUICK_DATA = ["data.max_train_samples=200", "data.max_test_samples=64"]  # tasks that take sample caps
@@ -180,19 +177,6 @@ def build_recipes_plan(paths: list[Path], options: Options, out: Path, similar_m
 
 
 # -- the table --------------------------------------------------------------------------------
-
-
-def clearly_above(mean_last: float | None, final: float | None, reference: float | None,
-                  test_examples: int | None) -> tuple[bool | None, float | None]:
-    """(clearly above the reference?, the margin it needed). Clearly above: the mean of the last
-    evaluations beats the reference by at least max(MIN_MARGIN, Z standard errors of an accuracy
-    at the reference rate on the test set: Z sqrt(p (1 - p) / n)), and the final evaluation alone is
-    above the reference (a run that collapsed at the end is not). None: no result yet."""
-    if mean_last is None or final is None or reference is None:
-        return None, None
-    n = max(1, int(test_examples or 1))
-    margin = max(MIN_MARGIN, Z * math.sqrt(reference * (1 - reference) / n))
-    return bool(mean_last - reference >= margin and final > reference), margin
 
 
 def row_values(spec: RunSpec) -> dict[str, Any]:

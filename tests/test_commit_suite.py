@@ -163,3 +163,27 @@ def test_with_a_rate_grid_each_trainer_runs_the_tables_at_its_own_chosen_rate(su
     assert "| CoMMIT | 0.001 | pending |" in (tmp_path / "table1.md").read_text()
     assert all(p.exists() for p in written)
 
+
+
+def test_the_ordering_notes_say_whether_each_modality_learned_before_ranking_it(suite, tmp_path):
+    import json
+
+    from tests.test_harness import finish
+
+    scale, _ = suite.selection(suite.parse_args(["--quick", "--evals", "3"]))
+    plan = suite.build_suite_plan([0, 1], scale, tmp_path)
+    curves = {"constant": [0.1, 0.25, 0.35],  # last-3 mean 0.233 = 0.1 + 0.133 >= 0.1 + margin 0.09
+              "commit": [0.4, 0.3, 0.1]}  # last-3 mean 0.267, but collapsed to the rate at the end
+    for s in plan["table1"]:
+        m, t = s.labels["modality"], s.labels["trainer"]
+        finish(s, curves.get(t, [0.1, 0.1, 0.1]) if m == "image" else [0.12, 0.11, 0.1])
+        summary = json.loads((s.run_dir / "summary.json").read_text())
+        (s.run_dir / "summary.json").write_text(json.dumps({**summary, "majority_accuracy": 0.1, "test_examples": 100}))
+    image = suite.learned_note(plan["table1"], "image")
+    assert "Constant LR 2/2" in image and "CoMMIT 0/2" in image and "Feature CD 0/2" in image
+    assert "9.0 points" in image and "did not learn" not in image  # margin max(2, 3 sqrt(0.09 / 100)) points
+    audio = suite.learned_note(plan["table1"], "audio")
+    assert "Constant LR 0/2" in audio and "did not learn at this scale" in audio
+    notes = "\n".join(suite.ordering_notes(plan["table1"]))
+    assert notes.index(image) < notes.index("- image, exact match:") and audio in notes
+    assert suite.learned_note(suite.build_suite_plan([0], scale, tmp_path / "empty")["table1"], "image") is None

@@ -54,7 +54,7 @@ if str(REPO) not in sys.path:
 
 from fedtune.config import RunConfig, load_config  # noqa: E402
 from fedtune.harness import (  # noqa: E402
-    Choice, RunSpec, SuiteError, Sweep, add_sweep_options, biased_seed_warning, build_plan, choose,
+    Choice, RunSpec, SuiteError, Sweep, add_sweep_options, biased_seed_warning, build_plan, choose, clearly_above,
     distinct_runs, estimate_minutes, eval_rounds, figure, load_rounds, load_summary, mean_of_last, mean_std,
     offline_data, output_dir, parse_selection, read_overlays, run_suite, runs_section, suite_command, suite_parser,
     sweep_first, sweep_note, sweep_sections, sweep_selection, table_lines, with_labels,
@@ -450,10 +450,41 @@ def cd_switches(specs: list[RunSpec]) -> list[str]:
     return lines + [""]
 
 
+def learned_note(specs: list[RunSpec], modality: str) -> str | None:
+    """How many of each trainer's finished runs are clearly above the majority-answer rate
+    (:func:`~fedtune.harness.clearly_above` on the mean of the last evaluations); a modality where
+    none is cannot rank the trainers. None before any run finished."""
+    cells, any_above, reference = [], False, None
+    for t in TABLE1:
+        done = [s for s in with_labels(specs, modality=modality, trainer=t) if load_summary(s)]
+        if not done:
+            continue
+        above = 0
+        for s in done:
+            summary = load_summary(s)
+            reference = summary.get("majority_accuracy")
+            ok, margin = clearly_above(run_metric(s, "accuracy"), summary.get("final_accuracy"), reference,
+                                       summary.get("test_examples"))
+            above += bool(ok)
+        any_above |= above > 0
+        cells.append(f"{LABEL[t]} {above}/{len(done)}")
+    if not cells or reference is None:
+        return None
+    verdict = "" if any_above else (" No run is: this modality did not learn at this scale, and its column "
+                                    "cannot rank the trainers.")
+    return (f"- {modality}: runs clearly above the {100 * reference:.0f}% majority-answer rate (last-"
+            f"{LAST_EVALS} mean at least {100 * margin:.1f} points above it, final evaluation above it): "
+            + ", ".join(cells) + "." + verdict)
+
+
 def ordering_notes(specs: list[RunSpec]) -> list[str]:
-    """The paper's claims (CoMMIT-CLR and CoMMIT improve Constant LR; CoMMIT best on average), checked."""
+    """The paper's claims (CoMMIT-CLR and CoMMIT improve Constant LR; CoMMIT best on average), checked,
+    after whether each modality learned at all (:func:`learned_note`)."""
     notes = ["## Does the paper's ordering reproduce?", ""]
     for m in MODALITIES:
+        learned = learned_note(specs, m)
+        if learned:
+            notes.append(learned)
         for metric, name in (("accuracy", "exact match"), ("rouge_l", "ROUGE-L")):
             means = {t: metric_mean(with_labels(specs, modality=m, trainer=t), metric) for t in TABLE1}
             if any(v is None for v in means.values()):

@@ -15,7 +15,7 @@ the harness does the rest:
   learning rate): the argmax of a score over a finished grid of runs;
 - :mod:`~fedtune.harness.cost`: a per-run cost model and the ``--plan`` time estimate;
 - :mod:`~fedtune.harness.stats`: mean and sample std over seeds, the mean of a run's last N
-  evaluations, seed-averaged curves;
+  evaluations, seed-averaged curves, whether a result is clearly above a reference rate;
 - :mod:`~fedtune.harness.report`: markdown cells and tables over specs, one plotting context;
 - :mod:`~fedtune.harness.cli`: the standard command line (``--only``, ``--seeds``, ``--quick``,
   ``--workers``, ``--plan``, ``--report-only``, ``--out``) and the steps every suite takes.
@@ -118,7 +118,9 @@ from fedtune.harness.report import (
     upload_cell,
 )
 from fedtune.harness.runs import load_finished, load_rounds, load_summary, run_state, unfinished
-from fedtune.harness.stats import Curve, evaluations, mean, mean_curve, mean_of_last, mean_std
+from fedtune.harness.stats import (
+    MIN_MARGIN, Z, Curve, clearly_above, evaluations, mean, mean_curve, mean_of_last, mean_std,
+)
 
 __all__ = [
     "SuiteError", "add_sweep_options", "biased_seed_warning", "estimate_minutes", "offline_data", "output_dir",
@@ -132,5 +134,5 @@ __all__ = [
     "accuracy_cell", "averaged_curve", "curve", "figure", "final_accuracy", "mean_text", "per_device_mb", "percent",
     "pyplot", "run_accuracy", "runs_section", "table_lines", "upload_cell",
     "load_finished", "load_rounds", "load_summary", "run_state", "unfinished",
-    "Curve", "evaluations", "mean", "mean_curve", "mean_of_last", "mean_std",
+    "MIN_MARGIN", "Z", "Curve", "clearly_above", "evaluations", "mean", "mean_curve", "mean_of_last", "mean_std",
 ]

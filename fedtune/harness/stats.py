@@ -13,6 +13,10 @@ from typing import Any
 
 Curve = list[tuple[int, float, float]]  # (round, cumulative MB uploaded per client, metric)
 
+#: clearly above: mean of the last evaluations >= reference + max(MIN_MARGIN, Z * binomial SE)
+MIN_MARGIN = 0.02
+Z = 3.0
+
 
 def mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
     """Mean and sample standard deviation (ddof = 1; 0 for one value; ``(None, None)`` for none)."""
@@ -59,3 +63,16 @@ def mean_curve(curves: Sequence[Curve]) -> Curve:
         pts = [next(p for p in c if p[0] == rnd) for c in curves]
         out.append((rnd, sum(p[1] for p in pts) / len(pts), sum(p[2] for p in pts) / len(pts)))
     return out
+
+
+def clearly_above(mean_last: float | None, final: float | None, reference: float | None,
+                  test_examples: int | None) -> tuple[bool | None, float | None]:
+    """(clearly above the reference?, the margin it needed). Clearly above: the mean of the last
+    evaluations beats the reference by at least max(MIN_MARGIN, Z standard errors of an accuracy
+    at the reference rate on the test set: Z sqrt(p (1 - p) / n)), and the final evaluation alone is
+    above the reference (a run that collapsed at the end is not). None: no result yet."""
+    if mean_last is None or final is None or reference is None:
+        return None, None
+    n = max(1, int(test_examples or 1))
+    margin = max(MIN_MARGIN, Z * math.sqrt(reference * (1 - reference) / n))
+    return bool(mean_last - reference >= margin and final > reference), margin
