@@ -456,12 +456,12 @@ def learned_note(specs: list[RunSpec], modality: str) -> str | None:
     none is cannot rank the trainers. None before any run finished."""
     cells, any_above, reference = [], False, None
     for t in TABLE1:
-        done = [s for s in with_labels(specs, modality=modality, trainer=t) if load_summary(s)]
+        done = [(s, summary) for s in with_labels(specs, modality=modality, trainer=t)
+                if (summary := load_summary(s))]
         if not done:
             continue
         above = 0
-        for s in done:
-            summary = load_summary(s)
+        for s, summary in done:
             reference = summary.get("majority_accuracy")
             ok, margin = clearly_above(run_metric(s, "accuracy"), summary.get("final_accuracy"), reference,
                                        summary.get("test_examples"))
