@@ -195,16 +195,27 @@ def measure(variants: dict, repeats: int) -> tuple[dict, dict, dict]:
             seconds, cpu_s, acc[name] = job(cfg)
             times[name].append(seconds)
             cpu[name].append(cpu_s)
-            print(f"repeat {rep + 1}: {name:<16} {seconds:7.2f} s wall {cpu_s:7.2f} s CPU  accuracy {acc[name]:.4f}", flush=True)
+            print(
+                f"repeat {rep + 1}: {name:<16} {seconds:7.2f} s wall {cpu_s:7.2f} s CPU  accuracy {acc[name]:.4f}",
+                flush=True,
+            )
     return times, cpu, acc
 
 
 def image_row(args) -> None:
     """The image-classification row: FedAvg of the small conv net, fedtune vs the bare loop."""
     common = [
-        "method=fedavg", "task.kind=image-classification", "model.name=small-cnn", f"data.name={args.image_data}",
-        "data.max_train_samples=8000", "data.max_test_samples=2000", f"federation.num_clients={args.clients}",
-        f"rounds={args.rounds}", f"train.local_steps={args.steps}", "train.batch_size=32", "train.lr=1e-3",
+        "method=fedavg",
+        "task.kind=image-classification",
+        "model.name=small-cnn",
+        f"data.name={args.image_data}",
+        "data.max_train_samples=8000",
+        "data.max_test_samples=2000",
+        f"federation.num_clients={args.clients}",
+        f"rounds={args.rounds}",
+        f"train.local_steps={args.steps}",
+        "train.batch_size=32",
+        "train.lr=1e-3",
         "data.partition=iid",
     ]
     cfg = load_config(None, common)
@@ -215,8 +226,17 @@ def image_row(args) -> None:
     ratio = best["fedtune"] / best["bare"]
     print(f"image-classification ratio fedtune / bare loop: {ratio:.3f} (same batches)")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    result = {"args": vars(args), "config": common, "seconds": times, "cpu_seconds": cpu, "best_s": best,
-              "best_cpu_s": best_cpu, "accuracy": acc, "ratio_same_batches": ratio, "threads": torch.get_num_threads()}
+    result = {
+        "args": vars(args),
+        "config": common,
+        "seconds": times,
+        "cpu_seconds": cpu,
+        "best_s": best,
+        "best_cpu_s": best_cpu,
+        "accuracy": acc,
+        "ratio_same_batches": ratio,
+        "threads": torch.get_num_threads(),
+    }
     (RESULTS / "engine_overhead_image.json").write_text(json.dumps(result, indent=2))
     (RESULTS / "engine_overhead_image.md").write_text(
         f"# Engine overhead, image-classification: FedAvg of small-cnn on {args.image_data}, {args.rounds} rounds x "
@@ -249,9 +269,16 @@ def main() -> None:
     if "text" not in tasks:
         return
     common = [
-        "method=fedit", f"model.name={args.model}", "data.name=tweets", "data.max_train_samples=2000",
-        "data.max_test_samples=1000", f"federation.num_clients={args.clients}", f"rounds={args.rounds}",
-        f"train.local_steps={args.steps}", "train.batch_size=16", "data.partition=iid",
+        "method=fedit",
+        f"model.name={args.model}",
+        "data.name=tweets",
+        "data.max_train_samples=2000",
+        "data.max_test_samples=1000",
+        f"federation.num_clients={args.clients}",
+        f"rounds={args.rounds}",
+        f"train.local_steps={args.steps}",
+        "train.batch_size=16",
+        "data.partition=iid",
     ]
     variants = {
         "bare": (bare_job, load_config(None, common)),
@@ -265,8 +292,17 @@ def main() -> None:
     ratio_grouped = best["fedtune+grouped"] / best["bare"]
     print(f"ratio fedtune / bare loop: {ratio:.3f} (same batches), {ratio_grouped:.3f} (length-grouped batches)")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    result = {"args": vars(args), "seconds": times, "cpu_seconds": cpu, "best_s": best, "best_cpu_s": best_cpu, "accuracy": acc,
-              "ratio_same_batches": ratio, "ratio_grouped": ratio_grouped, "threads": torch.get_num_threads()}
+    result = {
+        "args": vars(args),
+        "seconds": times,
+        "cpu_seconds": cpu,
+        "best_s": best,
+        "best_cpu_s": best_cpu,
+        "accuracy": acc,
+        "ratio_same_batches": ratio,
+        "ratio_grouped": ratio_grouped,
+        "threads": torch.get_num_threads(),
+    }
     (RESULTS / "engine_overhead.json").write_text(json.dumps(result, indent=2))
     (RESULTS / "engine_overhead.md").write_text(
         f"# Engine overhead: FedIT, {args.rounds} rounds x {args.clients} clients x {args.steps} steps ({args.model})\n\n"

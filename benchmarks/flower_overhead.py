@@ -44,8 +44,15 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-BASE = ["method=fedit", "model.name=minilm", "data.name=sst2", "data.max_train_samples=20000", "seed=0",
-        "train.batch_size=16", "train.lr=1e-3"]
+BASE = [
+    "method=fedit",
+    "model.name=minilm",
+    "data.name=sst2",
+    "data.max_train_samples=20000",
+    "seed=0",
+    "train.batch_size=16",
+    "train.lr=1e-3",
+]
 
 
 def job(engine: str, overrides: list[str]) -> None:
@@ -101,15 +108,28 @@ def run_job(engine: str, overrides: list[str], out: Path) -> dict:
     rounds = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timing_file = run_dir / "flower_timing.jsonl"
     timing = [json.loads(x) for x in timing_file.read_text().splitlines()] if timing_file.is_file() else []
-    return {"engine": engine, "overrides": overrides, "summary": summary, "rounds": rounds, "timing": timing,
-            "peak_rss_mb": peak / 2**20, "job_wall_s": wall, "load_before": load_before, "load_after": os.getloadavg()}
+    return {
+        "engine": engine,
+        "overrides": overrides,
+        "summary": summary,
+        "rounds": rounds,
+        "timing": timing,
+        "peak_rss_mb": peak / 2**20,
+        "job_wall_s": wall,
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
+    }
 
 
 def round_stats(result: dict) -> dict:
     walls = [r["wall_s"] for r in result["rounds"]]
     later = walls[1:-1] or walls
-    out = {"first_round_s": walls[0], "median_round_s": statistics.median(later), "rounds_s": walls,
-           "compute_s": statistics.median([r["compute_s"] for r in result["rounds"][1:-1]] or [0])}
+    out = {
+        "first_round_s": walls[0],
+        "median_round_s": statistics.median(later),
+        "rounds_s": walls,
+        "compute_s": statistics.median([r["compute_s"] for r in result["rounds"][1:-1]] or [0]),
+    }
     last = len(walls)
     train = [t for t in result["timing"] if t["kind"] == "train" and 1 < t["round"] < last]
     if train:
@@ -126,9 +146,16 @@ def round_stats(result: dict) -> dict:
 def part_rounds(args, out: Path) -> dict:
     rows = []
     for name, steps in (("short", args.short_steps), ("long", args.long_steps)):
-        overrides = [*BASE, "federation.num_clients=2", "federation.clients_per_round=2", "data.partition=iid",
-                     f"rounds={args.rounds}", f"eval_every={args.rounds}", f"train.local_steps={steps}",
-                     "train.threads=1"]
+        overrides = [
+            *BASE,
+            "federation.num_clients=2",
+            "federation.clients_per_round=2",
+            "data.partition=iid",
+            f"rounds={args.rounds}",
+            f"eval_every={args.rounds}",
+            f"train.local_steps={steps}",
+            "train.threads=1",
+        ]
         results = {}
         for engine, nodes in (("embedded", 0), ("flower", 1), ("flower", 2)):
             label = engine if not nodes else f"flower-{nodes}"
@@ -137,26 +164,49 @@ def part_rounds(args, out: Path) -> dict:
             results[label] = run_job(engine, [*overrides, *extra, f"name=rounds-{name}-{label}"], out)
         stats = {label: round_stats(r) for label, r in results.items()}
         e = stats["embedded"]["median_round_s"]
-        rows.append({"setting": name, "local_steps": steps, **stats,
-                     "ratio": {label: stats[label]["median_round_s"] / e for label in ("flower-1", "flower-2")},
-                     "load": {label: r["load_before"][0] for label, r in results.items()}})
-        print(f"  embedded {e:.1f} s/round; flower / embedded: 1 node {rows[-1]['ratio']['flower-1']:.2f}, "
-              f"2 nodes {rows[-1]['ratio']['flower-2']:.2f}", flush=True)
+        rows.append(
+            {
+                "setting": name,
+                "local_steps": steps,
+                **stats,
+                "ratio": {label: stats[label]["median_round_s"] / e for label in ("flower-1", "flower-2")},
+                "load": {label: r["load_before"][0] for label, r in results.items()},
+            }
+        )
+        print(
+            f"  embedded {e:.1f} s/round; flower / embedded: 1 node {rows[-1]['ratio']['flower-1']:.2f}, "
+            f"2 nodes {rows[-1]['ratio']['flower-2']:.2f}",
+            flush=True,
+        )
     return {"rows": rows}
 
 
 def part_memory(args, out: Path) -> dict:
     rows = []
     for clients in (10, 1000):
-        overrides = [*BASE, f"federation.num_clients={clients}", "federation.clients_per_round=10",
-                     "data.partition=dirichlet-client", f"rounds={args.memory_rounds}", "train.threads=1",
-                     "data.max_test_samples=500",
-                     f"train.local_steps={args.memory_steps}", "train.eval_batch_size=128"]
+        overrides = [
+            *BASE,
+            f"federation.num_clients={clients}",
+            "federation.clients_per_round=10",
+            "data.partition=dirichlet-client",
+            f"rounds={args.memory_rounds}",
+            "train.threads=1",
+            "data.max_test_samples=500",
+            f"train.local_steps={args.memory_steps}",
+            "train.eval_batch_size=128",
+        ]
         for engine in ("embedded", "flower"):
             print(f"[memory] {clients} clients: {engine} ...", flush=True)
             r = run_job(engine, [*overrides, f"name=memory-{clients}-{engine}"], out)
-            rows.append({"clients": clients, "engine": engine, "peak_rss_mb": r["peak_rss_mb"],
-                         "median_round_s": round_stats(r)["median_round_s"], "load": r["load_before"][0]})
+            rows.append(
+                {
+                    "clients": clients,
+                    "engine": engine,
+                    "peak_rss_mb": r["peak_rss_mb"],
+                    "median_round_s": round_stats(r)["median_round_s"],
+                    "load": r["load_before"][0],
+                }
+            )
             print(f"  peak {r['peak_rss_mb']:.0f} MB", flush=True)
     ratios = {}
     for engine in ("embedded", "flower"):
@@ -166,48 +216,80 @@ def part_memory(args, out: Path) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = ["# Flower loopback deployment vs. embedded engine", "",
-             "Written by `benchmarks/flower_overhead.py` (each part: its command and the machine's load).", ""]
+    lines = [
+        "# Flower loopback deployment vs. embedded engine",
+        "",
+        "Written by `benchmarks/flower_overhead.py` (each part: its command and the machine's load).",
+        "",
+    ]
     if "rounds" in result:
-        lines += ["## Per-round wall time (FedIT, MiniLM, SST-2, 2 clients per round, 1 torch thread per client)", "",
-                  f"`{result['rounds']['command']}`; {result['rounds']['machine']}.", "",
-                  "| setting | local steps | embedded s/round | flower, 1 node | flower, 2 nodes | first round (emb / 1 / 2 nodes) | load avg (emb / 1 / 2) |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "## Per-round wall time (FedIT, MiniLM, SST-2, 2 clients per round, 1 torch thread per client)",
+            "",
+            f"`{result['rounds']['command']}`; {result['rounds']['machine']}.",
+            "",
+            "| setting | local steps | embedded s/round | flower, 1 node | flower, 2 nodes | first round (emb / 1 / 2 nodes) | load avg (emb / 1 / 2) |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for row in result["rounds"]["rows"]:
             e, f1, f2, r = row["embedded"], row["flower-1"], row["flower-2"], row["ratio"]
             load = row["load"]
-            lines.append(f"| {row['setting']} | {row['local_steps']} | {e['median_round_s']:.1f} | "
-                         f"{f1['median_round_s']:.1f} (**{r['flower-1']:.2f}x**) | {f2['median_round_s']:.1f} (**{r['flower-2']:.2f}x**) | "
-                         f"{e['first_round_s']:.1f} / {f1['first_round_s']:.1f} / {f2['first_round_s']:.1f} | "
-                         f"{load['embedded']:.1f} / {load['flower-1']:.1f} / {load['flower-2']:.1f} |")
-        lines += ["", "Median over rounds 2..R-1 (training only; the last round also evaluates); round 1 also loads "
-                  "the model and data. Every job runs its clients with 1 torch thread (`train.threads=1`): the embedded "
-                  "engine trains the 2 clients one after the other in one process; the deployment with 1 node does the "
-                  "same in one worker (the 2 clients in one bundle per round), so its excess over embedded is Flower's "
-                  "cost; with 2 nodes the clients train in parallel, one per node.", "",
-                  "## Flower's fixed cost (deployment, rounds 2..R-1)", "",
-                  "| setting | nodes | fixed overhead / round | dispatch | ClientApp start-up | return | handler (Client calls) |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+            lines.append(
+                f"| {row['setting']} | {row['local_steps']} | {e['median_round_s']:.1f} | "
+                f"{f1['median_round_s']:.1f} (**{r['flower-1']:.2f}x**) | {f2['median_round_s']:.1f} (**{r['flower-2']:.2f}x**) | "
+                f"{e['first_round_s']:.1f} / {f1['first_round_s']:.1f} / {f2['first_round_s']:.1f} | "
+                f"{load['embedded']:.1f} / {load['flower-1']:.1f} / {load['flower-2']:.1f} |"
+            )
+        lines += [
+            "",
+            "Median over rounds 2..R-1 (training only; the last round also evaluates); round 1 also loads "
+            "the model and data. Every job runs its clients with 1 torch thread (`train.threads=1`): the embedded "
+            "engine trains the 2 clients one after the other in one process; the deployment with 1 node does the "
+            "same in one worker (the 2 clients in one bundle per round), so its excess over embedded is Flower's "
+            "cost; with 2 nodes the clients train in parallel, one per node.",
+            "",
+            "## Flower's fixed cost (deployment, rounds 2..R-1)",
+            "",
+            "| setting | nodes | fixed overhead / round | dispatch | ClientApp start-up | return | handler (Client calls) |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for row in result["rounds"]["rows"]:
             for label in ("flower-1", "flower-2"):
                 f = row[label]
                 if "fixed_overhead_s" in f:
-                    lines.append(f"| {row['setting']} | {label[-1]} | {f['fixed_overhead_s']:.2f} s | {f['dispatch_s']:.2f} s | "
-                                 f"{f['startup_s']:.2f} s | {f['return_s']:.2f} s | {f['handler_s']:.2f} s |")
-        lines += ["", "Per Flower message (one per node and round here). dispatch: push to ClientApp process start "
-                  "(the SuperNode's idle poll of 3 s, SuperExec's task poll, the spawn); start-up: process start to "
-                  "fedtune's handler (`flwr-clientapp` imports and Flower's plumbing); return: handler end to the "
-                  "server's pull; fixed overhead: round wall time minus the slowest handler.", ""]
+                    lines.append(
+                        f"| {row['setting']} | {label[-1]} | {f['fixed_overhead_s']:.2f} s | {f['dispatch_s']:.2f} s | "
+                        f"{f['startup_s']:.2f} s | {f['return_s']:.2f} s | {f['handler_s']:.2f} s |"
+                    )
+        lines += [
+            "",
+            "Per Flower message (one per node and round here). dispatch: push to ClientApp process start "
+            "(the SuperNode's idle poll of 3 s, SuperExec's task poll, the spawn); start-up: process start to "
+            "fedtune's handler (`flwr-clientapp` imports and Flower's plumbing); return: handler end to the "
+            "server's pull; fixed overhead: round wall time minus the slowest handler.",
+            "",
+        ]
     if "memory" in result:
-        lines += ["## Peak memory, 10 clients sampled per round (MiniLM, SST-2, dirichlet-client)", "",
-                  f"`{result['memory']['command']}`; {result['memory']['machine']}.", "",
-                  "| registered clients | engine | peak RSS of the process tree (MB) | s/round | load avg |", "|---:|---|---:|---:|---:|"]
+        lines += [
+            "## Peak memory, 10 clients sampled per round (MiniLM, SST-2, dirichlet-client)",
+            "",
+            f"`{result['memory']['command']}`; {result['memory']['machine']}.",
+            "",
+            "| registered clients | engine | peak RSS of the process tree (MB) | s/round | load avg |",
+            "|---:|---|---:|---:|---:|",
+        ]
         for row in result["memory"]["rows"]:
-            lines.append(f"| {row['clients']} | {row['engine']} | {row['peak_rss_mb']:.0f} | {row['median_round_s']:.1f} | "
-                         f"{row['load']:.1f} |")
+            lines.append(
+                f"| {row['clients']} | {row['engine']} | {row['peak_rss_mb']:.0f} | {row['median_round_s']:.1f} | "
+                f"{row['load']:.1f} |"
+            )
         r = result["memory"]["ratio_1000_vs_10"]
-        lines += ["", f"1,000 vs 10 registered clients: embedded **{r['embedded']:.2f}x**, flower **{r['flower']:.2f}x** "
-                  "(peak of the summed RSS, sampled every 0.2 s; shared pages count once per process).", ""]
+        lines += [
+            "",
+            f"1,000 vs 10 registered clients: embedded **{r['embedded']:.2f}x**, flower **{r['flower']:.2f}x** "
+            "(peak of the summed RSS, sampled every 0.2 s; shared pages count once per process).",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -237,8 +319,10 @@ def main() -> None:
                 continue
             start_load = os.getloadavg()[0]
             result[part] = run(args, Path(tmp))
-            result[part]["machine"] = (f"{os.cpu_count()} cores, load average {start_load:.1f} at the start and "
-                                       f"{os.getloadavg()[0]:.1f} at the end of the part")
+            result[part]["machine"] = (
+                f"{os.cpu_count()} cores, load average {start_load:.1f} at the start and "
+                f"{os.getloadavg()[0]:.1f} at the end of the part"
+            )
             result[part]["command"] = command
             path.write_text(json.dumps(result, indent=1))
             (RESULTS / "flower_overhead.md").write_text(markdown(result))

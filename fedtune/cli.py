@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -21,9 +20,9 @@ def _fail(message: str, code: int = 2) -> None:
 
 @app.command()
 def run(
-    recipe: Optional[Path] = typer.Argument(None, help="TOML recipe (see configs/)"),
+    recipe: Path | None = typer.Argument(None, help="TOML recipe (see configs/)"),
     set_: list[str] = typer.Option([], "--set", "-s", help="override: key=value (dotted keys, e.g. data.alpha=0.1)"),
-    resume: Optional[Path] = typer.Option(
+    resume: Path | None = typer.Option(
         None, "--resume", help="continue this run folder from its last checkpointed round (its config.toml, plus --set)"
     ),
 ) -> None:
@@ -80,7 +79,10 @@ def _run_on_engine(config, printer, resume: bool) -> dict:
 @app.command()
 def methods(
     verbose: bool = typer.Option(
-        False, "--verbose", "-v", help="also each method's task kinds, options, and the settings that depart from its paper"
+        False,
+        "--verbose",
+        "-v",
+        help="also each method's task kinds, options, and the settings that depart from its paper",
     ),
 ) -> None:
     """List the registered methods."""
@@ -112,7 +114,7 @@ def tasks() -> None:
 @app.command()
 def report(
     run_dirs: list[Path] = typer.Argument(..., help="run folders (runs/<name>)"),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder for report.md and plots"),
+    out: Path | None = typer.Option(None, "--out", "-o", help="folder for report.md and plots"),
 ) -> None:
     """Markdown table of final metrics and PNG plots (accuracy vs round, vs MB uploaded)."""
     from fedtune.report import ReportError, make_report
@@ -132,7 +134,7 @@ app.add_typer(deploy_app, name="deploy")
 EXTRA = typer.Option([], "--flower-arg", help="passed to the Flower command as is (repeat)")
 
 
-def _security(insecure: bool, certificates: Optional[Path], what: str) -> None:
+def _security(insecure: bool, certificates: Path | None, what: str) -> None:
     if insecure == (certificates is not None):
         _fail(f"deploy {what}: give --insecure or the TLS certificate option (not both, not neither)")
     if certificates is not None and not certificates.exists():
@@ -160,11 +162,13 @@ def _wait(procs) -> int:
 def deploy_superlink(
     host: str = typer.Option("0.0.0.0", help="address to listen on (Fleet, Control and runtime APIs)"),
     port: int = typer.Option(9092, help="port of the SuperLink's APIs"),
-    certificates: Optional[Path] = typer.Option(
+    certificates: Path | None = typer.Option(
         None, help="folder with ca.crt, server.pem, server.key (TLS; `fedtune deploy certificates` makes a test set)"
     ),
     insecure: bool = typer.Option(False, "--insecure", help="no TLS (trusted networks only)"),
-    auth: bool = typer.Option(False, "--auth", help="admit only SuperNodes registered with `flwr supernode register` (needs TLS)"),
+    auth: bool = typer.Option(
+        False, "--auth", help="admit only SuperNodes registered with `flwr supernode register` (needs TLS)"
+    ),
     extra: list[str] = EXTRA,
 ) -> None:
     """Start a Flower SuperLink for fedtune (flower-superlink, no runtime dependency installation)."""
@@ -173,9 +177,11 @@ def deploy_superlink(
     _security(insecure, certificates, "superlink")
     if auth and insecure:
         _fail("deploy superlink: --auth needs TLS (--certificates); Flower refuses authentication without it")
-    certs = None if certificates is None else {
-        "ca": certificates / "ca.crt", "cert": certificates / "server.pem", "key": certificates / "server.key"
-    }
+    certs = (
+        None
+        if certificates is None
+        else {"ca": certificates / "ca.crt", "cert": certificates / "server.pem", "key": certificates / "server.key"}
+    )
     for path in (certs or {}).values():
         if not path.is_file():
             _fail(f"deploy superlink --certificates: {path} not found")
@@ -195,11 +201,13 @@ def deploy_supernode(
     superlink: str = typer.Option(..., help="the SuperLink's address, HOST:PORT"),
     clients: str = typer.Option(..., help="fedtune client ids this node plays: 3, 0-4 or 0,2,5-7"),
     port: int = typer.Option(9094, help="port of this SuperNode's local runtime API"),
-    root_certificates: Optional[Path] = typer.Option(None, help="CA certificate that signed the SuperLink's (TLS)"),
+    root_certificates: Path | None = typer.Option(None, help="CA certificate that signed the SuperLink's (TLS)"),
     insecure: bool = typer.Option(False, "--insecure", help="no TLS (trusted networks only)"),
-    auth_key: Optional[Path] = typer.Option(None, help="this node's private key (OpenSSH EC; its .pub registered)"),
-    threads: Optional[int] = typer.Option(None, min=1, help="torch threads (default: all cores)"),
-    worker: bool = typer.Option(True, help="a warm fedtune worker next to the node (else each message loads the model)"),
+    auth_key: Path | None = typer.Option(None, help="this node's private key (OpenSSH EC; its .pub registered)"),
+    threads: int | None = typer.Option(None, min=1, help="torch threads (default: all cores)"),
+    worker: bool = typer.Option(
+        True, help="a warm fedtune worker next to the node (else each message loads the model)"
+    ),
     extra: list[str] = EXTRA,
 ) -> None:
     """Start a Flower SuperNode playing fedtune clients, with its warm worker; Ctrl-C stops both."""
@@ -225,8 +233,11 @@ def deploy_supernode(
             sock = str(home / "worker.sock")
             proc = procs.start("worker", worker_args(sock, threads), flower_env())
             wait_for_worker(sock, proc, procs.log_of(proc))
-        procs.start("supernode", supernode_args(superlink, port, ids, root_certificates, auth_key, sock, threads,
-                                                extra), flower_env())
+        procs.start(
+            "supernode",
+            supernode_args(superlink, port, ids, root_certificates, auth_key, sock, threads, extra),
+            flower_env(),
+        )
         console.print(f"SuperNode for clients {clients} -> {superlink} (logs: {home}); Ctrl-C stops it")
         code = _wait([p for _, p, _ in procs.started])
     finally:
@@ -236,13 +247,15 @@ def deploy_supernode(
 
 @deploy_app.command("run")
 def deploy_run(
-    recipe: Optional[Path] = typer.Argument(None, help="TOML recipe (see configs/)"),
+    recipe: Path | None = typer.Argument(None, help="TOML recipe (see configs/)"),
     superlink: str = typer.Option(..., help="the SuperLink's address, HOST:PORT"),
     set_: list[str] = typer.Option([], "--set", "-s", help="override: key=value"),
-    root_certificates: Optional[Path] = typer.Option(None, help="CA certificate that signed the SuperLink's (TLS)"),
+    root_certificates: Path | None = typer.Option(None, help="CA certificate that signed the SuperLink's (TLS)"),
     insecure: bool = typer.Option(False, "--insecure", help="no TLS (trusted networks only)"),
     timeout: float = typer.Option(0, help="seconds to wait for nodes and for each round's replies (0: no limit)"),
-    clipping_norm: float = typer.Option(0, help="> 0: nodes clip each update to this L2 norm (Flower's fixedclipping_mod)"),
+    clipping_norm: float = typer.Option(
+        0, help="> 0: nodes clip each update to this L2 norm (Flower's fixedclipping_mod)"
+    ),
 ) -> None:
     """Submit a recipe to a running SuperLink (flwr run) and stream its logs; the run folder is
     written on the SuperLink's machine (output_dir there)."""
@@ -260,8 +273,16 @@ def deploy_run(
     connection = write_flower_config(home, superlink, root_certificates and root_certificates.resolve())
     procs = Processes(home)
     try:
-        run_app(config, home, connection, procs, timeout=timeout, clipping_norm=clipping_norm, local=False,
-                on_output=lambda text: sys.stderr.write(text))
+        run_app(
+            config,
+            home,
+            connection,
+            procs,
+            timeout=timeout,
+            clipping_norm=clipping_norm,
+            local=False,
+            on_output=lambda text: sys.stderr.write(text),
+        )
     except DeploymentError as exc:
         _fail(str(exc), code=1)
     finally:
@@ -271,7 +292,9 @@ def deploy_run(
 @deploy_app.command("certificates")
 def deploy_certificates(
     out: Path = typer.Argument(..., help="folder for ca.crt, server.pem, server.key"),
-    host: list[str] = typer.Option(["127.0.0.1", "localhost"], "--host", help="the SuperLink's IP or DNS name (repeat)"),
+    host: list[str] = typer.Option(
+        ["127.0.0.1", "localhost"], "--host", help="the SuperLink's IP or DNS name (repeat)"
+    ),
 ) -> None:
     """A self-signed CA and a SuperLink certificate for trials (use your own PKI in production)."""
     from fedtune.engines.deployment import generate_certificates

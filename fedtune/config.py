@@ -7,16 +7,17 @@ string means its ``name`` (``data = "sst2"`` is ``[data] name = "sst2"``), so
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fedtune.errors import FedtuneError
 from fedtune.protocol.profiles import ClientProfile, check_profile_choices
 
 
-class ConfigError(ValueError):
+class ConfigError(FedtuneError, ValueError):
     """An invalid configuration key or value; the message is one line naming it."""
 
 
@@ -48,7 +49,9 @@ class TaskConfig(_Section):
 
 
 class DataConfig(_Section):
-    name: str | None = Field(None, description="data set (default: the task's; text: tweets, sst2, agnews, a local file, or hub:<dataset>)")
+    name: str | None = Field(
+        None, description="data set (default: the task's; text: tweets, sst2, agnews, a local file, or hub:<dataset>)"
+    )
     data_dir: str | None = Field(None, description="folder of named sets (default: $FEDTUNE_DATA_DIR)")
     test_path: str | None = Field(None, description="evaluation file when name is a local file")
     text_column: str | None = Field(None, description="text column (local files and hub sets)")
@@ -71,7 +74,9 @@ class ModelConfig(_Section):
     lora_rank: int = Field(8, gt=0)
     lora_alpha: float = Field(16.0, gt=0)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] | None = Field(None, description="LoRA target modules (default: the task's for its model)")
+    target_modules: list[str] | None = Field(
+        None, description="LoRA target modules (default: the task's for its model)"
+    )
     finetune: Literal["full", "head"] = Field(
         "full", description="what methods without LoRA (fedavg) train: every parameter, or the head only"
     )
@@ -93,7 +98,7 @@ class TrainConfig(_Section):
     threads: int | None = Field(None, gt=0, description="torch threads (default: torch's choice)")
 
     @model_validator(mode="after")
-    def _check(self) -> "TrainConfig":
+    def _check(self) -> TrainConfig:
         if self.momentum and self.optimizer != "sgd":
             raise ValueError(f"train.momentum: applies to train.optimizer='sgd' (got optimizer={self.optimizer!r})")
         return self
@@ -105,7 +110,9 @@ class FederationConfig(_Section):
     fraction: float | None = Field(None, gt=0, le=1, description="fraction sampled per round")
     profiles: list[ClientProfile] | None = Field(None, description="one resource profile per client (or one for all)")
     profile_choices: dict[str, list[Any]] | None = Field(None, description="draw each profile field from a set")
-    upload_topk: float | None = Field(None, gt=0, le=1, description="keep this fraction of each uploaded update (top-k)")
+    upload_topk: float | None = Field(
+        None, gt=0, le=1, description="keep this fraction of each uploaded update (top-k)"
+    )
     server_optimizer: Literal["sgd", "adam"] = Field(
         "sgd", description="server step on the aggregated update: sgd (lr 1: the method's own rule) or adam (FedAdam)"
     )
@@ -113,29 +120,38 @@ class FederationConfig(_Section):
     server_betas: tuple[float, float] = Field((0.9, 0.999), description="FedAdam's (beta1, beta2)")
     server_eps: float = Field(1e-8, gt=0, description="FedAdam's epsilon (Reddi et al.'s tau)")
     server_weight_decay: float = Field(0.0, ge=0, description="FedAdam's decoupled weight decay (torch AdamW: 0.01)")
-    server_bias_correction: bool = Field(True, description="FedAdam with Adam's bias correction (torch) or without (Reddi et al.)")
+    server_bias_correction: bool = Field(
+        True, description="FedAdam with Adam's bias correction (torch) or without (Reddi et al.)"
+    )
     min_replies: int = Field(1, gt=0, description="valid replies a round needs to aggregate (else it is retried)")
     max_retries: int = Field(2, ge=0, description="retries of a round short of min_replies before the run stops")
     round_timeout_s: float | None = Field(None, gt=0, description="a client slower than this in a round is dropped")
     max_reply_bytes: int = Field(256 * 2**20, gt=0, description="a larger reply is rejected")
     nodes: int | None = Field(
-        None, gt=0, description="engine 'flower': SuperNodes, each playing a group of clients (default: min(clients per round, cores))"
+        None,
+        gt=0,
+        description="engine 'flower': SuperNodes, each playing a group of clients (default: min(clients per round, cores))",
     )
 
     @model_validator(mode="after")
-    def _check(self) -> "FederationConfig":
+    def _check(self) -> FederationConfig:
         if self.profiles is not None and len(self.profiles) not in (1, self.num_clients):
             raise ValueError(
                 f"federation.profiles: expected 1 or {self.num_clients} profiles (federation.num_clients), got {len(self.profiles)}"
             )
         if self.profile_choices is not None:
             check_profile_choices(self.profile_choices)
-        adam_only = [k for k in ("server_betas", "server_eps", "server_weight_decay", "server_bias_correction")
-                     if getattr(self, k) != type(self).model_fields[k].default]
+        adam_only = [
+            k
+            for k in ("server_betas", "server_eps", "server_weight_decay", "server_bias_correction")
+            if getattr(self, k) != type(self).model_fields[k].default
+        ]
         if self.server_optimizer == "sgd" and adam_only:
             raise ValueError(f"federation.{adam_only[0]}: applies to federation.server_optimizer='adam'")
         if self.server_optimizer == "adam" and self.server_lr is None:
-            raise ValueError("federation.server_lr: required with server_optimizer='adam' (the published FSLoRA code uses 5e-4)")
+            raise ValueError(
+                "federation.server_lr: required with server_optimizer='adam' (the published FSLoRA code uses 5e-4)"
+            )
         if not all(0 <= b < 1 for b in self.server_betas):
             raise ValueError(f"federation.server_betas: expected two values in [0, 1) (got {list(self.server_betas)})")
         if self.clients_per_round is not None and self.fraction is not None:
@@ -172,7 +188,8 @@ class RunConfig(BaseModel):
     eval_every: int = Field(1, gt=0, description="evaluate every this many rounds (and the last)")
     output_dir: str = "runs"
     engine: Literal["embedded", "flower-sim", "flower"] = Field(
-        "embedded", description="embedded (in-process), flower-sim (Flower's simulation) or flower (a loopback deployment)"
+        "embedded",
+        description="embedded (in-process), flower-sim (Flower's simulation) or flower (a loopback deployment)",
     )
     task: TaskConfig = Field(default_factory=TaskConfig)
     data: DataConfig = Field(default_factory=DataConfig)

@@ -55,7 +55,13 @@ class RoundPrinter:
 
     def finish(self, summary: dict) -> None:
         table = Table(title=f"run folder: {summary['run_dir']}")
-        for col in ("final accuracy", summary.get("reference_name", "majority-class rate"), "MB up", "MB down", "wall s"):
+        for col in (
+            "final accuracy",
+            summary.get("reference_name", "majority-class rate"),
+            "MB up",
+            "MB down",
+            "wall s",
+        ):
             table.add_column(col, justify="right")
         table.add_row(
             _pct(summary["final_accuracy"]),

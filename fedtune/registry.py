@@ -1,7 +1,9 @@
 """Method registry: name -> (Strategy class, Client class, options Config class, what it needs).
 
 A method module registers itself with :func:`register`; the engines look methods up by name
-and never branch on it. A method names the task capabilities it needs (``requires``: for
+and never branch on it. The registry imports every module and package of :mod:`fedtune.methods`
+except :mod:`fedtune.methods.base` (what several methods share); a method is what registers, and a
+name registered twice is an error naming both modules. A method names the task capabilities it needs (``requires``: for
 example ``"lora"``, a model with LoRA targets); it runs on every task kind that offers them.
 """
 
@@ -9,11 +11,13 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import sys
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict
 
 from fedtune.config import ConfigError
+from fedtune.errors import FedtuneError
 from fedtune.protocol.client import Client
 from fedtune.protocol.strategy import Strategy
 from fedtune.tasks import get_task_class, list_tasks
@@ -33,6 +37,7 @@ class MethodSpec:
     options: type[MethodOptions]
     description: str
     requires: frozenset[str] = frozenset()
+    module: str = ""  # the module that registered it
 
     def supports(self, kind: str) -> bool:
         return self.requires <= get_task_class(kind).capabilities
@@ -66,6 +71,11 @@ class MethodSpec:
 
 
 _METHODS: dict[str, MethodSpec] = {}
+SHARED_PACKAGES = frozenset({"base"})  # fedtune.methods.<these>: shared bases, never scanned for methods
+
+
+class DuplicateMethodError(FedtuneError):
+    """Two modules registered the same method name."""
 
 
 def register(
@@ -76,10 +86,13 @@ def register(
     description: str = "",
     requires: tuple[str, ...] = (),
 ) -> MethodSpec:
-    """Register a method under ``name`` (re-registering a name replaces it); ``requires``: the
-    task capabilities it needs (``("lora",)`` for a LoRA method)."""
+    """Register a method under ``name``; ``requires``: the task capabilities it needs (``("lora",)``
+    for a LoRA method). A name that is already registered raises :class:`DuplicateMethodError`."""
+    module = sys._getframe(1).f_globals.get("__name__", "?")
+    if name in _METHODS:
+        raise DuplicateMethodError(f"method {name!r} is registered twice: by {_METHODS[name].module} and by {module}")
     doc = description or (strategy.__doc__ or "").strip().split("\n")[0]
-    spec = MethodSpec(name, strategy, client, options, doc, frozenset(requires))
+    spec = MethodSpec(name, strategy, client, options, doc, frozenset(requires), module)
     _METHODS[name] = spec
     return spec
 
@@ -88,7 +101,8 @@ def _load_builtin_methods() -> None:
     import fedtune.methods as pkg
 
     for info in pkgutil.iter_modules(pkg.__path__):
-        importlib.import_module(f"{pkg.__name__}.{info.name}")
+        if info.name not in SHARED_PACKAGES:
+            importlib.import_module(f"{pkg.__name__}.{info.name}")
 
 
 def get_method(name: str) -> MethodSpec:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from fedtune.checkpoint import load_state, save_state
 from fedtune.config import ConfigError, RunConfig
@@ -61,11 +61,19 @@ def environment() -> dict:
 
     import torch
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": version("transformers"),
-            "platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": version("transformers"),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
-def _summary(config: RunConfig, lines: list[dict], server: RunContext, run_dir: Path, wall_s: float, engine: str) -> dict:
+def _summary(
+    config: RunConfig, lines: list[dict], server: RunContext, run_dir: Path, wall_s: float, engine: str
+) -> dict:
     """``summary.json`` from the run's ``metrics.jsonl`` lines (all rounds, resumed ones too)."""
     evaluated = [line["accuracy"] for line in lines if line.get("accuracy") is not None]
     return {
@@ -119,8 +127,10 @@ def run_experiment(
     run_dir = run_dir_of(config)
     checkpoint = run_dir / "checkpoint.npz"
     if resume and not checkpoint.is_file():
-        raise ConfigError(f"--resume {str(run_dir)!r}: no checkpoint.npz there (no round has completed; "
-                          "run it again without --resume)")
+        raise ConfigError(
+            f"--resume {str(run_dir)!r}: no checkpoint.npz there (no round has completed; "
+            "run it again without --resume)"
+        )
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -63,13 +63,25 @@ def tiny(tmp_path, method: str, kind: str, *extra: str, variant: str = ""):
     from fedtune.tasks import get_task_class
 
     task = get_task_class(kind)
-    return load_config(None, [
-        f"method={method}", f"task.kind={kind}", *task.test_overrides, *task.test_variants.get(variant, ()),
-        "federation.num_clients=3",
-        "federation.clients_per_round=2", "rounds=2", "train.local_steps=2", "train.batch_size=4",
-        "model.lora_rank=4", "federation.profile_choices={rank=[2,4], sketch_ratio=[0.5,1.0]}",  # heterogeneous ranks
-        "train.eval_batch_size=16", f"output_dir={tmp_path}", *extra,
-    ])
+    return load_config(
+        None,
+        [
+            f"method={method}",
+            f"task.kind={kind}",
+            *task.test_overrides,
+            *task.test_variants.get(variant, ()),
+            "federation.num_clients=3",
+            "federation.clients_per_round=2",
+            "rounds=2",
+            "train.local_steps=2",
+            "train.batch_size=4",
+            "model.lora_rank=4",
+            "federation.profile_choices={rank=[2,4], sketch_ratio=[0.5,1.0]}",  # heterogeneous ranks
+            "train.eval_batch_size=16",
+            f"output_dir={tmp_path}",
+            *extra,
+        ],
+    )
 
 
 def load_script(path: Path, name: str):

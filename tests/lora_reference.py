@@ -5,7 +5,7 @@ its first local step; and a client model's effective weight change per module (P
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -22,19 +22,25 @@ def dense_gradients(
     :func:`fedtune.models.training.train_local` draws them)."""
     config = ctx.config
     seed = seed_for(config.seed, rnd, cid)
-    batch = next(iter(ctx.task.train_batches(ctx.partitions[cid], config.train.batch_size, 1, np.random.default_rng(seed))))
+    batch = next(
+        iter(ctx.task.train_batches(ctx.partitions[cid], config.train.batch_size, 1, np.random.default_rng(seed)))
+    )
     base = ctx.task.build_model(config.seed)
     train_mode(base)
     weights = {
-        path: (base.get_parameter(path + ".weight").detach() + torch.as_tensor(d, dtype=torch.float32)).requires_grad_(True)
+        path: (base.get_parameter(path + ".weight").detach() + torch.as_tensor(d, dtype=torch.float32)).requires_grad_(
+            True
+        )
         for path, d in deltas.items()
     }
     heads = {k: torch.tensor(v, requires_grad=True) for k, v in head.items()}
     torch.manual_seed(seed)  # the client's dropout draw
     loss = ctx.task.loss(_Functional(base, {**{p + ".weight": w for p, w in weights.items()}, **heads}), batch)
     loss.backward()
-    return ({p: w.grad.numpy().astype(np.float64) for p, w in weights.items()},
-            {k: t.grad.numpy().astype(np.float64) for k, t in heads.items()})
+    return (
+        {p: w.grad.numpy().astype(np.float64) for p, w in weights.items()},
+        {k: t.grad.numpy().astype(np.float64) for k, t in heads.items()},
+    )
 
 
 class _Functional(torch.nn.Module):

@@ -27,9 +27,15 @@ def data_files(tmp_path) -> dict[str, tuple[str, str]]:
         "empty file": (csv_file(tmp_path, "empty.csv", b""), "no examples"),
         "header only": (csv_file(tmp_path, "header.csv", b"text,label\n"), "no examples"),
         "one row": (csv_file(tmp_path, "one.csv", b"text,label\ngood movie,pos\n"), "test set is empty"),
-        "wrong columns": (csv_file(tmp_path, "cols.csv", good.replace("text,label", "review,y").encode()), "no column 'text'"),
+        "wrong columns": (
+            csv_file(tmp_path, "cols.csv", good.replace("text,label", "review,y").encode()),
+            "no column 'text'",
+        ),
         "undecodable bytes": (csv_file(tmp_path, "bin.csv", b"text,label\n\xff\xfe\x00bad,pos\n" * 20), "not UTF-8"),
-        "one class": (csv_file(tmp_path, "one_class.csv", ("text,label\n" + "movie,pos\n" * 40).encode()), "same label"),
+        "one class": (
+            csv_file(tmp_path, "one_class.csv", ("text,label\n" + "movie,pos\n" * 40).encode()),
+            "same label",
+        ),
         "bad jsonl": (csv_file(tmp_path, "bad.jsonl", b'{"text": "a", "label": 1}\n{not json\n'), "malformed"),
         "jsonl keys": (csv_file(tmp_path, "keys.jsonl", b'{"review": "a", "y": 1}\n'), "expected keys 'text'"),
         "wrong suffix": (csv_file(tmp_path, "data.parquet", b"x"), "expected a .tsv, .csv or .jsonl"),
@@ -55,7 +61,10 @@ def recipes(tmp_path) -> dict[str, tuple[list[str], str]]:
         "bad method option": (["--set", "options.weighting=median"], "options.weighting"),
         "profiles count": (["--set", "federation.profiles=[{rank=2},{rank=4}]"], "federation.profiles"),
         "bad profile value": (["--set", "federation.profiles=[{rank=0}]"], "federation.profiles[0].rank"),
-        "unknown profile field": (["--set", "federation.profile_choices={ram=[1,2]}"], "federation.profile_choices.ram"),
+        "unknown profile field": (
+            ["--set", "federation.profile_choices={ram=[1,2]}"],
+            "federation.profile_choices.ram",
+        ),
         "sample > clients": (["--set", "federation.clients_per_round=99"], "federation.clients_per_round"),
         "partition": (["--set", "data.partition=random"], "data.partition"),
         "model path": (["--set", "model.name=/no/such/model"], "model.name"),
@@ -78,12 +87,14 @@ def tiny_args(*extra: str) -> list[str]:
 @pytest.mark.parametrize("case", list(data_files(__import__("pathlib").Path("/"))))
 def test_malformed_data_file(tmp_path, case):
     path, expected = data_files(tmp_path)[case]
-    assert_one_line_exit_2(tiny_args(f"data.name={path}", "federation.num_clients=10", f"output_dir={tmp_path}"), expected)
+    assert_one_line_exit_2(
+        tiny_args(f"data.name={path}", "federation.num_clients=10", f"output_dir={tmp_path}"), expected
+    )
 
 
 @pytest.mark.parametrize("case", list(recipes(__import__("pathlib").Path("/tmp"))))
 def test_malformed_recipe_or_value(tmp_path, case):
     extra, expected = recipes(tmp_path)[case]
     recipe = [extra[0]] if extra and not extra[0].startswith("--") else []
-    sets = extra[len(recipe):]
+    sets = extra[len(recipe) :]
     assert_one_line_exit_2([*recipe, *tiny_args(f"output_dir={tmp_path}"), *sets], expected)

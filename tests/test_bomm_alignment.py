@@ -14,8 +14,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedtune.models.bomm.alignment import (
-    PrototypeSet, align_parties, class_prototypes, cost_matrix, match, nearest_prototype, relationship_vectors,
+from fedtune.methods.bomm.alignment import (
+    PrototypeSet,
+    align_parties,
+    class_prototypes,
+    cost_matrix,
+    match,
+    nearest_prototype,
+    relationship_vectors,
 )
 
 LATENT, WIDTH, ANCHORS, N = 12, 48, 40, 120
@@ -72,9 +78,16 @@ def random_features(x_a, mask_a, x_b, mask_b, protos):
     return faithful(rng.normal(size=x_a.shape), mask_a, rng.normal(size=x_b.shape), mask_b, protos)
 
 
-@pytest.mark.parametrize(("variant", "faithful_one"), [
-    (faithful, True), (faithful_plan, True), (raw_features, False), (random_features, False),
-], ids=["cost-vectors", "ot-plan-vectors", "raw-features", "random-control"])
+@pytest.mark.parametrize(
+    ("variant", "faithful_one"),
+    [
+        (faithful, True),
+        (faithful_plan, True),
+        (raw_features, False),
+        (random_features, False),
+    ],
+    ids=["cost-vectors", "ot-plan-vectors", "raw-features", "random-control"],
+)
 def test_cost_vector_matching_recovers_planted_cross_party_pairs_and_the_variants_do_not(variant, faithful_one):
     rates = [recovery(variant(*planted(seed)[:5]), planted(seed)[5]) for seed in range(3)]
     if faithful_one:
@@ -90,10 +103,14 @@ def test_recovery_degrades_with_noise_so_the_test_is_not_trivial():
 
 # -- the pieces, by hand ----------------------------------------------------------------------
 def test_class_prototypes_average_only_labeled_rows_holding_the_modality():
-    x = np.array([[[1.0, 0.0], [9.0, 9.0]],  # class 0, audio absent: its audio entries are ignored
-                  [[3.0, 2.0], [4.0, 0.0]],  # class 0
-                  [[7.0, 7.0], [7.0, 7.0]],  # unlabeled
-                  [[0.0, 5.0], [1.0, 1.0]]])  # class 1
+    x = np.array(
+        [
+            [[1.0, 0.0], [9.0, 9.0]],  # class 0, audio absent: its audio entries are ignored
+            [[3.0, 2.0], [4.0, 0.0]],  # class 0
+            [[7.0, 7.0], [7.0, 7.0]],  # unlabeled
+            [[0.0, 5.0], [1.0, 1.0]],
+        ]
+    )  # class 1
     mask = np.array([[True, False], [True, True], [True, True], [False, True]])
     labels = np.array([0, 0, -1, 1])
     protos, counts = class_prototypes(x, mask, labels, 3)
@@ -108,14 +125,19 @@ def test_class_prototypes_average_only_labeled_rows_holding_the_modality():
 
 def test_seeds_pair_same_class_prototypes_held_by_at_least_two_parties():
     d = 3
-    p0 = (np.arange(4 * 2 * d, dtype=np.float32).reshape(4, 2, d), np.array([[1, 1], [1, 0], [0, 0], [2, 2]], np.float32))
+    p0 = (
+        np.arange(4 * 2 * d, dtype=np.float32).reshape(4, 2, d),
+        np.array([[1, 1], [1, 0], [0, 0], [2, 2]], np.float32),
+    )
     p1 = (-p0[0], np.array([[1, 0], [0, 0], [3, 3], [1, 1]], np.float32))
     seeds = PrototypeSet.seed({0: p0, 1: p1}, 3)
     np.testing.assert_array_equal(seeds.labels, [0, 3])  # class 1: party 0 only; class 2: party 1 only
     np.testing.assert_array_equal(seeds.comp[0, 0], p0[0][0])
     np.testing.assert_array_equal(seeds.comp[1, 1], p1[0][3])
     np.testing.assert_array_equal(seeds.mask[0], [[True, True], [True, False], [False, False]])
-    grown = seeds.with_pairs([(0, np.ones((2, d)), np.array([True, False]), 2, np.zeros((2, d)), np.array([True, True]), 5)])
+    grown = seeds.with_pairs(
+        [(0, np.ones((2, d)), np.array([True, False]), 2, np.zeros((2, d)), np.array([True, True]), 5)]
+    )
     assert len(grown) == 3 and grown.labels[-1] == 5 and grown.mask[-1, 1].sum() == 0
     np.testing.assert_array_equal(grown.shared(0, 2), [2])
     np.testing.assert_array_equal(grown.shared(0, 1), [0, 1])
@@ -167,7 +189,7 @@ def test_nearest_prototype_uses_only_the_party_component_and_shared_modalities()
 
 
 def test_pair_similarity_is_one_minus_the_cost_to_the_chosen_prototype():
-    from fedtune.models.bomm.alignment import pair_similarity
+    from fedtune.methods.bomm.alignment import pair_similarity
 
     rng = np.random.default_rng(3)
     x = rng.normal(size=(4, 2, 5))

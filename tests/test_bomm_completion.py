@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from fedtune.methods.bomm.common import fit_generator, generate
-from fedtune.models.bomm.completion import generator_loss, implicit_reward, preference_loss, special_loss
-from fedtune.models.bomm.networks import Generator
+from fedtune.methods.bomm.completion import generator_loss, implicit_reward, preference_loss, special_loss
+from fedtune.methods.bomm.networks import Generator
 
 
 def test_reward_and_losses_on_a_one_dimensional_case_by_hand():
@@ -115,8 +115,21 @@ def test_generator_training_moves_generations_toward_their_targets(preference):
         return np.mean([np.mean((generate(gen, source[target == t], t) - g_p[target == t]) ** 2) for t in (0, 1)])
 
     before = error()
-    metrics = fit_generator(gen, source, target, g_p, np.zeros(n), preference=preference, beta=1.0, gamma=1.0,
-                            prefer=True, epochs=20, lr=3e-3, batch_size=32, seed=0)
+    metrics = fit_generator(
+        gen,
+        source,
+        target,
+        g_p,
+        np.zeros(n),
+        preference=preference,
+        beta=1.0,
+        gamma=1.0,
+        prefer=True,
+        epochs=20,
+        lr=3e-3,
+        batch_size=32,
+        seed=0,
+    )
     assert error() < 0.5 * before
     assert ("generator_prefer" in metrics) == preference and "generator_loss" in metrics
 
@@ -129,8 +142,22 @@ def test_a_fixed_reference_enters_the_reward_and_stays_frozen():
     torch.manual_seed(0)
     gen, reference = Generator(8, hidden=16), Generator(8, hidden=16)
     frozen = {k: v.clone() for k, v in reference.state_dict().items()}
-    fit_generator(gen, source, target, g_p, np.zeros(64), preference=True, beta=1.0, gamma=0.0, prefer=True, epochs=1,
-                  lr=1e-3, batch_size=64, seed=0, reference=reference)
+    fit_generator(
+        gen,
+        source,
+        target,
+        g_p,
+        np.zeros(64),
+        preference=True,
+        beta=1.0,
+        gamma=0.0,
+        prefer=True,
+        epochs=1,
+        lr=1e-3,
+        batch_size=64,
+        seed=0,
+        reference=reference,
+    )
     assert all(torch.equal(frozen[k], v) for k, v in reference.state_dict().items())
     # one step by hand: the same gradient as preference_loss with ref = reference(x), g^q = gen_before(x)
     torch.manual_seed(0)
@@ -138,7 +165,9 @@ def test_a_fixed_reference_enters_the_reward_and_stays_frozen():
     before = Generator(8, hidden=16)
     before.load_state_dict(gen2.state_dict())
     src = torch.from_numpy(source)
-    loss = preference_loss(gen2(src, 0), reference(src, 0).detach(), torch.from_numpy(g_p), before(src, 0).detach(), 1.0)
+    loss = preference_loss(
+        gen2(src, 0), reference(src, 0).detach(), torch.from_numpy(g_p), before(src, 0).detach(), 1.0
+    )
     loss.backward()
     opt = torch.optim.Adam(gen2.parameters(), lr=1e-3)
     opt.step()

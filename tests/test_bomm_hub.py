@@ -12,7 +12,7 @@ from PIL import Image
 
 from fedtune.config import ConfigError
 from fedtune.data.captions import load_coco, load_cub, load_hub_captions, majority_category
-from fedtune.models.bomm.dual_encoder import TINY_CLIP, DualEncoder
+from fedtune.methods.bomm.dual_encoder import TINY_CLIP, DualEncoder
 
 
 def _image(path, value):
@@ -21,21 +21,35 @@ def _image(path, value):
 
 
 def test_majority_category_counts_instances_and_breaks_ties_by_id():
-    anns = [{"image_id": 1, "category_id": 5}, {"image_id": 1, "category_id": 3}, {"image_id": 1, "category_id": 5},
-            {"image_id": 2, "category_id": 9}, {"image_id": 2, "category_id": 4}]
+    anns = [
+        {"image_id": 1, "category_id": 5},
+        {"image_id": 1, "category_id": 3},
+        {"image_id": 1, "category_id": 5},
+        {"image_id": 2, "category_id": 9},
+        {"image_id": 2, "category_id": 4},
+    ]
     assert majority_category(anns) == {1: 5, 2: 4}
 
 
 def test_coco_from_the_official_annotation_files(tmp_path):
     images = [{"id": 7, "file_name": "a.jpg"}, {"id": 3, "file_name": "b.jpg"}, {"id": 9, "file_name": "c.jpg"}]
     cats = [{"id": 1, "name": "person"}, {"id": 18, "name": "dog"}, {"id": 44, "name": "bottle"}]
-    inst = [{"image_id": 7, "category_id": 18}, {"image_id": 7, "category_id": 18}, {"image_id": 7, "category_id": 1},
-            {"image_id": 3, "category_id": 1}, {"image_id": 9, "category_id": 44}]
-    caps = [{"image_id": 7, "caption": "two dogs and a man "}, {"image_id": 7, "caption": "dogs"},
-            {"image_id": 3, "caption": "a person"}]  # image 9 has no caption: left out
+    inst = [
+        {"image_id": 7, "category_id": 18},
+        {"image_id": 7, "category_id": 18},
+        {"image_id": 7, "category_id": 1},
+        {"image_id": 3, "category_id": 1},
+        {"image_id": 9, "category_id": 44},
+    ]
+    caps = [
+        {"image_id": 7, "caption": "two dogs and a man "},
+        {"image_id": 7, "caption": "dogs"},
+        {"image_id": 3, "caption": "a person"},
+    ]  # image 9 has no caption: left out
     (tmp_path / "annotations").mkdir()
     (tmp_path / "annotations" / "instances_val2017.json").write_text(
-        json.dumps({"images": images, "categories": cats, "annotations": inst}))
+        json.dumps({"images": images, "categories": cats, "annotations": inst})
+    )
     (tmp_path / "annotations" / "captions_val2017.json").write_text(json.dumps({"annotations": caps}))
     for i, im in enumerate(images):
         _image(tmp_path / "val2017" / im["file_name"], 40 * i)
@@ -51,8 +65,9 @@ def test_cub_with_reed_captions_and_the_official_split(tmp_path):
     root, text = tmp_path / "CUB_200_2011", tmp_path / "cvpr2016_cub"
     root.mkdir()
     (root / "classes.txt").write_text("1 001.Black_footed_Albatross\n2 002.Laysan_Albatross\n")
-    (root / "images.txt").write_text("1 001.Black_footed_Albatross/x1.jpg\n2 002.Laysan_Albatross/y1.jpg\n"
-                                     "3 002.Laysan_Albatross/y2.jpg\n")
+    (root / "images.txt").write_text(
+        "1 001.Black_footed_Albatross/x1.jpg\n2 002.Laysan_Albatross/y1.jpg\n3 002.Laysan_Albatross/y2.jpg\n"
+    )
     (root / "image_class_labels.txt").write_text("1 1\n2 2\n3 2\n")
     (root / "train_test_split.txt").write_text("1 1\n2 0\n3 1\n")
     for rel in ("001.Black_footed_Albatross/x1", "002.Laysan_Albatross/y1", "002.Laysan_Albatross/y2"):
@@ -68,11 +83,13 @@ def test_cub_with_reed_captions_and_the_official_split(tmp_path):
 def test_hub_captions_through_datasets(monkeypatch):
     import datasets
 
-    ds = datasets.Dataset.from_dict({
-        "img": [Image.fromarray(np.zeros((8, 8, 3), np.uint8)) for _ in range(3)],
-        "sentences": [["a", "b"], ["c"], ["d"]],
-        "species": ["wren", "crow", "wren"],
-    })
+    ds = datasets.Dataset.from_dict(
+        {
+            "img": [Image.fromarray(np.zeros((8, 8, 3), np.uint8)) for _ in range(3)],
+            "sentences": [["a", "b"], ["c"], ["d"]],
+            "species": ["wren", "crow", "wren"],
+        }
+    )
     monkeypatch.setattr(datasets, "load_dataset", lambda name, config=None, split=None: ds)
     out = load_hub_captions("someone/birds", image_column="img", caption_column="sentences", label_column="species")
     assert out.label_names == ["crow", "wren"] and list(out.labels) == [1, 0, 1] and out.captions[0] == ["a", "b"]

@@ -15,19 +15,31 @@ import torch
 from fedtune.config import load_config
 from fedtune.engines.embedded import LocalTransport
 from fedtune.engines.rounds import drive_rounds
+from fedtune.methods.bomm.backbone import FEATURE_DIM
 from fedtune.methods.bomm.cloud import Pool
 from fedtune.methods.bomm.options import MODES
 from fedtune.methods.bomm.party import COMPLETE
-from fedtune.models.bomm.backbone import FEATURE_DIM
 from fedtune.protocol.messages import Message
 from fedtune.protocol.validation import check_arrays
 from fedtune.runtime import RunContext
 from tests.test_flower import task_identity  # noqa: F401 - fixture
 
-PAIRED = ["task.kind=paired-multimodal", "data.name=digits", "model.name=fusion-cnn", "task.aligned=8",
-          "task.unaligned=24", "task.frames=32", "data.max_test_samples=40", "federation.num_clients=2", "rounds=2",
-          "train.local_steps=3", "train.batch_size=8", "train.eval_batch_size=64", "options.cloud_epochs=1",
-          "options.generator_epochs=1"]
+PAIRED = [
+    "task.kind=paired-multimodal",
+    "data.name=digits",
+    "model.name=fusion-cnn",
+    "task.aligned=8",
+    "task.unaligned=24",
+    "task.frames=32",
+    "data.max_test_samples=40",
+    "federation.num_clients=2",
+    "rounds=2",
+    "train.local_steps=3",
+    "train.batch_size=8",
+    "train.eval_batch_size=64",
+    "options.cloud_epochs=1",
+    "options.generator_epochs=1",
+]
 UPLOAD = {"rows", "sample_ids", "masks", "labels", "features"}
 
 
@@ -98,7 +110,8 @@ def test_no_raw_sample_leaves_a_party_and_only_representations_cross(config, met
     want_up = (UPLOAD | ({"prototypes", "proto_counts"} if mode.alignment else set())) if mode.cloud else set()
     assert names["train", "up"] == want_up and names["train", "down"] == set()
     want_down = ({"gen_rows", "gen_modality", "gen"} if mode.completion == "cloud" else set()) | (
-        {"label_rows", "label_values"} if mode.alignment else set())
+        {"label_rows", "label_values"} if mode.alignment else set()
+    )
     assert names[COMPLETE, "down"] == want_down and names[COMPLETE, "up"] == set()
     assert names["evaluate", "up"] == set()
     assert names["evaluate", "down"] == ({"test_gen"} if mode.completion == "cloud" else set())
@@ -120,7 +133,9 @@ def test_parties_send_what_their_mode_scopes_and_zeros_for_absent_modalities(con
             assert (upload["features"][~upload["masks"]] == 0).all()
             assert (np.abs(upload["features"][upload["masks"]]).sum(-1) > 0).all()
             np.testing.assert_array_equal(upload["labels"] >= 0, train.labeled[rows])
-            np.testing.assert_array_equal(upload["labels"][train.labeled[rows]], train.labels[rows][train.labeled[rows]])
+            np.testing.assert_array_equal(
+                upload["labels"][train.labeled[rows]], train.labels[rows][train.labeled[rows]]
+            )
 
 
 def test_a_party_never_reads_an_absent_modality(config):
@@ -192,8 +207,9 @@ def test_the_party_loss_is_the_tasks_loss_when_nothing_is_completed(config):
     sm.eval()
     local = np.arange(12)
     labels = torch.from_numpy(ctx.task.train.labels[party.rows[local]])
-    logits, emb, _, real = party.forward(sm, adapters, local, np.zeros(12, bool), np.zeros((12, FEATURE_DIM), np.float32),
-                                         np.zeros(12, np.int64))
+    logits, emb, _, real = party.forward(
+        sm, adapters, local, np.zeros(12, bool), np.zeros((12, FEATURE_DIM), np.float32), np.zeros(12, np.int64)
+    )
     mine = party.sm_loss(sm, logits, emb, real, labels)
     batch = ctx.task.batch(ctx.task.train, ctx.task.tensors[0], party.rows[local])
     torch.testing.assert_close(mine, ctx.task.loss(sm, batch))
@@ -203,8 +219,9 @@ def completion_message(party, rnd: int = 1, seed: int = 0) -> Message:
     """Random phi-space completions for every row of ``party`` that lacks audio."""
     rows = np.flatnonzero(~party.masks[:, 1] & party.masks[:, 0])
     gen = np.abs(np.random.default_rng(seed).normal(size=(len(rows), FEATURE_DIM))).astype(np.float32)
-    return Message({"gen_rows": rows, "gen_modality": np.ones(len(rows), np.int64), "gen": gen},
-                   {"round": rnd, "phase": COMPLETE})
+    return Message(
+        {"gen_rows": rows, "gen_modality": np.ones(len(rows), np.int64), "gen": gen}, {"round": rnd, "phase": COMPLETE}
+    )
 
 
 def trained(cfg, message: Message, monkeypatch=None, record=None) -> dict[str, np.ndarray]:
@@ -266,8 +283,15 @@ def test_mu_at_the_extremes_is_no_completion_and_every_completion(config):
 
 
 def test_alignment_pairs_mostly_same_class_rows_grows_the_prototypes_and_labels_only_unlabeled_rows(config):
-    cfg = config("bomm", "task.aligned=0", "task.unaligned=80", "task.labeled_fraction=0.3", "options.n_global=16",
-                 "options.grow_per_round=4", "rounds=2")
+    cfg = config(
+        "bomm",
+        "task.aligned=0",
+        "task.unaligned=80",
+        "task.labeled_fraction=0.3",
+        "options.n_global=16",
+        "options.grow_per_round=4",
+        "rounds=2",
+    )
     strategy, transport, history = run(cfg)
     seeds = int(np.sum([(u["proto_counts"].sum(1) > 0) for u in strategy.uploads.values()], axis=0).__ge__(2).sum())
     assert seeds >= 8  # the classes labeled at both parties
@@ -329,20 +353,25 @@ def test_a_malformed_upload_is_rejected_by_the_reply_spec(config):
 
 
 def test_pool_concatenates_uploads_in_party_order():
-    up = lambda n, k: {"rows": np.arange(n), "sample_ids": np.arange(n) + 100 * k, "masks": np.ones((n, 2), bool),  # noqa: E731
-                       "labels": np.full(n, -1), "features": np.zeros((n, 2, FEATURE_DIM), np.float32)}
+    up = lambda n, k: {
+        "rows": np.arange(n),
+        "sample_ids": np.arange(n) + 100 * k,
+        "masks": np.ones((n, 2), bool),  # noqa: E731
+        "labels": np.full(n, -1),
+        "features": np.zeros((n, 2, FEATURE_DIM), np.float32),
+    }
     pool = Pool.of({1: up(2, 1), 0: up(3, 0)})
     np.testing.assert_array_equal(pool.party, [0, 0, 0, 1, 1])
     np.testing.assert_array_equal(pool.sid, [0, 1, 2, 100, 101])
 
 
 def test_bomm_runs_the_same_on_flower_as_embedded(config, tmp_path, task_identity):
+    from fedtune.checkpoint import load_state
     from fedtune.engines.flower import make_client_app, serve
     from fedtune.run import run_experiment
+    from tests.test_contract import flatten
     from tests.test_flower import LoopbackGrid
     from tests.test_flower_contract import assert_same_run
-    from tests.test_contract import flatten
-    from fedtune.checkpoint import load_state
 
     def result(summary):
         run_dir = Path(summary["run_dir"])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedtune.models.bomm.scheduler import ResidualMLP, SampleScheduler, batch_level_reward, sample_level_reward
+from fedtune.methods.bomm.scheduler import ResidualMLP, SampleScheduler, batch_level_reward, sample_level_reward
 
 
 def test_sample_level_reward_is_the_loss_plus_delta_times_the_entropy():
@@ -59,7 +59,9 @@ def test_one_update_follows_eqs_6_and_7():
     replica = copy.deepcopy(sched)
     x, r = torch.randn(9, 4), torch.randn(9)
     lr = 0.1
-    sched.update(x, r, torch.optim.SGD(sched.exploit.parameters(), lr=lr), torch.optim.SGD(sched.explore.parameters(), lr=lr))
+    sched.update(
+        x, r, torch.optim.SGD(sched.exploit.parameters(), lr=lr), torch.optim.SGD(sched.explore.parameters(), lr=lr)
+    )
     # by hand: R^q reads R^p's hidden states *before* R^p's step, and regresses r - R^p *after* it
     with torch.no_grad():
         _, hp_before = replica.exploit(x)
@@ -83,7 +85,10 @@ def test_repeated_updates_learn_the_rewards():
     sched = SampleScheduler(3, hidden=16)
     x = torch.randn(64, 3)
     r = x[:, 0] * 2 + 1
-    opt_p, opt_q = torch.optim.Adam(sched.exploit.parameters(), 1e-2), torch.optim.Adam(sched.explore.parameters(), 1e-2)
+    opt_p, opt_q = (
+        torch.optim.Adam(sched.exploit.parameters(), 1e-2),
+        torch.optim.Adam(sched.explore.parameters(), 1e-2),
+    )
     first, _ = sched.update(x, r, opt_p, opt_q)
     for _ in range(300):
         last, _ = sched.update(x, r, opt_p, opt_q)

@@ -34,7 +34,12 @@ def test_every_run_is_the_recipe_plus_its_labels(suite, plan):
         t = c.task.options
         assert (t["scenario"], t["aligned"], t["delta"]) == (labels["scenario"], labels["aligned"], labels["delta"])
         assert (c.data.name, c.rounds, c.train.local_steps, t["unaligned"], t["labeled_fraction"]) == (
-            recipe.data.name, recipe.rounds, recipe.train.local_steps, 1000, recipe.task.options["labeled_fraction"])
+            recipe.data.name,
+            recipe.rounds,
+            recipe.train.local_steps,
+            1000,
+            recipe.task.options["labeled_fraction"],
+        )
         assert c.federation.num_clients == 2
 
 
@@ -46,8 +51,13 @@ def test_the_tables_cover_the_papers_grid(suite, plan):
     assert {s.labels["scenario"] for s in plan["table2"]} == {3}
     rows = {s.labels["row"]: s.config.options for s in plan["table3"] if s.labels["seed"] == 0}
     assert rows["w/o preference loss"]["prefer"] is False and rows["w/o special loss"]["gamma"] == 0.0
-    assert rows["w/o scheduler (mu = 0)"]["mu"] == 0.0 and rows["every generation (scheduler off)"]["scheduler"] is False
-    assert rows["align on phi features"]["alignment_space"] == "phi" and rows["no label transfer"]["label_transfer"] is False
+    assert (
+        rows["w/o scheduler (mu = 0)"]["mu"] == 0.0 and rows["every generation (scheduler off)"]["scheduler"] is False
+    )
+    assert (
+        rows["align on phi features"]["alignment_space"] == "phi"
+        and rows["no label transfer"]["label_transfer"] is False
+    )
     assert all(s.config.task.options["scenario"] == 2 and s.config.task.options["aligned"] == 0 for s in plan["table3"])
 
 

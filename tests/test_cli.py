@@ -26,7 +26,10 @@ def test_invalid_value_exits_2_with_one_line_naming_the_key():
 
 def test_missing_dataset_names_the_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    result = runner.invoke(app, ["run", "--set", "data=sst2", "--set", f"data.data_dir={tmp_path}", *sum((["--set", t] for t in TINY[2:]), [])])
+    result = runner.invoke(
+        app,
+        ["run", "--set", "data=sst2", "--set", f"data.data_dir={tmp_path}", *sum((["--set", t] for t in TINY[2:]), [])],
+    )
     assert result.exit_code == 2
     assert str(tmp_path) in result.output and "stanfordnlp/sst2" in result.output
 

@@ -1,4 +1,4 @@
-"""CoMMIT (fedtune.models.balance, fedtune.methods.commit) on the tiny instruction task (tiny-llama,
+"""CoMMIT (fedtune.methods.commit.balance, fedtune.methods.commit.commit) on the tiny instruction task (tiny-llama,
 digits images, 3 question types): kappa against distances computed by hand, measuring that leaves
 the model bit-equal, eq. (6)'s schedule, the regularizer's gradient against autograd, the CD switch,
 a federated run with one client against centralized tuning, and unfaithful variants that the same
@@ -26,10 +26,9 @@ import torch
 
 from fedtune.checkpoint import load_state
 from fedtune.config import ConfigError, load_config
-from fedtune.methods import commit
-from fedtune.models import balance
+from fedtune.methods.commit import balance, commit
+from fedtune.methods.commit.balance import Coordination, Schedule, train_coordinated
 from fedtune.models import prefix_lm as plm
-from fedtune.models.balance import Coordination, Schedule, train_coordinated
 from fedtune.models.training import make_optimizer, seed_for
 from fedtune.registry import get_method
 from fedtune.run import run_experiment
@@ -40,8 +39,14 @@ from tests.test_flower import task_identity  # noqa: F401 - fixture
 RANK = 4
 #: the component each coordinate descent trains first (Section 7), written here independently of the code
 CD_FIRST = {"feature-cd": (balance.S, balance.T), "language-cd": (balance.T, balance.S)}
-TINY = ["method=commit", "task.kind=instruction", *Instruction.test_overrides, f"model.lora_rank={RANK}",
-        "train.batch_size=4", "train.eval_batch_size=16"]
+TINY = [
+    "method=commit",
+    "task.kind=instruction",
+    *Instruction.test_overrides,
+    f"model.lora_rank={RANK}",
+    "train.batch_size=4",
+    "train.eval_batch_size=16",
+]
 
 
 def config(tmp_path, *overrides):
@@ -60,14 +65,16 @@ def start(ctx):
     """The adapter every test starts from: LoRA B moved away from zero, so T acts from step 1."""
     arrays = ctx.workspace.state(RANK)
     rng = np.random.default_rng(0)
-    return {k: (0.3 * rng.standard_normal(v.shape)).astype(np.float32) if "lora_B" in k else v for k, v in arrays.items()}
+    return {
+        k: (0.3 * rng.standard_normal(v.shape)).astype(np.float32) if "lora_B" in k else v for k, v in arrays.items()
+    }
 
 
 @pytest.fixture(scope="module")
 def batch(ctx):
     """Four examples of the three question types (answers of 1 to several tokens)."""
     ds = ctx.task.train
-    idx = np.concatenate([np.flatnonzero(ds.question == q)[:2 if q == 2 else 1] for q in range(3)])
+    idx = np.concatenate([np.flatnonzero(ds.question == q)[: 2 if q == 2 else 1] for q in range(3)])
     return ctx.task.batch(ds, idx)
 
 
@@ -136,9 +143,13 @@ def check_kappa_by_hand(ctx, start, batch, trainer="commit-clr"):
     with torch.no_grad():
         prefix = base.prefix(batch)
         for b in range(batch["input_ids"].shape[0]):
-            prompt = [int(tok) for tok, m, slot, lab in zip(batch["input_ids"][b], batch["attention_mask"][b],
-                                                            batch["prefix_mask"][b], batch["labels"][b])
-                      if m and not slot and lab == -100]
+            prompt = [
+                int(tok)
+                for tok, m, slot, lab in zip(
+                    batch["input_ids"][b], batch["attention_mask"][b], batch["prefix_mask"][b], batch["labels"][b]
+                )
+                if m and not slot and lab == -100
+            ]
             i_t.append(float(base.language_model.get_input_embeddings()(torch.tensor(prompt)).norm()))
             encoded.append(float(prefix[b].norm()))
             raw.append(float(batch["image"][b].norm()))
@@ -152,7 +163,7 @@ def expected_rates(kappas, alpha, gamma, n_kappa, l_lr):
     for t in range(1, len(kappas) + 1):
         rates.append(current)
         if t % l_lr == 0:
-            window = kappas[max(0, t - n_kappa):t]
+            window = kappas[max(0, t - n_kappa) : t]
             k = sum(window) / len(window)
             current = (alpha / (gamma * (1 / k + 1)), alpha / (gamma * (k + 1)))
     return rates
@@ -189,8 +200,12 @@ def check_trainer_uses_eq6(ctx, start, batch):
     """CoMMIT-CLR over 5 steps: the rates it applies follow eq. (6) of the kappas it measured, and
     plain SGD moves each component by -rate x its gradient (the rates reach the right groups)."""
     coord = Coordination(trainer="commit-clr", lr=0.05, n_kappa=3, l_lr=2)
-    Recording, seen = recording(torch.optim.SGD, lambda opt: [
-        [p.detach().clone() for p in g["params"]] + [p.grad.clone() for p in g["params"]] for g in opt.param_groups])
+    Recording, seen = recording(
+        torch.optim.SGD,
+        lambda opt: [
+            [p.detach().clone() for p in g["params"]] + [p.grad.clone() for p in g["params"]] for g in opt.param_groups
+        ],
+    )
 
     _, curves = run(ctx, start, [batch] * 5, coord, lambda groups: Recording(groups, lr=1.0))
     want = expected_rates(curves["kappa"], coord.advantage, coord.gamma, 3, 2)
@@ -212,8 +227,12 @@ def check_regularizer_gradient(ctx, start, batch, coord_cls=Coordination):
     function of the adapter's arrays written independently of the trainer)."""
     lam, rates = 5.0, (0.3, 0.2)
     coord = coord_cls(trainer="commit", lr=0.25, reg_weight=lam)
-    Recording, seen = recording(torch.optim.SGD, lambda opt: {  # the gradients each step() is given
-        id(p): p.grad.clone() for g in opt.param_groups for p in g["params"]})
+    Recording, seen = recording(
+        torch.optim.SGD,
+        lambda opt: {  # the gradients each step() is given
+            id(p): p.grad.clone() for g in opt.param_groups for p in g["params"]
+        },
+    )
 
     schedule = Schedule(0, [], rates, 0)
     _, curves = run(ctx, start, [batch], coord, lambda groups: Recording(groups, lr=1.0), schedule)
@@ -297,8 +316,9 @@ def check_measuring_is_bit_equal(ctx, start, batch):
     before = [p.detach().clone() for p in s + t]
     balance._measure_after_step(model, batch, logits.detach(), targets, s, t, [x + 1 for x in before], "tv")
     balance.input_norms(model, batch)
-    balance._regularized_gradients(model, batch, logits.detach(), targets, optimizer, s, t,
-                                   Coordination(trainer="commit", reg_weight=1.0))
+    balance._regularized_gradients(
+        model, batch, logits.detach(), targets, optimizer, s, t, Coordination(trainer="commit", reg_weight=1.0)
+    )
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), everything[n]), n
     for n, b in model.named_buffers():
@@ -336,7 +356,8 @@ def check_cd_switch(ctx, start, batch, trainer):
     after = ctx.workspace.state(RANK)
     names = names_of(ctx, first)
     by_hand = math.sqrt(sum(float(((after[n] - start[n]) ** 2).sum()) for n in names)) / math.sqrt(
-        sum(float((start[n] ** 2).sum()) for n in names))
+        sum(float((start[n] ** 2).sum()) for n in names)
+    )
     assert change == pytest.approx(by_hand, rel=1e-5) and curves["cd_change"][0] is None
 
     def trace(tolerance, cap=10**9, steps=4):
@@ -372,8 +393,16 @@ def check_federated_one_client_is_centralized(tmp_path, carry: bool = False, ref
     one optimizer continues across the rounds, otherwise each round starts a fresh one (the reference
     does as ``reference_carry``, by default ``carry``)."""
     reference_carry = carry if reference_carry is None else reference_carry
-    cfg = config(tmp_path, "federation.num_clients=1", "rounds=2", "train.local_steps=3", "options.trainer=commit",
-                 "options.l_lr=2", "options.n_kappa=4", f"options.carry_optimizer={str(carry).lower()}")
+    cfg = config(
+        tmp_path,
+        "federation.num_clients=1",
+        "rounds=2",
+        "train.local_steps=3",
+        "options.trainer=commit",
+        "options.l_lr=2",
+        "options.n_kappa=4",
+        f"options.carry_optimizer={str(carry).lower()}",
+    )
     summary = run_experiment(cfg)
     run_dir = Path(summary["run_dir"])
     state = load_state(run_dir / "checkpoint.npz")
@@ -396,8 +425,9 @@ def check_federated_one_client_is_centralized(tmp_path, carry: bool = False, ref
         seed = seed_for(cfg.seed, rnd, 0)
         torch.manual_seed(seed)
         batches = ref.task.train_batches(pool, cfg.train.batch_size, cfg.train.local_steps, np.random.default_rng(seed))
-        schedule, curves = train_coordinated(ref.workspace.model, commit.component_params(ref.task, params), batches,
-                                             coord, schedule, optimizer)
+        schedule, curves = train_coordinated(
+            ref.workspace.model, commit.component_params(ref.task, params), batches, coord, schedule, optimizer
+        )
         # float32 kernels may round differently from one allocation to the next: kappa, a ratio of
         # distances of order 1e-4, agrees to 1e-3 (a lost schedule or update would differ at once)
         assert lines[rnd - 1]["client_curves"]["0"]["kappa"] == pytest.approx(curves["kappa"], rel=1e-3)
@@ -427,8 +457,17 @@ def test_carry_optimizer_is_refused_with_more_than_one_client(tmp_path):
 
 
 def test_federated_rounds_record_per_client_kappa_curves_and_merge_schedules(tmp_path):
-    cfg = config(tmp_path, "federation.num_clients=2", "rounds=1", "train.local_steps=2", "options.trainer=commit-clr",
-                 "options.l_lr=1", "task.partition_by=question", "data.partition=shards", "data.shards_per_client=1")
+    cfg = config(
+        tmp_path,
+        "federation.num_clients=2",
+        "rounds=1",
+        "train.local_steps=2",
+        "options.trainer=commit-clr",
+        "options.l_lr=1",
+        "task.partition_by=question",
+        "data.partition=shards",
+        "data.shards_per_client=1",
+    )
     summary = run_experiment(cfg)
     line = json.loads((Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()[0])
     curves = line["client_curves"]
@@ -454,8 +493,15 @@ def test_schedule_merge_by_hand():
 
 def test_each_trainer_applies_its_rates(ctx, start, batch):
     lr = 1e-3
-    want = {"constant": (lr, lr), "language-lr-up": (lr, 10 * lr), "vision-lr-up": (10 * lr, lr),
-            "feature-cd": (lr, 0.0), "language-cd": (0.0, lr), "commit-clr": (lr, lr), "commit": (lr, lr)}
+    want = {
+        "constant": (lr, lr),
+        "language-lr-up": (lr, 10 * lr),
+        "vision-lr-up": (10 * lr, lr),
+        "feature-cd": (lr, 0.0),
+        "language-cd": (0.0, lr),
+        "commit-clr": (lr, lr),
+        "commit": (lr, lr),
+    }
     assert set(want) == set(balance.TRAINERS)
     for trainer, rates in want.items():
         _, curves = run(ctx, start, [batch], Coordination(trainer=trainer, lr=lr))
@@ -522,6 +568,7 @@ def _lookahead_keeping_state(optimizer, params):
 
 def _lookahead_at_current(real):
     """y_hat^X at theta_t instead of one step forward (the step is taken and undone, its result unused)."""
+
     def lookahead(optimizer, params):
         now = [p.detach().clone() for p in params]
         real(optimizer, params)
@@ -532,6 +579,7 @@ def _lookahead_at_current(real):
 
 def _server_resets_window(real_merge):
     """The server keeps the rates but drops the kappa window every round."""
+
     def merge(cls, schedules, weights):
         return replace(real_merge(schedules, weights), kappas=[])
 
@@ -564,8 +612,9 @@ def test_unfaithful_variants_are_caught(ctx, start, batch, monkeypatch, tmp_path
         checks = [lambda: check_kappa_by_hand(ctx, start, batch)]
     elif variant == "h-norms-swapped":
         real_norms = balance.input_norms
-        monkeypatch.setattr(balance, "input_norms", lambda m, b: (lambda i_t, enc, raw: (raw, 0.0, i_t + enc))(
-            *real_norms(m, b)))
+        monkeypatch.setattr(
+            balance, "input_norms", lambda m, b: (lambda i_t, enc, raw: (raw, 0.0, i_t + enc))(*real_norms(m, b))
+        )
         checks = [lambda: check_kappa_by_hand(ctx, start, batch)]
     elif variant == "rates-swapped":
         real = balance.coordinated_rates
@@ -589,12 +638,17 @@ def test_unfaithful_variants_are_caught(ctx, start, batch, monkeypatch, tmp_path
         monkeypatch.setattr(balance, "lookahead", _lookahead_at_current(balance.lookahead))
         checks = [lambda: check_regularizer_gradient(ctx, start, batch)]
     elif variant == "cd-order-reversed":
-        monkeypatch.setattr(balance, "CD_ORDER", {"feature-cd": (balance.T, balance.S), "language-cd": (balance.S, balance.T)})
-        checks = [lambda: check_cd_switch(ctx, start, batch, "feature-cd"),
-                  lambda: check_cd_switch(ctx, start, batch, "language-cd")]
+        monkeypatch.setattr(
+            balance, "CD_ORDER", {"feature-cd": (balance.T, balance.S), "language-cd": (balance.S, balance.T)}
+        )
+        checks = [
+            lambda: check_cd_switch(ctx, start, batch, "feature-cd"),
+            lambda: check_cd_switch(ctx, start, batch, "language-cd"),
+        ]
     elif variant == "cd-change-unnormalized":
-        monkeypatch.setattr(balance, "relative_change", lambda now, before: balance._norm(
-            a.detach() - b for a, b in zip(now, before)))
+        monkeypatch.setattr(
+            balance, "relative_change", lambda now, before: balance._norm(a.detach() - b for a, b in zip(now, before))
+        )
         checks = [lambda: check_cd_switch(ctx, start, batch, "feature-cd")]
     elif variant == "server-resets-window":
         monkeypatch.setattr(balance.Schedule, "merge", classmethod(_server_resets_window(balance.Schedule.merge)))
@@ -620,8 +674,10 @@ def test_commit_gives_the_same_run_on_flower(tmp_path, task_identity):  # noqa: 
         else:
             summary = serve(LoopbackGrid(make_client_app(cfg), 2), cfg, timeout=120)
         run_dir = Path(summary["run_dir"])
-        runs[engine] = (load_state(run_dir / "checkpoint.npz"),
-                        [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()])
+        runs[engine] = (
+            load_state(run_dir / "checkpoint.npz"),
+            [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()],
+        )
     (e_state, e_lines), (f_state, f_lines) = runs["embedded"], runs["flower"]
     for k, v in e_state["global"].items():
         np.testing.assert_allclose(f_state["global"][k], v, rtol=1e-5, atol=1e-6, err_msg=k)
@@ -632,11 +688,17 @@ def test_commit_gives_the_same_run_on_flower(tmp_path, task_identity):  # noqa: 
             assert f["client_curves"][cid]["kappa"] == pytest.approx(e["client_curves"][cid]["kappa"], rel=1e-3)
 
 
-@pytest.mark.parametrize(("override", "field"), [
-    ("options.trainer=bogus", "options.trainer"), ("options.n_kappa=0", "options.n_kappa"),
-    ("options.l_lr=0", "options.l_lr"), ("options.metric=js", "options.metric"),
-    ("options.reg_weight=-1", "options.reg_weight"), ("options.cd_max_fraction=0", "options.cd_max_fraction"),
-])
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("options.trainer=bogus", "options.trainer"),
+        ("options.n_kappa=0", "options.n_kappa"),
+        ("options.l_lr=0", "options.l_lr"),
+        ("options.metric=js", "options.metric"),
+        ("options.reg_weight=-1", "options.reg_weight"),
+        ("options.cd_max_fraction=0", "options.cd_max_fraction"),
+    ],
+)
 def test_bad_options_stop_with_one_line_naming_the_field(tmp_path, override, field):
     with pytest.raises(ConfigError) as info:
         RunContext(config(tmp_path, override))
@@ -662,8 +724,9 @@ def test_lookahead_on_a_fresh_optimizer_leaves_it_fresh(ctx, start, batch):
 def test_commit_first_step_is_a_fresh_adamw_step_on_the_regularized_gradient(ctx, start, batch):
     """End to end: CoMMIT's one step from a fresh AdamW equals a fresh AdamW's step (the same rates)
     on the gradient it was finally given (grad L - lambda grad D), so the provisional step left nothing."""
-    Recording, seen = recording(torch.optim.AdamW, lambda opt: [
-        p.grad.clone() for g in opt.param_groups for p in g["params"]])
+    Recording, seen = recording(
+        torch.optim.AdamW, lambda opt: [p.grad.clone() for g in opt.param_groups for p in g["params"]]
+    )
 
     coord = Coordination(trainer="commit", lr=1e-3, reg_weight=5.0)
     _, curves = run(ctx, start, [batch], coord, lambda groups: Recording(groups, lr=1e-3))
@@ -671,8 +734,13 @@ def test_commit_first_step_is_a_fresh_adamw_step_on_the_regularized_gradient(ctx
     after = ctx.workspace.state(RANK)
     params, groups = groups_of(ctx, start)
     ps = groups[balance.S] + groups[balance.T]
-    replay = torch.optim.AdamW([{"params": groups[balance.S], "lr": curves["lr_S"][0]},
-                                {"params": groups[balance.T], "lr": curves["lr_T"][0]}], lr=1e-3)
+    replay = torch.optim.AdamW(
+        [
+            {"params": groups[balance.S], "lr": curves["lr_S"][0]},
+            {"params": groups[balance.T], "lr": curves["lr_T"][0]},
+        ],
+        lr=1e-3,
+    )
     for p, g in zip(ps, seen[1]):
         p.grad = g
     replay.step()
@@ -687,8 +755,9 @@ def test_cd_windows_restart_after_each_check(ctx, start, batch, trainer):
     at the window's own start, not at the round's start."""
     first, _ = CD_FIRST[trainer]
     g = 0 if first == balance.S else 1
-    Recording, seen = recording(torch.optim.AdamW, lambda opt: [
-        p.detach().clone() for p in opt.param_groups[g]["params"]])
+    Recording, seen = recording(
+        torch.optim.AdamW, lambda opt: [p.detach().clone() for p in opt.param_groups[g]["params"]]
+    )
 
     coord = Coordination(trainer=trainer, lr=1e-3, cd_window=2, cd_tolerance=0.0)
     _, curves = run(ctx, start, [batch] * 4, coord, lambda groups: Recording(groups, lr=1e-3))
@@ -696,7 +765,8 @@ def test_cd_windows_restart_after_each_check(ctx, start, batch, trainer):
     now = [p.detach() for p in commit.component_params(ctx.task, ctx.workspace.activate(RANK))[first]]
     mid = seen[2]  # theta(t - W) for the second window: the weights before step 3
     by_hand = math.sqrt(sum(float((a - b).pow(2).sum()) for a, b in zip(now, mid))) / math.sqrt(
-        sum(float(b.pow(2).sum()) for b in mid))
+        sum(float(b.pow(2).sum()) for b in mid)
+    )
     assert curves["cd_change"][3] == pytest.approx(by_hand, rel=1e-5)
 
 
@@ -724,16 +794,39 @@ def test_coordination_carries_every_option(tmp_path):
     """Each method option reaches the trainer (a dropped one would silently run at its default)."""
     from fedtune.config import validate_options
 
-    cfg = config(tmp_path, "rounds=3", "train.local_steps=5", "options.trainer=commit-clr", "options.alpha=0.007",
-                 "options.gamma=1.7", "options.n_kappa=3", "options.l_lr=4", "options.reg_weight=0.3",
-                 "options.metric=kl", "options.lr_up=3.0", "options.cd_window=6", "options.cd_tolerance=0.02",
-                 "options.cd_max_fraction=0.3", "options.measure_kappa=false")
+    cfg = config(
+        tmp_path,
+        "rounds=3",
+        "train.local_steps=5",
+        "options.trainer=commit-clr",
+        "options.alpha=0.007",
+        "options.gamma=1.7",
+        "options.n_kappa=3",
+        "options.l_lr=4",
+        "options.reg_weight=0.3",
+        "options.metric=kl",
+        "options.lr_up=3.0",
+        "options.cd_window=6",
+        "options.cd_tolerance=0.02",
+        "options.cd_max_fraction=0.3",
+        "options.measure_kappa=false",
+    )
     options = validate_options(cfg.options, get_method("commit").options)
     assert commit.coordination(options, cfg) == Coordination(
-        trainer="commit-clr", lr=cfg.train.lr, alpha=0.007, gamma=1.7, n_kappa=3, l_lr=4, reg_weight=0.3,
-        metric="kl", lr_up=3.0, cd_window=6, cd_tolerance=0.02,
+        trainer="commit-clr",
+        lr=cfg.train.lr,
+        alpha=0.007,
+        gamma=1.7,
+        n_kappa=3,
+        l_lr=4,
+        reg_weight=0.3,
+        metric="kl",
+        lr_up=3.0,
+        cd_window=6,
+        cd_tolerance=0.02,
         cd_max_steps=5,  # ceil(0.3 x 3 rounds x 5 steps): a share of the run, not of a round
-        measure=False)
+        measure=False,
+    )
 
 
 def test_rates_before_the_first_refresh_are_eq6_at_kappa_one():
@@ -775,7 +868,8 @@ def test_normalized_gradient_curves_are_section_4_2s(ctx, start, batch):
         ps = groups[name]
         grads = torch.autograd.grad(loss, ps, retain_graph=True)
         want = math.sqrt(sum(float(g.pow(2).sum()) for g in grads)) / math.sqrt(
-            sum(float(p.detach().pow(2).sum()) for p in ps))
+            sum(float(p.detach().pow(2).sum()) for p in ps)
+        )
         assert curves[key][0] == pytest.approx(want, rel=1e-5), key
 
 
@@ -783,8 +877,14 @@ def test_two_client_round_is_fedavg_of_the_clients_own_runs(tmp_path):
     """Two clients of unequal data sizes, one round: the server's adapter is theta + sum_i p_i Delta_i
     and its rates sum_i p_i beta_i, p_i the clients' data sizes (FedAvg), each Delta_i and beta_i the
     trainer's own run on client i's batches from the server's schedule."""
-    cfg = config(tmp_path, "federation.num_clients=2", "rounds=1", "train.local_steps=2", "options.trainer=commit",
-                 "options.l_lr=1")
+    cfg = config(
+        tmp_path,
+        "federation.num_clients=2",
+        "rounds=1",
+        "train.local_steps=2",
+        "options.trainer=commit",
+        "options.l_lr=1",
+    )
     summary = run_experiment(cfg)
     state = load_state(Path(summary["run_dir"]) / "checkpoint.npz")
     ref = RunContext(cfg)
@@ -798,10 +898,17 @@ def test_two_client_round_is_fedavg_of_the_clients_own_runs(tmp_path):
         ref.workspace.load(start, RANK)
         seed = seed_for(cfg.seed, 1, cid)
         torch.manual_seed(seed)
-        batches = ref.task.train_batches(ref.partitions[cid], cfg.train.batch_size, cfg.train.local_steps,
-                                         np.random.default_rng(seed))
-        schedule, _ = train_coordinated(ref.workspace.model, commit.component_params(ref.task, params), batches, coord,
-                                        Schedule.start(coord), lambda groups: make_optimizer(groups, cfg.train))
+        batches = ref.task.train_batches(
+            ref.partitions[cid], cfg.train.batch_size, cfg.train.local_steps, np.random.default_rng(seed)
+        )
+        schedule, _ = train_coordinated(
+            ref.workspace.model,
+            commit.component_params(ref.task, params),
+            batches,
+            coord,
+            Schedule.start(coord),
+            lambda groups: make_optimizer(groups, cfg.train),
+        )
         updates.append({k: p.detach().numpy() - start[k] for k, p in params.items()})
         rates.append(schedule.rates)
     w = [s / sum(sizes) for s in sizes]

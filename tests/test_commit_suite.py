@@ -35,7 +35,11 @@ def test_every_run_is_the_recipe_plus_its_modality_and_trainer(suite, plan):
         assert c.method == "commit" and c.seed == labels["seed"] and c.options["trainer"] == labels["trainer"]
         assert c.data.name == data[labels["modality"]] and c.task.kind == "instruction"
         assert (c.model.name, c.train.lr, c.train.batch_size, c.model.lora_rank) == (
-            recipe.model.name, recipe.train.lr, recipe.train.batch_size, recipe.model.lora_rank)
+            recipe.model.name,
+            recipe.train.lr,
+            recipe.train.batch_size,
+            recipe.model.lora_rank,
+        )
         assert c.options["n_kappa"] == recipe.options["n_kappa"] and c.options["l_lr"] == recipe.options["l_lr"]
         assert c.task.options["questions"][-1] == "describe"  # the several-word answers (ROUGE-L)
         if labels["federated"]:
@@ -52,7 +56,9 @@ def test_the_experiments_cover_the_papers_trainers(suite, plan):
     assert trainers("fig6") == {"constant", "language-lr-up", "vision-lr-up", "commit-clr", "commit"}
     assert trainers("fig3") == {"constant", "language-lr-up", "vision-lr-up"}
     assert {s.labels["modality"] for s in plan["table1"]} == {"image", "audio"} and len(plan["table1"]) == 2 * 5 * 3
-    assert all(s.labels["federated"] for s in plan["federated"]) and not any(s.labels["federated"] for s in plan["table1"])
+    assert all(s.labels["federated"] for s in plan["federated"]) and not any(
+        s.labels["federated"] for s in plan["table1"]
+    )
 
 
 def test_shared_runs_are_one_config_in_the_owner_folder(plan):
@@ -60,7 +66,9 @@ def test_shared_runs_are_one_config_in_the_owner_folder(plan):
     owner = by_name[("table1", "image-constant-seed0")]
     for exp in ("fig45", "fig6", "fig3"):
         shared = by_name[(exp, "image-constant-seed0")]
-        assert shared.shared and shared.owner == "table1" and shared.key == owner.key and shared.run_dir == owner.run_dir
+        assert (
+            shared.shared and shared.owner == "table1" and shared.key == owner.key and shared.run_dir == owner.run_dir
+        )
     assert by_name[("fig3", "audio-vision-lr-up-seed1")].owner == "fig6"
     keys = [s.key for specs in plan.values() for s in specs if not s.shared]
     assert len(keys) == len(set(keys))  # every distinct config runs once
@@ -127,15 +135,17 @@ def test_quick_scale_and_reports_render_before_any_run(suite, tmp_path):
 def test_with_a_rate_grid_each_trainer_runs_the_tables_at_its_own_chosen_rate(suite, tmp_path):
     from tests.test_harness import finish
 
-    args = suite.parse_args(["--lr-grid", "3e-3,3e-4,1e-3", "--only", "table1", "--seeds", "1,2", "--evals", "4",
-                             "--steps", "40"])
+    args = suite.parse_args(
+        ["--lr-grid", "3e-3,3e-4,1e-3", "--only", "table1", "--seeds", "1,2", "--evals", "4", "--steps", "40"]
+    )
     scale, _ = suite.selection(args)
     sweep, selected = suite.sweep_selection(args, ["table1"], suite.SWEPT)
     assert selected == ["sweep", "table1"] and sweep == suite.Sweep((3e-4, 1e-3, 3e-3), 0)
     plan = suite.build_suite_plan([1, 2], scale, tmp_path, sweep)
     runs = plan["sweep"]
     assert {(s.labels["modality"], s.labels["trainer"], s.config.train.lr, s.config.seed) for s in runs} == {
-        (m, t, lr, 0) for m in suite.MODALITIES for t in suite.TABLE1 for lr in sweep.grid}
+        (m, t, lr, 0) for m in suite.MODALITIES for t in suite.TABLE1 for lr in sweep.grid
+    }
     assert all(s.labels["lr"] == s.config.train.lr and s.config.rounds == 4 for s in runs)
     assert plan["table1"] == [] and plan["fig45"] == []  # every group waits for its sweep
     waiting = {s.key: s.run_dir for s in plan["fig6"] + plan["fig3"]}
@@ -149,10 +159,13 @@ def test_with_a_rate_grid_each_trainer_runs_the_tables_at_its_own_chosen_rate(su
     assert choice.setting == {"lr": 1e-3} and choice.score == pytest.approx(1.6 / 3)
     for exp in ("table1", "fig45"):
         assert {(s.labels["modality"], s.labels["trainer"], s.labels["seed"]) for s in plan[exp]} == {
-            ("image", "commit", 1), ("image", "commit", 2)}
+            ("image", "commit", 1),
+            ("image", "commit", 2),
+        }
         for s in plan[exp]:  # the chosen run's config on another seed
             assert s.config.model_dump(exclude={"seed", "name", "output_dir"}) == group[1e-3].config.model_dump(
-                exclude={"seed", "name", "output_dir"})
+                exclude={"seed", "name", "output_dir"}
+            )
     for s in plan["fig6"] + plan["fig3"]:  # a choice never moves a run of the unswept figures to another folder
         assert s.run_dir == waiting[s.key] and s.owner in ("fig6", "fig3")
     assert any(t.key == f.key for t in plan["table1"] for f in plan["fig6"])  # the chosen 1e-3 is fig6's rate
@@ -164,7 +177,6 @@ def test_with_a_rate_grid_each_trainer_runs_the_tables_at_its_own_chosen_rate(su
     assert all(p.exists() for p in written)
 
 
-
 def test_the_ordering_notes_say_whether_each_modality_learned_before_ranking_it(suite, tmp_path):
     import json
 
@@ -172,8 +184,10 @@ def test_the_ordering_notes_say_whether_each_modality_learned_before_ranking_it(
 
     scale, _ = suite.selection(suite.parse_args(["--quick", "--evals", "3"]))
     plan = suite.build_suite_plan([0, 1], scale, tmp_path)
-    curves = {"constant": [0.1, 0.25, 0.35],  # last-3 mean 0.233 = 0.1 + 0.133 >= 0.1 + margin 0.09
-              "commit": [0.4, 0.3, 0.1]}  # last-3 mean 0.267, but collapsed to the rate at the end
+    curves = {
+        "constant": [0.1, 0.25, 0.35],  # last-3 mean 0.233 = 0.1 + 0.133 >= 0.1 + margin 0.09
+        "commit": [0.4, 0.3, 0.1],
+    }  # last-3 mean 0.267, but collapsed to the rate at the end
     for s in plan["table1"]:
         m, t = s.labels["modality"], s.labels["trainer"]
         finish(s, curves.get(t, [0.1, 0.1, 0.1]) if m == "image" else [0.12, 0.11, 0.1])

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from fedtune.config import load_config
+from fedtune.engines.embedded import run_rounds
+from fedtune.methods.base.averaging import decode_update
+from fedtune.methods.base.lora_arrays import lora_pairs
+from fedtune.methods.fslora import SHARED_SKETCH, read_indices
 from fedtune.protocol.compression import IDX, SHAPE, VAL, is_topk_encoded, topk_count, topk_decode, topk_encode
 from fedtune.protocol.messages import Message
-from fedtune.engines.embedded import run_rounds
-from fedtune.methods.fslora import SHARED_SKETCH, read_indices
-from fedtune.methods.lora_common import decode_update
-from fedtune.methods.lora_arrays import lora_pairs
 from fedtune.runtime import RunContext
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -71,8 +71,12 @@ def test_topk_count_is_ceil_of_ratio_times_size_at_least_one():
 @pytest.mark.parametrize("ratio", [0.1, 0.3, 0.5])
 def test_topk_bytes_are_the_encoded_bytes_and_match_the_formula(ratio):
     """len(Message.encode()) = 8 + header + sum over arrays of k * (4 + 4) + 8 * ndim."""
-    arrays = {"a.lora_A.weight": distinct_magnitudes((8, 32), 1), "a.lora_B.weight": distinct_magnitudes((32, 8), 2),
-              "classifier.bias": distinct_magnitudes((2,), 3), "t": distinct_magnitudes((3, 4, 5), 4)}
+    arrays = {
+        "a.lora_A.weight": distinct_magnitudes((8, 32), 1),
+        "a.lora_B.weight": distinct_magnitudes((32, 8), 2),
+        "classifier.bias": distinct_magnitudes((2,), 3),
+        "t": distinct_magnitudes((3, 4, 5), 4),
+    }
     meta = {"train_loss": 0.5, "num_examples": 12}
     message = Message(topk_encode(arrays, ratio), meta)
     encoded = message.encode()
@@ -108,11 +112,21 @@ def test_decode_passes_through_arrays_outside_the_codec_and_rejects_malformed_tr
 
 
 def run_one_round(method: str, *overrides: str):
-    config = load_config(None, [
-        "model.name=tiny-bert", f"data={DATA}", "data.max_train_samples=120", "data.max_test_samples=16",
-        f"model.lora_rank={RANK}", "train.local_steps=2", "train.batch_size=8", f"method={method}",
-        "federation.num_clients=2", *overrides,
-    ])
+    config = load_config(
+        None,
+        [
+            "model.name=tiny-bert",
+            f"data={DATA}",
+            "data.max_train_samples=120",
+            "data.max_test_samples=16",
+            f"model.lora_rank={RANK}",
+            "train.local_steps=2",
+            "train.batch_size=8",
+            f"method={method}",
+            "federation.num_clients=2",
+            *overrides,
+        ],
+    )
     server, clients = RunContext(config), RunContext(config)
     strategy = server.strategy()
     strategy.initialize()
@@ -185,4 +199,6 @@ def test_topk_composes_with_fedit_uploads():
     for name, v in before.items():
         changed = np.count_nonzero(strategy.global_arrays[name] != v)
         assert changed <= 2 * topk_count(v.size, ratio)
-    assert any(np.count_nonzero(strategy.global_arrays[n] != v) for n, v in before.items() if n in dict(lora_pairs(before)))
+    assert any(
+        np.count_nonzero(strategy.global_arrays[n] != v) for n, v in before.items() if n in dict(lora_pairs(before))
+    )

@@ -59,4 +59,4 @@ def test_bad_profile_names_the_client(tiny_config):
     from fedtune.runtime import RunContext
 
     with pytest.raises(ConfigError, match=r"federation\.profiles\[1\]\.sketch_ratio"):
-        RunContext(tiny_config('federation.profiles=[{sketch_ratio=0.5}, {sketch_ratio=2.0}, {}, {}]'))
+        RunContext(tiny_config("federation.profiles=[{sketch_ratio=0.5}, {sketch_ratio=2.0}, {}, {}]"))

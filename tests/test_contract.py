@@ -43,7 +43,9 @@ def test_every_task_kind_has_test_overrides_and_every_method_a_task():
         assert spec.supported_tasks(), f"method {spec.name} runs on no registered task"
 
 
-@pytest.mark.parametrize(("method", "kind", "variant"), CASES, ids=[f"{m}-{k}{'-' + v if v else ''}" for m, k, v in CASES])
+@pytest.mark.parametrize(
+    ("method", "kind", "variant"), CASES, ids=[f"{m}-{k}{'-' + v if v else ''}" for m, k, v in CASES]
+)
 def test_method_runs_on_task(tmp_path, method, kind, variant):
     summary = run_experiment(tiny(tmp_path, method, kind, variant=variant))
     run_dir = Path(summary["run_dir"])

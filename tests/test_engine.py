@@ -6,10 +6,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedtune.protocol.client import Client
-from fedtune.protocol.messages import Message
 from fedtune.engines.embedded import run_rounds
 from fedtune.engines.rounds import sample_clients
+from fedtune.protocol.client import Client
+from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
 from fedtune.registry import MethodOptions, get_method, register
 from fedtune.runtime import RunContext

@@ -40,10 +40,15 @@ def test_thirty_percent_failing_or_slow_clients_every_round_are_dropped_and_reco
     profiles = ["{}"] * 10
     profiles[2] = profiles[7] = "{failure_prob=1.0}"
     profiles[5] = "{delay_s=2.0}"
-    summary = run_experiment(tiny_config(
-        "federation.num_clients=10", f"federation.profiles=[{', '.join(profiles)}]", "federation.round_timeout_s=1.5",
-        "rounds=3", "train.local_steps=1",
-    ))
+    summary = run_experiment(
+        tiny_config(
+            "federation.num_clients=10",
+            f"federation.profiles=[{', '.join(profiles)}]",
+            "federation.round_timeout_s=1.5",
+            "rounds=3",
+            "train.local_steps=1",
+        )
+    )
     lines = metrics(summary)
     assert [line["round"] for line in lines] == [1, 2, 3]
     for line in lines:
@@ -55,18 +60,29 @@ def test_thirty_percent_failing_or_slow_clients_every_round_are_dropped_and_reco
 
 
 def test_random_failures_follow_the_seeded_draw_and_too_few_replies_stop_the_run(tiny_config):
-    summary = run_experiment(tiny_config(
-        "federation.num_clients=6", "federation.profiles=[{failure_prob=0.3}]", "rounds=4", "train.local_steps=1",
-    ))
+    summary = run_experiment(
+        tiny_config(
+            "federation.num_clients=6",
+            "federation.profiles=[{failure_prob=0.3}]",
+            "rounds=4",
+            "train.local_steps=1",
+        )
+    )
     for line in metrics(summary):
         rnd = line["round"]
         failed = {str(c) for c in range(6) if np.random.default_rng([0, rnd, c, 0, 0xFA11]).random() < 0.3}
         assert set(line.get("dropped", {})) == failed
-    with pytest.raises(RoundFailed, match=r"round 1: fewer than federation.min_replies = 2 valid replies after 2 attempts"):
-        run_experiment(tiny_config(
-            "federation.num_clients=4", "federation.profiles=[{failure_prob=1.0}, {}, {failure_prob=1.0}, {failure_prob=1.0}]",
-            "federation.min_replies=2", "federation.max_retries=1",
-        ))
+    with pytest.raises(
+        RoundFailed, match=r"round 1: fewer than federation.min_replies = 2 valid replies after 2 attempts"
+    ):
+        run_experiment(
+            tiny_config(
+                "federation.num_clients=4",
+                "federation.profiles=[{failure_prob=1.0}, {}, {failure_prob=1.0}, {failure_prob=1.0}]",
+                "federation.min_replies=2",
+                "federation.max_retries=1",
+            )
+        )
 
 
 # -- fuzzing the server with malformed replies ---------------------------------------------------
@@ -75,8 +91,21 @@ def mutate(reply: Message, rng: np.random.Generator, cid: int, rnd: int, cap: in
     arrays = {k: v.copy() for k, v in reply.arrays.items()}
     names = list(arrays)
     name = names[rng.integers(len(names))]
-    kind = ["nan", "inf", "missing", "extra", "renamed", "shape", "dtype", "oversize", "client", "round",
-            "topk", "error", "empty"][rng.integers(13)]
+    kind = [
+        "nan",
+        "inf",
+        "missing",
+        "extra",
+        "renamed",
+        "shape",
+        "dtype",
+        "oversize",
+        "client",
+        "round",
+        "topk",
+        "error",
+        "empty",
+    ][rng.integers(13)]
     sender, claimed_round, error = cid, rnd, None
     if kind in ("nan", "inf"):
         flat = arrays[name].reshape(-1)
@@ -140,8 +169,9 @@ def test_fuzzed_replies_are_all_rejected_and_the_aggregate_is_the_valid_ones(tin
         return out
 
     rounds = 50  # 20 malformed replies a round: 1,000 in all
-    history = drive_rounds(strategy, transport, 22, 22, rounds, seed=0, eval_every=rounds,
-                           policy=RoundPolicy(max_reply_bytes=cap))
+    history = drive_rounds(
+        strategy, transport, 22, 22, rounds, seed=0, eval_every=rounds, policy=RoundPolicy(max_reply_bytes=cap)
+    )
     assert sum(rejected.values()) == 1000 and len(rejected) == 13
     for record in history:
         assert set(record.dropped) == set(range(2, 22)) and all(record.dropped.values())
@@ -159,7 +189,10 @@ def test_resume_from_a_checkpoint_equals_running_straight_through(tmp_path, meth
     straight = run_experiment(tiny(tmp_path / "a", method, kind, "rounds=3"))
     run_experiment(tiny(tmp_path / "b", method, kind, "rounds=1"))
     resumed = run_experiment(tiny(tmp_path / "b", method, kind, "rounds=3"), resume=True)
-    a, b = load_state(Path(straight["run_dir"], "checkpoint.npz")), load_state(Path(resumed["run_dir"], "checkpoint.npz"))
+    a, b = (
+        load_state(Path(straight["run_dir"], "checkpoint.npz")),
+        load_state(Path(resumed["run_dir"], "checkpoint.npz")),
+    )
     assert [m["accuracy"] for m in metrics(straight)] == [m["accuracy"] for m in metrics(resumed)]
     flat_a, flat_b = flat_keys(a, "/"), flat_keys(b, "/")
     assert flat_a.keys() == flat_b.keys()
@@ -176,13 +209,22 @@ def test_sigkill_at_a_random_round_then_resume_is_bit_identical(tmp_path):
     sets = [a for t in args for a in ("--set", t)]
     cli = [str(Path(sys.executable).parent / "fedtune")]
     env = dict(os.environ)
-    straight = subprocess.run([*cli, "run", *sets, "--set", f"output_dir={tmp_path / 'a'}"], env=env,
-                              capture_output=True, text=True, timeout=600)
+    straight = subprocess.run(
+        [*cli, "run", *sets, "--set", f"output_dir={tmp_path / 'a'}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert straight.returncode == 0, straight.stderr[-2000:]
     kill_after = int(np.random.default_rng().integers(1, 5))  # a random round in 1..4
     run_dir = tmp_path / "b" / "fedit-tweets-s0"
-    proc = subprocess.Popen([*cli, "run", *sets, "--set", f"output_dir={tmp_path / 'b'}"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*cli, "run", *sets, "--set", f"output_dir={tmp_path / 'b'}"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         # kill once round ``kill_after``'s line is out and some checkpoint exists: at round 1 the
@@ -194,7 +236,9 @@ def test_sigkill_at_a_random_round_then_resume_is_bit_identical(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (run_dir / "summary.json").exists(), "the run finished before it was killed"
-    resumed = subprocess.run([*cli, "run", "--resume", str(run_dir)], env=env, capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(
+        [*cli, "run", "--resume", str(run_dir)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     a = load_file(tmp_path / "a" / "fedit-tweets-s0" / "adapter" / "adapter_model.safetensors")
     b = load_file(run_dir / "adapter" / "adapter_model.safetensors")

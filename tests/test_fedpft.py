@@ -1,4 +1,4 @@
-"""FedPFT's model-level pieces (fedtune.models.ffn_proxy, proxy_distill, train_memory): saliency
+"""FedPFT's model-level pieces (fedtune.methods.fedpft.ffn_proxy, proxy_distill, train_memory): saliency
 (eq. 8) by hand and against the published ``construct_sub_model``'s selection, the FFN layouts,
 keep-ratio 1.0 = the full model, eq. (13)'s normalization and its distillation on held-out
 inputs, APoZ counts (eq. 14) on controlled activations, Offsite-Tuning's uniform layer drop and
@@ -19,7 +19,15 @@ import pytest
 import torch
 from torch import nn
 
-from fedtune.models.ffn_proxy import (
+from fedtune.methods.fedpft.distill import (
+    DistillPairs,
+    LayerTap,
+    count_zero_activations,
+    distill,
+    distill_error,
+    normalized_mse,
+)
+from fedtune.methods.fedpft.ffn_proxy import (
     ProxyShape,
     SubmodelError,
     apply_shape,
@@ -31,7 +39,6 @@ from fedtune.models.ffn_proxy import (
     uniform_choose,
     weight_product,
 )
-from fedtune.models.proxy_distill import DistillPairs, LayerTap, count_zero_activations, distill, distill_error, normalized_mse
 from fedtune.models.train_memory import ActivationMeter, training_peak_bytes, weight_bytes
 
 
@@ -39,9 +46,16 @@ def tiny_bert(layers: int = 2, hidden: int = 16, ff: int = 32, seed: int = 0, ff
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=60, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
-                     intermediate_size=ff, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                     attention_probs_dropout_prob=0.0)
+    cfg = BertConfig(
+        vocab_size=60,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=ff,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     model = BertModel(cfg).eval()
     if ffn_std is not None:  # FFNs that matter (a random BERT's are tiny next to the residual)
         for layer in model.encoder.layer:
@@ -54,8 +68,15 @@ def tiny_llama(layers: int = 2):
     from transformers import LlamaConfig, LlamaModel
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=60, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    cfg = LlamaConfig(
+        vocab_size=60,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     return LlamaModel(cfg).eval()
 
 
@@ -63,8 +84,17 @@ def tiny_vit():
     from transformers import ViTConfig, ViTModel
 
     torch.manual_seed(0)
-    return ViTModel(ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2,
-                              num_attention_heads=2, intermediate_size=32)).eval()
+    return ViTModel(
+        ViTConfig(
+            image_size=8,
+            patch_size=4,
+            num_channels=3,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+        )
+    ).eval()
 
 
 def forward(model, batch):
@@ -77,7 +107,7 @@ def token_batches(n: int, seed: int, batch: int = 8, length: int = 12, pad: bool
         ids = torch.randint(1, 60, (batch, length), generator=g)
         mask = torch.ones_like(ids)
         if pad:  # the last tokens of every other example are padding
-            mask[::2, length // 2:] = 0
+            mask[::2, length // 2 :] = 0
             ids = ids * mask
         yield {"input_ids": ids, "attention_mask": mask}
 
@@ -127,8 +157,12 @@ def published_selection(model, intermediate_rank: int, layers_retained: list[int
         neuron_saliency = torch.cat([intermediate_weight, layer_output_weight.transpose(0, 1)], dim=1).norm(dim=1)
         neuron_retained = sorted(neuron_saliency.sort(descending=True)[1][:intermediate_rank])
         neuron_retained = torch.stack(neuron_retained)  # a list of 0-d tensors: torch >= 2.9 needs a tensor
-        out[i] = (intermediate_weight[neuron_retained], intermediate_bias[neuron_retained],
-                  layer_output_weight[:, neuron_retained], layer_output_bias)
+        out[i] = (
+            intermediate_weight[neuron_retained],
+            intermediate_bias[neuron_retained],
+            layer_output_weight[:, neuron_retained],
+            layer_output_bias,
+        )
     return out
 
 
@@ -171,8 +205,11 @@ def test_gated_saliency_counts_the_gate_and_layouts_are_found():
     model = tiny_llama()
     stack = find_stack(model)
     ffn = stack.ffn(1)
-    expected = (ffn.up.weight.double().pow(2).sum(1) + ffn.gate.weight.double().pow(2).sum(1)
-                + ffn.down.weight.double().pow(2).sum(0)).sqrt()
+    expected = (
+        ffn.up.weight.double().pow(2).sum(1)
+        + ffn.gate.weight.double().pow(2).sum(1)
+        + ffn.down.weight.double().pow(2).sum(0)
+    ).sqrt()
     assert stack.layout.name == "gated" and torch.allclose(saliency(ffn), expected)
     assert find_stack(tiny_vit()).layout.name == "mlp"
     assert find_stack(tiny_bert()).layout.name == "bert"
@@ -197,8 +234,9 @@ def test_distillation_loss_is_the_published_normalized_mse():
     teacher, student = tiny_bert(ffn_std=0.3), tiny_bert(ffn_std=0.3)
     compress_ffns(student, [0, 1], 0.25)
     t, s = find_stack(teacher), find_stack(student)
-    pairs = DistillPairs(teacher, student, t.layers, s.layers,
-                         [(weight_product(t.ffn(i)).detach(), s.ffn(i)) for i in (0, 1)], mu=0.5)
+    pairs = DistillPairs(
+        teacher, student, t.layers, s.layers, [(weight_product(t.ffn(i)).detach(), s.ffn(i)) for i in (0, 1)], mu=0.5
+    )
     batch = next(token_batches(1, 1))
     loss, out_term = pairs.loss(forward, batch)
     with torch.no_grad():
@@ -206,10 +244,10 @@ def test_distillation_loss_is_the_published_normalized_mse():
         outs, weights = [], []
         for i in (0, 1):
             T, S = to.hidden_states[i + 1], so.hidden_states[i + 1]
-            outs.append(((T - S) ** 2).mean() / (T ** 2).mean())
+            outs.append(((T - S) ** 2).mean() / (T**2).mean())
             WT = teacher.encoder.layer[i].output.dense.weight @ teacher.encoder.layer[i].intermediate.dense.weight
             WS = student.encoder.layer[i].output.dense.weight @ student.encoder.layer[i].intermediate.dense.weight
-            weights.append(((WT - WS) ** 2).mean() / (WT ** 2).mean())
+            weights.append(((WT - WS) ** 2).mean() / (WT**2).mean())
     assert math.isclose(float(out_term), float(sum(outs) / 2), rel_tol=1e-5)
     assert math.isclose(float(loss.detach()), float((sum(outs) + 0.5 * sum(weights)) / 2), rel_tol=1e-5)
     assert float(normalized_mse(T, T)) == 0.0
@@ -223,10 +261,14 @@ def test_distillation_lowers_its_loss_and_the_heldout_error_and_trains_only_the_
     params = [p for i in (0, 1) for p in s.ffn(i).parameters()]
     for p in params:
         p.requires_grad_(True)
-    pairs = DistillPairs(teacher, student, t.layers, s.layers,
-                         [(weight_product(t.ffn(i)).detach(), s.ffn(i)) for i in (0, 1)], mu=1.0)
-    frozen = {k: v.clone() for k, v in student.state_dict().items() if "intermediate.dense" not in k
-              and "output.dense" not in k or "attention" in k}
+    pairs = DistillPairs(
+        teacher, student, t.layers, s.layers, [(weight_product(t.ffn(i)).detach(), s.ffn(i)) for i in (0, 1)], mu=1.0
+    )
+    frozen = {
+        k: v.clone()
+        for k, v in student.state_dict().items()
+        if "intermediate.dense" not in k and "output.dense" not in k or "attention" in k
+    }
     before = distill_error(pairs, token_batches(4, 100), forward)
     losses = distill(pairs, params, token_batches(150, 1), forward, 150, lr=1e-2)
     after = distill_error(pairs, token_batches(4, 100), forward)
@@ -243,13 +285,23 @@ def test_masked_distillation_leaves_other_entries_bit_identical():
     ffn = s.ffn(0)
     sel = torch.zeros(ffn.width, dtype=torch.bool)
     sel[[1, 5]] = True
-    masks = {ffn.up.weight: sel[:, None].expand_as(ffn.up.weight).clone(), ffn.up.bias: sel.clone(),
-             ffn.down.weight: sel[None, :].expand_as(ffn.down.weight).clone()}
+    masks = {
+        ffn.up.weight: sel[:, None].expand_as(ffn.up.weight).clone(),
+        ffn.up.bias: sel.clone(),
+        ffn.down.weight: sel[None, :].expand_as(ffn.down.weight).clone(),
+    }
     before = {p: p.detach().clone() for p in masks}
     for p in masks:
         p.requires_grad_(True)
-    distill(DistillPairs(teacher, student, t.layers, s.layers), list(masks), token_batches(10, 2), forward, 10,
-            lr=1e-2, masks=masks)
+    distill(
+        DistillPairs(teacher, student, t.layers, s.layers),
+        list(masks),
+        token_batches(10, 2),
+        forward,
+        10,
+        lr=1e-2,
+        masks=masks,
+    )
     for p, mask in masks.items():
         assert torch.equal(p[~mask], before[p][~mask])
         assert not torch.equal(p[mask], before[p][mask])
@@ -330,8 +382,17 @@ def test_apoz_counts_exact_relu_zeros_at_threshold_zero():
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
-    model = BertModel(BertConfig(vocab_size=60, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                 intermediate_size=8, max_position_embeddings=32, hidden_act="relu")).eval()
+    model = BertModel(
+        BertConfig(
+            vocab_size=60,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=8,
+            max_position_embeddings=32,
+            hidden_act="relu",
+        )
+    ).eval()
     stack = find_stack(model)
     ffn = stack.ffn(1)
     bias = torch.tensor([-1.0, 1.0, 0.0, 0.5, -2.0, 3.0, -0.1, 1.0])
@@ -354,8 +415,9 @@ def test_weight_term_of_eq13_carries_gradient():
     grads = {}
     for mu in (0.0, 1.0):
         student.zero_grad(set_to_none=True)
-        pairs = DistillPairs(teacher, student, t.layers, s.layers,
-                             [(weight_product(t.ffn(i)).detach(), s.ffn(i)) for i in (0, 1)], mu=mu)
+        pairs = DistillPairs(
+            teacher, student, t.layers, s.layers, [(weight_product(t.ffn(i)).detach(), s.ffn(i)) for i in (0, 1)], mu=mu
+        )
         pairs.loss(forward, batch)[0].backward()
         grads[mu] = s.ffn(0).up.weight.grad.clone()
     # the difference is exactly mu * d(weight term)/dW1 of layer 0, computed by autograd on its own

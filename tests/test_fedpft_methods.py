@@ -23,8 +23,8 @@ import fedtune.methods.fedpft.fedpft as fedpft_module
 from fedtune.config import ConfigError, load_config
 from fedtune.engines.embedded import exchange
 from fedtune.methods.fedpft.fedpft import APOZ, DELTA, TOKENS
+from fedtune.methods.fedpft.ffn_proxy import find_stack
 from fedtune.methods.fedpft.proxy import PROXY
-from fedtune.models.ffn_proxy import find_stack
 from fedtune.run import run_experiment
 from fedtune.runtime import RunContext
 
@@ -35,10 +35,23 @@ DATA = "sst2" if HAS_SST2 else "tweets"
 # else the task's own held-out examples
 HAS_AGNEWS = (Path(os.environ.get("FEDTUNE_DATA_DIR", "data")) / "agnews" / "dev.tsv").is_file()
 PUBLIC = ["options.distill_data=agnews"] if HAS_AGNEWS else []
-BASE = [*PUBLIC, "model.name=tiny-bert", f"data.name={DATA}", "data.max_train_samples=160", "data.max_test_samples=32",
-        "data.max_length=16", "train.local_steps=2", "train.batch_size=8", "train.eval_batch_size=32",
-        "train.lr=0.01", "federation.num_clients=3", "rounds=3", "options.distill_steps=10",
-        "options.distill_batch_size=8", "options.distill_samples=64"]
+BASE = [
+    *PUBLIC,
+    "model.name=tiny-bert",
+    f"data.name={DATA}",
+    "data.max_train_samples=160",
+    "data.max_test_samples=32",
+    "data.max_length=16",
+    "train.local_steps=2",
+    "train.batch_size=8",
+    "train.eval_batch_size=32",
+    "train.lr=0.01",
+    "federation.num_clients=3",
+    "rounds=3",
+    "options.distill_steps=10",
+    "options.distill_batch_size=8",
+    "options.distill_samples=64",
+]
 
 
 class Federation:
@@ -77,8 +90,9 @@ def test_proxy_reaches_clients_only_through_messages(tmp_path):
     fed = Federation(tmp_path)
     fed.round(1, [0, 1])
     first = fed.sent[0]
-    assert first.meta["proxy"] == "full" and set(k[len(PROXY):] for k in first.arrays if k.startswith(PROXY)) == set(
-        fed.strategy.clean_tensors)
+    assert first.meta["proxy"] == "full" and set(k[len(PROXY) :] for k in first.arrays if k.startswith(PROXY)) == set(
+        fed.strategy.clean_tensors
+    )
     # the client's model holds exactly the server's proxy, every tensor, none of its locally built weights
     store = vars(fed.clients)["_proxy_store"]
     for name, tensor in fed.strategy.clean_tensors.items():
@@ -120,8 +134,13 @@ def test_plug_back_is_exact(tmp_path):
 
 @pytest.mark.parametrize("distill", ["false", "true"])
 def test_keep_ratio_one_proxy_evaluates_as_the_full_model(tmp_path, distill):
-    fed = Federation(tmp_path, "fedpft", "options.keep_ratio=1.0", f"options.distill_before={distill}",
-                     "options.distill_weight_decay=0")
+    fed = Federation(
+        tmp_path,
+        "fedpft",
+        "options.keep_ratio=1.0",
+        f"options.distill_before={distill}",
+        "options.distill_weight_decay=0",
+    )
     fed.round(1, [0, 1])
     metrics = fed.strategy.evaluate(1)
     assert metrics["proxy_accuracy"] == metrics["accuracy"] and metrics["proxy_loss"] == metrics["loss"]
@@ -143,8 +162,14 @@ def aligned_neurons(tmp_path, select=None, masks=None) -> tuple[dict, dict, dict
     """Round 1 of FedPFT with APoZ (t = 1, p = 0.25 of 16 neurons) on controlled activations;
     ``select`` / ``masks`` replace the strategy's neuron selection / training masks (variants).
     Returns (chosen, changes the strategy recorded, (before, after) FFN tensors of layer 0)."""
-    fed = Federation(tmp_path, "fedpft", "options.align_interval=1", "options.align_fraction=0.25",
-                     "options.distill_before=false", "options.align_steps=5")
+    fed = Federation(
+        tmp_path,
+        "fedpft",
+        "options.align_interval=1",
+        "options.align_fraction=0.25",
+        "options.distill_before=false",
+        "options.align_steps=5",
+    )
     chosen = {0: [1, 4, 9, 14], 1: [0, 2, 3, 15]}
     control_activations(fed, chosen)
     ffn = find_stack(fed.strategy.proxy).ffn(0)
@@ -172,8 +197,11 @@ def faithful_alignment(chosen, changes, tensors) -> bool:
         return False
     (w1, b1, w2), (w1n, b1n, w2n) = tensors
     other = np.setdiff1d(np.arange(16), chosen[0])
-    same = torch.equal(w1[other], w1n[other]) and torch.equal(b1[other], b1n[other]) and torch.equal(
-        w2[:, other], w2n[:, other])
+    same = (
+        torch.equal(w1[other], w1n[other])
+        and torch.equal(b1[other], b1n[other])
+        and torch.equal(w2[:, other], w2n[:, other])
+    )
     changed = not torch.equal(w1[chosen[0]], w1n[chosen[0]])
     return same and changed
 
@@ -198,8 +226,15 @@ def test_alignment_selects_the_high_apoz_neurons(tmp_path):
 
 
 def test_apoz_uploads_and_neuron_downloads_are_byte_accounted(tmp_path):
-    fed = Federation(tmp_path, "fedpft", "options.align_interval=1", "options.align_fraction=0.25",
-                     "options.distill_before=false", "options.align_steps=3", "rounds=2")  # aligns after round 1 only
+    fed = Federation(
+        tmp_path,
+        "fedpft",
+        "options.align_interval=1",
+        "options.align_fraction=0.25",
+        "options.distill_before=false",
+        "options.align_steps=3",
+        "rounds=2",
+    )  # aligns after round 1 only
     replies, metrics = fed.round(1, [0, 1])
     layers, width, hidden = [0, 1], 16, 32
     per_client = 4 * width * len(layers) + 8 * len(layers)  # int32 counts per neuron, int64 positions per layer
@@ -216,10 +251,14 @@ def test_apoz_uploads_and_neuron_downloads_are_byte_accounted(tmp_path):
     for i in layers:
         assert np.array_equal(delta[f"{DELTA}{i}/idx"], changed[i])
     k = 4
-    expected = len(layers) * (4 * k + 4 * k * hidden + 4 * k + 4 * hidden * k + 4 * hidden)  # idx, W1 rows, b1, W2 cols, b2
+    expected = len(layers) * (
+        4 * k + 4 * k * hidden + 4 * k + 4 * hidden * k + 4 * hidden
+    )  # idx, W1 rows, b1, W2 cols, b2
     assert sum(a.nbytes for a in delta.values()) == expected == metrics["neuron_download_bytes"]
     assert fed.down[0] == fed.sent[0].nbytes and fed.sent[2].meta["proxy"] == "full"
-    assert metrics["proxy_download_bytes"] == sum(a.nbytes for k, a in fed.sent[2].arrays.items() if k.startswith(PROXY))
+    assert metrics["proxy_download_bytes"] == sum(
+        a.nbytes for k, a in fed.sent[2].arrays.items() if k.startswith(PROXY)
+    )
     # after the delta, client 0 holds exactly the server's proxy
     store = vars(fed.clients)["_proxy_store"]
     held = store["versions"][int(fed.states[0]["proxy_version"])]
@@ -239,8 +278,16 @@ def test_a_client_that_lost_its_proxy_is_dropped_then_sent_it_whole(tmp_path):
 
 
 def test_run_metrics_and_proxy_cache(tmp_path, capsys):
-    config = load_config(None, [*BASE, "method=fedpft", f"output_dir={tmp_path}", "options.align_interval=1",
-                                "federation.clients_per_round=2"])
+    config = load_config(
+        None,
+        [
+            *BASE,
+            "method=fedpft",
+            f"output_dir={tmp_path}",
+            "options.align_interval=1",
+            "federation.clients_per_round=2",
+        ],
+    )
     summary = run_experiment(config)
     lines = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert all("proxy_accuracy" in x and x["client_peak_mem_mb"] > 0 for x in lines)
@@ -259,9 +306,18 @@ def test_run_metrics_and_proxy_cache(tmp_path, capsys):
 
 
 def test_fedpft_refuses_models_without_a_known_ffn(tmp_path):
-    config = load_config(None, ["method=fedpft", "task.kind=image-classification", "model.name=small-cnn",
-                                "data.name=digits", "data.max_train_samples=64", "data.max_test_samples=16",
-                                f"output_dir={tmp_path}"])
+    config = load_config(
+        None,
+        [
+            "method=fedpft",
+            "task.kind=image-classification",
+            "model.name=small-cnn",
+            "data.name=digits",
+            "data.max_train_samples=64",
+            "data.max_test_samples=16",
+            f"output_dir={tmp_path}",
+        ],
+    )
     with pytest.raises(ConfigError, match=r"method 'fedpft' does not support model 'small-cnn' .*needs: transformer"):
         RunContext(config).strategy().initialize()
 
@@ -269,12 +325,19 @@ def test_fedpft_refuses_models_without_a_known_ffn(tmp_path):
 def test_fedot_plugs_the_adapter_into_the_full_models_layers(tmp_path):
     """Proxy = the top layer alone (layer 1 at position 0): the LoRA trained there lands on the full
     model's layer 1, as the merged weights predict; the rank keeps FedPETuning's budget."""
-    fed = Federation(tmp_path, "fedot", "options.adapter_bottom=0", "options.adapter_top=1",
-                     "options.emulator_layers=1", "options.distill_steps=5")
+    fed = Federation(
+        tmp_path,
+        "fedot",
+        "options.adapter_bottom=0",
+        "options.adapter_top=1",
+        "options.emulator_layers=1",
+        "options.distill_steps=5",
+    )
     s = fed.strategy
     assert s.keep == [0, 1] and s.rank == 16 and s.alpha == fed.config.model.lora_alpha * 2
-    fed = Federation(tmp_path / "b", "fedot", "options.adapter_bottom=0", "options.adapter_top=1",
-                     "options.emulator_layers=0")
+    fed = Federation(
+        tmp_path / "b", "fedot", "options.adapter_bottom=0", "options.adapter_top=1", "options.emulator_layers=0"
+    )
     s = fed.strategy
     assert s.keep == [1] and s.rank == 16
     fed.round(1, [0])
@@ -295,8 +358,9 @@ def test_fedot_plugs_the_adapter_into_the_full_models_layers(tmp_path):
         params = dict(merged.named_parameters())
         for name, a in full.items():
             if ".lora_A." in name:
-                params[name.split(".lora_A.")[0] + ".weight"] += s.alpha / s.rank * torch.from_numpy(
-                    full[name.replace("lora_A", "lora_B")] @ a)
+                params[name.split(".lora_A.")[0] + ".weight"] += (
+                    s.alpha / s.rank * torch.from_numpy(full[name.replace("lora_A", "lora_B")] @ a)
+                )
             elif "lora_" not in name:
                 params[name].copy_(torch.from_numpy(a))
         assert torch.allclose(plugged, merged(**batch).logits, atol=1e-5)
@@ -305,8 +369,11 @@ def test_fedot_plugs_the_adapter_into_the_full_models_layers(tmp_path):
 
 def test_proxy_clients_train_in_less_memory_than_fedpetuning(tmp_path):
     peaks = {}
-    for method, extra in [("fedpetuning", []), ("fedpft", ["options.distill_before=false"]),
-                          ("fedot", ["options.adapter_bottom=1", "options.adapter_top=0", "options.emulator_layers=0"])]:
+    for method, extra in [
+        ("fedpetuning", []),
+        ("fedpft", ["options.distill_before=false"]),
+        ("fedot", ["options.adapter_bottom=1", "options.adapter_top=0", "options.emulator_layers=0"]),
+    ]:
         fed = Federation(tmp_path / method, method, *extra)
         replies, metrics = fed.round(1, [0])
         peaks[method] = metrics["client_peak_mem_mb"]
@@ -330,8 +397,9 @@ def test_apoz_is_pooled_over_the_round_clients_positions(tmp_path, monkeypatch):
         return np.arange(1)
 
     monkeypatch.setattr(fedpft_module, "select_neurons", capture)
-    monkeypatch.setattr(s, "align", lambda selected, rnd: {"heldout_output_error_before": 0.0,
-                                                           "heldout_output_error_after": 0.0})
+    monkeypatch.setattr(
+        s, "align", lambda selected, rnd: {"heldout_output_error_before": 0.0, "heldout_output_error_after": 0.0}
+    )
     width = len(s.kept[s.layers[0]])
     replies = {}
     for cid, (zeros, positions) in enumerate([(10, 10), (0, 90)]):  # APoZ of neuron 0: 1.0 and 0.0
@@ -360,8 +428,15 @@ def test_a_client_several_versions_behind_gets_the_union_of_changed_neurons(tmp_
     """Client 0 trains in round 1, misses round 2 (two alignments happen meanwhile), returns in
     round 3: its delta holds every neuron changed in versions 1 and 2, and afterwards it holds
     exactly the server's proxy."""
-    fed = Federation(tmp_path, "fedpft", "options.align_interval=1", "options.align_fraction=0.25",
-                     "options.distill_before=false", "options.align_steps=3", "rounds=3")
+    fed = Federation(
+        tmp_path,
+        "fedpft",
+        "options.align_interval=1",
+        "options.align_fraction=0.25",
+        "options.distill_before=false",
+        "options.align_steps=3",
+        "rounds=3",
+    )
     # round 3, the last, does not align
     calls = []
 
@@ -393,7 +468,7 @@ def test_layer_level_distillation_uses_mu_and_trains_only_the_compressed_ffns(tm
     """Eq. (13) before FL: the held-out loss minus its output term is mu times the normalized
     ||W1 W2 - W1' W2'||^2 of the freshly compressed proxy (averaged over the compressed layers), and
     every tensor outside the compressed FFNs is still the full model's."""
-    from fedtune.models.proxy_distill import normalized_mse
+    from fedtune.methods.fedpft.distill import normalized_mse
 
     fed = Federation(tmp_path, "fedpft", "options.distill_mu=0.5", "options.distill_steps=10")
     s = fed.strategy
@@ -407,7 +482,8 @@ def test_layer_level_distillation_uses_mu_and_trains_only_the_compressed_ffns(tm
             terms.append(float(normalized_mse(f.down.weight @ f.up.weight, f.down.weight[:, kept] @ f.up.weight[kept])))
     record = s.record["distill"]
     assert record["heldout_loss_before"] - record["heldout_output_error_before"] == pytest.approx(
-        0.5 * sum(terms) / len(terms), rel=1e-3)
+        0.5 * sum(terms) / len(terms), rel=1e-3
+    )
     ffn_names = {n for i in s.layers for n in p.param_names(i).values()}
     state = full.state_dict()
     for name, tensor in s.clean_tensors.items():
@@ -422,8 +498,14 @@ def test_fedot_emulator_distillation_reads_the_middle_block_and_trains_only_the_
     """With every middle layer kept, the emulator is the full middle block: the distillation's
     held-out output error starts at exactly 0 (the teacher is read at the last middle layer);
     the adapter layers, embeddings and head stay the full model's."""
-    fed = Federation(tmp_path, "fedot", "options.adapter_bottom=0", "options.adapter_top=1",
-                     "options.emulator_layers=1", "options.distill_steps=5")
+    fed = Federation(
+        tmp_path,
+        "fedot",
+        "options.adapter_bottom=0",
+        "options.adapter_top=1",
+        "options.emulator_layers=1",
+        "options.distill_steps=5",
+    )
     s = fed.strategy
     assert s.keep == [0, 1] and s.emulator_positions == [0]
     assert s.record["distill"]["heldout_output_error_before"] == 0.0
@@ -488,8 +570,9 @@ def test_fedpft_compresses_the_intermediate_layers_by_default():
 def test_neuron_level_alignment_trains_b2_and_nothing_outside_the_compressed_ffns(tmp_path):
     """The neuron-level step trains the selected neurons' W1 rows / b1 / W2 columns and b2 (the
     published split layer's bias); attention, norms, embeddings and the head stay bit-identical."""
-    fed = Federation(tmp_path, "fedpft", "options.align_interval=1", "options.distill_before=false",
-                     "options.align_steps=5")
+    fed = Federation(
+        tmp_path, "fedpft", "options.align_interval=1", "options.distill_before=false", "options.align_steps=5"
+    )
     s = fed.strategy
     before = {k: t.detach().clone() for k, t in s.clean_tensors.items()}
     stack = find_stack(s.proxy)
@@ -507,8 +590,14 @@ def test_neuron_level_alignment_trains_b2_and_nothing_outside_the_compressed_ffn
 def test_neuron_level_alignment_compares_full_and_proxy_with_the_same_adapter(tmp_path):
     """keep_ratio 1.0: the proxy is the full model, so with the current global adapter on both
     (teacher and student) the alignment's held-out error starts at exactly 0."""
-    fed = Federation(tmp_path, "fedpft", "options.keep_ratio=1.0", "options.distill_before=false",
-                     "options.align_interval=1", "options.align_steps=2")
+    fed = Federation(
+        tmp_path,
+        "fedpft",
+        "options.keep_ratio=1.0",
+        "options.distill_before=false",
+        "options.align_interval=1",
+        "options.align_steps=2",
+    )
     _, metrics = fed.round(1, [0, 1])
     assert any(np.abs(v).max() > 0 for k, v in fed.strategy.global_arrays.items() if "lora_B" in k)
     assert fed.strategy.version == 1 and metrics["align_heldout_error_before"] == 0.0
@@ -519,11 +608,17 @@ def test_client_apoz_counts_its_data_with_the_received_adapter_before_training(t
     own data, on the proxy it holds with the adapter it received, before local training."""
     import math
 
-    from fedtune.models.proxy_distill import count_zero_activations
+    from fedtune.methods.fedpft.distill import count_zero_activations
     from fedtune.models.training import seed_for
 
-    fed = Federation(tmp_path, "fedpft", "options.align_interval=1", "options.distill_before=false",
-                     "options.apoz_max_examples=16", "train.local_steps=4")
+    fed = Federation(
+        tmp_path,
+        "fedpft",
+        "options.align_interval=1",
+        "options.distill_before=false",
+        "options.apoz_max_examples=16",
+        "train.local_steps=4",
+    )
     s, task, cfg = fed.strategy, fed.server.task, fed.config.train
     # round 1 first (its client gets adapter B = 0), so that round 2's received adapter is a trained one
     fed.round(1, [1])
@@ -533,8 +628,9 @@ def test_client_apoz_counts_its_data_with_the_received_adapter_before_training(t
     stack, pool = find_stack(s.proxy), fed.server.partitions[0]
     rng = np.random.default_rng(seed_for(fed.config.seed, 2, 0, 0xA907))
     batches = task.train_batches(pool, cfg.batch_size, math.ceil(min(len(pool), 16) / cfg.batch_size), rng)
-    zeros, tokens = count_zero_activations(ws.model, [stack.ffn(i) for i in s.layers], stack.layers[max(s.layers)],
-                                           batches, task.loss, 0.0)
+    zeros, tokens = count_zero_activations(
+        ws.model, [stack.ffn(i) for i in s.layers], stack.layers[max(s.layers)], batches, task.loss, 0.0
+    )
     replies, _ = fed.round(2, [0])
     assert len(pool) > 16 > cfg.batch_size and replies[0].arrays[TOKENS].tolist() == tokens
     for i, z in zip(s.layers, zeros):

@@ -40,7 +40,8 @@ def test_each_method_runs_the_tables_at_its_own_chosen_rate(suite, tmp_path):
     plan = suite.build_suite_plan(scale, [1, 2], tmp_path)
     runs = plan["sweep"]
     assert {(s.labels["data"], s.labels["method"], s.config.train.lr, s.config.seed) for s in runs} == {
-        (d, m, lr, 0) for d in suite.TEXT for m in suite.METHODS for lr in sweep.grid}
+        (d, m, lr, 0) for d in suite.TEXT for m in suite.METHODS for lr in sweep.grid
+    }
     for exp in suite.SWEPT:
         assert plan[exp] == []  # every (data set, method) waits for its sweep
     assert {s.config.train.lr for s in plan["table2"]} == {load_config(suite.RECIPE).train.lr}  # not swept

@@ -20,8 +20,10 @@ from flwr.app import ConfigRecord, Context, Error, RecordDict
 from flwr.app import Message as FlowerMessage
 from flwr.serverapp import Grid
 
+from fedtune.checkpoint import load_state
 from fedtune.config import load_config
 from fedtune.engines import flower
+from fedtune.engines.deployment import ReapDescendants
 from fedtune.engines.flower import (
     config_from_run_config,
     make_client_app,
@@ -31,8 +33,6 @@ from fedtune.engines.flower import (
     state_to_record,
     unpack,
 )
-from fedtune.checkpoint import load_state
-from fedtune.engines.deployment import ReapDescendants
 from fedtune.engines.rounds import RoundFailed
 from fedtune.protocol.messages import Message
 from fedtune.run import run_experiment
@@ -63,11 +63,13 @@ class LoopbackGrid(Grid):
         for i, clients in enumerate(groups):
             node_id = 7000 + 13 * (len(groups) - i)
             node_config = (
-                {"partition-id": clients[0], "num-partitions": len(groups)} if groups is None or len(clients) == 1
+                {"partition-id": clients[0], "num-partitions": len(groups)}
+                if groups is None or len(clients) == 1
                 else {"fedtune-clients": flower.format_clients(clients)}
             )
-            self.contexts[node_id] = Context(run_id=1, node_id=node_id, node_config=node_config, state=RecordDict(),
-                                             run_config={})
+            self.contexts[node_id] = Context(
+                run_id=1, node_id=node_id, node_config=node_config, state=RecordDict(), run_config={}
+            )
         self.sent: list[FlowerMessage] = []
         self.replies: dict[str, FlowerMessage] = {}
 
@@ -102,7 +104,9 @@ class LoopbackGrid(Grid):
 
     def _dropped(self, context) -> bool:
         config = context.node_config
-        clients = [config["partition-id"]] if "partition-id" in config else flower.parse_clients(config["fedtune-clients"])
+        clients = (
+            [config["partition-id"]] if "partition-id" in config else flower.parse_clients(config["fedtune-clients"])
+        )
         return bool(set(clients) & set(self.drop))
 
     def pull_messages(self, message_ids):
@@ -424,8 +428,9 @@ def test_fixedclipping_mod_needs_one_array_record_and_the_norm_from_the_server(t
     reply = ask(round=1)
     assert reply.has_error() and "clipping_norm" in reply.error.reason
     # the node's query (no ArrayRecord) too: hence only_when_clipping in the deployment's ClientApp
-    query = FlowerMessage(RecordDict({flower.RECORD: ConfigRecord({})}), dst_node_id=node,
-                          message_type="query", group_id="0")
+    query = FlowerMessage(
+        RecordDict({flower.RECORD: ConfigRecord({})}), dst_node_id=node, message_type="query", group_id="0"
+    )
     (reply,) = grid.pull_messages(grid.push_messages([query]))
     assert reply.has_error() and "ArrayRecord" in reply.error.reason
 
@@ -461,8 +466,11 @@ def test_worker_serves_the_node_and_reports_client_failures(task_identity, tmp_p
     # a client failing in the worker is a drop naming the worker's reason
     monkeypatch.setattr(flower, "call_worker", call_worker)
     original = FedITClient.fit
-    monkeypatch.setattr(FedITClient, "fit", lambda self, m: (_ for _ in ()).throw(ValueError("bad luck")) if self.cid == 0
-                        else original(self, m))
+    monkeypatch.setattr(
+        FedITClient,
+        "fit",
+        lambda self, m: (_ for _ in ()).throw(ValueError("bad luck")) if self.cid == 0 else original(self, m),
+    )
     config = _config(tmp_path / "failing", "rounds=1")
     grid = LoopbackGrid(make_client_app(config), 2)
     for context in grid.contexts.values():
@@ -494,8 +502,15 @@ def test_cli_runs_each_engine(tmp_path, monkeypatch):
     def fake(name):
         def run(config, on_round=None, on_start=None, resume=False, **_):
             calls.append((name, config.engine, resume, callable(on_round), callable(on_start)))
-            return {"run_dir": str(tmp_path), "final_accuracy": 0.5, "majority_accuracy": 0.4, "total_bytes_up": 1,
-                    "total_bytes_down": 1, "wall_s": 1.0}
+            return {
+                "run_dir": str(tmp_path),
+                "final_accuracy": 0.5,
+                "majority_accuracy": 0.4,
+                "total_bytes_up": 1,
+                "total_bytes_down": 1,
+                "wall_s": 1.0,
+            }
+
         return run
 
     monkeypatch.setattr(flower, "run_flower_simulation", fake("simulation"))
@@ -523,7 +538,9 @@ def test_tokenized_cache_gives_the_same_batches(tmp_path, monkeypatch):
         got = TokenizedSet.cached(lambda: calls.append(1) or tokenizer, "tok", train.texts, train.labels, 16)
         assert got.pad_id == reference.pad_id and len(got) == len(reference)
         assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(got.ids, reference.ids))
-        batches = [list(s.train_batches(np.arange(len(s)), 8, 5, np.random.default_rng(1), True)) for s in (got, reference)]
+        batches = [
+            list(s.train_batches(np.arange(len(s)), 8, 5, np.random.default_rng(1), True)) for s in (got, reference)
+        ]
         assert all(np.array_equal(x[k], y[k]) for x, y in zip(*batches) for k in x)
     assert calls == [1] and len(list((tmp_path / "cache" / "tokens").iterdir())) == 1
     TokenizedSet.cached(lambda: tokenizer, "tok", train.texts, train.labels, 17)  # another length: another entry
@@ -545,7 +562,9 @@ def test_a_round_with_a_further_exchange_runs_on_flower_as_embedded(task_identit
     record = flower_history[0]
     assert record.dropped == {3: "sum: array 'y' missing"} and record.metrics["phase_replies"] == 3
     embedded = []
-    run_experiment(_config(tmp_path / "e", "method=toy-two-phase", "federation.num_clients=4", "rounds=1"),
-                   on_round=embedded.append)
+    run_experiment(
+        _config(tmp_path / "e", "method=toy-two-phase", "federation.num_clients=4", "rounds=1"),
+        on_round=embedded.append,
+    )
     assert record.client_bytes_down == embedded[0].client_bytes_down
     assert record.client_bytes_up == embedded[0].client_bytes_up

@@ -74,8 +74,11 @@ def test_nodes_playing_groups_of_clients_match_embedded_engine(task_identity, tm
     # 3 clients, all sampled, on 2 nodes: one node plays clients 0 and 1 (fedtune-clients="0-1"),
     # and gets both in one bundle per round
     sent = []
-    monkeypatch.setattr(LoopbackGrid, "push_messages", lambda self, ms, push=LoopbackGrid.push_messages:
-                        sent.extend(ms) or push(self, ms))
+    monkeypatch.setattr(
+        LoopbackGrid,
+        "push_messages",
+        lambda self, ms, push=LoopbackGrid.push_messages: sent.extend(ms) or push(self, ms),
+    )
     extra = "federation.clients_per_round=3"
     config = tiny(tmp_path / "flower", "fslora", KIND, "seed=5", extra)
     summary = serve(LoopbackGrid(make_client_app(config), 3, groups=[[0, 1], [2]]), config, timeout=120)

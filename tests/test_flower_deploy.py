@@ -23,8 +23,14 @@ from fedtune.engines import deployment
 from fedtune.engines.deployment import LoopbackDeployment, generate_certificates, generate_node_key
 
 TINY = [
-    "method=fedit", "model.name=tiny-bert", "data=tweets", "data.max_train_samples=200", "data.max_test_samples=100",
-    "federation.num_clients=2", "train.local_steps=2", "seed=3",
+    "method=fedit",
+    "model.name=tiny-bert",
+    "data=tweets",
+    "data.max_train_samples=200",
+    "data.max_test_samples=100",
+    "federation.num_clients=2",
+    "train.local_steps=2",
+    "seed=3",
 ]
 
 
@@ -44,8 +50,14 @@ def _flower_processes() -> set[int]:
 
 
 def _online_nodes(d: LoopbackDeployment) -> list[str]:
-    done = subprocess.run([deployment.flower_command("flwr"), "supernode", "list", d.connection, "--format", "json"],
-                          env=d.env(), cwd=d.home, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [deployment.flower_command("flwr"), "supernode", "list", d.connection, "--format", "json"],
+        env=d.env(),
+        cwd=d.home,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return [n["node-id"] for n in json.loads(done.stdout)["nodes"] if n["status"] == "online"]
 
 
@@ -126,8 +138,11 @@ def test_tls_and_authentication_admit_registered_nodes_only(tmp_path):
 
         # a plaintext SuperNode cannot connect to the TLS SuperLink ...
         plain = d.start_supernode([1], name="plaintext", insecure=True, wait=False)
-        _wait_for(lambda: "Connection attempt failed" in (tmp_path / "logs" / "plaintext.log").read_text(),
-                  120, "the plaintext SuperNode was not refused")
+        _wait_for(
+            lambda: "Connection attempt failed" in (tmp_path / "logs" / "plaintext.log").read_text(),
+            120,
+            "the plaintext SuperNode was not refused",
+        )
         assert plain.poll() is None or plain.returncode != 0
         assert sorted(_online_nodes(d)) == sorted(registered)
         # ... nor can any plaintext HTTP client, while one that trusts the CA completes the handshake
@@ -142,8 +157,16 @@ def test_tls_and_authentication_admit_registered_nodes_only(tmp_path):
 def test_ctrl_c_stops_after_the_round_checkpoint_and_every_process(tmp_path):
     before = _flower_processes()
     out = tmp_path / "runs"
-    args = [sys.executable, "-m", "fedtune.cli", "run", *[f"--set={x}" for x in TINY], "--set=rounds=4",
-            "--set=engine=flower", f"--set=output_dir={out}"]
+    args = [
+        sys.executable,
+        "-m",
+        "fedtune.cli",
+        "run",
+        *[f"--set={x}" for x in TINY],
+        "--set=rounds=4",
+        "--set=engine=flower",
+        f"--set=output_dir={out}",
+    ]
     env = {**os.environ, "COLUMNS": "200"}
     metrics = out / "fedit-tweets-s3" / "metrics.jsonl"
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -161,8 +184,13 @@ def test_ctrl_c_stops_after_the_round_checkpoint_and_every_process(tmp_path):
     _wait_for(lambda: not (_flower_processes() - before), 30, "a deployment process outlived Ctrl-C")
 
     # resume on the same engine finishes the run
-    again = subprocess.run([sys.executable, "-m", "fedtune.cli", "run", "--resume", str(metrics.parent)], env=env,
-                           capture_output=True, text=True, timeout=600)
+    again = subprocess.run(
+        [sys.executable, "-m", "fedtune.cli", "run", "--resume", str(metrics.parent)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert again.returncode == 0, (again.stdout + again.stderr)[-2000:]
     assert [json.loads(x)["round"] for x in metrics.read_text().splitlines()] == [1, 2, 3, 4]
     assert json.loads((metrics.parent / "summary.json").read_text())["engine"] == "flower"

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from fedtune.config import ConfigError, load_config
-from fedtune.protocol.messages import Message
 from fedtune.engines.embedded import exchange, run_rounds
+from fedtune.methods.base.lora_arrays import lora_pairs
 from fedtune.methods.fslora import (
     SHARED_SKETCH,
     read_indices,
@@ -27,7 +27,7 @@ from fedtune.methods.fslora import (
     sketch_matrix,
     slice_adapter,
 )
-from fedtune.methods.lora_arrays import lora_pairs
+from fedtune.protocol.messages import Message
 from fedtune.runtime import RunContext
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -128,7 +128,9 @@ def test_one_index_set_per_client_shared_by_all_pairs_unless_per_module():
     sets = per_module.sketch(1, 0)
     assert len({tuple(s) for s in sets.values()}) > 1
     message = per_module.configure_fit(1, [0])[0]
-    assert sorted(k for k in message.arrays if k.startswith("sketch/")) == sorted(sketch_key(a) for a, _ in per_module.pairs)
+    assert sorted(k for k in message.arrays if k.startswith("sketch/")) == sorted(
+        sketch_key(a) for a, _ in per_module.pairs
+    )
 
 
 # -- (a) sparse updates: ranks outside I are untouched ------------------------------------------------
@@ -139,8 +141,11 @@ def test_client_uploads_active_slices_and_ranks_outside_I_stay_exactly_unchanged
     """One client, k = 2 of r = 8, AdamW with weight decay (a dense masked form would decay the
     inactive ranks): after each round, B's columns and A's rows outside I are bit-identical."""
     config = make_config(
-        profiles(0.25), f'options.download="{download}"', f"options.per_module_sketch={str(per_module).lower()}",
-        "train.weight_decay=0.1", clients=1,
+        profiles(0.25),
+        f'options.download="{download}"',
+        f"options.per_module_sketch={str(per_module).lower()}",
+        "train.weight_decay=0.1",
+        clients=1,
     )
     server, clients = RunContext(config), RunContext(config)
     strategy = server.strategy()
@@ -188,7 +193,10 @@ def test_server_rejects_a_reply_with_another_sketch():
 
 @pytest.mark.parametrize(
     "fslora_opts, fedit_weighting",
-    [(['options.weighting="uniform"'], "uniform"), (['options.weighting="examples"', 'options.download="active"'], "examples")],
+    [
+        (['options.weighting="uniform"'], "uniform"),
+        (['options.weighting="examples"', 'options.download="active"'], "examples"),
+    ],
 )
 def test_k_equal_r_gives_exactly_fedits_global_adapter(fslora_opts, fedit_weighting):
     """With sketch_ratio 1, I = 0..r-1, the client's rank-k adapter is the rank-r one and eq. (5)
@@ -326,13 +334,19 @@ def test_state_dict_round_trip_resumes_the_same_global_adapter():
     assert fresh.rank == RANK
     for k in strategy.global_arrays:
         assert np.array_equal(fresh.global_arrays[k], strategy.global_arrays[k])
-    assert all(np.array_equal(fresh.sketch(2, c)[a], strategy.sketch(2, c)[a]) for c in range(3) for a, _ in fresh.pairs)
+    assert all(
+        np.array_equal(fresh.sketch(2, c)[a], strategy.sketch(2, c)[a]) for c in range(3) for a, _ in fresh.pairs
+    )
 
 
 @pytest.mark.parametrize(
     "option, field",
-    [('options.download="sparse"', "options.download"), ('options.weighting="median"', "options.weighting"),
-     ("options.per_module_sketch=3", "options.per_module_sketch"), ("options.sketch=1", "options.sketch")],
+    [
+        ('options.download="sparse"', "options.download"),
+        ('options.weighting="median"', "options.weighting"),
+        ("options.per_module_sketch=3", "options.per_module_sketch"),
+        ("options.sketch=1", "options.sketch"),
+    ],
 )
 def test_bad_option_is_a_config_error_naming_the_field(option, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
@@ -366,14 +380,21 @@ def test_one_sgd_step_is_gamma_r_over_k_grad_on_active_ranks_and_eq5_gives_each_
     from tests.lora_reference import dense_gradients, effective_deltas
 
     gamma, alpha, k = 0.5, 16.0, RANK // 2
-    config = make_config(profiles(0.5, 0.5), "train.optimizer=sgd", f"train.lr={gamma}", "train.local_steps=1",
-                         f"model.lora_alpha={alpha}", clients=2)
+    config = make_config(
+        profiles(0.5, 0.5),
+        "train.optimizer=sgd",
+        f"train.lr={gamma}",
+        "train.local_steps=1",
+        f"model.lora_alpha={alpha}",
+        clients=2,
+    )
     server, clients = RunContext(config), RunContext(config)
     strategy = server.strategy()
     strategy.initialize()
     rng = np.random.default_rng(1)
-    strategy.global_arrays = {k_: (0.3 * rng.standard_normal(v.shape)).astype(np.float32)
-                              for k_, v in strategy.global_arrays.items()}
+    strategy.global_arrays = {
+        k_: (0.3 * rng.standard_normal(v.shape)).astype(np.float32) for k_, v in strategy.global_arrays.items()
+    }
     before = {k_: v.astype(np.float64) for k_, v in strategy.global_arrays.items()}
     rnd = disjoint_round(strategy)
     messages = strategy.configure_fit(rnd, [0, 1])
@@ -381,7 +402,9 @@ def test_one_sgd_step_is_gamma_r_over_k_grad_on_active_ranks_and_eq5_gives_each_
     for cid in (0, 1):
         I = strategy.sketch(rnd, cid)[strategy.pairs[0][0]]
         S = sketch_matrix(I, RANK)
-        deltas = {a.removesuffix(".lora_A.weight"): (alpha / RANK) * before[b] @ S @ before[a] for a, b in strategy.pairs}
+        deltas = {
+            a.removesuffix(".lora_A.weight"): (alpha / RANK) * before[b] @ S @ before[a] for a, b in strategy.pairs
+        }
         head = {n: v for n, v in strategy.global_arrays.items() if n.startswith("classifier.")}
         G, g_head = dense_gradients(clients, cid, rnd, deltas, head)
         replies[cid] = exchange(messages[cid], clients.client(cid, {}).fit)[0]
@@ -394,13 +417,17 @@ def test_one_sgd_step_is_gamma_r_over_k_grad_on_active_ranks_and_eq5_gives_each_
             expected[cid][a], expected[cid][b] = (I, step_a), (I, step_b)
             scale = np.abs(step_b).max()
             np.testing.assert_allclose(replies[cid].arrays[b], step_b, rtol=1e-3, atol=1e-4 * scale, err_msg=b)
-            np.testing.assert_allclose(replies[cid].arrays[a], step_a, rtol=1e-3, atol=1e-4 * np.abs(step_a).max(), err_msg=a)
+            np.testing.assert_allclose(
+                replies[cid].arrays[a], step_a, rtol=1e-3, atol=1e-4 * np.abs(step_a).max(), err_msg=a
+            )
             # ranks outside I unchanged on the client: its model is W0 + (alpha/r) B' S A'
             b_new, a_new = before[b].copy(), before[a].copy()
             b_new[:, I] += step_b
             a_new[I, :] += step_a
             model = (alpha / RANK) * b_new @ S @ a_new
-            np.testing.assert_allclose(trained_model[path], model, rtol=1e-3, atol=1e-4 * np.abs(model).max(), err_msg=path)
+            np.testing.assert_allclose(
+                trained_model[path], model, rtol=1e-3, atol=1e-4 * np.abs(model).max(), err_msg=path
+            )
         for n in head:
             np.testing.assert_allclose(replies[cid].arrays[n], -gamma * g_head[n], rtol=1e-3, atol=1e-7, err_msg=n)
 
@@ -412,5 +439,9 @@ def test_one_sgd_step_is_gamma_r_over_k_grad_on_active_ranks_and_eq5_gives_each_
             I, step_a = expected[cid][a]
             moved_a[I, :] += step_a / 2
             moved_b[:, I] += expected[cid][b][1] / 2
-        np.testing.assert_allclose(after[a] - before[a], moved_a, rtol=1e-3, atol=1e-4 * np.abs(moved_a).max(), err_msg=a)
-        np.testing.assert_allclose(after[b] - before[b], moved_b, rtol=1e-3, atol=1e-4 * np.abs(moved_b).max(), err_msg=b)
+        np.testing.assert_allclose(
+            after[a] - before[a], moved_a, rtol=1e-3, atol=1e-4 * np.abs(moved_a).max(), err_msg=a
+        )
+        np.testing.assert_allclose(
+            after[b] - before[b], moved_b, rtol=1e-3, atol=1e-4 * np.abs(moved_b).max(), err_msg=b
+        )

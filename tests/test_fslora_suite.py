@@ -53,7 +53,10 @@ def test_runs_are_the_recipe_plus_their_overlays(suite, plan):
         c = spec.config
         assert (c.train.lr, c.train.batch_size, c.model.lora_dropout, c.data.alpha) == (1e-3, 16, 0.1, 0.5)
         assert (c.model.name, c.federation.num_clients, c.train.local_steps) == (
-            recipe.model.name, recipe.federation.num_clients, recipe.train.local_steps)
+            recipe.model.name,
+            recipe.federation.num_clients,
+            recipe.train.local_steps,
+        )
         assert c.eval_every == 10 and c.method == spec.labels["method"]
         assert c.options == load_config(None, suite.OVERLAYS[c.method]).options
         assert c.model.lora_alpha == (spec.labels["alpha"] or 2 * c.model.lora_rank)
@@ -65,7 +68,11 @@ def test_quick_and_command_line_options_override_the_recipe(suite):
     scale = suite.scale_from_args(suite.parse_args(["--quick", "--rounds", "3", "--topk", "0.25"]))
     base = scale.base
     assert (base.model.name, base.rounds, base.train.local_steps, base.federation.clients_per_round) == (
-        "tiny-bert", 3, 2, 4)
+        "tiny-bert",
+        3,
+        2,
+        4,
+    )
     assert scale.config("agnews").data.max_test_samples == 100 and scale.topk == 0.25
     assert suite.scale_from_args(suite.parse_args([])).base.rounds == 24
 
@@ -84,8 +91,11 @@ def test_horizon_is_table51_with_more_rounds(plan):
 
 def test_alpha_runs_change_only_lora_alpha(plan):
     scale, plan = plan
-    refs = {(s.labels["method"], s.labels["seed"], s.labels.get("ratio")): s
-            for s in plan["table51"] + plan["fig4b"] if s.labels["data"] == "sst2"}
+    refs = {
+        (s.labels["method"], s.labels["seed"], s.labels.get("ratio")): s
+        for s in plan["table51"] + plan["fig4b"]
+        if s.labels["data"] == "sst2"
+    }
     strip = {"name", "output_dir", "model"}
     for spec in plan["alpha"]:
         assert spec.config.model.lora_alpha == scale.fixed_alpha == 16
@@ -106,8 +116,9 @@ def test_fedit_rank_is_the_smallest_device_rank(plan):
         if spec.labels["method"] != "fedit":
             assert spec.config.federation.profile_choices == {"sketch_ratio": scale.hetero_ratios}
             continue
-        ratios = [p.sketch_ratio for p in build_profiles(20, None, {"sketch_ratio": scale.hetero_ratios},
-                                                          spec.labels["seed"])]
+        ratios = [
+            p.sketch_ratio for p in build_profiles(20, None, {"sketch_ratio": scale.hetero_ratios}, spec.labels["seed"])
+        ]
         assert spec.config.model.lora_rank == round(min(ratios) * scale.rank)
         assert spec.config.model.lora_alpha == 2 * spec.config.model.lora_rank
         assert spec.config.federation.profile_choices is None
@@ -125,8 +136,9 @@ def test_fig4c_report_from_run_folders(suite, tmp_path):
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         (spec.run_dir / "config.toml").write_text(tomli_w.dumps(spec.config.model_dump(mode="json", exclude_none=True)))
         (spec.run_dir / "metrics.jsonl").write_text(json.dumps({"round": 2, "accuracy": acc, "bytes_up": 400}) + "\n")
-        (spec.run_dir / "summary.json").write_text(json.dumps(
-            {"rounds": 2, "final_accuracy": acc, "total_bytes_up": 400_000, "wall_s": 3.0}))
+        (spec.run_dir / "summary.json").write_text(
+            json.dumps({"rounds": 2, "final_accuracy": acc, "total_bytes_up": 400_000, "wall_s": 3.0})
+        )
     suite.write_reports(plan, ["fig4c"], scale, [0, 1], tmp_path, "the command", "the cost note")
     text = (tmp_path / "fig4c.md").read_text()
     assert "| 0.125 | 8 | 62.50 ± 17.68 | 0.020 |" in text

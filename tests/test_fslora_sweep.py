@@ -37,9 +37,16 @@ def finish(spec, accuracies: list[float], every: int = 2, bytes_up: int = 1_000_
     (spec.run_dir / "config.toml").write_text(tomli_w.dumps(spec.config.model_dump(mode="json", exclude_none=True)))
     rounds = [{"round": every * (i + 1), "accuracy": a, "bytes_up": bytes_up} for i, a in enumerate(accuracies)]
     (spec.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
-    summary = {"name": spec.name, "rounds": len(rounds), "final_accuracy": accuracies[-1],
-               "majority_accuracy": 0.5092, "test_examples": 872, "total_bytes_up": bytes_up * len(rounds),
-               "total_bytes_down": 2 * bytes_up * len(rounds), "wall_s": 1.0}
+    summary = {
+        "name": spec.name,
+        "rounds": len(rounds),
+        "final_accuracy": accuracies[-1],
+        "majority_accuracy": 0.5092,
+        "test_examples": 872,
+        "total_bytes_up": bytes_up * len(rounds),
+        "total_bytes_down": 2 * bytes_up * len(rounds),
+        "wall_s": 1.0,
+    }
     (spec.run_dir / "summary.json").write_text(json.dumps(summary))
 
 
@@ -47,9 +54,23 @@ def test_every_method_gets_the_same_grid_weighting_and_settings(sweep, built):
     scale, (plan, choices, waiting) = built
     runs = plan["sweep"]
     assert {(s.labels["row"], s.labels["family"]) for s in runs} == {(r, f) for r in sweep.ROWS for f in sweep.FAMILIES}
-    shared = {(c.rounds, c.eval_every, c.train.local_steps, c.train.batch_size, c.federation.num_clients,
-               c.federation.sample_size(), c.data.name, c.data.max_train_samples, c.data.alpha, c.model.name,
-               c.model.lora_dropout, c.seed) for c in (s.config for s in runs)}
+    shared = {
+        (
+            c.rounds,
+            c.eval_every,
+            c.train.local_steps,
+            c.train.batch_size,
+            c.federation.num_clients,
+            c.federation.sample_size(),
+            c.data.name,
+            c.data.max_train_samples,
+            c.data.alpha,
+            c.model.name,
+            c.model.lora_dropout,
+            c.seed,
+        )
+        for c in (s.config for s in runs)
+    }
     assert shared == {(30, 2, 5, 16, 10, 10, "sst2", 20000, 0.5, "minilm", 0.1, 0)}
     for family in sweep.FAMILIES:
         for row in sweep.ROWS:
@@ -58,7 +79,8 @@ def test_every_method_gets_the_same_grid_weighting_and_settings(sweep, built):
             assert lrs == sorted(sweep.LR_GRID[family])  # the same client grid for every row
             if row == "fslora-sadam":
                 assert {(s.config.train.lr, s.config.federation.server_lr) for s in group} == {
-                    (lr, slr) for lr in lrs for slr in sweep.SERVER_LR_GRID}
+                    (lr, slr) for lr in lrs for slr in sweep.SERVER_LR_GRID
+                }
             else:
                 assert len(group) == len(lrs)
     for spec in runs:
@@ -77,7 +99,8 @@ def test_every_method_gets_the_same_grid_weighting_and_settings(sweep, built):
             assert c.model.lora_rank == sweep.fair_fedit_rank(scale, 0) and c.federation.profile_choices is None
         else:
             assert c.model.lora_rank == 64 and c.federation.profile_choices == {
-                "sketch_ratio": [0.125, 0.25, 0.5, 0.75]}
+                "sketch_ratio": [0.125, 0.25, 0.5, 0.75]
+            }
         assert c.model.lora_alpha == 2 * c.model.lora_rank
     # nothing finished: no table runs yet, all of them waiting (rows x families x seeds)
     assert plan["table"] == [] and all(v is None for v in choices.values())
@@ -85,7 +108,7 @@ def test_every_method_gets_the_same_grid_weighting_and_settings(sweep, built):
 
 
 def test_fedit_rank_is_min_k_of_the_seeds_draw(sweep):
-    from fedtune.methods.lora_common import client_rank
+    from fedtune.methods.base.lora import client_rank
     from fedtune.protocol.profiles import build_profiles
 
     scale = sweep.Scale()
@@ -191,16 +214,23 @@ def test_quick_and_command_line_options(sweep):
 
 
 def test_set_toml_values_keeps_comments_and_other_keys(sweep):
-    text = ("# header\nmethod = \"fslora\"\n\n[train]\nlocal_steps = 20\nlr = 5e-4               # old\n"
-            "optimizer = \"sgd\"\nmomentum = 0.9\n\n[federation]\nnum_clients = 20\n")
+    text = (
+        '# header\nmethod = "fslora"\n\n[train]\nlocal_steps = 20\nlr = 5e-4               # old\n'
+        'optimizer = "sgd"\nmomentum = 0.9\n\n[federation]\nnum_clients = 20\n'
+    )
     new = sweep.set_toml_values(text, "train", {"optimizer": "adamw", "lr": 3e-3, "momentum": None}, "from sweep")
     assert new.startswith("# header\n") and "local_steps = 20\n" in new and "momentum" not in new
     assert 'optimizer = "adamw"' in new and "lr = 0.003" in new and "# from sweep" in new
-    new = sweep.set_toml_values(new, "federation", {"server_optimizer": "adam", "server_lr": 1e-3,
-                                                    "server_weight_decay": 0.01}, "x")
+    new = sweep.set_toml_values(
+        new, "federation", {"server_optimizer": "adam", "server_lr": 1e-3, "server_weight_decay": 0.01}, "x"
+    )
     c = sweep.load_config_text(new)
     assert (c.train.optimizer, c.train.lr, c.federation.server_optimizer, c.federation.server_lr) == (
-        "adamw", 3e-3, "adam", 1e-3)
+        "adamw",
+        3e-3,
+        "adam",
+        1e-3,
+    )
     assert c.federation.num_clients == 20
 
 
@@ -211,25 +241,47 @@ def test_recipe_changes_from_winners(sweep, tmp_path):
         shutil.copy(ROOT / "configs" / name, configs / name)
 
     def entry(train, fed=None, table=0.7, score=0.7):
-        return {"train": train, "federation": fed or {"server_optimizer": None, "server_lr": None,
-                                                      "server_weight_decay": None},
-                "sweep_score": score, "table_mean": table, "table_runs": 3, "table_seeds": 3}
+        return {
+            "train": train,
+            "federation": fed or {"server_optimizer": None, "server_lr": None, "server_weight_decay": None},
+            "sweep_score": score,
+            "table_mean": table,
+            "table_runs": 3,
+            "table_seeds": 3,
+        }
 
     sgd = {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9}
     adamw = {"optimizer": "adamw", "lr": 3e-3, "momentum": None}
-    results = {"families": {
-        "adamw": {"fslora": entry(adamw, table=0.70), "fedit": entry(adamw, table=0.80),
-                  "fslora-sadam": entry({**adamw, "lr": 1e-3}, {"server_optimizer": "adam", "server_lr": 3e-3,
-                                                                "server_weight_decay": 0.01}, table=0.78)},
-        "sgdm": {"fslora": entry(sgd, table=0.74), "fedit": entry(sgd, table=0.75),
-                 "fslora-sadam": entry(sgd, table=0.60)}}}
+    results = {
+        "families": {
+            "adamw": {
+                "fslora": entry(adamw, table=0.70),
+                "fedit": entry(adamw, table=0.80),
+                "fslora-sadam": entry(
+                    {**adamw, "lr": 1e-3},
+                    {"server_optimizer": "adam", "server_lr": 3e-3, "server_weight_decay": 0.01},
+                    table=0.78,
+                ),
+            },
+            "sgdm": {
+                "fslora": entry(sgd, table=0.74),
+                "fedit": entry(sgd, table=0.75),
+                "fslora-sadam": entry(sgd, table=0.60),
+            },
+        }
+    }
     changes = {c.recipe.name: c for c in sweep.recipe_changes(results, configs)}
     fs = changes["fslora.toml"]
     assert (fs.row, fs.family, fs.basis) == ("fslora-sadam", "adamw", "table")  # the best of both rows and families
     text = sweep.apply_change(fs)
     c = sweep.load_config_text(text)
-    assert (c.train.optimizer, c.train.lr, c.federation.server_optimizer, c.federation.server_lr,
-            c.federation.server_weight_decay) == ("adamw", 1e-3, "adam", 3e-3, 0.01)
+    assert (
+        c.train.optimizer,
+        c.train.lr,
+        c.federation.server_optimizer,
+        c.federation.server_lr,
+        c.federation.server_weight_decay,
+    ) == ("adamw", 1e-3, "adam", 3e-3, 0.01)
     assert c.model.lora_rank == 64 and c.options["weighting"] == "uniform"  # the rest as written
     fedit = changes["fedit.toml"]
     assert (fedit.row, fedit.family) == ("fedit", "adamw") and fedit.federation is None
@@ -238,7 +290,9 @@ def test_recipe_changes_from_winners(sweep, tmp_path):
     report = sweep.recipe_changes_report(list(changes.values()))
     assert "fslora.toml" in report and "adam lr 0.003" in report
     # a recipe pinned to a rate measured on itself keeps it
-    pinned = (configs / "fedit.toml").read_text().replace("\nlr = ", "\nlr = 1e-3  # measured on this recipe\n# was: lr = ")
+    pinned = (
+        (configs / "fedit.toml").read_text().replace("\nlr = ", "\nlr = 1e-3  # measured on this recipe\n# was: lr = ")
+    )
     (configs / "fedit.toml").write_text(pinned)
     kept = {c.recipe.name: c for c in sweep.recipe_changes(results, configs)}["fedit.toml"]
     assert kept.train is None and "measured on this recipe" in kept.basis

@@ -91,8 +91,9 @@ def two_experiments() -> dict[str, list[RunSpec]]:
     }
 
 
-def finish(spec: RunSpec, accuracies: list[float | None], bytes_up: int = 1_000_000,
-           rounds_evaluated: list[int] | None = None) -> None:
+def finish(
+    spec: RunSpec, accuracies: list[float | None], bytes_up: int = 1_000_000, rounds_evaluated: list[int] | None = None
+) -> None:
     """Write the run folder ``run_experiment`` would leave (config.toml, metrics.jsonl, summary.json),
     the accuracies at rounds 1, 2, ... (or at ``rounds_evaluated``)."""
     spec.run_dir.mkdir(parents=True, exist_ok=True)
@@ -100,8 +101,13 @@ def finish(spec: RunSpec, accuracies: list[float | None], bytes_up: int = 1_000_
     numbers = rounds_evaluated or range(1, len(accuracies) + 1)
     rounds = [{"round": r, "accuracy": a, "bytes_up": bytes_up} for r, a in zip(numbers, accuracies)]
     (spec.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
-    summary = {"name": spec.name, "rounds": len(rounds), "final_accuracy": accuracies[-1],
-               "total_bytes_up": bytes_up * len(rounds), "wall_s": 12.0}
+    summary = {
+        "name": spec.name,
+        "rounds": len(rounds),
+        "final_accuracy": accuracies[-1],
+        "total_bytes_up": bytes_up * len(rounds),
+        "wall_s": 12.0,
+    }
     (spec.run_dir / "summary.json").write_text(json.dumps(summary))
 
 
@@ -110,8 +116,11 @@ def finish(spec: RunSpec, accuracies: list[float | None], bytes_up: int = 1_000_
 
 def test_a_group_is_chosen_only_when_its_whole_grid_is_finished_by_the_mean_of_its_last_evaluations(recipe, tmp_path):
     grid = (3e-4, 1e-3, 3e-3)
-    plan = build_plan({"sweep": [RunSpec(f"lr{lr:g}", [f"train.lr={lr}"], {"lr": lr}) for lr in reversed(grid)]},
-                      recipe, tmp_path / "out")
+    plan = build_plan(
+        {"sweep": [RunSpec(f"lr{lr:g}", [f"train.lr={lr}"], {"lr": lr}) for lr in reversed(grid)]},
+        recipe,
+        tmp_path / "out",
+    )
     by_lr = {s.labels["lr"]: s for s in plan["sweep"]}
     setting, score = (lambda s: {"lr": s.labels["lr"]}), (lambda s: mean_of_last(load_rounds(s), 2))
     finish(by_lr[3e-4], [0.5, 0.9, 0.6])  # the best single point, but a last-2 mean of 0.75
@@ -125,11 +134,15 @@ def test_a_group_is_chosen_only_when_its_whole_grid_is_finished_by_the_mean_of_i
     assert choice.at_edge() is None
     assert choice_text(choice, 0.5) == "lr 0.001 by 5.00 points over lr 0.0003"
     assert choose([], setting, score) is None
-    other = build_plan({"sweep": [RunSpec(f"b{lr:g}", [f"train.lr={lr}", "seed=1"], {"lr": lr}) for lr in grid]},
-                       recipe, tmp_path / "out")["sweep"]
+    other = build_plan(
+        {"sweep": [RunSpec(f"b{lr:g}", [f"train.lr={lr}", "seed=1"], {"lr": lr}) for lr in grid]},
+        recipe,
+        tmp_path / "out",
+    )["sweep"]
     finish(other[0], [None, None])  # finished, never evaluated; the others unfinished
-    lines = sweep_sections({"sst2": {"A": plan["sweep"], "B": other}}, {"sst2": {"A": choice, "B": None}}, score,
-                           tmp_path / "sweep.png")
+    lines = sweep_sections(
+        {"sst2": {"A": plan["sweep"], "B": other}}, {"sst2": {"A": choice, "B": None}}, score, tmp_path / "sweep.png"
+    )
     assert "| A | 75.00 | **80.00** | 25.00 | lr 0.001 by 5.00 points over lr 0.0003 |" in lines
     assert "| B | – | pending | pending | waiting for the sweep |" in lines
     finish(other[1], [None])
@@ -137,7 +150,8 @@ def test_a_group_is_chosen_only_when_its_whole_grid_is_finished_by_the_mean_of_i
     lines = sweep_sections({"sst2": {"B": other}}, {"sst2": {"B": None}}, score, tmp_path / "sweep.png")
     assert "| B | – | – | – | no grid point has a score |" in lines and (tmp_path / "sweep.png").exists()
     assert sweep_note({"A": plan["sweep"], "B": other}, {"A": choice, "B": None}, "methods") == (
-        "0 methods wait for their sweep; 1 finished it without a score (no evaluation counted; no table runs): B")
+        "0 methods wait for their sweep; 1 finished it without a score (no evaluation counted; no table runs): B"
+    )
     (other[2].run_dir / "summary.json").unlink()
     assert sweep_note({"A": plan["sweep"], "B": other}, {"A": choice}, "methods") == "1 methods wait for their sweep: B"
 
@@ -189,8 +203,13 @@ def test_overlays_are_overrides_that_merge_into_the_recipe(recipe, tmp_path):
 
 
 def test_toml_values_parse_back_to_the_same_value(recipe):
-    values = {"model.target_modules": ["query", "value"], "train.lr": 1e-3, "train.group_by_length": False,
-              "federation.profile_choices": {"sketch_ratio": [0.125, 0.5]}, "data.name": 'a "quoted" name'}
+    values = {
+        "model.target_modules": ["query", "value"],
+        "train.lr": 1e-3,
+        "train.group_by_length": False,
+        "federation.profile_choices": {"sketch_ratio": [0.125, 0.5]},
+        "data.name": 'a "quoted" name',
+    }
     config = load_config(recipe, assignments(values))
     assert config.model.target_modules == ["query", "value"] and config.train.lr == 1e-3
     assert config.train.group_by_length is False and config.data.name == 'a "quoted" name'
@@ -227,8 +246,13 @@ def test_mean_std_is_the_sample_std():
 
 
 def test_mean_of_last_n_evaluations_skips_rounds_without_one():
-    rounds = [{"round": 1, "accuracy": 0.5}, {"round": 2, "accuracy": None}, {"round": 3, "accuracy": 0.7},
-              {"round": 4}, {"round": 5, "accuracy": 0.9}]
+    rounds = [
+        {"round": 1, "accuracy": 0.5},
+        {"round": 2, "accuracy": None},
+        {"round": 3, "accuracy": 0.7},
+        {"round": 4},
+        {"round": 5, "accuracy": 0.9},
+    ]
     assert mean_of_last(rounds, 1) == 0.9  # the final point
     assert mean_of_last(rounds, 2) == pytest.approx(0.8)
     assert mean_of_last(rounds, 10) == pytest.approx(0.7)  # all three there are
@@ -269,8 +293,8 @@ def test_cells_and_runs_section_show_pending_runs(recipe, tmp_path):
     assert accuracy_cell([s0, s1]) == "75.00 ± 0.00 (n=1)"
     assert upload_cell([s0, s1]) == "0.500"  # 2 MB over 4 clients
     finish(s1, [0.25, 0.25])
-    assert accuracy_cell([s0, s1]) == f"50.00 ± {math.sqrt(2 * 25 ** 2):.2f}"
-    assert accuracy_cell([s0, s1], last=2) == f"43.75 ± {math.sqrt(2 * 18.75 ** 2):.2f}"  # (62.5, 25) over seeds
+    assert accuracy_cell([s0, s1]) == f"50.00 ± {math.sqrt(2 * 25**2):.2f}"
+    assert accuracy_cell([s0, s1], last=2) == f"43.75 ± {math.sqrt(2 * 18.75**2):.2f}"  # (62.5, 25) over seeds
     (s1.run_dir / "summary.json").unlink()
     section = runs_section([s0, s1], tmp_path)
     assert "| s0 | `runs/ranks/r8` (shared with ranks) | 75.00 | 2 | 0.500 | 12 |" in section
@@ -392,8 +416,12 @@ def test_the_sweep_runs_before_the_experiments_planned_from_it():
 
     assert sweep_first(stage, ["sweep", "table", "fig"], parser.parse_args([])) == 1  # a failed sweep run shows
     assert calls == [["sweep"], ["table", "fig"]]
-    for argv, selected in ((["--plan"], ["sweep", "table"]), (["--report-only"], ["sweep", "table"]), ([], ["table"]),
-                           ([], ["sweep"])):
+    for argv, selected in (
+        (["--plan"], ["sweep", "table"]),
+        (["--report-only"], ["sweep", "table"]),
+        ([], ["table"]),
+        ([], ["sweep"]),
+    ):
         calls.clear()
         sweep_first(stage, selected, parser.parse_args(argv))
         assert calls == [selected]  # one plan: nothing runs, or nothing is planned from a sweep
@@ -409,13 +437,16 @@ def test_the_sweep_needs_a_grid_and_a_grid_needs_positive_rates(capsys):
     with pytest.raises(SuiteError, match="^--only sweep: needs --lr-grid"):
         sweep_selection(parser.parse_args(["--only", "sweep"]), ["sweep"], ["table"])
     for bad in ("", "1e-3,x", "1e-3,0", "-1", "inf", "nan", "1e-3,1.0000001e-3"):
-        with pytest.raises(SuiteError, match="^--lr-grid: (expected comma-separated positive learning rates|values "
-                                             "must differ)"):
+        with pytest.raises(
+            SuiteError, match="^--lr-grid: (expected comma-separated positive learning rates|values must differ)"
+        ):
             sweep_selection(parser.parse_args(["--lr-grid", bad]), ["table"], ["table"])
     factors = suite_parser("a suite", experiments)
     add_sweep_options(factors, experiments, "each method", factors=True, sweep_seed=3)
     assert sweep_selection(factors.parse_args(["--lr-factors", "1,0.3"]), ["table"], ["table"]) == (
-        Sweep((0.3, 1.0), 3), ["sweep", "table"])
+        Sweep((0.3, 1.0), 3),
+        ["sweep", "table"],
+    )
     with pytest.raises(SuiteError, match="^--lr-factors: expected comma-separated positive multiples of each"):
         sweep_selection(factors.parse_args(["--lr-factors", "0"]), ["table"], ["table"])
     with pytest.raises(SuiteError, match="^--only sweep: needs --lr-factors"):

@@ -15,11 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from fedtune.checkpoint import load_state, save_state
 from fedtune.config import load_config
-from fedtune.protocol.messages import Message
-from fedtune.methods.fedstacklora import DENSE, STACK_B, split_downlink
-from fedtune.methods.hetero_common import merged_into_base
-from fedtune.methods.lora_arrays import (
+from fedtune.methods.base.lora_arrays import (
     a_name,
     b_name,
     fresh_lora_a,
@@ -29,7 +27,9 @@ from fedtune.methods.lora_arrays import (
     weighted_product_sum,
     zero_pad_average,
 )
-from fedtune.checkpoint import load_state, save_state
+from fedtune.methods.base.ranked import merged_into_base
+from fedtune.methods.fedstacklora import DENSE, STACK_B, split_downlink
+from fedtune.protocol.messages import Message
 from fedtune.run import run_experiment
 from fedtune.runtime import RunContext
 
@@ -75,11 +75,16 @@ def fake_replies(strategy, messages: dict[int, Message], rng, examples=(30, 10, 
 # -- HeteroLoRA -------------------------------------------------------------------------------
 def test_zero_pad_average_hand_computed():
     # Prepare: global rank 3; client 0 has rank 1, client 1 rank 3, uniform weights
-    u0 = {"m.lora_B.weight": np.array([[2.0], [4.0]]), "m.lora_A.weight": np.array([[6.0, 8.0]]),
-          "classifier.bias": np.array([1.0, 3.0])}
-    u1 = {"m.lora_B.weight": np.array([[2.0, 2.0, 2.0], [0.0, 0.0, 4.0]]),
-          "m.lora_A.weight": np.array([[2.0, 0.0], [4.0, 4.0], [0.0, 2.0]]),
-          "classifier.bias": np.array([3.0, 5.0])}
+    u0 = {
+        "m.lora_B.weight": np.array([[2.0], [4.0]]),
+        "m.lora_A.weight": np.array([[6.0, 8.0]]),
+        "classifier.bias": np.array([1.0, 3.0]),
+    }
+    u1 = {
+        "m.lora_B.weight": np.array([[2.0, 2.0, 2.0], [0.0, 0.0, 4.0]]),
+        "m.lora_A.weight": np.array([[2.0, 0.0], [4.0, 4.0], [0.0, 2.0]]),
+        "classifier.bias": np.array([3.0, 5.0]),
+    }
     # Execute
     zeros = zero_pad_average([u0, u1], [1.0, 1.0], rank=3)
     cover = zero_pad_average([u0, u1], [1.0, 1.0], rank=3, coverage=True)
@@ -181,8 +186,9 @@ def test_flexlora_server_rebuilds_pairs_and_redistributes_svd():
             b, a = nxt[c].arrays[b_name(path)], nxt[c].arrays[a_name(path)]
             assert b.shape == (32, r_i) and a.shape == (r_i, 32)
             rb, ra = svd_factors(expected, r_i, ALPHA / r_i)
-            np.testing.assert_allclose(ALPHA / r_i * b.astype(np.float64) @ a, ALPHA / r_i * rb.astype(np.float64) @ ra,
-                                       atol=1e-4)
+            np.testing.assert_allclose(
+                ALPHA / r_i * b.astype(np.float64) @ a, ALPHA / r_i * rb.astype(np.float64) @ ra, atol=1e-4
+            )
     head = sum(p[c] * trained[c]["classifier.weight"] for c in range(3))
     np.testing.assert_allclose(nxt[0].arrays["classifier.weight"], head, atol=1e-5)
     # the checkpoint round trip gives the same messages
@@ -254,9 +260,7 @@ def test_fedstacklora_server_stacks_and_merges_exactly():
 def base_weights(ws) -> dict[str, torch.Tensor]:
     """Every frozen base tensor of the shared model (not the adapters nor their head copies)."""
     return {
-        n: p.detach().clone()
-        for n, p in ws.model.named_parameters()
-        if "lora_" not in n and "modules_to_save" not in n
+        n: p.detach().clone() for n, p in ws.model.named_parameters() if "lora_" not in n and "modules_to_save" not in n
     }
 
 
@@ -394,7 +398,9 @@ def test_heterolora_one_sgd_step_is_the_gradient_of_the_truncated_model_at_its_s
     strategy, clients = RunContext(config).strategy(), RunContext(config)
     strategy.initialize()
     rng = np.random.default_rng(8)
-    strategy.global_arrays = {k: (0.3 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in strategy.global_arrays.items()}
+    strategy.global_arrays = {
+        k: (0.3 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in strategy.global_arrays.items()
+    }
     g0 = {k: v.astype(np.float64) for k, v in strategy.global_arrays.items()}
     paths = lora_paths(g0)
     head = {k: v for k, v in strategy.global_arrays.items() if k.startswith("classifier.")}
@@ -407,8 +413,12 @@ def test_heterolora_one_sgd_step_is_the_gradient_of_the_truncated_model_at_its_s
         G, g_head = dense_gradients(clients, cid, 1, {p: s_i * b_i[p] @ a_i[p] for p in paths}, head)
         for p in paths:
             step_b, step_a = -gamma * s_i * G[p] @ a_i[p].T, -gamma * s_i * b_i[p].T @ G[p]
-            np.testing.assert_allclose(replies[cid].arrays[b_name(p)], step_b, rtol=1e-3, atol=1e-3 * np.abs(step_b).max())
-            np.testing.assert_allclose(replies[cid].arrays[a_name(p)], step_a, rtol=1e-3, atol=1e-3 * np.abs(step_a).max())
+            np.testing.assert_allclose(
+                replies[cid].arrays[b_name(p)], step_b, rtol=1e-3, atol=1e-3 * np.abs(step_b).max()
+            )
+            np.testing.assert_allclose(
+                replies[cid].arrays[a_name(p)], step_a, rtol=1e-3, atol=1e-3 * np.abs(step_a).max()
+            )
             moved[b_name(p)][:, :r_i] += step_b / 3
             moved[a_name(p)][:r_i] += step_a / 3
         for k in head:
@@ -434,13 +444,20 @@ def test_flexlora_delta_w_is_replaced_each_round_by_the_clients_products():
         strategy.aggregate_fit(rnd, replies)
         for path in strategy.delta:
             expected = sum(
-                p[c] * ALPHA / RANKS[c]
+                p[c]
+                * ALPHA
+                / RANKS[c]
                 * (sent[c][b_name(path)] + replies[c].arrays[b_name(path)]).astype(np.float64)
                 @ (sent[c][a_name(path)] + replies[c].arrays[a_name(path)]).astype(np.float64)
                 for c in range(3)
             )
-            np.testing.assert_allclose(strategy.delta[path], expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max(),
-                                       err_msg=f"round {rnd} {path}")
+            np.testing.assert_allclose(
+                strategy.delta[path],
+                expected,
+                rtol=1e-5,
+                atol=1e-6 * np.abs(expected).max(),
+                err_msg=f"round {rnd} {path}",
+            )
 
 
 def test_fedstacklora_merges_the_pairs_the_clients_actually_trained():
@@ -465,11 +482,20 @@ def test_fedstacklora_merges_the_pairs_the_clients_actually_trained():
         strategy.aggregate_fit(rnd, replies)
         for path in strategy.paths:
             expected[path] = expected.get(path, 0.0) + sum(
-                p[c] * ALPHA / RANKS[c] * pairs[c][b_name(path)].astype(np.float64) @ pairs[c][a_name(path)].astype(np.float64)
+                p[c]
+                * ALPHA
+                / RANKS[c]
+                * pairs[c][b_name(path)].astype(np.float64)
+                @ pairs[c][a_name(path)].astype(np.float64)
                 for c in range(3)
             )
-            np.testing.assert_allclose(strategy.merged[path], expected[path], rtol=1e-5,
-                                       atol=1e-6 * np.abs(expected[path]).max(), err_msg=f"round {rnd} {path}")
+            np.testing.assert_allclose(
+                strategy.merged[path],
+                expected[path],
+                rtol=1e-5,
+                atol=1e-6 * np.abs(expected[path]).max(),
+                err_msg=f"round {rnd} {path}",
+            )
 
 
 # -- HetLoRA (Cho et al. 2024): sparsity-weighted module aggregation, rank self-pruning ---------
@@ -487,11 +513,17 @@ def test_hetlora_sparsity_weighted_module_aggregation_hand_computed():
     trained, replies = fake_replies(strategy, messages, rng)
     strategy.aggregate_fit(1, replies)
     paths = lora_paths(trained[0])
-    norms = np.array([
-        math.sqrt(sum(np.sum((ALPHA / RANKS[c] * trained[c][b_name(p)].astype(np.float64) @ trained[c][a_name(p)]) ** 2)
-                      for p in paths))
-        for c in range(3)
-    ])
+    norms = np.array(
+        [
+            math.sqrt(
+                sum(
+                    np.sum((ALPHA / RANKS[c] * trained[c][b_name(p)].astype(np.float64) @ trained[c][a_name(p)]) ** 2)
+                    for p in paths
+                )
+            )
+            for c in range(3)
+        ]
+    )
     p_i = norms / norms.sum()
     for k, v in strategy.global_arrays.items():
         expected = np.zeros(v.shape)
@@ -516,8 +548,14 @@ def test_hetlora_self_pruning_drops_the_tail_when_its_norm_shrinks_and_the_serve
     From PEFT's initial adapter (B = 0, tail product 0) nothing can shrink: no pruning."""
     from fedtune.methods.heterolora import tail_norm_product
 
-    opts = ["federation.profiles=[{rank=8}]", "federation.num_clients=1", "options.self_pruning=true",
-            "options.prune_gamma=0.75", "train.optimizer=sgd", "train.lr=0.05"]
+    opts = [
+        "federation.profiles=[{rank=8}]",
+        "federation.num_clients=1",
+        "options.self_pruning=true",
+        "options.prune_gamma=0.75",
+        "train.optimizer=sgd",
+        "train.lr=0.05",
+    ]
     tails = {}
     for lam in (0.0, 5.0):
         config = tiny("heterolora", *opts, f"options.prune_lambda={lam}")
@@ -527,7 +565,9 @@ def test_hetlora_self_pruning_drops_the_tail_when_its_norm_shrinks_and_the_serve
         reply = clients.client(0).fit(Message.decode(fresh.encode()))
         assert reply.arrays[a_name(lora_paths(reply.arrays)[0])].shape[0] == 8  # B = 0: never pruned
         rng = np.random.default_rng(12)
-        strategy.global_arrays = {k: (0.5 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in strategy.global_arrays.items()}
+        strategy.global_arrays = {
+            k: (0.5 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in strategy.global_arrays.items()
+        }
         start = tail_norm_product(strategy.global_arrays, 6)
         replies = exchange_all(strategy, clients, 2, cids=(0,))
         tails[lam] = tail_norm_product(clients.workspace.state(8), 6)

@@ -4,6 +4,7 @@ every module imports cleanly on its own and in any order.
 Bottom to top (a module may import, at module level, only from its own layer or below; imports
 inside functions are lazy and may point up, for example the registries discovering plugins)::
 
+    errors              FedtuneError, the one exception base
     protocol            messages, Strategy/Client ABCs, profiles, top-k codec
     config, process, checkpoint
     data                sources, partitioners, batches (no model code)
@@ -31,6 +32,7 @@ from pathlib import Path
 import fedtune
 
 LAYERS = [
+    ["fedtune.errors"],
     ["fedtune.protocol"],
     ["fedtune.config", "fedtune.process", "fedtune.checkpoint"],
     ["fedtune.data"],
@@ -83,7 +85,9 @@ def module_level_imports(module: str, known: set[str]) -> set[str]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                    base = ".".join(
+                        package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                    )
                 if base.startswith("fedtune"):
                     for alias in node.names:
                         sub = f"{base}.{alias.name}"

@@ -1,4 +1,4 @@
-"""Tests for the one home of LoRA array algebra (fedtune.methods.lora_arrays): names, rank
+"""Tests for the one home of LoRA array algebra (fedtune.methods.base.lora_arrays): names, rank
 selections (FSLoRA's slices and scatters; truncation and zero padding as their I = 0..k-1 case)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedtune.methods.lora_arrays import (
+from fedtune.methods.base.lora_arrays import (
     a_name,
     add_ranks,
     array_rank,
@@ -92,13 +92,19 @@ def test_convolution_lora_product_is_what_peft_computes(tiny_config):
     exactly; put / take keep the trailing dimensions; a fresh A has PEFT's conv fan-in bound."""
     import torch
 
-    from fedtune.methods.hetero_common import merged_into_base
-    from fedtune.methods.lora_arrays import fresh_lora_a, is_head, lora_scale, pair_product
+    from fedtune.methods.base.lora_arrays import fresh_lora_a, is_head, lora_scale, pair_product
+    from fedtune.methods.base.ranked import merged_into_base
     from fedtune.runtime import RunContext
 
-    config = tiny_config("task=image-classification", "model.name=small-cnn", "data.name=digits",
-                         "data.max_train_samples=40", "data.max_test_samples=16", "model.lora_rank=3",
-                         "model.lora_alpha=6")
+    config = tiny_config(
+        "task=image-classification",
+        "model.name=small-cnn",
+        "data.name=digits",
+        "data.max_train_samples=40",
+        "data.max_test_samples=16",
+        "model.lora_rank=3",
+        "model.lora_alpha=6",
+    )
     ctx = RunContext(config)
     ws = ctx.workspace
     rng = np.random.default_rng(0)

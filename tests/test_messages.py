@@ -8,7 +8,12 @@ from fedtune.protocol.messages import Message
 
 def test_roundtrip_preserves_arrays_dtypes_and_meta():
     msg = Message(
-        {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "i": np.array([3, 1], dtype=np.int32), "e": np.zeros((0, 4)), "s": np.float64(2.5)},
+        {
+            "a": np.arange(6, dtype=np.float32).reshape(2, 3),
+            "i": np.array([3, 1], dtype=np.int32),
+            "e": np.zeros((0, 4)),
+            "s": np.float64(2.5),
+        },
         {"round": 3, "name": "x", "nested": {"k": [1, 2]}},
     )
     back = Message.decode(msg.encode())

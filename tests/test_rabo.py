@@ -27,17 +27,26 @@ import torch
 
 from fedtune.config import load_config
 from fedtune.engines.embedded import run_rounds
-from fedtune.methods.rabo import BilevelClient, RaboOptions, RaboStrategy
-from fedtune.methods.rabo_problems import BilevelProblem
-from fedtune.models.rabo_masks import Member, Structure, SubModel, UnitGroup, covered_update, units_kept
+from fedtune.methods.rabo.masks import Member, Structure, SubModel, UnitGroup, covered_update, units_kept
+from fedtune.methods.rabo.problems import BilevelProblem
+from fedtune.methods.rabo.rabo import BilevelClient, RaboOptions, RaboStrategy
 from fedtune.protocol.messages import Message
 from fedtune.protocol.profiles import ClientProfile
 from fedtune.run import run_experiment
 from fedtune.runtime import RunContext
 
-TINY_FEW_SHOT = ["task.kind=few-shot", "task.head=fitted", "task.filters=8", "task.q_query=2", "task.eval_episodes=20",
-                 "task.official_runs=false", "train.batch_size=2", "federation.num_clients=3", "rounds=2",
-                 "train.eval_batch_size=64"]
+TINY_FEW_SHOT = [
+    "task.kind=few-shot",
+    "task.head=fitted",
+    "task.filters=8",
+    "task.q_query=2",
+    "task.eval_episodes=20",
+    "task.official_runs=false",
+    "train.batch_size=2",
+    "federation.num_clients=3",
+    "rounds=2",
+    "train.eval_batch_size=64",
+]
 CAPACITIES = [1.0, 0.5, 0.25]
 PROFILES = "federation.profiles=[{capacity=1.0},{capacity=0.5},{capacity=0.25}]"
 
@@ -65,8 +74,11 @@ class Quadratic(BilevelProblem):
         return {"x": self.x0.copy()}, {"y": np.zeros(D2, np.float32)}
 
     def structure(self):
-        return Structure([UnitGroup("gx", D1, (Member("x", 0),)), UnitGroup("gy", D2, (Member("y", 0),))],
-                         {"x": (D1,), "y": (D2,)}, physical=False)
+        return Structure(
+            [UnitGroup("gx", D1, (Member("x", 0),)), UnitGroup("gy", D2, (Member("y", 0),))],
+            {"x": (D1,), "y": (D2,)},
+            physical=False,
+        )
 
     def data(self, cid, rnd):
         return cid
@@ -96,10 +108,16 @@ class Quadratic(BilevelProblem):
 
 def quadratic_context(capacities, **options):
     cfg = load_config(None, [f"federation.num_clients={len(capacities)}", "method=rabo", "seed=0"])
-    opts = RaboOptions(outer_lr=ALPHA, inner_lr=BETA, inner_steps=T, inner_l2=0.0, solver="cg", solver_iters=50,
-                       **options)
-    ctx = SimpleNamespace(config=cfg, options=opts, profiles=[ClientProfile(capacity=c) for c in capacities],
-                          partitions=[np.arange(1)] * len(capacities), model=torch.nn.Module())
+    opts = RaboOptions(
+        outer_lr=ALPHA, inner_lr=BETA, inner_steps=T, inner_l2=0.0, solver="cg", solver_iters=50, **options
+    )
+    ctx = SimpleNamespace(
+        config=cfg,
+        options=opts,
+        profiles=[ClientProfile(capacity=c) for c in capacities],
+        partitions=[np.arange(1)] * len(capacities),
+        model=torch.nn.Module(),
+    )
     ctx.task = SimpleNamespace(kind="quadratic", bilevel_problem=lambda c, o: Quadratic(c, o))
     return ctx
 
@@ -146,8 +164,14 @@ def closed_form_round(strategy_cls=RaboStrategy, client_cls=BilevelClient):
     strategy.initialize()
     clients = quadratic_context(capacities)
     # Execute: the real round loop (messages encoded), phases inner and hypergradient
-    history = run_rounds(strategy, lambda cid, state: client_cls(cid, clients.profiles[cid], clients, state),
-                         len(capacities), len(capacities), 1, seed=0)
+    history = run_rounds(
+        strategy,
+        lambda cid, state: client_cls(cid, clients.profiles[cid], clients, state),
+        len(capacities),
+        len(capacities),
+        1,
+        seed=0,
+    )
     # Assert
     masks, y1, x1 = expected_round(strategy.problem, capacities)
     for cid, (mx, my) in enumerate(masks):
@@ -189,12 +213,17 @@ class FullModelHypergradClient(BilevelClient):
     def hypergradient(self, problem, x, y, data, sub, physical, rnd):
         xn, yn, bind = self._closures(problem, x, y)
         xi, zeta = problem.hyper_batches(data)
-        from fedtune.models.hypergrad import implicit_hypergradient
+        from fedtune.methods.rabo.hypergrad import implicit_hypergradient
 
         o = self.options
-        hyper, outer = implicit_hypergradient(bind(problem.g, xi), bind(problem.f, zeta),
-                                              [x[n].requires_grad_() for n in xn], [y[n].requires_grad_() for n in yn],
-                                              solver=o.solver, iters=o.solver_iters)
+        hyper, outer = implicit_hypergradient(
+            bind(problem.g, xi),
+            bind(problem.f, zeta),
+            [x[n].requires_grad_() for n in xn],
+            [y[n].requires_grad_() for n in yn],
+            solver=o.solver,
+            iters=o.solver_iters,
+        )
         return dict(zip(xn, hyper)), outer
 
 
@@ -226,15 +255,19 @@ def check_parameter_wise(strategy_cls):
     strategy.initialize()
     strategy.x = {"x": np.array([1.0, 2.0, 3.0, 4.0], np.float32)}
     strategy.subs = {0: sub_of(x=[1, 1, 0, 0], y=[1, 0, 0, 0]), 1: sub_of(x=[0, 1, 1, 0], y=[0, 1, 0, 0])}
-    replies = {0: Message({"H/x": np.array([1.0, 1.0], np.float32)}, {"outer_loss": 0.0}),
-               1: Message({"H/x": np.array([3.0, 5.0], np.float32)}, {"outer_loss": 0.0})}
+    replies = {
+        0: Message({"H/x": np.array([1.0, 1.0], np.float32)}, {"outer_loss": 0.0}),
+        1: Message({"H/x": np.array([3.0, 5.0], np.float32)}, {"outer_loss": 0.0}),
+    }
     metrics = strategy.aggregate_phase("hypergradient", 1, replies)
     assert np.allclose(strategy.x["x"], [0.5, 1.0, 0.5, 4.0]), strategy.x["x"]
     assert metrics["C_x_round"] == 1 and metrics["covered_x"] == pytest.approx(0.75)
     # eq. (6) on y, beta = 0.1: y' = y - beta G on each client's own entry, the rest unchanged
     strategy.y = {"y": np.array([1.0, 1.0, 1.0, 1.0], np.float32)}
-    replies = {0: Message({"G/y": np.array([2.0], np.float32)}, {"train_loss": 0.0}),
-               1: Message({"G/y": np.array([-4.0], np.float32)}, {"train_loss": 0.0})}
+    replies = {
+        0: Message({"G/y": np.array([2.0], np.float32)}, {"train_loss": 0.0}),
+        1: Message({"G/y": np.array([-4.0], np.float32)}, {"train_loss": 0.0}),
+    }
     strategy.aggregate_fit(1, replies)
     assert np.allclose(strategy.y["y"], [0.8, 1.4, 1.0, 1.0]), strategy.y["y"]
 
@@ -248,12 +281,16 @@ def test_averaging_over_all_clients_fails_the_hand_computed_case():
         check_parameter_wise(AllClientsAverage)
 
 
-@pytest.mark.parametrize(("strategy_cls", "client_cls"), [
-    (AllClientsAverage, BilevelClient),  # eqs. (6), (8) divided by all replies, not by C^k
-    (RaboStrategy, LiteralSignClient),  # Alg. 1 line 10's sign: y moves up its gradient
-    (RaboStrategy, FirstOrderClient),  # eq. (7) without the implicit term
-    (RaboStrategy, FullModelHypergradClient),  # eq. (7) solved on the full y, not the sub-model
-], ids=["all-clients-average", "literal-sign-of-G", "first-order-hypergradient", "hypergradient-off-the-sub-model"])
+@pytest.mark.parametrize(
+    ("strategy_cls", "client_cls"),
+    [
+        (AllClientsAverage, BilevelClient),  # eqs. (6), (8) divided by all replies, not by C^k
+        (RaboStrategy, LiteralSignClient),  # Alg. 1 line 10's sign: y moves up its gradient
+        (RaboStrategy, FirstOrderClient),  # eq. (7) without the implicit term
+        (RaboStrategy, FullModelHypergradClient),  # eq. (7) solved on the full y, not the sub-model
+    ],
+    ids=["all-clients-average", "literal-sign-of-G", "first-order-hypergradient", "hypergradient-off-the-sub-model"],
+)
 def test_unfaithful_rabo_fails_the_closed_form_round(strategy_cls, client_cls):
     with pytest.raises(AssertionError):
         closed_form_round(strategy_cls, client_cls)
@@ -303,8 +340,11 @@ def inner_phase_equals_fit_head(few_shot, client_cls):
     strategy.initialize()
     clients = RunContext(cfg)
     sent = strategy.configure_fit(1, [0])
-    replies = {0: Message.decode(client_cls(0, clients.profiles[0], clients, {}).fit(Message.decode(sent[0].encode()))
-                                 .encode())}
+    replies = {
+        0: Message.decode(
+            client_cls(0, clients.profiles[0], clients, {}).fit(Message.decode(sent[0].encode())).encode()
+        )
+    }
     strategy.aggregate_fit(1, replies)
     problem = strategy.problem
     batch = problem.data(0, 1)
@@ -329,7 +369,7 @@ def test_literal_sign_of_g_fails(few_shot):
 def test_few_shot_losses_are_the_tasks_hooks(few_shot):
     ctx = RunContext(few_shot("options.inner_l2=0.0"))
     ctx.model.train()
-    from fedtune.methods.rabo_problems import HyperRepresentation
+    from fedtune.methods.rabo.problems import HyperRepresentation
 
     problem = HyperRepresentation(ctx, ctx.options)
     batch = problem.data(0, 1)
@@ -339,8 +379,12 @@ def test_few_shot_losses_are_the_tasks_hooks(few_shot):
     torch.manual_seed(0)
     with torch.no_grad():
         head = (heads[0][0], heads[1][0])
-        assert float(problem.g(x, y, batch)) == pytest.approx(len(batch) * float(ctx.task.support_loss(ctx.model, batch, head)), rel=1e-5)
-        assert float(problem.f(x, y, batch)) == pytest.approx(float(ctx.task.query_loss(ctx.model, batch, head)), rel=1e-5)
+        assert float(problem.g(x, y, batch)) == pytest.approx(
+            len(batch) * float(ctx.task.support_loss(ctx.model, batch, head)), rel=1e-5
+        )
+        assert float(problem.f(x, y, batch)) == pytest.approx(
+            float(ctx.task.query_loss(ctx.model, batch, head)), rel=1e-5
+        )
 
 
 @pytest.mark.parametrize("method", ["rabo", "rafbo", "fedmbo"])

@@ -25,9 +25,9 @@ import torch
 
 from fedtune.config import load_config
 from fedtune.methods.fedavg import trainable_tensors
-from fedtune.methods.fedrolex import FedRolexStrategy
-from fedtune.methods.fiarse import FiarseClient, FiarseStrategy, ThresholdMask
-from fedtune.models.rabo_masks import (
+from fedtune.methods.rabo.fedrolex import FedRolexStrategy
+from fedtune.methods.rabo.fiarse import FiarseClient, FiarseStrategy, ThresholdMask
+from fedtune.methods.rabo.masks import (
     SubModel,
     choose_units,
     covered_update,
@@ -39,11 +39,28 @@ from fedtune.models.rabo_masks import (
 from fedtune.protocol.messages import Message
 from fedtune.runtime import RunContext
 
-FEW_SHOT = ["task.kind=few-shot", "task.filters=8", "task.q_query=2", "task.eval_episodes=20", "task.official_runs=false",
-            "train.batch_size=2", "train.local_steps=1", "federation.num_clients=3"]
-IMAGES = ["task.kind=image-classification", "model.name=small-cnn", "data.name=digits", "data.max_train_samples=200",
-          "data.max_test_samples=50", "federation.num_clients=2", "train.optimizer=sgd", "train.lr=0.5",
-          "train.local_steps=1", "train.batch_size=16"]
+FEW_SHOT = [
+    "task.kind=few-shot",
+    "task.filters=8",
+    "task.q_query=2",
+    "task.eval_episodes=20",
+    "task.official_runs=false",
+    "train.batch_size=2",
+    "train.local_steps=1",
+    "federation.num_clients=3",
+]
+IMAGES = [
+    "task.kind=image-classification",
+    "model.name=small-cnn",
+    "data.name=digits",
+    "data.max_train_samples=200",
+    "data.max_test_samples=50",
+    "federation.num_clients=2",
+    "train.optimizer=sgd",
+    "train.lr=0.5",
+    "train.local_steps=1",
+    "train.batch_size=16",
+]
 PROFILES = "federation.profiles=[{capacity=1.0},{capacity=0.5},{capacity=0.25}]"
 
 
@@ -60,7 +77,7 @@ def started(ctx: RunContext):
 # -- structures ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("base", [FEW_SHOT, IMAGES], ids=["conv4", "small-cnn"])
 def test_sliced_submodel_computes_the_zero_masked_full_model(base):
-    from fedtune.models.rabo_masks import materialize
+    from fedtune.methods.rabo.masks import materialize
 
     ctx = context("static", base)
     model = ctx.model
@@ -68,8 +85,11 @@ def test_sliced_submodel_computes_the_zero_masked_full_model(base):
     rng = np.random.default_rng(0)
     units = {g.name: np.sort(rng.choice(g.size, size=max(1, g.size // 2), replace=False)) for g in structure.groups}
     sub = submodel_of(structure, units)
-    full = {n: t.detach().numpy() for n, t in list(model.named_parameters()) + list(model.named_buffers())
-            if n in structure.shapes}
+    full = {
+        n: t.detach().numpy()
+        for n, t in list(model.named_parameters()) + list(model.named_buffers())
+        if n in structure.shapes
+    }
     sliced = materialize(model, expand({n: a[sub.masks[n]] for n, a in full.items()}, sub, physical=True))
     zeroed = materialize(model, {n: torch.from_numpy(a * sub.masks[n]) for n, a in full.items()})
     for m in (sliced, zeroed):
@@ -131,8 +151,9 @@ class AllClientsAverage(FedRolexStrategy):
     def aggregate(self, old, contributions, scale):
         new, counts = covered_update(old, contributions, scale)
         n = len(contributions)
-        return {k: (v + (new[k] - v) * counts[k] / n).astype(v.dtype) if k in counts else new[k]
-                for k, v in old.items()}, counts
+        return {
+            k: (v + (new[k] - v) * counts[k] / n).astype(v.dtype) if k in counts else new[k] for k, v in old.items()
+        }, counts
 
 
 def check_coverer_average(strategy_cls):
@@ -145,10 +166,14 @@ def check_coverer_average(strategy_cls):
     masks[0][[0, 1]] = True
     masks[1][[1, 2]] = True
     full = {n: np.ones(a.shape, bool) for n, a in strategy.global_arrays.items()}
-    strategy.subs = {cid: SubModel({**{n: np.zeros_like(m) for n, m in full.items()}, name: masks[cid]}) for cid in (0, 1)}
+    strategy.subs = {
+        cid: SubModel({**{n: np.zeros_like(m) for n, m in full.items()}, name: masks[cid]}) for cid in (0, 1)
+    }
     zero = {f"d/{n}": np.zeros(0, np.float32) for n in strategy.global_arrays if n != name}
-    replies = {0: Message({**zero, f"d/{name}": np.array([1.0, 2.0], np.float32)}, {"train_loss": 0.0}),
-               1: Message({**zero, f"d/{name}": np.array([4.0, 6.0], np.float32)}, {"train_loss": 0.0})}
+    replies = {
+        0: Message({**zero, f"d/{name}": np.array([1.0, 2.0], np.float32)}, {"train_loss": 0.0}),
+        1: Message({**zero, f"d/{name}": np.array([4.0, 6.0], np.float32)}, {"train_loss": 0.0}),
+    }
     strategy.aggregate_fit(1, replies)
     new = strategy.global_arrays[name]
     assert np.allclose(new[:4] - old[:4], [1.0, 3.0, 6.0, 0.0]), new[:4] - old[:4]
@@ -190,8 +215,9 @@ def check_magnitude_masks(strategy_cls):
     strategy.configure_fit(1, [0, 1])
     for cid, capacity in enumerate([0.5, 0.25]):
         sub = strategy.subs[cid]
-        width = submodel_of(strategy.structure,
-                            {g.name: choose_units("static", g, capacity, 1, cid) for g in strategy.structure.groups})
+        width = submodel_of(
+            strategy.structure, {g.name: choose_units("static", g, capacity, 1, cid) for g in strategy.structure.groups}
+        )
         budget = sum(width.kept(n) for n in strategy.maskable)
         kept = np.concatenate([np.abs(strategy.global_arrays[n])[sub.masks[n]] for n in strategy.maskable])
         dropped = np.concatenate([np.abs(strategy.global_arrays[n])[~sub.masks[n]] for n in strategy.maskable])
@@ -230,8 +256,8 @@ class PlainMaskClient(FiarseClient):
 
 def check_tcb_step(client_cls):
     # Prepare: one SGD step (lr 0.5) of a client of capacity 0.5
-    from fedtune.methods.fiarse import maskable
-    from fedtune.models.rabo_masks import magnitude_masks, materialize
+    from fedtune.methods.rabo.fiarse import maskable
+    from fedtune.methods.rabo.masks import magnitude_masks, materialize
 
     ctx = context("fiarse", IMAGES, "federation.profiles=[{capacity=0.5}]", "federation.num_clients=1")
     strategy = started(ctx)
@@ -275,8 +301,9 @@ def test_threshold_mask_gradient_by_hand():
 
 
 # -- one engine round of each sub-model baseline, by its own definition --------------------------------
-def defined_masks(method: str, strategy, old: dict[str, np.ndarray], rnd: int, cid: int,
-                  message: Message) -> dict[str, np.ndarray]:
+def defined_masks(
+    method: str, strategy, old: dict[str, np.ndarray], rnd: int, cid: int, message: Message
+) -> dict[str, np.ndarray]:
     """Client ``cid``'s mask in round ``rnd`` from its paper's definition, not from the strategy:
     Static, the first ceil(beta n) units of every group (HeteroFL); FedRolex, ceil(beta n) units
     from (rnd - 1) mod n, wrapping (FedRolex eq. (4)); FIARSE, the entries of the maskable tensors
@@ -286,8 +313,7 @@ def defined_masks(method: str, strategy, old: dict[str, np.ndarray], rnd: int, c
         k = int(message.meta["budget"])
         flat = np.sort(np.concatenate([np.abs(old[n]).ravel() for n in strategy.maskable]))
         tau = flat[-k]
-        return {n: (np.abs(a) >= tau) if n in strategy.maskable else np.ones(a.shape, bool)
-                for n, a in old.items()}
+        return {n: (np.abs(a) >= tau) if n in strategy.maskable else np.ones(a.shape, bool) for n, a in old.items()}
     units = {}
     for g in strategy.structure.groups:
         k = units_kept(capacity, g.size)
@@ -324,8 +350,15 @@ def check_engine_round(method: str, strategy_cls=None, rounds: int = 2):
 
     strategy.configure_fit, strategy.aggregate_fit = record_configure, record_aggregate
     client_cls = get_method(method).client
-    run_rounds(strategy, lambda cid, state: client_cls(cid, ctx.profiles[cid], ctx, state), 2, 2, rounds, seed=0,
-               eval_every=rounds)
+    run_rounds(
+        strategy,
+        lambda cid, state: client_cls(cid, ctx.profiles[cid], ctx, state),
+        2,
+        2,
+        rounds,
+        seed=0,
+        eval_every=rounds,
+    )
     counts_seen = set()
     for rnd, r in seen.items():
         masks = {cid: defined_masks(method, strategy, r["old"], rnd, cid, m) for cid, m in r["sent"].items()}
@@ -359,11 +392,15 @@ def test_engine_round_averages_each_entry_over_its_coverers(method):
     check_engine_round(method)
 
 
-@pytest.mark.parametrize(("method", "variant"), [
-    ("fedrolex", StaticWindow),  # the window does not roll: round 2's masks are not FedRolex's
-    ("fedrolex", RolexAllClients),
-    ("fiarse", FiarseAllClients),
-], ids=["fedrolex-static-window", "fedrolex-all-clients-average", "fiarse-all-clients-average"])
+@pytest.mark.parametrize(
+    ("method", "variant"),
+    [
+        ("fedrolex", StaticWindow),  # the window does not roll: round 2's masks are not FedRolex's
+        ("fedrolex", RolexAllClients),
+        ("fiarse", FiarseAllClients),
+    ],
+    ids=["fedrolex-static-window", "fedrolex-all-clients-average", "fiarse-all-clients-average"],
+)
 def test_unfaithful_baselines_fail_the_engine_round(method, variant):
     with pytest.raises(AssertionError):
         check_engine_round(method, variant)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedtune.models.hypergrad import (
+from fedtune.methods.rabo.hypergrad import (
     conjugate_gradient,
     finite_difference_hypergradient,
     gradient_steps,

@@ -83,7 +83,6 @@ def test_every_run_has_an_estimate_and_quick_is_small(suite, tmp_path):
     assert all(s.config.rounds == 2 for specs in quick.values() for s in specs if s.experiment != "fig4")
 
 
-
 def test_a_factor_sweep_scales_each_methods_own_step_size_and_the_tables_use_the_choice(suite, tmp_path):
     from dataclasses import replace
 
@@ -120,13 +119,16 @@ def test_a_factor_sweep_scales_each_methods_own_step_size_and_the_tables_use_the
     table = {(s.labels["method"], s.labels["seed"]): s for s in plan["table2"]}
     assert set(table) == {(m, seed) for m in ("rabo", "fedavg") for seed in (0, 1, 2)}
     for seed in (0, 1, 2):  # factor 1: the unswept suite's very run; factor 3: the scaled rate on every seed
-        assert table[("rabo", seed)].key == next(s.key for s in unswept["table2"] if (s.labels["method"], s.labels[
-            "seed"]) == ("rabo", seed))
+        assert table[("rabo", seed)].key == next(
+            s.key for s in unswept["table2"] if (s.labels["method"], s.labels["seed"]) == ("rabo", seed)
+        )
         assert table[("fedavg", seed)].config.train.lr == pytest.approx(3 * base["fedavg"].train.lr)
     assert {(s.labels["method"], s.labels["clients"]) for s in plan["table3"]} == {("rabo", n) for n in scale.clients}
     text = suite.report_sweep(plan["sweep"], scale, "head", tmp_path)
-    assert ("| RABO (`options.outer_lr` x 1 = 0.05) | 23.33 | **50.00** | 40.00 | factor 1 by 10.00 points over factor 3 |"
-            in text)
+    assert (
+        "| RABO (`options.outer_lr` x 1 = 0.05) | 23.33 | **50.00** | 40.00 | factor 1 by 10.00 points over factor 3 |"
+        in text
+    )
     assert "(the grid's largest factor: a rate beyond it might do better)" in text
 
 
@@ -138,8 +140,9 @@ def test_figure5_has_its_own_sweep_of_every_step_size_and_runs_each_methods_choi
 
     from tests.test_harness import finish
 
-    scale = replace(suite.Scale(), settings=("w5s1",), updates=30, sweep=suite.Sweep((1.0, 3.0), 3),
-                    lt_grid=(0.1, 0.3, 1.0))
+    scale = replace(
+        suite.Scale(), settings=("w5s1",), updates=30, sweep=suite.Sweep((1.0, 3.0), 3), lt_grid=(0.1, 0.3, 1.0)
+    )
     plan = suite.build_suite_plan(scale, [0, 1, 2], tmp_path)
     unswept = suite.build_suite_plan(replace(scale, sweep=None), [0, 1, 2], tmp_path)
     base = {s.labels["method"]: s.config for s in unswept["fig5"] if s.labels["seed"] == 0}
@@ -189,4 +192,5 @@ def test_figure5_at_factor_one_is_the_unswept_run(suite, tmp_path):
     plan = suite.build_suite_plan(scale, [0, 1], tmp_path)
     unswept = suite.build_suite_plan(replace(scale, sweep=None), [0, 1], tmp_path)
     assert [(s.name, s.key, s.run_dir) for s in plan["fig5"]] == [
-        (s.name, s.key, s.run_dir) for s in unswept["fig5"] if s.labels["method"] == "fedavg"]
+        (s.name, s.key, s.run_dir) for s in unswept["fig5"] if s.labels["method"] == "fedavg"
+    ]

@@ -29,9 +29,16 @@ def finish(spec, accuracies: list[float], reference: float, test_examples: int, 
     (spec.run_dir / "config.toml").write_text(tomli_w.dumps(spec.config.model_dump(mode="json", exclude_none=True)))
     rounds = [{"round": every * (i + 1), "accuracy": a, "bytes_up": 10} for i, a in enumerate(accuracies)]
     (spec.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
-    summary = {"name": spec.name, "rounds": len(rounds), "final_accuracy": accuracies[-1],
-               "majority_accuracy": reference, "reference_name": "majority-class rate",
-               "test_examples": test_examples, "total_bytes_up": 10, "wall_s": 3.0}
+    summary = {
+        "name": spec.name,
+        "rounds": len(rounds),
+        "final_accuracy": accuracies[-1],
+        "majority_accuracy": reference,
+        "reference_name": "majority-class rate",
+        "test_examples": test_examples,
+        "total_bytes_up": 10,
+        "wall_s": 3.0,
+    }
     (spec.run_dir / "summary.json").write_text(json.dumps(summary))
 
 
@@ -85,13 +92,18 @@ def test_plan_names_the_resolved_data_and_model_and_resumes(rb, tmp_path):
     own = {s.labels["recipe"]: s for s in plan["own"]}
     assert own["bare.toml"].config.data.name == "tweets" and own["bare.toml"].config.model.name == "minilm"
     assert own["fedit.toml"].config.rounds == 20  # as written
-    assert sorted(s.name for s in plan["similar"]) == ["bare-on-agnews", "bare-on-sst2", "fedit-on-agnews",
-                                                       "fedit-on-tweets"]
+    assert sorted(s.name for s in plan["similar"]) == [
+        "bare-on-agnews",
+        "bare-on-sst2",
+        "fedit-on-agnews",
+        "fedit-on-tweets",
+    ]
     sim = next(s for s in plan["similar"] if s.name == "fedit-on-tweets").config
     written = own["fedit.toml"].config
     assert sim.data.name == "tweets" and sim.data.max_test_samples == 2000
     assert sim.model_dump(exclude={"data", "name", "output_dir"}) == written.model_dump(
-        exclude={"data", "name", "output_dir"})  # only the data set changes
+        exclude={"data", "name", "output_dir"}
+    )  # only the data set changes
     finish(own["bare.toml"], [0.5, 0.6], 0.42, 2000)
     assert run_state(own["bare.toml"]) == "done"
     # short rounds and --set apply to every run; --quick caps data only where the task takes it
@@ -100,8 +112,13 @@ def test_plan_names_the_resolved_data_and_model_and_resumes(rb, tmp_path):
     assert all(c.rounds == 3 for c in configs.values())  # an explicit --rounds wins over --quick
     capped = rb.build_recipes_plan(paths, rb.Options(rounds=10), tmp_path / "r")
     assert {s.labels["recipe"]: s.config.rounds for s in capped["own"]} == {
-        "bare.toml": 4, "fedit.toml": 10, "few-shot.toml": 10}  # a cap: bare.toml is written with 4
-    assert configs["fedit.toml"].data.max_train_samples == 200 and configs["few-shot.toml"].data.max_train_samples is None
+        "bare.toml": 4,
+        "fedit.toml": 10,
+        "few-shot.toml": 10,
+    }  # a cap: bare.toml is written with 4
+    assert (
+        configs["fedit.toml"].data.max_train_samples == 200 and configs["few-shot.toml"].data.max_train_samples is None
+    )
     cheap = rb.build_recipes_plan(paths, rb.Options(), tmp_path / "c", similar_max_minutes=0.0)
     assert cheap["similar"] == []
 

@@ -17,16 +17,36 @@ def make_run(root: Path, name: str, final_accuracy: float | None = 0.8125, **ext
     run_dir.mkdir(parents=True)
     rounds = [
         {"round": 1, "accuracy": None, "loss": None, "bytes_up": 1_000_000, "bytes_down": 2_000_000, "wall_s": 1.0},
-        {"round": 2, "accuracy": 0.75, "loss": 0.6, "bytes_up": 500_000, "bytes_down": 2_000_000, "wall_s": 1.0,
-         "client_bytes_up": {"0": 250_000, "1": 250_000}},
-        {"round": 3, "accuracy": final_accuracy, "loss": 0.5, "bytes_up": 734_567, "bytes_down": 2_000_000,
-         "wall_s": 1.0},
+        {
+            "round": 2,
+            "accuracy": 0.75,
+            "loss": 0.6,
+            "bytes_up": 500_000,
+            "bytes_down": 2_000_000,
+            "wall_s": 1.0,
+            "client_bytes_up": {"0": 250_000, "1": 250_000},
+        },
+        {
+            "round": 3,
+            "accuracy": final_accuracy,
+            "loss": 0.5,
+            "bytes_up": 734_567,
+            "bytes_down": 2_000_000,
+            "wall_s": 1.0,
+        },
     ]
     summary = {
-        "name": name, "method": "fedit", "data": "sst2", "rounds": 3,
-        "final_accuracy": final_accuracy, "majority_accuracy": 0.5, "final_loss": 0.5,
+        "name": name,
+        "method": "fedit",
+        "data": "sst2",
+        "rounds": 3,
+        "final_accuracy": final_accuracy,
+        "majority_accuracy": 0.5,
+        "final_loss": 0.5,
         "total_bytes_up": sum(r["bytes_up"] for r in rounds),
-        "total_bytes_down": sum(r["bytes_down"] for r in rounds), "wall_s": 3.5, **extra,
+        "total_bytes_down": sum(r["bytes_down"] for r in rounds),
+        "wall_s": 3.5,
+        **extra,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary))
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))

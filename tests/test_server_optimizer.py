@@ -22,9 +22,16 @@ from fedtune.runtime import RunContext
 
 RANK = 8
 TINY = [
-    "model.name=tiny-bert", "data=sst2", "data.max_train_samples=60", "data.max_test_samples=32",
-    "data.max_length=16", f"model.lora_rank={RANK}", "federation.num_clients=3", "train.local_steps=1",
-    "train.batch_size=8", "rounds=2",
+    "model.name=tiny-bert",
+    "data=sst2",
+    "data.max_train_samples=60",
+    "data.max_test_samples=32",
+    "data.max_length=16",
+    f"model.lora_rank={RANK}",
+    "federation.num_clients=3",
+    "train.local_steps=1",
+    "train.batch_size=8",
+    "rounds=2",
 ]
 SKETCH = "federation.profiles=[{sketch_ratio=0.25},{sketch_ratio=0.5},{sketch_ratio=1.0}]"
 LORA_METHODS = ["fedit", "fslora", "heterolora", "flexlora", "fedstacklora"]
@@ -54,8 +61,9 @@ def fslora_replies(strategy, rnd: int, rng) -> dict[int, Message]:
 
 
 # -- server SGD: eq. (5) ---------------------------------------------------------------------------
-@pytest.mark.parametrize("server", [[], ["federation.server_optimizer=sgd", "federation.server_lr=1"],
-                                    ["federation.server_lr=0.5"]])
+@pytest.mark.parametrize(
+    "server", [[], ["federation.server_optimizer=sgd", "federation.server_lr=1"], ["federation.server_lr=0.5"]]
+)
 def test_server_sgd_is_eq5_bit_for_bit_at_lr_1_and_scales_the_sum_otherwise(server):
     """X^{t+1} = X^t + eta sum_i (1/N) scatter_I_i(Delta X_i), written out here with plain numpy
     (float32, clients in reply order): equal bit for bit at eta = 1 (the default) and eta = 1/2."""
@@ -86,7 +94,10 @@ def fedit_round(strategy, rng) -> tuple[dict[int, Message], dict[str, np.ndarray
     for cid in range(3):
         u = {k: rng.normal(scale=0.1, size=v.shape).astype(np.float32) for k, v in strategy.global_arrays.items()}
         replies[cid] = Message(u, {"num_examples": int(n[cid])})
-    mean = {k: sum(n[c] / n.sum() * replies[c].arrays[k].astype(np.float64) for c in range(3)) for k in strategy.global_arrays}
+    mean = {
+        k: sum(n[c] / n.sum() * replies[c].arrays[k].astype(np.float64) for c in range(3))
+        for k in strategy.global_arrays
+    }
     return replies, mean
 
 
@@ -94,9 +105,16 @@ def test_server_adam_without_bias_correction_matches_a_hand_written_fedadam_step
     """Reddi et al. (2021) Alg. 2, three rounds: m = b1 m + (1 - b1) D, v = b2 v + (1 - b2) D^2,
     x += eta m / (sqrt(v) + tau), D the data-size weighted mean update."""
     eta, b1, b2, tau = 0.01, 0.9, 0.99, 1e-3
-    strategy = strategy_of(tiny("fedit", "federation.server_optimizer=adam", f"federation.server_lr={eta}",
-                                f"federation.server_betas=[{b1}, {b2}]", f"federation.server_eps={tau}",
-                                "federation.server_bias_correction=false"))
+    strategy = strategy_of(
+        tiny(
+            "fedit",
+            "federation.server_optimizer=adam",
+            f"federation.server_lr={eta}",
+            f"federation.server_betas=[{b1}, {b2}]",
+            f"federation.server_eps={tau}",
+            "federation.server_bias_correction=false",
+        )
+    )
     rng = np.random.default_rng(1)
     x = {k: v.astype(np.float64) for k, v in strategy.global_arrays.items()}
     m = {k: np.zeros_like(v) for k, v in x.items()}
@@ -117,8 +135,12 @@ def test_server_adam_with_bias_correction_is_torch_adamw_on_the_negated_mean_as_
     eps 1e-8, weight decay 0.01) stepped with grad = -(mean update); three rounds, and the moments
     survive a checkpoint round trip."""
     eta = 5e-4
-    config = tiny("fedit", "federation.server_optimizer=adam", f"federation.server_lr={eta}",
-                  "federation.server_weight_decay=0.01")
+    config = tiny(
+        "fedit",
+        "federation.server_optimizer=adam",
+        f"federation.server_lr={eta}",
+        "federation.server_weight_decay=0.01",
+    )
     strategy = strategy_of(config)
     params = {k: torch.tensor(v) for k, v in strategy.global_arrays.items()}
     reference = torch.optim.AdamW(params.values(), lr=eta)
@@ -140,14 +162,24 @@ def test_server_adam_with_bias_correction_is_torch_adamw_on_the_negated_mean_as_
 HETLORA = ["options.self_pruning=true", "options.weighting=sparsity", "options.aggregate=modules"]
 
 
-@pytest.mark.parametrize("method, extra", [(m, []) for m in LORA_METHODS] + [("heterolora", HETLORA)],
-                         ids=[*LORA_METHODS, "hetlora"])
+@pytest.mark.parametrize(
+    "method, extra", [(m, []) for m in LORA_METHODS] + [("heterolora", HETLORA)], ids=[*LORA_METHODS, "hetlora"]
+)
 def test_every_lora_method_runs_with_server_adam_and_client_momentum(method, extra, tmp_path):
     """Two rounds with FedAdam on the server and SGD momentum on the clients; the checkpoint holds
     the server optimizer's moments and restores them exactly."""
-    config = tiny(method, SKETCH, "federation.server_optimizer=adam", "federation.server_lr=1e-3",
-                  "train.optimizer=sgd", "train.momentum=0.9", "train.lr=0.01", "train.local_steps=2",
-                  f"output_dir={tmp_path}", *extra)
+    config = tiny(
+        method,
+        SKETCH,
+        "federation.server_optimizer=adam",
+        "federation.server_lr=1e-3",
+        "train.optimizer=sgd",
+        "train.momentum=0.9",
+        "train.lr=0.01",
+        "train.local_steps=2",
+        f"output_dir={tmp_path}",
+        *extra,
+    )
     summary = run_experiment(config)
     state = load_state(Path(summary["run_dir"]) / "checkpoint.npz")
     assert state["server_opt"]["t"] == 2 and state["server_opt"]["m"] and state["server_opt"]["v"]
@@ -191,13 +223,18 @@ def test_train_momentum_is_heavy_ball_sgd():
 
 
 # -- configuration -------------------------------------------------------------------------------
-@pytest.mark.parametrize("overrides, message", [
-    (["train.momentum=0.9"], r"train\.momentum: applies to train\.optimizer='sgd'"),
-    (["federation.server_optimizer=adam"], r"federation\.server_lr: required"),
-    (["federation.server_eps=1e-3"], r"federation\.server_eps: applies to federation\.server_optimizer='adam'"),
-    (["federation.server_optimizer=adam", "federation.server_lr=1", "federation.server_betas=[0.9, 1.0]"],
-     r"federation\.server_betas"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.momentum=0.9"], r"train\.momentum: applies to train\.optimizer='sgd'"),
+        (["federation.server_optimizer=adam"], r"federation\.server_lr: required"),
+        (["federation.server_eps=1e-3"], r"federation\.server_eps: applies to federation\.server_optimizer='adam'"),
+        (
+            ["federation.server_optimizer=adam", "federation.server_lr=1", "federation.server_betas=[0.9, 1.0]"],
+            r"federation\.server_betas",
+        ),
+    ],
+)
 def test_bad_optimizer_settings_are_one_line_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         tiny("fedit", *overrides)

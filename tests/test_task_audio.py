@@ -18,8 +18,14 @@ from fedtune.data import audio as A
 from fedtune.data.audio import hz_to_mel, load_fsdd, log_mel, mel_filterbank, mel_frequencies, read_wav
 
 DATA = Path(os.environ["FEDTUNE_DATA_DIR"])
-AUDIO_TASK = ["task.kind=audio-classification", "data.name=fsdd", "model.name=audio-cnn", "data.max_train_samples=96",
-              "data.max_test_samples=40", "task.frames=32"]
+AUDIO_TASK = [
+    "task.kind=audio-classification",
+    "data.name=fsdd",
+    "model.name=audio-cnn",
+    "data.max_train_samples=96",
+    "data.max_test_samples=40",
+    "task.frames=32",
+]
 
 
 @pytest.fixture(scope="module")
@@ -119,14 +125,18 @@ def test_slaney_mel_scale_is_linear_below_1khz_and_logarithmic_above():
     np.testing.assert_allclose(A.mel_to_hz(hz_to_mel([50, 900, 1000, 3000, 7999])), [50, 900, 1000, 3000, 7999])
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(sr=8000, n_fft=256, n_mels=40),
-    dict(sr=16000, n_fft=400, n_mels=64, fmin=20.0, fmax=7600.0),
-    dict(sr=8000, n_fft=512, n_mels=32, htk=True),
-    dict(sr=8000, n_fft=256, n_mels=20, norm=None),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(sr=8000, n_fft=256, n_mels=40),
+        dict(sr=16000, n_fft=400, n_mels=64, fmin=20.0, fmax=7600.0),
+        dict(sr=8000, n_fft=512, n_mels=32, htk=True),
+        dict(sr=8000, n_fft=256, n_mels=20, norm=None),
+    ],
+)
 def test_filterbank_matches_librosa(kwargs):
     import librosa  # a test dependency (pyproject [test])
+
     args = dict(kwargs)
     sr, n_fft, n_mels = args.pop("sr"), args.pop("n_fft"), args.pop("n_mels")
     ours = mel_filterbank(sr, n_fft, n_mels, **args)
@@ -151,6 +161,7 @@ def test_log_mel_shape_determinism_cache_and_fixed_length(fsdd):
 
 def test_log_mel_matches_librosa(fsdd):
     import librosa  # a test dependency (pyproject [test])
+
     train, _ = fsdd
     idx = [0, 500, 1400, 2699]
     ours = log_mel([train.waves[i] for i in idx], 8000, n_mels=40, n_fft=256, hop=80, frames=64)
@@ -165,8 +176,16 @@ def test_log_mel_matches_librosa(fsdd):
 def test_speaker_partition_gives_whole_speakers(tiny_config):
     from fedtune.runtime import RunContext
 
-    ctx = RunContext(tiny_config("method=fedavg", "task.kind=audio-classification", "data.name=fsdd",
-                                 "task.split_by=speaker", "federation.num_clients=3", "data.max_train_samples=300"))
+    ctx = RunContext(
+        tiny_config(
+            "method=fedavg",
+            "task.kind=audio-classification",
+            "data.name=fsdd",
+            "task.split_by=speaker",
+            "federation.num_clients=3",
+            "data.max_train_samples=300",
+        )
+    )
     speakers = np.array(ctx.task.train.speakers)
     parts = ctx.partitions
     owned = [set(speakers[p]) for p in parts]
@@ -174,8 +193,9 @@ def test_speaker_partition_gives_whole_speakers(tiny_config):
     assert sum(len(p) for p in parts) == len(speakers)
     assert all(not (a & b) for i, a in enumerate(owned) for b in owned[i + 1 :])
     with pytest.raises(ConfigError, match="^federation.num_clients: task.split_by='speaker' needs at most 6"):
-        RunContext(tiny_config("method=fedavg", *AUDIO_TASK, "task.split_by=speaker",
-                               "federation.num_clients=7")).partitions
+        RunContext(
+            tiny_config("method=fedavg", *AUDIO_TASK, "task.split_by=speaker", "federation.num_clients=7")
+        ).partitions
 
 
 def test_bad_data_name_and_option_are_config_errors(tiny_config):
@@ -190,8 +210,9 @@ def test_bad_data_name_and_option_are_config_errors(tiny_config):
 def test_fedavg_on_the_small_net_runs(tiny_config):
     from fedtune.run import run_experiment
 
-    summary = run_experiment(tiny_config("method=fedavg", *AUDIO_TASK, "rounds=2",
-                                         "train.local_steps=4", "federation.num_clients=2"))
+    summary = run_experiment(
+        tiny_config("method=fedavg", *AUDIO_TASK, "rounds=2", "train.local_steps=4", "federation.num_clients=2")
+    )
     assert summary["task"] == "audio-classification" and summary["test_examples"] == 40
     assert 0.0 <= summary["final_accuracy"] <= 1.0 and np.isfinite(summary["final_loss"])
     test_labels = load_fsdd(DATA)[1].labels
@@ -203,9 +224,18 @@ def test_fedit_on_a_tiny_wav2vec2_trains_lora_on_attention_and_the_head(tiny_con
     from fedtune.run import run_experiment
     from fedtune.runtime import RunContext
 
-    cfg = tiny_config("method=fedit", *AUDIO_TASK, "model.name=tiny-wav2vec2", "data.max_train_samples=32",
-                      "data.max_test_samples=16", "rounds=1", "train.local_steps=2", "train.batch_size=4",
-                      "federation.num_clients=2", "model.lora_rank=2")
+    cfg = tiny_config(
+        "method=fedit",
+        *AUDIO_TASK,
+        "model.name=tiny-wav2vec2",
+        "data.max_train_samples=32",
+        "data.max_test_samples=16",
+        "rounds=1",
+        "train.local_steps=2",
+        "train.batch_size=4",
+        "federation.num_clients=2",
+        "model.lora_rank=2",
+    )
     ctx = RunContext(cfg)
     assert ctx.task.lora_targets() == ["q_proj", "v_proj"]
     assert ctx.task.head_modules() == ["projector", "classifier"]
@@ -224,8 +254,9 @@ def test_the_head_and_its_init_are_the_same_in_every_process(tiny_config):
     a, b = RunContext(cfg).task.build_model(3), RunContext(cfg).task.build_model(3)
     for (n, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items()):
         assert np.array_equal(p.numpy(), q.numpy()), n
-    assert not np.array_equal(a.classifier.weight.detach().numpy(),
-                              RunContext(cfg).task.build_model(4).classifier.weight.detach().numpy())
+    assert not np.array_equal(
+        a.classifier.weight.detach().numpy(), RunContext(cfg).task.build_model(4).classifier.weight.detach().numpy()
+    )
 
 
 def test_lora_on_the_small_net_adapts_its_convolutions(tiny_config):
@@ -246,12 +277,16 @@ def test_a_hf_audio_model_loads_by_path_with_a_fresh_seeded_head(tiny_config, tm
     saved = _tiny_wav2vec2(10)
     saved.save_pretrained(tmp_path / "w2v")
     _tiny_wav2vec2_extractor().save_pretrained(tmp_path / "w2v")
-    ctx = RunContext(tiny_config("method=fedit", *AUDIO_TASK, f"model.name={tmp_path / 'w2v'}", "task.clip_seconds=0.5"))
+    ctx = RunContext(
+        tiny_config("method=fedit", *AUDIO_TASK, f"model.name={tmp_path / 'w2v'}", "task.clip_seconds=0.5")
+    )
     assert ctx.task.lora_targets() == ["q_proj", "v_proj"] and ctx.task.head_modules() == ["projector", "classifier"]
     a, b = ctx.task.build_model(1), ctx.task.build_model(1)
     np.testing.assert_array_equal(a.classifier.weight.detach().numpy(), b.classifier.weight.detach().numpy())
     assert not np.allclose(a.classifier.weight.detach().numpy(), saved.classifier.weight.detach().numpy())
-    np.testing.assert_array_equal(a.wav2vec2.encoder.layers[0].attention.q_proj.weight.detach().numpy(),
-                                  saved.wav2vec2.encoder.layers[0].attention.q_proj.weight.detach().numpy())
+    np.testing.assert_array_equal(
+        a.wav2vec2.encoder.layers[0].attention.q_proj.weight.detach().numpy(),
+        saved.wav2vec2.encoder.layers[0].attention.q_proj.weight.detach().numpy(),
+    )
     assert ctx.task.inputs[0]["input_values"].shape == (96, 8000)
     assert 0.0 <= ctx.task.evaluate(a, 16)["accuracy"] <= 1.0

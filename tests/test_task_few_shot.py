@@ -37,7 +37,14 @@ def root() -> Path:
 def test_background_is_deduplicated_to_8_alphabets_242_characters_20_drawings():
     bg = load_background(root(), 28)
     assert bg.alphabet_names == [
-        "Balinese", "Early_Aramaic", "Greek", "Japanese_(katakana)", "Korean", "Latin", "Sanskrit", "Tagalog",
+        "Balinese",
+        "Early_Aramaic",
+        "Greek",
+        "Japanese_(katakana)",
+        "Korean",
+        "Latin",
+        "Sanskrit",
+        "Tagalog",
     ]
     assert len(bg.characters) == len(set(bg.characters)) == 242
     assert bg.characters.count("Greek/character01") == 1  # in both archives, kept once
@@ -58,18 +65,23 @@ def test_official_runs_are_20_way_1_shot():
 
 def test_missing_omniglot_files_stop_with_one_line_naming_the_directory(tmp_path):
     t = make_task(f"data.data_dir={tmp_path}")
-    with pytest.raises(ConfigError, match=r"^data\.data_dir: Omniglot file\(s\) .*small1\.zip.* not found in .*FEDTUNE_DATA_DIR") as exc:
+    with pytest.raises(
+        ConfigError, match=r"^data\.data_dir: Omniglot file\(s\) .*small1\.zip.* not found in .*FEDTUNE_DATA_DIR"
+    ) as exc:
         t.train
     assert "\n" not in str(exc.value) and str(tmp_path) in str(exc.value)
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (["task.k_shot=5", "task.q_query=16"], r"^task\.q_query: k_shot \+ q_query must be at most 20"),
-    (["task.test_alphabets=['Klingon']"], r"^task\.test_alphabets: unknown alphabet"),
-    (["data.max_train_samples=100"], r"^data\.max_train_samples: not used"),
-    (["model.name=resnet12"], r"^model\.name: "),
-    (["model.finetune=head"], r"^model\.finetune: "),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["task.k_shot=5", "task.q_query=16"], r"^task\.q_query: k_shot \+ q_query must be at most 20"),
+        (["task.test_alphabets=['Klingon']"], r"^task\.test_alphabets: unknown alphabet"),
+        (["data.max_train_samples=100"], r"^data\.max_train_samples: not used"),
+        (["model.name=resnet12"], r"^model\.name: "),
+        (["model.finetune=head"], r"^model\.finetune: "),
+    ],
+)
 def test_bad_options_stop_with_one_line(overrides, match):
     with pytest.raises(ConfigError, match=match):
         make_task(*overrides).train
@@ -152,7 +164,9 @@ def test_episodes_have_n_classes_of_k_plus_q_disjoint_drawings(n, k, q):
 def test_episodes_are_fixed_by_the_seed(task):
     pool = task.partition(4, seed=0)[1]
     a, b, c = (list(task.train_batches(pool, 2, 3, np.random.default_rng(s))) for s in (7, 7, 8))
-    assert all(np.array_equal(x.support_idx, y.support_idx) and np.array_equal(x.query_idx, y.query_idx) for x, y in zip(a, b))
+    assert all(
+        np.array_equal(x.support_idx, y.support_idx) and np.array_equal(x.query_idx, y.query_idx) for x, y in zip(a, b)
+    )
     assert not all(np.array_equal(x.support_idx, y.support_idx) for x, y in zip(a, c))
 
 
@@ -176,7 +190,9 @@ def test_prototype_head_is_the_negative_squared_distance_to_class_means():
     # class 0: (1, 0) and (3, 0) -> c0 = (2, 0); class 1: (0, 2) -> c1 = (0, 2); query q = (2, 1)
     emb = torch.tensor([[[1.0, 0.0], [3.0, 0.0], [0.0, 2.0]]])
     weight, bias = prototype_head(emb, torch.tensor([[0, 0, 1]]), 2)
-    assert torch.equal(weight, torch.tensor([[[4.0, 0.0], [0.0, 4.0]]])) and torch.equal(bias, torch.tensor([[-4.0, -4.0]]))
+    assert torch.equal(weight, torch.tensor([[[4.0, 0.0], [0.0, 4.0]]])) and torch.equal(
+        bias, torch.tensor([[-4.0, -4.0]])
+    )
     # -||q - c0||^2 = -1, -||q - c1||^2 = -5; plus ||q||^2 = 5: logits (4, 0)
     assert torch.equal(linear_logits(torch.tensor([[[2.0, 1.0]]]), (weight, bias)), torch.tensor([[[4.0, 0.0]]]))
     # random case: logits + ||q||^2 offset = -squared distances, per query
@@ -247,7 +263,7 @@ def test_loss_is_protonet_query_cross_entropy(task):
     model, batch = _real_episodes(task, 2)
     emb_s, emb_q = task.embed_episodes(model, batch)
     protos = emb_s.view(2, 5, 1, -1).mean(2)  # K = 1, class-major
-    logits = -torch.cdist(emb_q, protos) ** 2
+    logits = -(torch.cdist(emb_q, protos) ** 2)
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.query_labels.flatten())
     assert torch.allclose(task.loss(model, batch), expected, atol=1e-4)
 
@@ -271,13 +287,28 @@ def test_parameter_groups_split_backbone_and_head(task):
 def test_fedavg_run_on_few_shot_writes_its_run_folder(tmp_path):
     from fedtune.run import run_experiment
 
-    cfg = load_config(None, [
-        "task.kind=few-shot", "method=fedavg", *FewShot.test_overrides, "federation.num_clients=3", "rounds=2",
-        f"output_dir={tmp_path}", "name=fs",
-    ])
+    cfg = load_config(
+        None,
+        [
+            "task.kind=few-shot",
+            "method=fedavg",
+            *FewShot.test_overrides,
+            "federation.num_clients=3",
+            "rounds=2",
+            f"output_dir={tmp_path}",
+            "name=fs",
+        ],
+    )
     summary = run_experiment(cfg)
     run_dir = tmp_path / "fs"
-    for name in ("config.toml", "metrics.jsonl", "summary.json", "label_histograms.json", "checkpoint.npz", "model.safetensors"):
+    for name in (
+        "config.toml",
+        "metrics.jsonl",
+        "summary.json",
+        "label_histograms.json",
+        "checkpoint.npz",
+        "model.safetensors",
+    ):
         assert (run_dir / name).is_file(), name
     assert summary["task"] == "few-shot" and summary["data"] == "omniglot"
     assert summary["majority_accuracy"] == pytest.approx(0.2) and 0 <= summary["final_accuracy"] <= 1

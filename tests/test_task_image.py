@@ -21,8 +21,13 @@ from fedtune.data.images import (
 from fedtune.models import vision
 from fedtune.runtime import RunContext
 
-IMAGE = ["task.kind=image-classification", "model.name=small-cnn", "data.name=digits", "data.max_train_samples=240",
-         "data.max_test_samples=90"]
+IMAGE = [
+    "task.kind=image-classification",
+    "model.name=small-cnn",
+    "data.name=digits",
+    "data.max_train_samples=240",
+    "data.max_test_samples=90",
+]
 
 
 def write_idx(path: Path, array: np.ndarray) -> None:
@@ -66,7 +71,9 @@ def test_missing_fashion_mnist_names_both_places_and_the_package(tmp_path, monke
     with pytest.raises(ConfigError) as err:
         load_image_set(DataConfig(name="fashion-mnist", data_dir=str(tmp_path)))
     msg = str(err.value)
-    assert str(tmp_path / "fashion-mnist") in msg and "nowhere" in msg and "apt-get install dataset-fashion-mnist" in msg
+    assert (
+        str(tmp_path / "fashion-mnist") in msg and "nowhere" in msg and "apt-get install dataset-fashion-mnist" in msg
+    )
     assert "\n" not in msg
 
 
@@ -244,8 +251,17 @@ def test_head_only_fedavg_leaves_every_other_weight_bit_equal(tiny_config):
 
     from fedtune.run import run_experiment
 
-    cfg = tiny_config(*IMAGE, "method=fedavg", "model.name=mobilenet-v2", "task.image_size=32", "model.finetune=head",
-                      "rounds=1", "federation.num_clients=2", "train.local_steps=2", "train.lr=0.01")
+    cfg = tiny_config(
+        *IMAGE,
+        "method=fedavg",
+        "model.name=mobilenet-v2",
+        "task.image_size=32",
+        "model.finetune=head",
+        "rounds=1",
+        "federation.num_clients=2",
+        "train.local_steps=2",
+        "train.lr=0.01",
+    )
     summary = run_experiment(cfg)
     trained = load_file(str(Path(summary["run_dir"]) / "model.safetensors"))
     fresh = RunContext(cfg).task.build_model(cfg.seed).state_dict()
@@ -301,12 +317,29 @@ def test_fedit_on_tiny_vit_saves_an_adapter_that_reloads_with_equal_logits(tiny_
 def test_fedavg_trains_the_small_cnn_from_scratch_above_the_majority_rate(tiny_config):
     from fedtune.run import run_experiment
 
-    cfg = tiny_config(*IMAGE, "method=fedavg", "model.name=small-cnn", "rounds=4", "train.local_steps=10",
-                      "train.lr=0.005", "data.partition=iid")
+    cfg = tiny_config(
+        *IMAGE,
+        "method=fedavg",
+        "model.name=small-cnn",
+        "rounds=4",
+        "train.local_steps=10",
+        "train.lr=0.005",
+        "data.partition=iid",
+    )
     summary = run_experiment(cfg)
     assert summary["final_accuracy"] > 2 * summary["majority_accuracy"]
-    again = run_experiment(tiny_config(*IMAGE, "method=fedavg", "model.name=small-cnn", "rounds=4", "train.local_steps=10",
-                                       "train.lr=0.005", "data.partition=iid", "name=again"))
+    again = run_experiment(
+        tiny_config(
+            *IMAGE,
+            "method=fedavg",
+            "model.name=small-cnn",
+            "rounds=4",
+            "train.local_steps=10",
+            "train.lr=0.005",
+            "data.partition=iid",
+            "name=again",
+        )
+    )
     assert again["final_accuracy"] == summary["final_accuracy"] and again["final_loss"] == summary["final_loss"]
 
 
@@ -314,19 +347,32 @@ def test_hugging_face_model_by_path_uses_its_processor_and_gets_a_fresh_head(tmp
     from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
 
     torch.manual_seed(0)
-    cfg = ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                    intermediate_size=64, num_labels=5)
+    cfg = ViTConfig(
+        image_size=16,
+        patch_size=4,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=5,
+    )
     ViTForImageClassification(cfg).save_pretrained(tmp_path / "vit")
-    processor = ViTImageProcessor(size={"height": 16, "width": 16}, image_mean=[0.1, 0.2, 0.3], image_std=[0.5, 0.6, 0.7])
+    processor = ViTImageProcessor(
+        size={"height": 16, "width": 16}, image_mean=[0.1, 0.2, 0.3], image_std=[0.5, 0.6, 0.7]
+    )
     processor.save_pretrained(tmp_path / "vit")
     task = RunContext(tiny_config(*IMAGE, f"model.name={tmp_path / 'vit'}")).task
     assert task.spec.mean == (0.1, 0.2, 0.3) and task.input_size == (16, 16) and task.input_channels == 3
     model = task.build_model(0)
     saved = ViTForImageClassification.from_pretrained(tmp_path / "vit")
     assert model.model.classifier.out_features == 10  # digits' classes, not the checkpoint's 5
-    assert torch.equal(model.model.vit.embeddings.patch_embeddings.projection.weight,
-                       saved.vit.embeddings.patch_embeddings.projection.weight)
-    assert task.lora_targets() in (["query", "value"], ["q_proj", "v_proj"]) and task.head_modules() == ["model.classifier"]
+    assert torch.equal(
+        model.model.vit.embeddings.patch_embeddings.projection.weight,
+        saved.vit.embeddings.patch_embeddings.projection.weight,
+    )
+    assert task.lora_targets() in (["query", "value"], ["q_proj", "v_proj"]) and task.head_modules() == [
+        "model.classifier"
+    ]
     with torch.no_grad():
         assert model.eval()(task.inputs(task.pixels("test")[0][:3])).shape == (3, 10)
     bigger = RunContext(tiny_config(*IMAGE, f"model.name={tmp_path / 'vit'}", "task.image_size=32")).task

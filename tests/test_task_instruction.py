@@ -137,7 +137,11 @@ def test_greedy_generation_with_cache_equals_stepwise_argmax(ctx, model):
 
 
 def test_parameter_groups_split_encoder_and_language_model_exactly(tmp_path):
-    for overrides, encoder_trains in (([], False), (["task.train_encoder=true"], True), (["task.image_encoder=small-cnn"], True)):
+    for overrides, encoder_trains in (
+        ([], False),
+        (["task.train_encoder=true"], True),
+        (["task.image_encoder=small-cnn"], True),
+    ):
         c = RunContext(config(tmp_path, "model.lora_rank=2", *overrides))
         names = list(c.workspace.activate(2))
         groups = c.task.parameter_groups(names)
@@ -181,8 +185,14 @@ def test_fedit_run_saves_an_adapter_that_reloads_with_equal_outputs(tmp_path):
     from fedtune.checkpoint import load_state
     from fedtune.run import run_experiment
 
-    cfg = config(tmp_path, "method=fedit", "rounds=1", "federation.num_clients=2", "train.local_steps=2",
-                 "task.questions=['digit', 'parity']")
+    cfg = config(
+        tmp_path,
+        "method=fedit",
+        "rounds=1",
+        "federation.num_clients=2",
+        "train.local_steps=2",
+        "task.questions=['digit', 'parity']",
+    )
     summary = run_experiment(cfg)
     assert 0.0 <= summary["final_accuracy"] <= 1.0 and np.isfinite(summary["final_loss"])
     run_dir = tmp_path / "runs" / cfg.run_name
@@ -235,9 +245,10 @@ def test_image_and_audio_questions_give_two_prefixes_and_two_trained_encoders(tm
 def test_hugging_face_encoders_by_name(tmp_path):
     """The Hugging Face paths (tiny random ViT and wav2vec2 built in code): their attention's
     query / value and q_proj / v_proj stay without LoRA, and random encoders train."""
-    for overrides, encoder in ((["task.image_encoder=tiny-vit"], "image_encoder"),
-                               (["data.name=fsdd", "task.audio_encoder=tiny-wav2vec2", "task.audio_seconds=0.25"],
-                                "audio_encoder")):
+    for overrides, encoder in (
+        (["task.image_encoder=tiny-vit"], "image_encoder"),
+        (["data.name=fsdd", "task.audio_encoder=tiny-wav2vec2", "task.audio_seconds=0.25"], "audio_encoder"),
+    ):
         c = RunContext(config(tmp_path, "model.lora_rank=2", "data.max_train_samples=16", *overrides))
         params = c.workspace.activate(2)
         groups = c.task.parameter_groups(list(params))

@@ -15,13 +15,26 @@ from fedtune.config import ConfigError, DataConfig
 from fedtune.data.audio import load_fsdd
 from fedtune.data.images import load_image_set
 from fedtune.data.paired import (
-    AUDIO, IMAGE, affected_parties, build_paired_test, build_paired_train, draw_masks, missing_modality,
+    AUDIO,
+    IMAGE,
+    affected_parties,
+    build_paired_test,
+    build_paired_train,
+    draw_masks,
+    missing_modality,
 )
 from fedtune.models.multimodal import FusionClassifier
 
 DATA = Path(os.environ["FEDTUNE_DATA_DIR"])
-PAIRED_TASK = ["task.kind=paired-multimodal", "data.name=digits", "model.name=fusion-cnn", "task.aligned=8",
-               "task.unaligned=24", "task.frames=32", "data.max_test_samples=40"]
+PAIRED_TASK = [
+    "task.kind=paired-multimodal",
+    "data.name=digits",
+    "model.name=fusion-cnn",
+    "task.aligned=8",
+    "task.unaligned=24",
+    "task.frames=32",
+    "data.max_test_samples=40",
+]
 
 
 @pytest.fixture
@@ -31,8 +44,18 @@ def paired_config(tmp_path):
     from fedtune.config import load_config
 
     def make(*overrides: str):
-        return load_config(None, [*PAIRED_TASK, "federation.num_clients=2", "rounds=2", "train.local_steps=4",
-                                  "train.batch_size=8", f"output_dir={tmp_path / 'runs'}", *overrides])
+        return load_config(
+            None,
+            [
+                *PAIRED_TASK,
+                "federation.num_clients=2",
+                "rounds=2",
+                "train.local_steps=4",
+                "train.batch_size=8",
+                f"output_dir={tmp_path / 'runs'}",
+                *overrides,
+            ],
+        )
 
     return make
 
@@ -52,7 +75,11 @@ def build(sources, parties=2, aligned=100, unaligned=300, labeled_fraction=0.5, 
 # -- pairing -----------------------------------------------------------------------------------
 def test_every_row_pairs_an_image_and_a_recording_of_its_own_digit(sources):
     (images, images_test), (audio, audio_test) = sources
-    for ds in (build(sources), build(sources, parties=3, scenario=3, seed=5), build_paired_test(images_test, audio_test)):
+    for ds in (
+        build(sources),
+        build(sources, parties=3, scenario=3, seed=5),
+        build_paired_test(images_test, audio_test),
+    ):
         assert np.array_equal(ds.images.labels[ds.image_index], ds.labels)
         assert np.array_equal(ds.audio.labels[ds.audio_index], ds.labels)
     test = build_paired_test(images_test, audio_test)
@@ -152,9 +179,11 @@ def test_impossible_sizes_and_bad_options_are_one_line_config_errors(sources, pa
         build(sources, delta=1.5)
     from fedtune.runtime import RunContext
 
-    for override, pattern in [("data.name=fashion-mnist", "^data.name: paired-multimodal pairs spoken digits"),
-                              ("data.max_train_samples=50", "^data.max_train_samples: paired-multimodal sizes"),
-                              ("task.scenario=4", "^task.scenario")]:
+    for override, pattern in [
+        ("data.name=fashion-mnist", "^data.name: paired-multimodal pairs spoken digits"),
+        ("data.max_train_samples=50", "^data.max_train_samples: paired-multimodal sizes"),
+        ("task.scenario=4", "^task.scenario"),
+    ]:
         with pytest.raises(ConfigError, match=pattern):
             RunContext(paired_config("method=fedavg", override)).task.train
     with pytest.raises(ConfigError, match="^method 'fedit' does not support task 'paired-multimodal'"):
@@ -224,8 +253,12 @@ def test_the_loss_adds_each_present_modality_classified_alone(paired_config):
     inputs["mask"][0] = torch.tensor([True, False])  # make sure both kinds of row are present
     fused, single = model.all_logits(**inputs)
     torch.testing.assert_close(fused, model(**inputs))
-    terms = [torch.nn.functional.cross_entropy(single[i, m : m + 1], labels[i : i + 1])
-             for i in range(len(labels)) for m in (0, 1) if inputs["mask"][i, m]]
+    terms = [
+        torch.nn.functional.cross_entropy(single[i, m : m + 1], labels[i : i + 1])
+        for i in range(len(labels))
+        for m in (0, 1)
+        if inputs["mask"][i, m]
+    ]
     expected = torch.nn.functional.cross_entropy(fused, labels) + 0.25 * torch.stack(terms).mean()
     torch.testing.assert_close(task.loss(model, (inputs, labels)), expected)
     task.options = task.options.model_copy(update={"unimodal_weight": 0.0})

@@ -40,12 +40,33 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from fedtune.config import RunConfig, load_config  # noqa: E402
-from fedtune.methods.bomm.options import BommOptions  # noqa: E402
 from fedtune.harness import (  # noqa: E402
-    Costs, RunSpec, SuiteError, assignments, averaged_curve, build_plan, distinct_runs, estimate_minutes,
-    estimate_s, figure, load_rounds, load_summary, mean_of_last, mean_std, offline_data, output_dir,
-    parse_selection, read_overlays, run_suite, runs_section, suite_command, suite_parser, table_lines, with_labels,
+    Costs,
+    RunSpec,
+    SuiteError,
+    assignments,
+    averaged_curve,
+    build_plan,
+    distinct_runs,
+    estimate_minutes,
+    estimate_s,
+    figure,
+    load_rounds,
+    load_summary,
+    mean_of_last,
+    mean_std,
+    offline_data,
+    output_dir,
+    parse_selection,
+    read_overlays,
+    run_suite,
+    runs_section,
+    suite_command,
+    suite_parser,
+    table_lines,
+    with_labels,
 )
+from fedtune.methods.bomm.options import BommOptions  # noqa: E402
 
 RECIPE = REPO / "configs" / "benchmarks" / "bomm-suite.toml"
 OVERLAYS = read_overlays(REPO / "configs" / "benchmarks" / "bomm-suite-overlays.toml")
@@ -53,25 +74,64 @@ RESULTS = REPO / "benchmarks" / "results" / "bomm"
 QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "bomm-quick"
 EXPERIMENTS = ["table1", "table2", "table3", "fig3", "cost"]  # also the order that owns shared runs
 METHODS = ["bomm-local", "bomm-mm-local", "bomm-vanilla", "bomm-mm-ac", "bomm-mm-uc", "bomm"]
-LABEL = {"bomm-local": "LOCAL", "bomm-mm-local": "MM-LOCAL", "bomm-vanilla": "Vanilla", "bomm-mm-ac": "MM-AC",
-         "bomm-mm-uc": "MM-UC", "bomm": "BoMM"}
+LABEL = {
+    "bomm-local": "LOCAL",
+    "bomm-mm-local": "MM-LOCAL",
+    "bomm-vanilla": "Vanilla",
+    "bomm-mm-ac": "MM-AC",
+    "bomm-mm-uc": "MM-UC",
+    "bomm": "BoMM",
+}
 CLOUD_METHODS = ["bomm-vanilla", "bomm-mm-ac", "bomm-mm-uc", "bomm"]
 ABLATIONS = {  # Table 3's rows: the overlay (of bomm-suite-overlays.toml) each adds; "" for BoMM itself
-    "BoMM": "", "w/o preference loss": "no-prefer", "w/o special loss": "no-special", "w/o scheduler (mu = 0)": "mu0",
-    "every generation (scheduler off)": "no-scheduler", "align on phi features": "align-phi",
-    "align without completion": "align-real", "no label transfer": "no-label-transfer",
+    "BoMM": "",
+    "w/o preference loss": "no-prefer",
+    "w/o special loss": "no-special",
+    "w/o scheduler (mu = 0)": "mu0",
+    "every generation (scheduler off)": "no-scheduler",
+    "align on phi features": "align-phi",
+    "align without completion": "align-real",
+    "no label transfer": "no-label-transfer",
 }
 LAST = 3  # evaluations averaged per run
 
 PAPER_TABLE1 = {  # MS COCO, (P1, P2, C); scenario -> aligned -> method
-    1: {0: {"bomm-local": (38.67, 38.28, None), "bomm-mm-local": (36.13, 36.52, None), "bomm-vanilla": (38.88, 37.11, 27.19),
-            "bomm-mm-ac": (39.06, 37.40, 27.64), "bomm-mm-uc": (38.18, 36.33, 26.27), "bomm": (40.17, 39.78, 32.39)},
-        200: {"bomm-local": (39.47, 37.41, None), "bomm-mm-local": (39.14, 36.10, None), "bomm-vanilla": (39.06, 38.82, 28.61),
-              "bomm-mm-ac": (38.15, 39.80, 28.45), "bomm-mm-uc": (37.17, 38.81, 27.80), "bomm": (41.22, 40.41, 35.21)}},
-    2: {0: {"bomm-local": (50.48, 34.96, None), "bomm-mm-local": (50.68, 36.52, None), "bomm-vanilla": (51.26, 35.74, 24.80),
-            "bomm-mm-ac": (50.20, 35.84, 26.26), "bomm-mm-uc": (50.68, 33.98, 25.78), "bomm": (52.75, 33.69, 32.90)},
-        200: {"bomm-local": (50.98, 37.41, None), "bomm-mm-local": (51.97, 36.10, None), "bomm-vanilla": (52.79, 36.75, 26.15),
-              "bomm-mm-ac": (51.94, 36.84, 25.65), "bomm-mm-uc": (52.78, 34.53, 25.25), "bomm": (54.32, 37.89, 30.10)}},
+    1: {
+        0: {
+            "bomm-local": (38.67, 38.28, None),
+            "bomm-mm-local": (36.13, 36.52, None),
+            "bomm-vanilla": (38.88, 37.11, 27.19),
+            "bomm-mm-ac": (39.06, 37.40, 27.64),
+            "bomm-mm-uc": (38.18, 36.33, 26.27),
+            "bomm": (40.17, 39.78, 32.39),
+        },
+        200: {
+            "bomm-local": (39.47, 37.41, None),
+            "bomm-mm-local": (39.14, 36.10, None),
+            "bomm-vanilla": (39.06, 38.82, 28.61),
+            "bomm-mm-ac": (38.15, 39.80, 28.45),
+            "bomm-mm-uc": (37.17, 38.81, 27.80),
+            "bomm": (41.22, 40.41, 35.21),
+        },
+    },
+    2: {
+        0: {
+            "bomm-local": (50.48, 34.96, None),
+            "bomm-mm-local": (50.68, 36.52, None),
+            "bomm-vanilla": (51.26, 35.74, 24.80),
+            "bomm-mm-ac": (50.20, 35.84, 26.26),
+            "bomm-mm-uc": (50.68, 33.98, 25.78),
+            "bomm": (52.75, 33.69, 32.90),
+        },
+        200: {
+            "bomm-local": (50.98, 37.41, None),
+            "bomm-mm-local": (51.97, 36.10, None),
+            "bomm-vanilla": (52.79, 36.75, 26.15),
+            "bomm-mm-ac": (51.94, 36.84, 25.65),
+            "bomm-mm-uc": (52.78, 34.53, 25.25),
+            "bomm": (54.32, 37.89, 30.10),
+        },
+    },
 }
 
 
@@ -98,20 +158,44 @@ def quick_scale() -> Scale:
 
 
 # -- run specifications ----------------------------------------------------------------------
-def spec(scale: Scale, method: str, seed: int, scenario: int, aligned: int, delta: float | None = None,
-         extra: list[str] = (), tag: str = "", **labels) -> RunSpec:
+def spec(
+    scale: Scale,
+    method: str,
+    seed: int,
+    scenario: int,
+    aligned: int,
+    delta: float | None = None,
+    extra: list[str] = (),
+    tag: str = "",
+    **labels,
+) -> RunSpec:
     """One run: ``method`` in ``scenario`` with ``aligned`` aligned ids (Delta from the recipe unless given)."""
     delta = scale.base.task.options["delta"] if delta is None else delta
     values = {"method": method, "seed": seed, "task.scenario": scenario, "task.aligned": aligned, "task.delta": delta}
     name = f"{method}{tag}-s{scenario}-a{aligned}-d{delta:g}-seed{seed}"
-    return RunSpec(name, [*scale.overrides, *assignments(values), *extra],
-                   {"method": method, "seed": seed, "scenario": scenario, "aligned": aligned, "delta": delta,
-                    "variant": tag, **labels})
+    return RunSpec(
+        name,
+        [*scale.overrides, *assignments(values), *extra],
+        {
+            "method": method,
+            "seed": seed,
+            "scenario": scenario,
+            "aligned": aligned,
+            "delta": delta,
+            "variant": tag,
+            **labels,
+        },
+    )
 
 
 def specs_table1(scale: Scale, seeds: list[int]) -> list[RunSpec]:
-    return [spec(scale, m, seed, scenario, a) for scenario in (1, 2) for a in scale.aligned for seed in seeds
-            for m in METHODS]
+    return [
+        spec(scale, m, seed, scenario, a)
+        for scenario in (1, 2)
+        for a in scale.aligned
+        for seed in seeds
+        for m in METHODS
+    ]
 
 
 def specs_table2(scale: Scale, seeds: list[int]) -> list[RunSpec]:
@@ -119,17 +203,45 @@ def specs_table2(scale: Scale, seeds: list[int]) -> list[RunSpec]:
 
 
 def specs_table3(scale: Scale, seeds: list[int]) -> list[RunSpec]:
-    return [spec(scale, "bomm", seed, 2, 0, extra=OVERLAYS[overlay] if overlay else [],
-                 tag=f"-{overlay}" if overlay else "", row=row)
-            for row, overlay in ABLATIONS.items() for seed in seeds]
+    return [
+        spec(
+            scale,
+            "bomm",
+            seed,
+            2,
+            0,
+            extra=OVERLAYS[overlay] if overlay else [],
+            tag=f"-{overlay}" if overlay else "",
+            row=row,
+        )
+        for row, overlay in ABLATIONS.items()
+        for seed in seeds
+    ]
 
 
 def specs_fig3(scale: Scale, seeds: list[int]) -> list[RunSpec]:
-    deltas = [spec(scale, m, seed, 1, 0, delta=d, part="delta") for d in scale.deltas for seed in seeds
-              for m in scale.delta_methods]
+    deltas = [
+        spec(scale, m, seed, 1, 0, delta=d, part="delta")
+        for d in scale.deltas
+        for seed in seeds
+        for m in scale.delta_methods
+    ]
     default = BommOptions.model_fields["mu"].default  # the default's run is Table 1's (same config)
-    mus = [spec(scale, "bomm", seed, 1, 0, extra=[] if mu == default else assignments({"options.mu": mu}),
-                tag=f"-mu{mu:g}", part="mu", mu=mu) for mu in scale.mus for seed in seeds]
+    mus = [
+        spec(
+            scale,
+            "bomm",
+            seed,
+            1,
+            0,
+            extra=[] if mu == default else assignments({"options.mu": mu}),
+            tag=f"-mu{mu:g}",
+            part="mu",
+            mu=mu,
+        )
+        for mu in scale.mus
+        for seed in seeds
+    ]
     return deltas + mus
 
 
@@ -137,8 +249,13 @@ def specs_cost(scale: Scale, seeds: list[int]) -> list[RunSpec]:
     return [spec(scale, m, seed, 1, max(scale.aligned)) for seed in seeds for m in METHODS]
 
 
-BUILDERS = {"table1": specs_table1, "table2": specs_table2, "table3": specs_table3, "fig3": specs_fig3,
-            "cost": specs_cost}
+BUILDERS = {
+    "table1": specs_table1,
+    "table2": specs_table2,
+    "table3": specs_table3,
+    "fig3": specs_fig3,
+    "cost": specs_cost,
+}
 
 
 def build_suite_plan(scale: Scale, seeds: list[int], out: Path) -> dict[str, list[RunSpec]]:
@@ -151,12 +268,32 @@ def build_suite_plan(scale: Scale, seeds: list[int], out: Path) -> dict[str, lis
 # Seconds of one party's local step, the cloud's (and scheduler's) extra work per round by method, a
 # round's evaluation (parties and cloud) and a run's setup (data, log-mels, phi features).
 DEFAULT_COSTS = {  # one free core; from 6-round runs here (user CPU seconds, the cores being shared)
-    "mnist": {"step_s": 0.045, "setup_s": 8.0, "eval_s": 0.6,
-              "round_s": {"bomm-local": 0.0, "bomm-mm-local": 1.5, "bomm-vanilla": 0.2, "bomm-mm-ac": 0.3,
-                          "bomm-mm-uc": 1.2, "bomm": 3.5}},
-    "digits": {"step_s": 0.02, "setup_s": 5.0, "eval_s": 0.3,
-               "round_s": {"bomm-local": 0.0, "bomm-mm-local": 0.8, "bomm-vanilla": 0.2, "bomm-mm-ac": 0.3,
-                           "bomm-mm-uc": 0.8, "bomm": 2.5}},
+    "mnist": {
+        "step_s": 0.045,
+        "setup_s": 8.0,
+        "eval_s": 0.6,
+        "round_s": {
+            "bomm-local": 0.0,
+            "bomm-mm-local": 1.5,
+            "bomm-vanilla": 0.2,
+            "bomm-mm-ac": 0.3,
+            "bomm-mm-uc": 1.2,
+            "bomm": 3.5,
+        },
+    },
+    "digits": {
+        "step_s": 0.02,
+        "setup_s": 5.0,
+        "eval_s": 0.3,
+        "round_s": {
+            "bomm-local": 0.0,
+            "bomm-mm-local": 0.8,
+            "bomm-vanilla": 0.2,
+            "bomm-mm-ac": 0.3,
+            "bomm-mm-uc": 0.8,
+            "bomm": 2.5,
+        },
+    },
 }
 
 
@@ -165,8 +302,12 @@ def run_cost(config: RunConfig) -> float:
     per-round work spread over the parties as a per-client overhead."""
     c = DEFAULT_COSTS.get(config.data.name, DEFAULT_COSTS["mnist"])
     parties = config.federation.sample_size()
-    costs = Costs(step_s=c["step_s"], eval_s_per_example=c["eval_s"] / 300, run_setup_s=c["setup_s"],
-                  client_overhead_s=c["round_s"].get(config.method, 5.0) / parties)
+    costs = Costs(
+        step_s=c["step_s"],
+        eval_s_per_example=c["eval_s"] / 300,
+        run_setup_s=c["setup_s"],
+        client_overhead_s=c["round_s"].get(config.method, 5.0) / parties,
+    )
     return estimate_s(config, costs, 300)
 
 
@@ -194,8 +335,16 @@ def setup_section(scale: Scale, seeds: list[int], command: str) -> str:
     b = scale.base
     t, o = b.task.options, b.options
     lines = [
-        "## Setup", "", "Produced by", "", "```bash", command, "```", "",
-        "| | paper (Sec. 5.1, App. A) | here |", "|---|---|---|",
+        "## Setup",
+        "",
+        "Produced by",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        "| | paper (Sec. 5.1, App. A) | here |",
+        "|---|---|---|",
         "| data | MS COCO / CUB-200 image + captions | paired-multimodal: "
         f"`{b.data.name}` digit images + FSDD spoken digits (audio plays 'text'), 10 classes |",
         f"| parties | 2 | {b.federation.num_clients} |",
@@ -212,7 +361,8 @@ def setup_section(scale: Scale, seeds: list[int], command: str) -> str:
         "mu 0.4, N_global 100 (+20 per round) |",
         f"| evaluation | accuracy, CLIPScore | accuracy on the complete test pairs (mean of the last {LAST} rounds), "
         "generation cosine |",
-        f"| seeds | not stated | {', '.join(map(str, seeds))} |", "",
+        f"| seeds | not stated | {', '.join(map(str, seeds))} |",
+        "",
         "Nothing is tuned per method: every method runs with the same recipe and options. Accuracies: mean ± "
         "sample std over seeds of each run's mean over its last evaluations.",
     ]
@@ -221,14 +371,21 @@ def setup_section(scale: Scale, seeds: list[int], command: str) -> str:
 
 def triple_row(specs: list[RunSpec], method: str) -> list[str]:
     group = with_labels(specs, method=method)
-    return [cell(group, "party0_accuracy"), cell(group, "party1_accuracy"),
-            cell(group, "cloud_accuracy") if method in CLOUD_METHODS else "–"]
+    return [
+        cell(group, "party0_accuracy"),
+        cell(group, "party1_accuracy"),
+        cell(group, "cloud_accuracy") if method in CLOUD_METHODS else "–",
+    ]
 
 
 def improvement_row(specs: list[RunSpec]) -> list[str]:
     """BoMM minus the best baseline, per column (percentage points)."""
     out = []
-    for metric, methods in (("party0_accuracy", METHODS), ("party1_accuracy", METHODS), ("cloud_accuracy", CLOUD_METHODS)):
+    for metric, methods in (
+        ("party0_accuracy", METHODS),
+        ("party1_accuracy", METHODS),
+        ("cloud_accuracy", CLOUD_METHODS),
+    ):
         ours = mean_value(with_labels(specs, method="bomm"), metric)
         best = [mean_value(with_labels(specs, method=m), metric) for m in methods if m != "bomm"]
         best = [b for b in best if b is not None]
@@ -237,11 +394,17 @@ def improvement_row(specs: list[RunSpec]) -> list[str]:
 
 
 def report_table1(specs: list[RunSpec], scale: Scale, head: str, out: Path) -> str:
-    lines = ["# Table 1 (CPU scale): scenarios 1 and 2", "",
-             "P1, P2: the small models of parties 0 and 1; C: the cloud model; accuracy (%) on the complete test "
-             "pairs. Scenario 1: audio missing with probability Delta at both parties; scenario 2: party 0 "
-             "complete, audio missing at party 1. Imp.: BoMM minus the best baseline (points).", "", head,
-             "## Results", ""]
+    lines = [
+        "# Table 1 (CPU scale): scenarios 1 and 2",
+        "",
+        "P1, P2: the small models of parties 0 and 1; C: the cloud model; accuracy (%) on the complete test "
+        "pairs. Scenario 1: audio missing with probability Delta at both parties; scenario 2: party 0 "
+        "complete, audio missing at party 1. Imp.: BoMM minus the best baseline (points).",
+        "",
+        head,
+        "## Results",
+        "",
+    ]
     for scenario in (1, 2):
         for a in scale.aligned:
             group = with_labels(specs, scenario=scenario, aligned=a)
@@ -249,9 +412,16 @@ def report_table1(specs: list[RunSpec], scale: Scale, head: str, out: Path) -> s
             lines += [f"### Scenario {scenario}, {a} aligned", "", *table_lines(["Method", "P1", "P2", "C"], rows), ""]
             paper = PAPER_TABLE1.get(scenario, {}).get(200 if a else 0)
             if paper:
-                lines += ["Paper (MS COCO, same scenario, #" + ("200" if a else "0") + "): "
-                          + "; ".join(f"{LABEL[m]} {p[0]:.2f} / {p[1]:.2f}" + (f" / {p[2]:.2f}" if p[2] else "")
-                                      for m, p in paper.items()), ""]
+                lines += [
+                    "Paper (MS COCO, same scenario, #"
+                    + ("200" if a else "0")
+                    + "): "
+                    + "; ".join(
+                        f"{LABEL[m]} {p[0]:.2f} / {p[1]:.2f}" + (f" / {p[2]:.2f}" if p[2] else "")
+                        for m, p in paper.items()
+                    ),
+                    "",
+                ]
     lines += missing_section(specs, [(sc, a) for sc in (1, 2) for a in scale.aligned])
     lines += ordering_notes(specs, scale)
     return "\n".join(lines) + "\n" + runs_section(specs, out)
@@ -271,10 +441,16 @@ def missing_section(specs: list[RunSpec], blocks: list[tuple[int, int]]) -> list
         for m in METHODS:
             group = with_labels(specs, scenario=scenario, aligned=a, method=m)
             rows[m] += [cell(group, alone), cell(group, "accuracy_completed") if m in COMPLETING else "–"]
-    return ["### Test pairs missing the scenario's modality (mean of P1 and P2)", "",
-            "The scenario's missing modality (audio in scenarios 1-2, image in 3) is removed from every test pair: "
-            "the small model on what is left (alone), and with the removed modality replaced by the method's "
-            "completion (completed).", "", *table_lines(["Method", *cols], list(rows.values())), ""]
+    return [
+        "### Test pairs missing the scenario's modality (mean of P1 and P2)",
+        "",
+        "The scenario's missing modality (audio in scenarios 1-2, image in 3) is removed from every test pair: "
+        "the small model on what is left (alone), and with the removed modality replaced by the method's "
+        "completion (completed).",
+        "",
+        *table_lines(["Method", *cols], list(rows.values())),
+        "",
+    ]
 
 
 def ordering_notes(specs: list[RunSpec], scale: Scale) -> list[str]:
@@ -283,13 +459,20 @@ def ordering_notes(specs: list[RunSpec], scale: Scale) -> list[str]:
     for scenario in (1, 2):
         for a in scale.aligned:
             group = with_labels(specs, scenario=scenario, aligned=a)
-            for metric, name, methods in (("party0_accuracy", "P1", METHODS), ("party1_accuracy", "P2", METHODS),
-                                          ("cloud_accuracy", "C", CLOUD_METHODS)):
+            for metric, name, methods in (
+                ("party0_accuracy", "P1", METHODS),
+                ("party1_accuracy", "P2", METHODS),
+                ("cloud_accuracy", "C", CLOUD_METHODS),
+            ):
                 means = {m: mean_value(with_labels(group, method=m), metric) for m in methods}
                 if any(v is None for v in means.values()):
                     continue
                 best = max(means, key=means.get)
-                verdict = "yes" if best == "bomm" else f"no: {LABEL[best]} is best ({means[best]:.2f} vs BoMM {means['bomm']:.2f})"
+                verdict = (
+                    "yes"
+                    if best == "bomm"
+                    else f"no: {LABEL[best]} is best ({means[best]:.2f} vs BoMM {means['bomm']:.2f})"
+                )
                 notes.append(f"- scenario {scenario}, {a} aligned, {name}: BoMM best? {verdict}")
     return notes + [""] if len(notes) > 2 else notes + ["(pending)", ""]
 
@@ -299,54 +482,100 @@ def report_table2(specs: list[RunSpec], head: str, out: Path) -> str:
     for m in METHODS:
         group = with_labels(specs, method=m)
         gen = m not in ("bomm-local", "bomm-vanilla")
-        rows.append([LABEL[m], cell(group, "party0_accuracy"), cell(group, "party0_gen_cosine") if gen else "–",
-                     cell(group, "party1_accuracy"), cell(group, "party1_gen_cosine") if gen else "–",
-                     cell(group, "cloud_accuracy") if m in CLOUD_METHODS else "–"])
-    rows.append(["Imp.", *improvement_row(specs)[:1], "", *improvement_row(specs)[1:2], "", *improvement_row(specs)[2:]])
-    lines = ["# Table 2 (CPU scale): scenario 3 (images missing at both parties), 0 aligned", "",
-             "Acc: accuracy (%) on the complete test pairs. Gen: the completions of the test pairs' image "
-             "representation against the real one, mean cosine x 100 (standardized with the party's statistics; "
-             "the counterpart of the paper's CLIPScore). MM-AC completes aligned rows only, and there are none here, "
-             "so it completes nothing (and Vanilla's cloud has no data: chance).", "", head,
-             "## Results", "", *table_lines(["Method", "P1 Acc", "P1 Gen", "P2 Acc", "P2 Gen", "C Acc"], rows), "",
-             "Paper (MS COCO): LOCAL 36.13 / 34.47; MM-LOCAL 30.18 / 36.62; Vanilla 38.96 / 38.18 / 27.83; MM-AC "
-             "40.79 / 39.88 / 28.04; MM-UC 50.08 / 39.72 / 44.90; BoMM 52.35 / 42.16 / 51.18 (P1 / P2 / C).", "",
-             *missing_section(specs, [(3, 0)])]
+        rows.append(
+            [
+                LABEL[m],
+                cell(group, "party0_accuracy"),
+                cell(group, "party0_gen_cosine") if gen else "–",
+                cell(group, "party1_accuracy"),
+                cell(group, "party1_gen_cosine") if gen else "–",
+                cell(group, "cloud_accuracy") if m in CLOUD_METHODS else "–",
+            ]
+        )
+    rows.append(
+        ["Imp.", *improvement_row(specs)[:1], "", *improvement_row(specs)[1:2], "", *improvement_row(specs)[2:]]
+    )
+    lines = [
+        "# Table 2 (CPU scale): scenario 3 (images missing at both parties), 0 aligned",
+        "",
+        "Acc: accuracy (%) on the complete test pairs. Gen: the completions of the test pairs' image "
+        "representation against the real one, mean cosine x 100 (standardized with the party's statistics; "
+        "the counterpart of the paper's CLIPScore). MM-AC completes aligned rows only, and there are none here, "
+        "so it completes nothing (and Vanilla's cloud has no data: chance).",
+        "",
+        head,
+        "## Results",
+        "",
+        *table_lines(["Method", "P1 Acc", "P1 Gen", "P2 Acc", "P2 Gen", "C Acc"], rows),
+        "",
+        "Paper (MS COCO): LOCAL 36.13 / 34.47; MM-LOCAL 30.18 / 36.62; Vanilla 38.96 / 38.18 / 27.83; MM-AC "
+        "40.79 / 39.88 / 28.04; MM-UC 50.08 / 39.72 / 44.90; BoMM 52.35 / 42.16 / 51.18 (P1 / P2 / C).",
+        "",
+        *missing_section(specs, [(3, 0)]),
+    ]
     return "\n".join(lines) + "\n" + runs_section(specs, out)
 
 
 def report_table3(specs: list[RunSpec], head: str, out: Path) -> str:
-    rows = [[row, *triple_row(with_labels(specs, row=row), "bomm"), cell(with_labels(specs, row=row), "diag_pair_accuracy")]
-            for row in ABLATIONS]
-    lines = ["# Table 3 (CPU scale): ablations (scenario 2, 0 aligned)", "",
-             "w/o preference loss: L_G = gamma L_special; w/o special loss: gamma = 0; w/o scheduler: mu = 0 (the "
-             "paper's ablation: r_hat > 0 still filters; the selected fraction is in the runs' `selected_fraction`); "
-             "scheduler off: every generation used. The last three rows are not in the paper: they ablate choices "
-             "of this implementation (eq. (9) in the cloud's embedding space; aligning completed representations; "
-             "parties training on their aligned partners' labels).", "", head, "## Results", "",
-             *table_lines(["Model", "P1", "P2", "C", "same-class pairs"], rows), "",
-             "Same-class pairs: the share of the pairs eq. (9) accepts whose rows are of the same class (the pool's "
-             "true labels, a diagnostic the method never reads), over the last evaluations.", "",
-             "Paper (MS COCO): BoMM 40.17 / 39.78 / 32.39; w/o preference loss 37.51 / 38.13 / 30.82; w/o special "
-             "loss 38.47 / 35.35 / 30.66; w/o scheduler 38.37 / 35.15 / 30.56.", ""]
+    rows = [
+        [row, *triple_row(with_labels(specs, row=row), "bomm"), cell(with_labels(specs, row=row), "diag_pair_accuracy")]
+        for row in ABLATIONS
+    ]
+    lines = [
+        "# Table 3 (CPU scale): ablations (scenario 2, 0 aligned)",
+        "",
+        "w/o preference loss: L_G = gamma L_special; w/o special loss: gamma = 0; w/o scheduler: mu = 0 (the "
+        "paper's ablation: r_hat > 0 still filters; the selected fraction is in the runs' `selected_fraction`); "
+        "scheduler off: every generation used. The last three rows are not in the paper: they ablate choices "
+        "of this implementation (eq. (9) in the cloud's embedding space; aligning completed representations; "
+        "parties training on their aligned partners' labels).",
+        "",
+        head,
+        "## Results",
+        "",
+        *table_lines(["Model", "P1", "P2", "C", "same-class pairs"], rows),
+        "",
+        "Same-class pairs: the share of the pairs eq. (9) accepts whose rows are of the same class (the pool's "
+        "true labels, a diagnostic the method never reads), over the last evaluations.",
+        "",
+        "Paper (MS COCO): BoMM 40.17 / 39.78 / 32.39; w/o preference loss 37.51 / 38.13 / 30.82; w/o special "
+        "loss 38.47 / 35.35 / 30.66; w/o scheduler 38.37 / 35.15 / 30.56.",
+        "",
+    ]
     return "\n".join(lines) + "\n" + runs_section(specs, out)
 
 
 def report_fig3(specs: list[RunSpec], table1: list[RunSpec], scale: Scale, head: str, out: Path) -> str:
     conv = with_labels(table1, scenario=1, aligned=0)
     deltas, mus = with_labels(specs, part="delta"), with_labels(specs, part="mu")
-    lines = ["# Figure 3 (CPU scale): convergence, missing rate Delta, threshold mu", "", head, "## Results", "",
-             "### (B-i) accuracy against Delta (scenario 1, 0 aligned)", ""]
+    lines = [
+        "# Figure 3 (CPU scale): convergence, missing rate Delta, threshold mu",
+        "",
+        head,
+        "## Results",
+        "",
+        "### (B-i) accuracy against Delta (scenario 1, 0 aligned)",
+        "",
+    ]
     rows = []
     for m in scale.delta_methods:
         for metric, col in (("accuracy", "P mean"), ("cloud_accuracy", "C")):
             if col == "C" and m not in CLOUD_METHODS:
                 continue
-            rows.append([f"{LABEL[m]} {col}", *(cell(with_labels(deltas, method=m, delta=d), metric) for d in scale.deltas)])
+            rows.append(
+                [f"{LABEL[m]} {col}", *(cell(with_labels(deltas, method=m, delta=d), metric) for d in scale.deltas)]
+            )
     lines += table_lines(["Method", *(f"Delta {d:g}" for d in scale.deltas)], rows)
     lines += ["", "### (B-ii, iii) BoMM against mu (scenario 1, 0 aligned)", ""]
-    rows = [[f"{mu:g}", cell(with_labels(mus, mu=mu), "accuracy"), cell(with_labels(mus, mu=mu), "cloud_accuracy"),
-             cell(with_labels(mus, mu=mu), "selected_fraction", 1.0, 3)] for mu in scale.mus]
+    rows = [
+        [
+            f"{mu:g}",
+            cell(with_labels(mus, mu=mu), "accuracy"),
+            cell(with_labels(mus, mu=mu), "cloud_accuracy"),
+            cell(with_labels(mus, mu=mu), "selected_fraction", 1.0, 3),
+        ]
+        for mu in scale.mus
+    ]
     lines += table_lines(["mu", "P mean", "C", "selected fraction"], rows)
     lines += ["", "![fig3](fig3.png)", ""]
     with figure(out / "fig3.png", 1, 3, figsize=(15, 4)) as (fig, (ax1, ax2, ax3)):
@@ -357,13 +586,16 @@ def report_fig3(specs: list[RunSpec], table1: list[RunSpec], scale: Scale, head:
             if m in CLOUD_METHODS:
                 pts = averaged_curve(with_labels(conv, method=m), "cloud_accuracy")
                 if pts:
-                    ax1.plot([p[0] for p in pts], [100 * p[2] for p in pts], ls="--", marker="s", ms=3,
-                             label=f"{LABEL[m]} C")
+                    ax1.plot(
+                        [p[0] for p in pts], [100 * p[2] for p in pts], ls="--", marker="s", ms=3, label=f"{LABEL[m]} C"
+                    )
         ax1.set(title="(A) accuracy vs round (scenario 1, 0 aligned)", xlabel="round", ylabel="accuracy (%)")
         for m in scale.delta_methods:
             ys = [mean_value(with_labels(deltas, method=m, delta=d), "accuracy") for d in scale.deltas]
             if any(y is not None for y in ys):
-                ax2.plot(scale.deltas, [y if y is not None else float("nan") for y in ys], marker="o", label=f"{LABEL[m]} P")
+                ax2.plot(
+                    scale.deltas, [y if y is not None else float("nan") for y in ys], marker="o", label=f"{LABEL[m]} P"
+                )
         ax2.set(title="(B-i) party accuracy vs Delta", xlabel="Delta", ylabel="accuracy (%)")
         for metric, label in (("accuracy", "P mean"), ("cloud_accuracy", "C")):
             ys = [mean_value(with_labels(mus, mu=mu), metric) for mu in scale.mus]
@@ -399,14 +631,21 @@ def report_cost(specs: list[RunSpec], head: str, out: Path) -> str:
         cloud = [sum(line.get("cloud_compute_s", 0.0) for line in load_rounds(s)) for s in group]
         fmt = lambda xs, d=2: f"{mean_std(xs)[0]:.{d}f}"  # noqa: E731
         rows.append([LABEL[m], fmt(up), fmt(down), fmt(comp, 1), fmt(cloud, 1)])
-    lines = ["# Communication and compute (scenario 1, aligned as in Table 1's second block)", "",
-             "Per party, totals over the run, mean over seeds: MB sent to the cloud (representations and prototypes "
-             "cross once; the rest is message headers), MB received (completions every round, labels), seconds of "
-             "the party's own calls; and the cloud's seconds (alignment, generator, classifier). Evaluation traffic "
-             "(the test pairs' completions) is not included. Compute seconds were measured on 2 shared cores with "
-             "other jobs running: compare ratios, not absolute values.", "", head, "## Results", "",
-             *table_lines(["Method", "MB up / party", "MB down / party", "party compute s", "cloud compute s"], rows),
-             ""]
+    lines = [
+        "# Communication and compute (scenario 1, aligned as in Table 1's second block)",
+        "",
+        "Per party, totals over the run, mean over seeds: MB sent to the cloud (representations and prototypes "
+        "cross once; the rest is message headers), MB received (completions every round, labels), seconds of "
+        "the party's own calls; and the cloud's seconds (alignment, generator, classifier). Evaluation traffic "
+        "(the test pairs' completions) is not included. Compute seconds were measured on 2 shared cores with "
+        "other jobs running: compare ratios, not absolute values.",
+        "",
+        head,
+        "## Results",
+        "",
+        *table_lines(["Method", "MB up / party", "MB down / party", "party compute s", "cloud compute s"], rows),
+        "",
+    ]
     return "\n".join(lines) + "\n" + runs_section(specs, out)
 
 
@@ -458,12 +697,23 @@ def main(argv=None) -> int:
     runs = distinct_runs(plan, selected)
     costs = {s.key: run_cost(s.config) for s in runs}
     base = scale.base
-    print(f"BoMM suite: {', '.join(selected)}; seeds {seeds}; data {base.data.name}; R={base.rounds}, "
-          f"H={base.train.local_steps}, {base.federation.num_clients} parties -> {out}")
-    note = (f"cost model: built-in per-run estimates measured on this machine (~{estimate_minutes(runs, costs, 1):.0f} "
-            "min of one core for the selection)")
-    return run_suite(plan, selected, args, costs, lambda: write_reports(plan, selected, scale, seeds, out, command),
-                     root=REPO, notes=[note])
+    print(
+        f"BoMM suite: {', '.join(selected)}; seeds {seeds}; data {base.data.name}; R={base.rounds}, "
+        f"H={base.train.local_steps}, {base.federation.num_clients} parties -> {out}"
+    )
+    note = (
+        f"cost model: built-in per-run estimates measured on this machine (~{estimate_minutes(runs, costs, 1):.0f} "
+        "min of one core for the selection)"
+    )
+    return run_suite(
+        plan,
+        selected,
+        args,
+        costs,
+        lambda: write_reports(plan, selected, scale, seeds, out, command),
+        root=REPO,
+        notes=[note],
+    )
 
 
 if __name__ == "__main__":

@@ -54,10 +54,37 @@ if str(REPO) not in sys.path:
 
 from fedtune.config import RunConfig, load_config  # noqa: E402
 from fedtune.harness import (  # noqa: E402
-    Choice, RunSpec, SuiteError, Sweep, add_sweep_options, biased_seed_warning, build_plan, choose, clearly_above,
-    distinct_runs, estimate_minutes, eval_rounds, figure, load_rounds, load_summary, mean_of_last, mean_std,
-    offline_data, output_dir, parse_selection, read_overlays, run_suite, runs_section, suite_command, suite_parser,
-    sweep_first, sweep_note, sweep_sections, sweep_selection, table_lines, with_labels,
+    Choice,
+    RunSpec,
+    SuiteError,
+    Sweep,
+    add_sweep_options,
+    biased_seed_warning,
+    build_plan,
+    choose,
+    clearly_above,
+    distinct_runs,
+    estimate_minutes,
+    eval_rounds,
+    figure,
+    load_rounds,
+    load_summary,
+    mean_of_last,
+    mean_std,
+    offline_data,
+    output_dir,
+    parse_selection,
+    read_overlays,
+    run_suite,
+    runs_section,
+    suite_command,
+    suite_parser,
+    sweep_first,
+    sweep_note,
+    sweep_sections,
+    sweep_selection,
+    table_lines,
+    with_labels,
 )
 
 RECIPE = REPO / "configs" / "benchmarks" / "commit-suite.toml"
@@ -68,8 +95,15 @@ QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "commit-quick"
 EXPERIMENTS = ["sweep", "table1", "fig45", "fig6", "fig3", "federated"]  # also the order that owns shared runs
 SWEPT = ("table1", "fig45")  # with --lr-grid: run at each (modality, trainer)'s chosen rate
 MODALITIES = ["image", "audio"]
-LABEL = {"constant": "Constant LR", "language-lr-up": "Language LR up", "vision-lr-up": "Vision LR up",
-         "feature-cd": "Feature CD", "language-cd": "Language CD", "commit-clr": "CoMMIT-CLR", "commit": "CoMMIT"}
+LABEL = {
+    "constant": "Constant LR",
+    "language-lr-up": "Language LR up",
+    "vision-lr-up": "Vision LR up",
+    "feature-cd": "Feature CD",
+    "language-cd": "Language CD",
+    "commit-clr": "CoMMIT-CLR",
+    "commit": "CoMMIT",
+}
 TABLE1 = ["constant", "feature-cd", "language-cd", "commit-clr", "commit"]
 FIG45 = ["constant", "commit-clr", "commit"]
 FIG6 = ["constant", "language-lr-up", "vision-lr-up", "commit-clr", "commit"]
@@ -118,8 +152,12 @@ class Scale:
             else:
                 out.append(f"train.local_steps={self.steps}")
         if self.evals is not None and not federated:  # the run's steps over `evals` rounds, one optimizer
-            out += [f"rounds={self.evals}", f"train.local_steps={self.centralized_steps(modality) // self.evals}",
-                    "eval_every=1", "options.carry_optimizer=true"]
+            out += [
+                f"rounds={self.evals}",
+                f"train.local_steps={self.centralized_steps(modality) // self.evals}",
+                "eval_every=1",
+                "options.carry_optimizer=true",
+            ]
         if self.test_samples is not None:
             out.append(f"data.max_test_samples={self.test_samples}")
         if self.lr is not None:
@@ -127,22 +165,36 @@ class Scale:
         return out
 
 
-def spec(modality: str, trainer: str, seed: int, scale: Scale, federated: bool = False,
-         lr: float | None = None) -> RunSpec:
+def spec(
+    modality: str, trainer: str, seed: int, scale: Scale, federated: bool = False, lr: float | None = None
+) -> RunSpec:
     """One run; ``lr`` (a swept or chosen rate, named in the run) overrides the scale's base rate."""
     mode, rate = "fed-" if federated else "", "" if lr is None else f"-lr{lr:g}"
-    return RunSpec(f"{mode}{modality}-{trainer}{rate}-seed{seed}",
-                   [*scale.overrides(modality, federated), f'options.trainer="{trainer}"', f"seed={seed}",
-                    *([] if lr is None else [f"train.lr={lr!r}"])],
-                   {"modality": modality, "trainer": trainer, "seed": seed, "federated": federated, "lr": lr})
+    return RunSpec(
+        f"{mode}{modality}-{trainer}{rate}-seed{seed}",
+        [
+            *scale.overrides(modality, federated),
+            f'options.trainer="{trainer}"',
+            f"seed={seed}",
+            *([] if lr is None else [f"train.lr={lr!r}"]),
+        ],
+        {"modality": modality, "trainer": trainer, "seed": seed, "federated": federated, "lr": lr},
+    )
 
 
 def choices_of(sweep_runs: list[RunSpec]) -> dict[tuple[str, str], Choice | None]:
     """Each (modality, trainer)'s chosen rate: the argmax over its finished sweep runs of the mean of
     the last :data:`LAST_EVALS` evaluations' exact match (None while any of its runs is unfinished)."""
-    return {(m, t): choose(with_labels(sweep_runs, modality=m, trainer=t), lambda s: {"lr": s.labels["lr"]},
-                           lambda s: run_metric(s, "accuracy"))
-            for m in MODALITIES for t in TABLE1 if with_labels(sweep_runs, modality=m, trainer=t)}
+    return {
+        (m, t): choose(
+            with_labels(sweep_runs, modality=m, trainer=t),
+            lambda s: {"lr": s.labels["lr"]},
+            lambda s: run_metric(s, "accuracy"),
+        )
+        for m in MODALITIES
+        for t in TABLE1
+        if with_labels(sweep_runs, modality=m, trainer=t)
+    }
 
 
 def questions(specs: list[RunSpec], modality: str) -> list[str]:
@@ -161,10 +213,19 @@ def build_suite_plan(seeds: list[int], scale: Scale, out: Path, sweep: Sweep | N
     if sweep is not None:
         swept = [spec(m, t, sweep.seed, scale, lr=lr) for m in MODALITIES for t in TABLE1 for lr in sweep.grid]
         choices = choices_of(build_plan({"sweep": swept}, RECIPE, out)["sweep"])
-        chosen = lambda trainers: [spec(m, t, s, scale, lr=c.setting["lr"])  # noqa: E731
-                                   for m in MODALITIES for t in trainers if (c := choices[(m, t)]) for s in seeds]
+        chosen = lambda trainers: [
+            spec(m, t, s, scale, lr=c.setting["lr"])  # noqa: E731
+            for m in MODALITIES
+            for t in trainers
+            if (c := choices[(m, t)])
+            for s in seeds
+        ]
     experiments = {
-        "sweep": swept, "table1": chosen(TABLE1), "fig45": chosen(FIG45), "fig6": grid(FIG6), "fig3": grid(FIG3),
+        "sweep": swept,
+        "table1": chosen(TABLE1),
+        "fig45": chosen(FIG45),
+        "fig6": grid(FIG6),
+        "fig3": grid(FIG3),
         "federated": [spec("image", t, s, scale, federated=True) for t in FEDERATED for s in seeds],
     }
     # ownership: the experiments planned from the sweep come last when sweeping, so that a run they
@@ -180,19 +241,33 @@ def restrict(plan: dict[str, list[RunSpec]], modalities: list[str]) -> dict[str,
 
 
 def parse_args(argv=None):
-    parser = suite_parser("CoMMIT suite (Table 1, Figures 3-6, federated mode)", EXPERIMENTS, seeds="0,1,2",
-                          budget_minutes=240.0)
+    parser = suite_parser(
+        "CoMMIT suite (Table 1, Figures 3-6, federated mode)", EXPERIMENTS, seeds="0,1,2", budget_minutes=240.0
+    )
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default: the recipe's 120)")
     parser.add_argument("--test-samples", type=int, default=None, help="test questions (default: the recipe's 200)")
-    parser.add_argument("--evals", type=int, default=None,
-                        help="centralized runs: evaluations, one per round of steps/evals steps with one optimizer "
-                             "throughout (default: one, at the end); cells: the mean of the last 3")
-    parser.add_argument("--lr", type=float, default=None,
-                        help="every run's base learning rate train.lr (default: the recipe's; CoMMIT's alpha "
-                             "follows as 2 x lr); for a rate sweep, one --out folder per rate")
-    parser.add_argument("--modalities", default=",".join(MODALITIES), help="comma-separated subset of image,audio to run")
-    add_sweep_options(parser, EXPERIMENTS, "each (modality, trainer) of Table 1 (for table1 / fig45; results to "
-                      "benchmarks/results/commit-swept/)")
+    parser.add_argument(
+        "--evals",
+        type=int,
+        default=None,
+        help="centralized runs: evaluations, one per round of steps/evals steps with one optimizer "
+        "throughout (default: one, at the end); cells: the mean of the last 3",
+    )
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="every run's base learning rate train.lr (default: the recipe's; CoMMIT's alpha "
+        "follows as 2 x lr); for a rate sweep, one --out folder per rate",
+    )
+    parser.add_argument(
+        "--modalities", default=",".join(MODALITIES), help="comma-separated subset of image,audio to run"
+    )
+    add_sweep_options(
+        parser,
+        EXPERIMENTS,
+        "each (modality, trainer) of Table 1 (for table1 / fig45; results to benchmarks/results/commit-swept/)",
+    )
     return parser.parse_args(argv)
 
 
@@ -210,8 +285,10 @@ def selection(args) -> tuple[Scale, list[str]]:
         raise SuiteError(f"--lr: expected a positive number, got {args.lr}")
     scale = Scale(args.quick, args.steps, args.test_samples, args.evals, args.lr)
     if args.evals is not None and scale.centralized_steps(modalities[0]) % args.evals:
-        raise SuiteError(f"--evals: expected a divisor of the {scale.centralized_steps(modalities[0])} steps per "
-                         f"run, got {args.evals}")
+        raise SuiteError(
+            f"--evals: expected a divisor of the {scale.centralized_steps(modalities[0])} steps per "
+            f"run, got {args.evals}"
+        )
     return scale, modalities
 
 
@@ -220,8 +297,15 @@ def selection(args) -> tuple[Scale, list[str]]:
 # machine's load (4 steps each, image): 1.9 s a plain step, +1.6 s for kappa's two extra forwards,
 # 5.0 s for CoMMIT (the provisional step, two forward-backward passes for the regularizer); tiny-llama
 # steps take ~0.05 s. Evaluation: ~0.3 s per test question (greedy answers, KV cache), setup ~40 s.
-STEP_S = {"constant": 3.5, "language-lr-up": 3.5, "vision-lr-up": 3.5, "feature-cd": 1.9, "language-cd": 1.9,
-          "commit-clr": 3.5, "commit": 5.0}
+STEP_S = {
+    "constant": 3.5,
+    "language-lr-up": 3.5,
+    "vision-lr-up": 3.5,
+    "feature-cd": 1.9,
+    "language-cd": 1.9,
+    "commit-clr": 3.5,
+    "commit": 5.0,
+}
 
 
 def run_cost(config: RunConfig) -> float:
@@ -263,7 +347,7 @@ def smooth(values: list[float], window: int = SMOOTH) -> list[float]:
     """Trailing moving average over the last ``window`` finite values."""
     out = []
     for i in range(len(values)):
-        vals = finite(values[max(0, i - window + 1): i + 1])
+        vals = finite(values[max(0, i - window + 1) : i + 1])
         out.append(sum(vals) / len(vals) if vals else math.nan)
     return out
 
@@ -324,8 +408,16 @@ def setup_section(plan, seeds: list[int], command: str, sweep: Sweep | None = No
     o = base.options
     data = {m: with_labels(specs, modality=m)[0].config.data.name for m in MODALITIES}
     lines = [
-        "## Setup", "", "Produced by", "", "```bash", command, "```", "",
-        "| | paper (Sec. 7) | here |", "|---|---|---|",
+        "## Setup",
+        "",
+        "Produced by",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        "| | paper (Sec. 7) | here |",
+        "|---|---|---|",
         "| models | BLIP-2 (Q-Former + OPT-2.7B), SALMONN (audio Q-Former + Vicuna-7B) | "
         f"`{base.model.name}` with LoRA rank {base.model.lora_rank} on q_proj / v_proj (T); a projector (S) over a "
         "frozen MobileNetV2 (image) or fixed log-mel features (audio), "
@@ -337,31 +429,43 @@ def setup_section(plan, seeds: list[int], command: str, sweep: Sweep | None = No
         + ("lr swept per trainer and modality (Table 1, Figs. 4/5)" if sweep else f"lr {base.train.lr:g}")
         + f", {base.rounds} x "
         f"{base.train.local_steps} steps of batch {base.train.batch_size}, one party (centralized)"
-        + (", one optimizer throughout, evaluated after each round" if base.rounds > 1 else "") + " |",
+        + (", one optimizer throughout, evaluated after each round" if base.rounds > 1 else "")
+        + " |",
         f"| CoMMIT | alpha, gamma, N_kappa, L_lr, lambda, d not stated | alpha = 2 x lr, gamma {o.get('gamma', 1.0)}, "
         f"N_kappa {o['n_kappa']}, L_lr {o['l_lr']}, lambda {o['reg_weight']}, d = total variation |",
         f"| Language / Vision LR up | 1e-3 vs 1e-4 | {o['lr_up']:g} x lr for that component |",
         f"| Feature / Language CD | 'until weights stabilize' | switch when the relative weight change over "
         f"{o['cd_window']} steps is below {o['cd_tolerance']}, at the latest after {o['cd_max_fraction']:g} of the steps |",
-        f"| seeds | not stated | {', '.join(map(str, seeds))} |", "",
-        (f"**Rates.** Each trainer's learning rate (train.lr: both components' base rate; CoMMIT's alpha = 2 x lr) is "
-         f"chosen per modality on seed {sweep.seed} from {{{', '.join(f'{lr:g}' for lr in sweep.grid)}}}: the rate "
-         f"with the highest mean of its last {LAST_EVALS} evaluations' exact match (`sweep.md`; ties: the smaller rate). "
-         f"Table 1 and Figs. 4/5 run it on seeds {', '.join(map(str, seeds))}"
-         + (" (the sweep seed among them: its run is the one that chose the rate, a biased figure)"
-            if sweep.seed in seeds else ", which played no part in the choice")
-         + f"; the other figures run at lr {base_lr(specs):g} for every trainer. " if sweep else
-         "Nothing is tuned per trainer: every trainer runs with the same recipe. ")
+        f"| seeds | not stated | {', '.join(map(str, seeds))} |",
+        "",
+        (
+            f"**Rates.** Each trainer's learning rate (train.lr: both components' base rate; CoMMIT's alpha = 2 x lr) is "
+            f"chosen per modality on seed {sweep.seed} from {{{', '.join(f'{lr:g}' for lr in sweep.grid)}}}: the rate "
+            f"with the highest mean of its last {LAST_EVALS} evaluations' exact match (`sweep.md`; ties: the smaller rate). "
+            f"Table 1 and Figs. 4/5 run it on seeds {', '.join(map(str, seeds))}"
+            + (
+                " (the sweep seed among them: its run is the one that chose the rate, a biased figure)"
+                if sweep.seed in seeds
+                else ", which played no part in the choice"
+            )
+            + f"; the other figures run at lr {base_lr(specs):g} for every trainer. "
+            if sweep
+            else "Nothing is tuned per trainer: every trainer runs with the same recipe. "
+        )
         + f"Cells: mean ± sample std over seeds of {evaluated(base)} (exact match and ROUGE-L in %, "
-        f"{base.data.max_test_samples} test questions).", "",
+        f"{base.data.max_test_samples} test questions).",
+        "",
     ]
     distinct = {s.key: s for s in specs}.values()
     done = sum(load_summary(s) is not None for s in distinct)
     if done < len(distinct):
-        lines += [f"Finished so far: {done} of the suite's {len(distinct)} distinct runs (cells say n= where seeds are "
-                  "missing, pending where none finished). The command above, run again, resumes its own selection "
-                  "(--only, --modalities); every experiment and modality at this scale: the same command with "
-                  "`--only table1,fig45,fig6,fig3,federated --modalities image,audio`.", ""]
+        lines += [
+            f"Finished so far: {done} of the suite's {len(distinct)} distinct runs (cells say n= where seeds are "
+            "missing, pending where none finished). The command above, run again, resumes its own selection "
+            "(--only, --modalities); every experiment and modality at this scale: the same command with "
+            "`--only table1,fig45,fig6,fig3,federated --modalities image,audio`.",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -388,31 +492,56 @@ def report_table1(specs: list[RunSpec], head: str, out: Path, sweep: Sweep | Non
             group = with_labels(specs, modality=m, trainer=t)
             if sweep:
                 row.append(f"{group[0].labels['lr']:g}" if group else "waiting for the sweep")
-            row += [metric_cell(group, "accuracy"), metric_cell(group, f"accuracy_{short_question(specs, m)}"),
-                    metric_cell(group, "rouge_l")]
+            row += [
+                metric_cell(group, "accuracy"),
+                metric_cell(group, f"accuracy_{short_question(specs, m)}"),
+                metric_cell(group, "rouge_l"),
+            ]
             means += [metric_mean(group, "accuracy"), metric_mean(group, "rouge_l")]
         row.append("pending" if None in means else f"{sum(means) / len(means):.2f}")
         rows.append(row)
     paper = [[LABEL[t], *(f"{v:.2f}" for v in PAPER_TABLE1[t])] for t in TABLE1]
-    lines = ["# Table 1 (CPU scale): five trainers, two modalities", "", head, "## Results", "",
-             *table_lines(cols, rows), "", reference_line(specs), "", "Paper (accuracy for A-OKVQA, IconQA, TextVQA, ClothoAQA; ROUGE-L for MACS, SDD):",
-             "", *table_lines(["Method", "A-OKVQA", "IconQA", "TextVQA", "ClothoAQA", "MACS", "SDD", "Average"], paper), "",
-             *ordering_notes(specs), *cd_switches(specs)]
+    lines = [
+        "# Table 1 (CPU scale): five trainers, two modalities",
+        "",
+        head,
+        "## Results",
+        "",
+        *table_lines(cols, rows),
+        "",
+        reference_line(specs),
+        "",
+        "Paper (accuracy for A-OKVQA, IconQA, TextVQA, ClothoAQA; ROUGE-L for MACS, SDD):",
+        "",
+        *table_lines(["Method", "A-OKVQA", "IconQA", "TextVQA", "ClothoAQA", "MACS", "SDD", "Average"], paper),
+        "",
+        *ordering_notes(specs),
+        *cd_switches(specs),
+    ]
     return "\n".join(lines) + "\n" + runs_section(specs, out)
 
 
 def report_sweep(specs: list[RunSpec], head: str, out: Path, sweep: Sweep | None = None) -> str:
     """Each (modality, trainer)'s exact match at every grid rate on the sweep seed, and its choice."""
     choices = choices_of(specs)
-    lines = ["# Learning-rate sweep (CPU scale): each trainer's own rate", "",
-             f"Each cell: the run's mean of its last (up to) {LAST_EVALS} evaluations' exact match (%), one seed; "
-             "**bold**: the chosen rate (automatic argmax), which Table 1 and Figures 4/5 then run on the table seeds.",
-             "", head]
+    lines = [
+        "# Learning-rate sweep (CPU scale): each trainer's own rate",
+        "",
+        f"Each cell: the run's mean of its last (up to) {LAST_EVALS} evaluations' exact match (%), one seed; "
+        "**bold**: the chosen rate (automatic argmax), which Table 1 and Figures 4/5 then run on the table seeds.",
+        "",
+        head,
+    ]
     panels = {m: {LABEL[t]: with_labels(specs, modality=m, trainer=t) for t in TABLE1} for m in MODALITIES}
-    lines += sweep_sections(panels, {m: {LABEL[t]: choices.get((m, t)) for t in TABLE1} for m in MODALITIES},
-                            lambda s: run_metric(s, "accuracy"), out / "sweep.png", row_title="Trainer",
-                            reference_name="majority-answer rate",
-                            ylabel=f"exact match, mean of last {LAST_EVALS} (%)")
+    lines += sweep_sections(
+        panels,
+        {m: {LABEL[t]: choices.get((m, t)) for t in TABLE1} for m in MODALITIES},
+        lambda s: run_metric(s, "accuracy"),
+        out / "sweep.png",
+        row_title="Trainer",
+        reference_name="majority-answer rate",
+        ylabel=f"exact match, mean of last {LAST_EVALS} (%)",
+    )
     return "\n".join([*lines, "![sweep](sweep.png)", ""]) + "\n" + runs_section(specs, out)
 
 
@@ -444,8 +573,11 @@ def cd_switches(specs: list[RunSpec]) -> list[str]:
                 tol = s.config.options["cd_tolerance"]
                 why = "criterion" if at > 0 and change[at - 1] is not None and change[at - 1] < tol else "cap"
                 seen = finite(change[:at])
-                cells.append(f"seed {s.labels['seed']}: step {at + 1} ({why}; window changes "
-                             f"{min(seen):.3f}-{max(seen):.3f})" if seen else f"seed {s.labels['seed']}: step {at + 1} ({why})")
+                cells.append(
+                    f"seed {s.labels['seed']}: step {at + 1} ({why}; window changes {min(seen):.3f}-{max(seen):.3f})"
+                    if seen
+                    else f"seed {s.labels['seed']}: step {at + 1} ({why})"
+                )
             lines.append(f"- {m}, {LABEL[t]}: " + ("; ".join(cells) if cells else "pending"))
     return lines + [""]
 
@@ -456,25 +588,32 @@ def learned_note(specs: list[RunSpec], modality: str) -> str | None:
     none is cannot rank the trainers. None before any run finished."""
     cells, any_above, reference = [], False, None
     for t in TABLE1:
-        done = [(s, summary) for s in with_labels(specs, modality=modality, trainer=t)
-                if (summary := load_summary(s))]
+        done = [(s, summary) for s in with_labels(specs, modality=modality, trainer=t) if (summary := load_summary(s))]
         if not done:
             continue
         above = 0
         for s, summary in done:
             reference = summary.get("majority_accuracy")
-            ok, margin = clearly_above(run_metric(s, "accuracy"), summary.get("final_accuracy"), reference,
-                                       summary.get("test_examples"))
+            ok, margin = clearly_above(
+                run_metric(s, "accuracy"), summary.get("final_accuracy"), reference, summary.get("test_examples")
+            )
             above += bool(ok)
         any_above |= above > 0
         cells.append(f"{LABEL[t]} {above}/{len(done)}")
     if not cells or reference is None:
         return None
-    verdict = "" if any_above else (" No run is: this modality did not learn at this scale, and its column "
-                                    "cannot rank the trainers.")
-    return (f"- {modality}: runs clearly above the {100 * reference:.0f}% majority-answer rate (last-"
-            f"{LAST_EVALS} mean at least {100 * margin:.1f} points above it, final evaluation above it): "
-            + ", ".join(cells) + "." + verdict)
+    verdict = (
+        ""
+        if any_above
+        else (" No run is: this modality did not learn at this scale, and its column cannot rank the trainers.")
+    )
+    return (
+        f"- {modality}: runs clearly above the {100 * reference:.0f}% majority-answer rate (last-"
+        f"{LAST_EVALS} mean at least {100 * margin:.1f} points above it, final evaluation above it): "
+        + ", ".join(cells)
+        + "."
+        + verdict
+    )
 
 
 def ordering_notes(specs: list[RunSpec]) -> list[str]:
@@ -489,19 +628,24 @@ def ordering_notes(specs: list[RunSpec]) -> list[str]:
             means = {t: metric_mean(with_labels(specs, modality=m, trainer=t), metric) for t in TABLE1}
             if any(v is None for v in means.values()):
                 continue
-            spread = max((mean_std(metric_values(with_labels(specs, modality=m, trainer=t), metric))[1] or 0.0)
-                         for t in TABLE1)
+            spread = max(
+                (mean_std(metric_values(with_labels(specs, modality=m, trainer=t), metric))[1] or 0.0) for t in TABLE1
+            )
             best = max(means, key=means.get)
-            notes.append(f"- {m}, {name}: CoMMIT-CLR {means['commit-clr'] - means['constant']:+.2f} and CoMMIT "
-                         f"{means['commit'] - means['constant']:+.2f} points vs Constant LR; best: {LABEL[best]} "
-                         f"({means[best]:.2f}); largest seed std {spread:.2f} points"
-                         + (" (differences within it are not evidence)" if spread else ""))
+            notes.append(
+                f"- {m}, {name}: CoMMIT-CLR {means['commit-clr'] - means['constant']:+.2f} and CoMMIT "
+                f"{means['commit'] - means['constant']:+.2f} points vs Constant LR; best: {LABEL[best]} "
+                f"({means[best]:.2f}); largest seed std {spread:.2f} points"
+                + (" (differences within it are not evidence)" if spread else "")
+            )
     return notes + [""] if len(notes) > 2 else notes + ["(pending)", ""]
 
 
 def plot_curves(path: Path, specs: list[RunSpec], trainers: list[str], panels: list[tuple[str, str]], title: str):
     """One row per modality, one column per (curve key, y label); seed means smoothed over SMOOTH steps."""
-    with figure(path, len(MODALITIES), len(panels), figsize=(5 * len(panels), 3.6 * len(MODALITIES)), squeeze=False) as (fig, axes):
+    with figure(
+        path, len(MODALITIES), len(panels), figsize=(5 * len(panels), 3.6 * len(MODALITIES)), squeeze=False
+    ) as (fig, axes):
         for i, m in enumerate(MODALITIES):
             for j, (key, ylabel) in enumerate(panels):
                 ax = axes[i][j]
@@ -537,19 +681,35 @@ def loss_table(specs: list[RunSpec], trainers: list[str]) -> list[str]:
 
 
 def report_fig45(specs: list[RunSpec], head: str, out: Path) -> str:
-    plot_curves(out / "fig45.png", specs, FIG45, [("loss", "training loss")],
-                f"Figs. 4/5: training loss\n(seed mean, {SMOOTH}-step average)")
-    lines = ["# Figures 4 and 5 (CPU scale): training-loss curves", "",
-             "Per-step training loss (the answer cross-entropy of each step's batch), mean over seeds, smoothed over "
-             f"{SMOOTH} steps; image is Figure 4's counterpart, audio Figure 5's. The paper: CoMMIT-CLR and CoMMIT "
-             "reach lower losses earlier than Constant LR.", "", head, "## Results", "", *loss_table(specs, FIG45), "",
-             "![fig45](fig45.png)", ""]
+    plot_curves(
+        out / "fig45.png",
+        specs,
+        FIG45,
+        [("loss", "training loss")],
+        f"Figs. 4/5: training loss\n(seed mean, {SMOOTH}-step average)",
+    )
+    lines = [
+        "# Figures 4 and 5 (CPU scale): training-loss curves",
+        "",
+        "Per-step training loss (the answer cross-entropy of each step's batch), mean over seeds, smoothed over "
+        f"{SMOOTH} steps; image is Figure 4's counterpart, audio Figure 5's. The paper: CoMMIT-CLR and CoMMIT "
+        "reach lower losses earlier than Constant LR.",
+        "",
+        head,
+        "## Results",
+        "",
+        *loss_table(specs, FIG45),
+        "",
+        "![fig45](fig45.png)",
+        "",
+    ]
     return "\n".join(lines) + "\n" + runs_section(specs, out)
 
 
 def report_fig6(specs: list[RunSpec], head: str, out: Path) -> str:
-    plot_curves(out / "fig6.png", specs, FIG6, [("kappa", "kappa_t")],
-                f"Fig. 6: kappa_t\n(seed mean, {SMOOTH}-step average)")
+    plot_curves(
+        out / "fig6.png", specs, FIG6, [("kappa", "kappa_t")], f"Fig. 6: kappa_t\n(seed mean, {SMOOTH}-step average)"
+    )
     rows = []
     for t in FIG6:
         row = [LABEL[t]]
@@ -558,19 +718,33 @@ def report_fig6(specs: list[RunSpec], head: str, out: Path) -> str:
             row += [stat_cell([x[0] if x else None for x in stats]), stat_cell([x[1] if x else None for x in stats])]
         rows.append(row)
     cols = ["Trainer"] + [c for m in MODALITIES for c in (f"{m}: mean kappa_t", f"{m}: std of kappa_t")]
-    lines = ["# Figure 6 (CPU scale): the learning balance kappa_t", "",
-             "kappa_t = d_T / d_S (eq. (3)): how far one step of the LM's LoRA alone, against one step of the projector "
-             "alone, moves the answer tokens' next-token distributions (total variation). Per run: the mean and the "
-             "standard deviation of kappa_t over its steps; cells: mean ± sample std over seeds. The paper: CoMMIT and "
-             "CoMMIT-CLR have the smallest std of kappa_t, Language LR up is also stable.", "", head, "## Results", "",
-             *table_lines(cols, rows), "", "![fig6](fig6.png)", ""]
+    lines = [
+        "# Figure 6 (CPU scale): the learning balance kappa_t",
+        "",
+        "kappa_t = d_T / d_S (eq. (3)): how far one step of the LM's LoRA alone, against one step of the projector "
+        "alone, moves the answer tokens' next-token distributions (total variation). Per run: the mean and the "
+        "standard deviation of kappa_t over its steps; cells: mean ± sample std over seeds. The paper: CoMMIT and "
+        "CoMMIT-CLR have the smallest std of kappa_t, Language LR up is also stable.",
+        "",
+        head,
+        "## Results",
+        "",
+        *table_lines(cols, rows),
+        "",
+        "![fig6](fig6.png)",
+        "",
+    ]
     return "\n".join(lines) + "\n" + runs_section(specs, out)
 
 
 def report_fig3(specs: list[RunSpec], head: str, out: Path) -> str:
-    plot_curves(out / "fig3.png", specs, FIG3, [("grad_S", "||G^S|| / ||theta_S||"), ("grad_T", "||G^T|| / ||theta_T||"),
-                                               ("loss", "training loss")],
-                f"Figure 3 (CPU scale): normalized gradient norms and loss, mean over seeds, {SMOOTH}-step moving average")
+    plot_curves(
+        out / "fig3.png",
+        specs,
+        FIG3,
+        [("grad_S", "||G^S|| / ||theta_S||"), ("grad_T", "||G^T|| / ||theta_T||"), ("loss", "training loss")],
+        f"Figure 3 (CPU scale): normalized gradient norms and loss, mean over seeds, {SMOOTH}-step moving average",
+    )
     rows = []
     for t in FIG3:
         row = [LABEL[t]]
@@ -583,11 +757,24 @@ def report_fig3(specs: list[RunSpec], head: str, out: Path) -> str:
                     vals.append(sum(c[-q:]) / q if c else None)
                 row.append(stat_cell(vals, 4))
         rows.append(row)
-    cols = ["Trainer"] + [f"{m}: {k}, last quarter" for m in MODALITIES for k in ("||G^S||/||theta_S||", "||G^T||/||theta_T||")]
-    lines = ["# Figure 3 (CPU scale): normalized gradient norms of S and T", "",
-             "||G|| / ||theta|| of the loss gradient of each component at each step (S: the projector; T: the LoRA "
-             "matrices). The paper (Sec. 4.2): imbalanced learning (Vision LR up) slows convergence and shrinks both "
-             "components' gradients.", "", head, "## Results", "", *table_lines(cols, rows), "", "![fig3](fig3.png)", ""]
+    cols = ["Trainer"] + [
+        f"{m}: {k}, last quarter" for m in MODALITIES for k in ("||G^S||/||theta_S||", "||G^T||/||theta_T||")
+    ]
+    lines = [
+        "# Figure 3 (CPU scale): normalized gradient norms of S and T",
+        "",
+        "||G|| / ||theta|| of the loss gradient of each component at each step (S: the projector; T: the LoRA "
+        "matrices). The paper (Sec. 4.2): imbalanced learning (Vision LR up) slows convergence and shrinks both "
+        "components' gradients.",
+        "",
+        head,
+        "## Results",
+        "",
+        *table_lines(cols, rows),
+        "",
+        "![fig3](fig3.png)",
+        "",
+    ]
     return "\n".join(lines) + "\n" + runs_section(specs, out)
 
 
@@ -596,10 +783,20 @@ def report_federated(specs: list[RunSpec], head: str, out: Path) -> str:
     for t in FEDERATED:
         group = with_labels(specs, trainer=t)
         stats = [kappa_stats(s) for s in group]
-        rows.append([LABEL[t], metric_cell(group, "accuracy"), *(metric_cell(group, f"accuracy_{q}") for q in asked),
-                     metric_cell(group, "rouge_l"),
-                     stat_cell([x[0] if x else None for x in stats]), stat_cell([x[1] if x else None for x in stats])])
-    with figure(out / "federated.png", 1, len(FEDERATED), figsize=(5 * len(FEDERATED), 3.6), squeeze=False) as (fig, axes):
+        rows.append(
+            [
+                LABEL[t],
+                metric_cell(group, "accuracy"),
+                *(metric_cell(group, f"accuracy_{q}") for q in asked),
+                metric_cell(group, "rouge_l"),
+                stat_cell([x[0] if x else None for x in stats]),
+                stat_cell([x[1] if x else None for x in stats]),
+            ]
+        )
+    with figure(out / "federated.png", 1, len(FEDERATED), figsize=(5 * len(FEDERATED), 3.6), squeeze=False) as (
+        fig,
+        axes,
+    ):
         for j, t in enumerate(FEDERATED):
             ax = axes[0][j]
             group = [s for s in with_labels(specs, trainer=t) if load_summary(s)]
@@ -609,21 +806,39 @@ def report_federated(specs: list[RunSpec], head: str, out: Path) -> str:
                     for cid, c in sorted(line.get("client_curves", {}).items(), key=lambda kv: int(kv[0])):
                         h = len(c["kappa"])
                         xs = [(line["round"] - 1) * h + k + 1 for k in range(h)]
-                        ax.plot(xs, [v if v is not None else math.nan for v in c["kappa"]], color=f"C{int(cid)}",
-                                label=None if cid in labeled else f"client {cid}")
+                        ax.plot(
+                            xs,
+                            [v if v is not None else math.nan for v in c["kappa"]],
+                            color=f"C{int(cid)}",
+                            label=None if cid in labeled else f"client {cid}",
+                        )
                         labeled.add(cid)
-            ax.set(title=f"{LABEL[t]}: per-client kappa_t ({group[0].name if group else 'pending'})", xlabel="local step",
-                   ylabel="kappa_t", yscale="log")
+            ax.set(
+                title=f"{LABEL[t]}: per-client kappa_t ({group[0].name if group else 'pending'})",
+                xlabel="local step",
+                ylabel="kappa_t",
+                yscale="log",
+            )
             ax.grid(alpha=0.3)
             if labeled:
                 ax.legend(fontsize=7)
     cols = ["Trainer", "exact match", *asked, "ROUGE-L", "mean kappa_t", "std of kappa_t"]
-    lines = ["# Federated mode (not in the paper)", "",
-             "FedAvg of S (projector) and T (LoRA) over 4 clients holding one question type each (label-sorted "
-             "shards of the question labels: clients 0-1 the first type, 2-3 the second), 2 per round; each client "
-             "runs the trainer on its own batches and measures its own kappa; the server averages the updates and "
-             "the clients' kappa windows and rates (FedAvg weights).", "", head, "## Results", "",
-             *table_lines(cols, rows), "", "![federated](federated.png)", ""]
+    lines = [
+        "# Federated mode (not in the paper)",
+        "",
+        "FedAvg of S (projector) and T (LoRA) over 4 clients holding one question type each (label-sorted "
+        "shards of the question labels: clients 0-1 the first type, 2-3 the second), 2 per round; each client "
+        "runs the trainer on its own batches and measures its own kappa; the server averages the updates and "
+        "the clients' kappa windows and rates (FedAvg weights).",
+        "",
+        head,
+        "## Results",
+        "",
+        *table_lines(cols, rows),
+        "",
+        "![federated](federated.png)",
+        "",
+    ]
     return "\n".join(lines) + "\n" + runs_section(specs, out)
 
 
@@ -655,25 +870,41 @@ def main(argv=None) -> int:
     command = suite_command("benchmarks/commit/run_suite.py", argv)
     biased_seed_warning(sweep, seeds, selected, SWEPT)
     base = load_config(RECIPE, scale.overrides(modalities[0]))
-    print(f"CoMMIT suite: {', '.join(selected)}; modalities {', '.join(modalities)}; seeds {seeds}"
-          + (f"; rates {', '.join(f'{lr:g}' for lr in sweep.grid)} swept on seed {sweep.seed}" if sweep else "")
-          + f"; model {base.model.name}; {base.rounds} x {base.train.local_steps} steps of batch "
-          f"{base.train.batch_size} per centralized run -> {out}")
+    print(
+        f"CoMMIT suite: {', '.join(selected)}; modalities {', '.join(modalities)}; seeds {seeds}"
+        + (f"; rates {', '.join(f'{lr:g}' for lr in sweep.grid)} swept on seed {sweep.seed}" if sweep else "")
+        + f"; model {base.model.name}; {base.rounds} x {base.train.local_steps} steps of batch "
+        f"{base.train.batch_size} per centralized run -> {out}"
+    )
 
     def stage(experiments: list[str]) -> int:
         plan = build_suite_plan(seeds, scale, out, sweep)
         to_run = restrict(plan, modalities)
         runs = distinct_runs(to_run, experiments)
         costs = {s.key: run_cost(s.config) for s in runs}
-        notes = [f"cost model: per-trainer step seconds measured on this machine "
-                 f"(~{estimate_minutes(runs, costs, 1):.0f} min of one core for the selection)"]
+        notes = [
+            f"cost model: per-trainer step seconds measured on this machine "
+            f"(~{estimate_minutes(runs, costs, 1):.0f} min of one core for the selection)"
+        ]
         if sweep:
             choices = choices_of(plan["sweep"])
             groups = {f"{m}/{t}": with_labels(plan["sweep"], modality=m, trainer=t) for m in modalities for t in TABLE1}
-            notes.append(sweep_note(groups, {f"{m}/{t}": choices.get((m, t)) for m in modalities for t in TABLE1},
-                                    "(modality, trainer) groups"))
-        return run_suite(to_run, experiments, args, costs,
-                         lambda: write_reports(plan, experiments, seeds, out, command, sweep), root=REPO, notes=notes)
+            notes.append(
+                sweep_note(
+                    groups,
+                    {f"{m}/{t}": choices.get((m, t)) for m in modalities for t in TABLE1},
+                    "(modality, trainer) groups",
+                )
+            )
+        return run_suite(
+            to_run,
+            experiments,
+            args,
+            costs,
+            lambda: write_reports(plan, experiments, seeds, out, command, sweep),
+            root=REPO,
+            notes=notes,
+        )
 
     return sweep_first(stage, selected, args)  # table1 / fig45 are planned from the sweep's finished runs
 

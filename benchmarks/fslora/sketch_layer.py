@@ -111,8 +111,11 @@ def measure(reps: int, inner: int, dropouts: list[float], alpha: float) -> dict[
     return {n: (statistics.median(cpu[n]) * 1e3, statistics.median(wall[n]) * 1e3) for n in names}
 
 
-LABELS = {"k=8": "k=8: rank-8 adapter (FSLoRA client)", "k=64": "k=64: rank-64 adapter",
-          "k=8 dense masked": "k=8 as dense masked B S A (rank 64)"}
+LABELS = {
+    "k=8": "k=8: rank-8 adapter (FSLoRA client)",
+    "k=64": "k=64: rank-64 adapter",
+    "k=8 dense masked": "k=8 as dense masked B S A (rank 64)",
+}
 
 
 def flops_ratio(view: str) -> float:
@@ -166,7 +169,7 @@ def report(ms: dict, args) -> str:
         )
     lines += [
         "",
-        "\"layer\" is PEFT's `Linear.forward` (W0 x + (alpha/k) B A dropout(x)); \"branch\" is",
+        '"layer" is PEFT\'s `Linear.forward` (W0 x + (alpha/k) B A dropout(x)); "branch" is',
         "lora_B(lora_A(dropout(x))) * scaling alone. The multiply-add ratio counts only the matrix",
         f"products: W0's 2 T n^2 (forward and input gradient, T = {BATCH * TOKENS} tokens, n = {HIDDEN}) do not",
         "depend on k, the LoRA products' 6 T n k do; so even a perfect rank-k branch leaves the whole",
@@ -189,8 +192,13 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=21)
     parser.add_argument("--inner", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--dropouts", type=float, nargs="+", default=[0.1, 0.0],
-                        help="lora_dropout values (configs/fslora.toml: 0.1; fedtune's default: 0)")
+    parser.add_argument(
+        "--dropouts",
+        type=float,
+        nargs="+",
+        default=[0.1, 0.0],
+        help="lora_dropout values (configs/fslora.toml: 0.1; fedtune's default: 0)",
+    )
     parser.add_argument("--alpha", type=float, default=128.0, help="lora_alpha (configs/fslora.toml: 128)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()

@@ -51,11 +51,12 @@ import math
 import os
 import re
 import sys
-import tomllib
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
@@ -63,10 +64,34 @@ if str(REPO) not in sys.path:
 
 from fedtune.config import ConfigError, RunConfig, load_config  # noqa: E402
 from fedtune.harness import (  # noqa: E402
-    Choice, Costs, RunSpec, SuiteError, accuracy_cell, assignments, averaged_curve, build_plan, choice_text,
-    distinct_runs, estimate_s, figure, final_accuracy, load_summary, makespan, mean_std, output_dir, parse_selection,
-    read_overlays, run_accuracy, run_suite, runs_section, setting_text, suite_command, suite_parser, sweep_first,
-    table_lines, with_labels,
+    Choice,
+    Costs,
+    RunSpec,
+    SuiteError,
+    accuracy_cell,
+    assignments,
+    averaged_curve,
+    build_plan,
+    choice_text,
+    distinct_runs,
+    estimate_s,
+    figure,
+    final_accuracy,
+    load_summary,
+    makespan,
+    mean_std,
+    output_dir,
+    parse_selection,
+    read_overlays,
+    run_accuracy,
+    run_suite,
+    runs_section,
+    setting_text,
+    suite_command,
+    suite_parser,
+    sweep_first,
+    table_lines,
+    with_labels,
 )
 from fedtune.harness import choose as choose_runs  # noqa: E402
 
@@ -102,10 +127,22 @@ LABELS = {
 }
 FAMILY_LABELS = {"adamw": "AdamW", "sgdm": "SGD + momentum 0.9"}
 
-PAPER = {"model": "RoBERTa-base (125M)", "rounds": 200, "local_steps": 50, "devices": "20, all in every round",
-         "seeds": 3, "train": "full GLUE task"}
-SUITE = {"rounds": 20, "local_steps": 4, "devices": "20, 8 sampled per round", "seeds": 2,
-         "lr": "1e-3 for every method (AdamW), untuned", "eval": "every 10 rounds; figure = final"}  # as run
+PAPER = {
+    "model": "RoBERTa-base (125M)",
+    "rounds": 200,
+    "local_steps": 50,
+    "devices": "20, all in every round",
+    "seeds": 3,
+    "train": "full GLUE task",
+}
+SUITE = {
+    "rounds": 20,
+    "local_steps": 4,
+    "devices": "20, 8 sampled per round",
+    "seeds": 2,
+    "lr": "1e-3 for every method (AdamW), untuned",
+    "eval": "every 10 rounds; figure = final",
+}  # as run
 
 
 # -- the scale and the run specifications -----------------------------------------------------
@@ -157,7 +194,7 @@ def setting_name(setting: dict[str, float]) -> str:
 
 def fair_fedit_rank(scale: Scale, seed: int) -> int:
     """min_i k_i of the seed's heterogeneous draw: the largest uniform rank every device affords."""
-    from fedtune.methods.lora_common import client_rank
+    from fedtune.methods.base.lora import client_rank
     from fedtune.protocol.profiles import build_profiles
 
     profiles = build_profiles(scale.base.federation.num_clients, None, {"sketch_ratio": scale.hetero_ratios}, seed)
@@ -171,21 +208,42 @@ def run_spec(scale: Scale, row: str, family: str, seed: int, setting: dict[str, 
     extra = {"seed": seed, "model.lora_rank": rank, "model.lora_alpha": 2.0 * rank, "train.lr": setting["lr"]}
     if "server_lr" in setting:
         extra["federation.server_lr"] = setting["server_lr"]
-    overrides = [*scale.overrides, *OVERLAYS[family], *OVERLAYS[row],
-                 *([] if row == "fedit" else OVERLAYS["hetero"]), *assignments(extra)]
-    return RunSpec(f"{row}-{family}-{setting_name(setting)}-s{seed}", overrides,
-                   {"row": row, "method": method_of(row), "family": family, "seed": seed, "rank": rank,
-                    "stage": stage, **{"server_lr": None, **setting}})
+    overrides = [
+        *scale.overrides,
+        *OVERLAYS[family],
+        *OVERLAYS[row],
+        *([] if row == "fedit" else OVERLAYS["hetero"]),
+        *assignments(extra),
+    ]
+    return RunSpec(
+        f"{row}-{family}-{setting_name(setting)}-s{seed}",
+        overrides,
+        {
+            "row": row,
+            "method": method_of(row),
+            "family": family,
+            "seed": seed,
+            "rank": rank,
+            "stage": stage,
+            **{"server_lr": None, **setting},
+        },
+    )
 
 
 def specs_sweep(scale: Scale, seed: int) -> list[RunSpec]:
-    return [run_spec(scale, row, family, seed, setting, "sweep")
-            for family in FAMILIES for row in ROWS for setting in settings(scale, row, family)]
+    return [
+        run_spec(scale, row, family, seed, setting, "sweep")
+        for family in FAMILIES
+        for row in ROWS
+        for setting in settings(scale, row, family)
+    ]
 
 
 def setting_of(spec: RunSpec) -> dict[str, float]:
-    return {"lr": spec.labels["lr"], **({"server_lr": spec.labels["server_lr"]}
-                                         if spec.labels.get("server_lr") is not None else {})}
+    return {
+        "lr": spec.labels["lr"],
+        **({"server_lr": spec.labels["server_lr"]} if spec.labels.get("server_lr") is not None else {}),
+    }
 
 
 def choose(sweep: list[RunSpec], row: str, family: str) -> Choice | None:
@@ -196,16 +254,25 @@ def choose(sweep: list[RunSpec], row: str, family: str) -> Choice | None:
 
 def specs_table(scale: Scale, seeds: list[int], choices: dict[tuple[str, str], Choice | None]) -> list[RunSpec]:
     """Table 5.1's runs: each (row, family) with a choice, at its chosen setting, on every seed."""
-    return [run_spec(scale, row, family, seed, choice.setting, "table")
-            for family in FAMILIES for row in ROWS if (choice := choices.get((row, family)))
-            for seed in seeds]
+    return [
+        run_spec(scale, row, family, seed, choice.setting, "table")
+        for family in FAMILIES
+        for row in ROWS
+        if (choice := choices.get((row, family)))
+        for seed in seeds
+    ]
 
 
 def waiting_table(scale: Scale, seeds: list[int], choices: dict[tuple[str, str], Choice | None]) -> list[RunSpec]:
     """Stand-ins for the table runs still waiting for their sweep (first grid setting; for the
     time estimate only: a run's cost does not depend on its rates)."""
-    return [run_spec(scale, row, family, seed, settings(scale, row, family)[0], "waiting")
-            for family in FAMILIES for row in ROWS if not choices.get((row, family)) for seed in seeds]
+    return [
+        run_spec(scale, row, family, seed, settings(scale, row, family)[0], "waiting")
+        for family in FAMILIES
+        for row in ROWS
+        if not choices.get((row, family))
+        for seed in seeds
+    ]
 
 
 def build_sweep_plan(scale: Scale, sweep_seed: int, seeds: list[int], out: Path):
@@ -213,8 +280,9 @@ def build_sweep_plan(scale: Scale, sweep_seed: int, seeds: list[int], out: Path)
     the choices, and the waiting table runs (resolved configs, never run)."""
     sweep_only = build_plan({"sweep": specs_sweep(scale, sweep_seed), "table": []}, RECIPE, out)
     choices = {(row, family): choose(sweep_only["sweep"], row, family) for family in FAMILIES for row in ROWS}
-    plan = build_plan({"sweep": specs_sweep(scale, sweep_seed), "table": specs_table(scale, seeds, choices)},
-                      RECIPE, out)
+    plan = build_plan(
+        {"sweep": specs_sweep(scale, sweep_seed), "table": specs_table(scale, seeds, choices)}, RECIPE, out
+    )
     waiting = build_plan({"waiting": waiting_table(scale, seeds, choices)}, RECIPE, out / "waiting")["waiting"]
     return plan, choices, waiting
 
@@ -234,8 +302,12 @@ def run_cost(config: RunConfig, calibration: dict) -> float:
     """Estimated seconds of ``config`` on one free core (minilm's costs for any model)."""
     model = calibration.get(config.model.name) or calibration["minilm"]
     data = model.get(config.data.name) or model["sst2"]
-    costs = Costs(data["step_s"], data["eval_s_per_example"], data["run_setup_s"],
-                  model["method_client_overhead_s"].get(config.method, 0.35))
+    costs = Costs(
+        data["step_s"],
+        data["eval_s_per_example"],
+        data["run_setup_s"],
+        model["method_client_overhead_s"].get(config.method, 0.35),
+    )
     full = TEST_SET_SIZES.get(config.data.name, 2000)
     return estimate_s(config, costs, min(full, config.data.max_test_samples or full))
 
@@ -251,10 +323,16 @@ def setup_section(scale: Scale, sweep_seed: int, seeds: list[int], command: str,
     b = scale.base
     fed = b.federation
     train = b.data.max_train_samples or "all"
-    grid = "; ".join(f"{FAMILY_LABELS[f]}: lr in {{{', '.join(f'{x:g}' for x in sorted(scale.lr_grid[f]))}}}"
-                     for f in FAMILIES)
+    grid = "; ".join(
+        f"{FAMILY_LABELS[f]}: lr in {{{', '.join(f'{x:g}' for x in sorted(scale.lr_grid[f]))}}}" for f in FAMILIES
+    )
     lines = [
-        "Produced by", "", "```bash", command, "```", "",
+        "Produced by",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
         "| | paper (RoBERTa & GLUE, Table A.1) | FSLoRA suite (`run_suite.py`) | here |",
         "|---|---|---|---|",
         f"| model | {PAPER['model']} | minilm | `{b.model.name}` |",
@@ -293,15 +371,20 @@ def setup_section(scale: Scale, sweep_seed: int, seeds: list[int], command: str,
 def report_sweep(plan, choices, scale: Scale, head: str, out: Path) -> str:
     sweep = plan["sweep"]
     majority = next((x["majority_accuracy"] for x in map(load_summary, sweep) if x), None)
-    lines = ["# Learning-rate sweep (fair FSLoRA benchmark, stage 1)", "",
-             f"Each cell: the run's mean of its last {LAST} evaluations (%), one seed; **bold**: the chosen setting "
-             "(automatic argmax). Margin: points by which it beat the best other grid point.", "", head]
+    lines = [
+        "# Learning-rate sweep (fair FSLoRA benchmark, stage 1)",
+        "",
+        f"Each cell: the run's mean of its last {LAST} evaluations (%), one seed; **bold**: the chosen setting "
+        "(automatic argmax). Margin: points by which it beat the best other grid point.",
+        "",
+        head,
+    ]
     for family in FAMILIES:
         lines += [f"## {FAMILY_LABELS[family]}", ""]
         rows = []
         for row in ROWS:
             choice = choices.get((row, family))
-            for slr in ([None] if row != "fslora-sadam" else sorted(scale.server_lr_grid)):
+            for slr in [None] if row != "fslora-sadam" else sorted(scale.server_lr_grid):
                 cells = []
                 for lr in sorted(scale.lr_grid[family]):
                     spec = next(iter(with_labels(sweep, row=row, family=family, lr=lr, server_lr=slr)), None)
@@ -318,16 +401,26 @@ def report_sweep(plan, choices, scale: Scale, head: str, out: Path) -> str:
     with figure(out / "sweep.png", 1, len(FAMILIES), figsize=(5.5 * len(FAMILIES), 4), squeeze=False) as (fig, axes):
         for ax, family in zip(axes[0], FAMILIES):
             for row in ROWS:
-                for slr in ([None] if row != "fslora-sadam" else sorted(scale.server_lr_grid)):
-                    pts = [(s.labels["lr"], run_accuracy(s, LAST))
-                           for s in with_labels(sweep, row=row, family=family, server_lr=slr)]
+                for slr in [None] if row != "fslora-sadam" else sorted(scale.server_lr_grid):
+                    pts = [
+                        (s.labels["lr"], run_accuracy(s, LAST))
+                        for s in with_labels(sweep, row=row, family=family, server_lr=slr)
+                    ]
                     pts = sorted((x, 100 * v) for x, v in pts if v is not None)
                     if pts:
-                        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
-                                label=row + (f" slr {slr:g}" if slr else ""))
+                        ax.plot(
+                            [p[0] for p in pts],
+                            [p[1] for p in pts],
+                            marker="o",
+                            ms=3,
+                            label=row + (f" slr {slr:g}" if slr else ""),
+                        )
             ax.set_xscale("log")
-            ax.set(title=f"{FAMILY_LABELS[family]}: sweep seed", xlabel="client learning rate",
-                   ylabel=f"mean of last {LAST} evaluations (%)")
+            ax.set(
+                title=f"{FAMILY_LABELS[family]}: sweep seed",
+                xlabel="client learning rate",
+                ylabel=f"mean of last {LAST} evaluations (%)",
+            )
             ax.grid(alpha=0.3)
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7)
@@ -349,8 +442,14 @@ def paired(table: list[RunSpec], family: str, a: str, b: str, family_b: str | No
     md, sd = mean_std(diffs)
     up = [upload_per_device(s) for s in ga], [upload_per_device(s) for s in gb]
     ua, ub = (sum(x for x in u if x is not None) / max(1, sum(x is not None for x in u)) for u in up)
-    return {"seeds": seeds, "a": (ma, sa), "b": (mb, sb), "diffs": diffs, "diff": (md, sd),
-            "upload_ratio": ua / ub if ua and ub else None}
+    return {
+        "seeds": seeds,
+        "a": (ma, sa),
+        "b": (mb, sb),
+        "diffs": diffs,
+        "diff": (md, sd),
+        "upload_ratio": ua / ub if ua and ub else None,
+    }
 
 
 def upload_per_device(spec: RunSpec) -> float | None:
@@ -370,15 +469,23 @@ def verdict(a: str, b: str, p: dict[str, Any], majority: float | None = None) ->
     seeds = f"seed{'s' if n > 1 else ''} {', '.join(map(str, p['seeds']))}"
     if n > 1:
         clear = abs(md) > 2 * sd / math.sqrt(n)
-        spread = f"{md:+.2f} ± {sd:.2f} points over {seeds}: " + ("outside" if clear else "within") + \
-            " twice its standard error"
+        spread = (
+            f"{md:+.2f} ± {sd:.2f} points over {seeds}: "
+            + ("outside" if clear else "within")
+            + " twice its standard error"
+        )
     else:
         spread = f"{md:+.2f} points on {seeds} alone: no spread to judge it by"
     upload = "" if p["upload_ratio"] is None else f"; upload per device {a}/{b} = {p['upload_ratio']:.3f}"
-    flat = (" Both are at the majority-class rate: this comparison says nothing."
-            if majority is not None and max(ma, mb) < 100 * majority + 2 else "")
-    return (f"{a} >= {b}: **{holds}** ({ma:.2f} ± {sa:.2f} vs {mb:.2f} ± {sb:.2f}; paired difference "
-            f"{spread}{upload}).{flat}")
+    flat = (
+        " Both are at the majority-class rate: this comparison says nothing."
+        if majority is not None and max(ma, mb) < 100 * majority + 2
+        else ""
+    )
+    return (
+        f"{a} >= {b}: **{holds}** ({ma:.2f} ± {sa:.2f} vs {mb:.2f} ± {sb:.2f}; paired difference "
+        f"{spread}{upload}).{flat}"
+    )
 
 
 def best_family(table: list[RunSpec], row: str) -> str | None:
@@ -399,16 +506,26 @@ def one_line(table: list[RunSpec], family: str, row: str) -> str:
     if any(not p["seeds"] for p in results.values()):
         return f"{row} >= {', '.join(BASELINES)}: not yet known (runs pending)."
     below = [b for b, p in results.items() if p["diff"][0] < 0]
-    return (f"{row} >= {', '.join(BASELINES)}: **" + ("yes, all three" if not below else
-            f"no: below {', '.join(below)}") + "** (on the seed means; spreads below).")
+    return (
+        f"{row} >= {', '.join(BASELINES)}: **"
+        + ("yes, all three" if not below else f"no: below {', '.join(below)}")
+        + "** (on the seed means; spreads below)."
+    )
 
 
 def report_table(plan, choices, scale: Scale, seeds: list[int], head: str, out: Path) -> str:
     table = plan["table"]
-    lines = ["# Table 5.1 again, each method at its chosen learning rate (fair FSLoRA benchmark, stage 2)", "",
-             f"SST-2. Accuracy: each run's mean of its last {LAST} evaluations, then mean ± sample std over seeds "
-             f"{', '.join(map(str, seeds))} (not the sweep seed); final: the last evaluation alone. MB: per device, "
-             "the whole run (all devices' bytes / number of devices).", "", head, "## Results", ""]
+    lines = [
+        "# Table 5.1 again, each method at its chosen learning rate (fair FSLoRA benchmark, stage 2)",
+        "",
+        f"SST-2. Accuracy: each run's mean of its last {LAST} evaluations, then mean ± sample std over seeds "
+        f"{', '.join(map(str, seeds))} (not the sweep seed); final: the last evaluation alone. MB: per device, "
+        "the whole run (all devices' bytes / number of devices).",
+        "",
+        head,
+        "## Results",
+        "",
+    ]
     majority = next((x["majority_accuracy"] for x in map(load_summary, table) if x), None)
     for family in FAMILIES:
         lines += [f"### {FAMILY_LABELS[family]}", ""]
@@ -419,41 +536,77 @@ def report_table(plan, choices, scale: Scale, seeds: list[int], head: str, out: 
             sums = [x for x in map(load_summary, group) if x]
             n = len(group)
             rank = ", ".join(sorted({str(s.labels["rank"]) for s in group})) if row == "fedit" else str(scale.rank)
-            rows.append([
-                LABELS[row], rank,
-                "waiting for the sweep" if choice is None else setting_text(choice.setting),
-                "–" if choice is None else pct(choice.score) + ("" if choice.margin is None
-                                                               else f" (+{choice.margin:.2f})"),
-                accuracy_cell(group, LAST) if group else "–",
-                accuracy_cell(group) if group else "–",
-                "–" if not sums else f"{sum(x['total_bytes_up'] for x in sums) / len(sums) / 1e6 / scale.base.federation.num_clients:.2f}",
-                "–" if not sums else f"{sum(x['total_bytes_down'] for x in sums) / len(sums) / 1e6 / scale.base.federation.num_clients:.2f}",
-                f"{len(sums)}/{n}",
-            ])
-        lines += table_lines(["method", "r", "chosen rate", "sweep score (+ margin)", f"mean of last {LAST} (%)",
-                              "final (%)", "MB up / device", "MB down / device", "runs"], rows)
+            rows.append(
+                [
+                    LABELS[row],
+                    rank,
+                    "waiting for the sweep" if choice is None else setting_text(choice.setting),
+                    "–"
+                    if choice is None
+                    else pct(choice.score) + ("" if choice.margin is None else f" (+{choice.margin:.2f})"),
+                    accuracy_cell(group, LAST) if group else "–",
+                    accuracy_cell(group) if group else "–",
+                    "–"
+                    if not sums
+                    else f"{sum(x['total_bytes_up'] for x in sums) / len(sums) / 1e6 / scale.base.federation.num_clients:.2f}",
+                    "–"
+                    if not sums
+                    else f"{sum(x['total_bytes_down'] for x in sums) / len(sums) / 1e6 / scale.base.federation.num_clients:.2f}",
+                    f"{len(sums)}/{n}",
+                ]
+            )
+        lines += table_lines(
+            [
+                "method",
+                "r",
+                "chosen rate",
+                "sweep score (+ margin)",
+                f"mean of last {LAST} (%)",
+                "final (%)",
+                "MB up / device",
+                "MB down / device",
+                "runs",
+            ],
+            rows,
+        )
         lines.append("")
     if majority is not None:
         lines += [f"Majority-class rate of the test set: {100 * majority:.2f} %.", ""]
-    lines += ["## Does FSLoRA beat the baselines at equal upload?", "",
-              "FSLoRA, HeteroLoRA, FlexLoRA and FedStackLoRA upload the same k_i-rank slices or factors per "
-              "device (the upload ratio is printed); pairs share the seed, hence the partition, the device budgets "
-              "and the data order. '>=' is read on the seed means; the gap is called clear only when the mean "
-              "paired difference exceeds twice its standard error (sample std / sqrt(seeds)).", ""]
+    lines += [
+        "## Does FSLoRA beat the baselines at equal upload?",
+        "",
+        "FSLoRA, HeteroLoRA, FlexLoRA and FedStackLoRA upload the same k_i-rank slices or factors per "
+        "device (the upload ratio is printed); pairs share the seed, hence the partition, the device budgets "
+        "and the data order. '>=' is read on the seed means; the gap is called clear only when the mean "
+        "paired difference exceeds twice its standard error (sample std / sqrt(seeds)).",
+        "",
+    ]
     for family in FAMILIES:
-        lines += [f"**{FAMILY_LABELS[family]}.** In one line: " + one_line(table, family, "fslora")
-                  + " With the server-Adam option: " + one_line(table, family, "fslora-sadam"), ""]
+        lines += [
+            f"**{FAMILY_LABELS[family]}.** In one line: "
+            + one_line(table, family, "fslora")
+            + " With the server-Adam option: "
+            + one_line(table, family, "fslora-sadam"),
+            "",
+        ]
         for b in BASELINES:
             lines.append("- " + verdict("fslora", b, paired(table, family, "fslora", b), majority))
         for b in BASELINES:
             lines.append("- " + verdict("fslora-sadam", b, paired(table, family, "fslora-sadam", b), majority))
-        lines.append("- " + verdict("fslora", "fedit", paired(table, family, "fslora", "fedit"), majority)
-                     + " (FedIT uploads rank min k_i from every device: less.)")
+        lines.append(
+            "- "
+            + verdict("fslora", "fedit", paired(table, family, "fslora", "fedit"), majority)
+            + " (FedIT uploads rank min k_i from every device: less.)"
+        )
         lines.append("")
     best = {row: best_family(table, row) for row in ROWS}
     if all(best[r] for r in ["fslora", "fslora-sadam", *BASELINES]):
-        lines += ["**Each method in its better family** (by its table mean): "
-                  + ", ".join(f"{r} {FAMILY_LABELS[best[r]]}" for r in ROWS if best[r]) + ".", ""]
+        lines += [
+            "**Each method in its better family** (by its table mean): "
+            + ", ".join(f"{r} {FAMILY_LABELS[best[r]]}" for r in ROWS if best[r])
+            + ".",
+            "",
+        ]
         for a in ("fslora", "fslora-sadam"):
             for b in BASELINES:
                 lines.append("- " + verdict(a, b, paired(table, best[a], a, b, best[b]), majority))
@@ -467,8 +620,11 @@ def report_table(plan, choices, scale: Scale, seeds: list[int], head: str, out: 
                     ax.plot([p[0] for p in pts], [100 * p[2] for p in pts], marker="o", ms=2, label=row)
             if majority is not None:
                 ax.axhline(100 * majority, color="gray", ls=":", lw=1, label="majority class")
-            ax.set(title=f"{FAMILY_LABELS[family]} at the chosen rates (mean over seeds)", xlabel="round",
-                   ylabel="accuracy (%)")
+            ax.set(
+                title=f"{FAMILY_LABELS[family]} at the chosen rates (mean over seeds)",
+                xlabel="round",
+                ylabel="accuracy (%)",
+            )
             ax.grid(alpha=0.3)
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7)
@@ -492,14 +648,17 @@ def winners(plan, choices, scale: Scale) -> dict:
                 "sweep_score": choice.score if choice else None,
                 "margin_points": choice.margin if choice else None,
                 "grid": [{**st, "score": v} for st, v in choice.scores] if choice else None,
-                "table_mean": None if m is None else m / 100, "table_std": None if s is None else s / 100,
-                "table_runs": n, "table_seeds": len(group),
+                "table_mean": None if m is None else m / 100,
+                "table_std": None if s is None else s / 100,
+                "table_runs": n,
+                "table_seeds": len(group),
             }
     return out
 
 
-def write_reports(plan, choices, scale: Scale, sweep_seed: int, seeds: list[int], out: Path, command: str,
-                  cost_note: str) -> list[Path]:
+def write_reports(
+    plan, choices, scale: Scale, sweep_seed: int, seeds: list[int], out: Path, command: str, cost_note: str
+) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     head = "## Setup\n\n" + setup_section(scale, sweep_seed, seeds, command, cost_note)
     (out / "sweep.md").write_text(report_sweep(plan, choices, scale, head, out), encoding="utf-8")
@@ -511,8 +670,13 @@ def write_reports(plan, choices, scale: Scale, sweep_seed: int, seeds: list[int]
 # -- the winners as recipe values (issue 13, item 6) -------------------------------------------
 
 #: a recipe's method -> the benchmark rows that may set its [train] (and for FSLoRA [federation])
-RECIPE_ROWS = {"fslora": ["fslora", "fslora-sadam"], "heterolora": ["heterolora"], "flexlora": ["flexlora"],
-               "fedstacklora": ["fedstacklora"], "fedit": ["fedit"]}
+RECIPE_ROWS = {
+    "fslora": ["fslora", "fslora-sadam"],
+    "heterolora": ["heterolora"],
+    "flexlora": ["flexlora"],
+    "fedstacklora": ["fedstacklora"],
+    "fedit": ["fedit"],
+}
 
 
 def train_values(family: str, setting: dict[str, float]) -> dict[str, Any]:
@@ -525,8 +689,11 @@ def federation_values(row: str, setting: dict[str, float]) -> dict[str, Any]:
     """The [federation] server-step values of a row (None: the key is removed, the default)."""
     if row == "fslora-sadam":
         fed = OVERLAYS_VALUES["fslora-sadam"]["federation"]
-        return {"server_optimizer": fed["server_optimizer"], "server_lr": setting["server_lr"],
-                "server_weight_decay": fed["server_weight_decay"]}
+        return {
+            "server_optimizer": fed["server_optimizer"],
+            "server_lr": setting["server_lr"],
+            "server_weight_decay": fed["server_weight_decay"],
+        }
     return {"server_optimizer": None, "server_lr": None, "server_weight_decay": None}
 
 
@@ -548,8 +715,12 @@ class RecipeChange:
 def best_for_recipe(method: str, results: dict) -> tuple[str, str, str] | None:
     """(row, family, basis) with the highest table mean among the method's rows and both families;
     the sweep scores decide while any candidate's table is unfinished. None: no candidate chosen."""
-    cands = [(row, fam, results["families"][fam][row]) for row in RECIPE_ROWS.get(method, [])
-             for fam in FAMILIES if results["families"].get(fam, {}).get(row, {}).get("train")]
+    cands = [
+        (row, fam, results["families"][fam][row])
+        for row in RECIPE_ROWS.get(method, [])
+        for fam in FAMILIES
+        if results["families"].get(fam, {}).get(row, {}).get("train")
+    ]
     if not cands:
         return None
     complete = all(c[2]["table_runs"] and c[2]["table_runs"] == c[2]["table_seeds"] for c in cands)
@@ -594,8 +765,18 @@ def recipe_changes(results: dict, configs: Path = REPO / "configs") -> list[Reci
         if results.get("majority") is not None and value is not None and value < results["majority"] + 0.02:
             notes.append("the winner did not learn (within 2 points of the majority class): do not apply")
         note = "; ".join(notes)
-        changes.append(RecipeChange(path, method, row, family, basis, chosen["train"],
-                                    chosen["federation"] if method == "fslora" else None, note))
+        changes.append(
+            RecipeChange(
+                path,
+                method,
+                row,
+                family,
+                basis,
+                chosen["train"],
+                chosen["federation"] if method == "fslora" else None,
+                note,
+            )
+        )
     return changes
 
 
@@ -668,27 +849,43 @@ def recipe_changes_report(changes: list[RecipeChange]) -> str:
             rows.append([c.recipe.name, "?", "–", "unchanged", c.basis])
             continue
         now = load_config(c.recipe)
-        current = f"{now.train.optimizer}, lr {now.train.lr:g}" + (f", momentum {now.train.momentum:g}"
-                                                                     if now.train.momentum else "")
+        current = f"{now.train.optimizer}, lr {now.train.lr:g}" + (
+            f", momentum {now.train.momentum:g}" if now.train.momentum else ""
+        )
         if now.method == "fslora":
             current += f"; server {now.federation.server_optimizer}" + (
-                f" lr {now.federation.server_lr:g}" if now.federation.server_lr else "")
+                f" lr {now.federation.server_lr:g}" if now.federation.server_lr else ""
+            )
         if c.train is None:
             rows.append([c.recipe.name, c.method, current, "unchanged", c.basis])
             continue
         proposed = f"{c.train['optimizer']}, lr {c.train['lr']:g}" + (
-            f", momentum {c.train['momentum']:g}" if c.train.get("momentum") else "")
+            f", momentum {c.train['momentum']:g}" if c.train.get("momentum") else ""
+        )
         if c.federation is not None:
             proposed += f"; server {c.federation['server_optimizer'] or 'sgd'}" + (
-                f" lr {c.federation['server_lr']:g}" if c.federation.get("server_lr") else "")
-        rows.append([c.recipe.name, c.method, current, proposed,
-                     f"{c.row}, {FAMILY_LABELS[c.family]} ({c.basis} winner)" + (f"; {c.note}" if c.note else "")])
-    lines = ["# What the sweep's winners change in configs/*.toml", "",
-             "Produced by `benchmarks/fslora/sweep.py --recipe-changes` from `winners.json`; "
-             "`--apply-recipes` writes them (each changed line says where it came from). The sweep ran on "
-             "SST-2 with MiniLM at the benchmark's scale (H = 5, 10 devices); a recipe with more local steps or "
-             "devices, or another data set, takes the rate as a transfer, which `benchmarks/recipes.py` then checks.",
-             "", *table_lines(["recipe", "method", "now", "proposed", "from"], rows), ""]
+                f" lr {c.federation['server_lr']:g}" if c.federation.get("server_lr") else ""
+            )
+        rows.append(
+            [
+                c.recipe.name,
+                c.method,
+                current,
+                proposed,
+                f"{c.row}, {FAMILY_LABELS[c.family]} ({c.basis} winner)" + (f"; {c.note}" if c.note else ""),
+            ]
+        )
+    lines = [
+        "# What the sweep's winners change in configs/*.toml",
+        "",
+        "Produced by `benchmarks/fslora/sweep.py --recipe-changes` from `winners.json`; "
+        "`--apply-recipes` writes them (each changed line says where it came from). The sweep ran on "
+        "SST-2 with MiniLM at the benchmark's scale (H = 5, 10 devices); a recipe with more local steps or "
+        "devices, or another data set, takes the rate as a transfer, which `benchmarks/recipes.py` then checks.",
+        "",
+        *table_lines(["recipe", "method", "now", "proposed", "from"], rows),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -697,12 +894,17 @@ def recipe_changes_report(changes: list[RecipeChange]) -> str:
 
 def parse_args(argv: list[str] | None = None):
     p = suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds=DEFAULT_SEEDS, budget_minutes=BUDGET_MINUTES)
-    p.add_argument("--sweep-seed", type=int, default=SWEEP_SEED, help=f"the seed that chooses the rates (default {SWEEP_SEED})")
+    p.add_argument(
+        "--sweep-seed", type=int, default=SWEEP_SEED, help=f"the seed that chooses the rates (default {SWEEP_SEED})"
+    )
     p.add_argument("--rounds", type=int, default=None, help="override R (rounds)")
     p.add_argument("--local-steps", type=int, default=None, help="override H (local steps)")
     p.add_argument("--eval-every", type=int, default=None, help="override the evaluation interval (rounds)")
-    p.add_argument("--recipe-changes", action="store_true",
-                   help="write <out>/recipe-changes.md: what the winners change in configs/*.toml (runs nothing)")
+    p.add_argument(
+        "--recipe-changes",
+        action="store_true",
+        help="write <out>/recipe-changes.md: what the winners change in configs/*.toml (runs nothing)",
+    )
     p.add_argument("--apply-recipes", action="store_true", help="with --recipe-changes: write them into configs/*.toml")
     return p.parse_args(argv)
 
@@ -710,8 +912,11 @@ def parse_args(argv: list[str] | None = None):
 def scale_from_args(args) -> Scale:
     options = {"rounds": args.rounds, "train.local_steps": args.local_steps, "eval_every": args.eval_every}
     scale = quick_scale() if args.quick else Scale()
-    return replace(scale, overrides=scale.overrides + tuple(assignments(
-        {key: value for key, value in options.items() if value is not None})))
+    return replace(
+        scale,
+        overrides=scale.overrides
+        + tuple(assignments({key: value for key, value in options.items() if value is not None})),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -725,8 +930,11 @@ def main(argv: list[str] | None = None) -> int:
         print(exc)
         return 2
     if args.sweep_seed in seeds:
-        print(f"warning: the sweep seed {args.sweep_seed} is among --seeds: its table run is the run that chose "
-              "the rate (a biased figure)", flush=True)
+        print(
+            f"warning: the sweep seed {args.sweep_seed} is among --seeds: its table run is the run that chose "
+            "the rate (a biased figure)",
+            flush=True,
+        )
     if not os.environ.get("FEDTUNE_DATA_DIR"):
         print("warning: FEDTUNE_DATA_DIR is not set (sst2 is read from it)", flush=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -751,20 +959,27 @@ def main(argv: list[str] | None = None) -> int:
         costs = {s.key: run_cost(s.config, calibration) for s in runs}
         whole = [costs[s.key] for s in runs] + [run_cost(s.config, calibration) for s in waiting]
         base = scale.base
-        cost_note = (f"Cost model ({source}): one local step {calibration['minilm']['sst2']['step_s']:.3f} s, one "
-                     f"evaluation {calibration['minilm']['sst2']['eval_s_per_example'] * 872:.1f} s (one free core). "
-                     f"Estimated whole benchmark ({len(runs) + len(waiting)} runs) on {args.workers} workers: "
-                     f"{makespan(whole, args.workers) / 60:.0f} min.")
+        cost_note = (
+            f"Cost model ({source}): one local step {calibration['minilm']['sst2']['step_s']:.3f} s, one "
+            f"evaluation {calibration['minilm']['sst2']['eval_s_per_example'] * 872:.1f} s (one free core). "
+            f"Estimated whole benchmark ({len(runs) + len(waiting)} runs) on {args.workers} workers: "
+            f"{makespan(whole, args.workers) / 60:.0f} min."
+        )
         groups = sorted({(s.labels["row"], s.labels["family"]) for s in waiting})
-        notes = [f"calibration: {source}",
-                 f"table: {len(waiting)} runs of {len(groups)} (method, family) groups wait for their sweep "
-                 f"(~{makespan([run_cost(s.config, calibration) for s in waiting], args.workers) / 60:.0f} min on "
-                 f"{args.workers} workers): {', '.join(f'{r}/{f}' for r, f in groups) or 'none'}",
-                 f"whole benchmark (sweep + table, done or not): ~{makespan(whole, args.workers) / 60:.0f} min on "
-                 f"{args.workers} workers"]
-        print(f"fair FSLoRA benchmark: {', '.join(selection)}; sweep seed {args.sweep_seed}, table seeds {seeds}; "
-              f"model {base.model.name}; R={base.rounds}, H={base.train.local_steps}, "
-              f"{base.federation.sample_size()}/{base.federation.num_clients} devices per round -> {out}")
+        notes = [
+            f"calibration: {source}",
+            f"table: {len(waiting)} runs of {len(groups)} (method, family) groups wait for their sweep "
+            f"(~{makespan([run_cost(s.config, calibration) for s in waiting], args.workers) / 60:.0f} min on "
+            f"{args.workers} workers): {', '.join(f'{r}/{f}' for r, f in groups) or 'none'}",
+            f"whole benchmark (sweep + table, done or not): ~{makespan(whole, args.workers) / 60:.0f} min on "
+            f"{args.workers} workers",
+        ]
+        print(
+            f"fair FSLoRA benchmark: {', '.join(selection)}; sweep seed {args.sweep_seed}, table seeds {seeds}; "
+            f"model {base.model.name}; R={base.rounds}, H={base.train.local_steps}, "
+            f"{base.federation.sample_size()}/{base.federation.num_clients} devices per round -> {out}"
+        )
+
         def reports() -> list[Path]:  # the choices as the runs just finished left them
             now, chosen, _ = build_sweep_plan(scale, args.sweep_seed, seeds, out)
             return write_reports(now, chosen, scale, args.sweep_seed, seeds, out, command, cost_note)

@@ -58,11 +58,41 @@ if str(REPO) not in sys.path:
 
 from fedtune.config import RunConfig, load_config  # noqa: E402
 from fedtune.harness import (  # noqa: E402
-    Choice, RunSpec, SuiteError, Sweep, accuracy_cell, add_sweep_options, averaged_curve, biased_seed_warning,
-    build_plan, choose, distinct_runs, estimate_minutes, eval_rounds, figure, load_rounds, load_summary,
-    mean, mean_text, offline_data, output_dir, parse_grid, parse_selection, percent, read_overlays, run_accuracy,
-    run_suite, runs_section,
-    suite_command, suite_parser, sweep_first, sweep_note, sweep_sections, sweep_selection, table_lines, toml_value,
+    Choice,
+    RunSpec,
+    SuiteError,
+    Sweep,
+    accuracy_cell,
+    add_sweep_options,
+    averaged_curve,
+    biased_seed_warning,
+    build_plan,
+    choose,
+    distinct_runs,
+    estimate_minutes,
+    eval_rounds,
+    figure,
+    load_rounds,
+    load_summary,
+    mean,
+    mean_text,
+    offline_data,
+    output_dir,
+    parse_grid,
+    parse_selection,
+    percent,
+    read_overlays,
+    run_accuracy,
+    run_suite,
+    runs_section,
+    suite_command,
+    suite_parser,
+    sweep_first,
+    sweep_note,
+    sweep_sections,
+    sweep_selection,
+    table_lines,
+    toml_value,
     with_labels,
 )
 
@@ -81,16 +111,28 @@ SETTINGS = {"w5s1": "5-way 1-shot", "w5s5": "5-way 5-shot", "w20s1": "20-way 1-s
 LAST = 3  # accuracies: the mean of a run's last 3 evaluations, then mean ± std over seeds
 
 PAPER_TABLE2 = {  # Table II (%)
-    "fedmbo": (82.66, 93.69, 63.18, 81.64), "static": (72.34, 85.09, 42.99, 51.01),
-    "fedrolex": (73.74, 86.95, 47.25, 55.29), "fiarse": (74.33, 87.78, 49.52, 55.87),
-    "rabo": (76.05, 89.12, 54.97, 77.41), "rafbo": (75.09, 88.57, 51.37, 71.16),
+    "fedmbo": (82.66, 93.69, 63.18, 81.64),
+    "static": (72.34, 85.09, 42.99, 51.01),
+    "fedrolex": (73.74, 86.95, 47.25, 55.29),
+    "fiarse": (74.33, 87.78, 49.52, 55.87),
+    "rabo": (76.05, 89.12, 54.97, 77.41),
+    "rafbo": (75.09, 88.57, 51.37, 71.16),
 }
 PAPER_TABLE3 = {  # Table III (%), clients 10, 20, 30, 50
-    ("rabo", "w5s1"): (76.05, 75.81, 74.39, 72.76), ("rafbo", "w5s1"): (75.09, 74.85, 73.04, 71.80),
-    ("rabo", "w5s5"): (89.12, 88.52, 87.76, 86.58), ("rafbo", "w5s5"): (88.57, 87.53, 87.03, 86.44),
+    ("rabo", "w5s1"): (76.05, 75.81, 74.39, 72.76),
+    ("rafbo", "w5s1"): (75.09, 74.85, 73.04, 71.80),
+    ("rabo", "w5s5"): (89.12, 88.52, 87.76, 86.58),
+    ("rafbo", "w5s5"): (88.57, 87.53, 87.03, 86.44),
 }
-LABEL = {"rabo": "RABO", "rafbo": "RAFBO", "fedmbo": "full bilevel (FedMBO style)", "fedavg": "FedAvg (full model)",
-         "static": "Static (HeteroFL)", "fedrolex": "FedRolex", "fiarse": "FIARSE"}
+LABEL = {
+    "rabo": "RABO",
+    "rafbo": "RAFBO",
+    "fedmbo": "full bilevel (FedMBO style)",
+    "fedavg": "FedAvg (full model)",
+    "static": "Static (HeteroFL)",
+    "fedrolex": "FedRolex",
+    "fiarse": "FIARSE",
+}
 CAPACITY_MIX = [1.0, 1.0, 0.5, 0.5, 0.25, 0.25, 0.125, 0.125, 0.0625, 0.0625]
 SEGMENTS = {1: [0, 0, 0, 1, 1, 1, 2, 2, 2, 3], 2: [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]}  # C_x^* = 1, 2 at capacity 1/4
 
@@ -117,8 +159,13 @@ class Scale:
 
     def few_shot(self, setting: str, method: str, *extra: str, factor: float | None = None) -> list[str]:
         """A few-shot run's overrides; ``factor`` scales the method's own step size (:func:`rate_key`)."""
-        out = [*OVERLAYS[setting], *OVERLAYS[method], *self.budget(method), *(OVERLAYS["quick"] if self.quick else []),
-               *extra]
+        out = [
+            *OVERLAYS[setting],
+            *OVERLAYS[method],
+            *self.budget(method),
+            *(OVERLAYS["quick"] if self.quick else []),
+            *extra,
+        ]
         if factor is None or factor == 1.0:
             return out
         return out + [f"{rate_key(method)}={factor * base_rate(load_config(FEW_SHOT_RECIPE, out), method)!r}"]
@@ -176,9 +223,15 @@ def specs_sweep(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
     if scale.sweep is None:
         return []
     seed, s = scale.sweep.seed, SWEEP_SETTING
-    return [RunSpec(named(f"{m}-{s}-s{seed}", f), scale.few_shot(s, m, f"seed={seed}", factor=f),
-                    {"problem": "few-shot", "method": m, "setting": s, "seed": seed, "factor": f})
-            for m in METHODS for f in scale.sweep.grid]
+    return [
+        RunSpec(
+            named(f"{m}-{s}-s{seed}", f),
+            scale.few_shot(s, m, f"seed={seed}", factor=f),
+            {"problem": "few-shot", "method": m, "setting": s, "seed": seed, "factor": f},
+        )
+        for m in METHODS
+        for f in scale.sweep.grid
+    ]
 
 
 def specs_lt_sweep(scale: Scale) -> list[RunSpec]:
@@ -186,54 +239,110 @@ def specs_lt_sweep(scale: Scale) -> list[RunSpec]:
     if scale.sweep is None:
         return []
     seed = scale.sweep.seed
-    return [RunSpec(named(f"lt-{m}-s{seed}", f), scale.loss_tuning(m, f"seed={seed}", factor=f),
-                    {"problem": "loss-tuning", "method": m, "seed": seed, "factor": f})
-            for m in METHODS for f in scale.lt_grid]
+    return [
+        RunSpec(
+            named(f"lt-{m}-s{seed}", f),
+            scale.loss_tuning(m, f"seed={seed}", factor=f),
+            {"problem": "loss-tuning", "method": m, "seed": seed, "factor": f},
+        )
+        for m in METHODS
+        for f in scale.lt_grid
+    ]
 
 
 def specs_table2(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
-    return [RunSpec(named(f"{m}-{s}-s{seed}", f), scale.few_shot(s, m, f"seed={seed}", factor=f),
-                    {"method": m, "setting": s, "seed": seed, "factor": f})
-            for s in scale.settings for seed in seeds for m in METHODS if (f := factor_of(chosen, m)) is not WAIT]
+    return [
+        RunSpec(
+            named(f"{m}-{s}-s{seed}", f),
+            scale.few_shot(s, m, f"seed={seed}", factor=f),
+            {"method": m, "setting": s, "seed": seed, "factor": f},
+        )
+        for s in scale.settings
+        for seed in seeds
+        for m in METHODS
+        if (f := factor_of(chosen, m)) is not WAIT
+    ]
 
 
 def specs_fig4(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
     rounds = ["rounds=2", "eval_every=2"] if scale.quick else ["rounds=3", "eval_every=3"]
-    return [RunSpec(f"flops-{m}-w5s1-s{seed}", scale.few_shot("w5s1", m, f"seed={seed}", *rounds, "options.count_flops=true"),
-                    {"method": m, "setting": "w5s1", "seed": seed}) for seed in seeds for m in BILEVEL]
+    return [
+        RunSpec(
+            f"flops-{m}-w5s1-s{seed}",
+            scale.few_shot("w5s1", m, f"seed={seed}", *rounds, "options.count_flops=true"),
+            {"method": m, "setting": "w5s1", "seed": seed},
+        )
+        for seed in seeds
+        for m in BILEVEL
+    ]
 
 
 def specs_fig3(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
-    return [RunSpec(f"{m}-cstar{c}-w5s5-s{seed}",
-                    scale.few_shot("w5s5", m, f"seed={seed}", "federation.profiles=[{capacity=0.25}]",
-                                   'options.masks="segment"', f"options.segments={SEGMENTS[c]}"),
-                    {"method": m, "cstar": c, "seed": seed}) for seed in seeds for m in ("rabo", "rafbo") for c in (1, 2)]
+    return [
+        RunSpec(
+            f"{m}-cstar{c}-w5s5-s{seed}",
+            scale.few_shot(
+                "w5s5",
+                m,
+                f"seed={seed}",
+                "federation.profiles=[{capacity=0.25}]",
+                'options.masks="segment"',
+                f"options.segments={SEGMENTS[c]}",
+            ),
+            {"method": m, "cstar": c, "seed": seed},
+        )
+        for seed in seeds
+        for m in ("rabo", "rafbo")
+        for c in (1, 2)
+    ]
 
 
 def clients_overrides(n: int, per_round: int) -> list[str]:
     if n == 10:
         return []  # Table II's configuration (shared)
     profiles = [{"capacity": c} for c in CAPACITY_MIX] * (n // 10)
-    return [f"federation.num_clients={n}", f"federation.profiles={toml_value(profiles)}",
-            f"federation.clients_per_round={per_round}"]
+    return [
+        f"federation.num_clients={n}",
+        f"federation.profiles={toml_value(profiles)}",
+        f"federation.clients_per_round={per_round}",
+    ]
 
 
 def specs_table3(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
-    return [RunSpec(named(f"{m}-{s}-n{n}-s{seed}", f),
-                    scale.few_shot(s, m, f"seed={seed}", *clients_overrides(n, scale.per_round), factor=f),
-                    {"method": m, "setting": s, "clients": n, "seed": seed, "factor": f})
-            for s in scale.table3_settings for seed in seeds for m in ("rabo", "rafbo") for n in scale.clients
-            if (f := factor_of(chosen, m)) is not WAIT]
+    return [
+        RunSpec(
+            named(f"{m}-{s}-n{n}-s{seed}", f),
+            scale.few_shot(s, m, f"seed={seed}", *clients_overrides(n, scale.per_round), factor=f),
+            {"method": m, "setting": s, "clients": n, "seed": seed, "factor": f},
+        )
+        for s in scale.table3_settings
+        for seed in seeds
+        for m in ("rabo", "rafbo")
+        for n in scale.clients
+        if (f := factor_of(chosen, m)) is not WAIT
+    ]
 
 
 def specs_fig5(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
-    return [RunSpec(named(f"lt-{m}-s{seed}", f), scale.loss_tuning(m, f"seed={seed}", factor=f),
-                    {"method": m, "seed": seed, "factor": f})
-            for seed in seeds for m in METHODS if (f := factor_of(chosen, m)) is not WAIT]
+    return [
+        RunSpec(
+            named(f"lt-{m}-s{seed}", f),
+            scale.loss_tuning(m, f"seed={seed}", factor=f),
+            {"method": m, "seed": seed, "factor": f},
+        )
+        for seed in seeds
+        for m in METHODS
+        if (f := factor_of(chosen, m)) is not WAIT
+    ]
 
 
-FEW_SHOT = {"sweep": specs_sweep, "table2": specs_table2, "fig4": specs_fig4, "fig3": specs_fig3,
-            "table3": specs_table3}
+FEW_SHOT = {
+    "sweep": specs_sweep,
+    "table2": specs_table2,
+    "fig4": specs_fig4,
+    "fig3": specs_fig3,
+    "table3": specs_table3,
+}
 
 
 def sweep_score(spec: RunSpec) -> float | None:
@@ -246,8 +355,11 @@ def choices_of(sweep_runs: list[RunSpec], problem: str = "few-shot") -> dict[str
     """Each method's chosen factor on ``problem``: the argmax over its finished sweep runs of
     :func:`sweep_score` (None while any of its runs is unfinished)."""
     runs = with_labels(sweep_runs, problem=problem)
-    return {m: choose(with_labels(runs, method=m), lambda s: {"factor": s.labels["factor"]}, sweep_score)
-            for m in METHODS if with_labels(runs, method=m)}
+    return {
+        m: choose(with_labels(runs, method=m), lambda s: {"factor": s.labels["factor"]}, sweep_score)
+        for m in METHODS
+        if with_labels(runs, method=m)
+    }
 
 
 def chosen_factors(sweep_runs: list[RunSpec], problem: str) -> dict[str, float]:
@@ -278,8 +390,15 @@ def build_suite_plan(scale: Scale, seeds: list[int], out: Path) -> dict[str, lis
 # of the factor-1 Figure 5 runs on this VM (seed 0, 2 workers), and ~2.5 s per evaluation.
 CLIENT_ROUND_S = {"rabo": 0.2, "rafbo": 0.65, "fedmbo": 0.4}
 LOCAL_STEP_S = {"fedavg": 0.3, "static": 0.14, "fedrolex": 0.14, "fiarse": 0.3}
-LOSS_CLIENT_ROUND_S = {"rabo": 0.34, "rafbo": 0.35, "fedmbo": 0.83, "fedavg": 0.22, "static": 0.12, "fedrolex": 0.12,
-                       "fiarse": 0.23}
+LOSS_CLIENT_ROUND_S = {
+    "rabo": 0.34,
+    "rafbo": 0.35,
+    "fedmbo": 0.83,
+    "fedavg": 0.22,
+    "static": 0.12,
+    "fedrolex": 0.12,
+    "fiarse": 0.23,
+}
 FLOPS_SLOWDOWN = 2.0  # torch's FLOP counter
 
 
@@ -301,36 +420,53 @@ def estimate_s(config: RunConfig) -> float:
 # -- reports ----------------------------------------------------------------------------------------
 def setup_section(scale: Scale, seeds: list[int], command: str, estimate: str) -> str:
     u = scale.updates or 60
-    return "\n".join([
-        "## Setup", "", "Produced by", "", "```bash", command, "```", "",
-        "| | paper (Sec. V) | here |", "|---|---|---|",
-        "| few-shot model x | ResNet-12 | 4-block conv net, 32 filters (`task.filters`) |",
-        "| y | an MLP classifier | a linear head per episode, fitted on its support set (T = 30 steps of 0.02, lambda = 1) |",
-        "| data | Omniglot, 30 / 20 of the 50 alphabets | the 8 background alphabets of the small sets: 6 train "
-        "(x 4 rotations = 804 classes) / 2 test (Balinese, Tagalog) |",
-        "| episodes | N-way K-shot, 20 - K queries | same for evaluation (300 episodes); training 5 queries per class "
-        "(20-way: 2) |",
-        "| clients | 10, capacities from {1, 1/2, 1/4, 1/8, 1/16} | 10, two of each capacity (width ratios) |",
-        f"| rounds | not stated (Fig. 2: a few hundred) | bilevel: {u} outer steps; single-level: {u // 10} rounds x 10 "
-        f"local AdamW steps ({u} backbone updates per client) |",
-        f"| Table II columns | 5/20-way, 1/5-shot | {', '.join(SETTINGS[s] for s in scale.settings)} |",
-        "| loss tuning | CIFAR-10 long-tailed, ResNet-18 | Fashion-MNIST, imbalance 100, 29k-parameter CNN, "
-        "60 rounds |",
-        f"| seeds | not stated | {', '.join(map(str, seeds))} |",
-        "", "Accuracy: each run's mean of its last 3 evaluations (Table II: its last 3 evaluations at a multiple of 10 "
-        "backbone updates per client, the same update counts for every method), then mean ± sample std over the "
-        "seeds. " + (
-            f"Step sizes: each method's own (bilevel: the outer step; single-level: the AdamW learning rate) times "
-            f"the factor chosen on seed {scale.sweep.seed} from {{{', '.join(f'{f:g}' for f in scale.sweep.grid)}}} "
-            f"({SETTINGS[SWEEP_SETTING]}, `sweep.md`) for Tables II and III, and from "
-            f"{{{', '.join(f'{f:g}' for f in scale.lt_grid)}}} on the loss-tuning problem for Figure 5 (there "
-            f"the bilevel methods' outer and inner steps together); Figures 3 and 4 at factor 1. "
-            if scale.sweep else "Nothing is tuned per method; the bilevel methods share their step sizes. ")
-        + estimate, ""])
+    return "\n".join(
+        [
+            "## Setup",
+            "",
+            "Produced by",
+            "",
+            "```bash",
+            command,
+            "```",
+            "",
+            "| | paper (Sec. V) | here |",
+            "|---|---|---|",
+            "| few-shot model x | ResNet-12 | 4-block conv net, 32 filters (`task.filters`) |",
+            "| y | an MLP classifier | a linear head per episode, fitted on its support set (T = 30 steps of 0.02, lambda = 1) |",
+            "| data | Omniglot, 30 / 20 of the 50 alphabets | the 8 background alphabets of the small sets: 6 train "
+            "(x 4 rotations = 804 classes) / 2 test (Balinese, Tagalog) |",
+            "| episodes | N-way K-shot, 20 - K queries | same for evaluation (300 episodes); training 5 queries per class "
+            "(20-way: 2) |",
+            "| clients | 10, capacities from {1, 1/2, 1/4, 1/8, 1/16} | 10, two of each capacity (width ratios) |",
+            f"| rounds | not stated (Fig. 2: a few hundred) | bilevel: {u} outer steps; single-level: {u // 10} rounds x 10 "
+            f"local AdamW steps ({u} backbone updates per client) |",
+            f"| Table II columns | 5/20-way, 1/5-shot | {', '.join(SETTINGS[s] for s in scale.settings)} |",
+            "| loss tuning | CIFAR-10 long-tailed, ResNet-18 | Fashion-MNIST, imbalance 100, 29k-parameter CNN, "
+            "60 rounds |",
+            f"| seeds | not stated | {', '.join(map(str, seeds))} |",
+            "",
+            "Accuracy: each run's mean of its last 3 evaluations (Table II: its last 3 evaluations at a multiple of 10 "
+            "backbone updates per client, the same update counts for every method), then mean ± sample std over the "
+            "seeds. "
+            + (
+                f"Step sizes: each method's own (bilevel: the outer step; single-level: the AdamW learning rate) times "
+                f"the factor chosen on seed {scale.sweep.seed} from {{{', '.join(f'{f:g}' for f in scale.sweep.grid)}}} "
+                f"({SETTINGS[SWEEP_SETTING]}, `sweep.md`) for Tables II and III, and from "
+                f"{{{', '.join(f'{f:g}' for f in scale.lt_grid)}}} on the loss-tuning problem for Figure 5 (there "
+                f"the bilevel methods' outer and inner steps together); Figures 3 and 4 at factor 1. "
+                if scale.sweep
+                else "Nothing is tuned per method; the bilevel methods share their step sizes. "
+            )
+            + estimate,
+            "",
+        ]
+    )
 
 
-def curve_plot(path: Path, groups: list[tuple[str, list[RunSpec]]], title: str, metric: str = "accuracy",
-               updates: bool = False) -> None:
+def curve_plot(
+    path: Path, groups: list[tuple[str, list[RunSpec]]], title: str, metric: str = "accuracy", updates: bool = False
+) -> None:
     """Seed-averaged curves against the round (``updates``: against backbone updates per client)."""
     with figure(path, figsize=(6.5, 4.2)) as (fig, ax):
         for label, specs in groups:
@@ -381,21 +517,39 @@ def report_sweep(specs, scale, head, out) -> str:
     panels, choices = {}, {}
     for problem, title in (("few-shot", SETTINGS[SWEEP_SETTING]), ("loss-tuning", "loss tuning (Figure 5)")):
         runs = with_labels(specs, problem=problem)
-        rows = {m: f"{LABEL[m]} ({sweep_rates(group[0], problem)})"
-                for m in METHODS if (group := with_labels(runs, method=m))}
+        rows = {
+            m: f"{LABEL[m]} ({sweep_rates(group[0], problem)})"
+            for m in METHODS
+            if (group := with_labels(runs, method=m))
+        }
         if rows:
             panels[title] = {rows[m]: with_labels(runs, method=m) for m in rows}
             picked = choices_of(runs, problem)
             choices[title] = {rows[m]: picked.get(m) for m in rows}
-    lines = ["# Step-size sweep (CPU scale): each method at its own rate", "",
-             f"One seed. Each cell: the run's figure (%) at a factor of the method's own step size; **bold**: the "
-             f"chosen factor (automatic argmax), which the tables then run. {SETTINGS[SWEEP_SETTING]}: Table II's "
-             f"figure (mean of the last {LAST} evaluations at multiples of 10 backbone updates per client), for "
-             f"Tables II and III. Loss tuning: Figure 5's (mean of the last {LAST} evaluations' balanced accuracy), "
-             "for Figure 5.", "", head, "## Results", "",
-             *sweep_sections(panels, choices, sweep_score, out / "sweep.png",
-                             key="factor", reference_name="chance rate (1/N)",
-                             ylabel=f"mean of last {LAST} evaluations (%)"), "![sweep](sweep.png)", ""]
+    lines = [
+        "# Step-size sweep (CPU scale): each method at its own rate",
+        "",
+        f"One seed. Each cell: the run's figure (%) at a factor of the method's own step size; **bold**: the "
+        f"chosen factor (automatic argmax), which the tables then run. {SETTINGS[SWEEP_SETTING]}: Table II's "
+        f"figure (mean of the last {LAST} evaluations at multiples of 10 backbone updates per client), for "
+        f"Tables II and III. Loss tuning: Figure 5's (mean of the last {LAST} evaluations' balanced accuracy), "
+        "for Figure 5.",
+        "",
+        head,
+        "## Results",
+        "",
+        *sweep_sections(
+            panels,
+            choices,
+            sweep_score,
+            out / "sweep.png",
+            key="factor",
+            reference_name="chance rate (1/N)",
+            ylabel=f"mean of last {LAST} evaluations (%)",
+        ),
+        "![sweep](sweep.png)",
+        "",
+    ]
     return "\n".join(lines) + "\n" + runs_section(specs, out)
 
 
@@ -418,17 +572,30 @@ def report_table2(specs, scale, head, out) -> str:
             row += [budget_cell(group), accuracy_cell(group), f"{paper[list(SETTINGS).index(s)]:.2f}" if paper else "–"]
         rows.append(row)
     cols = ["method", *(["step size"] if scale.sweep else [])] + [
-        c for s in settings for c in (f"{SETTINGS[s]} (%)", "final (%)", "paper")]
-    lines = ["# Table II (CPU scale): N-way K-shot accuracy on held-out Omniglot alphabets", "", head, "## Results", "",
-             *table_lines(cols, rows), "",
-             "First column: each run's mean of its last 3 evaluations at a multiple of 10 backbone updates per "
-             "client; final: its last evaluation (at the full update budget, the same for every method). "
-             "Chance: 20 % (5-way), 5 % (20-way). The paper's column ordering (RABO > RAFBO > FIARSE > FedRolex > "
-             "Static among sub-model methods) is to be read off the table above; where it does not hold, it does "
-             "not reproduce at this scale.", ""]
+        c for s in settings for c in (f"{SETTINGS[s]} (%)", "final (%)", "paper")
+    ]
+    lines = [
+        "# Table II (CPU scale): N-way K-shot accuracy on held-out Omniglot alphabets",
+        "",
+        head,
+        "## Results",
+        "",
+        *table_lines(cols, rows),
+        "",
+        "First column: each run's mean of its last 3 evaluations at a multiple of 10 backbone updates per "
+        "client; final: its last evaluation (at the full update budget, the same for every method). "
+        "Chance: 20 % (5-way), 5 % (20-way). The paper's column ordering (RABO > RAFBO > FIARSE > FedRolex > "
+        "Static among sub-model methods) is to be read off the table above; where it does not hold, it does "
+        "not reproduce at this scale.",
+        "",
+    ]
     for s in settings:
-        curve_plot(out / f"table2-{s}.png", [(LABEL[m], with_labels(specs, method=m, setting=s)) for m in METHODS],
-                   f"{SETTINGS[s]}: accuracy vs updates (mean over seeds)", updates=True)
+        curve_plot(
+            out / f"table2-{s}.png",
+            [(LABEL[m], with_labels(specs, method=m, setting=s)) for m in METHODS],
+            f"{SETTINGS[s]}: accuracy vs updates (mean over seeds)",
+            updates=True,
+        )
         lines += [f"![{s}](table2-{s}.png)", ""]
     return "\n".join(lines) + "\n" + runs_section(specs, out)
 
@@ -442,8 +609,12 @@ def per_client_round(spec: RunSpec, key: str) -> float | None:
     if not rounds:
         return None
     if key in ("bytes", "compute_s"):
-        vals = [sum(r["client_bytes_up"].values()) + sum(r["client_bytes_down"].values()) if key == "bytes"
-                else r["compute_s"] for r in rounds]
+        vals = [
+            sum(r["client_bytes_up"].values()) + sum(r["client_bytes_down"].values())
+            if key == "bytes"
+            else r["compute_s"]
+            for r in rounds
+        ]
         return sum(vals) / sum(len(r["clients"]) for r in rounds)
     vals = [r[key] for r in rounds if r.get(key) is not None]
     return sum(vals) / len(vals) if vals else None
@@ -462,14 +633,25 @@ def report_fig4(specs, table2, head, out) -> str:
             ratio = f" ({100 * value / base:.1f} %)" if value is not None and base else ""
             cells.append("–" if value is None else format(value, spec) + ratio)
         rows.append([LABEL[m], *cells])
-    lines = ["# Figure 4 (CPU scale): client computation and communication against the full-model bilevel baseline",
-             "", "Per client and round, mean over clients, rounds and seeds, 5-way 1-shot; in brackets the share of "
-             "the full-model bilevel baseline. GFLOPs: torch's FLOP counter over both phases (short runs with "
-             "`options.count_flops`); bytes: encoded messages up + down (Table II's runs); seconds: the client's "
-             "measured compute (shared cores: rough). Paper: RABO 26.7 % and RAFBO 17.8 % of FedMBO's "
-             "computation, both 26.7 % of its communication (\"5x and 4x reduction\").", "", head, "## Results", "",
-             *table_lines(["method", "GFLOPs / client / round", "bytes / client / round", "compute s / client / round"],
-                          rows), "", "![fig4](fig4.png)", ""]
+    lines = [
+        "# Figure 4 (CPU scale): client computation and communication against the full-model bilevel baseline",
+        "",
+        "Per client and round, mean over clients, rounds and seeds, 5-way 1-shot; in brackets the share of "
+        "the full-model bilevel baseline. GFLOPs: torch's FLOP counter over both phases (short runs with "
+        "`options.count_flops`); bytes: encoded messages up + down (Table II's runs); seconds: the client's "
+        "measured compute (shared cores: rough). Paper: RABO 26.7 % and RAFBO 17.8 % of FedMBO's "
+        'computation, both 26.7 % of its communication ("5x and 4x reduction").',
+        "",
+        head,
+        "## Results",
+        "",
+        *table_lines(
+            ["method", "GFLOPs / client / round", "bytes / client / round", "compute s / client / round"], rows
+        ),
+        "",
+        "![fig4](fig4.png)",
+        "",
+    ]
     with figure(out / "fig4.png", 1, 2, figsize=(9, 3.6)) as (fig, (a1, a2)):
         for ax, i, title in ((a1, 0, "computation (GFLOPs)"), (a2, 1, "communication (bytes)")):
             vals = [bars[m][i] or 0.0 for m in BILEVEL]
@@ -481,23 +663,47 @@ def report_fig4(specs, table2, head, out) -> str:
 
 def report_fig3(specs, head, out) -> str:
     def best(group):  # each run's best evaluation: the segment runs can peak and fall back
-        values = [max((r["accuracy"] for r in load_rounds(s) if r.get("accuracy") is not None), default=None)
-                  for s in group]
+        values = [
+            max((r["accuracy"] for r in load_rounds(s) if r.get("accuracy") is not None), default=None) for s in group
+        ]
         return percent(values)
 
-    rows = [[LABEL[m], *(f(with_labels(specs, method=m, cstar=c)) for c in (1, 2)
-                         for f in (lambda g: accuracy_cell(g, LAST), best))]
-            for m in ("rabo", "rafbo")]
-    lines = ["# Figure 3 (CPU scale): the minimum coverage C_x^*", "",
-             "Every client at capacity 1/4; the units of every layer are cut into 4 contiguous segments and client i "
-             f"trains segment `segments[i]`: C_x^* = 1 with {SEGMENTS[1]}, C_x^* = 2 with {SEGMENTS[2]} (the runs' "
-             "metrics report the C_x^* they reached). 5-way 5-shot. A segment's sub-model holds only its own "
-             "channels, so weights between channels of different segments are never trained.", "", head,
-             "## Results", "", *table_lines(["method", "C_x^* = 1 acc (%)", "C_x^* = 1 best (%)", "C_x^* = 2 acc (%)",
-                                        "C_x^* = 2 best (%)"], rows), "",
-             "Paper: C_x^* = 2 above C_x^* = 1 for both methods.", "", "![fig3](fig3.png)", ""]
-    curve_plot(out / "fig3.png", [(f"{LABEL[m]}, C* = {c}", with_labels(specs, method=m, cstar=c))
-                                  for m in ("rabo", "rafbo") for c in (1, 2)], "5-way 5-shot, capacity 1/4")
+    rows = [
+        [
+            LABEL[m],
+            *(
+                f(with_labels(specs, method=m, cstar=c))
+                for c in (1, 2)
+                for f in (lambda g: accuracy_cell(g, LAST), best)
+            ),
+        ]
+        for m in ("rabo", "rafbo")
+    ]
+    lines = [
+        "# Figure 3 (CPU scale): the minimum coverage C_x^*",
+        "",
+        "Every client at capacity 1/4; the units of every layer are cut into 4 contiguous segments and client i "
+        f"trains segment `segments[i]`: C_x^* = 1 with {SEGMENTS[1]}, C_x^* = 2 with {SEGMENTS[2]} (the runs' "
+        "metrics report the C_x^* they reached). 5-way 5-shot. A segment's sub-model holds only its own "
+        "channels, so weights between channels of different segments are never trained.",
+        "",
+        head,
+        "## Results",
+        "",
+        *table_lines(
+            ["method", "C_x^* = 1 acc (%)", "C_x^* = 1 best (%)", "C_x^* = 2 acc (%)", "C_x^* = 2 best (%)"], rows
+        ),
+        "",
+        "Paper: C_x^* = 2 above C_x^* = 1 for both methods.",
+        "",
+        "![fig3](fig3.png)",
+        "",
+    ]
+    curve_plot(
+        out / "fig3.png",
+        [(f"{LABEL[m]}, C* = {c}", with_labels(specs, method=m, cstar=c)) for m in ("rabo", "rafbo") for c in (1, 2)],
+        "5-way 5-shot, capacity 1/4",
+    )
     return "\n".join(lines) + "\n" + runs_section(specs, out)
 
 
@@ -506,32 +712,68 @@ def report_table3(specs, scale, head, out) -> str:
     for s in scale.table3_settings:
         for m in ("rabo", "rafbo"):
             paper = PAPER_TABLE3.get((m, s), ())
-            rows.append([f"{LABEL[m]}, {SETTINGS[s]}",
-                         *(f"{accuracy_cell(with_labels(specs, method=m, setting=s, clients=n), LAST)}"
-                           + (f" (paper {paper[(10, 20, 30, 50).index(n)]:.2f})" if n in (10, 20, 30, 50) and paper else "")
-                           for n in scale.clients)])
-    lines = ["# Table III (CPU scale): scalability in the number of clients", "",
-             f"The training characters split over n clients (so each holds fewer); beyond 10 clients "
-             f"{scale.per_round} are sampled per round (paper: not stated), the capacity mix repeated.", "", head,
-             "## Results", "", *table_lines(["method, setting", *(f"{n} clients (%)" for n in scale.clients)], rows), ""]
+            rows.append(
+                [
+                    f"{LABEL[m]}, {SETTINGS[s]}",
+                    *(
+                        f"{accuracy_cell(with_labels(specs, method=m, setting=s, clients=n), LAST)}"
+                        + (
+                            f" (paper {paper[(10, 20, 30, 50).index(n)]:.2f})"
+                            if n in (10, 20, 30, 50) and paper
+                            else ""
+                        )
+                        for n in scale.clients
+                    ),
+                ]
+            )
+    lines = [
+        "# Table III (CPU scale): scalability in the number of clients",
+        "",
+        f"The training characters split over n clients (so each holds fewer); beyond 10 clients "
+        f"{scale.per_round} are sampled per round (paper: not stated), the capacity mix repeated.",
+        "",
+        head,
+        "## Results",
+        "",
+        *table_lines(["method, setting", *(f"{n} clients (%)" for n in scale.clients)], rows),
+        "",
+    ]
     return "\n".join(lines) + "\n" + runs_section(specs, out)
 
 
 def report_fig5(specs, scale, head, out) -> str:
-    rows = [[LABEL[m], *([step_size(with_labels(specs, method=m), lt_rate_keys)] if scale.sweep else []),
-             accuracy_cell(with_labels(specs, method=m), LAST),
-             mean_text([s.get("final_loss") for s in map(load_summary, with_labels(specs, method=m)) if s], ".3f")]
-            for m in METHODS]
-    lines = ["# Figure 5 (CPU scale): loss-function tuning on long-tailed Fashion-MNIST", "",
-             "Accuracy on the balanced 10,000-image test set (= balanced accuracy). Bilevel methods tune the VS "
-             "loss (x) of the model (y) with an 80/20 train/validation split per client; single-level methods "
-             "train with plain cross-entropy on all the client's data. Every client at capacity 1/2 (the full "
-             "bilevel baseline and FedAvg: the full model). Paper: RABO above the single-level sub-model methods "
-             "and competitive with full-model FedAvg.", "", head, "## Results", "",
-             *table_lines(["method", *(["step size"] if scale.sweep else []), "balanced acc (%)", "final test loss"],
-                          rows), "", "![fig5](fig5.png)", ""]
-    curve_plot(out / "fig5.png", [(LABEL[m], with_labels(specs, method=m)) for m in METHODS],
-               "long-tailed Fashion-MNIST: balanced accuracy", "balanced_accuracy")
+    rows = [
+        [
+            LABEL[m],
+            *([step_size(with_labels(specs, method=m), lt_rate_keys)] if scale.sweep else []),
+            accuracy_cell(with_labels(specs, method=m), LAST),
+            mean_text([s.get("final_loss") for s in map(load_summary, with_labels(specs, method=m)) if s], ".3f"),
+        ]
+        for m in METHODS
+    ]
+    lines = [
+        "# Figure 5 (CPU scale): loss-function tuning on long-tailed Fashion-MNIST",
+        "",
+        "Accuracy on the balanced 10,000-image test set (= balanced accuracy). Bilevel methods tune the VS "
+        "loss (x) of the model (y) with an 80/20 train/validation split per client; single-level methods "
+        "train with plain cross-entropy on all the client's data. Every client at capacity 1/2 (the full "
+        "bilevel baseline and FedAvg: the full model). Paper: RABO above the single-level sub-model methods "
+        "and competitive with full-model FedAvg.",
+        "",
+        head,
+        "## Results",
+        "",
+        *table_lines(["method", *(["step size"] if scale.sweep else []), "balanced acc (%)", "final test loss"], rows),
+        "",
+        "![fig5](fig5.png)",
+        "",
+    ]
+    curve_plot(
+        out / "fig5.png",
+        [(LABEL[m], with_labels(specs, method=m)) for m in METHODS],
+        "long-tailed Fashion-MNIST: balanced accuracy",
+        "balanced_accuracy",
+    )
     return "\n".join(lines) + "\n" + runs_section(specs, out)
 
 
@@ -556,19 +798,35 @@ def write_reports(plan, selected, scale, seeds, out, command, estimate) -> list[
 
 def main(argv: list[str] | None = None) -> int:
     parser = suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="0,1,2")
-    add_sweep_options(parser, EXPERIMENTS, f"each method's own step size on {SETTINGS[SWEEP_SETTING]} (for table2, "
-                      "table3; --lt-factors: fig5)", factors=True, sweep_seed=3)
-    parser.add_argument("--lt-factors", default=LT_FACTORS,
-                        help=f"with --lr-factors: the multiples swept on Figure 5's loss-tuning problem (default "
-                             f"{LT_FACTORS})")
-    parser.add_argument("--updates", type=int, default=None,
-                        help="few-shot backbone updates per client (default 60; a multiple of 10): scales every "
-                             "method's rounds alike")
-    parser.add_argument("--methods", default=",".join(METHODS),
-                        help=f"run only these methods (comma-separated subset of {','.join(METHODS)}); the others' "
-                             "cells read 'pending'")
-    parser.add_argument("--settings", default=",".join(SETTINGS),
-                        help=f"Table II's N-way K-shot columns to run (comma-separated subset of {','.join(SETTINGS)})")
+    add_sweep_options(
+        parser,
+        EXPERIMENTS,
+        f"each method's own step size on {SETTINGS[SWEEP_SETTING]} (for table2, table3; --lt-factors: fig5)",
+        factors=True,
+        sweep_seed=3,
+    )
+    parser.add_argument(
+        "--lt-factors",
+        default=LT_FACTORS,
+        help=f"with --lr-factors: the multiples swept on Figure 5's loss-tuning problem (default {LT_FACTORS})",
+    )
+    parser.add_argument(
+        "--updates",
+        type=int,
+        default=None,
+        help="few-shot backbone updates per client (default 60; a multiple of 10): scales every method's rounds alike",
+    )
+    parser.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help=f"run only these methods (comma-separated subset of {','.join(METHODS)}); the others' "
+        "cells read 'pending'",
+    )
+    parser.add_argument(
+        "--settings",
+        default=",".join(SETTINGS),
+        help=f"Table II's N-way K-shot columns to run (comma-separated subset of {','.join(SETTINGS)})",
+    )
     args = parser.parse_args(argv)
     try:
         selected, seeds = parse_selection(args, EXPERIMENTS)
@@ -580,11 +838,14 @@ def main(argv: list[str] | None = None) -> int:
             raise SuiteError(f"--updates: a multiple of 10 expected, got {args.updates}")
         methods = [m for m in args.methods.split(",") if m]
         if not methods or set(methods) - set(METHODS):
-            raise SuiteError(f"--methods: unknown {', '.join(sorted(set(methods) - set(METHODS))) or '(none given)'}; "
-                             f"expected a subset of {','.join(METHODS)}")
+            raise SuiteError(
+                f"--methods: unknown {', '.join(sorted(set(methods) - set(METHODS))) or '(none given)'}; "
+                f"expected a subset of {','.join(METHODS)}"
+            )
         if unknown or not settings:
-            raise SuiteError(f"--settings: unknown {', '.join(unknown) or '(none given)'}; expected a subset of "
-                             f"{','.join(SETTINGS)}")
+            raise SuiteError(
+                f"--settings: unknown {', '.join(unknown) or '(none given)'}; expected a subset of {','.join(SETTINGS)}"
+            )
     except SuiteError as exc:
         print(exc)
         return 2
@@ -594,26 +855,42 @@ def main(argv: list[str] | None = None) -> int:
     offline_data("omniglot")
     biased_seed_warning(sweep, seeds, selected, SWEPT)
     command = suite_command("benchmarks/rabo/run_suite.py", argv)
-    print(f"RABO suite: {', '.join(selected)}; seeds {seeds}"
-          + (f"; step-size factors {', '.join(f'{f:g}' for f in sweep.grid)} (loss tuning: "
-             f"{', '.join(f'{f:g}' for f in lt_grid)}) swept on seed {sweep.seed}" if sweep else "")
-          + f" -> {out}")
+    print(
+        f"RABO suite: {', '.join(selected)}; seeds {seeds}"
+        + (
+            f"; step-size factors {', '.join(f'{f:g}' for f in sweep.grid)} (loss tuning: "
+            f"{', '.join(f'{f:g}' for f in lt_grid)}) swept on seed {sweep.seed}"
+            if sweep
+            else ""
+        )
+        + f" -> {out}"
+    )
 
     def stage(experiments: list[str]) -> int:
         plan = build_suite_plan(scale, seeds, out)
         plan = {e: [s for s in specs if s.labels["method"] in methods] for e, specs in plan.items()}
         runs = distinct_runs(plan, experiments)
         costs = {s.key: estimate_s(s.config) for s in runs}
-        estimate = (f"Estimated time of the selection (built-in cost model, {args.workers} workers): "
-                    f"{estimate_minutes(runs, costs, args.workers):.0f} min.")
+        estimate = (
+            f"Estimated time of the selection (built-in cost model, {args.workers} workers): "
+            f"{estimate_minutes(runs, costs, args.workers):.0f} min."
+        )
         notes = ["cost model: built-in per-method constants (benchmarks/rabo/run_suite.py)"]
         for problem in ("few-shot", "loss-tuning") if sweep else ():
             swept = with_labels(plan["sweep"], problem=problem)
-            notes.append(f"{problem}: " + sweep_note({m: with_labels(swept, method=m) for m in methods},
-                                                     choices_of(swept, problem), "methods"))
-        return run_suite(plan, experiments, args, costs,
-                         lambda: write_reports(plan, experiments, scale, seeds, out, command, estimate), root=REPO,
-                         notes=notes)
+            notes.append(
+                f"{problem}: "
+                + sweep_note({m: with_labels(swept, method=m) for m in methods}, choices_of(swept, problem), "methods")
+            )
+        return run_suite(
+            plan,
+            experiments,
+            args,
+            costs,
+            lambda: write_reports(plan, experiments, scale, seeds, out, command, estimate),
+            root=REPO,
+            notes=notes,
+        )
 
     return sweep_first(stage, selected, args)  # tables II and III are planned from the sweep's finished runs
 

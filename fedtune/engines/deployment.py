@@ -35,8 +35,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
+
+from fedtune.errors import FedtuneError
 
 TASK_POLL_S = 0.05  # FLWR_SUPEREXEC_TASK_POLL_INTERVAL of the loopback SuperNodes (Flower: 1 s)
 APP_CONFIG_KEYS = ("recipe", "config", "overrides", "resume", "timeout", "clipping-norm")
@@ -67,7 +70,7 @@ clipping-norm = 0.0  # > 0: the nodes clip each update to this L2 norm (Flower's
 """
 
 
-class DeploymentError(RuntimeError):
+class DeploymentError(FedtuneError, RuntimeError):
     """A deployment process failed to start or the Flower run failed (the message names it)."""
 
 
@@ -110,7 +113,7 @@ class ReapDescendants:
         while not self.done.wait(self.poll_s):
             self.poll()
 
-    def __enter__(self) -> "ReapDescendants":
+    def __enter__(self) -> ReapDescendants:
         import psutil
 
         self.before = {proc.pid for proc in psutil.Process().children(recursive=True)}  # not ours to stop
@@ -127,7 +130,9 @@ class ReapDescendants:
         procs = list(self.seen.values())
         for proc in procs:  # their own children too (a SuperExec's app processes)
             try:
-                procs += [c for c in proc.children(recursive=True) if c.pid not in self.seen and c.pid not in self.before]
+                procs += [
+                    c for c in proc.children(recursive=True) if c.pid not in self.seen and c.pid not in self.before
+                ]
             except psutil.Error:
                 pass
         if self.terminate:
@@ -151,8 +156,13 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
-def wait_for_port(port: int, proc: subprocess.Popen | None = None, timeout: float = 120, host: str = "127.0.0.1",
-                  log: Path | None = None) -> None:
+def wait_for_port(
+    port: int,
+    proc: subprocess.Popen | None = None,
+    timeout: float = 120,
+    host: str = "127.0.0.1",
+    log: Path | None = None,
+) -> None:
     """Wait until something listens on ``host:port``; fail early, with the log's tail, if
     ``proc`` exits first."""
     deadline = time.monotonic() + timeout
@@ -162,8 +172,9 @@ def wait_for_port(port: int, proc: subprocess.Popen | None = None, timeout: floa
             return
         except OSError:
             if proc is not None and proc.poll() is not None:
-                raise DeploymentError(f"{_name(proc)} exited with code {proc.returncode} before listening on "
-                                      f"{host}:{port}{_tail(log)}") from None
+                raise DeploymentError(
+                    f"{_name(proc)} exited with code {proc.returncode} before listening on {host}:{port}{_tail(log)}"
+                ) from None
             if time.monotonic() > deadline:
                 raise DeploymentError(f"nothing listens on {host}:{port} after {timeout:.0f} s{_tail(log)}") from None
             time.sleep(0.1)
@@ -193,8 +204,13 @@ def flower_command(name: str) -> str:
 def flower_env(home: Path | None = None, **extra: str) -> dict[str, str]:
     """The environment of every deployment process: no runtime dependency installation (it
     would install a CUDA torch), this Python's bin first on PATH, ``FLWR_HOME`` when given."""
-    env = {**os.environ, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "TOKENIZERS_PARALLELISM": "false",
-           "RAY_USAGE_STATS_ENABLED": "0", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {
+        **os.environ,
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     if home is not None:
         env["FLWR_HOME"] = str(home)
     env.update(extra)
@@ -211,11 +227,20 @@ class Processes:
         self.reaper = ReapDescendants(grace_s=10, terminate=True)
         self.reaper.__enter__()
 
-    def start(self, name: str, args: Sequence[str | os.PathLike], env: dict[str, str], cwd: Path | None = None) -> subprocess.Popen:
+    def start(
+        self, name: str, args: Sequence[str | os.PathLike], env: dict[str, str], cwd: Path | None = None
+    ) -> subprocess.Popen:
         log = self.log_dir / f"{name}.log"
         with open(log, "ab") as sink:
-            proc = subprocess.Popen([str(a) for a in args], env=env, cwd=cwd or self.log_dir, stdout=sink,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                [str(a) for a in args],
+                env=env,
+                cwd=cwd or self.log_dir,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self.started.append((name, proc, log))
         return proc
 
@@ -234,7 +259,9 @@ class Processes:
 
 
 # -- certificates and keys -----------------------------------------------------------------------
-def generate_certificates(folder: Path, hosts: Sequence[str] = ("127.0.0.1", "localhost"), days: int = 30) -> dict[str, Path]:
+def generate_certificates(
+    folder: Path, hosts: Sequence[str] = ("127.0.0.1", "localhost"), days: int = 30
+) -> dict[str, Path]:
     """A self-signed CA and a server certificate for ``hosts`` (IP addresses or DNS names), as
     PEM files in ``folder``: ``ca.crt`` (give it to SuperNodes and ``flwr``), ``server.pem`` and
     ``server.key`` (the SuperLink's). For tests and trials; use your own PKI in production."""
@@ -251,32 +278,55 @@ def generate_certificates(folder: Path, hosts: Sequence[str] = ("127.0.0.1", "lo
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key, key = ec.generate_private_key(ec.SECP384R1()), ec.generate_private_key(ec.SECP384R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedtune test CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-          .not_valid_after(now + datetime.timedelta(days=days))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                                       key_encipherment=False, data_encipherment=False, key_agreement=False,
-                                       encipher_only=False, decipher_only=False), critical=True)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
     names: list[x509.GeneralName] = []
     for host in hosts:
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
             names.append(x509.DNSName(host))
-    server = (x509.CertificateBuilder()
-              .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, str(hosts[0]))]))
-              .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-              .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
-              .add_extension(x509.SubjectAlternativeName(names), critical=False)
-              .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-              .sign(ca_key, hashes.SHA256()))
+    server = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, str(hosts[0]))]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
     paths = {"ca": folder / "ca.crt", "cert": folder / "server.pem", "key": folder / "server.key"}
     paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     paths["cert"].write_bytes(server.public_bytes(serialization.Encoding.PEM))
-    paths["key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
+    paths["key"].write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     paths["key"].chmod(0o600)
     return paths
 
@@ -292,33 +342,56 @@ def generate_node_key(folder: Path, name: str) -> tuple[Path, Path]:
     folder.mkdir(parents=True, exist_ok=True)
     key = ec.generate_private_key(ec.SECP384R1())
     private, public = folder / name, folder / f"{name}.pub"
-    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                          serialization.NoEncryption()))
+    private.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption())
+    )
     private.chmod(0o600)
-    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
+    public.write_bytes(
+        key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    )
     return private, public
 
 
 # -- command lines (shared by the loopback deployment and `fedtune deploy`) ----------------------
-def superlink_args(host: str, port: int, certificates: dict[str, Path] | None = None, auth: bool = False,
-                   extra: Sequence[str] = ()) -> list[str]:
+def superlink_args(
+    host: str, port: int, certificates: dict[str, Path] | None = None, auth: bool = False, extra: Sequence[str] = ()
+) -> list[str]:
     """``flower-superlink`` arguments: TLS from ``certificates`` (``ca``, ``cert``, ``key``) or
     ``--insecure``; ``auth``: admit only registered SuperNodes."""
-    args = [flower_command("flower-superlink"), "--disable-runtime-dependency-installation", "--host", host,
-            "--port", str(port)]
+    args = [
+        flower_command("flower-superlink"),
+        "--disable-runtime-dependency-installation",
+        "--host",
+        host,
+        "--port",
+        str(port),
+    ]
     if certificates is None:
         args.append("--insecure")
     else:
-        args += ["--ssl-ca-certfile", str(certificates["ca"]), "--ssl-certfile", str(certificates["cert"]),
-                 "--ssl-keyfile", str(certificates["key"])]
+        args += [
+            "--ssl-ca-certfile",
+            str(certificates["ca"]),
+            "--ssl-certfile",
+            str(certificates["cert"]),
+            "--ssl-keyfile",
+            str(certificates["key"]),
+        ]
     if auth:
         args.append("--enable-supernode-auth")
     return args + list(extra)
 
 
-def supernode_args(superlink: str, port: int, clients: Sequence[int], root_certificates: Path | None = None,
-                   private_key: Path | None = None, worker: str | None = None, threads: int | None = None,
-                   extra: Sequence[str] = ()) -> list[str]:
+def supernode_args(
+    superlink: str,
+    port: int,
+    clients: Sequence[int],
+    root_certificates: Path | None = None,
+    private_key: Path | None = None,
+    worker: str | None = None,
+    threads: int | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
     """``flower-supernode`` arguments for a node playing ``clients``: TLS with
     ``root_certificates`` (the CA that signed the SuperLink's certificate) or ``--insecure``;
     ``private_key``: authenticate with it; ``worker``: the node's fedtune worker socket."""
@@ -329,8 +402,15 @@ def supernode_args(superlink: str, port: int, clients: Sequence[int], root_certi
         node_config.append(f'{NODE_WORKER}="{worker}"')
     if threads:
         node_config.append(f"{NODE_THREADS}={int(threads)}")
-    args = [flower_command("flower-supernode"), "--superlink", superlink, "--port", str(port),
-            "--node-config", " ".join(node_config)]
+    args = [
+        flower_command("flower-supernode"),
+        "--superlink",
+        superlink,
+        "--port",
+        str(port),
+        "--node-config",
+        " ".join(node_config),
+    ]
     args += ["--insecure"] if root_certificates is None else ["--root-certificates", str(root_certificates)]
     if private_key is not None:
         args += ["--auth-supernode-private-key", str(private_key)]
@@ -339,7 +419,9 @@ def supernode_args(superlink: str, port: int, clients: Sequence[int], root_certi
 
 def worker_args(socket_path: str, threads: int | None) -> list[str]:
     """The command of a node's fedtune worker (:func:`fedtune.engines.flower.run_worker`)."""
-    code = "import sys; from fedtune.engines.flower import run_worker; run_worker(sys.argv[1], int(sys.argv[2]) or None)"
+    code = (
+        "import sys; from fedtune.engines.flower import run_worker; run_worker(sys.argv[1], int(sys.argv[2]) or None)"
+    )
     return [sys.executable, "-c", code, socket_path, str(int(threads or 0))]
 
 
@@ -390,15 +472,33 @@ def record_from_line(line: dict):
     progress display)."""
     from fedtune.engines.rounds import RoundRecord
 
-    structural = {"round", "bytes_up", "bytes_down", "eval_bytes", "wall_s", "compute_s", "clients",
-                  "client_bytes_up", "client_bytes_down", "client_steps", "client_compute_s", "dropped", "attempts"}
+    structural = {
+        "round",
+        "bytes_up",
+        "bytes_down",
+        "eval_bytes",
+        "wall_s",
+        "compute_s",
+        "clients",
+        "client_bytes_up",
+        "client_bytes_down",
+        "client_steps",
+        "client_compute_s",
+        "dropped",
+        "attempts",
+    }
     ints = lambda d: {int(k): v for k, v in (d or {}).items()}  # noqa: E731
     return RoundRecord(
-        round=line["round"], clients=list(line["clients"]),
+        round=line["round"],
+        clients=list(line["clients"]),
         metrics={k: v for k, v in line.items() if k not in structural and v is not None},
-        client_bytes_up=ints(line.get("client_bytes_up")), client_bytes_down=ints(line.get("client_bytes_down")),
-        client_steps=ints(line.get("client_steps")), client_compute_s=ints(line.get("client_compute_s")),
-        dropped=ints(line.get("dropped")), attempts=line.get("attempts", 1), eval_bytes=line.get("eval_bytes", 0),
+        client_bytes_up=ints(line.get("client_bytes_up")),
+        client_bytes_down=ints(line.get("client_bytes_down")),
+        client_steps=ints(line.get("client_steps")),
+        client_compute_s=ints(line.get("client_compute_s")),
+        dropped=ints(line.get("dropped")),
+        attempts=line.get("attempts", 1),
+        eval_bytes=line.get("eval_bytes", 0),
         wall_s=line.get("wall_s", 0.0),
     )
 
@@ -431,16 +531,26 @@ def run_app(
         config = config.model_copy(update={"output_dir": str(Path(config.output_dir).resolve())})
     run_dir = Path(config.output_dir) / config.run_name
     run_config = home / "run-config.toml"
-    run_config.write_text(tomli_w.dumps({
-        "config": config.model_dump_json(exclude_none=True), "resume": bool(resume), "timeout": float(timeout or 0),
-        "clipping-norm": float(clipping_norm or 0),
-    }))
+    run_config.write_text(
+        tomli_w.dumps(
+            {
+                "config": config.model_dump_json(exclude_none=True),
+                "resume": bool(resume),
+                "timeout": float(timeout or 0),
+                "clipping-norm": float(clipping_norm or 0),
+            }
+        )
+    )
     app = write_app(home / "app")
     metrics = run_dir / "metrics.jsonl"
     seen = metrics.read_text().count("\n") if resume and metrics.is_file() else 0
     started = time.time()
-    proc = processes.start("flwr-run", [flower_command("flwr"), "run", app, connection, "--stream",
-                                        "--run-config", run_config], flower_env(home), cwd=home)
+    proc = processes.start(
+        "flwr-run",
+        [flower_command("flwr"), "run", app, connection, "--stream", "--run-config", run_config],
+        flower_env(home),
+        cwd=home,
+    )
     log = processes.log_of(proc)
     shown = 0
 
@@ -487,8 +597,16 @@ class LoopbackDeployment:
     """A SuperLink, workers and SuperNodes on 127.0.0.1 in a private ``FLWR_HOME``; a context
     manager (everything is stopped by PID on exit). ``groups``: the client ids of each node."""
 
-    def __init__(self, groups: Sequence[Sequence[int]], home: Path | None = None, tls: bool = False, auth: bool = False,
-                 threads: int | None = None, workers: bool = True, log_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        groups: Sequence[Sequence[int]],
+        home: Path | None = None,
+        tls: bool = False,
+        auth: bool = False,
+        threads: int | None = None,
+        workers: bool = True,
+        log_dir: Path | None = None,
+    ) -> None:
         if auth and not tls:
             raise ValueError("SuperNode authentication needs TLS (Flower refuses it on an insecure connection)")
         self.groups = [list(g) for g in groups]
@@ -512,7 +630,7 @@ class LoopbackDeployment:
     def env(self, **extra: str) -> dict[str, str]:
         return flower_env(self.home, FLWR_SUPEREXEC_TASK_POLL_INTERVAL=str(TASK_POLL_S), **extra)
 
-    def __enter__(self) -> "LoopbackDeployment":
+    def __enter__(self) -> LoopbackDeployment:
         self.processes = Processes(self.log_dir)
         try:
             self._start()
@@ -525,8 +643,9 @@ class LoopbackDeployment:
         if self.tls:
             self.certificates = generate_certificates(self.home / "certificates")
         self.port = free_ports(1)[0]
-        link = self.processes.start("superlink", superlink_args("127.0.0.1", self.port, self.certificates, self.auth),
-                                    self.env())
+        link = self.processes.start(
+            "superlink", superlink_args("127.0.0.1", self.port, self.certificates, self.auth), self.env()
+        )
         wait_for_port(self.port, link, log=self.processes.log_of(link))
         self.connection = write_flower_config(self.home, self.address, self.certificates and self.certificates["ca"])
         for i, clients in enumerate(self.groups):
@@ -537,14 +656,27 @@ class LoopbackDeployment:
         """A fresh key pair for a SuperNode, its public key registered with the SuperLink; the
         private key's path."""
         private, public = generate_node_key(self.home / "keys", name)
-        done = subprocess.run([flower_command("flwr"), "supernode", "register", str(public), self.connection],
-                              env=self.env(), cwd=self.home, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [flower_command("flwr"), "supernode", "register", str(public), self.connection],
+            env=self.env(),
+            cwd=self.home,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if done.returncode != 0:
             raise DeploymentError(f"flwr supernode register {public}: {(done.stdout + done.stderr).strip()[-800:]}")
         return private
 
-    def start_supernode(self, clients: Sequence[int], name: str, private_key: Path | None = None,
-                        insecure: bool = False, wait: bool = True, extra: Sequence[str] = ()) -> subprocess.Popen:
+    def start_supernode(
+        self,
+        clients: Sequence[int],
+        name: str,
+        private_key: Path | None = None,
+        insecure: bool = False,
+        wait: bool = True,
+        extra: Sequence[str] = (),
+    ) -> subprocess.Popen:
         """Start a worker (unless ``workers=False``) and a SuperNode playing ``clients``;
         ``insecure``: connect without TLS even when the SuperLink has it (tests)."""
         worker = None
@@ -555,19 +687,37 @@ class LoopbackDeployment:
                 wait_for_worker(worker, proc, self.processes.log_of(proc))
         port = free_ports(1)[0]
         roots = None if insecure or self.certificates is None else self.certificates["ca"]
-        node = self.processes.start(name, supernode_args(self.address, port, clients, roots, private_key, worker,
-                                                         self.threads, extra), self.env())
+        node = self.processes.start(
+            name,
+            supernode_args(self.address, port, clients, roots, private_key, worker, self.threads, extra),
+            self.env(),
+        )
         if wait:
             wait_for_port(port, node, log=self.processes.log_of(node))
         self.nodes.append(node)
         return node
 
-    def run(self, config: Any, on_round: Callable | None = None, resume: bool = False, timeout: float | None = 600,
-            clipping_norm: float | None = None) -> dict:
+    def run(
+        self,
+        config: Any,
+        on_round: Callable | None = None,
+        resume: bool = False,
+        timeout: float | None = 600,
+        clipping_norm: float | None = None,
+    ) -> dict:
         """Run ``config`` on this deployment (:func:`run_app`); Ctrl-C asks the ServerApp to stop
         after the current round's checkpoint."""
-        return run_app(config, self.home, self.connection, self.processes, on_round, resume, timeout, clipping_norm,
-                       interrupt=self.interrupt_server)
+        return run_app(
+            config,
+            self.home,
+            self.connection,
+            self.processes,
+            on_round,
+            resume,
+            timeout,
+            clipping_norm,
+            interrupt=self.interrupt_server,
+        )
 
     def interrupt_server(self) -> None:
         """Send SIGINT to the ServerApp process (``flwr-serverapp``): it stops after its round's checkpoint."""

@@ -9,7 +9,8 @@ nothing but Messages.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fedtune.config import RunConfig
 from fedtune.engines.rounds import Delivery, Engine, RoundPolicy, RoundRecord, answer, drive_rounds
@@ -67,8 +68,16 @@ def run_rounds(
 ) -> list[RoundRecord]:
     """The embedded engine's rounds: :func:`drive_rounds` with in-process clients from ``make_client``."""
     return drive_rounds(
-        strategy, LocalTransport(make_client, seed), num_clients, sample_size, rounds, seed, eval_every, on_round,
-        start_round, policy,
+        strategy,
+        LocalTransport(make_client, seed),
+        num_clients,
+        sample_size,
+        rounds,
+        seed,
+        eval_every,
+        on_round,
+        start_round,
+        policy,
     )
 
 

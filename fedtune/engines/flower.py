@@ -79,8 +79,9 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, RecordDict
@@ -91,6 +92,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedtune.config import RunConfig
 from fedtune.engines.deployment import ReapDescendants
 from fedtune.engines.rounds import Delivery, Engine, RoundRecord, answer
+from fedtune.errors import FedtuneError
 from fedtune.process import setup_process
 from fedtune.protocol.messages import Message
 
@@ -119,7 +121,7 @@ ENGINE_KEYS = ("resume", "timeout", "clipping-norm")  # Flower run config keys f
 POLL_S = 0.05  # seconds between two pulls of replies from the grid
 
 
-class FlowerClientError(RuntimeError):
+class FlowerClientError(FedtuneError, RuntimeError):
     """A ClientApp failed (or never answered); names the client, its node, the round and kind."""
 
     def __init__(self, cid: int | None, node_id: int, rnd: int, kind: str, reason: str) -> None:
@@ -141,8 +143,14 @@ def from_array_record(record: ArrayRecord | None) -> dict[str, np.ndarray]:
 state_to_record, state_from_record = to_array_record, from_array_record  # a client's persistent state
 
 
-def pack(message: Message, cid: int, arrays: ArrayRecord | None = None, suffix: str = "",
-         into: RecordDict | None = None, **extra: Any) -> tuple[RecordDict, int]:
+def pack(
+    message: Message,
+    cid: int,
+    arrays: ArrayRecord | None = None,
+    suffix: str = "",
+    into: RecordDict | None = None,
+    **extra: Any,
+) -> tuple[RecordDict, int]:
     """Flower content carrying ``message`` for/from client ``cid`` (plus transport scalars such
     as ``compute_s``, not part of the accounted bytes) and the accounted bytes,
     ``message.nbytes``. ``arrays``: the message's ArrayRecord when already built (a broadcast);
@@ -157,8 +165,9 @@ def pack(message: Message, cid: int, arrays: ArrayRecord | None = None, suffix: 
 def unpack(content: RecordDict, suffix: str = "") -> tuple[int, Message, int]:
     """Inverse of :func:`pack`: (client id, message, accounted bytes ``message.nbytes``)."""
     if RECORD + suffix not in content or ARRAYS + suffix not in content:
-        raise ValueError(f"Flower message carries no {RECORD + suffix!r} / {ARRAYS + suffix!r} records "
-                         f"(keys: {sorted(content)})")
+        raise ValueError(
+            f"Flower message carries no {RECORD + suffix!r} / {ARRAYS + suffix!r} records (keys: {sorted(content)})"
+        )
     record = content[RECORD + suffix]
     message = Message(from_array_record(content[ARRAYS + suffix]), json.loads(record[META]))
     return int(record[CID]), message, message.nbytes
@@ -194,7 +203,8 @@ def config_from_run_config(run_config: Mapping[str, Any]) -> RunConfig:
     empty), ``overrides`` (``"rounds=3; data.name=sst2"``, as ``fedtune run --set``) and dotted
     ``fedtune.<key> = value`` entries (``fedtune.rounds = 3``), applied in that order. The
     ServerApp's own keys (:data:`ENGINE_KEYS`) are read by :func:`make_server_app`."""
-    from fedtune.config import ConfigError, RunConfig as Config, apply_override, load_config
+    from fedtune.config import ConfigError, apply_override, load_config
+    from fedtune.config import RunConfig as Config
 
     overrides = [part.strip() for part in str(run_config.get("overrides", "")).split(";") if part.strip()]
     for key, value in run_config.items():
@@ -234,7 +244,13 @@ def _process_context(config: RunConfig, threads: int | None = None):
 
 
 def serve_request(
-    config: RunConfig, kind: str, cid: int, request: Message, state: dict, rnd: int, attempt: int,
+    config: RunConfig,
+    kind: str,
+    cid: int,
+    request: Message,
+    state: dict,
+    rnd: int,
+    attempt: int,
     threads: int | None = None,
 ) -> tuple[Message, dict, float]:
     """Serve one request as client ``cid`` in this process: (reply, the client's new state,
@@ -254,7 +270,7 @@ def node_clients(context: Context) -> list[int]:
         return [int(context.node_config[PARTITION_ID])]
     raise RuntimeError(
         f"node {context.node_id} has no node_config[{PARTITION_ID!r}] or [{NODE_CLIENTS!r}]: start the SuperNode "
-        f"with --node-config \"{PARTITION_ID}=<client id>\" or '{NODE_CLIENTS}=\"0-9\"'"
+        f'with --node-config "{PARTITION_ID}=<client id>" or \'{NODE_CLIENTS}="0-9"\''
     )
 
 
@@ -303,8 +319,9 @@ def handle_client_message(config: RunConfig | None, message: FlowerMessage, cont
     return FlowerMessage(content, reply_to=message)
 
 
-def _serve_one(config: RunConfig, kind: str, content: RecordDict, suffix: str, clients: list[int],
-               context: Context) -> tuple[Message, dict]:
+def _serve_one(
+    config: RunConfig, kind: str, content: RecordDict, suffix: str, clients: list[int], context: Context
+) -> tuple[Message, dict]:
     """One client's request in ``content`` (keys suffixed with ``suffix``) served: (the reply,
     its transport scalars)."""
     cid, request, _ = unpack(content, suffix)
@@ -377,8 +394,15 @@ def call_worker(
     with the key in ``<address>.key``); its failure is raised here with the worker's reason."""
     from multiprocessing.connection import Client as Connection
 
-    payload = {"config": config.model_dump_json(), "kind": kind, "cid": cid, "request": request.encode(),
-               "state": dict(state), "round": rnd, "attempt": attempt}
+    payload = {
+        "config": config.model_dump_json(),
+        "kind": kind,
+        "cid": cid,
+        "request": request.encode(),
+        "state": dict(state),
+        "round": rnd,
+        "attempt": attempt,
+    }
     try:
         with Connection(address, family="AF_UNIX", authkey=_worker_key(address)) as conn:
             conn.send(payload)
@@ -400,8 +424,9 @@ def run_worker(address: str, threads: int | None = None, ready: Callable[[], Non
     from fedtune.config import RunConfig as Config
 
     setup_process(threads)
-    import fedtune.runtime  # noqa: F401 - torch, transformers, PEFT: imported before the first request
     import peft  # noqa: F401
+
+    import fedtune.runtime  # noqa: F401 - torch, transformers, PEFT: imported before the first request
 
     key_path = Path(f"{address}.key")
     key_path.unlink(missing_ok=True)
@@ -422,8 +447,14 @@ def run_worker(address: str, threads: int | None = None, ready: Callable[[], Non
                     job = conn.recv()
                     config = Config.model_validate_json(job["config"])
                     reply, state, seconds = serve_request(
-                        config, job["kind"], job["cid"], Message.decode(job["request"]), job["state"],
-                        job["round"], job["attempt"], threads,
+                        config,
+                        job["kind"],
+                        job["cid"],
+                        Message.decode(job["request"]),
+                        job["state"],
+                        job["round"],
+                        job["attempt"],
+                        threads,
                     )
                     result = {"reply": reply.encode(), "state": state, "seconds": seconds}
                 except Exception as exc:  # noqa: BLE001 - returned to the ClientApp, which reports it
@@ -436,7 +467,10 @@ def run_worker(address: str, threads: int | None = None, ready: Callable[[], Non
 
 # -- server side ---------------------------------------------------------------------------------
 def exchange(
-    grid: Grid, messages: list[FlowerMessage], timeout: float | None, poll_s: float = POLL_S,
+    grid: Grid,
+    messages: list[FlowerMessage],
+    timeout: float | None,
+    poll_s: float = POLL_S,
     pulled_at: dict[str, float] | None = None,
 ) -> tuple[list[str], list[FlowerMessage]]:
     """Push ``messages`` and pull their replies every ``poll_s`` seconds until all arrived or
@@ -489,7 +523,9 @@ def discover_nodes(grid: Grid, num_clients: int, timeout: float | None = None) -
             return node_of
         if timeout is not None and time.monotonic() - start > timeout:
             missing = format_clients(set(range(num_clients)) - node_of.keys())
-            raise TimeoutError(f"{len(asked)} Flower nodes connected after {timeout:.0f} s; none plays clients {missing}")
+            raise TimeoutError(
+                f"{len(asked)} Flower nodes connected after {timeout:.0f} s; none plays clients {missing}"
+            )
         time.sleep(0.2)
 
 
@@ -501,10 +537,22 @@ class GridTransport:
     clipping mods, which also sets ``update-as-weights``; see the module docstring). ``bundle``:
     a node's clients of one exchange travel in one Flower message."""
 
-    def __init__(self, grid: Grid, node_of: dict[int, int], timeout: float | None = None,
-                 request_config: Mapping[str, Any] | None = None, timing_path: Path | None = None,
-                 bundle: bool = True) -> None:
-        self.grid, self.node_of, self.timeout, self.timing_path, self.bundle = grid, node_of, timeout, timing_path, bundle
+    def __init__(
+        self,
+        grid: Grid,
+        node_of: dict[int, int],
+        timeout: float | None = None,
+        request_config: Mapping[str, Any] | None = None,
+        timing_path: Path | None = None,
+        bundle: bool = True,
+    ) -> None:
+        self.grid, self.node_of, self.timeout, self.timing_path, self.bundle = (
+            grid,
+            node_of,
+            timeout,
+            timing_path,
+            bundle,
+        )
         self.request_config = dict(request_config or {})
         if CLIPPING_NORM in self.request_config:
             self.request_config[AS_WEIGHTS] = True
@@ -531,8 +579,9 @@ class GridTransport:
                     if id(message) not in records:  # a Message broadcast to many clients is converted once
                         records[id(message)] = to_array_record(message.arrays)
                     suffix = f"-{cid}" if len(group) > 1 else ""
-                    _, down[cid] = pack(message, cid, records[id(message)], suffix, content,
-                                        **{ROUND: rnd, ATTEMPT: attempt, **extra})
+                    _, down[cid] = pack(
+                        message, cid, records[id(message)], suffix, content, **{ROUND: rnd, ATTEMPT: attempt, **extra}
+                    )
                 if len(group) > 1:
                     content[BUNDLE] = ConfigRecord({CLIENTS: group})
                 out.append(FlowerMessage(content, dst_node_id=nid, message_type=wire, group_id=str(rnd)))
@@ -547,8 +596,9 @@ class GridTransport:
             if group is None:
                 continue  # not a reply to this batch: ignore
             for cid in group:
-                received[cid] = self._delivery(reply, cid, "" if len(group) == 1 else f"-{cid}", messages[cid],
-                                               down[cid], extra)
+                received[cid] = self._delivery(
+                    reply, cid, "" if len(group) == 1 else f"-{cid}", messages[cid], down[cid], extra
+                )
         # in configure order: aggregation sums in dict order, as the embedded engine does
         return {
             cid: received.get(cid) or Delivery(None, down[cid], error=f"no reply within {self.timeout} s")
@@ -571,8 +621,16 @@ class GridTransport:
         except Exception as exc:  # noqa: BLE001 - a reply that does not even decode is a drop
             return Delivery(None, down, error=f"undecodable reply ({exc})")
 
-    def _log_timing(self, kind: str, rnd: int, attempt: int, pushed: float, replies: list[FlowerMessage],
-                    target_of: dict[str, list[int]], pulled_at: dict[str, float]) -> None:
+    def _log_timing(
+        self,
+        kind: str,
+        rnd: int,
+        attempt: int,
+        pushed: float,
+        replies: list[FlowerMessage],
+        target_of: dict[str, list[int]],
+        pulled_at: dict[str, float],
+    ) -> None:
         """One :data:`TIMING_FILE` line: per Flower message (its client ids joined by "+"), the
         seconds from the push to the ClientApp process's start (node pick-up, SuperExec poll,
         spawn), from there to the handler (``flwr-clientapp`` start-up), in the handler
@@ -591,13 +649,19 @@ class GridTransport:
             t_process, t_enter, t_exit = (float(head[key]) for key in TIMES)
             records = [reply.content.config_records.get(RECORD + (f"-{c}" if len(group) > 1 else "")) for c in group]
             messages["+".join(map(str, group))] = {
-                "dispatch_s": round(t_process - pushed, 4), "startup_s": round(t_enter - t_process, 4),
+                "dispatch_s": round(t_process - pushed, 4),
+                "startup_s": round(t_enter - t_process, 4),
                 "handler_s": round(t_exit - t_enter, 4),
                 "compute_s": round(sum(float(r.get(COMPUTE_S, 0.0)) for r in records if r is not None), 4),
                 "return_s": round(pulled_at.get(reply.metadata.reply_to_message_id, t_exit) - t_exit, 4),
             }
-        line = {"kind": kind, "round": rnd, "attempt": attempt, "wall_s": round(time.time() - pushed, 4),
-                "clients": messages}
+        line = {
+            "kind": kind,
+            "round": rnd,
+            "attempt": attempt,
+            "wall_s": round(time.time() - pushed, 4),
+            "clients": messages,
+        }
         with open(self.timing_path, "a") as sink:
             sink.write(json.dumps(line) + "\n")
 
@@ -608,8 +672,14 @@ class FlowerEngine(Engine):
 
     name = "flower"
 
-    def __init__(self, config: RunConfig, grid: Grid, timeout: float | None = None,
-                 request_config: Mapping[str, Any] | None = None, resume: bool = False) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        grid: Grid,
+        timeout: float | None = None,
+        request_config: Mapping[str, Any] | None = None,
+        resume: bool = False,
+    ) -> None:
         super().__init__(config)
         self.grid, self.timeout, self.request_config, self.resume = grid, timeout, request_config, resume
         self._transport = None
@@ -667,8 +737,15 @@ def make_server_app(
         run_config = config if config is not None else config_from_run_config(rc)
         wait = timeout if "timeout" not in rc else (float(rc["timeout"]) or None)
         clip = float(rc.get("clipping-norm", 0) or 0)
-        serve(grid, run_config, wait, on_round, on_start, resume=resume or bool(rc.get("resume", False)),
-              request_config={CLIPPING_NORM: clip} if clip > 0 else None)
+        serve(
+            grid,
+            run_config,
+            wait,
+            on_round,
+            on_start,
+            resume=resume or bool(rc.get("resume", False)),
+            request_config={CLIPPING_NORM: clip} if clip > 0 else None,
+        )
 
     return app
 

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
+from fedtune.errors import FedtuneError
 from fedtune.protocol.client import Client
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
@@ -58,7 +60,10 @@ def answer(client: Client, kind: str, message: Message, seed: int, rnd: int, att
     profile = client.profile
     if profile.delay_s:
         time.sleep(profile.delay_s)
-    if profile.failure_prob and np.random.default_rng([seed, rnd, client.cid, attempt, 0xFA11]).random() < profile.failure_prob:
+    if (
+        profile.failure_prob
+        and np.random.default_rng([seed, rnd, client.cid, attempt, 0xFA11]).random() < profile.failure_prob
+    ):
         raise InjectedFailure(f"injected failure (failure_prob {profile.failure_prob})")
     if kind == TRAIN:
         return client.fit(message)
@@ -96,7 +101,7 @@ class RoundPolicy:
     max_reply_bytes: int = 256 * 2**20
 
     @classmethod
-    def of(cls, fed: Any) -> "RoundPolicy":
+    def of(cls, fed: Any) -> RoundPolicy:
         return cls(fed.min_replies, fed.max_retries, fed.round_timeout_s, fed.max_reply_bytes)
 
     def rejection(self, strategy: Strategy, rnd: int, cid: int, sent: Message, got: Delivery) -> str | None:
@@ -120,7 +125,7 @@ class RoundPolicy:
         return check_arrays(got.reply.arrays, spec)
 
 
-class RoundFailed(RuntimeError):
+class RoundFailed(FedtuneError, RuntimeError):
     """A round stayed short of ``federation.min_replies`` valid replies after every retry."""
 
 
@@ -162,8 +167,16 @@ class RoundRecord:
         return line
 
 
-def _exchange(strategy: Strategy, transport: Transport, policy: RoundPolicy, record: RoundRecord,
-              kind: str, sent: dict[int, Message], rnd: int, attempt: int) -> dict[int, Message]:
+def _exchange(
+    strategy: Strategy,
+    transport: Transport,
+    policy: RoundPolicy,
+    record: RoundRecord,
+    kind: str,
+    sent: dict[int, Message],
+    rnd: int,
+    attempt: int,
+) -> dict[int, Message]:
     """One exchange of a round (training or a phase): the valid replies; bytes and drops go to
     ``record``."""
     valid = {}
@@ -283,6 +296,15 @@ class Engine(ABC):
     ) -> list[RoundRecord]:
         c, fed = self.config, self.config.federation
         return drive_rounds(
-            strategy, self.transport(), fed.num_clients, fed.sample_size(), c.rounds, c.seed, c.eval_every,
-            on_round, start_round, RoundPolicy.of(fed), should_stop,
+            strategy,
+            self.transport(),
+            fed.num_clients,
+            fed.sample_size(),
+            c.rounds,
+            c.seed,
+            c.eval_every,
+            on_round,
+            start_round,
+            RoundPolicy.of(fed),
+            should_stop,
         )

@@ -56,8 +56,7 @@ class Choice:
         values = sorted({s[key] for s, _ in self.scores})
         if len(values) < 2:
             return None
-        return ("smallest" if self.setting[key] == values[0] else
-                "largest" if self.setting[key] == values[-1] else None)
+        return "smallest" if self.setting[key] == values[0] else "largest" if self.setting[key] == values[-1] else None
 
 
 def choose_from(scores: list[tuple[Setting, float | None]]) -> Choice | None:
@@ -70,8 +69,9 @@ def choose_from(scores: list[tuple[Setting, float | None]]) -> Choice | None:
     return Choice(best[0], best[1], scores)
 
 
-def choose(group: list[RunSpec], setting_of: Callable[[RunSpec], Setting],
-           score: Callable[[RunSpec], float | None]) -> Choice | None:
+def choose(
+    group: list[RunSpec], setting_of: Callable[[RunSpec], Setting], score: Callable[[RunSpec], float | None]
+) -> Choice | None:
     """The group's choice once every one of its grid runs is finished (None before, or for no runs);
     the grid is ordered by the settings' values (``setting_of``'s key order)."""
     if not group or any(run_state(s) != "done" for s in group):
@@ -88,8 +88,9 @@ def setting_text(setting: Setting) -> str:
     return ", ".join(f"{key.replace('_', ' ')} {value:g}" for key, value in setting.items())
 
 
-def choice_text(choice: Choice | None, reference: float | None = None,
-                reference_name: str = "majority-class rate") -> str:
+def choice_text(
+    choice: Choice | None, reference: float | None = None, reference_name: str = "majority-class rate"
+) -> str:
     """A report's line for a group's choice: the setting, its margin over the runner-up, and a warning
     when it learned nothing (within :data:`LEARNED_POINTS` of ``reference``, a fraction) or lies at
     an end of the learning-rate grid."""
@@ -106,9 +107,17 @@ def choice_text(choice: Choice | None, reference: float | None = None,
     return text
 
 
-def sweep_sections(panels: dict[str, dict[str, list[RunSpec]]], choices: dict[str, dict[str, Choice | None]],
-                   score: Callable[[RunSpec], float | None], png: Path, *, key: str = "lr", row_title: str = "method",
-                   reference_name: str = "majority-class rate", ylabel: str = "score (%)") -> list[str]:
+def sweep_sections(
+    panels: dict[str, dict[str, list[RunSpec]]],
+    choices: dict[str, dict[str, Choice | None]],
+    score: Callable[[RunSpec], float | None],
+    png: Path,
+    *,
+    key: str = "lr",
+    row_title: str = "method",
+    reference_name: str = "majority-class rate",
+    ylabel: str = "score (%)",
+) -> list[str]:
     """A sweep report's markdown, one section per panel (a data set, a modality): a row per group
     (its runs, each labelled with its ``key`` value), a column per grid value with the run's score
     in percent (**bold**: the group's choice; ``pending`` until finished, ``–`` without a score),
@@ -129,18 +138,35 @@ def sweep_sections(panels: dict[str, dict[str, list[RunSpec]]], choices: dict[st
                 scores = [None if v is None or math.isnan(v) else v for v in scores]
                 cells = ["pending" if not d else "–" if v is None else f"{100 * v:.2f}" for d, v in zip(ended, scores)]
                 finished = all(ended)
-                chosen = ("no grid point has a score" if choice is None and finished
-                          else choice_text(choice, reference, reference_name))
-                rows.append([name, *(f"**{c}**" if choice and s.labels[key] == choice.setting[key] else c
-                                     for s, c in zip(group, cells)), chosen])
+                chosen = (
+                    "no grid point has a score"
+                    if choice is None and finished
+                    else choice_text(choice, reference, reference_name)
+                )
+                rows.append(
+                    [
+                        name,
+                        *(
+                            f"**{c}**" if choice and s.labels[key] == choice.setting[key] else c
+                            for s, c in zip(group, cells)
+                        ),
+                        chosen,
+                    ]
+                )
                 points = [(s.labels[key], 100 * v) for s, v in zip(group, scores) if v is not None]
                 if points:
                     ax.plot(*zip(*points), marker="o", ms=3, label=name)
             values = sorted({s.labels[key] for s in runs})
             name = key.replace("_", " ")
-            lines += [f"## {panel}", "", *table_lines([row_title, *(f"{name} {v:g}" for v in values), "chosen"], rows),
-                      "", f"{reference_name[0].upper()}{reference_name[1:]}: "
-                      + (f"{100 * reference:.2f}%." if reference is not None else "pending."), ""]
+            lines += [
+                f"## {panel}",
+                "",
+                *table_lines([row_title, *(f"{name} {v:g}" for v in values), "chosen"], rows),
+                "",
+                f"{reference_name[0].upper()}{reference_name[1:]}: "
+                + (f"{100 * reference:.2f}%." if reference is not None else "pending."),
+                "",
+            ]
             ax.set_xscale("log")
             ax.set(title=f"{panel}: sweep seed", xlabel=name, ylabel=ylabel)
             ax.grid(alpha=0.3)
@@ -157,6 +183,7 @@ def sweep_note(groups: dict[str, list[RunSpec]], choices: dict[str, Choice | Non
     scoreless = [name for name in unchosen if name not in waiting]
     text = f"{len(waiting)} {what} wait for their sweep" + (f": {', '.join(waiting)}" if waiting else "")
     if scoreless:
-        text += (f"; {len(scoreless)} finished it without a score (no evaluation counted; no table runs): "
-                 + ", ".join(scoreless))
+        text += f"; {len(scoreless)} finished it without a score (no evaluation counted; no table runs): " + ", ".join(
+            scoreless
+        )
     return text

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from fedtune.errors import FedtuneError
 from fedtune.harness.choice import Sweep
 from fedtune.harness.cost import makespan
 from fedtune.harness.plan import Plan, RunSpec, distinct_runs
@@ -26,21 +27,27 @@ from fedtune.harness.pool import run_specs
 from fedtune.harness.runs import run_state, unfinished
 
 
-class SuiteError(ValueError):
+class SuiteError(FedtuneError, ValueError):
     """A bad command line for a suite; the message is one line."""
 
 
-def suite_parser(description: str, experiments: Sequence[str], *, seeds: str = "0,1", workers: int = 2,
-                 budget_minutes: float = 120.0) -> argparse.ArgumentParser:
+def suite_parser(
+    description: str, experiments: Sequence[str], *, seeds: str = "0,1", workers: int = 2, budget_minutes: float = 120.0
+) -> argparse.ArgumentParser:
     """An argument parser with the options every suite has (defaults: all ``experiments``, ``seeds``)."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=",".join(experiments), help=f"comma-separated subset of {','.join(experiments)}")
     p.add_argument("--seeds", default=seeds, help=f"comma-separated seeds (default {seeds})")
     p.add_argument("--quick", action="store_true", help="smoke test: a tiny model, a few rounds, a scratch folder")
-    p.add_argument("--workers", type=int, default=workers,
-                   help=f"parallel runs, one torch thread each (default {workers})")
-    p.add_argument("--budget-minutes", type=float, default=budget_minutes,
-                   help="time budget the up-front estimate is checked against (warns when exceeded)")
+    p.add_argument(
+        "--workers", type=int, default=workers, help=f"parallel runs, one torch thread each (default {workers})"
+    )
+    p.add_argument(
+        "--budget-minutes",
+        type=float,
+        default=budget_minutes,
+        help="time budget the up-front estimate is checked against (warns when exceeded)",
+    )
     p.add_argument("--plan", action="store_true", help="print the runs and the estimate, run nothing")
     p.add_argument("--report-only", action="store_true", help="only rewrite the markdown and plots")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: the suite's results folder)")
@@ -79,8 +86,10 @@ def suite_command(script: str, argv: Sequence[str] | None = None) -> str:
     """The command that runs the suite as invoked (``--report-only`` dropped), for its reports."""
     data_dir = shlex.quote(os.environ.get("FEDTUNE_DATA_DIR", "../shared/data"))
     args = sys.argv[1:] if argv is None else argv
-    return (f"HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR={data_dir} .venv/bin/python {script} "
-            + " ".join(shlex.quote(a) for a in args if a != "--report-only")).strip()
+    return (
+        f"HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR={data_dir} .venv/bin/python {script} "
+        + " ".join(shlex.quote(a) for a in args if a != "--report-only")
+    ).strip()
 
 
 def estimate_minutes(specs: Sequence[RunSpec], costs: dict[str, float], workers: int) -> float:
@@ -98,24 +107,40 @@ def print_plan(plan: Plan, selected: Sequence[str], costs: dict[str, float]) -> 
             print(f"    [{run_state(spec)}] {spec.name}{shared}  (~{costs[spec.key] / 60:.1f} min)")
 
 
-def add_sweep_options(parser: argparse.ArgumentParser, experiments: Sequence[str], swept: str, *,
-                      factors: bool = False, sweep_seed: int = 0) -> None:
+def add_sweep_options(
+    parser: argparse.ArgumentParser,
+    experiments: Sequence[str],
+    swept: str,
+    *,
+    factors: bool = False,
+    sweep_seed: int = 0,
+) -> None:
     """``--lr-grid`` (or, with ``factors``, ``--lr-factors``: multiples of each method's own rate, for
     suites whose methods tune different step sizes) and ``--sweep-seed`` (see :func:`sweep_selection`);
     the ``sweep`` experiment leaves ``--only``'s default (it comes with the grid). ``swept``: what
     the rates apply to."""
-    option, values = ("--lr-factors", "multiples of each method's own rate") if factors else ("--lr-grid",
-                                                                                                "learning rates")
-    parser.add_argument(option, dest="lr_grid", default=None,
-                        help=f"comma-separated {values}: sweep {swept} over them on --sweep-seed, then run the "
-                             "experiments planned from the sweep at each one's chosen rate")
-    parser.add_argument("--sweep-seed", type=int, default=sweep_seed,
-                        help=f"the seed whose sweep runs choose the rates (default {sweep_seed})")
+    option, values = (
+        ("--lr-factors", "multiples of each method's own rate") if factors else ("--lr-grid", "learning rates")
+    )
+    parser.add_argument(
+        option,
+        dest="lr_grid",
+        default=None,
+        help=f"comma-separated {values}: sweep {swept} over them on --sweep-seed, then run the "
+        "experiments planned from the sweep at each one's chosen rate",
+    )
+    parser.add_argument(
+        "--sweep-seed",
+        type=int,
+        default=sweep_seed,
+        help=f"the seed whose sweep runs choose the rates (default {sweep_seed})",
+    )
     parser.set_defaults(only=",".join(e for e in experiments if e != "sweep"), sweep_option=(option, values))
 
 
-def sweep_selection(args: argparse.Namespace, selected: Sequence[str],
-                    dependents: Sequence[str]) -> tuple[Sweep | None, list[str]]:
+def sweep_selection(
+    args: argparse.Namespace, selected: Sequence[str], dependents: Sequence[str]
+) -> tuple[Sweep | None, list[str]]:
     """The grid option as a :class:`~fedtune.harness.choice.Sweep` (None without it) and the
     experiments to run: ``sweep`` joins the ``dependents`` (those planned from its choices) when
     they are selected; :class:`SuiteError` naming the option when bad."""
@@ -145,16 +170,21 @@ def parse_grid(text: str, option: str, values: str = "learning rates") -> tuple[
     return grid
 
 
-def biased_seed_warning(sweep: Sweep | None, seeds: Sequence[int], selected: Sequence[str],
-                        dependents: Sequence[str]) -> None:
+def biased_seed_warning(
+    sweep: Sweep | None, seeds: Sequence[int], selected: Sequence[str], dependents: Sequence[str]
+) -> None:
     """Warn when a run of the chosen rates uses the seed that chose them (its figure is biased)."""
     if sweep and sweep.seed in seeds and any(e in dependents for e in selected):
-        print(f"warning: the sweep seed {sweep.seed} is among --seeds: its run at the chosen rate is the run that "
-              "chose it (a biased figure)", flush=True)
+        print(
+            f"warning: the sweep seed {sweep.seed} is among --seeds: its run at the chosen rate is the run that "
+            "chose it (a biased figure)",
+            flush=True,
+        )
 
 
-def sweep_first(stage: Callable[[list[str]], int], selected: Sequence[str], args: argparse.Namespace,
-                sweep: str = "sweep") -> int:
+def sweep_first(
+    stage: Callable[[list[str]], int], selected: Sequence[str], args: argparse.Namespace, sweep: str = "sweep"
+) -> int:
     """Run the ``selected`` experiments through ``stage`` (which plans and runs them); when they hold
     the ``sweep`` and experiments planned from its choices, the sweep runs first and the rest is
     planned afterwards, from its finished runs (not for ``--plan`` or ``--report-only``). Returns
@@ -165,8 +195,16 @@ def sweep_first(stage: Callable[[list[str]], int], selected: Sequence[str], args
     return stage(list(selected))
 
 
-def run_suite(plan: Plan, selected: Sequence[str], args: argparse.Namespace, costs: dict[str, float],
-              write_reports: Callable[[], list[Path]], *, root: Path, notes: Sequence[str] = ()) -> int:
+def run_suite(
+    plan: Plan,
+    selected: Sequence[str],
+    args: argparse.Namespace,
+    costs: dict[str, float],
+    write_reports: Callable[[], list[Path]],
+    *,
+    root: Path,
+    notes: Sequence[str] = (),
+) -> int:
     """The standard steps once the suite has its plan: print it (``costs``: estimated seconds by spec
     key; ``notes``: extra lines, such as the cost model's source), stop for ``--plan``, run the
     unfinished runs in ``--workers`` processes (unless ``--report-only``), then ``write_reports()``
@@ -176,13 +214,19 @@ def run_suite(plan: Plan, selected: Sequence[str], args: argparse.Namespace, cos
     pending = unfinished(runs)
     stale = [s for s in pending if run_state(s) == "stale"]
     print_plan(plan, selected, costs)
-    print(f"{sum(len(plan[e]) for e in selected)} runs listed, {len(runs)} distinct configs, {len(pending)} to run"
-          + (f" ({len(stale)} stale: finished with another config, will be overwritten)" if stale else "") + ".")
+    print(
+        f"{sum(len(plan[e]) for e in selected)} runs listed, {len(runs)} distinct configs, {len(pending)} to run"
+        + (f" ({len(stale)} stale: finished with another config, will be overwritten)" if stale else "")
+        + "."
+    )
     for line in notes:
         print(line)
     estimate = estimate_minutes(pending, costs, args.workers)
-    print(f"estimate: {estimate:.0f} min for the pending runs on {args.workers} workers with free cores; whole "
-          f"selection {estimate_minutes(runs, costs, args.workers):.0f} min", flush=True)
+    print(
+        f"estimate: {estimate:.0f} min for the pending runs on {args.workers} workers with free cores; whole "
+        f"selection {estimate_minutes(runs, costs, args.workers):.0f} min",
+        flush=True,
+    )
     if estimate > args.budget_minutes:
         print(f"warning: the estimate {estimate:.0f} min exceeds --budget-minutes {args.budget_minutes:g}", flush=True)
     if args.plan:
@@ -191,8 +235,11 @@ def run_suite(plan: Plan, selected: Sequence[str], args: argparse.Namespace, cos
     if not args.report_only:
         start = time.perf_counter()
         failures, interrupted = run_specs(pending, costs, args.workers)
-        print(f"runs {'stopped' if interrupted else 'finished'} after {(time.perf_counter() - start) / 60:.1f} min; "
-              f"{len(failures)} failed", flush=True)
+        print(
+            f"runs {'stopped' if interrupted else 'finished'} after {(time.perf_counter() - start) / 60:.1f} min; "
+            f"{len(failures)} failed",
+            flush=True,
+        )
         if interrupted:  # skip the pool's exit-time joins (they wait on the terminated workers)
             sys.stdout.flush()
             sys.stderr.flush()

@@ -62,18 +62,25 @@ def probe(config: RunConfig, folder: Path, local_steps: int, clients: int = 2) -
     Round 2 is the warm training round (round 1 also builds what the clients load lazily)."""
     from fedtune.run import run_experiment
 
-    short = config.model_copy(update={
-        "name": f"probe-{config.method}-{config.data.name}-h{local_steps}", "output_dir": str(folder),
-        "rounds": 3, "eval_every": 3,
-        "train": config.train.model_copy(update={"local_steps": local_steps}),
-        "federation": config.federation.model_copy(update={"clients_per_round": clients, "fraction": None}),
-    })
+    short = config.model_copy(
+        update={
+            "name": f"probe-{config.method}-{config.data.name}-h{local_steps}",
+            "output_dir": str(folder),
+            "rounds": 3,
+            "eval_every": 3,
+            "train": config.train.model_copy(update={"local_steps": local_steps}),
+            "federation": config.federation.model_copy(update={"clients_per_round": clients, "fraction": None}),
+        }
+    )
     summary = run_experiment(short)
     _, warm, evaluated = load_run(Path(folder) / short.run_name).rounds
     n = summary["test_examples"]
-    return Probe(client_s=warm["compute_s"] / len(warm["clients"]),
-                 eval_s_per_example=max(0.0, evaluated["wall_s"] - warm["wall_s"]) / n,
-                 setup_s=max(0.0, summary["wall_s"] - 2 * warm["wall_s"] - evaluated["wall_s"]), test_examples=n)
+    return Probe(
+        client_s=warm["compute_s"] / len(warm["clients"]),
+        eval_s_per_example=max(0.0, evaluated["wall_s"] - warm["wall_s"]) / n,
+        setup_s=max(0.0, summary["wall_s"] - 2 * warm["wall_s"] - evaluated["wall_s"]),
+        test_examples=n,
+    )
 
 
 def calibrate(config: RunConfig, folder: Path, steps: tuple[int, int] = (2, 8)) -> Costs:
@@ -83,6 +90,9 @@ def calibrate(config: RunConfig, folder: Path, steps: tuple[int, int] = (2, 8)) 
     the suite's workers use (:func:`fedtune.process.setup_process`)."""
     few, many = (probe(config, folder, h) for h in steps)
     step_s = max(0.0, (many.client_s - few.client_s) / (steps[1] - steps[0]))
-    return Costs(step_s=step_s, eval_s_per_example=(few.eval_s_per_example + many.eval_s_per_example) / 2,
-                 run_setup_s=(few.setup_s + many.setup_s) / 2,
-                 client_overhead_s=max(0.0, few.client_s - steps[0] * step_s))
+    return Costs(
+        step_s=step_s,
+        eval_s_per_example=(few.eval_s_per_example + many.eval_s_per_example) / 2,
+        run_setup_s=(few.setup_s + many.setup_s) / 2,
+        client_overhead_s=max(0.0, few.client_s - steps[0] * step_s),
+    )

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from fedtune.config import RunConfig, flat_keys, load_config
 
@@ -87,8 +88,9 @@ def build_plan(experiments: Mapping[str, Iterable[RunSpec]], recipe: str | Path 
         for spec in specs:
             spec.experiment = experiment
             folder = out / "runs" / experiment
-            config = load_config(recipe, [*spec.overrides, f"name={toml_value(spec.name)}",
-                                          f"output_dir={toml_value(str(folder))}"])
+            config = load_config(
+                recipe, [*spec.overrides, f"name={toml_value(spec.name)}", f"output_dir={toml_value(str(folder))}"]
+            )
             spec.key = config_key(config)
             first = owners.setdefault(spec.key, spec)
             if first is spec:

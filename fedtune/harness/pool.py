@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import os
 import time
-import tomllib
 import traceback
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import closing
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from contextlib import closing
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, TypeVar
+
+import tomllib
 
 from fedtune.config import RunConfig
 from fedtune.harness.plan import RunSpec, config_key
@@ -43,8 +44,9 @@ def setup_worker(threads: int = 1) -> None:
         pass
 
 
-def imap_unordered(fn: Callable[[Item], Any], items: Iterable[Item], workers: int,
-                   threads: int = 1) -> Iterator[tuple[Item, Any, str | None]]:
+def imap_unordered(
+    fn: Callable[[Item], Any], items: Iterable[Item], workers: int, threads: int = 1
+) -> Iterator[tuple[Item, Any, str | None]]:
     """``fn(item)`` for every item in ``workers`` spawned processes (``threads`` torch threads each),
     submitted in the given order; yields ``(item, result, None)`` as each finishes, or
     ``(item, None, error)`` when it raised or its worker died. ``fn`` must be importable (a
@@ -52,8 +54,9 @@ def imap_unordered(fn: Callable[[Item], Any], items: Iterable[Item], workers: in
     the workers are terminated."""
     for name in THREAD_VARIABLES:  # read by the workers' torch and BLAS when they load
         os.environ.setdefault(name, str(threads))
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=setup_worker,
-                               initargs=(threads,))
+    pool = ProcessPoolExecutor(
+        max_workers=workers, mp_context=get_context("spawn"), initializer=setup_worker, initargs=(threads,)
+    )
     completed = False
     try:
         futures = {pool.submit(fn, item): item for item in items}
@@ -125,11 +128,16 @@ def run_specs(specs: list[RunSpec], costs: dict[str, float], workers: int) -> tu
                     continue
                 summary, seconds = result
                 acc = summary.get("final_accuracy")
-                print(f"{where}  acc {'–' if acc is None else f'{acc:.4f}'}  {seconds:.0f} s  (elapsed "
-                      f"{(time.perf_counter() - start) / 60:.1f} min, ~{max(0.0, remaining) / workers / 60:.0f} min "
-                      "of estimate left)", flush=True)
+                print(
+                    f"{where}  acc {'–' if acc is None else f'{acc:.4f}'}  {seconds:.0f} s  (elapsed "
+                    f"{(time.perf_counter() - start) / 60:.1f} min, ~{max(0.0, remaining) / workers / 60:.0f} min "
+                    "of estimate left)",
+                    flush=True,
+                )
     except KeyboardInterrupt:
-        print(f"\ninterrupted after {done}/{total} runs; finished runs are kept: rerun the same command to resume",
-              flush=True)
+        print(
+            f"\ninterrupted after {done}/{total} runs; finished runs are kept: rerun the same command to resume",
+            flush=True,
+        )
         return failures, True
     return failures, False

@@ -17,8 +17,21 @@ from fedtune.harness.plan import RunSpec
 from fedtune.harness.runs import load_rounds, load_summary
 from fedtune.report import figure, pyplot, table_lines
 
-__all__ = ["figure", "pyplot", "table_lines", "percent", "mean_text", "per_device_mb", "curve", "averaged_curve",
-           "run_accuracy", "final_accuracy", "accuracy_cell", "upload_cell", "runs_section"]
+__all__ = [
+    "figure",
+    "pyplot",
+    "table_lines",
+    "percent",
+    "mean_text",
+    "per_device_mb",
+    "curve",
+    "averaged_curve",
+    "run_accuracy",
+    "final_accuracy",
+    "accuracy_cell",
+    "upload_cell",
+    "runs_section",
+]
 
 
 def percent(values: Sequence[float | None]) -> str:
@@ -90,7 +103,15 @@ def runs_section(specs: Sequence[RunSpec], out: Path) -> str:
             rows.append([spec.name, f"`{folder}`{shared}", "pending", str(spec.config.rounds), "–", "–"])
             continue
         acc = "–" if s.get("final_accuracy") is None else f"{100 * s['final_accuracy']:.2f}"
-        rows.append([spec.name, f"`{folder}`{shared}", acc, str(s["rounds"]), f"{per_device_mb(spec, s):.3f}",
-                     f"{s['wall_s']:.0f}"])
+        rows.append(
+            [
+                spec.name,
+                f"`{folder}`{shared}",
+                acc,
+                str(s["rounds"]),
+                f"{per_device_mb(spec, s):.3f}",
+                f"{s['wall_s']:.0f}",
+            ]
+        )
     columns = ["run", "folder", "final acc (%)", "rounds", "MB up / device", "wall s"]
     return "\n".join(["## Runs", "", *table_lines(columns, rows)]) + "\n"

@@ -9,8 +9,9 @@ a run it cut short continues from its ``checkpoint.npz`` (:func:`fedtune.harness
 from __future__ import annotations
 
 import json
-import tomllib
 from typing import Any, Literal
+
+import tomllib
 
 from fedtune.config import RunConfig
 from fedtune.harness.plan import RunSpec, config_key

@@ -65,8 +65,9 @@ def mean_curve(curves: Sequence[Curve]) -> Curve:
     return out
 
 
-def clearly_above(mean_last: float | None, final: float | None, reference: float | None,
-                  test_examples: int | None) -> tuple[bool | None, float | None]:
+def clearly_above(
+    mean_last: float | None, final: float | None, reference: float | None, test_examples: int | None
+) -> tuple[bool | None, float | None]:
     """(clearly above the reference?, the margin it needed). Clearly above: the mean of the last
     evaluations beats the reference by at least max(MIN_MARGIN, Z standard errors of an accuracy
     at the reference rate on the test set: Z sqrt(p (1 - p) / n)), and the final evaluation alone is

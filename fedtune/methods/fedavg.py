@@ -15,13 +15,13 @@ final global model is saved as ``model.safetensors`` (the base model's full ``st
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 import torch
 
-from fedtune.methods.lora_common import BroadcastAverage, UpdateClient, Weighting
+from fedtune.methods.base.averaging import BroadcastAverage, UpdateClient, Weighting
 from fedtune.models.training import train_local
 from fedtune.protocol.messages import Message
 from fedtune.registry import MethodOptions, register
@@ -88,7 +88,11 @@ class FedAvgClient(UpdateClient):
         tensors = load_tensors(model, message.arrays)
         params = [t for t in tensors.values() if isinstance(t, torch.nn.Parameter)]
         result = train_local(
-            model, params, self.context.task, self.context.partitions[self.cid], self.config.train,
+            model,
+            params,
+            self.context.task,
+            self.context.partitions[self.cid],
+            self.config.train,
             self.train_seed(message.meta["round"]),
         )
         trained = tensor_arrays(tensors)

@@ -13,14 +13,8 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from fedtune.methods.lora_common import (
-    LORA,
-    SERVER_DEVIATIONS,
-    BroadcastAverage,
-    GlobalAdapterStrategy,
-    LoraClient,
-    Weighting,
-)
+from fedtune.methods.base.averaging import BroadcastAverage, Weighting
+from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, GlobalAdapterStrategy, LoraClient
 from fedtune.protocol.messages import Message
 from fedtune.registry import MethodOptions, register
 

@@ -31,18 +31,24 @@ R = max min(m, n) with lora_alpha = R (scale 1): B = U S, A = V^T.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import ClassVar, Literal, Mapping
+from typing import ClassVar, Literal
 
 import numpy as np
 from pydantic import Field
 
 from fedtune.config import ConfigError
-from fedtune.protocol.messages import Message
-from fedtune.protocol.validation import ArraySpec, spec_like
-from fedtune.protocol.strategy import Strategy
-from fedtune.methods.hetero_common import merged_into_base
-from fedtune.methods.lora_arrays import (
+from fedtune.methods.base.averaging import (
+    ServerOptimized,
+    Weighting,
+    client_weights,
+    decode_update,
+    mean_train_loss,
+    weighted_average,
+)
+from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, LoraClient, client_rank
+from fedtune.methods.base.lora_arrays import (
     a_name,
     array_rank,
     b_name,
@@ -51,22 +57,14 @@ from fedtune.methods.lora_arrays import (
     is_lora_a,
     lora_paths,
     lora_scale,
-    stack_factors,
     shaped_like,
+    stack_factors,
     svd_factors,
 )
-from fedtune.methods.lora_common import (
-    LORA,
-    SERVER_DEVIATIONS,
-    LoraClient,
-    ServerOptimized,
-    Weighting,
-    client_rank,
-    client_weights,
-    decode_update,
-    mean_train_loss,
-    weighted_average,
-)
+from fedtune.methods.base.ranked import merged_into_base
+from fedtune.protocol.messages import Message
+from fedtune.protocol.strategy import Strategy
+from fedtune.protocol.validation import ArraySpec, spec_like
 from fedtune.registry import MethodOptions, register
 
 DENSE, STACK_B, STACK_A = ".merged_delta", ".stack_B", ".stack_A"

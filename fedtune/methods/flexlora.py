@@ -30,9 +30,9 @@ from typing import ClassVar, Literal
 import numpy as np
 from pydantic import Field
 
-from fedtune.protocol.messages import Message
-from fedtune.methods.hetero_common import RankedAdapterClient, merged_into_base
-from fedtune.methods.lora_arrays import (
+from fedtune.methods.base.averaging import Weighting, client_weights, decode_update, mean_train_loss, weighted_average
+from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, GlobalAdapterStrategy, client_rank
+from fedtune.methods.base.lora_arrays import (
     a_name,
     array_rank,
     b_name,
@@ -45,17 +45,8 @@ from fedtune.methods.lora_arrays import (
     truncate_rank,
     weighted_product_sum,
 )
-from fedtune.methods.lora_common import (
-    LORA,
-    SERVER_DEVIATIONS,
-    GlobalAdapterStrategy,
-    Weighting,
-    client_rank,
-    client_weights,
-    decode_update,
-    mean_train_loss,
-    weighted_average,
-)
+from fedtune.methods.base.ranked import RankedAdapterClient, merged_into_base
+from fedtune.protocol.messages import Message
 from fedtune.registry import MethodOptions, register
 
 

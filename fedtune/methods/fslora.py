@@ -52,25 +52,17 @@ saving use the rank-r global adapter (scaling alpha/r).
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Mapping
+from collections.abc import Mapping
+from typing import ClassVar, Literal
 
 import numpy as np
 from pydantic import Field
 
+from fedtune.methods.base.averaging import Weighting, client_weights, decode_update, mean_train_loss
+from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, GlobalAdapterStrategy, LoraClient, client_rank
+from fedtune.methods.base.lora_arrays import add_ranks, lora_pairs, module_path, take_ranks
 from fedtune.protocol.messages import Message
 from fedtune.protocol.validation import ArraySpec, spec_like
-from fedtune.methods.lora_arrays import add_ranks, lora_pairs, module_path, take_ranks
-from fedtune.methods.lora_common import (
-    LORA,
-    SERVER_DEVIATIONS,
-    GlobalAdapterStrategy,
-    LoraClient,
-    Weighting,
-    client_rank,
-    client_weights,
-    decode_update,
-    mean_train_loss,
-)
 from fedtune.registry import MethodOptions, register
 
 SKETCH_PREFIX = "sketch/"
@@ -130,7 +122,9 @@ def sketch_arrays(indices: Mapping[str, np.ndarray], shared: bool) -> dict[str, 
     return {sketch_key(a): idx for a, idx in indices.items()}
 
 
-def read_indices(arrays: Mapping[str, np.ndarray], pairs: list[tuple[str, str]], rank: int | None = None) -> dict[str, np.ndarray]:
+def read_indices(
+    arrays: Mapping[str, np.ndarray], pairs: list[tuple[str, str]], rank: int | None = None
+) -> dict[str, np.ndarray]:
     """A name -> index set I from a Message's arrays (shared or per module), validated: int,
     1-D, unique, in 0..rank-1 when ``rank`` is given, and the same k for every pair."""
     out: dict[str, np.ndarray] = {}
@@ -187,7 +181,9 @@ class FSLoRAStrategy(GlobalAdapterStrategy):
         messages = {}
         for cid in client_ids:
             indices = self.sketch(rnd, cid)
-            arrays = self.global_arrays if self.options.download == "dense" else slice_adapter(self.global_arrays, indices)
+            arrays = (
+                self.global_arrays if self.options.download == "dense" else slice_adapter(self.global_arrays, indices)
+            )
             sketch = sketch_arrays(indices, shared=not self.options.per_module_sketch)
             meta = {"round": rnd, "rank": self.rank, "download": self.options.download}
             messages[cid] = Message({**arrays, **sketch}, meta)
@@ -197,7 +193,9 @@ class FSLoRAStrategy(GlobalAdapterStrategy):
         """Delta B[:, I] (m, k), Delta A[I, :] (k, n) of every pair, the head's update, and I."""
         indices = self.sketch(rnd, cid)
         update = spec_like(slice_adapter(self.global_arrays, indices))
-        sketch = sketch_arrays({a: idx.astype(np.int32) for a, idx in indices.items()}, not self.options.per_module_sketch)
+        sketch = sketch_arrays(
+            {a: idx.astype(np.int32) for a, idx in indices.items()}, not self.options.per_module_sketch
+        )
         return {**update, **spec_like(sketch)}
 
     def _reply_indices(self, rnd: int, cid: int, reply: Message) -> dict[str, np.ndarray]:
@@ -219,7 +217,9 @@ class FSLoRAStrategy(GlobalAdapterStrategy):
             indices = self._reply_indices(rnd, cid, reply)
             update = decode_update(param_arrays(reply.arrays))
             if update.keys() != total.keys():
-                raise ValueError(f"fslora: client {cid} update has arrays {sorted(update.keys() ^ total.keys())[:3]} mismatched")
+                raise ValueError(
+                    f"fslora: client {cid} update has arrays {sorted(update.keys() ^ total.keys())[:3]} mismatched"
+                )
             for name, x in update.items():  # (k, n) into rows I, (m, k) into columns I; head dense
                 add_ranks(total[name], name, x, indices, float(p_i))
         self.global_arrays = self.server_opt.step(self.global_arrays, total)
@@ -240,9 +240,11 @@ class FSLoRAClient(LoraClient):
         # rank-k PEFT adapter, same lora_alpha: alpha/k = (alpha/r)(r/k), i.e. W0 + (alpha/r) B S A
         trained, result = self.train_adapter(local, message.meta["round"], k)
         reply = self.upload({name: trained[name] - local[name] for name in trained}, result, k=k)
-        reply.arrays.update(sketch_arrays(
-            {a: idx.astype(np.int32) for a, idx in indices.items()}, shared=SHARED_SKETCH in message.arrays
-        ))
+        reply.arrays.update(
+            sketch_arrays(
+                {a: idx.astype(np.int32) for a, idx in indices.items()}, shared=SHARED_SKETCH in message.arrays
+            )
+        )
         return reply
 
 

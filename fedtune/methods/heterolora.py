@@ -4,7 +4,7 @@ HetLoRA as Cho et al. (2024) define it (rank self-pruning, sparsity-weighted agg
 
 Round t: the server holds a rank-r global adapter (B^t (m, r), A^t (r, n) per module, plus the
 classifier head). Client i gets the truncation B^t[:, :r_i], A^t[:r_i, :] (and the head), i.e.
-:func:`~fedtune.methods.lora_arrays.take_ranks` with I = 0..r_i-1, trains a rank-r_i adapter for
+:func:`~fedtune.methods.base.lora_arrays.take_ranks` with I = 0..r_i-1, trains a rank-r_i adapter for
 H steps, and uploads its update Delta_i (same shapes).
 
 **Default: zero-padded update averaging** (``aggregate = "updates"``, ``weighting = "uniform"``,
@@ -30,7 +30,7 @@ over the clients covering it instead (parameter-wise averaging).
   the clients' zero-padded *modules*, theta^{t+1} = sum_i p_i pad_r(theta_i), instead of theta^t
   plus the averaged update: a rank index j no replying client covers becomes zero. (With equal
   ranks and weights summing to 1 both forms coincide.) Goes through the server optimizer's
-  :meth:`~fedtune.methods.server_optimizer.ServerOptimizer.move_to`.
+  :meth:`~fedtune.methods.base.server_optimizer.ServerOptimizer.move_to`.
 - *Rank self-pruning* (``self_pruning = true``): client i of rank r_i adds
   lambda sum_modules ||B[:, t:]||_F ||A[t:, :]||_F to its training loss, t = max(1, floor(gamma r_i))
   (``prune_lambda``, ``prune_gamma``: the decay factor); if that tail norm product is smaller after
@@ -55,15 +55,16 @@ is exactly the global model's leading r_i components.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Mapping
+from collections.abc import Mapping
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
 from pydantic import Field
 
-from fedtune.protocol.messages import Message
-from fedtune.methods.hetero_common import RankedAdapterClient
-from fedtune.methods.lora_arrays import (
+from fedtune.methods.base.averaging import client_weights, decode_update, mean_train_loss, update_of
+from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, GlobalAdapterStrategy, client_rank
+from fedtune.methods.base.lora_arrays import (
     array_rank,
     lora_pairs,
     lora_paths,
@@ -72,16 +73,8 @@ from fedtune.methods.lora_arrays import (
     truncate_rank,
     zero_pad_average,
 )
-from fedtune.methods.lora_common import (
-    LORA,
-    SERVER_DEVIATIONS,
-    GlobalAdapterStrategy,
-    client_rank,
-    client_weights,
-    decode_update,
-    mean_train_loss,
-    update_of,
-)
+from fedtune.methods.base.ranked import RankedAdapterClient
+from fedtune.protocol.messages import Message
 from fedtune.protocol.validation import ArraySpec, spec_like
 from fedtune.registry import MethodOptions, register
 
@@ -184,7 +177,9 @@ class HeteroLoRAStrategy(GlobalAdapterStrategy):
         trained: list[dict[str, np.ndarray]] = []
         if self.options.weighting == "sparsity" or self.options.aggregate == "modules":
             # B_i, A_i as trained: the truncation sent (to the rank the reply carries) plus the update
-            trained = [{k: v + u[k] for k, v in truncate_rank(self.global_arrays, array_rank(u)).items()} for u in updates]
+            trained = [
+                {k: v + u[k] for k, v in truncate_rank(self.global_arrays, array_rank(u)).items()} for u in updates
+            ]
         weights = self.weights(replies, trained)
         coverage = self.options.padding == "coverage"
         if self.options.aggregate == "modules":

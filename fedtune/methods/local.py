@@ -11,10 +11,11 @@ from __future__ import annotations
 import numpy as np
 
 from fedtune.config import ConfigError
-from fedtune.protocol.messages import Message
-from fedtune.methods.lora_common import LORA, LoraClient, mean_train_loss
-from fedtune.registry import register
+from fedtune.methods.base.averaging import mean_train_loss
+from fedtune.methods.base.lora import LORA, LoraClient
 from fedtune.methods.fedit import FedITStrategy
+from fedtune.protocol.messages import Message
+from fedtune.registry import register
 
 
 class LocalStrategy(FedITStrategy):
@@ -22,7 +23,9 @@ class LocalStrategy(FedITStrategy):
 
     def initialize(self) -> None:
         if not self.server_opt.is_identity:
-            raise ConfigError("federation.server_optimizer: method 'local' aggregates nothing; leave the server step at sgd, lr 1")
+            raise ConfigError(
+                "federation.server_optimizer: method 'local' aggregates nothing; leave the server step at sgd, lr 1"
+            )
         super().initialize()
         self.sent_init: set[int] = set()
 

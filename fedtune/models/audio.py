@@ -56,8 +56,13 @@ class ConvEncoder(nn.Module):
     are kept (which band holds the energy is what tells the digits apart; a fully global pool
     trains several times slower on FSDD)."""
 
-    def __init__(self, in_channels: int, channels: tuple[int, ...] = (16, 32, 64), embed_dim: int | None = None,
-                 grid: tuple[int, int] = (1, 1)) -> None:
+    def __init__(
+        self,
+        in_channels: int,
+        channels: tuple[int, ...] = (16, 32, 64),
+        embed_dim: int | None = None,
+        grid: tuple[int, int] = (1, 1),
+    ) -> None:
         super().__init__()
         widths = (in_channels, *channels)
         self.blocks = nn.Sequential(*[ConvBlock(a, b) for a, b in zip(widths[:-1], widths[1:])])
@@ -116,10 +121,19 @@ def _tiny_wav2vec2(num_labels: int) -> nn.Module:
     from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
 
     cfg = Wav2Vec2Config(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        conv_dim=(16, 16, 16), conv_kernel=(10, 8, 8), conv_stride=(5, 8, 8),
-        num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, classifier_proj_size=32,
-        apply_spec_augment=False, layerdrop=0.0, num_labels=num_labels,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        conv_dim=(16, 16, 16),
+        conv_kernel=(10, 8, 8),
+        conv_stride=(5, 8, 8),
+        num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=2,
+        classifier_proj_size=32,
+        apply_spec_augment=False,
+        layerdrop=0.0,
+        num_labels=num_labels,
     )
     return Wav2Vec2ForSequenceClassification(cfg)
 
@@ -127,8 +141,9 @@ def _tiny_wav2vec2(num_labels: int) -> nn.Module:
 def _tiny_wav2vec2_extractor():
     from transformers import Wav2Vec2FeatureExtractor
 
-    return Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000, padding_value=0.0, do_normalize=True,
-                                    return_attention_mask=False)
+    return Wav2Vec2FeatureExtractor(
+        feature_size=1, sampling_rate=16000, padding_value=0.0, do_normalize=True, return_attention_mask=False
+    )
 
 
 def load_audio_extractor(name: str):
@@ -141,8 +156,9 @@ def load_audio_extractor(name: str):
     try:
         return AutoFeatureExtractor.from_pretrained(_model_path(name))
     except OSError as exc:
-        raise ConfigError(f"model.name: cannot load the feature extractor of {name!r}{_offline_hint()} "
-                          f"({str(exc).splitlines()[0]})") from None
+        raise ConfigError(
+            f"model.name: cannot load the feature extractor of {name!r}{_offline_hint()} ({str(exc).splitlines()[0]})"
+        ) from None
 
 
 def _offline_hint() -> str:
@@ -168,10 +184,12 @@ def load_audio_classifier(name: str, num_labels: int, seed: int) -> nn.Module:
     hf_logging.set_verbosity_error()  # "some weights are newly initialized": the head, expected
     try:
         model = AutoModelForAudioClassification.from_pretrained(
-            _model_path(name), num_labels=num_labels, ignore_mismatched_sizes=True)
+            _model_path(name), num_labels=num_labels, ignore_mismatched_sizes=True
+        )
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"model.name: cannot load audio classifier {name!r}{_offline_hint()} "
-                          f"({str(exc).splitlines()[0]})") from None
+        raise ConfigError(
+            f"model.name: cannot load audio classifier {name!r}{_offline_hint()} ({str(exc).splitlines()[0]})"
+        ) from None
     finally:
         hf_logging.set_verbosity(verbosity)
     if hasattr(model.config, "apply_spec_augment"):
@@ -190,7 +208,9 @@ def load_audio_classifier(name: str, num_labels: int, seed: int) -> nn.Module:
 _INPUT_CACHE: dict[tuple, dict[str, torch.Tensor]] = {}
 
 
-def hf_audio_inputs(extractor: Any, waves: list[np.ndarray], sample_rate: int, seconds: float) -> dict[str, torch.Tensor]:
+def hf_audio_inputs(
+    extractor: Any, waves: list[np.ndarray], sample_rate: int, seconds: float
+) -> dict[str, torch.Tensor]:
     """The model inputs of ``waves``: resampled to the extractor's rate, cut or zero-padded to
     ``seconds``, then through the extractor (``input_values`` for wav2vec2-style models,
     ``input_features`` for spectrogram models such as AST). Cached per process (keyed by the
@@ -240,8 +260,10 @@ def audio_model_names(name: str, num_labels: int) -> tuple[list[str], list[str]]
                     config = AutoConfig.from_pretrained(_model_path(name), num_labels=num_labels)
                     model = AutoModelForAudioClassification.from_config(config)
                 except (OSError, ValueError) as exc:
-                    raise ConfigError(f"model.name: cannot load audio classifier {name!r}{_offline_hint()} "
-                                      f"({str(exc).splitlines()[0]})") from None
+                    raise ConfigError(
+                        f"model.name: cannot load audio classifier {name!r}{_offline_hint()} "
+                        f"({str(exc).splitlines()[0]})"
+                    ) from None
     return audio_lora_targets(model), audio_head_modules(model)
 
 

@@ -42,8 +42,16 @@ def load_tokenizer(name: str):
         raise ConfigError(f"model.name: cannot load tokenizer {name!r} ({str(exc).splitlines()[0]})") from None
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json", "merges.txt",
-                   "vocab.json", "spiece.model", "sentencepiece.bpe.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "special_tokens_map.json",
+    "merges.txt",
+    "vocab.json",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
 
 
 def tokenizer_key(name: str) -> str | None:
@@ -58,7 +66,9 @@ def tokenizer_key(name: str) -> str | None:
         return None
     if not path.is_dir():
         return None
-    files = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(path.iterdir()) if f.name in TOKENIZER_FILES]
+    files = [
+        (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(path.iterdir()) if f.name in TOKENIZER_FILES
+    ]
     return f"transformers {version('transformers')} {path.resolve()} {files}" if files else None
 
 
@@ -73,8 +83,14 @@ def load_classifier(name: str, num_labels: int, seed: int) -> torch.nn.Module:
     if name == TINY:
         from transformers import BertConfig, BertForSequenceClassification
 
-        cfg = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                         max_position_embeddings=128, num_labels=num_labels)
+        cfg = BertConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=128,
+            num_labels=num_labels,
+        )
         return BertForSequenceClassification(cfg)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "some weights are newly initialized" is expected: the head

@@ -13,8 +13,8 @@ The base model, its LoRA targets and its head come from the task
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 import torch
@@ -30,7 +30,9 @@ def lora_config(task, rank: int, alpha: float | None = None):
     cfg = task.config.model
     targets = list(cfg.target_modules) if cfg.target_modules is not None else task.lora_targets()
     if not targets:
-        raise ConfigError(f"model.target_modules: the {task.kind} model {cfg.name!r} has no default LoRA targets; name them")
+        raise ConfigError(
+            f"model.target_modules: the {task.kind} model {cfg.name!r} has no default LoRA targets; name them"
+        )
     return LoraConfig(
         task_type=task.peft_task_type,
         r=rank,
@@ -78,16 +80,16 @@ class LoraWorkspace:
                     self.model.add_adapter(name, lora_config(self.task, rank, alpha))
         self.model.set_adapter(name)
         if name not in self._params:
-            self._params[name] = {
-                _short_name(n, name): p for n, p in self.model.named_parameters() if p.requires_grad
-            }
+            self._params[name] = {_short_name(n, name): p for n, p in self.model.named_parameters() if p.requires_grad}
         return self._params[name]
 
     def state(self, rank: int, alpha: float | None = None) -> dict[str, np.ndarray]:
         """A copy of the adapter's arrays (float32 numpy)."""
         return {k: p.detach().cpu().numpy().copy() for k, p in self.activate(rank, alpha).items()}
 
-    def load(self, arrays: Mapping[str, np.ndarray], rank: int, alpha: float | None = None) -> dict[str, torch.nn.Parameter]:
+    def load(
+        self, arrays: Mapping[str, np.ndarray], rank: int, alpha: float | None = None
+    ) -> dict[str, torch.nn.Parameter]:
         """Activate the adapter and copy ``arrays`` into it; every trainable array must be given."""
         params = self.activate(rank, alpha)
         missing = params.keys() - arrays.keys()
@@ -98,7 +100,9 @@ class LoraWorkspace:
                 p.copy_(torch.as_tensor(arrays[k]))
         return params
 
-    def save_pretrained(self, out_dir: Path, arrays: Mapping[str, np.ndarray], rank: int, alpha: float | None = None) -> None:
+    def save_pretrained(
+        self, out_dir: Path, arrays: Mapping[str, np.ndarray], rank: int, alpha: float | None = None
+    ) -> None:
         """Write ``arrays`` as a standard PEFT adapter (``PeftModel.from_pretrained`` loads it
         onto the task's base model, ``task.build_model(seed)``)."""
         from peft import get_peft_model

@@ -26,13 +26,21 @@ MODALITY_NAMES = ("image", "audio")  # the mask's columns (fedtune.data.paired.M
 
 
 class FusionClassifier(nn.Module):
-    def __init__(self, num_labels: int, image_channels: int, embed_dim: int = 64,
-                 channels: tuple[int, ...] = (16, 32, 64), dropout: float = 0.1) -> None:
+    def __init__(
+        self,
+        num_labels: int,
+        image_channels: int,
+        embed_dim: int = 64,
+        channels: tuple[int, ...] = (16, 32, 64),
+        dropout: float = 0.1,
+    ) -> None:
         super().__init__()
-        self.encoders = nn.ModuleDict({
-            "image": ConvEncoder(image_channels, channels, embed_dim),
-            "audio": ConvEncoder(1, channels, embed_dim, grid=LOG_MEL_GRID),
-        })
+        self.encoders = nn.ModuleDict(
+            {
+                "image": ConvEncoder(image_channels, channels, embed_dim),
+                "audio": ConvEncoder(1, channels, embed_dim, grid=LOG_MEL_GRID),
+            }
+        )
         self.embed_dim = embed_dim
         self.dropout = nn.Dropout(dropout)
         self.classifier = nn.Linear(embed_dim, num_labels)
@@ -60,7 +68,9 @@ class FusionClassifier(nn.Module):
         """(B, num_labels) logits of the fused embedding."""
         return self.classifier(self.dropout(self.fuse(self.embed(image, audio, mask), mask)))
 
-    def all_logits(self, image: torch.Tensor, audio: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def all_logits(
+        self, image: torch.Tensor, audio: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(fused logits (B, C), each modality's own logits (B, 2, C)): the head applied to the
         fused embedding and to every modality's embedding alone (rows where a modality is
         absent hold the head's output for zeros; mask them out)."""

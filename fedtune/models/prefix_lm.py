@@ -39,7 +39,7 @@ import importlib.util
 import io
 from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -86,7 +86,10 @@ def byte_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>",
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
         unk_token="<|endoftext|>",
     )
     fast.chat_template = CHAT_TEMPLATE
@@ -97,7 +100,7 @@ def _hub_error(name: str, exc: Exception) -> ConfigError:
     return ConfigError(f"model.name: cannot load {name!r} ({str(exc).splitlines()[0]})")
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_tokenizer(name: str):
     """The tokenizer of language model ``name`` (cached per process; treat it as read-only)."""
     from transformers import AutoTokenizer
@@ -158,9 +161,17 @@ def tiny_llama(vocab_size: int, bos: int, eos: int, pad: int, seed: int) -> nn.M
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=bos,
-        eos_token_id=eos, pad_token_id=pad,
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -197,7 +208,7 @@ class Encoder(nn.Module):
         self.tokens_last = tokens_last  # (B, T, D) outputs (transformers): average over T
         fix_norm_statistics(self.backbone, pretrained)
 
-    def train(self, mode: bool = True) -> "Encoder":
+    def train(self, mode: bool = True) -> Encoder:
         super().train(mode)
         if self.pretrained:
             for m in self.backbone.modules():
@@ -248,8 +259,10 @@ class Projector(nn.Module):
         super().__init__()
         self.num_tokens, self.hidden = num_tokens, hidden
         out = num_tokens * hidden
-        self.net = nn.Linear(in_dim, out) if width == 0 else nn.Sequential(
-            nn.Linear(in_dim, width), nn.GELU(), nn.Linear(width, out)
+        self.net = (
+            nn.Linear(in_dim, out)
+            if width == 0
+            else nn.Sequential(nn.Linear(in_dim, width), nn.GELU(), nn.Linear(width, out))
         )
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
@@ -372,7 +385,9 @@ class PrefixLM(nn.Module):
     (B, n_mels, frames) or a Hugging Face audio model's input)
     and, for training, ``labels`` (B, L) (-100 except on answer tokens)."""
 
-    def __init__(self, language_model: nn.Module, encoders: dict[str, nn.Module], projectors: dict[str, nn.Module]) -> None:
+    def __init__(
+        self, language_model: nn.Module, encoders: dict[str, nn.Module], projectors: dict[str, nn.Module]
+    ) -> None:
         super().__init__()
         if not encoders or set(encoders) != set(projectors) or not set(encoders) <= set(MODALITIES):
             raise ValueError(f"one encoder and one projector per modality ({', '.join(MODALITIES)})")
@@ -394,15 +409,18 @@ class PrefixLM(nn.Module):
         prefix = self.prefix(batch).to(emb.dtype)
         slots = batch["prefix_mask"].unsqueeze(-1)
         if int(batch["prefix_mask"].sum()) != prefix.shape[0] * prefix.shape[1]:
-            raise ValueError(f"prefix_mask marks {int(batch['prefix_mask'].sum())} slots, the prefix has {prefix.shape[:2]}")
+            raise ValueError(
+                f"prefix_mask marks {int(batch['prefix_mask'].sum())} slots, the prefix has {prefix.shape[:2]}"
+            )
         emb = emb.masked_scatter(slots, prefix)  # row-major: row b's slots get prefix[b, 0..P-1]
         return emb, mask, positions(mask)
 
     def forward(self, batch: dict[str, torch.Tensor], logits_to_keep: int = 0) -> torch.Tensor:
         """Next-token logits (B, L, V), or of the last ``logits_to_keep`` positions only."""
         emb, mask, pos = self.embed(batch)
-        out = self.language_model(inputs_embeds=emb, attention_mask=mask, position_ids=pos, use_cache=False,
-                                  logits_to_keep=logits_to_keep)
+        out = self.language_model(
+            inputs_embeds=emb, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=logits_to_keep
+        )
         return out.logits
 
     @torch.no_grad()
@@ -422,8 +440,14 @@ class PrefixLM(nn.Module):
                 break
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             pos = pos[:, -1:] + 1
-            out = lm(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=out.past_key_values,
-                     use_cache=True, logits_to_keep=1)
+            out = lm(
+                input_ids=nxt[:, None],
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=out.past_key_values,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         return torch.stack(tokens, dim=1)
 
 

@@ -35,7 +35,7 @@ def weight_bytes(model: nn.Module) -> int:
 class _Saved:
     __slots__ = ("tensor", "ptr", "meter")
 
-    def __init__(self, tensor: torch.Tensor, ptr: int, meter: "ActivationMeter") -> None:
+    def __init__(self, tensor: torch.Tensor, ptr: int, meter: ActivationMeter) -> None:
         self.tensor, self.ptr, self.meter = tensor, ptr, meter
 
     def __del__(self) -> None:
@@ -76,7 +76,7 @@ class ActivationMeter:
             self.current -= entry[1]
             del self.live[ptr]
 
-    def __enter__(self) -> "ActivationMeter":
+    def __enter__(self) -> ActivationMeter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self

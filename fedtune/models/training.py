@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,20 +39,24 @@ def optimizer_arrays(optimizer: torch.optim.Optimizer, prefix: str = "optimizer/
     arrays ``{prefix}{i}/{key}``, ``i`` the parameter's position over the param groups: what a
     client keeps in its persistent ``state`` to continue one optimizer across rounds."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    return {f"{prefix}{i}/{key}": value.detach().cpu().numpy().copy()
-            for i, p in enumerate(params) for key, value in optimizer.state.get(p, {}).items()
-            if isinstance(value, torch.Tensor)}
+    return {
+        f"{prefix}{i}/{key}": value.detach().cpu().numpy().copy()
+        for i, p in enumerate(params)
+        for key, value in optimizer.state.get(p, {}).items()
+        if isinstance(value, torch.Tensor)
+    }
 
 
-def restore_optimizer(optimizer: torch.optim.Optimizer, arrays: dict[str, np.ndarray],
-                      prefix: str = "optimizer/") -> None:
+def restore_optimizer(
+    optimizer: torch.optim.Optimizer, arrays: dict[str, np.ndarray], prefix: str = "optimizer/"
+) -> None:
     """Load what :func:`optimizer_arrays` returned into a fresh ``optimizer`` over parameters of
     the same shapes in the same order (its learning rates stay as built)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for name, value in arrays.items():
         if not name.startswith(prefix):
             continue
-        index, key = name[len(prefix):].split("/", 1)
+        index, key = name[len(prefix) :].split("/", 1)
         param = params[int(index)]
         tensor = torch.from_numpy(np.array(value))
         if tensor.dim() and tensor.shape != param.shape:
@@ -61,7 +66,9 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, arrays: dict[str, np.nda
 
 def seed_for(*parts: int) -> int:
     """A 63-bit seed from integers (run seed, round, client, ...), stable across processes."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint32).view(np.uint64)[0] >> 1)
+    return int(
+        np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint32).view(np.uint64)[0] >> 1
+    )
 
 
 _NORMS = (torch.nn.modules.batchnorm._BatchNorm,)

@@ -96,7 +96,15 @@ class InvertedResidual(nn.Module):
 class MobileNetV2(nn.Module):
     """MobileNetV2 (Sandler et al. 2018), width 1.0, parameter names as in torchvision."""
 
-    SETTINGS = [(1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1)]
+    SETTINGS = [
+        (1, 16, 1, 1),
+        (6, 24, 2, 2),
+        (6, 32, 3, 2),
+        (6, 64, 4, 2),
+        (6, 96, 3, 1),
+        (6, 160, 3, 2),
+        (6, 320, 1, 1),
+    ]
 
     def __init__(self, num_classes: int = 1000, dropout: float = 0.2) -> None:
         super().__init__()
@@ -172,8 +180,13 @@ def _plain_pointwise_convs(model: nn.Module) -> nn.Module:
     class PEFT can adapt (it builds LoRA's A and B as ``type(base)(c_in, r, k, stride, padding)``,
     which the package's constructors do not take)."""
     for name, module in list(model.named_modules()):
-        if type(module) is not nn.Conv2d and isinstance(module, nn.Conv2d) and module.kernel_size == (1, 1) \
-                and tuple(module.stride) == (1, 1) and module.groups == 1:
+        if (
+            type(module) is not nn.Conv2d
+            and isinstance(module, nn.Conv2d)
+            and module.kernel_size == (1, 1)
+            and tuple(module.stride) == (1, 1)
+            and module.groups == 1
+        ):
             plain = nn.Conv2d(module.in_channels, module.out_channels, 1, bias=module.bias is not None)
             plain.load_state_dict({k: v for k, v in module.state_dict().items()})
             parent_name, _, leaf = name.rpartition(".")
@@ -190,8 +203,12 @@ class SmallConvNet(nn.Module):
     def __init__(self, in_channels: int, num_classes: int, width: int = 32) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(in_channels, width, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
             nn.AdaptiveAvgPool2d(4),
         )
         self.classifier = nn.Linear(2 * width * 16, num_classes)
@@ -226,8 +243,10 @@ def _hf_spec(name: str) -> ImageModelSpec:
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"model.name: {name!r} is not mobilenet-v2, efficientnet-lite0, small-cnn, tiny-vit, "
-                          f"or a loadable Hugging Face model ({str(exc).splitlines()[0]})") from None
+        raise ConfigError(
+            f"model.name: {name!r} is not mobilenet-v2, efficientnet-lite0, small-cnn, tiny-vit, "
+            f"or a loadable Hugging Face model ({str(exc).splitlines()[0]})"
+        ) from None
     try:
         proc = AutoImageProcessor.from_pretrained(path)
     except (OSError, ValueError):
@@ -240,7 +259,9 @@ def _hf_spec(name: str) -> ImageModelSpec:
     psize = getattr(proc, "size", None) or {}
     size = psize.get("height") or psize.get("shortest_edge") or size
     size = size[0] if isinstance(size, (list, tuple)) else size
-    return ImageModelSpec(name, "hf", int(getattr(config, "num_channels", 3)), size, mean, std, ("model.classifier",), None)
+    return ImageModelSpec(
+        name, "hf", int(getattr(config, "num_channels", 3)), size, mean, std, ("model.classifier",), None
+    )
 
 
 TINY_VIT_SIZE, TINY_VIT_PATCH = 16, 4
@@ -252,7 +273,9 @@ SPECS = {
         "efficientnet-lite0", "efficientnet-lite0", 3, None, LITE_MEAN, LITE_STD, ("_fc",), "pointwise"
     ),
     "small-cnn": ImageModelSpec("small-cnn", "small-cnn", None, None, (0.5,), (0.5,), ("classifier",), "convs"),
-    "tiny-vit": ImageModelSpec("tiny-vit", "tiny-vit", 3, TINY_VIT_SIZE, (0.5,), (0.5,), ("model.classifier",), "attention"),
+    "tiny-vit": ImageModelSpec(
+        "tiny-vit", "tiny-vit", 3, TINY_VIT_SIZE, (0.5,), (0.5,), ("model.classifier",), "attention"
+    ),
 }
 
 
@@ -298,8 +321,16 @@ def build_image_model(
                 raise ConfigError(
                     f"task.image_size: tiny-vit takes square images, a multiple of {TINY_VIT_PATCH}; got {image_size}"
                 )
-            cfg = ViTConfig(image_size=image_size[0], patch_size=TINY_VIT_PATCH, num_channels=3, hidden_size=32,
-                            num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, num_labels=num_labels)
+            cfg = ViTConfig(
+                image_size=image_size[0],
+                patch_size=TINY_VIT_PATCH,
+                num_channels=3,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                intermediate_size=64,
+                num_labels=num_labels,
+            )
             return HFImageClassifier(ViTForImageClassification(cfg))
         return _build_hf(spec, num_labels, image_size)
 
@@ -325,13 +356,16 @@ def _build_hf(spec: ImageModelSpec, num_labels: int, image_size: tuple[int, int]
         raise ConfigError(f"model.name: {spec.name!r} has no `classifier` head module")
     if isinstance(model.classifier, nn.Linear):  # fresh even when the checkpoint's head has num_labels outputs
         model.classifier = _fresh_linear(model.classifier, num_labels)
-    return HFImageClassifier(model, interpolate=spec.image_size is not None and tuple(image_size) != (spec.image_size,) * 2)
+    return HFImageClassifier(
+        model, interpolate=spec.image_size is not None and tuple(image_size) != (spec.image_size,) * 2
+    )
 
 
 # -- LoRA targets ---------------------------------------------------------------------------------
 def _convs(model: nn.Module, pointwise: bool) -> list[str]:
     return [
-        n for n, m in model.named_modules()
+        n
+        for n, m in model.named_modules()
         if isinstance(m, nn.Conv2d) and m.groups == 1 and (not pointwise or m.kernel_size == (1, 1))
     ]
 

@@ -18,7 +18,7 @@ added to the Message outside the codec (FSLoRA's sketch index I) are never compr
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 

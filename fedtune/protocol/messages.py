@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -54,7 +55,7 @@ class Message:
         return b"".join(parts)
 
     @classmethod
-    def decode(cls, data: bytes | memoryview) -> "Message":
+    def decode(cls, data: bytes | memoryview) -> Message:
         """Inverse of :meth:`encode`; arrays are fresh copies (nothing shared with the sender)."""
         view = memoryview(data)
         if len(view) < _PREFIX.size:

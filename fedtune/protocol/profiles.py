@@ -57,7 +57,10 @@ def build_profiles(
             raise ValueError(
                 f"federation.profiles: expected 1 or {num_clients} profiles (federation.num_clients), got {len(explicit)}"
             )
-        return [p if isinstance(p, ClientProfile) else _profile(p, f"federation.profiles[{i}]") for i, p in enumerate(explicit)]
+        return [
+            p if isinstance(p, ClientProfile) else _profile(p, f"federation.profiles[{i}]")
+            for i, p in enumerate(explicit)
+        ]
     if choices:
         check_profile_choices(choices)
         rng = np.random.default_rng([seed, 0x9F0F])

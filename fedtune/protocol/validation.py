@@ -10,8 +10,8 @@ or None; it never raises, whatever the reply holds.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import numpy as np
 
@@ -27,7 +27,7 @@ class ArraySpec:
     compressible: bool = True  # may arrive top-k encoded (float updates through the upload codec)
 
     @classmethod
-    def like(cls, array: np.ndarray, compressible: bool = True) -> "ArraySpec":
+    def like(cls, array: np.ndarray, compressible: bool = True) -> ArraySpec:
         array = np.asarray(array)
         return cls(tuple(int(s) for s in array.shape), array.dtype.name, compressible and array.dtype.kind == "f")
 

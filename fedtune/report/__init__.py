@@ -14,15 +14,38 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ReportError", "RunRecord", "load_run", "table_lines", "markdown_table", "cumulative_mb_up", "pyplot",
-           "figure", "plot_runs", "make_report"]
+from fedtune.errors import FedtuneError
+
+__all__ = [
+    "ReportError",
+    "RunRecord",
+    "load_run",
+    "table_lines",
+    "markdown_table",
+    "cumulative_mb_up",
+    "pyplot",
+    "figure",
+    "plot_runs",
+    "make_report",
+]
 
 _EXPECTED = "expected a fedtune run folder"
-_COLUMNS = ["Run", "Method", "Data", "Rounds", "Final acc (%)", "Best acc (%)", "Majority acc (%)",
-            "Final loss", "MB up", "MB down", "Wall s"]
+_COLUMNS = [
+    "Run",
+    "Method",
+    "Data",
+    "Rounds",
+    "Final acc (%)",
+    "Best acc (%)",
+    "Majority acc (%)",
+    "Final loss",
+    "MB up",
+    "MB down",
+    "Wall s",
+]
 
 
-class ReportError(ValueError):
+class ReportError(FedtuneError, ValueError):
     """An unreadable run folder; the message is one line naming the file."""
 
 
@@ -80,8 +103,11 @@ def _fmt(value: Any, spec: str = "", scale: float = 1) -> str:
 
 def table_lines(columns: Sequence[str], rows: Sequence[Sequence[str]] = ()) -> list[str]:
     """The lines of a GitHub markdown table: the header, the ``---`` separator, one line per row."""
-    return ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|",
-            *("| " + " | ".join(row) + " |" for row in rows)]
+    return [
+        "| " + " | ".join(columns) + " |",
+        "|" + "|".join("---" for _ in columns) + "|",
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
 
 
 def markdown_table(runs: list[RunRecord]) -> str:
@@ -91,11 +117,16 @@ def markdown_table(runs: list[RunRecord]) -> str:
         s = run.summary
         best = s.get("best_accuracy", max(_accuracies(run), default=None))
         cells = [
-            run.name.replace("|", "\\|"), str(s.get("method") or "–"), str(s.get("data") or "–"),
+            run.name.replace("|", "\\|"),
+            str(s.get("method") or "–"),
+            str(s.get("data") or "–"),
             _fmt(s.get("rounds")),
-            _fmt(s.get("final_accuracy"), ".2f", 100), _fmt(best, ".2f", 100),
-            _fmt(s.get("majority_accuracy"), ".2f", 100), _fmt(s.get("final_loss"), ".4f"),
-            _fmt(s.get("total_bytes_up"), ".3f", 1e-6), _fmt(s.get("total_bytes_down"), ".3f", 1e-6),
+            _fmt(s.get("final_accuracy"), ".2f", 100),
+            _fmt(best, ".2f", 100),
+            _fmt(s.get("majority_accuracy"), ".2f", 100),
+            _fmt(s.get("final_loss"), ".4f"),
+            _fmt(s.get("total_bytes_up"), ".3f", 1e-6),
+            _fmt(s.get("total_bytes_down"), ".3f", 1e-6),
             _fmt(s.get("wall_s"), ".1f"),
         ]
         rows.append(cells)
@@ -141,7 +172,12 @@ def plot_runs(runs: list[RunRecord], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     specs = [
         ("accuracy_vs_round.png", "Round", "Accuracy vs round", lambda run: [r.get("round") for r in run.rounds]),
-        ("accuracy_vs_mb_up.png", "Cumulative MB uploaded", "Accuracy vs upload", lambda run: cumulative_mb_up(run.rounds)),
+        (
+            "accuracy_vs_mb_up.png",
+            "Cumulative MB uploaded",
+            "Accuracy vs upload",
+            lambda run: cumulative_mb_up(run.rounds),
+        ),
     ]
     paths = []
     for filename, xlabel, title, xs_of in specs:

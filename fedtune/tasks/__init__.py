@@ -1,7 +1,7 @@
 """Task kinds by name: each module of this package registers its :class:`~fedtune.tasks.base.Task`.
 
-    fedtune tasks                      # the kinds, one line each
-    fedtune run --set task=image-classification --set method=fedavg
+fedtune tasks                      # the kinds, one line each
+fedtune run --set task=image-classification --set method=fedavg
 """
 
 from __future__ import annotations

@@ -35,8 +35,14 @@ from fedtune.data.audio import AudioSet, load_fsdd, log_mel, standardize_clips
 from fedtune.data.batches import index_batches
 from fedtune.data.text import data_dir
 from fedtune.models.audio import (
-    SMALL_NET, audio_head_modules, audio_model_names, build_small_net, hf_audio_inputs, is_small_net,
-    load_audio_classifier, load_audio_extractor,
+    SMALL_NET,
+    audio_head_modules,
+    audio_model_names,
+    build_small_net,
+    hf_audio_inputs,
+    is_small_net,
+    load_audio_classifier,
+    load_audio_extractor,
 )
 from fedtune.models.training import evaluate_classifier, freeze_except
 from fedtune.tasks import register_task
@@ -55,8 +61,9 @@ class LogMelOptions(TaskOptions):
 
     def features(self, audio: AudioSet) -> torch.Tensor:
         """(N, n_mels, frames) standardized log-mels of ``audio`` (computed once per process)."""
-        feats = log_mel(audio.waves, audio.sample_rate, n_mels=self.n_mels, n_fft=self.n_fft, hop=self.hop,
-                        frames=self.frames)
+        feats = log_mel(
+            audio.waves, audio.sample_rate, n_mels=self.n_mels, n_fft=self.n_fft, hop=self.hop, frames=self.frames
+        )
         return torch.from_numpy(standardize_clips(feats))
 
 
@@ -84,12 +91,16 @@ class AudioClassification(Task):
         """LoRA on every model; transformer blocks only in the HF audio models."""
         name = config.model.name or cls.defaults["model.name"]
         return cls.capabilities - {"transformer"} if is_small_net(name) else cls.capabilities
+
     defaults = {"data.name": "fsdd", "model.name": SMALL_NET}
     Options = AudioOptions
     peft_task_type = None  # a plain PeftModel: the small net and HF audio models take keyword tensors
     # the HF path (LoRA on linear attention projections, which every LoRA method handles)
     test_overrides = (
-        "model.name=tiny-wav2vec2", "data.name=fsdd", "data.max_train_samples=96", "data.max_test_samples=40",
+        "model.name=tiny-wav2vec2",
+        "data.name=fsdd",
+        "data.max_train_samples=96",
+        "data.max_test_samples=40",
         "task.clip_seconds=0.5",
     )
     test_variants = {"conv-lora": ("model.name=audio-cnn",)}
@@ -135,7 +146,11 @@ class AudioClassification(Task):
     # -- model -------------------------------------------------------------------------------
     def build_model(self, seed: int) -> torch.nn.Module:
         name = self.config.model.name
-        model = build_small_net(self.num_labels, seed) if self.small_net else load_audio_classifier(name, self.num_labels, seed)
+        model = (
+            build_small_net(self.num_labels, seed)
+            if self.small_net
+            else load_audio_classifier(name, self.num_labels, seed)
+        )
         return freeze_except(model, audio_head_modules(model)) if self.config.model.finetune == "head" else model
 
     @cached_property

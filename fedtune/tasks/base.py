@@ -16,8 +16,9 @@ The datasets a task returns are its own types; the interface needs only ``len(ds
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from functools import cached_property
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -93,11 +94,16 @@ class Task(ABC):
         seed) and ``data.max_test_samples`` (seed 0: every run of a set tests on the same examples)."""
         cfg = self.config.data
         train, test = self.load()
-        train, test = subsample(train, cfg.max_train_samples, self.config.seed), subsample(test, cfg.max_test_samples, 0)
+        train, test = (
+            subsample(train, cfg.max_train_samples, self.config.seed),
+            subsample(test, cfg.max_test_samples, 0),
+        )
         if len(test) == 0:
             raise ConfigError(f"data {cfg.name!r}: the test set is empty (too few examples to hold out a test split?)")
         if len(np.unique(train.labels)) < 2:
-            raise ConfigError(f"data {cfg.name!r}: every training example has the same label; a task needs at least 2 classes")
+            raise ConfigError(
+                f"data {cfg.name!r}: every training example has the same label; a task needs at least 2 classes"
+            )
         return train, test
 
     @property
@@ -153,9 +159,7 @@ class Task(ABC):
 
     # -- batches, loss, metrics --------------------------------------------------------------
     @abstractmethod
-    def train_batches(
-        self, pool: np.ndarray, batch_size: int, steps: int, rng: np.random.Generator
-    ) -> Iterator[Any]:
+    def train_batches(self, pool: np.ndarray, batch_size: int, steps: int, rng: np.random.Generator) -> Iterator[Any]:
         """``steps`` training batches from the examples ``pool`` of the training set, in an
         order fixed by ``rng``."""
 

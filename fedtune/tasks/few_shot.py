@@ -51,9 +51,10 @@ each test image once and gathers the episodes from those embeddings.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterator, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -81,11 +82,19 @@ class FewShotOptions(TaskOptions):
     n_way: int = Field(5, ge=2, description="classes per episode (N)")
     k_shot: int = Field(1, ge=1, description="support drawings per class (K)")
     q_query: int = Field(5, ge=1, description="query drawings per class in training episodes")
-    eval_q_query: int | None = Field(None, ge=1, description="query drawings per class in evaluation (default 20 - k_shot)")
+    eval_q_query: int | None = Field(
+        None, ge=1, description="query drawings per class in evaluation (default 20 - k_shot)"
+    )
     eval_episodes: int = Field(600, ge=2, description="evaluation episodes on the held-out alphabets")
-    eval_seed: int = Field(0, description="seed of the evaluation episodes (not the run's: every run tests on the same)")
-    test_alphabets: list[str] = Field(["Balinese", "Tagalog"], min_length=1, description="alphabets held out for evaluation")
-    rotations: bool = Field(False, description="add each training character rotated by 90/180/270 degrees as new classes")
+    eval_seed: int = Field(
+        0, description="seed of the evaluation episodes (not the run's: every run tests on the same)"
+    )
+    test_alphabets: list[str] = Field(
+        ["Balinese", "Tagalog"], min_length=1, description="alphabets held out for evaluation"
+    )
+    rotations: bool = Field(
+        False, description="add each training character rotated by 90/180/270 degrees as new classes"
+    )
     image_size: int = Field(28, ge=16, le=105, description="images are resized to image_size x image_size")
     filters: int = Field(64, gt=0, description="channels of each conv block")
     head: Literal["prototype", "fitted"] = Field("prototype", description="head of the training loss and evaluation")
@@ -98,7 +107,9 @@ class FewShotOptions(TaskOptions):
     def _fits_in_drawings(cls, value: int | None, info) -> int | None:
         k = info.data.get("k_shot", 1)
         if value is not None and k + value > DRAWINGS:
-            raise ValueError(f"k_shot + {info.field_name} must be at most {DRAWINGS} (drawings per character), got {k} + {value}")
+            raise ValueError(
+                f"k_shot + {info.field_name} must be at most {DRAWINGS} (drawings per character), got {k} + {value}"
+            )
         return value
 
     @field_validator("test_alphabets")
@@ -122,8 +133,10 @@ class FewShotSet:
     def __len__(self) -> int:
         return len(self.labels)
 
-    def subset(self, idx: np.ndarray) -> "FewShotSet":
-        return FewShotSet(self.images[idx], self.labels[idx], self.drawings[idx], self.class_names, self.class_characters)
+    def subset(self, idx: np.ndarray) -> FewShotSet:
+        return FewShotSet(
+            self.images[idx], self.labels[idx], self.drawings[idx], self.class_names, self.class_characters
+        )
 
     @property
     def alphabets(self) -> list[str]:
@@ -206,11 +219,15 @@ class FewShot(Task):
     description = "N-way K-shot episodes: Omniglot, alphabets split across clients; 4-block conv net, ProtoNet or fitted linear head"
     defaults = {"data.name": "omniglot", "model.name": "conv4"}
     #: "bilevel": an (outer x, inner y) split of the model (backbone, per-episode heads) for the
-    #: bilevel methods (RABO's hyper-representation problem, :mod:`fedtune.methods.rabo_problems`)
+    #: bilevel methods (RABO's hyper-representation problem, :mod:`fedtune.methods.rabo.problems`)
     capabilities = frozenset({"bilevel"})
     Options = FewShotOptions
     test_overrides = (
-        "task.filters=8", "task.q_query=2", "task.eval_episodes=20", "train.batch_size=2", "train.local_steps=2",
+        "task.filters=8",
+        "task.q_query=2",
+        "task.eval_episodes=20",
+        "train.batch_size=2",
+        "train.local_steps=2",
     )
 
     def __init__(self, config: RunConfig, options: FewShotOptions) -> None:
@@ -221,7 +238,9 @@ class FewShot(Task):
             raise ConfigError(f"model.name: the few-shot task builds 'conv4', got {config.model.name!r}")
         for field in ("max_train_samples", "max_test_samples"):
             if getattr(config.data, field) is not None:
-                raise ConfigError(f"data.{field}: not used by the few-shot task (episodes need whole characters); leave it unset")
+                raise ConfigError(
+                    f"data.{field}: not used by the few-shot task (episodes need whole characters); leave it unset"
+                )
         if config.model.finetune == "head":
             raise ConfigError(
                 "model.finetune: 'head' would train only the shared head, which the few-shot loss does not use "
@@ -238,13 +257,17 @@ class FewShot(Task):
         bg = load_background(data_dir(self.config.data), o.image_size)
         unknown = sorted(set(o.test_alphabets) - set(bg.alphabet_names))
         if unknown:
-            raise ConfigError(f"task.test_alphabets: unknown alphabet(s) {unknown}; expected some of {bg.alphabet_names}")
+            raise ConfigError(
+                f"task.test_alphabets: unknown alphabet(s) {unknown}; expected some of {bg.alphabet_names}"
+            )
         if set(o.test_alphabets) == set(bg.alphabet_names):
             raise ConfigError("task.test_alphabets: every alphabet is held out, none is left for training")
         held_out = np.isin(np.asarray(bg.alphabets), o.test_alphabets)  # per character
         test_chars, train_chars = np.flatnonzero(held_out), np.flatnonzero(~held_out)
         if len(test_chars) < o.n_way:
-            raise ConfigError(f"task.test_alphabets: {len(test_chars)} held-out characters, {o.n_way}-way episodes need {o.n_way}")
+            raise ConfigError(
+                f"task.test_alphabets: {len(test_chars)} held-out characters, {o.n_way}-way episodes need {o.n_way}"
+            )
         return self._classes(bg, train_chars, o.rotations), self._classes(bg, test_chars, False)
 
     @staticmethod
@@ -317,21 +340,29 @@ class FewShot(Task):
             support_labels=episode_labels(count, n_way, support.shape[1] // n_way),
             query=as_tensor(ds.images[query]),
             query_labels=episode_labels(count, n_way, query.shape[1] // n_way),
-            classes=classes, support_idx=support, query_idx=query,
+            classes=classes,
+            support_idx=support,
+            query_idx=query,
         )
 
-    def train_batches(self, pool: np.ndarray, batch_size: int, steps: int, rng: np.random.Generator) -> Iterator[Episodes]:
+    def train_batches(
+        self, pool: np.ndarray, batch_size: int, steps: int, rng: np.random.Generator
+    ) -> Iterator[Episodes]:
         """``steps`` meta-batches of ``batch_size`` episodes each from the classes of ``pool``."""
         o = self.opts
         for _ in range(steps):
-            yield self.episodes(self.train, *sample_episodes(self.train.labels, pool, o.n_way, o.k_shot, o.q_query, batch_size, rng))
+            yield self.episodes(
+                self.train, *sample_episodes(self.train.labels, pool, o.n_way, o.k_shot, o.q_query, batch_size, rng)
+            )
 
     @staticmethod
     def embed_episodes(model: FewShotNet, batch: Episodes) -> tuple[torch.Tensor, torch.Tensor]:
         """Support (B, N*K, d) and query (B, N*Q, d) embeddings, from one forward pass."""
         s, q = batch.support, batch.query
         emb = model.embed(torch.cat([s.flatten(0, 1), q.flatten(0, 1)]))
-        return emb[: s.shape[0] * s.shape[1]].view(*s.shape[:2], -1), emb[s.shape[0] * s.shape[1]:].view(*q.shape[:2], -1)
+        return emb[: s.shape[0] * s.shape[1]].view(*s.shape[:2], -1), emb[s.shape[0] * s.shape[1] :].view(
+            *q.shape[:2], -1
+        )
 
     def support_head(self, emb: torch.Tensor, labels: torch.Tensor, n_way: int, create_graph: bool) -> Head:
         """The head of ``task.head`` from support embeddings (B, N*K, d): closed-form prototypes,
@@ -368,7 +399,9 @@ class FewShot(Task):
 
     @torch.no_grad()
     def _embed_all(self, model: FewShotNet, images: np.ndarray, batch_size: int) -> torch.Tensor:
-        return torch.cat([model.embed(as_tensor(images[i : i + batch_size])) for i in range(0, len(images), batch_size)])
+        return torch.cat(
+            [model.embed(as_tensor(images[i : i + batch_size])) for i in range(0, len(images), batch_size)]
+        )
 
     def _score(self, emb_s, labels_s, emb_q, labels_q, n_way) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-episode query accuracy and cross-entropy, (B,) each."""
@@ -387,8 +420,11 @@ class FewShot(Task):
         for i in range(0, len(classes), EVAL_CHUNK):
             s, q = support[i : i + EVAL_CHUNK], query[i : i + EVAL_CHUNK]
             a, l = self._score(
-                emb[s], episode_labels(len(s), o.n_way, s.shape[1] // o.n_way),
-                emb[q], episode_labels(len(q), o.n_way, q.shape[1] // o.n_way), o.n_way,
+                emb[s],
+                episode_labels(len(s), o.n_way, s.shape[1] // o.n_way),
+                emb[q],
+                episode_labels(len(q), o.n_way, q.shape[1] // o.n_way),
+                o.n_way,
             )
             acc.append(a)
             loss.append(l)

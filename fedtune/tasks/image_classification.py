@@ -41,7 +41,9 @@ from fedtune.tasks.base import Task, TaskOptions
 
 class ImageClassificationOptions(TaskOptions):
     image_size: int | None = Field(
-        None, ge=4, le=1024,
+        None,
+        ge=4,
+        le=1024,
         description="input side in pixels (default: the size the model is built for, else the data's own)",
     )
     channels: Literal[1, 3] | None = Field(
@@ -77,7 +79,7 @@ class ImageClassification(Task):
         "small CNN, HF ViTs"
     )
     #: "bilevel": VS-loss tuning (x = the loss's per-class parameters, y = the model) for the
-    #: bilevel methods (RABO Sec. V-B, :mod:`fedtune.methods.rabo_problems`), on every model
+    #: bilevel methods (RABO Sec. V-B, :mod:`fedtune.methods.rabo.problems`), on every model
     capabilities = frozenset({"lora", "transformer", "bilevel"})
 
     @classmethod
@@ -87,11 +89,15 @@ class ImageClassification(Task):
 
         family = image_model_spec(config.model.name or cls.defaults["model.name"]).family
         return cls.capabilities if family in ("tiny-vit", "hf") else cls.capabilities - {"transformer"}
+
     defaults = {"data.name": "fashion-mnist", "model.name": "mobilenet-v2"}
     Options = ImageClassificationOptions
     peft_task_type = None  # a custom module (tensor in, logits out)
     test_overrides = (
-        "model.name=tiny-vit", "data.name=digits", "data.max_train_samples=160", "data.max_test_samples=64",
+        "model.name=tiny-vit",
+        "data.name=digits",
+        "data.max_train_samples=160",
+        "data.max_test_samples=64",
     )
     test_variants = {"conv-lora": ("model.name=small-cnn",)}
 

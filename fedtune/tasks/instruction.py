@@ -80,9 +80,13 @@ class InstructionOptions(TaskOptions):
     questions: list[str] | None = Field(None, description="question types (default: every type of data.name)")
     prefix_tokens: int = Field(4, ge=1, le=64, description="prefix embeddings per modality (K)")
     image_encoder: str = Field("mobilenet-v2", description="a model of fedtune.models.vision (features only)")
-    audio_encoder: str = Field("audio-cnn", description="audio-cnn or log-mel (over log-mels), tiny-wav2vec2, or a HF audio model")
+    audio_encoder: str = Field(
+        "audio-cnn", description="audio-cnn or log-mel (over log-mels), tiny-wav2vec2, or a HF audio model"
+    )
     train_encoder: bool | None = Field(None, description="train the encoders (default: only those not pretrained)")
-    image_size: int | None = Field(None, ge=4, description="image encoder input side (default: the encoder's, 64 for conv nets)")
+    image_size: int | None = Field(
+        None, ge=4, description="image encoder input side (default: the encoder's, 64 for conv nets)"
+    )
     projector_width: int = Field(512, ge=0, description="projector hidden width (0: one linear layer)")
     n_mels: int = Field(40, ge=8, le=256)
     frames: int = Field(64, ge=8, le=1024, description="log-mel frames per recording (hop 10 ms at 8 kHz)")
@@ -101,8 +105,10 @@ def _audio_extractor(name: str):
 @register_task
 class Instruction(Task):
     kind = "instruction"
-    description = ("image / audio + question -> answer text: fashion-mnist, digits, mnist, fsdd questions; "
-                   "encoder + projector prefix into SmolLM2 (LoRA)")
+    description = (
+        "image / audio + question -> answer text: fashion-mnist, digits, mnist, fsdd questions; "
+        "encoder + projector prefix into SmolLM2 (LoRA)"
+    )
     #: "encoder+lm": trainable parameters split into an ``encoder`` and a ``language_model`` group
     #: (:meth:`parameter_groups`), what CoMMIT's two-component trainers need
     capabilities = frozenset({"lora", "transformer", "encoder+lm"})
@@ -110,8 +116,14 @@ class Instruction(Task):
     Options = InstructionOptions
     peft_task_type = None  # a custom module: PEFT's generic PeftModel
     test_overrides = (
-        f"model.name={plm.TINY_LLAMA}", "data.name=digits", "data.max_train_samples=64", "data.max_test_samples=16",
-        "task.image_size=32", "task.prefix_tokens=2", "task.projector_width=32", "train.batch_size=8",
+        f"model.name={plm.TINY_LLAMA}",
+        "data.name=digits",
+        "data.max_train_samples=64",
+        "data.max_test_samples=16",
+        "task.image_size=32",
+        "task.prefix_tokens=2",
+        "task.projector_width=32",
+        "train.batch_size=8",
     )
     #: two modalities at once, and an encoder trained from scratch (the audio conv net)
     test_variants = {"image+audio": ("data.name=digits+fsdd", "task.n_mels=16", "task.frames=16")}
@@ -156,8 +168,12 @@ class Instruction(Task):
             out = []
             for images, recordings in zip(splits, self._recordings()):
                 pair = idata.pair_recordings(images.labels, recordings.attrs["label"])
-                out.append(idata.Items({"image": images.images, "audio": recordings.media["audio"][pair]},
-                                       {"label": images.labels, "spoken": recordings.attrs["label"][pair]}))
+                out.append(
+                    idata.Items(
+                        {"image": images.images, "audio": recordings.media["audio"][pair]},
+                        {"label": images.labels, "spoken": recordings.attrs["label"][pair]},
+                    )
+                )
             return out[0], out[1]
         return tuple(idata.Items({"image": s.images}, {"label": s.labels}) for s in splits)
 
@@ -171,7 +187,9 @@ class Instruction(Task):
         out = []
         for split in load_fsdd(data_dir(self.config.data)):
             if opts.audio_encoder in (plm.AUDIO_CNN, plm.LOG_MEL):
-                feats = standardize_clips(log_mel(split.waves, split.sample_rate, n_mels=opts.n_mels, frames=opts.frames))
+                feats = standardize_clips(
+                    log_mel(split.waves, split.sample_rate, n_mels=opts.n_mels, frames=opts.frames)
+                )
             else:
                 from fedtune.models.audio import hf_audio_inputs
 
@@ -198,8 +216,13 @@ class Instruction(Task):
     def prompts(self) -> idata.Prompts:
         """Every question's prompt and every answer, tokenized once."""
         slots = self.options.prefix_tokens * len(self.modalities)
-        return idata.Prompts.build(self.tokenizer, [q.prompt for q in self.questions], self.train.answer_names, slots,
-                                   self.options.system_prompt)
+        return idata.Prompts.build(
+            self.tokenizer,
+            [q.prompt for q in self.questions],
+            self.train.answer_names,
+            slots,
+            self.options.system_prompt,
+        )
 
     @cached_property
     def image_preprocessing(self) -> plm.ImagePreprocessing:
@@ -243,8 +266,9 @@ class Instruction(Task):
             enc.requires_grad_(self._encoder_trainable(enc.pretrained))
             with torch.random.fork_rng():
                 torch.manual_seed(seed + 2 + i)
-                projectors[modality] = plm.Projector(plm.feature_dim(enc, example), lm.config.hidden_size,
-                                                     opts.prefix_tokens, opts.projector_width)
+                projectors[modality] = plm.Projector(
+                    plm.feature_dim(enc, example), lm.config.hidden_size, opts.prefix_tokens, opts.projector_width
+                )
             encoders[modality] = enc
         return plm.PrefixLM(lm, encoders, projectors)
 
@@ -257,8 +281,10 @@ class Instruction(Task):
     def head_modules(self) -> list[str]:
         """The projectors, and the encoders that train."""
         out = [f"{m}_projector" for m in self.modalities]
-        pretrained = {"image": plm.image_encoder_pretrained(self.options.image_encoder),
-                      "audio": plm.audio_encoder_pretrained(self.options.audio_encoder)}
+        pretrained = {
+            "image": plm.image_encoder_pretrained(self.options.image_encoder),
+            "audio": plm.audio_encoder_pretrained(self.options.audio_encoder),
+        }
         return out + [f"{m}_encoder" for m in self.modalities if self._encoder_trainable(pretrained[m])]
 
     def parameter_groups(self, names: list[str]) -> dict[str, list[str]]:

@@ -60,12 +60,15 @@ class PairedOptions(LogMelOptions):
     labeled_fraction: float = Field(0.5, ge=0, le=1, description="share of each party's rows that are labeled")
     delta: float = Field(0.5, ge=0, le=1, description="probability that the scenario's modality is missing from a row")
     scenario: Literal[0, 1, 2, 3] = Field(
-        1, description="0 none missing; 1 audio at every party; 2 audio at parties 1..K-1 (party 0 complete); "
-        "3 image at every party"
+        1,
+        description="0 none missing; 1 audio at every party; 2 audio at parties 1..K-1 (party 0 complete); "
+        "3 image at every party",
     )
     embed_dim: int = Field(64, gt=0, description="width of each modality's embedding (fusion-cnn)")
     unimodal_weight: float = Field(
-        0.5, ge=0, description="weight of the mean cross-entropy of each present modality classified alone (0: fused only)"
+        0.5,
+        ge=0,
+        description="weight of the mean cross-entropy of each present modality classified alone (0: fused only)",
     )
 
 
@@ -80,7 +83,11 @@ class PairedMultimodal(Task):
     defaults = {"data.name": "digits", "model.name": FUSION_CNN}
     Options = PairedOptions
     test_overrides = (
-        "data.name=digits", "model.name=fusion-cnn", "task.aligned=8", "task.unaligned=24", "task.frames=32",
+        "data.name=digits",
+        "model.name=fusion-cnn",
+        "task.aligned=8",
+        "task.unaligned=24",
+        "task.frames=32",
         "data.max_test_samples=40",
     )
     options: PairedOptions
@@ -89,14 +96,27 @@ class PairedMultimodal(Task):
     def load(self) -> tuple[PairedSet, PairedSet]:
         cfg, o = self.config.data, self.options
         if cfg.name not in IMAGE_SETS:
-            raise ConfigError(f"data.name: paired-multimodal pairs spoken digits with digit images; expected one of "
-                              f"{', '.join(IMAGE_SETS)}, got {cfg.name!r}")
+            raise ConfigError(
+                f"data.name: paired-multimodal pairs spoken digits with digit images; expected one of "
+                f"{', '.join(IMAGE_SETS)}, got {cfg.name!r}"
+            )
         images_train, images_test = load_image_set(cfg)
         audio_train, audio_test = load_fsdd(data_dir(cfg))
         if list(images_train.label_names) != list(audio_train.label_names):
-            raise ConfigError(f"data.name: the classes of {cfg.name!r} ({images_train.label_names}) are not the spoken digits")
-        train = build_paired_train(images_train, audio_train, self.config.federation.num_clients, o.aligned, o.unaligned,
-                                   o.labeled_fraction, o.delta, o.scenario, self.config.seed)
+            raise ConfigError(
+                f"data.name: the classes of {cfg.name!r} ({images_train.label_names}) are not the spoken digits"
+            )
+        train = build_paired_train(
+            images_train,
+            audio_train,
+            self.config.federation.num_clients,
+            o.aligned,
+            o.unaligned,
+            o.labeled_fraction,
+            o.delta,
+            o.scenario,
+            self.config.seed,
+        )
         return train, build_paired_test(images_test, audio_test)
 
     @cached_property
@@ -104,7 +124,9 @@ class PairedMultimodal(Task):
         """(training pool, test set): the pool as built (the task's counts size it), the test set
         subsampled to ``data.max_test_samples`` (seed 0)."""
         if self.config.data.max_train_samples is not None:
-            raise ConfigError("data.max_train_samples: paired-multimodal sizes its pool with task.aligned and task.unaligned")
+            raise ConfigError(
+                "data.max_train_samples: paired-multimodal sizes its pool with task.aligned and task.unaligned"
+            )
         train, test = self.load()
         return train, subsample(test, self.config.data.max_test_samples, 0)
 
@@ -127,16 +149,20 @@ class PairedMultimodal(Task):
         out = []
         for ds in self.data:
             pixels = ds.images.images
-            out.append({
-                "image": image_tensor(pixels, pixels.shape[1:3], pixels.shape[3], (0.5,), (0.5,)),
-                "audio": self.options.features(ds.audio),
-            })
+            out.append(
+                {
+                    "image": image_tensor(pixels, pixels.shape[1:3], pixels.shape[3], (0.5,), (0.5,)),
+                    "audio": self.options.features(ds.audio),
+                }
+            )
         return out[0], out[1]
 
     # -- model -------------------------------------------------------------------------------
     def build_model(self, seed: int) -> torch.nn.Module:
         if self.config.model.name != FUSION_CNN:
-            raise ConfigError(f"model.name: paired-multimodal has the model {FUSION_CNN!r}; got {self.config.model.name!r}")
+            raise ConfigError(
+                f"model.name: paired-multimodal has the model {FUSION_CNN!r}; got {self.config.model.name!r}"
+            )
         channels = int(self.train.images.images.shape[3])
         model = seeded(seed, lambda: FusionClassifier(self.num_labels, channels, self.options.embed_dim))
         return freeze_except(model, HEAD) if self.config.model.finetune == "head" else model
@@ -188,7 +214,9 @@ class PairedMultimodal(Task):
         for suffix, present in (("", (True, True)), ("_image_only", (True, False)), ("_audio_only", (False, True))):
             ds = self.test.with_modalities(present)
             n = len(ds)
-            batches = (self.batch(ds, self.tensors[1], np.arange(i, min(i + batch_size, n))) for i in range(0, n, batch_size))
+            batches = (
+                self.batch(ds, self.tensors[1], np.arange(i, min(i + batch_size, n))) for i in range(0, n, batch_size)
+            )
             result = evaluate_classifier(model, batches, forward)
             metrics[f"accuracy{suffix}"] = result["accuracy"]
             if not suffix:

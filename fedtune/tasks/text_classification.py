@@ -35,7 +35,10 @@ class TextClassification(Task):
     defaults = {"data.name": "tweets", "model.name": "minilm"}
     peft_task_type = "SEQ_CLS"
     test_overrides = (
-        "model.name=tiny-bert", "data.name=tweets", "data.max_train_samples=64", "data.max_test_samples=32",
+        "model.name=tiny-bert",
+        "data.name=tweets",
+        "data.max_train_samples=64",
+        "data.max_test_samples=32",
         "data.max_length=16",
     )
 

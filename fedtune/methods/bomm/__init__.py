@@ -10,7 +10,16 @@ methods' reference). They run on the ``paired-multimodal`` task.
   round's exchanges;
 - :mod:`~fedtune.methods.bomm.common`: what both sides share.
 
-The networks and the equations are in :mod:`fedtune.models.bomm`.
+BoMM's networks and the pure pieces of its algorithm (Section 4), free of any protocol code:
+
+- :mod:`~fedtune.methods.bomm.backbone`: the cloud model's frozen pretrained backbone phi, run
+  where the data is (parties; the server on the public test set), with a per-process feature cache;
+- :mod:`~fedtune.methods.bomm.networks`: the cloud classifier psi_1, the generator psi_2 and the
+  parties' adapters from phi-space into their small model's embedding space;
+- :mod:`~fedtune.methods.bomm.completion`: the preference-driven completion loss, eqs. (3)-(4);
+- :mod:`~fedtune.methods.bomm.scheduler`: the dynamic sample scheduler, eqs. (5)-(8);
+- :mod:`~fedtune.methods.bomm.alignment`: prototypes and global prototype-guided alignment, eq. (9);
+- :mod:`~fedtune.methods.bomm.dual_encoder`: CLIP-style dual encoders (phi for image + caption data).
 
 Baselines (Section 5.1), as implemented (:data:`~fedtune.methods.bomm.options.MODES`):
 

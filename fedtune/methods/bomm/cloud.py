@@ -9,7 +9,7 @@ parties update Theta with the cloud's help):
    they cross once and the cloud keeps them.
 2. ``aggregate_fit``, the cloud's update (:meth:`BommCloud.cloud_update`): representations are
    standardized per modality and feature over everything received; with alignment (BoMM), global
-   prototype-guided alignment (eq. (9), :mod:`fedtune.models.bomm.alignment`) on the unaligned rows,
+   prototype-guided alignment (eq. (9), :mod:`fedtune.methods.bomm.alignment`) on the unaligned rows,
    completed by the generator first (``complete_before_align``), gives newly aligned cross-party
    pairs, and up to ``grow_per_round`` of them join the prototype set until it holds ``n_global``.
    The cosines of eq. (9) are taken in the cloud model's representation space (``alignment_space =
@@ -52,16 +52,23 @@ import torch
 import torch.nn.functional as F
 
 from fedtune.data.paired import missing_modality
+from fedtune.methods.bomm.alignment import PrototypeSet, align_parties, nearest_prototype, pair_similarity
+from fedtune.methods.bomm.backbone import FEATURE_DIM, source_features
 from fedtune.methods.bomm.common import (
-    CLOUD_INIT, CLOUD_TRAIN, GENERATOR_INIT, GENERATOR_TRAIN, Standardizer, fit_generator, generate, load_module,
+    CLOUD_INIT,
+    CLOUD_TRAIN,
+    GENERATOR_INIT,
+    GENERATOR_TRAIN,
+    Standardizer,
+    fit_generator,
+    generate,
+    load_module,
     module_arrays,
 )
+from fedtune.methods.bomm.networks import CloudClassifier, Generator
 from fedtune.methods.bomm.options import MODES, Mode
 from fedtune.methods.bomm.party import COMPLETE, scope_rows
 from fedtune.models.audio import seeded
-from fedtune.models.bomm.alignment import PrototypeSet, align_parties, nearest_prototype, pair_similarity
-from fedtune.models.bomm.backbone import FEATURE_DIM, source_features
-from fedtune.models.bomm.networks import CloudClassifier, Generator
 from fedtune.models.multimodal import MODALITY_NAMES
 from fedtune.models.training import evaluate_classifier, seed_for
 from fedtune.protocol.messages import Message
@@ -89,15 +96,25 @@ class Pool:
         return len(self.party)
 
     @classmethod
-    def of(cls, uploads: dict[int, dict[str, np.ndarray]]) -> "Pool":
+    def of(cls, uploads: dict[int, dict[str, np.ndarray]]) -> Pool:
         parties = sorted(uploads)
         if not parties:
-            return cls(*(np.zeros(0, np.int64) for _ in range(3)), np.zeros((0, M), bool), np.zeros(0, np.int64),
-                       np.zeros((0, M, FEATURE_DIM), np.float32))
+            return cls(
+                *(np.zeros(0, np.int64) for _ in range(3)),
+                np.zeros((0, M), bool),
+                np.zeros(0, np.int64),
+                np.zeros((0, M, FEATURE_DIM), np.float32),
+            )
         cat = lambda key: np.concatenate([np.asarray(uploads[k][key]) for k in parties])  # noqa: E731
         party = np.concatenate([np.full(len(uploads[k]["rows"]), k, np.int64) for k in parties])
-        return cls(party, cat("rows").astype(np.int64), cat("sample_ids").astype(np.int64), cat("masks").astype(bool),
-                   cat("labels").astype(np.int64), cat("features").astype(np.float32))
+        return cls(
+            party,
+            cat("rows").astype(np.int64),
+            cat("sample_ids").astype(np.int64),
+            cat("masks").astype(bool),
+            cat("labels").astype(np.int64),
+            cat("features").astype(np.float32),
+        )
 
 
 def union_samples(sid: np.ndarray, pairs: list[tuple[int, int]]) -> list[np.ndarray]:
@@ -145,16 +162,22 @@ class BommCloud(Strategy):
         o, seed, task = self.options, self.config.seed, self.context.task
         self.classifier = self.generator = None
         if self.mode.cloud:
-            self.classifier = seeded(seed_for(seed, CLOUD_INIT), lambda: CloudClassifier(
-                task.num_labels, FEATURE_DIM, M, o.cloud_hidden, o.cloud_embed))
+            self.classifier = seeded(
+                seed_for(seed, CLOUD_INIT),
+                lambda: CloudClassifier(task.num_labels, FEATURE_DIM, M, o.cloud_hidden, o.cloud_embed),
+            )
         if self.mode.completion == "cloud":
             self.generator = seeded(seed_for(seed, GENERATOR_INIT), lambda: Generator(FEATURE_DIM, o.generator_hidden))
         self.outgoing: dict[int, Message] = {}
         self._stats: tuple[tuple, Standardizer] | None = None
 
     def state_dict(self) -> dict:
-        state = {"uploads": {str(k): dict(v) for k, v in self.uploads.items()}, "grown": self.grown.copy(),
-                 "generator_trained": self.generator_trained, "classifier_trained": self.classifier_trained}
+        state = {
+            "uploads": {str(k): dict(v) for k, v in self.uploads.items()},
+            "grown": self.grown.copy(),
+            "generator_trained": self.generator_trained,
+            "classifier_trained": self.classifier_trained,
+        }
         if self.classifier is not None:
             state["classifier"] = module_arrays(self.classifier, "")
         if self.generator is not None:
@@ -194,15 +217,20 @@ class BommCloud(Strategy):
         key = tuple(sorted(self.uploads))
         if self._stats is None or self._stats[0] != key:
             pool = Pool.of(self.uploads)
-            st = Standardizer.fit(pool.x, pool.mask) if len(pool) else Standardizer(
-                np.zeros((M, FEATURE_DIM), np.float32), np.ones((M, FEATURE_DIM), np.float32))
+            st = (
+                Standardizer.fit(pool.x, pool.mask)
+                if len(pool)
+                else Standardizer(np.zeros((M, FEATURE_DIM), np.float32), np.ones((M, FEATURE_DIM), np.float32))
+            )
             self._stats = (key, st)
         return self._stats[1]
 
     # -- the exchanges -------------------------------------------------------------------------
     def configure_fit(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
-        return {cid: Message({}, {"round": rnd, "send": bool(self.mode.cloud and cid not in self.uploads)})
-                for cid in client_ids}
+        return {
+            cid: Message({}, {"round": rnd, "send": bool(self.mode.cloud and cid not in self.uploads)})
+            for cid in client_ids
+        }
 
     def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec]:
         """No arrays, except the representations (and prototypes) a party was asked to send: their
@@ -211,13 +239,19 @@ class BommCloud(Strategy):
             return {}
         train = self.context.task.train
         n = len(scope_rows(train.aligned[self.context.partitions[cid]], self.mode.cloud_rows))
-        spec = {"rows": ArraySpec((n,), "int64", False), "sample_ids": ArraySpec((n,), "int64", False),
-                "masks": ArraySpec((n, M), "bool", False), "labels": ArraySpec((n,), "int64", False),
-                "features": ArraySpec((n, M, FEATURE_DIM), "float32", False)}
+        spec = {
+            "rows": ArraySpec((n,), "int64", False),
+            "sample_ids": ArraySpec((n,), "int64", False),
+            "masks": ArraySpec((n, M), "bool", False),
+            "labels": ArraySpec((n,), "int64", False),
+            "features": ArraySpec((n, M, FEATURE_DIM), "float32", False),
+        }
         if self.mode.alignment:
             c = self.context.task.num_labels
-            spec |= {"prototypes": ArraySpec((c, M, FEATURE_DIM), "float32", False),
-                     "proto_counts": ArraySpec((c, M), "float32", False)}
+            spec |= {
+                "prototypes": ArraySpec((c, M, FEATURE_DIM), "float32", False),
+                "proto_counts": ArraySpec((c, M), "float32", False),
+            }
         return spec
 
     def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
@@ -259,8 +293,11 @@ class BommCloud(Strategy):
         protos = None
         space = self.alignment_space()
         if self.mode.alignment:
-            zc, mc = (self.complete(z, pool.mask)[:2] if o.complete_before_align and self.generator_trained
-                      else (z, pool.mask))
+            zc, mc = (
+                self.complete(z, pool.mask)[:2]
+                if o.complete_before_align and self.generator_trained
+                else (z, pool.mask)
+            )
             protos = self.prototype_set(pool, st, zc, mc)
             pairs, align_metrics = self.align(pool, space(zc, mc), mc, protos.mapped(space))
             metrics |= align_metrics
@@ -318,8 +355,10 @@ class BommCloud(Strategy):
     def prototype_set(self, pool: Pool, st: Standardizer, zc: np.ndarray, mc: np.ndarray) -> PrototypeSet:
         """Seeds (the parties' same-class prototypes paired) plus the grown pairs' rows."""
         k_all = self.config.federation.num_clients
-        seeds = PrototypeSet.seed({k: (st.apply(u["prototypes"], u["proto_counts"] > 0), u["proto_counts"])
-                                   for k, u in self.uploads.items()}, k_all)
+        seeds = PrototypeSet.seed(
+            {k: (st.apply(u["prototypes"], u["proto_counts"] > 0), u["proto_counts"]) for k, u in self.uploads.items()},
+            k_all,
+        )
         where = {(int(k), int(i)): r for r, (k, i) in enumerate(zip(pool.party, pool.local))}
         items = []
         for k, i, w, j in self.grown:
@@ -340,8 +379,9 @@ class BommCloud(Strategy):
         for k, w in combinations(sorted(self.uploads), 2):
             uk = np.flatnonzero(unaligned & (pool.party == k))
             uw = np.flatnonzero(unaligned & (pool.party == w))
-            for i, j, sim in align_parties(zc[uk], mc[uk], zc[uw], mc[uw], protos, k, w, o.alignment_vector,
-                                           o.sinkhorn_reg):
+            for i, j, sim in align_parties(
+                zc[uk], mc[uk], zc[uw], mc[uw], protos, k, w, o.alignment_vector, o.sinkhorn_reg
+            ):
                 a, b = int(uk[i]), int(uw[j])
                 if pool.label[a] >= 0 and pool.label[b] >= 0 and pool.label[a] != pool.label[b]:
                     rejected += 1
@@ -362,16 +402,26 @@ class BommCloud(Strategy):
             new.append([*ka, *kb])
         if new:
             self.grown = np.concatenate([self.grown, np.asarray(new, dtype=np.int64)])
-        metrics = {"aligned_pairs": float(len(accepted)), "rejected_pairs": float(rejected),
-                   "prototypes": float(len(protos) + len(new))}
+        metrics = {
+            "aligned_pairs": float(len(accepted)),
+            "rejected_pairs": float(rejected),
+            "prototypes": float(len(protos) + len(new)),
+        }
         if o.diagnostics and accepted:
             truth = self.true_labels(pool)
             metrics["diag_pair_accuracy"] = float(np.mean([truth[a] == truth[b] for a, b, _ in accepted]))
         return [(a, b) for a, b, _ in accepted], metrics
 
     # -- generator (eqs. (3)-(4)) --------------------------------------------------------------
-    def train_generator(self, rnd: int, pool: Pool, z: np.ndarray, samples: list[np.ndarray],
-                        protos: PrototypeSet | None, space=lambda x, mask: x) -> dict[str, float]:
+    def train_generator(
+        self,
+        rnd: int,
+        pool: Pool,
+        z: np.ndarray,
+        samples: list[np.ndarray],
+        protos: PrototypeSet | None,
+        space=lambda x, mask: x,
+    ) -> dict[str, float]:
         """Items (row, target modality) with the other modality present, their g^p (real, an aligned
         partner's, or with ``preference`` the closest prototype's) and sim(x, o_i); then
         :func:`~fedtune.methods.bomm.common.fit_generator`."""
@@ -415,11 +465,25 @@ class BommCloud(Strategy):
         source, target, g_p, sim = (np.concatenate(a) for a in (source, target, g_p, sim))
         reference = None
         if self.mode.preference and o.reference == "initial":  # G_ref: the generator as initialized, rebuilt
-            reference = seeded(seed_for(self.config.seed, GENERATOR_INIT), lambda: Generator(FEATURE_DIM, o.generator_hidden))
-        metrics = fit_generator(self.generator, source, target, g_p, sim, preference=self.mode.preference, beta=o.beta,
-                                gamma=o.gamma, prefer=o.prefer, epochs=o.generator_epochs, lr=o.generator_lr,
-                                batch_size=o.cloud_batch_size, seed=seed_for(self.config.seed, rnd, GENERATOR_TRAIN),
-                                reference=reference)
+            reference = seeded(
+                seed_for(self.config.seed, GENERATOR_INIT), lambda: Generator(FEATURE_DIM, o.generator_hidden)
+            )
+        metrics = fit_generator(
+            self.generator,
+            source,
+            target,
+            g_p,
+            sim,
+            preference=self.mode.preference,
+            beta=o.beta,
+            gamma=o.gamma,
+            prefer=o.prefer,
+            epochs=o.generator_epochs,
+            lr=o.generator_lr,
+            batch_size=o.cloud_batch_size,
+            seed=seed_for(self.config.seed, rnd, GENERATOR_TRAIN),
+            reference=reference,
+        )
         metrics["generator_items"] = float(len(source))
         metrics["generator_real_items"] = float(np.concatenate(real).sum())
         return metrics
@@ -445,14 +509,14 @@ class BommCloud(Strategy):
             loss = loss + w * F.cross_entropy(single[mask], labels[mask])
         return loss
 
-    def train_classifier(self, rnd: int, pool: Pool, zc: np.ndarray, mc: np.ndarray,
-                         samples: list[np.ndarray]) -> dict[str, float]:
+    def train_classifier(
+        self, rnd: int, pool: Pool, zc: np.ndarray, mc: np.ndarray, samples: list[np.ndarray]
+    ) -> dict[str, float]:
         """``cloud_epochs`` epochs (Adam) on the labeled samples, completed modalities included."""
         o = self.options
         labels = np.array([next((int(pool.label[r]) for r in rows if pool.label[r] >= 0), -1) for rows in samples])
         labeled = [s for s, y in zip(samples, labels) if y >= 0]
-        out = {"cloud_samples": float(len(labeled)),
-               "cloud_multi_view": float(sum(len(s) > 1 for s in labeled))}
+        out = {"cloud_samples": float(len(labeled)), "cloud_multi_view": float(sum(len(s) > 1 for s in labeled))}
         if not labeled or o.cloud_epochs == 0:
             return out
         x, mask = self.sample_tensors(zc, mc, labeled)
@@ -478,8 +542,9 @@ class BommCloud(Strategy):
         return out | {"cloud_train_loss": total / len(y)}
 
     # -- what the parties receive --------------------------------------------------------------
-    def messages(self, pool: Pool, st: Standardizer, zc: np.ndarray, gen_mod: np.ndarray,
-                 samples: list[np.ndarray]) -> tuple[dict[int, dict[str, np.ndarray]], np.ndarray]:
+    def messages(
+        self, pool: Pool, st: Standardizer, zc: np.ndarray, gen_mod: np.ndarray, samples: list[np.ndarray]
+    ) -> tuple[dict[int, dict[str, np.ndarray]], np.ndarray]:
         """Per party: completions of its rows' missing modality (phi-space, de-standardized) and,
         with BoMM's label transfer, its unlabeled rows' labels from their sample's labeled views;
         also the label given to each pool row (-1: none)."""
@@ -513,8 +578,20 @@ class BommCloud(Strategy):
         """(N_test, M, D) standardized phi-representations of the test pairs."""
         task, o = self.context.task, self.options
         test = task.test
-        feats = np.stack([source_features(task, 1, name, test.image_index if name == "image" else test.audio_index,
-                                          o.backbone, o.backbone_size) for name in MODALITY_NAMES], axis=1)
+        feats = np.stack(
+            [
+                source_features(
+                    task,
+                    1,
+                    name,
+                    test.image_index if name == "image" else test.audio_index,
+                    o.backbone,
+                    o.backbone_size,
+                )
+                for name in MODALITY_NAMES
+            ],
+            axis=1,
+        )
         return self.standardizer().apply(feats)
 
     def evaluate(self, rnd: int) -> dict[str, float]:
@@ -548,8 +625,9 @@ class BommCloud(Strategy):
             fused, _ = model(x[idx], m[idx])
             return fused, y[idx], F.cross_entropy(fused, y[idx])
 
-        result = evaluate_classifier(self.classifier, (np.arange(i, min(i + bs, len(y))) for i in range(0, len(y), bs)),
-                                     forward)
+        result = evaluate_classifier(
+            self.classifier, (np.arange(i, min(i + bs, len(y))) for i in range(0, len(y), bs)), forward
+        )
         out = {f"cloud_accuracy{suffix}": result["accuracy"]}
         if not suffix:
             out["cloud_loss"] = result["loss"]
@@ -570,8 +648,14 @@ class BommCloud(Strategy):
         """``party<k>_<metric>`` per party and their plain mean under ``<metric>`` (``accuracy``:
         the parties' mean), plus ``accuracy_std`` over parties."""
         out: dict[str, float] = {}
-        keys = sorted({k for m in replies.values() for k, v in m.meta.items()
-                       if isinstance(v, (int, float)) and k != "num_examples"})
+        keys = sorted(
+            {
+                k
+                for m in replies.values()
+                for k, v in m.meta.items()
+                if isinstance(v, (int, float)) and k != "num_examples"
+            }
+        )
         for cid, reply in sorted(replies.items()):
             for key in keys:
                 if key in reply.meta:

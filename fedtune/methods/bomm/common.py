@@ -11,12 +11,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedtune.models.bomm.completion import generator_loss
+from fedtune.methods.bomm.completion import generator_loss
 from fedtune.models.training import seed_for
 
 PAIRED = "paired-modalities"  # the task capability BoMM needs: parties' rows with ids, masks and labels
 # streams of seed_for(config.seed, STREAM, ...): one per random thing BoMM draws
-PARTY_INIT, CLOUD_INIT, GENERATOR_INIT, SCHEDULER_INIT, CLOUD_TRAIN, GENERATOR_TRAIN = 0xB0, 0xC1, 0xC2, 0xB5, 0xC3, 0xC4
+PARTY_INIT, CLOUD_INIT, GENERATOR_INIT, SCHEDULER_INIT, CLOUD_TRAIN, GENERATOR_TRAIN = (
+    0xB0,
+    0xC1,
+    0xC2,
+    0xB5,
+    0xC3,
+    0xC4,
+)
 
 
 @dataclass
@@ -28,7 +35,7 @@ class Standardizer:
     std: np.ndarray  # (M, D)
 
     @classmethod
-    def fit(cls, x: np.ndarray, mask: np.ndarray) -> "Standardizer":
+    def fit(cls, x: np.ndarray, mask: np.ndarray) -> Standardizer:
         m, d = x.shape[1], x.shape[2]
         mean, std = np.zeros((m, d), np.float32), np.ones((m, d), np.float32)
         for mod in range(m):
@@ -50,13 +57,27 @@ class Standardizer:
         return (z * self.std[modality] + self.mean[modality]).astype(np.float32)
 
 
-def fit_generator(gen: torch.nn.Module, source: np.ndarray, target: np.ndarray, g_p: np.ndarray, sim: np.ndarray,
-                  *, preference: bool, beta: float, gamma: float, prefer: bool, epochs: int, lr: float,
-                  batch_size: int, seed: int, reference: torch.nn.Module | None = None) -> dict[str, float]:
+def fit_generator(
+    gen: torch.nn.Module,
+    source: np.ndarray,
+    target: np.ndarray,
+    g_p: np.ndarray,
+    sim: np.ndarray,
+    *,
+    preference: bool,
+    beta: float,
+    gamma: float,
+    prefer: bool,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    reference: torch.nn.Module | None = None,
+) -> dict[str, float]:
     """Train ``gen`` for ``epochs`` epochs (Adam, fresh each call) on items (source representation
     (n, D), target modality (n,), preferred output g^p (n, D), sim(x, o_i) (n,)).
 
-    ``preference``: L_G = L_prefer + gamma L_special (:func:`~fedtune.models.bomm.completion.generator_loss`),
+    ``preference``: L_G = L_prefer + gamma L_special (:func:`~fedtune.methods.bomm.completion.generator_loss`),
     the non-preferred output g^q being the generation of ``gen`` as it is on entry (what the cloud
     sent the parties) and the reference G_ref ``reference`` (frozen; default: ``gen`` on entry);
     else the mean squared error to g^p (the baselines' generator, trained on real targets only). A batch's loss is the item-weighted
@@ -121,7 +142,7 @@ def module_arrays(module: torch.nn.Module, prefix: str) -> dict[str, np.ndarray]
 
 def load_module(module: torch.nn.Module, arrays: dict[str, np.ndarray], prefix: str) -> bool:
     """Load ``prefix``-ed arrays into ``module``; False (module untouched) when there are none."""
-    own = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+    own = {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
     if not own:
         return False
     module.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in own.items()}, strict=True)

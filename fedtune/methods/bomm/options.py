@@ -35,7 +35,9 @@ class BommOptions(MethodOptions):
     generator_epochs: int = Field(3, ge=0, description="cloud epochs of the generator per round")
     generator_lr: float = Field(1e-3, gt=0, description="generator Adam learning rate (psi_2)")
     # preference-driven completion, eqs. (3)-(4)
-    beta: float = Field(1.0, gt=0, description="eq. (3): scale of the reward margin (see fedtune.models.bomm.completion)")
+    beta: float = Field(
+        1.0, gt=0, description="eq. (3): scale of the reward margin (see fedtune.methods.bomm.completion)"
+    )
     gamma: float = Field(1.0, ge=0, description="L_G = L_prefer + gamma L_special (0: ablation w/o special loss)")
     prefer: bool = Field(True, description="keep L_prefer in L_G (false: ablation w/o preference loss)")
     reference: Literal["round", "initial"] = Field(

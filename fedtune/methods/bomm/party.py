@@ -5,15 +5,15 @@ training with completed modalities and the sample scheduler.
 modality mask, a sample id, and a label only where the row is labeled (the labels of other rows
 are never read). Its small model is the task's :class:`~fedtune.models.multimodal.FusionClassifier`,
 initialized from (seed, party) (heterogeneous parties), plus, when it receives completions, an
-:class:`~fedtune.models.bomm.networks.Adapters` map from phi-space into the model's embedding space,
-and with BoMM's scheduler a :class:`~fedtune.models.bomm.scheduler.SampleScheduler`. All of it lives
+:class:`~fedtune.methods.bomm.networks.Adapters` map from phi-space into the model's embedding space,
+and with BoMM's scheduler a :class:`~fedtune.methods.bomm.scheduler.SampleScheduler`. All of it lives
 in the party's persistent ``state``.
 
 **What it sends** (the ``fit`` reply, once, when the cloud asks: its representations never
 change, phi being frozen): for the rows in the method's scope (aligned ids, or all rows) their
 party-local positions, sample ids, masks, labels (-1 where unlabeled) and phi-representations
 (n, 2, 1280), zeros for absent modalities (phi never reads those); with alignment also its class
-prototypes (C, 2, 1280) and their counts (:func:`~fedtune.models.bomm.alignment.class_prototypes`).
+prototypes (C, 2, 1280) and their counts (:func:`~fedtune.methods.bomm.alignment.class_prototypes`).
 Never a pixel or a spectrogram.
 
 **Local training** (:meth:`BommParty.train_sm`, ``train.local_steps`` steps of the task's optimizer
@@ -51,15 +51,22 @@ import torch.nn.functional as F
 from fedtune.config import ConfigError
 from fedtune.data.batches import index_batches
 from fedtune.data.paired import missing_modality
+from fedtune.methods.bomm.alignment import class_prototypes
+from fedtune.methods.bomm.backbone import FEATURE_DIM, source_features
 from fedtune.methods.bomm.common import (
-    GENERATOR_INIT, SCHEDULER_INIT, Standardizer, fit_generator, generate, load_module, module_arrays, party_seed,
+    GENERATOR_INIT,
+    SCHEDULER_INIT,
+    Standardizer,
+    fit_generator,
+    generate,
+    load_module,
+    module_arrays,
+    party_seed,
 )
+from fedtune.methods.bomm.networks import Adapters, Generator
 from fedtune.methods.bomm.options import MODES, Mode
+from fedtune.methods.bomm.scheduler import SampleScheduler, batch_level_reward, sample_level_reward
 from fedtune.models.audio import seeded
-from fedtune.models.bomm.alignment import class_prototypes
-from fedtune.models.bomm.backbone import FEATURE_DIM, source_features
-from fedtune.models.bomm.networks import Adapters, Generator
-from fedtune.models.bomm.scheduler import SampleScheduler, batch_level_reward, sample_level_reward
 from fedtune.models.multimodal import MODALITY_NAMES
 from fedtune.models.training import evaluate_classifier, make_optimizer, seed_for, train_mode
 from fedtune.protocol.client import Client
@@ -115,8 +122,9 @@ class BommParty(Client):
             present = self.masks[local, m]
             if present.any():
                 source = train.image_index if name == "image" else train.audio_index
-                out[present, m] = source_features(self.task, 0, name, source[self.rows[local[present]]], o.backbone,
-                                                  o.backbone_size)
+                out[present, m] = source_features(
+                    self.task, 0, name, source[self.rows[local[present]]], o.backbone, o.backbone_size
+                )
         return out
 
     def test_features(self, modality: int) -> np.ndarray:
@@ -137,12 +145,15 @@ class BommParty(Client):
             load_module(adapters, self.state, "ad.")
         if self.mode.scheduler and o.scheduler:
             in_dim = 3 * sm.embed_dim + self.task.num_labels
-            sched = seeded(seed_for(self.config.seed, SCHEDULER_INIT, self.cid),
-                           lambda: SampleScheduler(in_dim, o.scheduler_hidden))
+            sched = seeded(
+                seed_for(self.config.seed, SCHEDULER_INIT, self.cid),
+                lambda: SampleScheduler(in_dim, o.scheduler_hidden),
+            )
             load_module(sched, self.state, "sc.")
         if self.mode.completion == "local":
-            gen = seeded(seed_for(self.config.seed, GENERATOR_INIT, self.cid),
-                         lambda: Generator(FEATURE_DIM, o.generator_hidden))
+            gen = seeded(
+                seed_for(self.config.seed, GENERATOR_INIT, self.cid), lambda: Generator(FEATURE_DIM, o.generator_hidden)
+            )
             load_module(gen, self.state, "gen.")
         return sm, adapters, sched, gen
 
@@ -192,8 +203,11 @@ class BommParty(Client):
             transferred = int(fresh.sum())
         completions = None
         if "gen_rows" in a:
-            completions = (np.asarray(a["gen_rows"], np.int64), np.asarray(a["gen_modality"], np.int64),
-                           np.asarray(a["gen"], np.float32))
+            completions = (
+                np.asarray(a["gen_rows"], np.int64),
+                np.asarray(a["gen_modality"], np.int64),
+                np.asarray(a["gen"], np.float32),
+            )
         meta = self.train_sm(int(message.meta["round"]), labels, completions)
         return Message({}, {**meta, "transferred_labels": transferred})
 
@@ -223,8 +237,17 @@ class BommParty(Client):
         return float(cos.mean())
 
     # -- local training ------------------------------------------------------------------------
-    def forward(self, sm, adapters, local: np.ndarray, use: np.ndarray, gen: np.ndarray, gen_mod: np.ndarray,
-                ds=None, split: int = 0):
+    def forward(
+        self,
+        sm,
+        adapters,
+        local: np.ndarray,
+        use: np.ndarray,
+        gen: np.ndarray,
+        gen_mod: np.ndarray,
+        ds=None,
+        split: int = 0,
+    ):
         """Logits (B, C), embeddings (B, 2, d), fused embedding (B, d) and the real-modality mask
         (B, 2) of rows ``local`` (of the party, or of ``ds``), where rows with ``use`` take the
         adapted ``gen`` as their ``gen_mod`` modality."""
@@ -240,8 +263,9 @@ class BommParty(Client):
             adapted = torch.zeros(len(idx), emb.shape[-1])
             for m in np.unique(mods):
                 sel = mods == m
-                adapted = adapted.index_put((torch.from_numpy(np.flatnonzero(sel)),),
-                                            adapters(torch.from_numpy(gen[idx[sel]]), int(m)))
+                adapted = adapted.index_put(
+                    (torch.from_numpy(np.flatnonzero(sel)),), adapters(torch.from_numpy(gen[idx[sel]]), int(m))
+                )
             where = (torch.from_numpy(idx), torch.from_numpy(mods))
             emb = emb.index_put(where, adapted)
             mask = mask.index_put(where, torch.ones(len(idx), dtype=torch.bool))
@@ -346,8 +370,13 @@ class BommParty(Client):
             optimizer.step()
             total += loss.item()
         self.save(sm, adapters, sched, gen)
-        meta = {"train_loss": total / steps, "steps": steps, "num_examples": int(len(pool)),
-                "completed": stats["completed"], "selected": stats["selected"]}
+        meta = {
+            "train_loss": total / steps,
+            "steps": steps,
+            "num_examples": int(len(pool)),
+            "completed": stats["completed"],
+            "selected": stats["selected"],
+        }
         if stats["rewards"]:
             meta["reward_mean"] = stats["reward_sum"] / stats["rewards"]
         return meta
@@ -369,9 +398,21 @@ class BommParty(Client):
         source = np.concatenate([z[both, 1], z[both, 0]])
         target = np.concatenate([np.zeros(len(both), np.int64), np.ones(len(both), np.int64)])
         g_p = np.concatenate([z[both, 0], z[both, 1]])
-        fit_generator(gen, source, target, g_p, np.zeros(len(target)), preference=False, beta=o.beta, gamma=o.gamma,
-                      prefer=o.prefer, epochs=o.generator_epochs, lr=o.generator_lr, batch_size=o.cloud_batch_size,
-                      seed=seed_for(self.config.seed, rnd, self.cid, GENERATOR_INIT))
+        fit_generator(
+            gen,
+            source,
+            target,
+            g_p,
+            np.zeros(len(target)),
+            preference=False,
+            beta=o.beta,
+            gamma=o.gamma,
+            prefer=o.prefer,
+            epochs=o.generator_epochs,
+            lr=o.generator_lr,
+            batch_size=o.cloud_batch_size,
+            seed=seed_for(self.config.seed, rnd, self.cid, GENERATOR_INIT),
+        )
         self.save(None, None, None, gen)
         one = np.flatnonzero(self.masks.sum(axis=1) == 1)
         missing = np.where(self.masks[one, 0], 1, 0).astype(np.int64)  # the modality each row lacks
@@ -391,8 +432,16 @@ class BommParty(Client):
         n, bs = len(ds), self.config.train.eval_batch_size
 
         def forward(model, idx):
-            logits, _, _, _ = self.forward(model, adapters, idx, np.ones(len(idx), bool), test_gen[idx],
-                                           np.full(len(idx), t, np.int64), ds=ds, split=1)
+            logits, _, _, _ = self.forward(
+                model,
+                adapters,
+                idx,
+                np.ones(len(idx), bool),
+                test_gen[idx],
+                np.full(len(idx), t, np.int64),
+                ds=ds,
+                split=1,
+            )
             labels = torch.from_numpy(ds.labels[idx])
             return logits, labels, F.cross_entropy(logits, labels)
 

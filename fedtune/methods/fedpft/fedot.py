@@ -6,7 +6,7 @@ The model's layers split into the bottom ``adapter_bottom`` and top ``adapter_to
 round(i (n-1)/(k-1)) of the n middle layers, both ends kept; default k = round(3/8 n), the
 paper's 8 -> 3 for BERT-base) and distills it before FL: the emulator's output must match the
 full middle block's on a public data set, as Offsite-Tuning's ``get_kd_loss`` (normalized MSE,
-:func:`~fedtune.models.proxy_distill.normalized_mse`), every emulator parameter training, the
+:func:`~fedtune.methods.fedpft.distill.normalized_mse`), every emulator parameter training, the
 adapter (identical in both) frozen. The emulator then stays frozen.
 
 FL: clients get the proxy (adapter + emulator + embeddings + head) once through Messages
@@ -30,6 +30,9 @@ import torch
 from pydantic import Field
 
 from fedtune.config import ConfigError
+from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS
+from fedtune.methods.fedpft.distill import DistillPairs
+from fedtune.methods.fedpft.ffn_proxy import ProxyShape, find_stack, keep_layers, uniform_choose
 from fedtune.methods.fedpft.proxy import (
     ModelTask,
     ProxyClient,
@@ -39,20 +42,25 @@ from fedtune.methods.fedpft.proxy import (
     lora_target_modules,
     state_tensors,
 )
-from fedtune.methods.lora_common import LORA, SERVER_DEVIATIONS
-from fedtune.models.ffn_proxy import ProxyShape, find_stack, keep_layers, uniform_choose
 from fedtune.models.lora import LoraWorkspace
-from fedtune.models.proxy_distill import DistillPairs
 from fedtune.registry import register
 
 
 class FedOTOptions(ProxyOptions):
     adapter_bottom: int = Field(1, ge=0, description="bottom layers of the adapter (paper: 2 of 12)")
     adapter_top: int = Field(1, ge=0, description="top layers of the adapter (paper: 2 of 12)")
-    emulator_layers: int | None = Field(None, ge=0, description="middle layers kept (None: round(3/8 of them), paper 8 -> 3)")
-    adapter_rank: int | None = Field(None, gt=0, description="LoRA rank on the adapter (None: lora_rank x layers / adapter layers)")
+    emulator_layers: int | None = Field(
+        None, ge=0, description="middle layers kept (None: round(3/8 of them), paper 8 -> 3)"
+    )
+    adapter_rank: int | None = Field(
+        None, gt=0, description="LoRA rank on the adapter (None: lora_rank x layers / adapter layers)"
+    )
 
-    proxy_fields: ClassVar[tuple[str, ...]] = ProxyOptions.proxy_fields + ("adapter_bottom", "adapter_top", "emulator_layers")
+    proxy_fields: ClassVar[tuple[str, ...]] = ProxyOptions.proxy_fields + (
+        "adapter_bottom",
+        "adapter_top",
+        "emulator_layers",
+    )
     deviations: ClassVar[dict[str, str]] = {
         **SERVER_DEVIATIONS,
         "options.distill_data": "None (default) distills on the task's own held-out examples, not a public corpus",
@@ -65,7 +73,9 @@ def layer_plan(n_layers: int, bottom: int, top: int, emulator: int | None) -> li
     the middle), the top adapter."""
     middle = n_layers - bottom - top
     if middle < 0:
-        raise ConfigError(f"options.adapter_bottom + adapter_top = {bottom + top} exceeds the model's {n_layers} layers")
+        raise ConfigError(
+            f"options.adapter_bottom + adapter_top = {bottom + top} exceeds the model's {n_layers} layers"
+        )
     k = (max(1, round(3 * middle / 8)) if middle else 0) if emulator is None else emulator
     if k > middle:
         raise ConfigError(f"options.emulator_layers = {k}: the model has only {middle} middle layers")
@@ -107,7 +117,11 @@ class FedOTStrategy(ProxyStrategy):
         self.n_layers = len(find_stack(model))
         self.keep = layer_plan(self.n_layers, o.adapter_bottom, o.adapter_top, o.emulator_layers)
         stack = keep_layers(model, self.keep)
-        record = {"layers": self.keep, "full_params": full_params, "proxy_params": sum(p.numel() for p in model.parameters())}
+        record = {
+            "layers": self.keep,
+            "full_params": full_params,
+            "proxy_params": sum(p.numel() for p in model.parameters()),
+        }
         emulator = self.emulator_positions
         if o.distill_before and o.distill_steps and emulator:
             teacher = self.teacher()
@@ -116,10 +130,10 @@ class FedOTStrategy(ProxyStrategy):
             params = [p for i in emulator for p in stack.layers[i].parameters()]
             for p in params:
                 p.requires_grad_(True)
-            pairs = DistillPairs(teacher, model, [t_stack.layers[self.n_layers - o.adapter_top - 1]],
-                                 [stack.layers[emulator[-1]]])
-            record["distill"] = self.run_distillation(pairs, params, o.distill_steps, 0,
-                                                      "fedot: emulator distillation")
+            pairs = DistillPairs(
+                teacher, model, [t_stack.layers[self.n_layers - o.adapter_top - 1]], [stack.layers[emulator[-1]]]
+            )
+            record["distill"] = self.run_distillation(pairs, params, o.distill_steps, 0, "fedot: emulator distillation")
             model.requires_grad_(False)
         return model, record
 
@@ -164,7 +178,7 @@ class FedOTStrategy(ProxyStrategy):
         out = {}
         for name, a in arrays.items():
             if name.startswith(path):
-                pos, rest = name[len(path):].split(".", 1)
+                pos, rest = name[len(path) :].split(".", 1)
                 name = f"{path}{self.keep[int(pos)]}.{rest}"
             out[name] = a
         return out

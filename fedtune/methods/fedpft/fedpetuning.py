@@ -10,9 +10,10 @@ and the strategy the sizes a client holds and trains, measured as FedPFT's and F
 
 from __future__ import annotations
 
+from fedtune.methods.base.averaging import UpdateClient
+from fedtune.methods.base.lora import LORA
 from fedtune.methods.fedit import FedITOptions, FedITStrategy
 from fedtune.methods.fedpft.proxy import base_params, memory_metrics, size_metrics, train_lora
-from fedtune.methods.lora_common import LORA, UpdateClient
 from fedtune.protocol.messages import Message
 from fedtune.registry import register
 
@@ -28,8 +29,16 @@ class FedPETuningStrategy(FedITStrategy):
 class FedPETuningClient(UpdateClient):
     def fit(self, message: Message) -> Message:
         received, meta = message.arrays, message.meta
-        trained, result, peak = train_lora(self.context.workspace, received, int(meta["rank"]), None, self.context.task,
-                                           self.context.partitions[self.cid], self.config, self.train_seed(int(meta["round"])))
+        trained, result, peak = train_lora(
+            self.context.workspace,
+            received,
+            int(meta["rank"]),
+            None,
+            self.context.task,
+            self.context.partitions[self.cid],
+            self.config,
+            self.train_seed(int(meta["round"])),
+        )
         return self.upload({k: trained[k] - received[k] for k in trained}, result, peak_mem_bytes=int(peak))
 
 

@@ -5,12 +5,12 @@
    of 12 layers), keep the ``options.keep_ratio`` most salient FFN neurons (eq. 8:
    sqrt(||W1[i,:]||^2 + ||W2[:,i]||^2)) in their original order, with their b1 entries; b2, the
    attention, every norm and the embeddings are copied unchanged
-   (:func:`~fedtune.models.ffn_proxy.compress_ffns`).
+   (:func:`~fedtune.methods.fedpft.ffn_proxy.compress_ffns`).
 2. **Layer-level distillation before FL** (Sec. 3.5.1, eq. 13): the server trains the compressed
    FFNs' W1, b1, W2, b2 (nothing else) so that every compressed layer's output matches the full
    model's on a public data set (``options.distill_data``), loss = mean over the compressed
    layers of the normalized MSE of the outputs plus ``options.distill_mu`` times the normalized
-   MSE of W1 W2 (:mod:`fedtune.models.proxy_distill`, as the published ``DistillBertModel``).
+   MSE of W1 W2 (:mod:`fedtune.methods.fedpft.distill`, as the published ``DistillBertModel``).
    (The published code also trains the LayerNorm after the FFN; here only the FFN trains, and
    teacher and student run in eval mode, without dropout, so the target is deterministic.)
 3. **FL on the proxy**: clients tune LoRA on the proxy's attention (the task's LoRA targets; a
@@ -67,6 +67,16 @@ import torch
 from pydantic import Field
 
 from fedtune.config import ConfigError
+from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS
+from fedtune.methods.fedpft.distill import DistillPairs, count_zero_activations
+from fedtune.methods.fedpft.ffn_proxy import (
+    ProxyShape,
+    Stack,
+    compress_ffns,
+    find_stack,
+    shrink_ffn,
+    weight_product,
+)
 from fedtune.methods.fedpft.proxy import (
     ProxyClient,
     ProxyOptions,
@@ -76,16 +86,6 @@ from fedtune.methods.fedpft.proxy import (
     lora_target_modules,
     state_tensors,
 )
-from fedtune.methods.lora_common import LORA, SERVER_DEVIATIONS
-from fedtune.models.ffn_proxy import (
-    ProxyShape,
-    Stack,
-    compress_ffns,
-    find_stack,
-    shrink_ffn,
-    weight_product,
-)
-from fedtune.models.proxy_distill import DistillPairs, count_zero_activations
 from fedtune.models.training import seed_for
 from fedtune.protocol.messages import Message
 from fedtune.protocol.validation import ArraySpec
@@ -96,19 +96,29 @@ TOKENS = APOZ + "tokens"
 
 
 class FedPFTOptions(ProxyOptions):
-    keep_ratio: float = Field(0.25, gt=0, le=1, description="fraction of FFN neurons a compressed layer keeps (paper: 0.25)")
+    keep_ratio: float = Field(
+        0.25, gt=0, le=1, description="fraction of FFN neurons a compressed layer keeps (paper: 0.25)"
+    )
     retained_layers: list[int] | None = Field(
-        None, description="layers left uncompressed (None: the first and the last; none for a model of at most 2 layers)")
+        None,
+        description="layers left uncompressed (None: the first and the last; none for a model of at most 2 layers)",
+    )
     distill_mu: float = Field(1.0, ge=0, description="mu of eq. (13) before FL (published distill_alpha default 1)")
     distill_during: bool = Field(True, description="neuron-level distillation during FL (eq. 14)")
     align_interval: int = Field(10, gt=0, description="t: align every t rounds (paper 10)")
-    align_fraction: float = Field(0.5, gt=0, le=1, description="p: fraction of each compressed FFN's neurons updated (paper 0.5)")
+    align_fraction: float = Field(
+        0.5, gt=0, le=1, description="p: fraction of each compressed FFN's neurons updated (paper 0.5)"
+    )
     align_steps: int = Field(20, ge=0, description="public batches per neuron-level distillation")
     align_mu: float = Field(0.0, ge=0, description="mu of eq. (13) during FL (published alignment: 0)")
     apoz_threshold: float = Field(0.0, description="an activation a <= this counts as zero in APoZ (eq. 14)")
     apoz_max_examples: int = Field(512, gt=0, description="examples of a client's data its APoZ counts (at most)")
 
-    proxy_fields: ClassVar[tuple[str, ...]] = ProxyOptions.proxy_fields + ("keep_ratio", "retained_layers", "distill_mu")
+    proxy_fields: ClassVar[tuple[str, ...]] = ProxyOptions.proxy_fields + (
+        "keep_ratio",
+        "retained_layers",
+        "distill_mu",
+    )
     deviations: ClassVar[dict[str, str]] = {
         **SERVER_DEVIATIONS,
         "options.distill_data": "None (default) distills on the task's own held-out examples, not a public corpus of "
@@ -141,8 +151,10 @@ def neuron_masks(stack: Stack, i: int, selected: np.ndarray) -> dict[torch.nn.Pa
     ffn = stack.ffn(i)
     sel = torch.zeros(ffn.width, dtype=torch.bool)
     sel[torch.as_tensor(selected, dtype=torch.long)] = True
-    masks = {ffn.up.weight: sel[:, None].expand_as(ffn.up.weight).clone(),
-             ffn.down.weight: sel[None, :].expand_as(ffn.down.weight).clone()}
+    masks = {
+        ffn.up.weight: sel[:, None].expand_as(ffn.up.weight).clone(),
+        ffn.down.weight: sel[None, :].expand_as(ffn.down.weight).clone(),
+    }
     if ffn.up.bias is not None:
         masks[ffn.up.bias] = sel.clone()
     if ffn.down.bias is not None:
@@ -171,8 +183,9 @@ def neuron_delta(stack: Stack, i: int, idx: np.ndarray) -> dict[str, np.ndarray]
     return out
 
 
-def apply_neuron_delta(arrays: dict[str, np.ndarray], names: dict[str, str], delta: dict[str, np.ndarray],
-                       idx: np.ndarray) -> None:
+def apply_neuron_delta(
+    arrays: dict[str, np.ndarray], names: dict[str, str], delta: dict[str, np.ndarray], idx: np.ndarray
+) -> None:
     """Write one layer's neuron ``delta`` (parts -> values) into ``arrays`` (state-dict names ->
     arrays, ``names``: part -> state-dict name), replacing the arrays it changes."""
     for part, value in delta.items():
@@ -206,8 +219,11 @@ class FedPFTStrategy(ProxyStrategy):
         self.layers = compressed_layers(len(find_stack(model)), o.retained_layers)
         self.kept = {i: idx.numpy() for i, idx in compress_ffns(model, self.layers, o.keep_ratio).items()}
         self.check_targets(model)
-        record = {"layers": self.layers, "full_params": full_params,
-                  "proxy_params": sum(p.numel() for p in model.parameters())}
+        record = {
+            "layers": self.layers,
+            "full_params": full_params,
+            "proxy_params": sum(p.numel() for p in model.parameters()),
+        }
         if o.distill_before and o.distill_steps and self.layers:
             teacher = self.teacher()
             t_stack, s_stack = find_stack(teacher), find_stack(model)
@@ -215,17 +231,28 @@ class FedPFTStrategy(ProxyStrategy):
             params = [p for i in self.layers for p in s_stack.ffn(i).parameters()]
             for p in params:
                 p.requires_grad_(True)
-            pairs = DistillPairs(teacher, model, [t_stack.layers[i] for i in self.layers],
-                                 [s_stack.layers[i] for i in self.layers],
-                                 [(weight_product(t_stack.ffn(i)).detach(), s_stack.ffn(i)) for i in self.layers], o.distill_mu)
-            record["distill"] = self.run_distillation(pairs, params, o.distill_steps, 0,
-                                                      "fedpft: layer-level distillation (eq. 13)")
+            pairs = DistillPairs(
+                teacher,
+                model,
+                [t_stack.layers[i] for i in self.layers],
+                [s_stack.layers[i] for i in self.layers],
+                [(weight_product(t_stack.ffn(i)).detach(), s_stack.ffn(i)) for i in self.layers],
+                o.distill_mu,
+            )
+            record["distill"] = self.run_distillation(
+                pairs, params, o.distill_steps, 0, "fedpft: layer-level distillation (eq. 13)"
+            )
             model.requires_grad_(False)
         return model, record
 
     def check_targets(self, model: torch.nn.Module) -> None:
         stack = find_stack(model)
-        ffn = {f"{stack.path}.{i}.{p}" for i in self.layers for p in (stack.layout.up, stack.layout.down, stack.layout.gate) if p}
+        ffn = {
+            f"{stack.path}.{i}.{p}"
+            for i in self.layers
+            for p in (stack.layout.up, stack.layout.down, stack.layout.gate)
+            if p
+        }
         bad = sorted(set(lora_target_modules(self.context.task, model)) & ffn)
         if bad:
             raise ConfigError(f"model.target_modules: FedPFT adapts attention, not the compressed FFNs ({bad[0]} ...)")
@@ -234,7 +261,9 @@ class FedPFTStrategy(ProxyStrategy):
         self.layers = [int(i) for i in np.asarray(state["layers"]).ravel()]
         self.kept = {int(i): np.asarray(v) for i, v in state["kept"].items()}
         self.version = int(state.get("version", 0))
-        self.changes = {int(v): {int(i): np.asarray(idx) for i, idx in c.items()} for v, c in state.get("changes", {}).items()}
+        self.changes = {
+            int(v): {int(i): np.asarray(idx) for i, idx in c.items()} for v, c in state.get("changes", {}).items()
+        }
 
     def rebuild(self, state: dict) -> torch.nn.Module:
         model = self.context.task.build_model(self.config.seed)
@@ -248,11 +277,18 @@ class FedPFTStrategy(ProxyStrategy):
         if self._proxy is None and self._proxy_state is not None:
             return self._proxy_state
         stack = find_stack(self.proxy)
-        ffn = {name: self.clean_tensors[name].detach().numpy().copy()
-               for i in self.layers for name in stack.param_names(i).values()}
-        return {"layers": np.asarray(self.layers, dtype=np.int64), "kept": {str(i): v for i, v in self.kept.items()},
-                "ffn": ffn, "version": self.version,
-                "changes": {str(v): {str(i): idx for i, idx in c.items()} for v, c in self.changes.items()}}
+        ffn = {
+            name: self.clean_tensors[name].detach().numpy().copy()
+            for i in self.layers
+            for name in stack.param_names(i).values()
+        }
+        return {
+            "layers": np.asarray(self.layers, dtype=np.int64),
+            "kept": {str(i): v for i, v in self.kept.items()},
+            "ffn": ffn,
+            "version": self.version,
+            "changes": {str(v): {str(i): idx for i, idx in c.items()} for v, c in self.changes.items()},
+        }
 
     @property
     def shape(self) -> ProxyShape:
@@ -268,8 +304,13 @@ class FedPFTStrategy(ProxyStrategy):
     # -- neuron-level distillation (eq. 14) -------------------------------------------------------------
     def align_round(self, rnd: int) -> bool:
         o = self.options
-        return (o.distill_during and rnd % o.align_interval == 0 and rnd < self.config.rounds and o.align_steps > 0
-                and bool(self.layers))
+        return (
+            o.distill_during
+            and rnd % o.align_interval == 0
+            and rnd < self.config.rounds
+            and o.align_steps > 0
+            and bool(self.layers)
+        )
 
     def fit_meta(self, rnd: int) -> dict:
         return {"apoz": True} if self.align_round(rnd) else {}
@@ -295,9 +336,13 @@ class FedPFTStrategy(ProxyStrategy):
         self.version += 1
         self.changes[self.version] = selected
         uploaded = sum(m.arrays[k].nbytes for m in got for k in m.arrays if k.startswith(APOZ))
-        return {"apoz_upload_bytes": float(uploaded), "apoz_mean": float(np.mean([a.mean() for a in apoz.values()])),
-                "align_heldout_error_before": record["heldout_output_error_before"],
-                "align_heldout_error_after": record["heldout_output_error_after"], "proxy_version": float(self.version)}
+        return {
+            "apoz_upload_bytes": float(uploaded),
+            "apoz_mean": float(np.mean([a.mean() for a in apoz.values()])),
+            "align_heldout_error_before": record["heldout_output_error_before"],
+            "align_heldout_error_after": record["heldout_output_error_after"],
+            "proxy_version": float(self.version),
+        }
 
     def align(self, selected: dict[int, np.ndarray], rnd: int) -> dict:
         """Distill the ``selected`` neurons of the proxy from the full model, both with the current
@@ -315,12 +360,22 @@ class FedPFTStrategy(ProxyStrategy):
         for p in params:
             p.requires_grad_(True)
         try:
-            pairs = DistillPairs(full.model, proxy.model, [t_stack.layers[i] for i in self.layers],
-                                 [s_stack.layers[i] for i in self.layers],
-                                 [(weight_product(t_stack.ffn(i)).detach(), s_stack.ffn(i)) for i in self.layers],
-                                 self.options.align_mu)
-            return self.run_distillation(pairs, params, self.options.align_steps, rnd,
-                                         f"fedpft: neuron-level distillation, round {rnd}", masks=masks)
+            pairs = DistillPairs(
+                full.model,
+                proxy.model,
+                [t_stack.layers[i] for i in self.layers],
+                [s_stack.layers[i] for i in self.layers],
+                [(weight_product(t_stack.ffn(i)).detach(), s_stack.ffn(i)) for i in self.layers],
+                self.options.align_mu,
+            )
+            return self.run_distillation(
+                pairs,
+                params,
+                self.options.align_steps,
+                rnd,
+                f"fedpft: neuron-level distillation, round {rnd}",
+                masks=masks,
+            )
         finally:
             for p in params:
                 p.requires_grad_(False)
@@ -366,8 +421,14 @@ class FedPFTClient(ProxyClient):
         n = min(len(pool), self.options.apoz_max_examples)
         rng = np.random.default_rng(seed_for(self.config.seed, int(message.meta["round"]), self.cid, 0xA907))
         batches = self.context.task.train_batches(pool, cfg.batch_size, math.ceil(n / cfg.batch_size), rng)
-        zeros, tokens = count_zero_activations(ws.model, [stack.ffn(i) for i in layers], stack.layers[max(layers)],
-                                               batches, self.context.task.loss, self.options.apoz_threshold)
+        zeros, tokens = count_zero_activations(
+            ws.model,
+            [stack.ffn(i) for i in layers],
+            stack.layers[max(layers)],
+            batches,
+            self.context.task.loss,
+            self.options.apoz_threshold,
+        )
         out = {f"{APOZ}{i}": z.numpy().astype(np.int32) for i, z in zip(layers, zeros)}
         out[TOKENS] = np.asarray(tokens, dtype=np.int64)
         return out

@@ -25,7 +25,7 @@ checkpointed: after ``--resume`` (a new process, an empty store) every client do
 again, so a resumed run counts those extra bytes; its accuracies are unaffected.
 
 **Client.** Builds the proxy's skeleton once per process (the task's model reshaped by the
-received :class:`~fedtune.models.ffn_proxy.ProxyShape`), loads *every* tensor of the held version
+received :class:`~fedtune.methods.fedpft.ffn_proxy.ProxyShape`), loads *every* tensor of the held version
 into it (nothing of the locally built weights survives), trains the received adapter on it for
 ``train.local_steps`` and uploads the update (trained minus received, through the upload codec).
 Its reply's ``meta["peak_mem_bytes"]`` is its training memory
@@ -39,9 +39,10 @@ import hashlib
 import json
 import sys
 from abc import abstractmethod
+from collections.abc import Callable, Mapping
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -49,8 +50,7 @@ from pydantic import Field
 
 from fedtune.checkpoint import load_state, save_state
 from fedtune.config import ConfigError, RunConfig
-from fedtune.methods.lora_common import (
-    GlobalAdapterStrategy,
+from fedtune.methods.base.averaging import (
     UpdateClient,
     Weighting,
     client_weights,
@@ -58,9 +58,10 @@ from fedtune.methods.lora_common import (
     mean_train_loss,
     weighted_average,
 )
-from fedtune.models.ffn_proxy import ProxyShape, SubmodelError, apply_shape, find_stack
+from fedtune.methods.base.lora import GlobalAdapterStrategy
+from fedtune.methods.fedpft.distill import DistillPairs, distill, distill_error
+from fedtune.methods.fedpft.ffn_proxy import ProxyShape, SubmodelError, apply_shape, find_stack
 from fedtune.models.lora import LoraWorkspace
-from fedtune.models.proxy_distill import DistillPairs, distill, distill_error
 from fedtune.models.train_memory import ActivationMeter, optimizer_states, training_peak_bytes
 from fedtune.models.training import FitResult, train_local
 from fedtune.protocol.messages import Message
@@ -79,23 +80,35 @@ class ProxyOptions(MethodOptions):
     weighting: Weighting = Field("examples", description="p_i: data size (FedAvg) or 1/N")
     distill_before: bool = Field(True, description="distill the proxy from the full model before FL")
     distill_data: str | None = Field(
-        None, description="public data set (a data.name of the task's kind, e.g. agnews for SST-2) for distillation; "
-        "None: the examples of the task's own training source outside the clients' pool (data.max_train_samples)")
+        None,
+        description="public data set (a data.name of the task's kind, e.g. agnews for SST-2) for distillation; "
+        "None: the examples of the task's own training source outside the clients' pool (data.max_train_samples)",
+    )
     distill_samples: int = Field(4000, gt=0, description="examples of the public set loaded")
     distill_steps: int = Field(200, ge=0, description="distillation steps before FL")
     distill_batch_size: int = Field(32, gt=0)
     distill_lr: float = Field(6e-4, gt=0, description="AdamW lr, linear warm-up 6 % then decay (paper C.2: 6e-4)")
     distill_weight_decay: float = Field(0.01, ge=0, description="paper C.2: 0.01")
     distill_seed: int | None = Field(
-        None, description="seed of the distillation's data draw and order (None: the run's seed); runs that differ only "
-        "in their seed then share one proxy (options.proxy_cache_dir)")
+        None,
+        description="seed of the distillation's data draw and order (None: the run's seed); runs that differ only "
+        "in their seed then share one proxy (options.proxy_cache_dir)",
+    )
     eval_proxy: bool = Field(True, description="also evaluate the proxy with the global adapter (proxy_accuracy)")
-    proxy_cache_dir: str | None = Field(None, description="folder shared by runs for distilled proxies (also cached in the run folder)")
+    proxy_cache_dir: str | None = Field(
+        None, description="folder shared by runs for distilled proxies (also cached in the run folder)"
+    )
 
     #: options that change the proxy built before FL (its cache key); subclasses add theirs
     proxy_fields: ClassVar[tuple[str, ...]] = (
-        "distill_before", "distill_data", "distill_samples", "distill_steps", "distill_batch_size", "distill_lr",
-        "distill_weight_decay")
+        "distill_before",
+        "distill_data",
+        "distill_samples",
+        "distill_steps",
+        "distill_batch_size",
+        "distill_lr",
+        "distill_weight_decay",
+    )
 
     def distill_seed_of(self, run_seed: int) -> int:
         return run_seed if self.distill_seed is None else self.distill_seed
@@ -109,8 +122,11 @@ class ModelTask:
     def __init__(self, task: Any, factory: Callable[[], torch.nn.Module], targets: list[str] | None = None) -> None:
         self._task, self._factory = task, factory
         cfg = task.config
-        self.config = cfg if targets is None else cfg.model_copy(
-            update={"model": cfg.model.model_copy(update={"target_modules": list(targets)})})
+        self.config = (
+            cfg
+            if targets is None
+            else cfg.model_copy(update={"model": cfg.model.model_copy(update={"target_modules": list(targets)})})
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._task, name)
@@ -146,16 +162,25 @@ def load_tensors(tensors: Mapping[str, torch.Tensor], arrays: Mapping[str, np.nd
             tensors[name].copy_(torch.as_tensor(array))
 
 
-def train_lora(ws: LoraWorkspace, arrays: Mapping[str, np.ndarray], rank: int, alpha: float | None, task: Any,
-               pool: np.ndarray, config: RunConfig, seed: int) -> tuple[dict[str, np.ndarray], FitResult, int]:
+def train_lora(
+    ws: LoraWorkspace,
+    arrays: Mapping[str, np.ndarray],
+    rank: int,
+    alpha: float | None,
+    task: Any,
+    pool: np.ndarray,
+    config: RunConfig,
+    seed: int,
+) -> tuple[dict[str, np.ndarray], FitResult, int]:
     """Load ``arrays`` into ``ws``'s adapter, train it locally (:func:`train_local`), and measure
     the training's peak memory (:func:`~fedtune.models.train_memory.training_peak_bytes`).
     Returns (trained arrays, fit result, peak bytes)."""
     params = ws.load(arrays, rank, alpha)
     with ActivationMeter(ws.model) as meter:
         result = train_local(ws.model, list(params.values()), task, pool, config.train, seed)
-    peak = training_peak_bytes(ws.model, list(params.values()),
-                               optimizer_states(config.train.optimizer, config.train.momentum), meter.peak)
+    peak = training_peak_bytes(
+        ws.model, list(params.values()), optimizer_states(config.train.optimizer, config.train.momentum), meter.peak
+    )
     return {k: p.detach().numpy().copy() for k, p in params.items()}, result, peak
 
 
@@ -166,7 +191,10 @@ def memory_metrics(replies: Mapping[int, Message]) -> dict[str, float]:
 
 def size_metrics(model_params: int, adapter: Mapping[str, np.ndarray]) -> dict[str, float]:
     """What a client holds and trains: the parameters of its model (without LoRA) and of the adapter."""
-    return {"client_model_params": float(model_params), "client_trainable_params": float(sum(a.size for a in adapter.values()))}
+    return {
+        "client_model_params": float(model_params),
+        "client_trainable_params": float(sum(a.size for a in adapter.values())),
+    }
 
 
 def base_params(model: torch.nn.Module) -> int:
@@ -202,9 +230,11 @@ def public_source(config: RunConfig, name: str | None, samples: int, seed: int) 
     task = build_task(config.model_copy(update={"data": data.model_copy(update={"max_train_samples": None})}))
     n = len(task.train)
     if limit is None or limit >= n:
-        raise ConfigError("options.distill_data: name a public data set of the task's kind for distillation "
-                          "(none given, and data.max_train_samples leaves no example of the training source out of "
-                          "the clients' pool)")
+        raise ConfigError(
+            "options.distill_data: name a public data set of the task's kind for distillation "
+            "(none given, and data.max_train_samples leaves no example of the training source out of "
+            "the clients' pool)"
+        )
     held_out = np.setdiff1d(np.arange(n), subsample(_Indices(n), limit, config.seed))
     if len(held_out) > samples:
         held_out = np.sort(np.random.default_rng([seed, 0xD157]).choice(held_out, samples, replace=False))
@@ -308,7 +338,7 @@ class ProxyStrategy(GlobalAdapterStrategy):
         o = self.options
         task, pool = public_source(self.config, o.distill_data, o.distill_samples, o.distill_seed_of(self.config.seed))
         n_eval = min(256, len(pool) // 5)
-        return task, pool[: len(pool) - n_eval], pool[len(pool) - n_eval:]
+        return task, pool[: len(pool) - n_eval], pool[len(pool) - n_eval :]
 
     def public_batches(self, steps: int, stream: int, held_out: bool = False):
         task, pool, heldout = self.public
@@ -319,17 +349,33 @@ class ProxyStrategy(GlobalAdapterStrategy):
         """A forward pass on a batch (the task's loss; distillation cuts it short before the head)."""
         return self.context.task.loss(model, batch)
 
-    def run_distillation(self, pairs: DistillPairs, params: list, steps: int, stream: int, label: str,
-                         masks: dict | None = None) -> dict:
+    def run_distillation(
+        self, pairs: DistillPairs, params: list, steps: int, stream: int, label: str, masks: dict | None = None
+    ) -> dict:
         """:func:`distill` on public batches, with the held-out error before and after."""
         heldout_steps = max(1, len(self.public[2]) // self.options.distill_batch_size)
         before = distill_error(pairs, self.public_batches(heldout_steps, stream, True), self.forward)
-        losses = distill(pairs, params, self.public_batches(steps, stream), self.forward, steps, self.options.distill_lr,
-                         self.options.distill_weight_decay, masks=masks, log=progress(label, steps))
+        losses = distill(
+            pairs,
+            params,
+            self.public_batches(steps, stream),
+            self.forward,
+            steps,
+            self.options.distill_lr,
+            self.options.distill_weight_decay,
+            masks=masks,
+            log=progress(label, steps),
+        )
         after = distill_error(pairs, self.public_batches(heldout_steps, stream, True), self.forward)
-        return {"steps": steps, "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
-                "heldout_loss_before": before[0], "heldout_loss_after": after[0],
-                "heldout_output_error_before": before[1], "heldout_output_error_after": after[1]}
+        return {
+            "steps": steps,
+            "first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None,
+            "heldout_loss_before": before[0],
+            "heldout_loss_after": after[0],
+            "heldout_output_error_before": before[1],
+            "heldout_output_error_after": after[1],
+        }
 
     def teacher(self) -> torch.nn.Module:
         """The full model without any adapter (the server's, when not yet wrapped by LoRA)."""
@@ -342,10 +388,14 @@ class ProxyStrategy(GlobalAdapterStrategy):
         # the run's seed shapes the proxy through the distillation's draw (distill_seed overrides it) and,
         # without a public set, through the clients' pool that the held-out examples complement
         seeds = [o.distill_seed_of(c.seed), c.seed if o.distill_data is None else None]
-        what = {"method": self.method_name, "seeds": seeds, "task": c.task.model_dump(mode="json"),
-                "model": c.model.model_dump(mode="json", include={"name", "finetune"}),
-                "data": c.data.model_dump(mode="json", include={"name", "data_dir", "max_train_samples", "max_length"}),
-                "options": {k: getattr(o, k) for k in type(o).proxy_fields}}
+        what = {
+            "method": self.method_name,
+            "seeds": seeds,
+            "task": c.task.model_dump(mode="json"),
+            "model": c.model.model_dump(mode="json", include={"name", "finetune"}),
+            "data": c.data.model_dump(mode="json", include={"name", "data_dir", "max_train_samples", "max_length"}),
+            "options": {k: getattr(o, k) for k in type(o).proxy_fields},
+        }
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
     def cache_paths(self) -> list[Path]:
@@ -368,7 +418,11 @@ class ProxyStrategy(GlobalAdapterStrategy):
                     break
         else:
             self._proxy, self.record = self.construct()
-        state = {"key": key, "proxy": self.proxy_state(), "record": {k: v for k, v in self.record.items() if k != "cache"}}
+        state = {
+            "key": key,
+            "proxy": self.proxy_state(),
+            "record": {k: v for k, v in self.record.items() if k != "cache"},
+        }
         for path in self.cache_paths():
             if not path.is_file():
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -387,8 +441,16 @@ class ProxyStrategy(GlobalAdapterStrategy):
             self._round, self._sent, self._bytes = rnd, set(), {}
         out = {}
         for cid in client_ids:
-            arrays, meta = dict(self.global_arrays), {"round": rnd, "rank": self.rank, "alpha": self.alpha,
-                                                      "proxy_version": self.version, **self.fit_meta(rnd)}
+            arrays, meta = (
+                dict(self.global_arrays),
+                {
+                    "round": rnd,
+                    "rank": self.rank,
+                    "alpha": self.alpha,
+                    "proxy_version": self.version,
+                    **self.fit_meta(rnd),
+                },
+            )
             base = self.held.get(cid)
             if base is None:
                 extra = as_arrays(self.clean_tensors, PROXY)
@@ -419,14 +481,20 @@ class ProxyStrategy(GlobalAdapterStrategy):
         metrics: dict[str, float] = {k: float(v) for k, v in self._bytes.items()}
         if not replies:
             return metrics
-        updates = [decode_update({k: v for k, v in m.arrays.items() if k in self.global_arrays or ".topk_" in k})
-                   for m in replies.values()]
+        updates = [
+            decode_update({k: v for k, v in m.arrays.items() if k in self.global_arrays or ".topk_" in k})
+            for m in replies.values()
+        ]
         mean = weighted_average(updates, client_weights(replies, self.options.weighting))
         self.global_arrays = self.server_opt.step(self.global_arrays, mean)
         metrics.update(mean_train_loss(replies))
         metrics.update(memory_metrics(replies))
-        metrics.update(size_metrics(sum(t.numel() for t in self.clean_tensors.values() if isinstance(t, torch.nn.Parameter)),
-                                    self.global_arrays))
+        metrics.update(
+            size_metrics(
+                sum(t.numel() for t in self.clean_tensors.values() if isinstance(t, torch.nn.Parameter)),
+                self.global_arrays,
+            )
+        )
         metrics.update(self.after_aggregate(rnd, replies))
         return metrics
 
@@ -444,8 +512,11 @@ class ProxyStrategy(GlobalAdapterStrategy):
         return metrics
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "alpha": -1.0 if self.alpha is None else float(self.alpha),
-                "proxy": self.proxy_state()}
+        return {
+            **super().state_dict(),
+            "alpha": -1.0 if self.alpha is None else float(self.alpha),
+            "proxy": self.proxy_state(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
@@ -478,7 +549,7 @@ class ProxyClient(UpdateClient):
             shape = ProxyShape.from_meta(meta["proxy_shape"])
             if store.get("shape") != shape:
                 store.update(shape=shape, versions={}, skeleton=None, loaded=None)
-            store["versions"][version] = {k[len(PROXY):]: v for k, v in message.arrays.items() if k.startswith(PROXY)}
+            store["versions"][version] = {k[len(PROXY) :]: v for k, v in message.arrays.items() if k.startswith(PROXY)}
         elif kind == "delta":
             base = int(meta["proxy_base"])
             if held != base or base not in store["versions"]:
@@ -518,10 +589,19 @@ class ProxyClient(UpdateClient):
         received = {k: v for k, v in message.arrays.items() if not k.startswith(PROXY) and "/" not in k}
         ws.load(received, rank, alpha)
         extra = self.before_training(ws, message)
-        trained, result, peak = train_lora(ws, received, rank, alpha, self.context.task, self.context.partitions[self.cid],
-                                           self.config, self.train_seed(int(meta["round"])))
-        reply = self.upload({k: trained[k] - received[k] for k in trained}, result, proxy_version=version,
-                            peak_mem_bytes=int(peak))
+        trained, result, peak = train_lora(
+            ws,
+            received,
+            rank,
+            alpha,
+            self.context.task,
+            self.context.partitions[self.cid],
+            self.config,
+            self.train_seed(int(meta["round"])),
+        )
+        reply = self.upload(
+            {k: trained[k] - received[k] for k in trained}, result, proxy_version=version, peak_mem_bytes=int(peak)
+        )
         reply.arrays.update(extra)
         return reply
 
@@ -533,7 +613,22 @@ def check_layers(stack_len: int, layers: list[int], what: str) -> None:
 
 
 __all__ = [
-    "MB", "PROXY", "ModelTask", "ProxyClient", "ProxyOptions", "ProxyStrategy", "as_arrays", "base_params",
-    "check_layers", "find_stack", "load_tensors", "lora_target_modules", "memory_metrics", "progress", "public_source",
-    "size_metrics", "state_tensors", "train_lora",
+    "MB",
+    "PROXY",
+    "ModelTask",
+    "ProxyClient",
+    "ProxyOptions",
+    "ProxyStrategy",
+    "as_arrays",
+    "base_params",
+    "check_layers",
+    "find_stack",
+    "load_tensors",
+    "lora_target_modules",
+    "memory_metrics",
+    "progress",
+    "public_source",
+    "size_metrics",
+    "state_tensors",
+    "train_lora",
 ]

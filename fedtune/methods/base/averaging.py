@@ -1,37 +1,27 @@
-"""Pieces shared by the LoRA methods: local training on a Message, weighted averaging, the
-server's step on the aggregated update, centralized evaluation and saving of a global adapter.
+"""Weighted averaging of client updates, the bases of every method whose server adds a weighted
+mean of updates (FedAvg's round), and the upload codec.
 
 Clients upload *updates* (trained minus received arrays), so any upload codec (top-k) applies to
 every method the same way; :func:`encode_update` / :func:`decode_update` are that codec's hooks.
 The aggregated update goes through :class:`ServerOptimized` (``federation.server_optimizer``,
-:mod:`fedtune.methods.server_optimizer`), implemented once for every method.
+:mod:`fedtune.methods.base.server_optimizer`), implemented once for every method.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
 
 import numpy as np
-import torch
 
+from fedtune.methods.base.server_optimizer import ServerOptimizer
+from fedtune.models.training import FitResult, seed_for
 from fedtune.protocol.client import Client
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
 from fedtune.protocol.validation import ArraySpec, spec_like
-from fedtune.methods.server_optimizer import ServerOptimizer
-from fedtune.models.training import FitResult, seed_for, train_local
 
 Weighting = Literal["examples", "uniform"]
-LORA = ("lora",)  # the task capability every LoRA method requires (register(..., requires=LORA))
-
-# What departs from a method's paper in the settings every LoRA method shares (``fedtune methods
-# --verbose`` prints these with each method's own, from its options class's ``deviations``).
-SERVER_DEVIATIONS = {
-    "federation.server_optimizer": "'adam' (FedAdam on the averaged update, Reddi et al. 2021; what the published "
-    "FSLoRA code runs) departs from the method's plain (weighted) average",
-    "federation.server_lr": "a value other than 1 scales the averaged update: departs from the method's average",
-}
 
 
 def encode_update(update: dict[str, np.ndarray], topk: float | None) -> dict[str, np.ndarray]:
@@ -87,7 +77,7 @@ class UpdateClient(Client):
 
 class ServerOptimized:
     """A strategy whose aggregated update goes through the server optimizer
-    (:class:`~fedtune.methods.server_optimizer.ServerOptimizer`, from ``federation.server_*``);
+    (:class:`~fedtune.methods.base.server_optimizer.ServerOptimizer`, from ``federation.server_*``);
     its state belongs in the strategy's checkpoint (:meth:`server_state`)."""
 
     config: Any
@@ -130,83 +120,3 @@ class BroadcastAverage(ServerOptimized, Strategy):
         mean = weighted_average(updates, client_weights(replies, self.options.weighting))
         self.global_arrays = self.server_opt.step(self.global_arrays, mean)
         return mean_train_loss(replies)
-
-
-class RegularizedTask:
-    """The run's task with ``penalty()`` added to every training loss (HetLoRA's rank
-    self-pruning term); everything else is the task's own."""
-
-    def __init__(self, task: Any, penalty: Callable[[], torch.Tensor]) -> None:
-        self._task, self._penalty = task, penalty
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._task, name)
-
-    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        return self._task.loss(model, batch) + self._penalty()
-
-
-class LoraClient(UpdateClient):
-    """A client that loads the received adapter of a given rank, trains it locally, and
-    returns the new arrays and its fit result."""
-
-    def train_adapter(
-        self,
-        arrays: Mapping[str, np.ndarray],
-        rnd: int,
-        rank: int,
-        alpha: float | None = None,
-        penalty: Callable[[Mapping[str, torch.nn.Parameter]], torch.Tensor] | None = None,
-    ) -> tuple[dict[str, np.ndarray], FitResult]:
-        """``penalty(params)``, when given, is added to the training loss at every step."""
-        ws = self.context.workspace
-        params = ws.load(arrays, rank, alpha)
-        task = self.context.task if penalty is None else RegularizedTask(self.context.task, lambda: penalty(params))
-        result = train_local(
-            ws.model,
-            list(params.values()),
-            task,
-            self.context.partitions[self.cid],
-            self.config.train,
-            self.train_seed(rnd),
-        )
-        return {k: p.detach().numpy().copy() for k, p in params.items()}, result
-
-
-class GlobalAdapterStrategy(ServerOptimized, Strategy):
-    """A strategy whose global state is one adapter (``self.global_arrays``) of rank ``self.rank``:
-    centralized evaluation, state_dict (with the server optimizer's) and saving come for free;
-    clients are expected to reply with an update of every array they were sent."""
-
-    rank: int
-    global_arrays: dict[str, np.ndarray]
-    alpha: float | None = None
-
-    def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec]:
-        return update_of(sent)
-
-    def evaluate(self, rnd: int) -> dict[str, float]:
-        ws = self.context.workspace
-        ws.load(self.global_arrays, self.rank, self.alpha)
-        return self.context.task.evaluate(ws.model, self.config.train.eval_batch_size)
-
-    def state_dict(self) -> dict:
-        return {"rank": self.rank, "global": {k: v.copy() for k, v in self.global_arrays.items()}, **self.server_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.rank = int(state["rank"])
-        self.global_arrays = {k: np.asarray(v, dtype=np.float32).copy() for k, v in state["global"].items()}
-        self.load_server_state(state)
-
-    def save(self, run_dir: Path) -> None:
-        self.context.workspace.save_pretrained(run_dir / "adapter", self.global_arrays, self.rank, self.alpha)
-
-
-def client_rank(profile, global_rank: int) -> int:
-    """A client's LoRA rank budget: ``profile.rank``, else ``round(profile.sketch_ratio * r)``
-    (FSLoRA's k_i, rounded half up, so heterogeneous-rank baselines get r_i = k_i), else the global rank."""
-    if profile.rank is not None:
-        return min(int(profile.rank), global_rank)
-    if profile.sketch_ratio is not None:
-        return max(1, min(global_rank, int(profile.sketch_ratio * global_rank + 0.5)))  # half up
-    return global_rank

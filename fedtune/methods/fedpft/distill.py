@@ -19,13 +19,14 @@ gradient; here it does, as eq. (13) states.)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from fedtune.models.ffn_proxy import Ffn, weight_product
+from fedtune.methods.fedpft.ffn_proxy import Ffn, weight_product
 
 Forward = Callable[[nn.Module, Any], Any]
 
@@ -124,7 +125,8 @@ def distill(
     warm = max(1, int(math.ceil(warmup_ratio * steps)))
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: (s + 1) / warm if s < warm else max(0.0, (steps - s) / max(1, steps - warm)))
+        optimizer, lambda s: (s + 1) / warm if s < warm else max(0.0, (steps - s) / max(1, steps - warm))
+    )
     losses = []
     for step, batch in enumerate(batches):
         if step == steps:
@@ -208,7 +210,9 @@ def count_zero_activations(
     handles = []
     for i, f in enumerate(ffns):
         module, pre = _activation_source(f)
-        handles.append(module.register_forward_pre_hook(hook(i, True)) if pre else module.register_forward_hook(hook(i, False)))
+        handles.append(
+            module.register_forward_pre_hook(hook(i, True)) if pre else module.register_forward_hook(hook(i, False))
+        )
     try:
         tap = LayerTap([last_layer])
         for batch in batches:

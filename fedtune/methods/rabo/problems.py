@@ -4,7 +4,7 @@ f_i(x, y), over the task's data and model.
 
 A problem names its tensors (``outer`` x, ``inner`` y, and which of them are ``buffers``: batch-
 norm statistics, carried and averaged but never differentiated), gives their initial values, the
-:class:`~fedtune.models.rabo_masks.Structure` that masks them, each client's data of a round, the
+:class:`~fedtune.methods.rabo.masks.Structure` that masks them, each client's data of a round, the
 two losses on (sub-)tensors, and the evaluation of the global (x, y).
 
 - :class:`HyperRepresentation`, the few-shot task (RABO Sec. V-A, Franceschi et al. 2018):
@@ -51,7 +51,8 @@ classification tasks, the two problems above). A task can offer its own split in
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,8 +60,8 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from fedtune.config import ConfigError
-from fedtune.models.hypergrad import gradient_steps
-from fedtune.models.rabo_masks import CLIENT_SLOT, Member, Structure, structure_of
+from fedtune.methods.rabo.hypergrad import gradient_steps
+from fedtune.methods.rabo.masks import CLIENT_SLOT, Member, Structure, structure_of
 from fedtune.models.training import seed_for
 
 Tensors = dict[str, torch.Tensor]
@@ -106,13 +107,15 @@ class BilevelProblem(ABC):
     def hyper_batches(self, data: Any) -> tuple[Any, Any]:
         """(xi, zeta) of the hypergradient: the inner batch of its Hessians, the outer batch of f."""
 
-    def inner_solve(self, x: Tensors, y0: Tensors, batches: list[Any], lr: float,
-                    masks: Mapping[str, torch.Tensor] | None = None) -> Tensors:
+    def inner_solve(
+        self, x: Tensors, y0: Tensors, batches: list[Any], lr: float, masks: Mapping[str, torch.Tensor] | None = None
+    ) -> Tensors:
         """y_T from y0 by y_{t+1} = y_t - lr (grad_y g(x, y_t; xi_t) (.) m) (RABO eq. (5)); x fixed."""
         names = [n for n in self.inner if n not in self.buffers]
         fixed = {n: y0[n] for n in self.inner if n in self.buffers}
         y = [y0[n] for n in names]
         for batch in batches:
+
             def loss(xs, ys, batch=batch):
                 return self.g(x, {**fixed, **dict(zip(names, ys))}, batch)
 
@@ -152,21 +155,28 @@ class HyperRepresentation(BilevelProblem):
 
     def initial(self):
         x = _model_tensors(self.context.model, self.outer)
-        y = {"episodes.weight": np.zeros((self.clients, self.episodes, self.n_way, self.dim), np.float32),
-             "episodes.bias": np.zeros((self.clients, self.episodes, self.n_way), np.float32)}
+        y = {
+            "episodes.weight": np.zeros((self.clients, self.episodes, self.n_way, self.dim), np.float32),
+            "episodes.bias": np.zeros((self.clients, self.episodes, self.n_way), np.float32),
+        }
         return x, y
 
     def structure(self) -> Structure:
         full = structure_of(self.context.model, self.context.task.head_modules())
         last = next(g for g in full.groups if any(m.tensor == "head.weight" and m.dim == 1 for m in g.members))
         repeat = next(m.repeat for m in last.members if m.tensor == "head.weight")
-        shapes = {"episodes.weight": (self.clients, self.episodes, self.n_way, self.dim),
-                  "episodes.bias": (self.clients, self.episodes, self.n_way)}
+        shapes = {
+            "episodes.weight": (self.clients, self.episodes, self.n_way, self.dim),
+            "episodes.bias": (self.clients, self.episodes, self.n_way),
+        }
         return full.restricted(self.outer).extended(
             shapes,
-            {last.name: [Member("episodes.weight", 3, repeat)],
-             CLIENT_SLOT: [Member("episodes.weight", 0), Member("episodes.bias", 0)]},
-            {CLIENT_SLOT: self.clients})
+            {
+                last.name: [Member("episodes.weight", 3, repeat)],
+                CLIENT_SLOT: [Member("episodes.weight", 0), Member("episodes.bias", 0)],
+            },
+            {CLIENT_SLOT: self.clients},
+        )
 
     def data(self, cid: int, rnd: int):
         rng = np.random.default_rng(seed_for(self.config.seed, rnd, cid, 0xB1))
@@ -201,7 +211,9 @@ class HyperRepresentation(BilevelProblem):
     def f(self, x, y, batch):
         from fedtune.models.fewshot import episode_cross_entropy, linear_logits
 
-        return episode_cross_entropy(linear_logits(self.embed(x, batch.query), self._heads(y)), batch.query_labels).mean()
+        return episode_cross_entropy(
+            linear_logits(self.embed(x, batch.query), self._heads(y)), batch.query_labels
+        ).mean()
 
     def inner_batches(self, data, steps):
         return [data] * steps  # T full-batch steps on each episode's support set
@@ -216,9 +228,14 @@ class HyperRepresentation(BilevelProblem):
         with torch.no_grad():
             emb = self.embed(x, batches[0].support)
         names = list(self.inner)
-        ys = gradient_steps(lambda xs, ys: self._support_loss(emb, dict(zip(names, ys)), batches[0]), [],
-                            [y0[n] for n in names], len(batches), lr,
-                            None if masks is None else [masks.get(n) for n in names])
+        ys = gradient_steps(
+            lambda xs, ys: self._support_loss(emb, dict(zip(names, ys)), batches[0]),
+            [],
+            [y0[n] for n in names],
+            len(batches),
+            lr,
+            None if masks is None else [masks.get(n) for n in names],
+        )
         return dict(zip(names, ys))
 
     def evaluate(self, x, y):
@@ -252,8 +269,11 @@ class LossTuning(BilevelProblem):
         return x, _model_tensors(self.context.model, self.inner)
 
     def structure(self) -> Structure:
-        return structure_of(self.context.model, self.context.task.head_modules()).restricted(self.inner).extended(
-            {n: (self.classes,) for n in self.outer}, {})
+        return (
+            structure_of(self.context.model, self.context.task.head_modules())
+            .restricted(self.inner)
+            .extended({n: (self.classes,) for n in self.outer}, {})
+        )
 
     def split(self, cid: int) -> tuple[np.ndarray, np.ndarray]:
         """Client ``cid``'s shard cut 80/20 into train and validation (seeded by the run and client)."""
@@ -276,7 +296,10 @@ class LossTuning(BilevelProblem):
         return self._batches(data, data["train"], steps, 0xA1)
 
     def hyper_batches(self, data):
-        return self._batches(data, data["train"], 1, 0xA2)[0], (*self._batches(data, data["val"], 1, 0xA3)[0], data["weights"])
+        return self._batches(data, data["train"], 1, 0xA2)[0], (
+            *self._batches(data, data["val"], 1, 0xA3)[0],
+            data["weights"],
+        )
 
     def logits(self, y: Tensors, inputs: torch.Tensor) -> torch.Tensor:
         return functional_call(self.context.model, y, (inputs,))
@@ -316,7 +339,9 @@ class LossTuning(BilevelProblem):
         model = self.context.model
         load_tensors(model, y)
         metrics = self.context.task.evaluate(model, self.config.train.eval_batch_size)
-        w, _, delta = (t.numpy() for t in self.vs_parameters({n: torch.from_numpy(np.asarray(a)) for n, a in x.items()}))
+        w, _, delta = (
+            t.numpy() for t in self.vs_parameters({n: torch.from_numpy(np.asarray(a)) for n, a in x.items()})
+        )
         metrics.update({"vs_delta_min": float(delta.min()), "vs_w_max": float(w.max()), "vs_w_min": float(w.min())})
         return metrics
 
@@ -335,5 +360,7 @@ def bilevel_problem(context: Any, options: Any) -> BilevelProblem:
         return HyperRepresentation(context, options)
     if isinstance(task, ImageClassification):
         return LossTuning(context, options)
-    raise ConfigError(f"method {context.config.method!r}: task {task.kind!r} offers no bilevel split "
-                      "(few-shot: hyper-representation; image-classification: VS-loss tuning)")
+    raise ConfigError(
+        f"method {context.config.method!r}: task {task.kind!r} offers no bilevel split "
+        "(few-shot: hyper-representation; image-classification: VS-loss tuning)"
+    )

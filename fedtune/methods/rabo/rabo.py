@@ -1,6 +1,6 @@
 """RABO and RAFBO: resource-adaptive distributed bilevel optimization with pruned inner and outer
 sub-models (Li et al., "Distributed Bilevel Optimization with Dual Pruning for Resource-limited
-Clients", Algorithms 1 and 2), over a :class:`~fedtune.methods.rabo_problems.BilevelProblem`.
+Clients", Algorithms 1 and 2), over a :class:`~fedtune.methods.rabo.problems.BilevelProblem`.
 
 A round q is two exchanges (the engine's :meth:`Strategy.phases`, both byte-accounted):
 
@@ -17,17 +17,17 @@ A round q is two exchanges (the engine's :meth:`Strategy.phases`, both byte-acco
    x_{q+1}^s = x_q^s - alpha (1 / C_{q,x}^s) sum_{i in N^s} H_q^{i,s} for covered entries (eq. (8)).
    - RABO: eq. (7), grad_x f - grad^2_xy g [grad^2_yy g]^-1 grad_y f, the inverse-Hessian-vector
      product by conjugate gradient (``options.solver = "cg"``) or a Neumann series, from Hessian-
-     vector products (:func:`~fedtune.models.hypergrad.implicit_hypergradient`).
+     vector products (:func:`~fedtune.methods.rabo.hypergrad.implicit_hypergradient`).
    - RAFBO: Algorithm 2, coordinate finite differences over ``fd_coordinates`` coordinates of the
      client's x sub-model with smoothing ``fd_mu``
-     (:func:`~fedtune.models.hypergrad.finite_difference_hypergradient`).
+     (:func:`~fedtune.methods.rabo.hypergrad.finite_difference_hypergradient`).
 
 **Sign of G.** Algorithm 1 line 10 writes G_q^i = (y_{q,T} - y_{q,0}) / beta, which with line 18
 would move y *up* its gradient; the proof of Lemma 4 (eq. (30)) expands y_{q+1} =
 y_q - (beta / C) sum_j sum_t grad g_j, so the client uploads G_q^i = (y_{q,0} - y_{q,T}) / beta,
 the sum of its T masked gradients, and one client covering everything gets back its own y_T.
 
-Masks (``options.masks``, :func:`~fedtune.models.rabo_masks.choose_units`): ``importance`` (default;
+Masks (``options.masks``, :func:`~fedtune.methods.rabo.masks.choose_units`): ``importance`` (default;
 "we first split the model according to the weight importance and each client selects a
 submodel that matches its capacity"): each unit group keeps the ceil(beta_i n) units of largest
 L2 weight norm in x_q, recomputed every round, so masks change as the weights do and clients of
@@ -53,9 +53,8 @@ import torch
 from pydantic import Field
 
 from fedtune.config import ConfigError
-from fedtune.methods.rabo_problems import BilevelProblem, bilevel_problem
-from fedtune.models.hypergrad import finite_difference_hypergradient, implicit_hypergradient, second_order_kernels
-from fedtune.models.rabo_masks import (
+from fedtune.methods.rabo.hypergrad import finite_difference_hypergradient, implicit_hypergradient, second_order_kernels
+from fedtune.methods.rabo.masks import (
     Policy,
     SubModel,
     choose_units,
@@ -66,6 +65,7 @@ from fedtune.models.rabo_masks import (
     submodel_of,
     take,
 )
+from fedtune.methods.rabo.problems import BilevelProblem, bilevel_problem
 from fedtune.models.training import seed_for
 from fedtune.protocol.client import Client
 from fedtune.protocol.messages import Message
@@ -82,7 +82,9 @@ class BilevelOptions(MethodOptions):
     inner_lr: float = Field(0.1, gt=0, description="beta: the inner step on y (eqs. (5)-(6))")
     inner_steps: int = Field(10, ge=1, description="T: inner steps per round (Alg. 1 line 6)")
     inner_l2: float = Field(1e-3, ge=0, description="lambda: (lambda / 2) ||y||^2 added to g (strong convexity)")
-    outer_loss: Literal["balanced", "vs"] = Field("balanced", description="loss tuning: f on validation (rabo_problems)")
+    outer_loss: Literal["balanced", "vs"] = Field(
+        "balanced", description="loss tuning: f on validation (rabo_problems)"
+    )
     count_flops: bool = Field(False, description="count each client's FLOPs (torch's counter; about 2x slower)")
 
 
@@ -95,7 +97,8 @@ class ImplicitOptions(BilevelOptions):
 class MaskOptions(MethodOptions):
     masks: Policy = Field("importance", description="mask policy M(., R_i): importance, segment, static, rolling, full")
     segments: list[Annotated[int, Field(ge=0)]] | None = Field(
-        None, description="masks = 'segment': the segment of each client, one per client (default its id)")
+        None, description="masks = 'segment': the segment of each client, one per client (default its id)"
+    )
 
 
 class RaboOptions(ImplicitOptions, MaskOptions):
@@ -126,8 +129,9 @@ class BilevelStrategy(Strategy):
     def initialize(self) -> None:
         segments, clients = getattr(self.options, "segments", None), self.config.federation.num_clients
         if segments is not None and len(segments) != clients:
-            raise ConfigError(f"options.segments: one segment per client expected ({clients} clients), "
-                              f"got {len(segments)}")
+            raise ConfigError(
+                f"options.segments: one segment per client expected ({clients} clients), got {len(segments)}"
+            )
         self.problem: BilevelProblem = bilevel_problem(self.context, self.options)
         self.structure = self.problem.structure()
         self.x, self.y = self.problem.initial()
@@ -148,8 +152,12 @@ class BilevelStrategy(Strategy):
         """m_{q,x}^i, m_{q,y}^i = M(x_q, R_i) (eq. (3)) as one sub-model over x and y."""
         policy = getattr(self.options, "masks", "full") if self.masked else "full"
         weights = {n: a for part in (self.x, self.y) for n, a in part.items() if n not in self.problem.buffers}
-        units = {g.name: choose_units(policy, g, self.capacity(cid), rnd, cid, weights,
-                                      getattr(self.options, "segments", None)) for g in self.structure.groups}
+        units = {
+            g.name: choose_units(
+                policy, g, self.capacity(cid), rnd, cid, weights, getattr(self.options, "segments", None)
+            )
+            for g in self.structure.groups
+        }
         return submodel_of(self.structure, units)
 
     def params(self, part: str) -> list[str]:
@@ -168,9 +176,11 @@ class BilevelStrategy(Strategy):
         messages = {}
         for cid in client_ids:
             sub = self.subs[cid] = self.submodel(rnd, cid)
-            arrays = {**{f"x/{n}": v for n, v in take(self.x, sub).items()},
-                      **{f"y/{n}": v for n, v in take(self.y, sub).items()},
-                      **{f"units/{g}": u.astype(np.int32) for g, u in sub.units.items()}}
+            arrays = {
+                **{f"x/{n}": v for n, v in take(self.x, sub).items()},
+                **{f"y/{n}": v for n, v in take(self.y, sub).items()},
+                **{f"units/{g}": u.astype(np.int32) for g, u in sub.units.items()},
+            }
             messages[cid] = Message(arrays, {"round": rnd, "phase": INNER})
         return messages
 
@@ -183,13 +193,17 @@ class BilevelStrategy(Strategy):
         spec.update({f"B/{n}": ArraySpec((sub.kept(n),)) for n in self.buffers(part)})
         return spec
 
-    def _average_buffers(self, old: dict[str, np.ndarray], part: str, replies: dict[int, Message]) -> dict[str, np.ndarray]:
+    def _average_buffers(
+        self, old: dict[str, np.ndarray], part: str, replies: dict[int, Message]
+    ) -> dict[str, np.ndarray]:
         """Batch-norm statistics: the mean over the clients that covered each entry."""
         names = self.buffers(part)
         if not names:
             return old
-        contributions = [(self.subs[cid], {n: m.arrays[f"B/{n}"] - take(old, self.subs[cid], [n])[n] for n in names})
-                         for cid, m in replies.items()]
+        contributions = [
+            (self.subs[cid], {n: m.arrays[f"B/{n}"] - take(old, self.subs[cid], [n])[n] for n in names})
+            for cid, m in replies.items()
+        ]
         new, _ = self.aggregate(old, contributions, 1.0)
         return new
 
@@ -218,8 +232,10 @@ class BilevelStrategy(Strategy):
         return (HYPER,)
 
     def configure_phase(self, phase: str, rnd: int, client_ids: list[int]) -> dict[int, Message]:
-        return {cid: Message({f"y/{n}": v for n, v in take(self.y, self.subs[cid]).items()}, {"round": rnd, "phase": HYPER})
-                for cid in client_ids}
+        return {
+            cid: Message({f"y/{n}": v for n, v in take(self.y, self.subs[cid]).items()}, {"round": rnd, "phase": HYPER})
+            for cid in client_ids
+        }
 
     def aggregate_phase(self, phase: str, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
         """Eq. (8): x_{q+1}^s = x_q^s - alpha (1 / C_{q,x}^s) sum_{i in N_{q,x}^s} H_q^{i,s}."""
@@ -239,8 +255,11 @@ class BilevelStrategy(Strategy):
         return self.problem.evaluate(self.x, self.y)
 
     def state_dict(self) -> dict:
-        return {"x": {k: v.copy() for k, v in self.x.items()}, "y": {k: v.copy() for k, v in self.y.items()},
-                "coverage_star": dict(self.star)}
+        return {
+            "x": {k: v.copy() for k, v in self.x.items()},
+            "y": {k: v.copy() for k, v in self.y.items()},
+            "coverage_star": dict(self.star),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.x = {k: np.asarray(v, dtype=np.float32).copy() for k, v in state["x"].items()}
@@ -266,7 +285,7 @@ class BilevelClient(Client):
     def fit(self, message: Message) -> Message:
         """Phase 1: T masked inner steps from y_q (.) m_y; upload G_q^i = (y_0 - y_T) / beta."""
         rnd = int(message.meta["round"])
-        units = {k[len("units/"):]: v for k, v in message.arrays.items() if k.startswith("units/")}
+        units = {k[len("units/") :]: v for k, v in message.arrays.items() if k.startswith("units/")}
         problem, sub, physical = self._setup(units)
         opts = self.options
         x = expand({n: message.arrays[f"x/{n}"] for n in problem.outer}, sub, physical)
@@ -280,11 +299,20 @@ class BilevelClient(Client):
             loss = float(problem.g(x, {n: t.clone() for n, t in y_t.items()}, batches[-1]))
         grads = {n: (y0[n] - y_t[n]) / opts.inner_lr for n in params}
         arrays = {f"G/{n}": v for n, v in flatten_at(grads, sub, physical).items()}
-        arrays.update({f"B/{n}": v for n, v in flatten_at({n: y_t[n] for n in problem.inner if n in problem.buffers},
-                                                          sub, physical).items()})
+        arrays.update(
+            {
+                f"B/{n}": v
+                for n, v in flatten_at(
+                    {n: y_t[n] for n in problem.inner if n in problem.buffers}, sub, physical
+                ).items()
+            }
+        )
         # phase 2 needs this round's x sub-model: kept here, not downloaded twice
-        self.state = {"round": np.asarray(rnd), **{f"x/{n}": message.arrays[f"x/{n}"] for n in problem.outer},
-                      **{f"units/{g}": u for g, u in units.items()}}
+        self.state = {
+            "round": np.asarray(rnd),
+            **{f"x/{n}": message.arrays[f"x/{n}"] for n in problem.outer},
+            **{f"units/{g}": u for g, u in units.items()},
+        }
         meta = {"train_loss": loss, "steps": opts.inner_steps, "num_examples": len(self.context.partitions[self.cid])}
         if counter is not None:
             meta["flops"] = float(counter.get_total_flops())
@@ -297,7 +325,7 @@ class BilevelClient(Client):
         rnd = int(message.meta["round"])
         if "round" not in self.state or int(self.state["round"]) != rnd:
             raise RuntimeError(f"hypergradient phase of round {rnd} without this round's inner phase")
-        units = {k[len("units/"):]: v for k, v in self.state.items() if k.startswith("units/")}
+        units = {k[len("units/") :]: v for k, v in self.state.items() if k.startswith("units/")}
         problem, sub, physical = self._setup(units)
         x = expand({n: self.state[f"x/{n}"] for n in problem.outer}, sub, physical)
         y = expand({n: message.arrays[f"y/{n}"] for n in problem.inner}, sub, physical)
@@ -305,8 +333,12 @@ class BilevelClient(Client):
         with _counting(self.options.count_flops) as counter, second_order_kernels():
             hyper, outer_loss = self.hypergradient(problem, x, y, data, sub, physical, rnd)
         arrays = {f"H/{n}": v for n, v in flatten_at(hyper, sub, physical).items()}
-        arrays.update({f"B/{n}": v for n, v in flatten_at({n: x[n] for n in problem.outer if n in problem.buffers},
-                                                          sub, physical).items()})
+        arrays.update(
+            {
+                f"B/{n}": v
+                for n, v in flatten_at({n: x[n] for n in problem.outer if n in problem.buffers}, sub, physical).items()
+            }
+        )
         self.state = {}
         meta = {"outer_loss": outer_loss, "num_examples": len(self.context.partitions[self.cid])}
         if counter is not None:
@@ -333,8 +365,16 @@ class BilevelClient(Client):
         ys = [y[n].requires_grad_() for n in yn]
         o = self.options
         y_mask = None if physical else [torch.from_numpy(sub.masks[n]).float() for n in yn]
-        hyper, outer = implicit_hypergradient(bind(problem.g, xi), bind(problem.f, zeta), xs, ys, solver=o.solver,
-                                              iters=o.solver_iters, neumann_lr=o.neumann_lr, y_mask=y_mask)
+        hyper, outer = implicit_hypergradient(
+            bind(problem.g, xi),
+            bind(problem.f, zeta),
+            xs,
+            ys,
+            solver=o.solver,
+            iters=o.solver_iters,
+            neumann_lr=o.neumann_lr,
+            y_mask=y_mask,
+        )
         return dict(zip(xn, hyper)), outer
 
 
@@ -376,8 +416,9 @@ class FiniteDifferenceClient(BilevelClient):
             return [solved[n] for n in yn]
 
         coords = self.coordinates(problem, x, sub, physical, xn, rnd)
-        hyper, outer = finite_difference_hypergradient(bind(problem.f, zeta), inner_solve, [x[n] for n in xn],
-                                                       [y[n] for n in yn], coords, o.fd_mu)
+        hyper, outer = finite_difference_hypergradient(
+            bind(problem.f, zeta), inner_solve, [x[n] for n in xn], [y[n] for n in yn], coords, o.fd_mu
+        )
         return dict(zip(xn, hyper)), outer
 
 

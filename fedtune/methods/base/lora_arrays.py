@@ -26,7 +26,7 @@ and :func:`fresh_lora_a` (a reproducible PEFT initialization of A).
 from __future__ import annotations
 
 import zlib
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -257,7 +257,10 @@ def stack_factors(
     for path in lora_paths(adapters[0]):
         b = np.concatenate([as_matrix(b_name(path), ad[b_name(path)]).astype(np.float64) for ad in adapters], axis=1)
         a = np.concatenate(
-            [(pi * si) * as_matrix(a_name(path), ad[a_name(path)]).astype(np.float64) for pi, si, ad in zip(p, scales, adapters)],
+            [
+                (pi * si) * as_matrix(a_name(path), ad[a_name(path)]).astype(np.float64)
+                for pi, si, ad in zip(p, scales, adapters)
+            ],
             axis=0,
         )
         out[path] = (b, a)

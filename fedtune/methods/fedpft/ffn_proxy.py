@@ -21,14 +21,16 @@ W1 (torch layout: ``up.weight[i, :]``, shape (d_ff, d_model)) and w_i the i-th c
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import nn
 
+from fedtune.errors import FedtuneError
 
-class SubmodelError(ValueError):
+
+class SubmodelError(FedtuneError, ValueError):
     """The model's transformer layers or FFNs cannot be located or compressed as asked."""
 
 
@@ -46,13 +48,16 @@ class FfnLayout:
 LAYOUTS = (
     FfnLayout("bert", "intermediate.dense", "output.dense", "intermediate.intermediate_act_fn"),
     FfnLayout("mlp", "mlp.fc1", "mlp.fc2", "mlp.activation_fn"),
-    FfnLayout("wav2vec2", "feed_forward.intermediate_dense", "feed_forward.output_dense",
-              "feed_forward.intermediate_act_fn"),
+    FfnLayout(
+        "wav2vec2", "feed_forward.intermediate_dense", "feed_forward.output_dense", "feed_forward.intermediate_act_fn"
+    ),
     FfnLayout("gated", "mlp.up_proj", "mlp.down_proj", "mlp.act_fn", gate="mlp.gate_proj"),
 )
-SUPPORTED = ("BERT / RoBERTa / ViT (intermediate.dense, output.dense), ViT / CLIP (mlp.fc1, mlp.fc2), wav2vec2 / "
-             "HuBERT (feed_forward.intermediate_dense, feed_forward.output_dense), Llama-style gated FFNs "
-             "(mlp.gate_proj, mlp.up_proj, mlp.down_proj)")
+SUPPORTED = (
+    "BERT / RoBERTa / ViT (intermediate.dense, output.dense), ViT / CLIP (mlp.fc1, mlp.fc2), wav2vec2 / "
+    "HuBERT (feed_forward.intermediate_dense, feed_forward.output_dense), Llama-style gated FFNs "
+    "(mlp.gate_proj, mlp.up_proj, mlp.down_proj)"
+)
 
 
 def _get(module: nn.Module, path: str) -> nn.Module | None:
@@ -108,8 +113,12 @@ class Stack:
     def ffn(self, i: int) -> Ffn:
         layer, lay = self.layers[i], self.layout
         act = _get(layer, lay.act)
-        return Ffn(layer.get_submodule(lay.up), layer.get_submodule(lay.down),
-                   layer.get_submodule(lay.gate) if lay.gate else None, act if isinstance(act, nn.Module) else None)
+        return Ffn(
+            layer.get_submodule(lay.up),
+            layer.get_submodule(lay.down),
+            layer.get_submodule(lay.gate) if lay.gate else None,
+            act if isinstance(act, nn.Module) else None,
+        )
 
     def param_names(self, i: int) -> dict[str, str]:
         """``{"up.weight": full state-dict name, ...}`` of layer ``i``'s FFN parameters."""
@@ -137,14 +146,21 @@ def find_stack(model: nn.Module) -> Stack:
     if not found:
         raise SubmodelError(f"{type(model).__name__}: no transformer FFN found; supported layouts: {SUPPORTED}")
     if len(found) > 1:
-        raise SubmodelError(f"{type(model).__name__}: FFN layers in more than one stack ({', '.join(found)}); "
-                            "compressing one of several stacks is not supported")
+        raise SubmodelError(
+            f"{type(model).__name__}: FFN layers in more than one stack ({', '.join(found)}); "
+            "compressing one of several stacks is not supported"
+        )
     path, items = next(iter(found.items()))
     container = model.get_submodule(path)
     layouts = {layout.name for _, _, layout in items}
-    if not isinstance(container, nn.ModuleList) or len(layouts) != 1 or sorted(i for i, _, _ in items) != list(
-            range(len(container))):
-        raise SubmodelError(f"{path}: expected an nn.ModuleList of transformer layers that all hold an FFN of one layout")
+    if (
+        not isinstance(container, nn.ModuleList)
+        or len(layouts) != 1
+        or sorted(i for i, _, _ in items) != list(range(len(container)))
+    ):
+        raise SubmodelError(
+            f"{path}: expected an nn.ModuleList of transformer layers that all hold an FFN of one layout"
+        )
     items.sort(key=lambda t: t[0])
     return Stack(path, [m for _, m, _ in items], items[0][2])
 
@@ -274,10 +290,12 @@ class ProxyShape:
         return {"layers": None if self.layers is None else list(self.layers), "widths": [list(w) for w in self.widths]}
 
     @classmethod
-    def from_meta(cls, meta: dict) -> "ProxyShape":
+    def from_meta(cls, meta: dict) -> ProxyShape:
         layers = meta.get("layers")
-        return cls(None if layers is None else tuple(int(i) for i in layers),
-                   tuple((int(i), int(w)) for i, w in meta.get("widths", [])))
+        return cls(
+            None if layers is None else tuple(int(i) for i in layers),
+            tuple((int(i), int(w)) for i, w in meta.get("widths", [])),
+        )
 
 
 def apply_shape(model: nn.Module, shape: ProxyShape) -> nn.Module:

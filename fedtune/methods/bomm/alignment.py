@@ -40,8 +40,9 @@ import numpy as np
 Vector = Literal["cost", "plan"]
 
 
-def class_prototypes(x: np.ndarray, xmask: np.ndarray, labels: np.ndarray, num_classes: int,
-                     weights: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def class_prototypes(
+    x: np.ndarray, xmask: np.ndarray, labels: np.ndarray, num_classes: int, weights: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(prototypes (C, M, D), counts (C, M)): per class c and modality m, the ``weights``-weighted
     mean of x[i, m] over the labeled rows (``labels >= 0``) of class c that hold modality m; zeros
     and count 0 where none does. ``counts`` is the number of rows averaged."""
@@ -73,7 +74,7 @@ class PrototypeSet:
         return len(self.labels)
 
     @classmethod
-    def seed(cls, prototypes: dict[int, tuple[np.ndarray, np.ndarray]], num_parties: int) -> "PrototypeSet":
+    def seed(cls, prototypes: dict[int, tuple[np.ndarray, np.ndarray]], num_parties: int) -> PrototypeSet:
         """One global prototype per class that at least two parties hold (any modality): the
         parties' same-class prototypes paired, o^c_k = p_k^c. ``prototypes``: party -> (protos,
         counts) of :func:`class_prototypes`."""
@@ -87,7 +88,9 @@ class PrototypeSet:
         keep = mask.any(axis=2).sum(axis=1) >= 2
         return cls(comp[keep], mask[keep], np.flatnonzero(keep).astype(np.int64))
 
-    def with_pairs(self, items: list[tuple[int, np.ndarray, np.ndarray, int, np.ndarray, np.ndarray, int]]) -> "PrototypeSet":
+    def with_pairs(
+        self, items: list[tuple[int, np.ndarray, np.ndarray, int, np.ndarray, np.ndarray, int]]
+    ) -> PrototypeSet:
         """O plus one prototype per aligned pair ``(k, x_k (M, D), mask_k (M,), w, x_w, mask_w, label)``."""
         if not items:
             return self
@@ -97,17 +100,18 @@ class PrototypeSet:
         labels = np.full(n, -1, dtype=np.int64)
         for t, (k, xk, mk, w, xw, mw, label) in enumerate(items):
             comp[t, k], mask[t, k], comp[t, w], mask[t, w], labels[t] = xk, mk, xw, mw, label
-        return PrototypeSet(np.concatenate([self.comp, comp]), np.concatenate([self.mask, mask]),
-                            np.concatenate([self.labels, labels]))
+        return PrototypeSet(
+            np.concatenate([self.comp, comp]), np.concatenate([self.mask, mask]), np.concatenate([self.labels, labels])
+        )
 
-    def mapped(self, fn) -> "PrototypeSet":
+    def mapped(self, fn) -> PrototypeSet:
         """The same prototypes with every component mapped by ``fn(x (n, M, D), mask (n, M)) ->
         (n, M, E)`` (into another representation space)."""
         n, k, m = self.mask.shape
         comp = fn(self.comp.reshape(n * k, m, -1), self.mask.reshape(n * k, m))
         return PrototypeSet(np.asarray(comp, np.float32).reshape(n, k, m, -1), self.mask.copy(), self.labels.copy())
 
-    def subset(self, idx: np.ndarray) -> "PrototypeSet":
+    def subset(self, idx: np.ndarray) -> PrototypeSet:
         return PrototypeSet(self.comp[idx], self.mask[idx], self.labels[idx])
 
     def shared(self, k: int, w: int) -> np.ndarray:
@@ -160,8 +164,9 @@ def relationship_vectors(cost: np.ndarray, vector: Vector = "cost", reg: float =
     n, big_n = filled.shape
     if n == 0 or big_n == 0:
         return filled
-    plan = ot.sinkhorn(np.full(n, 1.0 / n), np.full(big_n, 1.0 / big_n), filled, reg, method="sinkhorn_log",
-                       numItermax=2000)
+    plan = ot.sinkhorn(
+        np.full(n, 1.0 / n), np.full(big_n, 1.0 / big_n), filled, reg, method="sinkhorn_log", numItermax=2000
+    )
     return plan * n
 
 
@@ -182,8 +187,17 @@ def match(vec_k: np.ndarray, vec_w: np.ndarray) -> list[tuple[int, int, float]]:
     return sorted(pairs, key=lambda p: -p[2])
 
 
-def align_parties(xk: np.ndarray, mk: np.ndarray, xw: np.ndarray, mw: np.ndarray, protos: PrototypeSet,
-                  k: int, w: int, vector: Vector = "cost", reg: float = 0.05) -> list[tuple[int, int, float]]:
+def align_parties(
+    xk: np.ndarray,
+    mk: np.ndarray,
+    xw: np.ndarray,
+    mw: np.ndarray,
+    protos: PrototypeSet,
+    k: int,
+    w: int,
+    vector: Vector = "cost",
+    reg: float = 0.05,
+) -> list[tuple[int, int, float]]:
     """Accepted pairs (row of party k, row of party w, similarity) between two parties' rows:
     cost vectors to the prototypes both parties hold (:func:`cost_matrix`), relationship vectors
     (:func:`relationship_vectors`), eq. (9) (:func:`match`). No pairs without shared prototypes."""

@@ -50,8 +50,9 @@ def implicit_reward(g: torch.Tensor, pred: torch.Tensor, ref: torch.Tensor) -> t
     return -((g - pred).pow(2).sum(-1) - (g - ref).pow(2).sum(-1)) / d
 
 
-def preference_loss(pred: torch.Tensor, ref: torch.Tensor, g_p: torch.Tensor, g_q: torch.Tensor,
-                    beta: float) -> torch.Tensor:
+def preference_loss(
+    pred: torch.Tensor, ref: torch.Tensor, g_p: torch.Tensor, g_q: torch.Tensor, beta: float
+) -> torch.Tensor:
     """Eq. (3): -mean log sigma(beta (R(x, g^p) - R(x, g^q)))."""
     margin = implicit_reward(g_p, pred, ref) - implicit_reward(g_q, pred, ref)
     return -F.logsigmoid(beta * margin).mean()
@@ -63,8 +64,16 @@ def special_loss(pred: torch.Tensor, g_p: torch.Tensor, sim: torch.Tensor) -> to
     return ((pred - g_p).pow(2).sum(-1) / d * (1.0 - sim)).mean()
 
 
-def generator_loss(pred: torch.Tensor, ref: torch.Tensor, g_p: torch.Tensor, g_q: torch.Tensor, sim: torch.Tensor,
-                   beta: float, gamma: float, prefer: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+def generator_loss(
+    pred: torch.Tensor,
+    ref: torch.Tensor,
+    g_p: torch.Tensor,
+    g_q: torch.Tensor,
+    sim: torch.Tensor,
+    beta: float,
+    gamma: float,
+    prefer: bool = True,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """L_G = L_prefer + gamma L_special for one generated modality: ``pred`` = G_psi(x), ``ref`` =
     G_ref(x) and ``g_q`` (both detached here), ``g_p``, ``sim``; returns the loss and its parts."""
     ref, g_q = ref.detach(), g_q.detach()

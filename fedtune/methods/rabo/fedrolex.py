@@ -14,7 +14,7 @@ reference code builds the window with ``torch.roll(arange(n), j)``, which starts
 
 from __future__ import annotations
 
-from fedtune.methods.submodel_fl import SubmodelClient, SubmodelOptions, SubmodelStrategy
+from fedtune.methods.rabo.submodel import SubmodelClient, SubmodelOptions, SubmodelStrategy
 from fedtune.registry import register
 
 

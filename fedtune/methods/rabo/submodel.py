@@ -3,7 +3,7 @@
 from the global model, the client trains it on the task's own loss and uploads its update at its
 mask, and the server averages every entry over the clients that covered it, leaving the others
 (HeteroFL's and FedRolex's ``combine``; FIARSE's ``tot_grad / tot_mask``;
-:func:`~fedtune.models.rabo_masks.covered_update`).
+:func:`~fedtune.methods.rabo.masks.covered_update`).
 
 What travels: the model's trainable tensors (FedAvg's :func:`~fedtune.methods.fedavg.trainable_tensors`,
 batch-norm statistics included: averaged over their coverers like the weights, as the reference
@@ -11,7 +11,7 @@ code does for tracked statistics). The server sends each client only its sub-mod
 at its mask and the kept unit indices) and the client uploads only its update there, so both
 directions shrink with the capacity. On the package's sequential conv nets the client trains the
 sliced sub-network (fewer channels, less compute); on other models it trains the full-size model
-with the pruned entries zero and their gradients masked (:mod:`fedtune.models.rabo_masks`).
+with the pruned entries zero and their gradients masked (:mod:`fedtune.methods.rabo.masks`).
 
 Round metrics: ``train_loss``, ``C_x_round`` (the least coverage of a trained entry this round),
 ``C_x_star`` (its minimum over the rounds so far, RABO Definition 3), ``covered_x`` (fraction of
@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from fedtune.methods.base.averaging import UpdateClient
 from fedtune.methods.fedavg import FedAvgStrategy, trainable_tensors
-from fedtune.methods.lora_common import UpdateClient
-from fedtune.models.rabo_masks import (
+from fedtune.methods.rabo.masks import (
     Policy,
     SubModel,
     choose_units,
@@ -82,8 +82,10 @@ class SubmodelStrategy(FedAvgStrategy):
 
     def fit_arrays(self, sub: SubModel) -> dict[str, np.ndarray]:
         """What client ``sub`` downloads: its sub-model's values and kept units."""
-        return {**{f"x/{n}": v for n, v in take(self.global_arrays, sub).items()},
-                **{f"units/{g}": u.astype(np.int32) for g, u in sub.units.items()}}
+        return {
+            **{f"x/{n}": v for n, v in take(self.global_arrays, sub).items()},
+            **{f"units/{g}": u.astype(np.int32) for g, u in sub.units.items()},
+        }
 
     def configure_fit(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
         self.subs = {cid: self.submodel(rnd, cid) for cid in client_ids}
@@ -95,8 +97,9 @@ class SubmodelStrategy(FedAvgStrategy):
 
     def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
         """theta^k <- theta^k + eta (1 / C^k) sum_{i covering k} Delta_i^k; uncovered entries unchanged."""
-        contributions = [(self.subs[cid], {n: m.arrays[f"d/{n}"] for n in self.global_arrays})
-                         for cid, m in replies.items()]
+        contributions = [
+            (self.subs[cid], {n: m.arrays[f"d/{n}"] for n in self.global_arrays}) for cid, m in replies.items()
+        ]
         self.global_arrays, counts = self.aggregate(self.global_arrays, contributions, self.options.server_lr)
         least, covered = coverage_stats(counts)
         metrics = {"covered_x": covered, "train_loss": float(np.mean([m.meta["train_loss"] for m in replies.values()]))}
@@ -120,9 +123,9 @@ class SubmodelClient(UpdateClient):
     def receive(self, message: Message) -> tuple[SubModel, dict[str, torch.Tensor], bool]:
         """(its sub-model, the tensors it trains, whether they are sliced) from the message."""
         structure = model_structure(self.context)
-        units = {k[len("units/"):]: v for k, v in message.arrays.items() if k.startswith("units/")}
+        units = {k[len("units/") :]: v for k, v in message.arrays.items() if k.startswith("units/")}
         sub = submodel_of(structure, units)
-        values = {k[len("x/"):]: v for k, v in message.arrays.items() if k.startswith("x/")}
+        values = {k[len("x/") :]: v for k, v in message.arrays.items() if k.startswith("x/")}
         return sub, expand(values, sub, structure.physical), structure.physical
 
     def prepare(self, model: torch.nn.Module, sub: SubModel, physical: bool, message: Message) -> None:
@@ -143,8 +146,9 @@ class SubmodelClient(UpdateClient):
         model = materialize(self.context.model, tensors)
         self.prepare(model, sub, physical, message)
         params = [p for p in model.parameters() if p.requires_grad]
-        result: FitResult = train_local(model, params, self.context.task, self.context.partitions[self.cid],
-                                        self.config.train, self.train_seed(rnd))
+        result: FitResult = train_local(
+            model, params, self.context.task, self.context.partitions[self.cid], self.config.train, self.train_seed(rnd)
+        )
         self.finish(model)
         trained = trainable_tensors(model)
         delta = {n: trained[n].detach() - tensors[n] for n in tensors}

@@ -25,7 +25,7 @@ their dtype. The state (step count and moments) is part of the strategy's checkp
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 

@@ -1,4 +1,4 @@
-"""BoMM's trainable networks over phi-representations (:mod:`~fedtune.models.bomm.backbone`).
+"""BoMM's trainable networks over phi-representations (:mod:`~fedtune.methods.bomm.backbone`).
 
 - :class:`CloudClassifier`, psi_1: the cloud's classifier. A sample is a set of *views* (one per
   party holding it: an aligned id has K views, a newly aligned pair two, an unaligned row one), each
@@ -24,15 +24,23 @@ from torch import nn
 
 
 def _mlp_encoder(in_dim: int, hidden: int, out_dim: int, dropout: float) -> nn.Sequential:
-    return nn.Sequential(nn.LayerNorm(in_dim), nn.Linear(in_dim, hidden), nn.ReLU(), nn.Dropout(dropout),
-                         nn.Linear(hidden, out_dim))
+    return nn.Sequential(
+        nn.LayerNorm(in_dim), nn.Linear(in_dim, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, out_dim)
+    )
 
 
 class CloudClassifier(nn.Module):
     """psi_1: (B, V, M, D) view representations with a (B, V, M) mask -> logits."""
 
-    def __init__(self, num_labels: int, in_dim: int, modalities: int = 2, hidden: int = 256, embed: int = 128,
-                 dropout: float = 0.1) -> None:
+    def __init__(
+        self,
+        num_labels: int,
+        in_dim: int,
+        modalities: int = 2,
+        hidden: int = 256,
+        embed: int = 128,
+        dropout: float = 0.1,
+    ) -> None:
         super().__init__()
         self.encoders = nn.ModuleList([_mlp_encoder(in_dim, hidden, embed, dropout) for _ in range(modalities)])
         self.embed_dim = embed
@@ -67,10 +75,14 @@ class Generator(nn.Module):
         super().__init__()
         if modalities != 2:
             raise ValueError("the generator completes one of two modalities from the other")
-        self.heads = nn.ModuleList([
-            nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, dim))
-            for _ in range(modalities)
-        ])
+        self.heads = nn.ModuleList(
+            [
+                nn.Sequential(
+                    nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, dim)
+                )
+                for _ in range(modalities)
+            ]
+        )
 
     def forward(self, source: torch.Tensor, target: int) -> torch.Tensor:
         return self.heads[target](source)
@@ -81,8 +93,9 @@ class Adapters(nn.Module):
 
     def __init__(self, in_dim: int, embed_dim: int, modalities: int = 2) -> None:
         super().__init__()
-        self.maps = nn.ModuleList([nn.Sequential(nn.LayerNorm(in_dim), nn.Linear(in_dim, embed_dim))
-                                   for _ in range(modalities)])
+        self.maps = nn.ModuleList(
+            [nn.Sequential(nn.LayerNorm(in_dim), nn.Linear(in_dim, embed_dim)) for _ in range(modalities)]
+        )
 
     def forward(self, x: torch.Tensor, modality: int) -> torch.Tensor:
         return self.maps[modality](x)

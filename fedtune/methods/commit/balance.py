@@ -55,9 +55,10 @@ Measuring never changes the model: swapped-in parameters are restored bit for bi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -75,8 +76,9 @@ CD_ORDER = {"feature-cd": (S, T), "language-cd": (T, S)}
 
 
 # -- the metric and the measurement -----------------------------------------------------------
-def answer_distance(ref_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor,
-                    metric: str = "tv") -> torch.Tensor:
+def answer_distance(
+    ref_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, metric: str = "tv"
+) -> torch.Tensor:
     """``1/|N| sum_i 1/K_i sum_k d(p_ik, q_ik)`` (eqs. (7)-(8)): p from ``ref_logits`` (no
     gradient), q from ``logits``, both (B, A, V), over the answer positions (``targets`` (B, A)
     != -100); d is total variation (``tv``) or KL(p || q) (``kl``)."""
@@ -227,7 +229,7 @@ class Schedule:
     phase: int = 0
 
     @classmethod
-    def start(cls, coord: Coordination) -> "Schedule":
+    def start(cls, coord: Coordination) -> Schedule:
         return cls(0, [], coord.initial_rates(), 0)
 
     def observe(self, kappa: float | None, coord: Coordination) -> None:
@@ -235,7 +237,7 @@ class Schedule:
         rates from its mean (eq. (6)) for a scheduled trainer."""
         self.step += 1
         if kappa is not None:
-            self.kappas = (self.kappas + [float(kappa)])[-coord.n_kappa:]
+            self.kappas = (self.kappas + [float(kappa)])[-coord.n_kappa :]
         if coord.scheduled and self.step % coord.l_lr == 0 and self.kappas:
             self.rates = coordinated_rates(sum(self.kappas) / len(self.kappas), coord.advantage, coord.gamma)
 
@@ -243,12 +245,16 @@ class Schedule:
         return {"step": self.step, "kappas": list(self.kappas), "rates": list(self.rates), "phase": self.phase}
 
     @classmethod
-    def from_meta(cls, meta: dict[str, Any]) -> "Schedule":
-        return cls(int(meta["step"]), [float(k) for k in meta["kappas"]], tuple(float(r) for r in meta["rates"]),
-                   int(meta["phase"]))
+    def from_meta(cls, meta: dict[str, Any]) -> Schedule:
+        return cls(
+            int(meta["step"]),
+            [float(k) for k in meta["kappas"]],
+            tuple(float(r) for r in meta["rates"]),
+            int(meta["phase"]),
+        )
 
     @classmethod
-    def merge(cls, schedules: Sequence["Schedule"], weights: Sequence[float]) -> "Schedule":
+    def merge(cls, schedules: Sequence[Schedule], weights: Sequence[float]) -> Schedule:
         """The server's schedule after a round (federated mode): the clients' windows averaged
         position by position and their rates averaged (weights ``weights``), the second CD phase
         once clients holding at least half the weight reached it. One client: its schedule."""
@@ -277,7 +283,7 @@ def _regularized_gradients(model, batch, ref, targets, optimizer, s_params, t_pa
     grad L - lambda grad D^X (evaluated at the provisional point). Returns (d_S, d_T) = (D^S, D^T)."""
     everything = s_params + t_params
     ahead = lookahead(optimizer, everything)
-    ahead_s, ahead_t = ahead[: len(s_params)], ahead[len(s_params):]
+    ahead_s, ahead_t = ahead[: len(s_params)], ahead[len(s_params) :]
     out = {}
     for name, params, values in ((T, t_params, ahead_t), (S, s_params, ahead_s)):
         with swapped(params, values):
@@ -295,7 +301,7 @@ def _regularized_gradients(model, batch, ref, targets, optimizer, s_params, t_pa
 def _measure_after_step(model, batch, ref, targets, s_params, t_params, before, metric: str) -> tuple[float, float]:
     """(d_S, d_T) of eq. (3) after the step t -> t+1 was taken: ``before`` holds every parameter at
     t; d_T compares p(S_t, T_{t+1}) with y_hat = p(S_t, T_t), d_S compares p(S_{t+1}, T_t) with it."""
-    before_s, before_t = before[: len(s_params)], before[len(s_params):]
+    before_s, before_t = before[: len(s_params)], before[len(s_params) :]
     with swapped(s_params, before_s):
         d_t = float(answer_distance(ref, plm.answer_logits(model, batch)[0], targets, metric))
     with swapped(t_params, before_t):

@@ -2,7 +2,7 @@
 baselines, centralized (one party) or inside federated rounds.
 
 Registered once, as ``commit``; ``options.trainer`` picks the local trainer
-(:data:`~fedtune.models.balance.TRAINERS`):
+(:data:`~fedtune.methods.commit.balance.TRAINERS`):
 
 - ``constant``: Constant LR / Section 4's Synced LR: both components at ``train.lr``;
 - ``language-lr-up`` / ``vision-lr-up``: Section 4's Language LR up / Vision LR up: the LM's (or the
@@ -12,15 +12,15 @@ Registered once, as ``commit``; ``options.trainer`` picks the local trainer
 - ``commit-clr``: rates from the learning balance kappa (eqs. (3), (6));
 - ``commit`` (default): CoMMIT-CLR plus the auxiliary regularizer of eqs. (7)-(8).
 
-The equations and every reading of the paper are in :mod:`fedtune.models.balance`.
+The equations and every reading of the paper are in :mod:`fedtune.methods.commit.balance`.
 
 Rounds. The server holds the global adapter (S's projectors and trainable encoders, T's LoRA) and
-the trainers' schedule (:class:`~fedtune.models.balance.Schedule`: steps taken, the window of the
+the trainers' schedule (:class:`~fedtune.methods.commit.balance.Schedule`: steps taken, the window of the
 last N_kappa kappas, the two rates, the CD phase) and sends both; each client runs
 ``train.local_steps`` steps of its trainer on its own batches from the received schedule (a fresh
 optimizer each round, as every method's local training), measuring its own kappa, and uploads its
 update with its schedule and per-step curves. The server averages the updates (FedAvg, FedIT's
-aggregation) and merges the schedules (:meth:`~fedtune.models.balance.Schedule.merge`: kappa windows
+aggregation) and merges the schedules (:meth:`~fedtune.methods.commit.balance.Schedule.merge`: kappa windows
 and rates averaged with the FedAvg weights). **Centralized mode** is ``federation.num_clients = 1``:
 one party holding all data; the merge is then the identity, so its schedule runs on across rounds
 exactly as in one continuous run; its optimizer does too with ``options.carry_optimizer`` (kept in
@@ -47,16 +47,9 @@ import torch
 from pydantic import Field
 
 from fedtune.config import ConfigError
-from fedtune.methods.lora_common import (
-    LORA,
-    SERVER_DEVIATIONS,
-    BroadcastAverage,
-    GlobalAdapterStrategy,
-    LoraClient,
-    Weighting,
-    client_weights,
-)
-from fedtune.models.balance import S, T, TRAINERS, Coordination, Schedule, train_coordinated
+from fedtune.methods.base.averaging import BroadcastAverage, Weighting, client_weights
+from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, GlobalAdapterStrategy, LoraClient
+from fedtune.methods.commit.balance import TRAINERS, Coordination, S, Schedule, T, train_coordinated
 from fedtune.models.training import FitResult, make_optimizer, optimizer_arrays, restore_optimizer
 from fedtune.protocol.messages import Message
 from fedtune.registry import MethodOptions, register
@@ -68,8 +61,12 @@ assert set(Trainer.__args__) == set(TRAINERS)
 
 class CommitOptions(MethodOptions):
     trainer: Trainer = Field("commit", description="local trainer: " + ", ".join(TRAINERS))
-    alpha: float | None = Field(None, gt=0, description="eq. (6)'s learning advantage alpha (default 2 x train.lr: "
-                                "both rates equal train.lr at kappa~ = 1)")
+    alpha: float | None = Field(
+        None,
+        gt=0,
+        description="eq. (6)'s learning advantage alpha (default 2 x train.lr: "
+        "both rates equal train.lr at kappa~ = 1)",
+    )
     gamma: float = Field(1.0, gt=0, description="eq. (6)'s gamma")
     n_kappa: int = Field(10, ge=1, description="N_kappa: steps in kappa's moving average (eq. (6))")
     l_lr: int = Field(5, ge=1, description="L_lr: steps between learning-rate refreshes (Section 5.1)")
@@ -78,13 +75,20 @@ class CommitOptions(MethodOptions):
     lr_up: float = Field(10.0, gt=0, description="language-lr-up / vision-lr-up: that component's rate factor")
     cd_window: int = Field(5, ge=1, description="CD: steps per stabilization check")
     cd_tolerance: float = Field(0.01, ge=0, description="CD: switch when the window's relative weight change is below")
-    cd_max_fraction: float = Field(0.5, gt=0, le=1, description="CD: switch at the latest after this share of the "
-                                   "run's steps (rounds x local_steps)")
+    cd_max_fraction: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="CD: switch at the latest after this share of the run's steps (rounds x local_steps)",
+    )
     measure_kappa: bool = Field(True, description="measure kappa for constant / lr-up trainers too (2 forwards a step)")
     weighting: Weighting = Field("examples", description="FedAvg weights p_i: data size or 1/N")
-    carry_optimizer: bool = Field(False, description="centralized mode (one client) only: the optimizer's state "
-                                  "carries across rounds, so R rounds of H steps train as one run of R x H steps "
-                                  "evaluated every round")
+    carry_optimizer: bool = Field(
+        False,
+        description="centralized mode (one client) only: the optimizer's state "
+        "carries across rounds, so R rounds of H steps train as one run of R x H steps "
+        "evaluated every round",
+    )
 
     deviations: ClassVar[dict[str, str]] = {
         **SERVER_DEVIATIONS,
@@ -97,10 +101,19 @@ def coordination(options: CommitOptions, config) -> Coordination:
     """The trainer's settings from the method's options and the run's ``train.lr``."""
     total = config.rounds * config.train.local_steps
     return Coordination(
-        trainer=options.trainer, lr=config.train.lr, alpha=options.alpha, gamma=options.gamma, n_kappa=options.n_kappa,
-        l_lr=options.l_lr, reg_weight=options.reg_weight, metric=options.metric, lr_up=options.lr_up,
-        cd_window=options.cd_window, cd_tolerance=options.cd_tolerance,
-        cd_max_steps=max(1, math.ceil(options.cd_max_fraction * total)), measure=options.measure_kappa,
+        trainer=options.trainer,
+        lr=config.train.lr,
+        alpha=options.alpha,
+        gamma=options.gamma,
+        n_kappa=options.n_kappa,
+        l_lr=options.l_lr,
+        reg_weight=options.reg_weight,
+        metric=options.metric,
+        lr_up=options.lr_up,
+        cd_window=options.cd_window,
+        cd_tolerance=options.cd_tolerance,
+        cd_max_steps=max(1, math.ceil(options.cd_max_fraction * total)),
+        measure=options.measure_kappa,
     )
 
 
@@ -114,8 +127,9 @@ def component_params(task, params: dict[str, torch.nn.Parameter]) -> dict[str, l
         raise ConfigError(f"method 'commit': task {task.kind!r}: {exc}") from None
     if set(names) != {S, T} or not names[S] or not names[T]:
         got = {k: len(v) for k, v in names.items()}
-        raise ConfigError(f"method 'commit' needs trainable parameters in two groups, {S!r} and {T!r}; "
-                          f"task {task.kind!r} gives {got}")
+        raise ConfigError(
+            f"method 'commit' needs trainable parameters in two groups, {S!r} and {T!r}; task {task.kind!r} gives {got}"
+        )
     return {g: [params[n] for n in names[g]] for g in (S, T)}
 
 
@@ -130,8 +144,10 @@ class CommitStrategy(BroadcastAverage, GlobalAdapterStrategy):
         if self.config.model.lora_dropout:
             raise ConfigError("model.lora_dropout: method 'commit' compares deterministic predictions; set it to 0")
         if self.options.carry_optimizer and self.config.federation.num_clients != 1:
-            raise ConfigError(f"options.carry_optimizer: centralized mode only (federation.num_clients = 1), got "
-                              f"{self.config.federation.num_clients} clients")
+            raise ConfigError(
+                f"options.carry_optimizer: centralized mode only (federation.num_clients = 1), got "
+                f"{self.config.federation.num_clients} clients"
+            )
         self.rank = self.config.model.lora_rank
         ws = self.context.workspace
         component_params(self.context.task, ws.activate(self.rank))
@@ -148,14 +164,16 @@ class CommitStrategy(BroadcastAverage, GlobalAdapterStrategy):
         schedules = [Schedule.from_meta(m.meta["schedule"]) for m in replies.values()]
         self.schedule = Schedule.merge(schedules, client_weights(replies, self.options.weighting))
         kappas = _finite(k for m in replies.values() for k in m.meta["curves"]["kappa"])
-        metrics.update({
-            "kappa": float(np.mean(kappas)) if kappas else None,
-            "kappa_std": float(np.std(kappas)) if kappas else None,
-            "lr_encoder": self.schedule.rates[0],
-            "lr_language_model": self.schedule.rates[1],
-            "cd_phase": self.schedule.phase,
-            "client_curves": {str(cid): m.meta["curves"] for cid, m in replies.items()},
-        })
+        metrics.update(
+            {
+                "kappa": float(np.mean(kappas)) if kappas else None,
+                "kappa_std": float(np.std(kappas)) if kappas else None,
+                "lr_encoder": self.schedule.rates[0],
+                "lr_language_model": self.schedule.rates[1],
+                "cd_phase": self.schedule.phase,
+                "client_curves": {str(cid): m.meta["curves"] for cid, m in replies.items()},
+            }
+        )
         return metrics
 
     def state_dict(self) -> dict:
@@ -185,16 +203,27 @@ class CommitClient(LoraClient):
             return built[-1]
 
         schedule, curves = train_coordinated(
-            ws.model, component_params(task, params), batches, coordination(self.options, self.config),
-            Schedule.from_meta(message.meta["schedule"]), optimizer,
+            ws.model,
+            component_params(task, params),
+            batches,
+            coordination(self.options, self.config),
+            Schedule.from_meta(message.meta["schedule"]),
+            optimizer,
         )
         if self.options.carry_optimizer:
             self.state = optimizer_arrays(built[-1])
         trained = {k: p.detach().numpy().copy() for k, p in params.items()}
         result = FitResult(float(np.mean(curves["loss"])), cfg.local_steps, len(pool), time.perf_counter() - start)
-        return self.upload({k: trained[k] - received[k] for k in trained}, result, schedule=schedule.to_meta(),
-                           curves=curves)
+        return self.upload(
+            {k: trained[k] - received[k] for k in trained}, result, schedule=schedule.to_meta(), curves=curves
+        )
 
 
-register("commit", CommitStrategy, CommitClient, CommitOptions, requires=(*LORA, ENCODER_LM),
-         description="CoMMIT and baselines (options.trainer: " + ", ".join(TRAINERS) + "); FedAvg of S and T")
+register(
+    "commit",
+    CommitStrategy,
+    CommitClient,
+    CommitOptions,
+    requires=(*LORA, ENCODER_LM),
+    description="CoMMIT and baselines (options.trainer: " + ", ".join(TRAINERS) + "); FedAvg of S and T",
+)

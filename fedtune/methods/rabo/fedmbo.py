@@ -15,7 +15,7 @@ the comparison of Fig. 4 isolates the pruning.
 
 from __future__ import annotations
 
-from fedtune.methods.rabo import BILEVEL, BilevelClient, BilevelStrategy, ImplicitOptions
+from fedtune.methods.rabo.rabo import BILEVEL, BilevelClient, BilevelStrategy, ImplicitOptions
 from fedtune.registry import register
 
 

@@ -1,5 +1,5 @@
 """Shared pieces of the heterogeneous-rank LoRA baselines (HeteroLoRA, FlexLoRA, FedStackLoRA)
-beyond array algebra (which lives in :mod:`fedtune.methods.lora_arrays`): the reversible merge of
+beyond array algebra (which lives in :mod:`fedtune.methods.base.lora_arrays`): the reversible merge of
 a dense Delta W into the shared base model, and the client that trains a server-named rank.
 
 Client i trains a rank-r_i adapter, r_i = ``client_rank(profile, r)`` <= r (the global rank).
@@ -9,14 +9,14 @@ wherever a product ``s_i B_i A_i`` is formed, so aggregation is exact in W space
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Iterator, Mapping
 
 import numpy as np
 import torch
 
+from fedtune.methods.base.lora import LoraClient
 from fedtune.protocol.messages import Message
-from fedtune.methods.lora_common import LoraClient
 
 
 # -- reversible merge of a dense Delta W into the shared base model (FedStackLoRA) -------------

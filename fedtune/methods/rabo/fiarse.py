@@ -30,8 +30,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from fedtune.methods.submodel_fl import SubmodelClient, SubmodelOptions, SubmodelStrategy
-from fedtune.models.rabo_masks import SubModel, choose_units, magnitude_masks, submodel_of
+from fedtune.methods.rabo.masks import SubModel, choose_units, magnitude_masks, submodel_of
+from fedtune.methods.rabo.submodel import SubmodelClient, SubmodelOptions, SubmodelStrategy
 from fedtune.protocol.messages import Message
 from fedtune.registry import register
 
@@ -107,7 +107,7 @@ class FiarseClient(SubmodelClient):
     """Trains theta (.) 1[|theta| >= tau_i] with TCB-GD; uploads its update at the round-start mask."""
 
     def receive(self, message: Message):
-        values = {k[len("x/"):]: v for k, v in message.arrays.items() if k.startswith("x/")}
+        values = {k[len("x/") :]: v for k, v in message.arrays.items() if k.startswith("x/")}
         names = maskable(self.context.model, values)
         masks, self.tau = magnitude_masks(values, names, int(message.meta["budget"]))
         self.masked = names

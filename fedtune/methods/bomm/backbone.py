@@ -2,7 +2,7 @@
 data is.
 
 BoMM's cloud model f_psi is a multimodal "large" model; here it is a frozen pretrained backbone phi
-plus the cloud's trainable classifier psi_1 and generator psi_2 (:mod:`~fedtune.models.bomm.networks`),
+plus the cloud's trainable classifier psi_1 and generator psi_2 (:mod:`~fedtune.methods.bomm.networks`),
 which read phi's representations. phi is public (like a CLIP or LLaVA vision tower), so a party runs
 it on its own rows and sends representations, never raw samples; the server runs it on the public
 test set to evaluate the cloud model.
@@ -76,7 +76,7 @@ class FrozenBackbone(nn.Module):
 
 
 _MODELS: dict[tuple[str, int], FrozenBackbone] = {}
-_CACHE: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_CACHE: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
 
 
 def get_backbone(name: str, size: int) -> FrozenBackbone:

@@ -8,7 +8,7 @@ form BoMM's parties send. ``tiny-clip`` is a random 1-layer CLIP (hidden 16, pro
 16 x 16 images, a hashing word tokenizer) built in code, for tests: nothing is downloaded.
 
 Nothing offline has CLIP weights (see the data README), so the paired task here uses the frozen
-MobileNetV2 of :mod:`~fedtune.models.bomm.backbone`; an image + caption task (MS COCO, CUB-200 with
+MobileNetV2 of :mod:`~fedtune.methods.bomm.backbone`; an image + caption task (MS COCO, CUB-200 with
 Reed et al.'s captions: :mod:`~fedtune.data.captions`) would use a DualEncoder as phi.
 """
 
@@ -27,10 +27,25 @@ _TINY_VOCAB, _TINY_LEN, _TINY_SIDE = 99, 16, 16
 def _tiny_clip() -> torch.nn.Module:
     from transformers import CLIPConfig, CLIPModel
 
-    text = dict(vocab_size=_TINY_VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                max_position_embeddings=_TINY_LEN, bos_token_id=0, eos_token_id=1, pad_token_id=1)
-    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                  image_size=_TINY_SIDE, patch_size=8)
+    text = dict(
+        vocab_size=_TINY_VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=_TINY_LEN,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
+    vision = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=_TINY_SIDE,
+        patch_size=8,
+    )
     with torch.random.fork_rng():
         torch.manual_seed(0)
         return CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=12)).eval()

@@ -6,12 +6,12 @@ the global model made of the *first* ceil(beta n) units of every hidden layer (`
 layer); the slices are the same every round, so a smaller model is always the top-left corner of
 a larger one. The server averages every entry over the clients whose slice holds it and keeps the
 others (``combine``: ``tmp_v[count > 0] / count[count > 0]``), which for updates reads
-theta^k <- theta^k + (1 / C^k) sum_{i covering k} Delta_i^k (:mod:`fedtune.methods.submodel_fl`).
+theta^k <- theta^k + (1 / C^k) sum_{i covering k} Delta_i^k (:mod:`fedtune.methods.rabo.submodel`).
 """
 
 from __future__ import annotations
 
-from fedtune.methods.submodel_fl import SubmodelClient, SubmodelOptions, SubmodelStrategy
+from fedtune.methods.rabo.submodel import SubmodelClient, SubmodelOptions, SubmodelStrategy
 from fedtune.registry import register
 
 

@@ -22,7 +22,7 @@ the losses as closures ``g(x, y)``, ``f(x, y)`` -> scalar tensors (the batches b
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -84,16 +84,24 @@ def neumann_series(hvp: Callable[[Tensors], Tensors], b: Tensors, terms: int, lr
     return [lr * t for t in total]
 
 
-def implicit_hypergradient(g: Loss, f: Loss, x: Sequence[torch.Tensor], y: Sequence[torch.Tensor], *,
-                           solver: str = "cg", iters: int = 20, tol: float = 1e-10,
-                           neumann_lr: float = 0.1,
-                           y_mask: Sequence[torch.Tensor] | None = None) -> tuple[Tensors, float]:
+def implicit_hypergradient(
+    g: Loss,
+    f: Loss,
+    x: Sequence[torch.Tensor],
+    y: Sequence[torch.Tensor],
+    *,
+    solver: str = "cg",
+    iters: int = 20,
+    tol: float = 1e-10,
+    neumann_lr: float = 0.1,
+    y_mask: Sequence[torch.Tensor] | None = None,
+) -> tuple[Tensors, float]:
     """(grad_x f(x, y) - grad^2_xy g(x, y) [grad^2_yy g(x, y)]^-1 grad_y f(x, y), f(x, y)) (RABO
     eq. (7)), ``x`` and ``y`` leaf tensors requiring grad. ``y_mask``: solve in the sub-space of
     the kept entries of y (m (.) H (m (.) v), for zero-masked full-size tensors)."""
     fx = f(x, y)
     grad_fx = _grads(fx, [*x, *y])
-    gx_f, gy_f = grad_fx[: len(x)], grad_fx[len(x):]
+    gx_f, gy_f = grad_fx[: len(x)], grad_fx[len(x) :]
     gy_g = torch.autograd.grad(g(x, y), list(y), create_graph=True)
 
     def hvp(v: Tensors) -> Tensors:
@@ -110,8 +118,14 @@ def implicit_hypergradient(g: Loss, f: Loss, x: Sequence[torch.Tensor], y: Seque
     return [a.detach() - c.detach() for a, c in zip(gx_f, cross)], float(fx.detach())
 
 
-def gradient_steps(g: Loss, x: Sequence[torch.Tensor], start: Sequence[torch.Tensor], steps: int, lr: float,
-                   mask: Sequence[torch.Tensor | None] | None = None) -> Tensors:
+def gradient_steps(
+    g: Loss,
+    x: Sequence[torch.Tensor],
+    start: Sequence[torch.Tensor],
+    steps: int,
+    lr: float,
+    mask: Sequence[torch.Tensor | None] | None = None,
+) -> Tensors:
     """y_T from ``start`` by y_{t+1} = y_t - lr (grad_y g(x, y_t) (.) m) (RABO eq. (5)), without a
     graph through the steps (x is treated as a constant)."""
     xs = [t.detach() for t in x]
@@ -126,9 +140,14 @@ def gradient_steps(g: Loss, x: Sequence[torch.Tensor], start: Sequence[torch.Ten
     return y
 
 
-def finite_difference_hypergradient(f: Loss, inner_solve: Callable[[Sequence[torch.Tensor]], Tensors],
-                                    x: Sequence[torch.Tensor], y: Sequence[torch.Tensor],
-                                    coordinates: Sequence[tuple[int, int]], mu: float) -> tuple[Tensors, float]:
+def finite_difference_hypergradient(
+    f: Loss,
+    inner_solve: Callable[[Sequence[torch.Tensor]], Tensors],
+    x: Sequence[torch.Tensor],
+    y: Sequence[torch.Tensor],
+    coordinates: Sequence[tuple[int, int]],
+    mu: float,
+) -> tuple[Tensors, float]:
     """(RAFBO's estimate (Algorithm 2, eq. (10)): grad_x f(x, y) + sum_{p in P} <J e_p, grad_y f(x, y)> e_p
     with J e_p = (inner_solve(x + mu e_p) - inner_solve(x)) / mu; ``coordinates`` lists P as
     (tensor index into x, flat index), f(x, y)). ``inner_solve(x)`` returns y_hat(x) (no graph
@@ -138,7 +157,7 @@ def finite_difference_hypergradient(f: Loss, inner_solve: Callable[[Sequence[tor
     fx = f(xs, ys)
     grads = _grads(fx, [*xs, *ys])
     out = [gr.detach().clone() for gr in grads[: len(xs)]]
-    gy_f = [gr.detach() for gr in grads[len(xs):]]
+    gy_f = [gr.detach() for gr in grads[len(xs) :]]
     base = [t.detach() for t in x]
     with torch.no_grad():
         y0 = inner_solve(base)

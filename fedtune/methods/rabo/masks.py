@@ -41,8 +41,9 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Mapping, Sequence
+from typing import Literal
 
 import numpy as np
 import torch
@@ -84,7 +85,7 @@ class Structure:
     shapes: dict[str, tuple[int, ...]]
     physical: bool  # sub-models run as smaller tensors (see the module docstring)
 
-    def restricted(self, names: Iterable[str]) -> "Structure":
+    def restricted(self, names: Iterable[str]) -> Structure:
         """The same groups over the tensors ``names`` only (groups left without members dropped)."""
         keep = set(names)
         groups = []
@@ -94,8 +95,12 @@ class Structure:
                 groups.append(UnitGroup(g.name, g.size, members))
         return Structure(groups, {k: v for k, v in self.shapes.items() if k in keep}, self.physical)
 
-    def extended(self, shapes: Mapping[str, tuple[int, ...]], members: Mapping[str, Sequence[Member]],
-                 sizes: Mapping[str, int] | None = None) -> "Structure":
+    def extended(
+        self,
+        shapes: Mapping[str, tuple[int, ...]],
+        members: Mapping[str, Sequence[Member]],
+        sizes: Mapping[str, int] | None = None,
+    ) -> Structure:
         """More tensors (``shapes``), with extra ``members`` for existing groups or new ones (a new
         group needs its size in ``sizes``)."""
         by_name = {g.name: g for g in self.groups}
@@ -105,8 +110,9 @@ class Structure:
                 by_name[name] = UnitGroup(name, g.size, g.members + tuple(extra))
             else:
                 by_name[name] = UnitGroup(name, int((sizes or {})[name]), tuple(extra))
-        return Structure(list(by_name.values()), {**self.shapes, **{k: tuple(v) for k, v in shapes.items()}},
-                         self.physical)
+        return Structure(
+            list(by_name.values()), {**self.shapes, **{k: tuple(v) for k, v in shapes.items()}}, self.physical
+        )
 
 
 # -- the structure of a model ----------------------------------------------------------------------
@@ -141,8 +147,9 @@ def _chain_structure(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> St
     for i, (name, module) in enumerate(layers):
         prefix = f"{name}." if name else ""
         if isinstance(module, _NORMS):
-            current += [Member(prefix + t, 0) for t in ("weight", "bias", "running_mean", "running_var")
-                        if prefix + t in shapes]
+            current += [
+                Member(prefix + t, 0) for t in ("weight", "bias", "running_mean", "running_var") if prefix + t in shapes
+            ]
             continue
         fan_in = module.in_channels if isinstance(module, _CONVS) else module.in_features
         if current is not None:
@@ -186,9 +193,15 @@ def unit_importance(group: UnitGroup, weights: Mapping[str, np.ndarray]) -> np.n
     return np.sqrt(total)
 
 
-def choose_units(policy: Policy, group: UnitGroup, capacity: float, rnd: int, cid: int,
-                 weights: Mapping[str, np.ndarray] | None = None,
-                 segments: Sequence[int] | None = None) -> np.ndarray:
+def choose_units(
+    policy: Policy,
+    group: UnitGroup,
+    capacity: float,
+    rnd: int,
+    cid: int,
+    weights: Mapping[str, np.ndarray] | None = None,
+    segments: Sequence[int] | None = None,
+) -> np.ndarray:
     """Sorted unit indices client ``cid`` keeps of ``group`` in round ``rnd`` (rounds count from 1)."""
     n = group.size
     if group.name == CLIENT_SLOT:
@@ -252,15 +265,19 @@ def submodel_of(structure: Structure, units: Mapping[str, np.ndarray]) -> SubMod
     return SubModel(masks, {n: tuple(v) for n, v in index.items()}, kept_units)
 
 
-def magnitude_masks(arrays: Mapping[str, np.ndarray], prunable: Sequence[str], k: int) -> tuple[dict[str, np.ndarray], float]:
+def magnitude_masks(
+    arrays: Mapping[str, np.ndarray], prunable: Sequence[str], k: int
+) -> tuple[dict[str, np.ndarray], float]:
     """FIARSE's importance masks: over the ``prunable`` tensors together, the entries with
     |theta| >= tau, tau the k-th largest magnitude (ties at tau kept, as the reference's
     ``scores >= threshold``); other tensors whole. Returns (masks, tau)."""
     flat = np.concatenate([np.abs(np.asarray(arrays[n], dtype=np.float32)).ravel() for n in prunable])
     k = max(1, min(k, flat.size))
     tau = float(np.partition(flat, flat.size - k)[flat.size - k])
-    masks = {n: (np.abs(np.asarray(a, dtype=np.float32)) >= tau) if n in prunable else np.ones(np.shape(a), bool)
-             for n, a in arrays.items()}
+    masks = {
+        n: (np.abs(np.asarray(a, dtype=np.float32)) >= tau) if n in prunable else np.ones(np.shape(a), bool)
+        for n, a in arrays.items()
+    }
     return masks, tau
 
 
@@ -310,8 +327,9 @@ def materialize(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> nn.Mod
 
 
 # -- parameter-wise aggregation, RABO eqs. (6) and (8) -------------------------------------------------
-def covered_update(old: Mapping[str, np.ndarray], contributions: Sequence[tuple[SubModel, Mapping[str, np.ndarray]]],
-                   scale: float) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def covered_update(
+    old: Mapping[str, np.ndarray], contributions: Sequence[tuple[SubModel, Mapping[str, np.ndarray]]], scale: float
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """new^k = old^k + scale (1 / C^k) sum_{i in N^k} v_i^k for every entry k covered by C^k > 0
     clients (N^k: the clients whose mask holds k; v_i: client i's flat values at its mask);
     entries nobody covered keep their value (RABO Alg. 1 lines 12-20 and 25-33, eqs. (6), (8);

@@ -75,8 +75,9 @@ class SampleScheduler(nn.Module):
         """(B,) bool: the samples with r_hat > mu (eq. (8))."""
         return self.predict(xbar, lam) > mu
 
-    def update(self, xbar: torch.Tensor, rewards: torch.Tensor, opt_p: torch.optim.Optimizer,
-               opt_q: torch.optim.Optimizer) -> tuple[float, float]:
+    def update(
+        self, xbar: torch.Tensor, rewards: torch.Tensor, opt_p: torch.optim.Optimizer, opt_q: torch.optim.Optimizer
+    ) -> tuple[float, float]:
         """One step of eq. (6) on R^p, then one of eq. (7) on R^q (its input h^p taken before R^p's
         step, its target the residual after it); returns the two losses."""
         xbar, rewards = xbar.detach(), rewards.detach()

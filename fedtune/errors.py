@@ -1,0 +1,7 @@
+"""The one exception base of fedtune: every error a user can cause (a bad config, data file, run
+folder, report input, deployment flag, or a round that failed) is a :class:`FedtuneError`, which
+the CLI turns into one line and a non-zero exit. Anything else is a bug and keeps its traceback."""
+
+
+class FedtuneError(Exception):
+    """An error whose message is the whole story for the user (one line, naming the culprit)."""
