@@ -34,6 +34,7 @@ def run(
     from fedtune.engines.deployment import DeploymentError
     from fedtune.engines.rounds import RoundFailed, RunInterrupted
     from fedtune.process import setup_process
+    from fedtune.runtime import resolve_run
 
     setup_process()
     try:
@@ -46,16 +47,15 @@ def run(
             recipe = resume / "config.toml"
         config = load_config(recipe, set_)
         from fedtune.progress import RoundPrinter
-        from fedtune.run import run_dir_of
 
         printer = RoundPrinter(console, config)
         summary = _run_on_engine(config, printer, resume is not None)
     except ConfigError as exc:
         _fail(str(exc))
     except RoundFailed as exc:
-        _fail(f"{exc}; the last complete round is checkpointed: fedtune run --resume {run_dir_of(config)}", code=1)
+        _fail(f"{exc}; the last complete round is checkpointed: fedtune run --resume {resolve_run(config).run_dir}", code=1)
     except RunInterrupted as exc:
-        _fail(f"{exc}; continue with: fedtune run --resume {run_dir_of(config)}", code=130)
+        _fail(f"{exc}; continue with: fedtune run --resume {resolve_run(config).run_dir}", code=130)
     except DeploymentError as exc:
         _fail(f"engine {config.engine}: {exc}", code=1)
     printer.finish(summary)

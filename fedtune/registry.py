@@ -39,35 +39,44 @@ class MethodSpec:
     requires: frozenset[str] = frozenset()
     module: str = ""  # the module that registered it
 
+    def missing(self, capabilities: frozenset[str]) -> frozenset[str]:
+        """What the method needs that ``capabilities`` lacks."""
+        return self.requires - capabilities
+
     def supports(self, kind: str) -> bool:
-        return self.requires <= get_task_class(kind).capabilities
+        return not self.missing(get_task_class(kind).capabilities)
 
     def supported_tasks(self) -> list[str]:
         """The registered task kinds this method runs on."""
-        return [t.kind for t in list_tasks() if self.requires <= t.capabilities]
+        return [t.kind for t in list_tasks() if not self.missing(t.capabilities)]
 
     def supports_config(self, config) -> bool:
         """Whether the method runs on ``config``'s task with ``config``'s model."""
-        return self.requires <= get_task_class(config.task.kind).capabilities_for(config)
+        return not self.missing(get_task_class(config.task.kind).capabilities_for(config))
 
-    def check_task(self, kind: str) -> None:
-        """Stop with one line when the method cannot run on task ``kind``."""
-        if not self.supports(kind):
-            need = ", ".join(sorted(self.requires - get_task_class(kind).capabilities))
+    def check(self, task_class, config=None) -> None:
+        """Stop with one line when the method cannot run on ``task_class`` or, given ``config`` (a
+        config of that task), on ``config``'s model of it."""
+        need = self.missing(task_class.capabilities)
+        if need:
             raise ConfigError(
-                f"method {self.name!r} does not support task {kind!r} (it needs: {need}); "
+                f"method {self.name!r} does not support task {task_class.kind!r} (it needs: {', '.join(sorted(need))}); "
                 f"its tasks are {', '.join(self.supported_tasks()) or 'none'}"
             )
+        need = self.missing(task_class.capabilities_for(config)) if config is not None else None
+        if need:
+            raise ConfigError(
+                f"method {self.name!r} does not support model {config.model.name!r} of task {task_class.kind!r} "
+                f"(it needs: {', '.join(sorted(need))})"
+            )
+
+    def check_task(self, kind: str) -> None:
+        """Stop with one line when the method cannot run on task ``kind`` (any model)."""
+        self.check(get_task_class(kind))
 
     def check_config(self, config) -> None:
         """Stop with one line when the method cannot run on ``config``'s task and model."""
-        self.check_task(config.task.kind)
-        if not self.supports_config(config):
-            need = ", ".join(sorted(self.requires - get_task_class(config.task.kind).capabilities_for(config)))
-            raise ConfigError(
-                f"method {self.name!r} does not support model {config.model.name!r} of task {config.task.kind!r} "
-                f"(it needs: {need})"
-            )
+        self.check(get_task_class(config.task.kind), config)
 
 
 _METHODS: dict[str, MethodSpec] = {}

@@ -100,10 +100,6 @@ def _summary(
     }
 
 
-def run_dir_of(config: RunConfig) -> Path:
-    return Path(config.output_dir) / config.run_name
-
-
 def run_experiment(
     config: RunConfig,
     on_round: Callable[[RoundRecord], None] | None = None,
@@ -124,7 +120,7 @@ def run_experiment(
     setup_process(config.train.threads)
     server = RunContext(config)
     config = server.config  # resolved: the task's defaults filled in
-    run_dir = run_dir_of(config)
+    run_dir = server.run.run_dir
     checkpoint = run_dir / "checkpoint.npz"
     if resume and not checkpoint.is_file():
         raise ConfigError(

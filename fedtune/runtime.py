@@ -1,15 +1,24 @@
-"""RunContext: what one process needs to play the server or any client of a run.
+"""One run, resolved once; and RunContext: what one process needs to play the server or any client.
 
-Built from the config alone (so a Flower node builds the same one), it loads lazily and caches:
-the task (its data, prepared once on first use, and the seeded partition) and the task's base
-model with its LoRA adapters. All clients of a process share one context; none of them holds a
-model. The embedded engine gives the server a context of its own, so the two sides share
-nothing but Messages.
+:func:`resolve_run` is the one resolution step between a config and the first round: it fills the
+task's defaults (``data.name``, ``model.name``), looks the method up, checks the task's options,
+the method x task x model capabilities and the method's options, and builds the client profiles,
+in that order (so the first error names the first bad field). The :class:`ResolvedRun` it returns
+is only read afterwards: by :class:`RunContext`, the engines and the run folder
+(:attr:`ResolvedRun.run_dir`).
+
+A :class:`RunContext` is built from the config alone (so a Flower node builds the same one); it
+loads lazily and caches the task (its data, prepared once on first use, and the seeded partition)
+and the task's base model with its LoRA adapters. All clients of a process share one context; none
+of them holds a model. The embedded engine gives the server a context of its own, so the two sides
+share nothing but Messages.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -17,24 +26,52 @@ import torch
 from fedtune.config import ConfigError, RunConfig, validate_options
 from fedtune.data.partition import label_histograms
 from fedtune.protocol.profiles import ClientProfile, build_profiles
-from fedtune.registry import MethodSpec, get_method
-from fedtune.tasks import Task, build_task, resolve_config
+from fedtune.registry import MethodOptions, MethodSpec, get_method
+from fedtune.tasks import Task, TaskOptions, get_task_class, resolve_config
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A config with the task's defaults filled in, and everything checked and derived from it."""
+
+    config: RunConfig
+    method: MethodSpec
+    task_class: type[Task]
+    task_options: TaskOptions
+    options: MethodOptions
+    profiles: tuple[ClientProfile, ...]
+
+    @property
+    def run_dir(self) -> Path:
+        """The run folder, ``output_dir/run_name`` of the resolved config (its name may come from
+        the task's default ``data.name``): the one place it is spelled out."""
+        return Path(self.config.output_dir) / self.config.run_name
+
+
+def resolve_run(config: RunConfig) -> ResolvedRun:
+    """Resolve ``config`` once (see the module docstring); raises ConfigError naming the first bad field."""
+    task_class = get_task_class(config.task.kind)
+    config = resolve_config(config)
+    method = get_method(config.method)
+    task_options = validate_options(config.task.options, task_class.Options, prefix="task")
+    method.check(task_class, config)
+    options = validate_options(config.options, method.options)
+    fed = config.federation
+    try:
+        profiles = build_profiles(fed.num_clients, fed.profiles, fed.profile_choices, config.seed)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return ResolvedRun(config, method, task_class, task_options, options, tuple(profiles))
 
 
 class RunContext:
-    def __init__(self, config: RunConfig) -> None:
-        self.config = resolve_config(config)
-        self.method: MethodSpec = get_method(config.method)
-        self.task: Task = build_task(self.config)  # the task's own options first: errors name task.<field>
-        self.method.check_config(self.config)
-        self.options = validate_options(config.options, self.method.options)
-        fed = config.federation
-        try:
-            self.profiles: list[ClientProfile] = build_profiles(
-                fed.num_clients, fed.profiles, fed.profile_choices, config.seed
-            )
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+    def __init__(self, run: RunConfig | ResolvedRun) -> None:
+        self.run = run if isinstance(run, ResolvedRun) else resolve_run(run)
+        self.config = self.run.config
+        self.method = self.run.method
+        self.task: Task = self.run.task_class(self.config, self.run.task_options)
+        self.options = self.run.options
+        self.profiles: list[ClientProfile] = list(self.run.profiles)
 
     @cached_property
     def partitions(self) -> list[np.ndarray]:

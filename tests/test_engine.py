@@ -11,7 +11,7 @@ from fedtune.engines.rounds import sample_clients
 from fedtune.protocol.client import Client
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
-from fedtune.registry import MethodOptions, get_method, register
+from fedtune.registry import MethodOptions, get_method, list_methods, register
 from fedtune.runtime import RunContext
 
 
@@ -46,7 +46,7 @@ class VectorClient(Client):
 
 
 def test_a_method_defined_here_runs_through_the_registry(tiny_config):
-    register("toy-vector-mean", VectorMean, VectorClient, VectorOptions, "toy")
+    register_toy("toy-vector-mean", VectorMean, VectorClient, VectorOptions)
     ctx = RunContext(tiny_config("method=toy-vector-mean", "options.dim=2", "rounds=3"))
     strategy = ctx.strategy()
     strategy.initialize()
@@ -191,8 +191,15 @@ class TwoPhaseClient(Client):
         return Message({"y": self.cid * message.arrays["x"]}, {})
 
 
+def register_toy(name: str, strategy, client, options=MethodOptions) -> None:
+    """Register a toy method once per process (a name registered twice is an error; tests here and
+    in test_flower share the toys). Registered inside tests, so the contract test never collects them."""
+    if name not in {spec.name for spec in list_methods()}:
+        register(name, strategy, client, options, "toy")
+
+
 def test_a_round_with_a_second_exchange_runs_it_on_the_clients_that_answered(tiny_config):
-    register("toy-two-phase", TwoPhase, TwoPhaseClient, MethodOptions, "toy")
+    register_toy("toy-two-phase", TwoPhase, TwoPhaseClient)
     ctx = RunContext(tiny_config("method=toy-two-phase"))
     strategy = ctx.strategy()
     strategy.initialize()
@@ -205,3 +212,20 @@ def test_a_round_with_a_second_exchange_runs_it_on_the_clients_that_answered(tin
     fit_down = Message({"x": np.zeros(2)}, {"round": 1}).nbytes
     phase_down = Message({"x": np.zeros(2)}, {"round": 1, "phase": "sum"}).nbytes
     assert record.client_bytes_down[0] == fit_down + phase_down  # both exchanges accounted
+
+
+def test_a_method_name_registered_twice_is_an_error_naming_both_modules():
+    from fedtune.registry import DuplicateMethodError
+
+    with pytest.raises(
+        DuplicateMethodError, match=r"'fedit' is registered twice: by fedtune\.methods\.fedit and by tests\.test_engine"
+    ):
+        register("fedit", TwoPhase, TwoPhaseClient, MethodOptions, "toy")
+    assert get_method("fedit").strategy.__name__ == "FedITStrategy"  # the first registration stands
+
+
+def test_only_modules_that_register_are_methods():
+    """The shared bases (fedtune.methods.base) are never scanned; every method's registering module
+    is a method module, not a shared one."""
+    modules = {spec.module for spec in list_methods() if spec.module.startswith("fedtune.")}
+    assert modules and not any(m.startswith("fedtune.methods.base") for m in modules)

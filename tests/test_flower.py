@@ -550,10 +550,9 @@ def test_tokenized_cache_gives_the_same_batches(tmp_path, monkeypatch):
 def test_a_round_with_a_further_exchange_runs_on_flower_as_embedded(task_identity, tmp_path):
     """A Strategy phase (a second exchange in the round) crosses Flower as a "train" message
     naming its phase: same state, same bytes and the same drop as the embedded engine."""
-    from fedtune.registry import MethodOptions, register
-    from tests.test_engine import TwoPhase, TwoPhaseClient
+    from tests.test_engine import TwoPhase, TwoPhaseClient, register_toy
 
-    register("toy-two-phase", TwoPhase, TwoPhaseClient, MethodOptions, "toy")
+    register_toy("toy-two-phase", TwoPhase, TwoPhaseClient)
     config = _config(tmp_path, "method=toy-two-phase", "federation.num_clients=4", "rounds=1")
     flower_history = []
     serve(LoopbackGrid(make_client_app(config), 4), config, timeout=60, on_round=flower_history.append)

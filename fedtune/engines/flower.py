@@ -95,6 +95,7 @@ from fedtune.engines.rounds import Delivery, Engine, RoundRecord, answer
 from fedtune.errors import FedtuneError
 from fedtune.process import setup_process
 from fedtune.protocol.messages import Message
+from fedtune.runtime import resolve_run
 
 RECORD = "fedtune"  # RecordDict key of the ConfigRecord: meta and transport scalars
 ARRAYS = "fedtune-arrays"  # RecordDict key of the ArrayRecord: the message's arrays
@@ -688,10 +689,7 @@ class FlowerEngine(Engine):
         if self._transport is None:
             fed = self.config.federation
             node_of = discover_nodes(self.grid, fed.num_clients, self.timeout)
-            from fedtune.run import run_dir_of
-            from fedtune.tasks import resolve_config
-
-            timing = run_dir_of(resolve_config(self.config)) / TIMING_FILE
+            timing = resolve_run(self.config).run_dir / TIMING_FILE
             if not self.resume:
                 timing.unlink(missing_ok=True)
             self._transport = GridTransport(

@@ -399,9 +399,7 @@ class ProxyStrategy(GlobalAdapterStrategy):
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
     def cache_paths(self) -> list[Path]:
-        from fedtune.run import run_dir_of
-
-        paths = [run_dir_of(self.config) / f"{self.method_name}-proxy.npz"]
+        paths = [self.context.run.run_dir / f"{self.method_name}-proxy.npz"]
         if self.options.proxy_cache_dir:
             paths.append(Path(self.options.proxy_cache_dir) / f"{self.method_name}-proxy-{self.cache_key()}.npz")
         return paths
