@@ -53,7 +53,10 @@ def run(
     except ConfigError as exc:
         _fail(str(exc))
     except RoundFailed as exc:
-        _fail(f"{exc}; the last complete round is checkpointed: fedtune run --resume {resolve_run(config).run_dir}", code=1)
+        _fail(
+            f"{exc}; the last complete round is checkpointed: fedtune run --resume {resolve_run(config).run_dir}",
+            code=1,
+        )
     except RunInterrupted as exc:
         _fail(f"{exc}; continue with: fedtune run --resume {resolve_run(config).run_dir}", code=130)
     except DeploymentError as exc:
@@ -86,7 +89,7 @@ def methods(
     ),
 ) -> None:
     """List the registered methods."""
-    from fedtune.registry import list_methods
+    from fedtune.methods import list_methods
 
     pad = " " * 15
     for spec in list_methods():

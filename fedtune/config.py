@@ -203,6 +203,7 @@ class RunConfig(BaseModel):
         data = Path(self.data.name).stem.replace(":", "_") if self.data.name else self.task.kind
         return self.name or f"{self.method}-{data}-s{self.seed}"
 
+
 def _format_error(err: ValidationError) -> str:
     first = err.errors()[0]
     where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"]).lstrip(".") or "config"

@@ -1,16 +1,14 @@
 """Method registry: name -> (Strategy class, Client class, options Config class, what it needs).
 
 A method module registers itself with :func:`register`; the engines look methods up by name
-and never branch on it. The registry imports every module and package of :mod:`fedtune.methods`
-except :mod:`fedtune.methods.base` (what several methods share); a method is what registers, and a
-name registered twice is an error naming both modules. A method names the task capabilities it needs (``requires``: for
+(:func:`fedtune.methods.get_method`, which first imports every module and package of
+:mod:`fedtune.methods` except :mod:`fedtune.methods.base`, what several methods share) and never
+branch on it. A method is what registers; a name registered twice is an error naming both modules. A method names the task capabilities it needs (``requires``: for
 example ``"lora"``, a model with LoRA targets); it runs on every task kind that offers them.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 import sys
 from dataclasses import dataclass
 
@@ -80,7 +78,6 @@ class MethodSpec:
 
 
 _METHODS: dict[str, MethodSpec] = {}
-SHARED_PACKAGES = frozenset({"base"})  # fedtune.methods.<these>: shared bases, never scanned for methods
 
 
 class DuplicateMethodError(FedtuneError):
@@ -104,23 +101,3 @@ def register(
     spec = MethodSpec(name, strategy, client, options, doc, frozenset(requires), module)
     _METHODS[name] = spec
     return spec
-
-
-def _load_builtin_methods() -> None:
-    import fedtune.methods as pkg
-
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if info.name not in SHARED_PACKAGES:
-            importlib.import_module(f"{pkg.__name__}.{info.name}")
-
-
-def get_method(name: str) -> MethodSpec:
-    _load_builtin_methods()
-    if name not in _METHODS:
-        raise ConfigError(f"method: unknown method {name!r}; expected one of {', '.join(sorted(_METHODS))}")
-    return _METHODS[name]
-
-
-def list_methods() -> list[MethodSpec]:
-    _load_builtin_methods()
-    return [_METHODS[k] for k in sorted(_METHODS)]

@@ -25,8 +25,9 @@ import torch
 
 from fedtune.config import ConfigError, RunConfig, validate_options
 from fedtune.data.partition import label_histograms
+from fedtune.methods import get_method
 from fedtune.protocol.profiles import ClientProfile, build_profiles
-from fedtune.registry import MethodOptions, MethodSpec, get_method
+from fedtune.registry import MethodOptions, MethodSpec
 from fedtune.tasks import Task, TaskOptions, get_task_class, resolve_config
 
 

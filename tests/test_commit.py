@@ -26,11 +26,11 @@ import torch
 
 from fedtune.checkpoint import load_state
 from fedtune.config import ConfigError, load_config
+from fedtune.methods import get_method
 from fedtune.methods.commit import balance, commit
 from fedtune.methods.commit.balance import Coordination, Schedule, train_coordinated
 from fedtune.models import prefix_lm as plm
 from fedtune.models.training import make_optimizer, seed_for
-from fedtune.registry import get_method
 from fedtune.run import run_experiment
 from fedtune.runtime import RunContext
 from fedtune.tasks.instruction import Instruction

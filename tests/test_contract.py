@@ -15,7 +15,7 @@ import pytest
 
 from fedtune.checkpoint import load_state
 from fedtune.config import ConfigError, flat_keys
-from fedtune.registry import get_method, list_methods
+from fedtune.methods import get_method, list_methods
 from fedtune.run import run_experiment
 from fedtune.runtime import RunContext
 from fedtune.tasks import list_tasks

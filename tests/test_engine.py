@@ -8,10 +8,11 @@ import pytest
 
 from fedtune.engines.embedded import run_rounds
 from fedtune.engines.rounds import sample_clients
+from fedtune.methods import get_method, list_methods
 from fedtune.protocol.client import Client
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
-from fedtune.registry import MethodOptions, get_method, list_methods, register
+from fedtune.registry import MethodOptions, register
 from fedtune.runtime import RunContext
 
 

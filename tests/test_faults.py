@@ -22,9 +22,9 @@ import pytest
 from fedtune.checkpoint import load_state
 from fedtune.config import flat_keys
 from fedtune.engines.rounds import Delivery, RoundFailed, RoundPolicy, drive_rounds
+from fedtune.methods import get_method, list_methods
 from fedtune.protocol.compression import topk_encode
 from fedtune.protocol.messages import Message
-from fedtune.registry import get_method, list_methods
 from fedtune.run import run_experiment
 from fedtune.runtime import RunContext
 from tests.conftest import TINY, tiny

@@ -19,7 +19,7 @@ import pytest
 
 from fedtune.checkpoint import load_state
 from fedtune.engines.flower import make_client_app, serve
-from fedtune.registry import list_methods
+from fedtune.methods import list_methods
 from fedtune.run import run_experiment
 from tests.test_contract import flatten, tiny
 from tests.test_flower import LoopbackGrid, client_1_fails_in_round_2, task_identity  # noqa: F401 - fixtures

@@ -56,6 +56,8 @@ def all_modules() -> list[str]:
 
 
 def layer_of(module: str) -> int:
+    if module == "fedtune":  # the root package: only __version__, imports nothing
+        return 0
     best, depth = None, -1
     for i, prefixes in enumerate(LAYERS):
         for prefix in prefixes:
@@ -65,41 +67,72 @@ def layer_of(module: str) -> int:
     return best
 
 
-def module_level_imports(module: str, known: set[str]) -> set[str]:
-    """fedtune modules imported when ``module`` is imported (not inside functions, not under
-    ``if TYPE_CHECKING``)."""
+def imports_of(module: str, known: set[str]) -> dict[str, bool]:
+    """fedtune modules that ``module`` imports -> whether that import runs when ``module`` is
+    imported (True: at module level) or only when a function runs (False: lazy). Imports under
+    ``if TYPE_CHECKING`` never run and are left out."""
     spec = importlib.util.find_spec(module)
     tree = ast.parse(Path(spec.origin).read_text())
     package = module if spec.origin.endswith("__init__.py") else module.rpartition(".")[0]
-    found: set[str] = set()
+    found: dict[str, bool] = {}
 
-    def visit(nodes):
+    def add(name: str, eager: bool) -> None:
+        found[name] = found.get(name, False) or eager
+
+    def visit(nodes, eager: bool):
         for node in nodes:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
+            inner = eager and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                visit(node.orelse)
+                visit(node.orelse, eager)
                 continue
             if isinstance(node, ast.Import):
-                found.update(a.name for a in node.names if a.name.startswith("fedtune"))
+                for a in node.names:
+                    if a.name.startswith("fedtune"):
+                        add(a.name, eager)
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join(
-                        package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
-                    )
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
                 if base.startswith("fedtune"):
                     for alias in node.names:
                         sub = f"{base}.{alias.name}"
-                        found.add(sub if sub in known else base)
-            for field in ("body", "orelse", "finalbody", "handlers"):
-                child = getattr(node, field, None)
-                if isinstance(child, list):
-                    visit(child)
+                        add(sub if sub in known else base, eager)
+            visit(ast.iter_child_nodes(node), inner)
 
-    visit(tree.body)
-    found.discard(module)
+    visit(tree.body, True)
+    found.pop(module, None)
     return found
+
+
+def module_level_imports(module: str, known: set[str]) -> set[str]:
+    """fedtune modules imported when ``module`` is imported (not inside functions)."""
+    return {dep for dep, eager in imports_of(module, known).items() if eager}
+
+
+def assert_no_cycle(graph: dict[str, set[str]]) -> None:
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            assert state.get(dep) != 1, f"import circle: {' -> '.join(path + [dep])}"
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_every_module_is_in_a_layer_and_every_layer_entry_names_modules():
+    modules = all_modules()
+    for module in modules:
+        layer_of(module)  # asserts it is in one
+    for prefixes in LAYERS:
+        for prefix in prefixes:
+            assert any(m == prefix or m.startswith(prefix + ".") for m in modules), f"LAYERS names no module: {prefix}"
 
 
 def test_module_level_imports_point_down_and_have_no_cycle():
@@ -108,19 +141,39 @@ def test_module_level_imports_point_down_and_have_no_cycle():
     graph = {m: module_level_imports(m, known) for m in modules}
     upward = [(m, d) for m, deps in graph.items() for d in deps if layer_of(d) > layer_of(m)]
     assert not upward, f"module-level imports pointing up the layers: {upward}"
-    state: dict[str, int] = {}
+    assert_no_cycle(graph)
 
-    def visit(node: str, path: list[str]) -> None:
-        state[node] = 1
-        for dep in graph.get(node, ()):
-            assert state.get(dep) != 1, f"import circle: {' -> '.join(path + [dep])}"
-            if dep not in state:
-                visit(dep, path + [dep])
-        state[node] = 2
 
-    for module in modules:
-        if module not in state:
-            visit(module, [module])
+#: The upward imports allowed inside functions (at most three), each with its reason.
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
+
+
+def test_function_level_imports_point_down_too_and_no_cycle_with_them_counted():
+    """Lazy imports (inside functions) count: they point down except the few in ALLOWED_UPWARD,
+    and the graph of all imports, lazy ones included, has no circle."""
+    assert len(ALLOWED_UPWARD) <= 3
+    modules = all_modules()
+    known = set(modules)
+    graph = {m: set(imports_of(m, known)) for m in modules}
+    upward = {(m, d) for m, deps in graph.items() for d in deps if layer_of(d) > layer_of(m)}
+    assert upward <= set(ALLOWED_UPWARD), f"imports pointing up the layers: {sorted(upward - set(ALLOWED_UPWARD))}"
+    assert set(ALLOWED_UPWARD) <= upward, f"stale ALLOWED_UPWARD entries: {sorted(set(ALLOWED_UPWARD) - upward)}"
+    assert_no_cycle(graph)
+
+
+def test_the_import_scan_sees_lazy_and_eager_imports(tmp_path, monkeypatch):
+    """The scan itself: a lazy import inside a method is found and marked lazy; a module-level one eager."""
+    pkg = tmp_path / "fedtune_scan_probe"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "m.py").write_text(
+        "from fedtune.config import ConfigError\n"
+        "class A:\n    def f(self):\n        from fedtune.run import run_experiment\n"
+        "        return lambda: __import__('x')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = imports_of("fedtune_scan_probe.m", {"fedtune.config", "fedtune.run"})
+    assert found == {"fedtune.config": True, "fedtune.run": False}
 
 
 def test_every_module_imports_in_any_order():

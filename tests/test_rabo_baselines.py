@@ -327,7 +327,7 @@ def check_engine_round(method: str, strategy_cls=None, rounds: int = 2):
     of the clients whose mask (by the method's definition) held it, and an entry nobody held keeps
     its value. Capacities 1/2 and 1/4: some entries have 2 coverers, some 1, some none."""
     from fedtune.engines.embedded import run_rounds
-    from fedtune.registry import get_method
+    from fedtune.methods import get_method
 
     ctx = context(method, FEW_SHOT, "federation.num_clients=2", "federation.profiles=[{capacity=0.5},{capacity=0.25}]")
     strategy = started(ctx)

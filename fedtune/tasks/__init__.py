@@ -1,4 +1,5 @@
-"""Task kinds by name: each module of this package registers its :class:`~fedtune.tasks.base.Task`.
+"""Task kinds by name: each module of this package registers its :class:`~fedtune.tasks.base.Task`
+(with :func:`~fedtune.tasks.base.register_task`); this package finds the modules and looks kinds up.
 
 fedtune tasks                      # the kinds, one line each
 fedtune run --set task=image-classification --set method=fedavg
@@ -10,15 +11,7 @@ import importlib
 import pkgutil
 
 from fedtune.config import ConfigError, RunConfig, validate_options
-from fedtune.tasks.base import Task, TaskOptions
-
-_TASKS: dict[str, type[Task]] = {}
-
-
-def register_task(task: type[Task]) -> type[Task]:
-    """Register ``task`` under ``task.kind`` (usable as a class decorator)."""
-    _TASKS[task.kind] = task
-    return task
+from fedtune.tasks.base import _TASKS, Task, TaskOptions, register_task
 
 
 def _load_builtin_tasks() -> None:

@@ -45,8 +45,7 @@ from fedtune.models.audio import (
     load_audio_extractor,
 )
 from fedtune.models.training import evaluate_classifier, freeze_except
-from fedtune.tasks import register_task
-from fedtune.tasks.base import Task, TaskOptions
+from fedtune.tasks.base import Task, TaskOptions, register_task
 
 AUDIO_SETS = ("fsdd",)
 

@@ -2,7 +2,7 @@
 (how parties collaborate) and the engine (how messages travel).
 
 A task kind is one module in ``fedtune/tasks/`` that subclasses :class:`Task` and calls
-:func:`fedtune.tasks.register_task`. One Task object per process (held by the RunContext) caches
+:func:`register_task` (here; :mod:`fedtune.tasks` finds the modules and looks kinds up). One Task object per process (held by the RunContext) caches
 its data in the form training needs (tokenized text, decoded images, log-mel features), computed
 once on first use. Methods and engines only call the methods below; they never branch on the
 kind. A method that needs more than this interface (for example a bilevel split of parameters)
@@ -170,3 +170,12 @@ class Task(ABC):
     @abstractmethod
     def evaluate(self, model: torch.nn.Module, batch_size: int) -> dict[str, float]:
         """Metrics of ``model`` on the test set; always ``accuracy`` and ``loss``."""
+
+
+_TASKS: dict[str, type[Task]] = {}
+
+
+def register_task(task: type[Task]) -> type[Task]:
+    """Register ``task`` under ``task.kind`` (usable as a class decorator)."""
+    _TASKS[task.kind] = task
+    return task

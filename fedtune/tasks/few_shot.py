@@ -71,8 +71,7 @@ from fedtune.models.fewshot import (
     linear_logits,
     prototype_head,
 )
-from fedtune.tasks import register_task
-from fedtune.tasks.base import Task, TaskOptions
+from fedtune.tasks.base import Task, TaskOptions, register_task
 
 HEAD = ["head"]
 EVAL_CHUNK = 64  # episodes scored at once in evaluation

@@ -35,8 +35,7 @@ from fedtune.data.images import ImageSet, load_image_set, long_tail_indices, nor
 from fedtune.data.text import data_dir
 from fedtune.models.training import evaluate_classifier, freeze_except
 from fedtune.models.vision import ImageModelSpec, build_image_model, image_model_spec, lora_target_names
-from fedtune.tasks import register_task
-from fedtune.tasks.base import Task, TaskOptions
+from fedtune.tasks.base import Task, TaskOptions, register_task
 
 
 class ImageClassificationOptions(TaskOptions):

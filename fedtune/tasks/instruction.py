@@ -34,8 +34,7 @@ from pydantic import Field
 from fedtune.config import ConfigError
 from fedtune.data import instruction as idata
 from fedtune.models import prefix_lm as plm
-from fedtune.tasks import register_task
-from fedtune.tasks.base import Task, TaskOptions
+from fedtune.tasks.base import Task, TaskOptions, register_task
 
 LM_TARGETS = ("q_proj", "v_proj")
 ENCODER_PREFIXES = tuple(f"{m}_{part}." for m in plm.MODALITIES for part in ("encoder", "projector"))

@@ -44,9 +44,8 @@ from fedtune.data.text import data_dir
 from fedtune.models.audio import seeded
 from fedtune.models.multimodal import FUSION_CNN, FusionClassifier
 from fedtune.models.training import evaluate_classifier, freeze_except
-from fedtune.tasks import register_task
 from fedtune.tasks.audio_classification import LogMelOptions
-from fedtune.tasks.base import Task, subsample
+from fedtune.tasks.base import Task, register_task, subsample
 
 IMAGE_SETS = ("digits", "mnist")
 HEAD = ["classifier"]

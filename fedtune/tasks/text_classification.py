@@ -21,8 +21,7 @@ import torch
 from fedtune.data.batches import TokenizedSet
 from fedtune.data.text import TextDataset, load_text_dataset
 from fedtune.models.training import evaluate_classifier, freeze_except
-from fedtune.tasks import register_task
-from fedtune.tasks.base import Task
+from fedtune.tasks.base import Task, register_task
 
 HEAD = ["classifier"]
 
