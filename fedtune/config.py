@@ -130,14 +130,16 @@ class FederationConfig(_Section):
     nodes: int | None = Field(
         None,
         gt=0,
-        description="engine 'flower': SuperNodes, each playing a group of clients (default: min(clients per round, cores))",
+        description="engine 'flower': SuperNodes, each playing a group of clients "
+        "(default: min(clients per round, cores))",
     )
 
     @model_validator(mode="after")
     def _check(self) -> FederationConfig:
         if self.profiles is not None and len(self.profiles) not in (1, self.num_clients):
             raise ValueError(
-                f"federation.profiles: expected 1 or {self.num_clients} profiles (federation.num_clients), got {len(self.profiles)}"
+                f"federation.profiles: expected 1 or {self.num_clients} profiles (federation.num_clients), "
+                f"got {len(self.profiles)}"
             )
         if self.profile_choices is not None:
             check_profile_choices(self.profile_choices)
@@ -158,11 +160,13 @@ class FederationConfig(_Section):
             raise ValueError("give federation.clients_per_round or federation.fraction, not both")
         if self.clients_per_round is not None and self.clients_per_round > self.num_clients:
             raise ValueError(
-                f"federation.clients_per_round: expected at most num_clients={self.num_clients}, got {self.clients_per_round}"
+                f"federation.clients_per_round: expected at most num_clients={self.num_clients}, "
+                f"got {self.clients_per_round}"
             )
         if self.min_replies > self.sample_size():
             raise ValueError(
-                f"federation.min_replies: expected at most the {self.sample_size()} clients sampled per round, got {self.min_replies}"
+                f"federation.min_replies: expected at most the {self.sample_size()} clients sampled per round, "
+                f"got {self.min_replies}"
             )
         return self
 

@@ -3,8 +3,9 @@
 A method module registers itself with :func:`register`; the engines look methods up by name
 (:func:`fedtune.methods.get_method`, which first imports every module and package of
 :mod:`fedtune.methods` except :mod:`fedtune.methods.base`, what several methods share) and never
-branch on it. A method is what registers; a name registered twice is an error naming both modules. A method names the task capabilities it needs (``requires``: for
-example ``"lora"``, a model with LoRA targets); it runs on every task kind that offers them.
+branch on it. A method is what registers; a name registered twice is an error naming both modules.
+A method names the task capabilities it needs (``requires``: for example ``"lora"``, a model with
+LoRA targets); it runs on every task kind that offers them.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class MethodSpec:
         need = self.missing(task_class.capabilities)
         if need:
             raise ConfigError(
-                f"method {self.name!r} does not support task {task_class.kind!r} (it needs: {', '.join(sorted(need))}); "
+                f"method {self.name!r} does not support task {task_class.kind!r} "
+                f"(it needs: {', '.join(sorted(need))}); "
                 f"its tasks are {', '.join(self.supported_tasks()) or 'none'}"
             )
         need = self.missing(task_class.capabilities_for(config)) if config is not None else None

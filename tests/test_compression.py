@@ -174,7 +174,7 @@ def test_topk_composes_with_fslora_sliced_uploads_and_never_touches_the_index():
             payload += n * 8 + 8 * len(shape)
         assert record.client_bytes_up[cid] == 8 + header_len(reply.meta, specs) + payload
         update = decode_update({n: v for n, v in reply.arrays.items() if n != SHARED_SKETCH})
-        for a_name, b_name in pairs:
+        for a_name, _ in pairs:
             assert update[a_name].shape == sliced[a_name]
             assert np.count_nonzero(update[a_name]) <= topk_count(update[a_name].size, ratio)
     # aggregation: only the union of the two index sets moved, and at most the kept entries

@@ -473,7 +473,7 @@ def test_fedstacklora_merges_the_pairs_the_clients_actually_trained():
     for rnd in (1, 2):
         pairs = {}
 
-        def snapshot(cid):
+        def snapshot(cid, pairs=pairs):
             pairs[cid] = clients.workspace.state(RANKS[cid])
 
         replies = exchange_all(strategy, clients, rnd, after_fit=snapshot)

@@ -180,6 +180,6 @@ def test_every_module_imports_in_any_order():
     modules = all_modules()
     orders = [list(reversed(modules)), random.Random(7).sample(modules, len(modules))]
     for order in orders:
-        code = "import importlib\nfor m in %r:\n    importlib.import_module(m)\n" % order
+        code = f"import importlib\nfor m in {order!r}:\n    importlib.import_module(m)\n"
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]

@@ -111,7 +111,7 @@ def test_few_clients_get_whole_alphabets(task):
     for cid, part in enumerate(parts):
         for a in _alphabets_of(task, part):
             assert owners.setdefault(a, cid) == cid  # an alphabet belongs to one client only
-    for cid, part in enumerate(parts):  # ... in full: all its characters, all their drawings
+    for part in parts:  # ... in full: all its characters, all their drawings
         alphabets = _alphabets_of(task, part)
         mine = [i for i, c in enumerate(task.train.class_characters) if c.split("/")[0] in alphabets]
         assert np.array_equal(np.unique(task.train.labels[part]), mine)

@@ -222,7 +222,7 @@ def test_partition_is_the_parties_rows_and_batches_use_labeled_rows_only(paired_
     drawn = []
     batch = task.batch
     task.batch = lambda ds, tensors, rows: (drawn.append(np.asarray(rows)), batch(ds, tensors, rows))[1]
-    for inputs, labels in task.train_batches(parts[1], 4, 10, np.random.default_rng(0)):
+    for inputs, _ in task.train_batches(parts[1], 4, 10, np.random.default_rng(0)):
         assert inputs["image"].shape[1:] == (1, 8, 8) and inputs["audio"].shape[1:] == (40, 32)
         absent = ~inputs["mask"][:, IMAGE]
         assert (inputs["image"][absent] == 0).all()  # the missing image is zero-filled

@@ -189,7 +189,8 @@ def _load_folder(root: Path, size) -> tuple[ImageSet, ImageSet]:
     classes = _class_names(*parts)
     if not classes:
         raise ConfigError(
-            f"data.name: image folder {str(root)!r}: expected one sub-folder per class (under train/ and test/, or directly)"
+            f"data.name: image folder {str(root)!r}: expected one sub-folder per class "
+            "(under train/ and test/, or directly)"
         )
     read = [_read_class_folders(p, classes) for p in parts]
     if len(read[0][0]) == 0:

@@ -45,7 +45,9 @@ class LocalTransport:
         for cid, message in messages.items():
             client = self.make_client(cid, dict(self.states.get(cid, {})))
             try:
-                reply, down, up, seconds = exchange(message, lambda m: answer(client, kind, m, self.seed, rnd, attempt))
+                reply, down, up, seconds = exchange(
+                    message, lambda m, client=client: answer(client, kind, m, self.seed, rnd, attempt)
+                )
             except Exception as exc:  # noqa: BLE001 - any client failure is a drop, named in the record
                 out[cid] = Delivery(None, message.nbytes, error=f"{type(exc).__name__}: {exc}")
                 continue

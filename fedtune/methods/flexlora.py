@@ -8,13 +8,14 @@ sparsified one) and forms, per adapted module,
 
     Delta W^{t+1} = sum_i p_i s_i B_i A_i                       (m, n), p_i proportional to data size
 
-(``weighting = "uniform"``: p_i = 1/N). Delta W replaces the previous one: clients started from
-the previous global, so their products carry it (a ``federation.server_optimizer`` other than
-plain SGD at lr 1, a deviation, steps from the old Delta W toward the new one instead; the head
-likewise). Redistribution (round t+1): each client gets the truncated SVD at its own rank,
-U_{r_i} S_{r_i} V_{r_i}^T, as B = U_{r_i} S_{r_i} / s_i, A = V_{r_i}^T, so s_i B A is the best rank-r_i approximation of Delta W (Eckart-Young). One SVD
-per module and round serves every client. Round 1 (no Delta W yet) sends the truncation of the
-common rank-r PEFT initialization (B = 0). The head is averaged FedAvg-style.
+(``weighting = "uniform"``: p_i = 1/N). Delta W replaces the previous one: clients started from the
+previous global, so their products carry it (a ``federation.server_optimizer`` other than plain SGD
+at lr 1, a deviation, steps from the old Delta W toward the new one instead; the head likewise).
+Redistribution (round t+1): each client gets the truncated SVD at its own rank, U_{r_i} S_{r_i}
+V_{r_i}^T, as B = U_{r_i} S_{r_i} / s_i, A = V_{r_i}^T, so s_i B A is the best rank-r_i
+approximation of Delta W (Eckart-Young). One SVD per module and round serves every client. Round 1
+(no Delta W yet) sends the truncation of the common rank-r PEFT initialization (B = 0). The head is
+averaged FedAvg-style.
 
 Global model. ``global_model = "svd"`` (default): the rank-r truncated SVD of Delta W as a
 standard PEFT rank-r adapter (scale alpha/r), the best adapter of the global rank (what is

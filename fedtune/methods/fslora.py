@@ -12,15 +12,16 @@ The server keeps, per adapted module, one global rank-r pair B (m, r), A (r, n) 
 2. **Download**: the dense global modules and I (``options.download = "dense"``, as in the paper),
    or only the active slices B[:, I], A[I, :], the head and I (``"active"``).
 3. **Local training**, eq. (4): the client trains W0 + (alpha/r) B S A for H steps with the
-   configured optimizer (``train.optimizer``; Algorithm 1 takes plain SGD steps, see below). Since B S A = (r/k) B[:, I] A[I, :], this is a PEFT LoRA adapter of
-   rank k *with the same lora_alpha*: PEFT's scaling alpha/k equals (alpha/r) (r/k) exactly, so
-   W0 + (alpha/r) B S A = W0 + (alpha/k) B[:, I] A[I, :]. Compute is proportional to k (no dense
-   masked product), and the gradients w.r.t. B[:, I], A[I, :] are those of eq. (3) restricted to
-   I. The ranks outside I are not parameters of the client at all, so they stay exactly
-   unchanged, with any optimizer: Adam's per-coordinate update of the slice equals dense Adam on
-   the sketched loss (whose gradient is zero outside I), and weight decay (AdamW) only reaches
-   the k active ranks (eq. (4) leaves the others untouched). (The published code's "scale B's gradient by S^2"
-   trick is exact only for plain SGD, and its name test never matched, so it never sketched.)
+   configured optimizer (``train.optimizer``; Algorithm 1 takes plain SGD steps, see below). Since B
+   S A = (r/k) B[:, I] A[I, :], this is a PEFT LoRA adapter of rank k *with the same lora_alpha*:
+   PEFT's scaling alpha/k equals (alpha/r) (r/k) exactly, so W0 + (alpha/r) B S A = W0 + (alpha/k)
+   B[:, I] A[I, :]. Compute is proportional to k (no dense masked product), and the gradients w.r.t.
+   B[:, I], A[I, :] are those of eq. (3) restricted to I. The ranks outside I are not parameters of
+   the client at all, so they stay exactly unchanged, with any optimizer: Adam's per-coordinate
+   update of the slice equals dense Adam on the sketched loss (whose gradient is zero outside I),
+   and weight decay (AdamW) only reaches the k active ranks (eq. (4) leaves the others untouched).
+   (The published code's "scale B's gradient by S^2" trick is exact only for plain SGD, and its name
+   test never matched, so it never sketched.)
 4. **Upload** (Alg. 1 line 7): only Delta B[:, I] (m, k), Delta A[I, :] (k, n), the head delta
    and I (int32). ``federation.upload_topk`` applies top-k to the deltas, never to I.
 5. **Aggregate**, eq. (5): the server scatters each reply back to (m, r) / (r, n) (zeros outside
@@ -78,8 +79,9 @@ class FSLoRAOptions(MethodOptions):
     per_module_sketch: bool = Field(False, description="draw an index set per LoRA module instead of one per client")
 
     deviations: ClassVar[dict[str, str]] = {
-        "train.optimizer": "'adamw' (the default) departs from Algorithm 1, whose eq. (4) takes plain SGD steps; E[S] = I "
-        "makes SGD steps unbiased, but under AdamW eq. (5) shrinks each rank's expected update to k/r of an unsketched one",
+        "train.optimizer": "'adamw' (the default) departs from Algorithm 1, whose eq. (4) takes plain SGD steps; "
+        "E[S] = I makes SGD steps unbiased, but under AdamW eq. (5) shrinks each rank's expected update to k/r "
+        "of an unsketched one",
         "train.momentum": "a value above 0 (heavy-ball SGD; the published GLUE clients use 0.9) departs from eq. (4)",
         **SERVER_DEVIATIONS,
         "options.weighting": "'examples' (data-size weights) departs from eq. (5)'s 1/N",

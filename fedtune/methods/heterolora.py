@@ -122,7 +122,8 @@ def sparsity_norm(adapter: Mapping[str, np.ndarray], scale: float) -> float:
 
 
 class HeteroLoRAStrategy(GlobalAdapterStrategy):
-    """HeteroLoRA: truncation down, zero-padded update average up (FSLoRA's baseline); HetLoRA (Cho et al. 2024) by options."""
+    """HeteroLoRA: truncation down, zero-padded update average up (FSLoRA's baseline); HetLoRA
+    (Cho et al. 2024) by options."""
 
     def initialize(self) -> None:
         self.rank = self.config.model.lora_rank

@@ -34,7 +34,8 @@ def check_profile_choices(choices: dict[str, list[Any]]) -> None:
     for key, values in choices.items():
         if key not in ClientProfile.model_fields:
             raise ValueError(
-                f"federation.profile_choices.{key}: not a profile field; expected one of {', '.join(ClientProfile.model_fields)}"
+                f"federation.profile_choices.{key}: not a profile field; "
+                f"expected one of {', '.join(ClientProfile.model_fields)}"
             )
         if not isinstance(values, list) or not values:
             raise ValueError(f"federation.profile_choices.{key}: expected a non-empty list")
@@ -55,7 +56,8 @@ def build_profiles(
             explicit = list(explicit) * num_clients
         if len(explicit) != num_clients:
             raise ValueError(
-                f"federation.profiles: expected 1 or {num_clients} profiles (federation.num_clients), got {len(explicit)}"
+                f"federation.profiles: expected 1 or {num_clients} profiles (federation.num_clients), "
+                f"got {len(explicit)}"
             )
         return [
             p if isinstance(p, ClientProfile) else _profile(p, f"federation.profiles[{i}]")

@@ -2,11 +2,11 @@
 (how parties collaborate) and the engine (how messages travel).
 
 A task kind is one module in ``fedtune/tasks/`` that subclasses :class:`Task` and calls
-:func:`register_task` (here; :mod:`fedtune.tasks` finds the modules and looks kinds up). One Task object per process (held by the RunContext) caches
-its data in the form training needs (tokenized text, decoded images, log-mel features), computed
-once on first use. Methods and engines only call the methods below; they never branch on the
-kind. A method that needs more than this interface (for example a bilevel split of parameters)
-asks for a capability (:attr:`Task.capabilities`).
+:func:`register_task` (here; :mod:`fedtune.tasks` finds the modules and looks kinds up). One Task
+object per process (held by the RunContext) caches its data in the form training needs (tokenized
+text, decoded images, log-mel features), computed once on first use. Methods and engines only call
+the methods below; they never branch on the kind. A method that needs more than this interface (for
+example a bilevel split of parameters) asks for a capability (:attr:`Task.capabilities`).
 
 The datasets a task returns are its own types; the interface needs only ``len(ds)``,
 ``ds.labels`` (an int64 array, one label per example, used by the partitioners) and

@@ -22,7 +22,8 @@ alone by the same head (a row missing a modality is classified from the other on
 the fused term only, the audio encoder learns next to nothing beside the easier images: 16%
 audio-only test accuracy after 10 rounds of the recipe, against 70% with the term). Metrics:
 accuracy and cross-entropy on the complete test set, plus ``accuracy_image_only`` and
-``accuracy_audio_only`` with the other modality masked. No LoRA targets (capabilities: ``paired-modalities``, what BoMM and its baselines need).
+``accuracy_audio_only`` with the other modality masked. No LoRA targets (capabilities:
+``paired-modalities``, what BoMM and its baselines need).
 """
 
 from __future__ import annotations

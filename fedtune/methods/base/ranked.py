@@ -30,9 +30,9 @@ def _base_weight(workspace, path: str) -> torch.Tensor:
 def merged_into_base(workspace, deltas: Mapping[str, np.ndarray]) -> Iterator[None]:
     """Run the body with ``W0 + Delta W`` in the workspace's frozen base layers; restore W0.
 
-    ``deltas`` maps a module path to its (m, n) Delta W (a convolution's (c_out, c_in kh kw)). The base weights are copied before
-    and copied back afterwards (also on error), so the restore is exact: the next client, or
-    the server's evaluation in the same process, sees W0 untouched."""
+    ``deltas`` maps a module path to its (m, n) Delta W (a convolution's (c_out, c_in kh kw)).
+    The base weights are copied before and copied back afterwards (also on error), so the restore
+    is exact: the next client, or the server's evaluation in the same process, sees W0 untouched."""
     saved: dict[str, torch.Tensor] = {}
     try:
         with torch.no_grad():
