@@ -10,7 +10,7 @@ export TRANSFORMERS_OFFLINE ?= 1
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 export FEDTUNE_DATA_DIR ?= $(abspath ../shared/data)
 
-.PHONY: venv run test test-all bench clean datasets
+.PHONY: venv run lint test test-all bench clean datasets
 
 venv: $(STAMP)
 
@@ -36,6 +36,10 @@ datasets:
 
 run: venv
 	$(BIN)/fedtune run configs/default.toml
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 test: venv
 	$(BIN)/python -m pytest -q
