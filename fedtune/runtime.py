@@ -79,6 +79,11 @@ class RunContext:
         """Client id -> indices into the task's training pool (seeded)."""
         return self.task.partition(self.config.federation.num_clients, self.config.seed)
 
+    def example_bound(self, kind: str, cid: int) -> int:
+        """The most examples client ``cid`` can hold: its partition's size; in an evaluation reply
+        ("evaluate"), the test set's (clients evaluate on it)."""
+        return len(self.task.test) if kind == "evaluate" else len(self.partitions[cid])
+
     def histograms(self) -> list[list[int]]:
         """Per-client label counts, ``[client][class]``."""
         return label_histograms(self.task.train.labels, self.partitions, self.task.num_labels)

@@ -43,7 +43,7 @@ class VectorMean(Strategy):
 class VectorClient(Client):
     def fit(self, message):
         self.state["calls"] = self.state.get("calls", 0) + 1
-        return Message({"x": message.arrays["x"] + self.cid}, {"steps": self.state["calls"]})
+        return Message({"x": message.arrays["x"] + self.cid}, {"steps": self.state["calls"], "num_examples": 1})
 
 
 def test_a_method_defined_here_runs_through_the_registry(tiny_config):
@@ -183,7 +183,7 @@ class TwoPhase(Strategy):
 
 class TwoPhaseClient(Client):
     def fit(self, message):
-        return Message({"x": message.arrays["x"] + self.cid}, {"steps": 1})
+        return Message({"x": message.arrays["x"] + self.cid}, {"steps": 1, "num_examples": 1})
 
     def phase(self, name, message):
         assert name == "sum"

@@ -21,7 +21,7 @@ import pytest
 
 from fedtune.checkpoint import load_state
 from fedtune.config import flat_keys
-from fedtune.engines.rounds import Delivery, RoundFailed, RoundPolicy, drive_rounds
+from fedtune.engines.rounds import Delivery, RoundFailed, RoundPolicy, drive_rounds, first_nonfinite
 from fedtune.methods import get_method, list_methods
 from fedtune.protocol.compression import topk_encode
 from fedtune.protocol.messages import Message
@@ -86,6 +86,25 @@ def test_random_failures_follow_the_seeded_draw_and_too_few_replies_stop_the_run
 
 
 # -- fuzzing the server with malformed replies ---------------------------------------------------
+DELETE = object()
+#: Damage to a reply's metadata: the FedAvg weight (num_examples) and the losses a client reports.
+META_DAMAGE = {
+    "examples-nan": ("num_examples", float("nan")),
+    "examples-inf": ("num_examples", float("inf")),
+    "examples-negative": ("num_examples", -7),
+    "examples-zero": ("num_examples", 0),
+    "examples-huge": ("num_examples", 10**9),
+    "examples-string": ("num_examples", "12"),
+    "examples-float": ("num_examples", 12.5),
+    "examples-missing": ("num_examples", DELETE),
+    "loss-nan": ("train_loss", float("nan")),
+    "loss-inf": ("train_loss", float("-inf")),
+    "loss-string": ("train_loss", "low"),
+    "steps-bool": ("steps", True),
+    "other-nan": ("surprise", [1.0, float("nan")]),
+}
+
+
 def mutate(reply: Message, rng: np.random.Generator, cid: int, rnd: int, cap: int) -> tuple[Delivery, str]:
     """A malformed delivery derived from a valid ``reply``, and the kind of damage."""
     arrays = {k: v.copy() for k, v in reply.arrays.items()}
@@ -105,8 +124,10 @@ def mutate(reply: Message, rng: np.random.Generator, cid: int, rnd: int, cap: in
         "topk",
         "error",
         "empty",
-    ][rng.integers(13)]
+        *META_DAMAGE,
+    ][rng.integers(13 + len(META_DAMAGE))]
     sender, claimed_round, error = cid, rnd, None
+    meta = dict(reply.meta)
     if kind in ("nan", "inf"):
         flat = arrays[name].reshape(-1)
         flat[rng.integers(flat.size)] = np.nan if kind == "nan" else -np.inf
@@ -141,7 +162,13 @@ def mutate(reply: Message, rng: np.random.Generator, cid: int, rnd: int, cap: in
         return Delivery(None, 100, error="ConnectionResetError: peer went away"), kind
     elif kind == "empty":
         arrays = {}
-    message = Message(arrays, reply.meta)
+    elif kind in META_DAMAGE:
+        key, value = META_DAMAGE[kind]
+        if value is DELETE:
+            del meta[key]
+        else:
+            meta[key] = value
+    message = Message(arrays, meta)
     return Delivery(message, 100, message.nbytes, 0.1, sender, claimed_round, error), kind
 
 
@@ -157,6 +184,7 @@ def test_fuzzed_replies_are_all_rejected_and_the_aggregate_is_the_valid_ones(tin
     cap = max(m.nbytes for m in genuine.values()) * 3
     rng = np.random.default_rng(0)
     rejected: dict[str, int] = {}
+    base = Message(genuine[0].arrays, {**genuine[0].meta, "num_examples": 1})  # valid for any client's partition
 
     def transport(kind, rnd, messages, attempt=0):
         out = {}
@@ -164,7 +192,7 @@ def test_fuzzed_replies_are_all_rejected_and_the_aggregate_is_the_valid_ones(tin
             if cid in genuine:
                 out[cid] = Delivery(genuine[cid], 100, genuine[cid].nbytes, 0.1, cid, rnd)
             else:
-                out[cid], damage = mutate(genuine[0], rng, cid, rnd, cap)
+                out[cid], damage = mutate(base, rng, cid, rnd, cap)
                 rejected[damage] = rejected.get(damage, 0) + 1
         return out
 
@@ -172,9 +200,12 @@ def test_fuzzed_replies_are_all_rejected_and_the_aggregate_is_the_valid_ones(tin
     history = drive_rounds(
         strategy, transport, 22, 22, rounds, seed=0, eval_every=rounds, policy=RoundPolicy(max_reply_bytes=cap)
     )
-    assert sum(rejected.values()) == 1000 and len(rejected) == 13
+    assert sum(rejected.values()) == 1000 and len(rejected) == 13 + len(META_DAMAGE)
     for record in history:
         assert set(record.dropped) == set(range(2, 22)) and all(record.dropped.values())
+    assert first_nonfinite(strategy.state_dict()) is None
+    metadata_reasons = [r for rec in history for r in rec.dropped.values() if r.startswith("metadata")]
+    assert len(metadata_reasons) == sum(n for k, n in rejected.items() if k in META_DAMAGE)  # each for its metadata
     for rnd in range(1, rounds + 1):  # the reference sees the two valid replies alone
         reference.aggregate_fit(rnd, {cid: Message.decode(m.encode()) for cid, m in genuine.items()})
     for key, value in reference.global_arrays.items():
@@ -244,3 +275,64 @@ def test_sigkill_at_a_random_round_then_resume_is_bit_identical(tmp_path):
     b = load_file(run_dir / "adapter" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     assert [json.loads(x)["round"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+
+
+# -- aggregation that fails or leaves a non-finite state rejects the round -------------------------
+def _sabotaged_run(tiny_config, tmp_path, break_aggregation):
+    """A fedit run of 3 rounds whose aggregation ``break_aggregation(strategy, rnd)`` may sabotage;
+    returns (the exception, the metrics lines written, the checkpoint's state)."""
+    from fedtune.methods.fedit import FedITStrategy
+    from fedtune.run import run_experiment
+
+    config = tiny_config("method=fedit", "rounds=3", f"output_dir={tmp_path}", "name=guarded")
+
+    real = FedITStrategy.aggregate_fit
+
+    def sabotaged(self, rnd, replies):
+        metrics = real(self, rnd, replies)
+        break_aggregation(self, rnd)
+        return metrics
+
+    FedITStrategy.aggregate_fit = sabotaged
+    try:
+        with pytest.raises(RoundFailed) as caught:
+            run_experiment(config)
+    finally:
+        FedITStrategy.aggregate_fit = real
+    run_dir = tmp_path / "guarded"
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return caught.value, lines, load_state(run_dir / "checkpoint.npz")
+
+
+def test_a_non_finite_global_state_after_aggregation_stops_the_run_and_is_never_checkpointed(tiny_config, tmp_path):
+    def poison(strategy, rnd):
+        if rnd == 2:
+            name = sorted(strategy.global_arrays)[0]
+            strategy.global_arrays[name] = strategy.global_arrays[name] * np.float32("nan")
+
+    exc, lines, state = _sabotaged_run(tiny_config, tmp_path, poison)
+    assert str(exc).startswith("round 2: the aggregated global state is not finite (state/global/") and "\n" not in str(
+        exc
+    )
+    assert [line["round"] for line in lines] == [1] and int(state["_round"]) == 1
+    assert first_nonfinite({k: v for k, v in state.items() if k != "_engine"}) is None
+
+
+def test_an_exception_inside_aggregation_stops_the_run_with_one_line(tiny_config, tmp_path):
+    def explode(strategy, rnd):
+        if rnd == 3:
+            raise TypeError("unsupported operand type(s) for +: 'float' and 'str'")
+
+    exc, lines, state = _sabotaged_run(tiny_config, tmp_path, explode)
+    assert str(exc) == (
+        "round 3: aggregation failed (TypeError: unsupported operand type(s) for +: 'float' and 'str'); "
+        "nothing of this round is kept"
+    )
+    assert [line["round"] for line in lines] == [1, 2] and int(state["_round"]) == 2
+
+
+def test_first_nonfinite_finds_the_path_of_a_nan_anywhere_in_a_nested_state():
+    assert first_nonfinite({"a": np.ones(3), "b": [1.0, {"c": np.float32(2)}]}) is None
+    assert first_nonfinite({"a": np.ones(3), "b": [1.0, {"c": np.array([0.0, np.inf])}]}) == "state/b/1/c"
+    assert first_nonfinite({"x": float("nan")}) == "state/x"
+    assert first_nonfinite({"i": np.arange(3), "s": "text"}) is None

@@ -6,8 +6,10 @@ round's Messages to clients and brings back one :class:`Delivery` per client.
 Faults (both engines). A client that raises, misses the round's deadline
 (``federation.round_timeout_s``) or never answers is *dropped* for that round, and so is a
 reply that fails validation: the wrong client id or round, larger than
-``federation.max_reply_bytes``, or arrays other than :meth:`Strategy.reply_spec` expects
-(names, shapes, dtypes, finite values; :mod:`fedtune.protocol.validation`). Dropped replies never
+``federation.max_reply_bytes``, metadata other than :meth:`Strategy.reply_meta_spec` declares
+(types, ranges, finite numbers: a client's ``num_examples`` is at most what the server knows of
+it), or arrays other than :meth:`Strategy.reply_spec` expects (names, shapes, dtypes, finite
+values; :mod:`fedtune.protocol.validation`). Dropped replies never
 reach ``aggregate_fit``. A round may hold further exchanges after the training one
 (:meth:`Strategy.phases`: RABO's two phases, BoMM's party / cloud exchanges), each with the
 clients still answering, each validated, byte-accounted and recorded the same way; a phase short
@@ -36,7 +38,7 @@ from fedtune.errors import FedtuneError
 from fedtune.protocol.client import Client
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
-from fedtune.protocol.validation import check_arrays
+from fedtune.protocol.validation import check_arrays, check_meta
 
 
 def sample_clients(num_clients: int, sample_size: int, seed: int, rnd: int, attempt: int = 0) -> list[int]:
@@ -104,8 +106,10 @@ class RoundPolicy:
     def of(cls, fed: Any) -> RoundPolicy:
         return cls(fed.min_replies, fed.max_retries, fed.round_timeout_s, fed.max_reply_bytes)
 
-    def rejection(self, strategy: Strategy, rnd: int, cid: int, sent: Message, got: Delivery) -> str | None:
-        """Why ``got`` may not be aggregated, or None."""
+    def rejection(
+        self, strategy: Strategy, kind: str, rnd: int, cid: int, sent: Message | None, got: Delivery
+    ) -> str | None:
+        """Why ``got`` (a reply of exchange ``kind``) may not be aggregated, or None."""
         if got.error is not None:
             return got.error
         if got.reply is None:
@@ -118,6 +122,9 @@ class RoundPolicy:
             return f"missed the {self.timeout_s:g} s deadline ({got.seconds:.2f} s)"
         if got.up > self.max_reply_bytes:
             return f"reply of {got.up} bytes exceeds federation.max_reply_bytes = {self.max_reply_bytes}"
+        reason = check_meta(got.reply.meta, strategy.reply_meta_spec(kind, cid))
+        if reason is not None:
+            return reason
         spec = strategy.reply_spec(rnd, cid, sent) if sent is not None else None
         if isinstance(spec, list):  # alternative forms (a client that may prune its rank, say)
             reasons = [check_arrays(got.reply.arrays, s) for s in spec]
@@ -184,7 +191,7 @@ def _exchange(
         record.client_bytes_down[cid] = record.client_bytes_down.get(cid, 0) + got.down
         record.client_bytes_up[cid] = record.client_bytes_up.get(cid, 0) + got.up
         record.client_compute_s[cid] = record.client_compute_s.get(cid, 0.0) + got.seconds
-        reason = policy.rejection(strategy, rnd, cid, sent[cid], got)
+        reason = policy.rejection(strategy, kind, rnd, cid, sent[cid], got)
         if reason is None:
             valid[cid] = got.reply
             record.client_steps[cid] = record.client_steps.get(cid, 0) + int(got.reply.meta.get("steps", 0))
@@ -192,6 +199,39 @@ def _exchange(
             where = (f"attempt {attempt + 1}: " if attempt else "") + (f"{kind}: " if kind != TRAIN else "")
             record.dropped[cid] = where + reason
     return valid
+
+
+def first_nonfinite(state: Any, path: str = "state") -> str | None:
+    """The path of the first non-finite number in a strategy's state (nested dicts, lists,
+    arrays), or None when every number is finite."""
+    if isinstance(state, np.ndarray):
+        return path if state.dtype.kind in "fc" and not np.isfinite(state).all() else None
+    if isinstance(state, (float, np.floating)):
+        return None if np.isfinite(state) else path
+    if isinstance(state, dict):
+        items = state.items()
+    elif isinstance(state, (list, tuple)):
+        items = enumerate(state)
+    else:
+        return None
+    for key, value in items:
+        where = first_nonfinite(value, f"{path}/{key}")
+        if where is not None:
+            return where
+    return None
+
+
+def _aggregated(rnd: int, kind: str, aggregate: Callable[..., dict[str, float]], replies, *phase) -> dict[str, float]:
+    """The metrics of ``aggregate(*phase, rnd, replies)``; an exception inside it (whatever the
+    validated replies held) rejects the round with one line: nothing of it is recorded or
+    checkpointed."""
+    try:
+        return aggregate(*phase, rnd, replies)
+    except Exception as exc:  # noqa: BLE001 - any failure of aggregation rejects the round
+        what = "aggregation" if kind == TRAIN else f"{kind} aggregation"
+        raise RoundFailed(
+            f"round {rnd}: {what} failed ({type(exc).__name__}: {exc}); nothing of this round is kept"
+        ) from exc
 
 
 def drive_rounds(
@@ -228,7 +268,7 @@ def drive_rounds(
                 f"round {rnd}: fewer than federation.min_replies = {policy.min_replies} valid replies after "
                 f"{policy.max_retries + 1} attempts; drops: {record.dropped}"
             )
-        record.metrics.update(strategy.aggregate_fit(rnd, replies))
+        record.metrics.update(_aggregated(rnd, TRAIN, strategy.aggregate_fit, replies))
         for phase in strategy.phases(rnd):  # further exchanges, with the clients still answering
             sent = strategy.configure_phase(phase, rnd, sorted(replies))
             replies = _exchange(strategy, transport, policy, record, phase, sent, rnd, 0)
@@ -237,20 +277,25 @@ def drive_rounds(
                     f"round {rnd}, phase {phase!r}: fewer than federation.min_replies = {policy.min_replies} "
                     f"valid replies; drops: {record.dropped}"
                 )
-            record.metrics.update(strategy.aggregate_phase(phase, rnd, replies))
+            record.metrics.update(_aggregated(rnd, phase, strategy.aggregate_phase, replies, phase))
+        where = first_nonfinite(strategy.state_dict())
+        if where is not None:
+            raise RoundFailed(
+                f"round {rnd}: the aggregated global state is not finite ({where}); nothing of this round is kept"
+            )
         if rnd % eval_every == 0 or rnd == rounds:
             record.metrics.update(strategy.evaluate(rnd))
             eval_messages = strategy.configure_evaluate(rnd, list(range(num_clients)))
             eval_replies = {}
             for cid, got in transport(EVALUATE, rnd, eval_messages, 0).items():
                 record.eval_bytes += got.down + got.up
-                reason = policy.rejection(strategy, rnd, cid, None, got)
+                reason = policy.rejection(strategy, EVALUATE, rnd, cid, None, got)
                 if reason is None:
                     eval_replies[cid] = got.reply
                 else:
                     record.dropped.setdefault(cid, f"evaluation: {reason}")
             if eval_replies:
-                record.metrics.update(strategy.aggregate_evaluate(rnd, eval_replies))
+                record.metrics.update(_aggregated(rnd, EVALUATE, strategy.aggregate_evaluate, eval_replies))
         record.wall_s = time.perf_counter() - start
         history.append(record)
         if on_round is not None:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from fedtune.protocol.messages import Message
-from fedtune.protocol.validation import ArraySpec
+from fedtune.protocol.validation import COMMON_META, ArraySpec, MetaField
 
 
 class Strategy(ABC):
@@ -72,6 +72,20 @@ class Strategy(ABC):
         any of which is valid. None: only finite values are checked."""
         return None
 
+    def reply_meta_spec(self, kind: str, cid: int) -> dict[str, MetaField]:
+        """The metadata expected in client ``cid``'s replies of exchange ``kind`` ("train",
+        "evaluate" or a phase): the engine drops a reply whose metadata does not match
+        (:func:`fedtune.protocol.validation.check_meta`). Default: :data:`COMMON_META`, with
+        ``num_examples`` required in training replies and at most what the server knows of that
+        client (``context.example_bound``: its partition's size; for "evaluate", the test set's). A
+        method that reads further keys adds them."""
+        bound = getattr(self.context, "example_bound", None)
+        high = bound(kind, cid) if bound is not None else None
+        examples = COMMON_META["num_examples"].with_high(high)
+        if kind == "train":  # every training reply says how much data it stands for (its FedAvg weight)
+            examples = MetaField(examples.kind, examples.low, examples.high, required=True)
+        return {**COMMON_META, "num_examples": examples}
+
     def evaluate(self, rnd: int) -> dict[str, float]:
         """Centralized evaluation of the global state (default: none)."""
         return {}
@@ -100,7 +114,7 @@ def weighted_mean_meta(replies: dict[int, Message], weight_key: str = "num_examp
     """Mean of the numeric metadata of replies, weighted by ``meta[weight_key]`` (else uniform)."""
     if not replies:
         return {}
-    metas = [m.meta for m in replies.values()]
+    metas = [m.meta for m in replies.values()]  # validated (Strategy.reply_meta_spec): finite numbers
     weights = np.array([float(m.get(weight_key, 1.0)) for m in metas])
     if weights.sum() <= 0:
         weights = np.ones(len(metas))

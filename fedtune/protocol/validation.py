@@ -6,12 +6,20 @@ the same names (an array the method lets the upload codec compress may instead a
 top-k triple ``name.topk_idx / .topk_val / .topk_shape``, checked entry by entry), the same
 shapes and dtypes, and finite values everywhere. It returns the reason a reply is rejected,
 or None; it never raises, whatever the reply holds.
+
+A reply's metadata is untrusted too (a client's ``num_examples`` weighs its update in every
+weighted sum): :meth:`Strategy.reply_meta_spec` declares the keys a method reads, each a
+:class:`MetaField` (type and range), :data:`COMMON_META` the ones every method shares, and
+:func:`check_meta` checks a reply's metadata against it. Keys nobody declared may hold any
+JSON scalar or list, but a number among them must be finite.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 import numpy as np
 
@@ -82,4 +90,81 @@ def check_arrays(arrays: Mapping[str, np.ndarray], spec: Mapping[str, ArraySpec]
     extra = sorted(set(arrays) - seen)
     if extra:
         return f"unexpected arrays {extra[:3]}"
+    return None
+
+
+@dataclass(frozen=True)
+class MetaField:
+    """What one metadata value of a reply must be: ``kind`` int, float (an int is accepted), str
+    or bool; numbers finite and within [low, high] (None: unbounded); ``required``: present."""
+
+    kind: type
+    low: float | None = None
+    high: float | None = None
+    required: bool = False
+
+    def with_high(self, high: float | None) -> MetaField:
+        return MetaField(self.kind, self.low, high, self.required)
+
+
+#: The metadata every method's replies share (by convention): the client's data size (the FedAvg
+#: weight; its upper bound is what the server knows of that client), local steps, and metrics.
+COMMON_META: dict[str, MetaField] = {
+    "num_examples": MetaField(int, low=1),
+    "steps": MetaField(int, low=0),
+    "train_loss": MetaField(float),
+    "loss": MetaField(float),
+    "accuracy": MetaField(float, low=0.0, high=1.0),
+}
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _check_value(key: str, value, want: MetaField) -> str | None:
+    if want.kind is int:
+        if not isinstance(value, Integral) or isinstance(value, bool):
+            return f"metadata {key!r}: {type(value).__name__} {value!r:.40} where an integer was expected"
+    elif want.kind is float:
+        if not _is_number(value):
+            return f"metadata {key!r}: {type(value).__name__} {value!r:.40} where a number was expected"
+    elif not isinstance(value, want.kind):
+        return f"metadata {key!r}: {type(value).__name__} where {want.kind.__name__} was expected"
+    if _is_number(value):
+        if not math.isfinite(float(value)):
+            return f"metadata {key!r}: non-finite value {value!r}"
+        if want.low is not None and value < want.low:
+            return f"metadata {key!r}: {value!r} below its minimum {want.low:g}"
+        if want.high is not None and value > want.high:
+            return f"metadata {key!r}: {value!r} above its maximum {want.high:g}"
+    return None
+
+
+def _finite_everywhere(value) -> bool:
+    if _is_number(value):
+        return math.isfinite(float(value))
+    if isinstance(value, (list, tuple)):
+        return all(_finite_everywhere(v) for v in value)
+    if isinstance(value, Mapping):
+        return all(_finite_everywhere(v) for v in value.values())
+    return True
+
+
+def check_meta(meta, spec: Mapping[str, MetaField]) -> str | None:
+    """Why a reply's metadata does not match ``spec``, or None. Never raises."""
+    if not isinstance(meta, Mapping):
+        return f"metadata is a {type(meta).__name__}, not a mapping"
+    for key, want in spec.items():
+        if key in meta:
+            reason = _check_value(key, meta[key], want)
+            if reason:
+                return reason
+        elif want.required:
+            return f"metadata {key!r} missing"
+    for key, value in meta.items():
+        if not isinstance(key, str):
+            return f"metadata key {key!r:.40} is not a string"
+        if key not in spec and not _finite_everywhere(value):
+            return f"metadata {key!r}: non-finite value"
     return None
