@@ -22,7 +22,7 @@ class ConfigError(FedtuneError, ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # every number finite
 
     @model_validator(mode="before")
     @classmethod
@@ -34,7 +34,7 @@ class TaskConfig(_Section):
     """What a run learns (``fedtune tasks``): ``kind`` plus the task's own options, checked by the
     task (``task = "image-classification"`` is ``[task] kind = "image-classification"``)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # every number finite
     kind: str = Field("text-classification", description="task kind (fedtune tasks)")
 
     @model_validator(mode="before")
@@ -183,7 +183,7 @@ class FederationConfig(_Section):
 
 
 class RunConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # every number finite
 
     name: str | None = Field(None, description="run folder name (default: method-data-seed)")
     method: str = "fedit"

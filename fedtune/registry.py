@@ -25,7 +25,7 @@ from fedtune.tasks import get_task_class, list_tasks
 class MethodOptions(BaseModel):
     """Base for a method's own options (the ``[options]`` table of a recipe)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # every number finite
 
 
 @dataclass(frozen=True)

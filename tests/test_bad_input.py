@@ -40,7 +40,25 @@ def data_files(tmp_path) -> dict[str, tuple[str, str]]:
         "jsonl keys": (csv_file(tmp_path, "keys.jsonl", b'{"review": "a", "y": 1}\n'), "expected keys 'text'"),
         "wrong suffix": (csv_file(tmp_path, "data.parquet", b"x"), "expected a .tsv, .csv or .jsonl"),
         "missing file": (str(tmp_path / "absent.csv"), "data.name"),
+        "null label": (jsonl_file(tmp_path, "null.jsonl", [0, 1] * 10 + [None]), "row 21: missing label (null)"),
+        "empty label": (
+            csv_file(tmp_path, "empty_label.csv", ("text,label\n" + "movie,pos\nfilm,neg\n" * 10 + "x,\n").encode()),
+            "row 21: empty label",
+        ),
+        "float label": (jsonl_file(tmp_path, "float.jsonl", [0, 1] * 10 + [1.5]), "row 21: label 1.5 is a float"),
+        "bool label": (jsonl_file(tmp_path, "bool.jsonl", [True, False] * 10), "row 1: label True is a bool"),
+        "huge label id": (
+            jsonl_file(tmp_path, "huge.jsonl", [0, 1] * 10 + [1_000_000_000]),
+            "integer labels up to 1000000000 but only 3 distinct",
+        ),
     }
+
+
+def jsonl_file(tmp_path, name: str, labels: list) -> str:
+    import json
+
+    rows = [json.dumps({"text": f"movie number {i}", "label": y}) for i, y in enumerate(labels)]
+    return csv_file(tmp_path, name, ("\n".join(rows) + "\n").encode())
 
 
 def recipes(tmp_path) -> dict[str, tuple[list[str], str]]:
@@ -54,6 +72,9 @@ def recipes(tmp_path) -> dict[str, tuple[list[str], str]]:
         "unknown section key": (["--set", "train.lrr=0.1"], "train.lrr"),
         "wrong type": (["--set", "rounds=ten"], "rounds"),
         "non-positive": (["--set", "train.lr=0"], "train.lr"),
+        "infinite": (["--set", "train.lr=inf"], "train.lr"),
+        "not a number": (["--set", "federation.fraction=nan"], "federation.fraction"),
+        "infinite weight decay": (["--set", "train.weight_decay=inf"], "train.weight_decay"),
         "no equals": (["--set", "rounds"], "expected key=value"),
         "unknown method": (["--set", "method=fedsomething"], "method"),
         "unknown task": (["--set", "task=videos"], "task.kind"),

@@ -62,14 +62,43 @@ def data_dir(cfg: DataConfig) -> Path:
     return Path(cfg.data_dir or os.environ.get(DATA_DIR_ENV) or "data").expanduser().resolve()
 
 
+#: Integer labels are class ids 0..C-1; C may exceed the distinct ids seen (a class absent from a
+#: split), but not by so much that the ids are not ids (a single label 1000000000 would allocate a
+#: head of a billion classes): C > max(2 x distinct, MIN_SPARSE_CLASSES) is refused.
+MIN_SPARSE_CLASSES = 64
+
+
+def _check_raw_labels(raw: list, where: str) -> None:
+    """Refuse labels that are missing (null), empty, floats or booleans, naming the row."""
+    for row, value in enumerate(raw, 1):
+        if value is None:
+            raise ConfigError(f"{where}: row {row}: missing label (null)")
+        if isinstance(value, (bool, float)) or type(value).__name__.startswith("float"):
+            kind = type(value).__name__
+            raise ConfigError(
+                f"{where}: row {row}: label {value!r} is a {kind}; expected an integer id or a class name"
+            )
+        if not str(value).strip():
+            raise ConfigError(f"{where}: row {row}: empty label")
+
+
 def _encode_labels(raw: list, classes: list[str] | None, where: str) -> tuple[np.ndarray, list[str]]:
-    """Map raw labels to 0..C-1: integer labels are kept, strings follow ``classes`` (or sort)."""
+    """Map raw labels to 0..C-1: integer labels are class ids (C = the largest + 1, refused when
+    the ids are far sparser than the classes seen: :data:`MIN_SPARSE_CLASSES`), strings follow
+    ``classes`` (or sort). Missing, empty, float or boolean labels are refused naming the row."""
+    _check_raw_labels(raw, where)
     values = [str(v).strip() for v in raw]
     if classes is None and all(v.lstrip("-").isdigit() for v in values):
         ints = np.array([int(v) for v in values], dtype=np.int64)
         if ints.min() < 0:
             raise ConfigError(f"{where}: labels must be non-negative integers or strings")
-        return ints, [str(i) for i in range(int(ints.max()) + 1)]
+        distinct, num_classes = len(np.unique(ints)), int(ints.max()) + 1
+        if num_classes > max(2 * distinct, MIN_SPARSE_CLASSES):
+            raise ConfigError(
+                f"{where}: integer labels up to {num_classes - 1} but only {distinct} distinct; ids must be "
+                "0..C-1 (give the labels as strings to use them as class names)"
+            )
+        return ints, [str(i) for i in range(num_classes)]
     classes = classes or sorted(set(values))
     index = {c: i for i, c in enumerate(classes)}
     unknown = sorted(set(values) - index.keys())
@@ -218,6 +247,7 @@ def load_text_dataset(cfg: DataConfig) -> tuple[TextDataset, TextDataset]:
     texts, raw = _read_table(path, text_col, label_col, header=True)
     if cfg.test_path:
         test_texts, test_raw = _read_table(Path(cfg.test_path).expanduser(), text_col, label_col, header=True)
+        _check_raw_labels(test_raw, cfg.test_path)  # rows named in their own file
         y, names = _encode_labels(list(raw) + list(test_raw), None, str(path))
         return TextDataset(texts, y[: len(texts)], names), TextDataset(test_texts, y[len(texts) :], names)
     y, names = _encode_labels(raw, None, str(path))

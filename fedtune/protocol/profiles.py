@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 class ClientProfile(BaseModel):
     """Resources of one client. Methods read the fields they need and ignore the rest."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # every number finite
 
     rank: int | None = Field(None, gt=0, description="LoRA rank budget (heterogeneous-rank methods)")
     sketch_ratio: float | None = Field(None, gt=0, le=1, description="FSLoRA k_i / r")

@@ -30,7 +30,7 @@ from fedtune.config import ConfigError, RunConfig
 class TaskOptions(BaseModel):
     """Base for a task's own options (the ``[task]`` table of a recipe, beside ``kind``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # every number finite
 
 
 def subsample(ds: Any, limit: int | None, seed: int) -> Any:
