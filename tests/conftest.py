@@ -94,3 +94,39 @@ def load_script(path: Path, name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def planned_configs(plan) -> list:
+    """The distinct RunConfigs of a benchmark suite's plan (its nested dicts / lists / tuples of
+    RunSpecs), in plan order."""
+    found, seen = [], set()
+
+    def walk(node):
+        config = getattr(node, "config", None)
+        if config is not None and hasattr(config, "model_dump_json"):
+            key = config.model_dump_json()
+            if key not in seen:
+                seen.add(key)
+                found.append(config)
+        elif isinstance(node, dict):
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                walk(value)
+
+    walk(plan)
+    return found
+
+
+def assert_every_planned_run_resolves(plan) -> int:
+    """Every run of a suite's plan resolves (fedtune.runtime.resolve_run: task, method, the method x
+    task x model capability check, options, profiles): the suite's base recipe with the overlays each
+    run adds (configs/benchmarks/) as the suite combines them. Returns how many distinct configs."""
+    from fedtune.runtime import resolve_run
+
+    configs = planned_configs(plan)
+    assert configs, "the plan holds no run"
+    for config in configs:
+        resolve_run(config)
+    return len(configs)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import load_script
+from tests.conftest import assert_every_planned_run_resolves, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "bomm" / "run_suite.py"
@@ -23,6 +23,10 @@ def suite():
 def plan(suite, tmp_path_factory):
     scale = suite.Scale()
     return scale, suite.build_suite_plan(scale, [0, 1, 2], tmp_path_factory.mktemp("suite"))
+
+
+def test_every_planned_run_resolves(plan):
+    assert assert_every_planned_run_resolves(plan[1]) > 10
 
 
 def test_every_run_is_the_recipe_plus_its_labels(suite, plan):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import load_script
+from tests.conftest import assert_every_planned_run_resolves, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "fedpft" / "run_suite.py"
@@ -17,6 +17,13 @@ SUITE = ROOT / "benchmarks" / "fedpft" / "run_suite.py"
 @pytest.fixture(scope="module")
 def suite():
     return load_script(SUITE, "fedpft_run_suite")
+
+
+def test_every_planned_run_resolves(suite, tmp_path):
+    sweep = suite.Sweep((1e-3, 2e-3), 0)
+    plan = suite.build_suite_plan(suite.Scale(False, tmp_path, sweep), [1], tmp_path)
+    # table2's model is a random ViT the suite writes to its scratch folder just before running it
+    assert assert_every_planned_run_resolves({k: v for k, v in plan.items() if k != "table2"}) > 10
 
 
 def test_without_a_grid_every_run_keeps_the_recipes_rate(suite, tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from tests.conftest import load_script
+from tests.conftest import assert_every_planned_run_resolves, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "fslora" / "run_suite.py"
@@ -29,6 +29,10 @@ def suite():
 def plan(suite, tmp_path_factory):
     scale = suite.Scale(overrides=("rounds=20", "eval_every=10"))
     return scale, suite.build_suite_plan(scale, [0, 1], tmp_path_factory.mktemp("suite"))
+
+
+def test_every_planned_run_resolves(plan):
+    assert assert_every_planned_run_resolves(plan[1]) > 10
 
 
 def test_shared_runs_are_one_config_in_the_owner_folder(plan):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from tests.conftest import load_script
+from tests.conftest import assert_every_planned_run_resolves, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP = ROOT / "benchmarks" / "fslora" / "sweep.py"
@@ -48,6 +48,10 @@ def finish(spec, accuracies: list[float], every: int = 2, bytes_up: int = 1_000_
         "wall_s": 1.0,
     }
     (spec.run_dir / "summary.json").write_text(json.dumps(summary))
+
+
+def test_every_planned_run_resolves(built):
+    assert assert_every_planned_run_resolves(built[1]) > 10
 
 
 def test_every_method_gets_the_same_grid_weighting_and_settings(sweep, built):

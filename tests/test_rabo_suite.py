@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import load_script
+from tests.conftest import assert_every_planned_run_resolves, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "rabo" / "run_suite.py"
@@ -23,6 +23,10 @@ def suite():
 @pytest.fixture(scope="module")
 def plan(suite, tmp_path_factory):
     return suite.build_suite_plan(suite.Scale(), [0, 1, 2], tmp_path_factory.mktemp("rabo-suite"))
+
+
+def test_every_planned_run_resolves(plan):
+    assert assert_every_planned_run_resolves(plan) > 10
 
 
 def test_table3_ten_clients_are_table2_runs(plan):
