@@ -138,9 +138,12 @@ def compressed_layers(n_layers: int, retained: list[int] | None) -> list[int]:
 
 
 def select_neurons(apoz: np.ndarray, fraction: float, rng: np.random.Generator) -> np.ndarray:
-    """The round(fraction * d) neurons (at least 1) with the highest APoZ, ties in random order
-    (the published code shuffles before sorting), as ascending indices."""
-    n = max(1, int(round(fraction * len(apoz))))
+    """The d - int((1 - fraction) d) neurons (at least 1) with the highest APoZ, as the published
+    ``align_model`` counts them (it freezes the lowest ``int(align_retained_ratio * d)`` and trains
+    the rest; p = 0.5 of 13 neurons trains 7), ties in random order (the published code shuffles
+    before sorting), as ascending indices."""
+    d = len(apoz)
+    n = max(1, d - int((1.0 - fraction) * d))
     perm = rng.permutation(len(apoz))
     order = perm[np.argsort(-apoz[perm], kind="stable")]
     return np.sort(order[:n])
