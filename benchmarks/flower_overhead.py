@@ -67,7 +67,7 @@ def job(engine: str, overrides: list[str]) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     if engine == "flower":
-        from fedtune.engines.deployment import run_flower_deployment
+        from fedtune.engines.flower.deployment import run_flower_deployment
 
         summary = run_flower_deployment(config, timeout=1800)
     else:

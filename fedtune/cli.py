@@ -8,6 +8,8 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from fedtune.errors import FedtuneError
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Resource-adaptive federated fine-tuning.")
 console = Console(stderr=True)
 
@@ -31,12 +33,11 @@ def run(
     process), flower-sim (Flower's Ray simulation) or flower (a loopback Flower deployment:
     SuperLink, SuperNodes and workers on 127.0.0.1, stopped at the end)."""
     from fedtune.config import ConfigError, load_config
-    from fedtune.engines.deployment import DeploymentError
-    from fedtune.engines.rounds import RoundFailed, RunInterrupted
+    from fedtune.engines.rounds import RunInterrupted
     from fedtune.process import setup_process
-    from fedtune.runtime import resolve_run
 
     setup_process()
+    config = None
     try:
         if resume is not None:
             if recipe is not None:
@@ -50,28 +51,43 @@ def run(
 
         printer = RoundPrinter(console, config)
         summary = _run_on_engine(config, printer, resume is not None)
-    except ConfigError as exc:
-        _fail(str(exc))
-    except RoundFailed as exc:
-        _fail(
-            f"{exc}; the last complete round is checkpointed: fedtune run --resume {resolve_run(config).run_dir}",
-            code=1,
-        )
+    except FedtuneError as exc:
+        _fail(_run_failure(exc, config), code=exc.exit_code)
     except RunInterrupted as exc:
-        _fail(f"{exc}; continue with: fedtune run --resume {resolve_run(config).run_dir}", code=130)
-    except DeploymentError as exc:
-        _fail(f"engine {config.engine}: {exc}", code=1)
+        _fail(f"{exc}; continue with: fedtune run --resume {_run_dir(config)}", code=130)
     printer.finish(summary)
+
+
+def _run_dir(config) -> Path:
+    from fedtune.runtime import resolve_run
+
+    return resolve_run(config).run_dir
+
+
+def _run_failure(exc: FedtuneError, config) -> str:
+    """The one line for a run that stopped on ``exc``: a failed round says whether there is a
+    checkpoint to resume from; a deployment failure names the engine."""
+    from fedtune.engines.rounds import RoundFailed
+    from fedtune.process import DeploymentError
+
+    if isinstance(exc, RoundFailed):
+        run_dir = _run_dir(config)
+        if (run_dir / "checkpoint.npz").is_file():
+            return f"{exc}; the last complete round is checkpointed: fedtune run --resume {run_dir}"
+        return f"{exc}; no round completed, so there is nothing to resume"
+    if isinstance(exc, DeploymentError):
+        return f"engine {config.engine}: {exc}"
+    return str(exc)
 
 
 def _run_on_engine(config, printer, resume: bool) -> dict:
     """``config`` on its ``engine``: the same run folder and round lines from each."""
     if config.engine == "flower-sim":
-        from fedtune.engines.flower import run_flower_simulation
+        from fedtune.engines.flower.simulation import run_flower_simulation
 
         return run_flower_simulation(config, on_round=printer, on_start=printer.start, resume=resume)
     if config.engine == "flower":
-        from fedtune.engines.deployment import run_flower_deployment
+        from fedtune.engines.flower.deployment import run_flower_deployment
 
         return run_flower_deployment(config, on_round=printer, on_start=printer.start, resume=resume)
     from fedtune.run import run_experiment
@@ -120,12 +136,12 @@ def report(
     out: Path | None = typer.Option(None, "--out", "-o", help="folder for report.md and plots"),
 ) -> None:
     """Markdown table of final metrics and PNG plots (accuracy vs round, vs MB uploaded)."""
-    from fedtune.report import ReportError, make_report
+    from fedtune.report import make_report
 
     try:
         markdown, paths = make_report(list(run_dirs), out)
-    except ReportError as exc:
-        _fail(str(exc))
+    except FedtuneError as exc:
+        _fail(str(exc), code=exc.exit_code)
     typer.echo(markdown)
     for path in paths:
         console.print(f"wrote {path}")
@@ -175,7 +191,8 @@ def deploy_superlink(
     extra: list[str] = EXTRA,
 ) -> None:
     """Start a Flower SuperLink for fedtune (flower-superlink, no runtime dependency installation)."""
-    from fedtune.engines.deployment import Processes, flower_env, superlink_args
+    from fedtune.engines.flower.commands import flower_env, superlink_args
+    from fedtune.process import Processes
 
     _security(insecure, certificates, "superlink")
     if auth and insecure:
@@ -216,8 +233,9 @@ def deploy_supernode(
     """Start a Flower SuperNode playing fedtune clients, with its warm worker; Ctrl-C stops both."""
     import tempfile
 
-    from fedtune.engines.deployment import Processes, flower_env, supernode_args, wait_for_worker, worker_args
-    from fedtune.engines.flower import parse_clients
+    from fedtune.engines.flower.codec import parse_clients
+    from fedtune.engines.flower.commands import flower_env, supernode_args, wait_for_worker, worker_args
+    from fedtune.process import Processes
 
     _security(insecure, root_certificates, "supernode")
     if auth_key is not None and not auth_key.is_file():
@@ -264,18 +282,18 @@ def deploy_run(
     written on the SuperLink's machine (output_dir there)."""
     import tempfile
 
-    from fedtune.config import ConfigError, load_config
-    from fedtune.engines.deployment import DeploymentError, Processes, run_app, write_flower_config
+    from fedtune.config import load_config
+    from fedtune.engines.flower.commands import write_flower_config
+    from fedtune.engines.flower.deployment import run_app
+    from fedtune.process import Processes
 
     _security(insecure, root_certificates, "run")
+    procs = None
     try:
         config = load_config(recipe, set_)
-    except ConfigError as exc:
-        _fail(str(exc))
-    home = Path(tempfile.mkdtemp(prefix="fedtune-run-"))
-    connection = write_flower_config(home, superlink, root_certificates and root_certificates.resolve())
-    procs = Processes(home)
-    try:
+        home = Path(tempfile.mkdtemp(prefix="fedtune-run-"))
+        connection = write_flower_config(home, superlink, root_certificates and root_certificates.resolve())
+        procs = Processes(home)
         run_app(
             config,
             home,
@@ -286,10 +304,11 @@ def deploy_run(
             local=False,
             on_output=lambda text: sys.stderr.write(text),
         )
-    except DeploymentError as exc:
-        _fail(str(exc), code=1)
+    except FedtuneError as exc:
+        _fail(str(exc), code=exc.exit_code)
     finally:
-        procs.stop()
+        if procs is not None:
+            procs.stop()
 
 
 @deploy_app.command("certificates")
@@ -300,7 +319,7 @@ def deploy_certificates(
     ),
 ) -> None:
     """A self-signed CA and a SuperLink certificate for trials (use your own PKI in production)."""
-    from fedtune.engines.deployment import generate_certificates
+    from fedtune.certificates import generate_certificates
 
     for path in generate_certificates(out, host).values():
         console.print(f"wrote {path}")
@@ -312,7 +331,7 @@ def deploy_node_key(
     name: str = typer.Option("supernode", help="file name of the private key (public: NAME.pub)"),
 ) -> None:
     """A SuperNode authentication key pair; register NAME.pub with `flwr supernode register`."""
-    from fedtune.engines.deployment import generate_node_key
+    from fedtune.certificates import generate_node_key
 
     for path in generate_node_key(out, name):
         console.print(f"wrote {path}")

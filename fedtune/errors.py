@@ -4,4 +4,7 @@ the CLI turns into one line and a non-zero exit. Anything else is a bug and keep
 
 
 class FedtuneError(Exception):
-    """An error whose message is the whole story for the user (one line, naming the culprit)."""
+    """An error whose message is the whole story for the user (one line, naming the culprit).
+    ``exit_code``: 2 for bad input (the default), 1 for a run or deployment that failed."""
+
+    exit_code = 2

@@ -1,9 +1,20 @@
-"""One process-setup function for every entry point (CLI, engines, Flower nodes, benchmark workers)."""
+"""Process plumbing for every entry point: one process set-up (CLI, engines, Flower nodes, benchmark
+workers), and the processes a deployment starts: started in their own session, logged, waited
+for on a port, and stopped by PID with everything they started (no PID reuse); free ports."""
 
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import threading
+import time
 import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fedtune.errors import FedtuneError
 
 
 def setup_process(threads: int | None = None) -> None:
@@ -16,3 +27,170 @@ def setup_process(threads: int | None = None) -> None:
         import torch
 
         torch.set_num_threads(int(threads))
+
+
+class DeploymentError(FedtuneError, RuntimeError):
+    """A deployment process failed to start or the Flower run failed (the message names it)."""
+
+    exit_code = 1
+
+
+# -- processes -----------------------------------------------------------------------------------
+def reap(procs: list, grace_s: float) -> None:
+    """Wait up to ``grace_s`` for ``procs`` (psutil.Process) to end, then kill the rest by PID."""
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+
+
+class ReapDescendants:
+    """Remember the processes started while inside (descendants absent on entry, polled: Ray's
+    GCS, raylet, workers, actors; Flower's SuperExec and app processes); on exit terminate them,
+    wait, then kill those left, by PID (psutil checks each one's start time: no PID reuse).
+    After ``ray.shutdown()`` the actors outlive the raylet a few seconds, re-parented to init."""
+
+    def __init__(self, poll_s: float = 0.5, grace_s: float = 15.0, terminate: bool = False) -> None:
+        self.poll_s, self.grace_s, self.terminate = poll_s, grace_s, terminate
+        self.seen: dict[int, Any] = {}
+        self.done = threading.Event()
+
+    def poll(self) -> None:
+        import psutil
+
+        try:
+            for proc in psutil.Process().children(recursive=True):
+                if proc.pid not in self.before:
+                    self.seen.setdefault(proc.pid, proc)
+        except psutil.Error:
+            pass
+
+    def _loop(self) -> None:
+        while not self.done.wait(self.poll_s):
+            self.poll()
+
+    def __enter__(self) -> ReapDescendants:
+        import psutil
+
+        self.before = {proc.pid for proc in psutil.Process().children(recursive=True)}  # not ours to stop
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="fedtune-reaper")
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import psutil
+
+        self.done.set()
+        self.thread.join()
+        self.poll()
+        procs = list(self.seen.values())
+        for proc in procs:  # their own children too (a SuperExec's app processes)
+            try:
+                procs += [
+                    c for c in proc.children(recursive=True) if c.pid not in self.seen and c.pid not in self.before
+                ]
+            except psutil.Error:
+                pass
+        if self.terminate:
+            for proc in reversed(procs):
+                try:
+                    proc.terminate()
+                except psutil.Error:
+                    pass
+        reap(procs, self.grace_s)
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` TCP ports free on ``host`` right now."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def wait_for_port(
+    port: int,
+    proc: subprocess.Popen | None = None,
+    timeout: float = 120,
+    host: str = "127.0.0.1",
+    log: Path | None = None,
+) -> None:
+    """Wait until something listens on ``host:port``; fail early, with the log's tail, if
+    ``proc`` exits first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            return
+        except OSError:
+            if proc is not None and proc.poll() is not None:
+                raise DeploymentError(
+                    f"{_name(proc)} exited with code {proc.returncode} before listening on {host}:{port}{log_tail(log)}"
+                ) from None
+            if time.monotonic() > deadline:
+                raise DeploymentError(
+                    f"nothing listens on {host}:{port} after {timeout:.0f} s{log_tail(log)}"
+                ) from None
+            time.sleep(0.1)
+
+
+def _name(proc: subprocess.Popen) -> str:
+    args = proc.args if isinstance(proc.args, (list, tuple)) else [proc.args]
+    return Path(str(args[0])).name
+
+
+def log_tail(log: Path | None, lines: int = 15) -> str:
+    if log is None or not Path(log).is_file():
+        return ""
+    text = Path(log).read_text(errors="replace").strip().splitlines()[-lines:]
+    return ("; log " + str(log) + ":\n  " + "\n  ".join(text)) if text else ""
+
+
+class Processes:
+    """Processes started in their own session (a terminal's Ctrl-C reaches only fedtune, which
+    then stops them in order), logged to files, and stopped with everything they started."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = Path(log_dir)
+        self.started: list[tuple[str, subprocess.Popen, Path]] = []
+        self.reaper = ReapDescendants(grace_s=10, terminate=True)
+        self.reaper.__enter__()
+
+    def start(
+        self, name: str, args: Sequence[str | os.PathLike], env: dict[str, str], cwd: Path | None = None
+    ) -> subprocess.Popen:
+        log = self.log_dir / f"{name}.log"
+        with open(log, "ab") as sink:
+            proc = subprocess.Popen(
+                [str(a) for a in args],
+                env=env,
+                cwd=cwd or self.log_dir,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self.started.append((name, proc, log))
+        return proc
+
+    def log_of(self, proc: subprocess.Popen) -> Path | None:
+        return next((log for _, p, log in self.started if p is proc), None)
+
+    def stop(self) -> None:
+        """Terminate every process started (and its descendants), then kill what is left, by PID."""
+        self.reaper.__exit__(None, None, None)
+        for _, proc, _ in self.started:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)

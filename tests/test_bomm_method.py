@@ -353,21 +353,24 @@ def test_a_malformed_upload_is_rejected_by_the_reply_spec(config):
 
 
 def test_pool_concatenates_uploads_in_party_order():
-    up = lambda n, k: {
-        "rows": np.arange(n),
-        "sample_ids": np.arange(n) + 100 * k,
-        "masks": np.ones((n, 2), bool),  # noqa: E731
-        "labels": np.full(n, -1),
-        "features": np.zeros((n, 2, FEATURE_DIM), np.float32),
-    }
+    def up(n, k):
+        return {
+            "rows": np.arange(n),
+            "sample_ids": np.arange(n) + 100 * k,
+            "masks": np.ones((n, 2), bool),
+            "labels": np.full(n, -1),
+            "features": np.zeros((n, 2, FEATURE_DIM), np.float32),
+        }
+
     pool = Pool.of({1: up(2, 1), 0: up(3, 0)})
     np.testing.assert_array_equal(pool.party, [0, 0, 0, 1, 1])
     np.testing.assert_array_equal(pool.sid, [0, 1, 2, 100, 101])
 
 
-def test_bomm_runs_the_same_on_flower_as_embedded(config, tmp_path, task_identity):
+def test_bomm_runs_the_same_on_flower_as_embedded(config, tmp_path, task_identity):  # noqa: F811 - fixture
     from fedtune.checkpoint import load_state
-    from fedtune.engines.flower import make_client_app, serve
+    from fedtune.engines.flower.clientapp import make_client_app
+    from fedtune.engines.flower.serverapp import serve
     from fedtune.run import run_experiment
     from tests.test_contract import flatten
     from tests.test_flower import LoopbackGrid

@@ -663,7 +663,8 @@ def test_commit_gives_the_same_run_on_flower(tmp_path, task_identity):  # noqa: 
     """The same 2-round federated run of CoMMIT through Flower's ServerApp / ClientApp code (an
     in-process Grid) and on the embedded engine: the same global adapter and schedule, the same
     per-client kappa curves."""
-    from fedtune.engines.flower import make_client_app, serve
+    from fedtune.engines.flower.clientapp import make_client_app
+    from fedtune.engines.flower.serverapp import serve
     from tests.test_flower import LoopbackGrid
 
     runs = {}

@@ -230,3 +230,25 @@ def test_only_modules_that_register_are_methods():
     is a method module, not a shared one."""
     modules = {spec.module for spec in list_methods() if spec.module.startswith("fedtune.")}
     assert modules and not any(m.startswith("fedtune.methods.base") for m in modules)
+
+
+def test_a_round_record_round_trips_through_its_metrics_line(tiny_config):
+    """RoundRecord.from_json is to_json's inverse (a deployment shows progress from metrics.jsonl)."""
+    from fedtune.engines.rounds import RoundRecord
+
+    record = RoundRecord(
+        3,
+        [0, 2],
+        {"accuracy": 0.5, "loss": 1.25, "train_loss": 0.75},
+        {0: 10, 2: 12},
+        {0: 20, 2: 20},
+        {0: 3, 2: 3},
+        {0: 0.5, 2: 0.25},
+        {1: "attempt 1: no reply"},
+        2,
+        7,
+        1.5,
+    )
+    line = json.loads(json.dumps(record.to_json()))
+    assert RoundRecord.from_json(line) == record
+    assert RoundRecord.from_json(line).to_json() == record.to_json()

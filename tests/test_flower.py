@@ -11,6 +11,7 @@ tests/test_flower_deploy.py.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from pathlib import Path
 
@@ -22,18 +23,13 @@ from flwr.serverapp import Grid
 
 from fedtune.checkpoint import load_state
 from fedtune.config import load_config
-from fedtune.engines import flower
-from fedtune.engines.deployment import ReapDescendants
-from fedtune.engines.flower import (
-    config_from_run_config,
-    make_client_app,
-    pack,
-    serve,
-    state_from_record,
-    state_to_record,
-    unpack,
-)
+from fedtune.engines.flower import clientapp, codec, deployment, serverapp, simulation, worker
+from fedtune.engines.flower.clientapp import make_client_app
+from fedtune.engines.flower.codec import pack, state_from_record, state_to_record, unpack
+from fedtune.engines.flower.runconfig import config_from_run_config
+from fedtune.engines.flower.serverapp import serve
 from fedtune.engines.rounds import RoundFailed
+from fedtune.process import ReapDescendants
 from fedtune.protocol.messages import Message
 from fedtune.run import run_experiment
 
@@ -65,7 +61,7 @@ class LoopbackGrid(Grid):
             node_config = (
                 {"partition-id": clients[0], "num-partitions": len(groups)}
                 if groups is None or len(clients) == 1
-                else {"fedtune-clients": flower.format_clients(clients)}
+                else {"fedtune-clients": codec.format_clients(clients)}
             )
             self.contexts[node_id] = Context(
                 run_id=1, node_id=node_id, node_config=node_config, state=RecordDict(), run_config={}
@@ -105,7 +101,7 @@ class LoopbackGrid(Grid):
     def _dropped(self, context) -> bool:
         config = context.node_config
         clients = (
-            [config["partition-id"]] if "partition-id" in config else flower.parse_clients(config["fedtune-clients"])
+            [config["partition-id"]] if "partition-id" in config else codec.parse_clients(config["fedtune-clients"])
         )
         return bool(set(clients) & set(self.drop))
 
@@ -173,8 +169,8 @@ def test_pack_unpack_round_trip_through_flower_serialization():
     cid, back, nbytes_back = unpack(recorddict_from_proto(proto))
 
     # Assert: Flower-native records (one ArrayRecord, one ConfigRecord), the fedtune bytes counted
-    assert list(content.array_records) == [flower.ARRAYS] and list(content.config_records) == [flower.RECORD]
-    assert list(content[flower.ARRAYS]) == list(arrays)
+    assert list(content.array_records) == [codec.ARRAYS] and list(content.config_records) == [codec.RECORD]
+    assert list(content[codec.ARRAYS]) == list(arrays)
     assert cid == 17 and nbytes == nbytes_back == len(message.encode()) == message.nbytes
     assert list(back.arrays) == list(arrays) and back.meta == message.meta
     for key, value in message.arrays.items():
@@ -297,6 +293,29 @@ def test_failing_client_is_dropped_and_named(task_identity, tmp_path, client_1_f
         serve(grid, config, timeout=60)
 
 
+def test_the_server_app_writes_how_its_run_ended(task_identity, tmp_path, client_1_fails_in_round_2):
+    """A deployment learns how the ServerApp's run ended from the run folder's status file (not
+    from log text): ok, or the round that failed with its one-line message."""
+    from flwr.app import Context, RecordDict
+
+    def main_of(config):
+        app = serverapp.make_server_app(config, timeout=60)
+        grid = LoopbackGrid(make_client_app(config), config.federation.num_clients)
+        return lambda: app._main(grid, Context(0, 0, {}, RecordDict(), {}))  # Flower's ServerApp entry
+
+    from fedtune.runtime import resolve_run
+
+    start, ok = time.time(), _config(tmp_path / "ok")
+    main_of(ok)()
+    assert serverapp.read_status(resolve_run(ok).run_dir, start) == {"status": "ok"}
+    strict = _config(tmp_path / "strict", "federation.min_replies=2", "federation.max_retries=0")
+    with pytest.raises(RoundFailed) as failed:
+        main_of(strict)()
+    run_dir = resolve_run(strict).run_dir
+    assert serverapp.read_status(run_dir, start) == {"status": "round_failed", "message": str(failed.value)}
+    assert serverapp.read_status(run_dir, time.time() + 60) is None  # an earlier run's status is not this one's
+
+
 def test_missing_reply_is_dropped_and_missing_node_raises(task_identity, tmp_path):
     config = _config(tmp_path)
     summary = serve(LoopbackGrid(make_client_app(config), 2, drop={0}), config, timeout=2)
@@ -326,7 +345,7 @@ def test_flower_simulation_matches_embedded_engine(tmp_path, embedded):
     flower_history = []
 
     # Execute
-    summary = flower.run_flower_simulation(config, timeout=1200, on_round=flower_history.append)
+    summary = simulation.run_flower_simulation(config, timeout=1200, on_round=flower_history.append)
 
     # Assert
     assert not ray.is_initialized()
@@ -348,10 +367,10 @@ def test_flower_simulation_surfaces_a_client_failure(tmp_path):
         try:
             with pytest.raises(RoundFailed, match=r"(?s)round 1: fewer than .*missing"):
                 run_simulation(
-                    flower.make_server_app(config, timeout=1200),
+                    serverapp.make_server_app(config, timeout=1200),
                     make_client_app(broken),
                     2,
-                    backend_config=flower.ray_backend_config(2),
+                    backend_config=simulation.ray_backend_config(2),
                 )
         finally:
             if ray.is_initialized():
@@ -380,7 +399,7 @@ def _round_one_updates(monkeypatch, config, grid, request_config=None):
 def test_fixedclipping_mod_clips_fedit_updates_to_the_norm(task_identity, tmp_path, monkeypatch):
     from flwr.clientapp.mod import fixedclipping_mod
 
-    clipping = flower.only_when_clipping(fixedclipping_mod)  # Flower's mod, on requests that ask for it
+    clipping = clientapp.only_when_clipping(fixedclipping_mod)  # Flower's mod, on requests that ask for it
 
     # Prepare: the unclipped round-1 updates, and a norm well below theirs
     config = _config(tmp_path / "plain", "rounds=1")
@@ -391,12 +410,12 @@ def test_fixedclipping_mod_clips_fedit_updates_to_the_norm(task_identity, tmp_pa
     # Execute: the server sends clipping_norm; the mod clips reply - request
     config = _config(tmp_path / "clipped", "rounds=1")
     grid = LoopbackGrid(make_client_app(config, mods=[clipping]), 2)
-    clipped = _round_one_updates(monkeypatch, config, grid, {flower.CLIPPING_NORM: clip})
+    clipped = _round_one_updates(monkeypatch, config, grid, {codec.CLIPPING_NORM: clip})
 
     # Assert: each update now has norm clip (what the mod promises: min(1, C / ||u||) u) and the
     # direction of the unclipped one
     train = [m for m in grid.sent if m.metadata.message_type == "train"]
-    assert train and all(m.content[flower.RECORD][flower.CLIPPING_NORM] == clip for m in train)
+    assert train and all(m.content[codec.RECORD][codec.CLIPPING_NORM] == clip for m in train)
     assert clipped.keys() == plain.keys()
     for cid, update in clipped.items():
         np.testing.assert_allclose(np.linalg.norm(update), clip, rtol=1e-4)
@@ -405,7 +424,7 @@ def test_fixedclipping_mod_clips_fedit_updates_to_the_norm(task_identity, tmp_pa
     # ... and a norm above theirs leaves them as they were
     config = _config(tmp_path / "loose", "rounds=1")
     grid = LoopbackGrid(make_client_app(config, mods=[clipping]), 2)
-    loose = _round_one_updates(monkeypatch, config, grid, {flower.CLIPPING_NORM: 10 * max(norms.values())})
+    loose = _round_one_updates(monkeypatch, config, grid, {codec.CLIPPING_NORM: 10 * max(norms.values())})
     for cid, update in loose.items():
         np.testing.assert_allclose(update, plain[cid], atol=1e-6)
 
@@ -429,7 +448,7 @@ def test_fixedclipping_mod_needs_one_array_record_and_the_norm_from_the_server(t
     assert reply.has_error() and "clipping_norm" in reply.error.reason
     # the node's query (no ArrayRecord) too: hence only_when_clipping in the deployment's ClientApp
     query = FlowerMessage(
-        RecordDict({flower.RECORD: ConfigRecord({})}), dst_node_id=node, message_type="query", group_id="0"
+        RecordDict({codec.RECORD: ConfigRecord({})}), dst_node_id=node, message_type="query", group_id="0"
     )
     (reply,) = grid.pull_messages(grid.push_messages([query]))
     assert reply.has_error() and "ArrayRecord" in reply.error.reason
@@ -443,7 +462,7 @@ def test_worker_serves_the_node_and_reports_client_failures(task_identity, tmp_p
 
     # Prepare: a worker thread on a Unix socket; nodes whose node_config names it
     address = str(tmp_path / "w.sock")
-    threading.Thread(target=flower.run_worker, args=(address, 1), daemon=True).start()
+    threading.Thread(target=worker.run_worker, args=(address, 1), daemon=True).start()
     deadline = __import__("time").monotonic() + 120
     while not Path(f"{address}.key").exists():
         assert __import__("time").monotonic() < deadline, "worker not ready"
@@ -451,10 +470,10 @@ def test_worker_serves_the_node_and_reports_client_failures(task_identity, tmp_p
     config = _config(tmp_path / "flower")
     grid = LoopbackGrid(make_client_app(config), 2)
     for context in grid.contexts.values():
-        context.node_config[flower.NODE_WORKER] = address
+        context.node_config[codec.NODE_WORKER] = address
     history = []
-    calls, call_worker = [], flower.call_worker
-    monkeypatch.setattr(flower, "call_worker", lambda *a: calls.append(a[3]) or call_worker(*a))
+    calls, call_worker = [], worker.call_worker
+    monkeypatch.setattr(clientapp, "call_worker", lambda *a: calls.append(a[3]) or call_worker(*a))
 
     # Execute
     summary = serve(grid, config, timeout=60, on_round=history.append)
@@ -464,7 +483,7 @@ def test_worker_serves_the_node_and_reports_client_failures(task_identity, tmp_p
     assert sorted(calls) == [0, 0, 1, 1]  # every train request of the 2 rounds went to the worker
 
     # a client failing in the worker is a drop naming the worker's reason
-    monkeypatch.setattr(flower, "call_worker", call_worker)
+    monkeypatch.setattr(clientapp, "call_worker", call_worker)
     original = FedITClient.fit
     monkeypatch.setattr(
         FedITClient,
@@ -474,28 +493,27 @@ def test_worker_serves_the_node_and_reports_client_failures(task_identity, tmp_p
     config = _config(tmp_path / "failing", "rounds=1")
     grid = LoopbackGrid(make_client_app(config), 2)
     for context in grid.contexts.values():
-        context.node_config[flower.NODE_WORKER] = address
+        context.node_config[codec.NODE_WORKER] = address
     summary = serve(grid, config, timeout=60)
     line = json.loads(Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines()[0])
     assert list(line["dropped"]) == ["0"] and "ValueError: bad luck" in line["dropped"]["0"]
     # an unreachable worker is a drop too, not a hang
     for context in grid.contexts.values():
-        context.node_config[flower.NODE_WORKER] = str(tmp_path / "nobody.sock")
+        context.node_config[codec.NODE_WORKER] = str(tmp_path / "nobody.sock")
     with pytest.raises(RoundFailed, match="unreachable"):
         serve(grid, _config(tmp_path / "gone", "rounds=1", "federation.max_retries=0"), timeout=60)
 
 
 def test_client_ids_parse_and_format():
-    assert flower.parse_clients("0-3,7, 9-10") == [0, 1, 2, 3, 7, 9, 10]
-    assert flower.format_clients([10, 0, 1, 2, 3, 7, 9]) == "0-3,7,9-10"
-    assert flower.parse_clients(flower.format_clients(range(1000))) == list(range(1000))
+    assert codec.parse_clients("0-3,7, 9-10") == [0, 1, 2, 3, 7, 9, 10]
+    assert codec.format_clients([10, 0, 1, 2, 3, 7, 9]) == "0-3,7,9-10"
+    assert codec.parse_clients(codec.format_clients(range(1000))) == list(range(1000))
 
 
 def test_cli_runs_each_engine(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from fedtune import cli
-    from fedtune.engines import deployment
 
     calls = []
 
@@ -513,7 +531,7 @@ def test_cli_runs_each_engine(tmp_path, monkeypatch):
 
         return run
 
-    monkeypatch.setattr(flower, "run_flower_simulation", fake("simulation"))
+    monkeypatch.setattr(simulation, "run_flower_simulation", fake("simulation"))
     monkeypatch.setattr(deployment, "run_flower_deployment", fake("deployment"))
     for engine in ("flower-sim", "flower"):
         result = CliRunner().invoke(cli.app, ["run", "--set", f"engine={engine}", "--set", f"output_dir={tmp_path}"])

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from fedtune.checkpoint import load_state
-from fedtune.engines.flower import make_client_app, serve
+from fedtune.engines.flower.clientapp import make_client_app
+from fedtune.engines.flower.serverapp import serve
 from fedtune.methods import list_methods
 from fedtune.run import run_experiment
 from tests.test_contract import flatten, tiny
@@ -69,7 +70,7 @@ def test_method_on_flower_apps_matches_embedded_engine(task_identity, tmp_path, 
 
 
 def test_nodes_playing_groups_of_clients_match_embedded_engine(task_identity, tmp_path, monkeypatch):  # noqa: F811
-    from fedtune.engines import flower
+    from fedtune.engines.flower import codec
 
     # 3 clients, all sampled, on 2 nodes: one node plays clients 0 and 1 (fedtune-clients="0-1"),
     # and gets both in one bundle per round
@@ -82,8 +83,8 @@ def test_nodes_playing_groups_of_clients_match_embedded_engine(task_identity, tm
     extra = "federation.clients_per_round=3"
     config = tiny(tmp_path / "flower", "fslora", KIND, "seed=5", extra)
     summary = serve(LoopbackGrid(make_client_app(config), 3, groups=[[0, 1], [2]]), config, timeout=120)
-    bundles = [m for m in sent if flower.BUNDLE in m.content]
-    assert len(bundles) == 2 and all(list(m.content[flower.BUNDLE][flower.CLIENTS]) == [0, 1] for m in bundles)
+    bundles = [m for m in sent if codec.BUNDLE in m.content]
+    assert len(bundles) == 2 and all(list(m.content[codec.BUNDLE][codec.CLIENTS]) == [0, 1] for m in bundles)
     run_dir = Path(summary["run_dir"])
     state = load_state(run_dir / "checkpoint.npz")
     state.pop("_engine")
@@ -110,7 +111,7 @@ def test_a_client_failing_in_a_bundle_is_dropped_alone(task_identity, tmp_path, 
 def test_loopback_deployment_matches_embedded_engine(tmp_path, method):
     import psutil
 
-    from fedtune.engines.deployment import run_flower_deployment
+    from fedtune.engines.flower.deployment import run_flower_deployment
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     config = tiny(tmp_path / "flower", method, KIND, "seed=5", "engine=flower", "federation.nodes=2")

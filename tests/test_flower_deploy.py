@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from fedtune.certificates import generate_certificates, generate_node_key
 from fedtune.config import load_config
-from fedtune.engines import deployment
-from fedtune.engines.deployment import LoopbackDeployment, generate_certificates, generate_node_key
+from fedtune.engines.flower import commands
+from fedtune.engines.flower.deployment import LoopbackDeployment
 
 TINY = [
     "method=fedit",
@@ -51,7 +52,7 @@ def _flower_processes() -> set[int]:
 
 def _online_nodes(d: LoopbackDeployment) -> list[str]:
     done = subprocess.run(
-        [deployment.flower_command("flwr"), "supernode", "list", d.connection, "--format", "json"],
+        [commands.flower_command("flwr"), "supernode", "list", d.connection, "--format", "json"],
         env=d.env(),
         cwd=d.home,
         capture_output=True,
@@ -88,17 +89,17 @@ def test_certificates_and_node_keys_load_as_flower_needs(tmp_path):
 
 
 def test_deployment_pieces(tmp_path):
-    assert deployment.client_groups(10, 3) == [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9]]
-    assert deployment.client_groups(1000, 2)[1] == list(range(500, 1000))
+    assert commands.client_groups(10, 3) == [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9]]
+    assert commands.client_groups(1000, 2)[1] == list(range(500, 1000))
     config = load_config(None, [*TINY, "federation.num_clients=1000", "federation.clients_per_round=10"])
-    assert deployment.default_nodes(config) == min(10, os.cpu_count() or 1)
-    assert deployment.default_nodes(load_config(None, [*TINY, "federation.nodes=5"])) == 2  # at most one per client
-    args = deployment.supernode_args("h:1", 5, [0, 1, 2, 7], Path("ca.crt"), Path("k"), "/s.sock", 3)
+    assert commands.default_nodes(config) == min(10, os.cpu_count() or 1)
+    assert commands.default_nodes(load_config(None, [*TINY, "federation.nodes=5"])) == 2  # at most one per client
+    args = commands.supernode_args("h:1", 5, [0, 1, 2, 7], Path("ca.crt"), Path("k"), "/s.sock", 3)
     node_config = args[args.index("--node-config") + 1]
     assert node_config == 'fedtune-clients="0-2,7" fedtune-worker="/s.sock" fedtune-threads=3'
     assert args[-4:] == ["--root-certificates", "ca.crt", "--auth-supernode-private-key", "k"]
-    assert "--insecure" in deployment.superlink_args("0.0.0.0", 1)
-    assert "--enable-supernode-auth" in deployment.superlink_args("0.0.0.0", 1, {"ca": 1, "cert": 2, "key": 3}, True)
+    assert "--insecure" in commands.superlink_args("0.0.0.0", 1)
+    assert "--enable-supernode-auth" in commands.superlink_args("0.0.0.0", 1, {"ca": 1, "cert": 2, "key": 3}, True)
     with pytest.raises(ValueError, match="needs TLS"):
         LoopbackDeployment([[0]], auth=True)
 
@@ -108,11 +109,11 @@ def test_the_written_app_matches_flower_app(tmp_path):
     run config keys as the app fedtune writes for its own deployments."""
     import tomllib
 
-    written = tomllib.loads(deployment.write_app(tmp_path).joinpath("pyproject.toml").read_text())
+    written = tomllib.loads(commands.write_app(tmp_path).joinpath("pyproject.toml").read_text())
     shipped = tomllib.loads((Path(__file__).resolve().parents[1] / "flower_app" / "pyproject.toml").read_text())
     assert shipped["tool"]["flwr"]["app"]["components"] == written["tool"]["flwr"]["app"]["components"]
     assert shipped["tool"]["flwr"]["app"]["config"] == written["tool"]["flwr"]["app"]["config"]
-    assert tuple(written["tool"]["flwr"]["app"]["config"]) == deployment.APP_CONFIG_KEYS
+    assert tuple(written["tool"]["flwr"]["app"]["config"]) == commands.APP_CONFIG_KEYS
 
 
 # -- TLS and authentication ------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ inside functions are lazy and may point up, for example the registries discoveri
 
     errors              FedtuneError, the one exception base
     protocol            messages, Strategy/Client ABCs, profiles, top-k codec
-    config, process, checkpoint
+    config, process, certificates, checkpoint
     data                sources, partitioners, batches (no model code)
     models              loading, LoRA workspace, training loop, networks
     tasks               Task ABC + one module per kind (data + model + loss + metrics)
@@ -15,7 +15,8 @@ inside functions are lazy and may point up, for example the registries discoveri
     runtime             RunContext: one process's task, model and profiles
     engines.rounds, engines.embedded   the round loop and in-process delivery
     run, progress       one run end to end, the run folder
-    engines.flower      the same Strategy/Client objects on Flower
+    engines.flower      the same Strategy/Client objects on Flower (codec, runconfig, worker,
+                        clientapp, transport, serverapp, simulation, commands, deployment)
     cli, report, harness
 """
 
@@ -34,14 +35,14 @@ import fedtune
 LAYERS = [
     ["fedtune.errors"],
     ["fedtune.protocol"],
-    ["fedtune.config", "fedtune.process", "fedtune.checkpoint"],
+    ["fedtune.config", "fedtune.process", "fedtune.certificates", "fedtune.checkpoint"],
     ["fedtune.data"],
     ["fedtune.models"],
     ["fedtune.tasks"],
     ["fedtune.registry"],
     ["fedtune.methods"],
     ["fedtune.runtime"],
-    ["fedtune.engines.rounds", "fedtune.engines.embedded", "fedtune.engines"],
+    ["fedtune.engines", "fedtune.engines.rounds", "fedtune.engines.embedded"],
     ["fedtune.run", "fedtune.progress"],
     ["fedtune.engines.flower"],
     ["fedtune.cli", "fedtune.report", "fedtune.harness"],

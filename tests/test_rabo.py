@@ -424,7 +424,8 @@ def test_rabo_on_flower_apps_matches_embedded_engine(few_shot, tmp_path, monkeyp
     from flwr.supercore.task_identity import TaskIdentity
 
     from fedtune.checkpoint import load_state
-    from fedtune.engines.flower import make_client_app, serve
+    from fedtune.engines.flower.clientapp import make_client_app
+    from fedtune.engines.flower.serverapp import serve
     from tests.test_contract import flatten
     from tests.test_flower import LoopbackGrid
     from tests.test_flower_contract import assert_same_run

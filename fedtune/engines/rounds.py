@@ -133,7 +133,10 @@ class RoundPolicy:
 
 
 class RoundFailed(FedtuneError, RuntimeError):
-    """A round stayed short of ``federation.min_replies`` valid replies after every retry."""
+    """A round stayed short of ``federation.min_replies`` valid replies after every retry, or its
+    aggregation was rejected."""
+
+    exit_code = 1
 
 
 @dataclass
@@ -172,6 +175,45 @@ class RoundRecord:
             line["dropped"] = {str(k): v for k, v in self.dropped.items()}
             line["attempts"] = self.attempts
         return line
+
+    #: The keys of a :meth:`to_json` line that are the record's own fields (the rest are metrics).
+    FIELDS = (
+        "round",
+        "bytes_up",
+        "bytes_down",
+        "eval_bytes",
+        "wall_s",
+        "compute_s",
+        "clients",
+        "client_bytes_up",
+        "client_bytes_down",
+        "client_steps",
+        "client_compute_s",
+        "dropped",
+        "attempts",
+    )
+
+    @classmethod
+    def from_json(cls, line: dict[str, Any]) -> RoundRecord:
+        """The record of a ``metrics.jsonl`` line (:meth:`to_json`'s inverse; the per-client
+        totals are recomputed from the per-client maps, and a metric that was None is left out)."""
+
+        def by_client(key: str) -> dict[int, Any]:
+            return {int(k): v for k, v in (line.get(key) or {}).items()}
+
+        return cls(
+            round=int(line["round"]),
+            clients=[int(c) for c in line["clients"]],
+            metrics={k: v for k, v in line.items() if k not in cls.FIELDS and v is not None},
+            client_bytes_up=by_client("client_bytes_up"),
+            client_bytes_down=by_client("client_bytes_down"),
+            client_steps=by_client("client_steps"),
+            client_compute_s=by_client("client_compute_s"),
+            dropped=by_client("dropped"),
+            attempts=int(line.get("attempts", 1)),
+            eval_bytes=int(line.get("eval_bytes", 0)),
+            wall_s=float(line.get("wall_s", 0.0)),
+        )
 
 
 def _exchange(

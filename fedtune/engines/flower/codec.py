@@ -1,0 +1,116 @@
+"""What crosses between fedtune and Flower: a fedtune Message as Flower records (one ArrayRecord, one
+ConfigRecord), the record and node_config keys, client-id lists, and the client failure error."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+from fedtune.errors import FedtuneError
+from fedtune.protocol.messages import Message
+
+RECORD = "fedtune"  # RecordDict key of the ConfigRecord: meta and transport scalars
+ARRAYS = "fedtune-arrays"  # RecordDict key of the ArrayRecord: the message's arrays
+META = "meta"  # ConfigRecord key: JSON of Message.meta
+CID = "cid"  # ConfigRecord key: the fedtune client id the message is for / from
+ROUND = "round"  # ConfigRecord key: the round a message belongs to (request) or claims (reply)
+ATTEMPT = "attempt"  # ConfigRecord key of a request: the round's attempt (fault injection draws)
+PHASE = "phase"  # ConfigRecord key of a request: the Strategy phase it belongs to (sent as "train")
+COMPUTE_S = "compute_s"  # ConfigRecord key of a reply: seconds the Client call took on the node
+CLIENTS = "clients"  # ConfigRecord key of a query reply: the client ids the node plays
+CLIPPING_NORM = "clipping_norm"  # ConfigRecord key read by Flower's clipping mods (KEY_CLIPPING_NORM)
+AS_WEIGHTS = "update-as-weights"  # ConfigRecord key of a request: reply with received + update
+STATE = "fedtune-state"  # context.state key prefix: f"{STATE}-{cid}" holds a client's state
+BUNDLE = "fedtune-bundle"  # ConfigRecord of a bundle: CLIENTS (request); CLIENTS, errors, TIMES (reply)
+TIMES = ("t-process", "t-enter", "t-exit")  # reply: ClientApp process start, handler entry and exit (epoch s)
+TIMING_FILE = "flower_timing.jsonl"  # run folder: where the Flower engine's time went, per exchange
+
+PARTITION_ID = "partition-id"  # node_config: the one client id a node plays (Flower's convention)
+NODE_CLIENTS = "fedtune-clients"  # node_config: the client ids a node plays, "0-9" or "0,3,5-7"
+NODE_WORKER = "fedtune-worker"  # node_config: Unix socket of the node's fedtune worker
+NODE_THREADS = "fedtune-threads"  # node_config: torch threads of the node's training
+
+ENGINE_KEYS = ("resume", "timeout", "clipping-norm")  # Flower run config keys for the ServerApp
+POLL_S = 0.05  # seconds between two pulls of replies from the grid
+
+
+class FlowerClientError(FedtuneError, RuntimeError):
+    """A ClientApp failed (or never answered); names the client, its node, the round and kind."""
+
+    exit_code = 1
+
+    def __init__(self, cid: int | None, node_id: int, rnd: int, kind: str, reason: str) -> None:
+        who = f"client {cid}" if cid is not None else "a client"
+        super().__init__(f"{who} (Flower node {node_id}) failed in round {rnd} ({kind}): {reason}")
+        self.cid, self.node_id, self.round, self.kind, self.reason = cid, node_id, rnd, kind, reason
+
+
+# -- conversion --------------------------------------------------------------------------------
+def to_array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """Named arrays as an ArrayRecord (names, order, dtypes and shapes kept)."""
+    return ArrayRecord({str(k): Array(np.asarray(v, order="C")) for k, v in arrays.items()})
+
+
+def from_array_record(record: ArrayRecord | None) -> dict[str, np.ndarray]:
+    return {} if record is None else {k: record[k].numpy() for k in record}
+
+
+state_to_record, state_from_record = to_array_record, from_array_record  # a client's persistent state
+
+
+def pack(
+    message: Message,
+    cid: int,
+    arrays: ArrayRecord | None = None,
+    suffix: str = "",
+    into: RecordDict | None = None,
+    **extra: Any,
+) -> tuple[RecordDict, int]:
+    """Flower content carrying ``message`` for/from client ``cid`` (plus transport scalars such
+    as ``compute_s``, not part of the accounted bytes) and the accounted bytes,
+    ``message.nbytes``. ``arrays``: the message's ArrayRecord when already built (a broadcast);
+    ``suffix``/``into``: add the records, their keys suffixed, to a bundle's content."""
+    record = ConfigRecord({META: json.dumps(message.meta, separators=(",", ":")), CID: int(cid), **extra})
+    content = RecordDict() if into is None else into
+    content[ARRAYS + suffix] = to_array_record(message.arrays) if arrays is None else arrays
+    content[RECORD + suffix] = record
+    return content, message.nbytes
+
+
+def unpack(content: RecordDict, suffix: str = "") -> tuple[int, Message, int]:
+    """Inverse of :func:`pack`: (client id, message, accounted bytes ``message.nbytes``)."""
+    if RECORD + suffix not in content or ARRAYS + suffix not in content:
+        raise ValueError(
+            f"Flower message carries no {RECORD + suffix!r} / {ARRAYS + suffix!r} records (keys: {sorted(content)})"
+        )
+    record = content[RECORD + suffix]
+    message = Message(from_array_record(content[ARRAYS + suffix]), json.loads(record[META]))
+    return int(record[CID]), message, message.nbytes
+
+
+def parse_clients(text: str | int) -> list[int]:
+    """``"0-3,7"`` -> [0, 1, 2, 3, 7] (node_config ``fedtune-clients``)."""
+    out: list[int] = []
+    for part in str(text).replace(" ", "").split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi if hi else lo) + 1))
+    return out
+
+
+def format_clients(ids: Iterable[int]) -> str:
+    """Inverse of :func:`parse_clients`: sorted ids as ranges, ``"0-3,7"``."""
+    ids = sorted(set(ids))
+    parts, i = [], 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(parts)

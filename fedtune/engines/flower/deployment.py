@@ -1,0 +1,320 @@
+"""Flower deployments started and stopped by fedtune: processes tracked by PID, certificates,
+keys, and the loopback deployment behind ``fedtune run RECIPE --set engine=flower``.
+
+:class:`LoopbackDeployment` starts, on 127.0.0.1 and in a private ``FLWR_HOME`` (a temporary
+folder, mode 0700): one SuperLink, one fedtune worker plus one SuperNode per node (a node plays
+one client or a group of clients, ``federation.nodes``; default ``min(clients per round,
+cores)``), then ``flwr run`` submits the fedtune app (:func:`write_app`). Every process it
+starts, and every process those start (SuperExec, ServerApp, ClientApps), is stopped by PID on
+exit: after the run, on an error, and on Ctrl-C. Options: TLS (``tls=True``: a fresh CA and
+server certificate for 127.0.0.1, :func:`generate_certificates`) and SuperNode authentication
+(``auth=True``: the SuperLink admits only SuperNodes whose public keys were registered with
+``flwr supernode register``, :func:`generate_node_key`; Flower requires TLS for it).
+
+Per-round cost in a deployment: Flower starts a ``flwr-clientapp`` process per message; with a
+worker (the default here) that process imports only Flower and fedtune's Flower module and hands
+the work to the node's warm worker (:func:`fedtune.engines.flower.worker.run_worker`). Flower's own
+latencies remain: a SuperNode that found no message sleeps 3 s before asking again, and its
+SuperExec polls for new tasks every ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` seconds (set here to
+:data:`TASK_POLL_S`); the server pulls replies every :data:`~fedtune.engines.flower.POLL_S` s.
+
+:func:`run_flower_deployment` is what ``engine = "flower"`` runs: it writes the same run folder
+as the embedded engine (the ServerApp process runs :func:`fedtune.run.run_experiment`) and calls
+``on_round`` with each round's record as its line appears in ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from fedtune.certificates import generate_certificates, generate_node_key
+from fedtune.engines.flower.commands import (
+    TASK_POLL_S,
+    client_groups,
+    default_nodes,
+    flower_command,
+    flower_env,
+    superlink_args,
+    supernode_args,
+    wait_for_worker,
+    worker_args,
+    write_app,
+    write_flower_config,
+)
+from fedtune.engines.flower.serverapp import read_status
+from fedtune.engines.rounds import RoundFailed, RoundRecord, RunInterrupted
+from fedtune.process import DeploymentError, Processes, free_ports, log_tail, wait_for_port
+
+
+# -- running the app -----------------------------------------------------------------------------
+def run_app(
+    config: Any,
+    home: Path,
+    connection: str,
+    processes: Processes,
+    on_round: Callable | None = None,
+    resume: bool = False,
+    timeout: float | None = None,
+    clipping_norm: float | None = None,
+    interrupt: Callable[[], None] | None = None,
+    on_output: Callable[[str], None] | None = None,
+    local: bool = True,
+) -> dict | None:
+    """Submit ``config`` (as JSON in Flower's run config) to the SuperLink of ``connection`` (in
+    ``home``) with ``flwr run --stream`` and wait for the run to end. When this machine sees the
+    run folder (a loopback deployment; ``output_dir`` is made absolute), ``on_round`` gets each
+    round as its line appears in ``metrics.jsonl`` and the summary is returned; otherwise
+    (``local=False``, a remote SuperLink) None. ``on_output`` gets Flower's streamed output as it comes. Raises
+    :class:`~fedtune.engines.rounds.RoundFailed`, :class:`~fedtune.engines.rounds.RunInterrupted`
+    or :class:`DeploymentError` as the run ended."""
+    import tomli_w
+
+    if local:  # the ServerApp's working directory is not ours
+        config = config.model_copy(update={"output_dir": str(Path(config.output_dir).resolve())})
+    run_dir = Path(config.output_dir) / config.run_name
+    run_config = home / "run-config.toml"
+    run_config.write_text(
+        tomli_w.dumps(
+            {
+                "config": config.model_dump_json(exclude_none=True),
+                "resume": bool(resume),
+                "timeout": float(timeout or 0),
+                "clipping-norm": float(clipping_norm or 0),
+            }
+        )
+    )
+    app = write_app(home / "app")
+    metrics = run_dir / "metrics.jsonl"
+    seen = metrics.read_text().count("\n") if resume and metrics.is_file() else 0
+    started = time.time()
+    proc = processes.start(
+        "flwr-run",
+        [flower_command("flwr"), "run", app, connection, "--stream", "--run-config", run_config],
+        flower_env(home),
+        cwd=home,
+    )
+    log = processes.log_of(proc)
+    shown = 0
+
+    def poll() -> None:
+        nonlocal seen, shown
+        if on_output is not None and log is not None and log.is_file():
+            text = log.read_text(errors="replace")
+            on_output(text[shown:]) if len(text) > shown else None
+            shown = len(text)
+        if on_round is None or not metrics.is_file() or metrics.stat().st_mtime < started - 1:
+            return
+        for text in metrics.read_text().splitlines()[seen:]:
+            if text.endswith("}"):
+                on_round(RoundRecord.from_json(json.loads(text)))
+                seen += 1
+
+    try:
+        while proc.poll() is None:
+            poll()
+            time.sleep(0.25)
+    except KeyboardInterrupt:
+        if interrupt is None:
+            raise
+        interrupt()  # ask the ServerApp to stop after this round's checkpoint, then wait for it
+        while proc.poll() is None:
+            poll()
+            time.sleep(0.25)
+    poll()
+    text = log.read_text(errors="replace") if log else ""
+    summary = run_dir / "summary.json"
+    if proc.returncode == 0 and summary.is_file() and summary.stat().st_mtime >= started - 1:
+        return json.loads(summary.read_text())
+    status = read_status(run_dir, started) if local else None
+    if status is not None and status["status"] == "interrupted":
+        raise RunInterrupted(int(status.get("round", 0)))
+    if status is not None and status["status"] == "round_failed":
+        raise RoundFailed(str(status.get("message", "")))
+    if not local and proc.returncode == 0 and "Traceback" not in text:
+        return None  # finished on a machine whose run folder this one does not see
+    raise DeploymentError(f"flwr run exited with code {proc.returncode}{log_tail(log, 25)}")
+
+
+class LoopbackDeployment:
+    """A SuperLink, workers and SuperNodes on 127.0.0.1 in a private ``FLWR_HOME``; a context
+    manager (everything is stopped by PID on exit). ``groups``: the client ids of each node."""
+
+    def __init__(
+        self,
+        groups: Sequence[Sequence[int]],
+        home: Path | None = None,
+        tls: bool = False,
+        auth: bool = False,
+        threads: int | None = None,
+        workers: bool = True,
+        log_dir: Path | None = None,
+    ) -> None:
+        if auth and not tls:
+            raise ValueError("SuperNode authentication needs TLS (Flower refuses it on an insecure connection)")
+        self.groups = [list(g) for g in groups]
+        self.tls, self.auth, self.workers = tls, auth, workers
+        self.threads = threads or max(1, (os.cpu_count() or 1) // max(1, len(self.groups)))
+        self._own_home = home is None
+        self.home = Path(tempfile.mkdtemp(prefix="fedtune-flwr-")) if home is None else Path(home)
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.home.chmod(0o700)
+        self.log_dir = Path(log_dir) if log_dir else self.home / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.certificates: dict[str, Path] | None = None
+        self.processes: Processes | None = None
+        self.port = 0
+        self.nodes: list[subprocess.Popen] = []
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return flower_env(self.home, FLWR_SUPEREXEC_TASK_POLL_INTERVAL=str(TASK_POLL_S), **extra)
+
+    def __enter__(self) -> LoopbackDeployment:
+        self.processes = Processes(self.log_dir)
+        try:
+            self._start()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _start(self) -> None:
+        if self.tls:
+            self.certificates = generate_certificates(self.home / "certificates")
+        self.port = free_ports(1)[0]
+        link = self.processes.start(
+            "superlink", superlink_args("127.0.0.1", self.port, self.certificates, self.auth), self.env()
+        )
+        wait_for_port(self.port, link, log=self.processes.log_of(link))
+        self.connection = write_flower_config(self.home, self.address, self.certificates and self.certificates["ca"])
+        for i, clients in enumerate(self.groups):
+            key = self.register_node_key(f"node{i}") if self.auth else None
+            self.start_supernode(clients, name=f"supernode{i}", private_key=key)
+
+    def register_node_key(self, name: str) -> Path:
+        """A fresh key pair for a SuperNode, its public key registered with the SuperLink; the
+        private key's path."""
+        private, public = generate_node_key(self.home / "keys", name)
+        done = subprocess.run(
+            [flower_command("flwr"), "supernode", "register", str(public), self.connection],
+            env=self.env(),
+            cwd=self.home,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if done.returncode != 0:
+            raise DeploymentError(f"flwr supernode register {public}: {(done.stdout + done.stderr).strip()[-800:]}")
+        return private
+
+    def start_supernode(
+        self,
+        clients: Sequence[int],
+        name: str,
+        private_key: Path | None = None,
+        insecure: bool = False,
+        wait: bool = True,
+        extra: Sequence[str] = (),
+    ) -> subprocess.Popen:
+        """Start a worker (unless ``workers=False``) and a SuperNode playing ``clients``;
+        ``insecure``: connect without TLS even when the SuperLink has it (tests)."""
+        worker = None
+        if self.workers:
+            worker = str(self.home / f"{name}.sock")
+            proc = self.processes.start(f"{name}-worker", worker_args(worker, self.threads), self.env())
+            if wait:
+                wait_for_worker(worker, proc, self.processes.log_of(proc))
+        port = free_ports(1)[0]
+        roots = None if insecure or self.certificates is None else self.certificates["ca"]
+        node = self.processes.start(
+            name,
+            supernode_args(self.address, port, clients, roots, private_key, worker, self.threads, extra),
+            self.env(),
+        )
+        if wait:
+            wait_for_port(port, node, log=self.processes.log_of(node))
+        self.nodes.append(node)
+        return node
+
+    def run(
+        self,
+        config: Any,
+        on_round: Callable | None = None,
+        resume: bool = False,
+        timeout: float | None = 600,
+        clipping_norm: float | None = None,
+    ) -> dict:
+        """Run ``config`` on this deployment (:func:`run_app`); Ctrl-C asks the ServerApp to stop
+        after the current round's checkpoint."""
+        return run_app(
+            config,
+            self.home,
+            self.connection,
+            self.processes,
+            on_round,
+            resume,
+            timeout,
+            clipping_norm,
+            interrupt=self.interrupt_server,
+        )
+
+    def interrupt_server(self) -> None:
+        """Send SIGINT to the ServerApp process (``flwr-serverapp``): it stops after its round's checkpoint."""
+        import psutil
+
+        self.processes.reaper.poll()
+        for proc in list(self.processes.reaper.seen.values()):
+            try:
+                if "flwr-serverapp" in " ".join(proc.cmdline()):
+                    proc.send_signal(signal.SIGINT)
+            except psutil.Error:
+                pass
+
+    def __exit__(self, *exc: object) -> None:
+        if self.processes is not None:
+            self.processes.stop()
+        if self._own_home:
+            shutil.rmtree(self.home, ignore_errors=True)
+
+
+def run_flower_deployment(
+    config: Any,
+    on_round: Callable | None = None,
+    on_start: Callable | None = None,
+    resume: bool = False,
+    tls: bool = False,
+    auth: bool = False,
+    timeout: float | None = 3600,
+    keep_logs: Path | None = None,
+) -> dict:
+    """``engine = "flower"``: run ``config`` on a fresh :class:`LoopbackDeployment` (nodes:
+    :func:`default_nodes`, clients in contiguous groups, cores / nodes torch threads each unless
+    ``train.threads``) and stop it; the run folder is the embedded engine's. ``on_start`` gets
+    this process's RunContext (for the banner); ``timeout`` bounds the wait for nodes and for each
+    round's replies (``federation.round_timeout_s`` overrides it for rounds). ``keep_logs``: copy
+    the deployment's logs there."""
+    from fedtune.runtime import RunContext
+
+    context = RunContext(config)
+    config = context.config
+    if on_start is not None:
+        on_start(context)
+    groups = client_groups(config.federation.num_clients, default_nodes(config))
+    with LoopbackDeployment(groups, tls=tls, auth=auth, threads=config.train.threads) as deployment:
+        try:
+            return deployment.run(config, on_round, resume, timeout)
+        finally:
+            if keep_logs is not None:
+                shutil.copytree(deployment.log_dir, keep_logs, dirs_exist_ok=True)

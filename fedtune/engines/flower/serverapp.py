@@ -1,0 +1,141 @@
+"""The server side on Flower: the engine over a Grid, and the ServerApp that runs a fedtune run
+(:func:`fedtune.run.run_experiment`) with it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from fedtune.config import RunConfig
+from fedtune.engines.flower.codec import CLIPPING_NORM, TIMING_FILE
+from fedtune.engines.flower.runconfig import config_from_run_config
+from fedtune.engines.flower.transport import GridTransport, discover_nodes
+from fedtune.engines.rounds import Engine, RoundFailed, RoundRecord, RunInterrupted
+from fedtune.process import setup_process
+from fedtune.runtime import resolve_run
+
+
+class FlowerEngine(Engine):
+    """Rounds over a Flower Grid: nodes are discovered on first use (:func:`discover_nodes`);
+    client state lives on the nodes (``context.state``), not in the server's checkpoint."""
+
+    name = "flower"
+
+    def __init__(
+        self,
+        config: RunConfig,
+        grid: Grid,
+        timeout: float | None = None,
+        request_config: Mapping[str, Any] | None = None,
+        resume: bool = False,
+    ) -> None:
+        super().__init__(config)
+        self.grid, self.timeout, self.request_config, self.resume = grid, timeout, request_config, resume
+        self._transport = None
+
+    def transport(self) -> GridTransport:
+        if self._transport is None:
+            fed = self.config.federation
+            node_of = discover_nodes(self.grid, fed.num_clients, self.timeout)
+            timing = resolve_run(self.config).run_dir / TIMING_FILE
+            if not self.resume:
+                timing.unlink(missing_ok=True)
+            self._transport = GridTransport(
+                self.grid, node_of, fed.round_timeout_s or self.timeout, self.request_config, timing
+            )
+        return self._transport
+
+
+def serve(
+    grid: Grid,
+    config: RunConfig,
+    timeout: float | None = None,
+    on_round: Callable[[RoundRecord], None] | None = None,
+    on_start: Callable[[Any], None] | None = None,
+    resume: bool = False,
+    request_config: Mapping[str, Any] | None = None,
+) -> dict:
+    """Run ``config``'s method over ``grid`` and write the run folder exactly as the embedded
+    engine does (:func:`fedtune.run.run_experiment`, summary marked ``"engine": "flower"``)."""
+    from fedtune.run import run_experiment
+
+    setup_process(config.train.threads)
+    engine = FlowerEngine(config, grid, timeout, request_config, resume)
+    return run_experiment(config, on_round, on_start, engine=engine, resume=resume)
+
+
+STATUS_FILE = "server_status.json"  # run folder: how the ServerApp's run ended (read by a deployment)
+
+
+def write_status(path: Path, status: str, **detail: Any) -> None:
+    """The ServerApp's outcome as JSON (``ok``, ``round_failed``, ``interrupted`` or ``error``,
+    with its message or round), written atomically: what a deployment reports, not log text."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"status": status, **detail}))
+    tmp.replace(path)
+
+
+def read_status(run_dir: Path, since: float) -> dict | None:
+    """The status a ServerApp wrote in ``run_dir`` at or after ``since`` (epoch s), else None."""
+    path = run_dir / STATUS_FILE
+    try:
+        if path.stat().st_mtime < since - 1:
+            return None
+        status = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return status if isinstance(status, dict) and isinstance(status.get("status"), str) else None
+
+
+def make_server_app(
+    config: RunConfig | None = None,
+    timeout: float | None = None,
+    on_round: Callable[[RoundRecord], None] | None = None,
+    on_start: Callable[[Any], None] | None = None,
+    resume: bool = False,
+) -> ServerApp:
+    """A ServerApp running ``config`` (default: from Flower's run config) with :func:`serve`;
+    ``timeout`` bounds the wait for nodes and for each round's replies (None: wait forever).
+    From Flower's run config it also reads ``resume`` (continue the run folder), ``timeout``
+    (seconds, 0: none) and ``clipping-norm`` (> 0: ask the nodes' clipping mods for it)."""
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        rc = context.run_config
+        run_config = config if config is not None else config_from_run_config(rc)
+        wait = timeout if "timeout" not in rc else (float(rc["timeout"]) or None)
+        clip = float(rc.get("clipping-norm", 0) or 0)
+        status = resolve_run(run_config).run_dir / STATUS_FILE
+        try:
+            serve(
+                grid,
+                run_config,
+                wait,
+                on_round,
+                on_start,
+                resume=resume or bool(rc.get("resume", False)),
+                request_config={CLIPPING_NORM: clip} if clip > 0 else None,
+            )
+        except RoundFailed as exc:
+            write_status(status, "round_failed", message=str(exc))
+            raise
+        except RunInterrupted as exc:
+            write_status(status, "interrupted", round=exc.round)
+            raise
+        except Exception as exc:
+            write_status(status, "error", message=f"{type(exc).__name__}: {exc}")
+            raise
+        write_status(status, "ok")
+
+    return app
+
+
+#: The module-level ServerApp of deployments (``flwr run``): the run config comes from Flower's run config.
+server_app = make_server_app()

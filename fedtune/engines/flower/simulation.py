@@ -1,0 +1,80 @@
+"""Flower's simulation (Ray backend, one virtual SuperNode per client) of a fedtune run."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fedtune.config import RunConfig
+from fedtune.engines.flower.clientapp import make_client_app
+from fedtune.engines.flower.serverapp import make_server_app
+from fedtune.engines.rounds import RoundRecord
+from fedtune.process import ReapDescendants, setup_process
+
+
+# -- simulation ----------------------------------------------------------------------------------
+def ray_backend_config(num_supernodes: int, verbose: bool = False) -> dict:
+    """Flower's Ray backend config for a small offline machine: 1 CPU per ClientApp, a private
+    local Ray instance (never someone else's cluster), no dashboard, no GPU."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    return {
+        "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+        "init_args": {
+            "address": "local",
+            "num_cpus": max(1, min(num_supernodes, os.cpu_count() or 1)),
+            "num_gpus": 0,
+            "include_dashboard": False,
+            "logging_level": "INFO" if verbose else "ERROR",
+            "log_to_driver": verbose,
+        },
+    }
+
+
+def run_flower_simulation(
+    config: RunConfig,
+    num_supernodes: int | None = None,
+    backend_config: dict | None = None,
+    timeout: float | None = None,
+    on_round: Callable[[RoundRecord], None] | None = None,
+    verbose: bool = False,
+    on_start: Callable[[Any], None] | None = None,
+    resume: bool = False,
+) -> dict:
+    """Run ``config`` as a Flower ServerApp + ClientApp with ``flwr.simulation.run_simulation``
+    (Ray backend, one virtual SuperNode per client, :func:`ray_backend_config` updated with
+    ``backend_config``; Ray is shut down at the end); return the summary (``summary.json``).
+    A ClientApp failure is a drop; a round without ``federation.min_replies`` valid replies
+    raises :class:`~fedtune.engines.rounds.RoundFailed`."""
+    num_clients = config.federation.num_clients
+    num_supernodes = num_clients if num_supernodes is None else num_supernodes
+    if num_supernodes != num_clients:
+        raise ValueError(f"num_supernodes={num_supernodes}: one node plays one client, expected {num_clients}")
+    setup_process()
+    backend = ray_backend_config(num_supernodes, verbose)
+    for key, value in (backend_config or {}).items():
+        backend[key] = {**backend.get(key, {}), **value} if isinstance(value, dict) else value
+
+    import ray
+    from flwr.simulation import run_simulation
+
+    pythonpath = os.environ.get("PYTHONPATH")  # Flower's Ray backend overwrites it with sys.path
+    with ReapDescendants():
+        try:
+            run_simulation(
+                make_server_app(config, timeout, on_round, on_start, resume),
+                make_client_app(config),
+                num_supernodes,
+                backend_config=backend,
+                verbose_logging=verbose,
+            )
+        finally:
+            if ray.is_initialized():  # the backend shuts Ray down itself unless it failed early
+                ray.shutdown()
+            if pythonpath is None:
+                os.environ.pop("PYTHONPATH", None)
+            else:
+                os.environ["PYTHONPATH"] = pythonpath
+    return json.loads((Path(config.output_dir) / config.run_name / "summary.json").read_text())

@@ -1,0 +1,237 @@
+"""The server side's transport over a Flower Grid: node discovery, batched exchanges (bundles per
+node), replies put back in the order of configure_fit, and the per-exchange timing file."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ConfigRecord, RecordDict
+from flwr.app import Message as FlowerMessage
+from flwr.serverapp import Grid
+
+from fedtune.engines.flower.codec import (
+    AS_WEIGHTS,
+    ATTEMPT,
+    BUNDLE,
+    CLIENTS,
+    CLIPPING_NORM,
+    COMPUTE_S,
+    PHASE,
+    POLL_S,
+    RECORD,
+    ROUND,
+    TIMES,
+    FlowerClientError,
+    format_clients,
+    pack,
+    to_array_record,
+    unpack,
+)
+from fedtune.engines.rounds import Delivery
+from fedtune.protocol.messages import Message
+
+
+# -- server side ---------------------------------------------------------------------------------
+def exchange(
+    grid: Grid,
+    messages: list[FlowerMessage],
+    timeout: float | None,
+    poll_s: float = POLL_S,
+    pulled_at: dict[str, float] | None = None,
+) -> tuple[list[str], list[FlowerMessage]]:
+    """Push ``messages`` and pull their replies every ``poll_s`` seconds until all arrived or
+    ``timeout`` seconds passed (Grid's public push/pull; its ``send_and_receive`` waits 3 s
+    between pulls). Returns the pushed message ids (in order) and the replies; ``pulled_at``
+    receives each reply's arrival time (epoch s) by the id of the message it answers."""
+    ids = list(grid.push_messages(messages))
+    pending = set(ids)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    replies: list[FlowerMessage] = []
+    while pending:
+        got = list(grid.pull_messages(list(pending)))
+        if pulled_at is not None:
+            now = time.time()
+            pulled_at.update((reply.metadata.reply_to_message_id, now) for reply in got)
+        replies.extend(got)
+        pending.difference_update(reply.metadata.reply_to_message_id for reply in got)
+        if not pending or (deadline is not None and time.monotonic() >= deadline):
+            break
+        time.sleep(poll_s)
+    return ids, replies
+
+
+def discover_nodes(grid: Grid, num_clients: int, timeout: float | None = None) -> dict[int, int]:
+    """Client id -> Flower node id, from the client ids each connected node reports; asks new
+    nodes as they connect until every client id 0..N-1 has one (or ``timeout`` seconds)."""
+    start, asked, node_of = time.monotonic(), set(), {}
+    while True:
+        new = [n for n in grid.get_node_ids() if n not in asked]
+        if new:
+            asked.update(new)
+            hello = [
+                FlowerMessage(RecordDict({RECORD: ConfigRecord({})}), dst_node_id=n, message_type="query", group_id="0")
+                for n in new
+            ]
+            left = None if timeout is None else max(1.0, timeout - (time.monotonic() - start))
+            for reply in exchange(grid, hello, left)[1]:
+                nid = reply.metadata.src_node_id
+                if reply.has_error():
+                    raise FlowerClientError(None, nid, 0, "query", reply.error.reason)
+                for pid in reply.content[RECORD][CLIENTS]:
+                    if not 0 <= pid < num_clients:
+                        raise RuntimeError(
+                            f"Flower node {nid} plays client {pid}; "
+                            f"expected 0..{num_clients - 1} (federation.num_clients)"
+                        )
+                    if pid in node_of:
+                        raise RuntimeError(f"client {pid} is played by two Flower nodes ({node_of[pid]} and {nid})")
+                    node_of[pid] = nid
+        if len(node_of) == num_clients:
+            return node_of
+        if timeout is not None and time.monotonic() - start > timeout:
+            missing = format_clients(set(range(num_clients)) - node_of.keys())
+            raise TimeoutError(
+                f"{len(asked)} Flower nodes connected after {timeout:.0f} s; none plays clients {missing}"
+            )
+        time.sleep(0.2)
+
+
+class GridTransport:
+    """Send a round's messages through a Flower Grid in one batch and collect the replies; a
+    client that fails (an error reply) or does not answer within ``timeout`` seconds is a failed
+    :class:`~fedtune.engines.rounds.Delivery` (dropped by the round loop). ``request_config``
+    entries go into every training request's ConfigRecord (``clipping_norm`` for Flower's
+    clipping mods, which also sets ``update-as-weights``; see the module docstring). ``bundle``:
+    a node's clients of one exchange travel in one Flower message."""
+
+    def __init__(
+        self,
+        grid: Grid,
+        node_of: dict[int, int],
+        timeout: float | None = None,
+        request_config: Mapping[str, Any] | None = None,
+        timing_path: Path | None = None,
+        bundle: bool = True,
+    ) -> None:
+        self.grid, self.node_of, self.timeout, self.timing_path, self.bundle = (
+            grid,
+            node_of,
+            timeout,
+            timing_path,
+            bundle,
+        )
+        self.request_config = dict(request_config or {})
+        if CLIPPING_NORM in self.request_config:
+            self.request_config[AS_WEIGHTS] = True
+
+    def __call__(self, kind: str, rnd: int, messages: dict[int, Message], attempt: int = 0) -> dict[int, Delivery]:
+        if not messages:
+            return {}
+        extra = self.request_config if kind == "train" else {}
+        wire = kind if kind in ("train", "evaluate") else "train"  # Flower's message types
+        if wire != kind:
+            extra = {PHASE: kind}
+        by_node: dict[int, list[int]] = {}
+        for cid in messages:
+            by_node.setdefault(self.node_of[cid], []).append(cid)
+        out, targets, down, records = [], [], {}, {}
+        for nid, cids in by_node.items():
+            # a node playing several of this exchange's clients gets them in one bundle (one
+            # ClientApp process), unless a mod needs one ArrayRecord per message (clipping)
+            groups = [cids] if self.bundle and len(cids) > 1 and CLIPPING_NORM not in extra else [[cid] for cid in cids]
+            for group in groups:
+                content = RecordDict()
+                for cid in group:
+                    message = messages[cid]
+                    if id(message) not in records:  # a Message broadcast to many clients is converted once
+                        records[id(message)] = to_array_record(message.arrays)
+                    suffix = f"-{cid}" if len(group) > 1 else ""
+                    _, down[cid] = pack(
+                        message, cid, records[id(message)], suffix, content, **{ROUND: rnd, ATTEMPT: attempt, **extra}
+                    )
+                if len(group) > 1:
+                    content[BUNDLE] = ConfigRecord({CLIENTS: group})
+                out.append(FlowerMessage(content, dst_node_id=nid, message_type=wire, group_id=str(rnd)))
+                targets.append(group)
+        pushed, pulled_at = time.time(), {}
+        ids, replies = exchange(self.grid, out, self.timeout, pulled_at=pulled_at)
+        target_of = dict(zip(ids, targets))  # request id -> the client ids it carried
+        self._log_timing(kind, rnd, attempt, pushed, replies, target_of, pulled_at)
+        received: dict[int, Delivery] = {}
+        for reply in replies:
+            group = target_of.get(reply.metadata.reply_to_message_id)
+            if group is None:
+                continue  # not a reply to this batch: ignore
+            for cid in group:
+                received[cid] = self._delivery(
+                    reply, cid, "" if len(group) == 1 else f"-{cid}", messages[cid], down[cid], extra
+                )
+        # in configure order: aggregation sums in dict order, as the embedded engine does
+        return {
+            cid: received.get(cid) or Delivery(None, down[cid], error=f"no reply within {self.timeout} s")
+            for cid in messages
+        }
+
+    @staticmethod
+    def _delivery(reply: FlowerMessage, cid: int, suffix: str, sent: Message, down: int, extra: Mapping) -> Delivery:
+        """Client ``cid``'s answer in ``reply`` (its records suffixed with ``suffix`` in a bundle)."""
+        if reply.has_error():
+            return Delivery(None, down, error=f"client error: {reply.error.reason}")
+        if suffix and BUNDLE in reply.content and f"error{suffix}" in reply.content[BUNDLE]:
+            return Delivery(None, down, error=f"client error: {reply.content[BUNDLE][f'error{suffix}']}")
+        try:
+            sender, message, up = unpack(reply.content, suffix)
+            if extra.get(AS_WEIGHTS):  # received + clipped update -> the (clipped) update
+                message = Message({k: v - sent.arrays[k] for k, v in message.arrays.items()}, message.meta)
+            record = reply.content[RECORD + suffix]
+            return Delivery(message, down, up, float(record.get(COMPUTE_S, 0.0)), sender, int(record.get(ROUND, -1)))
+        except Exception as exc:  # noqa: BLE001 - a reply that does not even decode is a drop
+            return Delivery(None, down, error=f"undecodable reply ({exc})")
+
+    def _log_timing(
+        self,
+        kind: str,
+        rnd: int,
+        attempt: int,
+        pushed: float,
+        replies: list[FlowerMessage],
+        target_of: dict[str, list[int]],
+        pulled_at: dict[str, float],
+    ) -> None:
+        """One :data:`TIMING_FILE` line: per Flower message (its client ids joined by "+"), the
+        seconds from the push to the ClientApp process's start (node pick-up, SuperExec poll,
+        spawn), from there to the handler (``flwr-clientapp`` start-up), in the handler
+        (``compute_s``: of it in the Client calls), and from the handler's end to the server's
+        pull (push back, polls). Same-machine clocks: meaningful on a loopback deployment."""
+        if self.timing_path is None:
+            return
+        messages = {}
+        for reply in replies:
+            group = target_of.get(reply.metadata.reply_to_message_id)
+            if group is None or reply.has_error():
+                continue
+            head = reply.content.config_records.get(BUNDLE if len(group) > 1 else RECORD)
+            if head is None or not all(key in head for key in TIMES):
+                continue
+            t_process, t_enter, t_exit = (float(head[key]) for key in TIMES)
+            records = [reply.content.config_records.get(RECORD + (f"-{c}" if len(group) > 1 else "")) for c in group]
+            messages["+".join(map(str, group))] = {
+                "dispatch_s": round(t_process - pushed, 4),
+                "startup_s": round(t_enter - t_process, 4),
+                "handler_s": round(t_exit - t_enter, 4),
+                "compute_s": round(sum(float(r.get(COMPUTE_S, 0.0)) for r in records if r is not None), 4),
+                "return_s": round(pulled_at.get(reply.metadata.reply_to_message_id, t_exit) - t_exit, 4),
+            }
+        line = {
+            "kind": kind,
+            "round": rnd,
+            "attempt": attempt,
+            "wall_s": round(time.time() - pushed, 4),
+            "clients": messages,
+        }
+        with open(self.timing_path, "a") as sink:
+            sink.write(json.dumps(line) + "\n")
