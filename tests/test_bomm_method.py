@@ -16,9 +16,9 @@ from fedtune.config import load_config
 from fedtune.engines.embedded import LocalTransport
 from fedtune.engines.rounds import drive_rounds
 from fedtune.methods.bomm.backbone import FEATURE_DIM
-from fedtune.methods.bomm.cloud import Pool
 from fedtune.methods.bomm.options import MODES
 from fedtune.methods.bomm.party import COMPLETE
+from fedtune.methods.bomm.pool import Pool
 from fedtune.protocol.messages import Message
 from fedtune.protocol.validation import check_arrays
 from fedtune.runtime import RunContext

@@ -43,8 +43,6 @@ space.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from itertools import combinations
 from typing import ClassVar
 
 import numpy as np
@@ -52,8 +50,10 @@ import torch
 import torch.nn.functional as F
 
 from fedtune.data.paired import missing_modality
-from fedtune.methods.bomm.alignment import PrototypeSet, align_parties, nearest_prototype, pair_similarity
+from fedtune.methods.bomm.aligner import align_rows, prototype_set
+from fedtune.methods.bomm.alignment import PrototypeSet
 from fedtune.methods.bomm.backbone import FEATURE_DIM, source_features
+from fedtune.methods.bomm.classifier import train_classifier
 from fedtune.methods.bomm.common import (
     CLOUD_INIT,
     CLOUD_TRAIN,
@@ -64,85 +64,19 @@ from fedtune.methods.bomm.common import (
     generate,
     load_module,
     module_arrays,
+    party_metrics,
 )
+from fedtune.methods.bomm.completer import complete_rows, completion_items
 from fedtune.methods.bomm.networks import CloudClassifier, Generator
 from fedtune.methods.bomm.options import MODES, Mode
 from fedtune.methods.bomm.party import COMPLETE, scope_rows
+from fedtune.methods.bomm.pool import M, Pool, union_samples
 from fedtune.models.audio import seeded
 from fedtune.models.multimodal import MODALITY_NAMES
 from fedtune.models.training import evaluate_classifier, seed_for
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
 from fedtune.protocol.validation import ArraySpec
-
-M = len(MODALITY_NAMES)
-UPLOAD = ("rows", "sample_ids", "masks", "labels", "features")
-PROTOTYPES = ("prototypes", "proto_counts")
-
-
-@dataclass
-class Pool:
-    """Every row the cloud holds, parties' uploads concatenated: party, party-local position,
-    sample id, modality mask (R, M), label (-1 unknown) and raw phi-representations (R, M, D)."""
-
-    party: np.ndarray
-    local: np.ndarray
-    sid: np.ndarray
-    mask: np.ndarray
-    label: np.ndarray
-    x: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.party)
-
-    @classmethod
-    def of(cls, uploads: dict[int, dict[str, np.ndarray]]) -> Pool:
-        parties = sorted(uploads)
-        if not parties:
-            return cls(
-                *(np.zeros(0, np.int64) for _ in range(3)),
-                np.zeros((0, M), bool),
-                np.zeros(0, np.int64),
-                np.zeros((0, M, FEATURE_DIM), np.float32),
-            )
-        cat = lambda key: np.concatenate([np.asarray(uploads[k][key]) for k in parties])  # noqa: E731
-        party = np.concatenate([np.full(len(uploads[k]["rows"]), k, np.int64) for k in parties])
-        return cls(
-            party,
-            cat("rows").astype(np.int64),
-            cat("sample_ids").astype(np.int64),
-            cat("masks").astype(bool),
-            cat("labels").astype(np.int64),
-            cat("features").astype(np.float32),
-        )
-
-
-def union_samples(sid: np.ndarray, pairs: list[tuple[int, int]]) -> list[np.ndarray]:
-    """Rows grouped into samples: the same sample id, merged along ``pairs`` (union-find); each
-    sample's rows ascending, samples ordered by their first row."""
-    parent = list(range(len(sid)))
-
-    def find(a: int) -> int:
-        while parent[a] != a:
-            parent[a] = parent[parent[a]]
-            a = parent[a]
-        return a
-
-    first: dict[int, int] = {}
-    for r, s in enumerate(sid):
-        s = int(s)
-        if s in first:
-            parent[find(r)] = find(first[s])
-        else:
-            first[s] = r
-    for a, b in pairs:
-        ra, rb = find(a), find(b)
-        if ra != rb:
-            parent[max(ra, rb)] = min(ra, rb)
-    groups: dict[int, list[int]] = {}
-    for r in range(len(sid)):
-        groups.setdefault(find(r), []).append(r)
-    return [np.asarray(g, dtype=np.int64) for _, g in sorted(groups.items())]
 
 
 class BommCloud(Strategy):
@@ -339,78 +273,20 @@ class BommCloud(Strategy):
     def complete(self, z: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(completed z, completed mask, generated modality per row or -1): every row holding one
         modality gets the generator's representation of the other (none without a generator)."""
-        zc, mc = z.copy(), mask.copy()
-        gen_mod = np.full(len(z), -1, dtype=np.int64)
-        if self.generator is None:
-            return zc, mc, gen_mod
-        for t in range(M):
-            rows = np.flatnonzero(~mask[:, t] & mask[:, 1 - t])
-            if len(rows):
-                zc[rows, t] = generate(self.generator, z[rows, 1 - t], t)
-                mc[rows, t] = True
-                gen_mod[rows] = t
-        return zc, mc, gen_mod
+        return complete_rows(self.generator, z, mask)
 
-    # -- alignment (eq. (9)) -------------------------------------------------------------------
+    # -- alignment (eq. (9)): fedtune.methods.bomm.aligner ------------------------------------
     def prototype_set(self, pool: Pool, st: Standardizer, zc: np.ndarray, mc: np.ndarray) -> PrototypeSet:
-        """Seeds (the parties' same-class prototypes paired) plus the grown pairs' rows."""
-        k_all = self.config.federation.num_clients
-        seeds = PrototypeSet.seed(
-            {k: (st.apply(u["prototypes"], u["proto_counts"] > 0), u["proto_counts"]) for k, u in self.uploads.items()},
-            k_all,
-        )
-        where = {(int(k), int(i)): r for r, (k, i) in enumerate(zip(pool.party, pool.local))}
-        items = []
-        for k, i, w, j in self.grown:
-            rk, rw = where.get((int(k), int(i))), where.get((int(w), int(j)))
-            if rk is None or rw is None:
-                continue
-            label = pool.label[rk] if pool.label[rk] >= 0 else pool.label[rw]
-            items.append((int(k), zc[rk], mc[rk], int(w), zc[rw], mc[rw], int(label)))
-        return seeds.with_pairs(items)
+        """Seeds (the parties' same-class prototypes, standardized, paired) plus the grown pairs' rows."""
+        return prototype_set(self.uploads, self.grown, self.config.federation.num_clients, pool, st, zc, mc)
 
     def align(self, pool: Pool, zc: np.ndarray, mc: np.ndarray, protos: PrototypeSet):
         """Accepted cross-party pairs of unaligned rows (pool indices) and the prototype set's growth."""
-        o = self.options
-        inverse = np.unique(pool.sid, return_inverse=True)[1]
-        unaligned = np.bincount(inverse)[inverse] == 1  # ids only one row holds
-        accepted: list[tuple[int, int, float]] = []
-        rejected = 0
-        for k, w in combinations(sorted(self.uploads), 2):
-            uk = np.flatnonzero(unaligned & (pool.party == k))
-            uw = np.flatnonzero(unaligned & (pool.party == w))
-            for i, j, sim in align_parties(
-                zc[uk], mc[uk], zc[uw], mc[uw], protos, k, w, o.alignment_vector, o.sinkhorn_reg
-            ):
-                a, b = int(uk[i]), int(uw[j])
-                if pool.label[a] >= 0 and pool.label[b] >= 0 and pool.label[a] != pool.label[b]:
-                    rejected += 1
-                    continue
-                accepted.append((a, b, sim))
-        accepted.sort(key=lambda p: -p[2])
-        # growth of the prototype set, most similar pairs first, each row in one grown prototype
-        budget = min(o.grow_per_round, max(0, o.n_global - len(protos)))
-        used = {(int(k), int(i)) for k, i, _, _ in self.grown} | {(int(w), int(j)) for _, _, w, j in self.grown}
-        new = []
-        for a, b, _ in accepted:
-            if len(new) >= budget:
-                break
-            ka, kb = (int(pool.party[a]), int(pool.local[a])), (int(pool.party[b]), int(pool.local[b]))
-            if ka in used or kb in used:
-                continue
-            used |= {ka, kb}
-            new.append([*ka, *kb])
-        if new:
-            self.grown = np.concatenate([self.grown, np.asarray(new, dtype=np.int64)])
-        metrics = {
-            "aligned_pairs": float(len(accepted)),
-            "rejected_pairs": float(rejected),
-            "prototypes": float(len(protos) + len(new)),
-        }
-        if o.diagnostics and accepted:
-            truth = self.true_labels(pool)
-            metrics["diag_pair_accuracy"] = float(np.mean([truth[a] == truth[b] for a, b, _ in accepted]))
-        return [(a, b) for a, b, _ in accepted], metrics
+        truth = self.true_labels if self.options.diagnostics else None
+        pairs, self.grown, metrics = align_rows(
+            pool, zc, mc, protos, sorted(self.uploads), self.grown, self.options, truth
+        )
+        return pairs, metrics
 
     # -- generator (eqs. (3)-(4)) --------------------------------------------------------------
     def train_generator(
@@ -426,43 +302,7 @@ class BommCloud(Strategy):
         partner's, or with ``preference`` the closest prototype's) and sim(x, o_i); then
         :func:`~fedtune.methods.bomm.common.fit_generator`."""
         o = self.options
-        sample_of = np.empty(len(pool), dtype=np.int64)
-        for s, rows in enumerate(samples):
-            sample_of[rows] = s
-        source, target, g_p, sim, real = [], [], [], [], []
-        for t in range(M):
-            rows = np.flatnonzero(pool.mask[:, 1 - t])
-            gp = np.zeros((len(rows), FEATURE_DIM), np.float32)
-            has = np.zeros(len(rows), bool)
-            for n, r in enumerate(rows):
-                views = samples[sample_of[r]]
-                holders = views[pool.mask[views, t]]  # the row itself first if it holds t
-                if pool.mask[r, t]:
-                    gp[n], has[n] = z[r, t], True
-                elif len(holders):
-                    gp[n], has[n] = z[holders, t].mean(0), True
-            is_real = has.copy()
-            s = np.zeros(len(rows))
-            if self.mode.preference and protos is not None and len(protos):
-                sub = protos.subset(np.flatnonzero(protos.mask[:, :, t].any(axis=1)))
-                sub_a = sub.mapped(space)  # o_i: the closest prototype in the alignment space
-                for k in np.unique(pool.party[rows]):
-                    mine = np.flatnonzero(pool.party[rows] == k)
-                    present = pool.mask[rows[mine]]
-                    idx, _ = nearest_prototype(space(z[rows[mine]], present), present, sub_a, int(k))
-                    s[mine] = pair_similarity(z[rows[mine]], present, sub, idx, int(k))  # in the generator's space
-                    fill = mine[(~has[mine]) & (idx >= 0)]
-                    if len(fill):
-                        values, ok = sub.target(idx[np.isin(mine, fill)], t)
-                        gp[fill[ok]] = values[ok]
-                        has[fill[ok]] = True
-            keep = has if self.mode.preference else is_real
-            source.append(z[rows[keep], 1 - t])
-            target.append(np.full(int(keep.sum()), t, np.int64))
-            g_p.append(gp[keep])
-            sim.append(s[keep])
-            real.append(is_real[keep])
-        source, target, g_p, sim = (np.concatenate(a) for a in (source, target, g_p, sim))
+        source, target, g_p, sim, real = completion_items(pool, z, samples, protos, space, self.mode.preference)
         reference = None
         if self.mode.preference and o.reference == "initial":  # G_ref: the generator as initialized, rebuilt
             reference = seeded(
@@ -485,61 +325,27 @@ class BommCloud(Strategy):
             reference=reference,
         )
         metrics["generator_items"] = float(len(source))
-        metrics["generator_real_items"] = float(np.concatenate(real).sum())
+        metrics["generator_real_items"] = float(real.sum())
         return metrics
 
     # -- classifier (L_task) -------------------------------------------------------------------
-    def sample_tensors(self, zc: np.ndarray, mc: np.ndarray, samples: list[np.ndarray]):
-        """(S, V, M, D) views of each sample (V: the most views a sample has) and their mask."""
-        v = max(len(s) for s in samples)
-        x = np.zeros((len(samples), v, M, FEATURE_DIM), np.float32)
-        m = np.zeros((len(samples), v, M), bool)
-        for n, rows in enumerate(samples):
-            x[n, : len(rows)], m[n, : len(rows)] = zc[rows], mc[rows]
-        return torch.from_numpy(x), torch.from_numpy(m)
-
-    def cloud_loss(self, x: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """CE(fused) + unimodal_weight x CE of every present (view, modality) classified alone (the
-        paired task's loss, at the cloud)."""
-        fused, single = self.classifier(x, mask)
-        loss = F.cross_entropy(fused, y)
-        w = self.context.task.options.unimodal_weight
-        if w:
-            labels = y[:, None, None].expand(mask.shape)
-            loss = loss + w * F.cross_entropy(single[mask], labels[mask])
-        return loss
-
     def train_classifier(
         self, rnd: int, pool: Pool, zc: np.ndarray, mc: np.ndarray, samples: list[np.ndarray]
     ) -> dict[str, float]:
-        """``cloud_epochs`` epochs (Adam) on the labeled samples, completed modalities included."""
-        o = self.options
-        labels = np.array([next((int(pool.label[r]) for r in rows if pool.label[r] >= 0), -1) for rows in samples])
-        labeled = [s for s, y in zip(samples, labels) if y >= 0]
-        out = {"cloud_samples": float(len(labeled)), "cloud_multi_view": float(sum(len(s) > 1 for s in labeled))}
-        if not labeled or o.cloud_epochs == 0:
-            return out
-        x, mask = self.sample_tensors(zc, mc, labeled)
-        y = torch.from_numpy(labels[labels >= 0])
-        opt = torch.optim.Adam(self.classifier.parameters(), lr=o.cloud_lr)
-        seed = seed_for(self.config.seed, rnd, CLOUD_TRAIN)
-        rng = np.random.default_rng(seed)
-        torch.manual_seed(seed)
-        self.classifier.train()
-        total = 0.0
-        for _ in range(o.cloud_epochs):
-            total = 0.0
-            order = torch.from_numpy(rng.permutation(len(y)))
-            for start in range(0, len(y), o.cloud_batch_size):
-                idx = order[start : start + o.cloud_batch_size]
-                loss = self.cloud_loss(x[idx], mask[idx], y[idx])
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                total += loss.item() * len(idx)
-        self.classifier.eval()
-        self.classifier_trained = True
-        return out | {"cloud_train_loss": total / len(y)}
+        """``cloud_epochs`` epochs (Adam) on the labeled samples, completed modalities included
+        (:func:`fedtune.methods.bomm.classifier.train_classifier`)."""
+        metrics = train_classifier(
+            self.classifier,
+            pool,
+            zc,
+            mc,
+            samples,
+            self.options,
+            seed_for(self.config.seed, rnd, CLOUD_TRAIN),
+            self.context.task.options.unimodal_weight,
+        )
+        self.classifier_trained = self.classifier_trained or "cloud_train_loss" in metrics
+        return metrics
 
     # -- what the parties receive --------------------------------------------------------------
     def messages(
@@ -672,26 +478,3 @@ class BommCloud(Strategy):
         """The pool rows' true labels, read from the task's pool for diagnostics only."""
         train, parts = self.context.task.train, self.context.partitions
         return np.array([train.labels[parts[k][i]] for k, i in zip(pool.party, pool.local)], dtype=np.int64)
-
-
-def party_metrics(replies: dict[int, Message]) -> dict[str, float]:
-    """The parties' training metrics: mean train loss, per-party train loss, scheduler selection."""
-    metas = {cid: m.meta for cid, m in replies.items()}
-    out: dict[str, float] = {}
-    losses = [m["train_loss"] for m in metas.values() if "train_loss" in m]
-    if losses:
-        out["train_loss"] = float(np.mean(losses))
-    for cid, m in sorted(metas.items()):
-        if "train_loss" in m:
-            out[f"party{cid}_train_loss"] = float(m["train_loss"])
-    completed = sum(int(m.get("completed", 0)) for m in metas.values())
-    if completed:
-        out["completed_samples"] = float(completed)
-        out["selected_fraction"] = sum(int(m.get("selected", 0)) for m in metas.values()) / completed
-    rewards = [m["reward_mean"] for m in metas.values() if "reward_mean" in m]
-    if rewards:
-        out["reward_mean"] = float(np.mean(rewards))
-    transferred = [m["transferred_labels"] for m in metas.values() if "transferred_labels" in m]
-    if transferred:
-        out["party_transferred_labels"] = float(sum(transferred))
-    return out

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from fedtune.methods.bomm.completion import generator_loss
 from fedtune.models.training import seed_for
+from fedtune.protocol.messages import Message
 
 PAIRED = "paired-modalities"  # the task capability BoMM needs: parties' rows with ids, masks and labels
 # streams of seed_for(config.seed, STREAM, ...): one per random thing BoMM draws
@@ -77,11 +78,12 @@ def fit_generator(
     """Train ``gen`` for ``epochs`` epochs (Adam, fresh each call) on items (source representation
     (n, D), target modality (n,), preferred output g^p (n, D), sim(x, o_i) (n,)).
 
-    ``preference``: L_G = L_prefer + gamma L_special (:func:`~fedtune.methods.bomm.completion.generator_loss`),
-    the non-preferred output g^q being the generation of ``gen`` as it is on entry (what the cloud
-    sent the parties) and the reference G_ref ``reference`` (frozen; default: ``gen`` on entry);
-    else the mean squared error to g^p (the baselines' generator, trained on real targets only). A batch's loss is the item-weighted
-    mean of its per-target-modality losses. Returns the last epoch's mean loss (and L_G's parts)."""
+    ``preference``: L_G = L_prefer + gamma L_special
+    (:func:`~fedtune.methods.bomm.completion.generator_loss`), the non-preferred output g^q being
+    the generation of ``gen`` as it is on entry (what the cloud sent the parties) and the reference
+    G_ref ``reference`` (frozen; default: ``gen`` on entry); else the mean squared error to g^p (the
+    baselines' generator, trained on real targets only). A batch's loss is the item-weighted mean of
+    its per-target-modality losses. Returns the last epoch's mean loss (and L_G's parts)."""
     n = len(source)
     if n == 0 or epochs == 0:
         return {}
@@ -147,3 +149,26 @@ def load_module(module: torch.nn.Module, arrays: dict[str, np.ndarray], prefix: 
         return False
     module.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in own.items()}, strict=True)
     return True
+
+
+def party_metrics(replies: dict[int, Message]) -> dict[str, float]:
+    """The parties' training metrics: mean train loss, per-party train loss, scheduler selection."""
+    metas = {cid: m.meta for cid, m in replies.items()}
+    out: dict[str, float] = {}
+    losses = [m["train_loss"] for m in metas.values() if "train_loss" in m]
+    if losses:
+        out["train_loss"] = float(np.mean(losses))
+    for cid, m in sorted(metas.items()):
+        if "train_loss" in m:
+            out[f"party{cid}_train_loss"] = float(m["train_loss"])
+    completed = sum(int(m.get("completed", 0)) for m in metas.values())
+    if completed:
+        out["completed_samples"] = float(completed)
+        out["selected_fraction"] = sum(int(m.get("selected", 0)) for m in metas.values()) / completed
+    rewards = [m["reward_mean"] for m in metas.values() if "reward_mean" in m]
+    if rewards:
+        out["reward_mean"] = float(np.mean(rewards))
+    transferred = [m["transferred_labels"] for m in metas.values() if "transferred_labels" in m]
+    if transferred:
+        out["party_transferred_labels"] = float(sum(transferred))
+    return out

@@ -18,7 +18,8 @@ class BommOptions(MethodOptions):
         "cloud model": "LLaVA-1.5-7B in the paper; here a frozen ImageNet MobileNetV2 (phi, run where the data is) "
         "with a trainable MLP classifier psi_1 (0.73M) and generator psi_2 in phi's representation space",
         "party models": "CLIP-base / CLIP-large in the paper; here the paired task's fusion CNN, initialized per party",
-        "data": "MS COCO / CUB-200 image + caption in the paper; here digit images + spoken digits (audio plays 'text')",
+        "data": "MS COCO / CUB-200 image + caption in the paper; "
+        "here digit images + spoken digits (audio plays 'text')",
         "schedule": "3 rounds x 20 epochs (Adam, lr 5e-4 parties / 5e-5 cloud) in the paper; here train.local_steps "
         "party steps and cloud_epochs / generator_epochs cloud epochs per round",
     }

@@ -35,8 +35,9 @@ from torch import nn
 
 
 class ResidualMLP(nn.Module):
-    """x (B, in) -> (value (B,), hidden states (B, hidden * (depth + 1))): a linear layer with ReLU, ``depth`` residual blocks h <- h + W2 relu(W1 h), a linear output; the hidden
-    states are h after the input layer and after every block, concatenated."""
+    """x (B, in) -> (value (B,), hidden states (B, hidden * (depth + 1))): a linear layer with ReLU,
+    ``depth`` residual blocks h <- h + W2 relu(W1 h), a linear output; the hidden states are h after
+    the input layer and after every block, concatenated."""
 
     def __init__(self, in_dim: int, hidden: int = 64, depth: int = 2) -> None:
         super().__init__()

@@ -33,15 +33,8 @@ from fedtune.config import ConfigError
 from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS
 from fedtune.methods.fedpft.distill import DistillPairs
 from fedtune.methods.fedpft.ffn_proxy import ProxyShape, find_stack, keep_layers, uniform_choose
-from fedtune.methods.fedpft.proxy import (
-    ModelTask,
-    ProxyClient,
-    ProxyOptions,
-    ProxyStrategy,
-    load_tensors,
-    lora_target_modules,
-    state_tensors,
-)
+from fedtune.methods.fedpft.proxy import ProxyClient, ProxyOptions, ProxyStrategy
+from fedtune.methods.fedpft.support import ModelTask, load_tensors, lora_target_modules, state_tensors
 from fedtune.models.lora import LoraWorkspace
 from fedtune.registry import register
 

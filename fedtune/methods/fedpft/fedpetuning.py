@@ -13,7 +13,7 @@ from __future__ import annotations
 from fedtune.methods.base.averaging import UpdateClient
 from fedtune.methods.base.lora import LORA
 from fedtune.methods.fedit import FedITOptions, FedITStrategy
-from fedtune.methods.fedpft.proxy import base_params, memory_metrics, size_metrics, train_lora
+from fedtune.methods.fedpft.support import base_params, memory_metrics, size_metrics, train_lora
 from fedtune.protocol.messages import Message
 from fedtune.registry import register
 

@@ -77,15 +77,8 @@ from fedtune.methods.fedpft.ffn_proxy import (
     shrink_ffn,
     weight_product,
 )
-from fedtune.methods.fedpft.proxy import (
-    ProxyClient,
-    ProxyOptions,
-    ProxyStrategy,
-    check_layers,
-    load_tensors,
-    lora_target_modules,
-    state_tensors,
-)
+from fedtune.methods.fedpft.proxy import ProxyClient, ProxyOptions, ProxyStrategy, check_layers
+from fedtune.methods.fedpft.support import load_tensors, lora_target_modules, state_tensors
 from fedtune.models.training import seed_for
 from fedtune.protocol.messages import Message
 from fedtune.protocol.validation import ArraySpec
