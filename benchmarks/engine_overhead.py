@@ -242,9 +242,11 @@ def image_row(args) -> None:
         f"# Engine overhead, image-classification: FedAvg of small-cnn on {args.image_data}, {args.rounds} rounds x "
         f"{args.clients} clients x {args.steps} steps (batch 32)\n\n"
         f"Command: `python benchmarks/engine_overhead.py --tasks image --rounds {args.rounds} --clients {args.clients} "
-        f"--steps {args.steps} --repeats {args.repeats} --image-data {args.image_data}`; min of {args.repeats} interleaved "
+        f"--steps {args.steps} --repeats {args.repeats} --image-data {args.image_data}`; min of {args.repeats} "
+        "interleaved "
         f"repeats, torch threads {torch.get_num_threads()}; 8,000 training / 2,000 test images.\n\n"
-        "| variant | best wall s | best CPU s | final accuracy | wall ratio to bare loop | CPU ratio |\n|---|---|---|---|---|---|\n"
+        "| variant | best wall s | best CPU s | final accuracy | wall ratio to bare loop | CPU ratio "
+        "|\n|---|---|---|---|---|---|\n"
         + "".join(
             f"| {k} | {best[k]:.2f} | {best_cpu[k]:.2f} | {acc[k]:.4f} | {best[k] / best['bare']:.3f} | "
             f"{best_cpu[k] / best_cpu['bare']:.3f} |\n"
@@ -305,11 +307,13 @@ def main() -> None:
     }
     (RESULTS / "engine_overhead.json").write_text(json.dumps(result, indent=2))
     (RESULTS / "engine_overhead.md").write_text(
-        f"# Engine overhead: FedIT, {args.rounds} rounds x {args.clients} clients x {args.steps} steps ({args.model})\n\n"
+        f"# Engine overhead: FedIT, {args.rounds} rounds x {args.clients} clients x {args.steps} steps "
+        f"({args.model})\n\n"
         f"Command: `python benchmarks/engine_overhead.py --rounds {args.rounds} --clients {args.clients} "
         f"--steps {args.steps} --repeats {args.repeats} --model {args.model}`; min of {args.repeats} interleaved "
         f"repeats, torch threads {torch.get_num_threads()}.\n\n"
-        "| variant | best wall s | best CPU s | final accuracy | wall ratio to bare loop | CPU ratio |\n|---|---|---|---|---|---|\n"
+        "| variant | best wall s | best CPU s | final accuracy | wall ratio to bare loop | CPU ratio "
+        "|\n|---|---|---|---|---|---|\n"
         + "".join(
             f"| {k} | {best[k]:.2f} | {best_cpu[k]:.2f} | {acc[k]:.4f} | {best[k] / best['bare']:.3f} | "
             f"{best_cpu[k] / best_cpu['bare']:.3f} |\n"

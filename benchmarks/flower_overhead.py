@@ -6,17 +6,18 @@ sampled per round, 1 torch thread per client (``train.threads = 1``), for a shor
 (``--short-steps`` local steps, the issue's 10) and a long one (``--long-steps``, chosen so the
 embedded round takes 30 s or more). Each setting runs on the embedded engine (one process, the
 clients one after the other) and on the loopback deployment (``engine = "flower"``: a SuperLink,
-SuperNodes each with a warm worker, ``flwr run``) with 1 node (both clients in one worker, one
-after the other: the same compute as embedded, so the difference is Flower's cost) and with 2
-nodes (the default on 2 cores: the clients train in parallel), jobs one after another. The global model is evaluated only after the last
-round (``eval_every = rounds``), so rounds 2..R-1 are training alone (the server's evaluation
-costs the same on both engines and would only dilute the ratio). Reported per setting: the median
-round wall time over rounds 2..R-1 (round 1 also loads the model and data: shown apart), the
-ratio flower / embedded, and, from the deployment's ``flower_timing.jsonl``, where Flower's fixed cost goes per
-message: dispatch (push -> ClientApp process start: the SuperNode's 3 s idle poll, SuperExec's
-task poll, the spawn), start-up (process start -> fedtune's handler: ``flwr-clientapp`` imports
-and Flower's message plumbing), return (handler end -> the server's pull: the reply's way back),
-and the round's fixed overhead (round wall minus the slowest client's handler time).
+SuperNodes each with a warm worker, ``flwr run``) with 1 node (both clients in one worker, one after
+the other: the same compute as embedded, so the difference is Flower's cost) and with 2 nodes (the
+default on 2 cores: the clients train in parallel), jobs one after another. The global model is
+evaluated only after the last round (``eval_every = rounds``), so rounds 2..R-1 are training alone
+(the server's evaluation costs the same on both engines and would only dilute the ratio). Reported
+per setting: the median round wall time over rounds 2..R-1 (round 1 also loads the model and data:
+shown apart), the ratio flower / embedded, and, from the deployment's ``flower_timing.jsonl``, where
+Flower's fixed cost goes per message: dispatch (push -> ClientApp process start: the SuperNode's 3 s
+idle poll, SuperExec's task poll, the spawn), start-up (process start -> fedtune's handler:
+``flwr-clientapp`` imports and Flower's message plumbing), return (handler end -> the server's pull:
+the reply's way back), and the round's fixed overhead (round wall minus the slowest client's handler
+time).
 
 Memory (``--part memory``): FedIT on MiniLM / SST-2, ``data.partition = dirichlet-client``, 10
 clients sampled per round, with 10 vs 1,000 registered clients, on both engines; the peak of the
@@ -228,7 +229,8 @@ def markdown(result: dict) -> str:
             "",
             f"`{result['rounds']['command']}`; {result['rounds']['machine']}.",
             "",
-            "| setting | local steps | embedded s/round | flower, 1 node | flower, 2 nodes | first round (emb / 1 / 2 nodes) | load avg (emb / 1 / 2) |",
+            "| setting | local steps | embedded s/round | flower, 1 node | flower, 2 nodes | first round (emb / 1 / "
+            "2 nodes) | load avg (emb / 1 / 2) |",
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
         for row in result["rounds"]["rows"]:
@@ -236,7 +238,8 @@ def markdown(result: dict) -> str:
             load = row["load"]
             lines.append(
                 f"| {row['setting']} | {row['local_steps']} | {e['median_round_s']:.1f} | "
-                f"{f1['median_round_s']:.1f} (**{r['flower-1']:.2f}x**) | {f2['median_round_s']:.1f} (**{r['flower-2']:.2f}x**) | "
+                f"{f1['median_round_s']:.1f} (**{r['flower-1']:.2f}x**) | {f2['median_round_s']:.1f} "
+                f"(**{r['flower-2']:.2f}x**) | "
                 f"{e['first_round_s']:.1f} / {f1['first_round_s']:.1f} / {f2['first_round_s']:.1f} | "
                 f"{load['embedded']:.1f} / {load['flower-1']:.1f} / {load['flower-2']:.1f} |"
             )
@@ -250,7 +253,8 @@ def markdown(result: dict) -> str:
             "",
             "## Flower's fixed cost (deployment, rounds 2..R-1)",
             "",
-            "| setting | nodes | fixed overhead / round | dispatch | ClientApp start-up | return | handler (Client calls) |",
+            "| setting | nodes | fixed overhead / round | dispatch | ClientApp start-up | return | handler (Client "
+            "calls) |",
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
         for row in result["rounds"]["rows"]:

@@ -39,12 +39,8 @@ from typing import Any
 
 import tomllib
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from fedtune.config import ConfigError, RunConfig, flat_keys, load_config  # noqa: E402
-from fedtune.harness import (  # noqa: E402
+from fedtune.config import ConfigError, RunConfig, flat_keys, load_config
+from fedtune.harness import (
     MIN_MARGIN,
     RunSpec,
     SuiteError,
@@ -62,6 +58,8 @@ from fedtune.harness import (  # noqa: E402
     table_lines,
     toml_value,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 CONFIGS = REPO / "configs"
 RESULTS = REPO / "benchmarks" / "results"

@@ -35,12 +35,8 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from fedtune.config import RunConfig, load_config  # noqa: E402
-from fedtune.harness import (  # noqa: E402
+from fedtune.config import RunConfig, load_config
+from fedtune.harness import (
     Costs,
     RunSpec,
     SuiteError,
@@ -66,7 +62,9 @@ from fedtune.harness import (  # noqa: E402
     table_lines,
     with_labels,
 )
-from fedtune.methods.bomm.options import BommOptions  # noqa: E402
+from fedtune.methods.bomm.options import BommOptions
+
+REPO = Path(__file__).resolve().parents[2]
 
 RECIPE = REPO / "configs" / "benchmarks" / "bomm-suite.toml"
 OVERLAYS = read_overlays(REPO / "configs" / "benchmarks" / "bomm-suite-overlays.toml")

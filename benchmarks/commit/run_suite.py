@@ -48,12 +48,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from fedtune.config import RunConfig, load_config  # noqa: E402
-from fedtune.harness import (  # noqa: E402
+from fedtune.config import RunConfig, load_config
+from fedtune.harness import (
     Choice,
     RunSpec,
     SuiteError,
@@ -86,6 +82,8 @@ from fedtune.harness import (  # noqa: E402
     table_lines,
     with_labels,
 )
+
+REPO = Path(__file__).resolve().parents[2]
 
 RECIPE = REPO / "configs" / "benchmarks" / "commit-suite.toml"
 OVERLAYS = read_overlays(REPO / "configs" / "benchmarks" / "commit-suite-overlays.toml")
@@ -213,13 +211,16 @@ def build_suite_plan(seeds: list[int], scale: Scale, out: Path, sweep: Sweep | N
     if sweep is not None:
         swept = [spec(m, t, sweep.seed, scale, lr=lr) for m in MODALITIES for t in TABLE1 for lr in sweep.grid]
         choices = choices_of(build_plan({"sweep": swept}, RECIPE, out)["sweep"])
-        chosen = lambda trainers: [
-            spec(m, t, s, scale, lr=c.setting["lr"])  # noqa: E731
-            for m in MODALITIES
-            for t in trainers
-            if (c := choices[(m, t)])
-            for s in seeds
-        ]
+
+        def chosen(trainers):
+            return [
+                spec(m, t, s, scale, lr=c.setting["lr"])
+                for m in MODALITIES
+                for t in trainers
+                if (c := choices[(m, t)])
+                for s in seeds
+            ]
+
     experiments = {
         "sweep": swept,
         "table1": chosen(TABLE1),
@@ -435,13 +436,16 @@ def setup_section(plan, seeds: list[int], command: str, sweep: Sweep | None = No
         f"N_kappa {o['n_kappa']}, L_lr {o['l_lr']}, lambda {o['reg_weight']}, d = total variation |",
         f"| Language / Vision LR up | 1e-3 vs 1e-4 | {o['lr_up']:g} x lr for that component |",
         f"| Feature / Language CD | 'until weights stabilize' | switch when the relative weight change over "
-        f"{o['cd_window']} steps is below {o['cd_tolerance']}, at the latest after {o['cd_max_fraction']:g} of the steps |",
+        f"{o['cd_window']} steps is below {o['cd_tolerance']}, at the latest after {o['cd_max_fraction']:g} of the "
+        "steps |",
         f"| seeds | not stated | {', '.join(map(str, seeds))} |",
         "",
         (
-            f"**Rates.** Each trainer's learning rate (train.lr: both components' base rate; CoMMIT's alpha = 2 x lr) is "
+            "**Rates.** Each trainer's learning rate (train.lr: both components' base rate; CoMMIT's alpha = 2 x "
+            "lr) is "
             f"chosen per modality on seed {sweep.seed} from {{{', '.join(f'{lr:g}' for lr in sweep.grid)}}}: the rate "
-            f"with the highest mean of its last {LAST_EVALS} evaluations' exact match (`sweep.md`; ties: the smaller rate). "
+            f"with the highest mean of its last {LAST_EVALS} evaluations' exact match (`sweep.md`; ties: the "
+            "smaller rate). "
             f"Table 1 and Figs. 4/5 run it on seeds {', '.join(map(str, seeds))}"
             + (
                 " (the sweep seed among them: its run is the one that chose the rate, a biased figure)"

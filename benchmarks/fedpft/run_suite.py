@@ -15,11 +15,11 @@ plus overlays from ``fedpft-suite-overlays.toml`` plus the experiment's settings
   full-model accuracy (adapter plugged back) and the proxy's, trainable and transmitted
   parameters, client compute seconds and peak client training memory.
 - ``table2``: Table 2 (ViT). No pretrained ViT installs offline (``../shared/data/README.md``): the
-  suite writes a *randomly initialised* 4-layer ViT (hidden 64, d_ff 256, 16x16 inputs, patches
-  4x4; ``benchmarks/results/_scratch/fedpft-models/vit-random-4l``, seed 0) and runs the three methods on scikit-learn's digits,
-  distilling on Fashion-MNIST. It exercises the ViT layout (``mlp.fc1`` / ``mlp.fc2``) and
-  compares costs; its accuracies say nothing about the paper's claim, whose premise (a
-  pretrained model whose salient neurons and layer outputs carry knowledge) a random model lacks.
+  suite writes a *randomly initialised* 4-layer ViT (hidden 64, d_ff 256, 16x16 inputs, patches 4x4;
+  ``benchmarks/results/_scratch/fedpft-models/vit-random-4l``, seed 0) and runs the three methods on
+  scikit-learn's digits, distilling on Fashion-MNIST. It exercises the ViT layout (``mlp.fc1`` /
+  ``mlp.fc2``) and compares costs; its accuracies say nothing about the paper's claim, whose premise
+  (a pretrained model whose salient neurons and layer outputs carry knowledge) a random model lacks.
 - ``table3``: Table 3. SST-2 with Dirichlet label skew alpha in {1, 5, 10}, the three methods.
 - ``table4``: Table 4 (ablation, on SST-2 as the paper's App. F): FedOT, FedPFT_N (no
   distillation), FedPFT_B (before FL only), FedPFT_D (during FL only), FedPFT.
@@ -53,12 +53,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from fedtune.config import load_config  # noqa: E402
-from fedtune.harness import (  # noqa: E402
+from fedtune.config import load_config
+from fedtune.harness import (
     Choice,
     Costs,
     RunSpec,
@@ -94,7 +90,9 @@ from fedtune.harness import (  # noqa: E402
     table_lines,
     with_labels,
 )
-from fedtune.harness.stats import mean, mean_std  # noqa: E402
+from fedtune.harness.stats import mean, mean_std
+
+REPO = Path(__file__).resolve().parents[2]
 
 RECIPE = REPO / "configs" / "benchmarks" / "fedpft-suite.toml"
 OVERLAYS = read_overlays(REPO / "configs" / "benchmarks" / "fedpft-suite-overlays.toml")
@@ -486,14 +484,18 @@ def head(scale: Scale, seeds: list[int], command: str, note: str) -> str:
             command,
             "```",
             "",
-            f"Model `{base.model.name}`; {base.federation.num_clients} clients, {base.federation.sample_size()} sampled per "
-            f"round, {base.rounds} rounds of {base.train.local_steps} local steps (batch {base.train.batch_size}, AdamW, "
+            f"Model `{base.model.name}`; {base.federation.num_clients} clients, {base.federation.sample_size()} "
+            "sampled per "
+            f"round, {base.rounds} rounds of {base.train.local_steps} local steps (batch {base.train.batch_size}, "
+            "AdamW, "
             + ("lr chosen per data set and method, see below" if scale.sweep else f"lr {base.train.lr:g}")
             + f"); LoRA rank {base.model.lora_rank} (alpha {base.model.lora_alpha:g}) on query / value + the "
             f"head; seeds {', '.join(map(str, seeds))}. At full scale (MiniLM; --quick runs tiny random models): "
             "FedPFT keeps 25 % of the FFN neurons of layers 1-4, 200 "
-            "distillation steps before FL, t = 10, p = 0.5, 20 alignment steps; FedOT's adapter = layers 0 and 5 (LoRA rank "
-            "24, the same trainable budget), emulator = layers 1 and 4 (uniform drop of 4 to 2), 200 distillation steps. "
+            "distillation steps before FL, t = 10, p = 0.5, 20 alignment steps; FedOT's adapter = layers 0 and 5 "
+            "(LoRA rank "
+            "24, the same trainable budget), emulator = layers 1 and 4 (uniform drop of 4 to 2), 200 distillation "
+            "steps. "
             "Public sets: AG News for SST-2, SST-2 for AG News, Fashion-MNIST for digits. Accuracy: mean of each run's "
             f"last {LAST} evaluations, then mean ± sample std over seeds; `accuracy` is the full model's with the "
             "adapter plugged back, `proxy` the proxy's with the same adapter.",

@@ -51,12 +51,8 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from fedtune.config import RunConfig, load_config  # noqa: E402
-from fedtune.harness import (  # noqa: E402
+from fedtune.config import RunConfig, load_config
+from fedtune.harness import (
     Costs,
     RunSpec,
     SuiteError,
@@ -88,7 +84,9 @@ from fedtune.harness import (  # noqa: E402
     upload_cell,
     with_labels,
 )
-from fedtune.process import setup_process  # noqa: E402
+from fedtune.process import setup_process
+
+REPO = Path(__file__).resolve().parents[2]
 
 RECIPE = REPO / "configs" / "benchmarks" / "fslora-suite.toml"
 OVERLAYS = read_overlays(REPO / "configs" / "benchmarks" / "fslora-suite-overlays.toml")
@@ -458,13 +456,17 @@ def scale_section(scale: Scale, seeds: list[int], data_sets: tuple, command: str
         "",
         "| | paper (RoBERTa & GLUE, Table A.1 / Sec. 5) | here |",
         "|---|---|---|",
-        f"| model | {PAPER['model']} | `{base.model.name}` ({MODEL_NOTES.get(base.model.name, 'see fedtune.models.loading')}) |",
-        f"| LoRA | targets query/value + head, dropout 0.1, alpha not stated | query/value + classifier head, dropout {base.model.lora_dropout}, lora_alpha = {ALPHA_PER_RANK:g} r |",
-        f"| devices | {PAPER['devices']} | {base.federation.num_clients}, Dirichlet(alpha = {base.data.alpha}) label skew |",
+        f"| model | {PAPER['model']} | `{base.model.name}` "
+        f"({MODEL_NOTES.get(base.model.name, 'see fedtune.models.loading')}) |",
+        "| LoRA | targets query/value + head, dropout 0.1, alpha not stated | query/value + classifier head, "
+        f"dropout {base.model.lora_dropout}, lora_alpha = {ALPHA_PER_RANK:g} r |",
+        f"| devices | {PAPER['devices']} | {base.federation.num_clients}, Dirichlet(alpha = {base.data.alpha}) "
+        "label skew |",
         f"| devices per round | all | {base.federation.clients_per_round} sampled uniformly per round |",
         f"| rounds T | {PAPER['rounds']} | {base.rounds} |",
         f"| local steps H | {PAPER['local_steps']} | {base.train.local_steps} |",
-        f"| batch, optimizer, lr | 16, not stated (Algorithm 1 writes plain SGD steps), 5e-4 | {base.train.batch_size}, AdamW "
+        "| batch, optimizer, lr | 16, not stated (Algorithm 1 writes plain SGD steps), 5e-4 | "
+        f"{base.train.batch_size}, AdamW "
         f"(fresh state each round), {base.train.lr:g} (below) |",
         f"| training examples | full GLUE task | {train} (max_length {base.data.max_length}) |",
         f"| test examples | GLUE dev | {test} (SST-2 test = the 872-sentence GLUE dev set) |",

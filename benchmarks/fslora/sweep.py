@@ -58,12 +58,8 @@ from typing import Any
 
 import tomllib
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from fedtune.config import ConfigError, RunConfig, load_config  # noqa: E402
-from fedtune.harness import (  # noqa: E402
+from fedtune.config import ConfigError, RunConfig, load_config
+from fedtune.harness import (
     Choice,
     Costs,
     RunSpec,
@@ -93,7 +89,9 @@ from fedtune.harness import (  # noqa: E402
     table_lines,
     with_labels,
 )
-from fedtune.harness import choose as choose_runs  # noqa: E402
+from fedtune.harness import choose as choose_runs
+
+REPO = Path(__file__).resolve().parents[2]
 
 RECIPE = REPO / "configs" / "benchmarks" / "fslora-sweep.toml"
 OVERLAYS = read_overlays(REPO / "configs" / "benchmarks" / "fslora-sweep-overlays.toml")
@@ -343,7 +341,8 @@ def setup_section(scale: Scale, sweep_seed: int, seeds: list[int], command: str,
         f"| local steps H | {PAPER['local_steps']} | {SUITE['local_steps']} | {b.train.local_steps} |",
         f"| batch | 16 | 16 | {b.train.batch_size} |",
         f"| training examples | {PAPER['train']} | 20000 | {train} (max_length {b.data.max_length}) |",
-        f"| test examples | GLUE dev | 872 | {b.data.max_test_samples or 'all'} (SST-2 test = the 872-sentence GLUE dev set) |",
+        f"| test examples | GLUE dev | 872 | {b.data.max_test_samples or 'all'} (SST-2 test = the 872-sentence GLUE "
+        "dev set) |",
         f"| learning rate | 5e-4 | {SUITE['lr']} | swept per method and family (below) |",
         f"| evaluation | – | {SUITE['eval']} | every {b.eval_every} rounds; figure = mean of the last {LAST} |",
         f"| seeds | {PAPER['seeds']} | {SUITE['seeds']} | sweep: {sweep_seed}; table: {', '.join(map(str, seeds))} |",
@@ -527,6 +526,7 @@ def report_table(plan, choices, scale: Scale, seeds: list[int], head: str, out: 
         "",
     ]
     majority = next((x["majority_accuracy"] for x in map(load_summary, table) if x), None)
+    clients = scale.base.federation.num_clients
     for family in FAMILIES:
         lines += [f"### {FAMILY_LABELS[family]}", ""]
         rows = []
@@ -546,12 +546,8 @@ def report_table(plan, choices, scale: Scale, seeds: list[int], head: str, out: 
                     else pct(choice.score) + ("" if choice.margin is None else f" (+{choice.margin:.2f})"),
                     accuracy_cell(group, LAST) if group else "–",
                     accuracy_cell(group) if group else "–",
-                    "–"
-                    if not sums
-                    else f"{sum(x['total_bytes_up'] for x in sums) / len(sums) / 1e6 / scale.base.federation.num_clients:.2f}",
-                    "–"
-                    if not sums
-                    else f"{sum(x['total_bytes_down'] for x in sums) / len(sums) / 1e6 / scale.base.federation.num_clients:.2f}",
+                    "–" if not sums else f"{sum(x['total_bytes_up'] for x in sums) / len(sums) / 1e6 / clients:.2f}",
+                    "–" if not sums else f"{sum(x['total_bytes_down'] for x in sums) / len(sums) / 1e6 / clients:.2f}",
                     f"{len(sums)}/{n}",
                 ]
             )

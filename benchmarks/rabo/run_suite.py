@@ -33,7 +33,8 @@ Experiments (named runs on :mod:`fedtune.harness`; a few-shot run is
   the three bilevel methods against the single-level ones (plain cross-entropy, no tuning); with
   ``--lr-factors``, each method at its factor chosen by the loss-tuning sweep.
 
-    HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR=../shared/data .venv/bin/python benchmarks/rabo/run_suite.py [--only table2] [--seeds 0,1,2]
+    HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR=../shared/data .venv/bin/python benchmarks/rabo/run_suite.py \
+        [--only table2] [--seeds 0,1,2]
     ... --plan          # the runs and the time estimate, nothing run
     ... --quick         # smoke test into benchmarks/results/_scratch/rabo-quick/
     ... --report-only   # rewrite the markdown and plots from the run folders that exist
@@ -52,12 +53,8 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from fedtune.config import RunConfig, load_config  # noqa: E402
-from fedtune.harness import (  # noqa: E402
+from fedtune.config import RunConfig, load_config
+from fedtune.harness import (
     Choice,
     RunSpec,
     SuiteError,
@@ -95,6 +92,8 @@ from fedtune.harness import (  # noqa: E402
     toml_value,
     with_labels,
 )
+
+REPO = Path(__file__).resolve().parents[2]
 
 FEW_SHOT_RECIPE = REPO / "configs" / "benchmarks" / "rabo-suite.toml"
 LOSS_RECIPE = REPO / "configs" / "benchmarks" / "rabo-losstune-suite.toml"
@@ -433,13 +432,16 @@ def setup_section(scale: Scale, seeds: list[int], command: str, estimate: str) -
             "| | paper (Sec. V) | here |",
             "|---|---|---|",
             "| few-shot model x | ResNet-12 | 4-block conv net, 32 filters (`task.filters`) |",
-            "| y | an MLP classifier | a linear head per episode, fitted on its support set (T = 30 steps of 0.02, lambda = 1) |",
+            "| y | an MLP classifier | a linear head per episode, fitted on its support set (T = 30 steps of 0.02, "
+            "lambda = 1) |",
             "| data | Omniglot, 30 / 20 of the 50 alphabets | the 8 background alphabets of the small sets: 6 train "
             "(x 4 rotations = 804 classes) / 2 test (Balinese, Tagalog) |",
-            "| episodes | N-way K-shot, 20 - K queries | same for evaluation (300 episodes); training 5 queries per class "
+            "| episodes | N-way K-shot, 20 - K queries | same for evaluation (300 episodes); training 5 queries per "
+            "class "
             "(20-way: 2) |",
             "| clients | 10, capacities from {1, 1/2, 1/4, 1/8, 1/16} | 10, two of each capacity (width ratios) |",
-            f"| rounds | not stated (Fig. 2: a few hundred) | bilevel: {u} outer steps; single-level: {u // 10} rounds x 10 "
+            f"| rounds | not stated (Fig. 2: a few hundred) | bilevel: {u} outer steps; single-level: {u // 10} "
+            "rounds x 10 "
             f"local AdamW steps ({u} backbone updates per client) |",
             f"| Table II columns | 5/20-way, 1/5-shot | {', '.join(SETTINGS[s] for s in scale.settings)} |",
             "| loss tuning | CIFAR-10 long-tailed, ResNet-18 | Fashion-MNIST, imbalance 100, 29k-parameter CNN, "
@@ -451,7 +453,8 @@ def setup_section(scale: Scale, seeds: list[int], command: str, estimate: str) -
             "seeds. "
             + (
                 f"Step sizes: each method's own (bilevel: the outer step; single-level: the AdamW learning rate) times "
-                f"the factor chosen on seed {scale.sweep.seed} from {{{', '.join(f'{f:g}' for f in scale.sweep.grid)}}} "
+                f"the factor chosen on seed {scale.sweep.seed} from "
+                f"{{{', '.join(f'{f:g}' for f in scale.sweep.grid)}}} "
                 f"({SETTINGS[SWEEP_SETTING]}, `sweep.md`) for Tables II and III, and from "
                 f"{{{', '.join(f'{f:g}' for f in scale.lt_grid)}}} on the loss-tuning problem for Figure 5 (there "
                 f"the bilevel methods' outer and inner steps together); Figures 3 and 4 at factor 1. "
@@ -566,7 +569,7 @@ def report_table2(specs, scale, head, out) -> str:
     rows = []
     for m in METHODS:
         row = [LABEL[m]] + ([step_size(with_labels(specs, method=m))] if scale.sweep else [])
-        for i, s in enumerate(settings):
+        for s in settings:
             paper = PAPER_TABLE2.get(m)
             group = with_labels(specs, method=m, setting=s)
             row += [budget_cell(group), accuracy_cell(group), f"{paper[list(SETTINGS).index(s)]:.2f}" if paper else "–"]

@@ -215,7 +215,10 @@ def split_characters(alphabets: list[str], num_clients: int) -> list[np.ndarray]
 @register_task
 class FewShot(Task):
     kind = "few-shot"
-    description = "N-way K-shot episodes: Omniglot, alphabets split across clients; 4-block conv net, ProtoNet or fitted linear head"
+    description = (
+        "N-way K-shot episodes: Omniglot, alphabets split across clients; 4-block conv net, ProtoNet or "
+        "fitted linear head"
+    )
     defaults = {"data.name": "omniglot", "model.name": "conv4"}
     #: "bilevel": an (outer x, inner y) split of the model (backbone, per-episode heads) for the
     #: bilevel methods (RABO's hyper-representation problem, :mod:`fedtune.methods.rabo.problems`)
@@ -306,7 +309,8 @@ class FewShot(Task):
                 raise ConfigError(
                     f"federation.num_clients: {num_clients} clients over {len(characters)} training characters in "
                     f"{len(set(train.alphabets))} alphabets leave client {cid} {len(classes)} classes; "
-                    f"{self.opts.n_way}-way episodes need {self.opts.n_way} (fewer clients, a smaller task.n_way, or task.rotations)"
+                    f"{self.opts.n_way}-way episodes need {self.opts.n_way} (fewer clients, a smaller task.n_way, "
+                    "or task.rotations)"
                 )
             parts.append(np.flatnonzero(np.isin(train.labels, classes)))
         return parts

@@ -47,7 +47,8 @@ class ImageClassificationOptions(TaskOptions):
     )
     channels: Literal[1, 3] | None = Field(
         None,
-        description="input channels (default: the model's; small-cnn: the data's); gray is repeated, RGB reduced to luminance",
+        description="input channels (default: the model's; small-cnn: the data's); gray is repeated, RGB reduced to "
+        "luminance",
     )
     imbalance_ratio: float | None = Field(
         None, ge=1, description="long-tailed training pool: class c keeps n_max * ratio^(-c/(C-1)) examples"
