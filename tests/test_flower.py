@@ -208,6 +208,22 @@ def test_config_from_flower_run_config(tmp_path):
         config_from_run_config({"rounds": 3})
 
 
+def test_a_run_config_is_parsed_once_per_process(tmp_path, monkeypatch):
+    """Every request a ClientApp serves asks for the config: the same run config is parsed once."""
+    from fedtune.engines.flower import runconfig
+
+    calls = []
+    parse = runconfig.parse_run_config
+    monkeypatch.setattr(runconfig, "parse_run_config", lambda rc: calls.append(1) or parse(rc))
+    runconfig._parsed.cache_clear()
+    rc = {"config": load_config(None, [f"output_dir={tmp_path}"]).model_dump_json(), "timeout": 0.0}
+    first = config_from_run_config(rc)
+    assert all(config_from_run_config(dict(reversed(list(rc.items())))) is first for _ in range(5))
+    assert calls == [1]
+    config_from_run_config({**rc, "timeout": 5.0})  # another run config: parsed again
+    assert calls == [1, 1]
+
+
 # -- the apps through an in-process Grid -----------------------------------------------------------
 def test_loopback_flower_apps_match_embedded_engine(task_identity, tmp_path, embedded):
     # Prepare
