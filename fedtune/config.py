@@ -174,6 +174,10 @@ class FederationConfig(_Section):
         """``server_lr``, or 1 (the plain sum of eq. (5) / FedAvg) when not given."""
         return 1.0 if self.server_lr is None else float(self.server_lr)
 
+    def plain_server_step(self) -> bool:
+        """Whether the server adds the aggregated update as it is (SGD at lr 1: each paper's rule)."""
+        return self.server_optimizer == "sgd" and self.resolved_server_lr() == 1.0
+
     def sample_size(self) -> int:
         if self.clients_per_round is not None:
             return self.clients_per_round

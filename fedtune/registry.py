@@ -37,6 +37,7 @@ class MethodSpec:
     description: str
     requires: frozenset[str] = frozenset()
     module: str = ""  # the module that registered it
+    honours: frozenset[str] = frozenset()  # the CROSS_METHOD_OPTIONS it supports
 
     def missing(self, capabilities: frozenset[str]) -> frozenset[str]:
         """What the method needs that ``capabilities`` lacks."""
@@ -70,6 +71,16 @@ class MethodSpec:
                 f"(it needs: {', '.join(sorted(need))})"
             )
 
+    def check_options(self, config) -> None:
+        """Stop with one line when ``config`` sets a cross-method option the method does not honour
+        (:data:`CROSS_METHOD_OPTIONS`): never accepted and silently ignored."""
+        for option, in_use in CROSS_METHOD_OPTIONS.items():
+            if in_use(config) and option not in self.honours:
+                honoured = ", ".join(sorted(self.honours)) or "none"
+                raise ConfigError(
+                    f"{option}: method {self.name!r} does not support it (its cross-method options: {honoured})"
+                )
+
     def check_task(self, kind: str) -> None:
         """Stop with one line when the method cannot run on task ``kind`` (any model)."""
         self.check(get_task_class(kind))
@@ -78,6 +89,14 @@ class MethodSpec:
         """Stop with one line when the method cannot run on ``config``'s task and model."""
         self.check(get_task_class(config.task.kind), config)
 
+
+#: Options outside a method's own ``[options]`` that change what its server or clients do: a method
+#: declares those it honours (``register(..., supports=...)``); any other one, set to anything but
+#: its default, stops the run with one line naming the method and the option.
+CROSS_METHOD_OPTIONS = {
+    "federation.server_optimizer": lambda config: not config.federation.plain_server_step(),
+    "federation.upload_topk": lambda config: config.federation.upload_topk is not None,
+}
 
 _METHODS: dict[str, MethodSpec] = {}
 
@@ -93,13 +112,18 @@ def register(
     options: type[MethodOptions] = MethodOptions,
     description: str = "",
     requires: tuple[str, ...] = (),
+    supports: tuple[str, ...] = (),
 ) -> MethodSpec:
     """Register a method under ``name``; ``requires``: the task capabilities it needs (``("lora",)``
-    for a LoRA method). A name that is already registered raises :class:`DuplicateMethodError`."""
+    for a LoRA method); ``supports``: the :data:`CROSS_METHOD_OPTIONS` it honours. A name that is
+    already registered raises :class:`DuplicateMethodError`."""
+    unknown = set(supports) - set(CROSS_METHOD_OPTIONS)
+    if unknown:
+        raise ValueError(f"register({name!r}): unknown cross-method options {sorted(unknown)}")
     module = sys._getframe(1).f_globals.get("__name__", "?")
     if name in _METHODS:
         raise DuplicateMethodError(f"method {name!r} is registered twice: by {_METHODS[name].module} and by {module}")
     doc = description or (strategy.__doc__ or "").strip().split("\n")[0]
-    spec = MethodSpec(name, strategy, client, options, doc, frozenset(requires), module)
+    spec = MethodSpec(name, strategy, client, options, doc, frozenset(requires), module, frozenset(supports))
     _METHODS[name] = spec
     return spec

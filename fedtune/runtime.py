@@ -1,11 +1,11 @@
 """One run, resolved once; and RunContext: what one process needs to play the server or any client.
 
 :func:`resolve_run` is the one resolution step between a config and the first round: it fills the
-task's defaults (``data.name``, ``model.name``), looks the method up, checks the task's options,
-the method x task x model capabilities and the method's options, and builds the client profiles,
-in that order (so the first error names the first bad field). The :class:`ResolvedRun` it returns
-is only read afterwards: by :class:`RunContext`, the engines and the run folder
-(:attr:`ResolvedRun.run_dir`).
+task's defaults (``data.name``, ``model.name``), looks the method up, checks the task's options, the
+method x task x model capabilities, the cross-method options it honours and its own options, and
+builds the client profiles, in that order (so the first error names the first bad field). The
+:class:`ResolvedRun` it returns is only read afterwards: by :class:`RunContext`, the engines and the
+run folder (:attr:`ResolvedRun.run_dir`).
 
 A :class:`RunContext` is built from the config alone (so a Flower node builds the same one); it
 loads lazily and caches the task (its data, prepared once on first use, and the seeded partition)
@@ -56,6 +56,7 @@ def resolve_run(config: RunConfig) -> ResolvedRun:
     method = get_method(config.method)
     task_options = validate_options(config.task.options, task_class.Options, prefix="task")
     method.check(task_class, config)
+    method.check_options(config)
     options = validate_options(config.options, method.options)
     fed = config.federation
     try:

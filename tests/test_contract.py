@@ -80,3 +80,72 @@ def test_unsupported_pairing_names_both(tmp_path):
     method, kind = unsupported[0]
     with pytest.raises(ConfigError, match=rf"method '{method}' does not support task '{kind}'"):
         RunContext(tiny(tmp_path, method, kind))
+
+
+CROSS_OPTION_SETTINGS = {
+    "federation.server_optimizer": ["federation.server_optimizer=adam", "federation.server_lr=1e-3"],
+    "federation.upload_topk": ["federation.upload_topk=0.1"],
+}
+
+
+@pytest.mark.parametrize("option", sorted(CROSS_OPTION_SETTINGS))
+@pytest.mark.parametrize("method", sorted({m for m, _, _ in CASES}))
+def test_a_cross_method_option_is_honoured_or_refused_in_one_line(tmp_path, method, option):
+    """Every method declares the cross-method options it honours; any other one, set, stops the
+    run with one line naming the method and the option (it used to be accepted and ignored)."""
+    from fedtune.registry import CROSS_METHOD_OPTIONS
+    from fedtune.runtime import resolve_run
+
+    assert set(CROSS_OPTION_SETTINGS) == set(CROSS_METHOD_OPTIONS)
+    kind = next(k for m, k, _ in CASES if m == method)
+    config = tiny(tmp_path, method, kind, *CROSS_OPTION_SETTINGS[option])
+    if option in get_method(method).honours:
+        assert resolve_run(config).method.name == method
+    else:
+        with pytest.raises(ConfigError, match=rf"^{option}: method '{method}' does not support it"):
+            resolve_run(config)
+    resolve_run(tiny(tmp_path, method, kind))  # at its default every method accepts it
+
+
+def _one_round(tmp_path, method, kind, *extra):
+    """(the global state after one round, the bytes clients uploaded) of a tiny run."""
+    summary = run_experiment(tiny(tmp_path, method, kind, "rounds=1", *extra))
+    state = load_state(Path(summary["run_dir"]) / "checkpoint.npz")
+    state.pop("_round"), state.pop("_engine")
+    return flatten(state), summary["total_bytes_up"]
+
+
+#: Who honours the cross-method options: the methods whose server steps through ServerOptimized and
+#: whose clients upload through UpdateClient.upload (pinned: a declaration added or dropped fails here).
+HONOURING = [
+    "commit",
+    "fedavg",
+    "fedit",
+    "fedot",
+    "fedpetuning",
+    "fedpft",
+    "fedstacklora",
+    "flexlora",
+    "fslora",
+    "heterolora",
+]
+
+
+def test_the_methods_that_honour_cross_method_options_are_the_pinned_ones():
+    from fedtune.methods import list_methods
+
+    for option in CROSS_OPTION_SETTINGS:
+        assert sorted(s.name for s in list_methods() if option in s.honours) == HONOURING, option
+
+
+@pytest.mark.parametrize("method", HONOURING)
+def test_a_method_that_honours_a_cross_method_option_changes_with_it(tmp_path, method):
+    """What it declares it does: FedAdam moves the global state elsewhere than the plain step, and
+    top-k (10 %) uploads fewer bytes."""
+    kind = next(k for m, k, _ in CASES if m == method)
+    plain, plain_up = _one_round(tmp_path / "plain", method, kind)
+    adam, _ = _one_round(tmp_path / "adam", method, kind, *CROSS_OPTION_SETTINGS["federation.server_optimizer"])
+    floats = [k for k in plain if np.asarray(plain[k]).dtype.kind == "f" and k in adam]
+    assert any(not np.array_equal(plain[k], adam[k]) for k in floats)  # the server step changed the state
+    _, topk_up = _one_round(tmp_path / "topk", method, kind, *CROSS_OPTION_SETTINGS["federation.upload_topk"])
+    assert topk_up < plain_up  # the clients uploaded through the top-k codec

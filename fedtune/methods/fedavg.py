@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedtune.methods.base.averaging import BroadcastAverage, UpdateClient, Weighting
+from fedtune.methods.base.averaging import SERVER_STEP_AND_UPLOAD_CODEC, BroadcastAverage, UpdateClient, Weighting
 from fedtune.models.training import train_local
 from fedtune.protocol.messages import Message
 from fedtune.registry import MethodOptions, register
@@ -99,4 +99,4 @@ class FedAvgClient(UpdateClient):
         return self.upload({k: trained[k] - message.arrays[k] for k in trained}, result)
 
 
-register("fedavg", FedAvgStrategy, FedAvgClient, FedAvgOptions)
+register("fedavg", FedAvgStrategy, FedAvgClient, FedAvgOptions, supports=SERVER_STEP_AND_UPLOAD_CODEC)

@@ -40,6 +40,7 @@ from pydantic import Field
 
 from fedtune.config import ConfigError
 from fedtune.methods.base.averaging import (
+    SERVER_STEP_AND_UPLOAD_CODEC,
     ServerOptimized,
     Weighting,
     client_weights,
@@ -226,4 +227,11 @@ class FedStackLoRAClient(LoraClient):
         return self.upload({k: trained[k] - start[k] for k in trained}, result)
 
 
-register("fedstacklora", FedStackLoRAStrategy, FedStackLoRAClient, FedStackLoRAOptions, requires=LORA)
+register(
+    "fedstacklora",
+    FedStackLoRAStrategy,
+    FedStackLoRAClient,
+    FedStackLoRAOptions,
+    requires=LORA,
+    supports=SERVER_STEP_AND_UPLOAD_CODEC,
+)

@@ -31,7 +31,14 @@ from typing import ClassVar, Literal
 import numpy as np
 from pydantic import Field
 
-from fedtune.methods.base.averaging import Weighting, client_weights, decode_update, mean_train_loss, weighted_average
+from fedtune.methods.base.averaging import (
+    SERVER_STEP_AND_UPLOAD_CODEC,
+    Weighting,
+    client_weights,
+    decode_update,
+    mean_train_loss,
+    weighted_average,
+)
 from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, GlobalAdapterStrategy, client_rank
 from fedtune.methods.base.lora_arrays import (
     a_name,
@@ -153,4 +160,11 @@ class FlexLoRAStrategy(GlobalAdapterStrategy):
             self._refresh_svd()
 
 
-register("flexlora", FlexLoRAStrategy, RankedAdapterClient, FlexLoRAOptions, requires=LORA)
+register(
+    "flexlora",
+    FlexLoRAStrategy,
+    RankedAdapterClient,
+    FlexLoRAOptions,
+    requires=LORA,
+    supports=SERVER_STEP_AND_UPLOAD_CODEC,
+)

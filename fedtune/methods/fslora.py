@@ -59,7 +59,13 @@ from typing import ClassVar, Literal
 import numpy as np
 from pydantic import Field
 
-from fedtune.methods.base.averaging import Weighting, client_weights, decode_update, mean_train_loss
+from fedtune.methods.base.averaging import (
+    SERVER_STEP_AND_UPLOAD_CODEC,
+    Weighting,
+    client_weights,
+    decode_update,
+    mean_train_loss,
+)
 from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, GlobalAdapterStrategy, LoraClient, client_rank
 from fedtune.methods.base.lora_arrays import add_ranks, lora_pairs, module_path, take_ranks
 from fedtune.protocol.messages import Message
@@ -250,4 +256,4 @@ class FSLoRAClient(LoraClient):
         return reply
 
 
-register("fslora", FSLoRAStrategy, FSLoRAClient, FSLoRAOptions, requires=LORA)
+register("fslora", FSLoRAStrategy, FSLoRAClient, FSLoRAOptions, requires=LORA, supports=SERVER_STEP_AND_UPLOAD_CODEC)

@@ -62,7 +62,13 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from fedtune.methods.base.averaging import client_weights, decode_update, mean_train_loss, update_of
+from fedtune.methods.base.averaging import (
+    SERVER_STEP_AND_UPLOAD_CODEC,
+    client_weights,
+    decode_update,
+    mean_train_loss,
+    update_of,
+)
 from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, GlobalAdapterStrategy, client_rank
 from fedtune.methods.base.lora_arrays import (
     array_rank,
@@ -223,4 +229,11 @@ class HeteroLoRAClient(RankedAdapterClient):
         return self.upload(update, result)
 
 
-register("heterolora", HeteroLoRAStrategy, HeteroLoRAClient, HeteroLoRAOptions, requires=LORA)
+register(
+    "heterolora",
+    HeteroLoRAStrategy,
+    HeteroLoRAClient,
+    HeteroLoRAOptions,
+    requires=LORA,
+    supports=SERVER_STEP_AND_UPLOAD_CODEC,
+)

@@ -22,6 +22,9 @@ from fedtune.protocol.strategy import Strategy
 from fedtune.protocol.validation import ArraySpec, spec_like
 
 Weighting = Literal["examples", "uniform"]
+#: The cross-method options (fedtune.registry.CROSS_METHOD_OPTIONS) a method honours when its server
+#: steps through :class:`ServerOptimized` and its clients upload through :meth:`UpdateClient.upload`.
+SERVER_STEP_AND_UPLOAD_CODEC = ("federation.server_optimizer", "federation.upload_topk")
 
 
 def encode_update(update: dict[str, np.ndarray], topk: float | None) -> dict[str, np.ndarray]:

@@ -47,7 +47,7 @@ import torch
 from pydantic import Field
 
 from fedtune.config import ConfigError
-from fedtune.methods.base.averaging import BroadcastAverage, Weighting, client_weights
+from fedtune.methods.base.averaging import SERVER_STEP_AND_UPLOAD_CODEC, BroadcastAverage, Weighting, client_weights
 from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, GlobalAdapterStrategy, LoraClient
 from fedtune.methods.commit.balance import TRAINERS, Coordination, S, Schedule, T, train_coordinated
 from fedtune.models.training import FitResult, make_optimizer, optimizer_arrays, restore_optimizer
@@ -225,5 +225,6 @@ register(
     CommitClient,
     CommitOptions,
     requires=(*LORA, ENCODER_LM),
+    supports=SERVER_STEP_AND_UPLOAD_CODEC,
     description="CoMMIT and baselines (options.trainer: " + ", ".join(TRAINERS) + "); FedAvg of S and T",
 )

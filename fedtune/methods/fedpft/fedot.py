@@ -30,6 +30,7 @@ import torch
 from pydantic import Field
 
 from fedtune.config import ConfigError
+from fedtune.methods.base.averaging import SERVER_STEP_AND_UPLOAD_CODEC
 from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS
 from fedtune.methods.fedpft.distill import DistillPairs
 from fedtune.methods.fedpft.ffn_proxy import ProxyShape, find_stack, keep_layers, uniform_choose
@@ -205,4 +206,11 @@ class FedOTClient(ProxyClient):
         return adapter_targets(self.context.task, model, find_stack(model).path, positions)
 
 
-register("fedot", FedOTStrategy, FedOTClient, FedOTOptions, requires=(*LORA, "transformer"))
+register(
+    "fedot",
+    FedOTStrategy,
+    FedOTClient,
+    FedOTOptions,
+    requires=(*LORA, "transformer"),
+    supports=SERVER_STEP_AND_UPLOAD_CODEC,
+)

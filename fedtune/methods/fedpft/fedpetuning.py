@@ -10,7 +10,7 @@ and the strategy the sizes a client holds and trains, measured as FedPFT's and F
 
 from __future__ import annotations
 
-from fedtune.methods.base.averaging import UpdateClient
+from fedtune.methods.base.averaging import SERVER_STEP_AND_UPLOAD_CODEC, UpdateClient
 from fedtune.methods.base.lora import LORA
 from fedtune.methods.fedit import FedITOptions, FedITStrategy
 from fedtune.methods.fedpft.support import base_params, memory_metrics, size_metrics, train_lora
@@ -42,4 +42,11 @@ class FedPETuningClient(UpdateClient):
         return self.upload({k: trained[k] - received[k] for k in trained}, result, peak_mem_bytes=int(peak))
 
 
-register("fedpetuning", FedPETuningStrategy, FedPETuningClient, FedITOptions, requires=LORA)
+register(
+    "fedpetuning",
+    FedPETuningStrategy,
+    FedPETuningClient,
+    FedITOptions,
+    requires=LORA,
+    supports=SERVER_STEP_AND_UPLOAD_CODEC,
+)

@@ -67,6 +67,7 @@ import torch
 from pydantic import Field
 
 from fedtune.config import ConfigError
+from fedtune.methods.base.averaging import SERVER_STEP_AND_UPLOAD_CODEC
 from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS
 from fedtune.methods.fedpft.distill import DistillPairs, count_zero_activations
 from fedtune.methods.fedpft.ffn_proxy import (
@@ -430,4 +431,11 @@ class FedPFTClient(ProxyClient):
         return out
 
 
-register("fedpft", FedPFTStrategy, FedPFTClient, FedPFTOptions, requires=(*LORA, "transformer"))
+register(
+    "fedpft",
+    FedPFTStrategy,
+    FedPFTClient,
+    FedPFTOptions,
+    requires=(*LORA, "transformer"),
+    supports=SERVER_STEP_AND_UPLOAD_CODEC,
+)
