@@ -184,3 +184,26 @@ def test_every_module_imports_in_any_order():
         code = f"import importlib\nfor m in {order!r}:\n    importlib.import_module(m)\n"
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
+
+
+def inheritance_depth(cls: type, root: type) -> int:
+    """How many classes lie between ``cls`` and the protocol ABC ``root`` on its longest path of
+    ``root`` subclasses (a direct subclass of Strategy: 1; mixins that are not Strategies or Clients,
+    such as ServerOptimized, do not count)."""
+    if cls is root:
+        return 0
+    return 1 + max(inheritance_depth(b, root) for b in cls.__bases__ if isinstance(b, type) and issubclass(b, root))
+
+
+def test_every_methods_strategy_and_client_are_at_most_three_deep():
+    from fedtune.methods import list_methods
+    from fedtune.protocol.client import Client
+    from fedtune.protocol.strategy import Strategy
+
+    deep = [
+        (spec.name, cls.__name__, inheritance_depth(cls, root))
+        for spec in list_methods()
+        for cls, root in ((spec.strategy, Strategy), (spec.client, Client))
+        if inheritance_depth(cls, root) > 3
+    ]
+    assert not deep, f"classes more than three deep below Strategy / Client: {deep}"

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from fedtune.config import load_config
-from fedtune.methods.fedavg import trainable_tensors
+from fedtune.methods.base.full_model import trainable_tensors
 from fedtune.methods.rabo.fedrolex import FedRolexStrategy
 from fedtune.methods.rabo.fiarse import FiarseClient, FiarseStrategy, ThresholdMask
 from fedtune.methods.rabo.masks import (

@@ -69,7 +69,7 @@ from fedtune.methods.base.averaging import (
     mean_train_loss,
     update_of,
 )
-from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, GlobalAdapterStrategy, client_rank
+from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, GlobalAdapterStrategy, LoraClient, client_rank
 from fedtune.methods.base.lora_arrays import (
     array_rank,
     lora_pairs,
@@ -79,7 +79,7 @@ from fedtune.methods.base.lora_arrays import (
     truncate_rank,
     zero_pad_average,
 )
-from fedtune.methods.base.ranked import RankedAdapterClient
+from fedtune.methods.base.ranked import fit_at_sent_rank
 from fedtune.protocol.messages import Message
 from fedtune.protocol.validation import ArraySpec, spec_like
 from fedtune.registry import MethodOptions, register
@@ -208,7 +208,7 @@ class HeteroLoRAStrategy(GlobalAdapterStrategy):
         self.pruned = {int(c): int(r) for c, r in state.get("pruned", {}).items()}
 
 
-class HeteroLoRAClient(RankedAdapterClient):
+class HeteroLoRAClient(LoraClient):
     """Trains the truncation it receives; with ``self_pruning``, adds HetLoRA's tail penalty and
     drops the tail ranks from its upload when their norm product shrank."""
 
@@ -216,7 +216,7 @@ class HeteroLoRAClient(RankedAdapterClient):
         rank = int(message.meta["rank"])
         start = tail_start(rank, self.options.prune_gamma)
         if not self.options.self_pruning or start >= rank:
-            return super().fit(message)
+            return fit_at_sent_rank(self, message)
         received, lam = message.arrays, self.options.prune_lambda
 
         def penalty(params: Mapping[str, torch.nn.Parameter]) -> torch.Tensor:

@@ -58,7 +58,13 @@ class RankedAdapterClient(LoraClient):
     ``meta``; uploads its update (trained minus received, same shapes as received)."""
 
     def fit(self, message: Message) -> Message:
-        received = message.arrays
-        rank = int(message.meta["rank"])
-        trained, result = self.train_adapter(received, message.meta["round"], rank, message.meta.get("alpha"))
-        return self.upload({k: trained[k] - received[k] for k in trained}, result)
+        return fit_at_sent_rank(self, message)
+
+
+def fit_at_sent_rank(client: LoraClient, message: Message) -> Message:
+    """``client`` trains the received adapter at the rank (and optional alpha) the server names in
+    ``message.meta`` and uploads its update (trained minus received, same shapes as received)."""
+    received = message.arrays
+    rank = int(message.meta["rank"])
+    trained, result = client.train_adapter(received, message.meta["round"], rank, message.meta.get("alpha"))
+    return client.upload({k: trained[k] - received[k] for k in trained}, result)

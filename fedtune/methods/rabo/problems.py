@@ -239,7 +239,7 @@ class HyperRepresentation(BilevelProblem):
         return dict(zip(names, ys))
 
     def evaluate(self, x, y):
-        from fedtune.methods.fedavg import trainable_tensors
+        from fedtune.methods.base.full_model import trainable_tensors
 
         model = self.context.model
         tensors = trainable_tensors(model)
@@ -256,7 +256,7 @@ class LossTuning(BilevelProblem):
 
     def __init__(self, context: Any, options: Any) -> None:
         super().__init__(context, options)
-        from fedtune.methods.fedavg import trainable_tensors
+        from fedtune.methods.base.full_model import trainable_tensors
 
         self.outer = list(self.X)
         tensors = trainable_tensors(context.model)
@@ -334,7 +334,7 @@ class LossTuning(BilevelProblem):
         return F.cross_entropy(logits, labels, weight=weights)
 
     def evaluate(self, x, y):
-        from fedtune.methods.fedavg import load_tensors
+        from fedtune.methods.base.full_model import load_tensors
 
         model = self.context.model
         load_tensors(model, y)

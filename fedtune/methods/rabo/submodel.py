@@ -5,7 +5,7 @@ mask, and the server averages every entry over the clients that covered it, leav
 (HeteroFL's and FedRolex's ``combine``; FIARSE's ``tot_grad / tot_mask``;
 :func:`~fedtune.methods.rabo.masks.covered_update`).
 
-What travels: the model's trainable tensors (FedAvg's :func:`~fedtune.methods.fedavg.trainable_tensors`,
+What travels: the model's trainable tensors (:func:`~fedtune.methods.base.full_model.trainable_tensors`,
 batch-norm statistics included: averaged over their coverers like the weights, as the reference
 code does for tracked statistics). The server sends each client only its sub-model (the values
 at its mask and the kept unit indices) and the client uploads only its update there, so both
@@ -27,7 +27,7 @@ import torch
 from pydantic import Field
 
 from fedtune.methods.base.averaging import UpdateClient
-from fedtune.methods.fedavg import FedAvgStrategy, trainable_tensors
+from fedtune.methods.base.full_model import ModelStateStrategy, trainable_tensors
 from fedtune.methods.rabo.masks import (
     Policy,
     SubModel,
@@ -57,7 +57,7 @@ def model_structure(context):
     return structure_of(context.model, context.task.head_modules()).restricted(names)
 
 
-class SubmodelStrategy(FedAvgStrategy):
+class SubmodelStrategy(ModelStateStrategy):
     """Partial training: per-client sub-models, parameter-wise aggregation over coverers."""
 
     policy: Policy = "static"
