@@ -27,9 +27,10 @@ import torch
 
 from fedtune.config import load_config
 from fedtune.engines.embedded import run_rounds
-from fedtune.methods.rabo.masks import Member, Structure, SubModel, UnitGroup, covered_update, units_kept
-from fedtune.methods.rabo.problems import BilevelProblem
+from fedtune.methods.rabo.masks import SubModel, covered_update
 from fedtune.methods.rabo.rabo import BilevelClient, RaboOptions, RaboStrategy
+from fedtune.models.bilevel import BilevelProblem
+from fedtune.models.structure import Member, Structure, UnitGroup, units_kept
 from fedtune.protocol.messages import Message
 from fedtune.protocol.profiles import ClientProfile
 from fedtune.run import run_experiment
@@ -369,7 +370,7 @@ def test_literal_sign_of_g_fails(few_shot):
 def test_few_shot_losses_are_the_tasks_hooks(few_shot):
     ctx = RunContext(few_shot("options.inner_l2=0.0"))
     ctx.model.train()
-    from fedtune.methods.rabo.problems import HyperRepresentation
+    from fedtune.tasks.bilevel_problems import HyperRepresentation
 
     problem = HyperRepresentation(ctx, ctx.options)
     batch = problem.data(0, 1)

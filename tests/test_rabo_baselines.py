@@ -27,15 +27,8 @@ from fedtune.config import load_config
 from fedtune.methods.base.full_model import trainable_tensors
 from fedtune.methods.rabo.fedrolex import FedRolexStrategy
 from fedtune.methods.rabo.fiarse import FiarseClient, FiarseStrategy, ThresholdMask
-from fedtune.methods.rabo.masks import (
-    SubModel,
-    choose_units,
-    covered_update,
-    expand,
-    structure_of,
-    submodel_of,
-    units_kept,
-)
+from fedtune.methods.rabo.masks import SubModel, choose_units, covered_update, expand, submodel_of
+from fedtune.models.structure import structure_of, units_kept
 from fedtune.protocol.messages import Message
 from fedtune.runtime import RunContext
 

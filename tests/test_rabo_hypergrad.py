@@ -21,9 +21,9 @@ import torch
 from fedtune.methods.rabo.hypergrad import (
     conjugate_gradient,
     finite_difference_hypergradient,
-    gradient_steps,
     implicit_hypergradient,
 )
+from fedtune.models.bilevel import gradient_steps
 
 D1, D2 = 5, 4
 

@@ -25,6 +25,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from fedtune.config import ConfigError, RunConfig
+from fedtune.models.bilevel import BilevelProblem
 
 
 class TaskOptions(BaseModel):
@@ -142,6 +143,12 @@ class Task(ABC):
         """The base model, its head freshly initialized from ``seed`` (every process that builds
         it, server or client, gets the same weights before training). Parameters that
         ``model.finetune = "head"`` freezes have ``requires_grad = False``."""
+
+    def bilevel_problem(self, context: Any, options: Any) -> BilevelProblem:
+        """This task's bilevel problem for the bilevel methods (RABO, RAFBO, FedMBO), given the
+        run's context and the method's options; tasks with the ``bilevel`` capability supply one
+        (:mod:`fedtune.tasks.bilevel_problems`)."""
+        raise ConfigError(f"task {self.kind!r} offers no bilevel problem (it lacks the 'bilevel' capability)")
 
     def lora_targets(self) -> list[str]:
         """Default LoRA target modules of the task's model (``model.target_modules`` overrides;

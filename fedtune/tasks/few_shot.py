@@ -54,7 +54,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -72,6 +72,7 @@ from fedtune.models.fewshot import (
     prototype_head,
 )
 from fedtune.tasks.base import Task, TaskOptions, register_task
+from fedtune.tasks.bilevel_problems import HyperRepresentation
 
 HEAD = ["head"]
 EVAL_CHUNK = 64  # episodes scored at once in evaluation
@@ -221,8 +222,9 @@ class FewShot(Task):
     )
     defaults = {"data.name": "omniglot", "model.name": "conv4"}
     #: "bilevel": an (outer x, inner y) split of the model (backbone, per-episode heads) for the
-    #: bilevel methods (RABO's hyper-representation problem, :mod:`fedtune.methods.rabo.problems`)
+    #: bilevel methods (RABO's hyper-representation problem, :mod:`fedtune.tasks.bilevel_problems`)
     capabilities = frozenset({"bilevel"})
+
     Options = FewShotOptions
     test_overrides = (
         "task.filters=8",
@@ -231,6 +233,11 @@ class FewShot(Task):
         "train.batch_size=2",
         "train.local_steps=2",
     )
+
+    def bilevel_problem(self, context: Any, options: Any) -> HyperRepresentation:
+        """The bilevel methods' problem on this task
+        (:class:`~fedtune.tasks.bilevel_problems.HyperRepresentation`)."""
+        return HyperRepresentation(context, options)
 
     def __init__(self, config: RunConfig, options: FewShotOptions) -> None:
         super().__init__(config, options)

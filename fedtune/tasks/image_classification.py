@@ -22,7 +22,7 @@ cross-entropy and balanced accuracy (mean per-class recall, for long-tailed pool
 from __future__ import annotations
 
 from functools import cached_property, lru_cache
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from fedtune.data.text import data_dir
 from fedtune.models.training import evaluate_classifier, freeze_except
 from fedtune.models.vision import ImageModelSpec, build_image_model, image_model_spec, lora_target_names
 from fedtune.tasks.base import Task, TaskOptions, register_task
+from fedtune.tasks.bilevel_problems import LossTuning
 
 
 class ImageClassificationOptions(TaskOptions):
@@ -79,8 +80,13 @@ class ImageClassification(Task):
         "small CNN, HF ViTs"
     )
     #: "bilevel": VS-loss tuning (x = the loss's per-class parameters, y = the model) for the
-    #: bilevel methods (RABO Sec. V-B, :mod:`fedtune.methods.rabo.problems`), on every model
+    #: bilevel methods (RABO Sec. V-B, :mod:`fedtune.tasks.bilevel_problems`), on every model
     capabilities = frozenset({"lora", "transformer", "bilevel"})
+
+    def bilevel_problem(self, context: Any, options: Any) -> LossTuning:
+        """The bilevel methods' problem on this task
+        (:class:`~fedtune.tasks.bilevel_problems.LossTuning`)."""
+        return LossTuning(context, options)
 
     @classmethod
     def capabilities_for(cls, config) -> frozenset[str]:

@@ -43,65 +43,17 @@ from fedtune.methods.bomm.options import MODES, BommOptions
 from fedtune.methods.bomm.party import BommParty
 from fedtune.registry import register
 
-
-class LocalCloud(BommCloud):
-    """BoMM's LOCAL baseline: each party trains its small model alone."""
-
-    mode = MODES["bomm-local"]
-
-
-class LocalParty(BommParty):
-    mode = MODES["bomm-local"]
-
-
-class MMLocalCloud(BommCloud):
-    """BoMM's MM-LOCAL baseline: each party completes missing modalities with its own generator."""
-
-    mode = MODES["bomm-mm-local"]
-
-
-class MMLocalParty(BommParty):
-    mode = MODES["bomm-mm-local"]
-
-
-class VanillaCloud(BommCloud):
-    """BoMM's Vanilla baseline: the cloud trains on the aligned ids' representations."""
-
-    mode = MODES["bomm-vanilla"]
-
-
-class VanillaParty(BommParty):
-    mode = MODES["bomm-vanilla"]
-
-
-class MMACCloud(BommCloud):
-    """BoMM's MM-AC baseline: Vanilla plus cloud completion of the aligned rows."""
-
-    mode = MODES["bomm-mm-ac"]
-
-
-class MMACParty(BommParty):
-    mode = MODES["bomm-mm-ac"]
-
-
-class MMUCCloud(BommCloud):
-    """BoMM's MM-UC baseline: cloud completion of aligned and unaligned rows."""
-
-    mode = MODES["bomm-mm-uc"]
-
-
-class MMUCParty(BommParty):
-    mode = MODES["bomm-mm-uc"]
-
-
+#: The six methods: one cloud (Strategy) and one party (Client) class each reads what it does from
+#: its method's entry of :data:`~fedtune.methods.bomm.options.MODES` (``config.method``).
 METHODS = {
-    "bomm": (BommCloud, BommParty),
-    "bomm-local": (LocalCloud, LocalParty),
-    "bomm-mm-local": (MMLocalCloud, MMLocalParty),
-    "bomm-vanilla": (VanillaCloud, VanillaParty),
-    "bomm-mm-ac": (MMACCloud, MMACParty),
-    "bomm-mm-uc": (MMUCCloud, MMUCParty),
+    "bomm": "BoMM: parties' small models and a cloud multimodal model help each other (alignment, completion, "
+    "scheduler)",
+    "bomm-local": "BoMM's LOCAL baseline: each party trains its small model alone",
+    "bomm-mm-local": "BoMM's MM-LOCAL baseline: each party completes missing modalities with its own generator",
+    "bomm-vanilla": "BoMM's Vanilla baseline: the cloud trains on the aligned ids' representations",
+    "bomm-mm-ac": "BoMM's MM-AC baseline: Vanilla plus cloud completion of the aligned rows",
+    "bomm-mm-uc": "BoMM's MM-UC baseline: cloud completion of aligned and unaligned rows",
 }
-for _name, (_cloud, _party) in METHODS.items():
-    assert _cloud.mode == _party.mode == MODES[_name]
-    register(_name, _cloud, _party, BommOptions, requires=(PAIRED,))
+assert set(METHODS) == set(MODES)
+for _name, _description in METHODS.items():
+    register(_name, BommCloud, BommParty, BommOptions, _description, requires=(PAIRED,))

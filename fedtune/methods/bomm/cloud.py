@@ -43,7 +43,6 @@ space.
 from __future__ import annotations
 
 import time
-from typing import ClassVar
 
 import numpy as np
 import torch
@@ -82,7 +81,10 @@ from fedtune.protocol.validation import ArraySpec
 class BommCloud(Strategy):
     """BoMM: parties' small models and a cloud multimodal model help each other (alignment, completion, scheduler)."""
 
-    mode: ClassVar[Mode] = MODES["bomm"]
+    @property
+    def mode(self) -> Mode:
+        """What this method does: its registered name's entry of MODES."""
+        return MODES[self.config.method]
 
     # -- setup and state -----------------------------------------------------------------------
     def initialize(self) -> None:

@@ -42,7 +42,6 @@ MM-LOCAL's own), and ``gen_cosine``, the completions' mean cosine to the real re
 from __future__ import annotations
 
 from functools import cached_property
-from typing import ClassVar
 
 import numpy as np
 import torch
@@ -88,7 +87,10 @@ def scope_rows(aligned: np.ndarray, cloud_rows: str) -> np.ndarray:
 class BommParty(Client):
     """A party of BoMM or of one of its baselines (``mode``)."""
 
-    mode: ClassVar[Mode] = MODES["bomm"]
+    @property
+    def mode(self) -> Mode:
+        """What this method does: its registered name's entry of MODES."""
+        return MODES[self.config.method]
 
     # -- what the party holds ----------------------------------------------------------------
     @property

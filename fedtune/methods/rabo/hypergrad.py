@@ -26,8 +26,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from fedtune.models.bilevel import Loss
+
 Tensors = list[torch.Tensor]
-Loss = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], torch.Tensor]
 
 
 def second_order_kernels():
@@ -116,28 +117,6 @@ def implicit_hypergradient(
     v = conjugate_gradient(hvp, b, iters, tol) if solver == "cg" else neumann_series(hvp, b, iters, neumann_lr)
     cross = _grads(gy_g, x, grad_outputs=v)  # grad^2_xy g v: one more backward, through x
     return [a.detach() - c.detach() for a, c in zip(gx_f, cross)], float(fx.detach())
-
-
-def gradient_steps(
-    g: Loss,
-    x: Sequence[torch.Tensor],
-    start: Sequence[torch.Tensor],
-    steps: int,
-    lr: float,
-    mask: Sequence[torch.Tensor | None] | None = None,
-) -> Tensors:
-    """y_T from ``start`` by y_{t+1} = y_t - lr (grad_y g(x, y_t) (.) m) (RABO eq. (5)), without a
-    graph through the steps (x is treated as a constant)."""
-    xs = [t.detach() for t in x]
-    y = [t.detach().clone() for t in start]
-    for _ in range(steps):
-        with torch.enable_grad():
-            leaves = [t.requires_grad_() for t in y]
-            grads = torch.autograd.grad(g(xs, leaves), leaves)
-        if mask is not None:
-            grads = [gr if m is None else gr * m for gr, m in zip(grads, mask)]
-        y = [t.detach() - lr * gr for t, gr in zip(leaves, grads)]
-    return y
 
 
 def finite_difference_hypergradient(

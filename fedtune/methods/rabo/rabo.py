@@ -1,6 +1,6 @@
 """RABO and RAFBO: resource-adaptive distributed bilevel optimization with pruned inner and outer
 sub-models (Li et al., "Distributed Bilevel Optimization with Dual Pruning for Resource-limited
-Clients", Algorithms 1 and 2), over a :class:`~fedtune.methods.rabo.problems.BilevelProblem`.
+Clients", Algorithms 1 and 2), over the :class:`~fedtune.models.bilevel.BilevelProblem` the task supplies.
 
 A round q is two exchanges (the engine's :meth:`Strategy.phases`, both byte-accounted):
 
@@ -65,7 +65,7 @@ from fedtune.methods.rabo.masks import (
     submodel_of,
     take,
 )
-from fedtune.methods.rabo.problems import BilevelProblem, bilevel_problem
+from fedtune.models.bilevel import BilevelProblem
 from fedtune.models.training import seed_for
 from fedtune.protocol.client import Client
 from fedtune.protocol.messages import Message
@@ -83,7 +83,7 @@ class BilevelOptions(MethodOptions):
     inner_steps: int = Field(10, ge=1, description="T: inner steps per round (Alg. 1 line 6)")
     inner_l2: float = Field(1e-3, ge=0, description="lambda: (lambda / 2) ||y||^2 added to g (strong convexity)")
     outer_loss: Literal["balanced", "vs"] = Field(
-        "balanced", description="loss tuning: f on validation (rabo_problems)"
+        "balanced", description="loss tuning: f on validation (fedtune.tasks.bilevel_problems)"
     )
     count_flops: bool = Field(False, description="count each client's FLOPs (torch's counter; about 2x slower)")
 
@@ -132,7 +132,7 @@ class BilevelStrategy(Strategy):
             raise ConfigError(
                 f"options.segments: one segment per client expected ({clients} clients), got {len(segments)}"
             )
-        self.problem: BilevelProblem = bilevel_problem(self.context, self.options)
+        self.problem: BilevelProblem = self.context.task.bilevel_problem(self.context, self.options)
         self.structure = self.problem.structure()
         self.x, self.y = self.problem.initial()
         self.star: dict[str, int] = {}
@@ -273,7 +273,7 @@ class BilevelClient(Client):
     estimator = "implicit"
 
     def _setup(self, units: dict[str, np.ndarray]) -> tuple[BilevelProblem, SubModel, bool]:
-        problem = bilevel_problem(self.context, self.options)
+        problem = self.context.task.bilevel_problem(self.context, self.options)
         structure = problem.structure()
         problem.prepare()
         return problem, submodel_of(structure, units), structure.physical

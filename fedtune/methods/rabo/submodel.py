@@ -37,10 +37,10 @@ from fedtune.methods.rabo.masks import (
     expand,
     flatten_at,
     materialize,
-    structure_of,
     submodel_of,
     take,
 )
+from fedtune.models.structure import structure_of
 from fedtune.models.training import FitResult, train_local
 from fedtune.protocol.messages import Message
 from fedtune.protocol.validation import ArraySpec

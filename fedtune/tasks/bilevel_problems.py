@@ -1,6 +1,7 @@
-"""Bilevel problems for RABO, RAFBO and the full-model bilevel baseline (RABO eq. (1)-(2)):
-outer variables x, inner variables y, and per client i an inner loss g_i(x, y) and an outer loss
-f_i(x, y), over the task's data and model.
+"""The bilevel problems the tasks supply (:class:`~fedtune.models.bilevel.BilevelProblem`, RABO eq.
+(1)-(2)) to RABO, RAFBO and the full-model bilevel baseline: outer variables x, inner variables y,
+and per client i an inner loss g_i(x, y) and an outer loss f_i(x, y), over the task's data and
+model.
 
 A problem names its tensors (``outer`` x, ``inner`` y, and which of them are ``buffers``: batch-
 norm statistics, carried and averaged but never differentiated), gives their initial values, the
@@ -50,8 +51,6 @@ classification tasks, the two problems above). A task can offer its own split in
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -59,76 +58,10 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from fedtune.config import ConfigError
-from fedtune.methods.rabo.hypergrad import gradient_steps
-from fedtune.methods.rabo.masks import CLIENT_SLOT, Member, Structure, structure_of
+from fedtune.models.bilevel import BilevelProblem, Tensors, gradient_steps
+from fedtune.models.structure import CLIENT_SLOT, Member, Structure, structure_of
+from fedtune.models.tensors import load_tensors, trainable_tensors
 from fedtune.models.training import seed_for
-
-Tensors = dict[str, torch.Tensor]
-
-
-class BilevelProblem(ABC):
-    """x, y, g_i, f_i of one run (see the module docstring)."""
-
-    outer: list[str]  # names of x
-    inner: list[str]  # names of y
-    buffers: set[str] = set()  # names (in x or y) carried but not differentiated
-    reset_inner: bool = False  # y_q = 0 at the start of every round (per-episode heads)
-
-    def __init__(self, context: Any, options: Any) -> None:
-        self.context, self.options = context, options
-        self.config = context.config
-
-    @abstractmethod
-    def initial(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """(x_0, y_0) as float32 arrays."""
-
-    @abstractmethod
-    def structure(self) -> Structure:
-        """Unit groups over the tensors of x and y (a tensor in no group is never pruned)."""
-
-    @abstractmethod
-    def data(self, cid: int, rnd: int) -> Any:
-        """Client ``cid``'s data of round ``rnd`` (the same in both phases: seeded by them alone)."""
-
-    @abstractmethod
-    def g(self, x: Tensors, y: Tensors, batch: Any) -> torch.Tensor:
-        """g_i(x, y; xi): the inner loss."""
-
-    @abstractmethod
-    def f(self, x: Tensors, y: Tensors, batch: Any) -> torch.Tensor:
-        """f_i(x, y; zeta): the outer loss."""
-
-    @abstractmethod
-    def inner_batches(self, data: Any, steps: int) -> list[Any]:
-        """xi_0 .. xi_{T-1} of the inner steps (RABO eq. (5))."""
-
-    @abstractmethod
-    def hyper_batches(self, data: Any) -> tuple[Any, Any]:
-        """(xi, zeta) of the hypergradient: the inner batch of its Hessians, the outer batch of f."""
-
-    def inner_solve(
-        self, x: Tensors, y0: Tensors, batches: list[Any], lr: float, masks: Mapping[str, torch.Tensor] | None = None
-    ) -> Tensors:
-        """y_T from y0 by y_{t+1} = y_t - lr (grad_y g(x, y_t; xi_t) (.) m) (RABO eq. (5)); x fixed."""
-        names = [n for n in self.inner if n not in self.buffers]
-        fixed = {n: y0[n] for n in self.inner if n in self.buffers}
-        y = [y0[n] for n in names]
-        for batch in batches:
-
-            def loss(xs, ys, batch=batch):
-                return self.g(x, {**fixed, **dict(zip(names, ys))}, batch)
-
-            y = gradient_steps(loss, [], y, 1, lr, None if masks is None else [masks.get(n) for n in names])
-        return {**fixed, **dict(zip(names, y))}
-
-    @abstractmethod
-    def evaluate(self, x: Mapping[str, np.ndarray], y: Mapping[str, np.ndarray]) -> dict[str, float]:
-        """Metrics of the global (x, y) on the task's test set."""
-
-    def prepare(self) -> None:
-        """Put the shared model in the mode the losses need (train: batch-norm batch statistics)."""
-        self.context.model.train()
 
 
 def _model_tensors(model: torch.nn.Module, names: list[str]) -> dict[str, np.ndarray]:
@@ -239,8 +172,6 @@ class HyperRepresentation(BilevelProblem):
         return dict(zip(names, ys))
 
     def evaluate(self, x, y):
-        from fedtune.methods.base.full_model import trainable_tensors
-
         model = self.context.model
         tensors = trainable_tensors(model)
         with torch.no_grad():
@@ -256,8 +187,6 @@ class LossTuning(BilevelProblem):
 
     def __init__(self, context: Any, options: Any) -> None:
         super().__init__(context, options)
-        from fedtune.methods.base.full_model import trainable_tensors
-
         self.outer = list(self.X)
         tensors = trainable_tensors(context.model)
         self.inner = list(tensors)
@@ -334,8 +263,6 @@ class LossTuning(BilevelProblem):
         return F.cross_entropy(logits, labels, weight=weights)
 
     def evaluate(self, x, y):
-        from fedtune.methods.base.full_model import load_tensors
-
         model = self.context.model
         load_tensors(model, y)
         metrics = self.context.task.evaluate(model, self.config.train.eval_batch_size)
@@ -344,23 +271,3 @@ class LossTuning(BilevelProblem):
         )
         metrics.update({"vs_delta_min": float(delta.min()), "vs_w_max": float(w.max()), "vs_w_min": float(w.min())})
         return metrics
-
-
-def bilevel_problem(context: Any, options: Any) -> BilevelProblem:
-    """The run's bilevel problem: the task's own ``bilevel_problem`` hook if it has one, else
-    hyper-representation for the few-shot task and VS-loss tuning for image classification."""
-    from fedtune.tasks.few_shot import FewShot
-    from fedtune.tasks.image_classification import ImageClassification
-
-    task = context.task
-    hook = getattr(task, "bilevel_problem", None)
-    if callable(hook):
-        return hook(context, options)
-    if isinstance(task, FewShot):
-        return HyperRepresentation(context, options)
-    if isinstance(task, ImageClassification):
-        return LossTuning(context, options)
-    raise ConfigError(
-        f"method {context.config.method!r}: task {task.kind!r} offers no bilevel split "
-        "(few-shot: hyper-representation; image-classification: VS-loss tuning)"
-    )
