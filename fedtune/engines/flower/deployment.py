@@ -53,6 +53,7 @@ from fedtune.engines.flower.commands import (
 from fedtune.engines.flower.serverapp import read_status
 from fedtune.engines.rounds import RoundFailed, RoundRecord, RunInterrupted
 from fedtune.process import DeploymentError, Processes, free_ports, log_tail, wait_for_port
+from fedtune.runtime import resolve_run
 
 
 # -- running the app -----------------------------------------------------------------------------
@@ -80,7 +81,8 @@ def run_app(
 
     if local:  # the ServerApp's working directory is not ours
         config = config.model_copy(update={"output_dir": str(Path(config.output_dir).resolve())})
-    run_dir = Path(config.output_dir) / config.run_name
+    # the folder the ServerApp writes (its name may come from the task's defaults); a remote run's is not read here
+    run_dir = resolve_run(config).run_dir if local else Path(config.output_dir) / config.run_name
     run_config = home / "run-config.toml"
     run_config.write_text(
         tomli_w.dumps(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from fedtune.config import RunConfig
@@ -13,6 +12,7 @@ from fedtune.engines.flower.clientapp import make_client_app
 from fedtune.engines.flower.serverapp import make_server_app
 from fedtune.engines.rounds import RoundRecord
 from fedtune.process import ReapDescendants, setup_process
+from fedtune.runtime import resolve_run
 
 
 # -- simulation ----------------------------------------------------------------------------------
@@ -77,4 +77,4 @@ def run_flower_simulation(
                 os.environ.pop("PYTHONPATH", None)
             else:
                 os.environ["PYTHONPATH"] = pythonpath
-    return json.loads((Path(config.output_dir) / config.run_name / "summary.json").read_text())
+    return json.loads((resolve_run(config).run_dir / "summary.json").read_text())
