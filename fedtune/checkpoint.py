@@ -8,6 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
+from fedtune.errors import FedtuneError
+
+
+class CheckpointError(FedtuneError):
+    """A checkpoint that cannot be read (truncated, corrupted, not a fedtune checkpoint)."""
+
 
 def save_state(path: Path, state: dict) -> None:
     """A strategy state (nested dicts of arrays and JSON values) as one .npz, written atomically."""
@@ -30,8 +36,16 @@ def save_state(path: Path, state: dict) -> None:
 
 
 def load_state(path: Path) -> dict:
-    """Inverse of :func:`save_state`."""
-    with np.load(path) as z:
+    """Inverse of :func:`save_state`; a file that is not one (truncated, corrupted, another
+    format) raises :class:`CheckpointError` naming it. Nothing is unpickled."""
+    try:
+        return _read_state(path)
+    except Exception as exc:  # noqa: BLE001 - zipfile, numpy and json raise several kinds on a damaged file
+        raise CheckpointError(f"checkpoint {str(path)!r}: unreadable ({type(exc).__name__}: {exc})") from None
+
+
+def _read_state(path: Path) -> dict:
+    with np.load(path, allow_pickle=False) as z:
         state = json.loads(bytes(z["__json__"]).decode())
         for key in z.files:
             if key == "__json__":

@@ -1,10 +1,10 @@
 """One run end to end: resolve the config, run the engine, write the run folder.
 
-``runs/<name>/`` holds ``config.toml`` (the resolved config: ``fedtune run`` it to repeat the
-run), ``label_histograms.json``, ``metrics.jsonl`` (one line per round, flushed as it ends),
-``checkpoint.npz`` (rewritten atomically after every round: the round, the strategy's state and
-the engine's), the method's final artifacts (LoRA methods: ``adapter/``, PEFT
-``save_pretrained``) and ``summary.json``.
+``runs/<name>/`` holds ``config.toml`` (the resolved config: ``fedtune run`` it to repeat the run;
+``run_config.json``: the same as read, which ``--resume`` compares with), ``label_histograms.json``,
+``metrics.jsonl`` (one line per round, flushed as it ends), ``checkpoint.npz`` (rewritten atomically
+after every round: the round, the strategy's state and the engine's), the method's final artifacts
+(LoRA methods: ``adapter/``, PEFT ``save_pretrained``) and ``summary.json``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fedtune.checkpoint import load_state, save_state
-from fedtune.config import ConfigError, RunConfig
+from fedtune.config import ConfigError, RunConfig, flat_keys
 from fedtune.engines.embedded import EmbeddedEngine
 from fedtune.engines.rounds import Engine, RoundRecord
 from fedtune.process import setup_process
@@ -29,6 +29,28 @@ def _toml(config: RunConfig) -> str:
 
 
 ROUND_KEY, ENGINE_KEY = "_round", "_engine"  # checkpoint.npz: the strategy's state plus these two
+RUN_CONFIG = "run_config.json"  # the config the run started with, as fedtune read it (resume compares)
+MAY_CHANGE_ON_RESUME = {"rounds", "output_dir", "name", "train.threads"}
+
+
+def check_unchanged(config: RunConfig, started_with: Path) -> None:
+    """Refuse to resume with a config other than the one the run started with (config.toml edited,
+    or a --set), naming the keys that differ; ``rounds`` may be raised (and the folder moved)."""
+    if not started_with.is_file():  # a run folder from before this file existed: nothing to compare
+        return
+    try:
+        before = flat_keys(json.loads(started_with.read_text()))
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"--resume: {str(started_with)!r} cannot be read ({exc})") from None
+    now = flat_keys(config.model_dump(mode="json"))
+    changed = sorted(
+        k for k in before.keys() | now.keys() if before.get(k) != now.get(k) and k not in MAY_CHANGE_ON_RESUME
+    )
+    if changed:
+        raise ConfigError(
+            f"--resume: the config differs from the one the run started with in {', '.join(changed)}; "
+            "only rounds may change (start a new run under another name for the rest)"
+        )
 
 
 def _interrupt_flag():
@@ -100,6 +122,41 @@ def _summary(
     }
 
 
+def _restore(checkpoint: Path, strategy, engine: Engine) -> int:
+    """Load ``checkpoint`` into ``strategy`` and ``engine``; the round it holds. A checkpoint that
+    does not fit this run's config (another model, an edited method option) stops with one line."""
+    state = load_state(checkpoint)
+    try:
+        done = int(state.pop(ROUND_KEY))
+        engine.load_state_dict(state.pop(ENGINE_KEY, {}))
+        strategy.load_state_dict(state)
+    except (KeyError, ValueError, TypeError, IndexError) as exc:
+        raise ConfigError(
+            f"--resume: {str(checkpoint)!r} does not fit this run's config.toml (was it edited? "
+            f"{type(exc).__name__}: {exc})"
+        ) from None
+    return done
+
+
+def _metrics_lines(path: Path) -> list[dict]:
+    """The rounds of ``metrics.jsonl`` (resume); a missing or damaged file stops with one line naming it."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--resume: {str(path)!r} cannot be read ({exc})") from None
+    lines = []
+    for n, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            line = json.loads(raw)
+            int(line["round"])
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"--resume: {str(path)!r} line {n} is not a round's metrics line") from None
+        lines.append(line)
+    return lines
+
+
 def run_experiment(
     config: RunConfig,
     on_round: Callable[[RoundRecord], None] | None = None,
@@ -135,6 +192,9 @@ def run_experiment(
         for stale in (checkpoint, run_dir / "summary.json"):
             stale.unlink(missing_ok=True)
         (run_dir / "config.toml").write_text(_toml(config))
+        (run_dir / RUN_CONFIG).write_text(json.dumps(config.model_dump(mode="json")))
+    else:
+        check_unchanged(config, run_dir / RUN_CONFIG)
     (run_dir / "label_histograms.json").write_text(
         json.dumps({"label_names": server.task.label_names, "clients": server.histograms()})
     )
@@ -145,12 +205,8 @@ def run_experiment(
     lines: list[dict] = []
     start_round = 1
     if resume:
-        state = load_state(checkpoint)
-        done = int(state.pop(ROUND_KEY))
-        engine.load_state_dict(state.pop(ENGINE_KEY, {}))
-        strategy.load_state_dict(state)
-        lines = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
-        lines = [x for x in lines if x["round"] <= done]  # a round after the checkpoint is redone
+        done = _restore(checkpoint, strategy, engine)
+        lines = [x for x in _metrics_lines(metrics_path) if x["round"] <= done]  # a round after it is redone
         start_round = done + 1
     if on_start is not None:
         on_start(server)

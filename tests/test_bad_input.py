@@ -119,3 +119,76 @@ def test_malformed_recipe_or_value(tmp_path, case):
     recipe = [extra[0]] if extra and not extra[0].startswith("--") else []
     sets = extra[len(recipe) :]
     assert_one_line_exit_2([*recipe, *tiny_args(f"output_dir={tmp_path}"), *sets], expected)
+
+
+# -- resuming a damaged or edited run folder ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished one-round tiny run (the folder every resume case damages a copy of)."""
+    out = tmp_path_factory.mktemp("finished")
+    result = runner.invoke(app, ["run", *tiny_args("rounds=1", f"output_dir={out}", "name=done")])
+    assert result.exit_code == 0, result.output
+    return out / "done"
+
+
+def _write(name: str, data: bytes):
+    return lambda run: (run / name).write_bytes(data)
+
+
+RESUME_CASES = {
+    "truncated checkpoint": (
+        lambda run: (run / "checkpoint.npz").write_bytes((run / "checkpoint.npz").read_bytes()[:200]),
+        [],
+        "checkpoint",
+    ),
+    "random checkpoint": (_write("checkpoint.npz", bytes(range(256)) * 40), [], "unreadable"),
+    "empty checkpoint": (_write("checkpoint.npz", b""), [], "unreadable"),
+    "garbage metrics line": (
+        lambda run: (run / "metrics.jsonl").open("a").write("not json\n"),
+        [],
+        "line 2 is not a round",
+    ),
+    "binary metrics": (_write("metrics.jsonl", b"\xff\xfe\x00\x01" * 50), [], "metrics.jsonl"),
+    "missing metrics": (lambda run: (run / "metrics.jsonl").unlink(), [], "metrics.jsonl"),
+    "edited config": (
+        lambda run: (run / "config.toml").write_text(
+            (run / "config.toml").read_text().replace("lora_rank = 8", "lora_rank = 4")
+        ),
+        [],
+        "differs from the one the run started with in model.lora_rank",
+    ),
+    "changed by --set": (lambda run: None, ["--set", "train.lr=0.5"], "in train.lr;"),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_resuming_a_damaged_or_edited_run_folder_is_one_line(finished_run, tmp_path, case):
+    import hashlib
+    import shutil
+
+    damage, extra, expected = RESUME_CASES[case]
+    run = tmp_path / "runs" / "done"
+    shutil.copytree(finished_run, run)
+    neighbour = shutil.copytree(finished_run, tmp_path / "runs" / "neighbour")
+
+    def digest(folder):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+    before = digest(neighbour)
+    damage(run)
+    result = runner.invoke(app, ["run", "--resume", str(run), *extra])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    assert expected in lines[0], lines[0]
+    assert digest(neighbour) == before  # nothing outside the resumed folder changed
+
+
+def test_rounds_may_be_raised_on_resume(finished_run, tmp_path):
+    import json
+    import shutil
+
+    run = shutil.copytree(finished_run, tmp_path / "runs" / "done")
+    result = runner.invoke(app, ["run", "--resume", str(run), "--set", "rounds=2"])
+    assert result.exit_code == 0, result.output
+    assert [json.loads(x)["round"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
