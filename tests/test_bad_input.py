@@ -90,6 +90,7 @@ def recipes(tmp_path) -> dict[str, tuple[list[str], str]]:
         "partition": (["--set", "data.partition=random"], "data.partition"),
         "model path": (["--set", "model.name=/no/such/model"], "model.name"),
         "output dir": (["--set", "output_dir=/proc/fedtune-runs"], "output_dir"),
+        "lora rank above the layers": (["--set", "model.lora_rank=100000"], "model.lora_rank: 100000 exceeds"),
     }
 
 

@@ -43,6 +43,27 @@ def lora_config(task, rank: int, alpha: float | None = None):
     )
 
 
+def rank_bound(model: torch.nn.Module, targets: list[str]) -> tuple[int, str] | None:
+    """(the largest LoRA rank every adapted layer can take, the layer that bounds it): min(in, out)
+    of each module whose name is a target or ends with ``.<target>``, as PEFT matches a list of
+    targets. None when no module matches (PEFT then names the missing target itself)."""
+    bound = None
+    for name, module in model.named_modules():
+        if not any(name == t or name.endswith("." + t) for t in targets):
+            continue
+        if isinstance(module, torch.nn.Linear):
+            dims = (module.in_features, module.out_features)
+        elif isinstance(module, torch.nn.modules.conv._ConvNd):
+            dims = (module.in_channels, module.out_channels)
+        elif getattr(module, "weight", None) is not None and module.weight.dim() >= 2:
+            dims = tuple(module.weight.shape[:2])
+        else:
+            continue
+        if bound is None or min(dims) < bound[0]:
+            bound = (min(dims), name)
+    return bound
+
+
 def _short_name(name: str, adapter: str) -> str:
     return name.replace(f".{adapter}.", ".").replace("base_model.model.", "").replace(".modules_to_save", "")
 
@@ -62,6 +83,18 @@ class LoraWorkspace:
         self._params: dict[str, dict[str, torch.nn.Parameter]] = {}
         self._target_names: set[str] | None = None
 
+    def _check_rank(self, rank: int) -> None:
+        """Refuse a rank larger than the smallest adapted layer allows (no adapter of 100,000 ranks
+        on a 32-wide model: it would train nothing more and send hundreds of MB per round)."""
+        cfg = self.task.config.model
+        targets = list(cfg.target_modules) if cfg.target_modules is not None else self.task.lora_targets()
+        bound = rank_bound(self.base, targets)
+        if bound is not None and rank > bound[0]:
+            raise ConfigError(
+                f"model.lora_rank: {rank} exceeds what the adapted layers allow; expected at most {bound[0]} "
+                f"(min(in, out) of {bound[1]})"
+            )
+
     @staticmethod
     def adapter_name(rank: int, alpha: float | None = None) -> str:
         return f"r{rank}" if alpha is None else f"r{rank}a{alpha:g}"
@@ -72,6 +105,7 @@ class LoraWorkspace:
 
         name = self.adapter_name(rank, alpha)
         if self.model is None or name not in self.model.peft_config:
+            self._check_rank(rank)
             with torch.random.fork_rng():  # seeded init that leaves the global RNG untouched
                 torch.manual_seed(self.seed + 1)
                 if self.model is None:
