@@ -46,15 +46,16 @@ def lora_config(task, rank: int, alpha: float | None = None):
 def rank_bound(model: torch.nn.Module, targets: list[str]) -> tuple[int, str] | None:
     """(the largest LoRA rank every adapted layer can take, the layer that bounds it): min(in, out)
     of each module whose name is a target or ends with ``.<target>``, as PEFT matches a list of
-    targets. None when no module matches (PEFT then names the missing target itself)."""
+    targets (a convolution as its (c_out, c_in x kernel) matrix, as its Delta W is). None when no
+    module matches (PEFT then names the missing target itself)."""
     bound = None
     for name, module in model.named_modules():
         if not any(name == t or name.endswith("." + t) for t in targets):
             continue
         if isinstance(module, torch.nn.Linear):
             dims = (module.in_features, module.out_features)
-        elif isinstance(module, torch.nn.modules.conv._ConvNd):
-            dims = (module.in_channels, module.out_channels)
+        elif isinstance(module, torch.nn.modules.conv._ConvNd):  # as a matrix: (c_out, c_in / groups x kernel)
+            dims = (module.weight.shape[0], module.weight[0].numel())
         elif getattr(module, "weight", None) is not None and module.weight.dim() >= 2:
             dims = tuple(module.weight.shape[:2])
         else:
