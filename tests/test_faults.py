@@ -336,3 +336,34 @@ def test_first_nonfinite_finds_the_path_of_a_nan_anywhere_in_a_nested_state():
     assert first_nonfinite({"a": np.ones(3), "b": [1.0, {"c": np.array([0.0, np.inf])}]}) == "state/b/1/c"
     assert first_nonfinite({"x": float("nan")}) == "state/x"
     assert first_nonfinite({"i": np.arange(3), "s": "text"}) is None
+
+
+@pytest.mark.parametrize(
+    ("method", "kind", "key", "value"),
+    [
+        ("rabo", "hypergradient", "outer_loss", "low"),
+        ("rabo", "train", "train_loss", float("nan")),
+        ("rabo", "train", "flops", -1.0),
+        ("static", "train", "train_loss", None),
+        ("commit", "train", "curves", [1.0]),
+        ("commit", "train", "schedule", "fast"),
+    ],
+)
+def test_a_methods_own_reply_metadata_is_validated_before_aggregation_reads_it(method, kind, key, value):
+    """The keys a method's aggregation reads are declared: a bad or missing one drops the reply."""
+    from fedtune.methods import get_method
+    from fedtune.protocol.validation import check_meta
+
+    class Context:  # what reply_meta_spec reads of the run context
+        config = options = None
+
+        @staticmethod
+        def example_bound(kind, cid):
+            return 100
+
+    strategy = get_method(method).strategy(Context())
+    spec = strategy.reply_meta_spec(kind, 0)
+    meta = {"num_examples": 10, "steps": 1, "train_loss": 0.5, "outer_loss": 0.5, "schedule": {}, "curves": {}}
+    assert check_meta(meta if kind == "train" else {k: v for k, v in meta.items() if k != "num_examples"}, spec) is None
+    bad = {**meta, key: value} if value is not None else {k: v for k, v in meta.items() if k != key}
+    assert check_meta(bad, spec) is not None

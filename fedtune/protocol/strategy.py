@@ -86,6 +86,12 @@ class Strategy(ABC):
             examples = MetaField(examples.kind, examples.low, examples.high, required=True)
         return {**COMMON_META, "num_examples": examples}
 
+    def meta_with(self, kind: str, cid: int, when: str, **fields: MetaField) -> dict[str, MetaField]:
+        """:meth:`reply_meta_spec`'s default plus ``fields`` for the replies of exchange ``when``:
+        how a method declares the metadata keys it reads."""
+        spec = Strategy.reply_meta_spec(self, kind, cid)
+        return {**spec, **fields} if kind == when else spec
+
     def evaluate(self, rnd: int) -> dict[str, float]:
         """Centralized evaluation of the global state (default: none)."""
         return {}

@@ -95,16 +95,18 @@ def check_arrays(arrays: Mapping[str, np.ndarray], spec: Mapping[str, ArraySpec]
 
 @dataclass(frozen=True)
 class MetaField:
-    """What one metadata value of a reply must be: ``kind`` int, float (an int is accepted), str
-    or bool; numbers finite and within [low, high] (None: unbounded); ``required``: present."""
+    """What one metadata value of a reply must be: ``kind`` int, float (an int is accepted), str,
+    bool, dict or list; numbers finite (inside a dict or list too, unless ``finite`` is False) and
+    within [low, high] (None: unbounded); ``required``: present."""
 
     kind: type
     low: float | None = None
     high: float | None = None
     required: bool = False
+    finite: bool = True  # a mapping or list whose numbers may be inf / NaN by design says False
 
     def with_high(self, high: float | None) -> MetaField:
-        return MetaField(self.kind, self.low, high, self.required)
+        return MetaField(self.kind, self.low, high, self.required, self.finite)
 
 
 #: The metadata every method's replies share (by convention): the client's data size (the FedAvg
@@ -131,6 +133,8 @@ def _check_value(key: str, value, want: MetaField) -> str | None:
             return f"metadata {key!r}: {type(value).__name__} {value!r:.40} where a number was expected"
     elif not isinstance(value, want.kind):
         return f"metadata {key!r}: {type(value).__name__} where {want.kind.__name__} was expected"
+    if not _is_number(value):
+        return None if not want.finite or _finite_everywhere(value) else f"metadata {key!r}: non-finite value"
     if _is_number(value):
         if not math.isfinite(float(value)):
             return f"metadata {key!r}: non-finite value {value!r}"

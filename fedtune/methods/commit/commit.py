@@ -52,6 +52,7 @@ from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, GlobalAdapterStra
 from fedtune.methods.commit.balance import TRAINERS, Coordination, S, Schedule, T, train_coordinated
 from fedtune.models.training import FitResult, make_optimizer, optimizer_arrays, restore_optimizer
 from fedtune.protocol.messages import Message
+from fedtune.protocol.validation import MetaField
 from fedtune.registry import MethodOptions, register
 
 ENCODER_LM = "encoder+lm"  # the task capability (Task.capabilities): parameter groups `encoder` and `language_model`
@@ -139,6 +140,13 @@ def _finite(values) -> list[float]:
 
 class CommitStrategy(BroadcastAverage, GlobalAdapterStrategy):
     """CoMMIT and its baselines (options.trainer): coordinated encoder / LM tuning, FedAvg of S and T."""
+
+    def reply_meta_spec(self, kind: str, cid: int) -> dict[str, MetaField]:
+        """Aggregation reads each training reply's ``schedule`` and ``curves``: required mappings (a
+        kappa may be inf by eq. (3) when a component's step moved nothing, so their numbers are not
+        required finite). A mapping of the wrong shape stops the round at aggregation, in one line."""
+        mapping = MetaField(dict, required=True, finite=False)
+        return self.meta_with(kind, cid, "train", schedule=mapping, curves=mapping)
 
     def initialize(self) -> None:
         if self.config.model.lora_dropout:

@@ -70,7 +70,7 @@ from fedtune.models.training import seed_for
 from fedtune.protocol.client import Client
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
-from fedtune.protocol.validation import ArraySpec
+from fedtune.protocol.validation import ArraySpec, MetaField
 from fedtune.registry import MethodOptions, register
 
 INNER, HYPER = "inner", "hypergradient"
@@ -125,6 +125,16 @@ class BilevelStrategy(Strategy):
     """RABO (Algorithm 1) on the server: masks, eq. (6) on y, eq. (8) on x, coverage metrics."""
 
     masked = True
+
+    def reply_meta_spec(self, kind: str, cid: int) -> dict[str, MetaField]:
+        """The keys aggregation reads: ``train_loss`` (inner phase) and ``outer_loss`` (hypergradient
+        phase), finite; ``flops`` (either) finite and not negative."""
+        spec = {**super().reply_meta_spec(kind, cid), "flops": MetaField(float, low=0.0)}
+        if kind == "train":
+            spec["train_loss"] = MetaField(float, required=True)
+        elif kind == HYPER:
+            spec["outer_loss"] = MetaField(float, required=True)
+        return spec
 
     def initialize(self) -> None:
         segments, clients = getattr(self.options, "segments", None), self.config.federation.num_clients

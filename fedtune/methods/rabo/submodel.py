@@ -43,7 +43,7 @@ from fedtune.methods.rabo.masks import (
 from fedtune.models.structure import structure_of
 from fedtune.models.training import FitResult, train_local
 from fedtune.protocol.messages import Message
-from fedtune.protocol.validation import ArraySpec
+from fedtune.protocol.validation import ArraySpec, MetaField
 from fedtune.registry import MethodOptions
 
 
@@ -61,6 +61,10 @@ class SubmodelStrategy(ModelStateStrategy):
     """Partial training: per-client sub-models, parameter-wise aggregation over coverers."""
 
     policy: Policy = "static"
+
+    def reply_meta_spec(self, kind: str, cid: int) -> dict[str, MetaField]:
+        """Aggregation reads each training reply's ``train_loss``: required and finite."""
+        return self.meta_with(kind, cid, "train", train_loss=MetaField(float, required=True))
 
     def initialize(self) -> None:
         super().initialize()
