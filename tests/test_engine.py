@@ -252,3 +252,18 @@ def test_a_round_record_round_trips_through_its_metrics_line(tiny_config):
     line = json.loads(json.dumps(record.to_json()))
     assert RoundRecord.from_json(line) == record
     assert RoundRecord.from_json(line).to_json() == record.to_json()
+
+
+def test_tensors_cross_as_host_arrays_from_any_dtype():
+    """bfloat16 (which numpy lacks) becomes float32 exactly; the array owns its memory."""
+    import torch
+
+    from fedtune.models.tensors import to_numpy
+
+    x = torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16)
+    a = to_numpy(x)
+    assert a.dtype == np.float32 and a.tolist() == [1.5, -2.25, 3.0]
+    y = torch.ones(2)
+    b = to_numpy(y)
+    y.add_(1)
+    assert b.tolist() == [1.0, 1.0]

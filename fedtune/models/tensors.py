@@ -33,5 +33,14 @@ def load_tensors(model: torch.nn.Module, arrays: Mapping[str, np.ndarray]) -> di
     return tensors
 
 
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor on any device as a host array that owns its memory (arrays cross as CPU numpy);
+    bfloat16, which numpy lacks, becomes float32 (exact)."""
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.float()
+    return tensor.cpu().numpy().copy()
+
+
 def tensor_arrays(tensors: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    return {k: t.detach().cpu().numpy().copy() for k, t in tensors.items()}
+    return {k: to_numpy(t) for k, t in tensors.items()}

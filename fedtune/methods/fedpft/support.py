@@ -13,6 +13,7 @@ import torch
 
 from fedtune.config import ConfigError, RunConfig
 from fedtune.models.lora import LoraWorkspace
+from fedtune.models.tensors import to_numpy
 from fedtune.models.train_memory import ActivationMeter, optimizer_states, training_peak_bytes
 from fedtune.models.training import FitResult, train_local
 from fedtune.protocol.messages import Message
@@ -57,7 +58,7 @@ def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def as_arrays(tensors: Mapping[str, torch.Tensor], prefix: str = "") -> dict[str, np.ndarray]:
-    return {prefix + k: t.detach().cpu().numpy() for k, t in tensors.items()}
+    return {prefix + k: to_numpy(t) for k, t in tensors.items()}
 
 
 def load_tensors(tensors: Mapping[str, torch.Tensor], arrays: Mapping[str, np.ndarray], strict: bool = True) -> None:
