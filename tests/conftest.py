@@ -85,15 +85,33 @@ def tiny(tmp_path, method: str, kind: str, *extra: str, variant: str = ""):
 
 
 def load_script(path: Path, name: str):
-    """A benchmark script (not a package module) imported from its file as module ``name``."""
+    """A benchmark script (not a package module) imported from its file as module ``name``. Its
+    folder goes on ``sys.path``, as when the script runs, so that it finds its sibling modules
+    (a suite's experiments and reports, named after the suite)."""
     import importlib.util
     import sys
 
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def load_suite(path: Path, name: str, prefix: str):
+    """A benchmark suite as one namespace: its script ``path`` (imported as ``name``) and the sibling
+    modules it is split into (``<prefix>_*.py`` beside it: its experiments, tables and figures); a
+    name the script defines wins."""
+    import importlib
+    from types import SimpleNamespace
+
+    script = load_script(path, name)
+    merged = {}
+    for sibling in sorted(path.parent.glob(f"{prefix}_*.py")):
+        merged.update(vars(importlib.import_module(sibling.stem)))
+    return SimpleNamespace(**{**merged, **vars(script)})
 
 
 def planned_configs(plan) -> list:

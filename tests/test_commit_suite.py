@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_every_planned_run_resolves, load_script
+from tests.conftest import assert_every_planned_run_resolves, load_suite
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "commit" / "run_suite.py"
@@ -17,7 +17,7 @@ SUITE = ROOT / "benchmarks" / "commit" / "run_suite.py"
 
 @pytest.fixture(scope="module")
 def suite():
-    return load_script(SUITE, "commit_run_suite")
+    return load_suite(SUITE, "commit_run_suite", "commit")
 
 
 @pytest.fixture(scope="module")
