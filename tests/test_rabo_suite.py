@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_every_planned_run_resolves, load_script
+from tests.conftest import assert_every_planned_run_resolves, load_suite
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "rabo" / "run_suite.py"
@@ -17,7 +17,7 @@ SUITE = ROOT / "benchmarks" / "rabo" / "run_suite.py"
 
 @pytest.fixture(scope="module")
 def suite():
-    return load_script(SUITE, "rabo_run_suite")
+    return load_suite(SUITE, "rabo_run_suite", "rabo")
 
 
 @pytest.fixture(scope="module")
