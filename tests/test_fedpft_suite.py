@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_every_planned_run_resolves, load_script
+from tests.conftest import assert_every_planned_run_resolves, load_suite
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "fedpft" / "run_suite.py"
@@ -16,7 +16,7 @@ SUITE = ROOT / "benchmarks" / "fedpft" / "run_suite.py"
 
 @pytest.fixture(scope="module")
 def suite():
-    return load_script(SUITE, "fedpft_run_suite")
+    return load_suite(SUITE, "fedpft_run_suite", "fedpft")
 
 
 def test_every_planned_run_resolves(suite, tmp_path):
