@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_every_planned_run_resolves, load_script
+from tests.conftest import assert_every_planned_run_resolves, load_suite
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "bomm" / "run_suite.py"
@@ -16,7 +16,7 @@ SUITE = ROOT / "benchmarks" / "bomm" / "run_suite.py"
 
 @pytest.fixture(scope="module")
 def suite():
-    return load_script(SUITE, "bomm_run_suite")
+    return load_suite(SUITE, "bomm_run_suite", "bomm")
 
 
 @pytest.fixture(scope="module")
