@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from tests.conftest import load_script
+from tests.conftest import load_suite
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "recipes.py"
@@ -20,7 +20,7 @@ SCRIPT = ROOT / "benchmarks" / "recipes.py"
 
 @pytest.fixture(scope="module")
 def rb():
-    return load_script(SCRIPT, "recipes_bench")
+    return load_suite(SCRIPT, "recipes_bench", "recipes")
 
 
 def finish(spec, accuracies: list[float], reference: float, test_examples: int, every: int = 1) -> None:
