@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from tests.conftest import assert_every_planned_run_resolves, load_script
+from tests.conftest import assert_every_planned_run_resolves, load_suite
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "fslora" / "run_suite.py"
@@ -22,7 +22,7 @@ SUITE = ROOT / "benchmarks" / "fslora" / "run_suite.py"
 
 @pytest.fixture(scope="module")
 def suite():
-    return load_script(SUITE, "fslora_run_suite")
+    return load_suite(SUITE, "fslora_run_suite", "fslora_suite")
 
 
 @pytest.fixture(scope="module")
