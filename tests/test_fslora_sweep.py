@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from tests.conftest import assert_every_planned_run_resolves, load_script
+from tests.conftest import assert_every_planned_run_resolves, load_suite
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP = ROOT / "benchmarks" / "fslora" / "sweep.py"
@@ -21,7 +21,7 @@ SWEEP = ROOT / "benchmarks" / "fslora" / "sweep.py"
 
 @pytest.fixture(scope="module")
 def sweep():
-    return load_script(SWEEP, "fslora_sweep")
+    return load_suite(SWEEP, "fslora_sweep", "fslora_sweep")
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +225,11 @@ def test_set_toml_values_keeps_comments_and_other_keys(sweep):
     new = sweep.set_toml_values(text, "train", {"optimizer": "adamw", "lr": 3e-3, "momentum": None}, "from sweep")
     assert new.startswith("# header\n") and "local_steps = 20\n" in new and "momentum" not in new
     assert 'optimizer = "adamw"' in new and "lr = 0.003" in new and "# from sweep" in new
+    assert "\nlr = 0.003                     # from sweep\n" in new  # aligned as the recipes' comments
+    again = sweep.set_toml_values(new, "train", {"optimizer": "adamw", "lr": 3e-3, "momentum": None}, "from sweep")
+    assert again == new  # a key that holds its value and comment is left as written
+    hand = new.replace("lr = 0.003                     # from sweep", "lr = 3e-3  # from sweep")
+    assert sweep.set_toml_values(hand, "train", {"lr": 3e-3}, "from sweep") == hand
     new = sweep.set_toml_values(
         new, "federation", {"server_optimizer": "adam", "server_lr": 1e-3, "server_weight_decay": 0.01}, "x"
     )
