@@ -102,4 +102,5 @@ def test_tiny_clip_embeds_images_and_captions_in_one_space():
     images = [np.full((20, 24, 3), v, np.uint8) for v in (0, 128, 255)]
     a, b = enc.encode_images(images), enc.encode_texts(["a red bird", "a small bird on a fence", "x"])
     assert a.shape == b.shape == (3, enc.dim) and np.isfinite(a).all() and np.isfinite(b).all()
-    np.testing.assert_allclose(DualEncoder(TINY_CLIP).encode_texts(["a red bird"]), b[:1], rtol=1e-6)
+    # alone or in a padded batch of three: float32 kernels may round the two apart by ~1e-6 relative
+    np.testing.assert_allclose(DualEncoder(TINY_CLIP).encode_texts(["a red bird"]), b[:1], rtol=1e-5, atol=1e-6)

@@ -272,7 +272,6 @@ def check_regularizer_gradient(ctx, start, batch, coord_cls=Coordination):
             # float32 (trainer) against float64 probabilities (here): agreement to 1% of the regularizer's
             # own part; the opposite sign would miss by 200%, no regularizer by 100%
             assert float((seen[1][id(p)] - want).norm()) <= 1e-2 * float((lam * grad_d[n]).norm()), n
-            assert torch.allclose(seen[1][id(p)], want, atol=1e-5), n
     assert curves["kappa"][0] == pytest.approx(curves["d_T"][0] / curves["d_S"][0], rel=1e-12)
 
 
@@ -410,6 +409,7 @@ def check_federated_one_client_is_centralized(tmp_path, carry: bool = False, ref
 
     ref = RunContext(cfg)
     params = ref.workspace.activate(RANK)
+    initial = {k: p.detach().numpy().copy() for k, p in params.items()}
     pool = ref.partitions[0]
     assert len(pool) == len(ref.task.train)  # one client holds all the data
     coord = commit.coordination(ref.options, ref.config)
@@ -431,8 +431,12 @@ def check_federated_one_client_is_centralized(tmp_path, carry: bool = False, ref
         # float32 kernels may round differently from one allocation to the next: kappa, a ratio of
         # distances of order 1e-4, agrees to 1e-3 (a lost schedule or update would differ at once)
         assert lines[rnd - 1]["client_curves"]["0"]["kappa"] == pytest.approx(curves["kappa"], rel=1e-3)
+    # the same float32 rounding, amplified by AdamW's normalisation, makes the two differ by ~1e-5 on
+    # some CPUs (AMD EPYC here): each tensor's difference is measured against how far the rounds moved it,
+    # within 0.1 % (seen: up to 0.007 %; a fresh optimizer in round 2 or a lost update misses by far more)
     for k, p in params.items():
-        assert np.allclose(state["global"][k], p.detach().numpy(), atol=1e-5), k
+        moved = np.linalg.norm(p.detach().numpy() - initial[k])
+        assert moved > 0 and np.linalg.norm(state["global"][k] - p.detach().numpy()) <= 1e-3 * moved, k
     assert Schedule.from_meta(state["schedule"]).rates == pytest.approx(schedule.rates, rel=1e-3)
     assert state["schedule"]["step"] == 6 and state["schedule"]["kappas"] == pytest.approx(schedule.kappas, rel=1e-3)
 
