@@ -20,7 +20,8 @@ the harness does the rest:
 - :mod:`~fedtune.harness.cli`: the standard command line (``--only``, ``--seeds``, ``--quick``,
   ``--workers``, ``--plan``, ``--report-only``, ``--out``) and the steps every suite takes.
 
-Example, a whole suite (``benchmarks/fslora/run_suite.py`` is a full one)::
+Example, a whole suite in one file (a full one, ``benchmarks/fslora/run_suite.py``, keeps its
+experiments and reports in modules beside it: ``fslora_suite_experiments.py``, ...)::
 
     import sys
     from pathlib import Path
