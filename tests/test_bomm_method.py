@@ -120,6 +120,24 @@ def test_no_raw_sample_leaves_a_party_and_only_representations_cross(config, met
     assert len(uploads) == (2 if mode.cloud else 0)
 
 
+def test_each_methods_cloud_parts_match_what_its_parties_do():
+    """The registration assembles each cloud from parts; the parties read MODES: the two agree."""
+    from fedtune.methods import get_method
+    from fedtune.methods.bomm.aligner import PrototypeAlignment
+    from fedtune.methods.bomm.cloud import BommCloud, BommServer
+    from fedtune.methods.bomm.completer import PreferenceCompletion, RegressionCompletion
+
+    for name, mode in MODES.items():
+        server = get_method(name).strategy
+        if not mode.cloud:
+            assert server is BommServer, name
+            continue
+        assert issubclass(server, BommCloud) and server.rows == mode.cloud_rows, name
+        assert isinstance(server.aligner, PrototypeAlignment) == mode.alignment, name
+        assert isinstance(server.completer, RegressionCompletion) == (mode.completion == "cloud"), name
+        assert isinstance(server.completer, PreferenceCompletion) == mode.preference, name
+
+
 def test_parties_send_what_their_mode_scopes_and_zeros_for_absent_modalities(config):
     for method in ("bomm-vanilla", "bomm-mm-uc"):
         strategy, transport, _ = run(config(method, "rounds=1"))

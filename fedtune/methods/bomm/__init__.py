@@ -6,8 +6,10 @@ methods' reference). They run on the ``paired-multimodal`` task.
 - :mod:`~fedtune.methods.bomm.options`: the options (shared by all six) and the mode of each;
 - :mod:`~fedtune.methods.bomm.party`: a party (Client): its small model, what it sends, local
   training with completions and the scheduler;
-- :mod:`~fedtune.methods.bomm.cloud`: the cloud (Strategy): alignment, generator, classifier, the
-  round's exchanges;
+- :mod:`~fedtune.methods.bomm.cloud`: the cloud (Strategy): the classifier, the round's exchanges,
+  assembled per method from parts: :mod:`~fedtune.methods.bomm.aligner` (none, or global
+  prototype-guided alignment) and :mod:`~fedtune.methods.bomm.completer` (no generator, regression,
+  or preference-driven completion);
 - :mod:`~fedtune.methods.bomm.common`: what both sides share.
 
 BoMM's networks and the pure pieces of its algorithm (Section 4), free of any protocol code:
@@ -37,23 +39,40 @@ Baselines (Section 5.1), as implemented (:data:`~fedtune.methods.bomm.options.MO
 
 from __future__ import annotations
 
-from fedtune.methods.bomm.cloud import BommCloud
+from fedtune.methods.bomm.aligner import PrototypeAlignment
+from fedtune.methods.bomm.cloud import BommCloud, BommServer
 from fedtune.methods.bomm.common import PAIRED
+from fedtune.methods.bomm.completer import PreferenceCompletion, RegressionCompletion
 from fedtune.methods.bomm.options import MODES, BommOptions
 from fedtune.methods.bomm.party import BommParty
 from fedtune.registry import register
 
-#: The six methods: one cloud (Strategy) and one party (Client) class each reads what it does from
-#: its method's entry of :data:`~fedtune.methods.bomm.options.MODES` (``config.method``).
+#: The six methods: (description, the server: no cloud, or the cloud assembled from its parts). The
+#: parties (one Client class) read what they do from the method's entry of
+#: :data:`~fedtune.methods.bomm.options.MODES` (``config.method``), which these parts match.
 METHODS = {
-    "bomm": "BoMM: parties' small models and a cloud multimodal model help each other (alignment, completion, "
-    "scheduler)",
-    "bomm-local": "BoMM's LOCAL baseline: each party trains its small model alone",
-    "bomm-mm-local": "BoMM's MM-LOCAL baseline: each party completes missing modalities with its own generator",
-    "bomm-vanilla": "BoMM's Vanilla baseline: the cloud trains on the aligned ids' representations",
-    "bomm-mm-ac": "BoMM's MM-AC baseline: Vanilla plus cloud completion of the aligned rows",
-    "bomm-mm-uc": "BoMM's MM-UC baseline: cloud completion of aligned and unaligned rows",
+    "bomm": (
+        "BoMM: parties' small models and a cloud multimodal model help each other (alignment, completion, scheduler)",
+        BommCloud.assemble("all", aligner=PrototypeAlignment(), completer=PreferenceCompletion()),
+    ),
+    "bomm-local": ("BoMM's LOCAL baseline: each party trains its small model alone", BommServer),
+    "bomm-mm-local": (
+        "BoMM's MM-LOCAL baseline: each party completes missing modalities with its own generator",
+        BommServer,
+    ),
+    "bomm-vanilla": (
+        "BoMM's Vanilla baseline: the cloud trains on the aligned ids' representations",
+        BommCloud.assemble("aligned"),
+    ),
+    "bomm-mm-ac": (
+        "BoMM's MM-AC baseline: Vanilla plus cloud completion of the aligned rows",
+        BommCloud.assemble("aligned", completer=RegressionCompletion()),
+    ),
+    "bomm-mm-uc": (
+        "BoMM's MM-UC baseline: cloud completion of aligned and unaligned rows",
+        BommCloud.assemble("all", completer=RegressionCompletion()),
+    ),
 }
 assert set(METHODS) == set(MODES)
-for _name, _description in METHODS.items():
-    register(_name, BommCloud, BommParty, BommOptions, _description, requires=(PAIRED,))
+for _name, (_description, _server) in METHODS.items():
+    register(_name, _server, BommParty, BommOptions, _description, requires=(PAIRED,))

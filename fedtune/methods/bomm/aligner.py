@@ -1,18 +1,30 @@
-"""The BoMM cloud's aligner (eq. (9)): the global prototype set (the parties' same-class
-prototypes, standardized like every row, plus the rows of the pairs grown into it), and the
-accepted cross-party pairs of unaligned rows with the prototype set's growth."""
+"""The BoMM cloud's aligner, the part that enlarges the aligned set (chosen by a method's
+registration, :meth:`~fedtune.methods.bomm.cloud.BommCloud.assemble`):
+
+- :class:`NoAlignment` (the baselines): the aligned set is the parties' aligned ids;
+- :class:`PrototypeAlignment` (BoMM): global prototype-guided alignment (eq. (9)) and label
+  transfer along the newly aligned pairs.
+
+Eq. (9)'s pieces: the global prototype set (the parties' same-class prototypes, standardized like
+every row, plus the rows of the pairs grown into it), and the accepted cross-party pairs of
+unaligned rows with the prototype set's growth."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from itertools import combinations
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fedtune.methods.bomm.alignment import PrototypeSet, align_parties
+from fedtune.methods.bomm.backbone import FEATURE_DIM
 from fedtune.methods.bomm.common import Standardizer
-from fedtune.methods.bomm.pool import Pool
+from fedtune.methods.bomm.pool import M, Pool
+from fedtune.protocol.validation import ArraySpec
+
+if TYPE_CHECKING:
+    from fedtune.methods.bomm.cloud import BommCloud
 
 
 def prototype_set(
@@ -95,3 +107,81 @@ def align_rows(
         labels = truth(pool)
         metrics["diag_pair_accuracy"] = float(np.mean([labels[a] == labels[b] for a, b, _ in accepted]))
     return [(a, b) for a, b, _ in accepted], grown, metrics
+
+
+class NoAlignment:
+    """No alignment (the baselines): samples are the parties' aligned ids; no label crosses."""
+
+    name = "no alignment"
+
+    def upload_spec(self, num_labels: int) -> dict[str, ArraySpec]:
+        """What a party's upload carries besides its rows (its class prototypes, for eq. (9))."""
+        return {}
+
+    def align(
+        self, cloud: BommCloud, pool: Pool, st: Standardizer, z: np.ndarray, space
+    ) -> tuple[list[tuple[int, int]], PrototypeSet | None, dict[str, float]]:
+        """(accepted cross-party pairs of pool rows, the prototype set, the round's metrics); grows
+        ``cloud.grown``."""
+        return [], None, {}
+
+    def transfer_labels(
+        self, cloud: BommCloud, pool: Pool, samples: list[np.ndarray]
+    ) -> tuple[dict[int, dict[str, np.ndarray]], dict[str, float]]:
+        """(per uploading party, the labels its unlabeled rows receive (``label_rows``,
+        ``label_values``); the metrics)."""
+        return {}, {}
+
+
+class PrototypeAlignment(NoAlignment):
+    """BoMM: global prototype-guided alignment (eq. (9)) on the unaligned rows, completed by the
+    generator first (``complete_before_align``, once it has trained) and compared in the alignment
+    space (:meth:`~fedtune.methods.bomm.cloud.BommCloud.alignment_space`); up to
+    ``grow_per_round`` of the accepted pairs join the prototype set until it holds ``n_global``.
+    With ``label_transfer``, a party's unlabeled rows take the label of their enlarged sample's
+    labeled views."""
+
+    name = "prototype alignment"
+
+    def upload_spec(self, num_labels: int) -> dict[str, ArraySpec]:
+        return {
+            "prototypes": ArraySpec((num_labels, M, FEATURE_DIM), "float32", False),
+            "proto_counts": ArraySpec((num_labels, M), "float32", False),
+        }
+
+    def align(
+        self, cloud: BommCloud, pool: Pool, st: Standardizer, z: np.ndarray, space
+    ) -> tuple[list[tuple[int, int]], PrototypeSet | None, dict[str, float]]:
+        o = cloud.options
+        zc, mc = (
+            cloud.complete(z, pool.mask)[:2] if o.complete_before_align and cloud.generator_trained else (z, pool.mask)
+        )
+        protos = prototype_set(cloud.uploads, cloud.grown, cloud.config.federation.num_clients, pool, st, zc, mc)
+        truth = cloud.true_labels if o.diagnostics else None
+        pairs, cloud.grown, metrics = align_rows(
+            pool, space(zc, mc), mc, protos.mapped(space), sorted(cloud.uploads), cloud.grown, o, truth
+        )
+        return pairs, protos, metrics
+
+    def transfer_labels(
+        self, cloud: BommCloud, pool: Pool, samples: list[np.ndarray]
+    ) -> tuple[dict[int, dict[str, np.ndarray]], dict[str, float]]:
+        """``transferred_labels`` counts the rows given a label (``diag_transferred_accuracy``: the
+        share that is right, with ``diagnostics``)."""
+        o = cloud.options
+        if not o.label_transfer:
+            return {}, {}
+        given = np.full(len(pool), -1, dtype=np.int64)
+        for rows in samples:
+            known = pool.label[rows][pool.label[rows] >= 0]
+            if len(known):
+                given[rows[pool.label[rows] < 0]] = known[0]
+        out = {}
+        for k in sorted(cloud.uploads):
+            rows = np.flatnonzero((pool.party == k) & (given >= 0))
+            out[k] = {"label_rows": pool.local[rows], "label_values": given[rows]}
+        rows = np.flatnonzero(given >= 0)
+        metrics = {"transferred_labels": float(len(rows))}
+        if o.diagnostics and len(rows):
+            metrics["diag_transferred_accuracy"] = float(np.mean(cloud.true_labels(pool)[rows] == given[rows]))
+        return out, metrics

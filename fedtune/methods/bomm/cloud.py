@@ -1,6 +1,12 @@
 """BoMM's cloud (the Strategy): the cloud model f_psi = frozen backbone phi + classifier psi_1 +
 generator psi_2, global prototype-guided alignment, and the round's exchanges with the parties.
 
+**Parts.** A method's registration assembles its cloud (:meth:`BommCloud.assemble`) from the rows
+it holds (``rows``: the aligned ids' or all), an aligner (:mod:`~fedtune.methods.bomm.aligner`: none,
+or global prototype-guided alignment with label transfer) and a completer
+(:mod:`~fedtune.methods.bomm.completer`: no generator, regression on real targets, or the
+preference-driven L_G of eqs. (3)-(4)). LOCAL and MM-LOCAL have no cloud: :class:`BommServer`.
+
 **A round** (Algorithm 1 of the paper: the cloud updates Psi with the parties' data, then the
 parties update Theta with the cloud's help):
 
@@ -43,31 +49,20 @@ space.
 from __future__ import annotations
 
 import time
+from typing import ClassVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from fedtune.data.paired import missing_modality
-from fedtune.methods.bomm.aligner import align_rows, prototype_set
-from fedtune.methods.bomm.alignment import PrototypeSet
+from fedtune.methods.bomm.aligner import NoAlignment
 from fedtune.methods.bomm.backbone import FEATURE_DIM, source_features
 from fedtune.methods.bomm.classifier import train_classifier
-from fedtune.methods.bomm.common import (
-    CLOUD_INIT,
-    CLOUD_TRAIN,
-    GENERATOR_INIT,
-    GENERATOR_TRAIN,
-    Standardizer,
-    fit_generator,
-    generate,
-    load_module,
-    module_arrays,
-    party_metrics,
-)
-from fedtune.methods.bomm.completer import complete_rows, completion_items
-from fedtune.methods.bomm.networks import CloudClassifier, Generator
-from fedtune.methods.bomm.options import MODES, Mode
+from fedtune.methods.bomm.common import CLOUD_INIT, CLOUD_TRAIN, Standardizer, load_module, module_arrays, party_metrics
+from fedtune.methods.bomm.completer import NoCompletion, complete_rows
+from fedtune.methods.bomm.networks import CloudClassifier
+from fedtune.methods.bomm.options import CloudRows
 from fedtune.methods.bomm.party import COMPLETE, scope_rows
 from fedtune.methods.bomm.pool import M, Pool, union_samples
 from fedtune.models.audio import seeded
@@ -78,13 +73,10 @@ from fedtune.protocol.strategy import Strategy
 from fedtune.protocol.validation import ArraySpec
 
 
-class BommCloud(Strategy):
-    """BoMM: parties' small models and a cloud multimodal model help each other (alignment, completion, scheduler)."""
-
-    @property
-    def mode(self) -> Mode:
-        """What this method does: its registered name's entry of MODES."""
-        return MODES[self.config.method]
+class BommServer(Strategy):
+    """BoMM without a cloud (LOCAL, MM-LOCAL): the parties train in ``fit``; the server relays the
+    rounds and gathers the parties' metrics. The base of :class:`BommCloud`, whose state it holds
+    and checkpoints (the same keys for every BoMM method; empty here)."""
 
     # -- setup and state -----------------------------------------------------------------------
     def initialize(self) -> None:
@@ -94,18 +86,13 @@ class BommCloud(Strategy):
         self._build()
 
     def _build(self) -> None:
-        """The cloud's networks, freshly initialized from the run's seed."""
-        o, seed, task = self.options, self.config.seed, self.context.task
+        """The cloud's networks, freshly initialized from the run's seed (none here)."""
         self.classifier = self.generator = None
-        if self.mode.cloud:
-            self.classifier = seeded(
-                seed_for(seed, CLOUD_INIT),
-                lambda: CloudClassifier(task.num_labels, FEATURE_DIM, M, o.cloud_hidden, o.cloud_embed),
-            )
-        if self.mode.completion == "cloud":
-            self.generator = seeded(seed_for(seed, GENERATOR_INIT), lambda: Generator(FEATURE_DIM, o.generator_hidden))
-        self.outgoing: dict[int, Message] = {}
-        self._stats: tuple[tuple, Standardizer] | None = None
+
+    def networks(self) -> dict[str, torch.nn.Module]:
+        """The cloud's trainable networks by name (``classifier``: psi_1, ``generator``: psi_2)."""
+        named = (("classifier", self.classifier), ("generator", self.generator))
+        return {name: module for name, module in named if module is not None}
 
     def state_dict(self) -> dict:
         state = {
@@ -114,11 +101,7 @@ class BommCloud(Strategy):
             "generator_trained": self.generator_trained,
             "classifier_trained": self.classifier_trained,
         }
-        if self.classifier is not None:
-            state["classifier"] = module_arrays(self.classifier, "")
-        if self.generator is not None:
-            state["generator"] = module_arrays(self.generator, "")
-        return state
+        return state | {name: module_arrays(module, "") for name, module in self.networks().items()}
 
     def load_state_dict(self, state: dict) -> None:
         self._build()
@@ -126,22 +109,98 @@ class BommCloud(Strategy):
         self.grown = np.asarray(state["grown"], dtype=np.int64).reshape(-1, 4)
         self.generator_trained = bool(state["generator_trained"])
         self.classifier_trained = bool(state["classifier_trained"])
-        if self.classifier is not None:
-            load_module(self.classifier, state["classifier"], "")
-        if self.generator is not None:
-            load_module(self.generator, state["generator"], "")
+        for name, module in self.networks().items():
+            load_module(module, state[name], "")
 
     def save(self, run_dir) -> None:
-        """The cloud model's trainable parts, ``cloud.safetensors`` (``classifier.*``, ``generator.*``);
-        the parties' small models stay with the parties (their state)."""
-        if self.classifier is None:
+        """The cloud model's trainable parts, ``cloud.safetensors`` (``classifier.*``, ``generator.*``),
+        if any; the parties' small models stay with the parties (their state)."""
+        networks = self.networks()
+        if not networks:
             return
         from safetensors.torch import save_file
 
-        tensors = {f"classifier.{k}": v.contiguous() for k, v in self.classifier.state_dict().items()}
-        if self.generator is not None:
-            tensors |= {f"generator.{k}": v.contiguous() for k, v in self.generator.state_dict().items()}
+        tensors = {f"{name}.{k}": v.contiguous() for name, m in networks.items() for k, v in m.state_dict().items()}
         save_file(tensors, str(run_dir / "cloud.safetensors"))
+
+    # -- the exchanges -------------------------------------------------------------------------
+    def wants_upload(self, cid: int) -> bool:
+        """Whether party ``cid`` is asked for its representations this round (never without a cloud)."""
+        return False
+
+    def configure_fit(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
+        return {cid: Message({}, {"round": rnd, "send": self.wants_upload(cid)}) for cid in client_ids}
+
+    def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec]:
+        """No arrays."""
+        return {}
+
+    def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
+        return party_metrics(replies)
+
+    def evaluation_arrays(self) -> dict[str, np.ndarray]:
+        """What the parties' evaluation message carries (nothing without a cloud)."""
+        return {}
+
+    def configure_evaluate(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
+        """Every party evaluates its small model (the message: :meth:`evaluation_arrays`)."""
+        message = Message(self.evaluation_arrays(), {"round": rnd})
+        return {cid: message for cid in client_ids}
+
+    def aggregate_evaluate(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
+        """``party<k>_<metric>`` per party and their plain mean under ``<metric>`` (``accuracy``:
+        the parties' mean), plus ``accuracy_std`` over parties."""
+        out: dict[str, float] = {}
+        keys = sorted(
+            {
+                k
+                for m in replies.values()
+                for k, v in m.meta.items()
+                if isinstance(v, (int, float)) and k != "num_examples"
+            }
+        )
+        for cid, reply in sorted(replies.items()):
+            for key in keys:
+                if key in reply.meta:
+                    out[f"party{cid}_{key}"] = float(reply.meta[key])
+        for key in keys:
+            values = [float(m.meta[key]) for m in replies.values() if key in m.meta]
+            out[key] = float(np.mean(values))
+            if key == "accuracy":
+                out["accuracy_std"] = float(np.std(values))
+        return out
+
+
+class BommCloud(BommServer):
+    """BoMM's cloud and the baselines' (Vanilla, MM-AC, MM-UC): the cloud model holds ``rows`` of the
+    parties' representations and is assembled from an ``aligner`` and a ``completer``
+    (:meth:`assemble`; the defaults: Vanilla's)."""
+
+    rows: ClassVar[CloudRows] = "aligned"
+    aligner: ClassVar[NoAlignment] = NoAlignment()
+    completer: ClassVar[NoCompletion] = NoCompletion()
+
+    @classmethod
+    def assemble(
+        cls, rows: CloudRows, aligner: NoAlignment = aligner, completer: NoCompletion = completer
+    ) -> type[BommCloud]:
+        """The cloud of a method that holds ``rows`` ("aligned": the aligned ids' rows; "all") and
+        uses these parts (what the method registers)."""
+        name = f"{cls.__name__}[{rows} rows, {aligner.name}, {completer.name}]"
+        doc = f"BoMM's cloud over {rows} rows with {aligner.name} and {completer.name}."
+        attrs = {"rows": rows, "aligner": aligner, "completer": completer, "__doc__": doc, "__module__": cls.__module__}
+        return type(name, (cls,), attrs)
+
+    # -- setup ---------------------------------------------------------------------------------
+    def _build(self) -> None:
+        o, seed, task = self.options, self.config.seed, self.context.task
+        self.classifier = seeded(
+            seed_for(seed, CLOUD_INIT),
+            lambda: CloudClassifier(task.num_labels, FEATURE_DIM, M, o.cloud_hidden, o.cloud_embed),
+        )
+        self.generator = self.completer.build(o, seed)
+        self.outgoing: dict[int, Message] = {}
+        self._stats: tuple[tuple, Standardizer] | None = None
 
     @property
     def missing(self) -> int | None:
@@ -162,19 +221,16 @@ class BommCloud(Strategy):
         return self._stats[1]
 
     # -- the exchanges -------------------------------------------------------------------------
-    def configure_fit(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
-        return {
-            cid: Message({}, {"round": rnd, "send": bool(self.mode.cloud and cid not in self.uploads)})
-            for cid in client_ids
-        }
+    def wants_upload(self, cid: int) -> bool:
+        return cid not in self.uploads
 
     def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec]:
-        """No arrays, except the representations (and prototypes) a party was asked to send: their
-        count follows from the public structure of the parties (their sizes, the aligned ids)."""
+        """No arrays, except the representations (and the aligner's prototypes) a party was asked to
+        send: their count follows from the public structure of the parties (their sizes, the aligned ids)."""
         if sent.meta.get("phase") == COMPLETE or not sent.meta.get("send"):
             return {}
         train = self.context.task.train
-        n = len(scope_rows(train.aligned[self.context.partitions[cid]], self.mode.cloud_rows))
+        n = len(scope_rows(train.aligned[self.context.partitions[cid]], self.rows))
         spec = {
             "rows": ArraySpec((n,), "int64", False),
             "sample_ids": ArraySpec((n,), "int64", False),
@@ -182,17 +238,9 @@ class BommCloud(Strategy):
             "labels": ArraySpec((n,), "int64", False),
             "features": ArraySpec((n, M, FEATURE_DIM), "float32", False),
         }
-        if self.mode.alignment:
-            c = self.context.task.num_labels
-            spec |= {
-                "prototypes": ArraySpec((c, M, FEATURE_DIM), "float32", False),
-                "proto_counts": ArraySpec((c, M), "float32", False),
-            }
-        return spec
+        return spec | self.aligner.upload_spec(self.context.task.num_labels)
 
     def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
-        if not self.mode.cloud:
-            return party_metrics(replies)
         for cid, reply in replies.items():
             if reply.arrays:
                 self.uploads[cid] = {k: np.asarray(v) for k, v in reply.arrays.items()}
@@ -202,7 +250,7 @@ class BommCloud(Strategy):
         return metrics
 
     def phases(self, rnd: int) -> tuple[str, ...]:
-        return (COMPLETE,) if self.mode.cloud else ()
+        return (COMPLETE,)
 
     def configure_phase(self, phase: str, rnd: int, client_ids: list[int]) -> dict[int, Message]:
         if phase != COMPLETE:
@@ -213,43 +261,30 @@ class BommCloud(Strategy):
     def aggregate_phase(self, phase: str, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
         return party_metrics(replies)
 
+    def evaluation_arrays(self) -> dict[str, np.ndarray]:
+        """The completer's completion of the test pairs' missing modality (``test_gen``, phi-space)."""
+        return self.completer.test_completions(self)
+
     # -- the cloud's update --------------------------------------------------------------------
     def cloud_update(self, rnd: int, active: list[int]) -> dict[str, float]:
-        """Alignment, generator, classifier, and the completions / labels for the parties
-        (``self.outgoing``); returns the round's cloud metrics."""
-        o = self.options
+        """Alignment (the aligner), generator (the completer), classifier, and the completions /
+        labels for the parties (``self.outgoing``); returns the round's cloud metrics."""
         pool = Pool.of(self.uploads)
         self.outgoing = {}
         if len(pool) == 0:
             return {}
         st = self.standardizer()
         z = st.apply(pool.x, pool.mask)
-        metrics: dict[str, float] = {}
-        pairs: list[tuple[int, int]] = []
-        protos = None
         space = self.alignment_space()
-        if self.mode.alignment:
-            zc, mc = (
-                self.complete(z, pool.mask)[:2]
-                if o.complete_before_align and self.generator_trained
-                else (z, pool.mask)
-            )
-            protos = self.prototype_set(pool, st, zc, mc)
-            pairs, align_metrics = self.align(pool, space(zc, mc), mc, protos.mapped(space))
-            metrics |= align_metrics
+        pairs, protos, metrics = self.aligner.align(self, pool, st, z, space)
         samples = union_samples(pool.sid, pairs)
-        if self.generator is not None:
-            metrics |= self.train_generator(rnd, pool, z, samples, protos, space)
-            self.generator_trained = True
+        metrics |= self.completer.train(self, rnd, pool, z, samples, protos, space)
         zc, mc, gen_mod = self.complete(z, pool.mask)
         metrics |= self.train_classifier(rnd, pool, zc, mc, samples)
-        self.outgoing, given = self.messages(pool, st, zc, gen_mod, samples)
-        if self.mode.alignment and o.label_transfer:
-            rows = np.flatnonzero(given >= 0)
-            metrics["transferred_labels"] = float(len(rows))
-            if o.diagnostics and len(rows):
-                metrics["diag_transferred_accuracy"] = float(np.mean(self.true_labels(pool)[rows] == given[rows]))
-        return metrics
+        completions = self.completer.completions(self, pool, st, zc, gen_mod)
+        labels, label_metrics = self.aligner.transfer_labels(self, pool, samples)
+        self.outgoing = {k: completions.get(k, {}) | labels.get(k, {}) for k in sorted(self.uploads)}
+        return metrics | label_metrics
 
     def alignment_space(self):
         """``f(z (n, M, D), mask (n, M)) -> (n, M, E)``: the representations eq. (9) compares. With
@@ -277,59 +312,6 @@ class BommCloud(Strategy):
         modality gets the generator's representation of the other (none without a generator)."""
         return complete_rows(self.generator, z, mask)
 
-    # -- alignment (eq. (9)): fedtune.methods.bomm.aligner ------------------------------------
-    def prototype_set(self, pool: Pool, st: Standardizer, zc: np.ndarray, mc: np.ndarray) -> PrototypeSet:
-        """Seeds (the parties' same-class prototypes, standardized, paired) plus the grown pairs' rows."""
-        return prototype_set(self.uploads, self.grown, self.config.federation.num_clients, pool, st, zc, mc)
-
-    def align(self, pool: Pool, zc: np.ndarray, mc: np.ndarray, protos: PrototypeSet):
-        """Accepted cross-party pairs of unaligned rows (pool indices) and the prototype set's growth."""
-        truth = self.true_labels if self.options.diagnostics else None
-        pairs, self.grown, metrics = align_rows(
-            pool, zc, mc, protos, sorted(self.uploads), self.grown, self.options, truth
-        )
-        return pairs, metrics
-
-    # -- generator (eqs. (3)-(4)) --------------------------------------------------------------
-    def train_generator(
-        self,
-        rnd: int,
-        pool: Pool,
-        z: np.ndarray,
-        samples: list[np.ndarray],
-        protos: PrototypeSet | None,
-        space=lambda x, mask: x,
-    ) -> dict[str, float]:
-        """Items (row, target modality) with the other modality present, their g^p (real, an aligned
-        partner's, or with ``preference`` the closest prototype's) and sim(x, o_i); then
-        :func:`~fedtune.methods.bomm.common.fit_generator`."""
-        o = self.options
-        source, target, g_p, sim, real = completion_items(pool, z, samples, protos, space, self.mode.preference)
-        reference = None
-        if self.mode.preference and o.reference == "initial":  # G_ref: the generator as initialized, rebuilt
-            reference = seeded(
-                seed_for(self.config.seed, GENERATOR_INIT), lambda: Generator(FEATURE_DIM, o.generator_hidden)
-            )
-        metrics = fit_generator(
-            self.generator,
-            source,
-            target,
-            g_p,
-            sim,
-            preference=self.mode.preference,
-            beta=o.beta,
-            gamma=o.gamma,
-            prefer=o.prefer,
-            epochs=o.generator_epochs,
-            lr=o.generator_lr,
-            batch_size=o.cloud_batch_size,
-            seed=seed_for(self.config.seed, rnd, GENERATOR_TRAIN),
-            reference=reference,
-        )
-        metrics["generator_items"] = float(len(source))
-        metrics["generator_real_items"] = float(real.sum())
-        return metrics
-
     # -- classifier (L_task) -------------------------------------------------------------------
     def train_classifier(
         self, rnd: int, pool: Pool, zc: np.ndarray, mc: np.ndarray, samples: list[np.ndarray]
@@ -348,38 +330,6 @@ class BommCloud(Strategy):
         )
         self.classifier_trained = self.classifier_trained or "cloud_train_loss" in metrics
         return metrics
-
-    # -- what the parties receive --------------------------------------------------------------
-    def messages(
-        self, pool: Pool, st: Standardizer, zc: np.ndarray, gen_mod: np.ndarray, samples: list[np.ndarray]
-    ) -> tuple[dict[int, dict[str, np.ndarray]], np.ndarray]:
-        """Per party: completions of its rows' missing modality (phi-space, de-standardized) and,
-        with BoMM's label transfer, its unlabeled rows' labels from their sample's labeled views;
-        also the label given to each pool row (-1: none)."""
-        out: dict[int, dict[str, np.ndarray]] = {}
-        transfer = self.mode.alignment and self.options.label_transfer
-        given = np.full(len(pool), -1, dtype=np.int64)
-        if transfer:
-            for rows in samples:
-                known = pool.label[rows][pool.label[rows] >= 0]
-                if len(known):
-                    unl = rows[pool.label[rows] < 0]
-                    given[unl] = known[0]
-        for k in sorted(self.uploads):
-            mine = pool.party == k
-            arrays: dict[str, np.ndarray] = {}
-            if self.generator is not None:
-                rows = np.flatnonzero(mine & (gen_mod >= 0))
-                gen = np.zeros((len(rows), FEATURE_DIM), np.float32)
-                for t in range(M):
-                    sel = gen_mod[rows] == t
-                    gen[sel] = st.invert_one(zc[rows[sel], t], t)
-                arrays |= {"gen_rows": pool.local[rows], "gen_modality": gen_mod[rows], "gen": gen}
-            if transfer:
-                rows = np.flatnonzero(mine & (given >= 0))
-                arrays |= {"label_rows": pool.local[rows], "label_values": given[rows]}
-            out[k] = arrays
-        return out, given
 
     # -- evaluation ----------------------------------------------------------------------------
     def test_z(self) -> np.ndarray:
@@ -403,29 +353,20 @@ class BommCloud(Strategy):
         return self.standardizer().apply(feats)
 
     def evaluate(self, rnd: int) -> dict[str, float]:
-        """The cloud model on the test pairs: complete, each modality alone, and (with a generator)
+        """The cloud model on the test pairs: complete, each modality alone, and (the completer's)
         the scenario's missing modality completed by the generator."""
-        if not self.mode.cloud:
-            return {}
         z = self.test_z()
         y = torch.from_numpy(self.context.task.test.labels.astype(np.int64))
         variants = {"": (True, True), "_image_only": (True, False), "_audio_only": (False, True)}
         metrics: dict[str, float] = {}
         for suffix, present in variants.items():
             mask = np.tile(np.asarray(present), (len(z), 1))
-            metrics |= self._cloud_accuracy(z, mask, y, suffix)
-        t = self.missing
-        if self.generator is not None and t is not None:
-            mask = np.ones((len(z), M), bool)
-            mask[:, t] = False
-            zc, mc, _ = self.complete(z * mask[..., None], mask)
-            metrics |= self._cloud_accuracy(zc, mc, y, "_completed")
-            a, b = zc[:, t], z[:, t]
-            cos = (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-12)
-            metrics["cloud_gen_cosine"] = float(cos.mean())  # completions vs the real modality (standardized)
-        return metrics
+            metrics |= self.accuracy(z, mask, y, suffix)
+        return metrics | self.completer.evaluate(self, z, y)
 
-    def _cloud_accuracy(self, z: np.ndarray, mask: np.ndarray, y: torch.Tensor, suffix: str) -> dict[str, float]:
+    def accuracy(self, z: np.ndarray, mask: np.ndarray, y: torch.Tensor, suffix: str) -> dict[str, float]:
+        """``cloud_accuracy<suffix>`` (and ``cloud_loss`` without a suffix) of the cloud model on
+        standardized test representations ``z`` with modalities ``mask``."""
         x, m = torch.from_numpy(z[:, None].astype(np.float32)), torch.from_numpy(mask[:, None])
         bs = self.config.train.eval_batch_size
 
@@ -439,40 +380,6 @@ class BommCloud(Strategy):
         out = {f"cloud_accuracy{suffix}": result["accuracy"]}
         if not suffix:
             out["cloud_loss"] = result["loss"]
-        return out
-
-    def configure_evaluate(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
-        """Every party evaluates its small model; with a cloud generator the message carries the
-        completion of the test pairs' missing modality (``test_gen``, phi-space)."""
-        arrays = {}
-        t = self.missing
-        if self.generator is not None and t is not None and self.generator_trained:
-            z = self.test_z()
-            arrays["test_gen"] = self.standardizer().invert_one(generate(self.generator, z[:, 1 - t], t), t)
-        message = Message(arrays, {"round": rnd})
-        return {cid: message for cid in client_ids}
-
-    def aggregate_evaluate(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
-        """``party<k>_<metric>`` per party and their plain mean under ``<metric>`` (``accuracy``:
-        the parties' mean), plus ``accuracy_std`` over parties."""
-        out: dict[str, float] = {}
-        keys = sorted(
-            {
-                k
-                for m in replies.values()
-                for k, v in m.meta.items()
-                if isinstance(v, (int, float)) and k != "num_examples"
-            }
-        )
-        for cid, reply in sorted(replies.items()):
-            for key in keys:
-                if key in reply.meta:
-                    out[f"party{cid}_{key}"] = float(reply.meta[key])
-        for key in keys:
-            values = [float(m.meta[key]) for m in replies.values() if key in m.meta]
-            out[key] = float(np.mean(values))
-            if key == "accuracy":
-                out["accuracy_std"] = float(np.std(values))
         return out
 
     # -- diagnostics (never used for training) -------------------------------------------------

@@ -1,16 +1,32 @@
-"""What the BoMM cloud's generator trains on (eqs. (3)-(4)): items (row, target modality) with the
-other modality present, each with its preferred output g^p (the row's real target; else an
-aligned partner's, the mean over the sample's other views that hold it; else, with ``preference``
-(BoMM), the target modality of the row's closest global prototype) and sim(x, o_i)."""
+"""The BoMM cloud's completer, the part that owns the generator psi_2 (chosen by a method's
+registration, :meth:`~fedtune.methods.bomm.cloud.BommCloud.assemble`):
+
+- :class:`NoCompletion` (Vanilla): no generator; rows keep their missing modalities;
+- :class:`RegressionCompletion` (MM-AC, MM-UC): a generator trained by regression on real targets;
+- :class:`PreferenceCompletion` (BoMM): a generator trained with L_G of eqs. (3)-(4).
+
+What the generator trains on (eqs. (3)-(4)): items (row, target modality) with the other modality
+present, each with its preferred output g^p (the row's real target; else an aligned partner's, the
+mean over the sample's other views that hold it; else, with ``preference`` (BoMM), the target
+modality of the row's closest global prototype) and sim(x, o_i)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+import torch
 
 from fedtune.methods.bomm.alignment import PrototypeSet, nearest_prototype, pair_similarity
 from fedtune.methods.bomm.backbone import FEATURE_DIM
-from fedtune.methods.bomm.common import generate
+from fedtune.methods.bomm.common import GENERATOR_INIT, GENERATOR_TRAIN, Standardizer, fit_generator, generate
+from fedtune.methods.bomm.networks import Generator
 from fedtune.methods.bomm.pool import M, Pool
+from fedtune.models.audio import seeded
+from fedtune.models.training import seed_for
+
+if TYPE_CHECKING:
+    from fedtune.methods.bomm.cloud import BommCloud
 
 
 def completion_items(
@@ -79,3 +95,129 @@ def complete_rows(generator, z: np.ndarray, mask: np.ndarray) -> tuple[np.ndarra
             mc[rows, t] = True
             gen_mod[rows] = t
     return zc, mc, gen_mod
+
+
+class NoCompletion:
+    """No cloud generator (Vanilla): the cloud and the parties keep the rows' missing modalities."""
+
+    name = "no completion"
+
+    def build(self, options, seed: int) -> Generator | None:
+        """The generator psi_2, freshly initialized from the run's ``seed`` (none here)."""
+        return None
+
+    def train(
+        self, cloud: BommCloud, rnd: int, pool: Pool, z: np.ndarray, samples: list[np.ndarray], protos, space
+    ) -> dict[str, float]:
+        """One round's training of ``cloud.generator`` (marked trained); its metrics."""
+        return {}
+
+    def completions(
+        self, cloud: BommCloud, pool: Pool, st: Standardizer, zc: np.ndarray, gen_mod: np.ndarray
+    ) -> dict[int, dict[str, np.ndarray]]:
+        """Per uploading party, the arrays of its completions (``gen_rows``, ``gen_modality``, ``gen``)."""
+        return {}
+
+    def evaluate(self, cloud: BommCloud, z: np.ndarray, y: torch.Tensor) -> dict[str, float]:
+        """The cloud model on the test pairs with the scenario's missing modality completed."""
+        return {}
+
+    def test_completions(self, cloud: BommCloud) -> dict[str, np.ndarray]:
+        """What the parties' evaluation message carries: the test pairs' completions (``test_gen``)."""
+        return {}
+
+
+class RegressionCompletion(NoCompletion):
+    """MM-AC / MM-UC: the cloud generator psi_2 learns by regression (mean squared error) on the
+    real targets of the rows the cloud holds (:func:`completion_items` without ``preference``) and
+    completes every row that lacks one modality, for the cloud and for the parties."""
+
+    name = "regression completion"
+    preference = False  # eqs. (3)-(4) and the prototypes' targets (PreferenceCompletion)
+
+    def build(self, options, seed: int) -> Generator:
+        return seeded(seed_for(seed, GENERATOR_INIT), lambda: Generator(FEATURE_DIM, options.generator_hidden))
+
+    def reference(self, options, seed: int) -> Generator | None:
+        """G_ref of eq. (3), when fixed (None: the generator as it starts the round)."""
+        return None
+
+    def train(
+        self, cloud: BommCloud, rnd: int, pool: Pool, z: np.ndarray, samples: list[np.ndarray], protos, space
+    ) -> dict[str, float]:
+        """Items (row, target modality) with the other modality present, their g^p and sim(x, o_i)
+        (:func:`completion_items`); then :func:`~fedtune.methods.bomm.common.fit_generator`."""
+        o, seed = cloud.options, cloud.config.seed
+        source, target, g_p, sim, real = completion_items(pool, z, samples, protos, space, self.preference)
+        metrics = fit_generator(
+            cloud.generator,
+            source,
+            target,
+            g_p,
+            sim,
+            preference=self.preference,
+            beta=o.beta,
+            gamma=o.gamma,
+            prefer=o.prefer,
+            epochs=o.generator_epochs,
+            lr=o.generator_lr,
+            batch_size=o.cloud_batch_size,
+            seed=seed_for(seed, rnd, GENERATOR_TRAIN),
+            reference=self.reference(o, seed),
+        )
+        metrics["generator_items"] = float(len(source))
+        metrics["generator_real_items"] = float(real.sum())
+        cloud.generator_trained = True
+        return metrics
+
+    def completions(
+        self, cloud: BommCloud, pool: Pool, st: Standardizer, zc: np.ndarray, gen_mod: np.ndarray
+    ) -> dict[int, dict[str, np.ndarray]]:
+        """Each party's rows that lack one modality (``gen_modality``, -1 in ``gen_mod`` elsewhere)
+        with the generated representation ``zc`` de-standardized into phi-space (``gen``)."""
+        out = {}
+        for k in sorted(cloud.uploads):
+            rows = np.flatnonzero((pool.party == k) & (gen_mod >= 0))
+            gen = np.zeros((len(rows), FEATURE_DIM), np.float32)
+            for t in range(M):
+                sel = gen_mod[rows] == t
+                gen[sel] = st.invert_one(zc[rows[sel], t], t)
+            out[k] = {"gen_rows": pool.local[rows], "gen_modality": gen_mod[rows], "gen": gen}
+        return out
+
+    def evaluate(self, cloud: BommCloud, z: np.ndarray, y: torch.Tensor) -> dict[str, float]:
+        """``cloud_accuracy_completed`` (the scenario's missing modality removed from every test pair
+        and completed by the generator) and ``cloud_gen_cosine`` (completions vs the real modality,
+        standardized); none in scenario 0."""
+        t = cloud.missing
+        if t is None:
+            return {}
+        mask = np.ones((len(z), M), bool)
+        mask[:, t] = False
+        zc, mc, _ = cloud.complete(z * mask[..., None], mask)
+        metrics = cloud.accuracy(zc, mc, y, "_completed")
+        a, b = zc[:, t], z[:, t]
+        cos = (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-12)
+        metrics["cloud_gen_cosine"] = float(cos.mean())
+        return metrics
+
+    def test_completions(self, cloud: BommCloud) -> dict[str, np.ndarray]:
+        """The generator's completion of the test pairs' missing modality (phi-space), once trained."""
+        t = cloud.missing
+        if t is None or not cloud.generator_trained:
+            return {}
+        z = cloud.test_z()
+        return {"test_gen": cloud.standardizer().invert_one(generate(cloud.generator, z[:, 1 - t], t), t)}
+
+
+class PreferenceCompletion(RegressionCompletion):
+    """BoMM: the generator learns from L_G = L_prefer + gamma L_special (eqs. (3)-(4),
+    :mod:`fedtune.methods.bomm.completion`) on every item with a preferred output g^p, the closest
+    global prototype's target where no real one exists; the DPO reference G_ref is the generator as
+    it starts the round, or (``reference = "initial"``) as initialized."""
+
+    name = "preference completion"
+    preference = True
+
+    def reference(self, options, seed: int) -> Generator | None:
+        return self.build(options, seed) if options.reference == "initial" else None

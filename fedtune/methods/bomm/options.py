@@ -74,7 +74,8 @@ Completion = Literal["none", "local", "cloud"]
 
 @dataclass(frozen=True)
 class Mode:
-    """What a method does (Section 5.1's baselines and BoMM):
+    """What a method does (Section 5.1's baselines and BoMM), as its parties read it (the cloud is
+    assembled from the matching parts at registration, :mod:`fedtune.methods.bomm`):
 
     - ``cloud_rows``: which rows' representations the parties send and the cloud trains on
       (none: no cloud; aligned: the aligned ids only; all);
