@@ -50,7 +50,9 @@ def run(
         from fedtune.progress import RoundPrinter
 
         printer = RoundPrinter(console, config)
-        summary = _run_on_engine(config, printer, resume is not None)
+        from fedtune.launch import launch
+
+        summary = launch(config, on_round=printer, on_start=printer.start, resume=resume is not None)
     except FedtuneError as exc:
         _fail(_run_failure(exc, config), code=exc.exit_code)
     except RunInterrupted as exc:
@@ -78,21 +80,6 @@ def _run_failure(exc: FedtuneError, config) -> str:
     if isinstance(exc, DeploymentError):
         return f"engine {config.engine}: {exc}"
     return str(exc)
-
-
-def _run_on_engine(config, printer, resume: bool) -> dict:
-    """``config`` on its ``engine``: the same run folder and round lines from each."""
-    if config.engine == "flower-sim":
-        from fedtune.engines.flower.simulation import run_flower_simulation
-
-        return run_flower_simulation(config, on_round=printer, on_start=printer.start, resume=resume)
-    if config.engine == "flower":
-        from fedtune.engines.flower.deployment import run_flower_deployment
-
-        return run_flower_deployment(config, on_round=printer, on_start=printer.start, resume=resume)
-    from fedtune.run import run_experiment
-
-    return run_experiment(config, on_round=printer, on_start=printer.start, resume=resume)
 
 
 @app.command()

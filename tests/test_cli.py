@@ -44,3 +44,19 @@ def test_run_then_report(tmp_path):
     report = runner.invoke(app, ["report", str(tmp_path / "cli"), "--out", str(tmp_path / "rep")])
     assert report.exit_code == 0 and "| cli |" in report.output
     assert (tmp_path / "rep" / "accuracy_vs_mb_up.png").exists()
+
+
+def test_every_engine_a_config_may_name_has_a_launcher(monkeypatch):
+    """fedtune.launch.ENGINES covers RunConfig.engine's choices, and launch() calls the named one
+    with the run's callbacks (the CLI's one entry point)."""
+    from typing import get_args
+
+    from fedtune import launch as launch_module
+    from fedtune.config import RunConfig, load_config
+
+    assert set(launch_module.ENGINES) == set(get_args(RunConfig.model_fields["engine"].annotation))
+    seen = []
+    for engine in launch_module.ENGINES:
+        monkeypatch.setitem(launch_module.ENGINES, engine, lambda config, **kw: seen.append((config.engine, kw)) or {})
+        launch_module.launch(load_config(None, [f'engine="{engine}"']), on_round=print, resume=True)
+    assert seen == [(e, {"on_round": print, "on_start": None, "resume": True}) for e in launch_module.ENGINES]

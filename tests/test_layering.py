@@ -17,6 +17,7 @@ inside functions are lazy and may point up, for example the registries discoveri
     run, progress       one run end to end, the run folder
     engines.flower      the same Strategy/Client objects on Flower (codec, runconfig, worker,
                         clientapp, transport, serverapp, simulation, commands, deployment)
+    launch              config.engine -> its launcher (the one entry point)
     cli, report, harness
 """
 
@@ -45,6 +46,7 @@ LAYERS = [
     ["fedtune.engines", "fedtune.engines.rounds", "fedtune.engines.embedded"],
     ["fedtune.run", "fedtune.progress"],
     ["fedtune.engines.flower"],
+    ["fedtune.launch"],
     ["fedtune.cli", "fedtune.report", "fedtune.harness"],
 ]
 

@@ -1,0 +1,50 @@
+"""Run a config on the engine it names: the one entry point of ``fedtune run`` and of a library user.
+
+Every engine runs the same Strategy and Client objects and writes the same run folder; a launcher
+is a function ``(config, on_round=, on_start=, resume=) -> summary``. To add an engine, write its
+launcher and name it in :data:`ENGINES` (and in ``RunConfig.engine``'s choices, :mod:`fedtune.config`).
+The launchers import their engine when called, so that ``fedtune`` starts without loading Flower.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def _embedded(config: Any, **kw: Any) -> dict:
+    from fedtune.run import run_experiment
+
+    return run_experiment(config, **kw)
+
+
+def _flower_simulation(config: Any, **kw: Any) -> dict:
+    from fedtune.engines.flower.simulation import run_flower_simulation
+
+    return run_flower_simulation(config, **kw)
+
+
+def _flower_deployment(config: Any, **kw: Any) -> dict:
+    from fedtune.engines.flower.deployment import run_flower_deployment
+
+    return run_flower_deployment(config, **kw)
+
+
+#: ``config.engine`` -> its launcher: clients in this process; a Flower simulation (Ray); a loopback
+#: Flower deployment (SuperLink, SuperNodes, ``flwr run``).
+ENGINES: dict[str, Callable[..., dict]] = {
+    "embedded": _embedded,
+    "flower-sim": _flower_simulation,
+    "flower": _flower_deployment,
+}
+
+
+def launch(
+    config: Any,
+    on_round: Callable[[Any], None] | None = None,
+    on_start: Callable[[Any], None] | None = None,
+    resume: bool = False,
+) -> dict:
+    """Run ``config`` on ``config.engine`` and return the summary (also in the run folder's
+    ``summary.json``); ``on_round`` gets each round's record, ``on_start`` the resolved run."""
+    return ENGINES[config.engine](config, on_round=on_round, on_start=on_start, resume=resume)
