@@ -91,11 +91,11 @@ def test_proxy_reaches_clients_only_through_messages(tmp_path):
     fed.round(1, [0, 1])
     first = fed.sent[0]
     assert first.meta["proxy"] == "full" and set(k[len(PROXY) :] for k in first.arrays if k.startswith(PROXY)) == set(
-        fed.strategy.clean_tensors
+        fed.strategy.builder.clean_tensors
     )
     # the client's model holds exactly the server's proxy, every tensor, none of its locally built weights
     store = vars(fed.clients)["_proxy_store"]
-    for name, tensor in fed.strategy.clean_tensors.items():
+    for name, tensor in fed.strategy.builder.clean_tensors.items():
         assert torch.equal(store["tensors"][name], tensor), name
     assert int(fed.states[0]["proxy_version"]) == 0
     fed.round(2, [0, 2])
@@ -149,7 +149,7 @@ def test_keep_ratio_one_proxy_evaluates_as_the_full_model(tmp_path, distill):
 def control_activations(fed, chosen: dict[int, list[int]]) -> None:
     """Make every compressed neuron's activation constant: gelu(-1) <= 0 (APoZ 1) for ``chosen``,
     gelu(+1) > 0 (APoZ 0) for the others (W1 = 0), in the server's proxy (the clients download it)."""
-    stack = find_stack(fed.strategy.proxy)
+    stack = find_stack(fed.strategy.builder.proxy)
     with torch.no_grad():
         for i, neurons in chosen.items():
             ffn = stack.ffn(i)
@@ -172,7 +172,7 @@ def aligned_neurons(tmp_path, select=None, masks=None) -> tuple[dict, dict, dict
     )
     chosen = {0: [1, 4, 9, 14], 1: [0, 2, 3, 15]}
     control_activations(fed, chosen)
-    ffn = find_stack(fed.strategy.proxy).ffn(0)
+    ffn = find_stack(fed.strategy.builder.proxy).ffn(0)
     before = [t.detach().clone() for t in (ffn.up.weight, ffn.up.bias, ffn.down.weight)]
     saved = fedpft_module.select_neurons, fedpft_module.neuron_masks
     fedpft_module.select_neurons = select or saved[0]
@@ -187,7 +187,7 @@ def aligned_neurons(tmp_path, select=None, masks=None) -> tuple[dict, dict, dict
             expect = np.where(np.isin(np.arange(16), neurons), tokens[j], 0)
             assert np.array_equal(reply.arrays[f"{APOZ}{i}"], expect)
     after = [t.detach().clone() for t in (ffn.up.weight, ffn.up.bias, ffn.down.weight)]
-    return chosen, fed.strategy.changes.get(1, {}), (before, after)
+    return chosen, fed.strategy.builder.changes.get(1, {}), (before, after)
 
 
 def faithful_alignment(chosen, changes, tensors) -> bool:
@@ -242,8 +242,8 @@ def test_apoz_uploads_and_neuron_downloads_are_byte_accounted(tmp_path):
         assert sum(a.nbytes for k, a in reply.arrays.items() if k.startswith(APOZ)) == per_client
         assert reply.arrays[TOKENS].dtype == np.int64 and reply.arrays[f"{APOZ}0"].dtype == np.int32
     assert metrics["apoz_upload_bytes"] == 2 * per_client
-    changed = fed.strategy.changes[1]
-    assert fed.strategy.version == 1 and all(len(changed[i]) == 4 for i in layers)
+    changed = fed.strategy.builder.changes[1]
+    assert fed.strategy.builder.version == 1 and all(len(changed[i]) == 4 for i in layers)
     # round 2: client 0 is one version behind: it gets exactly the changed neurons (+ b2), client 2 everything
     replies, metrics = fed.round(2, [0, 2])
     delta = {k: a for k, a in fed.sent[0].arrays.items() if k.startswith(DELTA)}
@@ -263,7 +263,7 @@ def test_apoz_uploads_and_neuron_downloads_are_byte_accounted(tmp_path):
     store = vars(fed.clients)["_proxy_store"]
     held = store["versions"][int(fed.states[0]["proxy_version"])]
     assert int(fed.states[0]["proxy_version"]) == 1
-    for name, tensor in fed.strategy.clean_tensors.items():
+    for name, tensor in fed.strategy.builder.clean_tensors.items():
         assert np.array_equal(held[name], tensor.detach().numpy()), name
 
 
@@ -298,11 +298,11 @@ def test_run_metrics_and_proxy_cache(tmp_path, capsys):
     assert cache.is_file()
     again = RunContext(config).strategy()
     again.initialize()  # a rerun loads the cached proxy instead of distilling
-    assert again.record["cache"] == str(cache) and "layer-level" not in capsys.readouterr().err
+    assert again.builder.record["cache"] == str(cache) and "layer-level" not in capsys.readouterr().err
     fresh = RunContext(config).strategy()
-    fresh._proxy, _ = fresh.construct()  # distilling again gives the very same proxy (seeded)
-    for name, array in fresh.proxy_state()["ffn"].items():
-        assert np.array_equal(again.proxy_state()["ffn"][name], array), name
+    fresh.builder._proxy, _ = fresh.builder.construct()  # distilling again gives the very same proxy (seeded)
+    for name, array in fresh.builder.state()["ffn"].items():
+        assert np.array_equal(again.builder.state()["ffn"][name], array), name
 
 
 def test_fedpft_refuses_models_without_a_known_ffn(tmp_path):
@@ -334,12 +334,12 @@ def test_fedot_plugs_the_adapter_into_the_full_models_layers(tmp_path):
         "options.distill_steps=5",
     )
     s = fed.strategy
-    assert s.keep == [0, 1] and s.rank == 16 and s.alpha == fed.config.model.lora_alpha * 2
+    assert s.builder.keep == [0, 1] and s.rank == 16 and s.alpha == fed.config.model.lora_alpha * 2
     fed = Federation(
         tmp_path / "b", "fedot", "options.adapter_bottom=0", "options.adapter_top=1", "options.emulator_layers=0"
     )
     s = fed.strategy
-    assert s.keep == [1] and s.rank == 16
+    assert s.builder.keep == [1] and s.rank == 16
     fed.round(1, [0])
     proxy_names = [k for k in s.global_arrays if "lora_A" in k]
     assert proxy_names and all(".layer.0." in k for k in proxy_names)
@@ -398,28 +398,30 @@ def test_apoz_is_pooled_over_the_round_clients_positions(tmp_path, monkeypatch):
 
     monkeypatch.setattr(fedpft_module, "select_neurons", capture)
     monkeypatch.setattr(
-        s, "align", lambda selected, rnd: {"heldout_output_error_before": 0.0, "heldout_output_error_after": 0.0}
+        s.alignment,
+        "align",
+        lambda selected, rnd, adapter: {"heldout_output_error_before": 0.0, "heldout_output_error_after": 0.0},
     )
-    width = len(s.kept[s.layers[0]])
+    width = len(s.builder.kept[s.builder.layers[0]])
     replies = {}
     for cid, (zeros, positions) in enumerate([(10, 10), (0, 90)]):  # APoZ of neuron 0: 1.0 and 0.0
         counts = np.zeros(width, np.int32)
         counts[0], counts[1] = zeros, positions // 2
-        arrays = {f"{APOZ}{i}": counts.copy() for i in s.layers}
-        arrays[TOKENS] = np.full(len(s.layers), positions, np.int64)
+        arrays = {f"{APOZ}{i}": counts.copy() for i in s.builder.layers}
+        arrays[TOKENS] = np.full(len(s.builder.layers), positions, np.int64)
         replies[cid] = Message(arrays, {})
-    metrics = s.after_aggregate(1, replies)
-    assert len(seen) == len(s.layers) and s.version == 1
+    metrics = s.alignment.after_aggregate(1, replies, s.global_adapter)
+    assert len(seen) == len(s.builder.layers) and s.builder.version == 1
     for apoz in seen:
         assert apoz[0] == pytest.approx(10 / 100)  # pooled; the per-client mean would be 0.5
         assert apoz[1] == pytest.approx(50 / 100) and apoz[2] == 0.0
-    assert metrics["apoz_upload_bytes"] == 2 * (4 * width + 8) * len(s.layers)
+    assert metrics["apoz_upload_bytes"] == 2 * (4 * width + 8) * len(s.builder.layers)
 
 
 def test_alignment_runs_every_t_rounds_and_not_in_the_last(tmp_path):
     fed = Federation(tmp_path, "fedpft", "options.align_interval=3", "options.distill_before=false", "rounds=10")
     s = fed.strategy
-    assert [r for r in range(1, 11) if s.align_round(r)] == [3, 6, 9]
+    assert [r for r in range(1, 11) if s.alignment.align_round(r)] == [3, 6, 9]
     sent = s.configure_fit(3, [0])[0]
     assert sent.meta.get("apoz") is True and "apoz" not in s.configure_fit(4, [0])[0].meta
 
@@ -448,19 +450,19 @@ def test_a_client_several_versions_behind_gets_the_union_of_changed_neurons(tmp_
     monkeypatch.setattr(fedpft_module, "select_neurons", disjoint)
     fed.round(1, [0, 1])
     fed.round(2, [1])
-    assert fed.strategy.version == 2
+    assert fed.strategy.builder.version == 2
     replies, metrics = fed.round(3, [0])
     sent = fed.sent[0]
     assert sent.meta["proxy"] == "delta" and sent.meta["proxy_base"] == 0
-    hidden, layers = 32, fed.strategy.layers
+    hidden, layers = 32, fed.strategy.builder.layers
     for i in layers:
         assert sent.arrays[f"{DELTA}{i}/idx"].tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
     k = 8
     per_layer = 4 * k + 4 * k * hidden + 4 * k + 4 * hidden * k + 4 * hidden  # idx, W1 rows, b1, W2 columns, b2
     assert metrics["neuron_download_bytes"] == len(layers) * per_layer
-    assert int(fed.states[0]["proxy_version"]) == 2 == fed.strategy.version
+    assert int(fed.states[0]["proxy_version"]) == 2 == fed.strategy.builder.version
     held = vars(fed.clients)["_proxy_store"]["versions"][2]  # what client 0 built from its delta
-    for name, tensor in fed.strategy.clean_tensors.items():
+    for name, tensor in fed.strategy.builder.clean_tensors.items():
         assert np.array_equal(held[name], tensor.detach().numpy()), name
 
 
@@ -473,24 +475,24 @@ def test_layer_level_distillation_uses_mu_and_trains_only_the_compressed_ffns(tm
     fed = Federation(tmp_path, "fedpft", "options.distill_mu=0.5", "options.distill_steps=10")
     s = fed.strategy
     full = s.context.task.build_model(fed.config.seed)
-    t, p = find_stack(full), find_stack(s.proxy)
+    t, p = find_stack(full), find_stack(s.builder.proxy)
     with torch.no_grad():
         terms = []
-        for i in s.layers:
-            kept = torch.as_tensor(s.kept[i], dtype=torch.long)
+        for i in s.builder.layers:
+            kept = torch.as_tensor(s.builder.kept[i], dtype=torch.long)
             f = t.ffn(i)
             terms.append(float(normalized_mse(f.down.weight @ f.up.weight, f.down.weight[:, kept] @ f.up.weight[kept])))
-    record = s.record["distill"]
+    record = s.builder.record["distill"]
     assert record["heldout_loss_before"] - record["heldout_output_error_before"] == pytest.approx(
         0.5 * sum(terms) / len(terms), rel=1e-3
     )
-    ffn_names = {n for i in s.layers for n in p.param_names(i).values()}
+    ffn_names = {n for i in s.builder.layers for n in p.param_names(i).values()}
     state = full.state_dict()
-    for name, tensor in s.clean_tensors.items():
+    for name, tensor in s.builder.clean_tensors.items():
         if name not in ffn_names:
             assert torch.equal(tensor, state[name]), name
-    for i in s.layers:  # the compressed FFNs did train
-        kept = torch.as_tensor(s.kept[i], dtype=torch.long)
+    for i in s.builder.layers:  # the compressed FFNs did train
+        kept = torch.as_tensor(s.builder.kept[i], dtype=torch.long)
         assert not torch.equal(p.ffn(i).up.weight, t.ffn(i).up.weight[kept])
 
 
@@ -507,12 +509,12 @@ def test_fedot_emulator_distillation_reads_the_middle_block_and_trains_only_the_
         "options.distill_steps=5",
     )
     s = fed.strategy
-    assert s.keep == [0, 1] and s.emulator_positions == [0]
-    assert s.record["distill"]["heldout_output_error_before"] == 0.0
+    assert s.builder.keep == [0, 1] and s.builder.emulator_positions == [0]
+    assert s.builder.record["distill"]["heldout_output_error_before"] == 0.0
     state = s.context.task.build_model(fed.config.seed).state_dict()
-    emulator = f"{find_stack(s.proxy).path}.0."
-    outside = [n for n in s.clean_tensors if not n.startswith(emulator)]
-    assert outside and all(torch.equal(s.clean_tensors[n], state[n]) for n in outside)
+    emulator = f"{find_stack(s.builder.proxy).path}.0."
+    outside = [n for n in s.builder.clean_tensors if not n.startswith(emulator)]
+    assert outside and all(torch.equal(s.builder.clean_tensors[n], state[n]) for n in outside)
 
 
 @pytest.mark.parametrize("method", ["fedpft", "fedot", "fedpetuning"])
@@ -574,15 +576,15 @@ def test_neuron_level_alignment_trains_b2_and_nothing_outside_the_compressed_ffn
         tmp_path, "fedpft", "options.align_interval=1", "options.distill_before=false", "options.align_steps=5"
     )
     s = fed.strategy
-    before = {k: t.detach().clone() for k, t in s.clean_tensors.items()}
-    stack = find_stack(s.proxy)
-    ffn_names = {n for i in s.layers for n in stack.param_names(i).values()}
+    before = {k: t.detach().clone() for k, t in s.builder.clean_tensors.items()}
+    stack = find_stack(s.builder.proxy)
+    ffn_names = {n for i in s.builder.layers for n in stack.param_names(i).values()}
     fed.round(1, [0, 1])
-    assert s.version == 1
-    for i in s.layers:
+    assert s.builder.version == 1
+    for i in s.builder.layers:
         b2 = stack.param_names(i)["down.bias"]
-        assert not torch.equal(s.clean_tensors[b2], before[b2]), b2
-    for name, tensor in s.clean_tensors.items():
+        assert not torch.equal(s.builder.clean_tensors[b2], before[b2]), b2
+    for name, tensor in s.builder.clean_tensors.items():
         if name not in ffn_names:
             assert torch.equal(tensor, before[name]), name
 
@@ -600,7 +602,7 @@ def test_neuron_level_alignment_compares_full_and_proxy_with_the_same_adapter(tm
     )
     _, metrics = fed.round(1, [0, 1])
     assert any(np.abs(v).max() > 0 for k, v in fed.strategy.global_arrays.items() if "lora_B" in k)
-    assert fed.strategy.version == 1 and metrics["align_heldout_error_before"] == 0.0
+    assert fed.strategy.builder.version == 1 and metrics["align_heldout_error_before"] == 0.0
 
 
 def test_client_apoz_counts_its_data_with_the_received_adapter_before_training(tmp_path):
@@ -623,15 +625,15 @@ def test_client_apoz_counts_its_data_with_the_received_adapter_before_training(t
     # round 1 first (its client gets adapter B = 0), so that round 2's received adapter is a trained one
     fed.round(1, [1])
     received = {k: v.copy() for k, v in s.global_arrays.items()}
-    ws = s.proxy_ws
+    ws = s.builder.workspace
     ws.load(received, s.rank, s.alpha)
-    stack, pool = find_stack(s.proxy), fed.server.partitions[0]
+    stack, pool = find_stack(s.builder.proxy), fed.server.partitions[0]
     rng = np.random.default_rng(seed_for(fed.config.seed, 2, 0, 0xA907))
     batches = task.train_batches(pool, cfg.batch_size, math.ceil(min(len(pool), 16) / cfg.batch_size), rng)
     zeros, tokens = count_zero_activations(
-        ws.model, [stack.ffn(i) for i in s.layers], stack.layers[max(s.layers)], batches, task.loss, 0.0
+        ws.model, [stack.ffn(i) for i in s.builder.layers], stack.layers[max(s.builder.layers)], batches, task.loss, 0.0
     )
     replies, _ = fed.round(2, [0])
     assert len(pool) > 16 > cfg.batch_size and replies[0].arrays[TOKENS].tolist() == tokens
-    for i, z in zip(s.layers, zeros):
+    for i, z in zip(s.builder.layers, zeros):
         assert np.array_equal(replies[0].arrays[f"{APOZ}{i}"], z.numpy().astype(np.int32)), i

@@ -32,6 +32,8 @@ from pydantic import Field
 from fedtune.config import ConfigError
 from fedtune.methods.base.averaging import SERVER_STEP_AND_UPLOAD_CODEC
 from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS
+from fedtune.methods.fedpft.alignment import ProxyAligner
+from fedtune.methods.fedpft.construction import ProxyBuilder
 from fedtune.methods.fedpft.distill import DistillPairs
 from fedtune.methods.fedpft.ffn_proxy import ProxyShape, find_stack, keep_layers, uniform_choose
 from fedtune.methods.fedpft.proxy import ProxyClient, ProxyOptions, ProxyStrategy
@@ -77,27 +79,30 @@ def layer_plan(n_layers: int, bottom: int, top: int, emulator: int | None) -> li
     return list(range(bottom)) + emulator_idx + list(range(n_layers - top, n_layers))
 
 
+def adapter_positions(n_proxy_layers: int, bottom: int, top: int) -> list[int]:
+    """Positions, in a proxy of ``n_proxy_layers`` layers, of the adapter's: the first ``bottom``, the last ``top``."""
+    return list(range(bottom)) + list(range(n_proxy_layers - top, n_proxy_layers))
+
+
 def adapter_targets(task, model: torch.nn.Module, stack_path: str, positions: list[int]) -> list[str]:
     """The task's LoRA targets in ``model`` that lie in layers ``positions`` of its stack."""
     inside = tuple(f"{stack_path}.{p}." for p in positions)
     return [n for n in lora_target_modules(task, model) if n.startswith(inside)]
 
 
-class FedOTStrategy(ProxyStrategy):
-    """FedOT: Offsite-Tuning in FL, adapter layers tuned around a frozen layer-drop emulator (Xiao et al. 2023)."""
+class LayerDropBuilder(ProxyBuilder):
+    """FedOT's proxy: the adapter layers around an emulator, a uniform layer drop of the middle
+    layers distilled from the full middle block (module docstring)."""
 
-    method_name = "fedot"
-
-    def __init__(self, context) -> None:
-        super().__init__(context)
+    def __init__(self, context, aligner: ProxyAligner, method_name: str) -> None:
+        super().__init__(context, aligner, method_name)
         self.keep: list[int] = []
         self.n_layers = 0
 
     @property
     def adapter_positions(self) -> list[int]:
         """Positions, in the proxy, of the adapter's layers."""
-        o, n = self.options, len(self.keep)
-        return list(range(o.adapter_bottom)) + list(range(n - o.adapter_top, n))
+        return adapter_positions(len(self.keep), self.options.adapter_bottom, self.options.adapter_top)
 
     @property
     def emulator_positions(self) -> list[int]:
@@ -118,7 +123,7 @@ class FedOTStrategy(ProxyStrategy):
         }
         emulator = self.emulator_positions
         if o.distill_before and o.distill_steps and emulator:
-            teacher = self.teacher()
+            teacher = self.aligner.teacher()
             t_stack = find_stack(teacher)
             model.requires_grad_(False)
             params = [p for i in emulator for p in stack.layers[i].parameters()]
@@ -127,7 +132,9 @@ class FedOTStrategy(ProxyStrategy):
             pairs = DistillPairs(
                 teacher, model, [t_stack.layers[self.n_layers - o.adapter_top - 1]], [stack.layers[emulator[-1]]]
             )
-            record["distill"] = self.run_distillation(pairs, params, o.distill_steps, 0, "fedot: emulator distillation")
+            record["distill"] = self.aligner.run_distillation(
+                pairs, params, o.distill_steps, 0, "fedot: emulator distillation"
+            )
             model.requires_grad_(False)
         return model, record
 
@@ -141,9 +148,7 @@ class FedOTStrategy(ProxyStrategy):
         load_tensors(state_tensors(model), state["emulator"], strict=False)
         return model
 
-    def proxy_state(self) -> dict:
-        if self._proxy is None and self._proxy_state is not None:
-            return self._proxy_state
+    def describe(self) -> dict:
         path = find_stack(self.proxy).path
         inside = tuple(f"{path}.{i}." for i in self.emulator_positions)
         emulator = {k: t.detach().numpy().copy() for k, t in self.clean_tensors.items() if k.startswith(inside)}
@@ -153,37 +158,46 @@ class FedOTStrategy(ProxyStrategy):
     def shape(self) -> ProxyShape:
         return ProxyShape(layers=tuple(self.keep))
 
+    def lora_targets(self) -> list[str]:
+        return adapter_targets(self.context.task, self.proxy, find_stack(self.proxy).path, self.adapter_positions)
+
+
+class FedOTStrategy(ProxyStrategy):
+    """FedOT: Offsite-Tuning in FL, adapter layers tuned around a frozen layer-drop emulator (Xiao et al. 2023)."""
+
+    method_name = "fedot"
+
+    def __init__(self, context) -> None:
+        super().__init__(context, LayerDropBuilder(context, ProxyAligner(context), self.method_name))
+
     # -- the adapter --------------------------------------------------------------------------------------
-    def load_or_construct(self) -> None:
-        super().load_or_construct()
+    def adapter_budget(self) -> tuple[int, float]:
+        """FedPETuning's trainable parameters on fewer layers: rank x layers / adapter layers, alpha / r kept."""
         o, cfg = self.options, self.config.model
         n_adapter = o.adapter_bottom + o.adapter_top
         if n_adapter == 0:
             raise ConfigError("options.adapter_bottom + adapter_top: the adapter needs at least one layer")
-        self.rank = o.adapter_rank or max(1, round(cfg.lora_rank * self.n_layers / n_adapter))
-        self.alpha = cfg.lora_alpha * self.rank / cfg.lora_rank
-
-    def proxy_targets(self) -> list[str]:
-        return adapter_targets(self.context.task, self.proxy, find_stack(self.proxy).path, self.adapter_positions)
+        rank = o.adapter_rank or max(1, round(cfg.lora_rank * self.builder.n_layers / n_adapter))
+        return rank, cfg.lora_alpha * rank / cfg.lora_rank
 
     def to_full(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The adapter's arrays named by the full model's layers (proxy position p -> layer keep[p])."""
-        path = find_stack(self.proxy).path + "."
+        path, keep = find_stack(self.builder.proxy).path + ".", self.builder.keep
         out = {}
         for name, a in arrays.items():
             if name.startswith(path):
                 pos, rest = name[len(path) :].split(".", 1)
-                name = f"{path}{self.keep[int(pos)]}.{rest}"
+                name = f"{path}{keep[int(pos)]}.{rest}"
             out[name] = a
         return out
 
     @cached_property
     def full_ws(self) -> LoraWorkspace:
         """LoRA on the full model's adapter layers only (plug-back)."""
-        task, seed = self.context.task, self.config.seed
+        task, seed, builder = self.context.task, self.config.seed, self.builder
         model = task.build_model(seed)
         stack = find_stack(model)
-        targets = adapter_targets(task, model, stack.path, [self.keep[p] for p in self.adapter_positions])
+        targets = adapter_targets(task, model, stack.path, [builder.keep[p] for p in builder.adapter_positions])
         return LoraWorkspace(ModelTask(task, lambda: task.build_model(seed), targets), seed)
 
     def evaluate_full(self) -> dict[str, float]:
@@ -201,8 +215,8 @@ class FedOTStrategy(ProxyStrategy):
 
 class FedOTClient(ProxyClient):
     def proxy_targets(self, model: torch.nn.Module) -> list[str]:
-        o, n = self.options, len(self.store["shape"].layers)
-        positions = list(range(o.adapter_bottom)) + list(range(n - o.adapter_top, n))
+        o = self.options
+        positions = adapter_positions(len(self.store["shape"].layers), o.adapter_bottom, o.adapter_top)
         return adapter_targets(self.context.task, model, find_stack(model).path, positions)
 
 

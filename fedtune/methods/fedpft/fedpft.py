@@ -5,7 +5,7 @@
    of 12 layers), keep the ``options.keep_ratio`` most salient FFN neurons (eq. 8:
    sqrt(||W1[i,:]||^2 + ||W2[:,i]||^2)) in their original order, with their b1 entries; b2, the
    attention, every norm and the embeddings are copied unchanged
-   (:func:`~fedtune.methods.fedpft.ffn_proxy.compress_ffns`).
+   (:func:`~fedtune.methods.fedpft.ffn_proxy.compress_ffns`; steps 1-2: :class:`CompressedFfnBuilder`).
 2. **Layer-level distillation before FL** (Sec. 3.5.1, eq. 13): the server trains the compressed
    FFNs' W1, b1, W2, b2 (nothing else) so that every compressed layer's output matches the full
    model's on a public data set (``options.distill_data``), loss = mean over the compressed
@@ -29,7 +29,7 @@
    as merged weights), eq. (13) with ``align_mu`` (the published alignment uses mu = 0). Every
    other neuron stays bit-identical. The proxy's version goes up by one; a client gets the
    neurons changed since the version it holds (``delta/<layer>/idx`` and the new rows /
-   columns, b2) with its next training message, bytes counted.
+   columns, b2) with its next training message, bytes counted (:class:`NeuronLevelAlignment`).
 5. **Plug-back**: the adapter trained on the proxy is the full model's (same module names):
    ``accuracy`` is the full model's with it, ``proxy_accuracy`` the proxy's.
 
@@ -69,6 +69,8 @@ from pydantic import Field
 from fedtune.config import ConfigError
 from fedtune.methods.base.averaging import SERVER_STEP_AND_UPLOAD_CODEC
 from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS
+from fedtune.methods.fedpft.alignment import ProxyAligner
+from fedtune.methods.fedpft.construction import ProxyBuilder
 from fedtune.methods.fedpft.distill import DistillPairs, count_zero_activations
 from fedtune.methods.fedpft.ffn_proxy import (
     ProxyShape,
@@ -78,7 +80,14 @@ from fedtune.methods.fedpft.ffn_proxy import (
     shrink_ffn,
     weight_product,
 )
-from fedtune.methods.fedpft.proxy import ProxyClient, ProxyOptions, ProxyStrategy, check_layers
+from fedtune.methods.fedpft.proxy import (
+    GlobalAdapter,
+    ProxyClient,
+    ProxyOptions,
+    ProxyStrategy,
+    RoundAlignment,
+    check_layers,
+)
 from fedtune.methods.fedpft.support import load_tensors, lora_target_modules, state_tensors
 from fedtune.models.training import seed_for
 from fedtune.protocol.messages import Message
@@ -197,18 +206,18 @@ def apply_neuron_delta(
         arrays[name] = new
 
 
-class FedPFTStrategy(ProxyStrategy):
-    """FedPFT: LoRA FL on a saliency-compressed proxy aligned by two-step distillation (Peng et al. 2024)."""
+class CompressedFfnBuilder(ProxyBuilder):
+    """FedPFT's proxy: the task's model with the FFNs of the compressed layers cut to their most
+    salient neurons (Sec. 3.4, eq. 8), distilled layer by layer from the full model (eq. 13).
+    It also keeps the proxy's versions: the neurons each neuron-level alignment changed
+    (:meth:`new_version`), from which a client's delta is made (:meth:`delta`)."""
 
-    method_name = "fedpft"
-
-    def __init__(self, context) -> None:
-        super().__init__(context)
+    def __init__(self, context, aligner: ProxyAligner, method_name: str) -> None:
+        super().__init__(context, aligner, method_name)
         self.layers: list[int] = []
         self.kept: dict[int, np.ndarray] = {}
         self.changes: dict[int, dict[int, np.ndarray]] = {}  # version -> layer -> neurons changed
 
-    # -- the proxy ------------------------------------------------------------------------------------
     def construct(self):
         o = self.options
         model = self.context.task.build_model(self.config.seed)
@@ -222,22 +231,18 @@ class FedPFTStrategy(ProxyStrategy):
             "proxy_params": sum(p.numel() for p in model.parameters()),
         }
         if o.distill_before and o.distill_steps and self.layers:
-            teacher = self.teacher()
+            teacher = self.aligner.teacher()
             t_stack, s_stack = find_stack(teacher), find_stack(model)
             model.requires_grad_(False)
             params = [p for i in self.layers for p in s_stack.ffn(i).parameters()]
             for p in params:
                 p.requires_grad_(True)
-            pairs = DistillPairs(
-                teacher,
-                model,
-                [t_stack.layers[i] for i in self.layers],
-                [s_stack.layers[i] for i in self.layers],
-                [(weight_product(t_stack.ffn(i)).detach(), s_stack.ffn(i)) for i in self.layers],
-                o.distill_mu,
-            )
-            record["distill"] = self.run_distillation(
-                pairs, params, o.distill_steps, 0, "fedpft: layer-level distillation (eq. 13)"
+            record["distill"] = self.aligner.run_distillation(
+                layer_pairs(teacher, model, t_stack, s_stack, self.layers, o.distill_mu),
+                params,
+                o.distill_steps,
+                0,
+                "fedpft: layer-level distillation (eq. 13)",
             )
             model.requires_grad_(False)
         return model, record
@@ -270,9 +275,7 @@ class FedPFTStrategy(ProxyStrategy):
         load_tensors(state_tensors(model), state["ffn"], strict=False)
         return model
 
-    def proxy_state(self) -> dict:
-        if self._proxy is None and self._proxy_state is not None:
-            return self._proxy_state
+    def describe(self) -> dict:
         stack = find_stack(self.proxy)
         ffn = {
             name: self.clean_tensors[name].detach().numpy().copy()
@@ -291,14 +294,46 @@ class FedPFTStrategy(ProxyStrategy):
     def shape(self) -> ProxyShape:
         return ProxyShape(widths=tuple((i, len(self.kept[i])) for i in self.layers))
 
-    def initialize(self) -> None:
-        self.rank, self.alpha = self.config.model.lora_rank, None
-        super().initialize()
+    def new_version(self, changed: dict[int, np.ndarray]) -> None:
+        """The proxy's next version, whose FFNs differ from the last one in the ``changed`` neurons."""
+        self.version += 1
+        self.changes[self.version] = changed
 
-    def initial_adapter(self) -> dict[str, np.ndarray]:
-        return self.context.workspace.state(self.rank)
+    def delta(self, base: int) -> dict[str, np.ndarray]:
+        stack = find_stack(self.proxy)
+        out: dict[str, np.ndarray] = {}
+        for i in self.layers:
+            changed = [self.changes[v][i] for v in range(base + 1, self.version + 1) if i in self.changes.get(v, {})]
+            if changed:
+                out.update(neuron_delta(stack, i, np.unique(np.concatenate(changed))))
+        return out
 
-    # -- neuron-level distillation (eq. 14) -------------------------------------------------------------
+
+def layer_pairs(
+    teacher: torch.nn.Module, student: torch.nn.Module, t_stack: Stack, s_stack: Stack, layers: list[int], mu: float
+) -> DistillPairs:
+    """Eq. (13) over the compressed ``layers`` (of the stacks ``t_stack``, ``s_stack`` of the teacher
+    and the student): their outputs, and ``mu`` times their W1 W2."""
+    return DistillPairs(
+        teacher,
+        student,
+        [t_stack.layers[i] for i in layers],
+        [s_stack.layers[i] for i in layers],
+        [(weight_product(t_stack.ffn(i)).detach(), s_stack.ffn(i)) for i in layers],
+        mu,
+    )
+
+
+class NeuronLevelAlignment(RoundAlignment):
+    """FedPFT's alignment during FL (Sec. 3.5.2, eq. 14; module docstring, step 4): in an
+    alignment round the clients count their zero activations, the server pools them into APoZ,
+    picks the high-APoZ neurons and distills only those from the full model; each alignment makes
+    a new proxy version (:meth:`CompressedFfnBuilder.new_version`)."""
+
+    def __init__(self, context, builder: CompressedFfnBuilder, aligner: ProxyAligner) -> None:
+        self.context, self.config, self.options = context, context.config, context.options
+        self.builder, self.aligner = builder, aligner
+
     def align_round(self, rnd: int) -> bool:
         o = self.options
         return (
@@ -306,67 +341,59 @@ class FedPFTStrategy(ProxyStrategy):
             and rnd % o.align_interval == 0
             and rnd < self.config.rounds
             and o.align_steps > 0
-            and bool(self.layers)
+            and bool(self.builder.layers)
         )
 
     def fit_meta(self, rnd: int) -> dict:
         return {"apoz": True} if self.align_round(rnd) else {}
 
-    def extra_reply_spec(self, sent: Message) -> dict[str, ArraySpec]:
+    def reply_spec(self, sent: Message) -> dict[str, ArraySpec]:
         if not sent.meta.get("apoz"):
             return {}
-        specs = {f"{APOZ}{i}": ArraySpec((len(self.kept[i]),), "int32", False) for i in self.layers}
-        return {**specs, TOKENS: ArraySpec((len(self.layers),), "int64", False)}
+        layers, kept = self.builder.layers, self.builder.kept
+        specs = {f"{APOZ}{i}": ArraySpec((len(kept[i]),), "int32", False) for i in layers}
+        return {**specs, TOKENS: ArraySpec((len(layers),), "int64", False)}
 
-    def after_aggregate(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
+    def after_aggregate(self, rnd: int, replies: dict[int, Message], adapter: GlobalAdapter) -> dict[str, float]:
         got = [m for m in replies.values() if TOKENS in m.arrays]
         if not self.align_round(rnd) or not got:
             return {}
         tokens = sum(m.arrays[TOKENS].astype(np.int64) for m in got)
         rng = np.random.default_rng([self.config.seed, rnd, 0xA907])
         apoz, selected = {}, {}
-        for j, i in enumerate(self.layers):
+        for j, i in enumerate(self.builder.layers):
             zeros = sum(m.arrays[f"{APOZ}{i}"].astype(np.int64) for m in got)
             apoz[i] = zeros / max(int(tokens[j]), 1)  # eq. (14) over the round's clients' data
             selected[i] = select_neurons(apoz[i], self.options.align_fraction, rng)
-        record = self.align(selected, rnd)
-        self.version += 1
-        self.changes[self.version] = selected
+        record = self.align(selected, rnd, adapter)
+        self.builder.new_version(selected)
         uploaded = sum(m.arrays[k].nbytes for m in got for k in m.arrays if k.startswith(APOZ))
         return {
             "apoz_upload_bytes": float(uploaded),
             "apoz_mean": float(np.mean([a.mean() for a in apoz.values()])),
             "align_heldout_error_before": record["heldout_output_error_before"],
             "align_heldout_error_after": record["heldout_output_error_after"],
-            "proxy_version": float(self.version),
+            "proxy_version": float(self.builder.version),
         }
 
-    def align(self, selected: dict[int, np.ndarray], rnd: int) -> dict:
-        """Distill the ``selected`` neurons of the proxy from the full model, both with the current
-        global adapter; every other neuron is left bit-identical."""
-        full, proxy = self.context.workspace, self.proxy_ws
-        full.load(self.global_arrays, self.rank, self.alpha)
-        adapter = list(proxy.load(self.global_arrays, self.rank, self.alpha).values())
-        t_stack, s_stack = find_stack(full.base), find_stack(self.proxy)
+    def align(self, selected: dict[int, np.ndarray], rnd: int, adapter: GlobalAdapter) -> dict:
+        """Distill the ``selected`` neurons of the proxy from the full model, both with the global
+        ``adapter``; every other neuron is left bit-identical."""
+        full, proxy = self.context.workspace, self.builder.workspace
+        full.load(*adapter)
+        lora_params = list(proxy.load(*adapter).values())
+        t_stack, s_stack = find_stack(full.base), find_stack(self.builder.proxy)
         masks = {}
         for i, idx in selected.items():
             masks.update(neuron_masks(s_stack, i, idx))
         params = list(masks)
-        for p in adapter:
+        for p in lora_params:
             p.requires_grad_(False)
         for p in params:
             p.requires_grad_(True)
         try:
-            pairs = DistillPairs(
-                full.model,
-                proxy.model,
-                [t_stack.layers[i] for i in self.layers],
-                [s_stack.layers[i] for i in self.layers],
-                [(weight_product(t_stack.ffn(i)).detach(), s_stack.ffn(i)) for i in self.layers],
-                self.options.align_mu,
-            )
-            return self.run_distillation(
-                pairs,
+            return self.aligner.run_distillation(
+                layer_pairs(full.model, proxy.model, t_stack, s_stack, self.builder.layers, self.options.align_mu),
                 params,
                 self.options.align_steps,
                 rnd,
@@ -376,17 +403,23 @@ class FedPFTStrategy(ProxyStrategy):
         finally:
             for p in params:
                 p.requires_grad_(False)
-            for p in adapter:
+            for p in lora_params:
                 p.requires_grad_(True)
 
-    def delta_arrays(self, base: int) -> dict[str, np.ndarray]:
-        stack = find_stack(self.proxy)
-        out: dict[str, np.ndarray] = {}
-        for i in self.layers:
-            changed = [self.changes[v][i] for v in range(base + 1, self.version + 1) if i in self.changes.get(v, {})]
-            if changed:
-                out.update(neuron_delta(stack, i, np.unique(np.concatenate(changed))))
-        return out
+
+class FedPFTStrategy(ProxyStrategy):
+    """FedPFT: LoRA FL on a saliency-compressed proxy aligned by two-step distillation (Peng et al. 2024)."""
+
+    method_name = "fedpft"
+
+    def __init__(self, context) -> None:
+        aligner = ProxyAligner(context)
+        builder = CompressedFfnBuilder(context, aligner, self.method_name)
+        super().__init__(context, builder, NeuronLevelAlignment(context, builder, aligner))
+
+    def initial_adapter(self) -> dict[str, np.ndarray]:
+        """LoRA initialized on the full model (the adapter's names and shapes are the full model's)."""
+        return self.context.workspace.state(self.rank)
 
 
 class FedPFTClient(ProxyClient):

@@ -1,13 +1,18 @@
 """Federated fine-tuning on a proxy sub-model, the part FedPFT and FedOT share.
 
-**Server.** Before round 1 it builds the proxy from the task's model (the method's
-:meth:`ProxyStrategy.construct`, usually with a distillation on a public data set, progress on
-stderr) and caches it in the run folder (``<method>-proxy.npz``, keyed by every setting that
-shapes it; ``options.proxy_cache_dir`` shares it between runs), so a rerun skips it. The global
-state is one LoRA adapter (``self.global_arrays``, names as in the full model) averaged with
-FedAvg (``options.weighting``) through the server optimizer. Evaluation plugs the adapter into
-the **full** model (``accuracy``, ``loss``: the paper's point) and reports the proxy with the same
-adapter beside it (``proxy_accuracy``, ``proxy_loss``).
+**Server**, three collaborating parts. The proxy's *construction*
+(:class:`~fedtune.methods.fedpft.construction.ProxyBuilder`, the method's own) builds it from the
+task's model before round 1, usually with a distillation on a public data set (progress on
+stderr), caches it in the run folder (``<method>-proxy.npz``, keyed by every setting that shapes
+it; ``options.proxy_cache_dir`` shares it between runs), so a rerun skips it, and then holds it.
+Its *alignment* with the full model (:class:`~fedtune.methods.fedpft.alignment.ProxyAligner`: the
+public data, the teacher, the distillation runs) serves the construction and, during FL, the
+method's :class:`RoundAlignment` (FedPFT's neuron-level step). The FL strategy
+(:class:`ProxyStrategy`) holds both and runs the rounds: the global state is one LoRA adapter
+(``self.global_arrays``, names as in the full model) averaged with FedAvg (``options.weighting``)
+through the server optimizer. Evaluation plugs the adapter into the **full** model (``accuracy``,
+``loss``: the paper's point) and reports the proxy with the same adapter beside it
+(``proxy_accuracy``, ``proxy_loss``).
 
 **Proxy download, through Messages only.** A client knows nothing of the proxy but what it
 receives. The server remembers, per client, the proxy version the client's last valid reply
@@ -35,18 +40,12 @@ round's clients).
 
 from __future__ import annotations
 
-import hashlib
-import json
-from abc import abstractmethod
-from functools import cached_property
-from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
 from pydantic import Field
 
-from fedtune.checkpoint import load_state, save_state
 from fedtune.config import ConfigError
 from fedtune.methods.base.averaging import (
     UpdateClient,
@@ -57,15 +56,13 @@ from fedtune.methods.base.averaging import (
     weighted_average,
 )
 from fedtune.methods.base.lora import GlobalAdapterStrategy
-from fedtune.methods.fedpft.distill import DistillPairs, distill, distill_error
+from fedtune.methods.fedpft.construction import ProxyBuilder
 from fedtune.methods.fedpft.ffn_proxy import ProxyShape, SubmodelError, apply_shape, find_stack
 from fedtune.methods.fedpft.support import (
     ModelTask,
     as_arrays,
     load_tensors,
     memory_metrics,
-    progress,
-    public_source,
     size_metrics,
     state_tensors,
     train_lora,
@@ -118,192 +115,74 @@ class ProxyOptions(MethodOptions):
         return run_seed if self.distill_seed is None else self.distill_seed
 
 
-class ProxyStrategy(GlobalAdapterStrategy):
-    """Server side of FL on a proxy (module docstring). Subclasses build and describe the proxy:
-    :meth:`construct`, :meth:`rebuild`, :meth:`proxy_state`, :attr:`shape`, and say which adapter
-    the clients train (:meth:`initial_adapter`, :attr:`rank`, :attr:`alpha`)."""
+class GlobalAdapter(NamedTuple):
+    """The global adapter as the clients get it: arrays (full-model names), LoRA rank and alpha."""
 
-    method_name: ClassVar[str]
+    arrays: dict[str, np.ndarray]
+    rank: int
+    alpha: float | None
 
-    def __init__(self, context: Any) -> None:
-        super().__init__(context)
-        self.version = 0  # the proxy's version (FedPFT bumps it at each neuron-level alignment)
-        self.held: dict[int, int] = {}  # client -> proxy version its last valid reply holds
-        self._sent: set[int] = set()
-        self._round = -1
-        self._bytes: dict[str, int] = {}
-        self._proxy: torch.nn.Module | None = None
-        self._proxy_state: dict | None = None
-        self.record: dict = {}
 
-    # -- what a subclass provides -----------------------------------------------------------------
-    @abstractmethod
-    def construct(self) -> tuple[torch.nn.Module, dict]:
-        """The proxy before FL (built, distilled) and a JSON-able record of how it was made."""
-
-    @abstractmethod
-    def rebuild(self, state: dict) -> torch.nn.Module:
-        """The proxy from :meth:`proxy_state`'s ``state`` (and the task's model)."""
-
-    @abstractmethod
-    def proxy_state(self) -> dict:
-        """The proxy as named arrays and JSON values (what differs from the task's model)."""
-
-    @property
-    @abstractmethod
-    def shape(self) -> ProxyShape:
-        """The proxy's shape (which FFN neurons each compressed layer keeps)."""
-
-    def initial_adapter(self) -> dict[str, np.ndarray]:
-        return self.proxy_ws.state(self.rank, self.alpha)
+class RoundAlignment:
+    """Alignment of the proxy during FL, asked by the strategy in every round: what the fit
+    messages ask of the clients (:meth:`fit_meta`), what the replies carry besides the update
+    (:meth:`reply_spec`), and the alignment after the round's aggregation (:meth:`after_aggregate`,
+    its metrics). This base aligns nothing (FedOT: the emulator stays frozen); FedPFT's is the
+    neuron-level alignment of eq. (14)."""
 
     def fit_meta(self, rnd: int) -> dict:
         return {}
 
-    def delta_arrays(self, base: int) -> dict[str, np.ndarray]:
-        """Arrays that bring a client from proxy version ``base`` to :attr:`version`."""
-        raise RuntimeError(f"{type(self).__name__}: the proxy never changes, yet a client holds version {base}")
-
-    def after_aggregate(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
+    def reply_spec(self, sent: Message) -> dict[str, ArraySpec]:
         return {}
 
-    def extra_reply_spec(self, sent: Message) -> dict[str, ArraySpec]:
+    def after_aggregate(self, rnd: int, replies: dict[int, Message], adapter: GlobalAdapter) -> dict[str, float]:
         return {}
 
-    def restore(self, state: dict) -> None:
-        """Read what the strategy keeps beside the modules from :meth:`proxy_state`'s ``state``."""
 
-    # -- the proxy ------------------------------------------------------------------------------------
+class ProxyStrategy(GlobalAdapterStrategy):
+    """Server side of FL on a proxy (module docstring): the rounds. The subclass chooses, by
+    composition, how the proxy is built (``builder``: a :class:`ProxyBuilder`, which also holds the
+    proxy) and aligned during FL (``alignment``: a :class:`RoundAlignment`, none by default), and
+    which adapter the clients train (:meth:`adapter_budget`, :meth:`initial_adapter`)."""
+
+    method_name: ClassVar[str]
+
+    def __init__(self, context: Any, builder: ProxyBuilder, alignment: RoundAlignment | None = None) -> None:
+        super().__init__(context)
+        self.builder = builder
+        self.alignment = alignment or RoundAlignment()
+        self.held: dict[int, int] = {}  # client -> proxy version its last valid reply holds
+        self._sent: set[int] = set()
+        self._round = -1
+        self._bytes: dict[str, int] = {}
+
+    def adapter_budget(self) -> tuple[int, float | None]:
+        """(LoRA rank, alpha) of the clients' adapter, once the proxy exists (default: ``model.lora_rank``,
+        the workspace's alpha)."""
+        return self.config.model.lora_rank, None
+
+    def initial_adapter(self) -> dict[str, np.ndarray]:
+        """The global adapter before round 1 (default: LoRA initialized on the proxy)."""
+        return self.builder.workspace.state(self.rank, self.alpha)
+
     @property
-    def proxy(self) -> torch.nn.Module:
-        """The proxy module (wrapped in place by :attr:`proxy_ws` once that exists)."""
-        if self._proxy is None:
-            if self._proxy_state is None:
-                raise RuntimeError("the proxy is neither built (initialize) nor loaded (load_state_dict)")
-            self._proxy = self.rebuild(self._proxy_state)
-        return self._proxy
-
-    @cached_property
-    def clean_tensors(self) -> dict[str, torch.Tensor]:
-        """The proxy's state dict as the client downloads it (names before LoRA wrapping), live."""
-        return state_tensors(self.proxy)
-
-    @cached_property
-    def proxy_ws(self) -> LoraWorkspace:
-        """LoRA on the proxy (the clients' model), for evaluation and alignment."""
-        _ = self.clean_tensors  # before PEFT wraps the proxy in place
-        return LoraWorkspace(ModelTask(self.context.task, lambda: self.proxy, self.proxy_targets()), self.config.seed)
-
-    def proxy_targets(self) -> list[str] | None:
-        """LoRA targets on the proxy (None: the task's)."""
-        return None
-
-    @cached_property
-    def public(self) -> tuple[Any, np.ndarray, np.ndarray]:
-        """(public Task, training pool, held-out pool) for distillation (:func:`public_source`)."""
-        o = self.options
-        task, pool = public_source(self.config, o.distill_data, o.distill_samples, o.distill_seed_of(self.config.seed))
-        n_eval = min(256, len(pool) // 5)
-        return task, pool[: len(pool) - n_eval], pool[len(pool) - n_eval :]
-
-    def public_batches(self, steps: int, stream: int, held_out: bool = False):
-        task, pool, heldout = self.public
-        rng = np.random.default_rng([self.options.distill_seed_of(self.config.seed), 0xD157, stream])
-        return task.train_batches(heldout if held_out else pool, self.options.distill_batch_size, steps, rng)
-
-    def forward(self, model: torch.nn.Module, batch: Any) -> Any:
-        """A forward pass on a batch (the task's loss; distillation cuts it short before the head)."""
-        return self.context.task.loss(model, batch)
-
-    def run_distillation(
-        self, pairs: DistillPairs, params: list, steps: int, stream: int, label: str, masks: dict | None = None
-    ) -> dict:
-        """:func:`distill` on public batches, with the held-out error before and after."""
-        heldout_steps = max(1, len(self.public[2]) // self.options.distill_batch_size)
-        before = distill_error(pairs, self.public_batches(heldout_steps, stream, True), self.forward)
-        losses = distill(
-            pairs,
-            params,
-            self.public_batches(steps, stream),
-            self.forward,
-            steps,
-            self.options.distill_lr,
-            self.options.distill_weight_decay,
-            masks=masks,
-            log=progress(label, steps),
-        )
-        after = distill_error(pairs, self.public_batches(heldout_steps, stream, True), self.forward)
-        return {
-            "steps": steps,
-            "first_loss": losses[0] if losses else None,
-            "last_loss": losses[-1] if losses else None,
-            "heldout_loss_before": before[0],
-            "heldout_loss_after": after[0],
-            "heldout_output_error_before": before[1],
-            "heldout_output_error_after": after[1],
-        }
-
-    def teacher(self) -> torch.nn.Module:
-        """The full model without any adapter (the server's, when not yet wrapped by LoRA)."""
-        ws = self.context.workspace
-        return ws.base if ws.model is None else self.context.task.build_model(self.config.seed)
-
-    # -- cache ----------------------------------------------------------------------------------------
-    def cache_key(self) -> str:
-        c, o = self.config, self.options
-        # the run's seed shapes the proxy through the distillation's draw (distill_seed overrides it) and,
-        # without a public set, through the clients' pool that the held-out examples complement
-        seeds = [o.distill_seed_of(c.seed), c.seed if o.distill_data is None else None]
-        what = {
-            "method": self.method_name,
-            "seeds": seeds,
-            "task": c.task.model_dump(mode="json"),
-            "model": c.model.model_dump(mode="json", include={"name", "finetune"}),
-            "data": c.data.model_dump(mode="json", include={"name", "data_dir", "max_train_samples", "max_length"}),
-            "options": {k: getattr(o, k) for k in type(o).proxy_fields},
-        }
-        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
-
-    def cache_paths(self) -> list[Path]:
-        paths = [self.context.run.run_dir / f"{self.method_name}-proxy.npz"]
-        if self.options.proxy_cache_dir:
-            paths.append(Path(self.options.proxy_cache_dir) / f"{self.method_name}-proxy-{self.cache_key()}.npz")
-        return paths
-
-    def load_or_construct(self) -> None:
-        key = self.cache_key()
-        for path in self.cache_paths():
-            if path.is_file():
-                cached = load_state(path)
-                if cached.get("key") == key:
-                    self._proxy_state, self.record = cached["proxy"], {**cached.get("record", {}), "cache": str(path)}
-                    self.restore(self._proxy_state)
-                    self._proxy = self.rebuild(self._proxy_state)
-                    break
-        else:
-            self._proxy, self.record = self.construct()
-        state = {
-            "key": key,
-            "proxy": self.proxy_state(),
-            "record": {k: v for k, v in self.record.items() if k != "cache"},
-        }
-        for path in self.cache_paths():
-            if not path.is_file():
-                path.parent.mkdir(parents=True, exist_ok=True)
-                save_state(path, state)
+    def global_adapter(self) -> GlobalAdapter:
+        return GlobalAdapter(self.global_arrays, self.rank, self.alpha)
 
     # -- Strategy -------------------------------------------------------------------------------------
     def initialize(self) -> None:
         try:
-            self.load_or_construct()
+            self.builder.load_or_construct()
         except SubmodelError as exc:
             raise ConfigError(f"method {self.method_name!r}: {exc}") from None
+        self.rank, self.alpha = self.adapter_budget()
         self.global_arrays = self.initial_adapter()
 
     def configure_fit(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
         if rnd != self._round:
             self._round, self._sent, self._bytes = rnd, set(), {}
-        out = {}
+        builder, out = self.builder, {}
         for cid in client_ids:
             arrays, meta = (
                 dict(self.global_arrays),
@@ -311,17 +190,17 @@ class ProxyStrategy(GlobalAdapterStrategy):
                     "round": rnd,
                     "rank": self.rank,
                     "alpha": self.alpha,
-                    "proxy_version": self.version,
-                    **self.fit_meta(rnd),
+                    "proxy_version": builder.version,
+                    **self.alignment.fit_meta(rnd),
                 },
             )
             base = self.held.get(cid)
             if base is None:
-                extra = as_arrays(self.clean_tensors, PROXY)
-                meta.update(proxy="full", proxy_shape=self.shape.to_meta())
+                extra = as_arrays(builder.clean_tensors, PROXY)
+                meta.update(proxy="full", proxy_shape=builder.shape.to_meta())
                 key = "proxy_download_bytes"
-            elif base != self.version:
-                extra = self.delta_arrays(base)
+            elif base != builder.version:
+                extra = builder.delta(base)
                 meta.update(proxy="delta", proxy_base=base)
                 key = "neuron_download_bytes"
             else:
@@ -335,7 +214,7 @@ class ProxyStrategy(GlobalAdapterStrategy):
         return out
 
     def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec]:
-        return {**spec_like(self.global_arrays), **self.extra_reply_spec(sent)}
+        return {**spec_like(self.global_arrays), **self.alignment.reply_spec(sent)}
 
     def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
         for cid in self._sent - set(replies):
@@ -355,11 +234,11 @@ class ProxyStrategy(GlobalAdapterStrategy):
         metrics.update(memory_metrics(replies))
         metrics.update(
             size_metrics(
-                sum(t.numel() for t in self.clean_tensors.values() if isinstance(t, torch.nn.Parameter)),
+                sum(t.numel() for t in self.builder.clean_tensors.values() if isinstance(t, torch.nn.Parameter)),
                 self.global_arrays,
             )
         )
-        metrics.update(self.after_aggregate(rnd, replies))
+        metrics.update(self.alignment.after_aggregate(rnd, replies, self.global_adapter))
         return metrics
 
     def evaluate_full(self) -> dict[str, float]:
@@ -369,7 +248,7 @@ class ProxyStrategy(GlobalAdapterStrategy):
     def evaluate(self, rnd: int) -> dict[str, float]:
         metrics = self.evaluate_full()
         if self.options.eval_proxy:
-            ws = self.proxy_ws
+            ws = self.builder.workspace
             ws.load(self.global_arrays, self.rank, self.alpha)
             proxy = self.context.task.evaluate(ws.model, self.config.train.eval_batch_size)
             metrics.update({f"proxy_{k}": v for k, v in proxy.items()})
@@ -379,17 +258,14 @@ class ProxyStrategy(GlobalAdapterStrategy):
         return {
             **super().state_dict(),
             "alpha": -1.0 if self.alpha is None else float(self.alpha),
-            "proxy": self.proxy_state(),
+            "proxy": self.builder.state(),
         }
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         alpha = float(state["alpha"])
         self.alpha = None if alpha < 0 else alpha
-        self._proxy_state, self._proxy = state["proxy"], None
-        self.restore(state["proxy"])
-        self.__dict__.pop("clean_tensors", None)
-        self.__dict__.pop("proxy_ws", None)
+        self.builder.load(state["proxy"])
 
 
 class ProxyClient(UpdateClient):
@@ -476,4 +352,4 @@ def check_layers(stack_len: int, layers: list[int], what: str) -> None:
         raise ConfigError(f"{what}: layers {bad} do not exist (the model has {stack_len} layers)")
 
 
-__all__ = ["PROXY", "ProxyClient", "ProxyOptions", "ProxyStrategy", "check_layers"]
+__all__ = ["PROXY", "GlobalAdapter", "ProxyClient", "ProxyOptions", "ProxyStrategy", "RoundAlignment", "check_layers"]
