@@ -27,6 +27,9 @@ def run(
     resume: Path | None = typer.Option(
         None, "--resume", help="continue this run folder from its last checkpointed round (its config.toml, plus --set)"
     ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="when the run folder holds an earlier run, move it aside to <name>.old-<n> first"
+    ),
 ) -> None:
     """Run one federated fine-tuning experiment and write runs/<name>/ (Ctrl-C: stop after the
     current round's checkpoint; --resume continues it). --set engine=embedded (default, in this
@@ -46,13 +49,17 @@ def run(
                 raise ConfigError(f"--resume {str(resume)!r}: not a run folder (no config.toml)")
             set_ = [f"output_dir={resume.parent}", f"name={resume.name}", *set_]
             recipe = resume / "config.toml"
+            if overwrite:
+                raise ConfigError("--overwrite: a fresh run's option, not one for --resume")
         config = load_config(recipe, set_)
         from fedtune.progress import RoundPrinter
 
         printer = RoundPrinter(console, config)
         from fedtune.launch import launch
 
-        summary = launch(config, on_round=printer, on_start=printer.start, resume=resume is not None)
+        summary = launch(
+            config, on_round=printer, on_start=printer.start, resume=resume is not None, overwrite=overwrite
+        )
     except FedtuneError as exc:
         _fail(_run_failure(exc, config), code=exc.exit_code)
     except RunInterrupted as exc:
@@ -166,7 +173,11 @@ def _wait(procs) -> int:
 
 @deploy_app.command("superlink")
 def deploy_superlink(
-    host: str = typer.Option("0.0.0.0", help="address to listen on (Fleet, Control and runtime APIs)"),
+    host: str = typer.Option(
+        "127.0.0.1",
+        help="address to listen on (Fleet, Control and runtime APIs); the default, loopback, admits this "
+        "machine only; another address exposes them to its network and needs --certificates (or --insecure)",
+    ),
     port: int = typer.Option(9092, help="port of the SuperLink's APIs"),
     certificates: Path | None = typer.Option(
         None, help="folder with ca.crt, server.pem, server.key (TLS; `fedtune deploy certificates` makes a test set)"
@@ -177,12 +188,20 @@ def deploy_superlink(
     ),
     extra: list[str] = EXTRA,
 ) -> None:
-    """Start a Flower SuperLink for fedtune (flower-superlink, no runtime dependency installation)."""
+    """Start a Flower SuperLink for fedtune (flower-superlink, no runtime dependency installation).
+    Whoever reaches its address can submit runs, and a submitted app's code runs on the SuperNodes:
+    it listens on loopback unless --host says otherwise, and then only with TLS or --insecure."""
     from fedtune.engines.flower.commands import flower_env, superlink_args
-    from fedtune.process import Processes
+    from fedtune.process import Processes, is_loopback
 
-    _security(insecure, certificates, "superlink")
-    if auth and insecure:
+    if certificates is None and not insecure and not is_loopback(host):
+        _fail(
+            f"deploy superlink --host {host}: not a loopback address, so anyone on that network could submit "
+            "runs: give --certificates (and --auth), or --insecure on a network you trust"
+        )
+    if certificates is not None or not is_loopback(host):
+        _security(insecure, certificates, "superlink")
+    if auth and certificates is None:
         _fail("deploy superlink: --auth needs TLS (--certificates); Flower refuses authentication without it")
     certs = (
         None
@@ -308,7 +327,11 @@ def deploy_certificates(
     """A self-signed CA and a SuperLink certificate for trials (use your own PKI in production)."""
     from fedtune.certificates import generate_certificates
 
-    for path in generate_certificates(out, host).values():
+    try:
+        paths = generate_certificates(out, host)
+    except FedtuneError as exc:
+        _fail(f"deploy certificates: {exc}")
+    for path in paths.values():
         console.print(f"wrote {path}")
 
 
@@ -320,7 +343,11 @@ def deploy_node_key(
     """A SuperNode authentication key pair; register NAME.pub with `flwr supernode register`."""
     from fedtune.certificates import generate_node_key
 
-    for path in generate_node_key(out, name):
+    try:
+        paths = generate_node_key(out, name)
+    except FedtuneError as exc:
+        _fail(f"deploy node-key: {exc}")
+    for path in paths:
         console.print(f"wrote {path}")
 
 

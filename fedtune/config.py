@@ -7,11 +7,12 @@ string means its ``name`` (``data = "sst2"`` is ``[data] name = "sst2"``), so
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fedtune.errors import FedtuneError
 from fedtune.protocol.profiles import ClientProfile, check_profile_choices
@@ -186,12 +187,17 @@ class FederationConfig(_Section):
         return self.num_clients
 
 
+#: A run folder's name: one path component (no separator, no "." or ".."), of characters that need no
+#: quoting in a shell; a default name made from a data set's file name is mapped onto it.
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]{0,127}")
+
+
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # every number finite
 
-    name: str | None = Field(None, description="run folder name (default: method-data-seed)")
+    name: str | None = Field(None, description="run folder name under output_dir (default: method-data-seed)")
     method: str = "fedit"
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)
     rounds: int = Field(10, gt=0)
     eval_every: int = Field(1, gt=0, description="evaluate every this many rounds (and the last)")
     output_dir: str = "runs"
@@ -206,10 +212,22 @@ class RunConfig(BaseModel):
     federation: FederationConfig = Field(default_factory=FederationConfig)
     options: dict[str, Any] = Field(default_factory=dict, description="the method's own options")
 
+    @field_validator("name")
+    @classmethod
+    def _one_safe_component(cls, name: str | None) -> str | None:
+        if name is not None and not RUN_NAME.fullmatch(name):
+            raise ValueError(
+                "expected one folder name: letters, digits and . _ + = - (first a letter or digit, at most 128)"
+            )
+        return name
+
     @property
     def run_name(self) -> str:
-        data = Path(self.data.name).stem.replace(":", "_") if self.data.name else self.task.kind
-        return self.name or f"{self.method}-{data}-s{self.seed}"
+        """``name``, else ``method-data-seed`` with the data set's file stem mapped onto :data:`RUN_NAME`."""
+        if self.name:
+            return self.name
+        data = re.sub(r"[^A-Za-z0-9._+=-]", "_", Path(self.data.name).stem) if self.data.name else self.task.kind
+        return f"{self.method}-{data}-s{self.seed}"[:128]
 
 
 def _format_error(err: ValidationError) -> str:
@@ -271,9 +289,13 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
         if not path.is_file():
             raise ConfigError(f"recipe {str(path)!r}: file not found")
         try:
-            tree = tomllib.loads(path.read_text())
+            tree = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"recipe {str(path)!r}: invalid TOML ({exc})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"recipe {str(path)!r}: invalid TOML (not UTF-8 text)") from None
+        except OSError as exc:
+            raise ConfigError(f"recipe {str(path)!r}: cannot be read ({exc.strerror})") from None
     for assignment in overrides or []:
         apply_override(tree, assignment)
     try:

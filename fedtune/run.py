@@ -19,6 +19,7 @@ from fedtune.config import ConfigError, RunConfig, flat_keys
 from fedtune.engines.embedded import EmbeddedEngine
 from fedtune.engines.rounds import Engine, RoundRecord
 from fedtune.process import setup_process
+from fedtune.run_folder import check_free, create, move_aside, write_text, writing
 from fedtune.runtime import RunContext
 
 
@@ -139,13 +140,16 @@ def _restore(checkpoint: Path, strategy, engine: Engine) -> int:
 
 
 def _metrics_lines(path: Path) -> list[dict]:
-    """The rounds of ``metrics.jsonl`` (resume); a missing or damaged file stops with one line naming it."""
+    """The rounds of ``metrics.jsonl`` (resume); a missing or damaged file stops with one line naming it.
+    A last line without its newline is a line whose write was cut short (a full disk, a kill): its
+    round comes after the checkpoint's and is left out."""
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"--resume: {str(path)!r} cannot be read ({exc})") from None
     lines = []
-    for n, raw in enumerate(text.splitlines(), 1):
+    complete = text[: text.rfind("\n") + 1]
+    for n, raw in enumerate(complete.splitlines(), 1):
         if not raw.strip():
             continue
         try:
@@ -163,6 +167,7 @@ def run_experiment(
     on_start: Callable[[RunContext], None] | None = None,
     engine: Engine | None = None,
     resume: bool = False,
+    overwrite: bool = False,
 ) -> dict:
     """Run ``config`` and return the summary (also in ``summary.json``). ``engine`` runs the
     rounds (default: :class:`~fedtune.engines.embedded.EmbeddedEngine`, clients in this process).
@@ -172,65 +177,81 @@ def run_experiment(
     (``_engine``: the embedded engine's client states). ``resume``
     continues a run folder from its last checkpointed round; the rounds are seeded by (seed,
     round, client) alone, so a resumed run ends bit-identical to an uninterrupted one. Ctrl-C
-    stops after the current round's checkpoint (:class:`~fedtune.engines.rounds.RunInterrupted`)."""
+    stops after the current round's checkpoint (:class:`~fedtune.engines.rounds.RunInterrupted`).
+
+    Every input is read and checked before the run folder is touched; a fresh run never writes
+    into a folder holding an earlier run (:class:`~fedtune.run_folder.RunFolderTaken`), unless
+    ``overwrite``, which moves that run aside (:func:`~fedtune.run_folder.move_aside`)."""
     start = time.perf_counter()
     setup_process(config.train.threads)
     server = RunContext(config)
     config = server.config  # resolved: the task's defaults filled in
     run_dir = server.run.run_dir
     checkpoint = run_dir / "checkpoint.npz"
-    if resume and not checkpoint.is_file():
-        raise ConfigError(
-            f"--resume {str(run_dir)!r}: no checkpoint.npz there (no round has completed; "
-            "run it again without --resume)"
-        )
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"output_dir {config.output_dir!r}: cannot create the run folder ({exc.strerror})") from None
-    if not resume:  # a fresh run: no earlier run's checkpoint or summary may outlive the config it replaces
-        for stale in (checkpoint, run_dir / "summary.json"):
-            stale.unlink(missing_ok=True)
-        (run_dir / "config.toml").write_text(_toml(config))
-        (run_dir / RUN_CONFIG).write_text(json.dumps(config.model_dump(mode="json")))
-    else:
+    metrics_path = run_dir / "metrics.jsonl"
+    if resume:
+        if not checkpoint.is_file():
+            raise ConfigError(
+                f"--resume {str(run_dir)!r}: no checkpoint.npz there (no round has completed; "
+                "run it again without --resume)"
+            )
         check_unchanged(config, run_dir / RUN_CONFIG)
-    (run_dir / "label_histograms.json").write_text(
-        json.dumps({"label_names": server.task.label_names, "clients": server.histograms()})
-    )
     engine = engine or EmbeddedEngine(config)
     strategy = server.strategy()
     strategy.initialize()  # loads the model: a bad model.name stops here, before any output
-    metrics_path = run_dir / "metrics.jsonl"
     lines: list[dict] = []
     start_round = 1
     if resume:
         done = _restore(checkpoint, strategy, engine)
         lines = [x for x in _metrics_lines(metrics_path) if x["round"] <= done]  # a round after it is redone
+        if [x["round"] for x in lines] != list(range(1, done + 1)):
+            raise ConfigError(
+                f"--resume: {str(metrics_path)!r} does not hold rounds 1-{done} once each, as the checkpoint does"
+            )
         start_round = done + 1
+    else:  # every input is checked: the folder is touched from here on
+        move_aside(run_dir) if overwrite else check_free(run_dir)
+        create(run_dir, {"config.toml": _toml(config), RUN_CONFIG: json.dumps(config.model_dump(mode="json"))})
+    histograms = {"label_names": server.task.label_names, "clients": server.histograms()}
+    write_text(run_dir / "label_histograms.json", json.dumps(histograms))
     if on_start is not None:
         on_start(server)
+
+    def kept(rnd: int) -> str:  # what a failed write leaves, and the way on
+        if rnd < 1:
+            return "; no round completed"
+        return f"; rounds 1-{rnd} are checkpointed: free space or fix the folder, then fedtune run --resume {run_dir}"
+
     stop_requested, restore = _interrupt_flag()
     try:
         if resume:  # the lines up to the checkpoint, written atomically, then appended to
             tmp = metrics_path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(x) + "\n" for x in lines))
-            tmp.replace(metrics_path)
-        with metrics_path.open("a" if resume else "w") as sink:
+            with writing(tmp, kept(start_round - 1)):
+                tmp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+                tmp.replace(metrics_path)
+        with writing(metrics_path, kept(start_round - 1)):
+            sink = metrics_path.open("a" if resume else "w")
+        with sink:
 
             def record(rec: RoundRecord) -> None:
                 line = rec.to_json()
                 lines.append(line)
-                sink.write(json.dumps(line) + "\n")
-                sink.flush()
-                save_state(checkpoint, {**strategy.state_dict(), ROUND_KEY: rec.round, ENGINE_KEY: engine.state_dict()})
+                with writing(metrics_path, kept(rec.round - 1)):
+                    sink.write(json.dumps(line) + "\n")
+                    sink.flush()
+                state = {**strategy.state_dict(), ROUND_KEY: rec.round, ENGINE_KEY: engine.state_dict()}
+                with writing(checkpoint, kept(rec.round - 1)):
+                    save_state(checkpoint, state)
                 if on_round is not None:
                     on_round(rec)
 
             engine.run(strategy, record, start_round, stop_requested)
     finally:
         restore()
-    strategy.save(run_dir)
+    last = lines[-1]["round"] if lines else 0
+    with writing(run_dir, kept(last)):
+        strategy.save(run_dir)
     summary = _summary(config, lines, server, run_dir, time.perf_counter() - start, engine.name)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    with writing(run_dir / "summary.json", kept(last)):
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

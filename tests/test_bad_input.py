@@ -1,7 +1,14 @@
-"""Bad input, everywhere: every malformed recipe, value or data file stops ``fedtune run`` with
-exit code 2 and one line naming what is wrong, never a traceback."""
+"""Bad input, everywhere: every malformed recipe, value, data file, run name, damaged run folder
+and report input stops ``fedtune`` with exit code 2 and one line naming what is wrong, never a
+traceback; and nothing outside the new run folder changes (a finished neighbouring run folder is
+hashed before and after each case). Deploy flags: ``tests/test_flower_deploy.py``."""
 
 from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -65,6 +72,8 @@ def recipes(tmp_path) -> dict[str, tuple[list[str], str]]:
     """case -> (extra CLI arguments, what the one line must name)."""
     bad_toml = tmp_path / "bad.toml"
     bad_toml.write_text("rounds = [1,\n")
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(bytes(range(256)))
     return {
         "missing recipe": ([str(tmp_path / "nope.toml")], "file not found"),
         "invalid toml": ([str(bad_toml)], "invalid TOML"),
@@ -91,15 +100,50 @@ def recipes(tmp_path) -> dict[str, tuple[list[str], str]]:
         "model path": (["--set", "model.name=/no/such/model"], "model.name"),
         "output dir": (["--set", "output_dir=/proc/fedtune-runs"], "output_dir"),
         "lora rank above the layers": (["--set", "model.lora_rank=100000"], "model.lora_rank: 100000 exceeds"),
+        "binary recipe": ([str(binary)], "invalid TOML"),
+        "recipe is a folder": ([str(tmp_path)], "recipe"),
+        "unknown target module": (["--set", 'model.target_modules=["nope"]'], "model.target_modules: 'nope'"),
+        "negative seed": (["--set", "seed=-1"], "seed"),
+        "zero rounds": (["--set", "rounds=0"], "rounds"),
+        "unknown engine": (["--set", "engine=spark"], "engine"),
+        "list for a number": (["--set", "train.lr=[1]"], "train.lr"),
+        "dropout of 1": (["--set", "model.lora_dropout=1"], "model.lora_dropout"),
     }
 
 
-def assert_one_line_exit_2(args: list[str], expected: str) -> None:
-    result = runner.invoke(app, ["run", *args])
+def digest(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished one-round tiny run: the neighbour every case must leave alone, and the folder
+    every resume case damages a copy of."""
+    out = tmp_path_factory.mktemp("finished")
+    result = runner.invoke(app, ["run", *tiny_args("rounds=1", f"output_dir={out}", "name=done")])
+    assert result.exit_code == 0, result.output
+    return out / "done"
+
+
+def assert_one_line_exit_2(
+    args: list[str], expected: str, neighbour_in: Path, finished: Path, command: str = "run"
+) -> None:
+    """``fedtune <command> <args>`` exits 2 with one line holding ``expected``, and a copy of the
+    ``finished`` run in ``neighbour_in`` (the case's output_dir) is byte for byte as before."""
+    neighbour = neighbour_in / "neighbour"
+    if not neighbour.exists():
+        shutil.copytree(finished, neighbour)
+    before = digest(neighbour)
+    result = runner.invoke(app, [command, *args])
     lines = result.output.strip().splitlines()
     assert result.exit_code == 2, result.output
     assert len(lines) == 1 and "Traceback" not in result.output, result.output
     assert expected in lines[0], lines[0]
+    assert digest(neighbour) == before  # nothing outside the new run folder changed
 
 
 def tiny_args(*extra: str) -> list[str]:
@@ -107,31 +151,129 @@ def tiny_args(*extra: str) -> list[str]:
 
 
 @pytest.mark.parametrize("case", list(data_files(__import__("pathlib").Path("/"))))
-def test_malformed_data_file(tmp_path, case):
+def test_malformed_data_file(tmp_path, case, finished_run):
     path, expected = data_files(tmp_path)[case]
-    assert_one_line_exit_2(
-        tiny_args(f"data.name={path}", "federation.num_clients=10", f"output_dir={tmp_path}"), expected
-    )
+    args = tiny_args(f"data.name={path}", "federation.num_clients=10", f"output_dir={tmp_path}")
+    assert_one_line_exit_2(args, expected, tmp_path, finished_run)
 
 
 @pytest.mark.parametrize("case", list(recipes(__import__("pathlib").Path("/tmp"))))
-def test_malformed_recipe_or_value(tmp_path, case):
+def test_malformed_recipe_or_value(tmp_path, case, finished_run):
     extra, expected = recipes(tmp_path)[case]
     recipe = [extra[0]] if extra and not extra[0].startswith("--") else []
     sets = extra[len(recipe) :]
-    assert_one_line_exit_2([*recipe, *tiny_args(f"output_dir={tmp_path}"), *sets], expected)
+    assert_one_line_exit_2([*recipe, *tiny_args(f"output_dir={tmp_path}"), *sets], expected, tmp_path, finished_run)
+
+
+def numeric_keys() -> list[str]:
+    """Every numeric key of the config (dotted), from its schema."""
+    from pydantic import BaseModel
+
+    from fedtune.config import RunConfig
+
+    def walk(model, prefix=""):
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                yield from walk(ann, f"{prefix}{name}.")
+            elif ann in (int, float, int | None, float | None):
+                yield f"{prefix}{name}"
+
+    return list(walk(RunConfig))
+
+
+@pytest.mark.parametrize("value", ["nan", '"ten"'])
+@pytest.mark.parametrize("key", numeric_keys())
+def test_every_numeric_key_refuses_a_non_number(tmp_path, key, value, finished_run):
+    """Not-a-number and a string, for each of the config's numeric keys (every one checked finite)."""
+    assert_one_line_exit_2(
+        [*tiny_args(f"output_dir={tmp_path}"), "--set", f"{key}={value}"], key, tmp_path, finished_run
+    )
+
+
+def test_the_sweep_has_at_least_100_cases():
+    assert (
+        len(data_files(Path("/tmp")))
+        + len(recipes(Path("/tmp")))
+        + 2 * len(numeric_keys())
+        + len(RESUME_CASES)
+        + len(REPORT_CASES)
+        + len(NAME_CASES)
+        >= 100
+    )
+
+
+NAME_CASES = {
+    "parent folder": ("../x", "name: expected one folder name"),
+    "dot": (".", "name: expected one folder name"),
+    "dot dot": ("..", "name: expected one folder name"),
+    "absolute": ("/tmp/x", "name: expected one folder name"),
+    "two components": ("a/b", "name: expected one folder name"),
+    "space": ("a b", "name: expected one folder name"),
+    "empty": ("", "name: expected one folder name"),
+}
+
+
+@pytest.mark.parametrize("case", list(NAME_CASES))
+def test_a_run_name_is_one_safe_folder_name(tmp_path, case, finished_run):
+    name, expected = NAME_CASES[case]
+    out = tmp_path / "out"
+    assert_one_line_exit_2(
+        [*tiny_args(f"output_dir={out}"), "--set", f"name={json.dumps(name)}"], expected, tmp_path, finished_run
+    )
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["neighbour"]  # nothing written
+
+
+def test_an_earlier_run_is_never_overwritten_and_overwrite_moves_it_aside(tmp_path, finished_run):
+    """A finished run's name again: one line, its folder byte for byte as before; --overwrite moves
+    it to done.old-1 (unchanged) and runs afresh; --overwrite with --resume is refused."""
+    shutil.copytree(finished_run, tmp_path / "done")
+    before = digest(tmp_path / "done")
+    args = tiny_args("rounds=1", f"output_dir={tmp_path}", "name=done")
+    assert_one_line_exit_2(args, "holds an earlier run: pick another name", tmp_path, finished_run)
+    assert digest(tmp_path / "done") == before
+    result = runner.invoke(app, ["run", *args, "--overwrite"])
+    assert result.exit_code == 0, result.output
+    assert digest(tmp_path / "done.old-1") == before and (tmp_path / "done" / "summary.json").is_file()
+    result = runner.invoke(app, ["run", "--resume", str(tmp_path / "done"), "--overwrite"])
+    assert result.exit_code == 2 and "--overwrite: a fresh run's option" in result.output
+
+
+def test_a_failed_write_stops_with_one_line_and_keeps_the_earlier_rounds(tmp_path, monkeypatch):
+    """A full disk at round 2's checkpoint: exit 1, one line naming the file and the rounds kept;
+    round 1's checkpoint and line survive, and --resume then ends as an uninterrupted run."""
+    import errno
+
+    import fedtune.run as run_module
+
+    real_save = run_module.save_state
+
+    def full_disk_at_round_2(path, state):
+        if state[run_module.ROUND_KEY] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(path, state)
+
+    args = tiny_args("rounds=3", f"output_dir={tmp_path}", "name=full")
+    monkeypatch.setattr(run_module, "save_state", full_disk_at_round_2)
+    result = runner.invoke(app, ["run", *args])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert "checkpoint.npz' (No space left on device); rounds 1-1 are checkpointed" in lines[-1], lines[-1]
+    assert "fedtune run --resume" in lines[-1]
+    monkeypatch.setattr(run_module, "save_state", real_save)
+    assert runner.invoke(app, ["run", "--resume", str(tmp_path / "full")]).exit_code == 0
+    assert runner.invoke(app, ["run", *tiny_args("rounds=3", f"output_dir={tmp_path}", "name=whole")]).exit_code == 0
+    resumed, whole = (
+        [
+            {k: v for k, v in json.loads(x).items() if "wall" not in k and "compute" not in k}
+            for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()
+        ]
+        for n in ("full", "whole")
+    )
+    assert resumed == whole
 
 
 # -- resuming a damaged or edited run folder ---------------------------------------------------------
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    """A finished one-round tiny run (the folder every resume case damages a copy of)."""
-    out = tmp_path_factory.mktemp("finished")
-    result = runner.invoke(app, ["run", *tiny_args("rounds=1", f"output_dir={out}", "name=done")])
-    assert result.exit_code == 0, result.output
-    return out / "done"
-
-
 def _write(name: str, data: bytes):
     return lambda run: (run / name).write_bytes(data)
 
@@ -150,6 +292,12 @@ RESUME_CASES = {
         "line 2 is not a round",
     ),
     "binary metrics": (_write("metrics.jsonl", b"\xff\xfe\x00\x01" * 50), [], "metrics.jsonl"),
+    "metrics cut inside the checkpointed round's line": (
+        lambda run: (run / "metrics.jsonl").write_bytes((run / "metrics.jsonl").read_bytes()[:40]),
+        [],
+        "does not hold rounds 1-1 once each",
+    ),
+    "--overwrite with --resume": (lambda run: None, ["--overwrite"], "--overwrite: a fresh run's option"),
     "missing metrics": (lambda run: (run / "metrics.jsonl").unlink(), [], "metrics.jsonl"),
     "edited config": (
         lambda run: (run / "config.toml").write_text(
@@ -193,3 +341,29 @@ def test_rounds_may_be_raised_on_resume(finished_run, tmp_path):
     result = runner.invoke(app, ["run", "--resume", str(run), "--set", "rounds=2"])
     assert result.exit_code == 0, result.output
     assert [json.loads(x)["round"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+# -- report inputs -----------------------------------------------------------------------------------
+REPORT_CASES = {
+    "no such folder": (lambda run: shutil.rmtree(run), "folder not found"),
+    "binary metrics": (_write("metrics.jsonl", b"\x00\xff\x01" * 30), "metrics.jsonl: not UTF-8 text"),
+    "garbled metrics line": (_write("metrics.jsonl", b'{"round": 1,\n'), "metrics.jsonl, line 1: invalid JSON"),
+    "round not a number": (_write("metrics.jsonl", b'{"round": "x"}\n'), "line 1: round is 'x'"),
+    "accuracy not a number": (_write("metrics.jsonl", b'{"round": 1, "accuracy": "high"}\n'), "accuracy is 'high'"),
+    "metrics a list": (_write("metrics.jsonl", b"[1, 2]\n"), "line 1: got list"),
+    "binary summary": (_write("summary.json", bytes(range(256))), "summary.json: not UTF-8 text"),
+    "summary not an object": (_write("summary.json", b"[1]"), "summary.json: got list"),
+    "summary number a string": (_write("summary.json", b'{"final_accuracy": "90%"}'), "final_accuracy is '90%'"),
+    "missing summary": (lambda run: (run / "summary.json").unlink(), "summary.json: file not found"),
+}
+
+
+@pytest.mark.parametrize("case", list(REPORT_CASES))
+def test_a_damaged_report_input_is_one_line(finished_run, tmp_path, case):
+    damage, expected = REPORT_CASES[case]
+    run = shutil.copytree(finished_run, tmp_path / "runs" / "done")
+    damage(run)
+    assert_one_line_exit_2(
+        [str(run), "--out", str(tmp_path / "report")], expected, tmp_path / "runs", finished_run, "report"
+    )
+    assert not (tmp_path / "report").exists()

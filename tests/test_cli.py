@@ -59,4 +59,5 @@ def test_every_engine_a_config_may_name_has_a_launcher(monkeypatch):
     for engine in launch_module.ENGINES:
         monkeypatch.setitem(launch_module.ENGINES, engine, lambda config, **kw: seen.append((config.engine, kw)) or {})
         launch_module.launch(load_config(None, [f'engine="{engine}"']), on_round=print, resume=True)
-    assert seen == [(e, {"on_round": print, "on_start": None, "resume": True}) for e in launch_module.ENGINES]
+    expected = {"on_round": print, "on_start": None, "resume": True, "overwrite": False}
+    assert seen == [(e, expected) for e in launch_module.ENGINES]

@@ -78,6 +78,7 @@ def test_random_failures_follow_the_seeded_draw_and_too_few_replies_stop_the_run
         run_experiment(
             tiny_config(
                 "federation.num_clients=4",
+                'name="too-few-replies"',
                 "federation.profiles=[{failure_prob=1.0}, {}, {failure_prob=1.0}, {failure_prob=1.0}]",
                 "federation.min_replies=2",
                 "federation.max_retries=1",

@@ -300,7 +300,7 @@ def test_failing_client_is_dropped_and_named(task_identity, tmp_path, client_1_f
     grid = LoopbackGrid(make_client_app(config), config.federation.num_clients)
     summary = serve(grid, config, timeout=60)
     lines = [json.loads(x) for x in Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines()]
-    assert "dropped" not in lines[0]
+    assert lines[0]["dropped"] == {} and lines[0]["attempts"] == 1
     assert list(lines[1]["dropped"]) == ["1"] and "on purpose" in lines[1]["dropped"]["1"]
     # with both replies required the round is retried, then the run stops naming the drop
     config = _config(tmp_path / "strict", "federation.min_replies=2", "federation.max_retries=1")
@@ -338,7 +338,7 @@ def test_missing_reply_is_dropped_and_missing_node_raises(task_identity, tmp_pat
     line = json.loads(Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines()[0])
     assert line["dropped"] == {"0": "no reply within 2 s"}
     with pytest.raises(TimeoutError, match="1 Flower nodes connected"):
-        serve(LoopbackGrid(make_client_app(config), 1), config, timeout=0.5)
+        serve(LoopbackGrid(make_client_app(config), 1), config.model_copy(update={"name": "one-node"}), timeout=0.5)
 
 
 def test_message_for_another_client_is_refused(task_identity, tmp_path):

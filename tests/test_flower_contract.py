@@ -100,7 +100,9 @@ def test_a_client_failing_in_a_bundle_is_dropped_alone(task_identity, tmp_path, 
     config = tiny(tmp_path, "fedit", KIND, "federation.clients_per_round=3")
     summary = serve(LoopbackGrid(make_client_app(config), 3, groups=[[0, 1, 2]]), config, timeout=120)
     lines = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    assert "dropped" not in lines[0] and lines[0]["client_steps"] == {"0": 2, "1": 2, "2": 2}
+    assert (
+        lines[0]["dropped"] == {} and lines[0]["attempts"] == 1 and lines[0]["client_steps"] == {"0": 2, "1": 2, "2": 2}
+    )
     assert list(lines[1]["dropped"]) == ["1"] and "RuntimeError: out of memory on purpose" in lines[1]["dropped"]["1"]
     assert lines[1]["client_steps"] == {"0": 2, "2": 2}
 

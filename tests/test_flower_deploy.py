@@ -196,3 +196,89 @@ def test_ctrl_c_stops_after_the_round_checkpoint_and_every_process(tmp_path):
     assert [json.loads(x)["round"] for x in metrics.read_text().splitlines()] == [1, 2, 3, 4]
     assert json.loads((metrics.parent / "summary.json").read_text())["engine"] == "flower"
     assert not (_flower_processes() - before)
+
+
+# -- who can reach a SuperLink, and the keys ---------------------------------------------------------
+def test_key_files_are_private_from_creation_and_never_overwritten(tmp_path, monkeypatch):
+    """Private keys are created with mode 0600 (os.open's mode, O_EXCL: no moment world-readable,
+    never through an existing file or link); a second set into the same folder, or a folder that
+    is a file, stops with one line and changes nothing."""
+    from fedtune.certificates import CertificateError
+
+    created = {}
+    real_open = os.open
+
+    def recording_open(path, flags, mode=0o777, *args, **kwargs):
+        created[Path(path).name] = (flags, mode)
+        return real_open(path, flags, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", recording_open)
+    paths = generate_certificates(tmp_path / "tls")
+    private, public = generate_node_key(tmp_path / "keys", "node")
+    assert created["server.key"][1] == created["node"][1] == 0o600
+    assert created["ca.crt"][1] == created["node.pub"][1] == 0o644
+    assert all(flags & os.O_EXCL for flags, _ in created.values())
+    before = {p: p.read_bytes() for p in [*paths.values(), private, public]}
+    with pytest.raises(CertificateError, match=r"ca.crt exists: keys are never overwritten"):
+        generate_certificates(tmp_path / "tls")
+    with pytest.raises(CertificateError, match=r"node exists"):
+        generate_node_key(tmp_path / "keys", "node")
+    assert {p: p.read_bytes() for p in before} == before
+    paths["ca"].unlink()
+    with pytest.raises(CertificateError, match=r"server.pem exists"):  # every file is checked before any is written
+        generate_certificates(tmp_path / "tls")
+    assert not paths["ca"].exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CertificateError, match=r"file: not a folder"):
+        generate_certificates(tmp_path / "file")
+
+
+def test_deploy_commands_refuse_an_exposed_superlink_and_existing_keys_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from fedtune.cli import app
+
+    runner, before = CliRunner(), _flower_processes()
+    for args, expected in [
+        (["superlink", "--host", "0.0.0.0"], "deploy superlink --host 0.0.0.0: not a loopback address"),
+        (["superlink", "--host", "10.1.2.3", "--port", "1"], "--host 10.1.2.3: not a loopback address"),
+        (["superlink", "--auth"], "--auth needs TLS"),
+        (["superlink", "--insecure", "--certificates", str(tmp_path)], "not both, not neither"),
+        (["certificates", str(tmp_path / "taken")], "taken: not a folder"),
+    ]:
+        (tmp_path / "taken").write_text("a file")
+        result = runner.invoke(app, ["deploy", *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert len(result.output.strip().splitlines()) == 1 and expected in result.output, (args, result.output)
+    assert _flower_processes() <= before  # nothing was started
+
+
+def test_superlink_listens_on_loopback_only_by_default(tmp_path):
+    """`fedtune deploy superlink` with no --host (and no TLS: allowed on loopback) binds every
+    listening socket of its process tree to a loopback address; it stops by its PID."""
+    import ipaddress
+
+    import psutil
+
+    from fedtune.process import free_ports, wait_for_port
+
+    (port,), before = free_ports(1), _flower_processes()
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fedtune.cli", "deploy", "superlink", "--port", str(port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        wait_for_port(port, proc, timeout=120)
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        listening = [c.laddr for p in tree for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        assert any(a.port == port for a in listening), listening
+        assert all(ipaddress.ip_address(a.ip).is_loopback for a in listening), listening
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    _wait_for(lambda: _flower_processes() <= before, 30, "the SuperLink's processes to stop")

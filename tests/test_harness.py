@@ -330,6 +330,7 @@ def test_pool_runs_jobs_in_spawned_workers_with_one_thread():
 def test_a_run_cut_short_continues_from_its_checkpoint_and_ends_as_an_uninterrupted_one(recipe, tmp_path):
     from fedtune.harness.pool import resumable, run_config
     from fedtune.run import run_experiment
+    from fedtune.run_folder import RunFolderTaken
 
     quick = ["rounds=3", "train.local_steps=1", "data.max_train_samples=64", "data.max_test_samples=32"]
     plan = build_plan({"a": [RunSpec("cut", quick)]}, recipe, tmp_path / "a")
@@ -363,10 +364,14 @@ def test_a_run_cut_short_continues_from_its_checkpoint_and_ends_as_an_uninterrup
     def killed_before_round_1(context):
         raise RuntimeError("killed")
 
-    with pytest.raises(RuntimeError, match="killed"):
+    with pytest.raises(RunFolderTaken):  # never over the earlier run's files
         run_experiment(seed9.config, on_start=killed_before_round_1)
+    with pytest.raises(RuntimeError, match="killed"):  # as the pool runs it: the earlier run moved aside
+        run_experiment(seed9.config, on_start=killed_before_round_1, overwrite=True)
     assert not (cut.run_dir / "checkpoint.npz").exists() and not (cut.run_dir / "summary.json").exists()
     assert not resumable(seed9.config) and run_state(seed9) == "todo"
+    aside = cut.run_dir.with_name("cut.old-1")  # nothing lost
+    assert (aside / "checkpoint.npz").is_file() and json.loads((aside / "summary.json").read_text()) == summary
 
 
 def sleep_or_return(job: int) -> int:

@@ -6,7 +6,7 @@ inside functions are lazy and may point up, for example the registries discoveri
 
     errors              FedtuneError, the one exception base
     protocol            messages, Strategy/Client ABCs, profiles, top-k codec
-    config, process, certificates, checkpoint
+    config, process, certificates, checkpoint, run_folder
     data                sources, partitioners, batches (no model code)
     models              loading, LoRA workspace, training loop, networks
     tasks               Task ABC + one module per kind (data + model + loss + metrics)
@@ -36,7 +36,7 @@ import fedtune
 LAYERS = [
     ["fedtune.errors"],
     ["fedtune.protocol"],
-    ["fedtune.config", "fedtune.process", "fedtune.certificates", "fedtune.checkpoint"],
+    ["fedtune.config", "fedtune.process", "fedtune.certificates", "fedtune.checkpoint", "fedtune.run_folder"],
     ["fedtune.data"],
     ["fedtune.models"],
     ["fedtune.tasks"],

@@ -170,10 +170,9 @@ class RoundRecord:
             "client_bytes_down": {str(k): v for k, v in self.client_bytes_down.items()},
             "client_steps": {str(k): v for k, v in self.client_steps.items()},
             "client_compute_s": {str(k): round(v, 4) for k, v in self.client_compute_s.items()},
+            "dropped": {str(k): v for k, v in self.dropped.items()},  # on every line, {} when none was
+            "attempts": self.attempts,
         }
-        if self.dropped or self.attempts > 1:
-            line["dropped"] = {str(k): v for k, v in self.dropped.items()}
-            line["attempts"] = self.attempts
         return line
 
     #: The keys of a :meth:`to_json` line that are the record's own fields (the rest are metrics).

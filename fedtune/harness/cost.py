@@ -72,7 +72,7 @@ def probe(config: RunConfig, folder: Path, local_steps: int, clients: int = 2) -
             "federation": config.federation.model_copy(update={"clients_per_round": clients, "fraction": None}),
         }
     )
-    summary = run_experiment(short)
+    summary = run_experiment(short, overwrite=True)  # a probe folder from an earlier calibration is moved aside
     _, warm, evaluated = load_run(Path(folder) / short.run_name).rounds
     n = summary["test_examples"]
     return Probe(

@@ -22,7 +22,7 @@ RunState = Literal["done", "stale", "todo"]
 
 def run_state(spec: RunSpec) -> RunState:
     """``done`` (a summary of this very config), ``stale`` (a finished run of another config under
-    the same name: it is rerun and overwritten) or ``todo``."""
+    the same name: it is rerun, the old one moved aside to ``<name>.old-<n>``) or ``todo``."""
     try:
         json.loads((spec.run_dir / "summary.json").read_text())
     except (OSError, ValueError):  # absent, or cut short by a kill

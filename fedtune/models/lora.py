@@ -65,6 +65,21 @@ def rank_bound(model: torch.nn.Module, targets: list[str]) -> tuple[int, str] | 
     return bound
 
 
+def check_targets(model: torch.nn.Module, targets: list[str]) -> None:
+    """Every target names a layer (a module whose name is it or ends with ``.<target>``, as PEFT
+    matches a list), else one line naming it and the model's adaptable layer names."""
+    names = [name for name, _ in model.named_modules()]
+    for target in targets:
+        if not any(name == target or name.endswith("." + target) for name in names):
+            layers = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, ADAPTABLE) and n})
+            shown = ", ".join(layers[:12]) + (", ..." if len(layers) > 12 else "")
+            raise ConfigError(f"model.target_modules: {target!r} names no layer of the model (its layers: {shown})")
+
+
+#: layers LoRA can adapt (PEFT's LoRA layer types)
+ADAPTABLE = (torch.nn.Linear, torch.nn.Embedding, torch.nn.modules.conv._ConvNd)
+
+
 def _short_name(name: str, adapter: str) -> str:
     return name.replace(f".{adapter}.", ".").replace("base_model.model.", "").replace(".modules_to_save", "")
 
@@ -89,6 +104,7 @@ class LoraWorkspace:
         on a 32-wide model: it would train nothing more and send hundreds of MB per round)."""
         cfg = self.task.config.model
         targets = list(cfg.target_modules) if cfg.target_modules is not None else self.task.lora_targets()
+        check_targets(self.base, targets)
         bound = rank_bound(self.base, targets)
         if bound is not None and rank > bound[0]:
             raise ConfigError(

@@ -65,7 +65,42 @@ class RunRecord:
 def _read_text(path: Path) -> str:
     if not path.is_file():
         raise ReportError(f"{path}: file not found ({_EXPECTED})")
-    return path.read_text(encoding="utf-8")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ReportError(f"{path}: not UTF-8 text ({_EXPECTED})") from None
+    except OSError as exc:
+        raise ReportError(f"{path}: cannot be read ({exc.strerror}; {_EXPECTED})") from None
+
+
+#: the numbers the table and plots read: a summary's and a round's (None or absent: not measured)
+SUMMARY_NUMBERS = (
+    "rounds",
+    "best_accuracy",
+    "final_accuracy",
+    "majority_accuracy",
+    "final_loss",
+    "total_bytes_up",
+    "total_bytes_down",
+    "wall_s",
+)
+ROUND_NUMBERS = ("accuracy", "loss", "bytes_up")
+
+
+def _check_numbers(value: dict[str, Any], keys: Sequence[str], where: str) -> dict[str, Any]:
+    """``value`` once each of ``keys`` it holds is a number or null; else :class:`ReportError`."""
+    for key in keys:
+        x = value.get(key)
+        if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float))):
+            raise ReportError(f"{where}: {key} is {x!r} (expected a number)")
+    return value
+
+
+def _check_round(value: dict[str, Any], where: str) -> dict[str, Any]:
+    rnd = value.get("round")
+    if isinstance(rnd, bool) or not isinstance(rnd, int) or rnd < 1:
+        raise ReportError(f"{where}: round is {rnd!r} (expected a round number, 1 or more)")
+    return _check_numbers(value, ROUND_NUMBERS, where)
 
 
 def _parse_object(text: str, where: str, expected: str) -> dict[str, Any]:
@@ -85,10 +120,11 @@ def load_run(run_dir: Path) -> RunRecord:
         raise ReportError(f"{run_dir}: folder not found ({_EXPECTED})")
     summary_path, metrics_path = run_dir / "summary.json", run_dir / "metrics.jsonl"
     summary = _parse_object(_read_text(summary_path), str(summary_path), "a JSON object")
+    _check_numbers(summary, SUMMARY_NUMBERS, str(summary_path))
     rounds = [
-        _parse_object(line, f"{metrics_path}, line {n}", "one JSON object per round")
+        _check_round(_parse_object(line, where, "one JSON object per round"), where)
         for n, line in enumerate(_read_text(metrics_path).splitlines(), start=1)
-        if line.strip()
+        if line.strip() and (where := f"{metrics_path}, line {n}")
     ]
     return RunRecord(run_dir, summary, rounds)
 
