@@ -124,6 +124,16 @@ class FederationConfig(_Section):
     server_bias_correction: bool = Field(
         True, description="FedAdam with Adam's bias correction (torch) or without (Reddi et al.)"
     )
+    aggregation: Literal["mean", "trimmed-mean", "median"] = Field(
+        "mean", description="combine the updates by their weighted mean, or per coordinate by a trimmed mean or median"
+    )
+    trim_fraction: float = Field(0.1, ge=0, lt=0.5, description="trimmed-mean: the fraction cut at each end")
+    clip_update_norm: float | None = Field(
+        None, gt=0, description="scale each client's update down to this L2 norm (over all its arrays) first"
+    )
+    max_client_weight: float | None = Field(
+        None, gt=0, le=1, description="bound each client's share of the weighted mean (the excess goes to the others)"
+    )
     min_replies: int = Field(1, gt=0, description="valid replies a round needs to aggregate (else it is retried)")
     max_retries: int = Field(2, ge=0, description="retries of a round short of min_replies before the run stops")
     round_timeout_s: float | None = Field(None, gt=0, description="a client slower than this in a round is dropped")
@@ -159,6 +169,15 @@ class FederationConfig(_Section):
             raise ValueError(f"federation.server_betas: expected two values in [0, 1) (got {list(self.server_betas)})")
         if self.clients_per_round is not None and self.fraction is not None:
             raise ValueError("give federation.clients_per_round or federation.fraction, not both")
+        if (
+            self.trim_fraction != type(self).model_fields["trim_fraction"].default
+            and self.aggregation != "trimmed-mean"
+        ):
+            raise ValueError('federation.trim_fraction: applies to federation.aggregation = "trimmed-mean"')
+        if self.max_client_weight is not None and self.aggregation != "mean":
+            raise ValueError(
+                "federation.max_client_weight: bounds the weighted mean's shares (trimmed-mean, median: unweighted)"
+            )
         if self.clients_per_round is not None and self.clients_per_round > self.num_clients:
             raise ValueError(
                 f"federation.clients_per_round: expected at most num_clients={self.num_clients}, "

@@ -96,6 +96,9 @@ class MethodSpec:
 CROSS_METHOD_OPTIONS = {
     "federation.server_optimizer": lambda config: not config.federation.plain_server_step(),
     "federation.upload_topk": lambda config: config.federation.upload_topk is not None,
+    "federation.aggregation": lambda config: config.federation.aggregation != "mean",
+    "federation.clip_update_norm": lambda config: config.federation.clip_update_norm is not None,
+    "federation.max_client_weight": lambda config: config.federation.max_client_weight is not None,
 }
 
 _METHODS: dict[str, MethodSpec] = {}

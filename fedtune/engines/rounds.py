@@ -20,8 +20,10 @@ valid; otherwise it is retried with a fresh sample (seeded by the attempt), up t
 checkpointed the last complete round). Every drop (who, why) is in the round's record.
 
 Fault injection for tests and benchmarks: profile fields ``failure_prob`` (a client fails a
-request with that probability, drawn from (seed, round, client, attempt)) and ``delay_s`` (it
-waits that long before answering), applied on the client side by :func:`answer`.
+request with that probability, drawn from (seed, round, client, attempt)), ``delay_s`` (it
+waits that long before answering) and ``attack`` (a hostile client: every floating array of its
+training reply sign-flipped, or scaled by ``attack_scale``; clients reply with updates, so this
+is the update), applied on the client side by :func:`answer`.
 """
 
 from __future__ import annotations
@@ -68,10 +70,21 @@ def answer(client: Client, kind: str, message: Message, seed: int, rnd: int, att
     ):
         raise InjectedFailure(f"injected failure (failure_prob {profile.failure_prob})")
     if kind == TRAIN:
-        return client.fit(message)
+        reply = client.fit(message)
+        return attacked(reply, profile.attack, profile.attack_scale) if profile.attack else reply
     if kind == EVALUATE:
         return client.evaluate(message)
     return client.phase(kind, message)
+
+
+def attacked(reply: Message, attack: str, scale: float) -> Message:
+    """``reply`` with every floating array sign-flipped (``"sign-flip"``) or times ``scale``
+    (``"scale"``); integer arrays (top-k indices) and the metadata as they are."""
+    factor = -1.0 if attack == "sign-flip" else scale
+    arrays = {
+        k: (v * factor).astype(v.dtype) if np.issubdtype(v.dtype, np.floating) else v for k, v in reply.arrays.items()
+    }
+    return Message(arrays, reply.meta)
 
 
 @dataclass

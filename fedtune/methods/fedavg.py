@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from fedtune.methods.base.averaging import SERVER_STEP_AND_UPLOAD_CODEC, BroadcastAverage, UpdateClient, Weighting
+from fedtune.methods.base.averaging import WEIGHTED_SUM_OPTIONS, BroadcastAverage, UpdateClient, Weighting
 from fedtune.methods.base.full_model import ModelStateStrategy, load_tensors, tensor_arrays
 from fedtune.models.training import train_local
 from fedtune.protocol.messages import Message
@@ -57,4 +57,4 @@ class FedAvgClient(UpdateClient):
         return self.upload({k: trained[k] - message.arrays[k] for k in trained}, result)
 
 
-register("fedavg", FedAvgStrategy, FedAvgClient, FedAvgOptions, supports=SERVER_STEP_AND_UPLOAD_CODEC)
+register("fedavg", FedAvgStrategy, FedAvgClient, FedAvgOptions, supports=WEIGHTED_SUM_OPTIONS)

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from fedtune.methods.base.averaging import SERVER_STEP_AND_UPLOAD_CODEC, BroadcastAverage, Weighting
+from fedtune.methods.base.averaging import WEIGHTED_SUM_OPTIONS, BroadcastAverage, Weighting
 from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, GlobalAdapterStrategy, LoraClient
 from fedtune.protocol.messages import Message
 from fedtune.registry import MethodOptions, register
@@ -46,4 +46,4 @@ class FedITClient(LoraClient):
         return self.upload({k: trained[k] - received[k] for k in trained}, result)
 
 
-register("fedit", FedITStrategy, FedITClient, FedITOptions, requires=LORA, supports=SERVER_STEP_AND_UPLOAD_CODEC)
+register("fedit", FedITStrategy, FedITClient, FedITOptions, requires=LORA, supports=WEIGHTED_SUM_OPTIONS)

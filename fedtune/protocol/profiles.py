@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -19,6 +19,10 @@ class ClientProfile(BaseModel):
     speed: float = Field(1.0, gt=0, description="relative compute speed (1 = reference)")
     failure_prob: float = Field(0.0, ge=0, le=1, description="fault injection: chance the client fails a request")
     delay_s: float = Field(0.0, ge=0, description="fault injection: seconds the client waits before answering")
+    attack: Literal["sign-flip", "scale"] | None = Field(
+        None, description="fault injection: a hostile client's reply (its update sign-flipped, or times attack_scale)"
+    )
+    attack_scale: float = Field(100.0, gt=0, description="fault injection: the factor of attack = 'scale'")
 
 
 def _profile(fields: dict[str, Any], where: str) -> ClientProfile:

@@ -9,11 +9,12 @@ The aggregated update goes through :class:`ServerOptimized` (``federation.server
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import numpy as np
 
+from fedtune.methods.base.robust import ROBUST_AGGREGATION, aggregate_updates, weighted_average
 from fedtune.methods.base.server_optimizer import ServerOptimizer
 from fedtune.models.training import FitResult, seed_for
 from fedtune.protocol.client import Client
@@ -25,6 +26,9 @@ Weighting = Literal["examples", "uniform"]
 #: The cross-method options (fedtune.registry.CROSS_METHOD_OPTIONS) a method honours when its server
 #: steps through :class:`ServerOptimized` and its clients upload through :meth:`UpdateClient.upload`.
 SERVER_STEP_AND_UPLOAD_CODEC = ("federation.server_optimizer", "federation.upload_topk")
+#: ... and when its server also combines the updates with :func:`~fedtune.methods.base.robust.aggregate_updates`.
+WEIGHTED_SUM_OPTIONS = (*SERVER_STEP_AND_UPLOAD_CODEC, *ROBUST_AGGREGATION)
+__all__ = ["weighted_average"]  # re-exported: the methods whose combination is not robust-aggregatable use it
 
 
 def encode_update(update: dict[str, np.ndarray], topk: float | None) -> dict[str, np.ndarray]:
@@ -41,13 +45,6 @@ def decode_update(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     from fedtune.protocol.compression import is_topk_encoded, topk_decode
 
     return topk_decode(arrays) if is_topk_encoded(arrays) else dict(arrays)
-
-
-def weighted_average(updates: list[Mapping[str, np.ndarray]], weights: Iterable[float]) -> dict[str, np.ndarray]:
-    """sum_i p_i u_i with p_i = w_i / sum_j w_j, key by key."""
-    w = np.asarray(list(weights), dtype=np.float64)
-    w = w / w.sum()
-    return {k: sum(float(p) * u[k] for p, u in zip(w, updates)).astype(np.float32) for k in updates[0]}
 
 
 def client_weights(replies: Mapping[int, Message], weighting: Weighting) -> list[float]:
@@ -102,7 +99,8 @@ class BroadcastAverage(ServerOptimized, Strategy):
     """FedAvg's round over ``self.global_arrays``: every sampled client gets the same arrays
     (and :meth:`fit_meta`); the server adds the weighted mean of the clients' updates,
     theta^{t+1} = theta^t + sum_i p_i Delta_i (``options.weighting``), through the server
-    optimizer (default: exactly this sum)."""
+    optimizer (default: exactly this sum); ``federation``'s robust-aggregation options replace
+    the weighted mean (:mod:`fedtune.methods.base.robust`)."""
 
     global_arrays: dict[str, np.ndarray]
 
@@ -120,6 +118,6 @@ class BroadcastAverage(ServerOptimized, Strategy):
         if not replies:
             return {}
         updates = [decode_update(m.arrays) for m in replies.values()]
-        mean = weighted_average(updates, client_weights(replies, self.options.weighting))
-        self.global_arrays = self.server_opt.step(self.global_arrays, mean)
+        combined = aggregate_updates(updates, client_weights(replies, self.options.weighting), self.config.federation)
+        self.global_arrays = self.server_opt.step(self.global_arrays, combined)
         return mean_train_loss(replies)

@@ -30,7 +30,7 @@ import torch
 from pydantic import Field
 
 from fedtune.config import ConfigError
-from fedtune.methods.base.averaging import SERVER_STEP_AND_UPLOAD_CODEC
+from fedtune.methods.base.averaging import WEIGHTED_SUM_OPTIONS
 from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS
 from fedtune.methods.fedpft.alignment import ProxyAligner
 from fedtune.methods.fedpft.construction import ProxyBuilder
@@ -226,5 +226,5 @@ register(
     FedOTClient,
     FedOTOptions,
     requires=(*LORA, "transformer"),
-    supports=SERVER_STEP_AND_UPLOAD_CODEC,
+    supports=WEIGHTED_SUM_OPTIONS,
 )

@@ -10,7 +10,7 @@ and the strategy the sizes a client holds and trains, measured as FedPFT's and F
 
 from __future__ import annotations
 
-from fedtune.methods.base.averaging import SERVER_STEP_AND_UPLOAD_CODEC, UpdateClient
+from fedtune.methods.base.averaging import WEIGHTED_SUM_OPTIONS, UpdateClient
 from fedtune.methods.base.lora import LORA
 from fedtune.methods.fedit import FedITOptions, FedITStrategy
 from fedtune.methods.fedpft.support import base_params, memory_metrics, size_metrics, train_lora
@@ -48,5 +48,5 @@ register(
     FedPETuningClient,
     FedITOptions,
     requires=LORA,
-    supports=SERVER_STEP_AND_UPLOAD_CODEC,
+    supports=WEIGHTED_SUM_OPTIONS,
 )

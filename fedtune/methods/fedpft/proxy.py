@@ -50,10 +50,10 @@ from fedtune.config import ConfigError
 from fedtune.methods.base.averaging import (
     UpdateClient,
     Weighting,
+    aggregate_updates,
     client_weights,
     decode_update,
     mean_train_loss,
-    weighted_average,
 )
 from fedtune.methods.base.lora import GlobalAdapterStrategy
 from fedtune.methods.fedpft.construction import ProxyBuilder
@@ -228,8 +228,8 @@ class ProxyStrategy(GlobalAdapterStrategy):
             decode_update({k: v for k, v in m.arrays.items() if k in self.global_arrays or ".topk_" in k})
             for m in replies.values()
         ]
-        mean = weighted_average(updates, client_weights(replies, self.options.weighting))
-        self.global_arrays = self.server_opt.step(self.global_arrays, mean)
+        combined = aggregate_updates(updates, client_weights(replies, self.options.weighting), self.config.federation)
+        self.global_arrays = self.server_opt.step(self.global_arrays, combined)
         metrics.update(mean_train_loss(replies))
         metrics.update(memory_metrics(replies))
         metrics.update(

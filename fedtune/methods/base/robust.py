@@ -1,0 +1,101 @@
+"""Robust aggregation of client updates, for the methods whose server adds a weighted mean of
+updates (``federation.aggregation``, ``federation.trim_fraction``, ``federation.clip_update_norm``,
+``federation.max_client_weight``; the registry refuses them for every other method).
+
+The defences a user with untrusted parties reaches for, applied in this order:
+
+1. norm clipping: Delta_i <- Delta_i * min(1, C / ||Delta_i||_2), the L2 norm over all of the
+   update's arrays (``clip_update_norm`` = C), so no client moves the model further than C;
+2. a weight bound: p_i = w_i / sum_j w_j capped at ``max_client_weight``, the excess moved to the
+   other clients in proportion to their weights (so a client claiming a huge ``num_examples``
+   holds at most that share);
+3. the combination: the weighted mean sum_i p_i Delta_i (``"mean"``, FedAvg), or, per coordinate,
+   the trimmed mean (the ``trim_fraction`` largest and smallest values dropped, the rest averaged
+   unweighted; Yin et al., "Byzantine-robust distributed learning", ICML 2018) or the median
+   (unweighted: the robust estimators ignore the weights, which a client reports itself).
+
+A bound only limits the damage: with clipping, f attackers among n can still move the mean by up
+to f C / n in any direction they choose; a trimmed mean tolerates fewer attackers per coordinate
+than it trims at each end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+#: The cross-method options (fedtune.registry.CROSS_METHOD_OPTIONS) a method honours when its server
+#: combines updates with :func:`aggregate_updates`.
+ROBUST_AGGREGATION = ("federation.aggregation", "federation.clip_update_norm", "federation.max_client_weight")
+
+
+def weighted_average(updates: list[Mapping[str, np.ndarray]], weights: Iterable[float]) -> dict[str, np.ndarray]:
+    """sum_i p_i u_i with p_i = w_i / sum_j w_j, key by key."""
+    w = np.asarray(list(weights), dtype=np.float64)
+    w = w / w.sum()
+    return {k: sum(float(p) * u[k] for p, u in zip(w, updates)).astype(np.float32) for k in updates[0]}
+
+
+def clip_update(update: Mapping[str, np.ndarray], bound: float) -> dict[str, np.ndarray]:
+    """``update`` scaled by min(1, bound / ||update||_2), the norm over all its arrays."""
+    norm = float(np.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in update.values())))
+    if norm <= bound:
+        return dict(update)
+    scale = bound / norm
+    return {k: (v * scale).astype(v.dtype) for k, v in update.items()}
+
+
+def bounded_weights(weights: Iterable[float], cap: float) -> np.ndarray:
+    """The normalized weights with none above ``cap``: a capped client's excess is spread over the
+    others in proportion to their weights, repeatedly, until none exceeds it (uniform when
+    ``cap`` < 1/n leaves no other way)."""
+    p = np.asarray(list(weights), dtype=np.float64)
+    p = p / p.sum()
+    if cap * len(p) <= 1.0:
+        return np.full(len(p), 1.0 / len(p))
+    capped = np.zeros(len(p), dtype=bool)
+    while (over := (p > cap + 1e-12) & ~capped).any():
+        capped |= over
+        free = ~capped
+        p[capped] = cap
+        rest = 1.0 - cap * capped.sum()
+        p[free] = p[free] / p[free].sum() * rest if p[free].sum() > 0 else rest / free.sum()
+    return p
+
+
+def trimmed_mean(updates: list[Mapping[str, np.ndarray]], fraction: float) -> dict[str, np.ndarray]:
+    """Per coordinate: the floor(fraction n) largest and smallest values dropped (fewer when that
+    would leave none), the rest averaged."""
+    n = len(updates)
+    cut = min(int(np.floor(fraction * n)), (n - 1) // 2)
+    out = {}
+    for k in updates[0]:
+        stacked = np.sort(np.stack([u[k] for u in updates]).astype(np.float64), axis=0)
+        out[k] = stacked[cut : n - cut].mean(axis=0).astype(np.float32)
+    return out
+
+
+def coordinate_median(updates: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Per coordinate: the median of the clients' values."""
+    return {
+        k: np.median(np.stack([u[k] for u in updates]).astype(np.float64), axis=0).astype(np.float32)
+        for k in updates[0]
+    }
+
+
+def aggregate_updates(
+    updates: list[Mapping[str, np.ndarray]], weights: Iterable[float], federation: Any
+) -> dict[str, np.ndarray]:
+    """The round's combined update under ``federation``'s robust-aggregation options (see the
+    module docstring); with none set, exactly :func:`weighted_average`."""
+    if federation.clip_update_norm is not None:
+        updates = [clip_update(u, federation.clip_update_norm) for u in updates]
+    if federation.aggregation == "trimmed-mean":
+        return trimmed_mean(updates, federation.trim_fraction)
+    if federation.aggregation == "median":
+        return coordinate_median(updates)
+    if federation.max_client_weight is not None:
+        weights = bounded_weights(weights, federation.max_client_weight)
+    return weighted_average(updates, weights)

@@ -1,0 +1,168 @@
+"""Robust aggregation (fedtune.methods.base.robust) and the hostile clients that test it: the
+defining formulas on hand-computed cases, through the real FedIT / FedAvg aggregate_fit, and the
+one-line refusals for the methods whose combination is not a weighted sum."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedtune.config import ConfigError, load_config
+from fedtune.engines.rounds import TRAIN, answer
+from fedtune.methods.base.robust import aggregate_updates, bounded_weights, clip_update, trimmed_mean
+from fedtune.protocol.messages import Message
+from fedtune.runtime import RunContext, resolve_run
+from tests.conftest import TINY
+
+
+def fed(**options):
+    return load_config(None, [*TINY, *(f"federation.{k}={v}" for k, v in options.items())]).federation
+
+
+def test_clip_scales_the_whole_update_to_the_bound_and_leaves_a_smaller_one_alone():
+    update = {"a": np.array([3.0, 0.0], np.float32), "b": np.array([[4.0]], np.float32)}  # ||.|| = 5 over both
+    clipped = clip_update(update, 1.0)
+    np.testing.assert_allclose(clipped["a"], [0.6, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(clipped["b"], [[0.8]], rtol=1e-6)  # per-array clipping would give 1.0 here
+    assert clip_update(update, 5.0)["a"] is not None and np.array_equal(clip_update(update, 10.0)["a"], update["a"])
+
+
+def test_weight_bound_moves_the_excess_to_the_others_in_proportion():
+    np.testing.assert_allclose(bounded_weights([1e9, 1, 1, 1], 0.4), [0.4, 0.2, 0.2, 0.2])
+    np.testing.assert_allclose(bounded_weights([5, 3, 1, 1], 0.4), [0.4, 0.36, 0.12, 0.12])
+    # capping the first pushes the second over: [.5, .45, .05] -> [.4, .54, .06] -> [.4, .4, .2]
+    np.testing.assert_allclose(bounded_weights([10, 9, 1], 0.4), [0.4, 0.4, 0.2])
+    np.testing.assert_allclose(bounded_weights([3, 1], 0.5), [0.5, 0.5])
+    np.testing.assert_allclose(bounded_weights([1, 2, 3], 1.0), [1 / 6, 2 / 6, 3 / 6])  # no bound reached
+
+
+def test_trimmed_mean_and_median_per_coordinate():
+    values = [1.0, 2.0, 3.0, 100.0, -50.0]
+    updates = [{"w": np.array([v, -v], np.float32)} for v in values]
+    np.testing.assert_allclose(trimmed_mean(updates, 0.2)["w"], [2.0, -2.0])  # -50 and 100 cut, mean(1, 2, 3)
+    np.testing.assert_allclose(trimmed_mean(updates, 0.0)["w"], [11.2, -11.2])  # no cut: the plain mean
+    np.testing.assert_allclose(trimmed_mean(updates, 0.49)["w"], [2.0, -2.0])  # cut 2 a side: the median
+    median = aggregate_updates(updates, [1e9, 1, 1, 1, 1], fed(aggregation='"median"'))
+    np.testing.assert_allclose(median["w"], [2.0, -2.0])  # unweighted: a claimed 1e9 examples changes nothing
+
+
+def test_defaults_are_exactly_the_weighted_mean():
+    rng = np.random.default_rng(0)
+    updates = [{"w": rng.normal(size=(3, 4)).astype(np.float32)} for _ in range(3)]
+    out = aggregate_updates(updates, [1, 2, 3], fed())
+    expected = (1 * updates[0]["w"] + 2 * updates[1]["w"] + 3 * updates[2]["w"]) / 6
+    np.testing.assert_allclose(out["w"], expected, rtol=1e-6)
+
+
+def _strategy(method: str, *extra: str):
+    config = load_config(None, [*TINY, f"method={method}", "federation.num_clients=5", *extra])
+    strategy = RunContext(config).strategy()
+    strategy.initialize()
+    return strategy
+
+
+@pytest.mark.parametrize("method", ["fedit", "fedavg"])
+def test_aggregate_fit_applies_clip_bound_and_trim(method):
+    """The real aggregate_fit: 5 replies (updates) with claimed sizes, one 100x too large and claiming
+    1e6 examples; each option's global step equals the formula computed here."""
+    rng = np.random.default_rng(1)
+    options = {
+        "none": ([], None),
+        "clip": (["federation.clip_update_norm=0.5"], "clip"),
+        "bound": (["federation.max_client_weight=0.3"], "bound"),
+        "trim": (['federation.aggregation="trimmed-mean"', "federation.trim_fraction=0.2"], "trim"),
+    }
+    first = _strategy(method)
+    sent = first.configure_fit(1, list(range(5)))[0]
+    updates = [
+        {k: rng.normal(scale=0.01, size=v.shape).astype(v.dtype) for k, v in sent.arrays.items()} for _ in range(5)
+    ]
+    updates[4] = {k: 100 * v for k, v in updates[4].items()}
+    sizes = [10, 20, 30, 40, 1e6]
+    replies = {c: Message(updates[c], {"num_examples": sizes[c], "train_loss": 0.5}) for c in range(5)}
+    for name, (extra, kind) in options.items():
+        strategy = _strategy(method, *extra)
+        before = {k: v.copy() for k, v in strategy.global_arrays.items()}
+        strategy.configure_fit(1, list(range(5)))
+        strategy.aggregate_fit(1, replies)
+        step = {k: strategy.global_arrays[k] - before[k] for k in before}
+        if kind == "clip":
+            us = [clip_update(u, 0.5) for u in updates]
+            p = np.array(sizes) / sum(sizes)
+        elif kind == "bound":
+            us, p = updates, bounded_weights(sizes, 0.3)
+        else:
+            us, p = updates, np.array(sizes) / sum(sizes)
+        for k in step:
+            if kind == "trim":
+                expected = np.sort(np.stack([u[k] for u in updates]), axis=0)[1:4].mean(axis=0)
+            else:
+                expected = sum(pi * u[k] for pi, u in zip(p, us))
+            np.testing.assert_allclose(step[k], expected, rtol=1e-4, atol=1e-7, err_msg=f"{name} {k}")
+        norm = np.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2)) for v in step.values()))
+        if kind == "clip":
+            assert norm <= 0.5 + 1e-5  # every clipped update has norm <= C, so does their convex combination
+        if kind is None:
+            assert norm > 1.0  # the attacker's 100x update with its claimed weight dominates the plain mean
+
+
+def test_a_hostile_profile_sign_flips_or_scales_its_update():
+    config = load_config(
+        None, [*TINY, "federation.num_clients=3", 'federation.profiles=[{}, {attack="sign-flip"}, {attack="scale"}]']
+    )
+    context = RunContext(config)
+    strategy = context.strategy()
+    strategy.initialize()
+    clients = [context.client(c) for c in range(3)]
+    messages = strategy.configure_fit(1, [0, 1, 2])
+    honest = answer(clients[0], TRAIN, messages[0], config.seed, 1)
+    again = {
+        c: answer(
+            RunContext(load_config(None, [*TINY, "federation.num_clients=3"])).client(c),
+            TRAIN,
+            messages[c],
+            config.seed,
+            1,
+        )
+        for c in (1, 2)
+    }
+    flipped = answer(clients[1], TRAIN, messages[1], config.seed, 1)
+    scaled = answer(clients[2], TRAIN, messages[2], config.seed, 1)
+    assert honest.arrays
+    for k in flipped.arrays:
+        np.testing.assert_array_equal(flipped.arrays[k], -again[1].arrays[k])
+        np.testing.assert_allclose(scaled.arrays[k], 100 * again[2].arrays[k], rtol=1e-6)
+    assert flipped.meta == again[1].meta
+
+
+@pytest.mark.parametrize(
+    "method, task",
+    [
+        ("fslora", None),
+        ("heterolora", None),
+        ("flexlora", None),
+        ("fedstacklora", None),
+        ("commit", "instruction"),
+        ("rabo", "few-shot"),
+        ("bomm", "paired-multimodal"),
+    ],
+)
+def test_methods_whose_combination_is_not_a_weighted_sum_refuse_the_options(method, task):
+    """FSLoRA's sketched mean, HeteroLoRA's padding, FlexLoRA's SVD, the stacking, CoMMIT's schedule
+    merge (weights it would keep using), RABO's bilevel step and BoMM's cloud are not a weighted sum
+    of updates: one line naming the method and the option."""
+    for option in ('aggregation="median"', "clip_update_norm=1.0", "max_client_weight=0.5"):
+        config = load_config(None, [f"method={method}", *([f"task={task}"] if task else []), f"federation.{option}"])
+        with pytest.raises(
+            ConfigError, match=rf"^federation.{option.split('=')[0]}: method '{method}' does not support it"
+        ):
+            resolve_run(config)
+
+
+def test_option_combinations_that_would_be_ignored_are_refused():
+    with pytest.raises(ConfigError, match="federation.trim_fraction: applies to"):
+        load_config(None, ["federation.trim_fraction=0.2"])
+    with pytest.raises(ConfigError, match="federation.max_client_weight: bounds the weighted mean"):
+        load_config(None, ['federation.aggregation="median"', "federation.max_client_weight=0.5"])
+    with pytest.raises(ConfigError, match="federation.trim_fraction"):
+        load_config(None, ['federation.aggregation="trimmed-mean"', "federation.trim_fraction=0.5"])
