@@ -404,3 +404,26 @@ def test_bomm_runs_the_same_on_flower_as_embedded(config, tmp_path, task_identit
     cfg = config("bomm", f"output_dir={tmp_path / 'f'}")
     grid = LoopbackGrid(make_client_app(cfg), cfg.federation.num_clients)
     assert_same_run(result(serve(grid, cfg, timeout=300)), embedded)
+
+
+@pytest.mark.parametrize("method", ["bomm-mm-ac", "bomm"])
+def test_a_resumed_run_ends_as_an_uninterrupted_one_though_it_loads_phi_later(config, monkeypatch, method):
+    """A resumed process loads the frozen backbone phi in a later round than an uninterrupted one
+    (here in party 0's training of round 3): loading it must not draw from the caller's torch RNG
+    (torchvision's random init before the pretrained weights), or that party's round 3 differs.
+    Each run starts with no backbone loaded, as a fresh process does."""
+    from fedtune.methods.bomm import backbone
+    from fedtune.run import run_experiment
+
+    def lines(summary):
+        rows = Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if "wall" not in k and "compute" not in k} for x in rows]
+
+    fresh = {}
+    monkeypatch.setattr(backbone, "_MODELS", fresh)
+    whole = lines(run_experiment(config(method, "rounds=3", "name=whole")))
+    fresh.clear()
+    run_experiment(config(method, "rounds=2", "name=cut"))
+    fresh.clear()
+    resumed = lines(run_experiment(config(method, "rounds=3", "name=cut"), resume=True))
+    assert resumed == whole

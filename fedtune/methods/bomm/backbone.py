@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedtune.config import ConfigError
+from fedtune.models.audio import seeded
 
 FEATURE_DIM = 1280
 BACKBONES = ("mobilenet-v2",)
@@ -85,7 +86,10 @@ def get_backbone(name: str, size: int) -> FrozenBackbone:
         raise ConfigError(f"options.backbone: expected one of {', '.join(BACKBONES)}, got {name!r}")
     key = (name, size)
     if key not in _MODELS:
-        _MODELS[key] = FrozenBackbone(size)
+        # built under a fixed seed with the caller's RNG state restored: torchvision initializes the
+        # layers randomly before the pretrained weights replace them, and that draw must not shift
+        # the caller's random stream (a resumed run builds it in a later round than an uninterrupted one)
+        _MODELS[key] = seeded(0, lambda: FrozenBackbone(size))
     return _MODELS[key]
 
 
