@@ -17,6 +17,7 @@ from fedtune.harness import (
     load_rounds,
     load_summary,
     mean_of_last,
+    produced_by,
     table_lines,
 )
 
@@ -94,12 +95,7 @@ def markdown(plan, command: str, options: Options, selected: list[str], out: Pat
         "the reference rate its task names: the test set's majority class (text, image, audio, paired), "
         "chance 1/N (few-shot), the majority answer (instruction).",
         "",
-        "Produced by",
-        "",
-        "```bash",
-        command,
-        "```",
-        "",
+        *produced_by(command),
         (
             "**Changed from the recipes:** "
             + ", ".join(f"`{c}`" for c in changed)

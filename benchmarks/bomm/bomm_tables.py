@@ -8,6 +8,7 @@ from bomm_experiments import ABLATIONS, CLOUD_METHODS, LABEL, LAST, METHODS, PAP
 
 from fedtune.harness import (
     RunSpec,
+    produced_by,
     runs_section,
     table_lines,
     with_labels,
@@ -20,12 +21,7 @@ def setup_section(scale: Scale, seeds: list[int], command: str) -> str:
     lines = [
         "## Setup",
         "",
-        "Produced by",
-        "",
-        "```bash",
-        command,
-        "```",
-        "",
+        *produced_by(command),
         "| | paper (Sec. 5.1, App. A) | here |",
         "|---|---|---|",
         "| data | MS COCO / CUB-200 image + captions | paired-multimodal: "

@@ -27,6 +27,7 @@ from fedtune.harness import (
     clearly_above,
     load_summary,
     mean_std,
+    produced_by,
     runs_section,
     sweep_sections,
     table_lines,
@@ -42,12 +43,7 @@ def setup_section(plan, seeds: list[int], command: str, sweep: Sweep | None = No
     lines = [
         "## Setup",
         "",
-        "Produced by",
-        "",
-        "```bash",
-        command,
-        "```",
-        "",
+        *produced_by(command),
         "| | paper (Sec. 7) | here |",
         "|---|---|---|",
         "| models | BLIP-2 (Q-Former + OPT-2.7B), SALMONN (audio Q-Former + Vicuna-7B) | "

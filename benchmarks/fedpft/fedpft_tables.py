@@ -15,6 +15,7 @@ from fedtune.harness import (
     load_rounds,
     mean_text,
     percent,
+    produced_by,
     runs_section,
     sweep_sections,
     table_lines,
@@ -92,12 +93,7 @@ def head(scale: Scale, seeds: list[int], command: str, note: str) -> str:
         [
             "## Setup",
             "",
-            "Produced by",
-            "",
-            "```bash",
-            command,
-            "```",
-            "",
+            *produced_by(command),
             f"Model `{base.model.name}`; {base.federation.num_clients} clients, {base.federation.sample_size()} "
             "sampled per "
             f"round, {base.rounds} rounds of {base.train.local_steps} local steps (batch {base.train.batch_size}, "

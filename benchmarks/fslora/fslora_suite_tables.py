@@ -23,6 +23,7 @@ from fedtune.harness import (
     load_summary,
     mean_text,
     percent,
+    produced_by,
     runs_section,
     table_lines,
     upload_cell,
@@ -37,12 +38,7 @@ def scale_section(scale: Scale, seeds: list[int], data_sets: tuple, command: str
     train = ", ".join(f"{d}: {scale.config(d).data.max_train_samples or 'all'}" for d in data_sets)
     test = ", ".join(f"{d}: {scale.config(d).data.max_test_samples or 'all'}" for d in data_sets)
     lines = [
-        "Produced by",
-        "",
-        "```bash",
-        command,
-        "```",
-        "",
+        *produced_by(command),
         "| | paper (RoBERTa & GLUE, Table A.1 / Sec. 5) | here |",
         "|---|---|---|",
         f"| model | {PAPER['model']} | `{base.model.name}` "

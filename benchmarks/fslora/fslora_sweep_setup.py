@@ -10,6 +10,7 @@ from fedtune.harness import (
     choice_text,
     figure,
     load_summary,
+    produced_by,
     run_accuracy,
     runs_section,
     table_lines,
@@ -31,12 +32,7 @@ def setup_section(scale: Scale, sweep_seed: int, seeds: list[int], command: str,
         f"{FAMILY_LABELS[f]}: lr in {{{', '.join(f'{x:g}' for x in sorted(scale.lr_grid[f]))}}}" for f in FAMILIES
     )
     lines = [
-        "Produced by",
-        "",
-        "```bash",
-        command,
-        "```",
-        "",
+        *produced_by(command),
         "| | paper (RoBERTa & GLUE, Table A.1) | FSLoRA suite (`run_suite.py`) | here |",
         "|---|---|---|---|",
         f"| model | {PAPER['model']} | minilm | `{b.model.name}` |",

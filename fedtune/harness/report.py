@@ -34,6 +34,11 @@ __all__ = [
 ]
 
 
+def produced_by(command: str) -> list[str]:
+    """The lines of a report that give the command which produced it (a bash block)."""
+    return ["Produced by", "", "```bash", command, "```", ""]
+
+
 def percent(values: Sequence[float | None]) -> str:
     """``mean ± std`` of the values in percent (``.2f``; None values skipped), or ``pending``."""
     m, s = stats.mean_std([100 * v for v in values if v is not None])
