@@ -42,7 +42,7 @@ lint: venv
 	$(BIN)/ruff format --check .
 
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 test-all: venv
 	$(BIN)/python -m pytest -q -m "slow or not slow"
