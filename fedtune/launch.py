@@ -25,7 +25,10 @@ def _claim_run_folder(config: Any, resume: bool, overwrite: bool) -> None:
     """Before any Flower process starts: a fresh run's folder is free, or its earlier run moved aside."""
     if not resume:
         run_dir = resolve_run(config).run_dir
-        move_aside(run_dir) if overwrite else check_free(run_dir)
+        if overwrite:
+            move_aside(run_dir)
+        else:
+            check_free(run_dir)
 
 
 def _flower_simulation(config: Any, overwrite: bool = False, **kw: Any) -> dict:

@@ -210,7 +210,10 @@ def run_experiment(
             )
         start_round = done + 1
     else:  # every input is checked: the folder is touched from here on
-        move_aside(run_dir) if overwrite else check_free(run_dir)
+        if overwrite:
+            move_aside(run_dir)
+        else:
+            check_free(run_dir)
         create(run_dir, {"config.toml": _toml(config), RUN_CONFIG: json.dumps(config.model_dump(mode="json"))})
     histograms = {"label_names": server.task.label_names, "clients": server.histograms()}
     write_text(run_dir / "label_histograms.json", json.dumps(histograms))
