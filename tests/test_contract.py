@@ -85,7 +85,11 @@ def test_unsupported_pairing_names_both(tmp_path):
 CROSS_OPTION_SETTINGS = {
     "federation.server_optimizer": ["federation.server_optimizer=adam", "federation.server_lr=1e-3"],
     "federation.upload_topk": ["federation.upload_topk=0.1"],
+    "federation.aggregation": ['federation.aggregation="median"'],
+    "federation.clip_update_norm": ["federation.clip_update_norm=1e-6"],
+    "federation.max_client_weight": ["federation.max_client_weight=0.01"],
 }
+ROBUST_OPTIONS = ("federation.aggregation", "federation.clip_update_norm", "federation.max_client_weight")
 
 
 @pytest.mark.parametrize("option", sorted(CROSS_OPTION_SETTINGS))
@@ -131,11 +135,26 @@ HONOURING = [
 ]
 
 
+#: ... and the robust-aggregation options: the methods whose server combines updates as a weighted sum.
+ROBUST_HONOURING = ["fedavg", "fedit", "fedot", "fedpetuning", "fedpft"]
+
+
 def test_the_methods_that_honour_cross_method_options_are_the_pinned_ones():
     from fedtune.methods import list_methods
 
     for option in CROSS_OPTION_SETTINGS:
-        assert sorted(s.name for s in list_methods() if option in s.honours) == HONOURING, option
+        pinned = ROBUST_HONOURING if option in ROBUST_OPTIONS else HONOURING
+        assert sorted(s.name for s in list_methods() if option in s.honours) == pinned, option
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedit"])
+def test_a_method_that_honours_update_clipping_changes_with_it(tmp_path, method):
+    """A bound of 1e-6 on every update leaves the global state all but where it started."""
+    kind = next(k for m, k, _ in CASES if m == method)
+    plain, _ = _one_round(tmp_path / "plain", method, kind)
+    clipped, _ = _one_round(tmp_path / "clip", method, kind, *CROSS_OPTION_SETTINGS["federation.clip_update_norm"])
+    floats = [k for k in plain if np.asarray(plain[k]).dtype.kind == "f" and k in clipped]
+    assert any(not np.array_equal(plain[k], clipped[k]) for k in floats)
 
 
 @pytest.mark.parametrize("method", HONOURING)

@@ -39,7 +39,7 @@ def base_of(overlays: Path) -> Path:
 def shrink(config) -> list[str]:
     """Overrides that make ``config`` one tiny round: one local step, few examples (in the task's own
     terms: few-shot draws episodes, the paired task sizes its pool with task.aligned/unaligned), and a
-    short pre-FL distillation for FedPFT."""
+    short pre-FL distillation for FedPFT and FedOT."""
     out = ["rounds=1", "eval_every=1", "train.local_steps=1"]
     kind = config.task.kind
     if kind == "few-shot":
@@ -48,7 +48,7 @@ def shrink(config) -> list[str]:
         out += ["task.aligned=8", "task.unaligned=24", "data.max_test_samples=40"]
     else:
         out += ["data.max_train_samples=200", "data.max_test_samples=50"]
-    if config.method == "fedpft":
+    if config.method in ("fedpft", "fedot"):  # both distill a proxy before FL (fedot.toml: 100 steps)
         out += ["options.distill_steps=2", "options.distill_samples=64"]
     return out
 
