@@ -30,8 +30,9 @@ def test_clip_scales_the_whole_update_to_the_bound_and_leaves_a_smaller_one_alon
 def test_weight_bound_moves_the_excess_to_the_others_in_proportion():
     np.testing.assert_allclose(bounded_weights([1e9, 1, 1, 1], 0.4), [0.4, 0.2, 0.2, 0.2])
     np.testing.assert_allclose(bounded_weights([5, 3, 1, 1], 0.4), [0.4, 0.36, 0.12, 0.12])
-    # capping the first pushes the second over: [.5, .45, .05] -> [.4, .54, .06] -> [.4, .4, .2]
-    np.testing.assert_allclose(bounded_weights([10, 9, 1], 0.4), [0.4, 0.4, 0.2])
+    np.testing.assert_allclose(bounded_weights([10, 9, 1], 0.4), [0.4, 0.4, 0.2])  # two over at once
+    # capping the first pushes the second over: [.6, .35, .05] -> [.4, .525, .075] -> [.4, .4, .2]
+    np.testing.assert_allclose(bounded_weights([6, 3.5, 0.5], 0.4), [0.4, 0.4, 0.2])
     np.testing.assert_allclose(bounded_weights([3, 1], 0.5), [0.5, 0.5])
     np.testing.assert_allclose(bounded_weights([1, 2, 3], 1.0), [1 / 6, 2 / 6, 3 / 6])  # no bound reached
 
