@@ -46,7 +46,6 @@ from fedtune.methods.base.averaging import (
     client_weights,
     decode_update,
     mean_train_loss,
-    weighted_average,
 )
 from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, LoraClient, client_rank
 from fedtune.methods.base.lora_arrays import (
@@ -63,6 +62,7 @@ from fedtune.methods.base.lora_arrays import (
     svd_factors,
 )
 from fedtune.methods.base.ranked import merged_into_base
+from fedtune.methods.base.robust import weighted_average
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
 from fedtune.protocol.validation import ArraySpec, spec_like

@@ -37,7 +37,6 @@ from fedtune.methods.base.averaging import (
     client_weights,
     decode_update,
     mean_train_loss,
-    weighted_average,
 )
 from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, GlobalAdapterStrategy, client_rank
 from fedtune.methods.base.lora_arrays import (
@@ -54,6 +53,7 @@ from fedtune.methods.base.lora_arrays import (
     weighted_product_sum,
 )
 from fedtune.methods.base.ranked import RankedAdapterClient, merged_into_base
+from fedtune.methods.base.robust import weighted_average
 from fedtune.protocol.messages import Message
 from fedtune.registry import MethodOptions, register
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from fedtune.methods.base.robust import ROBUST_AGGREGATION, aggregate_updates, weighted_average
+from fedtune.methods.base.robust import ROBUST_AGGREGATION, aggregate_updates
 from fedtune.methods.base.server_optimizer import ServerOptimizer
 from fedtune.models.training import FitResult, seed_for
 from fedtune.protocol.client import Client
@@ -28,7 +28,6 @@ Weighting = Literal["examples", "uniform"]
 SERVER_STEP_AND_UPLOAD_CODEC = ("federation.server_optimizer", "federation.upload_topk")
 #: ... and when its server also combines the updates with :func:`~fedtune.methods.base.robust.aggregate_updates`.
 WEIGHTED_SUM_OPTIONS = (*SERVER_STEP_AND_UPLOAD_CODEC, *ROBUST_AGGREGATION)
-__all__ = ["weighted_average"]  # re-exported: the methods whose combination is not robust-aggregatable use it
 
 
 def encode_update(update: dict[str, np.ndarray], topk: float | None) -> dict[str, np.ndarray]:
