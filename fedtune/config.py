@@ -81,6 +81,12 @@ class ModelConfig(_Section):
     finetune: Literal["full", "head"] = Field(
         "full", description="what methods without LoRA (fedavg) train: every parameter, or the head only"
     )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype of the frozen base weights (adapters, heads and optimizer state: float32)"
+    )
+    quantization: Literal["none", "8bit", "4bit"] = Field(
+        "none", description="quantize the frozen base's linear layers with bitsandbytes (4bit: NF4 + double quant)"
+    )
 
 
 class TrainConfig(_Section):
@@ -97,6 +103,9 @@ class TrainConfig(_Section):
     eval_batch_size: int = Field(128, gt=0)
     group_by_length: bool = Field(True, description="batch examples of similar length (less padding)")
     threads: int | None = Field(None, gt=0, description="torch threads (default: torch's choice)")
+    gradient_checkpointing: bool = Field(
+        False, description="recompute the base's activations in the backward pass (less memory, more compute)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -111,6 +120,9 @@ class FederationConfig(_Section):
     fraction: float | None = Field(None, gt=0, le=1, description="fraction sampled per round")
     profiles: list[ClientProfile] | None = Field(None, description="one resource profile per client (or one for all)")
     profile_choices: dict[str, list[Any]] | None = Field(None, description="draw each profile field from a set")
+    wire_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype of the float arrays a client uploads (aggregation stays in float32)"
+    )
     upload_topk: float | None = Field(
         None, gt=0, le=1, description="keep this fraction of each uploaded update (top-k)"
     )
@@ -208,6 +220,7 @@ class FederationConfig(_Section):
 
 #: A run folder's name: one path component (no separator, no "." or ".."), of characters that need no
 #: quoting in a shell; a default name made from a data set's file name is mapped onto it.
+DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]{1,2})?|mps")
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]{0,127}")
 
 
@@ -224,12 +237,22 @@ class RunConfig(BaseModel):
         "embedded",
         description="embedded (in-process), flower-sim (Flower's simulation) or flower (a loopback deployment)",
     )
+    device: str = Field(
+        "cpu", description="where models compute: cpu, cuda, cuda:N, mps, or auto (CUDA when available, else cpu)"
+    )
     task: TaskConfig = Field(default_factory=TaskConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     federation: FederationConfig = Field(default_factory=FederationConfig)
     options: dict[str, Any] = Field(default_factory=dict, description="the method's own options")
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, device: str) -> str:
+        if not DEVICE.fullmatch(device):
+            raise ValueError("expected auto, cpu, cuda, cuda:N or mps")
+        return device
 
     @field_validator("name")
     @classmethod

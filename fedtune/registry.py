@@ -99,7 +99,20 @@ CROSS_METHOD_OPTIONS = {
     "federation.aggregation": lambda config: config.federation.aggregation != "mean",
     "federation.clip_update_norm": lambda config: config.federation.clip_update_norm is not None,
     "federation.max_client_weight": lambda config: config.federation.max_client_weight is not None,
+    "federation.wire_dtype": lambda config: config.federation.wire_dtype != "float32",
+    "model.dtype": lambda config: config.model.dtype != "float32",
+    "model.quantization": lambda config: config.model.quantization != "none",
+    "train.gradient_checkpointing": lambda config: config.train.gradient_checkpointing,
+    "device": lambda config: _accelerated(config.device),
 }
+
+
+def _accelerated(device: str) -> bool:
+    """Whether ``device`` puts models on an accelerator here (``auto`` on a CPU-only machine does not)."""
+    from fedtune.models.precision import resolve_device
+
+    return resolve_device(device).type != "cpu"
+
 
 _METHODS: dict[str, MethodSpec] = {}
 

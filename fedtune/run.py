@@ -196,7 +196,7 @@ def run_experiment(
                 "run it again without --resume)"
             )
         check_unchanged(config, run_dir / RUN_CONFIG)
-    engine = engine or EmbeddedEngine(config)
+    engine = engine or EmbeddedEngine(config, server)
     strategy = server.strategy()
     strategy.initialize()  # loads the model: a bad model.name stops here, before any output
     lines: list[dict] = []

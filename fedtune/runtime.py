@@ -10,8 +10,10 @@ run folder (:attr:`ResolvedRun.run_dir`).
 A :class:`RunContext` is built from the config alone (so a Flower node builds the same one); it
 loads lazily and caches the task (its data, prepared once on first use, and the seeded partition)
 and the task's base model with its LoRA adapters. All clients of a process share one context; none
-of them holds a model. The embedded engine gives the server a context of its own, so the two sides
-share nothing but Messages.
+of them holds a model. The embedded engine gives the server a context of its own, whose LoRA
+workspace it shares (``shares_base``): one frozen base per process, however many clients; every
+user of a workspace loads the adapter arrays it needs (from a Message, or the server's state)
+before each use, so the two sides still exchange nothing but Messages.
 """
 
 from __future__ import annotations
@@ -67,8 +69,9 @@ def resolve_run(config: RunConfig) -> ResolvedRun:
 
 
 class RunContext:
-    def __init__(self, run: RunConfig | ResolvedRun) -> None:
+    def __init__(self, run: RunConfig | ResolvedRun, shares_base: RunContext | None = None) -> None:
         self.run = run if isinstance(run, ResolvedRun) else resolve_run(run)
+        self.shares_base = shares_base
         self.config = self.run.config
         self.method = self.run.method
         self.task: Task = self.run.task_class(self.config, self.run.task_options)
@@ -96,9 +99,12 @@ class RunContext:
 
     @cached_property
     def workspace(self):
-        """The task's base model with PEFT LoRA adapters by rank (LoRA methods)."""
+        """The task's base model with PEFT LoRA adapters by rank (LoRA methods): ``shares_base``'s
+        when given (the same config in the same process), else built here."""
         from fedtune.models.lora import LoraWorkspace
 
+        if self.shares_base is not None:
+            return self.shares_base.workspace
         return LoraWorkspace(self.task, self.config.seed)
 
     def client(self, cid: int, state: dict | None = None):

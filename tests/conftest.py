@@ -148,3 +148,16 @@ def assert_every_planned_run_resolves(plan) -> int:
     for config in configs:
         resolve_run(config)
     return len(configs)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are deselected (not skipped) where CUDA is absent: a CPU run reports
+    them as deselected, never as passed or skipped."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]

@@ -88,17 +88,26 @@ CROSS_OPTION_SETTINGS = {
     "federation.aggregation": ['federation.aggregation="median"'],
     "federation.clip_update_norm": ["federation.clip_update_norm=1e-6"],
     "federation.max_client_weight": ["federation.max_client_weight=0.01"],
+    "federation.wire_dtype": ['federation.wire_dtype="bfloat16"'],
+    "model.dtype": ['model.dtype="bfloat16"'],
+    "model.quantization": ['model.quantization="4bit"'],
+    "train.gradient_checkpointing": ["train.gradient_checkpointing=true"],
+    "device": ["device=cuda"],  # taken as an accelerator here (the test patches the check)
 }
 ROBUST_OPTIONS = ("federation.aggregation", "federation.clip_update_norm", "federation.max_client_weight")
+SCALE_OPTIONS = ("model.dtype", "train.gradient_checkpointing", "device")
 
 
 @pytest.mark.parametrize("option", sorted(CROSS_OPTION_SETTINGS))
 @pytest.mark.parametrize("method", sorted({m for m, _, _ in CASES}))
-def test_a_cross_method_option_is_honoured_or_refused_in_one_line(tmp_path, method, option):
+def test_a_cross_method_option_is_honoured_or_refused_in_one_line(tmp_path, monkeypatch, method, option):
     """Every method declares the cross-method options it honours; any other one, set, stops the
     run with one line naming the method and the option (it used to be accepted and ignored)."""
+    from fedtune import registry
     from fedtune.registry import CROSS_METHOD_OPTIONS
     from fedtune.runtime import resolve_run
+
+    monkeypatch.setattr(registry, "_accelerated", lambda device: device != "cpu")  # no GPU needed
 
     assert set(CROSS_OPTION_SETTINGS) == set(CROSS_METHOD_OPTIONS)
     kind = next(k for m, k, _ in CASES if m == method)
@@ -137,13 +146,25 @@ HONOURING = [
 
 #: ... and the robust-aggregation options: the methods whose server combines updates as a weighted sum.
 ROBUST_HONOURING = ["fedavg", "fedit", "fedot", "fedpetuning", "fedpft"]
+#: ... and the model-scale options: the LoRA methods that touch the base only through the prepared
+#: workspace (fedtune.models.precision); quantization not by those that write merges into base weights.
+SCALE_HONOURING = ["fedit", "fedstacklora", "flexlora", "fslora", "heterolora", "local"]
+QUANTIZATION_HONOURING = ["fedit", "fslora", "heterolora", "local"]
 
 
 def test_the_methods_that_honour_cross_method_options_are_the_pinned_ones():
     from fedtune.methods import list_methods
 
     for option in CROSS_OPTION_SETTINGS:
-        pinned = ROBUST_HONOURING if option in ROBUST_OPTIONS else HONOURING
+        pinned = (
+            ROBUST_HONOURING
+            if option in ROBUST_OPTIONS
+            else SCALE_HONOURING
+            if option in SCALE_OPTIONS
+            else QUANTIZATION_HONOURING
+            if option == "model.quantization"
+            else HONOURING
+        )
         assert sorted(s.name for s in list_methods() if option in s.honours) == pinned, option
 
 
@@ -159,8 +180,8 @@ def test_a_method_that_honours_update_clipping_changes_with_it(tmp_path, method)
 
 @pytest.mark.parametrize("method", HONOURING)
 def test_a_method_that_honours_a_cross_method_option_changes_with_it(tmp_path, method):
-    """What it declares it does: FedAdam moves the global state elsewhere than the plain step, and
-    top-k (10 %) uploads fewer bytes."""
+    """What it declares it does: FedAdam moves the global state elsewhere than the plain step, top-k
+    (10 %) uploads fewer bytes, and a bfloat16 wire dtype uploads about half (the state stays float32)."""
     kind = next(k for m, k, _ in CASES if m == method)
     plain, plain_up = _one_round(tmp_path / "plain", method, kind)
     adam, _ = _one_round(tmp_path / "adam", method, kind, *CROSS_OPTION_SETTINGS["federation.server_optimizer"])
@@ -168,3 +189,6 @@ def test_a_method_that_honours_a_cross_method_option_changes_with_it(tmp_path, m
     assert any(not np.array_equal(plain[k], adam[k]) for k in floats)  # the server step changed the state
     _, topk_up = _one_round(tmp_path / "topk", method, kind, *CROSS_OPTION_SETTINGS["federation.upload_topk"])
     assert topk_up < plain_up  # the clients uploaded through the top-k codec
+    wire, wire_up = _one_round(tmp_path / "wire", method, kind, *CROSS_OPTION_SETTINGS["federation.wire_dtype"])
+    assert wire_up < 0.75 * plain_up  # float arrays crossed in 2 bytes per entry, and were decoded
+    assert all(np.asarray(wire[k]).dtype == np.asarray(plain[k]).dtype for k in plain if k in wire)

@@ -1,9 +1,9 @@
 """Embedded engine: every client in this process, sequential, deterministic under the run's seed.
 
-Every message crosses as bytes (encode, then decode on the other side), so nothing is shared
-between the server and a client, and the bytes accounted are the bytes that crossed. The
-clients get a RunContext of their own (:class:`EmbeddedEngine`): server and clients share
-nothing but Messages.
+Every message crosses as bytes (encode, then decode on the other side), and the bytes accounted
+are the bytes that crossed. The clients get a RunContext of their own (:class:`EmbeddedEngine`):
+server and clients exchange nothing but Messages; given the server's context, the clients' shares
+its frozen LoRA base (one base per process, see :class:`~fedtune.runtime.RunContext`).
 """
 
 from __future__ import annotations
@@ -89,11 +89,12 @@ class EmbeddedEngine(Engine):
 
     name = "embedded"
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, server: Any = None) -> None:
+        """``server``: the server's RunContext, whose LoRA workspace the clients share."""
         from fedtune.runtime import RunContext
 
         super().__init__(config)
-        self.local = LocalTransport(RunContext(config).client, config.seed)
+        self.local = LocalTransport(RunContext(config, shares_base=server).client, config.seed)
 
     def transport(self) -> LocalTransport:
         return self.local

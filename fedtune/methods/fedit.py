@@ -14,7 +14,7 @@ from typing import ClassVar
 from pydantic import Field
 
 from fedtune.methods.base.averaging import WEIGHTED_SUM_OPTIONS, BroadcastAverage, Weighting
-from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, GlobalAdapterStrategy, LoraClient
+from fedtune.methods.base.lora import LORA, SCALE_OPTIONS, SERVER_DEVIATIONS, GlobalAdapterStrategy, LoraClient
 from fedtune.protocol.messages import Message
 from fedtune.registry import MethodOptions, register
 
@@ -46,4 +46,6 @@ class FedITClient(LoraClient):
         return self.upload({k: trained[k] - received[k] for k in trained}, result)
 
 
-register("fedit", FedITStrategy, FedITClient, FedITOptions, requires=LORA, supports=WEIGHTED_SUM_OPTIONS)
+register(
+    "fedit", FedITStrategy, FedITClient, FedITOptions, requires=LORA, supports=(*WEIGHTED_SUM_OPTIONS, *SCALE_OPTIONS)
+)

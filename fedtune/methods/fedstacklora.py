@@ -47,7 +47,7 @@ from fedtune.methods.base.averaging import (
     decode_update,
     mean_train_loss,
 )
-from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, LoraClient, client_rank
+from fedtune.methods.base.lora import LORA, MERGING_SCALE_OPTIONS, SERVER_DEVIATIONS, LoraClient, client_rank
 from fedtune.methods.base.lora_arrays import (
     a_name,
     array_rank,
@@ -233,5 +233,5 @@ register(
     FedStackLoRAClient,
     FedStackLoRAOptions,
     requires=LORA,
-    supports=SERVER_STEP_AND_UPLOAD_CODEC,
+    supports=(*SERVER_STEP_AND_UPLOAD_CODEC, *MERGING_SCALE_OPTIONS),
 )

@@ -66,7 +66,14 @@ from fedtune.methods.base.averaging import (
     decode_update,
     mean_train_loss,
 )
-from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, GlobalAdapterStrategy, LoraClient, client_rank
+from fedtune.methods.base.lora import (
+    LORA,
+    SCALE_OPTIONS,
+    SERVER_DEVIATIONS,
+    GlobalAdapterStrategy,
+    LoraClient,
+    client_rank,
+)
 from fedtune.methods.base.lora_arrays import add_ranks, lora_pairs, module_path, take_ranks
 from fedtune.protocol.messages import Message
 from fedtune.protocol.validation import ArraySpec, spec_like
@@ -256,4 +263,11 @@ class FSLoRAClient(LoraClient):
         return reply
 
 
-register("fslora", FSLoRAStrategy, FSLoRAClient, FSLoRAOptions, requires=LORA, supports=SERVER_STEP_AND_UPLOAD_CODEC)
+register(
+    "fslora",
+    FSLoRAStrategy,
+    FSLoRAClient,
+    FSLoRAOptions,
+    requires=LORA,
+    supports=(*SERVER_STEP_AND_UPLOAD_CODEC, *SCALE_OPTIONS),
+)

@@ -69,7 +69,14 @@ from fedtune.methods.base.averaging import (
     mean_train_loss,
     update_of,
 )
-from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, GlobalAdapterStrategy, LoraClient, client_rank
+from fedtune.methods.base.lora import (
+    LORA,
+    SCALE_OPTIONS,
+    SERVER_DEVIATIONS,
+    GlobalAdapterStrategy,
+    LoraClient,
+    client_rank,
+)
 from fedtune.methods.base.lora_arrays import (
     array_rank,
     lora_pairs,
@@ -235,5 +242,5 @@ register(
     HeteroLoRAClient,
     HeteroLoRAOptions,
     requires=LORA,
-    supports=SERVER_STEP_AND_UPLOAD_CODEC,
+    supports=(*SERVER_STEP_AND_UPLOAD_CODEC, *SCALE_OPTIONS),
 )

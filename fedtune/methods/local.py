@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from fedtune.methods.base.averaging import mean_train_loss
-from fedtune.methods.base.lora import LORA, LoraClient
+from fedtune.methods.base.lora import LORA, SCALE_OPTIONS, LoraClient
 from fedtune.methods.fedit import FedITStrategy
 from fedtune.protocol.messages import Message
 from fedtune.registry import register
@@ -81,4 +81,4 @@ class LocalClient(LoraClient):
         return Message({}, self.context.task.evaluate(ws.model, self.config.train.eval_batch_size))
 
 
-register("local", LocalStrategy, LocalClient, requires=LORA)
+register("local", LocalStrategy, LocalClient, requires=LORA, supports=SCALE_OPTIONS)

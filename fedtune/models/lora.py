@@ -92,9 +92,11 @@ class LoraWorkspace:
     sees nothing of the previous one."""
 
     def __init__(self, task, seed: int) -> None:
+        from fedtune.models.precision import prepare_base
+
         self.task = task
         self.seed = seed
-        self.base = task.build_model(seed)
+        self.base = prepare_base(task.build_model(seed), task.config, task.head_modules())
         self.model = None  # PeftModel once an adapter exists
         self._params: dict[str, dict[str, torch.nn.Parameter]] = {}
         self._target_names: set[str] | None = None
@@ -116,13 +118,15 @@ class LoraWorkspace:
     def adapter_name(rank: int, alpha: float | None = None) -> str:
         return f"r{rank}" if alpha is None else f"r{rank}a{alpha:g}"
 
-    def activate(self, rank: int, alpha: float | None = None) -> dict[str, torch.nn.Parameter]:
-        """Make the rank-``rank`` adapter (scaling ``alpha / rank``) the only active, trainable one."""
+    def activate(self, rank: int, alpha: float | None = None, bounded: bool = True) -> dict[str, torch.nn.Parameter]:
+        """Make the rank-``rank`` adapter (scaling ``alpha / rank``) the only active, trainable one;
+        ``bounded``: refuse a rank the adapted layers cannot use (see :meth:`_check_rank`)."""
         from peft import get_peft_model
 
         name = self.adapter_name(rank, alpha)
         if self.model is None or name not in self.model.peft_config:
-            self._check_rank(rank)
+            if bounded:
+                self._check_rank(rank)
             with torch.random.fork_rng():  # seeded init that leaves the global RNG untouched
                 torch.manual_seed(self.seed + 1)
                 if self.model is None:
@@ -139,10 +143,10 @@ class LoraWorkspace:
         return {k: p.detach().cpu().numpy().copy() for k, p in self.activate(rank, alpha).items()}
 
     def load(
-        self, arrays: Mapping[str, np.ndarray], rank: int, alpha: float | None = None
+        self, arrays: Mapping[str, np.ndarray], rank: int, alpha: float | None = None, bounded: bool = True
     ) -> dict[str, torch.nn.Parameter]:
         """Activate the adapter and copy ``arrays`` into it; every trainable array must be given."""
-        params = self.activate(rank, alpha)
+        params = self.activate(rank, alpha, bounded)
         missing = params.keys() - arrays.keys()
         if missing:
             raise KeyError(f"adapter state lacks {sorted(missing)[:3]}")
@@ -155,12 +159,19 @@ class LoraWorkspace:
         self, out_dir: Path, arrays: Mapping[str, np.ndarray], rank: int, alpha: float | None = None
     ) -> None:
         """Write ``arrays`` as a standard PEFT adapter (``PeftModel.from_pretrained`` loads it
-        onto the task's base model, ``task.build_model(seed)``)."""
-        from peft import get_peft_model
+        onto the task's base model, ``task.build_model(seed)`` prepared as this one, see
+        :func:`~fedtune.models.precision.prepare_base`). Written from the shared model (no second
+        base is built): PEFT saves a named adapter into a subfolder, which becomes ``out_dir``. The
+        rank is not bounded: FedStackLoRA saves its stacked adapter, of the clients' summed ranks."""
+        import shutil
+        import tempfile
 
-        fresh = get_peft_model(self.task.build_model(self.seed), lora_config(self.task, rank, alpha))
-        params = {_short_name(n, "default"): p for n, p in fresh.named_parameters() if p.requires_grad}
-        with torch.no_grad():
-            for k, p in params.items():
-                p.copy_(torch.as_tensor(arrays[k]))
-        fresh.save_pretrained(str(out_dir))
+        name = self.adapter_name(rank, alpha)
+        self.load(arrays, rank, alpha, bounded=False)
+        out_dir = Path(out_dir)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=".adapter-") as tmp:
+            self.model.save_pretrained(tmp, selected_adapters=[name])
+            if out_dir.exists():
+                shutil.rmtree(out_dir)
+            shutil.move(str(Path(tmp) / name), str(out_dir))

@@ -473,7 +473,7 @@ def answer_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[tor
     first = int(is_answer.float().argmax(-1).min())  # earliest answer column of any row
     span = labels.shape[1] - first  # A: answer columns, predicted from the columns before them
     logits = unwrap(model)(batch, logits_to_keep=span + 1)[:, :-1]
-    return logits, labels[:, first:]
+    return logits, labels[:, first:].to(logits.device)
 
 
 def answer_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

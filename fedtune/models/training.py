@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from fedtune.config import TrainConfig
+from fedtune.models.precision import model_device, to_device
 
 
 @dataclass
@@ -102,8 +103,11 @@ def train_local(
     rng = np.random.default_rng(seed)
     optimizer = make_optimizer(params, cfg)
     train_mode(model)
+    device = model_device(model)
     total = 0.0
     for batch in task.train_batches(pool, cfg.batch_size, cfg.local_steps, rng):
+        if device.type != "cpu":  # batches are built on the host
+            batch = to_device(batch, device)
         loss = task.loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -124,6 +128,7 @@ def evaluate_classifier(
     correct, loss_sum, n = 0, 0.0, 0
     for batch in batches:
         logits, labels, loss = forward(model, batch)
+        labels = labels.to(logits.device)
         loss_sum += loss.item() * len(labels)
         correct += (logits.argmax(-1) == labels).sum().item()
         n += len(labels)

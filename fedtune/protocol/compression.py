@@ -1,4 +1,4 @@
-"""Top-k sparsification of uploads (Kuo et al. 2024), as an encoding of named arrays.
+"""The upload codec: top-k sparsification (Kuo et al. 2024) and the wire dtype, as encodings of named arrays.
 
 Each array ``x`` of ``size`` entries keeps its k = ceil(ratio * size) entries of largest
 magnitude (at least 1) and becomes three: ``<name>.topk_idx`` (flat indices, ascending; int32,
@@ -13,6 +13,10 @@ Top-k applies to whatever update dict a client uploads through ``LoraClient.uplo
 dense deltas, FSLoRA's sliced deltas Delta B[:, I], Delta A[I, :] and the head delta); arrays
 added to the Message outside the codec (FSLoRA's sketch index I) are never compressed, and
 :func:`topk_decode` passes any array that is not part of a top-k triple through unchanged.
+
+The wire dtype (:func:`wire_encode`, ``federation.wire_dtype``) then sends every float array,
+top-k values included, in bfloat16 or float16; :func:`wire_decode` restores float32 first, so the
+server aggregates in float32.
 """
 
 from __future__ import annotations
@@ -91,3 +95,70 @@ def topk_decode(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if key not in used:
             out[key] = value
     return out
+
+
+# -- the wire dtype (federation.wire_dtype) --------------------------------------------------------
+#: suffix of an array sent in a narrower float dtype -> that dtype's numpy storage
+WIRE_SUFFIXES = {"bfloat16": (".bf16", np.dtype(np.uint16)), "float16": (".f16", np.dtype(np.float16))}
+
+
+def bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> the bits of the nearest bfloat16 (round to nearest, ties to even; NaN stays NaN),
+    as uint16: numpy has no bfloat16 dtype, so its 16 bits cross as they are."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    out = (rounded >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(x)
+    out[nan] = (bits[nan] >> np.uint32(16)).astype(np.uint16) | np.uint16(0x0040)  # quiet NaN
+    return out
+
+
+def from_bfloat16_bits(bits: np.ndarray) -> np.ndarray:
+    """uint16 bfloat16 bits -> float32 (exact)."""
+    return (np.asarray(bits, dtype=np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def wire_encode(arrays: Mapping[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
+    """Every floating-point array in ``dtype`` (``federation.wire_dtype``): ``float32`` leaves
+    them as they are; ``float16`` sends ``<name>.f16`` (numpy float16), ``bfloat16`` sends
+    ``<name>.bf16`` (its bits as uint16). Other arrays (indices, shapes) pass through. The bytes
+    accounted are the encoded ones: 2 per entry instead of 4."""
+    if dtype == "float32":
+        return dict(arrays)
+    suffix, _ = WIRE_SUFFIXES[dtype]
+    out: dict[str, np.ndarray] = {}
+    for name, x in arrays.items():
+        x = np.asarray(x)
+        if x.dtype.kind != "f":
+            out[name] = x
+        elif dtype == "bfloat16":
+            out[name + suffix] = bfloat16_bits(x)
+        else:
+            out[name + suffix] = x.astype(np.float16)
+    return out
+
+
+def wire_decode(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Inverse of :func:`wire_encode`: ``<name>.f16`` / ``<name>.bf16`` back to float32 ``<name>``.
+    Never raises on an untrusted sender's arrays: one of the wrong storage dtype, or whose plain
+    name is also present, keeps its encoded name (and a reply check then rejects it)."""
+    out: dict[str, np.ndarray] = {}
+    for key, value in arrays.items():
+        value = np.asarray(value)
+        for _dtype, (suffix, storage) in WIRE_SUFFIXES.items():
+            name = key[: -len(suffix)]
+            if key.endswith(suffix) and value.dtype == storage and name not in arrays:
+                out[name] = from_bfloat16_bits(value) if suffix == ".bf16" else value.astype(np.float32)
+                break
+        else:
+            out[key] = value
+    return out
+
+
+def encoded_base_name(key: str) -> str:
+    """The array name an encoded key stands for (``x.topk_val.bf16`` -> ``x``)."""
+    for suffix, _ in WIRE_SUFFIXES.values():
+        key = key.removesuffix(suffix)
+    for suffix in (IDX, VAL, SHAPE):
+        key = key.removesuffix(suffix)
+    return key

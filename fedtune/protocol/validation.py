@@ -3,7 +3,8 @@
 A Strategy describes the arrays it expects back from a client (:meth:`Strategy.reply_spec`):
 name -> :class:`ArraySpec` (shape and dtype). :func:`check_arrays` compares a reply with it:
 the same names (an array the method lets the upload codec compress may instead arrive as its
-top-k triple ``name.topk_idx / .topk_val / .topk_shape``, checked entry by entry), the same
+top-k triple ``name.topk_idx / .topk_val / .topk_shape``, checked entry by entry, and any float
+array in the wire dtype, ``name.bf16`` / ``name.f16``), the same
 shapes and dtypes, and finite values everywhere. It returns the reason a reply is rejected,
 or None; it never raises, whatever the reply holds.
 
@@ -23,7 +24,7 @@ from numbers import Integral, Real
 
 import numpy as np
 
-from fedtune.protocol.compression import IDX, SHAPE, VAL
+from fedtune.protocol.compression import IDX, SHAPE, VAL, wire_decode
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,9 @@ def _check_topk(name: str, arrays: Mapping[str, np.ndarray], spec: ArraySpec) ->
 
 def check_arrays(arrays: Mapping[str, np.ndarray], spec: Mapping[str, ArraySpec] | None) -> str | None:
     """Why ``arrays`` (a reply's) do not match ``spec``, or None when they do. ``spec`` None:
-    only the values are checked (finite floats)."""
+    only the values are checked (finite floats). Arrays sent in a narrower wire dtype
+    (:func:`~fedtune.protocol.compression.wire_encode`) are checked as the float32 they decode to."""
+    arrays = wire_decode(arrays)
     if spec is None:
         for name, a in arrays.items():
             if np.asarray(a).dtype.kind == "f" and not np.isfinite(a).all():

@@ -34,6 +34,7 @@ from pydantic import Field
 from fedtune.config import ConfigError
 from fedtune.data import instruction as idata
 from fedtune.models import prefix_lm as plm
+from fedtune.models.precision import model_device, to_device
 from fedtune.tasks.base import Task, TaskOptions, register_task
 
 LM_TARGETS = ("q_proj", "v_proj")
@@ -311,7 +312,8 @@ class Instruction(Task):
     def generate(self, model: torch.nn.Module, ds: idata.InstructionSet, idx: np.ndarray) -> list[str]:
         """Greedy answers of ``model`` to the examples ``idx`` of ``ds`` (decoded text)."""
         budget = self.options.max_new_tokens or self.prompts.max_answer_tokens
-        tokens = plm.unwrap(model).generate(self.batch(ds, idx, with_answers=False), budget, self.prompts.eos_id)
+        batch = to_device(self.batch(ds, idx, with_answers=False), model_device(model))
+        tokens = plm.unwrap(model).generate(batch, budget, self.prompts.eos_id)
         out = []
         for row in tokens.tolist():
             if self.prompts.eos_id in row:
@@ -325,8 +327,8 @@ class Instruction(Task):
         ds = self.test
         losses, exact, rouge = np.zeros(len(ds)), np.zeros(len(ds)), np.zeros(len(ds))
         for idx in idata.chunks(idata.eval_order(ds, self.prompts), batch_size):
-            logits, targets = plm.answer_logits(model, self.batch(ds, idx))
-            losses[idx] = plm.example_losses(logits, targets).numpy()
+            logits, targets = plm.answer_logits(model, to_device(self.batch(ds, idx), model_device(model)))
+            losses[idx] = plm.example_losses(logits, targets).cpu().numpy()
             for j, text in zip(idx, self.generate(model, ds, idx)):
                 reference = ds.answer_names[ds.answer[j]]
                 exact[j] = normalize_answer(text) == normalize_answer(reference)

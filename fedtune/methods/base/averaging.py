@@ -25,25 +25,27 @@ from fedtune.protocol.validation import ArraySpec, spec_like
 Weighting = Literal["examples", "uniform"]
 #: The cross-method options (fedtune.registry.CROSS_METHOD_OPTIONS) a method honours when its server
 #: steps through :class:`ServerOptimized` and its clients upload through :meth:`UpdateClient.upload`.
-SERVER_STEP_AND_UPLOAD_CODEC = ("federation.server_optimizer", "federation.upload_topk")
+SERVER_STEP_AND_UPLOAD_CODEC = ("federation.server_optimizer", "federation.upload_topk", "federation.wire_dtype")
 #: ... and when its server also combines the updates with :func:`~fedtune.methods.base.robust.aggregate_updates`.
 WEIGHTED_SUM_OPTIONS = (*SERVER_STEP_AND_UPLOAD_CODEC, *ROBUST_AGGREGATION)
 
 
-def encode_update(update: dict[str, np.ndarray], topk: float | None) -> dict[str, np.ndarray]:
-    """Arrays to upload for ``update`` (identity unless ``federation.upload_topk`` is set)."""
-    if topk is None:
-        return update
-    from fedtune.protocol.compression import topk_encode
+def encode_update(
+    update: dict[str, np.ndarray], topk: float | None, wire_dtype: str = "float32"
+) -> dict[str, np.ndarray]:
+    """Arrays to upload for ``update``: top-k when ``federation.upload_topk`` is set, then every
+    float array in ``federation.wire_dtype`` (identity at the defaults)."""
+    from fedtune.protocol.compression import topk_encode, wire_encode
 
-    return topk_encode(update, topk)
+    return wire_encode(update if topk is None else topk_encode(update, topk), wire_dtype)
 
 
 def decode_update(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Inverse of :func:`encode_update` (dense arrays pass through)."""
-    from fedtune.protocol.compression import is_topk_encoded, topk_decode
+    """Inverse of :func:`encode_update` (dense float32 arrays pass through)."""
+    from fedtune.protocol.compression import is_topk_encoded, topk_decode, wire_decode
 
-    return topk_decode(arrays) if is_topk_encoded(arrays) else dict(arrays)
+    arrays = wire_decode(arrays)
+    return topk_decode(arrays) if is_topk_encoded(arrays) else arrays
 
 
 def client_weights(replies: Mapping[int, Message], weighting: Weighting) -> list[float]:
@@ -67,7 +69,8 @@ class UpdateClient(Client):
 
     def upload(self, update: dict[str, np.ndarray], result: FitResult, **meta) -> Message:
         """The reply: the (possibly compressed) update and the fit metrics."""
-        return Message(encode_update(update, self.config.federation.upload_topk), {**result.meta(), **meta})
+        fed = self.config.federation
+        return Message(encode_update(update, fed.upload_topk, fed.wire_dtype), {**result.meta(), **meta})
 
     def train_seed(self, rnd: int) -> int:
         """Data order and dropout of this client in round ``rnd``: from (run seed, round, client) alone."""

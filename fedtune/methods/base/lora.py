@@ -12,12 +12,18 @@ import numpy as np
 import torch
 
 from fedtune.methods.base.averaging import ServerOptimized, UpdateClient, update_of
+from fedtune.models.tensors import to_numpy
 from fedtune.models.training import FitResult, train_local
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
 from fedtune.protocol.validation import ArraySpec
 
 LORA = ("lora",)  # the task capability every LoRA method requires (register(..., requires=LORA))
+#: The model-scale options (fedtune.registry.CROSS_METHOD_OPTIONS) a LoRA method honours when its
+#: clients and server touch the base only through the workspace (fedtune.models.precision prepares it)
+#: and train with train_local; a method that writes into base weights (a merge) leaves out quantization.
+SCALE_OPTIONS = ("model.dtype", "model.quantization", "train.gradient_checkpointing", "device")
+MERGING_SCALE_OPTIONS = ("model.dtype", "train.gradient_checkpointing", "device")
 
 # What departs from a method's paper in the settings every LoRA method shares (``fedtune methods
 # --verbose`` prints these with each method's own, from its options class's ``deviations``).
@@ -66,7 +72,7 @@ class LoraClient(UpdateClient):
             self.config.train,
             self.train_seed(rnd),
         )
-        return {k: p.detach().numpy().copy() for k, p in params.items()}, result
+        return {k: to_numpy(p) for k, p in params.items()}, result
 
 
 class GlobalAdapterStrategy(ServerOptimized, Strategy):

@@ -38,7 +38,7 @@ def merged_into_base(workspace, deltas: Mapping[str, np.ndarray]) -> Iterator[No
         with torch.no_grad():
             for path, delta in deltas.items():
                 weight = _base_weight(workspace, path)
-                d = torch.as_tensor(np.asarray(delta), dtype=weight.dtype)
+                d = torch.as_tensor(np.asarray(delta), dtype=weight.dtype, device=weight.device)
                 if d.shape != weight.shape and d.T.shape == weight.shape:  # fan_in_fan_out layers
                     d = d.T
                 elif d.shape != weight.shape and d.numel() == weight.numel():  # a convolution's (c_out, c_in kh kw)

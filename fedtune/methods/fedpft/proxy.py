@@ -68,6 +68,7 @@ from fedtune.methods.fedpft.support import (
     train_lora,
 )
 from fedtune.models.lora import LoraWorkspace
+from fedtune.protocol.compression import encoded_base_name
 from fedtune.protocol.messages import Message
 from fedtune.protocol.validation import ArraySpec, spec_like
 from fedtune.registry import MethodOptions
@@ -225,7 +226,7 @@ class ProxyStrategy(GlobalAdapterStrategy):
         if not replies:
             return metrics
         updates = [
-            decode_update({k: v for k, v in m.arrays.items() if k in self.global_arrays or ".topk_" in k})
+            decode_update({k: v for k, v in m.arrays.items() if encoded_base_name(k) in self.global_arrays})
             for m in replies.values()
         ]
         combined = aggregate_updates(updates, client_weights(replies, self.options.weighting), self.config.federation)

@@ -1,0 +1,213 @@
+"""A frozen base model made ready for its run: device, dtype, quantization (QLoRA), checkpointing.
+
+:func:`prepare_base` applies, in this order, what the config asks of the base a LoRA method
+adapts (``model.dtype``, ``model.quantization``, ``train.gradient_checkpointing``, ``device``):
+
+1. **dtype.** The parameters of the matrix layers (linear, embedding, convolution) outside the
+   task's head modules are cast to ``model.dtype``; norms and buffers (rotary frequencies, norm
+   statistics) keep theirs. Heads stay float32,
+   and PEFT creates LoRA weights in float32 over a bfloat16/float16 layer (its
+   ``autocast_adapter_dtype``), so what trains, travels and is averaged stays float32.
+2. **Quantization** (Dettmers et al. 2023, QLoRA): every ``nn.Linear`` outside the heads and the
+   output embedding becomes a bitsandbytes ``Linear4bit`` (NF4, double quantization, compute in
+   ``model.dtype``) or ``Linear8bitLt`` (LLM.int8, no fp16 weights kept), quantized when the model
+   moves to its device; then PEFT's ``prepare_model_for_kbit_training`` (layer norms and other
+   small non-quantized weights in float32). The model is marked ``is_loaded_in_4bit`` /
+   ``is_loaded_in_8bit`` as transformers marks a model it loads quantized, which is how PEFT
+   chooses its quantized LoRA layers.
+3. **Gradient checkpointing** on every Hugging Face model inside (non-reentrant), or one line
+   saying the model has none.
+4. **Device.** The model moves to ``device`` and a forward pre-hook moves every tensor of a
+   call's arguments there, so a task's CPU batches need no device code.
+
+Compute in a lower precision runs under ``torch.autocast(device, model.dtype)`` around the forward
+of the model, of its direct parts and of each Hugging Face model inside (which a task or the
+model's own ``generate`` may call directly), so float32
+heads and adapters meet bfloat16/float16 layers. A float32 base on the CPU is left exactly as it
+was built (the default: the same numbers as before).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedtune.config import ConfigError, RunConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: modules never quantized: the output projection (tied to the input embedding in many LMs)
+NEVER_QUANTIZED = ("lm_head",)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``device``: ``auto`` is CUDA when available (then MPS, else the CPU); a named accelerator
+    must exist here, else one line naming the option and what this machine has."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = device.index or 0
+        if index >= count:
+            raise ConfigError(f"device: {name!r} is not available here ({count} CUDA devices); use cpu or auto")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device: {name!r} is not available here (no MPS); use cpu or auto")
+    return device
+
+
+def _under(name: str, prefixes: Iterable[str]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+#: the layers whose weights hold nearly all of a model's memory; norms keep float32 (their
+#: statistics and affine parameters meet float32 buffers, as in every mixed-precision recipe)
+MATRIX_LAYERS = (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd)
+
+
+def cast_parameters(model: nn.Module, dtype: torch.dtype, keep: Iterable[str]) -> None:
+    """Cast the parameters of every matrix layer (:data:`MATRIX_LAYERS`) outside the modules
+    ``keep`` (names) to ``dtype``."""
+    keep = tuple(keep)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not isinstance(module, MATRIX_LAYERS) or _under(name, keep):
+                continue
+            for param in module.parameters(recurse=False):
+                if param.is_floating_point() and param.dtype != dtype:
+                    param.data = param.data.to(dtype)
+
+
+def quantize_linears(model: nn.Module, bits: int, compute_dtype: torch.dtype, keep: Iterable[str]) -> int:
+    """Replace each ``nn.Linear`` outside ``keep`` (and :data:`NEVER_QUANTIZED`) by its bitsandbytes
+    counterpart holding the same weights (quantized on the next ``.to(device)``); the count."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ConfigError(
+            "model.quantization: needs the bitsandbytes package (pip install --no-deps bitsandbytes==0.50.2)"
+        ) from None
+    keep = (*keep, *NEVER_QUANTIZED)
+    targets = [
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and not _under(name, keep) and not any(name.endswith("." + k) for k in keep)
+    ]
+    for name, lin in targets:
+        weight = lin.weight.data.to(torch.float32 if bits == 4 else torch.float16)
+        if bits == 4:
+            new = bnb.nn.Linear4bit(
+                lin.in_features,
+                lin.out_features,
+                bias=lin.bias is not None,
+                compute_dtype=compute_dtype,
+                compress_statistics=True,
+                quant_type="nf4",
+                device="meta",
+            )
+            new.weight = bnb.nn.Params4bit(weight, requires_grad=False, compress_statistics=True, quant_type="nf4")
+        else:
+            new = bnb.nn.Linear8bitLt(
+                lin.in_features, lin.out_features, bias=lin.bias is not None, has_fp16_weights=False, device="meta"
+            )
+            new.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+        if lin.bias is not None:
+            new.bias = nn.Parameter(lin.bias.data.to(compute_dtype), requires_grad=False)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    return len(targets)
+
+
+def enable_gradient_checkpointing(model: nn.Module, name: str) -> None:
+    """Non-reentrant gradient checkpointing on every Hugging Face model in ``model`` (the
+    outermost ones: a causal LM, or the language model inside a prefix LM)."""
+    found = False
+    for _, module in model.named_modules():
+        if getattr(module, "supports_gradient_checkpointing", False) and hasattr(
+            module, "gradient_checkpointing_enable"
+        ):
+            if not getattr(module, "is_gradient_checkpointing", False):
+                module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            found = True
+    if not found:
+        raise ConfigError(f"train.gradient_checkpointing: model {name!r} does not support it")
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor inside (dicts, lists, tuples) moved to ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_device(v, device) for v in value)
+    return value
+
+
+def autocast_forward(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Run ``module``'s forward under ``torch.autocast(device, dtype)``: hooks that enter the
+    context before the call and leave it after, also when the call raises (hooks, unlike a
+    replaced ``forward``, travel with a deep copy)."""
+    active: list[torch.autocast] = []
+
+    def enter(mod, args, kwargs):
+        active.append(torch.autocast(device.type, dtype=dtype))
+        active[-1].__enter__()
+
+    def leave(mod, args, kwargs, output):
+        active.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_hook(leave, with_kwargs=True, always_call=True)
+
+
+def _inputs_to(device: torch.device):
+    def hook(module, args, kwargs):
+        return to_device(args, device), to_device(kwargs, device)
+
+    return hook
+
+
+def prepare_base(model: nn.Module, config: RunConfig, keep: Iterable[str] = ()) -> nn.Module:
+    """``model`` (a freshly built base) made ready as the module docstring says; ``keep``: the
+    task's head modules (never cast or quantized)."""
+    keep = tuple(keep)
+    cfg = config.model
+    dtype = DTYPES[cfg.dtype]
+    device = resolve_device(config.device)
+    if dtype != torch.float32:
+        cast_parameters(model, dtype, keep)
+    if cfg.quantization != "none":
+        bits = 4 if cfg.quantization == "4bit" else 8
+        if not quantize_linears(model, bits, dtype, keep):
+            raise ConfigError(f"model.quantization: model {cfg.name!r} has no linear layer to quantize")
+        setattr(model, f"is_loaded_in_{bits}bit", True)
+    if config.train.gradient_checkpointing:
+        enable_gradient_checkpointing(model, str(cfg.name))
+    if device.type != "cpu" or cfg.quantization != "none":
+        model.to(device)  # bitsandbytes quantizes here
+    if cfg.quantization != "none":
+        from peft import prepare_model_for_kbit_training
+
+        prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if device.type != "cpu":
+        model.register_forward_pre_hook(_inputs_to(device), with_kwargs=True)
+    if dtype != torch.float32:
+        from transformers import PreTrainedModel
+
+        children = set(model.children())  # the parts a model's own methods (generate) call
+        for module in model.modules():  # the root, its parts, each Hugging Face model inside
+            if module is model or module in children or isinstance(module, PreTrainedModel):
+                autocast_forward(module, device, dtype)
+    return model
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of ``model``'s first parameter (the CPU for a model without parameters)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))

@@ -1,0 +1,63 @@
+"""The model-scale cases on CUDA (``pytest -m gpu tests/test_gpu.py`` on a machine with a GPU;
+deselected elsewhere): each runs on the GPU and on the CPU and must agree.
+
+Tolerances: float32 on the GPU may use TF32 matmuls and other kernels, so losses agree to 2 %
+relative; bfloat16 bases and 4-bit NF4 bases (dequantized by different kernels) to 5 %."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedtune.config import load_config
+from fedtune.run import run_experiment
+from fedtune.runtime import RunContext
+from tests.test_scale import TINY as CPU_TINY
+from tests.test_scale import batch_of
+
+pytestmark = pytest.mark.gpu
+#: the CPU cases' configuration with the image encoder trained from scratch (no weights package needed)
+TINY = [*CPU_TINY, "task.image_encoder=small-cnn"]
+
+CASES = {
+    "float32": ([], 0.02),
+    "bfloat16": (["model.dtype=bfloat16"], 0.05),
+    "4bit": (["model.quantization=4bit"], 0.05),
+    "checkpointing": (["train.gradient_checkpointing=true"], 0.02),
+}
+
+
+def _run(tmp_path, device: str, method: str, extra: list[str]) -> list[dict]:
+    cfg = load_config(
+        None, [*TINY, f"output_dir={tmp_path / device}", f"device={device}", f"method={method}", "rounds=2", *extra]
+    )
+    run_dir = Path(run_experiment(cfg)["run_dir"])
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("method", ["fedit", "fslora"])
+def test_a_run_on_cuda_agrees_with_the_cpu(tmp_path, method, case):
+    extra, rtol = CASES[case]
+    cpu, cuda = _run(tmp_path, "cpu", method, extra), _run(tmp_path, "cuda", method, extra)
+    for a, b in zip(cpu, cuda):
+        assert np.isfinite(b["loss"]) and np.isfinite(b["train_loss"])
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=rtol)
+        assert b["loss"] == pytest.approx(a["loss"], rel=rtol)
+    # the same arrays crossed (the header's JSON metadata prints losses, whose digits may differ)
+    assert cuda[-1]["bytes_up"] == pytest.approx(cpu[-1]["bytes_up"], abs=64)
+
+
+def test_the_shared_base_lives_on_the_gpu_and_batches_follow_it(tmp_path):
+    cfg = load_config(None, [*TINY, f"output_dir={tmp_path}", "device=cuda", "model.dtype=bfloat16"])
+    context = RunContext(cfg)
+    ws = context.workspace
+    params = ws.activate(4)
+    assert all(p.device.type == "cuda" and p.dtype == torch.float32 for p in params.values())
+    assert all(p.device.type == "cuda" for p in ws.base.parameters())
+    loss = context.task.loss(ws.model, batch_of(context.task))  # a CPU batch
+    assert loss.device.type == "cuda" and torch.isfinite(loss)

@@ -1,0 +1,235 @@
+"""Model scale (fedtune.models.precision, the wire dtype, the shared base): bfloat16 and 4-bit bases,
+gradient checkpointing, the upload dtype and one frozen base per process, on tiny-llama (the
+instruction task's tiny configuration)."""
+
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedtune.checkpoint import load_state
+from fedtune.config import ConfigError, load_config
+from fedtune.models.precision import prepare_base, resolve_device
+from fedtune.protocol.compression import bfloat16_bits, from_bfloat16_bits, wire_decode, wire_encode
+from fedtune.protocol.validation import ArraySpec, check_arrays
+from fedtune.run import run_experiment
+from fedtune.runtime import RunContext
+from fedtune.tasks.instruction import Instruction
+
+pytest.importorskip("bitsandbytes")
+
+TINY = [
+    "task.kind=instruction",
+    *Instruction.test_overrides,
+    "data.max_train_samples=16",
+    "data.max_test_samples=4",
+    "train.local_steps=2",
+    "train.batch_size=4",
+    "federation.num_clients=2",
+    "model.lora_rank=4",
+]
+SCALES = {
+    "bfloat16": ["model.dtype=bfloat16"],
+    "4bit": ["model.quantization=4bit"],
+    "checkpointing": ["train.gradient_checkpointing=true"],
+}
+
+
+def config(tmp_path, *overrides):
+    return load_config(None, [*TINY, f"output_dir={tmp_path / 'runs'}", *overrides])
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def batch_of(task, n: int = 4):
+    pool = np.arange(n)
+    return next(iter(task.train_batches(pool, n, 1, np.random.default_rng(0))))
+
+
+@pytest.fixture(scope="module")
+def float32_runs(tmp_path_factory):
+    """The float32 runs the other scales are compared with: method -> metrics lines."""
+    tmp = tmp_path_factory.mktemp("f32")
+    return {m: metrics(Path(run_experiment(config(tmp, f"method={m}", "rounds=2"))["run_dir"])) for m in ("fedit",)}
+
+
+@pytest.mark.parametrize("scale", sorted(SCALES))
+@pytest.mark.parametrize("method", ["fedit", "fslora"])
+def test_two_rounds_at_scale_give_finite_losses_and_an_adapter_that_reloads(tmp_path, method, scale, float32_runs):
+    """Two rounds give finite losses; the saved adapter loads with ``PeftModel.from_pretrained``
+    onto a base built and prepared the same way (same dtype or quantization), holds the run's
+    final global arrays, and gives the run's own loss on a batch."""
+    from peft import PeftModel
+
+    cfg = config(tmp_path, f"method={method}", "rounds=2", *SCALES[scale])
+    summary = run_experiment(cfg)
+    run_dir = Path(summary["run_dir"])
+    lines = metrics(run_dir)
+    assert [x["round"] for x in lines] == [1, 2]
+    assert all(np.isfinite(x["loss"]) and np.isfinite(x["train_loss"]) for x in lines)
+    if method == "fedit" and scale == "checkpointing":  # recomputing activations changes no number
+        assert [x["train_loss"] for x in lines] == [x["train_loss"] for x in float32_runs["fedit"]]
+        assert [x["loss"] for x in lines] == [x["loss"] for x in float32_runs["fedit"]]
+    if method == "fedit" and scale in ("bfloat16", "4bit"):  # a different base computes other numbers
+        assert lines[-1]["train_loss"] != float32_runs["fedit"][-1]["train_loss"]
+        assert lines[-1]["train_loss"] == pytest.approx(float32_runs["fedit"][-1]["train_loss"], rel=0.05)
+
+    context = RunContext(cfg)
+    ws = context.workspace
+    state = load_state(run_dir / "checkpoint.npz")
+    global_arrays = state["global"]
+    params = ws.load(global_arrays, int(state["rank"]))
+    batch = batch_of(context.task)
+    with torch.no_grad():
+        ws.model.eval()
+        run_loss = float(context.task.loss(ws.model, batch))
+    fresh = prepare_base(context.task.build_model(cfg.seed), cfg, context.task.head_modules())
+    loaded = PeftModel.from_pretrained(fresh, str(run_dir / "adapter")).eval()
+    loaded_params = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
+    assert loaded_params and all(p.dtype == torch.float32 for p in loaded_params.values())
+    lora_b = next(k for k in params if ".lora_B." in k)
+    module = lora_b.replace(".lora_B.weight", "")
+    saved_b = next(p for n, p in loaded_params.items() if module in n and "lora_B" in n)
+    np.testing.assert_array_equal(saved_b.detach().numpy(), global_arrays[lora_b])
+    with torch.no_grad():
+        assert float(context.task.loss(loaded, batch)) == pytest.approx(run_loss, rel=1e-4)
+
+
+def test_a_bfloat16_base_keeps_adapters_heads_and_norms_in_float32(tmp_path):
+    ws = RunContext(config(tmp_path, *SCALES["bfloat16"])).workspace
+    params = ws.activate(4)
+    assert params and all(p.dtype == torch.float32 for p in params.values())  # what trains and travels
+    q_proj = ws.base.language_model.model.layers[0].self_attn.q_proj
+    assert q_proj.base_layer.weight.dtype == torch.bfloat16 and not q_proj.base_layer.weight.requires_grad
+    assert ws.base.language_model.model.norm.weight.dtype == torch.float32
+    projector = ws.base.image_projector.modules_to_save[ws.adapter_name(4)]
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in projector.parameters())
+    frozen_bytes = sum(p.numel() * p.element_size() for p in ws.base.parameters() if not p.requires_grad)
+    f32 = RunContext(config(tmp_path / "f32")).workspace
+    f32.activate(4)
+    assert frozen_bytes < 0.6 * sum(p.numel() * p.element_size() for p in f32.base.parameters() if not p.requires_grad)
+
+
+def test_a_4bit_base_is_nf4_with_double_quantization_and_lora_on_top(tmp_path):
+    import bitsandbytes as bnb
+
+    ws = RunContext(config(tmp_path, *SCALES["4bit"])).workspace
+    ws.activate(4)
+    q_proj = ws.base.language_model.model.layers[0].self_attn.q_proj
+    layer = q_proj.base_layer
+    assert isinstance(layer, bnb.nn.Linear4bit) and layer.weight.quant_type == "nf4"
+    assert layer.weight.compress_statistics and layer.weight.dtype == torch.uint8
+    assert not isinstance(ws.base.language_model.lm_head, bnb.nn.Linear4bit)  # tied to the embedding
+    # the quantized layer computes what its dequantized weights do (within NF4's error)
+    x = torch.randn(3, layer.in_features)
+    dense = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+    torch.testing.assert_close(layer(x), x @ dense.float().T, rtol=1e-4, atol=1e-5)
+
+
+def test_a_method_that_writes_into_base_weights_refuses_a_quantized_base(tmp_path):
+    for method in ("fedstacklora", "flexlora"):
+        with pytest.raises(ConfigError, match=rf"^model.quantization: method '{method}' does not support it"):
+            RunContext(config(tmp_path, f"method={method}", *SCALES["4bit"]))
+
+
+def test_gradient_checkpointing_is_on_and_refused_by_models_without_it(tmp_path):
+    ws = RunContext(config(tmp_path, *SCALES["checkpointing"])).workspace
+    assert ws.base.language_model.is_gradient_checkpointing
+    tiny_cnn = load_config(
+        None,
+        [
+            "task.kind=image-classification",
+            "model.name=small-cnn",
+            "method=fedavg",
+            f"output_dir={tmp_path}",
+        ],
+    )
+    from fedtune.models.precision import enable_gradient_checkpointing
+
+    with pytest.raises(ConfigError, match="^train.gradient_checkpointing: model 'small-cnn' does not support it"):
+        enable_gradient_checkpointing(torch.nn.Sequential(torch.nn.Linear(2, 2)), tiny_cnn.model.name)
+
+
+def test_device_names_an_unavailable_accelerator_in_one_line():
+    with pytest.raises(ValueError, match="device"):
+        load_config(None, ["device=gpu"])
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"^device: 'cuda:1' is not available here \(0 CUDA devices\)"):
+            resolve_device("cuda:1")
+        assert resolve_device("auto").type in ("cpu", "mps")
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+# -- the wire dtype -------------------------------------------------------------------------------
+def test_bfloat16_on_the_wire_rounds_as_torch_does_and_decodes_to_float32():
+    x = np.random.default_rng(0).standard_normal(10_000).astype(np.float32) * 1e3
+    x[:6] = [np.inf, -np.inf, np.nan, 0.0, -0.0, 1.0 + 2**-8]  # the last is a tie: rounds to even (1.0)
+    decoded = from_bfloat16_bits(bfloat16_bits(x))
+    reference = torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(decoded, reference)
+    assert decoded[5] == 1.0
+    enc = wire_encode({"w": x[6:], "idx": np.arange(3)}, "bfloat16")
+    assert set(enc) == {"w.bf16", "idx"} and enc["w.bf16"].dtype == np.uint16
+    dec = wire_decode(enc)
+    assert dec["w"].dtype == np.float32 and np.array_equal(dec["idx"], np.arange(3))
+    half = wire_decode(wire_encode({"w": x[6:]}, "float16"))["w"]
+    np.testing.assert_array_equal(half, x[6:].astype(np.float16).astype(np.float32))
+
+
+def test_a_reply_in_the_wire_dtype_is_checked_as_the_float32_it_decodes_to():
+    spec = {"w": ArraySpec((2, 3))}
+    good = wire_encode({"w": np.ones((2, 3), np.float32)}, "bfloat16")
+    assert check_arrays(good, spec) is None
+    assert "shape" in check_arrays(wire_encode({"w": np.ones((3, 2), np.float32)}, "float16"), spec)
+    assert "non-finite" in check_arrays(wire_encode({"w": np.full((2, 3), np.nan, np.float32)}, "bfloat16"), spec)
+    wrong_storage = {"w.bf16": np.ones((2, 3), np.float32)}  # not the uint16 bits: stays an unknown array
+    assert check_arrays(wrong_storage, spec) is not None
+    both = {"w": np.ones((2, 3), np.float32), "w.f16": np.ones((2, 3), np.float16)}  # no silent pick
+    assert "unexpected" in check_arrays(both, spec)
+
+
+@pytest.mark.parametrize("method", ["fedit", "fslora"])
+def test_a_bfloat16_upload_halves_the_bytes_and_the_server_aggregates_in_float32(tmp_path, method):
+    runs = {}
+    for wire in ("float32", "bfloat16"):
+        cfg = config(tmp_path / wire, f"method={method}", "rounds=1", f"federation.wire_dtype={wire}")
+        summary = run_experiment(cfg)
+        state = load_state(Path(summary["run_dir"]) / "checkpoint.npz")
+        runs[wire] = (summary["total_bytes_up"], state)
+    (up32, s32), (up16, s16) = runs["float32"], runs["bfloat16"]
+    assert 0.45 * up32 < up16 < 0.6 * up32  # 2 bytes per entry instead of 4, plus headers
+    globals16 = s16["global"]
+    assert globals16 and all(v.dtype == np.float32 for v in globals16.values())
+    assert any(not np.array_equal(v, s32["global"][k]) for k, v in globals16.items())  # the rounding reached the mean
+
+
+# -- one frozen base per process ------------------------------------------------------------------
+def _parameter_bytes() -> int:
+    """Bytes of every distinct parameter storage alive in the process (by data_ptr)."""
+    gc.collect()
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.nn.Parameter) and obj.device.type != "meta":
+            seen[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def test_the_parameter_storage_does_not_grow_with_the_number_of_clients(tmp_path):
+    """The embedded engine's clients and the server's evaluation share one base: a run of 8
+    clients holds as many parameter bytes as a run of 2 (measured while the run is alive)."""
+    held = {}
+    for n in (2, 8):
+        peak = []
+        cfg = config(tmp_path / str(n), "rounds=1", f"federation.num_clients={n}", "data.max_train_samples=32")
+        run_experiment(cfg, on_round=lambda record, peak=peak: peak.append(_parameter_bytes()))
+        held[n] = max(peak)
+    assert held[8] == held[2]
+    one_base = sum(p.numel() * p.element_size() for p in RunContext(config(tmp_path)).task.build_model(0).parameters())
+    assert held[2] < 2 * one_base  # one base (plus adapters), not one per client or per side
