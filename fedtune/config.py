@@ -60,8 +60,13 @@ class DataConfig(_Section):
     hub_config: str | None = Field(None, description="hub dataset configuration name")
     train_split: str = "train"
     test_split: str = "test"
-    partition: Literal["iid", "dirichlet", "dirichlet-client", "shards"] = Field(
-        "dirichlet", description="iid; Dirichlet label skew per class or per client (Hsu et al. 2019); label shards"
+    partition: Literal["iid", "dirichlet", "dirichlet-client", "shards", "column"] = Field(
+        "dirichlet",
+        description="iid; Dirichlet label skew per class or per client (Hsu et al. 2019); label shards; "
+        "the data's own client column (client_column)",
+    )
+    client_column: str | None = Field(
+        None, description="partition 'column': the column naming each example's client (dolly: fedit_client)"
     )
     alpha: float = Field(0.5, gt=0, description="Dirichlet concentration (smaller = more label skew)")
     shards_per_client: int = Field(2, gt=0, description="shards partition: label-sorted shards per client")

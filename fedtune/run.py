@@ -217,6 +217,8 @@ def run_experiment(
         create(run_dir, {"config.toml": _toml(config), RUN_CONFIG: json.dumps(config.model_dump(mode="json"))})
     histograms = {"label_names": server.task.label_names, "clients": server.histograms()}
     write_text(run_dir / "label_histograms.json", json.dumps(histograms))
+    for name, text in server.task.run_files().items():
+        write_text(run_dir / name, text)
     if on_start is not None:
         on_start(server)
 

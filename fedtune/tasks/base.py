@@ -125,10 +125,11 @@ class Task(ABC):
         return len(self.label_names)
 
     def partition(self, num_clients: int, seed: int) -> list[np.ndarray]:
-        """Client id -> indices into the training pool (``data.partition`` over the pool's labels)."""
+        """Client id -> indices into the training pool (``data.partition`` over the pool's labels,
+        or over one of its ``columns`` where the pool has them)."""
         from fedtune.data.partition import partition
 
-        return partition(self.train.labels, num_clients, self.config.data, seed)
+        return partition(self.train.labels, num_clients, self.config.data, seed, getattr(self.train, "columns", None))
 
     #: what :meth:`majority_rate` is, as the run's summary line names it
     reference_name: ClassVar[str] = "majority-class rate"
@@ -136,6 +137,11 @@ class Task(ABC):
     def majority_rate(self) -> float:
         """The reference accuracy a learned model must beat: the test set's majority-class rate."""
         return majority_rate(self.test.labels)
+
+    def run_files(self) -> dict[str, str]:
+        """Files the run folder gets beside its config (name -> text): what the task chose that
+        the config does not say (a causal-LM task's prompt template); default none."""
+        return {}
 
     # -- model -------------------------------------------------------------------------------
     @abstractmethod

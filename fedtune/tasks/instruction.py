@@ -14,8 +14,8 @@ projectors (and encoders set trainable) are trained in full next to it (PEFT
 Loss: cross-entropy over the answer tokens, averaged per example, then over examples. Metrics:
 ``accuracy`` (exact match of the greedy answer with the reference, both normalized by
 :func:`normalize_answer`), ``loss`` (that cross-entropy on the test set), ``rouge_l`` (mean
-ROUGE-L F1 of the words, :func:`rouge_l`; it differs from exact match only where answers run to
-several words) and ``accuracy_<question>`` per question type. The reference rate
+ROUGE-L F1 from ``rouge-score``, :func:`fedtune.tasks.text_metrics.rouge_l`; it differs from
+exact match only where answers run to several words) and ``accuracy_<question>`` per question type. The reference rate
 (:meth:`Instruction.majority_rate`) is the accuracy of always answering the test set's most
 frequent answer.
 """
@@ -36,44 +36,18 @@ from fedtune.data import instruction as idata
 from fedtune.models import prefix_lm as plm
 from fedtune.models.precision import model_device, to_device
 from fedtune.tasks.base import Task, TaskOptions, register_task
+from fedtune.tasks.text_metrics import rouge_l
 
 LM_TARGETS = ("q_proj", "v_proj")
 ENCODER_PREFIXES = tuple(f"{m}_{part}." for m in plm.MODALITIES for part in ("encoder", "projector"))
 LM_PREFIX = "language_model."
 _PUNCT = re.compile(r"[\s.,;:!?]+$")
-_WORD = re.compile(r"[a-z0-9]+")
 
 
 def normalize_answer(text: str) -> str:
     """Lower case, runs of whitespace as one space, no leading or trailing whitespace, no
     trailing punctuation (``. , ; : ! ?``)."""
     return _PUNCT.sub("", " ".join(text.lower().split()))
-
-
-def rouge_words(text: str) -> list[str]:
-    """The words ROUGE compares: lower-case runs of letters and digits (the tokenizer of the
-    ``rouge-score`` package without stemming)."""
-    return _WORD.findall(text.lower())
-
-
-def rouge_l(prediction: str, reference: str) -> float:
-    """ROUGE-L F1: with L the length of the longest common subsequence of the two texts' words
-    (:func:`rouge_words`), P = L / |prediction|, R = L / |reference|, F = 2PR / (P + R)
-    (1 when both have no words, 0 when only one has none)."""
-    p, r = rouge_words(prediction), rouge_words(reference)
-    if not p or not r:
-        return float(p == r)
-    prev = [0] * (len(r) + 1)
-    for a in p:
-        cur = [0]
-        for j, b in enumerate(r):
-            cur.append(prev[j] + 1 if a == b else max(prev[j + 1], cur[j]))
-        prev = cur
-    lcs = prev[-1]
-    if lcs == 0:
-        return 0.0
-    precision, recall = lcs / len(p), lcs / len(r)
-    return 2 * precision * recall / (precision + recall)
 
 
 class InstructionOptions(TaskOptions):

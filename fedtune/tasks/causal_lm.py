@@ -1,0 +1,361 @@
+"""``causal-lm``: a text prompt in, a text answer out, on a causal language model tuned through LoRA.
+
+Data (``data.name``, :mod:`fedtune.data.llm_text`): ``dolly`` (Dolly-15k in FedIT's 10-client
+split; ``data.partition = "column"`` with ``data.client_column = "fedit_client"`` gives FedIT's
+own clients, any other partitioner skews the 8 categories; test: FedIT's 80-example global test
+set), ``commonsense`` (the eight Commonsense170K sets of FSLoRA's Table 5.2 with the Table B.1
+templates, ``task.sets`` picks some; labels = the set, so partitioners skew clients by task;
+evaluation per set on its test split, validation where there is none; ``task.test_per_set``
+caps each), or a local ``.jsonl`` / ``.csv`` of ``{prompt, response}`` or
+``{question, choices, gold}``.
+
+Model (``model.name``): ``smollm2`` (SmolLM2-135M-Instruct, packaged; the default),
+``tiny-llama`` (tests) or any Hugging Face causal LM by name or path
+(:mod:`fedtune.models.prefix_lm` loads them). LoRA (PEFT task type ``CAUSAL_LM``) adapts
+``q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj`` where the model has them
+(Llama, Qwen2, Mistral, Gemma); ``model.target_modules`` names others.
+
+Prompts (:mod:`fedtune.data.prompting`): the tokenizer's chat template when it has one, else the
+plain Alpaca template (``task.template`` forces one); the run folder's ``prompt_template.json``
+records the template used, the same in training and evaluation. Rows hold at most
+``data.max_length`` tokens, the prompt cut from ``task.truncation_side`` (default ``left``, so
+the answer and the assistant header survive); training batches group similar lengths
+(``train.group_by_length``).
+
+Loss: cross-entropy of the response tokens only (prompt tokens are -100), the mean over each
+example's response tokens, then over examples (:func:`fedtune.models.lm_scoring.response_loss`).
+
+Metrics (:meth:`CausalLM.evaluate`, batched over the test set subsampled by
+``data.max_test_samples`` with seed 0): ``loss`` (that response loss) always, then
+
+- free-form examples (Dolly, local prompt/response files): ``rouge_l``, the mean ROUGE-L F1
+  (``rouge-score``) of greedy generations (``task.max_new_tokens``) against the references;
+  for these sets ``accuracy`` IS this ROUGE-L (a score in [0, 1], not an exact match);
+- multiple-choice examples (commonsense, local question files), two protocols:
+  (a) ``gen_acc``: greedy generation, then LLM-Adapters' answer extraction (the first answer tag
+  found in the output, :func:`fedtune.tasks.text_metrics.extract_answer`);
+  (b) ``acc`` / ``acc_norm``: the options ranked by the summed log-likelihood of a continuation
+  given a context, as lm-evaluation-harness does, ``acc_norm`` dividing by the continuation's
+  length in characters. ``task.choice_scoring = "answer"`` (default) scores each option's
+  response in the trained format ("the correct answer is answer2") after the training prompt;
+  ``"text"`` scores the option's text after the data's bare question ("Question: ...\\nAnswer:",
+  through the same template: lm-evaluation-harness's ranked classification).
+  ``accuracy`` = ``acc``. Every metric is the mean over sets (the eight-task average), each set's
+  own value under ``<metric>_<set>``.
+
+Reference (:meth:`CausalLM.majority_rate`): multiple choice, always answering the most frequent
+gold index of each set, averaged over sets; free-form, the ROUGE-L of echoing the prompt
+(instruction and input) as the answer.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from fedtune.config import ConfigError
+from fedtune.data import llm_text, prompting
+from fedtune.models import lm_scoring
+from fedtune.models import prefix_lm as plm
+from fedtune.models.generation import greedy_generate
+from fedtune.tasks.base import Task, TaskOptions, majority_rate, register_task
+from fedtune.tasks.text_metrics import extract_answer, rouge_l
+
+#: LoRA targets of Llama-style models: attention and gated-MLP projections
+LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FFN_TARGETS = ("gate_proj", "up_proj", "down_proj")
+FREE_FORM_NEW_TOKENS = 64  # generation budget for free-form answers unless task.max_new_tokens
+
+
+class CausalLMOptions(TaskOptions):
+    template: Literal["auto", "chat", "alpaca"] = Field(
+        "auto", description="prompt template (auto: the tokenizer's chat template when it has one, else Alpaca)"
+    )
+    system_prompt: str | None = Field(None, description="chat template's system turn (None: its own default)")
+    truncation_side: Literal["left", "right"] = Field(
+        "left", description="which end of a too-long prompt is cut (left keeps the question's end)"
+    )
+    sets: list[str] | None = Field(None, description="commonsense sets (default: all eight)")
+    test_per_set: int | None = Field(None, ge=1, description="evaluate at most this many questions per set (seed 0)")
+    max_new_tokens: int | None = Field(
+        None, ge=1, le=2048, description="greedy generation budget (default: longest answer; free-form 64)"
+    )
+    choice_scoring: Literal["answer", "text"] = Field(
+        "answer", description="log-likelihood ranking of the trained answer format, or of the option texts"
+    )
+    generate: bool = Field(True, description="evaluate greedy generations too (ROUGE-L, extracted answers)")
+
+
+@register_task
+class CausalLM(Task):
+    kind = "causal-lm"
+    description = (
+        "text prompt -> text answer: dolly (FedIT split), commonsense (8 sets, Table B.1), local files; "
+        "causal LMs (SmolLM2, HF) with LoRA"
+    )
+    capabilities = frozenset({"lora", "transformer"})
+    defaults = {"data.name": "commonsense", "model.name": plm.SMOLLM2}
+    Options = CausalLMOptions
+    peft_task_type = "CAUSAL_LM"
+    test_overrides = (
+        f"model.name={plm.TINY_LLAMA}",
+        "data.name=commonsense",
+        'task.sets=["arc_easy", "boolq"]',
+        "data.max_train_samples=48",
+        "data.max_test_samples=8",
+        "data.max_length=64",
+        "task.max_new_tokens=4",
+    )
+    #: LoRA on the attention projections only: the FFNs stay plain layers that FedPFT / FedOT compress
+    test_variants = {"attention-lora": ('model.target_modules=["q_proj", "v_proj"]',)}
+    options: CausalLMOptions
+
+    @classmethod
+    def capabilities_for(cls, config) -> frozenset[str]:
+        """``transformer`` (FFNs that FedPFT / FedOT compress into a proxy) only when
+        ``model.target_modules`` leaves the FFN projections out of LoRA: by default LoRA adapts
+        them, and an FFN with LoRA layers in it is not a plain FFN to prune."""
+        targets = config.model.target_modules
+        if targets is None or any(t.rsplit(".", 1)[-1] in FFN_TARGETS for t in targets):
+            return cls.capabilities - {"transformer"}
+        return cls.capabilities
+
+    def __init__(self, config, options) -> None:
+        super().__init__(config, options)
+        if config.data.name == "commonsense" or options.sets is not None:
+            llm_text.check_sets(options.sets)
+        self.reference_name = (
+            "majority gold-index rate (mean over sets)"
+            if config.data.name == "commonsense"
+            else "ROUGE-L of echoing the prompt (free-form) / majority gold-index rate (multiple choice)"
+        )
+
+    # -- data --------------------------------------------------------------------------------
+    def load(self) -> tuple[llm_text.PromptSet, llm_text.PromptSet]:
+        from fedtune.data.text import data_dir
+
+        cfg = self.config.data
+        return llm_text.load_prompt_set(cfg, data_dir(cfg), self.options.sets, self.options.test_per_set)
+
+    @property
+    def label_names(self) -> list[str]:
+        return self.train.label_names
+
+    @cached_property
+    def tokenizer(self):
+        return plm.load_lm_tokenizer(self.config.model.name)
+
+    @cached_property
+    def prompt_format(self) -> prompting.PromptFormat:
+        """The template used in training and evaluation alike."""
+        opts = self.options
+        fmt = prompting.PromptFormat.choose(opts.template, self.tokenizer, opts.system_prompt)
+        if fmt.template == "chat" and not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError(f"task.template: the tokenizer of {self.config.model.name!r} has no chat template")
+        return fmt
+
+    def run_files(self) -> dict[str, str]:
+        """``prompt_template.json``: the template (its name and text), system turn and truncation."""
+        info = self.prompt_format.describe(self.tokenizer)
+        info.update(truncation_side=self.options.truncation_side, max_length=self.config.data.max_length)
+        return {"prompt_template.json": json.dumps(info, indent=1)}
+
+    def prompts(self, ds: llm_text.PromptSet) -> list[np.ndarray]:
+        """Token ids of each example's rendered prompt."""
+        fmt, tok = self.prompt_format, self.tokenizer
+        return prompting.encode(tok, [fmt.render(tok, i, x) for i, x in zip(ds.instructions, ds.inputs)])
+
+    def responses(self, texts: list[str]) -> list[np.ndarray]:
+        """Token ids of each response, the end-of-sequence token after it."""
+        eos = np.array([self.tokenizer.eos_token_id], dtype=np.int64)
+        return [np.concatenate([r, eos]) for r in prompting.encode(self.tokenizer, texts)]
+
+    def rows(self, ds: llm_text.PromptSet) -> tuple[list[np.ndarray], list[int]]:
+        """(prompt + response rows, the prompt's length in each), truncated to ``data.max_length``."""
+        pairs = [
+            prompting.encode_pair(p, r, self.config.data.max_length, self.options.truncation_side)
+            for p, r in zip(self.prompts(ds), self.responses(ds.responses))
+        ]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    @cached_property
+    def train_rows(self) -> tuple[list[np.ndarray], list[int]]:
+        return self.rows(self.train)
+
+    @cached_property
+    def test_rows(self) -> tuple[list[np.ndarray], list[int]]:
+        return self.rows(self.test)
+
+    def batch(self, rows: tuple[list[np.ndarray], list[int]], idx) -> dict[str, torch.Tensor]:
+        return prompting.collate_left([rows[0][i] for i in idx], [rows[1][i] for i in idx], self.tokenizer.pad_token_id)
+
+    # -- reference ---------------------------------------------------------------------------
+    def majority_rate(self) -> float:
+        """Multiple choice: the rate of always giving each set's most frequent gold index, averaged
+        over sets; free-form: the mean ROUGE-L of answering with the prompt itself (instruction and
+        input), a copy baseline (a little above 0 wherever prompt and answer share words)."""
+        ds = self.test
+        mc = ds.multiple_choice
+        rates = [majority_rate(ds.gold[mc & (ds.labels == s)]) for s in np.unique(ds.labels[mc])]
+        free = np.flatnonzero(~mc)
+        if len(free):
+            echo = [rouge_l(f"{ds.instructions[i]} {ds.inputs[i]}", ds.responses[i]) for i in free]
+            rates.append(float(np.mean(echo)))
+        return float(np.mean(rates))
+
+    # -- model -------------------------------------------------------------------------------
+    def build_model(self, seed: int) -> torch.nn.Module:
+        """The LM, every weight trainable (LoRA methods freeze them under PEFT); with
+        ``model.finetune = "head"`` only the output embedding (tied to the input one in SmolLM2)."""
+        model = plm.build_language_model(self.config.model.name, seed)
+        if self.config.model.finetune == "full":
+            return model.requires_grad_(True)
+        model.get_output_embeddings().weight.requires_grad_(True)
+        return model
+
+    def lora_targets(self) -> list[str]:
+        """The Llama-style projections the model has (none: the user names them)."""
+        names = {
+            n.rsplit(".", 1)[-1] for n in plm.language_model_module_names(self.config.model.name, self.config.seed)
+        }
+        return [t for t in LLAMA_TARGETS if t in names]
+
+    # -- batches, loss -----------------------------------------------------------------------
+    def train_batches(self, pool: np.ndarray, batch_size: int, steps: int, rng: np.random.Generator):
+        from fedtune.data.batches import index_batches, length_grouped_batches
+
+        rows = self.train_rows
+        if self.config.train.group_by_length:
+            lengths = np.fromiter((len(r) for r in rows[0]), dtype=np.int64, count=len(rows[0]))
+            order = length_grouped_batches(pool, lengths, batch_size, steps, rng)
+        else:
+            order = index_batches(pool, batch_size, steps, rng)
+        for idx in order:
+            yield self.batch(rows, idx)
+
+    def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return lm_scoring.response_loss(model, batch)
+
+    # -- evaluation --------------------------------------------------------------------------
+    def generation_budget(self, ds: llm_text.PromptSet) -> int:
+        """``task.max_new_tokens``, else the longest reference response in tokens (multiple
+        choice) or that capped at 64 (free-form)."""
+        if self.options.max_new_tokens is not None:
+            return self.options.max_new_tokens
+        longest = max(len(r) for r in self.responses(ds.responses))
+        return longest if ds.multiple_choice.all() else min(longest, FREE_FORM_NEW_TOKENS)
+
+    def generate(self, model: torch.nn.Module, prompts: list[np.ndarray], max_new_tokens: int) -> list[str]:
+        """Greedy continuations of ``prompts`` (token ids, each cut to ``data.max_length`` from the
+        truncation side), decoded up to the first end-of-sequence token."""
+        length, side, eos = self.config.data.max_length, self.options.truncation_side, self.tokenizer.eos_token_id
+        cut = [p[len(p) - length :] if side == "left" else p[:length] for p in prompts]
+        batch = lm_scoring.on_device(
+            prompting.collate_left(cut, [len(p) for p in cut], self.tokenizer.pad_token_id), model
+        )
+        tokens = greedy_generate(
+            lm_scoring.language_model(model),
+            batch["attention_mask"],
+            max_new_tokens,
+            eos,
+            input_ids=batch["input_ids"],
+        )
+        out = []
+        for row in tokens.tolist():
+            row = row[: row.index(eos)] if eos in row else row
+            out.append(self.tokenizer.decode(row, skip_special_tokens=True))
+        return out
+
+    def choice_continuations(self, ds: llm_text.PromptSet, i: int) -> tuple[str, str, list[str]]:
+        """(instruction, input, continuation texts) that the log-likelihood protocol scores for
+        multiple-choice example ``i`` (``task.choice_scoring``)."""
+        if self.options.choice_scoring == "text":
+            return ds.questions[i], "", list(ds.choices[i])
+        return ds.instructions[i], ds.inputs[i], [llm_text.ANSWER_PREFIX + t for t in ds.tags[i]]
+
+    def choice_scores(self, model: torch.nn.Module, ds: llm_text.PromptSet, batch_size: int):
+        """{example: (summed log-likelihood per option, the options' lengths in characters)} for
+        the multiple-choice examples of ``ds``: one row per (example, option), batched by length."""
+        items = []  # (example, prompt ids, continuation ids, continuation chars)
+        for i in np.flatnonzero(ds.multiple_choice):
+            instruction, inp, conts = self.choice_continuations(ds, i)
+            prompt = prompting.encode(self.tokenizer, [self.prompt_format.render(self.tokenizer, instruction, inp)])[0]
+            for c, ids in zip(conts, prompting.encode(self.tokenizer, conts)):
+                items.append((i, prompt, ids, len(c)))
+        length, side = self.config.data.max_length, self.options.truncation_side
+        pairs = [prompting.encode_pair(p, c, length, side) for _, p, c, _ in items]
+        rows = ([r for r, _ in pairs], [k for _, k in pairs])
+        logp = np.zeros(len(items))
+        for chunk in _length_chunks([len(r) for r in rows[0]], batch_size):
+            batch = self.batch(rows, chunk)
+            logp[chunk] = lm_scoring.response_logprobs(model, batch)[0].float().cpu().numpy()
+        out: dict[int, tuple[list[float], list[int]]] = {}
+        for (i, _, _, chars), lp in zip(items, logp):
+            out.setdefault(int(i), ([], []))
+            out[int(i)][0].append(float(lp))
+            out[int(i)][1].append(chars)
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, batch_size: int) -> dict[str, float]:
+        model.eval()
+        ds, rows = self.test, self.test_rows
+        n = len(ds)
+        losses = np.zeros(n)
+        for chunk in _length_chunks([len(r) for r in rows[0]], batch_size):
+            losses[chunk] = lm_scoring.response_logprobs(model, self.batch(rows, chunk))[1].float().cpu().numpy()
+        per: dict[str, np.ndarray] = {"loss": losses}
+        mc = ds.multiple_choice
+        if self.options.generate:
+            texts = [""] * n
+            prompts = self.prompts(ds)
+            budget = self.generation_budget(ds)
+            for chunk in _length_chunks([len(p) for p in prompts], batch_size):
+                for k, text in zip(chunk, self.generate(model, [prompts[k] for k in chunk], budget)):
+                    texts[k] = text
+            if mc.any():
+                picked = np.array([extract_answer(texts[i], ds.tags[i]) if mc[i] else -1 for i in range(n)])
+                per["gen_acc"] = np.where(mc, picked == ds.gold, np.nan)
+            if (~mc).any():
+                per["rouge_l"] = np.array([np.nan if mc[i] else rouge_l(texts[i], ds.responses[i]) for i in range(n)])
+        if mc.any():
+            acc, acc_norm = np.full(n, np.nan), np.full(n, np.nan)
+            for i, (lp, chars) in self.choice_scores(model, ds, batch_size).items():
+                acc[i] = int(np.argmax(lp)) == ds.gold[i]
+                acc_norm[i] = int(np.argmax(np.asarray(lp) / np.asarray(chars))) == ds.gold[i]
+            per["acc"], per["acc_norm"] = acc, acc_norm
+        metrics = _per_set(per, ds.labels, ds.label_names, macro=bool(mc.all()))
+        metrics["accuracy"] = metrics["acc"] if "acc" in metrics else metrics.get("rouge_l", 0.0)
+        return metrics
+
+
+def _length_chunks(lengths: list[int], size: int) -> list[np.ndarray]:
+    """Indices 0..N-1 sorted by length, cut into batches of ``size`` (little padding per batch)."""
+    order = np.argsort(np.asarray(lengths), kind="stable")
+    return [order[i : i + size] for i in range(0, len(order), size)]
+
+
+def _per_set(per: dict[str, np.ndarray], labels: np.ndarray, names: list[str], macro: bool) -> dict[str, float]:
+    """Each metric's mean per label (``<metric>_<label>``: per set, per Dolly category) where the
+    test set spans several, and overall: the mean of the per-label means (``macro``: the
+    multiple-choice sets' average) or over examples. NaN entries: examples a metric skips."""
+    out: dict[str, float] = {}
+    present = list(np.unique(labels))
+    for key, values in per.items():
+        means = []
+        for s in present:
+            v = values[labels == s]
+            v = v[~np.isnan(v)]
+            if len(v):
+                means.append(float(v.mean()))
+                if len(present) > 1:
+                    out[f"{key}_{names[s]}"] = means[-1]
+        kept = values[~np.isnan(values)]
+        if means:
+            out[key] = float(np.mean(means)) if macro else float(kept.mean())
+    return out
