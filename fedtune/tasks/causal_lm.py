@@ -40,8 +40,9 @@ Metrics (:meth:`CausalLM.evaluate`, batched over the test set subsampled by
   response in the trained format ("the correct answer is answer2") after the training prompt;
   ``"text"`` scores the option's text after the data's bare question ("Question: ...\\nAnswer:",
   through the same template: lm-evaluation-harness's ranked classification).
-  ``accuracy`` = ``acc``. Every metric is the mean over sets (the eight-task average), each set's
-  own value under ``<metric>_<set>``.
+  ``accuracy`` = ``acc``. On ``commonsense`` every metric is the mean over sets (the eight-task
+  average), each set's own value under ``<metric>_<set>``; elsewhere the mean over examples, with
+  a value per label (Dolly category) beside it.
 
 Reference (:meth:`CausalLM.majority_rate`): multiple choice, always answering the most frequent
 gold index of each set, averaged over sets; free-form, the ROUGE-L of echoing the prompt
@@ -278,6 +279,7 @@ class CausalLM(Task):
             return ds.questions[i], "", list(ds.choices[i])
         return ds.instructions[i], ds.inputs[i], [llm_text.ANSWER_PREFIX + t for t in ds.tags[i]]
 
+    @torch.no_grad()
     def choice_scores(self, model: torch.nn.Module, ds: llm_text.PromptSet, batch_size: int):
         """{example: (summed log-likelihood per option, the options' lengths in characters)} for
         the multiple-choice examples of ``ds``: one row per (example, option), batched by length."""
@@ -329,7 +331,7 @@ class CausalLM(Task):
                 acc[i] = int(np.argmax(lp)) == ds.gold[i]
                 acc_norm[i] = int(np.argmax(np.asarray(lp) / np.asarray(chars))) == ds.gold[i]
             per["acc"], per["acc_norm"] = acc, acc_norm
-        metrics = _per_set(per, ds.labels, ds.label_names, macro=bool(mc.all()))
+        metrics = _per_set(per, ds.labels, ds.label_names, macro=self.config.data.name == "commonsense")
         metrics["accuracy"] = metrics["acc"] if "acc" in metrics else metrics.get("rouge_l", 0.0)
         return metrics
 
