@@ -37,17 +37,22 @@ def base_of(overlays: Path) -> Path:
 
 
 def shrink(config) -> list[str]:
-    """Overrides that make ``config`` one tiny round: one local step, few examples (in the task's own
-    terms: few-shot draws episodes, the paired task sizes its pool with task.aligned/unaligned), and a
-    short pre-FL distillation for FedPFT and FedOT."""
+    """Overrides that make ``config`` one tiny round: one local step on at most 4 sampled clients, few
+    examples (in the task's own terms: few-shot draws episodes, the paired task sizes its pool with
+    task.aligned/unaligned; short texts), and a short pre-FL distillation for FedPFT and FedOT."""
     out = ["rounds=1", "eval_every=1", "train.local_steps=1"]
+    fed = config.federation
+    if fed.fraction is None and fed.sample_size() > 4:  # fedstacklora.toml trained 20 clients a round
+        out.append("federation.clients_per_round=4")
     kind = config.task.kind
     if kind == "few-shot":
         out += ["task.eval_episodes=10", "task.q_query=2"]
     elif kind == "paired-multimodal":
         out += ["task.aligned=8", "task.unaligned=24", "data.max_test_samples=40"]
-    else:
-        out += ["data.max_train_samples=200", "data.max_test_samples=50"]
+    else:  # local.toml evaluates each of its 20 clients' models
+        out += ["data.max_train_samples=200", "data.max_test_samples=20"]
+    if kind == "text-classification":
+        out.append("data.max_length=32")
     if config.method in ("fedpft", "fedot"):  # both distill a proxy before FL (fedot.toml: 100 steps)
         out += ["options.distill_steps=2", "options.distill_samples=64"]
     return out
