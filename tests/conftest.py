@@ -60,9 +60,14 @@ def variants(kind: str) -> list[str]:
 #: the model has middle layers to emulate): 2 steps of 8 public examples run that code path (the
 #: default, 200 steps of 32, took 20 of the 23 s of FedPFT's contract run on the instruction task);
 #: the distillation itself is tested in tests/test_fedpft.py and tests/test_fedpft_methods.py.
+#: RAFBO's finite-difference hypergradient perturbs 8 coordinates, not 64 (an inner solve each: 10
+#: of the 13 s of its contract run on the image task); tests/test_rabo_hypergrad.py tests the estimate.
 METHOD_TINY = {
-    method: ("options.distill_steps=2", "options.distill_batch_size=8", "options.distill_samples=64")
-    for method in ("fedpft", "fedot")
+    **{
+        method: ("options.distill_steps=2", "options.distill_batch_size=8", "options.distill_samples=64")
+        for method in ("fedpft", "fedot")
+    },
+    "rafbo": ("options.fd_coordinates=8",),
 }
 
 
