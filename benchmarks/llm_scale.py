@@ -178,7 +178,9 @@ def run_one(args, kind: str, dtype: str, clients: int, model: Path, data: Path, 
 def report(device_results: dict[str, dict]) -> str:
     lines = ["# Model scale: memory against clients, speed against a bare loop, a 3B-shaped model", "",
              "Written by `benchmarks/llm_scale.py` (see its docstring for what is measured). Ratios are",
-             "measured side by side in one run of the script on one machine.", ""]  # fmt: skip
+             "measured side by side in one run of the script on one machine. The bare loop runs the",
+             "steps of the largest N (N x local steps), so speed compares like with like at the largest N;",
+             "at smaller N the process's one-time warm-up falls on fewer fedtune steps.", ""]  # fmt: skip
     for device, res in device_results.items():
         cfg = res["config"]
         commands = ", ".join(f"`{c}`" for c in res.get("commands", {}).values())
