@@ -223,13 +223,14 @@ def _parameter_bytes() -> int:
 
 def test_the_parameter_storage_does_not_grow_with_the_number_of_clients(tmp_path):
     """The embedded engine's clients and the server's evaluation share one base: a run of 8
-    clients holds as many parameter bytes as a run of 2 (measured while the run is alive)."""
+    clients holds as many parameter bytes as a run of 2 (measured while the run is alive, over
+    what the process held before it: other tests' models may still be alive)."""
+    one_base = sum(p.numel() * p.element_size() for p in RunContext(config(tmp_path)).task.build_model(0).parameters())
     held = {}
     for n in (2, 8):
-        peak = []
+        before, peak = _parameter_bytes(), []
         cfg = config(tmp_path / str(n), "rounds=1", f"federation.num_clients={n}", "data.max_train_samples=32")
         run_experiment(cfg, on_round=lambda record, peak=peak: peak.append(_parameter_bytes()))
-        held[n] = max(peak)
-    assert held[8] == held[2]
-    one_base = sum(p.numel() * p.element_size() for p in RunContext(config(tmp_path)).task.build_model(0).parameters())
-    assert held[2] < 2 * one_base  # one base (plus adapters), not one per client or per side
+        held[n] = max(peak) - before
+    assert abs(held[8] - held[2]) < 0.1 * one_base  # a base per client would add 6 bases
+    assert 0.5 * one_base < held[2] < 2 * one_base  # one base (plus adapters), not one per side
