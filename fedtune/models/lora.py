@@ -162,16 +162,37 @@ class LoraWorkspace:
         onto the task's base model, ``task.build_model(seed)`` prepared as this one, see
         :func:`~fedtune.models.precision.prepare_base`). Written from the shared model (no second
         base is built): PEFT saves a named adapter into a subfolder, which becomes ``out_dir``. The
-        rank is not bounded: FedStackLoRA saves its stacked adapter, of the clients' summed ranks."""
+        rank is not bounded: FedStackLoRA saves its stacked adapter, of the clients' summed ranks.
+        The base is recorded by the name another machine resolves (``adapter_config.json``'s
+        ``base_model_name_or_path`` and the model card's ``base_model``:
+        :func:`~fedtune.models.hub_ids.hub_id`), not by where this machine keeps it."""
         import shutil
         import tempfile
 
+        from fedtune.models.hub_ids import hub_id
+
         name = self.adapter_name(rank, alpha)
         self.load(arrays, rank, alpha, bounded=False)
+        base = hub_id(str(self.task.config.model.name))
+        self.model.peft_config[name].base_model_name_or_path = base
         out_dir = Path(out_dir)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=".adapter-") as tmp:
             self.model.save_pretrained(tmp, selected_adapters=[name])
+            record_base(Path(tmp) / name, base)
             if out_dir.exists():
                 shutil.rmtree(out_dir)
             shutil.move(str(Path(tmp) / name), str(out_dir))
+
+
+def record_base(adapter_dir: Path, base: str) -> None:
+    """Name the base ``base`` in the model card PEFT wrote into ``adapter_dir`` (``base_model``:
+    PEFT copies the base's ``_name_or_path``, a path on this machine)."""
+    from huggingface_hub import ModelCard
+
+    card_path = Path(adapter_dir) / "README.md"
+    if not card_path.is_file():
+        return
+    card = ModelCard.load(card_path)
+    card.data.base_model = base
+    card.save(card_path)
