@@ -1,4 +1,4 @@
-"""The ``fedtune`` command line: run, methods, tasks, report, deploy."""
+"""The ``fedtune`` command line: run, methods, tasks, report, export, eval, deploy."""
 
 from __future__ import annotations
 
@@ -139,6 +139,89 @@ def report(
     typer.echo(markdown)
     for path in paths:
         console.print(f"wrote {path}")
+
+
+@app.command()
+def export(
+    run_dir: Path = typer.Argument(..., help="run folder (runs/<name>) with an adapter/"),
+    merged: bool = typer.Option(False, "--merged", help="the base with the adapter merged in (for serving)"),
+    out: Path | None = typer.Option(None, "--out", "-o", help="folder to write (default: RUN_DIR/export[-merged])"),
+    push_to_hub: str | None = typer.Option(
+        None, "--push-to-hub", help="also upload the folder to this hub repository (needs a token)"
+    ),
+) -> None:
+    """Write a run's adapter (or the base with it merged in) and tokenizer to a folder that
+    transformers / PEFT load anywhere; the adapter names its base by hub id."""
+    from fedtune.process import setup_process
+    from fedtune.trained.export import export_run, hub_token
+    from fedtune.trained.export import push_to_hub as push
+    from fedtune.trained.loader import open_run
+
+    setup_process()
+    try:
+        run = open_run(run_dir)
+        base = None if merged else run.adapter_config.get("base_model_name_or_path")
+        token = None if push_to_hub is None else hub_token(push_to_hub, base)
+        folder = out or run_dir / ("export-merged" if merged else "export")
+        for note in export_run(run, folder, merged):
+            console.print(note, markup=False, highlight=False, soft_wrap=True)
+        console.print(f"wrote {folder}")
+        if push_to_hub is not None:
+            console.print(f"pushed to {push(folder, push_to_hub, token)}")
+    except FedtuneError as exc:
+        _fail(str(exc), code=exc.exit_code)
+
+
+@app.command("eval")
+def eval_(
+    target: str = typer.Argument(..., help="run folder (its adapter on its base), or a model name / hub id / folder"),
+    tasks: str | None = typer.Option(
+        None,
+        "--tasks",
+        help="sets, comma-separated: arc_challenge, arc_easy, boolq, hellaswag, openbookqa, piqa, "
+        "socialiqa, winogrande, dolly (default for a run: its own test set)",
+    ),
+    limit: int | None = typer.Option(None, "--limit", min=1, help="at most N examples per set (a seed-0 subset)"),
+    batch_size: int | None = typer.Option(
+        None, "--batch-size", min=1, help="rows per forward pass (default: the run's)"
+    ),
+    generate: bool = typer.Option(False, "--generate", help="commonsense: also greedy generation's accuracy (gen_acc)"),
+    out: Path | None = typer.Option(
+        None, "--out", "-o", help="result file (default: RUN_DIR/eval.json, else ./eval.json)"
+    ),
+) -> None:
+    """Score a run's adapter, or a bare model (the untuned row), on commonsense sets (log-likelihood
+    acc / acc_norm) and Dolly (ROUGE-L, response loss), with the runs' own evaluation code."""
+    import json
+
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from fedtune.process import setup_process
+    from fedtune.trained.evaluate import evaluate, parse_sets, target_of
+    from fedtune.trained.table import eval_table
+
+    setup_process()
+    try:
+        sets = parse_sets(tasks)
+        scored = target_of(target)
+        path = out or (scored.run_dir / "eval.json" if scored.run_dir is not None else Path("eval.json"))
+        columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+        with Progress(*columns, console=console, transient=True) as bar:
+            shown = bar.add_task("loading the model", total=None)
+
+            def advance(unit: str, passes: int) -> None:
+                bar.update(shown, description=f"{unit}: {passes} forward passes")
+
+            result = evaluate(scored, sets, limit, batch_size, generate, advance)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result, indent=1))
+        except OSError as exc:
+            raise FedtuneError(f"--out {str(path)!r}: cannot be written ({exc.strerror})") from None
+    except FedtuneError as exc:
+        _fail(str(exc), code=exc.exit_code)
+    Console().print(eval_table(result))
+    console.print(f"wrote {path}")
 
 
 # -- deploy: Flower processes for real machines -------------------------------------------------

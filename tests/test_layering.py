@@ -15,6 +15,7 @@ inside functions are lazy and may point up, for example the registries discoveri
     runtime             RunContext: one process's task, model and profiles
     engines.rounds, engines.embedded   the round loop and in-process delivery
     run, progress       one run end to end, the run folder
+    trained             a finished run's model: reloaded, exported, evaluated
     engines.flower      the same Strategy/Client objects on Flower (codec, runconfig, worker,
                         clientapp, transport, serverapp, simulation, commands, deployment)
     launch              config.engine -> its launcher (the one entry point)
@@ -44,7 +45,7 @@ LAYERS = [
     ["fedtune.methods"],
     ["fedtune.runtime"],
     ["fedtune.engines", "fedtune.engines.rounds", "fedtune.engines.embedded"],
-    ["fedtune.run", "fedtune.progress"],
+    ["fedtune.run", "fedtune.progress", "fedtune.trained"],
     ["fedtune.engines.flower"],
     ["fedtune.launch"],
     ["fedtune.cli", "fedtune.report", "fedtune.harness"],

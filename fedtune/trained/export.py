@@ -1,0 +1,127 @@
+"""``fedtune export``: a run's adapter (or its base with the adapter merged in) and tokenizer, as a
+folder that plain transformers / PEFT code loads, and optionally pushed to the hub.
+
+- **Adapter** (default): ``adapter_config.json`` (the base named by its hub id,
+  :mod:`fedtune.models.hub_ids`), ``adapter_model.safetensors``, the model card, the tokenizer and
+  the run's ``prompt_template.json``: ``AutoPeftModelForCausalLM.from_pretrained(folder)``. Where
+  the base is a packaged model, its hub id is made to resolve offline here
+  (:func:`fedtune.models.hub_cache.link_packaged`). A base built in code (``tiny-llama``) exists on
+  no hub: it is written into ``base/`` and the adapter names that folder's absolute path.
+- **Merged** (``merged=True``): the base in ``model.dtype`` with the adapter added into its weights
+  (PEFT ``merge_and_unload``), saved as a plain model with the tokenizer: for serving. A
+  quantized base (``model.quantization``) is refused: merging into 4/8-bit weights would round
+  the update away (export the adapter and merge onto the unquantized base where it is served).
+- **Hub** (``push_to_hub``): uploads the folder to that repository, only with a token
+  (``HF_TOKEN`` or ``huggingface-cli login``) and a network, and only with a base another
+  machine can resolve.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from fedtune.config import ConfigError
+from fedtune.models.hub_ids import BUILT_IN_CODE, is_portable
+from fedtune.trained.loader import ADAPTER_CONFIG, TrainedRun
+
+RUN_FILES = ("prompt_template.json",)  # run files a user of the export needs beside the weights
+
+
+def _save_tokenizer(task, out: Path) -> None:
+    tokenizer = getattr(task, "tokenizer", None)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+
+
+def _export_adapter(run: TrainedRun, task, out: Path) -> list[str]:
+    """Copy the adapter into ``out``; notes on how its base resolves."""
+    from fedtune.models.hub_cache import link_packaged
+
+    for path in run.adapter_dir.iterdir():
+        if path.is_file():
+            shutil.copy2(path, out / path.name)
+    base = run.adapter_config.get("base_model_name_or_path")
+    notes = []
+    if str(task.config.model.name) in BUILT_IN_CODE:
+        task.build_model(task.config.seed).save_pretrained(out / "base")
+        _save_tokenizer(task, out / "base")
+        info = dict(run.adapter_config, base_model_name_or_path=str((out / "base").resolve()))
+        (out / ADAPTER_CONFIG).write_text(json.dumps(info, indent=2, sort_keys=True))
+        notes.append(f"base {task.config.model.name!r} is built in code: written to {out / 'base'}")
+    elif base and (snapshot := link_packaged(base)) is not None:
+        notes.append(f"hub id {base} resolves offline here to the packaged copy ({snapshot})")
+    return notes
+
+
+def _export_merged(task, run: TrainedRun, out: Path) -> None:
+    from peft import PeftModel
+
+    cfg = task.config.model
+    if cfg.quantization != "none":
+        raise ConfigError(
+            f"--merged: the run's base is quantized (model.quantization = {cfg.quantization!r}); merging into "
+            "quantized weights would round the update away: export the adapter instead"
+        )
+    model = PeftModel.from_pretrained(task.build_model(task.config.seed), str(run.adapter_dir))
+    merged = model.merge_and_unload()
+    merged.config._name_or_path = run.adapter_config.get("base_model_name_or_path") or str(cfg.name)
+    merged.save_pretrained(out)
+
+
+def export_run(run: TrainedRun, out: Path, merged: bool = False) -> list[str]:
+    """Write the export of ``run`` into ``out`` (emptied first if it holds an earlier export);
+    notes for the user."""
+    task = run.task()
+    if out.exists() and any(out.iterdir()):
+        if not (out / "config.json").is_file() and not (out / ADAPTER_CONFIG).is_file():
+            raise ConfigError(f"--out {str(out)!r}: not empty and not an earlier export; choose another folder")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # "Writing model shards": the command says what it wrote
+    try:
+        notes = [] if merged else _export_adapter(run, task, out)
+        if merged:
+            _export_merged(task, run, out)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    _save_tokenizer(task, out)
+    for name in RUN_FILES:
+        if (run.run_dir / name).is_file():
+            shutil.copy2(run.run_dir / name, out / name)
+    return notes
+
+
+def hub_token(repo: str, base: str | None) -> str:
+    """The token to push to ``repo`` with, checked before anything is written: one line when the
+    base exists on no hub, the machine is offline or there is no token."""
+    import os
+
+    from huggingface_hub import get_token
+
+    if base is not None and not is_portable(base):
+        raise ConfigError(f"--push-to-hub {repo}: the base {base!r} exists only on this machine; nobody could load it")
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise ConfigError(f"--push-to-hub {repo}: HF_HUB_OFFLINE=1 is set; pushing needs the network")
+    token = get_token()
+    if not token:
+        raise ConfigError(f"--push-to-hub {repo}: no Hugging Face token (set HF_TOKEN or run `huggingface-cli login`)")
+    return token
+
+
+def push_to_hub(out: Path, repo: str, token: str) -> str:
+    """Upload ``out`` to hub repository ``repo`` (created if needed); the commit's URL."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    try:
+        api.create_repo(repo, exist_ok=True)
+        info = api.upload_folder(folder_path=str(out), repo_id=repo)
+    except Exception as exc:  # network and hub errors of every kind: one line
+        raise ConfigError(f"--push-to-hub {repo}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+    return str(getattr(info, "commit_url", repo))

@@ -1,0 +1,34 @@
+"""The table ``fedtune eval`` prints: per set its size, each accuracy with its binomial standard
+error, ROUGE-L and the response loss; the commonsense average last."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from fedtune.trained.evaluate import ACCURACIES
+
+
+def _pct(row: dict, key: str) -> str:
+    if key not in row:
+        return "–"
+    return f"{100 * row[key]:.1f} ± {100 * row[f'{key}_se']:.1f}"
+
+
+def eval_table(result: dict) -> Table:
+    """A rich table of an :func:`~fedtune.trained.evaluate.evaluate` result."""
+    rows, avg = result["sets"], result["average"]
+    shown = [k for k in ACCURACIES if any(k in r for r in rows.values())]
+    table = Table(title=f"{result['target']} (accuracy % ± standard error)")
+    table.add_column("set")
+    table.add_column("n", justify="right")
+    for key in shown:
+        table.add_column(key, justify="right")
+    table.add_column("rouge_l", justify="right")
+    table.add_column("loss", justify="right")
+    for name, row in rows.items():
+        rouge = f"{row['rouge_l']:.4f}" if "rouge_l" in row else "–"
+        loss = f"{row['loss']:.4f}" if "loss" in row else "–"
+        table.add_row(name, str(row["n"]), *(_pct(row, k) for k in shown), rouge, loss)
+    if avg.get("sets", 0) > 1:
+        table.add_row(f"average ({avg['sets']} sets)", "", *(_pct(avg, k) for k in shown), "", "")
+    return table

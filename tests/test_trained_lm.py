@@ -1,0 +1,189 @@
+"""A finished causal-LM run put to use (tiny-llama): the adapter names its base portably and
+reloads through plain PEFT with the run's own loss, ``fedtune export`` (adapter, merged),
+``fedtune eval`` (the run's own numbers back; a bare model; not the base in the adapter's place),
+the hub-cache entry that makes a packaged model's hub id resolve offline, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from fedtune.cli import app
+from fedtune.config import load_config
+from fedtune.models.hub_ids import hub_id
+from fedtune.tasks.causal_lm import CausalLM
+from fedtune.trained.loader import open_run
+
+runner = CliRunner()
+TINY = ["task.kind=causal-lm", *CausalLM.test_overrides]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    from fedtune.run import run_experiment
+
+    out = tmp_path_factory.mktemp("trained")
+    cfg = load_config(
+        None,
+        [
+            *TINY,
+            f"output_dir={out}",
+            "name=tiny",
+            "method=fedit",
+            "rounds=2",
+            "federation.num_clients=2",
+            "train.local_steps=3",
+            "train.lr=5e-2",
+            "train.threads=1",
+        ],
+    )
+    return Path(run_experiment(cfg)["run_dir"])
+
+
+def _batch(task):
+    return task.batch(task.test_rows, np.arange(len(task.test)))
+
+
+def test_hub_ids_name_packaged_models_by_hub_id_and_folders_by_absolute_path(tmp_path, monkeypatch):
+    assert hub_id("smollm2") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert hub_id("minilm") == "sentence-transformers/all-MiniLM-L6-v2"
+    assert hub_id("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
+    (tmp_path / "m").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert hub_id("m") == str(tmp_path / "m")
+    assert hub_id("tiny-llama") == "tiny-llama"
+
+
+def test_export_writes_an_adapter_plain_peft_loads_with_the_runs_loss(run_dir, tmp_path):
+    from peft import AutoPeftModelForCausalLM
+
+    assert json.loads((run_dir / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == (
+        "tiny-llama"
+    )
+    out = tmp_path / "export"
+    result = runner.invoke(app, ["export", str(run_dir), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    reloaded = AutoPeftModelForCausalLM.from_pretrained(str(out)).eval()  # plain PEFT, nothing of fedtune
+    run = open_run(run_dir)
+    task = run.task()
+    batch = _batch(task)
+    with torch.no_grad():
+        expected = task.loss(run.model(task), batch)
+        assert torch.allclose(task.loss(reloaded, batch), expected, atol=1e-5)
+        base = task.loss(task.build_model(run.config.seed).eval(), batch)
+        assert not torch.allclose(base, expected, atol=1e-3)  # the adapter acts: a base-only reload fails
+    assert (out / "tokenizer.json").is_file() and (out / "prompt_template.json").is_file()
+
+
+def test_merged_export_gives_the_adapter_models_logits(run_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "merged"
+    result = runner.invoke(app, ["export", str(run_dir), "--merged", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    merged = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    run = open_run(run_dir)
+    task = run.task()
+    batch = _batch(task)
+    adapter = run.model(task)
+    with torch.no_grad():
+        want = adapter(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        got = merged(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        base = task.build_model(run.config.seed)(input_ids=batch["input_ids"]).logits
+    assert torch.allclose(got, want, atol=1e-5)
+    assert not torch.allclose(base, want, atol=1e-3)
+
+
+def test_eval_of_the_run_folder_gives_the_runs_final_metrics_not_the_bases(run_dir):
+    from fedtune.trained.evaluate import Target, evaluate
+
+    final = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    result = runner.invoke(app, ["eval", str(run_dir), "--batch-size", "5"])
+    assert result.exit_code == 0, result.output
+    assert "arc_easy" in result.output and "±" in result.output
+    saved = json.loads((run_dir / "eval.json").read_text())
+    own = saved["metrics"]["run test set"]
+    assert own["accuracy"] == pytest.approx(final["accuracy"]) and own["acc_norm"] == pytest.approx(final["acc_norm"])
+    assert own["loss"] == pytest.approx(final["loss"], abs=1e-5)
+    assert saved["average"]["acc"] == pytest.approx(final["accuracy"])
+    n = saved["sets"]["arc_easy"]["n"]
+    p = saved["sets"]["arc_easy"]["acc"]
+    assert saved["sets"]["arc_easy"]["acc_se"] == pytest.approx((p * (1 - p) / n) ** 0.5)
+    # the base in the adapter's place scores another loss on the same examples
+    bare = evaluate(Target(open_run(run_dir).config, None, "base", run_dir), [])
+    assert abs(bare["metrics"]["run test set"]["loss"] - final["loss"]) > 1e-3
+
+
+def test_eval_of_a_bare_model_on_named_sets(tmp_path):
+    out = tmp_path / "bare.json"
+    result = runner.invoke(app, ["eval", "tiny-llama", "--tasks", "arc_easy,dolly", "--limit", "3", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    saved = json.loads(out.read_text())
+    assert saved["adapter"] is None and saved["sets"]["arc_easy"]["n"] == 3 and saved["sets"]["dolly"]["n"] == 3
+    assert 0 <= saved["sets"]["arc_easy"]["acc"] <= 1 and 0 <= saved["sets"]["dolly"]["rouge_l"] <= 1
+    again = runner.invoke(app, ["eval", "tiny-llama", "--tasks", "arc_easy", "--limit", "3", "--out", str(out)])
+    assert again.exit_code == 0, again.output  # --limit: a fixed seeded subset, the same questions again
+    assert json.loads(out.read_text())["sets"]["arc_easy"] == saved["sets"]["arc_easy"]
+
+
+def test_packaged_hub_id_resolves_offline_through_the_hub_cache(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+    from transformers import AutoConfig
+
+    from fedtune.models.hub_cache import link_packaged
+    from fedtune.models.loading import resolve_model_path
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    hub = "sentence-transformers/all-MiniLM-L6-v2"
+    snapshot = link_packaged(hub)
+    assert snapshot is not None and (snapshot / "config.json").resolve().parent == Path(resolve_model_path("minilm"))
+    assert AutoConfig.from_pretrained(hub).hidden_size == 384  # HF_HUB_OFFLINE=1: only the cache answers
+    # a real download is never replaced
+    other = tmp_path / "other"
+    (other / "models--sentence-transformers--all-MiniLM-L6-v2" / "refs").mkdir(parents=True)
+    (other / "models--sentence-transformers--all-MiniLM-L6-v2" / "refs" / "main").write_text("a" * 40)
+    assert link_packaged(hub, root=other) is None
+    assert link_packaged("Qwen/Qwen2.5-0.5B") is None
+
+
+def _one_line_error(args, *expected):
+    result = runner.invoke(app, args)
+    assert result.exit_code != 0, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    for text in expected:
+        assert text in lines[0], lines[0]
+
+
+def test_bad_input_gives_one_line_naming_the_path(run_dir, tmp_path, monkeypatch):
+    _one_line_error(["export", str(tmp_path / "nope")], "nope", "not a run folder")
+    (tmp_path / "empty").mkdir()
+    _one_line_error(["export", str(tmp_path / "empty")], "empty", "no config.toml")
+    _one_line_error(["eval", str(tmp_path / "empty")], "empty", "no config.toml")
+    bad = tmp_path / "bad"
+    shutil.copytree(run_dir, bad)
+    (bad / "config.toml").write_text("rounds = [")
+    _one_line_error(["export", str(bad)], str(bad / "config.toml"), "invalid TOML")
+    noadapter = tmp_path / "noadapter"
+    shutil.copytree(run_dir, noadapter)
+    shutil.rmtree(noadapter / "adapter")
+    _one_line_error(["export", str(noadapter)], str(noadapter / "adapter"), "no adapter")
+    (noadapter / "adapter").mkdir()
+    (noadapter / "adapter" / "adapter_config.json").write_text("{")
+    _one_line_error(["eval", str(noadapter)], "adapter_config.json", "cannot be read")
+    _one_line_error(["eval", str(run_dir), "--tasks", "arc"], "--tasks", "'arc'")
+    _one_line_error(["eval", "tiny-llama"], "--tasks")
+    # --push-to-hub: never the network here; no token -> one line
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
+    args = ["export", str(run_dir), "--merged", "--out", str(tmp_path / "m"), "--push-to-hub", "me/tiny"]
+    _one_line_error(args, "--push-to-hub", "no Hugging Face token")
+    _one_line_error(["export", str(run_dir), "--out", str(tmp_path / "a"), "--push-to-hub", "me/t"], "tiny-llama")
