@@ -55,11 +55,17 @@ def _write_minilm(snapshot: Path) -> str:
 
 def _write_smollm2(snapshot: Path) -> str:
     import torch
+    from transformers import AutoModelForCausalLM
 
     from fedtune.models import prefix_lm as plm
 
     model = plm.build_language_model(plm.SMOLLM2, 0, torch.float32)
-    model.save_pretrained(snapshot)
+    config = model.config  # a model read from GGUF is marked quantized (not saveable): its weights, re-homed
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.save_pretrained(snapshot)
     plm.load_lm_tokenizer(plm.SMOLLM2).save_pretrained(snapshot)
     return f"{plm.SMOLLM2_FILE} of {plm.smollm2_dir()}, de-quantized to float32"
 
