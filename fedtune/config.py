@@ -155,6 +155,9 @@ class FederationConfig(_Section):
     max_retries: int = Field(2, ge=0, description="retries of a round short of min_replies before the run stops")
     round_timeout_s: float | None = Field(None, gt=0, description="a client slower than this in a round is dropped")
     max_reply_bytes: int = Field(256 * 2**20, gt=0, description="a larger reply is rejected")
+    gpus_per_client: float = Field(
+        0.0, ge=0, le=1, description="engine 'flower-sim': the GPU fraction Ray gives each ClientApp (device cuda)"
+    )
     nodes: int | None = Field(
         None,
         gt=0,
@@ -251,6 +254,14 @@ class RunConfig(BaseModel):
     train: TrainConfig = Field(default_factory=TrainConfig)
     federation: FederationConfig = Field(default_factory=FederationConfig)
     options: dict[str, Any] = Field(default_factory=dict, description="the method's own options")
+
+    @model_validator(mode="after")
+    def _gpu_fractions(self) -> RunConfig:
+        if self.federation.gpus_per_client and self.engine != "flower-sim":
+            raise ValueError("federation.gpus_per_client: applies to engine = 'flower-sim'")
+        if self.federation.gpus_per_client and not self.device.startswith(("cuda", "auto")):
+            raise ValueError(f"federation.gpus_per_client: needs device = 'cuda' or 'auto' (got {self.device!r})")
+        return self
 
     @field_validator("device")
     @classmethod

@@ -234,3 +234,20 @@ def test_the_parameter_storage_does_not_grow_with_the_number_of_clients(tmp_path
         held[n] = max(peak) - before
     assert abs(held[8] - held[2]) < 0.1 * one_base  # a base per client would add 6 bases
     assert 0.5 * one_base < held[2] < 2 * one_base  # one base (plus adapters), not one per side
+
+
+def test_gpu_fractions_go_to_rays_client_resources_and_only_on_the_flower_simulation(monkeypatch):
+    from fedtune.engines.flower import simulation
+
+    with pytest.raises(ValueError, match="federation.gpus_per_client: applies to engine = 'flower-sim'"):
+        load_config(None, ["federation.gpus_per_client=0.25", "device=cuda"])
+    with pytest.raises(ValueError, match="federation.gpus_per_client: needs device = 'cuda' or 'auto'"):
+        load_config(None, ["federation.gpus_per_client=0.25", "engine=flower-sim"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    backend = simulation.ray_backend_config(4, gpus_per_client=0.25)
+    assert backend["client_resources"]["num_gpus"] == 0.25 and backend["init_args"]["num_gpus"] == 2
+    assert simulation.ray_backend_config(4)["client_resources"]["num_gpus"] == 0.0  # the default: none
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="^federation.gpus_per_client: this machine has no CUDA device"):
+        simulation.ray_backend_config(4, gpus_per_client=0.25)

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from fedtune.config import RunConfig
+from fedtune.config import ConfigError, RunConfig
 from fedtune.engines.flower.clientapp import make_client_app
 from fedtune.engines.flower.serverapp import make_server_app
 from fedtune.engines.rounds import RoundRecord
@@ -16,16 +16,25 @@ from fedtune.runtime import resolve_run
 
 
 # -- simulation ----------------------------------------------------------------------------------
-def ray_backend_config(num_supernodes: int, verbose: bool = False) -> dict:
+def ray_backend_config(num_supernodes: int, verbose: bool = False, gpus_per_client: float = 0.0) -> dict:
     """Flower's Ray backend config for a small offline machine: 1 CPU per ClientApp, a private
-    local Ray instance (never someone else's cluster), no dashboard, no GPU."""
+    local Ray instance (never someone else's cluster), no dashboard; ``gpus_per_client``
+    (``federation.gpus_per_client``): the GPU fraction of each ClientApp, over this machine's GPUs
+    (Ray sets each actor's CUDA_VISIBLE_DEVICES), none by default."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    gpus = 0
+    if gpus_per_client:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not gpus:
+            raise ConfigError("federation.gpus_per_client: this machine has no CUDA device")
     return {
-        "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+        "client_resources": {"num_cpus": 1, "num_gpus": float(gpus_per_client)},
         "init_args": {
             "address": "local",
             "num_cpus": max(1, min(num_supernodes, os.cpu_count() or 1)),
-            "num_gpus": 0,
+            "num_gpus": gpus,
             "include_dashboard": False,
             "logging_level": "INFO" if verbose else "ERROR",
             "log_to_driver": verbose,
@@ -53,7 +62,7 @@ def run_flower_simulation(
     if num_supernodes != num_clients:
         raise ValueError(f"num_supernodes={num_supernodes}: one node plays one client, expected {num_clients}")
     setup_process()
-    backend = ray_backend_config(num_supernodes, verbose)
+    backend = ray_backend_config(num_supernodes, verbose, config.federation.gpus_per_client)
     for key, value in (backend_config or {}).items():
         backend[key] = {**backend.get(key, {}), **value} if isinstance(value, dict) else value
 
