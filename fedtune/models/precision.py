@@ -11,9 +11,10 @@ adapts (``model.dtype``, ``model.quantization``, ``train.gradient_checkpointing`
 2. **Quantization** (Dettmers et al. 2023, QLoRA): every ``nn.Linear`` outside the heads and the
    output embedding becomes a bitsandbytes ``Linear4bit`` (NF4, double quantization, compute in
    ``model.dtype``) or ``Linear8bitLt`` (LLM.int8, no fp16 weights kept), quantized when the model
-   moves to its device; then PEFT's ``prepare_model_for_kbit_training`` (layer norms and other
-   small non-quantized weights in float32). The model is marked ``is_loaded_in_4bit`` /
-   ``is_loaded_in_8bit`` as transformers marks a model it loads quantized, which is how PEFT
+   moves to its device; then PEFT's ``prepare_model_for_kbit_training`` (every weight left in
+   16-bit precision, the embeddings and norms, goes to float32, for stable training). The model
+   is marked ``is_loaded_in_4bit`` / ``is_loaded_in_8bit`` as transformers marks a model it loads
+   quantized, which is how PEFT
    chooses its quantized LoRA layers.
 3. **Gradient checkpointing** on every Hugging Face model inside (non-reentrant), or one line
    saying the model has none.
