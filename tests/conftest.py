@@ -178,3 +178,24 @@ def pytest_collection_modifyitems(config, items):
     if gpu:
         config.hook.pytest_deselected(items=gpu)
         items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+
+
+def acting_adapter_model(workspace, rank: int = 4):
+    """A tiny LM's PEFT model with LoRA B moved away from zero (so the adapter acts) and the
+    random LM's query and key weights scaled up 10x: attention at initialization is nearly
+    uniform, and a model whose attention barely depends on positions would not show a wrong
+    position id or a prompt token that leaks into the loss."""
+    import torch
+
+    params = workspace.activate(rank)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in params.items():
+            if "lora_B" in name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+        for name, p in workspace.model.named_parameters():
+            if name.endswith(
+                ("q_proj.base_layer.weight", "q_proj.weight", "k_proj.base_layer.weight", "k_proj.weight")
+            ):
+                p.mul_(10.0)
+    return workspace.model.eval()

@@ -16,6 +16,7 @@ from fedtune.data import llm_text
 from fedtune.runtime import RunContext
 from fedtune.tasks.causal_lm import CausalLM
 from fedtune.tasks.text_metrics import extract_answer, rouge_l
+from tests.conftest import acting_adapter_model
 
 TINY = ["task.kind=causal-lm", *CausalLM.test_overrides]
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -32,18 +33,9 @@ def ctx(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(ctx):
-    """The PEFT model with LoRA B away from zero (the adapter acts) and attention sharpened
-    (query/key weights x10), so that positions and context matter to the outputs."""
-    params = ctx.workspace.activate(4)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in params.items():
-            if "lora_B" in name:
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-        for name, p in ctx.workspace.model.named_parameters():
-            if name.endswith(("q_proj.base_layer.weight", "k_proj.base_layer.weight")):
-                p.mul_(10.0)
-    return ctx.workspace.model.eval()
+    """The tiny LM with an adapter that acts and attention that depends on positions
+    (:func:`tests.conftest.acting_adapter_model`)."""
+    return acting_adapter_model(ctx.workspace, rank=4)
 
 
 def _encode(tok, text):

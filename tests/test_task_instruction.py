@@ -11,6 +11,7 @@ from fedtune.config import ConfigError, load_config
 from fedtune.models import prefix_lm as plm
 from fedtune.runtime import RunContext
 from fedtune.tasks.instruction import Instruction, normalize_answer, rouge_l
+from tests.conftest import acting_adapter_model
 
 TINY = ["task.kind=instruction", *Instruction.test_overrides]
 
@@ -27,19 +28,9 @@ def ctx(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(ctx):
-    """The PEFT model with LoRA B moved away from zero (so the adapter acts) and the random LM's
-    query and key weights scaled up 10x: attention at initialization is nearly uniform, and a
-    model whose attention barely depends on positions would not show a wrong position id."""
-    params = ctx.workspace.activate(4)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in params.items():
-            if "lora_B" in name:
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-        for name, p in ctx.workspace.model.named_parameters():
-            if name.endswith(("q_proj.base_layer.weight", "k_proj.weight")):
-                p.mul_(10.0)
-    return ctx.workspace.model.eval()
+    """The tiny LM with an adapter that acts and attention that depends on positions
+    (:func:`tests.conftest.acting_adapter_model`)."""
+    return acting_adapter_model(ctx.workspace, rank=4)
 
 
 def rows_by_question(task, ds, question):
