@@ -95,7 +95,6 @@ CROSS_OPTION_SETTINGS = {
     "device": ["device=cuda"],  # taken as an accelerator here (the test patches the check)
 }
 ROBUST_OPTIONS = ("federation.aggregation", "federation.clip_update_norm", "federation.max_client_weight")
-SCALE_OPTIONS = ("model.dtype", "train.gradient_checkpointing", "device")
 
 
 @pytest.mark.parametrize("option", sorted(CROSS_OPTION_SETTINGS))
@@ -147,24 +146,23 @@ HONOURING = [
 #: ... and the robust-aggregation options: the methods whose server combines updates as a weighted sum.
 ROBUST_HONOURING = ["fedavg", "fedit", "fedot", "fedpetuning", "fedpft"]
 #: ... and the model-scale options: the LoRA methods that touch the base only through the prepared
-#: workspace (fedtune.models.precision); quantization not by those that write merges into base weights.
+#: workspace (fedtune.models.precision); quantization not by those that write merges into base weights;
+#: CoMMIT not a bfloat16 base (its kappa compares small changes of rounded predictions) nor a device.
 SCALE_HONOURING = ["fedit", "fedstacklora", "flexlora", "fslora", "heterolora", "local"]
-QUANTIZATION_HONOURING = ["fedit", "fslora", "heterolora", "local"]
+PINNED = {
+    **dict.fromkeys(ROBUST_OPTIONS, ROBUST_HONOURING),
+    "model.dtype": SCALE_HONOURING,
+    "device": SCALE_HONOURING,
+    "train.gradient_checkpointing": sorted([*SCALE_HONOURING, "commit"]),
+    "model.quantization": ["commit", "fedit", "fslora", "heterolora", "local"],
+}
 
 
 def test_the_methods_that_honour_cross_method_options_are_the_pinned_ones():
     from fedtune.methods import list_methods
 
     for option in CROSS_OPTION_SETTINGS:
-        pinned = (
-            ROBUST_HONOURING
-            if option in ROBUST_OPTIONS
-            else SCALE_HONOURING
-            if option in SCALE_OPTIONS
-            else QUANTIZATION_HONOURING
-            if option == "model.quantization"
-            else HONOURING
-        )
+        pinned = PINNED.get(option, HONOURING)
         assert sorted(s.name for s in list_methods() if option in s.honours) == pinned, option
 
 

@@ -251,3 +251,18 @@ def test_gpu_fractions_go_to_rays_client_resources_and_only_on_the_flower_simula
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="^federation.gpus_per_client: this machine has no CUDA device"):
         simulation.ray_backend_config(4, gpus_per_client=0.25)
+
+
+def test_commit_trains_on_a_4bit_base_and_checkpointing_changes_none_of_its_numbers(tmp_path):
+    """CoMMIT honours quantization and checkpointing (its kappa measured on float32 predictions)
+    and refuses a bfloat16 base in one line."""
+    runs = {}
+    for name, extra in {"plain": [], "4bit": SCALES["4bit"], "ckpt": SCALES["checkpointing"]}.items():
+        summary = run_experiment(config(tmp_path / name, "method=commit", "rounds=1", *extra))
+        runs[name] = metrics(Path(summary["run_dir"]))[-1]
+    assert np.isfinite(runs["4bit"]["train_loss"]) and np.isfinite(runs["4bit"]["kappa"])
+    assert runs["4bit"]["train_loss"] != runs["plain"]["train_loss"]
+    for key in ("train_loss", "loss", "kappa"):
+        assert runs["ckpt"][key] == runs["plain"][key]
+    with pytest.raises(ConfigError, match="^model.dtype: method 'commit' does not support it"):
+        RunContext(config(tmp_path, "method=commit", *SCALES["bfloat16"]))
