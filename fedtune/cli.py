@@ -65,6 +65,8 @@ def run(
     except RunInterrupted as exc:
         _fail(f"{exc}; continue with: fedtune run --resume {_run_dir(config)}", code=130)
     printer.finish(summary)
+    if summary.get("stopped"):
+        console.print(summary["stopped"], markup=False, highlight=False, soft_wrap=True)
 
 
 def _run_dir(config) -> Path:

@@ -226,6 +226,39 @@ class FederationConfig(_Section):
         return self.num_clients
 
 
+class PrivacyConfig(_Section):
+    """Client-level differential privacy (DP-FedAvg, McMahan et al. 2018): see
+    :mod:`fedtune.methods.base.privacy` for the mechanism, the accountant and what is guaranteed."""
+
+    mode: Literal["none", "central", "local"] = Field(
+        "none", description="Gaussian noise on the server's sum (central, trusted server) or on each upload (local)"
+    )
+    clip: float | None = Field(None, gt=0, description="C: each client's update clipped to this L2 norm")
+    per_layer: bool = Field(False, description="clip each of the L arrays to C/sqrt(L) instead of the whole update")
+    noise_multiplier: float | None = Field(None, gt=0, description="z: noise std z*C (or calibrate it: epsilon)")
+    epsilon: float | None = Field(None, gt=0, description="target epsilon after `rounds`: z calibrated to it")
+    delta: float | None = Field(None, gt=0, lt=1, description="delta (default 1/num_clients^1.1)")
+    epsilon_budget: float | None = Field(None, gt=0, description="stop before a round whose epsilon would exceed this")
+
+    @model_validator(mode="after")
+    def _check(self) -> PrivacyConfig:
+        if self.mode == "none":
+            given = [k for k in type(self).model_fields if k != "mode" and getattr(self, k) not in (None, False)]
+            if given:
+                raise ValueError(f'privacy.{given[0]}: applies to privacy.mode = "central" or "local"')
+            return self
+        if self.clip is None:
+            raise ValueError(f'privacy.clip: required with privacy.mode = "{self.mode}" (the L2 bound C)')
+        if self.noise_multiplier is not None and self.epsilon is not None:
+            raise ValueError("privacy: give privacy.noise_multiplier or privacy.epsilon (to calibrate it), not both")
+        if self.noise_multiplier is None and self.epsilon is None:
+            raise ValueError(
+                f'privacy.noise_multiplier: required with privacy.mode = "{self.mode}" '
+                "(or privacy.epsilon to calibrate it)"
+            )
+        return self
+
+
 #: A run folder's name: one path component (no separator, no "." or ".."), of characters that need no
 #: quoting in a shell; a default name made from a data set's file name is mapped onto it.
 DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]{1,2})?|mps")
@@ -253,6 +286,7 @@ class RunConfig(BaseModel):
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     federation: FederationConfig = Field(default_factory=FederationConfig)
+    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
     options: dict[str, Any] = Field(default_factory=dict, description="the method's own options")
 
     @model_validator(mode="after")
@@ -261,6 +295,28 @@ class RunConfig(BaseModel):
             raise ValueError("federation.gpus_per_client: applies to engine = 'flower-sim'")
         if self.federation.gpus_per_client and not self.device.startswith(("cuda", "auto")):
             raise ValueError(f"federation.gpus_per_client: needs device = 'cuda' or 'auto' (got {self.device!r})")
+        return self
+
+    @model_validator(mode="after")
+    def _check_privacy(self) -> RunConfig:
+        if self.privacy.mode == "none":
+            return self
+        fed = self.federation
+        if self.engine != "embedded":
+            raise ValueError(f'privacy.mode: runs on engine = "embedded" only so far (got {self.engine!r})')
+        robust = [
+            k
+            for k, v in (
+                ("aggregation", fed.aggregation != "mean"),
+                ("clip_update_norm", fed.clip_update_norm),
+                ("max_client_weight", fed.max_client_weight),
+            )
+            if v
+        ]
+        if robust:
+            raise ValueError(
+                f"federation.{robust[0]}: not with privacy.mode (DP-FedAvg clips and sums every update itself)"
+            )
         return self
 
     @field_validator("device")
@@ -295,7 +351,7 @@ def _format_error(err: ValidationError) -> str:
     given = first.get("input")
     shown = "" if first["type"] == "missing" or isinstance(given, dict) else f" (got {given!r})"
     more = f" [+{len(err.errors()) - 1} more]" if len(err.errors()) > 1 else ""
-    if first["type"] == "value_error" and msg.startswith(where):  # a section check naming its field
+    if first["type"] == "value_error" and (msg.startswith(where) or not first["loc"]):  # a check naming its field
         return f"{msg}{more}"
     return f"{where}: {msg}{shown}{more}"
 

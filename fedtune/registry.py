@@ -104,6 +104,7 @@ CROSS_METHOD_OPTIONS = {
     "model.quantization": lambda config: config.model.quantization != "none",
     "train.gradient_checkpointing": lambda config: config.train.gradient_checkpointing,
     "device": lambda config: _accelerated(config.device),
+    "privacy.mode": lambda config: config.privacy.mode != "none",
 }
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from fedtune.checkpoint import load_state, save_state
 from fedtune.config import ConfigError, RunConfig, flat_keys
 from fedtune.engines.embedded import EmbeddedEngine
-from fedtune.engines.rounds import Engine, RoundRecord
+from fedtune.engines.rounds import Engine, RoundRecord, RunHalted
 from fedtune.process import setup_process
 from fedtune.run_folder import check_free, create, move_aside, write_text, writing
 from fedtune.runtime import RunContext
@@ -227,6 +227,7 @@ def run_experiment(
             return "; no round completed"
         return f"; rounds 1-{rnd} are checkpointed: free space or fix the folder, then fedtune run --resume {run_dir}"
 
+    stopped = None
     stop_requested, restore = _interrupt_flag()
     try:
         if resume:  # the lines up to the checkpoint, written atomically, then appended to
@@ -250,13 +251,21 @@ def run_experiment(
                 if on_round is not None:
                     on_round(rec)
 
-            engine.run(strategy, record, start_round, stop_requested)
+            try:
+                engine.run(strategy, record, start_round, stop_requested)
+            except RunHalted as halt:
+                if not lines:
+                    raise ConfigError(str(halt)) from None
+                stopped = str(halt)
     finally:
         restore()
     last = lines[-1]["round"] if lines else 0
     with writing(run_dir, kept(last)):
         strategy.save(run_dir)
     summary = _summary(config, lines, server, run_dir, time.perf_counter() - start, engine.name)
+    summary.update(strategy.summary())
+    if stopped is not None:
+        summary["stopped"] = stopped
     with writing(run_dir / "summary.json", kept(last)):
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -28,6 +28,7 @@ import torch
 from fedtune.config import ConfigError, RunConfig, validate_options
 from fedtune.data.partition import label_histograms
 from fedtune.methods import get_method
+from fedtune.methods.base.privacy import check_privacy
 from fedtune.protocol.profiles import ClientProfile, build_profiles
 from fedtune.registry import MethodOptions, MethodSpec
 from fedtune.tasks import Task, TaskOptions, get_task_class, resolve_config
@@ -60,6 +61,7 @@ def resolve_run(config: RunConfig) -> ResolvedRun:
     method.check(task_class, config)
     method.check_options(config)
     options = validate_options(config.options, method.options)
+    check_privacy(config)
     fed = config.federation
     try:
         profiles = build_profiles(fed.num_clients, fed.profiles, fed.profile_choices, config.seed)

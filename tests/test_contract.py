@@ -93,6 +93,7 @@ CROSS_OPTION_SETTINGS = {
     "model.quantization": ['model.quantization="4bit"'],
     "train.gradient_checkpointing": ["train.gradient_checkpointing=true"],
     "device": ["device=cuda"],  # taken as an accelerator here (the test patches the check)
+    "privacy.mode": ['privacy.mode="central"', "privacy.clip=1.0", "privacy.noise_multiplier=1.0"],
 }
 ROBUST_OPTIONS = ("federation.aggregation", "federation.clip_update_norm", "federation.max_client_weight")
 
@@ -149,12 +150,16 @@ ROBUST_HONOURING = ["fedavg", "fedit", "fedot", "fedpetuning", "fedpft"]
 #: workspace (fedtune.models.precision); quantization not by those that write merges into base weights;
 #: CoMMIT not a bfloat16 base (its kappa compares small changes of rounded predictions) nor a device.
 SCALE_HONOURING = ["fedit", "fedstacklora", "flexlora", "fslora", "heterolora", "local"]
+#: ... and client-level DP (fedtune.methods.base.privacy): the weighted-sum methods with uniform
+#: weights, sensitivity C per client (heterolora's padded sum, FSLoRA's sketch: not yet).
+PRIVACY_HONOURING = ["fedavg", "fedit"]
 PINNED = {
     **dict.fromkeys(ROBUST_OPTIONS, ROBUST_HONOURING),
     "model.dtype": SCALE_HONOURING,
     "device": SCALE_HONOURING,
     "train.gradient_checkpointing": sorted([*SCALE_HONOURING, "commit"]),
     "model.quantization": ["commit", "fedit", "fslora", "heterolora", "local"],
+    "privacy.mode": PRIVACY_HONOURING,
 }
 
 

@@ -307,6 +307,9 @@ def drive_rounds(
     checkpoint there); ``should_stop()`` is asked after each round (Ctrl-C)."""
     history = []
     for rnd in range(start_round, rounds + 1):
+        reason = strategy.halt_before(rnd)
+        if reason is not None:
+            raise RunHalted(reason, rnd - 1)
         start = time.perf_counter()
         record = RoundRecord(rnd, [])
         for attempt in range(policy.max_retries + 1):
@@ -364,6 +367,15 @@ class RunInterrupted(Exception):
 
     def __init__(self, rnd: int) -> None:
         super().__init__(f"interrupted after round {rnd}")
+        self.round = rnd
+
+
+class RunHalted(Exception):
+    """The strategy stopped the run before round ``round + 1`` (:meth:`Strategy.halt_before`);
+    rounds up to ``round`` are complete and checkpointed."""
+
+    def __init__(self, reason: str, rnd: int) -> None:
+        super().__init__(reason)
         self.round = rnd
 
 

@@ -20,6 +20,7 @@ import torch
 
 from fedtune.methods.base.averaging import WEIGHTED_SUM_OPTIONS, BroadcastAverage, UpdateClient, Weighting
 from fedtune.methods.base.full_model import ModelStateStrategy, load_tensors, tensor_arrays
+from fedtune.methods.base.privacy import PRIVACY_OPTIONS
 from fedtune.models.training import train_local
 from fedtune.protocol.messages import Message
 from fedtune.registry import MethodOptions, register
@@ -54,7 +55,7 @@ class FedAvgClient(UpdateClient):
             self.train_seed(message.meta["round"]),
         )
         trained = tensor_arrays(tensors)
-        return self.upload({k: trained[k] - message.arrays[k] for k in trained}, result)
+        return self.upload({k: trained[k] - message.arrays[k] for k in trained}, result, rnd=message.meta["round"])
 
 
-register("fedavg", FedAvgStrategy, FedAvgClient, FedAvgOptions, supports=WEIGHTED_SUM_OPTIONS)
+register("fedavg", FedAvgStrategy, FedAvgClient, FedAvgOptions, supports=(*WEIGHTED_SUM_OPTIONS, *PRIVACY_OPTIONS))

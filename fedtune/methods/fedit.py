@@ -15,6 +15,7 @@ from pydantic import Field
 
 from fedtune.methods.base.averaging import WEIGHTED_SUM_OPTIONS, BroadcastAverage, Weighting
 from fedtune.methods.base.lora import LORA, SCALE_OPTIONS, SERVER_DEVIATIONS, GlobalAdapterStrategy, LoraClient
+from fedtune.methods.base.privacy import PRIVACY_OPTIONS
 from fedtune.protocol.messages import Message
 from fedtune.registry import MethodOptions, register
 
@@ -43,9 +44,14 @@ class FedITClient(LoraClient):
     def fit(self, message: Message) -> Message:
         received = message.arrays
         trained, result = self.train_adapter(received, message.meta["round"], message.meta["rank"])
-        return self.upload({k: trained[k] - received[k] for k in trained}, result)
+        return self.upload({k: trained[k] - received[k] for k in trained}, result, rnd=message.meta["round"])
 
 
 register(
-    "fedit", FedITStrategy, FedITClient, FedITOptions, requires=LORA, supports=(*WEIGHTED_SUM_OPTIONS, *SCALE_OPTIONS)
+    "fedit",
+    FedITStrategy,
+    FedITClient,
+    FedITOptions,
+    requires=LORA,
+    supports=(*WEIGHTED_SUM_OPTIONS, *SCALE_OPTIONS, *PRIVACY_OPTIONS),
 )

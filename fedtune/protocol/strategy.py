@@ -104,6 +104,14 @@ class Strategy(ABC):
         """Combine federated evaluation replies (default: example-weighted mean of metrics)."""
         return weighted_mean_meta(replies)
 
+    def halt_before(self, rnd: int) -> str | None:
+        """One line when the run must stop before round ``rnd`` (a spent privacy budget), else None."""
+        return None
+
+    def summary(self) -> dict[str, Any]:
+        """What the strategy adds to ``summary.json`` (default: nothing)."""
+        return {}
+
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
         """Everything the strategy holds, as named arrays and JSON-able values."""

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from fedtune.methods.base.privacy import Privacy
 from fedtune.methods.base.robust import ROBUST_AGGREGATION, aggregate_updates
 from fedtune.methods.base.server_optimizer import ServerOptimizer
 from fedtune.models.training import FitResult, seed_for
@@ -67,9 +68,12 @@ def update_of(sent: Message) -> dict[str, ArraySpec]:
 class UpdateClient(Client):
     """A client that uploads an update (trained minus received arrays) through the upload codec."""
 
-    def upload(self, update: dict[str, np.ndarray], result: FitResult, **meta) -> Message:
-        """The reply: the (possibly compressed) update and the fit metrics."""
+    def upload(self, update: dict[str, np.ndarray], result: FitResult, rnd: int | None = None, **meta) -> Message:
+        """The reply: the (possibly compressed) update and the fit metrics; with ``privacy.mode =
+        "local"`` the update is first clipped and noised (:meth:`Privacy.release`; needs ``rnd``)."""
         fed = self.config.federation
+        if self.config.privacy.mode == "local":
+            update = Privacy(self.config).release(update, rnd, self.cid)
         return Message(encode_update(update, fed.upload_topk, fed.wire_dtype), {**result.meta(), **meta})
 
     def train_seed(self, rnd: int) -> int:
@@ -97,7 +101,71 @@ class ServerOptimized:
         self.server_opt.load_state_dict(state.get("server_opt"))
 
 
-class BroadcastAverage(ServerOptimized, Strategy):
+class PrivateAverage(ServerOptimized):
+    """A :class:`BroadcastAverage` under ``privacy.mode`` (:mod:`fedtune.methods.base.privacy`):
+    the DP aggregate, epsilon on every round's line, the budget, and the releases counted in the
+    server state (central: rounds aggregated; local: rounds each client was sampled in)."""
+
+    @property
+    def privacy(self) -> Privacy | None:
+        if self.config.privacy.mode == "none":
+            return None
+        if getattr(self, "_privacy", None) is None:
+            self._privacy = Privacy(self.config)
+            n = 1 if self._privacy.mode == "central" else self.config.federation.num_clients
+            self.releases = np.zeros(n, dtype=np.int64)
+            self._counted = 0  # the last round whose sample was counted (local)
+        return self._privacy
+
+    def count_sample(self, rnd: int, client_ids: list[int]) -> None:
+        """Local DP: a client sampled in round ``rnd`` releases once, however many attempts the
+        round takes (a retry replays the same upload: training and noise are seeded by (seed,
+        round, client))."""
+        if self.privacy is None or self.privacy.mode != "local":
+            return
+        if rnd != self._counted:
+            self._counted, self._sampled = rnd, set()
+        fresh = sorted(set(client_ids) - self._sampled)
+        self.releases[fresh] += 1
+        self._sampled |= set(fresh)
+
+    def spent(self) -> float:
+        """Epsilon so far."""
+        return self.privacy.epsilon(int(self.releases.max()))
+
+    def halt_before(self, rnd: int) -> str | None:
+        """The one line that stops the run before round ``rnd`` would exceed ``privacy.epsilon_budget``."""
+        p = self.privacy
+        if p is None or p.budget is None:
+            return None
+        after = p.epsilon(int(self.releases.max()) + 1)
+        if after <= p.budget:
+            return None
+        return (
+            f"privacy.epsilon_budget: stopped before round {rnd}, whose epsilon would be {after:.4g} > "
+            f"{p.budget:g} (spent: {self.spent():.4g} at delta {p.delta:.3g})"
+        )
+
+    def private_aggregate(self, rnd: int, updates: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        combined = self.privacy.aggregate(updates, rnd)
+        if self.privacy.mode == "central":
+            self.releases[0] = rnd
+        return combined
+
+    def summary(self) -> dict:
+        return {} if self.privacy is None else {"privacy": self.privacy.report(int(self.releases.max()))}
+
+    def server_state(self) -> dict:
+        extra = {} if self.privacy is None else {"privacy_releases": self.releases.copy()}
+        return {**ServerOptimized.server_state(self), **extra}
+
+    def load_server_state(self, state: Mapping) -> None:
+        ServerOptimized.load_server_state(self, state)
+        if self.privacy is not None and "privacy_releases" in state:
+            self.releases = np.asarray(state["privacy_releases"], dtype=np.int64).copy()
+
+
+class BroadcastAverage(PrivateAverage, Strategy):
     """FedAvg's round over ``self.global_arrays``: every sampled client gets the same arrays
     (and :meth:`fit_meta`); the server adds the weighted mean of the clients' updates,
     theta^{t+1} = theta^t + sum_i p_i Delta_i (``options.weighting``), through the server
@@ -111,6 +179,7 @@ class BroadcastAverage(ServerOptimized, Strategy):
 
     def configure_fit(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
         message = Message(self.global_arrays, self.fit_meta(rnd))
+        self.count_sample(rnd, client_ids)
         return {cid: message for cid in client_ids}
 
     def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec]:
@@ -120,6 +189,9 @@ class BroadcastAverage(ServerOptimized, Strategy):
         if not replies:
             return {}
         updates = [decode_update(m.arrays) for m in replies.values()]
+        if self.privacy is not None:
+            self.global_arrays = self.server_opt.step(self.global_arrays, self.private_aggregate(rnd, updates))
+            return {**mean_train_loss(replies), "epsilon": self.spent()}
         combined = aggregate_updates(updates, client_weights(replies, self.options.weighting), self.config.federation)
         self.global_arrays = self.server_opt.step(self.global_arrays, combined)
         return mean_train_loss(replies)
