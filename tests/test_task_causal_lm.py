@@ -201,6 +201,35 @@ def test_loglikelihood_acc_and_acc_norm_equal_a_direct_transformers_computation(
         assert np.mean(by_char) != np.mean(by_token) and np.mean(by_char) != np.mean(acc)
 
 
+@pytest.mark.parametrize("max_length", [64, 512])
+def test_shared_prompt_scoring_equals_scoring_every_row_in_full(tmp_path, max_length):
+    """The fast path (each question's prompt encoded once, its KV cache reused by its options and
+    its answer row) gives the plain path's option log-likelihoods, losses and metrics, on the
+    LoRA model with its adapter acting, in batches that mix questions of several lengths and
+    option counts; at 64 tokens the prompts are cut (differently per option length)."""
+    c = RunContext(config(tmp_path, "model.lora_rank=4", f"data.max_length={max_length}", "task.generate=false"))
+    task = c.task
+    c.workspace.activate(4)
+    with torch.no_grad():
+        for name, p in c.workspace.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    model = c.workspace.model.eval()
+    ds = task.test
+    items = task.choice_items(ds)
+    cut = sum(k < len(task.prompts(ds)[0]) for i, _, k, _ in items if i == 0)
+    assert (cut > 0) == (max_length == 64)
+    fast, plain = task.choice_scores(model, ds, 5), task.choice_scores(model, ds, 5, shared=False)
+    assert fast.keys() == plain.keys() and len(fast) == len(ds)
+    for i in fast:
+        assert fast[i][1] == plain[i][1]
+        assert np.allclose(fast[i][0], plain[i][0], atol=1e-4), (i, fast[i][0], plain[i][0])
+    shared, full = task.evaluate(model, 5), task.evaluate(model, 5, shared=False)
+    assert shared.keys() == full.keys()
+    for key in full:
+        assert shared[key] == pytest.approx(full[key], abs=1e-5), key
+
+
 def test_answer_extraction_follows_llm_adapters():
     tags = ["answer1", "answer2", "answer3", "answer4"]
     assert extract_answer("the correct answer is answer3", tags) == 2

@@ -280,40 +280,74 @@ class CausalLM(Task):
             return ds.questions[i], "", list(ds.choices[i])
         return ds.instructions[i], ds.inputs[i], [llm_text.ANSWER_PREFIX + t for t in ds.tags[i]]
 
-    @torch.no_grad()
-    def choice_scores(self, model: torch.nn.Module, ds: llm_text.PromptSet, batch_size: int):
-        """{example: (summed log-likelihood per option, the options' lengths in characters)} for
-        the multiple-choice examples of ``ds``: one row per (example, option), batched by length."""
-        items = []  # (example, prompt ids, continuation ids, continuation chars)
+    def choice_items(self, ds: llm_text.PromptSet) -> list[tuple[int, np.ndarray, int, int]]:
+        """(example, row, its prompt's length, the continuation's length in characters): one per
+        option of each multiple-choice example of ``ds``, the row its context (rendered through the
+        prompt template) + the option's continuation, truncated to ``data.max_length``."""
+        items = []
+        length, side = self.config.data.max_length, self.options.truncation_side
         for i in np.flatnonzero(ds.multiple_choice):
             instruction, inp, conts = self.choice_continuations(ds, i)
             prompt = prompting.encode(self.tokenizer, [self.prompt_format.render(self.tokenizer, instruction, inp)])[0]
             for c, ids in zip(conts, prompting.encode(self.tokenizer, conts)):
-                items.append((i, prompt, ids, len(c)))
-        length, side = self.config.data.max_length, self.options.truncation_side
-        pairs = [prompting.encode_pair(p, c, length, side) for _, p, c, _ in items]
-        rows = ([r for r, _ in pairs], [k for _, k in pairs])
-        logp = np.zeros(len(items))
-        for chunk in _length_chunks([len(r) for r in rows[0]], batch_size):
-            batch = self.batch(rows, chunk)
-            logp[chunk] = lm_scoring.response_logprobs(model, batch)[0].float().cpu().numpy()
+                row, k = prompting.encode_pair(prompt, ids, length, side)
+                items.append((int(i), row, k, len(c)))
+        return items
+
+    def score_rows(
+        self, model: torch.nn.Module, rows: list[np.ndarray], prompt_lengths: list[int], batch_size: int, shared: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """((N,) summed log-probabilities of each row's tokens after its prompt, (N,) their mean
+        losses): ``shared`` encodes each distinct prompt once and reuses its KV cache
+        (:func:`~fedtune.models.lm_scoring.shared_prompt_logprobs`), else every row runs in full,
+        batched by length (:func:`~fedtune.models.lm_scoring.response_logprobs`). The same numbers
+        up to floating-point rounding."""
+        if shared:
+            return lm_scoring.shared_prompt_logprobs(
+                model,
+                [r[:k] for r, k in zip(rows, prompt_lengths)],
+                [r[k:] for r, k in zip(rows, prompt_lengths)],
+                batch_size,
+            )
+        logp, losses = np.zeros(len(rows)), np.zeros(len(rows))
+        for chunk in _length_chunks([len(r) for r in rows], batch_size):
+            lp, loss = lm_scoring.response_logprobs(model, self.batch((rows, prompt_lengths), chunk))
+            logp[chunk], losses[chunk] = lp.float().cpu().numpy(), loss.float().cpu().numpy()
+        return logp, losses
+
+    @staticmethod
+    def _by_example(items, logp: np.ndarray) -> dict[int, tuple[list[float], list[int]]]:
         out: dict[int, tuple[list[float], list[int]]] = {}
         for (i, _, _, chars), lp in zip(items, logp):
-            out.setdefault(int(i), ([], []))
-            out[int(i)][0].append(float(lp))
-            out[int(i)][1].append(chars)
+            out.setdefault(i, ([], []))
+            out[i][0].append(float(lp))
+            out[i][1].append(chars)
         return out
 
     @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module, batch_size: int) -> dict[str, float]:
+    def choice_scores(self, model: torch.nn.Module, ds: llm_text.PromptSet, batch_size: int, shared: bool = True):
+        """{example: (summed log-likelihood per option, the options' lengths in characters)} for
+        the multiple-choice examples of ``ds``: one row per (example, option); ``shared``: each
+        question's context encoded once for all its options (:meth:`score_rows`)."""
+        items = self.choice_items(ds)
+        logp, _ = self.score_rows(model, [x[1] for x in items], [x[2] for x in items], batch_size, shared)
+        return self._by_example(items, logp)
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, batch_size: int, shared: bool = True) -> dict[str, float]:
+        """The metrics of the module docstring. ``shared`` (the default) scores the response
+        loss and every option in one :meth:`score_rows` call that encodes each distinct prompt
+        once (a question's options and its answer row share it under ``choice_scoring =
+        "answer"``); ``shared = False`` runs every row in full: the same numbers up to rounding."""
         model.eval()
         ds, rows = self.test, self.test_rows
         n = len(ds)
-        losses = np.zeros(n)
-        for chunk in _length_chunks([len(r) for r in rows[0]], batch_size):
-            losses[chunk] = lm_scoring.response_logprobs(model, self.batch(rows, chunk))[1].float().cpu().numpy()
-        per: dict[str, np.ndarray] = {"loss": losses}
         mc = ds.multiple_choice
+        items = self.choice_items(ds) if mc.any() else []
+        logp, losses = self.score_rows(
+            model, [*rows[0], *(x[1] for x in items)], [*rows[1], *(x[2] for x in items)], batch_size, shared
+        )
+        per: dict[str, np.ndarray] = {"loss": losses[:n]}
         if self.options.generate:
             texts = [""] * n
             prompts = self.prompts(ds)
@@ -328,7 +362,7 @@ class CausalLM(Task):
                 per["rouge_l"] = np.array([np.nan if mc[i] else rouge_l(texts[i], ds.responses[i]) for i in range(n)])
         if mc.any():
             acc, acc_norm = np.full(n, np.nan), np.full(n, np.nan)
-            for i, (lp, chars) in self.choice_scores(model, ds, batch_size).items():
+            for i, (lp, chars) in self._by_example(items, logp[n:]).items():
                 acc[i] = int(np.argmax(lp)) == ds.gold[i]
                 acc_norm[i] = int(np.argmax(np.asarray(lp) / np.asarray(chars))) == ds.gold[i]
             per["acc"], per["acc_norm"] = acc, acc_norm
