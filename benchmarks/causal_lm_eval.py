@@ -53,7 +53,9 @@ def standard_errors(metrics: dict[str, float], counts: dict[str, int]) -> dict[s
 
 def dolly_category_file(category: str, n: int) -> str:
     """A local prompt/response file of ``n`` records (seed 0) of one Dolly category from FedIT's
-    training pool (instruction -> prompt, context -> input), in a temporary folder."""
+    training pool (instruction -> prompt, context -> input), in a temporary folder. No category
+    column: one category is one label, and a task needs two (the labels become answer-length
+    quartiles, which only name the per-label metrics)."""
     import tempfile
     from pathlib import Path
 
@@ -75,7 +77,6 @@ def dolly_category_file(category: str, n: int) -> str:
                     "prompt": rows[i]["instruction"],
                     "input": rows[i]["context"],
                     "response": rows[i]["response"],
-                    "category": category,
                 }
             )
             + "\n"
@@ -97,6 +98,8 @@ def main() -> None:
     parser.add_argument("--adapter", default=None, help="a saved PEFT adapter folder (default: the untuned base)")
     parser.add_argument("--dolly-category", default=None, help="evaluate on this Dolly category's training records")
     parser.add_argument("--dolly-n", type=int, default=100, help="how many records of --dolly-category (seed 0)")
+    parser.add_argument("--losses", default=None, help="also save each test example's response loss here (.npy)")
+    parser.add_argument("--losses-only", action="store_true", help="only the per-example losses (no evaluate)")
     parser.add_argument("--plain", action="store_true", help="score every row in full (no shared prompts)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
@@ -116,6 +119,21 @@ def main() -> None:
     model.eval()
     ds = task.test
     _ = task.test_rows  # tokenized before the clock starts
+    if args.losses:
+        with torch.no_grad():
+            losses = task.score_rows(model, *task.test_rows, args.batch_size, shared=True)[1]
+        np.save(args.losses, losses)
+        print(
+            json.dumps(
+                {
+                    "examples": len(ds),
+                    "loss": float(losses.mean()),
+                    "loss_se": float(losses.std(ddof=1) / math.sqrt(len(ds))),
+                }
+            )
+        )
+        if args.losses_only:
+            return
     start = time.perf_counter()
     metrics = task.evaluate(model, args.batch_size, shared=not args.plain)
     seconds = time.perf_counter() - start
