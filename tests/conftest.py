@@ -199,3 +199,23 @@ def acting_adapter_model(workspace, rank: int = 4):
             ):
                 p.mul_(10.0)
     return workspace.model.eval()
+
+
+def assert_moved_alike(state: dict, reference: dict, initial: dict, rtol: float = 0.05) -> None:
+    """``state`` holds the same entries as ``reference`` and its float arrays moved from
+    ``initial`` as the reference's did, to within ``rtol`` of that movement (bfloat16 rounds each
+    update by about 0.4 %): an update that was dropped, or landed under another name, fails.
+    Entries whose shape changes over a round (a schedule's history) are left out."""
+    import numpy as np
+
+    assert state.keys() == reference.keys()
+    floats = [
+        k
+        for k in reference
+        if np.asarray(reference[k]).dtype.kind == "f"
+        and k in initial
+        and np.shape(initial[k]) == np.shape(reference[k])
+    ]
+    moved = sum(float(np.sum((np.asarray(reference[k], np.float64) - initial[k]) ** 2)) for k in floats)
+    apart = sum(float(np.sum((np.asarray(state[k], np.float64) - reference[k]) ** 2)) for k in floats)
+    assert moved > 0 and apart <= rtol**2 * moved, (apart, moved)

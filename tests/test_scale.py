@@ -20,6 +20,7 @@ from fedtune.protocol.validation import ArraySpec, check_arrays
 from fedtune.run import run_experiment
 from fedtune.runtime import RunContext
 from fedtune.tasks.instruction import Instruction
+from tests.conftest import assert_moved_alike
 
 pytest.importorskip("bitsandbytes")
 
@@ -208,6 +209,9 @@ def test_a_bfloat16_upload_halves_the_bytes_and_the_server_aggregates_in_float32
     globals16 = s16["global"]
     assert globals16 and all(v.dtype == np.float32 for v in globals16.values())
     assert any(not np.array_equal(v, s32["global"][k]) for k, v in globals16.items())  # the rounding reached the mean
+    strategy = RunContext(config(tmp_path / "init", f"method={method}")).strategy()
+    strategy.initialize()
+    assert_moved_alike(globals16, s32["global"], strategy.global_arrays)  # decoded, under the same names
 
 
 # -- one frozen base per process ------------------------------------------------------------------
