@@ -14,6 +14,7 @@ from typing import Any
 
 from fedtune.config import RunConfig
 from fedtune.engines.rounds import Delivery, Engine, RoundPolicy, RoundRecord, answer, drive_rounds
+from fedtune.process import release_free_memory
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
 
@@ -43,6 +44,7 @@ class LocalTransport:
     def __call__(self, kind: str, rnd: int, messages: dict[int, Message], attempt: int = 0) -> dict[int, Delivery]:
         out = {}
         for cid, message in messages.items():
+            release_free_memory()  # the last client's freed pages go back before this one trains
             client = self.make_client(cid, dict(self.states.get(cid, {})))
             try:
                 reply, down, up, seconds = exchange(
