@@ -296,3 +296,36 @@ def test_freed_heap_pages_go_back_between_clients(tmp_path, monkeypatch):
     monkeypatch.setattr(embedded, "release_free_memory", lambda: calls.append(1))
     run_experiment(config(tmp_path, "rounds=1", "federation.num_clients=3"))
     assert len(calls) >= 3  # once before each client's fit (and evaluation)
+
+
+def test_a_quantized_base_is_read_in_its_checkpoints_dtype_and_ends_as_if_read_in_float32(tmp_path, monkeypatch):
+    """A 4-bit base is read in the checkpoint's own dtype (a 3B bfloat16 checkpoint is never widened
+    to float32 in full) and, once quantized and prepared, holds exactly what reading it in float32
+    first gives: the same NF4 codes and scales, every other parameter float32 with the same values."""
+    import transformers
+
+    from fedtune.models import prefix_lm as plm
+    from fedtune.tasks import build_task
+
+    tok = plm.byte_tokenizer()
+    lm = plm.tiny_llama(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, seed=0)
+    folder = tmp_path / "bf16-checkpoint"
+    lm.to(torch.bfloat16).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    cfg = load_config(None, ["task.kind=causal-lm", f"model.name={folder}", "model.quantization=4bit"])
+
+    read = []
+    original = transformers.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM,
+        "from_pretrained",
+        lambda *a, **kw: read.append(kw.get("dtype")) or original(*a, **kw),
+    )
+    new = prepare_base(build_task(cfg).build_model(0), cfg)
+    assert read == ["auto"]
+    old = prepare_base(plm.build_language_model(str(folder), 0, torch.float32).requires_grad_(True), cfg)
+    new_state, old_state = new.state_dict(), old.state_dict()
+    assert new_state.keys() == old_state.keys()
+    for name, value in old_state.items():
+        assert new_state[name].dtype == value.dtype and torch.equal(new_state[name], value), name
+    assert {p.dtype for n, p in new.named_parameters() if "proj" not in n} == {torch.float32}

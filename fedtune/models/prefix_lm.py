@@ -132,7 +132,7 @@ def load_lm_tokenizer(name: str):
     return tok
 
 
-def _load_pretrained_lm(name: str, dtype: torch.dtype = torch.float32, on_meta: bool = False) -> nn.Module:
+def _load_pretrained_lm(name: str, dtype: torch.dtype | str = torch.float32, on_meta: bool = False) -> nn.Module:
     """The pretrained LM ``name`` read from its files in ``dtype`` (each call reads it again: a
     process keeps no copy of its own; the one base lives in the run's workspace). ``on_meta``: its
     modules only, no weights (from the configuration: instant, no memory)."""
@@ -201,10 +201,10 @@ def language_model_module_names(name: str, seed: int) -> list[str]:
     return [n for n, _ in model.named_modules()]
 
 
-def build_language_model(name: str, seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+def build_language_model(name: str, seed: int, dtype: torch.dtype | str = torch.float32) -> nn.Module:
     """The language model ``name`` with every weight frozen (LoRA adapts it): read from its files
     in ``dtype`` (``model.dtype``: a bfloat16 base of billions of parameters never exists in
-    float32), or ``tiny-llama`` built from ``seed`` (in float32; the run casts it)."""
+    float32; ``"auto"``: the checkpoint's own), or ``tiny-llama`` built from ``seed`` (in float32; the run casts it)."""
     if name == TINY_LLAMA:
         tok = load_lm_tokenizer(name)
         model = tiny_llama(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, seed)

@@ -64,7 +64,7 @@ from fedtune.data import llm_text, prompting
 from fedtune.models import lm_scoring
 from fedtune.models import prefix_lm as plm
 from fedtune.models.generation import greedy_generate
-from fedtune.models.precision import DTYPES
+from fedtune.models.precision import load_dtype
 from fedtune.tasks.base import Task, TaskOptions, majority_rate, register_task
 from fedtune.tasks.text_metrics import extract_answer, rouge_l
 
@@ -214,7 +214,7 @@ class CausalLM(Task):
     def build_model(self, seed: int) -> torch.nn.Module:
         """The LM, every weight trainable (LoRA methods freeze them under PEFT); with
         ``model.finetune = "head"`` only the output embedding (tied to the input one in SmolLM2)."""
-        model = plm.build_language_model(self.config.model.name, seed, DTYPES[self.config.model.dtype])
+        model = plm.build_language_model(self.config.model.name, seed, load_dtype(self.config.model))
         if self.config.model.finetune == "full":
             return model.requires_grad_(True)
         model.get_output_embeddings().weight.requires_grad_(True)

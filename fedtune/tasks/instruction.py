@@ -34,7 +34,7 @@ from pydantic import Field
 from fedtune.config import ConfigError
 from fedtune.data import instruction as idata
 from fedtune.models import prefix_lm as plm
-from fedtune.models.precision import DTYPES, model_device, to_device
+from fedtune.models.precision import load_dtype, model_device, to_device
 from fedtune.tasks.base import Task, TaskOptions, register_task
 from fedtune.tasks.text_metrics import rouge_l
 
@@ -227,7 +227,7 @@ class Instruction(Task):
         (frozen when pretrained, unless ``task.train_encoder``) and projectors, each random part
         drawn from ``seed`` (image encoder seed, audio encoder seed + 1, projectors seed + 2, + 3)."""
         opts = self.options
-        lm = plm.build_language_model(self.config.model.name, seed, DTYPES[self.config.model.dtype])
+        lm = plm.build_language_model(self.config.model.name, seed, load_dtype(self.config.model))
         lm.requires_grad_(self.config.model.finetune == "full")
         encoders, projectors = {}, {}
         for i, modality in enumerate(self.modalities):
