@@ -329,3 +329,21 @@ def test_a_quantized_base_is_read_in_its_checkpoints_dtype_and_ends_as_if_read_i
     for name, value in old_state.items():
         assert new_state[name].dtype == value.dtype and torch.equal(new_state[name], value), name
     assert {p.dtype for n, p in new.named_parameters() if "proj" not in n} == {torch.float32}
+
+
+def test_an_8bit_base_holds_int8_weights_that_compute_what_the_float_ones_do(tmp_path):
+    """LLM.int8: every linear outside the heads is a bitsandbytes Linear8bitLt with int8 weights
+    (quantized as the layer is replaced), and computes what the float32 layer does within int8's
+    error (row-wise absmax: 1/127 of a row's largest weight)."""
+    import bitsandbytes as bnb
+
+    base = RunContext(config(tmp_path, "model.quantization=8bit")).workspace.base
+    dense = RunContext(config(tmp_path / "f32")).workspace.base
+    layer = base.language_model.model.layers[0].self_attn.q_proj
+    reference = dense.language_model.model.layers[0].self_attn.q_proj
+    assert isinstance(layer, bnb.nn.Linear8bitLt) and layer.weight.dtype == torch.int8
+    x = torch.randn(3, layer.in_features)
+    with torch.no_grad():
+        got, want = layer(x).float(), reference(x)
+    assert not torch.equal(got, want)  # quantized, not the float weights
+    torch.testing.assert_close(got, want, rtol=0, atol=0.05 * float(want.abs().max()))

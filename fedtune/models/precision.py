@@ -94,9 +94,13 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype, keep: Iterable[str]) -
                     param.data = param.data.to(dtype)
 
 
-def quantize_linears(model: nn.Module, bits: int, compute_dtype: torch.dtype, keep: Iterable[str]) -> int:
+def quantize_linears(
+    model: nn.Module, bits: int, compute_dtype: torch.dtype, keep: Iterable[str], device: torch.device
+) -> int:
     """Replace each ``nn.Linear`` outside ``keep`` (and :data:`NEVER_QUANTIZED`) by its bitsandbytes
-    counterpart holding the same weights (quantized on the next ``.to(device)``); the count."""
+    counterpart holding the same weights, quantized on ``device`` at once, layer by layer (a layer
+    left for a later ``.to(device)`` would hold its float32 copy until then: 11 GB for a 3B
+    model's linears); the count."""
     try:
         import bitsandbytes as bnb
     except ImportError:
@@ -105,11 +109,12 @@ def quantize_linears(model: nn.Module, bits: int, compute_dtype: torch.dtype, ke
         ) from None
     keep = (*keep, *NEVER_QUANTIZED)
     targets = [
-        (name, module)
+        name
         for name, module in model.named_modules()
         if type(module) is nn.Linear and not _under(name, keep) and not any(name.endswith("." + k) for k in keep)
     ]
-    for name, lin in targets:
+    for name in targets:  # by name: the layer replaced is freed before the next is read
+        lin = model.get_submodule(name)
         weight = lin.weight.data.to(torch.float32 if bits == 4 else torch.float16)
         if bits == 4:
             new = bnb.nn.Linear4bit(
@@ -130,7 +135,8 @@ def quantize_linears(model: nn.Module, bits: int, compute_dtype: torch.dtype, ke
         if lin.bias is not None:
             new.bias = nn.Parameter(lin.bias.data.to(compute_dtype), requires_grad=False)
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
+        setattr(model.get_submodule(parent) if parent else model, child, new.to(device))  # bitsandbytes quantizes here
+        del weight, lin
     return len(targets)
 
 
@@ -195,13 +201,13 @@ def prepare_base(model: nn.Module, config: RunConfig, keep: Iterable[str] = ()) 
         cast_parameters(model, dtype, keep)
     if cfg.quantization != "none":
         bits = 4 if cfg.quantization == "4bit" else 8
-        if not quantize_linears(model, bits, dtype, keep):
+        if not quantize_linears(model, bits, dtype, keep, device):
             raise ConfigError(f"model.quantization: model {cfg.name!r} has no linear layer to quantize")
         setattr(model, f"is_loaded_in_{bits}bit", True)
     if config.train.gradient_checkpointing:
         enable_gradient_checkpointing(model, str(cfg.name))
     if device.type != "cpu" or cfg.quantization != "none":
-        model.to(device)  # bitsandbytes quantizes here
+        model.to(device)
     if cfg.quantization != "none":
         from peft import prepare_model_for_kbit_training
 
