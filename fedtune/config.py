@@ -302,8 +302,6 @@ class RunConfig(BaseModel):
         if self.privacy.mode == "none":
             return self
         fed = self.federation
-        if self.engine != "embedded":
-            raise ValueError(f'privacy.mode: runs on engine = "embedded" only so far (got {self.engine!r})')
         robust = [
             k
             for k, v in (

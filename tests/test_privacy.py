@@ -170,7 +170,6 @@ def test_a_method_without_a_dp_form_refuses_privacy_in_one_line(tmp_path):
         (['privacy.mode="local"', "privacy.clip=1"], "privacy.noise_multiplier: required"),
         ([*CENTRAL, "privacy.epsilon=3"], "privacy: give privacy.noise_multiplier or privacy.epsilon"),
         (["privacy.clip=1"], 'privacy.clip: applies to privacy.mode = "central" or "local"'),
-        ([*CENTRAL, 'engine="flower-sim"'], "privacy.mode: runs on engine"),
         ([*CENTRAL, 'federation.aggregation="median"'], "federation.aggregation: not with privacy.mode"),
         ([*CENTRAL, "federation.clip_update_norm=1"], "federation.clip_update_norm: not with privacy.mode"),
         ([*CENTRAL, 'options.weighting="examples"'], 'options.weighting: "examples" is not DP'),

@@ -63,8 +63,9 @@ clients reply with *updates* (trained - received), so with ``clipping_norm`` set
 (:class:`GridTransport` ``request_config``, or ``clipping-norm`` in Flower's run config) a
 request also carries ``update-as-weights``: the ClientApp returns received + update, the mod
 clips it, and the server takes ``reply - request`` back. :data:`client_app` applies the mod only
-to requests that carry a clipping norm (:func:`only_when_clipping`). The server-side noise of
-central DP is not implemented here.
+to requests that carry a clipping norm (:func:`only_when_clipping`). fedtune's own DP-FedAvg
+(``[privacy]``, :mod:`fedtune.methods.base.privacy`) needs nothing of the engine: the strategy
+noises the sum (central) and the clients their uploads (local), as on the embedded engine.
 
 Usage::
 
