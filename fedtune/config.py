@@ -119,6 +119,15 @@ class TrainConfig(_Section):
         return self
 
 
+SECAGG_PARAMETERS = (
+    "secagg_clipping_range",
+    "secagg_quantization_range",
+    "secagg_modulus_range",
+    "secagg_num_shares",
+    "secagg_threshold",
+)
+
+
 class FederationConfig(_Section):
     num_clients: int = Field(10, gt=0)
     clients_per_round: int | None = Field(None, gt=0, description="clients sampled per round")
@@ -162,7 +171,30 @@ class FederationConfig(_Section):
         None,
         gt=0,
         description="engine 'flower': SuperNodes, each playing a group of clients "
-        "(default: min(clients per round, cores))",
+        "(default: min(clients per round, cores); one per client with secure_aggregation)",
+    )
+    secure_aggregation: bool = Field(
+        False,
+        description="engines 'flower-sim', 'flower': Flower's SecAgg+ (secaggplus_mod); the server sees only the "
+        "sum of the sampled clients' (weighted, quantized) updates",
+    )
+    secagg_clipping_range: float = Field(
+        8.0, gt=0, description="SecAgg+: each weighted update coordinate clipped to [-c, c] before quantization"
+    )
+    secagg_quantization_range: int = Field(
+        2**22, ge=2, description="SecAgg+: [-c, c] mapped onto the integers 0..T (step 2c/T, stochastic rounding)"
+    )
+    secagg_modulus_range: int = Field(
+        2**32, ge=4, le=2**32, description="SecAgg+: masks and sums modulo M (a power of 2 above m * T)"
+    )
+    secagg_num_shares: int | None = Field(
+        None,
+        ge=2,
+        description="SecAgg+: neighbours each client shares its secrets with, itself included "
+        "(default: every sampled client)",
+    )
+    secagg_threshold: int | None = Field(
+        None, ge=2, description="SecAgg+: shares that rebuild a secret (default: a majority of num_shares)"
     )
 
     @model_validator(mode="after")
@@ -203,12 +235,54 @@ class FederationConfig(_Section):
                 f"federation.clients_per_round: expected at most num_clients={self.num_clients}, "
                 f"got {self.clients_per_round}"
             )
+        self._check_secure_aggregation()
         if self.min_replies > self.sample_size():
             raise ValueError(
                 f"federation.min_replies: expected at most the {self.sample_size()} clients sampled per round, "
                 f"got {self.min_replies}"
             )
         return self
+
+    def _check_secure_aggregation(self) -> None:
+        given = [k for k in SECAGG_PARAMETERS if getattr(self, k) != type(self).model_fields[k].default]
+        if not self.secure_aggregation:
+            if given:
+                raise ValueError(f"federation.{given[0]}: applies to federation.secure_aggregation = true")
+            return
+        m, shares, t = self.sample_size(), self.secagg_shares(), self.secagg_reconstruction_threshold()
+        if m < 2:
+            raise ValueError(
+                "federation.secure_aggregation: needs at least 2 clients per round (one's sum is its update)"
+            )
+        if self.secagg_modulus_range & (self.secagg_modulus_range - 1):
+            raise ValueError(f"federation.secagg_modulus_range: expected a power of 2, got {self.secagg_modulus_range}")
+        if m * self.secagg_quantization_range >= self.secagg_modulus_range:
+            raise ValueError(
+                f"federation.secagg_quantization_range: {m} clients x T = {self.secagg_quantization_range} must stay "
+                f"below secagg_modulus_range = {self.secagg_modulus_range} (the sum would wrap around)"
+            )
+        if shares > m:
+            raise ValueError(f"federation.secagg_num_shares: expected at most the {m} clients sampled per round")
+        if not 2 <= t <= shares:
+            raise ValueError(f"federation.secagg_threshold: expected 2..secagg_num_shares = {shares}, got {t}")
+        bad = [k for k in ("upload_topk", "clip_update_norm", "max_client_weight") if getattr(self, k) is not None]
+        if self.aggregation != "mean":
+            bad.insert(0, "aggregation")
+        if self.wire_dtype != "float32":
+            bad.append("wire_dtype")
+        if bad:
+            raise ValueError(
+                f"federation.{bad[0]}: not with federation.secure_aggregation (it needs each update; the server "
+                "sees only their sum)"
+            )
+
+    def secagg_shares(self) -> int:
+        """SecAgg+'s shares per secret: ``secagg_num_shares``, default every sampled client."""
+        return self.secagg_num_shares or self.sample_size()
+
+    def secagg_reconstruction_threshold(self) -> int:
+        """Shares that rebuild a secret: ``secagg_threshold``, default a majority of the shares (at least 2)."""
+        return self.secagg_threshold or max(2, self.secagg_shares() // 2 + 1)
 
     def resolved_server_lr(self) -> float:
         """``server_lr``, or 1 (the plain sum of eq. (5) / FedAvg) when not given."""
@@ -295,6 +369,28 @@ class RunConfig(BaseModel):
             raise ValueError("federation.gpus_per_client: applies to engine = 'flower-sim'")
         if self.federation.gpus_per_client and not self.device.startswith(("cuda", "auto")):
             raise ValueError(f"federation.gpus_per_client: needs device = 'cuda' or 'auto' (got {self.device!r})")
+        return self
+
+    @model_validator(mode="after")
+    def _check_secure_aggregation(self) -> RunConfig:
+        fed = self.federation
+        if not fed.secure_aggregation:
+            return self
+        if self.engine == "embedded":
+            raise ValueError(
+                'federation.secure_aggregation: runs on engine = "flower-sim" or "flower" (Flower\'s SecAgg+; '
+                "the embedded engine has no masking)"
+            )
+        if self.engine == "flower" and fed.nodes is not None and fed.nodes != fed.num_clients:
+            raise ValueError(
+                f"federation.nodes: secure aggregation needs one client per node ({fed.num_clients}; SecAgg+ keys "
+                f"and state belong to a node), got {fed.nodes}"
+            )
+        if self.privacy.mode == "central":
+            raise ValueError(
+                'privacy.mode: "central" clips each update on the server, which secure aggregation hides; '
+                'use "local" (each client clips and noises before masking)'
+            )
         return self
 
     @model_validator(mode="after")

@@ -105,6 +105,7 @@ CROSS_METHOD_OPTIONS = {
     "train.gradient_checkpointing": lambda config: config.train.gradient_checkpointing,
     "device": lambda config: _accelerated(config.device),
     "privacy.mode": lambda config: config.privacy.mode != "none",
+    "federation.secure_aggregation": lambda config: config.federation.secure_aggregation,
 }
 
 

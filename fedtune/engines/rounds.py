@@ -32,6 +32,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,7 @@ import numpy as np
 from fedtune.errors import FedtuneError
 from fedtune.protocol.client import Client
 from fedtune.protocol.messages import Message
-from fedtune.protocol.strategy import Strategy
+from fedtune.protocol.strategy import SecureSum, Strategy
 from fedtune.protocol.validation import check_arrays, check_meta
 
 
@@ -98,11 +99,16 @@ class Delivery:
     sender: int | None = None  # the client id the reply claims
     round: int | None = None  # the round the reply claims
     error: str | None = None  # why there is no reply
+    masked: bool = False  # the reply's arrays crossed masked (secure aggregation): only its meta is checked here
 
 
 #: ``transport(kind, rnd, messages, attempt)`` delivers ``messages`` (client id -> Message) as
 #: ``kind`` ("train", "evaluate" or a Strategy phase name) and returns client id -> Delivery for every message, in the
 #: order of ``messages`` (aggregation sums in that order).
+#: A transport that masks the training replies (secure aggregation, :mod:`fedtune.engines.flower.secagg`)
+#: also has ``unmask(rnd, attempt, client_ids, sent) -> (SecureSum | None, {cid: Delivery})``: its
+#: training deliveries carry metadata only (``Delivery.masked``), and the round aggregates the sum of
+#: the valid ones' updates (:meth:`Strategy.aggregate_secure_fit`).
 Transport = Callable[[str, int, dict[int, Message], int], dict[int, Delivery]]
 
 
@@ -136,7 +142,7 @@ class RoundPolicy:
         if got.up > self.max_reply_bytes:
             return f"reply of {got.up} bytes exceeds federation.max_reply_bytes = {self.max_reply_bytes}"
         reason = check_meta(got.reply.meta, strategy.reply_meta_spec(kind, cid))
-        if reason is not None:
+        if reason is not None or got.masked:  # a masked update is checked as part of the sum
             return reason
         spec = strategy.reply_spec(rnd, cid, sent) if sent is not None else None
         if isinstance(spec, list):  # alternative forms (a client that may prune its rank, say)
@@ -288,6 +294,26 @@ def _aggregated(rnd: int, kind: str, aggregate: Callable[..., dict[str, float]],
         ) from exc
 
 
+def _unmasked(
+    unmask: Callable[..., tuple[SecureSum | None, dict[int, Delivery]]],
+    record: RoundRecord,
+    rnd: int,
+    attempt: int,
+    replies: dict[int, Message],
+    sent: dict[int, Message],
+) -> SecureSum | None:
+    """Secure aggregation's last exchange: the sum of the masked updates of ``replies`` (the
+    valid ones; every other client's masks are removed), or None when it cannot be rebuilt (the
+    round is retried). Its bytes and drops go to ``record``."""
+    total, deliveries = unmask(rnd, attempt, sorted(replies), sent)
+    for cid, got in deliveries.items():
+        record.client_bytes_down[cid] = record.client_bytes_down.get(cid, 0) + got.down
+        record.client_bytes_up[cid] = record.client_bytes_up.get(cid, 0) + got.up
+        if got.error is not None:
+            record.dropped[cid] = (f"attempt {attempt + 1}: " if attempt else "") + f"unmask: {got.error}"
+    return total
+
+
 def drive_rounds(
     strategy: Strategy,
     transport: Transport,
@@ -306,6 +332,7 @@ def drive_rounds(
     ``on_round`` sees each record as its round ends (the caller writes metrics and the
     checkpoint there); ``should_stop()`` is asked after each round (Ctrl-C)."""
     history = []
+    unmask = getattr(transport, "unmask", None)  # a transport that masks the training replies (SecAgg+)
     for rnd in range(start_round, rounds + 1):
         reason = strategy.halt_before(rnd)
         if reason is not None:
@@ -319,13 +346,22 @@ def drive_rounds(
             sent = strategy.configure_fit(rnd, clients)
             replies = _exchange(strategy, transport, policy, record, TRAIN, sent, rnd, attempt)
             if len(replies) >= policy.min_replies:
-                break
+                if unmask is None:
+                    break
+                total = _unmasked(unmask, record, rnd, attempt, replies, sent)
+                if total is not None and len(total.clients) >= policy.min_replies:
+                    replies = {cid: replies[cid] for cid in total.clients}
+                    break
         else:
             raise RoundFailed(
                 f"round {rnd}: fewer than federation.min_replies = {policy.min_replies} valid replies after "
                 f"{policy.max_retries + 1} attempts; drops: {record.dropped}"
             )
-        record.metrics.update(_aggregated(rnd, TRAIN, strategy.aggregate_fit, replies))
+        if unmask is None:
+            record.metrics.update(_aggregated(rnd, TRAIN, strategy.aggregate_fit, replies))
+        else:
+            secure = partial(strategy.aggregate_secure_fit, total=total)
+            record.metrics.update(_aggregated(rnd, TRAIN, secure, replies))
         for phase in strategy.phases(rnd):  # further exchanges, with the clients still answering
             sent = strategy.configure_phase(phase, rnd, sorted(replies))
             replies = _exchange(strategy, transport, policy, record, phase, sent, rnd, 0)

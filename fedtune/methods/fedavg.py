@@ -18,7 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from fedtune.methods.base.averaging import WEIGHTED_SUM_OPTIONS, BroadcastAverage, UpdateClient, Weighting
+from fedtune.methods.base.averaging import (
+    SECURE_AGGREGATION,
+    WEIGHTED_SUM_OPTIONS,
+    BroadcastAverage,
+    UpdateClient,
+    Weighting,
+)
 from fedtune.methods.base.full_model import ModelStateStrategy, load_tensors, tensor_arrays
 from fedtune.methods.base.privacy import PRIVACY_OPTIONS
 from fedtune.models.training import train_local
@@ -58,4 +64,10 @@ class FedAvgClient(UpdateClient):
         return self.upload({k: trained[k] - message.arrays[k] for k in trained}, result, rnd=message.meta["round"])
 
 
-register("fedavg", FedAvgStrategy, FedAvgClient, FedAvgOptions, supports=(*WEIGHTED_SUM_OPTIONS, *PRIVACY_OPTIONS))
+register(
+    "fedavg",
+    FedAvgStrategy,
+    FedAvgClient,
+    FedAvgOptions,
+    supports=(*WEIGHTED_SUM_OPTIONS, *PRIVACY_OPTIONS, *SECURE_AGGREGATION),
+)

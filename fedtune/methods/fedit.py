@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from fedtune.methods.base.averaging import WEIGHTED_SUM_OPTIONS, BroadcastAverage, Weighting
+from fedtune.methods.base.averaging import SECURE_AGGREGATION, WEIGHTED_SUM_OPTIONS, BroadcastAverage, Weighting
 from fedtune.methods.base.lora import LORA, SCALE_OPTIONS, SERVER_DEVIATIONS, GlobalAdapterStrategy, LoraClient
 from fedtune.methods.base.privacy import PRIVACY_OPTIONS
 from fedtune.protocol.messages import Message
@@ -53,5 +53,5 @@ register(
     FedITClient,
     FedITOptions,
     requires=LORA,
-    supports=(*WEIGHTED_SUM_OPTIONS, *SCALE_OPTIONS, *PRIVACY_OPTIONS),
+    supports=(*WEIGHTED_SUM_OPTIONS, *SCALE_OPTIONS, *PRIVACY_OPTIONS, *SECURE_AGGREGATION),
 )

@@ -15,6 +15,7 @@ The engines (in-process simulation, Flower) call, each round::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,25 @@ import numpy as np
 
 from fedtune.protocol.messages import Message
 from fedtune.protocol.validation import COMMON_META, ArraySpec, MetaField
+
+#: Meta of a training request under secure aggregation: the weight a client masks its update with
+#: ("examples": its ``num_examples``; "uniform": 1) and the largest weight of the round's clients.
+SECURE_WEIGHT, SECURE_MAX_WEIGHT = "secure_weight", "secure_max_weight"
+
+
+@dataclass
+class SecureSum:
+    """What secure aggregation (SecAgg+, Bonawitz et al. CCS 2017; Bell et al. CCS 2020) gives
+    the server instead of the replies' arrays: ``arrays`` = sum_i w_i Delta_i over ``clients``
+    (dequantized, float64), ``weight`` = sum_i w_i, each client's weight w_i its own
+    ``num_examples`` or 1 (what the strategy asked for in ``configure_fit``) rounded to a multiple
+    of W/T (W the round's largest weight, T the quantization range), and ``error``, the largest
+    possible deviation of a coordinate of ``arrays`` from the exact sum (quantization)."""
+
+    arrays: dict[str, np.ndarray]
+    weight: float
+    clients: list[int]
+    error: float = 0.0
 
 
 class Strategy(ABC):
@@ -45,6 +65,12 @@ class Strategy(ABC):
     @abstractmethod
     def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
         """Fold the clients' replies into the global state; return round metrics."""
+
+    def aggregate_secure_fit(self, rnd: int, replies: dict[int, Message], total: SecureSum) -> dict[str, float]:
+        """:meth:`aggregate_fit` under ``federation.secure_aggregation``: ``replies`` hold the
+        clients' metadata only (their arrays crossed masked), ``total`` their sum. Only a method
+        that declares the option (``register(..., supports=...)``) is ever asked."""
+        raise RuntimeError(f"{type(self).__name__} has no secure-aggregation form (it needs each update)")
 
     def phases(self, rnd: int) -> tuple[str, ...]:
         """Further exchanges of round ``rnd`` after the training one, in order (default none).

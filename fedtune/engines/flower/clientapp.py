@@ -3,17 +3,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from flwr.app import ConfigRecord, Context, RecordDict
+import numpy as np
+from flwr.app import ConfigRecord, Context, MetricRecord, RecordDict
 from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
 from fedtune.config import RunConfig
 from fedtune.engines.flower.codec import (
+    ARRAYS,
     AS_WEIGHTS,
     ATTEMPT,
     BUNDLE,
@@ -21,6 +25,7 @@ from fedtune.engines.flower.codec import (
     CLIENTS,
     CLIPPING_NORM,
     COMPUTE_S,
+    META,
     NODE_CLIENTS,
     NODE_THREADS,
     NODE_WORKER,
@@ -40,6 +45,7 @@ from fedtune.engines.flower.codec import (
 from fedtune.engines.flower.runconfig import config_from_run_config
 from fedtune.engines.flower.worker import call_worker, serve_request
 from fedtune.protocol.messages import Message
+from fedtune.protocol.strategy import SECURE_WEIGHT
 
 
 # -- client side ---------------------------------------------------------------------------------
@@ -86,6 +92,8 @@ def handle_client_message(config: RunConfig | None, message: FlowerMessage, cont
         reply, extra = _serve_one(config, kind, message.content, "", clients, context)
         times = dict(zip(TIMES, (_process_start(), entered, time.time())))
         content, _ = pack(reply, int(message.content[RECORD][CID]), **extra, **times)
+        if RECORD_KEY_CONFIGS in message.content.config_records:  # SecAgg+: the mod masks it
+            _as_fit_res(content, json.loads(message.content[RECORD][META]), reply)
         return FlowerMessage(content, reply_to=message)
     cids = [int(c) for c in message.content[BUNDLE][CLIENTS]]
     content, errors = RecordDict(), {}
@@ -126,6 +134,43 @@ def _serve_one(
     return reply, {COMPUTE_S: seconds, ROUND: rnd}
 
 
+def _as_fit_res(content: RecordDict, request_meta: dict, reply: Message) -> None:
+    """Add to ``content`` the legacy FitRes records Flower's ``secaggplus_mod`` reads: the
+    update's ArrayRecord (the mod then clears every ArrayRecord: the arrays cross masked) and,
+    as ``num_examples``, the weight the strategy asked for (``secure_weight``: the client's
+    ``num_examples``, or 1)."""
+    weight = int(reply.meta["num_examples"]) if request_meta.get(SECURE_WEIGHT) == "examples" else 1
+    content["fitres.parameters"] = content[ARRAYS]
+    content["fitres.num_examples"] = MetricRecord({"num_examples": weight})
+    content["fitres.metrics"] = ConfigRecord({})
+    content["fitres.status"] = ConfigRecord({"code": 0, "message": "Success"})
+
+
+def only_when_secure(mod: Callable, config: RunConfig | None = None) -> Callable:
+    """Flower ``mod`` (``secaggplus_mod``) applied only to requests that carry SecAgg+'s config
+    record, with numpy's global generator (the mod's stochastic rounding draws from it) seeded
+    from (run seed, round, client, attempt) and restored afterwards, so a run is reproducible;
+    every other message passes untouched."""
+
+    def wrapped(message: FlowerMessage, context: Context, call_next: Callable) -> FlowerMessage:
+        if not message.has_content() or RECORD_KEY_CONFIGS not in message.content.config_records:
+            return call_next(message, context)
+        envelope = message.content.config_records.get(RECORD)
+        if envelope is not None and int(envelope[CID]) not in node_clients(context):
+            raise RuntimeError(f"SecAgg+ message for client {envelope[CID]} reached a node that does not play it")
+        run = config if config is not None else config_from_run_config(context.run_config)
+        words = [run.seed, *(int(envelope.get(k, 0)) for k in (ROUND, CID, ATTEMPT))] if envelope else [run.seed]
+        saved = np.random.get_state()
+        np.random.seed(np.random.SeedSequence([*words, 0x5EC]).generate_state(1)[0])
+        try:
+            return mod(message, context, call_next)
+        finally:
+            np.random.set_state(saved)
+
+    wrapped.__name__ = f"only_when_secure({getattr(mod, '__name__', mod)})"
+    return wrapped
+
+
 def only_when_clipping(mod: Callable) -> Callable:
     """Flower ``mod`` (``fixedclipping_mod``) applied only to requests whose ConfigRecord carries
     ``clipping_norm``; every other message passes untouched (the mod would reject them)."""
@@ -143,8 +188,11 @@ def only_when_clipping(mod: Callable) -> Callable:
 def make_client_app(config: RunConfig | None = None, mods: Iterable[Callable] = ()) -> ClientApp:
     """A ClientApp playing the clients of its node (``fedtune-clients`` or ``partition-id``) for
     ``config`` (default: the config from Flower's run config, :func:`config_from_run_config`),
-    with Flower ``mods`` around it."""
-    app = ClientApp(mods=list(mods))
+    with Flower ``mods`` around it, inside Flower's ``secaggplus_mod`` for the requests of secure
+    aggregation (:func:`only_when_secure`; :mod:`.secagg`)."""
+    from flwr.client.mod import secaggplus_mod
+
+    app = ClientApp(mods=[only_when_secure(secaggplus_mod, config), *mods])
 
     # The handlers only delegate to a module-level function: Ray pickles these closures by value
     # per call, but `handle_client_message` by reference, so `_CONTEXTS` persists in the actor.

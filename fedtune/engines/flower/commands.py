@@ -172,8 +172,10 @@ def write_app(folder: Path) -> Path:
 
 def default_nodes(config: Any) -> int:
     """SuperNodes of a loopback deployment: ``federation.nodes``, else min(clients sampled per
-    round, cores)."""
+    round, cores); one per client under ``federation.secure_aggregation``."""
     fed = config.federation
+    if getattr(fed, "secure_aggregation", False):  # SecAgg+ keys and state are a node's
+        return fed.num_clients
     nodes = getattr(fed, "nodes", None) or min(fed.sample_size(), os.cpu_count() or 1)
     return max(1, min(nodes, fed.num_clients))
 

@@ -45,9 +45,15 @@ class FlowerEngine(Engine):
             timing = resolve_run(self.config).run_dir / TIMING_FILE
             if not self.resume:
                 timing.unlink(missing_ok=True)
-            self._transport = GridTransport(
-                self.grid, node_of, fed.round_timeout_s or self.timeout, self.request_config, timing
-            )
+            wait = fed.round_timeout_s or self.timeout
+            if fed.secure_aggregation:  # SecAgg+: the server sees only the sum of the updates
+                from fedtune.engines.flower.secagg import SecAggPlusTransport
+
+                self._transport = SecAggPlusTransport(
+                    self.grid, node_of, fed, self.config.seed, wait, self.request_config
+                )
+            else:
+                self._transport = GridTransport(self.grid, node_of, wait, self.request_config, timing)
         return self._transport
 
 

@@ -20,7 +20,7 @@ from fedtune.methods.base.server_optimizer import ServerOptimizer
 from fedtune.models.training import FitResult, seed_for
 from fedtune.protocol.client import Client
 from fedtune.protocol.messages import Message
-from fedtune.protocol.strategy import Strategy
+from fedtune.protocol.strategy import SECURE_MAX_WEIGHT, SECURE_WEIGHT, SecureSum, Strategy
 from fedtune.protocol.validation import ArraySpec, spec_like
 
 Weighting = Literal["examples", "uniform"]
@@ -29,6 +29,8 @@ Weighting = Literal["examples", "uniform"]
 SERVER_STEP_AND_UPLOAD_CODEC = ("federation.server_optimizer", "federation.upload_topk", "federation.wire_dtype")
 #: ... and when its server also combines the updates with :func:`~fedtune.methods.base.robust.aggregate_updates`.
 WEIGHTED_SUM_OPTIONS = (*SERVER_STEP_AND_UPLOAD_CODEC, *ROBUST_AGGREGATION)
+#: ... and when its round is :class:`BroadcastAverage`'s, whose weighted sum SecAgg+ can compute.
+SECURE_AGGREGATION = ("federation.secure_aggregation",)
 
 
 def encode_update(
@@ -178,9 +180,21 @@ class BroadcastAverage(PrivateAverage, Strategy):
         return {"round": rnd}
 
     def configure_fit(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
-        message = Message(self.global_arrays, self.fit_meta(rnd))
+        meta = self.fit_meta(rnd)
+        if self.config.federation.secure_aggregation:
+            meta.update(self.secure_weights(client_ids))
+        message = Message(self.global_arrays, meta)
         self.count_sample(rnd, client_ids)
         return {cid: message for cid in client_ids}
+
+    def secure_weights(self, client_ids: list[int]) -> dict:
+        """How the clients weigh the updates they mask (SecAgg+ sums w_i Delta_i and w_i): by their
+        data sizes (FedAvg's p_i, at most each one's partition size), or 1 under
+        ``options.weighting = "uniform"`` and DP-FedAvg's uniform weights."""
+        if self.privacy is None and self.options.weighting == "examples":
+            bound = max(self.context.example_bound("train", cid) for cid in client_ids)
+            return {SECURE_WEIGHT: "examples", SECURE_MAX_WEIGHT: float(bound)}
+        return {SECURE_WEIGHT: "uniform", SECURE_MAX_WEIGHT: 1.0}
 
     def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec]:
         return update_of(sent)
@@ -195,3 +209,19 @@ class BroadcastAverage(PrivateAverage, Strategy):
         combined = aggregate_updates(updates, client_weights(replies, self.options.weighting), self.config.federation)
         self.global_arrays = self.server_opt.step(self.global_arrays, combined)
         return mean_train_loss(replies)
+
+    def aggregate_secure_fit(self, rnd: int, replies: dict[int, Message], total: SecureSum) -> dict[str, float]:
+        """The same round from the sum alone (secure aggregation): theta + sum_i w_i Delta_i /
+        sum_i w_i, or, under local DP, the noised uploads' sum over the fixed m (DP-FedAvg);
+        ``total``'s names and shapes must be the global arrays'."""
+        if total.arrays.keys() != self.global_arrays.keys() or any(
+            np.shape(v) != np.shape(self.global_arrays[k]) for k, v in total.arrays.items()
+        ):
+            raise ValueError("the secure sum's arrays are not the global arrays' names and shapes")
+        denominator = self.privacy.m if self.privacy is not None else total.weight
+        if not denominator > 0:
+            raise ValueError(f"the secure sum's total weight is {denominator}")
+        combined = {k: (v / denominator).astype(self.global_arrays[k].dtype) for k, v in total.arrays.items()}
+        self.global_arrays = self.server_opt.step(self.global_arrays, combined)
+        extra = {"epsilon": self.spent()} if self.privacy is not None else {}
+        return {**mean_train_loss(replies), **extra}

@@ -1,0 +1,329 @@
+"""Secure aggregation on Flower: the server side of SecAgg+ (Bell, Bonawitz, Gascon, Lepoint,
+Raykova, "Secure Single-Server Aggregation with (Poly)Logarithmic Overhead", CCS 2020; SecAgg:
+Bonawitz et al., CCS 2017) for Flower's own client mod ``flwr.clientapp.mod.secaggplus_mod``
+(``federation.secure_aggregation``).
+
+Why not Flower's ``SecAggPlusWorkflow``: it drives a legacy ``Strategy`` through a
+``LegacyContext`` (``configure_fit`` with client proxies, ``aggregate_fit`` with ``FitRes``),
+divides by the total weight itself and waits 3 s between pulls. This transport speaks the same
+messages to the same mod (its stages, keys and arithmetic are Flower's: ``Key``, ``Stage``,
+``combine_shares``, ``pseudo_rand_gen``, ``dequantize``), inside fedtune's round loop, and hands
+the strategy the *sum* and the total weight (:class:`~fedtune.protocol.strategy.SecureSum`); the
+strategy divides.
+
+A training exchange of m sampled clients (one client per Flower node: the mod's keys and state are
+a node's) is four exchanges, all of message type "train":
+
+0. setup: the protocol's parameters; each client answers two public keys;
+1. share keys: each client gets its neighbours' public keys (a ring of ``secagg_num_shares``,
+   seeded by (seed, round, attempt)) and answers Shamir shares of its mask seed b_i and of its
+   secret key, encrypted for each neighbour;
+2. collect: the fedtune request (the global arrays) plus the forwarded shares; the ClientApp
+   trains and replies as always, and the mod replaces the reply's arrays by the masked vector
+   [q(w_i), q(w_i/W Delta_i) + PRG(b_i) +- sum_j PRG(s_ij)] mod M (W: the round's largest
+   weight, q: stochastic quantization of [-c, c] to 0..T). The round loop validates each reply's
+   metadata (sender, round, ``num_examples``, ...) here; the arrays it cannot see;
+3. unmask (:meth:`SecAggPlusTransport.unmask`, after validation): the clients whose replies were
+   valid send shares of b_i of each summed neighbour and of the secret key of each neighbour that
+   shared keys but is not summed (it dropped, or its reply was rejected); the server rebuilds
+   those, removes every mask and dequantizes: sum_i w_i Delta_i and sum_i w_i.
+
+Quantization error: stochastic rounding moves each client's coordinate by less than one step
+2c/T, so each coordinate of the sum sum_i w_i Delta_i is within k (2c/T) W of the exact one (k
+summed clients; ``SecureSum.error``), provided |w_i/W Delta_i| <= c (larger values are clipped
+to c by the mod). m T must stay below M (checked by the config).
+
+Bytes: the accounted bytes of a client are its fedtune messages' ``Message.nbytes`` (the request's
+arrays down; the reply's metadata up: its arrays do not cross) plus the SecAgg+ payload both ways
+(:func:`secagg_nbytes`: keys, encrypted shares, masked vectors as ``np.save`` bytes, node-id
+lists), which is what crosses; Flower's framing is not counted, as everywhere.
+
+What the server learns: the sum, the total weight, each client's metadata (``num_examples``,
+``train_loss``, ``steps``). A client's masked weight is its own claim: the server cannot check a
+single update or weight (that is the point), only the sum's shapes and finiteness.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from flwr.app import ConfigRecord, RecordDict
+from flwr.app import Message as FlowerMessage
+from flwr.common import bytes_to_ndarray
+from flwr.common.secure_aggregation.crypto.shamir import combine_shares
+from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
+from flwr.common.secure_aggregation.quantization import dequantize
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
+from flwr.serverapp import Grid
+from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
+
+from fedtune.config import ConfigError
+from fedtune.engines.flower.codec import ATTEMPT, CID, RECORD, ROUND, format_clients, pack, to_array_record
+from fedtune.engines.flower.transport import GridTransport, exchange
+from fedtune.engines.rounds import TRAIN, Delivery
+from fedtune.protocol.messages import Message
+from fedtune.protocol.strategy import SECURE_MAX_WEIGHT, SecureSum
+
+
+def secagg_nbytes(record: Mapping[str, Any]) -> int:
+    """Bytes of a SecAgg+ ConfigRecord's payload: bytes and strings by length, numbers 8 each,
+    lists summed."""
+
+    def size(value: Any) -> int:
+        if isinstance(value, (bytes, str)):
+            return len(value)
+        if isinstance(value, list):
+            return sum(size(v) for v in value)
+        return 8
+
+    return sum(size(v) for v in record.values())
+
+
+@dataclass
+class _Round:
+    """One training exchange's protocol state, kept for its unmask stage."""
+
+    rnd: int
+    attempt: int
+    cid_of: dict[int, int]  # node id -> client id
+    neighbours: dict[int, set[int]]  # node id -> its neighbours' node ids (itself included)
+    public_keys: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
+    keyed: set[int] = field(default_factory=set)  # nodes whose shares went out (stage 1 done)
+    masked: dict[int, list[np.ndarray]] = field(default_factory=dict)  # node id -> masked vector
+    max_weight: float = 1.0
+
+
+class SecAggPlusTransport(GridTransport):
+    """:class:`GridTransport` whose training exchange runs SecAgg+ (see the module docstring);
+    every other exchange (evaluation) is :class:`GridTransport`'s."""
+
+    def __init__(
+        self,
+        grid: Grid,
+        node_of: dict[int, int],
+        fed: Any,
+        seed: int,
+        timeout: float | None = None,
+        request_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(grid, node_of, timeout, request_config, None, bundle=False)
+        shared = sorted(n for n, count in Counter(node_of.values()).items() if count > 1)
+        if shared:
+            clients = format_clients(c for c, n in node_of.items() if n == shared[0])
+            raise ConfigError(
+                f"federation.secure_aggregation: Flower node {shared[0]} plays clients {clients}; SecAgg+ needs "
+                "one client per node (its keys and state are a node's)"
+            )
+        self.fed, self.seed = fed, seed
+        self.clip, self.T, self.M = (
+            float(fed.secagg_clipping_range),
+            fed.secagg_quantization_range,
+            fed.secagg_modulus_range,
+        )
+        self._round: _Round | None = None
+
+    def _send(self, stage_of: dict[int, RecordDict], rnd: int) -> dict[int, FlowerMessage]:
+        """Push one content per node (as "train") and pull the replies: node id -> reply."""
+        out = [
+            FlowerMessage(c, dst_node_id=nid, message_type="train", group_id=str(rnd)) for nid, c in stage_of.items()
+        ]
+        ids, replies = exchange(self.grid, out, self.timeout)
+        node_of_id = dict(zip(ids, stage_of))
+        return {
+            node_of_id[r.metadata.reply_to_message_id]: r
+            for r in replies
+            if r.metadata.reply_to_message_id in node_of_id
+        }
+
+    def _stage(self, state: _Round, configs: dict[int, dict], bytes_down: dict[int, int]) -> dict[int, FlowerMessage]:
+        """Send each node its SecAgg+ config (plus fedtune's envelope naming its client); the
+        replies without an error (node id -> reply)."""
+        contents = {}
+        for nid, config in configs.items():
+            bytes_down[nid] += secagg_nbytes(config)
+            envelope = ConfigRecord({CID: state.cid_of[nid], ROUND: state.rnd, ATTEMPT: state.attempt})
+            contents[nid] = RecordDict({RECORD_KEY_CONFIGS: ConfigRecord(dict(config)), RECORD: envelope})
+        return self._send(contents, state.rnd)
+
+    def __call__(self, kind: str, rnd: int, messages: dict[int, Message], attempt: int = 0) -> dict[int, Delivery]:
+        if kind != TRAIN or not messages:
+            return super().__call__(kind, rnd, messages, attempt)
+        order = [self.node_of[cid] for cid in messages]
+        cid_of = {self.node_of[cid]: cid for cid in messages}
+        m = len(order)
+        ring = [order[i] for i in np.random.default_rng([self.seed, rnd, attempt, 0x5EC]).permutation(m)]
+        half = self.fed.secagg_shares() >> 1
+        neighbours = {nid: {ring[(i + o) % m] for o in range(-half, half + 1)} for i, nid in enumerate(ring)}
+        shares = max(len(v) for v in neighbours.values())
+        threshold = self.fed.secagg_reconstruction_threshold()
+        state = _Round(rnd, attempt, cid_of, neighbours, max_weight=_max_weight(messages))
+        self._round = state
+        down, up = dict.fromkeys(order, 0), dict.fromkeys(order, 0)
+        errors: dict[int, str] = {}
+
+        def answered(replies: dict[int, FlowerMessage], stage: str, expected: set[int]) -> dict[int, FlowerMessage]:
+            ok = {}
+            for nid in expected:
+                reply = replies.get(nid)
+                if reply is None:
+                    errors.setdefault(nid, f"{stage}: no reply within {self.timeout} s")
+                elif reply.has_error():
+                    errors.setdefault(nid, f"{stage}: client error: {reply.error.reason}")
+                elif RECORD_KEY_CONFIGS not in reply.content.config_records:
+                    errors.setdefault(nid, f"{stage}: no {RECORD_KEY_CONFIGS!r} record in the reply")
+                else:
+                    up[nid] += secagg_nbytes(reply.content.config_records[RECORD_KEY_CONFIGS])
+                    ok[nid] = reply
+            return ok
+
+        # 0. setup -> public keys
+        setup = {
+            Key.STAGE: Stage.SETUP,
+            Key.SAMPLE_NUMBER: m,
+            Key.SHARE_NUMBER: shares,
+            Key.THRESHOLD: threshold,
+            Key.CLIPPING_RANGE: self.clip,
+            Key.TARGET_RANGE: self.T,
+            Key.MOD_RANGE: self.M,
+            Key.MAX_WEIGHT: state.max_weight,
+        }
+        for nid, reply in answered(self._stage(state, dict.fromkeys(order, setup), down), "setup", set(order)).items():
+            keys = reply.content.config_records[RECORD_KEY_CONFIGS]
+            state.public_keys[nid] = (bytes(keys[Key.PUBLIC_KEY_1]), bytes(keys[Key.PUBLIC_KEY_2]))
+        active = set(state.public_keys)
+
+        # 1. share keys -> encrypted shares, forwarded in stage 2
+        configs = {}
+        for nid in active:
+            config = {str(n): list(state.public_keys[n]) for n in neighbours[nid] & active}
+            configs[nid] = {**config, Key.STAGE: Stage.SHARE_KEYS}
+        forward: dict[int, tuple[list[int], list[bytes]]] = {nid: ([], []) for nid in active}
+        for nid, reply in answered(self._stage(state, configs, down), "share keys", active).items():
+            record = reply.content.config_records[RECORD_KEY_CONFIGS]
+            state.keyed.add(nid)
+            for dst, ciphertext in zip(record[Key.DESTINATION_LIST], record[Key.CIPHERTEXT_LIST], strict=True):
+                if dst in forward:
+                    forward[dst][0].append(nid)
+                    forward[dst][1].append(ciphertext)
+
+        # 2. collect: the fedtune request plus the forwarded shares -> the masked vector and the reply's meta
+        contents, requests = {}, {}
+        for nid in state.keyed:
+            cid = cid_of[nid]
+            srcs = [s for s in forward[nid][0] if s in state.keyed]
+            ctxts = [c for s, c in zip(*forward[nid], strict=True) if s in state.keyed]
+            config = {Key.STAGE: Stage.COLLECT_MASKED_VECTORS, Key.CIPHERTEXT_LIST: ctxts, Key.SOURCE_LIST: srcs}
+            content, nbytes = pack(
+                messages[cid], cid, to_array_record(messages[cid].arrays), **{ROUND: rnd, ATTEMPT: attempt}
+            )
+            content[RECORD_KEY_CONFIGS] = ConfigRecord(config)
+            contents[nid], requests[nid] = content, nbytes
+            down[nid] += nbytes + secagg_nbytes(config)
+        shapes = [(1,), *(np.shape(a) for a in next(iter(messages.values())).arrays.values())]
+        deliveries: dict[int, Delivery] = {}
+        for nid, reply in answered(self._send(contents, rnd), "collect", set(contents)).items():
+            cid = cid_of[nid]
+            got = self._delivery(reply, cid, "", messages[cid], 0, {})
+            if got.reply is not None:
+                vector = [
+                    bytes_to_ndarray(b) for b in reply.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS]
+                ]
+                if [np.shape(v) for v in vector] != shapes:
+                    got = Delivery(None, 0, error="masked vector of other shapes than the request's arrays")
+                else:
+                    state.masked[nid] = vector
+                    got.masked = True
+            deliveries[cid] = got
+        out = {}
+        for cid in messages:
+            nid = self.node_of[cid]
+            got = deliveries.get(cid) or Delivery(None, 0, error=errors.get(nid, "no reply"))
+            got.down, got.up = down[nid], up[nid] + got.up
+            out[cid] = got
+        return out
+
+    def unmask(
+        self, rnd: int, attempt: int, client_ids: list[int], sent: dict[int, Message]
+    ) -> tuple[SecureSum | None, dict[int, Delivery]]:
+        """Stage 3: the sum of the masked updates of ``client_ids`` (the valid replies of this
+        round's training exchange), every other mask removed; None when a secret cannot be rebuilt
+        (fewer than ``secagg_threshold`` shares)."""
+        state = self._round
+        if state is None or (state.rnd, state.attempt) != (rnd, attempt):
+            raise RuntimeError(f"unmask of round {rnd} (attempt {attempt}) without its training exchange")
+        summed = {self.node_of[cid] for cid in client_ids if self.node_of[cid] in state.masked}
+        dead = state.keyed - summed  # their pairwise masks are in the summed vectors: rebuilt from their key
+        down, up = dict.fromkeys(summed, 0), dict.fromkeys(summed, 0)
+        configs = {
+            nid: {
+                Key.STAGE: Stage.UNMASK,
+                Key.ACTIVE_NODE_ID_LIST: sorted(state.neighbours[nid] & summed),
+                Key.DEAD_NODE_ID_LIST: sorted(state.neighbours[nid] & dead),
+            }
+            for nid in summed
+        }
+        replies = self._stage(state, configs, down)
+        collected: dict[int, list[bytes]] = {nid: [] for nid in summed | dead}
+        deliveries = {}
+        for nid in summed:
+            reply = replies.get(nid)
+            error = None
+            if reply is None or reply.has_error() or RECORD_KEY_CONFIGS not in reply.content.config_records:
+                error = "no reply" if reply is None else (reply.error.reason if reply.has_error() else "no shares")
+            else:
+                record = reply.content.config_records[RECORD_KEY_CONFIGS]
+                up[nid] += secagg_nbytes(record)
+                for owner, share in zip(record[Key.NODE_ID_LIST], record[Key.SHARE_LIST], strict=True):
+                    if owner in collected and owner in state.neighbours[nid]:
+                        collected[owner].append(share)
+            deliveries[state.cid_of[nid]] = Delivery(None, down[nid], up[nid], error=error)
+        self._round = None
+        threshold = self.fed.secagg_reconstruction_threshold()
+        if not summed or any(len(shares) < threshold for shares in collected.values()):
+            short = sorted(state.cid_of[n] for n, shares in collected.items() if len(shares) < threshold)
+            for got in deliveries.values():
+                got.error = got.error or f"secure aggregation: fewer than {threshold} shares for clients {short}"
+            return None, deliveries
+        shapes = [np.shape(v) for v in next(iter(state.masked.values()))]
+        vector = [sum(state.masked[n][i].astype(np.int64) for n in summed) for i in range(len(shapes))]
+        for nid, shares in collected.items():
+            secret = combine_shares(shares)
+            if nid in summed:  # its own mask b_i
+                vector = [v - p for v, p in zip(vector, pseudo_rand_gen(secret, self.M, shapes), strict=True)]
+                continue
+            for other in state.neighbours[nid] & summed:  # the pairwise masks it shared with summed clients
+                key = generate_shared_key(
+                    bytes_to_private_key(secret), bytes_to_public_key(state.public_keys[other][0])
+                )
+                mask = pseudo_rand_gen(key, self.M, shapes)
+                sign = 1 if nid > other else -1  # the summed client subtracted (nid > other) or added it
+                vector = [v + sign * p for v, p in zip(vector, mask, strict=True)]
+        vector = [np.asarray(v) & (self.M - 1) for v in vector]
+        factor, rest = int(vector[0].reshape(-1)[0]), vector[1:]
+        k = len(summed)
+        values = [d - (k - 1) * self.clip for d in dequantize(rest, self.clip, self.T)]  # sum_i (w_i / W) Delta_i
+        names = list(sent[client_ids[0]].arrays)
+        total = SecureSum(
+            arrays={name: v * state.max_weight for name, v in zip(names, values, strict=True)},
+            weight=factor / self.T * state.max_weight,
+            clients=sorted(state.cid_of[n] for n in summed),
+            error=k * 2 * self.clip / self.T * state.max_weight,
+        )
+        return total, deliveries
+
+
+def _max_weight(messages: dict[int, Message]) -> float:
+    """The round's largest client weight W, from the strategy's requests (``secure_max_weight``)."""
+    weights = {float(m.meta.get(SECURE_MAX_WEIGHT, 0)) for m in messages.values()}
+    specs = {tuple((k, np.shape(v)) for k, v in m.arrays.items()) for m in messages.values()}
+    if len(weights) != 1 or not next(iter(weights)) > 0 or len(specs) != 1:
+        raise ValueError(
+            "secure aggregation needs one request for every client with a positive secure_max_weight "
+            "(a weighted-sum method's broadcast)"
+        )
+    return weights.pop()
