@@ -128,6 +128,38 @@ def test_a_client_lost_after_sharing_its_keys_has_its_masks_removed(tmp_path, se
     assert "out of memory on purpose" in lines[1]["dropped"]["1"]
 
 
+@pytest.mark.parametrize(
+    ("stage", "corrupt", "reason"),
+    [
+        ("setup", {"pk1": 7}, "setup: malformed reply (TypeError"),
+        ("collect_masked_vectors", {"masked_params": [b"junk"]}, "collect: malformed reply (ValueError"),
+    ],
+)
+@pytest.mark.usefixtures("task_identity")
+def test_a_malformed_secagg_reply_is_that_clients_drop(tmp_path, seen, stage, corrupt, reason):
+    """Client 2's SecAgg+ reply is malformed (a public key that is no bytes; a masked vector that
+    is no array): client 2 is dropped with the reason, never a crash, and the sum is exactly that
+    of clients 0 and 1 (after its keys were shared, its masks are rebuilt and removed)."""
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+    config = _config(tmp_path, *SECURE, "rounds=1", 'engine="flower-sim"')
+    app = make_client_app(config)
+
+    def hostile(message, context):
+        record = message.content.config_records.get(RECORD_KEY_CONFIGS)
+        at = record.get("stage") if record is not None else None
+        reply = app(message, context)
+        if at == stage and context.node_config["partition-id"] == 2:
+            reply.content.config_records[RECORD_KEY_CONFIGS].update(corrupt)
+        return reply
+
+    summary = serve(LoopbackGrid(hostile, 3), config, timeout=60)
+    _assert_exact_sums(seen, config)
+    assert [t.clients for _, _, t in seen["sums"]] == [[0, 1]]
+    (line,) = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert line["dropped"]["2"].startswith(reason)
+
+
 @pytest.mark.usefixtures("task_identity", "client_1_fails_in_round_2")
 def test_local_dp_with_secure_aggregation_divides_the_noised_sum_by_m(tmp_path, seen):
     """privacy.mode = "local" + SecAgg+: each client clips and noises, masks with weight 1; the

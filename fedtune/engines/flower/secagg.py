@@ -46,7 +46,7 @@ single update or weight (that is the point), only the sum's shapes and finitenes
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +68,10 @@ from fedtune.engines.flower.transport import GridTransport, exchange
 from fedtune.engines.rounds import TRAIN, Delivery
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import SECURE_MAX_WEIGHT, SecureSum
+
+#: What a malformed SecAgg+ reply raises while it is read (a missing key, a wrong type, bytes that
+#: are no array or share): that client's drop, never the run's crash.
+MALFORMED = (KeyError, TypeError, ValueError, IndexError, OSError, EOFError)
 
 
 def secagg_nbytes(record: Mapping[str, Any]) -> int:
@@ -166,9 +170,10 @@ class SecAggPlusTransport(GridTransport):
         down, up = dict.fromkeys(order, 0), dict.fromkeys(order, 0)
         errors: dict[int, str] = {}
 
-        def answered(replies: dict[int, FlowerMessage], stage: str, expected: set[int]) -> dict[int, FlowerMessage]:
-            ok = {}
-            for nid in expected:
+        def answered(replies: dict[int, FlowerMessage], stage: str, expected: set[int], parse: Callable) -> None:
+            """``parse(nid, reply, record)`` for each expected node's reply; a missing, failed or
+            malformed one (untrusted: anything ``parse`` rejects) is that client's drop."""
+            for nid in sorted(expected):
                 reply = replies.get(nid)
                 if reply is None:
                     errors.setdefault(nid, f"{stage}: no reply within {self.timeout} s")
@@ -177,9 +182,12 @@ class SecAggPlusTransport(GridTransport):
                 elif RECORD_KEY_CONFIGS not in reply.content.config_records:
                     errors.setdefault(nid, f"{stage}: no {RECORD_KEY_CONFIGS!r} record in the reply")
                 else:
-                    up[nid] += secagg_nbytes(reply.content.config_records[RECORD_KEY_CONFIGS])
-                    ok[nid] = reply
-            return ok
+                    record = reply.content.config_records[RECORD_KEY_CONFIGS]
+                    up[nid] += secagg_nbytes(record)
+                    try:
+                        parse(nid, reply, record)
+                    except MALFORMED as exc:
+                        errors.setdefault(nid, f"{stage}: malformed reply ({type(exc).__name__}: {exc})")
 
         # 0. setup -> public keys
         setup = {
@@ -192,9 +200,11 @@ class SecAggPlusTransport(GridTransport):
             Key.MOD_RANGE: self.M,
             Key.MAX_WEIGHT: state.max_weight,
         }
-        for nid, reply in answered(self._stage(state, dict.fromkeys(order, setup), down), "setup", set(order)).items():
-            keys = reply.content.config_records[RECORD_KEY_CONFIGS]
-            state.public_keys[nid] = (bytes(keys[Key.PUBLIC_KEY_1]), bytes(keys[Key.PUBLIC_KEY_2]))
+
+        def public_keys(nid: int, reply: FlowerMessage, record: ConfigRecord) -> None:
+            state.public_keys[nid] = tuple(_byte_strings([record[Key.PUBLIC_KEY_1], record[Key.PUBLIC_KEY_2]]))
+
+        answered(self._stage(state, dict.fromkeys(order, setup), down), "setup", set(order), public_keys)
         active = set(state.public_keys)
 
         # 1. share keys -> encrypted shares, forwarded in stage 2
@@ -203,16 +213,21 @@ class SecAggPlusTransport(GridTransport):
             config = {str(n): list(state.public_keys[n]) for n in neighbours[nid] & active}
             configs[nid] = {**config, Key.STAGE: Stage.SHARE_KEYS}
         forward: dict[int, tuple[list[int], list[bytes]]] = {nid: ([], []) for nid in active}
-        for nid, reply in answered(self._stage(state, configs, down), "share keys", active).items():
-            record = reply.content.config_records[RECORD_KEY_CONFIGS]
+
+        def key_shares(nid: int, reply: FlowerMessage, record: ConfigRecord) -> None:
+            pairs = list(zip(record[Key.DESTINATION_LIST], _byte_strings(record[Key.CIPHERTEXT_LIST]), strict=True))
+            if any(dst not in neighbours[nid] for dst, _ in pairs):
+                raise ValueError("shares for a node that is not its neighbour")
             state.keyed.add(nid)
-            for dst, ciphertext in zip(record[Key.DESTINATION_LIST], record[Key.CIPHERTEXT_LIST], strict=True):
+            for dst, ciphertext in pairs:
                 if dst in forward:
                     forward[dst][0].append(nid)
                     forward[dst][1].append(ciphertext)
 
+        answered(self._stage(state, configs, down), "share keys", active, key_shares)
+
         # 2. collect: the fedtune request plus the forwarded shares -> the masked vector and the reply's meta
-        contents, requests = {}, {}
+        contents = {}
         for nid in state.keyed:
             cid = cid_of[nid]
             srcs = [s for s in forward[nid][0] if s in state.keyed]
@@ -222,23 +237,22 @@ class SecAggPlusTransport(GridTransport):
                 messages[cid], cid, to_array_record(messages[cid].arrays), **{ROUND: rnd, ATTEMPT: attempt}
             )
             content[RECORD_KEY_CONFIGS] = ConfigRecord(config)
-            contents[nid], requests[nid] = content, nbytes
+            contents[nid] = content
             down[nid] += nbytes + secagg_nbytes(config)
         shapes = [(1,), *(np.shape(a) for a in next(iter(messages.values())).arrays.values())]
         deliveries: dict[int, Delivery] = {}
-        for nid, reply in answered(self._send(contents, rnd), "collect", set(contents)).items():
-            cid = cid_of[nid]
-            got = self._delivery(reply, cid, "", messages[cid], 0, {})
+
+        def masked_vector(nid: int, reply: FlowerMessage, record: ConfigRecord) -> None:
+            got = self._delivery(reply, cid_of[nid], "", messages[cid_of[nid]], 0, {})
             if got.reply is not None:
-                vector = [
-                    bytes_to_ndarray(b) for b in reply.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS]
-                ]
-                if [np.shape(v) for v in vector] != shapes:
-                    got = Delivery(None, 0, error="masked vector of other shapes than the request's arrays")
-                else:
-                    state.masked[nid] = vector
-                    got.masked = True
-            deliveries[cid] = got
+                vector = [bytes_to_ndarray(b) for b in _byte_strings(record[Key.MASKED_PARAMETERS])]
+                if [np.shape(v) for v in vector] != shapes or any(v.dtype.kind not in "iu" for v in vector):
+                    raise ValueError("the masked vector is not integers shaped as the request's arrays")
+                state.masked[nid] = vector
+                got.masked = True
+            deliveries[cid_of[nid]] = got
+
+        answered(self._send(contents, rnd), "collect", set(contents), masked_vector)
         out = {}
         for cid in messages:
             nid = self.node_of[cid]
@@ -269,37 +283,49 @@ class SecAggPlusTransport(GridTransport):
         }
         replies = self._stage(state, configs, down)
         collected: dict[int, list[bytes]] = {nid: [] for nid in summed | dead}
-        deliveries = {}
+        errors = {}
         for nid in summed:
             reply = replies.get(nid)
-            error = None
-            if reply is None or reply.has_error() or RECORD_KEY_CONFIGS not in reply.content.config_records:
-                error = "no reply" if reply is None else (reply.error.reason if reply.has_error() else "no shares")
-            else:
+            try:
+                if reply is None or reply.has_error():
+                    raise ValueError("no reply" if reply is None else f"client error: {reply.error.reason}")
                 record = reply.content.config_records[RECORD_KEY_CONFIGS]
                 up[nid] += secagg_nbytes(record)
-                for owner, share in zip(record[Key.NODE_ID_LIST], record[Key.SHARE_LIST], strict=True):
-                    if owner in collected and owner in state.neighbours[nid]:
-                        collected[owner].append(share)
-            deliveries[state.cid_of[nid]] = Delivery(None, down[nid], up[nid], error=error)
+                pairs = list(zip(record[Key.NODE_ID_LIST], _byte_strings(record[Key.SHARE_LIST]), strict=True))
+            except MALFORMED as exc:
+                errors[nid] = f"{type(exc).__name__}: {exc}"
+                continue
+            for owner, share in pairs:
+                if owner in collected and owner in state.neighbours[nid]:
+                    collected[owner].append(share)
         self._round = None
         threshold = self.fed.secagg_reconstruction_threshold()
-        if not summed or any(len(shares) < threshold for shares in collected.values()):
-            short = sorted(state.cid_of[n] for n, shares in collected.items() if len(shares) < threshold)
-            for got in deliveries.values():
-                got.error = got.error or f"secure aggregation: fewer than {threshold} shares for clients {short}"
-            return None, deliveries
+        short = sorted(state.cid_of[n] for n, shares in collected.items() if len(shares) < threshold)
+        total, why = None, f"secure aggregation: fewer than {threshold} shares for clients {short}"
+        if summed and not short:
+            try:
+                total = self._sum(state, summed, collected, list(sent[client_ids[0]].arrays))
+            except (*MALFORMED, AssertionError) as exc:  # a share that rebuilds no key or seed
+                why = f"secure aggregation: a secret did not rebuild from its shares ({type(exc).__name__})"
+        deliveries = {}
+        for nid in summed:  # a failed unmask reply drops nobody when the others' shares sufficed
+            error = None if total is not None else errors.get(nid, why)
+            deliveries[state.cid_of[nid]] = Delivery(None, down[nid], up[nid], error=error)
+        return total, deliveries
+
+    def _sum(self, state: _Round, summed: set[int], collected: dict[int, list[bytes]], names: list[str]) -> SecureSum:
+        """The masks removed from the summed vectors (Flower's ``SecAggPlusWorkflow.unmask_stage``
+        arithmetic) and the sum dequantized; raises when a secret does not rebuild from its shares."""
         shapes = [np.shape(v) for v in next(iter(state.masked.values()))]
         vector = [sum(state.masked[n][i].astype(np.int64) for n in summed) for i in range(len(shapes))]
         for nid, shares in collected.items():
             secret = combine_shares(shares)
+            private = bytes_to_private_key(secret) if nid not in summed else None
             if nid in summed:  # its own mask b_i
                 vector = [v - p for v, p in zip(vector, pseudo_rand_gen(secret, self.M, shapes), strict=True)]
                 continue
             for other in state.neighbours[nid] & summed:  # the pairwise masks it shared with summed clients
-                key = generate_shared_key(
-                    bytes_to_private_key(secret), bytes_to_public_key(state.public_keys[other][0])
-                )
+                key = generate_shared_key(private, bytes_to_public_key(state.public_keys[other][0]))
                 mask = pseudo_rand_gen(key, self.M, shapes)
                 sign = 1 if nid > other else -1  # the summed client subtracted (nid > other) or added it
                 vector = [v + sign * p for v, p in zip(vector, mask, strict=True)]
@@ -307,14 +333,19 @@ class SecAggPlusTransport(GridTransport):
         factor, rest = int(vector[0].reshape(-1)[0]), vector[1:]
         k = len(summed)
         values = [d - (k - 1) * self.clip for d in dequantize(rest, self.clip, self.T)]  # sum_i (w_i / W) Delta_i
-        names = list(sent[client_ids[0]].arrays)
-        total = SecureSum(
+        return SecureSum(
             arrays={name: v * state.max_weight for name, v in zip(names, values, strict=True)},
             weight=factor / self.T * state.max_weight,
             clients=sorted(state.cid_of[n] for n in summed),
             error=k * 2 * self.clip / self.T * state.max_weight,
         )
-        return total, deliveries
+
+
+def _byte_strings(values: Any) -> list[bytes]:
+    """``values`` when it is a list of byte strings (a reply's keys, shares, vectors), else TypeError."""
+    if not isinstance(values, list) or not all(isinstance(v, bytes) for v in values):
+        raise TypeError("expected a list of bytes")
+    return values
 
 
 def _max_weight(messages: dict[int, Message]) -> float:
