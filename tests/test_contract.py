@@ -94,6 +94,7 @@ CROSS_OPTION_SETTINGS = {
     "train.gradient_checkpointing": ["train.gradient_checkpointing=true"],
     "device": ["device=cuda"],  # taken as an accelerator here (the test patches the check)
     "privacy.mode": ['privacy.mode="central"', "privacy.clip=1.0", "privacy.noise_multiplier=1.0"],
+    "federation.secure_aggregation": ["federation.secure_aggregation=true", 'engine="flower-sim"'],
 }
 ROBUST_OPTIONS = ("federation.aggregation", "federation.clip_update_norm", "federation.max_client_weight")
 
@@ -167,6 +168,7 @@ PINNED = {
     "train.gradient_checkpointing": sorted([*SCALE_HONOURING, "commit"]),
     "model.quantization": ["commit", "fedit", "fslora", "heterolora", "local"],
     "privacy.mode": PRIVACY_HONOURING,
+    "federation.secure_aggregation": ["fedavg", "fedit"],  # BroadcastAverage's weighted sum (SecAgg+)
 }
 
 
