@@ -27,6 +27,11 @@ class MethodOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # every number finite
 
+    def privacy_refusal(self) -> str | None:
+        """For a method that honours ``privacy.mode``: one line naming the option of these whose
+        setting has no DP form, else None (checked by :func:`fedtune.methods.base.privacy.check_privacy`)."""
+        return None
+
 
 @dataclass(frozen=True)
 class MethodSpec:

@@ -61,7 +61,7 @@ def resolve_run(config: RunConfig) -> ResolvedRun:
     method.check(task_class, config)
     method.check_options(config)
     options = validate_options(config.options, method.options)
-    check_privacy(config)
+    check_privacy(config, options)
     fed = config.federation
     try:
         profiles = build_profiles(fed.num_clients, fed.profiles, fed.profile_choices, config.seed)

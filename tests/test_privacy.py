@@ -159,8 +159,8 @@ def test_local_dp_runs_and_counts_each_clients_rounds(tmp_path):
 
 def test_a_method_without_a_dp_form_refuses_privacy_in_one_line(tmp_path):
     """(f)"""
-    with pytest.raises(ConfigError, match=r"^privacy.mode: method 'fslora' does not support it"):
-        resolve_run(tiny(tmp_path, "fslora", KIND, *CENTRAL))
+    with pytest.raises(ConfigError, match=r"^privacy.mode: method 'flexlora' does not support it"):
+        resolve_run(tiny(tmp_path, "flexlora", KIND, *CENTRAL))
 
 
 @pytest.mark.parametrize(

@@ -47,6 +47,28 @@ published code's server AdamW on the averaged update; eq. (5) adds the plain mea
 (the paper draws one S_i^t per device per round). ``options.download = "active"`` changes only
 the bytes sent, not the algorithm.
 
+**Client-level DP** (``privacy.mode``; DP-FedAvg, McMahan et al. 2018, as in
+:mod:`fedtune.methods.base.privacy`). What client i uploads is U_i = (Delta B[:, I_i], Delta A[I_i, :]
+of every pair, Delta head): exactly the non-zero columns / rows of its round's update, which by
+eq. (4) already carry the sketch's r/k_i (the client trains W0 + (alpha/k_i) B[:, I] A[I, :] =
+W0 + (alpha/r) B S A, so its steps are the sketched gradients of eq. (3)); the server applies no
+further r/k. Let P_i put U_i back at I_i with zeros elsewhere (the reconstruction before eq. (5)).
+P_i only places coordinates, so ||P_i U_i||_2 = ||U_i||_2. The DP form of eq. (5) is
+
+    X^{t+1} = X^t + (sum_i P_i clip_C(U_i) + xi) / m,     xi ~ N(0, (zC)^2 I) on every coordinate
+    of X (central: the server clips what it receives and adds xi once), or each client uploads
+    clip_C(U_i) + N(0, (zC)^2 I) on its own k_i-rank coordinates (local),
+
+with m = ``federation.sample_size()`` fixed and public (eq. (5)'s 1/N over the sampled clients; not
+the replies). Clipping U_i is clipping P_i U_i (same norm), so the clipped quantity is the update
+after the r/k of training and exactly what enters the sum. I_i is drawn from (seed, round, client)
+alone, not from the client's data, so replacing client i's data changes only its term, by at most
+||P_i clip(U_i) - P_i clip(U_i')|| <= 2C: the sum's replace-one sensitivity is 2C, the accountant's
+assumption (multiplier z/2). The per-rank mean (rank j divided by the number n_j of clients that drew
+it) would have sensitivity 2C / n_j, with n_j as small as 1 and changing every round, which no fixed
+noise scale matches; eq. (5) does not divide that way and neither does this form. ``options.weighting
+= "examples"`` is refused (a weight would depend on the data).
+
 With k_i = r (sketch_ratio 1) every I is 0..r-1 and FSLoRA is FedIT step for step. Evaluation and
 saving use the rank-r global adapter (scaling alpha/r).
 """
@@ -61,6 +83,7 @@ from pydantic import Field
 
 from fedtune.methods.base.averaging import (
     SERVER_STEP_AND_UPLOAD_CODEC,
+    PrivateAverage,
     Weighting,
     client_weights,
     decode_update,
@@ -75,6 +98,7 @@ from fedtune.methods.base.lora import (
     client_rank,
 )
 from fedtune.methods.base.lora_arrays import add_ranks, lora_pairs, module_path, take_ranks
+from fedtune.methods.base.privacy import PRIVACY_OPTIONS
 from fedtune.protocol.messages import Message
 from fedtune.protocol.validation import ArraySpec, spec_like
 from fedtune.registry import MethodOptions, register
@@ -171,7 +195,7 @@ def slice_adapter(arrays: Mapping[str, np.ndarray], indices: Mapping[str, np.nda
 # -- server -------------------------------------------------------------------------------
 
 
-class FSLoRAStrategy(GlobalAdapterStrategy):
+class FSLoRAStrategy(PrivateAverage, GlobalAdapterStrategy):
     """FSLoRA: sketched rank-k updates of a rank-r global LoRA pair (Fang et al. 2025)."""
 
     def initialize(self) -> None:
@@ -194,6 +218,7 @@ class FSLoRAStrategy(GlobalAdapterStrategy):
 
     def configure_fit(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
         messages = {}
+        self.count_sample(rnd, client_ids)
         for cid in client_ids:
             indices = self.sketch(rnd, cid)
             arrays = (
@@ -222,23 +247,39 @@ class FSLoRAStrategy(GlobalAdapterStrategy):
         return indices
 
     def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
-        """Rebuild each sparse update (zeros outside I_i) and apply eq. (5)."""
+        """Rebuild each sparse update (zeros outside I_i) and apply eq. (5); under ``privacy.mode``
+        the DP form of the module docstring: (sum_i P_i clip(U_i) + xi) / m."""
         if not replies:
             return {}
+        if self.privacy is not None:
+            placed = [self.scatter(rnd, cid, reply, self.zeros(np.float64)) for cid, reply in replies.items()]
+            self.global_arrays = self.server_opt.step(self.global_arrays, self.private_aggregate(rnd, placed))
+            return {**mean_train_loss(replies), "epsilon": self.spent()}
         w = np.asarray(client_weights(replies, self.options.weighting), dtype=np.float64)
-        p = w / w.sum()
-        total = {k: np.zeros_like(v) for k, v in self.global_arrays.items()}
-        for p_i, (cid, reply) in zip(p, replies.items()):
-            indices = self._reply_indices(rnd, cid, reply)
-            update = decode_update(param_arrays(reply.arrays))
-            if update.keys() != total.keys():
-                raise ValueError(
-                    f"fslora: client {cid} update has arrays {sorted(update.keys() ^ total.keys())[:3]} mismatched"
-                )
-            for name, x in update.items():  # (k, n) into rows I, (m, k) into columns I; head dense
-                add_ranks(total[name], name, x, indices, float(p_i))
+        total = self.zeros()
+        for p_i, (cid, reply) in zip(w / w.sum(), replies.items()):
+            self.scatter(rnd, cid, reply, total, float(p_i))
         self.global_arrays = self.server_opt.step(self.global_arrays, total)
         return mean_train_loss(replies)
+
+    def zeros(self, dtype=None) -> dict[str, np.ndarray]:
+        return {k: np.zeros(v.shape, dtype=dtype or v.dtype) for k, v in self.global_arrays.items()}
+
+    def scatter(
+        self, rnd: int, cid: int, reply: Message, total: dict[str, np.ndarray], weight: float = 1.0
+    ) -> dict[str, np.ndarray]:
+        """``total += weight P_i U_i``: client ``cid``'s upload U_i with its (m, k) / (k, n) slices put
+        back into columns / rows I_i of (m, r) / (r, n) zeros (the head dense). P_i keeps the L2 norm:
+        ||P_i U_i|| = ||U_i||. Returns ``total``."""
+        indices = self._reply_indices(rnd, cid, reply)
+        update = decode_update(param_arrays(reply.arrays))
+        if update.keys() != total.keys():
+            raise ValueError(
+                f"fslora: client {cid} update has arrays {sorted(update.keys() ^ total.keys())[:3]} mismatched"
+            )
+        for name, x in update.items():  # (k, n) into rows I, (m, k) into columns I; head dense
+            add_ranks(total[name], name, x, indices, weight)
+        return total
 
 
 # -- client -------------------------------------------------------------------------------
@@ -254,7 +295,8 @@ class FSLoRAClient(LoraClient):
         k = len(next(iter(indices.values())))
         # rank-k PEFT adapter, same lora_alpha: alpha/k = (alpha/r)(r/k), i.e. W0 + (alpha/r) B S A
         trained, result = self.train_adapter(local, message.meta["round"], k)
-        reply = self.upload({name: trained[name] - local[name] for name in trained}, result, k=k)
+        update = {name: trained[name] - local[name] for name in trained}
+        reply = self.upload(update, result, rnd=message.meta["round"], k=k)  # local DP: clip + noise U_i
         reply.arrays.update(
             sketch_arrays(
                 {a: idx.astype(np.int32) for a, idx in indices.items()}, shared=SHARED_SKETCH in message.arrays
@@ -269,5 +311,5 @@ register(
     FSLoRAClient,
     FSLoRAOptions,
     requires=LORA,
-    supports=(*SERVER_STEP_AND_UPLOAD_CODEC, *SCALE_OPTIONS),
+    supports=(*SERVER_STEP_AND_UPLOAD_CODEC, *SCALE_OPTIONS, *PRIVACY_OPTIONS),
 )

@@ -43,6 +43,21 @@ readable): the exact norm for ||S_i|| over several modules, whether the prune de
 with the start of the round (done here) or with the first round, and the defaults gamma = 0.99,
 lambda = 0.01 (those of public re-implementations, not verified against the paper).
 
+**Client-level DP** (``privacy.mode``; DP-FedAvg, McMahan et al. 2018, as in
+:mod:`fedtune.methods.base.privacy`), for the default form only. The zero-padded mean divides by the
+number of replies, |R|, for every rank index (a rank j >= r_i counts client i as a zero), so it is a
+plain sum of padded updates; pad_r only adds zeros, ||pad_r(Delta_i)|| = ||Delta_i||, and r_i comes
+from the public profile. The DP form is theta^{t+1} = theta^t + (sum_i pad_r(clip_C(Delta_i)) + xi) / m
+with m = ``federation.sample_size()`` fixed (not |R|) and xi ~ N(0, (zC)^2 I) on every coordinate
+(central; local: each client clips and noises its rank-r_i upload): replacing one client's data moves
+the sum by at most 2C, the accountant's assumption. Refused in one line (:meth:`HeteroLoRAOptions.
+privacy_refusal`): ``padding = "coverage"`` divides rank j by the n_j clients covering it (replace-one
+sensitivity 2C / n_j, n_j as small as 1 and different per rank, which one noise scale on the sum does
+not match); ``weighting = "sparsity"`` (p_i ~ ||B_i A_i||_F: a weight that depends on the data, and Z
+on everyone's) and ``"examples"``; ``aggregate = "modules"`` (a weighted mean of modules over the
+replies, whose weights sum to one over |R|, not a fixed m); ``self_pruning`` (whether a client drops
+its tail ranks is decided on its data and shows in the upload's shape, neither clipped nor noised).
+
 Scaling. PEFT computes W0 + (alpha/rank) B A. With ``scaling = "rank"`` (default) a client trains
 its rank-r_i adapter with PEFT's own scale alpha/r_i while the global model is evaluated at rank r
 with alpha/r: the client's model is W0 + (alpha/r_i) B[:, :r_i] A[:r_i], i.e. its truncated part is
@@ -64,6 +79,7 @@ from pydantic import Field
 
 from fedtune.methods.base.averaging import (
     SERVER_STEP_AND_UPLOAD_CODEC,
+    PrivateAverage,
     client_weights,
     decode_update,
     mean_train_loss,
@@ -82,10 +98,12 @@ from fedtune.methods.base.lora_arrays import (
     lora_pairs,
     lora_paths,
     lora_scale,
+    pad_rank,
     pair_product,
     truncate_rank,
     zero_pad_average,
 )
+from fedtune.methods.base.privacy import PRIVACY_OPTIONS
 from fedtune.methods.base.ranked import fit_at_sent_rank
 from fedtune.protocol.messages import Message
 from fedtune.protocol.validation import ArraySpec, spec_like
@@ -117,6 +135,19 @@ class HeteroLoRAOptions(MethodOptions):
         "options.self_pruning": "the default false (FSLoRA's baseline code) departs from HetLoRA's rank self-pruning",
     }
 
+    def privacy_refusal(self) -> str | None:
+        """privacy.mode has a DP form only for the default zero-padded update mean (module docstring)."""
+        why = {
+            "weighting": (self.weighting == "sparsity", "'sparsity' weighs a client by its adapter's norm"),
+            "aggregate": (self.aggregate == "modules", "'modules' averages over the replies, not a fixed m"),
+            "padding": (self.padding == "coverage", "'coverage' divides rank j by its n_j clients: sensitivity 2C/n_j"),
+            "self_pruning": (self.self_pruning, "true uploads a data-dependent shape, neither clipped nor noised"),
+        }
+        for option, (refused, reason) in why.items():
+            if refused:
+                return f"options.{option}: not with privacy.mode ({reason}); heterolora's DP form is the default one"
+        return None
+
 
 def tail_start(rank: int, gamma: float) -> int:
     """First pruned rank index t = max(1, floor(gamma rank)) (t = rank: nothing to prune)."""
@@ -134,7 +165,7 @@ def sparsity_norm(adapter: Mapping[str, np.ndarray], scale: float) -> float:
     return float(np.sqrt(sum(np.sum((scale * pair_product(adapter, p)) ** 2) for p in lora_paths(adapter))))
 
 
-class HeteroLoRAStrategy(GlobalAdapterStrategy):
+class HeteroLoRAStrategy(PrivateAverage, GlobalAdapterStrategy):
     """HeteroLoRA: truncation down, zero-padded update average up (FSLoRA's baseline); HetLoRA
     (Cho et al. 2024) by options."""
 
@@ -160,6 +191,7 @@ class HeteroLoRAStrategy(GlobalAdapterStrategy):
 
     def configure_fit(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
         out = {}
+        self.count_sample(rnd, client_ids)
         for cid in client_ids:
             rank = self.client_rank(cid)
             meta = {"round": rnd, "rank": rank}
@@ -188,6 +220,10 @@ class HeteroLoRAStrategy(GlobalAdapterStrategy):
         if not replies:
             return {}
         updates = [decode_update(m.arrays) for m in replies.values()]
+        if self.privacy is not None:  # (sum_i pad_r(clip(Delta_i)) + xi) / m: see the module docstring
+            padded = [{k: pad_rank(k, v, self.rank) for k, v in u.items()} for u in updates]
+            self.global_arrays = self.server_opt.step(self.global_arrays, self.private_aggregate(rnd, padded))
+            return {**mean_train_loss(replies), "epsilon": self.spent()}
         trained: list[dict[str, np.ndarray]] = []
         if self.options.weighting == "sparsity" or self.options.aggregate == "modules":
             # B_i, A_i as trained: the truncation sent (to the rank the reply carries) plus the update
@@ -233,7 +269,7 @@ class HeteroLoRAClient(LoraClient):
         update = {k: trained[k] - received[k] for k in trained}
         if tail_norm_product(trained, start) < tail_norm_product(received, start):
             update = truncate_rank(update, start)  # prune ranks start..rank-1
-        return self.upload(update, result)
+        return self.upload(update, result, rnd=message.meta["round"])
 
 
 register(
@@ -242,5 +278,5 @@ register(
     HeteroLoRAClient,
     HeteroLoRAOptions,
     requires=LORA,
-    supports=(*SERVER_STEP_AND_UPLOAD_CODEC, *SCALE_OPTIONS),
+    supports=(*SERVER_STEP_AND_UPLOAD_CODEC, *SCALE_OPTIONS, *PRIVACY_OPTIONS),
 )

@@ -198,13 +198,17 @@ class Privacy:
         }
 
 
-def check_privacy(config: Any) -> None:
+def check_privacy(config: Any, options: Any = None) -> None:
     """Stop with one line on a ``[privacy]`` that cannot run: a target epsilon no multiplier
-    reaches, a budget below one round's epsilon, or an explicit ``options.weighting = "examples"``
-    (DP-FedAvg weighs clients uniformly)."""
+    reaches, a budget below one round's epsilon, an explicit ``options.weighting = "examples"``
+    (DP-FedAvg weighs clients uniformly), or a method option without a DP form (``options``: the
+    method's validated options, :meth:`fedtune.registry.MethodOptions.privacy_refusal`)."""
     if config.privacy.mode == "none":
         return
     Privacy(config)
+    refusal = options.privacy_refusal() if options is not None else None
+    if refusal:
+        raise ConfigError(refusal)
     if config.options.get("weighting") == "examples":
         raise ConfigError(
             'options.weighting: "examples" is not DP (a weight depends on the client\'s data); '

@@ -67,4 +67,4 @@ def fit_at_sent_rank(client: LoraClient, message: Message) -> Message:
     received = message.arrays
     rank = int(message.meta["rank"])
     trained, result = client.train_adapter(received, message.meta["round"], rank, message.meta.get("alpha"))
-    return client.upload({k: trained[k] - received[k] for k in trained}, result)
+    return client.upload({k: trained[k] - received[k] for k in trained}, result, rnd=message.meta["round"])
