@@ -126,9 +126,9 @@ def test_replacing_one_client_moves_the_noiseless_aggregate_by_at_most_2C_over_m
     noise draw, which cancels in the difference) differ only in client 0's upload, U_0 of norm 50C
     and the adversarial U_0' = -3 U_0 (norm 150C, the opposite direction): their states differ by
     exactly 2C / m (clip(U_0') = -clip(U_0)), the sum's sensitivity 2C that the accountant assumes
-    (multiplier z/2). Fails when the server skips the clip (100C), multiplies FSLoRA's placed
-    update by r/k_0 = 2 (4C), divides by the 2 replies instead of m = 3, or clips after placing
-    only part of the update."""
+    (multiplier z/2). Fails when the server skips the clip (100C), applies a factor r/k_0 = 2 after
+    the clip (clipping the upload before an r/k scale: 4C), or divides by the 2 replies instead of
+    m = 3."""
     _, before, sent, arrays, _ = _round(tmp_path, method, {0: 50 * C, 3: C})
     adversarial = {k: (-3 * v if v.dtype.kind == "f" else v) for k, v in arrays[0].items()}
     first, *_ = _round(tmp_path, method, arrays)

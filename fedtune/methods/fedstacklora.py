@@ -14,6 +14,13 @@ server stacks along the rank axis, folding each client's weight and PEFT scale i
 (p_i proportional to data size; ``weighting = "uniform"``: 1/N). The head is averaged FedAvg-style.
 Both go through the server optimizer (``federation.server_optimizer``; default: exactly this sum).
 
+Differential privacy: refused (``privacy.mode`` stops the run in one line naming the method). What
+a client adds is the product s_i B_i A_i, not its uploaded factors; clipping the factors bounds the
+product only through ||B_i|| ||A_i||, and noise on the factors is not a Gaussian mechanism on the sum
+the server adds (the accountant's assumption). A central form would clip each s_i B_i A_i in W space
+and add dense (m, n) noise to their sum, which leaves FLoRA's stacking (the noisy sum is full-rank,
+so ``transport = "stacks"`` no longer applies); it is not implemented.
+
 Transport of the merged base. Clients are stateless and share nothing with the server but
 Messages, so each round the server must ship the whole merged Delta W^t (FLoRA's clients keep
 their merged model; ours cannot). ``transport = "dense"`` (default): the dense (m, n) Delta W

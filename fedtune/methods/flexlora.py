@@ -17,6 +17,14 @@ approximation of Delta W (Eckart-Young). One SVD per module and round serves eve
 (no Delta W yet) sends the truncation of the common rank-r PEFT initialization (B = 0). The head is
 averaged FedAvg-style.
 
+Differential privacy: refused (``privacy.mode`` stops the run in one line naming the method). The
+server step is not a sum of clipped updates: Delta W^{t+1} is a data-weighted sum of the clients'
+whole products s_i B_i A_i, each carrying the previous global. A central form would clip each
+client's change of its product, s_i (B_i A_i - B_i^0 A_i^0), in W space and put dense (m, n) noise on
+their sum (the SVD is then post-processing), a different algorithm (weights summing to one over a
+fixed m, a full-rank noisy Delta W); a local form has none (noise on B_i, A_i is not Gaussian on the
+product). Neither is implemented.
+
 Global model. ``global_model = "svd"`` (default): the rank-r truncated SVD of Delta W as a
 standard PEFT rank-r adapter (scale alpha/r), the best adapter of the global rank (what is
 evaluated and saved with ``save_pretrained``). ``"merged"``: evaluate W0 + Delta W exactly,
