@@ -48,7 +48,9 @@ class RoundPrinter:
         self.console.print(
             f"round {rec.round:>3}/{self.config.rounds}  clients {len(rec.clients):>3}  "
             f"train loss {'–' if loss is None else f'{loss:.4f}'}  acc {_pct(m.get('accuracy'))}  "
-            f"up {self.up / MB:8.3f} MB  down {self.down / MB:8.3f} MB  {rec.wall_s:6.1f}s" + _drops(rec),
+            f"up {self.up / MB:8.3f} MB  down {self.down / MB:8.3f} MB  {rec.wall_s:6.1f}s"
+            + (f"  epsilon {m['epsilon']:.4g}" if m.get("epsilon") is not None else "")  # privacy.mode: spent so far
+            + _drops(rec),
             highlight=False,
             soft_wrap=True,
         )

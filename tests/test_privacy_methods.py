@@ -242,3 +242,19 @@ def test_every_method_without_a_dp_form_refuses_privacy_in_one_line_naming_it(tm
         resolve_run(tiny(tmp_path, method, kind, *dp))
     assert str(err.value).startswith(f"privacy.mode: method {method!r} does not support it")
     assert "\n" not in str(err.value)
+
+
+def test_every_rounds_printed_line_carries_epsilon_so_far(tmp_path):
+    """The round line of ``fedtune run`` (fedtune.progress.RoundPrinter) shows the epsilon spent,
+    as metrics.jsonl does; a run without DP shows none."""
+    from rich.console import Console
+
+    from fedtune.engines.rounds import RoundRecord
+    from fedtune.progress import RoundPrinter
+
+    console = Console(record=True, width=300)
+    printer = RoundPrinter(console, _config(tmp_path, "fslora", *CENTRAL))
+    printer(RoundRecord(1, [0, 3], {"train_loss": 0.5, "epsilon": 1.23456}))
+    printer(RoundRecord(2, [0, 3], {"train_loss": 0.5}))
+    first, second = console.export_text().splitlines()
+    assert first.rstrip().endswith("epsilon 1.235") and "epsilon" not in second
