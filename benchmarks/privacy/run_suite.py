@@ -24,6 +24,11 @@ Reported: accuracy (%) as the mean +- sample std over the seeds of each run's me
 DP, the noise multiplier z and the MB uploaded per client (central DP adds no bytes; SecAgg+ runs
 on the Flower engines, not in this suite).
 
+Budget: 12 sweep + 12 table runs of about 6 min of one core each (:data:`RUN_S`, measured), about
+75 min on 2 free cores (``--workers 2``). Scaled down from the issue's ask only in length: 30 rounds
+of H = 5 steps (30 x 10 = 300 client updates of the 100 clients), 200 examples a client, 500 test
+examples.
+
     HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR=../shared/data .venv/bin/python benchmarks/privacy/run_suite.py --plan
     ... --only sweep | --only table | (both: the table is planned once the sweep is done)
     ... --report-only | --quick (tiny-bert, 2 rounds, 40 clients, a scratch folder)
@@ -66,8 +71,9 @@ CLIP_GRID = (0.1, 0.3, 1.0, 3.0)
 LAST = 2  # a run's figure: the mean of its last 2 evaluations
 SWEEP_SEED = 0
 #: one run's seconds on one free core (30 rounds x 10 clients x 5 steps, 6 evaluations of 500 examples):
-#: measured by --quick's timing note in benchmarks/results/privacy/README.md; quick runs take seconds
-RUN_S, QUICK_RUN_S = 900.0, 20.0
+#: measured, the run at epsilon 8, C = 1, seed 0 took 362 s of CPU (user + system, one torch thread; 25.5
+#: min wall on the shared, loaded 2-core machine); quick runs take seconds
+RUN_S, QUICK_RUN_S = 370.0, 20.0
 QUICK = [
     "model.name=tiny-bert",
     "rounds=2",
