@@ -77,7 +77,9 @@ from fedtune.config import ConfigError
 NOISE_STREAM = 0xD9  # the last word of the noise generator's seed
 ACCOUNTANT = "dp_accounting.rdp.RdpAccountant (REPLACE_ONE; central: SampledWithoutReplacement Gaussian)"
 #: The cross-method option (fedtune.registry.CROSS_METHOD_OPTIONS) a method honours when its server
-#: aggregates through BroadcastAverage and its clients upload through UpdateClient.upload.
+#: aggregates through BroadcastAverage (or, like FSLoRA and HeteroLoRA, puts each update in the
+#: global shape with its norm kept and calls PrivateAverage.private_aggregate) and its clients upload
+#: through UpdateClient.upload with the round.
 PRIVACY_OPTIONS = ("privacy.mode",)
 
 
