@@ -158,9 +158,9 @@ ROBUST_HONOURING = ["fedavg", "fedit", "fedot", "fedpetuning", "fedpft"]
 #: workspace (fedtune.models.precision); quantization not by those that write merges into base weights;
 #: CoMMIT not a bfloat16 base (its kappa compares small changes of rounded predictions) nor a device.
 SCALE_HONOURING = ["fedit", "fedstacklora", "flexlora", "fslora", "heterolora", "local"]
-#: ... and client-level DP (fedtune.methods.base.privacy): the weighted-sum methods with uniform
-#: weights, sensitivity C per client (heterolora's padded sum, FSLoRA's sketch: not yet).
-PRIVACY_HONOURING = ["fedavg", "fedit"]
+#: ... and client-level DP (fedtune.methods.base.privacy): the sums of clipped updates with uniform
+#: weights, replace-one sensitivity 2C (heterolora's zero-padded sum, FSLoRA's placed sketched uploads).
+PRIVACY_HONOURING = ["fedavg", "fedit", "fslora", "heterolora"]
 PINNED = {
     **dict.fromkeys(ROBUST_OPTIONS, ROBUST_HONOURING),
     "model.dtype": SCALE_HONOURING,
