@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from fedtune.config import ConfigError, DataConfig
-from fedtune.data.text import DATA_DIR_ENV, _encode_labels, _split, data_dir
+from fedtune.data.text import DATA_DIR_ENV, _encode_labels, _split, data_dir, hub_split, require_columns
 
 FASHION_MNIST_CLASSES = [
     "T-shirt/top",
@@ -203,24 +203,15 @@ def _load_folder(root: Path, size) -> tuple[ImageSet, ImageSet]:
 
 
 def _load_hub(name: str, cfg: DataConfig, image_column: str | None, size) -> tuple[ImageSet, ImageSet]:
-    try:
-        import datasets
-    except ImportError:
-        raise ConfigError(
-            f"data 'hub:{name}': the hub needs the 'datasets' package (pip install 'fedtune[hub]')"
-        ) from None
     parts, raw_labels = [], []
     for split in (cfg.train_split, cfg.test_split):
-        try:
-            part = datasets.load_dataset(name, cfg.hub_config, split=split)
-        except Exception as exc:  # network, missing split, ...
-            raise ConfigError(f"data 'hub:{name}' split {split!r}: {str(exc).splitlines()[0]}") from None
+        part = hub_split(name, cfg, split)
+        import datasets  # there: hub_split read the part with it
+
         image_col = image_column or next((c for c, f in part.features.items() if isinstance(f, datasets.Image)), None)
         label_col = cfg.label_column or "label"
-        for field, col in (("task.image_column", image_col), ("data.label_column", label_col)):
-            if col not in part.column_names:
-                what = f"no column {col!r}" if col else "no Image column"
-                raise ConfigError(f"{field}: hub:{name} has {what}; its columns are {part.column_names}")
+        fields = {"task.image_column": image_col, "data.label_column": label_col}
+        require_columns(name, part.column_names, fields, "Image column")
         parts.append((part, image_col, label_col))
         raw_labels.append(part[label_col])
     feature = parts[0][0].features[parts[0][2]]

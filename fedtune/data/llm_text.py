@@ -20,6 +20,14 @@ Sets (``data.name``; files under the data directory, ``data.data_dir`` or ``$FED
   rows of ``{prompt, response}`` (optional ``input``, ``category``) or of
   ``{question, choices, gold}`` (``choices`` a list, in a CSV a JSON list; ``gold`` the 0-based
   index of the right one), asked with the ARC template of Table B.1.
+- ``hub:<dataset>``: a set of the ``datasets`` library (:func:`fedtune.data.text.hub_split`:
+  ``data.hub_config``, splits ``data.train_split`` / ``data.test_split``; a local folder works
+  too, one of data files or one that ``save_to_disk`` wrote), its rows read as a local file's.
+
+``task.columns`` maps those column names (:data:`COLUMNS`) to a set's own, for hub sets and local
+files alike: ``{prompt = "instruction", input = "context", response = "output"}``, or
+``{question = "question", choices = "choices", gold = "answerKey"}``. ``choices`` may also be a
+``{"text": [...], "label": [...]}`` record (ARC on the hub), ``gold`` then one of its labels.
 
 Every multiple-choice example keeps its option texts, their answer tags, the gold index and the
 bare question (the data's ranked-classification form, e.g. "Question: ...\\nAnswer:"), which the
@@ -55,6 +63,8 @@ COMMONSENSE_SETS = (
     "winogrande",
 )
 ANSWER_PREFIX = "the correct answer is "
+#: the columns a local file or hub set gives (``task.columns`` maps them to a set's own)
+COLUMNS = ("prompt", "input", "response", "category", "question", "choices", "gold")
 TEST_FRACTION = 0.1
 
 
@@ -277,6 +287,10 @@ def _mc_row(row: dict, path: Path, n: int) -> tuple[str, list[str], int]:
     """(question, choices, gold) of one multiple-choice row, checked."""
     question = _text(row, "question", path, n)
     choices, gold = row.get("choices"), row.get("gold")
+    if isinstance(choices, dict) and "text" in choices:  # {"text": [...], "label": ["A", ...]}
+        labels, choices = choices.get("label"), choices["text"]
+        if isinstance(gold, str) and isinstance(labels, list) and gold in labels:
+            gold = labels.index(gold)
     if isinstance(choices, str):  # a CSV cell: a JSON list
         try:
             choices = json.loads(choices)
@@ -356,7 +370,9 @@ def load_commonsense(
 # -- local files ------------------------------------------------------------------------------
 def _read_rows(path: Path) -> list[dict]:
     if not path.is_file():
-        raise ConfigError(f"data.name: {str(path)!r} is not a file (expected dolly, commonsense or a .jsonl/.csv file)")
+        raise ConfigError(
+            f"data.name: {str(path)!r} is not a file (expected dolly, commonsense, hub:<dataset> or a .jsonl/.csv file)"
+        )
     if path.suffix == ".jsonl":
         return list(read_jsonl(path))
     if path.suffix == ".csv":
@@ -396,23 +412,66 @@ def local_set(rows: list[dict], path: Path) -> PromptSet:
     return PromptSet(prompts, inputs, responses, labels, names)
 
 
-def load_local(cfg: DataConfig) -> tuple[PromptSet, PromptSet]:
+def renamed(rows: list[dict], columns: dict[str, str] | None, available: list[str], where: str) -> list[dict]:
+    """``rows`` with each column of ``columns`` (``task.columns``: our name -> the set's column)
+    also under our name; a mapped column the set lacks is one line."""
+    if not columns:
+        return rows
+    for ours, theirs in columns.items():
+        if theirs not in available:
+            raise ConfigError(
+                f"task.columns: {where} has no column {theirs!r} (for {ours}); its columns are {list(available)}"
+            )
+    return [{**row, **{ours: row.get(theirs) for ours, theirs in columns.items()}} for row in rows]
+
+
+def _with_test(train: PromptSet, test: PromptSet) -> tuple[PromptSet, PromptSet]:
+    """(train, test) of a given test file or split: free-form test labels that name other
+    categories than the training pool's become 0 (they only split metrics)."""
+    if test.label_names != train.label_names and not test.multiple_choice.any():
+        test.labels = np.zeros(len(test), dtype=np.int64)
+    return train, test
+
+
+def _local_rows(path: Path, columns: dict[str, str] | None) -> PromptSet:
+    rows = _read_rows(path)
+    return local_set(renamed(rows, columns, list(rows[0]) if rows else [], str(path)), path)
+
+
+def load_hub(cfg: DataConfig, columns: dict[str, str] | None = None) -> tuple[PromptSet, PromptSet]:
+    """(training pool, test set) of ``hub:<dataset>``: its ``data.train_split`` and
+    ``data.test_split`` (:func:`fedtune.data.text.hub_split`), rows renamed by ``task.columns``
+    and read as a local file's (:func:`local_set`)."""
+    from fedtune.data.text import hub_split
+
+    name, parts = cfg.name[len("hub:") :], []
+    for split in (cfg.train_split, cfg.test_split):
+        part = hub_split(name, cfg, split)
+        where = f"hub:{name}[{split}]"
+        parts.append(local_set(renamed(part.to_list(), columns, part.column_names, where), Path(where)))
+    return _with_test(*parts)
+
+
+def load_local(cfg: DataConfig, columns: dict[str, str] | None = None) -> tuple[PromptSet, PromptSet]:
     """(training pool, test set) of a local file (``data.test_path``, else a seeded 10 % hold-out)."""
     path = Path(cfg.name).expanduser()
-    train = local_set(_read_rows(path), path)
+    train = _local_rows(path, columns)
     if cfg.test_path:
-        test_path = Path(cfg.test_path).expanduser()
-        test = local_set(_read_rows(test_path), test_path)
-        if test.label_names != train.label_names and not test.multiple_choice.any():
-            test.labels = np.zeros(len(test), dtype=np.int64)
-        return train, test
+        return _with_test(train, _local_rows(Path(cfg.test_path).expanduser(), columns))
     order = np.random.default_rng(0).permutation(len(train))
     cut = max(1, int(round(len(train) * TEST_FRACTION)))
     return train.subset(np.sort(order[cut:])), train.subset(np.sort(order[:cut]))
 
 
-def load_prompt_set(cfg: DataConfig, root: Path, sets: list[str] | None, test_per_set: int | None):
-    """(training pool, test set) of ``data.name``: ``dolly``, ``commonsense`` or a local file."""
+def load_prompt_set(
+    cfg: DataConfig,
+    root: Path,
+    sets: list[str] | None,
+    test_per_set: int | None,
+    columns: dict[str, str] | None = None,
+):
+    """(training pool, test set) of ``data.name``: ``dolly``, ``commonsense``, ``hub:<dataset>``
+    or a local file (``columns``: ``task.columns``, for the last two)."""
     if cfg.name == "dolly":
         train, test = load_dolly(root)
         if test_per_set is not None and test_per_set < len(test):
@@ -420,4 +479,6 @@ def load_prompt_set(cfg: DataConfig, root: Path, sets: list[str] | None, test_pe
         return train, test
     if cfg.name == "commonsense":
         return load_commonsense(root, sets, test_per_set)
-    return load_local(cfg)
+    if cfg.name.startswith("hub:"):
+        return load_hub(cfg, columns)
+    return load_local(cfg, columns)

@@ -181,21 +181,52 @@ def _load_tweets() -> tuple[TextDataset, TextDataset]:
     return _split(TextDataset(texts, y, names))
 
 
-def _load_hub(name: str, cfg: DataConfig, test_split: str, classes: list[str] | None = None):
+def hub_split(name: str, cfg: DataConfig, split: str):
+    """Split ``split`` of ``hub:<name>`` as a ``datasets.Dataset``: ``datasets.load_dataset(name,
+    data.hub_config, split=split)`` (a hub id where a network exists, or a local folder of data
+    files the library's builders read), or ``datasets.load_from_disk`` for a folder that
+    ``DatasetDict.save_to_disk`` wrote. A missing ``datasets`` package, network or split is one line."""
     try:
         import datasets
     except ImportError:
         raise ConfigError(
             f"data 'hub:{name}': the hub needs the 'datasets' package (pip install 'fedtune[hub]')"
         ) from None
+    folder = Path(name).expanduser()
+    if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():  # save_to_disk
+        try:
+            saved = datasets.load_from_disk(str(folder))
+        except Exception as exc:  # a damaged folder
+            raise ConfigError(f"data 'hub:{name}': cannot read the saved set ({str(exc).splitlines()[0]})") from None
+        if not isinstance(saved, datasets.DatasetDict):
+            raise ConfigError(f"data 'hub:{name}': one split saved alone; save a DatasetDict of named splits")
+        if split not in saved:
+            raise ConfigError(f"data 'hub:{name}' split {split!r}: not saved there (splits: {', '.join(saved)})")
+        return saved[split]
+    try:
+        return datasets.load_dataset(name, cfg.hub_config, split=split)
+    except Exception as exc:  # network, missing split, ...
+        raise ConfigError(f"data 'hub:{name}' split {split!r}: {str(exc).splitlines()[0]}") from None
+
+
+def require_columns(name: str, available: list[str], fields: dict[str, str | None], unnamed: str = "none") -> None:
+    """Each ``{option field: column}`` names one of the ``available`` columns of ``hub:<name>``
+    (a column None: the set has no column of the kind ``unnamed`` says, e.g. "an Image column")."""
+    for field, col in fields.items():
+        if col not in available:
+            what = f"no column {col!r}" if col else f"no {unnamed}"
+            raise ConfigError(f"{field}: hub:{name} has {what}; its columns are {list(available)}")
+
+
+def _load_hub(name: str, cfg: DataConfig, test_split: str, classes: list[str] | None = None):
     out = []
     for split in (cfg.train_split, test_split):
-        try:
-            part = datasets.load_dataset(name, cfg.hub_config, split=split)
-        except Exception as exc:  # network, missing split, ...
-            raise ConfigError(f"data 'hub:{name}' split {split!r}: {str(exc).splitlines()[0]}") from None
-        text_col = cfg.text_column or next(c for c in ("text", "sentence", "content") if c in part.column_names)
+        part = hub_split(name, cfg, split)
+        text_col = cfg.text_column or next((c for c in ("text", "sentence", "content") if c in part.column_names), None)
         label_col = cfg.label_column or "label"
+        require_columns(
+            name, part.column_names, {"data.text_column": text_col, "data.label_column": label_col}, "text column"
+        )
         feature = part.features.get(label_col)
         names = classes or (list(feature.names) if hasattr(feature, "names") else None)
         raw = part[label_col]

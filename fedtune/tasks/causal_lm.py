@@ -6,8 +6,9 @@ own clients, any other partitioner skews the 8 categories; test: FedIT's 80-exam
 set), ``commonsense`` (the eight Commonsense170K sets of FSLoRA's Table 5.2 with the Table B.1
 templates, ``task.sets`` picks some; labels = the set, so partitioners skew clients by task;
 evaluation per set on its test split, validation where there is none; ``task.test_per_set``
-caps each), or a local ``.jsonl`` / ``.csv`` of ``{prompt, response}`` or
-``{question, choices, gold}``.
+caps each), a local ``.jsonl`` / ``.csv`` of ``{prompt, response}`` or
+``{question, choices, gold}``, or ``hub:<dataset>`` (the ``datasets`` library; a folder that
+``save_to_disk`` wrote too); ``task.columns`` maps those names to a file's or set's own columns.
 
 Model (``model.name``): ``smollm2`` (SmolLM2-135M-Instruct, packaged; the default),
 ``tiny-llama`` (tests) or any Hugging Face causal LM by name or path
@@ -57,7 +58,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from fedtune.config import ConfigError
 from fedtune.data import llm_text, prompting
@@ -91,6 +92,19 @@ class CausalLMOptions(TaskOptions):
         "answer", description="log-likelihood ranking of the trained answer format, or of the option texts"
     )
     generate: bool = Field(True, description="evaluate greedy generations too (ROUGE-L, extracted answers)")
+    columns: dict[str, str] | None = Field(
+        None,
+        description="hub sets and local files: the set's column for each of prompt, input, response, category "
+        "(free-form) or question, choices, gold (multiple choice)",
+    )
+
+    @field_validator("columns")
+    @classmethod
+    def _known_columns(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        unknown = sorted(set(value or {}) - set(llm_text.COLUMNS))
+        if unknown:
+            raise ValueError(f"unknown column {unknown[0]!r}; expected some of {', '.join(llm_text.COLUMNS)}")
+        return value
 
 
 @register_task
@@ -142,7 +156,8 @@ class CausalLM(Task):
         from fedtune.data.text import data_dir
 
         cfg = self.config.data
-        return llm_text.load_prompt_set(cfg, data_dir(cfg), self.options.sets, self.options.test_per_set)
+        opts = self.options
+        return llm_text.load_prompt_set(cfg, data_dir(cfg), opts.sets, opts.test_per_set, opts.columns)
 
     @property
     def label_names(self) -> list[str]:
