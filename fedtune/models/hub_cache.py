@@ -5,9 +5,10 @@ transformers and huggingface_hub have no table of local names for hub ids; offli
 cache (``$HF_HUB_CACHE``, by default ``$HF_HOME/hub``): ``models--<org>--<name>/refs/main`` names a
 snapshot, ``snapshots/<revision>/`` holds its files. :func:`link_packaged` writes such an entry
 for a model fedtune packages, from the packaged copy: MiniLM's package holds a Hugging Face
-folder, linked file by file (no copy); SmolLM2's holds a GGUF file, which transformers reads only
-when told its name, so its snapshot holds the model as fedtune loads it (de-quantized to float32,
-``model.safetensors``, about 540 MB) and its tokenizer. Then
+folder, linked file by file (no copy); SmolLM2's and Gemma-3-270M's hold a GGUF file, which
+transformers reads only when told its name, so their snapshot holds the model as fedtune loads it
+(de-quantized to float32, ``model.safetensors``: about 540 MB for SmolLM2, 1.1 GB for Gemma) and
+its tokenizer. Then
 ``AutoPeftModelForCausalLM.from_pretrained(adapter_dir)`` works as on a machine with a network,
 on the same weights the run trained on (the hub's own files are SmolLM2's bfloat16 originals,
 which the Q4_1 GGUF approximates: elsewhere the base differs from the run's by that much).
@@ -21,6 +22,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+from functools import partial
 from pathlib import Path
 
 from fedtune.config import ConfigError
@@ -53,24 +55,30 @@ def _write_minilm(snapshot: Path) -> str:
     return f"links to {source}"
 
 
-def _write_smollm2(snapshot: Path) -> str:
+def _write_gguf_lm(name: str, snapshot: Path) -> str:
+    """The packaged GGUF language model ``name`` (SmolLM2, Gemma-3-270M) as fedtune loads it."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from fedtune.models import prefix_lm as plm
 
-    model = plm.build_language_model(plm.SMOLLM2, 0, torch.float32)
+    model = plm.build_language_model(name, 0, torch.float32)
     config = model.config  # a model read from GGUF is marked quantized (not saveable): its weights, re-homed
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(model.state_dict())
     plain.save_pretrained(snapshot)
-    plm.load_lm_tokenizer(plm.SMOLLM2).save_pretrained(snapshot)
-    return f"{plm.SMOLLM2_FILE} of {plm.smollm2_dir()}, de-quantized to float32"
+    plm.load_lm_tokenizer(name).save_pretrained(snapshot)
+    source = plm.gguf_source(name)
+    return f"{source['gguf_file']} of {source['pretrained_model_name_or_path']}, de-quantized to float32"
 
 
-WRITERS = {"minilm": _write_minilm, "smollm2": _write_smollm2}
+WRITERS = {
+    "minilm": _write_minilm,
+    "smollm2": partial(_write_gguf_lm, "smollm2"),
+    "gemma3-270m": partial(_write_gguf_lm, "gemma3-270m"),
+}
 
 
 def link_packaged(hub: str, root: Path | None = None) -> Path | None:

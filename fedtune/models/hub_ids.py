@@ -16,6 +16,7 @@ from pathlib import Path
 #: fedtune model name -> the hub id of the model its package holds
 HUB_IDS: dict[str, str] = {
     "smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "gemma3-270m": "google/gemma-3-270m",
     "minilm": "sentence-transformers/all-MiniLM-L6-v2",
 }
 #: models built in code from the seed (tests): no hub id, no files

