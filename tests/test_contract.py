@@ -156,15 +156,17 @@ HONOURING = [
 ROBUST_HONOURING = ["fedavg", "fedit", "fedot", "fedpetuning", "fedpft"]
 #: ... and the model-scale options: the LoRA methods that touch the base only through the prepared
 #: workspace (fedtune.models.precision); quantization not by those that write merges into base weights;
-#: CoMMIT not a bfloat16 base (its kappa compares small changes of rounded predictions) nor a device.
+#: CoMMIT not a bfloat16 base (its kappa compares small changes of rounded predictions).
 SCALE_HONOURING = ["fedit", "fedstacklora", "flexlora", "fslora", "heterolora", "local"]
+#: ... and the device: those, and the methods whose own tensor code follows it (tests/test_device.py)
+DEVICE_HONOURING = sorted([*SCALE_HONOURING, "commit"])
 #: ... and client-level DP (fedtune.methods.base.privacy): the sums of clipped updates with uniform
 #: weights, replace-one sensitivity 2C (heterolora's zero-padded sum, FSLoRA's placed sketched uploads).
 PRIVACY_HONOURING = ["fedavg", "fedit", "fslora", "heterolora"]
 PINNED = {
     **dict.fromkeys(ROBUST_OPTIONS, ROBUST_HONOURING),
     "model.dtype": SCALE_HONOURING,
-    "device": SCALE_HONOURING,
+    "device": DEVICE_HONOURING,
     "train.gradient_checkpointing": sorted([*SCALE_HONOURING, "commit"]),
     "model.quantization": ["commit", "fedit", "fslora", "heterolora", "local"],
     "privacy.mode": PRIVACY_HONOURING,

@@ -83,3 +83,34 @@ def test_a_causal_lm_run_on_cuda_agrees_with_the_cpu(tmp_path, case):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=rtol)
         assert b["loss"] == pytest.approx(a["loss"], rel=rtol)
         assert abs(b["accuracy"] - a["accuracy"]) <= 0.25  # 8 questions: at most 2 flips near ties
+
+
+#: (method, task, extra overrides) of the methods whose own tensor code follows ``device``
+#: (tests/test_device.py checks the same cases on a simulated CUDA), and each one's tolerance.
+#: float32 on both sides; the GPU may use TF32 matmuls and other reduction orders, so after two
+#: rounds losses agree to 2 % relative. CoMMIT's kappa is a ratio of small distances between
+#: rounded predictions: 25 %.
+METHOD_CASES = [
+    ("commit", "instruction", (), 0.02),
+]
+
+
+@pytest.mark.parametrize(("method", "kind", "extra", "rtol"), METHOD_CASES)
+def test_a_method_run_on_cuda_agrees_with_the_cpu(tmp_path, method, kind, extra, rtol):
+    """A 2-round tiny run of the method (tests/conftest.py's ``tiny``) on CUDA and on the CPU."""
+    from tests.conftest import tiny
+
+    runs = {}
+    for device in ("cpu", "cuda"):
+        summary = run_experiment(tiny(tmp_path / device, method, kind, f"device={device}", *extra))
+        lines = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+        runs[device] = [json.loads(line) for line in lines]
+    assert len(runs["cuda"]) == len(runs["cpu"]) == 2
+    for a, b in zip(runs["cpu"], runs["cuda"]):
+        assert np.isfinite(b["loss"]) and np.isfinite(b["train_loss"])
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=rtol)
+        assert b["loss"] == pytest.approx(a["loss"], rel=rtol)
+        if a.get("kappa") is not None:
+            assert b["kappa"] == pytest.approx(a["kappa"], rel=0.25)
+    # the same arrays crossed (the JSON metadata prints numbers whose digits may differ)
+    assert runs["cuda"][-1]["bytes_up"] == pytest.approx(runs["cpu"][-1]["bytes_up"], rel=2e-3)

@@ -52,16 +52,20 @@ def restore_optimizer(
     optimizer: torch.optim.Optimizer, arrays: dict[str, np.ndarray], prefix: str = "optimizer/"
 ) -> None:
     """Load what :func:`optimizer_arrays` returned into a fresh ``optimizer`` over parameters of
-    the same shapes in the same order (its learning rates stay as built)."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    the same shapes in the same order (its learning rates stay as built). Each state tensor goes
+    to its parameter's device, except a step count that the optimizer keeps on the host (as
+    ``Optimizer.load_state_dict`` places it: unless ``capturable`` or ``fused``)."""
+    params = [(p, group) for group in optimizer.param_groups for p in group["params"]]
     for name, value in arrays.items():
         if not name.startswith(prefix):
             continue
         index, key = name[len(prefix) :].split("/", 1)
-        param = params[int(index)]
+        param, group = params[int(index)]
         tensor = torch.from_numpy(np.array(value))
         if tensor.dim() and tensor.shape != param.shape:
             raise ValueError(f"optimizer state {name!r}: shape {tuple(tensor.shape)}, parameter {tuple(param.shape)}")
+        if key != "step" or group.get("capturable") or group.get("fused"):
+            tensor = tensor.to(param.device)
         optimizer.state[param][key] = tensor
 
 

@@ -64,6 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from fedtune.models import prefix_lm as plm
+from fedtune.models.precision import model_device, to_device
 
 S, T = "encoder", "language_model"  # the task's parameter groups (Task.parameter_groups)
 METRICS = ("tv", "kl")
@@ -335,7 +336,10 @@ def train_coordinated(
     window: list[torch.Tensor] | None = None  # CD: the first component's weights at the window's start
     window_steps = 0
     model.eval()  # y_hat is the evaluation-mode prediction (module docstring)
+    device = model_device(model)
     for batch in batches:
+        if device.type != "cpu":  # host batches; eq. (5)'s norms call the embedding on them directly
+            batch = to_device(batch, device)
         row: dict[str, float | None] = dict.fromkeys(CURVES)
         if order is None:
             active = (S, T)

@@ -236,6 +236,6 @@ register(
     requires=(*LORA, ENCODER_LM),
     # a 4-bit base computes in float32 here; a bfloat16 base would round the predictions whose small
     # relative changes kappa compares (measured on the tiny task: kappa 1.91 vs 2.83 in float32)
-    supports=(*SERVER_STEP_AND_UPLOAD_CODEC, "model.quantization", "train.gradient_checkpointing"),
+    supports=(*SERVER_STEP_AND_UPLOAD_CODEC, "model.quantization", "train.gradient_checkpointing", "device"),
     description="CoMMIT and baselines (options.trainer: " + ", ".join(TRAINERS) + "); FedAvg of S and T",
 )
