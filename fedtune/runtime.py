@@ -96,8 +96,11 @@ class RunContext:
 
     @cached_property
     def model(self) -> torch.nn.Module:
-        """The task's base model, for methods that train it directly (no LoRA)."""
-        return self.task.build_model(self.config.seed)
+        """The task's base model, for methods that train it directly (no LoRA), on the run's
+        ``device`` (:func:`~fedtune.models.precision.place`)."""
+        from fedtune.models.precision import place
+
+        return place(self.task.build_model(self.config.seed), self.config.device)
 
     @cached_property
     def workspace(self):

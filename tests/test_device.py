@@ -1,8 +1,8 @@
 """``device`` on the methods' own tensor paths, without a GPU: each method runs with
 ``device = "cuda"`` on the simulated CUDA of :mod:`tests.virtual_device` (CUDA's device rules,
 the CPU's numbers) and must (a) do nothing CUDA refuses (a host tensor met by a device tensor,
-numpy of a device tensor, a CPU generator for a device draw) and (b) give exactly the numbers of
-the same run on the CPU, round by round (moving tensors changes no value and no seeded draw).
+numpy of a device tensor, a CPU generator for a device draw) and (b) give the numbers of the same
+run on the CPU, round by round, to rounding (moving tensors changes no value and no seeded draw).
 The real accelerator runs are in ``tests/test_gpu.py``."""
 
 from __future__ import annotations
@@ -25,6 +25,12 @@ DEVICE_CASES = [
     # centralized, the AdamW state carried across rounds (restored onto the device)
     ("commit", "instruction", ("federation.num_clients=1", "federation.clients_per_round=1",
                                "options.carry_optimizer=true", 'options.trainer="commit-clr"')),
+    # the model trained directly (RunContext.model on the device); episodes (a dataclass batch) and
+    # their evaluation; image normalization; classifier evaluation (a LoRA method's too)
+    ("fedavg", "few-shot", ()),
+    ("fedavg", "image-classification", ()),
+    ("fedavg", "paired-multimodal", ()),
+    ("fedit", "audio-classification", ()),
 ]  # fmt: skip
 #: what a round line holds that is not measured by the clock
 COMPARED = ("loss", "train_loss", "accuracy", "bytes_up", "bytes_down", "kappa", "lr_encoder", "lr_language_model")
@@ -73,7 +79,12 @@ def test_a_run_on_cuda_keeps_every_tensor_on_the_device_and_the_cpu_numbers(tmp_
         cuda = _run(tmp_path, method, kind, extra, "cuda")
     assert mode.errors == []
     assert len(cuda) == len(cpu) == 2 and all(np.isfinite(r["loss"]) for r in cuda)
-    assert cuda == cpu
+    # the same numbers, up to rounding: on a device AdamW takes its foreach path (another order of
+    # float operations; on the CPU the single-tensor one), so equal to 1e-5 relative, not bit for bit
+    for a, b in zip(cpu, cuda):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert b[key] == (pytest.approx(a[key], rel=1e-5) if isinstance(a[key], float) else a[key]), key
 
 
 @pytest.mark.parametrize(("method", "kind"), sorted({(m, k) for m, k, _ in DEVICE_CASES}))

@@ -92,6 +92,10 @@ def test_a_causal_lm_run_on_cuda_agrees_with_the_cpu(tmp_path, case):
 #: rounded predictions: 25 %.
 METHOD_CASES = [
     ("commit", "instruction", (), 0.02),
+    ("fedavg", "few-shot", (), 0.02),
+    ("fedavg", "image-classification", (), 0.02),
+    ("fedavg", "paired-multimodal", (), 0.02),
+    ("fedit", "audio-classification", (), 0.02),
 ]
 
 

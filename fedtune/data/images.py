@@ -294,17 +294,17 @@ _LUMA = (0.299, 0.587, 0.114)  # ITU-R 601
 def normalize_images(pixels: torch.Tensor, channels: int, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
     """uint8 (B, C, H, W) -> float32 (B, channels, H, W): scaled to [0, 1], grayscale repeated to 3
     channels or RGB reduced to luminance as ``channels`` asks, then ``(x - mean) / std`` per
-    channel (``mean`` / ``std`` of length 1 apply to every channel)."""
+    channel (``mean`` / ``std`` of length 1 apply to every channel), on the device of ``pixels``."""
     x = pixels.float().div_(255.0)
     c = x.shape[1]
     if c == 1 and channels == 3:
         x = x.expand(-1, 3, -1, -1)
     elif c == 3 and channels == 1:
-        x = (x * torch.tensor(_LUMA).reshape(1, 3, 1, 1)).sum(1, keepdim=True)
+        x = (x * torch.tensor(_LUMA, device=x.device).reshape(1, 3, 1, 1)).sum(1, keepdim=True)
     elif c != channels:
         raise ValueError(f"cannot turn {c}-channel images into {channels} channels")
-    mean_t = torch.tensor(mean, dtype=torch.float32).reshape(1, -1, 1, 1)
-    std_t = torch.tensor(std, dtype=torch.float32).reshape(1, -1, 1, 1)
+    mean_t = torch.tensor(mean, dtype=torch.float32, device=x.device).reshape(1, -1, 1, 1)
+    std_t = torch.tensor(std, dtype=torch.float32, device=x.device).reshape(1, -1, 1, 1)
     return (x - mean_t) / std_t
 
 

@@ -69,5 +69,5 @@ register(
     FedAvgStrategy,
     FedAvgClient,
     FedAvgOptions,
-    supports=(*WEIGHTED_SUM_OPTIONS, *PRIVACY_OPTIONS, *SECURE_AGGREGATION),
+    supports=(*WEIGHTED_SUM_OPTIONS, *PRIVACY_OPTIONS, *SECURE_AGGREGATION, "device"),
 )

@@ -30,6 +30,7 @@ was built (the default: the same numbers as before).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -156,9 +157,12 @@ def enable_gradient_checkpointing(model: nn.Module, name: str) -> None:
 
 
 def to_device(value: Any, device: torch.device) -> Any:
-    """``value`` with every tensor inside (dicts, lists, tuples) moved to ``device``."""
+    """``value`` with every tensor inside (dicts, lists, tuples, dataclass fields) moved to ``device``."""
     if isinstance(value, torch.Tensor):
         return value.to(device, non_blocking=True)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: to_device(getattr(value, f.name), device) for f in dataclasses.fields(value) if f.init}
+        return dataclasses.replace(value, **fields)
     if isinstance(value, dict):
         return {k: to_device(v, device) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -190,6 +194,24 @@ def _inputs_to(device: torch.device):
     return hook
 
 
+def follow_inputs(model: nn.Module, device: torch.device) -> nn.Module:
+    """A forward pre-hook on ``model`` moving every tensor of a call's arguments to ``device`` (an
+    accelerator; nothing on the CPU), so a task's host batches need no device code."""
+    if device.type != "cpu":
+        model.register_forward_pre_hook(_inputs_to(device), with_kwargs=True)
+    return model
+
+
+def place(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """``model`` on ``device`` (a name is resolved by :func:`resolve_device`), its calls' tensors
+    following it (:func:`follow_inputs`): for the models a method builds and trains directly (no
+    LoRA workspace). On the CPU the model is left exactly as it was (the same numbers)."""
+    device = resolve_device(device) if isinstance(device, str) else device
+    if device.type != "cpu":
+        model.to(device)
+    return follow_inputs(model, device)
+
+
 def prepare_base(model: nn.Module, config: RunConfig, keep: Iterable[str] = ()) -> nn.Module:
     """``model`` (a freshly built base) made ready as the module docstring says; ``keep``: the
     task's head modules (never cast or quantized)."""
@@ -212,8 +234,7 @@ def prepare_base(model: nn.Module, config: RunConfig, keep: Iterable[str] = ()) 
         from peft import prepare_model_for_kbit_training
 
         prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    if device.type != "cpu":
-        model.register_forward_pre_hook(_inputs_to(device), with_kwargs=True)
+    follow_inputs(model, device)
     if dtype != torch.float32:
         from transformers import PreTrainedModel
 

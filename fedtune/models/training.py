@@ -126,11 +126,14 @@ def evaluate_classifier(
     batches: Iterable[Any],
     forward: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
 ) -> dict[str, float]:
-    """Accuracy and mean cross-entropy over ``batches``; ``forward(model, batch)`` returns
-    (logits (B, C), labels (B,), the batch's mean loss)."""
+    """Accuracy and mean cross-entropy over ``batches`` (host batches, moved to the model's
+    device); ``forward(model, batch)`` returns (logits (B, C), labels (B,), the batch's mean loss)."""
     model.eval()
+    device = model_device(model)
     correct, loss_sum, n = 0, 0.0, 0
     for batch in batches:
+        if device.type != "cpu":
+            batch = to_device(batch, device)
         logits, labels, loss = forward(model, batch)
         labels = labels.to(logits.device)
         loss_sum += loss.item() * len(labels)

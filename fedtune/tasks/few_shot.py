@@ -71,6 +71,7 @@ from fedtune.models.fewshot import (
     linear_logits,
     prototype_head,
 )
+from fedtune.models.precision import model_device
 from fedtune.tasks.base import Task, TaskOptions, register_task
 from fedtune.tasks.bilevel_problems import HyperRepresentation
 
@@ -409,12 +410,14 @@ class FewShot(Task):
 
     @torch.no_grad()
     def _embed_all(self, model: FewShotNet, images: np.ndarray, batch_size: int) -> torch.Tensor:
+        device = model_device(model)
         return torch.cat(
-            [model.embed(as_tensor(images[i : i + batch_size])) for i in range(0, len(images), batch_size)]
+            [model.embed(as_tensor(images[i : i + batch_size]).to(device)) for i in range(0, len(images), batch_size)]
         )
 
     def _score(self, emb_s, labels_s, emb_q, labels_q, n_way) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-episode query accuracy and cross-entropy, (B,) each."""
+        """Per-episode query accuracy and cross-entropy, (B,) each (host labels follow the embeddings)."""
+        labels_s, labels_q = labels_s.to(emb_s.device), labels_q.to(emb_q.device)
         logits = linear_logits(emb_q, self.support_head(emb_s, labels_s, n_way, create_graph=False)).detach()
         acc = (logits.argmax(-1) == labels_q).float().mean(1)
         return acc, episode_cross_entropy(logits, labels_q)

@@ -193,7 +193,7 @@ class ImageClassification(Task):
 
         batches = ((images[i : i + batch_size], labels[i : i + batch_size]) for i in range(0, len(labels), batch_size))
         metrics = evaluate_classifier(model, batches, forward)
-        pred = torch.cat(predictions).numpy() if predictions else np.zeros(0, dtype=np.int64)
+        pred = torch.cat(predictions).cpu().numpy() if predictions else np.zeros(0, dtype=np.int64)
         metrics["balanced_accuracy"] = balanced_accuracy(labels.numpy(), pred)
         return metrics
 
