@@ -159,7 +159,7 @@ ROBUST_HONOURING = ["fedavg", "fedit", "fedot", "fedpetuning", "fedpft"]
 #: CoMMIT not a bfloat16 base (its kappa compares small changes of rounded predictions).
 SCALE_HONOURING = ["fedit", "fedstacklora", "flexlora", "fslora", "heterolora", "local"]
 #: ... and the device: those, and the methods whose own tensor code follows it (tests/test_device.py)
-DEVICE_HONOURING = sorted([*SCALE_HONOURING, "commit", "fedavg"])
+DEVICE_HONOURING = sorted(
 #: ... and client-level DP (fedtune.methods.base.privacy): the sums of clipped updates with uniform
 #: weights, replace-one sensitivity 2C (heterolora's zero-padded sum, FSLoRA's placed sketched uploads).
 PRIVACY_HONOURING = ["fedavg", "fedit", "fslora", "heterolora"]

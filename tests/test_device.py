@@ -31,6 +31,14 @@ DEVICE_CASES = [
     ("fedavg", "image-classification", ()),
     ("fedavg", "paired-multimodal", ()),
     ("fedit", "audio-classification", ()),
+    # bilevel: x, y, masks and episodes on the device; the implicit hypergradient (CG over
+    # Hessian-vector products), RAFBO's finite differences, loss tuning's data and weights
+    ("rabo", "few-shot", ()),
+    ("rafbo", "few-shot", ()),
+    ("fedmbo", "image-classification", ()),
+    # sub-models: sliced / masked tensors on the device, gradient masks, FIARSE's threshold
+    ("static", "image-classification", ()),
+    ("fiarse", "few-shot", ()),
 ]  # fmt: skip
 #: what a round line holds that is not measured by the clock
 COMPARED = ("loss", "train_loss", "accuracy", "bytes_up", "bytes_down", "kappa", "lr_encoder", "lr_language_model")

@@ -89,13 +89,21 @@ def test_a_causal_lm_run_on_cuda_agrees_with_the_cpu(tmp_path, case):
 #: (tests/test_device.py checks the same cases on a simulated CUDA), and each one's tolerance.
 #: float32 on both sides; the GPU may use TF32 matmuls and other reduction orders, so after two
 #: rounds losses agree to 2 % relative. CoMMIT's kappa is a ratio of small distances between
-#: rounded predictions: 25 %.
+#: rounded predictions: 25 %. Where a model has dropout, its masks come from the device's generator
+#: (seeded by the same torch.manual_seed, drawn differently), so the runs agree less closely.
 METHOD_CASES = [
     ("commit", "instruction", (), 0.02),
     ("fedavg", "few-shot", (), 0.02),
     ("fedavg", "image-classification", (), 0.02),
-    ("fedavg", "paired-multimodal", (), 0.02),
-    ("fedit", "audio-classification", (), 0.02),
+    # these two models have dropout, whose masks come from the device's generator (seeded alike,
+    # drawn differently): 10 %
+    ("fedavg", "paired-multimodal", (), 0.1),
+    ("fedit", "audio-classification", (), 0.1),
+    ("rabo", "few-shot", (), 0.02),
+    ("rafbo", "few-shot", (), 0.05),  # finite differences (mu = fd_mu) of TF32 forwards
+    ("fedmbo", "image-classification", (), 0.02),
+    ("static", "image-classification", (), 0.02),
+    ("fiarse", "few-shot", (), 0.02),
 ]
 
 

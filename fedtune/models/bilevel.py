@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedtune.models.precision import model_device
 from fedtune.models.structure import Structure
 
 Loss = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], torch.Tensor]
@@ -58,6 +59,11 @@ class BilevelProblem(ABC):
     def __init__(self, context: Any, options: Any) -> None:
         self.context, self.options = context, options
         self.config = context.config
+
+    @property
+    def device(self) -> torch.device:
+        """Where the shared model is (``device``): x, y, masks and batches are moved there."""
+        return model_device(self.context.model)
 
     @abstractmethod
     def initial(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

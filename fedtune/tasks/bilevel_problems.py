@@ -59,14 +59,15 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from fedtune.models.bilevel import BilevelProblem, Tensors, gradient_steps
+from fedtune.models.precision import to_device
 from fedtune.models.structure import CLIENT_SLOT, Member, Structure, structure_of
-from fedtune.models.tensors import load_tensors, trainable_tensors
+from fedtune.models.tensors import load_tensors, to_numpy, trainable_tensors
 from fedtune.models.training import seed_for
 
 
 def _model_tensors(model: torch.nn.Module, names: list[str]) -> dict[str, np.ndarray]:
     state = dict(model.named_parameters()) | dict(model.named_buffers())
-    return {n: state[n].detach().numpy().astype(np.float32).copy() for n in names}
+    return {n: to_numpy(state[n]).astype(np.float32, copy=False) for n in names}
 
 
 class HyperRepresentation(BilevelProblem):
@@ -114,7 +115,7 @@ class HyperRepresentation(BilevelProblem):
     def data(self, cid: int, rnd: int):
         rng = np.random.default_rng(seed_for(self.config.seed, rnd, cid, 0xB1))
         pool = self.context.partitions[cid]
-        return next(iter(self.context.task.train_batches(pool, self.episodes, 1, rng)))
+        return to_device(next(iter(self.context.task.train_batches(pool, self.episodes, 1, rng))), self.device)
 
     # -- the losses -------------------------------------------------------------------------------
     def embed(self, x: Tensors, images: torch.Tensor) -> torch.Tensor:
@@ -215,11 +216,14 @@ class LossTuning(BilevelProblem):
         train, val = self.split(cid)
         counts = np.bincount(self.context.task.train.labels[val], minlength=self.classes).astype(np.float32)
         weights = np.where(counts > 0, 1.0 / np.maximum(counts, 1), 0.0).astype(np.float32)
-        return {"train": train, "val": val, "weights": torch.from_numpy(weights), "cid": cid, "round": rnd}
+        weights = torch.from_numpy(weights).to(self.device)
+        return {"train": train, "val": val, "weights": weights, "cid": cid, "round": rnd}
 
     def _batches(self, data, pool: np.ndarray, steps: int, tag: int) -> list:
         rng = np.random.default_rng(seed_for(self.config.seed, data["round"], data["cid"], tag))
-        return list(self.context.task.train_batches(pool, self.config.train.batch_size, steps, rng))
+        return to_device(
+            list(self.context.task.train_batches(pool, self.config.train.batch_size, steps, rng)), self.device
+        )
 
     def inner_batches(self, data, steps):
         return self._batches(data, data["train"], steps, 0xA1)

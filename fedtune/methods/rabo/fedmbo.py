@@ -25,4 +25,4 @@ class FedMBOStrategy(BilevelStrategy):
     masked = False
 
 
-register("fedmbo", FedMBOStrategy, BilevelClient, ImplicitOptions, requires=BILEVEL)
+register("fedmbo", FedMBOStrategy, BilevelClient, ImplicitOptions, requires=BILEVEL, supports=("device",))

@@ -24,4 +24,4 @@ class FedRolexStrategy(SubmodelStrategy):
     policy = "rolling"
 
 
-register("fedrolex", FedRolexStrategy, SubmodelClient, SubmodelOptions)
+register("fedrolex", FedRolexStrategy, SubmodelClient, SubmodelOptions, supports=("device",))

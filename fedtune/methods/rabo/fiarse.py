@@ -32,6 +32,7 @@ from torch.nn.utils import parametrize
 
 from fedtune.methods.rabo.masks import SubModel, choose_units, magnitude_masks, submodel_of
 from fedtune.methods.rabo.submodel import SubmodelClient, SubmodelOptions, SubmodelStrategy
+from fedtune.models.precision import model_device
 from fedtune.protocol.messages import Message
 from fedtune.registry import register
 
@@ -112,7 +113,12 @@ class FiarseClient(SubmodelClient):
         masks, self.tau = magnitude_masks(values, names, int(message.meta["budget"]))
         self.masked = names
         sub = SubModel(masks)
-        return sub, {n: torch.as_tensor(np.asarray(v, dtype=np.float32)).clone() for n, v in values.items()}, False
+        device = model_device(self.context.model)
+        return (
+            sub,
+            {n: torch.as_tensor(np.asarray(v, dtype=np.float32)).clone().to(device) for n, v in values.items()},
+            False,
+        )
 
     def prepare(self, model, sub, physical, message) -> None:
         for name in self.masked:
@@ -125,4 +131,4 @@ class FiarseClient(SubmodelClient):
             parametrize.remove_parametrizations(model.get_submodule(owner), leaf, leave_parametrized=False)
 
 
-register("fiarse", FiarseStrategy, FiarseClient, SubmodelOptions)
+register("fiarse", FiarseStrategy, FiarseClient, SubmodelOptions, supports=("device",))

@@ -146,9 +146,12 @@ def take(arrays: Mapping[str, np.ndarray], sub: SubModel, names: Iterable[str] |
     return {n: np.ascontiguousarray(np.asarray(arrays[n])[sub.masks[n]]) for n in (names or arrays)}
 
 
-def expand(values: Mapping[str, np.ndarray], sub: SubModel, physical: bool) -> dict[str, torch.Tensor]:
+def expand(
+    values: Mapping[str, np.ndarray], sub: SubModel, physical: bool, device: torch.device | None = None
+) -> dict[str, torch.Tensor]:
     """The tensors a client computes with, from flat values at the mask: the sliced sub-tensors
-    (``physical``) or full-size tensors with the pruned entries zero (x (.) m)."""
+    (``physical``) or full-size tensors with the pruned entries zero (x (.) m), on ``device`` (the
+    model's; built on the host, then moved)."""
     out = {}
     for n, v in values.items():
         v = torch.as_tensor(np.asarray(v, dtype=np.float32))
@@ -158,6 +161,8 @@ def expand(values: Mapping[str, np.ndarray], sub: SubModel, physical: bool) -> d
             full = torch.zeros(sub.masks[n].shape)
             full[torch.from_numpy(sub.masks[n])] = v
             out[n] = full
+        if device is not None:
+            out[n] = out[n].to(device)
     return out
 
 

@@ -289,8 +289,8 @@ class BilevelClient(Client):
         return problem, submodel_of(structure, units), structure.physical
 
     @staticmethod
-    def _masks(sub: SubModel, names: list[str], physical: bool) -> dict[str, torch.Tensor] | None:
-        return None if physical else {n: torch.from_numpy(sub.masks[n]).float() for n in names}
+    def _masks(sub: SubModel, names: list[str], physical: bool, device: torch.device) -> dict[str, torch.Tensor] | None:
+        return None if physical else {n: torch.from_numpy(sub.masks[n]).float().to(device) for n in names}
 
     def fit(self, message: Message) -> Message:
         """Phase 1: T masked inner steps from y_q (.) m_y; upload G_q^i = (y_0 - y_T) / beta."""
@@ -298,13 +298,13 @@ class BilevelClient(Client):
         units = {k[len("units/") :]: v for k, v in message.arrays.items() if k.startswith("units/")}
         problem, sub, physical = self._setup(units)
         opts = self.options
-        x = expand({n: message.arrays[f"x/{n}"] for n in problem.outer}, sub, physical)
-        y0 = expand({n: message.arrays[f"y/{n}"] for n in problem.inner}, sub, physical)
+        x = expand({n: message.arrays[f"x/{n}"] for n in problem.outer}, sub, physical, problem.device)
+        y0 = expand({n: message.arrays[f"y/{n}"] for n in problem.inner}, sub, physical, problem.device)
         data = problem.data(self.cid, rnd)
         batches = problem.inner_batches(data, opts.inner_steps)
         params = [n for n in problem.inner if n not in problem.buffers]
         with _counting(opts.count_flops) as counter:
-            y_t = problem.inner_solve(x, y0, batches, opts.inner_lr, self._masks(sub, params, physical))
+            y_t = problem.inner_solve(x, y0, batches, opts.inner_lr, self._masks(sub, params, physical, problem.device))
         with torch.no_grad():
             loss = float(problem.g(x, {n: t.clone() for n, t in y_t.items()}, batches[-1]))
         grads = {n: (y0[n] - y_t[n]) / opts.inner_lr for n in params}
@@ -337,8 +337,8 @@ class BilevelClient(Client):
             raise RuntimeError(f"hypergradient phase of round {rnd} without this round's inner phase")
         units = {k[len("units/") :]: v for k, v in self.state.items() if k.startswith("units/")}
         problem, sub, physical = self._setup(units)
-        x = expand({n: self.state[f"x/{n}"] for n in problem.outer}, sub, physical)
-        y = expand({n: message.arrays[f"y/{n}"] for n in problem.inner}, sub, physical)
+        x = expand({n: self.state[f"x/{n}"] for n in problem.outer}, sub, physical, problem.device)
+        y = expand({n: message.arrays[f"y/{n}"] for n in problem.inner}, sub, physical, problem.device)
         data = problem.data(self.cid, rnd)
         with _counting(self.options.count_flops) as counter, second_order_kernels():
             hyper, outer_loss = self.hypergradient(problem, x, y, data, sub, physical, rnd)
@@ -374,7 +374,7 @@ class BilevelClient(Client):
         xs = [x[n].requires_grad_() for n in xn]
         ys = [y[n].requires_grad_() for n in yn]
         o = self.options
-        y_mask = None if physical else [torch.from_numpy(sub.masks[n]).float() for n in yn]
+        y_mask = None if physical else [torch.from_numpy(sub.masks[n]).float().to(problem.device) for n in yn]
         hyper, outer = implicit_hypergradient(
             bind(problem.g, xi),
             bind(problem.f, zeta),
@@ -417,7 +417,7 @@ class FiniteDifferenceClient(BilevelClient):
         # y_hat starts where phase 1 started (zero heads for per-episode y) or at y_{q+1}
         start = {n: (torch.zeros_like(t) if problem.reset_inner else t.detach().clone()) for n, t in y.items()}
         fixed_x = {n: x[n] for n in problem.outer if n in problem.buffers}
-        masks = self._masks(sub, yn, physical)
+        masks = self._masks(sub, yn, physical, problem.device)
 
         def inner_solve(xs):
             xd = {**{n: t.clone() for n, t in fixed_x.items()}, **dict(zip(xn, xs))}
@@ -440,5 +440,5 @@ class RafboStrategy(BilevelStrategy):
     """RAFBO: RABO with the second-order-free coordinate finite-difference hypergradient (Alg. 2)."""
 
 
-register("rabo", RaboStrategy, BilevelClient, RaboOptions, requires=BILEVEL)
-register("rafbo", RafboStrategy, FiniteDifferenceClient, RafboOptions, requires=BILEVEL)
+register("rabo", RaboStrategy, BilevelClient, RaboOptions, requires=BILEVEL, supports=("device",))
+register("rafbo", RafboStrategy, FiniteDifferenceClient, RafboOptions, requires=BILEVEL, supports=("device",))

@@ -21,4 +21,4 @@ class StaticStrategy(SubmodelStrategy):
     policy = "static"
 
 
-register("static", StaticStrategy, SubmodelClient, SubmodelOptions)
+register("static", StaticStrategy, SubmodelClient, SubmodelOptions, supports=("device",))

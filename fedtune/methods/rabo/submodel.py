@@ -40,6 +40,7 @@ from fedtune.methods.rabo.masks import (
     submodel_of,
     take,
 )
+from fedtune.models.precision import model_device
 from fedtune.models.structure import structure_of
 from fedtune.models.training import FitResult, train_local
 from fedtune.protocol.messages import Message
@@ -130,7 +131,7 @@ class SubmodelClient(UpdateClient):
         units = {k[len("units/") :]: v for k, v in message.arrays.items() if k.startswith("units/")}
         sub = submodel_of(structure, units)
         values = {k[len("x/") :]: v for k, v in message.arrays.items() if k.startswith("x/")}
-        return sub, expand(values, sub, structure.physical), structure.physical
+        return sub, expand(values, sub, structure.physical, model_device(self.context.model)), structure.physical
 
     def prepare(self, model: torch.nn.Module, sub: SubModel, physical: bool, message: Message) -> None:
         """Before training: zero-masked full-size tensors keep their pruned entries at zero."""
@@ -138,7 +139,7 @@ class SubmodelClient(UpdateClient):
             return
         for name, param in model.named_parameters():
             if name in sub.masks and param.requires_grad and not sub.masks[name].all():
-                mask = torch.from_numpy(sub.masks[name]).to(param.dtype)
+                mask = torch.from_numpy(sub.masks[name]).to(param.device, param.dtype)
                 param.register_hook(lambda g, m=mask: g * m)
 
     def finish(self, model: torch.nn.Module) -> None:
