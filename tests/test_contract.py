@@ -158,8 +158,11 @@ ROBUST_HONOURING = ["fedavg", "fedit", "fedot", "fedpetuning", "fedpft"]
 #: workspace (fedtune.models.precision); quantization not by those that write merges into base weights;
 #: CoMMIT not a bfloat16 base (its kappa compares small changes of rounded predictions).
 SCALE_HONOURING = ["fedit", "fedstacklora", "flexlora", "fslora", "heterolora", "local"]
+BOMM = ["bomm", "bomm-local", "bomm-mm-ac", "bomm-mm-local", "bomm-mm-uc", "bomm-vanilla"]
 #: ... and the device: those, and the methods whose own tensor code follows it (tests/test_device.py)
 DEVICE_HONOURING = sorted(
+    [*SCALE_HONOURING, "commit", "fedavg", "fedmbo", "fedrolex", "fiarse", "rabo", "rafbo", "static", *BOMM]
+)
 #: ... and client-level DP (fedtune.methods.base.privacy): the sums of clipped updates with uniform
 #: weights, replace-one sensitivity 2C (heterolora's zero-padded sum, FSLoRA's placed sketched uploads).
 PRIVACY_HONOURING = ["fedavg", "fedit", "fslora", "heterolora"]

@@ -104,6 +104,9 @@ METHOD_CASES = [
     ("fedmbo", "image-classification", (), 0.02),
     ("static", "image-classification", (), 0.02),
     ("fiarse", "few-shot", (), 0.02),
+    # BoMM's networks have dropout (the cloud classifier, the small models): 10 %
+    ("bomm", "paired-multimodal", (), 0.1),
+    ("bomm-mm-local", "paired-multimodal", (), 0.1),
 ]
 
 

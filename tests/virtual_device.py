@@ -13,7 +13,12 @@ which of them would be on the accelerator:
   indices), ``.numpy()`` / ``np.asarray`` of an accelerator tensor, a gradient assigned across
   devices, and a factory on the accelerator drawing from a CPU ``torch.Generator`` are what CUDA
   refuses: each is recorded (:attr:`VirtualCuda.errors`, with the innermost ``fedtune`` frame)
-  and raised as CUDA would raise it.
+  and raised as CUDA would raise it;
+- a model's compute (:data:`COMPUTE`: matrix products, convolutions, embeddings) on host tensors
+  only, outside ``fedtune/data`` (which prepares host batches) and a task's ``build_model`` (which
+  may probe a model before it is placed), is counted (:attr:`VirtualCuda.compute`,
+  :attr:`VirtualCuda.host_compute`): CUDA allows it, but a method that honours ``device`` runs its
+  networks there.
 
 Operations implemented in C++ beneath one Python call (autograd's accumulation, a kernel's
 internals) are not seen; their results are tagged through the Python calls that read them
@@ -35,6 +40,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 CUDA = torch.device("cuda", 0)
 HOST = torch.device("cpu")
+#: the calls that hold a model's compute (matrix products, convolutions, embeddings, attention)
+COMPUTE = {
+    "linear", "bilinear", "conv1d", "conv2d", "conv3d", "embedding", "matmul", "__matmul__", "mm", "bmm",
+    "addmm", "baddbmm", "einsum", "scaled_dot_product_attention",
+}  # fmt: skip
 #: calls CUDA allows across devices (copies, moves, indexing a device tensor with host indices)
 CROSS_DEVICE = {"copy_", "to", "cpu", "cuda", "__getitem__", "__setitem__", "_has_compatible_shallow_copy_type"}
 _CUDA_NAME = re.compile(r"cuda(:\d+)?")
@@ -47,6 +57,11 @@ def _name(func) -> str:
     return name
 
 
+def _building() -> bool:
+    """Inside a task's ``build_model`` (a model probed on the host before it is placed)."""
+    return any(f.name == "build_model" and "/fedtune/" in f.filename for f in traceback.extract_stack())
+
+
 def _is_cuda(value) -> bool:
     return (isinstance(value, torch.device) and value.type == "cuda") or (
         isinstance(value, str) and bool(_CUDA_NAME.fullmatch(value))
@@ -57,13 +72,19 @@ def _is_cpu(value) -> bool:
     return (isinstance(value, torch.device) and value.type == "cpu") or (isinstance(value, str) and value == "cpu")
 
 
+#: tensor -> True: "on the accelerator", for every mode (a model cached by the process stays there)
+ON_DEVICE = WeakIdKeyDictionary()
+
+
 class VirtualCuda(TorchFunctionMode):
     """The mode (see the module docstring); ``errors``: one line per refused call."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.on = WeakIdKeyDictionary()  # tensor -> True: "on the accelerator"
+        self.on = ON_DEVICE
         self.errors: list[str] = []
+        self.compute = {"cuda": 0, "cpu": 0}  # calls of COMPUTE on each side
+        self.host_compute: list[str] = []  # where compute ran on the host (first few)
 
     def tagged(self, t) -> bool:
         return isinstance(t, torch.Tensor) and t in self.on
@@ -73,9 +94,13 @@ class VirtualCuda(TorchFunctionMode):
             if isinstance(leaf, torch.Tensor):
                 self.on[leaf] = True
 
-    def refuse(self, message: str) -> None:
+    @staticmethod
+    def _where() -> str:
         frames = [f for f in traceback.extract_stack() if "/fedtune/" in f.filename]
-        where = f" at {frames[-1].filename.split('/fedtune/')[-1]}:{frames[-1].lineno}" if frames else ""
+        return f" at {frames[-1].filename.split('/fedtune/')[-1]}:{frames[-1].lineno}" if frames else ""
+
+    def refuse(self, message: str) -> None:
+        where = self._where()
         self.errors.append(message + where)
         raise RuntimeError(f"virtual cuda: {message}{where}")
 
@@ -95,6 +120,12 @@ class VirtualCuda(TorchFunctionMode):
         tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
         on = [t for t in tensors if self.tagged(t)]
         host = [t for t in tensors if not self.tagged(t) and t.dim() > 0]
+        if name in COMPUTE and tensors:
+            side, where = ("cuda" if on else "cpu"), self._where()
+            if not where.startswith(" at data/") and not _building():  # host batches, model construction
+                self.compute[side] += 1
+                if side == "cpu" and len(self.host_compute) < 5:
+                    self.host_compute.append(name + where)
         if on and host and name not in CROSS_DEVICE:
             if name == "__set__:grad":
                 self.refuse("assigned grad is on a different device than its parameter")

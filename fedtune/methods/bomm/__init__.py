@@ -75,4 +75,4 @@ METHODS = {
 }
 assert set(METHODS) == set(MODES)
 for _name, (_description, _server) in METHODS.items():
-    register(_name, _server, BommParty, BommOptions, _description, requires=(PAIRED,))
+    register(_name, _server, BommParty, BommOptions, _description, requires=(PAIRED,), supports=("device",))

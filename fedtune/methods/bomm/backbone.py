@@ -32,6 +32,8 @@ from torch import nn
 
 from fedtune.config import ConfigError
 from fedtune.models.audio import seeded
+from fedtune.models.precision import place
+from fedtune.models.tensors import to_numpy
 
 FEATURE_DIM = 1280
 BACKBONES = ("mobilenet-v2",)
@@ -60,7 +62,7 @@ class FrozenBackbone(nn.Module):
         uninterrupted one did."""
         out = []
         for i in range(0, len(x), batch_size):
-            b = x[i : i + batch_size].float()
+            b = x[i : i + batch_size].float().to(self.mean.device)  # host source tensors
             n = len(b)
             if n < batch_size:
                 b = torch.cat([b, b.new_zeros((batch_size - n, *b.shape[1:]))])
@@ -73,30 +75,32 @@ class FrozenBackbone(nn.Module):
                 b = (b - self.mean) / self.std
             b = F.interpolate(b, size=(self.size, self.size), mode="bilinear", align_corners=False)
             out.append(F.adaptive_avg_pool2d(self.trunk(b), 1).flatten(1)[:n])
-        return torch.cat(out) if out else torch.zeros(0, FEATURE_DIM)
+        return torch.cat(out) if out else torch.zeros(0, FEATURE_DIM, device=self.mean.device)
 
 
 _MODELS: dict[tuple[str, int], FrozenBackbone] = {}
 _CACHE: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
 
 
-def get_backbone(name: str, size: int) -> FrozenBackbone:
-    """The process's copy of backbone ``name`` at input side ``size`` (loaded once)."""
+def get_backbone(name: str, size: int, device: torch.device = torch.device("cpu")) -> FrozenBackbone:
+    """The process's copy of backbone ``name`` at input side ``size`` on ``device`` (loaded once)."""
     if name not in BACKBONES:
         raise ConfigError(f"options.backbone: expected one of {', '.join(BACKBONES)}, got {name!r}")
-    key = (name, size)
+    key = (name, size, str(device))
     if key not in _MODELS:
         # built under a fixed seed with the caller's RNG state restored: torchvision initializes the
         # layers randomly before the pretrained weights replace them, and that draw must not shift
         # the caller's random stream (a resumed run builds it in a later round than an uninterrupted one)
-        _MODELS[key] = seeded(0, lambda: FrozenBackbone(size))
+        _MODELS[key] = place(seeded(0, lambda: FrozenBackbone(size)), device)
     return _MODELS[key]
 
 
-def source_features(task: Any, split: int, modality: str, indices: np.ndarray, name: str, size: int) -> np.ndarray:
+def source_features(
+    task: Any, split: int, modality: str, indices: np.ndarray, name: str, size: int, device: torch.device
+) -> np.ndarray:
     """(len(indices), 1280) float32 phi-features of the task's ``split`` (0 train, 1 test) source
-    tensors ``task.tensors[split][modality]`` at ``indices``; each source item is encoded once per
-    process (cached on the task object)."""
+    tensors ``task.tensors[split][modality]`` at ``indices``, encoded on ``device``; each source
+    item is encoded once per process (cached on the task object, on the host)."""
     indices = np.asarray(indices, dtype=np.int64)
     source = task.tensors[split][modality]
     per_task = _CACHE.setdefault(task, {})
@@ -106,6 +110,6 @@ def source_features(task: Any, split: int, modality: str, indices: np.ndarray, n
     feats, done = per_task[key]
     todo = np.unique(indices[~done[indices]])
     if len(todo):
-        feats[todo] = get_backbone(name, size).encode(source[torch.from_numpy(todo)], modality).numpy()
+        feats[todo] = to_numpy(get_backbone(name, size, device).encode(source[torch.from_numpy(todo)], modality))
         done[todo] = True
     return feats[indices].copy()

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from fedtune.methods.bomm.backbone import FEATURE_DIM
 from fedtune.methods.bomm.pool import M, Pool
+from fedtune.models.precision import model_device
 
 
 def sample_tensors(zc: np.ndarray, mc: np.ndarray, samples: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,8 +56,9 @@ def train_classifier(
     out = {"cloud_samples": float(len(labeled)), "cloud_multi_view": float(sum(len(s) > 1 for s in labeled))}
     if not labeled or o.cloud_epochs == 0:
         return out
-    x, mask = sample_tensors(zc, mc, labeled)
-    y = torch.from_numpy(labels[labels >= 0])
+    dev = model_device(classifier)
+    x, mask = (t.to(dev) for t in sample_tensors(zc, mc, labeled))
+    y = torch.from_numpy(labels[labels >= 0]).to(dev)
     opt = torch.optim.Adam(classifier.parameters(), lr=o.cloud_lr)
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
@@ -64,7 +66,7 @@ def train_classifier(
     total = 0.0
     for _ in range(o.cloud_epochs):
         total = 0.0
-        order = torch.from_numpy(rng.permutation(len(y)))
+        order = torch.from_numpy(rng.permutation(len(y))).to(dev)
         for start in range(0, len(y), o.cloud_batch_size):
             idx = order[start : start + o.cloud_batch_size]
             loss = cloud_loss(classifier, x[idx], mask[idx], y[idx], unimodal_weight)

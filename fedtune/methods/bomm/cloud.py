@@ -59,7 +59,17 @@ from fedtune.data.paired import missing_modality
 from fedtune.methods.bomm.aligner import NoAlignment
 from fedtune.methods.bomm.backbone import FEATURE_DIM, source_features
 from fedtune.methods.bomm.classifier import train_classifier
-from fedtune.methods.bomm.common import CLOUD_INIT, CLOUD_TRAIN, Standardizer, load_module, module_arrays, party_metrics
+from fedtune.methods.bomm.common import (
+    CLOUD_INIT,
+    CLOUD_TRAIN,
+    Standardizer,
+    load_module,
+    module_arrays,
+    on,
+    party_metrics,
+    placed,
+    run_device,
+)
 from fedtune.methods.bomm.completer import NoCompletion, complete_rows
 from fedtune.methods.bomm.networks import CloudClassifier
 from fedtune.methods.bomm.options import CloudRows
@@ -67,6 +77,8 @@ from fedtune.methods.bomm.party import COMPLETE, scope_rows
 from fedtune.methods.bomm.pool import M, Pool, union_samples
 from fedtune.models.audio import seeded
 from fedtune.models.multimodal import MODALITY_NAMES
+from fedtune.models.precision import model_device
+from fedtune.models.tensors import to_numpy
 from fedtune.models.training import evaluate_classifier, seed_for
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
@@ -194,11 +206,15 @@ class BommCloud(BommServer):
     # -- setup ---------------------------------------------------------------------------------
     def _build(self) -> None:
         o, seed, task = self.options, self.config.seed, self.context.task
-        self.classifier = seeded(
-            seed_for(seed, CLOUD_INIT),
-            lambda: CloudClassifier(task.num_labels, FEATURE_DIM, M, o.cloud_hidden, o.cloud_embed),
+        self.classifier = placed(
+            seeded(
+                seed_for(seed, CLOUD_INIT),
+                lambda: CloudClassifier(task.num_labels, FEATURE_DIM, M, o.cloud_hidden, o.cloud_embed),
+            ),
+            self.config,
         )
-        self.generator = self.completer.build(o, seed)
+        generator = self.completer.build(o, seed)
+        self.generator = None if generator is None else placed(generator, self.config)
         self.outgoing: dict[int, Message] = {}
         self._stats: tuple[tuple, Standardizer] | None = None
 
@@ -302,7 +318,8 @@ class BommCloud(BommServer):
             for mod, encoder in enumerate(classifier.encoders):
                 rows = np.flatnonzero(mask[:, mod])
                 if len(rows):
-                    out[rows, mod] = encoder(torch.from_numpy(np.asarray(x[rows, mod], np.float32))).numpy()
+                    inputs = on(np.asarray(x[rows, mod], np.float32), model_device(classifier))
+                    out[rows, mod] = to_numpy(encoder(inputs))
             return out
 
         return embed
@@ -345,6 +362,7 @@ class BommCloud(BommServer):
                     test.image_index if name == "image" else test.audio_index,
                     o.backbone,
                     o.backbone_size,
+                    run_device(self.config),
                 )
                 for name in MODALITY_NAMES
             ],
@@ -371,8 +389,9 @@ class BommCloud(BommServer):
         bs = self.config.train.eval_batch_size
 
         def forward(model, idx):
-            fused, _ = model(x[idx], m[idx])
-            return fused, y[idx], F.cross_entropy(fused, y[idx])
+            fused, _ = model(x[idx], m[idx])  # host rows: the classifier's pre-hook moves them
+            labels = y[idx].to(fused.device)
+            return fused, labels, F.cross_entropy(fused, labels)
 
         result = evaluate_classifier(
             self.classifier, (np.arange(i, min(i + bs, len(y))) for i in range(0, len(y), bs)), forward

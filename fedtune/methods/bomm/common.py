@@ -12,6 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from fedtune.methods.bomm.completion import generator_loss
+from fedtune.models import precision
+from fedtune.models.precision import model_device
+from fedtune.models.tensors import to_numpy
 from fedtune.models.training import seed_for
 from fedtune.protocol.messages import Message
 
@@ -89,8 +92,9 @@ def fit_generator(
         return {}
     before = copy.deepcopy(gen).eval() if preference else None
     ref = (reference or before).eval() if preference else None
-    src, tgt = torch.from_numpy(np.asarray(source, np.float32)), torch.from_numpy(np.asarray(target, np.int64))
-    gp, sm = torch.from_numpy(np.asarray(g_p, np.float32)), torch.from_numpy(np.asarray(sim, np.float32))
+    dev = model_device(gen)
+    src, tgt = on(np.asarray(source, np.float32), dev), on(np.asarray(target, np.int64), dev)
+    gp, sm = on(np.asarray(g_p, np.float32), dev), on(np.asarray(sim, np.float32), dev)
     opt = torch.optim.Adam(gen.parameters(), lr=lr)
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
@@ -99,8 +103,8 @@ def fit_generator(
         totals: dict[str, float] = {}
         order = rng.permutation(n)
         for start in range(0, n, batch_size):
-            idx = torch.from_numpy(order[start : start + batch_size])
-            loss = torch.zeros(())
+            idx = on(order[start : start + batch_size], dev)
+            loss = torch.zeros((), device=dev)
             for t in (0, 1):
                 sel = idx[tgt[idx] == t]
                 if len(sel) == 0:
@@ -130,7 +134,22 @@ def generate(gen: torch.nn.Module, source: np.ndarray, target: int) -> np.ndarra
     gen.eval()
     if len(source) == 0:
         return np.zeros((0, source.shape[-1]), np.float32)
-    return gen(torch.from_numpy(np.asarray(source, np.float32)), target).numpy()
+    return to_numpy(gen(on(np.asarray(source, np.float32), model_device(gen)), target))
+
+
+def on(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array as a tensor on ``device`` (the network's that reads it)."""
+    return torch.from_numpy(array).to(device)
+
+
+def run_device(config) -> torch.device:
+    """The run's ``device`` (:func:`fedtune.models.precision.resolve_device`)."""
+    return precision.resolve_device(config.device)
+
+
+def placed(module: torch.nn.Module, config) -> torch.nn.Module:
+    """A network BoMM builds, on the run's ``device`` (:func:`fedtune.models.precision.place`)."""
+    return precision.place(module, run_device(config))
 
 
 def party_seed(seed: int, cid: int) -> int:

@@ -53,7 +53,7 @@ class CloudClassifier(nn.Module):
         columns = []
         for mod, encoder in enumerate(self.encoders):
             where = torch.nonzero(mask[:, :, mod], as_tuple=True)
-            col = torch.zeros(b, v, self.embed_dim, dtype=torch.float32)
+            col = torch.zeros(b, v, self.embed_dim, dtype=torch.float32, device=x.device)
             if len(where[0]):
                 col = col.index_put(where, encoder(x[:, :, mod][where]))
             columns.append(col)

@@ -60,13 +60,18 @@ from fedtune.methods.bomm.common import (
     generate,
     load_module,
     module_arrays,
+    on,
     party_seed,
+    placed,
+    run_device,
 )
 from fedtune.methods.bomm.networks import Adapters, Generator
 from fedtune.methods.bomm.options import MODES, Mode
 from fedtune.methods.bomm.scheduler import SampleScheduler, batch_level_reward, sample_level_reward
 from fedtune.models.audio import seeded
 from fedtune.models.multimodal import MODALITY_NAMES
+from fedtune.models.precision import model_device, to_device
+from fedtune.models.tensors import to_numpy
 from fedtune.models.training import evaluate_classifier, make_optimizer, seed_for, train_mode
 from fedtune.protocol.client import Client
 from fedtune.protocol.messages import Message
@@ -125,36 +130,47 @@ class BommParty(Client):
             if present.any():
                 source = train.image_index if name == "image" else train.audio_index
                 out[present, m] = source_features(
-                    self.task, 0, name, source[self.rows[local[present]]], o.backbone, o.backbone_size
+                    self.task, 0, name, source[self.rows[local[present]]], o.backbone, o.backbone_size, self.device
                 )
         return out
 
     def test_features(self, modality: int) -> np.ndarray:
         test, o = self.task.test, self.options
         source = test.image_index if MODALITY_NAMES[modality] == "image" else test.audio_index
-        return source_features(self.task, 1, MODALITY_NAMES[modality], source, o.backbone, o.backbone_size)
+        return source_features(self.task, 1, MODALITY_NAMES[modality], source, o.backbone, o.backbone_size, self.device)
+
+    @property
+    def device(self) -> torch.device:
+        return run_device(self.config)
 
     # -- networks ------------------------------------------------------------------------------
     def networks(self):
         """(small model, adapters or None, scheduler or None, local generator or None), from the
         party's state (fresh, seeded per party, on first use)."""
         o, seed = self.options, party_seed(self.config.seed, self.cid)
-        sm = self.task.build_model(seed)
+        sm = placed(self.task.build_model(seed), self.config)
         load_module(sm, self.state, "sm.")
         adapters = sched = gen = None
         if self.mode.completion != "none":
-            adapters = seeded(seed + 1, lambda: Adapters(FEATURE_DIM, sm.embed_dim))
+            adapters = placed(seeded(seed + 1, lambda: Adapters(FEATURE_DIM, sm.embed_dim)), self.config)
             load_module(adapters, self.state, "ad.")
         if self.mode.scheduler and o.scheduler:
             in_dim = 3 * sm.embed_dim + self.task.num_labels
-            sched = seeded(
-                seed_for(self.config.seed, SCHEDULER_INIT, self.cid),
-                lambda: SampleScheduler(in_dim, o.scheduler_hidden),
+            sched = placed(
+                seeded(
+                    seed_for(self.config.seed, SCHEDULER_INIT, self.cid),
+                    lambda: SampleScheduler(in_dim, o.scheduler_hidden),
+                ),
+                self.config,
             )
             load_module(sched, self.state, "sc.")
         if self.mode.completion == "local":
-            gen = seeded(
-                seed_for(self.config.seed, GENERATOR_INIT, self.cid), lambda: Generator(FEATURE_DIM, o.generator_hidden)
+            gen = placed(
+                seeded(
+                    seed_for(self.config.seed, GENERATOR_INIT, self.cid),
+                    lambda: Generator(FEATURE_DIM, o.generator_hidden),
+                ),
+                self.config,
             )
             load_module(gen, self.state, "gen.")
         return sm, adapters, sched, gen
@@ -256,21 +272,23 @@ class BommParty(Client):
         ds = self.task.train if ds is None else ds
         rows = self.rows[local] if split == 0 and ds is self.task.train else local
         inputs, _ = self.task.batch(ds, self.task.tensors[split], rows)  # the task's labels are not used
+        dev = model_device(sm)
+        inputs = to_device(inputs, dev)
         emb = sm.embed(inputs["image"], inputs["audio"], inputs["mask"])
         real = inputs["mask"]
         mask = real
         if use.any():
             idx = np.flatnonzero(use)
             mods = gen_mod[idx]
-            adapted = torch.zeros(len(idx), emb.shape[-1])
+            adapted = torch.zeros(len(idx), emb.shape[-1], device=dev)
             for m in np.unique(mods):
                 sel = mods == m
                 adapted = adapted.index_put(
-                    (torch.from_numpy(np.flatnonzero(sel)),), adapters(torch.from_numpy(gen[idx[sel]]), int(m))
+                    (on(np.flatnonzero(sel), dev),), adapters(on(np.asarray(gen[idx[sel]]), dev), int(m))
                 )
-            where = (torch.from_numpy(idx), torch.from_numpy(mods))
+            where = (on(idx, dev), on(mods, dev))
             emb = emb.index_put(where, adapted)
-            mask = mask.index_put(where, torch.ones(len(idx), dtype=torch.bool))
+            mask = mask.index_put(where, torch.ones(len(idx), dtype=torch.bool, device=dev))
         fused = sm.fuse(emb, mask)
         return sm.classifier(sm.dropout(fused)), emb, fused, real
 
@@ -288,13 +306,13 @@ class BommParty(Client):
     def adapter_loss(self, adapters, local: np.ndarray, emb: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """Mean over modalities of the squared error between adapter(phi(x^m)) and the encoder's
         detached embedding of x^m, on the batch's real modalities."""
-        phi = torch.from_numpy(self.features(local))
+        phi = on(self.features(local), emb.device)
         parts = []
         for m in range(real.shape[1]):
             rows = real[:, m]
             if rows.any():
                 parts.append(F.mse_loss(adapters(phi[rows, m], m), emb[rows, m].detach()))
-        return torch.stack(parts).mean() if parts else torch.zeros(())
+        return torch.stack(parts).mean() if parts else torch.zeros((), device=emb.device)
 
     def train_sm(self, rnd: int, labels: np.ndarray, completions) -> dict:
         """``train.local_steps`` updates of the small model (and adapters) on the rows with a label
@@ -333,7 +351,7 @@ class BommParty(Client):
             has = gi >= 0
             feat_b = gen_feat[np.maximum(gi, 0)] if len(gen_feat) else np.zeros((len(local), FEATURE_DIM), np.float32)
             mod_b = gen_mod[np.maximum(gi, 0)] if len(gen_mod) else np.zeros(len(local), np.int64)
-            y = torch.from_numpy(labels[local])
+            y = on(labels[local], model_device(sm))
             use = has.copy()
             if scheduling:
                 if has.any() or pending is not None:
@@ -342,7 +360,7 @@ class BommParty(Client):
                         logits_all, emb_all, fused_all, _ = self.forward(sm, adapters, local, has, feat_b, mod_b)
                         ce_all = F.cross_entropy(logits_all, y, reduction="none")
                         xbar = torch.cat([emb_all.flatten(1), fused_all, logits_all.softmax(-1)], dim=1)
-                    h = torch.from_numpy(has)
+                    h = on(has, y.device)
                     if pending is not None:
                         rewards = pending[1] + batch_level_reward(pending[2], ce_all[h])
                         sched.update(pending[0], rewards, opt_p, opt_q)
@@ -352,7 +370,7 @@ class BommParty(Client):
                     if b == steps:  # the extra batch only measures Q for the last update
                         break
                     if has.any():
-                        chosen = sched.select(xbar[h], o.lam, o.mu).numpy()
+                        chosen = to_numpy(sched.select(xbar[h], o.lam, o.mu))
                         use[has] = chosen
                         stats["completed"] += int(has.sum())
                         stats["selected"] += int(chosen.sum())
@@ -444,7 +462,7 @@ class BommParty(Client):
                 ds=ds,
                 split=1,
             )
-            labels = torch.from_numpy(ds.labels[idx])
+            labels = on(ds.labels[idx], logits.device)
             return logits, labels, F.cross_entropy(logits, labels)
 
         adapters.eval()
