@@ -161,7 +161,21 @@ SCALE_HONOURING = ["fedit", "fedstacklora", "flexlora", "fslora", "heterolora", 
 BOMM = ["bomm", "bomm-local", "bomm-mm-ac", "bomm-mm-local", "bomm-mm-uc", "bomm-vanilla"]
 #: ... and the device: those, and the methods whose own tensor code follows it (tests/test_device.py)
 DEVICE_HONOURING = sorted(
-    [*SCALE_HONOURING, "commit", "fedavg", "fedmbo", "fedrolex", "fiarse", "rabo", "rafbo", "static", *BOMM]
+    [
+        *SCALE_HONOURING,
+        "commit",
+        "fedavg",
+        "fedmbo",
+        "fedrolex",
+        "fiarse",
+        "rabo",
+        "rafbo",
+        "static",
+        *BOMM,
+        "fedot",
+        "fedpetuning",
+        "fedpft",
+    ]
 )
 #: ... and client-level DP (fedtune.methods.base.privacy): the sums of clipped updates with uniform
 #: weights, replace-one sensitivity 2C (heterolora's zero-padded sum, FSLoRA's placed sketched uploads).

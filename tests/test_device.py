@@ -43,6 +43,12 @@ DEVICE_CASES = [
     # (preference completion), alignment and the scheduler; MM-LOCAL: a party's own generator
     ("bomm", "paired-multimodal", ()),
     ("bomm-mm-local", "paired-multimodal", ()),
+    # FedPFT: the proxy cut from the model on the device, layer-level distillation before FL, APoZ
+    # counting and neuron-level distillation in round 1, the neuron deltas clients load in round 2;
+    # FedOT's emulator (tiny-llama has middle layers) and plug-back; FedPETuning
+    ("fedpft", "text-classification", ("options.align_interval=1", "options.align_steps=2")),
+    ("fedot", "instruction", ()),
+    ("fedpetuning", "text-classification", ()),
 ]  # fmt: skip
 #: what a round line holds that is not measured by the clock
 COMPARED = ("loss", "train_loss", "accuracy", "bytes_up", "bytes_down", "kappa", "lr_encoder", "lr_language_model")

@@ -107,6 +107,10 @@ METHOD_CASES = [
     # BoMM's networks have dropout (the cloud classifier, the small models): 10 %
     ("bomm", "paired-multimodal", (), 0.1),
     ("bomm-mm-local", "paired-multimodal", (), 0.1),
+    # the proxy methods on the tiny BERT (dropout: 10 %) and tiny-llama (none)
+    ("fedpft", "text-classification", ("options.align_interval=1", "options.align_steps=2"), 0.1),
+    ("fedot", "instruction", (), 0.02),
+    ("fedpetuning", "text-classification", (), 0.1),
 ]
 
 

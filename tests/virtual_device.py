@@ -45,6 +45,8 @@ COMPUTE = {
     "linear", "bilinear", "conv1d", "conv2d", "conv3d", "embedding", "matmul", "__matmul__", "mm", "bmm",
     "addmm", "baddbmm", "einsum", "scaled_dot_product_attention",
 }  # fmt: skip
+#: calls that read only the shape of their tensor argument
+SHAPE_OF = {"expand_as", "view_as", "reshape_as"}
 #: calls CUDA allows across devices (copies, moves, indexing a device tensor with host indices)
 CROSS_DEVICE = {"copy_", "to", "cpu", "cuda", "__getitem__", "__setitem__", "_has_compatible_shallow_copy_type"}
 _CUDA_NAME = re.compile(r"cuda(:\d+)?")
@@ -118,6 +120,8 @@ class VirtualCuda(TorchFunctionMode):
         to_cpu = any(_is_cpu(v) for v in leaves)
         args, kwargs = pytree.tree_map(lambda v: HOST if _is_cuda(v) else v, (args, kwargs))
         tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+        if name in SHAPE_OF:  # reads only the other tensor's shape: the output is where self is
+            tensors = tensors[:1]
         on = [t for t in tensors if self.tagged(t)]
         host = [t for t in tensors if not self.tagged(t) and t.dim() > 0]
         if name in COMPUTE and tensors:

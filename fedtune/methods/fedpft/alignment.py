@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from fedtune.methods.fedpft.distill import DistillPairs, distill, distill_error
-from fedtune.methods.fedpft.support import progress, public_source
+from fedtune.methods.fedpft.support import progress, public_source, task_model
 
 
 class ProxyAligner:
@@ -51,7 +51,7 @@ class ProxyAligner:
     def teacher(self) -> torch.nn.Module:
         """The full model without any adapter (the server's, when not yet wrapped by LoRA)."""
         ws = self.context.workspace
-        return ws.base if ws.model is None else self.context.task.build_model(self.config.seed)
+        return ws.base if ws.model is None else task_model(self.context)
 
     def run_distillation(
         self, pairs: DistillPairs, params: list, steps: int, stream: int, label: str, masks: dict | None = None

@@ -190,7 +190,8 @@ def count_zero_activations(
     a <= 0 exactly when the pre-activation is <= 0 (the neuron is off). Gated FFNs: the gate's
     activation. The model runs in eval mode up to ``last_layer``."""
     model.eval()
-    zeros = [torch.zeros(f.width, dtype=torch.int64) for f in ffns]
+    device = next(model.parameters()).device
+    zeros = [torch.zeros(f.width, dtype=torch.int64, device=device) for f in ffns]
     tokens = [0] * len(ffns)
     mask_of_batch: list[torch.Tensor | None] = [None]
 

@@ -37,8 +37,9 @@ from fedtune.methods.fedpft.construction import ProxyBuilder
 from fedtune.methods.fedpft.distill import DistillPairs
 from fedtune.methods.fedpft.ffn_proxy import ProxyShape, find_stack, keep_layers, uniform_choose
 from fedtune.methods.fedpft.proxy import ProxyClient, ProxyOptions, ProxyStrategy
-from fedtune.methods.fedpft.support import ModelTask, load_tensors, lora_target_modules, state_tensors
+from fedtune.methods.fedpft.support import ModelTask, load_tensors, lora_target_modules, state_tensors, task_model
 from fedtune.models.lora import LoraWorkspace
+from fedtune.models.tensors import to_numpy
 from fedtune.registry import register
 
 
@@ -111,7 +112,7 @@ class LayerDropBuilder(ProxyBuilder):
 
     def construct(self):
         o = self.options
-        model = self.context.task.build_model(self.config.seed)
+        model = task_model(self.context)
         full_params = sum(p.numel() for p in model.parameters())
         self.n_layers = len(find_stack(model))
         self.keep = layer_plan(self.n_layers, o.adapter_bottom, o.adapter_top, o.emulator_layers)
@@ -143,7 +144,7 @@ class LayerDropBuilder(ProxyBuilder):
         self.n_layers = int(state["n_layers"])
 
     def rebuild(self, state: dict) -> torch.nn.Module:
-        model = self.context.task.build_model(self.config.seed)
+        model = task_model(self.context)
         keep_layers(model, self.keep)
         load_tensors(state_tensors(model), state["emulator"], strict=False)
         return model
@@ -151,7 +152,7 @@ class LayerDropBuilder(ProxyBuilder):
     def describe(self) -> dict:
         path = find_stack(self.proxy).path
         inside = tuple(f"{path}.{i}." for i in self.emulator_positions)
-        emulator = {k: t.detach().numpy().copy() for k, t in self.clean_tensors.items() if k.startswith(inside)}
+        emulator = {k: to_numpy(t) for k, t in self.clean_tensors.items() if k.startswith(inside)}
         return {"layers": np.asarray(self.keep, dtype=np.int64), "n_layers": self.n_layers, "emulator": emulator}
 
     @property
@@ -226,5 +227,5 @@ register(
     FedOTClient,
     FedOTOptions,
     requires=(*LORA, "transformer"),
-    supports=WEIGHTED_SUM_OPTIONS,
+    supports=(*WEIGHTED_SUM_OPTIONS, "device"),
 )

@@ -48,5 +48,5 @@ register(
     FedPETuningClient,
     FedITOptions,
     requires=LORA,
-    supports=WEIGHTED_SUM_OPTIONS,
+    supports=(*WEIGHTED_SUM_OPTIONS, "device"),
 )

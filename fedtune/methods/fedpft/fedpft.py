@@ -88,7 +88,8 @@ from fedtune.methods.fedpft.proxy import (
     RoundAlignment,
     check_layers,
 )
-from fedtune.methods.fedpft.support import load_tensors, lora_target_modules, state_tensors
+from fedtune.methods.fedpft.support import load_tensors, lora_target_modules, state_tensors, task_model
+from fedtune.models.tensors import to_numpy
 from fedtune.models.training import seed_for
 from fedtune.protocol.messages import Message
 from fedtune.protocol.validation import ArraySpec
@@ -155,8 +156,8 @@ def select_neurons(apoz: np.ndarray, fraction: float, rng: np.random.Generator) 
 def neuron_masks(stack: Stack, i: int, selected: np.ndarray) -> dict[torch.nn.Parameter, torch.Tensor]:
     """Which entries of layer ``i``'s FFN parameters belong to the ``selected`` neurons (b2: all)."""
     ffn = stack.ffn(i)
-    sel = torch.zeros(ffn.width, dtype=torch.bool)
-    sel[torch.as_tensor(selected, dtype=torch.long)] = True
+    sel = torch.zeros(ffn.width, dtype=torch.bool, device=ffn.up.weight.device)
+    sel[torch.as_tensor(selected, dtype=torch.long, device=sel.device)] = True
     masks = {
         ffn.up.weight: sel[:, None].expand_as(ffn.up.weight).clone(),
         ffn.down.weight: sel[None, :].expand_as(ffn.down.weight).clone(),
@@ -183,7 +184,7 @@ def neuron_delta(stack: Stack, i: int, idx: np.ndarray) -> dict[str, np.ndarray]
     out = {f"{DELTA}{i}/idx": idx.astype(np.int32)}
     for part in stack.param_names(i):
         module, pname = part.split(".")
-        a = getattr(getattr(ffn, module), pname).detach().numpy()
+        a = to_numpy(getattr(getattr(ffn, module), pname))
         axis = DELTA_AXES[part]
         out[f"{DELTA}{i}/{part}"] = a.copy() if axis is None else np.take(a, idx, axis=axis)
     return out
@@ -220,10 +221,10 @@ class CompressedFfnBuilder(ProxyBuilder):
 
     def construct(self):
         o = self.options
-        model = self.context.task.build_model(self.config.seed)
+        model = task_model(self.context)
         full_params = sum(p.numel() for p in model.parameters())
         self.layers = compressed_layers(len(find_stack(model)), o.retained_layers)
-        self.kept = {i: idx.numpy() for i, idx in compress_ffns(model, self.layers, o.keep_ratio).items()}
+        self.kept = {i: to_numpy(idx) for i, idx in compress_ffns(model, self.layers, o.keep_ratio).items()}
         self.check_targets(model)
         record = {
             "layers": self.layers,
@@ -268,7 +269,7 @@ class CompressedFfnBuilder(ProxyBuilder):
         }
 
     def rebuild(self, state: dict) -> torch.nn.Module:
-        model = self.context.task.build_model(self.config.seed)
+        model = task_model(self.context)
         stack = find_stack(model)
         for i, idx in self.kept.items():
             shrink_ffn(stack, i, torch.as_tensor(idx))
@@ -277,11 +278,7 @@ class CompressedFfnBuilder(ProxyBuilder):
 
     def describe(self) -> dict:
         stack = find_stack(self.proxy)
-        ffn = {
-            name: self.clean_tensors[name].detach().numpy().copy()
-            for i in self.layers
-            for name in stack.param_names(i).values()
-        }
+        ffn = {name: to_numpy(self.clean_tensors[name]) for i in self.layers for name in stack.param_names(i).values()}
         return {
             "layers": np.asarray(self.layers, dtype=np.int64),
             "kept": {str(i): v for i, v in self.kept.items()},
@@ -459,7 +456,7 @@ class FedPFTClient(ProxyClient):
             self.context.task.loss,
             self.options.apoz_threshold,
         )
-        out = {f"{APOZ}{i}": z.numpy().astype(np.int32) for i, z in zip(layers, zeros)}
+        out = {f"{APOZ}{i}": to_numpy(z).astype(np.int32) for i, z in zip(layers, zeros)}
         out[TOKENS] = np.asarray(tokens, dtype=np.int64)
         return out
 
@@ -470,5 +467,5 @@ register(
     FedPFTClient,
     FedPFTOptions,
     requires=(*LORA, "transformer"),
-    supports=WEIGHTED_SUM_OPTIONS,
+    supports=(*WEIGHTED_SUM_OPTIONS, "device"),
 )

@@ -65,6 +65,7 @@ from fedtune.methods.fedpft.support import (
     memory_metrics,
     size_metrics,
     state_tensors,
+    task_model,
     train_lora,
 )
 from fedtune.models.lora import LoraWorkspace
@@ -305,7 +306,8 @@ class ProxyClient(UpdateClient):
         """LoRA on the skeleton, holding proxy ``version``."""
         store = self.store
         if store.get("skeleton") is None:
-            model = apply_shape(self.context.task.build_model(self.config.seed), store["shape"])
+            # on its device before its live tensors are taken (a move replaces buffer objects)
+            model = apply_shape(task_model(self.context), store["shape"])
             store["tensors"], store["stack"] = state_tensors(model), find_stack(model)
             targets = self.proxy_targets(model)
             store["skeleton"] = LoraWorkspace(ModelTask(self.context.task, lambda: model, targets), self.config.seed)

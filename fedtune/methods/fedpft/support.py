@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from fedtune.config import ConfigError, RunConfig
+from fedtune.models import precision
 from fedtune.models.lora import LoraWorkspace
 from fedtune.models.tensors import to_numpy
 from fedtune.models.train_memory import ActivationMeter, optimizer_states, training_peak_bytes
@@ -42,6 +43,13 @@ class ModelTask:
 
     def build_model(self, seed: int) -> torch.nn.Module:
         return self._factory()
+
+
+def task_model(context: Any) -> torch.nn.Module:
+    """The task's model on the run's ``device`` (:func:`~fedtune.models.precision.place`): what a
+    proxy is cut from, and the distillations' teacher."""
+    model = context.task.build_model(context.config.seed)
+    return precision.place(model, precision.resolve_device(context.config.device))
 
 
 def lora_target_modules(task: Any, model: torch.nn.Module) -> list[str]:
@@ -90,7 +98,7 @@ def train_lora(
     peak = training_peak_bytes(
         ws.model, list(params.values()), optimizer_states(config.train.optimizer, config.train.momentum), meter.peak
     )
-    return {k: p.detach().numpy().copy() for k, p in params.items()}, result, peak
+    return {k: to_numpy(p) for k, p in params.items()}, result, peak
 
 
 def memory_metrics(replies: Mapping[int, Message]) -> dict[str, float]:
