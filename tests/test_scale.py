@@ -276,7 +276,8 @@ def test_commit_trains_on_a_4bit_base_and_checkpointing_changes_none_of_its_numb
 def test_freed_heap_pages_go_back_between_clients(tmp_path, monkeypatch):
     """What grew the resident size by ~12 MB per simulated client (benchmarks/llm_scale.py): megabyte
     buffers freed on the heap behind a buffer that lives on (a reply awaiting aggregation) stay
-    resident until ``release_free_memory``; and the embedded engine releases before every client."""
+    resident until ``release_free_memory``; it trims only after ``min_growth`` bytes of growth since
+    its last trim; and the embedded engine asks before every client."""
     import psutil
 
     from fedtune.engines import embedded
@@ -288,9 +289,16 @@ def test_freed_heap_pages_go_back_between_clients(tmp_path, monkeypatch):
     pinned = np.ones(2**17)  # allocated after them: the heap cannot shrink from its top
     del buffers
     before = rss().rss
-    release_free_memory()
+    release_free_memory(min_growth=0)
     assert before - rss().rss > 32 * 2**20, "freed heap pages still resident"
-    del pinned
+    pinned_again = np.ones(2**17)
+    buffers = [np.ones(2**17) for _ in range(64)]
+    pinned = np.ones(2**17)
+    del buffers
+    before = rss().rss
+    release_free_memory(min_growth=2**40)  # far below the threshold: nothing is trimmed
+    assert before - rss().rss < 8 * 2**20
+    del pinned, pinned_again
 
     calls = []
     monkeypatch.setattr(embedded, "release_free_memory", lambda: calls.append(1))
