@@ -342,6 +342,8 @@ def test_bad_input_stops_with_one_line_naming_the_field_or_file(tmp_path):
 
     _one_line_error(r"^task\.sets: unknown set 'arc'", ctx_of('task.sets=["arc"]'))
     _one_line_error(r"^task\.truncation_side", ctx_of("task.truncation_side=middle"))
+    _one_line_error(r"^task\.answer_format: 'text' .*choice_scoring", ctx_of("task.answer_format=text"))
+    _one_line_error(r"^task\.generate: .*'text' format", ctx_of("task.answer_format=text", "task.choice_scoring=text"))
     _one_line_error(
         r"^data\.name: 'dolly' needs .*fedit_10clients_train\.jsonl",
         ctx_of("data.name=dolly", f"data.data_dir={tmp_path}"),
@@ -370,6 +372,43 @@ def test_bad_input_stops_with_one_line_naming_the_field_or_file(tmp_path):
             ).partitions
         ),
     )
+
+
+def test_answer_format_text_trains_on_the_row_the_ranking_scores_for_the_gold_option(tmp_path, ctx):
+    """``task.answer_format = "text"``: every multiple-choice row, in training and in the test
+    loss, is the chat template around the bare question, then the gold option's text and eos: the
+    very row the ranked classification scores for the gold option (plus eos); the question, options
+    and gold are those of the tag-format task's same example."""
+    c = RunContext(
+        config(
+            tmp_path,
+            "task.answer_format=text",
+            "task.choice_scoring=text",
+            "task.generate=false",
+            "data.max_length=512",
+        )
+    )
+    task, tok = c.task, c.task.tokenizer
+    eos = tok.eos_token_id
+    for ds, rows, tagged in ((task.train, task.train_rows, ctx.task.train), (task.test, task.test_rows, ctx.task.test)):
+        assert ds.questions == tagged.questions and list(ds.gold) == list(tagged.gold)
+        assert all(r.startswith("the correct answer is ") for r in tagged.responses)
+        for i in range(0, len(ds), max(1, len(ds) // 6)):
+            prompt = _encode(tok, _chat(tok, tagged.questions[i]))
+            answer = _encode(tok, tagged.choices[i][tagged.gold[i]]) + [eos]
+            prompt = prompt[max(0, len(prompt) + len(answer) - 512) :]  # a long passage: cut from the left
+            assert rows[0][i].tolist() == prompt + answer and rows[1][i] == len(prompt), i
+    items = task.choice_items(task.test)
+    option = {}
+    for i, row, k, _ in items:
+        option.setdefault(i, []).append((row, k))
+    whole = 0
+    for i, opts in option.items():
+        row, k = opts[task.test.gold[i]]
+        if len(row) < 512:  # (a row at the limit loses one more prompt token to the eos)
+            assert task.test_rows[0][i].tolist() == [*row.tolist(), eos] and task.test_rows[1][i] == k
+            whole += 1
+    assert len(option) == len(task.test) and whole >= 4
 
 
 # -- (e) a FedIT run whose adapter reloads --------------------------------------------------------

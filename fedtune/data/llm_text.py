@@ -37,6 +37,7 @@ log-likelihood protocol scores the option texts after.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import gzip
 import json
 from dataclasses import dataclass, field
@@ -329,6 +330,19 @@ def multiple_choice_set(rows, path: Path, name: str, label: int, label_names: li
         tags_all,
         np.asarray(gold_all, dtype=np.int64),
         questions,
+    )
+
+
+def as_option_texts(ds: PromptSet) -> PromptSet:
+    """``ds`` with each multiple-choice example asked in lm-evaluation-harness's form: the bare
+    question as the prompt (no input) and the gold option's text as the response; free-form
+    examples unchanged. The option lists, tags, gold indices and labels are kept."""
+    mc = ds.multiple_choice
+    return dataclasses.replace(
+        ds,
+        instructions=[q if m else x for q, x, m in zip(ds.questions, ds.instructions, mc)],
+        inputs=["" if m else x for x, m in zip(ds.inputs, mc)],
+        responses=[c[g] if m else r for c, g, r, m in zip(ds.choices, ds.gold, ds.responses, mc)],
     )
 
 

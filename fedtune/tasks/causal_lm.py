@@ -42,6 +42,10 @@ Metrics (:meth:`CausalLM.evaluate`, batched over the test set subsampled by
   response in the trained format ("the correct answer is answer2") after the training prompt;
   ``"text"`` scores the option's text after the data's bare question ("Question: ...\\nAnswer:",
   through the same template: lm-evaluation-harness's ranked classification).
+  ``task.answer_format = "text"`` (with ``choice_scoring = "text"``) also trains in that form: each
+  multiple-choice example's prompt is its bare question and its response the gold option's text
+  (:func:`fedtune.data.llm_text.as_option_texts`), so training, the response loss and the ranking
+  share one format; the default ``"tag"`` trains on the Table B.1 prompts and tags.
   ``accuracy`` = ``acc``. On ``commonsense`` every metric is the mean over sets (the eight-task
   average), each set's own value under ``<metric>_<set>``; elsewhere the mean over examples, with
   a value per label (Dolly category) beside it.
@@ -93,6 +97,11 @@ class CausalLMOptions(TaskOptions):
         "answer", description="log-likelihood ranking of the trained answer format, or of the option texts"
     )
     generate: bool = Field(True, description="evaluate greedy generations too (ROUGE-L, extracted answers)")
+    answer_format: Literal["tag", "text"] = Field(
+        "tag",
+        description="multiple-choice answers trained and scored as the Table B.1 tag ('the correct answer is "
+        "answer2') or as the gold option's text after the bare question (needs choice_scoring = 'text')",
+    )
     columns: dict[str, str] | None = Field(
         None,
         description="hub sets and local files: the set's column for each of prompt, input, response, category "
@@ -146,6 +155,14 @@ class CausalLM(Task):
         super().__init__(config, options)
         if config.data.name == "commonsense" or options.sets is not None:
             llm_text.check_sets(options.sets)
+        if options.answer_format == "text" and options.choice_scoring != "text":
+            raise ConfigError(
+                "task.answer_format: 'text' trains on the option texts; set task.choice_scoring = 'text' to score them"
+            )
+        if options.answer_format == "text" and options.generate:
+            raise ConfigError(
+                "task.generate: answers in the 'text' format carry no answer tag to extract; set task.generate = false"
+            )
         self.reference_name = (
             "majority gold-index rate (mean over sets)"
             if config.data.name == "commonsense"
@@ -158,7 +175,10 @@ class CausalLM(Task):
 
         cfg = self.config.data
         opts = self.options
-        return llm_text.load_prompt_set(cfg, data_dir(cfg), opts.sets, opts.test_per_set, opts.columns)
+        train, test = llm_text.load_prompt_set(cfg, data_dir(cfg), opts.sets, opts.test_per_set, opts.columns)
+        if opts.answer_format == "text":
+            train, test = llm_text.as_option_texts(train), llm_text.as_option_texts(test)
+        return train, test
 
     @property
     def label_names(self) -> list[str]:
