@@ -15,6 +15,10 @@ jobs kept at load 3-6, so +-30 %): generation off, ``--plain`` 71.0 s (0.56 ques
 47.5 s (0.84/s) with shared prompts, the same acc (0.275) and loss (2.50171 / 2.50184; a direct
 unbatched transformers computation is within 3e-5 of the shared path's); generation on, 94.3 s
 (0.42/s) before this path against 55.8 s (0.72/s).
+``--set-file S --set-n N`` evaluates on N questions (seed 0) of commonsense set S alone, the
+questions ``task.sets`` with ``task.test_per_set = N`` evaluates: a recipe's held-out set.
+``--correct FILE.npy`` saves each question's (acc, acc_norm) correctness instead (for a paired
+comparison of two models on the same questions).
 ``--dolly-category C`` evaluates on ``--dolly-n`` records (seed 0) of Dolly category C drawn from
 FedIT's training pool (as a local prompt/response file): configs/dolly.toml's held-out category.
 """
@@ -91,6 +95,29 @@ def dolly_category_file(category: str, n: int) -> str:
     return str(path)
 
 
+def commonsense_set_file(name: str, n: int) -> str:
+    """A local ``{question, choices, gold}`` file of the ``n`` evaluation questions of commonsense
+    set ``name`` that ``task.sets = [name, ...]`` with ``task.test_per_set = n`` evaluates (seed 0),
+    in a temporary folder: one set alone is not a task (its questions would carry one label)."""
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+
+    from fedtune.config import DataConfig
+    from fedtune.data.llm_text import COMMONSENSE_DIR, check_sets, eval_split, read_jsonl
+    from fedtune.data.text import data_dir
+
+    check_sets([name], "--set-file")
+    root = data_dir(DataConfig(name="commonsense"))
+    rows = read_jsonl(root / COMMONSENSE_DIR / f"{name}_{eval_split(root, name)}.jsonl.gz")
+    pick = np.sort(np.random.default_rng(0).choice(len(rows), size=n, replace=False)) if n < len(rows) else None
+    chosen = rows if pick is None else [rows[i] for i in pick]
+    path = Path(tempfile.mkdtemp(prefix="commonsense-")) / f"{name}.jsonl"
+    path.write_text("".join(json.dumps({k: r[k] for k in ("question", "choices", "gold")}) + "\n" for r in chosen))
+    return str(path)
+
+
 def main() -> None:
     import numpy as np
 
@@ -103,8 +130,13 @@ def main() -> None:
     parser.add_argument("--adapter", default=None, help="a saved PEFT adapter folder (default: the untuned base)")
     parser.add_argument("--dolly-category", default=None, help="evaluate on this Dolly category's training records")
     parser.add_argument("--dolly-n", type=int, default=100, help="how many records of --dolly-category (seed 0)")
+    parser.add_argument("--set-file", default=None, help="evaluate on this commonsense set alone (a held-out set)")
+    parser.add_argument("--set-n", type=int, default=100, help="how many questions of --set-file (seed 0)")
     parser.add_argument("--losses", default=None, help="also save each test example's response loss here (.npy)")
     parser.add_argument("--losses-only", action="store_true", help="only the per-example losses (no evaluate)")
+    parser.add_argument(
+        "--correct", default=None, help="only save each question's (acc, acc_norm) correctness here (.npy, (N, 2))"
+    )
     parser.add_argument("--plain", action="store_true", help="score every row in full (no shared prompts)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
@@ -114,6 +146,9 @@ def main() -> None:
     if args.dolly_category:
         path = dolly_category_file(args.dolly_category, args.dolly_n)
         overrides += [f"data.name={path}", f"data.test_path={path}", "data.partition=iid", "data.client_column=null"]
+    if args.set_file:
+        path = commonsense_set_file(args.set_file, args.set_n)
+        overrides += [f"data.name={path}", f"data.test_path={path}", "data.partition=iid"]
     ctx = RunContext(load_config(args.config, overrides))
     task = ctx.task
     model = task.build_model(ctx.config.seed)
@@ -139,6 +174,18 @@ def main() -> None:
         )
         if args.losses_only:
             return
+    if args.correct:  # per question, for a paired comparison of two models on the same questions
+        scores = task.choice_scores(model, ds, args.batch_size)
+        correct = np.array(
+            [
+                [np.argmax(lp) == ds.gold[i], np.argmax(np.asarray(lp) / np.asarray(chars)) == ds.gold[i]]
+                for i, (lp, chars) in sorted(scores.items())
+            ],
+            dtype=np.float64,
+        )
+        np.save(args.correct, correct)
+        print(json.dumps({"examples": len(correct), "acc": correct[:, 0].mean(), "acc_norm": correct[:, 1].mean()}))
+        return
     start = time.perf_counter()
     metrics = task.evaluate(model, args.batch_size, shared=not args.plain)
     seconds = time.perf_counter() - start
