@@ -257,6 +257,7 @@ def write_report(table: str, plans, seeds: list[int], sweep: Sweep | None, base,
         *table_lines(header, body),
         "",
     ]
+    lines += [ordering_line(table, rows), ""]
     if sweep is not None:
         lines += ["Learning rates (sweep seed " + str(sweep.seed) + "):", ""]
         lines += [f"- {m}: {choice_text(chosen.get(m))}" for m in b.methods]
@@ -277,6 +278,19 @@ def write_report(table: str, plans, seeds: list[int], sweep: Sweep | None, base,
         )
         ax.set(ylabel=f"{b.metric} (%)", title=f"{b.name}{' (partial)' if partial else ''}")
     return [out / "README.md", out / "results.json", png]
+
+
+def ordering_line(table: str, rows: list[dict]) -> str:
+    """Whether the paper's ordering holds: FSLoRA above every other method (Table 5.2), FedIT above
+    its clients alone (FedIT); "not comparable yet" while a row has no finished run."""
+    metric = BENCHES[table].metric
+    score = {r["method"]: r[metric][0] for r in rows}
+    if any(v is None for v in score.values()):
+        return "Paper's ordering: not comparable yet (a row has no finished run)."
+    top = "fslora" if table == "table52" else "fedit"
+    best = max(score, key=score.get)
+    holds = best == top
+    return f"Paper's ordering ({top} first): {'reproduces' if holds else f'does NOT reproduce ({best} first)'}."
 
 
 def main(argv: list[str] | None = None) -> int:

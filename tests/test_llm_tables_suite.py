@@ -103,6 +103,11 @@ def test_a_cell_is_the_seed_mean_and_std_of_each_runs_last_two_evaluations(suite
     assert rows["untuned"]["accuracy"] == [0.3, 0.0] and rows["heterolora"]["seeds"] == 0
     readme = (out["table52"] / "README.md").read_text()
     assert readme.startswith("# commonsense-table52: PARTIAL") and "50.0 ± 7.1" in readme and "pending" in readme
+    assert "ordering: not comparable yet" in readme
+    rows = [{"method": m, "accuracy": [v, 0.0]} for m, v in (("untuned", 0.3), ("fslora", 0.5), ("fedit", 0.6))]
+    assert "does NOT reproduce (fedit first)" in suite.ordering_line("table52", rows)
+    rows[2]["accuracy"] = [0.4, 0.0]
+    assert "reproduces" in suite.ordering_line("table52", rows)
 
 
 def test_cost_model_counts_steps_and_evaluated_questions(suite, tmp_path):
