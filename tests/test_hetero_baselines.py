@@ -163,6 +163,23 @@ def test_svd_factors_is_best_low_rank_approximation():
     assert np.linalg.norm(worse, "fro") > np.linalg.norm(error, "fro")
 
 
+def test_an_svd_that_gesdd_cannot_converge_on_falls_back_to_gesvd(monkeypatch):
+    """numpy's gesdd stopped FlexLoRA's round 2 on a finite 576 x 576 Delta W (SVD did not
+    converge; gesvd decomposes it): the fallback's factors are the same truncated SVD."""
+    from fedtune.methods.base import lora_arrays
+
+    rng = np.random.default_rng(3)
+    delta = weighted_product_sum([random_adapter(rng, 3), random_adapter(rng, 4)], [1.0, 1.0], [1.0, 1.0])["layer.q"]
+    want = svd_factors(delta, 2, ALPHA / 2)
+    gesdd = np.linalg.svd
+    monkeypatch.setattr(np.linalg, "svd", lambda *a, **k: (_ for _ in ()).throw(np.linalg.LinAlgError("no")))
+    got = lora_arrays.svd_factors(delta, 2, ALPHA / 2)
+    product = [(ALPHA / 2) * b.astype(np.float64) @ a.astype(np.float64) for b, a in (want, got)]
+    np.testing.assert_allclose(product[1], product[0], atol=1e-6 * np.abs(delta).max())
+    sigma = gesdd(delta, compute_uv=False)
+    assert np.linalg.norm(delta - product[1], 2) == pytest.approx(sigma[2], rel=1e-5)
+
+
 def test_flexlora_server_rebuilds_pairs_and_redistributes_svd():
     # Prepare
     ctx = RunContext(tiny("flexlora", PROFILES))

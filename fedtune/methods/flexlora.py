@@ -57,6 +57,7 @@ from fedtune.methods.base.lora_arrays import (
     lora_scale,
     shaped_like,
     svd_factors_from,
+    thin_svd,
     truncate_rank,
     weighted_product_sum,
 )
@@ -95,7 +96,7 @@ class FlexLoRAStrategy(GlobalAdapterStrategy):
         """Top-r SVD of every module's Delta W, and the rank-r global adapter from it."""
         self._svd = {}
         for path, delta in self.delta.items():
-            u, s, vt = np.linalg.svd(delta, full_matrices=False)
+            u, s, vt = thin_svd(delta)
             self._svd[path] = (u[:, : self.rank], s[: self.rank], vt[: self.rank])
         self.global_arrays = {**self.client_adapter(self.rank), **head_arrays(self.global_arrays)}
 

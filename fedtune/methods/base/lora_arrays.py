@@ -218,14 +218,28 @@ def weighted_product_sum(
     return out
 
 
+def thin_svd(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(U, S, V^T) of ``matrix`` (m, n) in float64, ``full_matrices=False``: LAPACK's divide and
+    conquer (gesdd, numpy's) and, where it does not converge, the QR iteration (gesvd, through
+    SciPy). gesdd fails now and then on finite, well-scaled matrices: FlexLoRA's round 2 on
+    SmolLM2 (configs/commonsense-fslora.toml's setting) stopped on a 576 x 576 Delta W with
+    entries below 0.01 that gesvd decomposes."""
+    matrix = np.asarray(matrix, dtype=np.float64)
+    try:
+        return np.linalg.svd(matrix, full_matrices=False)
+    except np.linalg.LinAlgError:
+        import scipy.linalg
+
+        return scipy.linalg.svd(matrix, full_matrices=False, lapack_driver="gesvd")
+
+
 def svd_factors(delta: np.ndarray, rank: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
     """FlexLoRA redistribution: the truncated SVD U_r S_r V_r^T of ``delta`` (m, n) as a rank-r
     LoRA pair with ``scale * B @ A = U_r S_r V_r^T``: B = U_r S_r / scale (m, r), A = V_r^T (r, n).
 
     By Eckart-Young this is the best rank-r approximation of ``delta`` (exact when r >= its
     rank). A rank above min(m, n) is zero-padded."""
-    u, s, vt = np.linalg.svd(np.asarray(delta, dtype=np.float64), full_matrices=False)
-    return svd_factors_from(u, s, vt, rank, scale)
+    return svd_factors_from(*thin_svd(delta), rank, scale)
 
 
 def svd_factors_from(u: np.ndarray, s: np.ndarray, vt: np.ndarray, rank: int, scale: float):
