@@ -284,7 +284,7 @@ def main() -> None:
         if args.size:
             big = build_model_folder(SIZE_SHAPE, scratch)
             size_args = argparse.Namespace(**{**vars(args), "batch": 1, "length": 64})
-            for dtype in ("bfloat16", "4bit"):
+            for dtype in [d for d in args.dtypes.split(",") if d != "float32"]:  # default: bfloat16, 4bit
                 keep("size", run_one(size_args, "fedtune", dtype, 8, big, data, 2))
     (RESULTS / "README.md").write_text(report(saved))
     print(f"wrote {RESULTS / 'README.md'}")

@@ -276,29 +276,33 @@ def test_commit_trains_on_a_4bit_base_and_checkpointing_changes_none_of_its_numb
 def test_freed_heap_pages_go_back_between_clients(tmp_path, monkeypatch):
     """What grew the resident size by ~12 MB per simulated client (benchmarks/llm_scale.py): megabyte
     buffers freed on the heap behind a buffer that lives on (a reply awaiting aggregation) stay
-    resident until ``release_free_memory``; it trims only after ``min_growth`` bytes of growth since
-    its last trim; and the embedded engine asks before every client."""
+    resident until ``release_free_memory`` trims, which it does once the resident size has grown by
+    ``min_growth`` over its level one call after the last trim (not before every client: the next
+    client would fault its working set in again); and the embedded engine asks before every client."""
     import psutil
 
+    from fedtune import process
     from fedtune.engines import embedded
-    from fedtune.process import release_free_memory
 
     rss = psutil.Process().memory_info
+
+    def freed_behind_a_live_buffer():
+        buffers = [np.ones(2**17) for _ in range(64)]  # 64 MB of 1 MB buffers, resident
+        pinned = np.ones(2**17)  # allocated after them: the heap cannot shrink from its top
+        del buffers
+        return pinned, rss().rss
+
     np.empty(2**20).fill(0)  # a first freed 8 MB mmap raises glibc's threshold: later buffers go on the heap
-    buffers = [np.ones(2**17) for _ in range(64)]  # 64 MB of 1 MB buffers, resident
-    pinned = np.ones(2**17)  # allocated after them: the heap cannot shrink from its top
-    del buffers
-    before = rss().rss
-    release_free_memory(min_growth=0)
+    pinned, before = freed_behind_a_live_buffer()
+    monkeypatch.setattr(process, "_level", [before - 2**20])  # grown by 1 MiB over the level
+    process.release_free_memory(min_growth=2**21)  # below min_growth: nothing is trimmed
+    assert before - rss().rss < 8 * 2**20 and process._level == [before - 2**20]
+    process.release_free_memory(min_growth=2**20)  # at min_growth: trimmed, the level measured anew
     assert before - rss().rss > 32 * 2**20, "freed heap pages still resident"
-    pinned_again = np.ones(2**17)
-    buffers = [np.ones(2**17) for _ in range(64)]
-    pinned = np.ones(2**17)
-    del buffers
-    before = rss().rss
-    release_free_memory(min_growth=2**40)  # far below the threshold: nothing is trimmed
-    assert before - rss().rss < 8 * 2**20
-    del pinned, pinned_again
+    assert process._level == [None]
+    process.release_free_memory(min_growth=0)  # the call after a trim measures the level, trims nothing
+    assert process._level[0] is not None
+    del pinned
 
     calls = []
     monkeypatch.setattr(embedded, "release_free_memory", lambda: calls.append(1))
