@@ -42,12 +42,12 @@ DEVICE_CASES = [
     # BoMM: the backbone's features, the parties' networks, the cloud's classifier, generator
     # (preference completion), alignment and the scheduler; MM-LOCAL: a party's own generator
     ("bomm", "paired-multimodal", ()),
-    ("bomm-mm-local", "paired-multimodal", ()),
+    pytest.param("bomm-mm-local", "paired-multimodal", (), marks=pytest.mark.slow),  # 6 s: make test-all
     # FedPFT: the proxy cut from the model on the device, layer-level distillation before FL, APoZ
     # counting and neuron-level distillation in round 1, the neuron deltas clients load in round 2;
     # FedOT's emulator (tiny-llama has middle layers) and plug-back; FedPETuning
     ("fedpft", "text-classification", ("options.align_interval=1", "options.align_steps=2")),
-    ("fedot", "instruction", ()),
+    pytest.param("fedot", "instruction", (), marks=pytest.mark.slow),  # 13 s: make test-all
     ("fedpetuning", "text-classification", ()),
 ]  # fmt: skip
 #: what a round line holds that is not measured by the clock
@@ -109,7 +109,7 @@ def test_a_run_on_cuda_keeps_every_tensor_on_the_device_and_the_cpu_numbers(tmp_
             assert b[key] == expected, key
 
 
-@pytest.mark.parametrize(("method", "kind"), sorted({(m, k) for m, k, _ in DEVICE_CASES}))
+@pytest.mark.parametrize(("method", "kind"), sorted({getattr(c, "values", c)[:2] for c in DEVICE_CASES}))
 def test_cuda_on_a_machine_without_it_stops_in_one_line(tmp_path, method, kind):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

@@ -1,8 +1,8 @@
 """Client-level DP (fedtune.methods.base.privacy) on the Flower engines: the same mechanism and
 accountant as on the embedded engine, so a run gives the same final state, the same epsilon on
 every round's line and the same ``summary.json`` privacy record; resume restores the release
-counts. One real Flower simulation (Ray) per privacy mode; resume through the in-process Grid of
-tests/test_flower.py."""
+counts. Through the in-process Grid of tests/test_flower.py (resume too), and one real Flower
+simulation (Ray) per privacy mode (slow tests)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,18 @@ def _assert_same_privacy(flower: dict, embedded: dict, flower_run: tuple, embedd
     assert flower["privacy"] == embedded["privacy"]
 
 
+@pytest.mark.parametrize("mode", ["central", "local"])
+def test_dp_over_flowers_apps_gives_the_embedded_run(task_identity, tmp_path, mode):  # noqa: F811
+    """The same comparison through Flower's ServerApp and ClientApps on the in-process Grid of
+    tests/test_flower.py (seconds; the Ray runs below are slow tests): the same noised global
+    adapter, clients, bytes, epsilon on every line and summary privacy record as the embedded run."""
+    embedded = run_experiment(_config(tmp_path / "embedded", mode))
+    cfg = _config(tmp_path / "flower", mode)
+    flower = serve(LoopbackGrid(make_client_app(cfg), 4), cfg, timeout=60)
+    _assert_same_privacy(flower, embedded, _result(flower), _result(embedded))
+
+
+@pytest.mark.slow  # a Ray start per mode; tests/test_secagg.py keeps one Ray run in the default suite
 @pytest.mark.parametrize("mode", ["central", "local"])
 def test_dp_on_the_flower_simulation_gives_the_embedded_run(tmp_path, mode):
     """Same seed, same tiny FedIT run under DP on the embedded engine and on Flower's simulation
