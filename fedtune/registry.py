@@ -32,6 +32,12 @@ class MethodOptions(BaseModel):
         setting has no DP form, else None (checked by :func:`fedtune.methods.base.privacy.check_privacy`)."""
         return None
 
+    def secure_refusal(self) -> str | None:
+        """For a method that honours ``federation.secure_aggregation``: one line naming the option
+        of these whose setting makes the server step more than a weighted sum (checked by
+        :func:`fedtune.runtime.resolve_run`), else None."""
+        return None
+
 
 @dataclass(frozen=True)
 class MethodSpec:

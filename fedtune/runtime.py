@@ -63,6 +63,9 @@ def resolve_run(config: RunConfig) -> ResolvedRun:
     options = validate_options(config.options, method.options)
     check_privacy(config, options)
     fed = config.federation
+    refusal = options.secure_refusal() if fed.secure_aggregation else None
+    if refusal:
+        raise ConfigError(refusal)
     try:
         profiles = build_profiles(fed.num_clients, fed.profiles, fed.profile_choices, config.seed)
     except ValueError as exc:

@@ -97,6 +97,8 @@ CROSS_OPTION_SETTINGS = {
     "federation.secure_aggregation": ["federation.secure_aggregation=true", 'engine="flower-sim"'],
 }
 ROBUST_OPTIONS = ("federation.aggregation", "federation.clip_update_norm", "federation.max_client_weight")
+#: A method's own options an honoured cross-method option needs beside it (otherwise one line names them)
+METHOD_NEEDS = {("fedpft", "federation.secure_aggregation"): ["options.distill_during=false"]}
 
 
 @pytest.mark.parametrize("option", sorted(CROSS_OPTION_SETTINGS))
@@ -112,7 +114,7 @@ def test_a_cross_method_option_is_honoured_or_refused_in_one_line(tmp_path, monk
 
     assert set(CROSS_OPTION_SETTINGS) == set(CROSS_METHOD_OPTIONS)
     kind = next(k for m, k, _ in CASES if m == method)
-    config = tiny(tmp_path, method, kind, *CROSS_OPTION_SETTINGS[option])
+    config = tiny(tmp_path, method, kind, *CROSS_OPTION_SETTINGS[option], *METHOD_NEEDS.get((method, option), []))
     if option in get_method(method).honours:
         assert resolve_run(config).method.name == method
     else:
@@ -187,7 +189,8 @@ PINNED = {
     "train.gradient_checkpointing": sorted([*SCALE_HONOURING, "commit"]),
     "model.quantization": ["commit", "fedit", "fslora", "heterolora", "local"],
     "privacy.mode": PRIVACY_HONOURING,
-    "federation.secure_aggregation": ["fedavg", "fedit"],  # BroadcastAverage's weighted sum (SecAgg+)
+    # the weighted sums SecAgg+ computes (fedtune.methods.base.averaging.SecureSummed)
+    "federation.secure_aggregation": ["fedavg", "fedit", "fedot", "fedpetuning", "fedpft", "fslora", "heterolora"],
 }
 
 

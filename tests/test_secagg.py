@@ -218,7 +218,7 @@ def _initial(config) -> dict:
 
 
 def test_a_method_that_needs_each_update_refuses_secure_aggregation_in_one_line(tmp_path):
-    for method in ("fslora", "flexlora"):
+    for method in ("flexlora", "fedstacklora"):
         with pytest.raises(ConfigError) as err:
             resolve_run(tiny(tmp_path, method, KIND, *SECURE, 'engine="flower-sim"'))
         assert str(err.value).startswith(f"federation.secure_aggregation: method '{method}' does not support it")

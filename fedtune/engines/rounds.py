@@ -40,7 +40,7 @@ import numpy as np
 from fedtune.errors import FedtuneError
 from fedtune.protocol.client import Client
 from fedtune.protocol.messages import Message
-from fedtune.protocol.strategy import SecureSum, Strategy
+from fedtune.protocol.strategy import SECURE_LAYOUT, SecureSum, Strategy
 from fedtune.protocol.validation import check_arrays, check_meta
 
 
@@ -61,7 +61,9 @@ class InjectedFailure(RuntimeError):
 
 def answer(client: Client, kind: str, message: Message, seed: int, rnd: int, attempt: int = 0) -> Message:
     """Serve one request on the client side, as every engine does: the profile's injected delay
-    and failure first, then ``fit`` ("train"), ``evaluate``, or the named phase."""
+    and failure first, then ``fit`` ("train"), ``evaluate``, or the named phase. Under secure
+    aggregation (the request names a ``secure_layout``) a training reply's arrays become the vector
+    the client masks (:meth:`Client.secure_reply`)."""
     profile = client.profile
     if profile.delay_s:
         time.sleep(profile.delay_s)
@@ -72,7 +74,8 @@ def answer(client: Client, kind: str, message: Message, seed: int, rnd: int, att
         raise InjectedFailure(f"injected failure (failure_prob {profile.failure_prob})")
     if kind == TRAIN:
         reply = client.fit(message)
-        return attacked(reply, profile.attack, profile.attack_scale) if profile.attack else reply
+        reply = attacked(reply, profile.attack, profile.attack_scale) if profile.attack else reply
+        return client.secure_reply(message, reply) if SECURE_LAYOUT in message.meta else reply
     if kind == EVALUATE:
         return client.evaluate(message)
     return client.phase(kind, message)

@@ -69,6 +69,11 @@ it) would have sensitivity 2C / n_j, with n_j as small as 1 and changing every r
 noise scale matches; eq. (5) does not divide that way and neither does this form. ``options.weighting
 = "examples"`` is refused (a weight would depend on the data).
 
+**Secure aggregation** (``federation.secure_aggregation``, SecAgg+ on Flower): eq. (5) is a
+weighted sum of the placed uploads P_i U_i over the clients, so each client places its own upload
+(:meth:`FSLoRAClient.secure_vector`; it knows I_i) and masks P_i U_i; the server divides the sum by
+sum_i w_i (local DP: by m). The server then cannot check a client's I_i against its draw.
+
 With k_i = r (sketch_ratio 1) every I is 0..r-1 and FSLoRA is FedIT step for step. Evaluation and
 saving use the rank-r global adapter (scaling alpha/r).
 """
@@ -82,8 +87,10 @@ import numpy as np
 from pydantic import Field
 
 from fedtune.methods.base.averaging import (
+    SECURE_AGGREGATION,
     SERVER_STEP_AND_UPLOAD_CODEC,
     PrivateAverage,
+    SecureSummed,
     Weighting,
     client_weights,
     decode_update,
@@ -100,6 +107,7 @@ from fedtune.methods.base.lora import (
 from fedtune.methods.base.lora_arrays import add_ranks, lora_pairs, module_path, take_ranks
 from fedtune.methods.base.privacy import PRIVACY_OPTIONS
 from fedtune.protocol.messages import Message
+from fedtune.protocol.strategy import secure_layout_of
 from fedtune.protocol.validation import ArraySpec, spec_like
 from fedtune.registry import MethodOptions, register
 
@@ -195,7 +203,7 @@ def slice_adapter(arrays: Mapping[str, np.ndarray], indices: Mapping[str, np.nda
 # -- server -------------------------------------------------------------------------------
 
 
-class FSLoRAStrategy(PrivateAverage, GlobalAdapterStrategy):
+class FSLoRAStrategy(PrivateAverage, SecureSummed, GlobalAdapterStrategy):
     """FSLoRA: sketched rank-k updates of a rank-r global LoRA pair (Fang et al. 2025)."""
 
     def initialize(self) -> None:
@@ -225,7 +233,7 @@ class FSLoRAStrategy(PrivateAverage, GlobalAdapterStrategy):
                 self.global_arrays if self.options.download == "dense" else slice_adapter(self.global_arrays, indices)
             )
             sketch = sketch_arrays(indices, shared=not self.options.per_module_sketch)
-            meta = {"round": rnd, "rank": self.rank, "download": self.options.download}
+            meta = {"round": rnd, "rank": self.rank, "download": self.options.download, **self.secure_meta(client_ids)}
             messages[cid] = Message({**arrays, **sketch}, meta)
         return messages
 
@@ -286,6 +294,18 @@ class FSLoRAStrategy(PrivateAverage, GlobalAdapterStrategy):
 
 
 class FSLoRAClient(LoraClient):
+    def secure_vector(self, message: Message, reply: Message) -> dict[str, np.ndarray]:
+        """P_i U_i: the upload's (m, k) / (k, n) slices put at the columns / rows I_i of (m, r) /
+        (r, n) zeros of the request's ``secure_layout`` (the head dense), as the server's eq. (5)
+        would place them."""
+        layout = secure_layout_of(message.meta)
+        update = param_arrays(reply.arrays)
+        indices = read_indices(reply.arrays, lora_pairs(update), int(message.meta["rank"]))
+        out = {k: np.zeros(shape) for k, shape in layout.items()}
+        for name, x in update.items():
+            add_ranks(out[name], name, x, indices, 1.0)
+        return out
+
     def fit(self, message: Message) -> Message:
         received = param_arrays(message.arrays)
         pairs = lora_pairs(received)
@@ -311,5 +331,5 @@ register(
     FSLoRAClient,
     FSLoRAOptions,
     requires=LORA,
-    supports=(*SERVER_STEP_AND_UPLOAD_CODEC, *SCALE_OPTIONS, *PRIVACY_OPTIONS),
+    supports=(*SERVER_STEP_AND_UPLOAD_CODEC, *SCALE_OPTIONS, *PRIVACY_OPTIONS, *SECURE_AGGREGATION),
 )

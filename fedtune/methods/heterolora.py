@@ -58,6 +58,16 @@ on everyone's) and ``"examples"``; ``aggregate = "modules"`` (a weighted mean of
 replies, whose weights sum to one over |R|, not a fixed m); ``self_pruning`` (whether a client drops
 its tail ranks is decided on its data and shows in the upload's shape, neither clipped nor noised).
 
+**Secure aggregation** (``federation.secure_aggregation``, SecAgg+ on Flower,
+:class:`~fedtune.methods.base.averaging.SecureSummed`). Both forms are weighted sums of per-client
+vectors: client i masks v_i = pad_r(Delta_i) (``aggregate = "modules"``: pad_r(theta_i), its trained
+module) with weight w_i (1, or its data size), and the server divides sum_i w_i v_i by sum_i w_i
+(local DP: by m). With ``padding = "coverage"`` client i also masks the r entries c 1[j < r_i] (c:
+``federation.secagg_clipping_range``), whose sum over c is rank j's coverage weight sum_i w_i 1[j <
+r_i], the denominator of rank j (:data:`COVERED`). Refused in one line
+(:meth:`HeteroLoRAOptions.secure_refusal`): ``weighting = "sparsity"`` (a weight is the client's own
+adapter norm) and ``self_pruning`` (the server reads each upload's rank).
+
 Scaling. PEFT computes W0 + (alpha/rank) B A. With ``scaling = "rank"`` (default) a client trains
 its rank-r_i adapter with PEFT's own scale alpha/r_i while the global model is evaluated at rank r
 with alpha/r: the client's model is W0 + (alpha/r_i) B[:, :r_i] A[:r_i], i.e. its truncated part is
@@ -78,8 +88,10 @@ import torch
 from pydantic import Field
 
 from fedtune.methods.base.averaging import (
+    SECURE_AGGREGATION,
     SERVER_STEP_AND_UPLOAD_CODEC,
     PrivateAverage,
+    SecureSummed,
     client_weights,
     decode_update,
     mean_train_loss,
@@ -95,6 +107,9 @@ from fedtune.methods.base.lora import (
 )
 from fedtune.methods.base.lora_arrays import (
     array_rank,
+    is_head,
+    is_lora_a,
+    is_lora_b,
     lora_pairs,
     lora_paths,
     lora_scale,
@@ -106,6 +121,7 @@ from fedtune.methods.base.lora_arrays import (
 from fedtune.methods.base.privacy import PRIVACY_OPTIONS
 from fedtune.methods.base.ranked import fit_at_sent_rank
 from fedtune.protocol.messages import Message
+from fedtune.protocol.strategy import SecureSum, secure_layout_of
 from fedtune.protocol.validation import ArraySpec, spec_like
 from fedtune.registry import MethodOptions, register
 
@@ -148,6 +164,21 @@ class HeteroLoRAOptions(MethodOptions):
                 return f"options.{option}: not with privacy.mode ({reason}); heterolora's DP form is the default one"
         return None
 
+    def secure_refusal(self) -> str | None:
+        """federation.secure_aggregation sums the padded updates (or modules) with data-size or
+        uniform weights, per rank index with ``padding = "coverage"`` (module docstring)."""
+        if self.weighting == "sparsity":
+            return (
+                "options.weighting: 'sparsity' is not with federation.secure_aggregation (a client's weight is "
+                "its own adapter's norm, which the server would have to see)"
+            )
+        if self.self_pruning:
+            return (
+                "options.self_pruning: not with federation.secure_aggregation (the server must learn each "
+                "client's pruned rank from its upload's shape)"
+            )
+        return None
+
 
 def tail_start(rank: int, gamma: float) -> int:
     """First pruned rank index t = max(1, floor(gamma rank)) (t = rank: nothing to prune)."""
@@ -165,7 +196,24 @@ def sparsity_norm(adapter: Mapping[str, np.ndarray], scale: float) -> float:
     return float(np.sqrt(sum(np.sum((scale * pair_product(adapter, p)) ** 2) for p in lora_paths(adapter))))
 
 
-class HeteroLoRAStrategy(PrivateAverage, GlobalAdapterStrategy):
+#: Under secure aggregation with ``padding = "coverage"``: the extra entries of a client's vector,
+#: c 1[j < r_i] for the rank indices j = 0..r-1 (c = ``federation.secagg_clipping_range``, so the
+#: entry stays inside the range the mod quantizes); their weighted sum over c is the coverage
+#: weight of rank j, sum_i w_i 1[j < r_i].
+COVERED = "secure/covered"
+
+
+def per_rank(name: str, values: np.ndarray, ndim: int) -> np.ndarray:
+    """``values`` (one per rank index) shaped to broadcast over a ``lora_A``'s rows or a
+    ``lora_B``'s columns of ``ndim`` dimensions."""
+    if is_lora_a(name):
+        return values.reshape(-1, *[1] * (ndim - 1))
+    if is_lora_b(name):
+        return values.reshape(1, -1, *[1] * (ndim - 2))
+    raise ValueError(f"{name} is not a LoRA factor")
+
+
+class HeteroLoRAStrategy(PrivateAverage, SecureSummed, GlobalAdapterStrategy):
     """HeteroLoRA: truncation down, zero-padded update average up (FSLoRA's baseline); HetLoRA
     (Cho et al. 2024) by options."""
 
@@ -194,7 +242,7 @@ class HeteroLoRAStrategy(PrivateAverage, GlobalAdapterStrategy):
         self.count_sample(rnd, client_ids)
         for cid in client_ids:
             rank = self.client_rank(cid)
-            meta = {"round": rnd, "rank": rank}
+            meta = {"round": rnd, "rank": rank, **self.secure_meta(client_ids)}
             if self.client_alpha(rank) is not None:
                 meta["alpha"] = self.client_alpha(rank)
             out[cid] = Message(truncate_rank(self.global_arrays, rank), meta)
@@ -243,6 +291,35 @@ class HeteroLoRAStrategy(PrivateAverage, GlobalAdapterStrategy):
                 self.pruned[cid] = array_rank(u)
         return mean_train_loss(replies)
 
+    def secure_layout(self) -> dict[str, tuple[int, ...]]:
+        """Every client's vector is padded to the global rank r; with ``padding = "coverage"``
+        the r coverage entries (:data:`COVERED`) follow."""
+        layout = SecureSummed.secure_layout(self)
+        return {**layout, COVERED: (self.rank,)} if self.options.padding == "coverage" else layout
+
+    def aggregate_secure_fit(self, rnd: int, replies: dict[int, Message], total: SecureSum) -> dict[str, float]:
+        """:meth:`aggregate_fit` from the sum alone: sum_i w_i pad_r(v_i) (v_i: the update, or the
+        trained module with ``aggregate = "modules"``) over sum_i w_i (local DP: over m), or, with
+        ``padding = "coverage"``, rank j over its coverage weight sum_i w_i 1[j < r_i] (summed
+        securely beside it, :data:`COVERED`; a rank index whose coverage is within the sum's
+        quantization error of 0 is uncovered: zero)."""
+        arrays, denominator = self.secure_sum(total)
+        if self.options.padding == "coverage":
+            c = self.config.federation.secagg_clipping_range
+            covered = arrays[COVERED] / c
+            covered = np.where(covered > total.error / c, covered, 0.0)
+            mean = {}
+            for k, v in self.global_arrays.items():
+                den = np.broadcast_to(denominator if is_head(k) else per_rank(k, covered, v.ndim), v.shape)
+                mean[k] = np.divide(arrays[k], den, out=np.zeros(v.shape), where=den > 0).astype(v.dtype)
+        else:
+            mean = {k: (arrays[k] / denominator).astype(v.dtype) for k, v in self.global_arrays.items()}
+        if self.options.aggregate == "modules":
+            self.global_arrays = self.server_opt.move_to(self.global_arrays, mean)
+        else:
+            self.global_arrays = self.server_opt.step(self.global_arrays, mean)
+        return self.secure_metrics(replies)
+
     def state_dict(self) -> dict:
         return {**super().state_dict(), "pruned": {str(c): r for c, r in self.pruned.items()}}
 
@@ -254,6 +331,21 @@ class HeteroLoRAStrategy(PrivateAverage, GlobalAdapterStrategy):
 class HeteroLoRAClient(LoraClient):
     """Trains the truncation it receives; with ``self_pruning``, adds HetLoRA's tail penalty and
     drops the tail ranks from its upload when their norm product shrank."""
+
+    def secure_vector(self, message: Message, reply: Message) -> dict[str, np.ndarray]:
+        """What the server's zero-padded mean sums: pad_r(Delta_i), or, with ``aggregate =
+        "modules"``, pad_r(theta_i) of the trained module theta_i = received + Delta_i; with
+        ``padding = "coverage"`` also c 1[j < r_i] (:data:`COVERED`)."""
+        layout = secure_layout_of(message.meta)
+        rank = next(shape[0] for name, shape in layout.items() if is_lora_a(name))
+        update = dict(reply.arrays)
+        if self.options.aggregate == "modules":
+            update = {k: message.arrays[k] + v for k, v in update.items()}
+        out = {k: pad_rank(k, v, rank) for k, v in update.items()}
+        if COVERED in layout:
+            c = self.config.federation.secagg_clipping_range
+            out[COVERED] = c * (np.arange(rank) < array_rank(update)).astype(np.float64)
+        return out
 
     def fit(self, message: Message) -> Message:
         rank = int(message.meta["rank"])
@@ -278,5 +370,5 @@ register(
     HeteroLoRAClient,
     HeteroLoRAOptions,
     requires=LORA,
-    supports=(*SERVER_STEP_AND_UPLOAD_CODEC, *SCALE_OPTIONS, *PRIVACY_OPTIONS),
+    supports=(*SERVER_STEP_AND_UPLOAD_CODEC, *SCALE_OPTIONS, *PRIVACY_OPTIONS, *SECURE_AGGREGATION),
 )

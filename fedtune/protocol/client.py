@@ -16,6 +16,7 @@ import numpy as np
 
 from fedtune.protocol.messages import Message
 from fedtune.protocol.profiles import ClientProfile
+from fedtune.protocol.strategy import secure_layout_of
 
 
 class Client(ABC):
@@ -39,6 +40,28 @@ class Client(ABC):
     def fit(self, message: Message) -> Message:
         """Train locally from the server's Message; reply with the update and ``meta`` metrics
         (by convention ``num_examples``, ``steps``, ``train_loss``)."""
+
+    def secure_vector(self, message: Message, reply: Message) -> dict[str, np.ndarray]:
+        """Under secure aggregation: the vector v_i this client masks for the server's sum
+        sum_i w_i v_i (:class:`~fedtune.protocol.strategy.SecureSum`), laid out as
+        ``message.meta["secure_layout"]`` (name -> shape) asks, from its training ``reply`` to
+        ``message``. Default: the reply's arrays (an update of the global arrays). A method whose
+        sum needs them in another form (zero-padded to the global rank, scattered into the global
+        shape, with extra entries such as per-slot weights) overrides it; its strategy's
+        ``aggregate_secure_fit`` reads the sum back."""
+        return dict(reply.arrays)
+
+    def secure_reply(self, message: Message, reply: Message) -> Message:
+        """``reply`` with its arrays replaced by :meth:`secure_vector`, checked against (and in the
+        order of) the request's ``secure_layout``: what Flower's SecAgg+ mod masks."""
+        layout = secure_layout_of(message.meta)
+        vector = self.secure_vector(message, reply)
+        if vector.keys() != layout.keys() or any(np.shape(vector[k]) != shape for k, shape in layout.items()):
+            raise ValueError(
+                f"secure aggregation: client {self.cid}'s vector {sorted(vector)[:3]} does not match the "
+                f"request's secure_layout {list(layout)[:3]}"
+            )
+        return Message({k: np.asarray(vector[k]) for k in layout}, reply.meta)
 
     def phase(self, name: str, message: Message) -> Message:
         """Answer a further exchange of the round (:meth:`Strategy.phases`); default: none."""

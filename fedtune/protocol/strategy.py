@@ -25,14 +25,23 @@ from fedtune.protocol.messages import Message
 from fedtune.protocol.validation import COMMON_META, ArraySpec, MetaField
 
 #: Meta of a training request under secure aggregation: the weight a client masks its update with
-#: ("examples": its ``num_examples``; "uniform": 1) and the largest weight of the round's clients.
-SECURE_WEIGHT, SECURE_MAX_WEIGHT = "secure_weight", "secure_max_weight"
+#: ("examples": its ``num_examples``; "uniform": 1), the largest weight of the round's clients, and
+#: the layout of the vector every client masks and the server sums ([[name, shape], ...], the same
+#: for every client; :meth:`fedtune.protocol.client.Client.secure_vector` fills it).
+SECURE_WEIGHT, SECURE_MAX_WEIGHT, SECURE_LAYOUT = "secure_weight", "secure_max_weight", "secure_layout"
+
+
+def secure_layout_of(meta: dict) -> dict[str, tuple[int, ...]]:
+    """A training request's ``secure_layout`` as name -> shape (in order)."""
+    return {str(name): tuple(int(d) for d in shape) for name, shape in meta[SECURE_LAYOUT]}
 
 
 @dataclass
 class SecureSum:
     """What secure aggregation (SecAgg+, Bonawitz et al. CCS 2017; Bell et al. CCS 2020) gives
-    the server instead of the replies' arrays: ``arrays`` = sum_i w_i Delta_i over ``clients``
+    the server instead of the replies' arrays: ``arrays`` = sum_i w_i v_i over ``clients`` (v_i:
+    client i's vector of the request's ``secure_layout``, its update Delta_i unless the method says
+    otherwise)
     (dequantized, float64), ``weight`` = sum_i w_i, each client's weight w_i its own
     ``num_examples`` or 1 (what the strategy asked for in ``configure_fit``) rounded to a multiple
     of W/T (W the round's largest weight, T the quantization range), and ``error``, the largest

@@ -70,7 +70,8 @@ noises the sum (central) and the clients their uploads (local), as on the embedd
 Secure aggregation. With ``federation.secure_aggregation`` the training exchange runs SecAgg+
 (:mod:`.secagg`): Flower's ``secaggplus_mod`` on every ClientApp (:func:`only_when_secure`,
 only for requests carrying its config record), fedtune's server stages in the round loop; the
-strategy gets the sum of the weighted updates and the total weight
+strategy gets the sum of the clients' weighted vectors (their updates, or the form the method
+sums: :class:`~fedtune.methods.base.averaging.SecureSummed`) and the total weight
 (:class:`~fedtune.protocol.strategy.SecureSum`), never an update.
 
 Usage::

@@ -19,7 +19,9 @@ a node's) is four exchanges, all of message type "train":
    seeded by (seed, round, attempt)) and answers Shamir shares of its mask seed b_i and of its
    secret key, encrypted for each neighbour;
 2. collect: the fedtune request (the global arrays) plus the forwarded shares; the ClientApp
-   trains and replies as always, and the mod replaces the reply's arrays by the masked vector
+   trains and replies as always, its arrays turned into the vector Delta_i of the request's
+   ``secure_layout`` (:meth:`fedtune.protocol.client.Client.secure_vector`: the update, or the
+   form the method sums), and the mod replaces them by the masked vector
    [q(w_i), q(w_i/W Delta_i) + PRG(b_i) +- sum_j PRG(s_ij)] mod M (W: the round's largest
    weight, q: stochastic quantization of [-c, c] to 0..T). The round loop validates each reply's
    metadata (sender, round, ``num_examples``, ...) here; the arrays it cannot see;
@@ -67,7 +69,7 @@ from fedtune.engines.flower.codec import ATTEMPT, CID, RECORD, ROUND, format_cli
 from fedtune.engines.flower.transport import GridTransport, exchange
 from fedtune.engines.rounds import TRAIN, Delivery
 from fedtune.protocol.messages import Message
-from fedtune.protocol.strategy import SECURE_MAX_WEIGHT, SecureSum
+from fedtune.protocol.strategy import SECURE_LAYOUT, SECURE_MAX_WEIGHT, SecureSum
 
 #: What a malformed SecAgg+ reply raises while it is read (a missing key, a wrong type, bytes that
 #: are no array or share): that client's drop, never the run's crash.
@@ -100,6 +102,7 @@ class _Round:
     keyed: set[int] = field(default_factory=set)  # nodes whose shares went out (stage 1 done)
     masked: dict[int, list[np.ndarray]] = field(default_factory=dict)  # node id -> masked vector
     max_weight: float = 1.0
+    layout: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # the summed vector's names, shapes
 
 
 class SecAggPlusTransport(GridTransport):
@@ -165,7 +168,8 @@ class SecAggPlusTransport(GridTransport):
         neighbours = {nid: {ring[(i + o) % m] for o in range(-half, half + 1)} for i, nid in enumerate(ring)}
         shares = max(len(v) for v in neighbours.values())
         threshold = self.fed.secagg_reconstruction_threshold()
-        state = _Round(rnd, attempt, cid_of, neighbours, max_weight=_max_weight(messages))
+        max_weight, layout = _secure_request(messages)
+        state = _Round(rnd, attempt, cid_of, neighbours, max_weight=max_weight, layout=layout)
         self._round = state
         down, up = dict.fromkeys(order, 0), dict.fromkeys(order, 0)
         errors: dict[int, str] = {}
@@ -239,7 +243,7 @@ class SecAggPlusTransport(GridTransport):
             content[RECORD_KEY_CONFIGS] = ConfigRecord(config)
             contents[nid] = content
             down[nid] += nbytes + secagg_nbytes(config)
-        shapes = [(1,), *(np.shape(a) for a in next(iter(messages.values())).arrays.values())]
+        shapes = [(1,), *(shape for _, shape in layout)]
         deliveries: dict[int, Delivery] = {}
 
         def masked_vector(nid: int, reply: FlowerMessage, record: ConfigRecord) -> None:
@@ -247,7 +251,7 @@ class SecAggPlusTransport(GridTransport):
             if got.reply is not None:
                 vector = [bytes_to_ndarray(b) for b in _byte_strings(record[Key.MASKED_PARAMETERS])]
                 if [np.shape(v) for v in vector] != shapes or any(v.dtype.kind not in "iu" for v in vector):
-                    raise ValueError("the masked vector is not integers shaped as the request's arrays")
+                    raise ValueError("the masked vector is not integers shaped as the request's secure_layout")
                 state.masked[nid] = vector
                 got.masked = True
             deliveries[cid_of[nid]] = got
@@ -304,7 +308,7 @@ class SecAggPlusTransport(GridTransport):
         total, why = None, f"secure aggregation: fewer than {threshold} shares for clients {short}"
         if summed and not short:
             try:
-                total = self._sum(state, summed, collected, list(sent[client_ids[0]].arrays))
+                total = self._sum(state, summed, collected, [name for name, _ in state.layout])
             except (*MALFORMED, AssertionError) as exc:  # a share that rebuilds no key or seed
                 why = f"secure aggregation: a secret did not rebuild from its shares ({type(exc).__name__})"
         deliveries = {}
@@ -348,13 +352,17 @@ def _byte_strings(values: Any) -> list[bytes]:
     return values
 
 
-def _max_weight(messages: dict[int, Message]) -> float:
-    """The round's largest client weight W, from the strategy's requests (``secure_max_weight``)."""
+def _secure_request(messages: dict[int, Message]) -> tuple[float, list[tuple[str, tuple[int, ...]]]]:
+    """The round's largest client weight W (``secure_max_weight``) and the summed vector's layout
+    (``secure_layout``: names and shapes), the same in every request of the strategy's round."""
     weights = {float(m.meta.get(SECURE_MAX_WEIGHT, 0)) for m in messages.values()}
-    specs = {tuple((k, np.shape(v)) for k, v in m.arrays.items()) for m in messages.values()}
-    if len(weights) != 1 or not next(iter(weights)) > 0 or len(specs) != 1:
+    layouts = {
+        tuple((str(k), tuple(int(d) for d in shape)) for k, shape in m.meta.get(SECURE_LAYOUT, ()))
+        for m in messages.values()
+    }
+    if len(weights) != 1 or not next(iter(weights)) > 0 or len(layouts) != 1 or not next(iter(layouts)):
         raise ValueError(
-            "secure aggregation needs one request for every client with a positive secure_max_weight "
-            "(a weighted-sum method's broadcast)"
+            "secure aggregation needs in every request the same positive secure_max_weight and secure_layout "
+            "(a weighted-sum method's request)"
         )
-    return weights.pop()
+    return weights.pop(), list(layouts.pop())

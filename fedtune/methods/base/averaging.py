@@ -20,7 +20,7 @@ from fedtune.methods.base.server_optimizer import ServerOptimizer
 from fedtune.models.training import FitResult, seed_for
 from fedtune.protocol.client import Client
 from fedtune.protocol.messages import Message
-from fedtune.protocol.strategy import SECURE_MAX_WEIGHT, SECURE_WEIGHT, SecureSum, Strategy
+from fedtune.protocol.strategy import SECURE_LAYOUT, SECURE_MAX_WEIGHT, SECURE_WEIGHT, SecureSum, Strategy
 from fedtune.protocol.validation import ArraySpec, spec_like
 
 Weighting = Literal["examples", "uniform"]
@@ -29,7 +29,7 @@ Weighting = Literal["examples", "uniform"]
 SERVER_STEP_AND_UPLOAD_CODEC = ("federation.server_optimizer", "federation.upload_topk", "federation.wire_dtype")
 #: ... and when its server also combines the updates with :func:`~fedtune.methods.base.robust.aggregate_updates`.
 WEIGHTED_SUM_OPTIONS = (*SERVER_STEP_AND_UPLOAD_CODEC, *ROBUST_AGGREGATION)
-#: ... and when its round is :class:`BroadcastAverage`'s, whose weighted sum SecAgg+ can compute.
+#: ... and when its server step is a weighted sum SecAgg+ can compute (:class:`SecureSummed`).
 SECURE_AGGREGATION = ("federation.secure_aggregation",)
 
 
@@ -103,6 +103,69 @@ class ServerOptimized:
         self.server_opt.load_state_dict(state.get("server_opt"))
 
 
+class SecureSummed:
+    """A strategy whose server step needs only sum_i w_i v_i and sum_i w_i over the clients that
+    replied, v_i a vector each client computes from its own update: what secure aggregation
+    (SecAgg+, Bell et al. CCS 2020; ``federation.secure_aggregation``) gives the server
+    (:class:`~fedtune.protocol.strategy.SecureSum`). The strategy declares the layout of v_i
+    (:meth:`secure_layout`, default the global arrays: v_i = Delta_i) and puts :meth:`secure_meta`
+    in its training requests; its client turns a reply into v_i
+    (:meth:`~fedtune.protocol.client.Client.secure_vector`); its ``aggregate_secure_fit`` reads the
+    sum back (:meth:`secure_sum`, :meth:`secure_mean`). The masking is the transport's, one for all
+    such methods (:mod:`fedtune.engines.flower.secagg`)."""
+
+    config: Any
+    context: Any
+    options: Any
+    global_arrays: dict[str, np.ndarray]
+
+    def secure_layout(self) -> dict[str, tuple[int, ...]]:
+        """Names and shapes of the vector v_i every client masks (default: the global arrays')."""
+        return {k: tuple(np.shape(v)) for k, v in self.global_arrays.items()}
+
+    def secure_meta(self, client_ids: list[int]) -> dict:
+        """The training requests' meta under secure aggregation ({} without it): how the clients
+        weigh v_i (w_i: their data sizes, FedAvg's p_i, at most each one's partition size; or 1
+        under ``options.weighting = "uniform"`` and DP-FedAvg's uniform weights), the round's
+        largest weight W, and the layout of v_i."""
+        if not self.config.federation.secure_aggregation:
+            return {}
+        if getattr(self, "privacy", None) is None and self.options.weighting == "examples":
+            bound = max(self.context.example_bound("train", cid) for cid in client_ids)
+            weights = {SECURE_WEIGHT: "examples", SECURE_MAX_WEIGHT: float(bound)}
+        else:
+            weights = {SECURE_WEIGHT: "uniform", SECURE_MAX_WEIGHT: 1.0}
+        return {**weights, SECURE_LAYOUT: [[k, list(shape)] for k, shape in self.secure_layout().items()]}
+
+    def secure_sum(self, total: SecureSum) -> tuple[dict[str, np.ndarray], float]:
+        """``total``'s arrays, checked against :meth:`secure_layout`, and the round's denominator:
+        sum_i w_i, or, under local DP, the fixed m (DP-FedAvg)."""
+        layout = self.secure_layout()
+        if list(total.arrays) != list(layout) or any(np.shape(v) != layout[k] for k, v in total.arrays.items()):
+            raise ValueError("the secure sum's arrays are not the names and shapes of the strategy's secure_layout")
+        privacy = getattr(self, "privacy", None)
+        denominator = privacy.m if privacy is not None else total.weight
+        if not denominator > 0:
+            raise ValueError(f"the secure sum's total weight is {denominator}")
+        return total.arrays, float(denominator)
+
+    def secure_mean(self, total: SecureSum) -> dict[str, np.ndarray]:
+        """sum_i w_i Delta_i / sum_i w_i (local DP: / m) of the global arrays, in their dtypes."""
+        arrays, denominator = self.secure_sum(total)
+        return {k: (arrays[k] / denominator).astype(v.dtype) for k, v in self.global_arrays.items()}
+
+    def aggregate_secure_fit(self, rnd: int, replies: dict[int, Message], total: SecureSum) -> dict[str, float]:
+        """FedAvg's round from the sum alone: theta + sum_i w_i Delta_i / sum_i w_i, or, under
+        local DP, the noised uploads' sum over the fixed m (DP-FedAvg), through the server optimizer."""
+        self.global_arrays = self.server_opt.step(self.global_arrays, self.secure_mean(total))
+        return self.secure_metrics(replies)
+
+    def secure_metrics(self, replies: dict[int, Message]) -> dict[str, float]:
+        """The round's metrics from the replies' metadata: the mean training loss (and epsilon so far)."""
+        extra = {"epsilon": self.spent()} if getattr(self, "privacy", None) is not None else {}
+        return {**mean_train_loss(replies), **extra}
+
+
 class PrivateAverage(ServerOptimized):
     """A :class:`BroadcastAverage` under ``privacy.mode`` (:mod:`fedtune.methods.base.privacy`):
     the DP aggregate, epsilon on every round's line, the budget, and the releases counted in the
@@ -167,7 +230,7 @@ class PrivateAverage(ServerOptimized):
             self.releases = np.asarray(state["privacy_releases"], dtype=np.int64).copy()
 
 
-class BroadcastAverage(PrivateAverage, Strategy):
+class BroadcastAverage(PrivateAverage, SecureSummed, Strategy):
     """FedAvg's round over ``self.global_arrays``: every sampled client gets the same arrays
     (and :meth:`fit_meta`); the server adds the weighted mean of the clients' updates,
     theta^{t+1} = theta^t + sum_i p_i Delta_i (``options.weighting``), through the server
@@ -180,21 +243,9 @@ class BroadcastAverage(PrivateAverage, Strategy):
         return {"round": rnd}
 
     def configure_fit(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
-        meta = self.fit_meta(rnd)
-        if self.config.federation.secure_aggregation:
-            meta.update(self.secure_weights(client_ids))
-        message = Message(self.global_arrays, meta)
+        message = Message(self.global_arrays, {**self.fit_meta(rnd), **self.secure_meta(client_ids)})
         self.count_sample(rnd, client_ids)
         return {cid: message for cid in client_ids}
-
-    def secure_weights(self, client_ids: list[int]) -> dict:
-        """How the clients weigh the updates they mask (SecAgg+ sums w_i Delta_i and w_i): by their
-        data sizes (FedAvg's p_i, at most each one's partition size), or 1 under
-        ``options.weighting = "uniform"`` and DP-FedAvg's uniform weights."""
-        if self.privacy is None and self.options.weighting == "examples":
-            bound = max(self.context.example_bound("train", cid) for cid in client_ids)
-            return {SECURE_WEIGHT: "examples", SECURE_MAX_WEIGHT: float(bound)}
-        return {SECURE_WEIGHT: "uniform", SECURE_MAX_WEIGHT: 1.0}
 
     def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec]:
         return update_of(sent)
@@ -209,19 +260,3 @@ class BroadcastAverage(PrivateAverage, Strategy):
         combined = aggregate_updates(updates, client_weights(replies, self.options.weighting), self.config.federation)
         self.global_arrays = self.server_opt.step(self.global_arrays, combined)
         return mean_train_loss(replies)
-
-    def aggregate_secure_fit(self, rnd: int, replies: dict[int, Message], total: SecureSum) -> dict[str, float]:
-        """The same round from the sum alone (secure aggregation): theta + sum_i w_i Delta_i /
-        sum_i w_i, or, under local DP, the noised uploads' sum over the fixed m (DP-FedAvg);
-        ``total``'s names and shapes must be the global arrays'."""
-        if total.arrays.keys() != self.global_arrays.keys() or any(
-            np.shape(v) != np.shape(self.global_arrays[k]) for k, v in total.arrays.items()
-        ):
-            raise ValueError("the secure sum's arrays are not the global arrays' names and shapes")
-        denominator = self.privacy.m if self.privacy is not None else total.weight
-        if not denominator > 0:
-            raise ValueError(f"the secure sum's total weight is {denominator}")
-        combined = {k: (v / denominator).astype(self.global_arrays[k].dtype) for k, v in total.arrays.items()}
-        self.global_arrays = self.server_opt.step(self.global_arrays, combined)
-        extra = {"epsilon": self.spent()} if self.privacy is not None else {}
-        return {**mean_train_loss(replies), **extra}

@@ -52,9 +52,10 @@ client's own data only and is likewise its zero contribution.
 
 Engines: the mechanism lives in the strategy and the clients, so it runs unchanged on every engine
 (tests/test_flower_privacy.py). With ``federation.secure_aggregation`` (SecAgg+ on Flower) only
-``local`` runs: each client clips and noises before masking and the server divides the masked sum
-by m; the accounting stays local DP's, an upper bound, since the server sees only the noised sum
-(distributed DP's tighter accounting is not claimed). ``central`` is refused there: its server
+``local`` runs: each client clips and noises before masking (FSLoRA and HeteroLoRA then place or
+pad the noised upload) and the server divides the masked sum by m; the accounting stays local
+DP's, an upper bound, since the server sees only the noised sum (distributed DP's tighter
+accounting is not claimed). ``central`` is refused there: its server
 clips each update, which secure aggregation hides.
 
 Delta defaults to 1/N^1.1 (N = ``num_clients``), below 1/N as it must be for a client-level

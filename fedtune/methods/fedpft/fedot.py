@@ -30,7 +30,7 @@ import torch
 from pydantic import Field
 
 from fedtune.config import ConfigError
-from fedtune.methods.base.averaging import WEIGHTED_SUM_OPTIONS
+from fedtune.methods.base.averaging import SECURE_AGGREGATION, WEIGHTED_SUM_OPTIONS
 from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS
 from fedtune.methods.fedpft.alignment import ProxyAligner
 from fedtune.methods.fedpft.construction import ProxyBuilder
@@ -227,5 +227,5 @@ register(
     FedOTClient,
     FedOTOptions,
     requires=(*LORA, "transformer"),
-    supports=(*WEIGHTED_SUM_OPTIONS, "device"),
+    supports=(*WEIGHTED_SUM_OPTIONS, *SECURE_AGGREGATION, "device"),
 )

@@ -10,11 +10,12 @@ and the strategy the sizes a client holds and trains, measured as FedPFT's and F
 
 from __future__ import annotations
 
-from fedtune.methods.base.averaging import WEIGHTED_SUM_OPTIONS, UpdateClient
+from fedtune.methods.base.averaging import SECURE_AGGREGATION, WEIGHTED_SUM_OPTIONS, UpdateClient
 from fedtune.methods.base.lora import LORA
 from fedtune.methods.fedit import FedITOptions, FedITStrategy
 from fedtune.methods.fedpft.support import base_params, memory_metrics, size_metrics, train_lora
 from fedtune.protocol.messages import Message
+from fedtune.protocol.strategy import SecureSum
 from fedtune.registry import register
 
 
@@ -22,8 +23,15 @@ class FedPETuningStrategy(FedITStrategy):
     """FedPETuning: LoRA FL on the full model (Zhang et al. 2023), FedPFT's reference."""
 
     def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
-        metrics = {**super().aggregate_fit(rnd, replies), **memory_metrics(replies)}
-        return {**metrics, **size_metrics(base_params(self.context.workspace.base), self.global_arrays)}
+        return {**super().aggregate_fit(rnd, replies), **self.cost_metrics(replies)}
+
+    def aggregate_secure_fit(self, rnd: int, replies: dict[int, Message], total: SecureSum) -> dict[str, float]:
+        """FedIT's round from the secure sum (replies: metadata only, which holds the memory)."""
+        return {**super().aggregate_secure_fit(rnd, replies, total), **self.cost_metrics(replies)}
+
+    def cost_metrics(self, replies: dict[int, Message]) -> dict[str, float]:
+        base = base_params(self.context.workspace.base)
+        return {**memory_metrics(replies), **size_metrics(base, self.global_arrays)}
 
 
 class FedPETuningClient(UpdateClient):
@@ -48,5 +56,5 @@ register(
     FedPETuningClient,
     FedITOptions,
     requires=LORA,
-    supports=(*WEIGHTED_SUM_OPTIONS, "device"),
+    supports=(*WEIGHTED_SUM_OPTIONS, *SECURE_AGGREGATION, "device"),
 )

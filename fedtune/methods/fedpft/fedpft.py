@@ -67,7 +67,7 @@ import torch
 from pydantic import Field
 
 from fedtune.config import ConfigError
-from fedtune.methods.base.averaging import WEIGHTED_SUM_OPTIONS
+from fedtune.methods.base.averaging import SECURE_AGGREGATION, WEIGHTED_SUM_OPTIONS
 from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS
 from fedtune.methods.fedpft.alignment import ProxyAligner
 from fedtune.methods.fedpft.construction import ProxyBuilder
@@ -130,6 +130,17 @@ class FedPFTOptions(ProxyOptions):
         "options.weighting": "'uniform' departs from FedAvg's data-size weights",
         "options.align_mu": "> 0 adds eq. (13)'s weight term to the neuron-level step (the published code's is 0)",
     }
+
+    def secure_refusal(self) -> str | None:
+        """FedPFT's round is FedAvg of the adapter (a weighted sum SecAgg+ computes), but an
+        alignment round also pools each client's APoZ counts, an unweighted sum of integers that
+        the masked vector (each entry times w_i/W, clipped to [-c, c]) does not carry."""
+        if self.distill_during and self.align_steps > 0:
+            return (
+                "options.distill_during: not with federation.secure_aggregation (the neuron-level alignment pools "
+                "each client's APoZ counts); fedpft's secure form has distill_during = false"
+            )
+        return None
 
 
 def compressed_layers(n_layers: int, retained: list[int] | None) -> list[int]:
@@ -467,5 +478,5 @@ register(
     FedPFTClient,
     FedPFTOptions,
     requires=(*LORA, "transformer"),
-    supports=(*WEIGHTED_SUM_OPTIONS, "device"),
+    supports=(*WEIGHTED_SUM_OPTIONS, *SECURE_AGGREGATION, "device"),
 )

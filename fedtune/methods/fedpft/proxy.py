@@ -48,6 +48,7 @@ from pydantic import Field
 
 from fedtune.config import ConfigError
 from fedtune.methods.base.averaging import (
+    SecureSummed,
     UpdateClient,
     Weighting,
     aggregate_updates,
@@ -71,6 +72,7 @@ from fedtune.methods.fedpft.support import (
 from fedtune.models.lora import LoraWorkspace
 from fedtune.protocol.compression import encoded_base_name
 from fedtune.protocol.messages import Message
+from fedtune.protocol.strategy import SecureSum
 from fedtune.protocol.validation import ArraySpec, spec_like
 from fedtune.registry import MethodOptions
 
@@ -142,7 +144,7 @@ class RoundAlignment:
         return {}
 
 
-class ProxyStrategy(GlobalAdapterStrategy):
+class ProxyStrategy(SecureSummed, GlobalAdapterStrategy):
     """Server side of FL on a proxy (module docstring): the rounds. The subclass chooses, by
     composition, how the proxy is built (``builder``: a :class:`ProxyBuilder`, which also holds the
     proxy) and aligned during FL (``alignment``: a :class:`RoundAlignment`, none by default), and
@@ -194,6 +196,7 @@ class ProxyStrategy(GlobalAdapterStrategy):
                     "alpha": self.alpha,
                     "proxy_version": builder.version,
                     **self.alignment.fit_meta(rnd),
+                    **self.secure_meta(client_ids),
                 },
             )
             base = self.held.get(cid)
@@ -219,6 +222,23 @@ class ProxyStrategy(GlobalAdapterStrategy):
         return {**spec_like(self.global_arrays), **self.alignment.reply_spec(sent)}
 
     def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
+        def combine() -> dict[str, np.ndarray]:
+            updates = [
+                decode_update({k: v for k, v in m.arrays.items() if encoded_base_name(k) in self.global_arrays})
+                for m in replies.values()
+            ]
+            return aggregate_updates(updates, client_weights(replies, self.options.weighting), self.config.federation)
+
+        return self._round_step(rnd, replies, combine)
+
+    def aggregate_secure_fit(self, rnd: int, replies: dict[int, Message], total: SecureSum) -> dict[str, float]:
+        """The same round from the secure sum: theta + sum_i w_i Delta_i / sum_i w_i (the replies'
+        metadata still say which proxy version each client holds, and its memory)."""
+        return self._round_step(rnd, replies, lambda: self.secure_mean(total))
+
+    def _round_step(self, rnd: int, replies: dict[int, Message], combine) -> dict[str, float]:
+        """The round's bookkeeping around the server step theta + ``combine()``: who holds which
+        proxy version, the byte, memory and size metrics, then the method's alignment."""
         for cid in self._sent - set(replies):
             self.held.pop(cid, None)
         for cid, reply in replies.items():
@@ -226,12 +246,7 @@ class ProxyStrategy(GlobalAdapterStrategy):
         metrics: dict[str, float] = {k: float(v) for k, v in self._bytes.items()}
         if not replies:
             return metrics
-        updates = [
-            decode_update({k: v for k, v in m.arrays.items() if encoded_base_name(k) in self.global_arrays})
-            for m in replies.values()
-        ]
-        combined = aggregate_updates(updates, client_weights(replies, self.options.weighting), self.config.federation)
-        self.global_arrays = self.server_opt.step(self.global_arrays, combined)
+        self.global_arrays = self.server_opt.step(self.global_arrays, combine())
         metrics.update(mean_train_loss(replies))
         metrics.update(memory_metrics(replies))
         metrics.update(
