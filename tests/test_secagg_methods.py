@@ -46,12 +46,10 @@ PROFILES = {
 }
 CASES = {
     "heterolora": ("heterolora",),
-    "heterolora-examples": ("heterolora", 'options.weighting="examples"'),
     "heterolora-coverage": ("heterolora", 'options.padding="coverage"'),
     "heterolora-modules-coverage": ("heterolora", 'options.aggregate="modules"', 'options.padding="coverage"'),
     "heterolora-local-dp": ("heterolora", *LOCAL_DP),
     "fslora": ("fslora",),
-    "fslora-local-dp": ("fslora", *LOCAL_DP),
     "fedpetuning": ("fedpetuning",),
     "fedot": ("fedot",),
     "fedpft": ("fedpft", "options.distill_during=false"),
