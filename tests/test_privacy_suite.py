@@ -1,8 +1,9 @@
 """The privacy-utility benchmark's plan and report (benchmarks/privacy/run_suite.py): every run is
-FedIT on 100 clients with 10 per round and uniform weights, central DP at its target epsilon (the
-default delta) or none; each epsilon's clip is the argmax of its sweep runs' mean of the last 2
-evaluations and the table runs exactly that clip on the table seeds; the report's cost of privacy is
-the no-DP mean minus each epsilon's. Only configs and hand-written run folders (no training)."""
+FedIT or FSLoRA (configs/fslora.toml's settings) on 100 clients with 10 per round and uniform
+weights, central DP at its target epsilon (the default delta) or none; each (method, epsilon)'s clip
+is the argmax of its sweep runs' mean of the last 2 evaluations and the table runs exactly that clip
+on the table seeds; the report's cost of privacy is the same method's no-DP mean minus each
+epsilon's. Only configs and hand-written run folders (no training)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fedtune.config import load_config
 from tests.conftest import assert_every_planned_run_resolves, load_script
 from tests.test_harness import finish
 
-SUITE = Path(__file__).resolve().parents[1] / "benchmarks" / "privacy" / "run_suite.py"
+ROOT = Path(__file__).resolve().parents[1]
+SUITE = ROOT / "benchmarks" / "privacy" / "run_suite.py"
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +33,16 @@ def test_every_planned_run_resolves_fedit_on_100_clients_10_per_round_at_its_eps
     # resolving a run calibrates z for its epsilon (tests/test_privacy.py tests that; 20 s an epsilon here)
     monkeypatch.setattr(privacy, "calibrate", lambda *args: 1.0)
     plan, choices, waiting = suite.build([1, 2, 3], 0, False, tmp_path)
-    assert assert_every_planned_run_resolves(plan) == 12 + 3  # the sweep; the no-DP table runs
-    assert waiting == [1.0, 3.0, 8.0] and all(c is None for c in choices.values())
-    for spec in plan["sweep"] + plan["table"]:
+    # FedIT's sweep and no-DP table runs; FSLoRA's (epsilon 8 only) likewise
+    assert assert_every_planned_run_resolves(plan) == 12 + 3 + 4 + 3
+    assert waiting == [("fedit", 1.0), ("fedit", 3.0), ("fedit", 8.0), ("fslora", 8.0)]
+    assert all(c is None for c in choices.values())
+    for spec in plan["sweep"] + plan["table"] + plan["fslora-sweep"] + plan["fslora-table"]:
         c = spec.config
-        assert (c.method, c.data.name, c.model.name) == ("fedit", "sst2", "minilm")
+        assert (c.method, c.data.name, c.model.name) == (spec.labels["method"], "sst2", "minilm")
         assert (c.federation.num_clients, c.federation.sample_size(), c.options["weighting"]) == (100, 10, "uniform")
+        assert (c.rounds, c.train.local_steps, c.data.max_train_samples) == (30, 5, 20000)
+        assert spec.name.startswith("fslora-") == (c.method == "fslora")
         if math.isinf(spec.labels["epsilon"]):
             assert c.privacy.mode == "none"
         else:
@@ -44,6 +51,45 @@ def test_every_planned_run_resolves_fedit_on_100_clients_10_per_round_at_its_eps
     assert {(s.labels["epsilon"], s.labels["clip"]) for s in plan["sweep"]} == {
         (e, c) for e in suite.EPSILONS for c in suite.CLIP_GRID
     }
+    assert {(s.labels["epsilon"], s.labels["clip"]) for s in plan["fslora-sweep"]} == {
+        (8.0, c) for c in suite.CLIP_GRID
+    }
+
+
+def test_fedit_runs_keep_their_names_and_overrides_and_the_default_selection_is_fedits(suite, tmp_path):
+    """The lead's suite resumes by name and config: FedIT's runs are exactly the ones before the
+    FSLoRA row, and a plain command selects only them."""
+    plan, _, _ = suite.build([1, 2, 3], 0, False, tmp_path)
+    run = {s.name: s for s in plan["sweep"] + plan["table"]}
+    assert run["eps3-clip0.3-s0"].overrides == [
+        'privacy.mode="central"',
+        "privacy.epsilon=3.0",
+        "privacy.clip=0.3",
+        "seed=0",
+    ]
+    assert run["epsinf-s2"].overrides == ["seed=2"]
+    assert [s.name for s in plan["table"]] == ["epsinf-s1", "epsinf-s2", "epsinf-s3"]
+    assert plan["sweep"][0].run_dir == tmp_path / "runs" / "sweep" / "eps1-clip0.1-s0"
+    assert suite.DEFAULT_ONLY == "sweep,table"
+
+
+def test_the_fslora_row_runs_configs_fslora_toml_settings_on_the_suites_data_and_clients(suite, tmp_path):
+    plan, _, _ = suite.build([1], 0, False, tmp_path)
+    got = plan["fslora-table"][0].config
+    want = load_config(ROOT / "configs" / "fslora.toml")
+    fedit = plan["table"][0].config
+    for section, keys in {
+        "model": ["lora_rank", "lora_alpha", "lora_dropout", "target_modules"],
+        "train": ["optimizer", "lr", "momentum", "batch_size", "local_steps"],
+        "federation": ["profile_choices", "server_optimizer", "server_lr", "server_weight_decay"],
+    }.items():
+        for key in keys:
+            assert getattr(getattr(got, section), key) == getattr(getattr(want, section), key), f"{section}.{key}"
+    from fedtune.methods.fslora import FSLoRAOptions
+
+    assert FSLoRAOptions(**got.options) == FSLoRAOptions(**want.options)
+    assert (got.data, got.rounds, got.eval_every) == (fedit.data, fedit.rounds, fedit.eval_every)
+    assert (got.federation.num_clients, got.federation.clients_per_round) == (100, 10)
 
 
 def _finish(spec, accuracies, z=2.0):
@@ -57,15 +103,19 @@ def _finish(spec, accuracies, z=2.0):
 def test_each_epsilon_runs_the_table_at_its_swept_clip_and_the_report_gives_the_cost(suite, tmp_path):
     out = tmp_path / "out"
     plan, _, _ = suite.build([1, 2, 3], 0, False, out)
-    sweep = {(s.labels["epsilon"], s.labels["clip"]): s for s in plan["sweep"]}
+    sweep = {(s.labels["method"], s.labels["epsilon"], s.labels["clip"]): s for s in suite.sweep_runs(plan)}
     # epsilon 3: clip 0.3 has the best last-2 mean (0.70); clip 1 the best single (final) point
     for clip, accs in {0.1: [0.5, 0.6, 0.6], 0.3: [0.5, 0.7, 0.7], 1.0: [0.5, 0.5, 0.85], 3.0: [0.6, 0.5, 0.5]}.items():
-        _finish(sweep[(3.0, clip)], accs)
+        _finish(sweep[("fedit", 3.0, clip)], accs)
     for clip in suite.CLIP_GRID[:-1]:  # epsilon 8: one sweep run unfinished
-        _finish(sweep[(8.0, clip)], [0.7, 0.7])
+        _finish(sweep[("fedit", 8.0, clip)], [0.7, 0.7])
+    # FSLoRA at epsilon 8: clip 1 best (0.65), its sweep complete although FedIT's epsilon 8 is not
+    for clip, acc in zip(suite.CLIP_GRID, (0.55, 0.6, 0.65, 0.5)):
+        _finish(sweep[("fslora", 8.0, clip)], [0.5, acc, acc])
     plan, choices, waiting = suite.build([1, 2, 3], 0, False, out)
-    assert choices[3.0].setting == {"clip": 0.3} and choices[3.0].score == pytest.approx(0.7)
-    assert waiting == [1.0, 8.0]
+    assert choices[("fedit", 3.0)].setting == {"clip": 0.3} and choices[("fedit", 3.0)].score == pytest.approx(0.7)
+    assert choices[("fslora", 8.0)].setting == {"clip": 1.0}
+    assert waiting == [("fedit", 1.0), ("fedit", 8.0)]
     table = plan["table"]
     assert sorted((s.labels["epsilon"], s.labels["seed"]) for s in table) == sorted(
         [(3.0, seed) for seed in (1, 2, 3)] + [(math.inf, seed) for seed in (1, 2, 3)]
@@ -73,21 +123,43 @@ def test_each_epsilon_runs_the_table_at_its_swept_clip_and_the_report_gives_the_
     for spec in table:
         if spec.labels["epsilon"] == 3.0:
             assert spec.config.privacy.clip == 0.3 and spec.config.seed == spec.labels["seed"]
+    assert sorted(s.name for s in plan["fslora-table"]) == sorted(
+        [f"fslora-eps8-clip1-s{seed}" for seed in (1, 2, 3)] + [f"fslora-epsinf-s{seed}" for seed in (1, 2, 3)]
+    )
+    assert all(s.config.method == "fslora" and s.config.privacy.clip in (None, 1.0) for s in plan["fslora-table"])
     # the table: no DP 80, 82, 84 (%); epsilon 3: 60, 70, 68 (each run's mean of its last 2 evaluations)
-    runs = {(s.labels["epsilon"], s.labels["seed"]): s for s in table}
+    runs = {(s.labels["method"], s.labels["epsilon"], s.labels["seed"]): s for s in suite.table_runs(plan)}
     for seed, (a, b) in zip((1, 2, 3), ((0.80, 0.80), (0.80, 0.84), (0.84, 0.84))):
-        _finish(runs[(math.inf, seed)], [0.5, a, b])
+        _finish(runs[("fedit", math.inf, seed)], [0.5, a, b])
     for seed, (a, b) in zip((1, 2, 3), ((0.60, 0.60), (0.70, 0.70), (0.66, 0.70))):
-        _finish(runs[(3.0, seed)], [0.5, a, b], z=3.5)
+        _finish(runs[("fedit", 3.0, seed)], [0.5, a, b], z=3.5)
+    # FSLoRA: no DP 76, 78, 80; epsilon 8: 50, 52, 54 (its cost against its own no-DP mean, 78)
+    for seed, acc in zip((1, 2, 3), (0.76, 0.78, 0.80)):
+        _finish(runs[("fslora", math.inf, seed)], [0.5, acc, acc])
+    for seed, acc in zip((1, 2, 3), (0.50, 0.52, 0.54)):
+        _finish(runs[("fslora", 8.0, seed)], [0.5, acc, acc], z=1.25)
     written = suite.report(plan, choices, out, "python benchmarks/privacy/run_suite.py")
     assert all(p.exists() for p in written)
-    rows = {r["epsilon"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
-    no_dp, eps3 = rows[None], rows[3.0]
+    table_rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [(r["method"], r["epsilon"]) for r in table_rows] == [
+        ("fedit", None),
+        ("fslora", None),
+        ("fedit", 1.0),
+        ("fedit", 3.0),
+        ("fedit", 8.0),
+        ("fslora", 8.0),
+    ]
+    rows = {(r["method"], r["epsilon"]): r for r in table_rows}
+    no_dp, eps3 = rows[("fedit", None)], rows[("fedit", 3.0)]
     assert no_dp["accuracy_mean"] == pytest.approx(np.mean([80, 82, 84]))
     assert eps3["accuracy_mean"] == pytest.approx(np.mean([60, 70, 68]))
     assert eps3["accuracy_std"] == pytest.approx(np.std([60, 70, 68], ddof=1))
     assert eps3["cost_points"] == pytest.approx(82 - 66) and eps3["clip"] == 0.3
     assert eps3["noise_multiplier"] == 3.5 and eps3["delta"] == pytest.approx(100**-1.1)
-    assert rows[1.0]["accuracy_mean"] is None and rows[1.0]["clip"] is None
+    assert rows[("fedit", 1.0)]["accuracy_mean"] is None and rows[("fedit", 1.0)]["clip"] is None
+    fslora8 = rows[("fslora", 8.0)]
+    assert fslora8["cost_points"] == pytest.approx(78 - 52) and fslora8["clip"] == 1.0
     text = (out / "README.md").read_text()
-    assert "| 3 | 0.0063 | 0.3 | 3.500 | 66.00 ± 5.29 (n=3) | 16.00 |" in text
+    assert "| FedIT | 3 | 0.0063 | 0.3 | 3.500 | 66.00 ± 5.29 (n=3) | 16.00 |" in text
+    assert "| FSLoRA | 8 | 0.0063 | 1 | 1.250 | 52.00 ± 2.00 (n=3) | 26.00 |" in text
+    assert "| FSLoRA | 8 | 55.00 | 60.00 | 65.00 | 50.00 |" in text  # its clip sweep

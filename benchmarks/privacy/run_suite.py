@@ -1,7 +1,8 @@
 """The privacy-utility benchmark (issue 28, item 5): FedIT on SST-2 with MiniLM, 100 clients, 10
 sampled per round (q = 0.1), client-level central DP (DP-FedAvg, ``fedtune.methods.base.privacy``) at
-a target epsilon of 1, 3 and 8, and without DP (epsilon infinity); written to
-``benchmarks/results/privacy/`` (README.md, results.json, accuracy_vs_epsilon.png).
+a target epsilon of 1, 3 and 8, and without DP (epsilon infinity), plus an FSLoRA row at epsilon 8
+and without DP; written to ``benchmarks/results/privacy/`` (README.md, results.json,
+accuracy_vs_epsilon.png).
 
 Every run is ``configs/benchmarks/privacy-suite.toml`` (configs/fedit.toml's data, model, rate and
 H; 100 clients with 200 SST-2 examples each, Dirichlet 0.5; 30 rounds, evaluated every 5 on 500
@@ -10,7 +11,18 @@ test examples; uniform client weights, DP-FedAvg's 1/m) plus, for a finite epsil
 after the 30 rounds is at most the target) and ``privacy.clip``. delta is the default 1/N^1.1 =
 100^-1.1 = 0.0063 for every run.
 
-Two stages:
+FSLoRA (``fedtune/methods/fslora.py``, its DP form: the server clips each sketched upload U_i,
+puts it back at its ranks I_i and adds one N(0, (zC)^2) on every coordinate of the dense global
+pair, sensitivity 2C as for FedIT) runs the same recipe (data, 100 clients, 10 per round, uniform
+weights, 30 rounds of H = 5 steps, batch 16, evaluation) with configs/fslora.toml's FSLoRA settings
+(:data:`FSLORA`): the rank-64 global pair (lora_alpha 128, dropout 0.1, query/value), sketching
+ratios k_i/r drawn per client from {0.125, 0.25, 0.5, 0.75}, and that recipe's tuned optimizers
+(client SGD lr 0.1 with momentum 0.9; server Adam lr 3e-3, weight decay 0.01, on the averaged,
+noised update: post-processing, so the guarantee is unchanged). Those rates were swept for 20
+clients all taking part (benchmarks/results/fslora-sweep), not re-swept here; only the clip is.
+Runs are named ``fslora-...`` (FedIT's names are unchanged).
+
+Experiments (``--only``; default ``sweep,table``, FedIT's):
 
 - ``sweep``: each finite epsilon at every clip of :data:`CLIP_GRID` on the sweep seed
   (``--sweep-seed``, default 0); each epsilon's clip is the argmax of a run's mean of its last
@@ -18,19 +30,23 @@ Two stages:
 - ``table``: each finite epsilon at its chosen clip, and the run without DP (no clipping, no noise),
   on ``--seeds`` (default 1, 2, 3: not the sweep seed, so a reported figure is not the maximum the
   selection picked). An epsilon whose sweep is unfinished has no table runs yet.
+- ``fslora-sweep``, ``fslora-table``: the same for FSLoRA at :data:`FSLORA_EPSILONS` (epsilon 8) and
+  without DP (4 + 3 + 3 runs).
 
 Reported: accuracy (%) as the mean +- sample std over the seeds of each run's mean of its last
 :data:`LAST` evaluations (rounds 25 and 30), the cost of privacy in points against the run without
 DP, the noise multiplier z and the MB uploaded per client (central DP adds no bytes; SecAgg+ runs
 on the Flower engines, not in this suite).
 
-Budget: 12 sweep + 12 table runs of about 6 min of one core each (:data:`RUN_S`, measured), about
-75 min on 2 free cores (``--workers 2``). Scaled down from the issue's ask only in length: 30 rounds
-of H = 5 steps (30 x 10 = 300 client updates of the 100 clients), 200 examples a client, 500 test
-examples.
+Budget: FedIT's 12 sweep + 12 table runs of about 6 min of one core each (:data:`RUN_S`, measured),
+about 75 min on 2 free cores (``--workers 2``); FSLoRA's 4 + 6 runs, estimated at the same cost (its
+clients train k_i <= 48 of 64 ranks on query/value; not yet measured at this scale), about 30 min.
+Scaled down from the issue's ask only in length: 30 rounds of H = 5 steps (30 x 10 = 300 client
+updates of the 100 clients), 200 examples a client, 500 test examples.
 
     HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR=../shared/data .venv/bin/python benchmarks/privacy/run_suite.py --plan
     ... --only sweep | --only table | (both: the table is planned once the sweep is done)
+    ... --only fslora-sweep,fslora-table (FSLoRA's part, the same way)
     ... --report-only | --quick (tiny-bert, 2 rounds, 40 clients, a scratch folder)
 """
 
@@ -53,7 +69,6 @@ from fedtune.harness import (
     runs_section,
     suite_command,
     suite_parser,
-    sweep_first,
     table_lines,
 )
 from fedtune.harness.choice import Choice, choice_text, choose
@@ -65,8 +80,34 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs" / "benchmarks" / "privacy-suite.toml"
 RESULTS = REPO / "benchmarks" / "results" / "privacy"
 QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "privacy-quick"
-EXPERIMENTS = ["sweep", "table"]
+EXPERIMENTS = ["sweep", "table", "fslora-sweep", "fslora-table"]
+DEFAULT_ONLY = "sweep,table"  # FedIT's part; FSLoRA's is selected with --only
 EPSILONS = (1.0, 3.0, 8.0)  # and infinity: the run without DP
+FSLORA_EPSILONS = (8.0,)
+#: FSLoRA's overrides of the suite's recipe: configs/fslora.toml's method, model and optimizer
+#: settings (tests/test_privacy_suite.py checks them against that recipe)
+FSLORA = [
+    'method="fslora"',
+    "model.lora_rank=64",
+    "model.lora_alpha=128.0",
+    "model.lora_dropout=0.1",
+    'model.target_modules=["query", "value"]',
+    'train.optimizer="sgd"',
+    "train.lr=0.1",
+    "train.momentum=0.9",
+    "federation.profile_choices={sketch_ratio = [0.125, 0.25, 0.5, 0.75]}",
+    'federation.server_optimizer="adam"',
+    "federation.server_lr=0.003",
+    "federation.server_weight_decay=0.01",
+]
+#: --quick's FSLoRA: tiny-bert's layers allow a rank of at most 32
+QUICK_FSLORA = ["model.lora_rank=16", "model.lora_alpha=32.0"]
+#: method -> (its finite epsilons, its overrides, its run-name prefix, its sweep and table experiments,
+#: its --quick overrides after its own)
+METHODS = {
+    "fedit": (EPSILONS, [], "", "sweep", "table", []),
+    "fslora": (FSLORA_EPSILONS, FSLORA, "fslora-", "fslora-sweep", "fslora-table", QUICK_FSLORA),
+}
 CLIP_GRID = (0.1, 0.3, 1.0, 3.0)
 LAST = 2  # a run's figure: the mean of its last 2 evaluations
 SWEEP_SEED = 0
@@ -93,51 +134,89 @@ def privacy(epsilon: float, clip: float | None) -> list[str]:
     return ['privacy.mode="central"', f"privacy.epsilon={epsilon}", f"privacy.clip={clip}"]
 
 
-def spec(epsilon: float, clip: float | None, seed: int, quick: bool) -> RunSpec:
+def spec(epsilon: float, clip: float | None, seed: int, quick: bool, method: str = "fedit") -> RunSpec:
+    """One run: FedIT's name and overrides as before the FSLoRA row; FSLoRA's prefixed ``fslora-``
+    with :data:`FSLORA` (with ``quick``: after :data:`QUICK`, then :data:`QUICK_FSLORA`)."""
+    _, overrides, prefix, _, _, quick_overrides = METHODS[method]
     eps = "inf" if math.isinf(epsilon) else f"{epsilon:g}"
-    name = f"eps{eps}" + ("" if clip is None else f"-clip{clip:g}") + f"-s{seed}"
-    labels = {"epsilon": epsilon, "clip": clip, "seed": seed}
-    return RunSpec(name, [*(QUICK if quick else []), *privacy(epsilon, clip), f"seed={seed}"], labels)
+    name = prefix + f"eps{eps}" + ("" if clip is None else f"-clip{clip:g}") + f"-s{seed}"
+    labels = {"method": method, "epsilon": epsilon, "clip": clip, "seed": seed}
+    scale = [*QUICK, *overrides, *quick_overrides] if quick else overrides
+    return RunSpec(name, [*scale, *privacy(epsilon, clip), f"seed={seed}"], labels)
 
 
 def score(run: RunSpec) -> float | None:
     return run_accuracy(run, LAST)
 
 
-def sweep_specs(sweep_seed: int, quick: bool) -> list[RunSpec]:
-    return [spec(e, c, sweep_seed, quick) for e in EPSILONS for c in CLIP_GRID]
+def sweep_specs(sweep_seed: int, quick: bool, method: str = "fedit") -> list[RunSpec]:
+    return [spec(e, c, sweep_seed, quick, method) for e in METHODS[method][0] for c in CLIP_GRID]
 
 
 def build(seeds: list[int], sweep_seed: int, quick: bool, out: Path):
-    """The plan (the sweep, and the table of the epsilons whose sweep is done), each epsilon's choice
-    (None while its sweep runs), and the epsilons still waiting."""
-    sweep = build_plan({"sweep": sweep_specs(sweep_seed, quick)}, RECIPE, out)["sweep"]
-    choices: dict[float, Choice | None] = {
-        e: choose([s for s in sweep if s.labels["epsilon"] == e], lambda s: {"clip": s.labels["clip"]}, score)
-        for e in EPSILONS
+    """The plan (each method's sweep, and its table of the epsilons whose sweep is done), each
+    (method, epsilon)'s choice (None while its sweep runs), and the (method, epsilon) still waiting.
+    Every experiment is planned whatever ``--only`` selects (FedIT's first), so the folders do not
+    depend on the selection."""
+    sweeps = {m: sweep_specs(sweep_seed, quick, m) for m in METHODS}
+    swept = build_plan({METHODS[m][3]: specs for m, specs in sweeps.items()}, RECIPE, out)
+    choices: dict[tuple[str, float], Choice | None] = {
+        (m, e): choose(
+            [s for s in swept[METHODS[m][3]] if s.labels["epsilon"] == e], lambda s: {"clip": s.labels["clip"]}, score
+        )
+        for m in METHODS
+        for e in METHODS[m][0]
     }
-    table = [spec(math.inf, None, seed, quick) for seed in seeds]
-    table += [spec(e, c.setting["clip"], seed, quick) for e, c in choices.items() if c for seed in seeds]
-    plan = build_plan({"sweep": sweep_specs(sweep_seed, quick), "table": table}, RECIPE, out)
-    return plan, choices, [e for e, c in choices.items() if c is None]
+    experiments: dict[str, list[RunSpec]] = {}
+    for m, (_, _, _, sweep, table, _) in METHODS.items():
+        runs = [spec(math.inf, None, seed, quick, m) for seed in seeds]
+        runs += [
+            spec(e, c.setting["clip"], seed, quick, m)
+            for (n, e), c in choices.items()
+            if n == m and c
+            for seed in seeds
+        ]
+        experiments[sweep], experiments[table] = sweep_specs(sweep_seed, quick, m), runs
+    plan = build_plan({e: experiments[e] for e in EXPERIMENTS}, RECIPE, out)
+    return plan, choices, [key for key, c in choices.items() if c is None]
+
+
+def table_runs(plan) -> list[RunSpec]:
+    """Every method's table runs."""
+    return [s for m in METHODS for s in plan[METHODS[m][4]]]
+
+
+def sweep_runs(plan) -> list[RunSpec]:
+    """Every method's sweep runs."""
+    return [s for m in METHODS for s in plan[METHODS[m][3]]]
+
+
+def row_keys() -> list[tuple[str, float]]:
+    """The report's rows, (method, epsilon), by epsilon (infinity first), FSLoRA's next to FedIT's."""
+    keys = [(m, e) for m in METHODS for e in (math.inf, *METHODS[m][0])]
+    order = [math.inf, *sorted({e for _, e in keys if not math.isinf(e)})]
+    return sorted(keys, key=lambda k: (order.index(k[1]), list(METHODS).index(k[0])))
 
 
 def rows(plan, choices) -> list[dict]:
-    """results.json's rows: one per epsilon (infinity last) with its clip, z, delta, the per-seed
-    accuracies (the mean of each run's last evaluations, %) and their mean and std."""
+    """results.json's rows: one per (method, epsilon), in :func:`row_keys` order, with its clip, z,
+    delta, the per-seed accuracies (the mean of each run's last evaluations, %), their mean and std
+    and the cost in points against the same method without DP."""
+    table = table_runs(plan)
+    no_dp = {m: [s for s in table if s.labels["method"] == m and math.isinf(s.labels["epsilon"])] for m in METHODS}
+    baselines = {m: final_accuracy(runs, LAST)[0] for m, runs in no_dp.items()}
     out = []
-    baseline = None
-    for epsilon in (math.inf, *EPSILONS):
-        runs = [s for s in plan["table"] if s.labels["epsilon"] == epsilon]
+    for method, epsilon in row_keys():
+        runs = [s for s in table if s.labels["method"] == method and s.labels["epsilon"] == epsilon]
         summaries = [x for x in map(load_summary, runs) if x]
         per_seed = {s.labels["seed"]: (None if (a := score(s)) is None else 100 * a) for s in runs}
         acc, std, n = final_accuracy(runs, LAST)
-        if math.isinf(epsilon):
-            baseline = acc
+        baseline = baselines[method]
         dp = next((x["privacy"] for x in summaries if "privacy" in x), None)
-        choice = choices.get(epsilon)
+        choice = choices.get((method, epsilon))
         out.append(
             {
+                "method": method,
                 "epsilon": None if math.isinf(epsilon) else epsilon,
                 "delta": None if dp is None else dp["delta"],
                 "epsilon_spent": None if dp is None else dp["epsilon"],
@@ -157,10 +236,16 @@ def rows(plan, choices) -> list[dict]:
 def scale_line(plan) -> str:
     """What these runs are (the full scale, or --quick's)."""
     c = next(s.config for s in plan["sweep"])
+    f = next(s.config for s in plan["fslora-sweep"])
     return (
         f"These runs: model {c.model.name}, {c.federation.num_clients} clients, {c.federation.sample_size()} per "
-        f"round, {c.rounds} rounds of {c.train.local_steps} local steps, {c.data.max_test_samples} test examples."
+        f"round, {c.rounds} rounds of {c.train.local_steps} local steps, {c.data.max_test_samples} test examples; "
+        f"FedIT rank {c.model.lora_rank}, FSLoRA rank {f.model.lora_rank} with sketching ratios "
+        f"{', '.join(f'{r:g}' for r in f.federation.profile_choices['sketch_ratio'])}."
     )
+
+
+LABEL = {"fedit": "FedIT", "fslora": "FSLoRA"}
 
 
 def report(plan, choices, out: Path, command: str) -> list[Path]:
@@ -169,20 +254,24 @@ def report(plan, choices, out: Path, command: str) -> list[Path]:
     (out / "results.json").write_text(json.dumps({"last_evaluations": LAST, "rows": table}, indent=2) + "\n")
     png = out / "accuracy_vs_epsilon.png"
     with figure(png, 1, 1, figsize=(5, 3.5)) as (_, ax):
-        finite = [r for r in table if r["epsilon"] is not None and r["accuracy_mean"] is not None]
-        if finite:
-            ax.errorbar(
-                [r["epsilon"] for r in finite],
-                [r["accuracy_mean"] for r in finite],
-                yerr=[r["accuracy_std"] or 0 for r in finite],
-                marker="o",
-                capsize=3,
-                label="central DP, chosen clip",
-            )
-        if table[0]["accuracy_mean"] is not None:
-            ax.axhline(table[0]["accuracy_mean"], color="gray", ls="--", label="no DP (epsilon infinity)")
+        for method, (marker, color) in zip(METHODS, (("o", "C0"), ("s", "C1"))):
+            mine = [r for r in table if r["method"] == method and r["accuracy_mean"] is not None]
+            finite = [r for r in mine if r["epsilon"] is not None]
+            if finite:
+                ax.errorbar(
+                    [r["epsilon"] for r in finite],
+                    [r["accuracy_mean"] for r in finite],
+                    yerr=[r["accuracy_std"] or 0 for r in finite],
+                    marker=marker,
+                    color=color,
+                    capsize=3,
+                    label=f"{LABEL[method]}, central DP, chosen clip",
+                )
+            for r in mine:
+                if r["epsilon"] is None:
+                    ax.axhline(r["accuracy_mean"], color=color, ls="--", label=f"{LABEL[method]}, no DP")
         ax.set_xscale("log")
-        ax.set(xlabel="epsilon (delta = 1/N^1.1)", ylabel="accuracy (%)", title="FedIT, SST-2, MiniLM, q = 0.1")
+        ax.set(xlabel="epsilon (delta = 1/N^1.1)", ylabel="accuracy (%)", title="SST-2, MiniLM, q = 0.1")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
@@ -191,20 +280,23 @@ def report(plan, choices, out: Path, command: str) -> list[Path]:
         return "pending" if r[key] is None else format(r[key], spec)
 
     lines = [
-        "# Privacy-utility: FedIT with client-level central DP",
+        "# Privacy-utility: FedIT and FSLoRA with client-level central DP",
         "",
         " ".join(__doc__.split("\n\n")[1].split()),
+        "",
+        " ".join(__doc__.split("\n\n")[2].split()),
         "",
         *produced_by(command),
         scale_line(plan),
         "",
         f"Accuracy (%): each run's mean of its last {LAST} evaluations, mean ± sample std over the table seeds "
-        "(n: runs finished); cost: points below the run without DP.",
+        "(n: runs finished); cost: points below the same method without DP.",
         "",
         *table_lines(
-            ["epsilon", "delta", "clip C", "noise z", "accuracy (%)", "cost (points)", "MB up / client"],
+            ["method", "epsilon", "delta", "clip C", "noise z", "accuracy (%)", "cost (points)", "MB up / client"],
             [
                 [
+                    LABEL[r["method"]],
                     "∞ (no DP)" if r["epsilon"] is None else f"{r['epsilon']:g}",
                     *(
                         ["–", "–", "–"]
@@ -224,18 +316,20 @@ def report(plan, choices, out: Path, command: str) -> list[Path]:
         "## Clip sweep (sweep seed)",
         "",
         *table_lines(
-            ["epsilon", *(f"C = {c:g}" for c in CLIP_GRID), "chosen"],
+            ["method", "epsilon", *(f"C = {c:g}" for c in CLIP_GRID), "chosen"],
             [
                 [
+                    LABEL[m],
                     f"{e:g}",
                     *(
                         "pending" if (a := score(s)) is None else f"{100 * a:.2f}"
-                        for s in plan["sweep"]
-                        if s.labels["epsilon"] == e
+                        for s in sweep_runs(plan)
+                        if s.labels["method"] == m and s.labels["epsilon"] == e
                     ),
-                    choice_text(choices[e]).replace("a rate beyond", "a clip beyond"),
+                    choice_text(choices[(m, e)]).replace("a rate beyond", "a clip beyond"),
                 ]
-                for e in EPSILONS
+                for m in METHODS
+                for e in METHODS[m][0]
             ],
         ),
         "",
@@ -244,8 +338,20 @@ def report(plan, choices, out: Path, command: str) -> list[Path]:
     return [out / "README.md", out / "results.json", png]
 
 
+def first_sweeps(stage, selected: list[str], args) -> int:
+    """``stage`` over the selected sweeps first, then the rest (planned from the finished sweeps),
+    as :func:`fedtune.harness.sweep_first` does for one sweep; one call for ``--plan`` and
+    ``--report-only``. Returns the worse exit status."""
+    sweeps = [METHODS[m][3] for m in METHODS]
+    first, rest = [e for e in selected if e in sweeps], [e for e in selected if e not in sweeps]
+    if first and rest and not (args.plan or args.report_only):
+        return max(stage(first), stage(rest))
+    return stage(list(selected))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="1,2,3", budget_minutes=300.0)
+    p.set_defaults(only=DEFAULT_ONLY)
     p.add_argument("--sweep-seed", type=int, default=SWEEP_SEED, help=f"the seed that chooses each clip ({SWEEP_SEED})")
     args = p.parse_args(argv)
     selected, seeds = parse_selection(args, EXPERIMENTS)
@@ -257,13 +363,18 @@ def main(argv: list[str] | None = None) -> int:
         plan, choices, waiting = build(seeds, args.sweep_seed, args.quick, out)
         cost = QUICK_RUN_S if args.quick else RUN_S
         costs = {s.key: cost for s in distinct_runs(plan, EXPERIMENTS)}
-        waits = ", ".join(f"{e:g}" for e in waiting) or "none"
-        notes = [f"table: {len(waiting) * len(seeds)} runs wait for the sweep (epsilon {waits})"]
+        notes = [
+            f"{METHODS[m][4]}: {sum(n == m for n, _ in waiting) * len(seeds)} runs wait for the sweep (epsilon "
+            + (", ".join(f"{e:g}" for n, e in waiting if n == m) or "none")
+            + ")"
+            for m in METHODS
+            if METHODS[m][4] in selection
+        ]
         return run_suite(
             plan, selection, args, costs, lambda: report(plan, choices, out, command), root=REPO, notes=notes
         )
 
-    return sweep_first(stage, selected, args)
+    return first_sweeps(stage, selected, args)
 
 
 if __name__ == "__main__":
