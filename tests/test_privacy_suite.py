@@ -92,8 +92,21 @@ def test_the_fslora_row_runs_configs_fslora_toml_settings_on_the_suites_data_and
     assert (got.federation.num_clients, got.federation.clients_per_round) == (100, 10)
 
 
+#: the hand-written runs' global arrays (d noised) and client uploads (bytes) by method
+D = {"fedit": 400, "fslora": 900}
+UP = {"fedit": (1608, 1608), "fslora": (800, 1200)}  # two clients' bytes in every round
+
+
 def _finish(spec, accuracies, z=2.0):
+    from fedtune.checkpoint import save_state
+
     finish(spec, accuracies, rounds_evaluated=[5 * (i + 1) for i in range(len(accuracies))])
+    method = spec.labels["method"]
+    save_state(spec.run_dir / "checkpoint.npz", {"global": {"a": np.zeros((D[method] - 100,)), "b": np.ones((10, 10))}})
+    lines = [json.loads(x) for x in (spec.run_dir / "metrics.jsonl").read_text().splitlines()]
+    for line in lines:
+        line["client_bytes_up"] = dict(zip(("3", "7"), UP[method]))
+    (spec.run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     if spec.config.privacy.mode != "none":
         summary = json.loads((spec.run_dir / "summary.json").read_text())
         summary["privacy"] = {"epsilon": spec.labels["epsilon"], "delta": 100**-1.1, "noise_multiplier": z}
@@ -159,7 +172,35 @@ def test_each_epsilon_runs_the_table_at_its_swept_clip_and_the_report_gives_the_
     assert rows[("fedit", 1.0)]["accuracy_mean"] is None and rows[("fedit", 1.0)]["clip"] is None
     fslora8 = rows[("fslora", 8.0)]
     assert fslora8["cost_points"] == pytest.approx(78 - 52) and fslora8["clip"] == 1.0
+    # noise / C = z sqrt(d) / m: 3.5 sqrt(400) / 10 = 7; 1.25 sqrt(900) / 10 = 3.75; d up = bytes / 4
+    assert (eps3["d_noised"], eps3["noise_to_clip"], eps3["d_up_floats"]) == (400, pytest.approx(7.0), 402)
+    assert (fslora8["d_noised"], fslora8["noise_to_clip"], fslora8["d_up_floats"]) == (900, pytest.approx(3.75), 250)
+    assert no_dp["noise_to_clip"] is None and no_dp["d_noised"] == 400
     text = (out / "README.md").read_text()
-    assert "| FedIT | 3 | 0.0063 | 0.3 | 3.500 | 66.00 ± 5.29 (n=3) | 16.00 |" in text
-    assert "| FSLoRA | 8 | 0.0063 | 1 | 1.250 | 52.00 ± 2.00 (n=3) | 26.00 |" in text
+    assert "| FedIT | 3 | 0.0063 | 0.3 | 3.500 | 400 | 402 | 7.0 | 66.00 ± 5.29 (n=3) | 16.00 |" in text
+    assert "| FSLoRA | 8 | 0.0063 | 1 | 1.250 | 900 | 250 | 3.8 | 52.00 ± 2.00 (n=3) | 26.00 |" in text
     assert "| FSLoRA | 8 | 55.00 | 60.00 | 65.00 | 50.00 |" in text  # its clip sweep
+
+
+def test_noise_to_clip_is_the_norm_of_the_central_noise_on_the_average_over_the_clip(suite, tiny_config):
+    """z sqrt(d) / m against the real mechanism (Privacy.aggregate, central): 10 updates of norm
+    5C in one direction are clipped to C each, so their average is C u exactly; what remains of the
+    aggregate is the noise xi / m, whose norm over C must be z sqrt(d) / m (relative std of the norm
+    1/sqrt(2d) = 0.5 % at d = 20,000: 3 % is 6 std)."""
+    from fedtune.methods.base.privacy import Privacy
+
+    assert suite.noise_to_clip(1.0, 74_498, 10) == pytest.approx(27.2943, abs=1e-4)  # by hand: 272.943 / 10
+    z, C, d, m = 2.0, 0.5, 20_000, 10
+    config = tiny_config(
+        "federation.num_clients=100",
+        f"federation.clients_per_round={m}",
+        'privacy.mode="central"',
+        f"privacy.clip={C}",
+        f"privacy.noise_multiplier={z}",
+        'options.weighting="uniform"',
+    )
+    u = np.random.default_rng(0).normal(size=d)
+    u /= np.linalg.norm(u)
+    average = Privacy(config).aggregate([{"x": 5 * C * u} for _ in range(m)], rnd=3)["x"].astype(np.float64)
+    noise = np.linalg.norm(average - C * u) / C
+    assert noise == pytest.approx(suite.noise_to_clip(z, d, m), rel=0.03)  # 2 sqrt(20,000) / 10 = 28.3

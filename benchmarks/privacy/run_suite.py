@@ -34,9 +34,27 @@ Experiments (``--only``; default ``sweep,table``, FedIT's):
   without DP (4 + 3 + 3 runs).
 
 Reported: accuracy (%) as the mean +- sample std over the seeds of each run's mean of its last
-:data:`LAST` evaluations (rounds 25 and 30), the cost of privacy in points against the run without
-DP, the noise multiplier z and the MB uploaded per client (central DP adds no bytes; SecAgg+ runs
-on the Flower engines, not in this suite).
+:data:`LAST` evaluations (rounds 25 and 30), the cost of privacy in points against the same method
+without DP, the noise multiplier z, the noise-to-signal ratio :func:`noise_to_clip` and the MB
+uploaded per client (central DP adds no bytes; SecAgg+ runs on the Flower engines, not in this
+suite's runs).
+
+Noise to signal: the central mechanism adds xi ~ N(0, (zC)^2 I_d) to the sum and divides by m, so
+the noise on the averaged update has L2 norm z C sqrt(d) / m (root mean square), while the
+average of m updates clipped to C has norm at most C: the ratio z sqrt(d) / m (the column
+``noise / C``) says by how much the noise outweighs the largest possible signal. d is the number of
+coordinates the noise covers, read from the run's ``checkpoint.npz`` (its global arrays:
+:func:`noised_coordinates`). For FedIT that is exactly what one client uploads (every LoRA pair at
+rank 8 and the head: d = 74,498 for MiniLM; the upload's bytes / 4 are 74,980 floats, the message
+header included). For FSLoRA the noise covers the dense rank-64 pair, although a client uploads
+only its k_i of the 64 ranks (``d up``: the run's mean ``client_bytes_up`` / 4 bytes, the header
+included; :func:`floats_up`). Example: at m = 10 (q = 0.1, 30 rounds, delta = 100^-1.1) the
+accountant calibrates z = 5.55, 2.67 and 1.40 for epsilon 1, 3 and 8
+(``fedtune.methods.base.privacy.calibrate``), so FedIT's noise / C is 5.55 sqrt(74,498) / 10 =
+152, 73 and 38, and FSLoRA's at epsilon 8 (d = 6 layers x 2 modules x 2 x 64 x 384 + 770 =
+590,594) is 107: the noise is tens of times the largest possible signal, and a finite epsilon
+staying near chance at m = 10 is expected (the ratio falls like 1/m: McMahan et al. 2018 sample
+hundreds to thousands of clients a round).
 
 Budget: FedIT's 12 sweep + 12 table runs of about 6 min of one core each (:data:`RUN_S`, measured),
 about 75 min on 2 free cores (``--workers 2``); FSLoRA's 4 + 6 runs, estimated at the same cost (its
@@ -57,6 +75,9 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
+
+from fedtune.checkpoint import load_state
 from fedtune.harness import (
     RunSpec,
     build_plan,
@@ -73,7 +94,7 @@ from fedtune.harness import (
 )
 from fedtune.harness.choice import Choice, choice_text, choose
 from fedtune.harness.report import figure, final_accuracy, per_device_mb, run_accuracy
-from fedtune.harness.runs import load_summary
+from fedtune.harness.runs import load_rounds, load_summary
 from fedtune.harness.stats import mean as mean_of
 
 REPO = Path(__file__).resolve().parents[2]
@@ -181,6 +202,43 @@ def build(seeds: list[int], sweep_seed: int, quick: bool, out: Path):
     return plan, choices, [key for key, c in choices.items() if c is None]
 
 
+def noise_to_clip(z: float, d: int, m: int) -> float:
+    """||xi / m||_2 / C for the central noise xi ~ N(0, (zC)^2 I_d) on the sum of m clipped updates:
+    z sqrt(d) / m, its root mean square (E||xi||^2 = d (zC)^2; the norm concentrates there, relative
+    std about 1/sqrt(2d)). The average of m updates clipped to C has norm at most C, so this is the
+    noise over the largest possible signal. Example: z = 1, d = 74,498 (FedIT, MiniLM), m = 10 gives
+    27.29."""
+    return z * math.sqrt(d) / m
+
+
+def noised_coordinates(spec: RunSpec) -> int | None:
+    """d: the coordinates the central noise covers, the global arrays of the run's
+    ``checkpoint.npz`` (every LoRA pair at the global rank, and the head); None without one."""
+    path = spec.run_dir / "checkpoint.npz"
+    if not path.is_file():
+        return None
+    return int(sum(np.asarray(v).size for v in load_state(path)["global"].values()))
+
+
+def floats_up(spec: RunSpec) -> float | None:
+    """The finished run's mean upload of a client in a round, in wire floats: ``client_bytes_up`` /
+    the wire dtype's size (the message header included); None while unfinished."""
+    sizes = [b for r in load_rounds(spec) for b in r.get("client_bytes_up", {}).values()]
+    itemsize = np.dtype(spec.config.federation.wire_dtype).itemsize
+    return sum(sizes) / len(sizes) / itemsize if sizes else None
+
+
+def method_coordinates(plan) -> dict[str, int | None]:
+    """Each method's d (:func:`noised_coordinates`, the same for all its runs): from its first run
+    with a checkpoint."""
+    runs = table_runs(plan) + sweep_runs(plan)
+    found = {m: None for m in METHODS}
+    for s in runs:
+        if found[s.labels["method"]] is None:
+            found[s.labels["method"]] = noised_coordinates(s)
+    return found
+
+
 def table_runs(plan) -> list[RunSpec]:
     """Every method's table runs."""
     return [s for m in METHODS for s in plan[METHODS[m][4]]]
@@ -205,6 +263,7 @@ def rows(plan, choices) -> list[dict]:
     table = table_runs(plan)
     no_dp = {m: [s for s in table if s.labels["method"] == m and math.isinf(s.labels["epsilon"])] for m in METHODS}
     baselines = {m: final_accuracy(runs, LAST)[0] for m, runs in no_dp.items()}
+    coordinates = method_coordinates(plan)
     out = []
     for method, epsilon in row_keys():
         runs = [s for s in table if s.labels["method"] == method and s.labels["epsilon"] == epsilon]
@@ -214,6 +273,7 @@ def rows(plan, choices) -> list[dict]:
         baseline = baselines[method]
         dp = next((x["privacy"] for x in summaries if "privacy" in x), None)
         choice = choices.get((method, epsilon))
+        d, m = coordinates[method], runs[0].config.federation.sample_size() if runs else None
         out.append(
             {
                 "method": method,
@@ -221,6 +281,10 @@ def rows(plan, choices) -> list[dict]:
                 "delta": None if dp is None else dp["delta"],
                 "epsilon_spent": None if dp is None else dp["epsilon"],
                 "noise_multiplier": None if dp is None else dp["noise_multiplier"],
+                "clients_per_round": m,
+                "d_noised": d,
+                "d_up_floats": mean_of([floats_up(s) for s in runs]),
+                "noise_to_clip": None if dp is None or d is None else noise_to_clip(dp["noise_multiplier"], d, m),
                 "clip": None if choice is None else choice.setting["clip"],
                 "accuracy_per_seed": per_seed,
                 "accuracy_mean": acc,
@@ -290,10 +354,27 @@ def report(plan, choices, out: Path, command: str) -> list[Path]:
         scale_line(plan),
         "",
         f"Accuracy (%): each run's mean of its last {LAST} evaluations, mean ± sample std over the table seeds "
-        "(n: runs finished); cost: points below the same method without DP.",
+        "(n: runs finished); cost: points below the same method without DP. d noised: the coordinates the "
+        "central noise covers (the global arrays); d up: a client's mean upload in a round, bytes / 4 (header "
+        "included); noise / C = z sqrt(d noised) / m: the norm of the noise on the averaged update over the clip, "
+        "which bounds the average's signal.",
+        "",
+        " ".join(next(p for p in __doc__.split("\n\n") if p.startswith("Noise to signal")).split()),
         "",
         *table_lines(
-            ["method", "epsilon", "delta", "clip C", "noise z", "accuracy (%)", "cost (points)", "MB up / client"],
+            [
+                "method",
+                "epsilon",
+                "delta",
+                "clip C",
+                "noise z",
+                "d noised",
+                "d up",
+                "noise / C",
+                "accuracy (%)",
+                "cost (points)",
+                "MB up / client",
+            ],
             [
                 [
                     LABEL[r["method"]],
@@ -303,6 +384,9 @@ def report(plan, choices, out: Path, command: str) -> list[Path]:
                         if r["epsilon"] is None
                         else [cell(r, "delta", ".2g"), cell(r, "clip", "g"), cell(r, "noise_multiplier", ".3f")]
                     ),
+                    cell(r, "d_noised", ","),
+                    cell(r, "d_up_floats", ",.0f"),
+                    "–" if r["epsilon"] is None else cell(r, "noise_to_clip", ".1f"),
                     "pending"
                     if r["accuracy_mean"] is None
                     else f"{r['accuracy_mean']:.2f} ± {r['accuracy_std'] or 0:.2f} (n={r['finished']})",
