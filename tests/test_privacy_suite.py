@@ -204,3 +204,66 @@ def test_noise_to_clip_is_the_norm_of_the_central_noise_on_the_average_over_the_
     average = Privacy(config).aggregate([{"x": 5 * C * u} for _ in range(m)], rnd=3)["x"].astype(np.float64)
     noise = np.linalg.norm(average - C * u) / C
     assert noise == pytest.approx(suite.noise_to_clip(z, d, m), rel=0.03)  # 2 sqrt(20,000) / 10 = 28.3
+
+
+def test_a_plain_command_plans_fedits_part_only_and_secagg_is_its_own_stage(suite, tmp_path, capsys):
+    assert suite.main(["--plan", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "sweep: 12 runs" in text and "table: 3 runs" in text
+    assert "fslora" not in text and "secagg" not in text
+    assert suite.main(["--plan", "--out", str(tmp_path), "--only", "fslora-sweep,fslora-table,secagg"]) == 0
+    text = capsys.readouterr().out
+    assert "fslora-sweep: 4 runs" in text and "fslora-table: 3 runs" in text and "secagg: 2 runs" in text
+    assert "  sweep:" not in text
+
+
+def test_the_secagg_stage_runs_one_round_of_the_suites_fedit_on_flower_with_and_without_secagg(suite, tmp_path):
+    from fedtune.runtime import resolve_run
+
+    plain, secure = suite.secagg_specs(False, tmp_path)
+    fedit = suite.build([1], 0, False, tmp_path)[0]["table"][0].config  # the suite's FedIT without DP
+    for spec in (plain, secure):
+        c = resolve_run(spec.config).config
+        assert (c.engine, c.rounds, c.federation.num_clients, c.federation.sample_size()) == ("flower-sim", 1, 10, 10)
+        assert (c.method, c.model, c.train, c.privacy.mode) == ("fedit", fedit.model, fedit.train, "none")
+        assert c.data.max_train_samples == 200 * 10 and c.options == fedit.options
+    assert (plain.config.federation.secure_aggregation, secure.config.federation.secure_aggregation) == (False, True)
+    assert plain.run_dir == tmp_path / "runs" / "secagg" / "plain"
+
+
+def test_secagg_json_gives_each_ways_mb_per_client_their_ratio_and_the_adapters_distance(suite, tmp_path):
+    from fedtune.checkpoint import save_state
+
+    specs = suite.secagg_specs(False, tmp_path)
+    assert suite.secagg_result(specs, "cmd") is None  # unfinished
+    # plain: 3 clients up 100, 200, 300 kB (mean 0.2 MB), down 0.3 MB; SecAgg+ up 0.5 MB, down 0.45 MB
+    ups = {"plain": (100_000, 200_000, 300_000), "secagg": (500_000, 400_000, 600_000)}
+    downs = {"plain": (300_000,) * 3, "secagg": (450_000,) * 3}
+    adapters = {"plain": np.zeros((4, 5)), "secagg": np.full((4, 5), 1e-6)}
+    for spec in specs:
+        finish(spec, [0.5])
+        line = json.loads((spec.run_dir / "metrics.jsonl").read_text())
+        line["client_bytes_up"] = dict(zip("123", ups[spec.name]))
+        line["client_bytes_down"] = dict(zip("123", downs[spec.name]))
+        (spec.run_dir / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+        save_state(spec.run_dir / "checkpoint.npz", {"global": {"w": adapters[spec.name]}})
+    result = suite.secagg_result(specs, "cmd")
+    assert result["plain"]["mb_up_per_client"] == pytest.approx(0.2)
+    assert result["secagg"]["mb_up_per_client"] == pytest.approx(0.5)
+    assert (result["ratio_up"], result["ratio_down"]) == (pytest.approx(2.5), pytest.approx(1.5))
+    assert result["max_abs_difference"] == pytest.approx(1e-6) and result["adapter_coordinates"] == 20
+    assert result["quantization_bound"] == pytest.approx(2 * 8.0 / 2**22)
+    assert result["secagg_options"]["num_shares"] == 10
+    (tmp_path / "secagg.json").write_text(json.dumps(result))
+    text = "\n".join(suite.secagg_lines(tmp_path))
+    assert "| SecAgg+ | 0.5000 | 0.4500 |" in text and "2.50x up, 1.50x down" in text
+    assert suite.secagg_lines(tmp_path / "none") == []
+
+
+def test_d_without_a_checkpoint_counts_the_global_arrays_the_config_builds(suite, tiny_config):
+    """tiny-bert (2 layers, hidden 32), FedIT at rank 4 on query and value, tweets' 3 classes: d = 2
+    layers x 2 modules x (4 x 32 + 32 x 4) + the head (32 x 3 + 3) = 1,123."""
+    config = tiny_config("model.lora_rank=4", 'model.target_modules=["query", "value"]')
+    spec = suite.RunSpec("x", [], config=config, run_dir=Path(config.output_dir) / "x")
+    assert suite.noised_coordinates(spec) is None
+    assert suite.noised_coordinates(spec, from_config=True) == 2 * 2 * (4 * 32 + 32 * 4) + 32 * 3 + 3
