@@ -9,18 +9,19 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tomli_w
 
 from fedtune.harness import Sweep
-from tests.conftest import assert_every_planned_run_resolves, load_script
+from tests.conftest import assert_every_planned_run_resolves, load_suite
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "llm_tables.py"
 
 
 @pytest.fixture(scope="module")
 def suite():
-    return load_script(SCRIPT, "llm_tables")
+    return load_suite(SCRIPT, "llm_tables", "llm_tables")
 
 
 def out_dirs(tmp_path):
@@ -111,18 +112,140 @@ def test_a_cell_is_the_seed_mean_and_std_of_each_runs_last_two_evaluations(suite
 
 
 def test_cost_model_counts_steps_and_evaluated_questions(suite, tmp_path):
-    plans = suite.build(suite.TABLES, [1], None, False, out_dirs(tmp_path))
-    fs = next(s for s in plans["table52"][1]["table52"] if s.labels["method"] == "fslora")
+    plans = suite.build(suite.TABLES, [1], Sweep((1e-3, 3e-3)), False, out_dirs(tmp_path))
+    fs = next(s for s in plans["table52"][3] if s.labels["method"] == "fslora")  # waiting for the sweep
     c = fs.config
     steps = c.rounds * c.federation.clients_per_round * c.train.local_steps
     questions = c.task.options["test_per_set"] * len(c.task.options["sets"])
     evaluations = c.rounds // c.eval_every
     assert suite.run_cost(fs) == pytest.approx(
-        steps * suite.STEP_S["table52"] + evaluations * questions * suite.EVAL_S["table52"]
+        suite.SETUP_S + steps * suite.STEP_S["table52"] + evaluations * questions * suite.EVAL_S["table52"]
     )
-    local = next(s for s in plans["dolly"][1]["dolly"] if s.labels["method"] == "local")
+    local = next(s for s in plans["dolly"][3] if s.labels["method"] == "local")
     lc = local.config
+    assert (lc.rounds, lc.eval_every) == (suite.DOLLY_ROUNDS, suite.DOLLY_ROUNDS)  # local: the final round only
+    dolly_steps = lc.rounds * 3 * lc.train.local_steps * suite.STEP_S["dolly"]
     assert suite.run_cost(local) == pytest.approx(
-        lc.rounds * 3 * lc.train.local_steps * suite.STEP_S["dolly"]
-        + (lc.rounds // lc.eval_every) * 80 * suite.EVAL_S["dolly"] * 10  # every client's adapter
+        suite.SETUP_S + dolly_steps + 1 * 80 * suite.EVAL_S["dolly"] * 10  # every client's adapter, once
     )
+    swept = next(s for s in plans["dolly"][0]["sweep"] if s.labels["method"] == "local")
+    assert swept.config.task.options["generate"] is False  # the sweep chooses by the loss: nothing generated
+    assert swept.config.data.max_test_samples == suite.DOLLY_SWEEP_TEST == 40  # a seed-0 half of the 80
+    assert suite.run_cost(swept) == pytest.approx(suite.SETUP_S + dolly_steps + 40 * suite.LOSS_EVAL_S * 10)
+    fedit = next(s for s in plans["dolly"][3] if s.labels["method"] == "fedit")
+    assert fedit.config.eval_every == 2 and fedit.config.task.options.get("generate", True)
+
+
+def test_plan_prints_the_total_of_sweep_tables_and_final_evaluations(suite, tmp_path, capsys):
+    args = ["--plan", "--lr-grid", "1e-3,3e-3", "--seeds", "1,2,3", "--workers", "2", "--out", str(tmp_path)]
+    assert suite.main(args) == 0
+    text = capsys.readouterr().out
+    total = next(line for line in text.splitlines() if line.startswith("total still to do"))
+    plans = suite.build(suite.TABLES, [1, 2, 3], Sweep((1e-3, 3e-3)), False, out_dirs(tmp_path))
+    sweep = [s for t in suite.TABLES for s in plans[t][0]["sweep"]]
+    waiting = [s for t in suite.TABLES for s in plans[t][3]]
+    assert (len(sweep), len(waiting)) == (2 * 7, 3 * 7)
+    final = suite.final_cost("table52", suite.FINAL_PER_SET, False)
+    assert final == pytest.approx(suite.SETUP_S + 2 * suite.FINAL_PER_SET * suite.EVAL_S["table52"])  # ARC: > 500
+    untuned = [suite.SETUP_S + 200 * suite.EVAL_S["table52"], suite.SETUP_S + 80 * suite.EVAL_S["dolly"]]
+    minutes = [
+        suite.makespan([suite.run_cost(s) for s in sweep], 2) / 60,
+        suite.makespan([suite.run_cost(s) for s in waiting], 2) / 60,
+        suite.makespan([final] * 16 + untuned, 2) / 60,  # 15 table runs and the untuned base; two untuned rows
+    ]
+    assert f"~{sum(minutes):.0f} min" in total and "14 runs" in total and "21 runs" in total
+    assert "18 final and untuned evaluations" in total and f"~{minutes[2]:.0f} min" in total
+
+
+def test_final_evaluation_scores_the_final_adapter_on_the_larger_subset(suite, tmp_path):
+    """A table run's final evaluation is the task's evaluation of its final adapter on a seed-0
+    subset of ``limit`` questions of each set's full evaluation split (drawn here by hand), saved
+    next to the run and not recomputed; the untuned row scores the bare base the same way."""
+    from fedtune.run import run_experiment
+    from fedtune.trained.loader import evaluation_task, open_run, prepared_base
+
+    out = out_dirs(tmp_path)
+    plans = suite.build(["table52"], [1], None, True, out)  # --quick: tiny-llama, 4 questions per set in training
+    runs = [s for s in plans["table52"][1]["table52"] if s.labels["method"] == "fslora"]
+    run_experiment(runs[0].config)
+    limit = 6
+    jobs = suite.final_jobs("table52", plans["table52"][1]["table52"], limit, True, out["table52"])
+    assert [j[0].label for j in jobs] == ["untuned", str(runs[0].run_dir)]  # the other methods did not run
+    assert suite.run_final_evaluations(jobs, 1) == []
+    saved = json.loads((runs[0].run_dir / suite.FINAL_EVAL).read_text())
+    base_saved = json.loads((out["table52"] / "untuned-table52-final.json").read_text())
+
+    def direct(model_of, config) -> dict[str, dict]:
+        """Each set: its full evaluation split, a seed-0 draw of ``limit`` questions, the task's evaluate."""
+        scores = {}
+        for name in ("arc_easy", "arc_challenge"):
+            tree = config.model_dump(mode="json")
+            tree["task"].update(sets=[name], test_per_set=None)
+            task = evaluation_task(type(config).model_validate(tree))
+            train, full = task.data
+            idx = np.sort(np.random.default_rng(0).choice(len(full), size=limit, replace=False))
+            task.__dict__["data"] = (train, full.subset(idx))
+            scores[name] = task.evaluate(model_of(task), config.train.eval_batch_size)
+        return scores
+
+    run = open_run(runs[0].run_dir)
+    base_config = suite.untuned_target("table52", True).config  # the recipe's: tiny-llama's weights follow its seed
+    for result, scores in ((saved, direct(run.model, run.config)), (base_saved, direct(prepared_base, base_config))):
+        for name, metrics in scores.items():
+            row = result["sets"][name]
+            assert row["n"] == limit, (result["target"], name)
+            got, want = (row["acc"], row["loss"]), (metrics["acc"], metrics["loss"])
+            assert got == pytest.approx(want), (result["target"], name)
+        assert result["average"]["acc"] == pytest.approx(np.mean([m["acc"] for m in scores.values()]))
+    assert abs(saved["sets"]["arc_easy"]["loss"] - base_saved["sets"]["arc_easy"]["loss"]) > 1e-4  # the adapter acts
+    # at the in-training subset's size it is the run's own final evaluation (the final adapter, not another)
+    last = [json.loads(x) for x in (runs[0].run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    own = suite.run_final_evaluations(suite.final_jobs("table52", runs, 4, True, out["table52"])[1:], 1)
+    assert own == []
+    at4 = json.loads((runs[0].run_dir / suite.FINAL_EVAL).read_text())
+    assert at4["average"]["acc"] == pytest.approx(last["accuracy"]) and at4["limit"] == 4
+    for name in ("arc_easy", "arc_challenge"):
+        assert at4["metrics"][name]["loss"] == pytest.approx(last[f"loss_{name}"], abs=1e-5)
+    # saved: not recomputed at the same limit; another limit or another run's config is redone
+    (runs[0].run_dir / suite.FINAL_EVAL).write_text(json.dumps(saved))
+    assert suite.final_jobs("table52", runs, limit, True, out["table52"]) == []
+    assert len(suite.final_jobs("table52", runs, limit + 1, True, out["table52"])) == 2
+    (runs[0].run_dir / suite.FINAL_EVAL).write_text(json.dumps({**saved, "config_key": "another"}))
+    assert [j[0].label for j in suite.final_jobs("table52", runs, limit, True, out["table52"])] == [
+        str(runs[0].run_dir)
+    ]
+    # the report: the final columns are the saved values, final_se the binomial SE of the average
+    (runs[0].run_dir / suite.FINAL_EVAL).write_text(json.dumps(saved))
+    base = {"accuracy": 0.3, "acc_arc_easy": 0.4, "loss": 5.0, "test_examples": 8}
+    suite.write_report("table52", plans, [1], None, base, out["table52"], "cmd", "scale", base_saved, limit)
+    rows = {r["method"]: r for r in json.loads((out["table52"] / "results.json").read_text())["rows"]}
+    fs = rows["fslora"]
+    assert fs["final_accuracy"] == [pytest.approx(saved["average"]["acc"]), 0.0]
+    assert fs["final_acc_arc_challenge"][0] == pytest.approx(saved["sets"]["arc_challenge"]["acc"])
+    p = [saved["sets"][s]["acc"] for s in ("arc_easy", "arc_challenge")]
+    assert fs["final_se"][0] == pytest.approx(math.sqrt(sum(x * (1 - x) / limit for x in p)) / 2)
+    assert rows["untuned"]["final_accuracy"][0] == pytest.approx(base_saved["average"]["acc"])
+    assert rows["heterolora"]["final_accuracy"] == [None, None]
+    readme = (out["table52"] / "README.md").read_text()
+    assert f"at most {limit} questions per set" in readme and f"arc_easy {limit}, arc_challenge {limit}" in readme
+
+
+def test_dolly_final_columns_are_the_final_rounds_evaluation_on_the_whole_test_set(suite, tmp_path):
+    out = out_dirs(tmp_path)
+    plans = suite.build(["dolly"], [1, 2], None, False, out)
+    for spec in plans["dolly"][1]["dolly"]:
+        seed = spec.labels["seed"]
+        if spec.labels["method"] == "fedit":  # rounds 2 and 4
+            rounds = [{"round": 2, "rouge_l": 0.10, "loss": 2.5}]
+            rounds.append({"round": 4, "rouge_l": 0.20 + seed / 100, "loss": 2.0})
+        else:  # local evaluates at round 4 only
+            rounds = [{"round": 2}, {"round": 4, "rouge_l": 0.05 * seed, "loss": 3.0}]
+        finish(spec, rounds)
+    base = {"rouge_l": 0.15, "loss": 2.9, "accuracy": 0.15, "test_examples": 80}
+    suite.write_report("dolly", plans, [1, 2], None, base, out["dolly"], "cmd", "scale")
+    rows = {r["method"]: r for r in json.loads((out["dolly"] / "results.json").read_text())["rows"]}
+    assert rows["fedit"]["rouge_l"][0] == pytest.approx((0.10 + 0.21 + 0.10 + 0.22) / 4)  # mean of the last two
+    assert rows["fedit"]["final_rouge_l"] == [pytest.approx(0.215), pytest.approx(math.sqrt(2 * 0.005**2))]
+    assert rows["local"]["final_rouge_l"][0] == pytest.approx(0.075) == rows["local"]["rouge_l"][0]
+    assert rows["untuned"]["final_rouge_l"] == [0.15, 0.0] and rows["fedit"]["final_loss"][0] == pytest.approx(2.0)
+    assert "final_se" not in rows["fedit"] and "whole 80-record" in (out["dolly"] / "README.md").read_text()

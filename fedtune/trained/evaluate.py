@@ -187,3 +187,20 @@ def evaluate(
         "average": average(rows),
         "metrics": raw,
     }
+
+
+def evaluate_to_file(job: tuple[Target, list[str], int | None, Path, dict]) -> dict:
+    """Worker job (one picklable argument, for :func:`fedtune.harness.pool.imap_unordered`):
+    ``(target, sets, limit, path, extra)`` -> :func:`evaluate` of ``target`` on ``sets`` at
+    ``limit`` examples per set, with ``extra``'s entries added, written to ``path`` as JSON (the
+    file appears only once the evaluation is complete) and returned."""
+    import json
+
+    target, sets, limit, path, extra = job
+    result = {**evaluate(target, sets, limit), **extra}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".part")
+    partial.write_text(json.dumps(result, indent=1))
+    partial.replace(path)
+    return result
