@@ -125,6 +125,86 @@ def test_saved_arc_style_set_maps_letter_answers_to_option_indices(tmp_path):
     assert hub.test.responses == ["the correct answer is answer1", "the correct answer is answer3"]
 
 
+PIQA = {  # PIQA on the hub: the goal, one column per solution, a 0-based integer label
+    "train": {
+        "goal": ["Open a jar.", "Dry wet hands.", "Cool hot soup."],
+        "sol1": ["Twist the lid.", "Dip them in water.", "Blow on it."],
+        "sol2": ["Paint the lid.", "Use a towel.", "Heat it more."],
+        "label": [0, 1, 0],
+    },
+    "test": {"goal": ["Light a room."], "sol1": ["Close the curtains."], "sol2": ["Switch on a lamp."], "label": [1]},
+}
+HELLASWAG = {  # HellaSwag on the hub: the context, an endings list, the label a digit string
+    "train": {
+        "ctx": ["A man picks up a guitar.", "She opens the oven."],
+        "endings": [
+            ["eats it.", "plays a song.", "sings.", "sleeps."],
+            ["takes out bread.", "runs.", "sits.", "cries."],
+        ],
+        "label": ["1", "0"],
+    },
+    "test": {
+        "ctx": ["The dog sees a ball."],
+        "endings": [["chases it.", "reads.", "cooks.", "drives."]],
+        "label": ["0"],
+    },
+}
+
+
+def test_choices_in_separate_columns_or_a_list_column_equal_the_local_file(tmp_path):
+    """PIQA's layout (``sol1``, ``sol2``: ``choices`` names both columns, in order) and HellaSwag's
+    (an ``endings`` list, a digit-string label) read from saved ``hub:`` sets give the examples of
+    the equivalent ``{question, choices, gold}`` file; the option order is the columns' order."""
+    layouts = {
+        "piqa": (PIQA, '{question = "goal", choices = ["sol1", "sol2"], gold = "label"}', ["sol1", "sol2"], "goal"),
+        "hellaswag": (HELLASWAG, '{question = "ctx", choices = "endings", gold = "label"}', "endings", "ctx"),
+    }
+    for name, (splits, columns, choices, question) in layouts.items():
+        folder = _save(tmp_path, name, splits)
+        hub = _task(tmp_path, f"data.name=hub:{folder}", f"task.columns={columns}", "data.test_split=test")
+
+        def options(row, choices=choices):
+            return [row[c] for c in choices] if isinstance(choices, list) else row["endings"]
+
+        local = {
+            s: _local(
+                tmp_path,
+                f"{name}-{s}",
+                [{"question": r[question], "choices": options(r), "gold": int(r["label"])} for r in _rows(v)],
+            )
+            for s, v in splits.items()
+        }
+        plain = _task(tmp_path, f"data.name={local['train']}", f"data.test_path={local['test']}")
+        _same(hub.train, plain.train)
+        _same(hub.test, plain.test)
+    piqa = _task(tmp_path, f"data.name=hub:{tmp_path / 'piqa'}", f"task.columns={layouts['piqa'][1]}")
+    assert piqa.train.choices[1] == ["Dip them in water.", "Use a towel."] and piqa.train.gold.tolist() == [0, 1, 0]
+    assert piqa.test.responses == ["the correct answer is answer2"]
+    swapped = '{question = "goal", choices = ["sol2", "sol1"], gold = "label"}'  # the order is the options' order
+    assert _task(tmp_path, f"data.name=hub:{tmp_path / 'piqa'}", f"task.columns={swapped}").train.choices[0] == [
+        "Paint the lid.",
+        "Twist the lid.",
+    ]
+    _one_line_error(
+        r"^task\.columns: hub:.*piqa\[train\] has no column 'sol3' \(for choices\)",
+        lambda: (
+            _task(
+                tmp_path,
+                f"data.name=hub:{tmp_path / 'piqa'}",
+                'task.columns={question = "goal", choices = ["sol1", "sol3"], gold = "label"}',
+            ).train
+        ),
+    )
+    for bad, match in (
+        ('{question = ["goal", "sol1"], choices = "sol1"}', r"question: expected one column name, got a list"),
+        ('{question = "goal", choices = ["sol1"]}', r"choices: expected at least 2 distinct column names"),
+        ('{question = "goal", choices = ["sol1", "sol1"]}', r"choices: expected at least 2 distinct column names"),
+    ):
+        _one_line_error(
+            match, lambda bad=bad: _task(tmp_path, f"data.name=hub:{tmp_path / 'piqa'}", f"task.columns={bad}")
+        )
+
+
 def test_folder_of_data_files_reads_through_load_dataset(tmp_path):
     folder = tmp_path / "files"
     folder.mkdir()

@@ -27,7 +27,11 @@ Sets (``data.name``; files under the data directory, ``data.data_dir`` or ``$FED
 ``task.columns`` maps those column names (:data:`COLUMNS`) to a set's own, for hub sets and local
 files alike: ``{prompt = "instruction", input = "context", response = "output"}``, or
 ``{question = "question", choices = "choices", gold = "answerKey"}``. ``choices`` may also be a
-``{"text": [...], "label": [...]}`` record (ARC on the hub), ``gold`` then one of its labels.
+``{"text": [...], "label": [...]}`` record (ARC on the hub), ``gold`` then one of its labels, or
+name one column per option, in order: PIQA's ``{question = "goal", choices = ["sol1", "sol2"],
+gold = "label"}``; HellaSwag's list column works as it is (``{question = "ctx", choices =
+"endings", gold = "label"}``, its label a digit string). ``gold`` is the 0-based index of the right
+option (sets that count from 1, SocialIQA's and WinoGrande's ``label`` / ``answer``, do not fit).
 
 Every multiple-choice example keeps its option texts, their answer tags, the gold index and the
 bare question (the data's ranked-classification form, e.g. "Question: ...\\nAnswer:"), which the
@@ -426,17 +430,25 @@ def local_set(rows: list[dict], path: Path) -> PromptSet:
     return PromptSet(prompts, inputs, responses, labels, names)
 
 
-def renamed(rows: list[dict], columns: dict[str, str] | None, available: list[str], where: str) -> list[dict]:
-    """``rows`` with each column of ``columns`` (``task.columns``: our name -> the set's column)
-    also under our name; a mapped column the set lacks is one line."""
+def renamed(
+    rows: list[dict], columns: dict[str, str | list[str]] | None, available: list[str], where: str
+) -> list[dict]:
+    """``rows`` with each column of ``columns`` (``task.columns``: our name -> the set's column, or
+    for ``choices`` a list of columns, one per option, gathered into one list) also under our
+    name; a mapped column the set lacks is one line."""
     if not columns:
         return rows
     for ours, theirs in columns.items():
-        if theirs not in available:
-            raise ConfigError(
-                f"task.columns: {where} has no column {theirs!r} (for {ours}); its columns are {list(available)}"
-            )
-    return [{**row, **{ours: row.get(theirs) for ours, theirs in columns.items()}} for row in rows]
+        for column in theirs if isinstance(theirs, list) else [theirs]:
+            if column not in available:
+                raise ConfigError(
+                    f"task.columns: {where} has no column {column!r} (for {ours}); its columns are {list(available)}"
+                )
+
+    def value(row: dict, theirs: str | list[str]):
+        return [row.get(c) for c in theirs] if isinstance(theirs, list) else row.get(theirs)
+
+    return [{**row, **{ours: value(row, theirs) for ours, theirs in columns.items()}} for row in rows]
 
 
 def _with_test(train: PromptSet, test: PromptSet) -> tuple[PromptSet, PromptSet]:
@@ -447,12 +459,12 @@ def _with_test(train: PromptSet, test: PromptSet) -> tuple[PromptSet, PromptSet]
     return train, test
 
 
-def _local_rows(path: Path, columns: dict[str, str] | None) -> PromptSet:
+def _local_rows(path: Path, columns: dict[str, str | list[str]] | None) -> PromptSet:
     rows = _read_rows(path)
     return local_set(renamed(rows, columns, list(rows[0]) if rows else [], str(path)), path)
 
 
-def load_hub(cfg: DataConfig, columns: dict[str, str] | None = None) -> tuple[PromptSet, PromptSet]:
+def load_hub(cfg: DataConfig, columns: dict[str, str | list[str]] | None = None) -> tuple[PromptSet, PromptSet]:
     """(training pool, test set) of ``hub:<dataset>``: its ``data.train_split`` and
     ``data.test_split`` (:func:`fedtune.data.text.hub_split`), rows renamed by ``task.columns``
     and read as a local file's (:func:`local_set`)."""
@@ -466,7 +478,7 @@ def load_hub(cfg: DataConfig, columns: dict[str, str] | None = None) -> tuple[Pr
     return _with_test(*parts)
 
 
-def load_local(cfg: DataConfig, columns: dict[str, str] | None = None) -> tuple[PromptSet, PromptSet]:
+def load_local(cfg: DataConfig, columns: dict[str, str | list[str]] | None = None) -> tuple[PromptSet, PromptSet]:
     """(training pool, test set) of a local file (``data.test_path``, else a seeded 10 % hold-out)."""
     path = Path(cfg.name).expanduser()
     train = _local_rows(path, columns)
@@ -482,7 +494,7 @@ def load_prompt_set(
     root: Path,
     sets: list[str] | None,
     test_per_set: int | None,
-    columns: dict[str, str] | None = None,
+    columns: dict[str, str | list[str]] | None = None,
 ):
     """(training pool, test set) of ``data.name``: ``dolly``, ``commonsense``, ``hub:<dataset>``
     or a local file (``columns``: ``task.columns``, for the last two)."""

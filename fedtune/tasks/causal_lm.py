@@ -102,18 +102,24 @@ class CausalLMOptions(TaskOptions):
         description="multiple-choice answers trained and scored as the Table B.1 tag ('the correct answer is "
         "answer2') or as the gold option's text after the bare question (needs choice_scoring = 'text')",
     )
-    columns: dict[str, str] | None = Field(
+    columns: dict[str, str | list[str]] | None = Field(
         None,
         description="hub sets and local files: the set's column for each of prompt, input, response, category "
-        "(free-form) or question, choices, gold (multiple choice)",
+        "(free-form) or question, choices, gold (multiple choice); choices may name one column per option "
+        '(PIQA: choices = ["sol1", "sol2"])',
     )
 
     @field_validator("columns")
     @classmethod
-    def _known_columns(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+    def _known_columns(cls, value: dict[str, str | list[str]] | None) -> dict[str, str | list[str]] | None:
         unknown = sorted(set(value or {}) - set(llm_text.COLUMNS))
         if unknown:
             raise ValueError(f"unknown column {unknown[0]!r}; expected some of {', '.join(llm_text.COLUMNS)}")
+        for ours, theirs in (value or {}).items():
+            if isinstance(theirs, list) and ours != "choices":
+                raise ValueError(f"{ours}: expected one column name, got a list (only choices takes one per option)")
+            if isinstance(theirs, list) and (len(theirs) < 2 or len(set(theirs)) != len(theirs)):
+                raise ValueError(f"choices: expected at least 2 distinct column names, one per option, got {theirs}")
         return value
 
 
