@@ -110,6 +110,30 @@ def test_local_reports_mean_of_client_accuracies(tiny_config):
     assert line["bytes_up"] < 2000  # local uploads metrics only, never weights
 
 
+def test_local_averages_every_metric_all_clients_report_and_cannot_forge_the_accounting(tiny_config):
+    """Local's evaluation is the plain mean over clients of each metric every client reports as a
+    finite number (ROUGE-L, per-set values: what a task evaluates beyond accuracy and loss), the
+    accuracies' spread beside it; a metric some client lacks, or sends non-finite, is left out; a
+    metric named like a round field does not replace the engine's accounting in metrics.jsonl."""
+    from fedtune.engines.rounds import RoundRecord
+    from fedtune.protocol.messages import Message
+    from fedtune.runtime import RunContext
+
+    strategy = RunContext(tiny_config("method=local")).strategy()
+    strategy.initialize()
+    metas = [
+        {"accuracy": 0.2, "loss": 2.0, "rouge_l": 0.10, "loss_a": 1.0, "only_here": 5.0, "bytes_up": 0, "odd": 1.0},
+        {"accuracy": 0.6, "loss": 4.0, "rouge_l": 0.30, "loss_a": 3.0, "bytes_up": 0, "odd": float("nan")},
+    ]
+    got = strategy.aggregate_evaluate(1, {cid: Message({}, m) for cid, m in enumerate(metas)})
+    assert got == pytest.approx(
+        {"accuracy": 0.4, "accuracy_std": 0.2, "loss": 3.0, "rouge_l": 0.2, "loss_a": 2.0, "bytes_up": 0.0}
+    )
+    record = RoundRecord(1, [0, 1], metrics=got, client_bytes_up={0: 100, 1: 50})
+    line = record.to_json()
+    assert line["bytes_up"] == 150 and line["rouge_l"] == pytest.approx(0.2) and line["accuracy"] == 0.4
+
+
 def test_run_folder_and_saved_adapter_reproduce_final_predictions(tiny_config):
     import torch
     from peft import PeftModel

@@ -176,8 +176,10 @@ class RoundRecord:
     wall_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        """The ``metrics.jsonl`` line for this round."""
-        line = {
+        """The ``metrics.jsonl`` line for this round: the record's own fields, and the metrics
+        between them; a metric named like a field (a strategy passing on what clients reported)
+        never replaces the engine's accounting."""
+        own = {
             "round": self.round,
             "accuracy": self.metrics.get("accuracy"),
             "loss": self.metrics.get("loss"),
@@ -187,7 +189,8 @@ class RoundRecord:
             "wall_s": self.wall_s,
             "compute_s": sum(self.client_compute_s.values()),
             "clients": self.clients,
-            **{k: v for k, v in self.metrics.items() if k not in ("accuracy", "loss")},
+        }
+        tail = {
             "client_bytes_up": {str(k): v for k, v in self.client_bytes_up.items()},
             "client_bytes_down": {str(k): v for k, v in self.client_bytes_down.items()},
             "client_steps": {str(k): v for k, v in self.client_steps.items()},
@@ -195,7 +198,8 @@ class RoundRecord:
             "dropped": {str(k): v for k, v in self.dropped.items()},  # on every line, {} when none was
             "attempts": self.attempts,
         }
-        return line
+        metrics = {k: v for k, v in self.metrics.items() if k not in own and k not in tail}
+        return {**own, **metrics, **tail}
 
     #: The keys of a :meth:`to_json` line that are the record's own fields (the rest are metrics).
     FIELDS = (

@@ -2,8 +2,9 @@
 
 The server sends the common initial adapter once, in a client's first message; the client keeps
 its adapter in its persistent state and never uploads weights. Evaluation is federated: every
-client evaluates its own adapter on the test set, and the reported accuracy is the plain mean of
-the client accuracies (``accuracy_std`` their spread).
+client evaluates its own adapter on the test set, and each reported metric is the plain mean of
+the clients' (the accuracy's, the loss's and every other metric all clients report, e.g. ROUGE-L;
+``accuracy_std`` the accuracies' spread).
 """
 
 from __future__ import annotations
@@ -48,10 +49,16 @@ class LocalStrategy(FedITStrategy):
         return {cid: self._message(cid, rnd) for cid in client_ids}
 
     def aggregate_evaluate(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
+        """The mean over the clients of every metric all of them report as a finite number (the
+        task's own: ROUGE-L, per-set accuracies, ...), ``accuracy_std`` the accuracies' spread."""
         self.sent_init.update(replies)
-        acc = np.array([m.meta["accuracy"] for m in replies.values()])
-        loss = np.array([m.meta["loss"] for m in replies.values()])
-        return {"accuracy": float(acc.mean()), "accuracy_std": float(acc.std()), "loss": float(loss.mean())}
+        metas = [m.meta for m in replies.values()]
+        acc = np.array([m["accuracy"] for m in metas])
+        shared = set.intersection(*[{k for k, v in m.items() if _finite_number(v)} for m in metas])
+        out = {k: float(np.mean([m[k] for m in metas])) for k in sorted(shared)}
+        loss = np.array([m["loss"] for m in metas])
+        out.update(accuracy=float(acc.mean()), accuracy_std=float(acc.std()), loss=float(loss.mean()))
+        return out
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "sent_init": sorted(self.sent_init)}
@@ -62,6 +69,10 @@ class LocalStrategy(FedITStrategy):
 
     def save(self, run_dir) -> None:
         """Local has no global adapter: nothing to save (client adapters stay with clients)."""
+
+
+def _finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and bool(np.isfinite(value))
 
 
 class LocalClient(LoraClient):
