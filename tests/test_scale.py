@@ -359,3 +359,88 @@ def test_an_8bit_base_holds_int8_weights_that_compute_what_the_float_ones_do(tmp
         got, want = layer(x).float(), reference(x)
     assert not torch.equal(got, want)  # quantized, not the float weights
     torch.testing.assert_close(got, want, rtol=0, atol=0.05 * float(want.abs().max()))
+
+
+def tiny_causal_lm(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_cpu_without_bfloat16_units_stores_bfloat16_and_computes_float32(monkeypatch, native):
+    """Where the CPU has no bfloat16 units (``computes_natively`` False: AVX512-BF16 / AMX absent),
+    a bfloat16 base keeps its linear and embedding weights in bfloat16 and computes in float32: its
+    logits equal, bit for bit, a float32 model whose weights are those bfloat16 values, and so do
+    the input gradients; with the units present, the base computes under bfloat16 autocast (other
+    numbers)."""
+    from fedtune.models import precision
+
+    monkeypatch.setattr(precision, "computes_natively", lambda device, dtype: native)
+    base = precision.prepare_base(tiny_causal_lm(), load_config(None, ["model.dtype=bfloat16", "device=cpu"]))
+    rounded = tiny_causal_lm()
+    with torch.no_grad():
+        for module in rounded.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                module.weight.copy_(module.weight.to(torch.bfloat16).float())
+    q_proj = base.model.layers[0].self_attn.q_proj
+    assert q_proj.weight.dtype == torch.bfloat16 and base.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert base.model.norm.weight.dtype == torch.float32
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    hidden = [m.model.embed_tokens(ids).float().detach().requires_grad_() for m in (base, rounded)]
+    logits = [m(inputs_embeds=h).logits for m, h in zip((base, rounded), hidden)]
+    for out in logits:
+        out.float().square().sum().backward()
+    if native:
+        assert isinstance(q_proj, torch.nn.Linear) and type(q_proj) is torch.nn.Linear
+        assert not torch.equal(logits[0].float(), logits[1])
+        return
+    assert isinstance(q_proj, precision.UpcastLinear) and logits[0].dtype == torch.float32
+    assert torch.equal(logits[0], logits[1])
+    assert torch.equal(hidden[0].grad, hidden[1].grad)
+    with torch.no_grad():  # through the embedding too
+        assert torch.equal(base(ids).logits, rounded(ids).logits)
+
+
+def test_bfloat16_compute_is_native_on_accelerators_and_on_cpus_with_bfloat16_units(monkeypatch):
+    from fedtune.models.precision import computes_natively
+
+    cpu = torch.device("cpu")
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+        monkeypatch.setattr(torch.cpu, probe, lambda: False, raising=False)
+    assert not computes_natively(cpu, torch.bfloat16) and not computes_natively(cpu, torch.float16)
+    assert computes_natively(cpu, torch.float32) and computes_natively(torch.device("cuda"), torch.bfloat16)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    assert computes_natively(cpu, torch.bfloat16) and not computes_natively(cpu, torch.float16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_fp16_supported", lambda: True, raising=False)
+    assert computes_natively(cpu, torch.float16)
+
+
+def test_an_upcast_linear_keeps_only_its_stored_weight_for_the_backward_pass():
+    """The backward pass of a frozen :class:`UpcastLinear` holds the bfloat16 weight, never a
+    float32 copy (a model's float32 copy would otherwise live through its whole forward pass), and
+    gives dL/dx = dL/dy W and no weight gradient; a trainable weight gets its gradient through the
+    cast."""
+    from fedtune.models.precision import UpcastLinear
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 24).to(torch.bfloat16).requires_grad_(False)
+    layer.__class__ = UpcastLinear
+    x = torch.randn(5, 16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = layer(x)
+    assert saved and not any(t.dtype == torch.float32 and t.numel() == layer.weight.numel() for t in saved)
+    grad = torch.randn(5, 24)
+    y.backward(grad)
+    w = layer.weight.float()
+    assert torch.equal(y, torch.nn.functional.linear(x, w, layer.bias.float()))
+    assert torch.allclose(x.grad, grad @ w, rtol=0, atol=1e-6) and layer.weight.grad is None
+    layer.weight.requires_grad_(True)
+    layer(x.detach()).sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.dtype == torch.bfloat16
