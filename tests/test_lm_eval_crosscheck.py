@@ -19,6 +19,7 @@ each on one core) are marked slow.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,7 @@ from tests.conftest import acting_adapter_model
 
 pytest.importorskip("lm_eval")
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DATA = Path(os.environ["FEDTUNE_DATA_DIR"])  # tests/conftest.py: ../shared/data unless set
 MAX_LENGTH = 4096
 #: a question's option log-likelihoods agree to this (float32 on both sides, other batches)
 ATOL = {"tiny-llama": 1e-4, "smollm2": 2e-3, "gemma3-270m": 2e-3}

@@ -34,7 +34,7 @@ def test_every_planned_run_resolves_fedit_on_100_clients_10_per_round_at_its_eps
     monkeypatch.setattr(privacy, "calibrate", lambda *args: 1.0)
     plan, choices, waiting = suite.build([1, 2, 3], 0, False, tmp_path)
     # FedIT's sweep and no-DP table runs; FSLoRA's (epsilon 8 only) likewise
-    assert assert_every_planned_run_resolves(plan) == 12 + 3 + 4 + 3
+    assert assert_every_planned_run_resolves(plan) == 18 + 3 + 6 + 3
     assert waiting == [("fedit", 1.0), ("fedit", 3.0), ("fedit", 8.0), ("fslora", 8.0)]
     assert all(c is None for c in choices.values())
     for spec in plan["sweep"] + plan["table"] + plan["fslora-sweep"] + plan["fslora-table"]:
@@ -69,7 +69,7 @@ def test_fedit_runs_keep_their_names_and_overrides_and_the_default_selection_is_
     ]
     assert run["epsinf-s2"].overrides == ["seed=2"]
     assert [s.name for s in plan["table"]] == ["epsinf-s1", "epsinf-s2", "epsinf-s3"]
-    assert plan["sweep"][0].run_dir == tmp_path / "runs" / "sweep" / "eps1-clip0.1-s0"
+    assert plan["sweep"][0].run_dir == tmp_path / "runs" / "sweep" / "eps1-clip0.01-s0"
     assert suite.DEFAULT_ONLY == "sweep,table"
 
 
@@ -118,12 +118,19 @@ def test_each_epsilon_runs_the_table_at_its_swept_clip_and_the_report_gives_the_
     plan, _, _ = suite.build([1, 2, 3], 0, False, out)
     sweep = {(s.labels["method"], s.labels["epsilon"], s.labels["clip"]): s for s in suite.sweep_runs(plan)}
     # epsilon 3: clip 0.3 has the best last-2 mean (0.70); clip 1 the best single (final) point
-    for clip, accs in {0.1: [0.5, 0.6, 0.6], 0.3: [0.5, 0.7, 0.7], 1.0: [0.5, 0.5, 0.85], 3.0: [0.6, 0.5, 0.5]}.items():
+    for clip, accs in {
+        0.01: [0.5, 0.5, 0.5],
+        0.03: [0.5, 0.65, 0.65],
+        0.1: [0.5, 0.6, 0.6],
+        0.3: [0.5, 0.7, 0.7],
+        1.0: [0.5, 0.5, 0.85],
+        3.0: [0.6, 0.5, 0.5],
+    }.items():
         _finish(sweep[("fedit", 3.0, clip)], accs)
     for clip in suite.CLIP_GRID[:-1]:  # epsilon 8: one sweep run unfinished
         _finish(sweep[("fedit", 8.0, clip)], [0.7, 0.7])
     # FSLoRA at epsilon 8: clip 1 best (0.65), its sweep complete although FedIT's epsilon 8 is not
-    for clip, acc in zip(suite.CLIP_GRID, (0.55, 0.6, 0.65, 0.5)):
+    for clip, acc in zip(suite.CLIP_GRID, (0.5, 0.52, 0.55, 0.6, 0.65, 0.5)):
         _finish(sweep[("fslora", 8.0, clip)], [0.5, acc, acc])
     plan, choices, waiting = suite.build([1, 2, 3], 0, False, out)
     assert choices[("fedit", 3.0)].setting == {"clip": 0.3} and choices[("fedit", 3.0)].score == pytest.approx(0.7)
@@ -179,7 +186,7 @@ def test_each_epsilon_runs_the_table_at_its_swept_clip_and_the_report_gives_the_
     text = (out / "README.md").read_text()
     assert "| FedIT | 3 | 0.0063 | 0.3 | 3.500 | 400 | 402 | 7.0 | 66.00 ± 5.29 (n=3) | 16.00 |" in text
     assert "| FSLoRA | 8 | 0.0063 | 1 | 1.250 | 900 | 250 | 3.8 | 52.00 ± 2.00 (n=3) | 26.00 |" in text
-    assert "| FSLoRA | 8 | 55.00 | 60.00 | 65.00 | 50.00 |" in text  # its clip sweep
+    assert "| FSLoRA | 8 | 50.00 | 52.00 | 55.00 | 60.00 | 65.00 | 50.00 |" in text  # its clip sweep
 
 
 def test_noise_to_clip_is_the_norm_of_the_central_noise_on_the_average_over_the_clip(suite, tiny_config):
@@ -209,11 +216,11 @@ def test_noise_to_clip_is_the_norm_of_the_central_noise_on_the_average_over_the_
 def test_a_plain_command_plans_fedits_part_only_and_secagg_is_its_own_stage(suite, tmp_path, capsys):
     assert suite.main(["--plan", "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
-    assert "sweep: 12 runs" in text and "table: 3 runs" in text
+    assert "sweep: 18 runs" in text and "table: 3 runs" in text
     assert "fslora" not in text and "secagg" not in text
     assert suite.main(["--plan", "--out", str(tmp_path), "--only", "fslora-sweep,fslora-table,secagg"]) == 0
     text = capsys.readouterr().out
-    assert "fslora-sweep: 4 runs" in text and "fslora-table: 3 runs" in text and "secagg: 2 runs" in text
+    assert "fslora-sweep: 6 runs" in text and "fslora-table: 3 runs" in text and "secagg: 2 runs" in text
     assert "  sweep:" not in text
 
 

@@ -5,6 +5,7 @@ direct transformers computation, answer extraction, ROUGE-L, the data loaders on
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from fedtune.tasks.text_metrics import extract_answer, rouge_l
 from tests.conftest import acting_adapter_model
 
 TINY = ["task.kind=causal-lm", *CausalLM.test_overrides]
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DATA = Path(os.environ["FEDTUNE_DATA_DIR"])  # tests/conftest.py: ../shared/data unless set
 
 
 def config(tmp_path, *overrides):
