@@ -444,3 +444,39 @@ def test_an_upcast_linear_keeps_only_its_stored_weight_for_the_backward_pass():
     layer.weight.requires_grad_(True)
     layer(x.detach()).sum().backward()
     assert layer.weight.grad is not None and layer.weight.grad.dtype == torch.bfloat16
+
+
+def test_upcasts_reuse_one_buffer_per_shape_and_thread_and_chained_layers_keep_their_gradients(monkeypatch):
+    """:func:`precision.upcast` writes a heap-sized weight into its thread's buffer for the shape
+    (no fresh block per call: those fragmented glibc's heap), a larger one is a fresh copy; two
+    frozen layers of one shape in a chain, each overwriting the buffer between the other's forward
+    and backward, still give the float32 chain's output and input gradient exactly."""
+    import threading
+
+    from fedtune.models import precision
+
+    torch.manual_seed(0)
+    first, second = (torch.nn.Linear(16, 16).to(torch.bfloat16).requires_grad_(False) for _ in range(2))
+    for layer in (first, second):
+        layer.__class__ = precision.UpcastLinear
+    a, b = precision.upcast(first.weight, torch.float32), precision.upcast(second.weight, torch.float32)
+    assert a.data_ptr() == b.data_ptr() and torch.equal(b, second.weight.float())
+    other = []
+    thread = threading.Thread(target=lambda: other.append(precision.upcast(first.weight, torch.float32)))
+    thread.start()
+    thread.join()
+    assert other[0].data_ptr() != a.data_ptr() and torch.equal(other[0], first.weight.float())
+    monkeypatch.setattr(precision, "UPCAST_BUFFER_MAX_BYTES", 16 * 16 * 4 - 1)
+    assert precision.upcast(first.weight, torch.float32).data_ptr() != a.data_ptr()
+    monkeypatch.undo()
+
+    x = torch.randn(3, 16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    y = second(torch.tanh(first(x)))
+    w1, w2 = first.weight.float(), second.weight.float()
+    linear = torch.nn.functional.linear
+    y_ref = linear(torch.tanh(linear(x_ref, w1, first.bias.float())), w2, second.bias.float())
+    grad = torch.randn(3, 16)
+    y.backward(grad)
+    y_ref.backward(grad)
+    assert torch.equal(y, y_ref) and torch.allclose(x.grad, x_ref.grad, rtol=0, atol=1e-6)
