@@ -167,6 +167,12 @@ class FederationConfig(_Section):
     gpus_per_client: float = Field(
         0.0, ge=0, le=1, description="engine 'flower-sim': the GPU fraction Ray gives each ClientApp (device cuda)"
     )
+    client_devices: list[str] | None = Field(
+        None,
+        description="engine 'embedded': one worker process per device (cuda:N, cpu, ...; two or more), the clients "
+        "spread over them (default: every visible GPU when device is cuda or auto and there are several, "
+        "else the run's process)",
+    )
     nodes: int | None = Field(
         None,
         gt=0,
@@ -196,6 +202,21 @@ class FederationConfig(_Section):
     secagg_threshold: int | None = Field(
         None, ge=2, description="SecAgg+: shares that rebuild a secret (default: a majority of num_shares)"
     )
+
+    @field_validator("client_devices")
+    @classmethod
+    def _device_names(cls, devices: list[str] | None) -> list[str] | None:
+        if devices is None:
+            return None
+        if len(devices) < 2:
+            raise ValueError(
+                f"federation.client_devices: expected two or more devices, one worker each (got {devices}; "
+                "for one, set device)"
+            )
+        bad = next((d for d in devices if not DEVICE.fullmatch(d) or d == "auto"), None)
+        if bad is not None:
+            raise ValueError(f"federation.client_devices: expected cpu, cuda, cuda:N or mps per entry (got {bad!r})")
+        return devices
 
     @model_validator(mode="after")
     def _check(self) -> FederationConfig:
@@ -367,6 +388,10 @@ class RunConfig(BaseModel):
     def _gpu_fractions(self) -> RunConfig:
         if self.federation.gpus_per_client and self.engine != "flower-sim":
             raise ValueError("federation.gpus_per_client: applies to engine = 'flower-sim'")
+        if self.federation.client_devices is not None and self.engine != "embedded":
+            raise ValueError(
+                "federation.client_devices: applies to engine = 'embedded' (flower-sim: federation.gpus_per_client)"
+            )
         if self.federation.gpus_per_client and not self.device.startswith(("cuda", "auto")):
             raise ValueError(f"federation.gpus_per_client: needs device = 'cuda' or 'auto' (got {self.device!r})")
         return self

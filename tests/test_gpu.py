@@ -133,3 +133,36 @@ def test_a_method_run_on_cuda_agrees_with_the_cpu(tmp_path, method, kind, extra,
             assert b["kappa"] == pytest.approx(a["kappa"], rel=0.25)
     # the same arrays crossed (the JSON metadata prints numbers whose digits may differ)
     assert runs["cuda"][-1]["bytes_up"] == pytest.approx(runs["cpu"][-1]["bytes_up"], rel=2e-3)
+
+
+@pytest.mark.parametrize("method", ["fedit", "local"])
+def test_clients_spread_over_two_gpus_agree_with_one_gpu_process(tmp_path, method):
+    """``device = "cuda"`` with two or more GPUs spreads the clients over all of them (one worker
+    process each, its base on its GPU) and agrees with one process on ``cuda:0``. The same kernels
+    on the same GPU model, but atomics in some backward kernels may add in another order: 1e-4
+    relative. The worker on ``cuda:1`` shows as memory taken there while the run is on."""
+    count = torch.cuda.device_count()
+    if count < 2:
+        pytest.skip(f"needs 2 or more GPUs ({count} visible)")
+    free_before = torch.cuda.mem_get_info(1)[0]
+    taken = []
+
+    def on_round(record) -> None:
+        taken.append(free_before - torch.cuda.mem_get_info(1)[0])
+
+    runs = {}
+    for device in ("cuda:0", "cuda"):
+        cfg = load_config(
+            None,
+            [*TINY, f"output_dir={tmp_path / device.replace(':', '')}", f"device={device}", f"method={method}",
+             "rounds=2", "train.threads=1"],
+        )  # fmt: skip
+        summary = run_experiment(cfg, on_round=on_round if device == "cuda" else None)
+        lines = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+        runs[device] = [json.loads(line) for line in lines]
+    assert min(taken) > 100 * 2**20  # a CUDA context and a base on cuda:1, held by its worker
+    for a, b in zip(runs["cuda:0"], runs["cuda"]):
+        assert b["dropped"] == {} and b["clients"] == a["clients"]
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        assert b["bytes_down"] == a["bytes_down"]

@@ -3,7 +3,9 @@
 Every message crosses as bytes (encode, then decode on the other side), and the bytes accounted
 are the bytes that crossed. The clients get a RunContext of their own (:class:`EmbeddedEngine`):
 server and clients exchange nothing but Messages; given the server's context, the clients' shares
-its frozen LoRA base (one base per process, see :class:`~fedtune.runtime.RunContext`).
+its frozen LoRA base (one base per process, see :class:`~fedtune.runtime.RunContext`). With
+several client devices the clients run in one worker process per device instead
+(:mod:`fedtune.engines.device_pool`), through the same :meth:`LocalTransport.deliver`.
 """
 
 from __future__ import annotations
@@ -42,20 +44,18 @@ class LocalTransport:
         self.states: dict[int, dict] = {}
 
     def __call__(self, kind: str, rnd: int, messages: dict[int, Message], attempt: int = 0) -> dict[int, Delivery]:
-        out = {}
-        for cid, message in messages.items():
-            release_free_memory()  # the last client's freed pages go back before this one trains
-            client = self.make_client(cid, dict(self.states.get(cid, {})))
-            try:
-                reply, down, up, seconds = exchange(
-                    message, lambda m, client=client: answer(client, kind, m, self.seed, rnd, attempt)
-                )
-            except Exception as exc:  # noqa: BLE001 - any client failure is a drop, named in the record
-                out[cid] = Delivery(None, message.nbytes, error=f"{type(exc).__name__}: {exc}")
-                continue
-            self.states[cid] = client.state
-            out[cid] = Delivery(reply, down, up, seconds, sender=cid, round=rnd)
-        return out
+        return {cid: self.deliver(kind, rnd, cid, message, attempt) for cid, message in messages.items()}
+
+    def deliver(self, kind: str, rnd: int, cid: int, message: Message, attempt: int = 0) -> Delivery:
+        """Client ``cid``'s answer to ``message`` (its state kept only when it answers)."""
+        release_free_memory()  # the last client's freed pages go back before this one trains
+        client = self.make_client(cid, dict(self.states.get(cid, {})))
+        try:
+            reply, down, up, seconds = exchange(message, lambda m: answer(client, kind, m, self.seed, rnd, attempt))
+        except Exception as exc:  # noqa: BLE001 - any client failure is a drop, named in the record
+            return Delivery(None, message.nbytes, error=f"{type(exc).__name__}: {exc}")
+        self.states[cid] = client.state
+        return Delivery(reply, down, up, seconds, sender=cid, round=rnd)
 
 
 def run_rounds(
@@ -87,19 +87,36 @@ def run_rounds(
 
 class EmbeddedEngine(Engine):
     """The default engine of :func:`fedtune.run.run_experiment`: every client in this process, on
-    a RunContext of its own; its client states are part of the run's checkpoint."""
+    a RunContext of its own; or, with two or more client devices
+    (:func:`~fedtune.engines.device_pool.client_devices`), in one worker process per device
+    (:class:`~fedtune.engines.device_pool.DevicePool`), stopped when the run ends. Its client
+    states are part of the run's checkpoint."""
 
     name = "embedded"
 
     def __init__(self, config: RunConfig, server: Any = None) -> None:
-        """``server``: the server's RunContext, whose LoRA workspace the clients share."""
+        """``server``: the server's RunContext, whose LoRA workspace in-process clients share."""
+        from fedtune.engines.device_pool import DevicePool, client_devices
         from fedtune.runtime import RunContext
 
         super().__init__(config)
-        self.local = LocalTransport(RunContext(config, shares_base=server).client, config.seed)
+        devices = client_devices(config)
+        if devices:
+            self.local = DevicePool(config, devices, config.train.threads)
+        else:
+            self.local = LocalTransport(RunContext(config, shares_base=server).client, config.seed)
 
     def transport(self) -> LocalTransport:
         return self.local
+
+    def run(self, *args: Any, **kwargs: Any) -> list[RoundRecord]:
+        """:meth:`Engine.run`; the client workers, if any, are stopped when it returns or raises."""
+        try:
+            return super().run(*args, **kwargs)
+        finally:
+            close = getattr(self.local, "close", None)
+            if close is not None:
+                close()
 
     def state_dict(self) -> dict:
         return {str(cid): dict(state) for cid, state in self.local.states.items()}

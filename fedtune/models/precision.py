@@ -63,9 +63,9 @@ def load_dtype(model: Any) -> torch.dtype | str:
     return "auto" if model.quantization != "none" else DTYPES[model.dtype]
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, option: str = "device") -> torch.device:
     """``device``: ``auto`` is CUDA when available (then MPS, else the CPU); a named accelerator
-    must exist here, else one line naming the option and what this machine has."""
+    must exist here, else one line naming the option (``option``) and what this machine has."""
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -73,13 +73,14 @@ def resolve_device(name: str) -> torch.device:
             return torch.device("mps")
         return torch.device("cpu")
     device = torch.device(name)
+    hint = "use cpu or auto" if option == "device" else "list devices this machine has"
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         index = device.index or 0
         if index >= count:
-            raise ConfigError(f"device: {name!r} is not available here ({count} CUDA devices); use cpu or auto")
+            raise ConfigError(f"{option}: {name!r} is not available here ({count} CUDA devices); {hint}")
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError(f"device: {name!r} is not available here (no MPS); use cpu or auto")
+        raise ConfigError(f"{option}: {name!r} is not available here (no MPS); {hint}")
     return device
 
 
