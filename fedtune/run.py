@@ -170,7 +170,8 @@ def run_experiment(
     overwrite: bool = False,
 ) -> dict:
     """Run ``config`` and return the summary (also in ``summary.json``). ``engine`` runs the
-    rounds (default: :class:`~fedtune.engines.embedded.EmbeddedEngine`, clients in this process).
+    rounds (default: :class:`~fedtune.engines.embedded.EmbeddedEngine`, clients in this process or
+    spread over ``federation.client_devices``).
 
     After every round the metrics line is appended and ``checkpoint.npz`` is rewritten
     atomically: the strategy's state, plus the round (``_round``) and the engine's state

@@ -63,13 +63,19 @@ def config(tiny_config, method: str, *extra: str):
 
 
 # -- (a) the numbers of the one-process engine ------------------------------------------------------
-@pytest.mark.parametrize("method", ["fedit", "fslora"])
-def test_two_worker_processes_give_the_one_process_numbers_bit_for_bit(tiny_config, method):
+#: FedIT's run has two clients failing half their requests (drawn from the seed, round, client and
+#: attempt on the client's side): the same drops either way
+FLAKY = "federation.profiles=[{}, {failure_prob=0.5}, {}, {failure_prob=0.5}]"
+
+
+@pytest.mark.parametrize(("method", "extra"), [("fedit", (FLAKY,)), ("fslora", ())])
+def test_two_worker_processes_give_the_one_process_numbers_bit_for_bit(tiny_config, method, extra):
     before = children()
-    one = outcome(run_experiment(config(tiny_config, method, "name=one")))
-    two = outcome(run_experiment(config(tiny_config, method, "name=two", TWO_CPUS)))
+    one = outcome(run_experiment(config(tiny_config, method, "name=one", *extra)))
+    two = outcome(run_experiment(config(tiny_config, method, "name=two", TWO_CPUS, *extra)))
     assert_same(one, two)
-    assert len(one[0]) == 2 and all(line["dropped"] == {} for line in two[0])
+    assert len(one[0]) == 2
+    assert any(line["dropped"] for line in two[0]) == bool(extra)  # the injected failures, as drops
     assert children() <= before  # every worker stopped with the run
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fedtune.config import RunConfig
-from fedtune.engines.rounds import Delivery, Engine, RoundPolicy, RoundRecord, answer, drive_rounds
+from fedtune.engines.rounds import Delivery, Engine, RoundPolicy, RoundRecord, Transport, answer, drive_rounds
 from fedtune.process import release_free_memory
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
@@ -106,7 +106,7 @@ class EmbeddedEngine(Engine):
         else:
             self.local = LocalTransport(RunContext(config, shares_base=server).client, config.seed)
 
-    def transport(self) -> LocalTransport:
+    def transport(self) -> Transport:
         return self.local
 
     def run(self, *args: Any, **kwargs: Any) -> list[RoundRecord]:
