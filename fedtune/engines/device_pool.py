@@ -78,6 +78,7 @@ def client_context(config: RunConfig) -> Any:
     context.partitions  # noqa: B018 - loads the task's data
     if "lora" in context.method.requires:
         context.workspace  # noqa: B018 - builds the base on the device
+        import peft  # noqa: F401 - imported by the first adapter's activation (seconds), else inside a fit
     return context
 
 
