@@ -68,14 +68,15 @@ def config(tiny_config, method: str, *extra: str):
 FLAKY = "federation.profiles=[{}, {failure_prob=0.5}, {}, {failure_prob=0.5}]"
 
 
-@pytest.mark.parametrize(("method", "extra"), [("fedit", (FLAKY,)), ("fslora", ())])
-def test_two_worker_processes_give_the_one_process_numbers_bit_for_bit(tiny_config, method, extra):
+def test_two_worker_processes_give_the_one_process_numbers_bit_for_bit(tiny_config):
+    # (FSLoRA, RABO, FedPFT, CoMMIT, FlexLoRA and BoMM were checked so once too; each pool start
+    # imports transformers and PEFT in two fresh interpreters, about 10 s of CPU, so one method here)
     before = children()
-    one = outcome(run_experiment(config(tiny_config, method, "name=one", *extra)))
-    two = outcome(run_experiment(config(tiny_config, method, "name=two", TWO_CPUS, *extra)))
+    one = outcome(run_experiment(config(tiny_config, "fedit", "name=one", FLAKY)))
+    two = outcome(run_experiment(config(tiny_config, "fedit", "name=two", TWO_CPUS, FLAKY)))
     assert_same(one, two)
     assert len(one[0]) == 2
-    assert any(line["dropped"] for line in two[0]) == bool(extra)  # the injected failures, as drops
+    assert any(line["dropped"] for line in two[0])  # the injected failures, as drops
     assert children() <= before  # every worker stopped with the run
 
 
