@@ -232,6 +232,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--length", type=int, default=128)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
+    p.add_argument("--kinds", default="bare,fedtune", help="(a)/(b) sides to measure; others keep their saved rows")
     p.add_argument("--size", action="store_true", help="also (c): the Llama-3.2-3B-shaped model")
     p.add_argument("--scratch", default=str(Path(tempfile.gettempdir()) / "fedtune-llm-scale"))
     p.add_argument("--report-only", action="store_true")
@@ -240,6 +241,8 @@ def main() -> None:
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if not set(args.kinds.split(",")) <= {"bare", "fedtune"}:
+        p.error(f"--kinds: expected bare and/or fedtune, comma-separated (got {args.kinds!r})")
     if args.threads:
         import torch
 
@@ -277,9 +280,11 @@ def main() -> None:
 
         if clients:
             model = build_model_folder("smollm2-135m", scratch)
+            kinds = args.kinds.split(",")
             for dtype in args.dtypes.split(","):
-                keep("rows", run_one(args, "bare", dtype, max(clients), model, data, args.steps))
-                for n in clients:
+                if "bare" in kinds:
+                    keep("rows", run_one(args, "bare", dtype, max(clients), model, data, args.steps))
+                for n in clients if "fedtune" in kinds else []:
                     keep("rows", run_one(args, "fedtune", dtype, n, model, data, args.steps))
         if args.size:
             big = build_model_folder(SIZE_SHAPE, scratch)
