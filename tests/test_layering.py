@@ -13,7 +13,8 @@ inside functions are lazy and may point up, for example the registries discoveri
     registry            method name -> Strategy, Client, options, required capabilities
     methods             one module per method, over protocol + the Task interface
     runtime             RunContext: one process's task, model and profiles
-    engines.rounds, engines.embedded   the round loop and in-process delivery
+    engines.rounds, engines.local, engines.embedded, engines.device_pool
+                        the round loop, in-process delivery, the engine, its device workers
     run, progress       one run end to end, the run folder
     trained             a finished run's model: reloaded, exported, evaluated
     engines.flower      the same Strategy/Client objects on Flower (codec, runconfig, worker,

@@ -1,7 +1,7 @@
 """The embedded engine's clients spread over several devices: one worker process per device.
 
 :class:`DevicePool` is a transport (:data:`~fedtune.engines.rounds.Transport`) with the
-semantics of :class:`~fedtune.engines.embedded.LocalTransport`, served by ``spawn``-ed worker
+semantics of :class:`~fedtune.engines.local.LocalTransport`, served by ``spawn``-ed worker
 processes (a fresh interpreter each: torch's global RNG, which clients seed per request, is
 per process; threads would race on it). Worker ``w`` builds its own
 :class:`~fedtune.runtime.RunContext` for the run's config with ``device = devices[w]``: one
@@ -28,6 +28,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from fedtune.config import RunConfig
+from fedtune.engines.local import LocalTransport
 from fedtune.engines.rounds import Delivery
 from fedtune.protocol.messages import Message
 
@@ -87,7 +88,6 @@ def _serve(conn: Connection, config: RunConfig, threads: int, make_context: Call
     ``(cid, delivery, state)`` out per client as it finishes; ``None`` (or the parent gone) ends it."""
     import signal
 
-    from fedtune.engines.embedded import LocalTransport
     from fedtune.process import setup_process
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the parent's to handle
@@ -148,7 +148,7 @@ def _stop_all(workers: list[_Worker | None]) -> None:
 
 class DevicePool:
     """Clients served by one worker process per device (see the module docstring); ``states``
-    as :attr:`LocalTransport.states <fedtune.engines.embedded.LocalTransport>` (the engine's
+    as :attr:`LocalTransport.states <fedtune.engines.local.LocalTransport>` (the engine's
     checkpoint). ``make_context(config)`` builds a worker's context (default
     :func:`client_context`; a module-level function: it is sent to the worker by name)."""
 
