@@ -282,7 +282,7 @@ def test_freed_heap_pages_go_back_between_clients(tmp_path, monkeypatch):
     import psutil
 
     from fedtune import process
-    from fedtune.engines import embedded
+    from fedtune.engines import local
 
     rss = psutil.Process().memory_info
 
@@ -305,7 +305,7 @@ def test_freed_heap_pages_go_back_between_clients(tmp_path, monkeypatch):
     del pinned
 
     calls = []
-    monkeypatch.setattr(embedded, "release_free_memory", lambda: calls.append(1))
+    monkeypatch.setattr(local, "release_free_memory", lambda: calls.append(1))
     run_experiment(config(tmp_path, "rounds=1", "federation.num_clients=3"))
     assert len(calls) >= 3  # once before each client's fit (and evaluation)
 
