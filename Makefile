@@ -43,7 +43,7 @@ lint: venv
 	$(BIN)/ruff format --check .
 
 test: venv
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadgroup --durations=15
 
 test-all: venv
 	$(BIN)/python -m pytest -q -m "slow or not slow"

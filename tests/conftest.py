@@ -167,11 +167,23 @@ def assert_every_planned_run_resolves(plan) -> int:
     return len(configs)
 
 
+#: Test modules that start Flower (a Ray instance, SuperLinks, SuperNodes): under ``pytest -n``
+#: (``make test``) they share one xdist group, so one worker runs them one after another and two
+#: Flower runs never compete for ports, Ray's session folder or the two cores.
+FLOWER_MODULES = frozenset(
+    {"test_flower", "test_flower_contract", "test_flower_deploy", "test_flower_privacy", "test_scale", "test_secagg"}
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` are deselected (not skipped) where CUDA is absent: a CPU run reports
-    them as deselected, never as passed or skipped."""
+    """Flower's modules join one xdist group (:data:`FLOWER_MODULES`; ``--dist loadgroup``). Tests
+    marked ``gpu`` are deselected (not skipped) where CUDA is absent: a CPU run reports them as
+    deselected, never as passed or skipped."""
     import torch
 
+    for item in items:
+        if getattr(item, "module", None) is not None and item.module.__name__.rpartition(".")[2] in FLOWER_MODULES:
+            item.add_marker(pytest.mark.xdist_group("flower"))
     if torch.cuda.is_available():
         return
     gpu = [item for item in items if item.get_closest_marker("gpu")]
