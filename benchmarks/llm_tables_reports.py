@@ -184,7 +184,10 @@ def write_report(
         *table_lines(header, body),
         "",
     ]
-    lines += [ordering_line(table, rows), ""]
+    lines += [ordering_line(table, rows, se=None if se is None else lambda r: binomial_se(r[b.metric][0], n_test))]
+    if b.final:
+        lines += ["", ordering_line(table, rows, "final_accuracy", lambda r: r["final_se"][0], "final evaluation")]
+    lines.append("")
     if sweep is not None:
         lines += ["Learning rates (sweep seed " + str(sweep.seed) + "):", ""]
         lines += [f"- {m}: {choice_text(chosen.get(m))}" for m in b.methods]
@@ -212,17 +215,35 @@ def write_report(
     return [out / "README.md", out / "results.json", png]
 
 
-def ordering_line(table: str, rows: list[dict]) -> str:
-    """Whether the paper's ordering holds: FSLoRA above every other method (Table 5.2), FedIT above
-    its clients alone (FedIT); "not comparable yet" while a row has no finished run."""
-    metric = BENCHES[table].metric
-    score = {r["method"]: r[metric][0] for r in rows}
-    if any(v is None for v in score.values()):
-        return "Paper's ordering: not comparable yet (a row has no finished run)."
+def ordering_line(table: str, rows: list[dict], key: str | None = None, se=None, label: str = "") -> str:
+    """Whether the paper's ordering holds on ``key`` (the table's metric by default): FSLoRA above
+    every other method (Table 5.2), FedIT above its clients alone and the untuned model (FedIT).
+    The top method's gap to the best other row counts only beyond twice the noise of a difference
+    of two rows, sqrt(sd_a^2 / S_a + sd_b^2 / S_b + se_a^2 + se_b^2): each row mean's seed spread
+    (sample std sd over its S seeds) and each row's evaluation SE (``se(row)``, the binomial SE of
+    its average; None for ROUGE-L); a smaller gap either way is "not distinguishable". "not
+    comparable yet" while a row has no finished run."""
+    key = key or BENCHES[table].metric
+    head = f"Paper's ordering ({'fslora' if table == 'table52' else 'fedit'} first{', ' + label if label else ''})"
+    by = {r["method"]: r for r in rows}
+    if any(r[key][0] is None for r in rows):
+        return f"{head}: not comparable yet (a row has no finished run)."
     top = "fslora" if table == "table52" else "fedit"
-    best = max(score, key=score.get)
-    holds = best == top
-    return f"Paper's ordering ({top} first): {'reproduces' if holds else f'does NOT reproduce ({best} first)'}."
+    rival = max((m for m in by if m != top), key=lambda m: by[m][key][0])
+
+    def variance(row: dict) -> float:
+        seeds, (_, sd) = row.get("seeds", 0), row[key]
+        spread = (sd or 0.0) ** 2 / seeds if seeds > 1 else 0.0
+        return spread + ((se(row) if se else None) or 0.0) ** 2
+
+    gap = by[top][key][0] - by[rival][key][0]
+    noise = math.sqrt(variance(by[top]) + variance(by[rival]))
+    figures = f"{top} - {rival} = {100 * gap:+.1f} points, noise of the difference {100 * noise:.1f}"
+    if abs(gap) <= 2 * noise:
+        return f"{head}: not distinguishable ({figures}; a gap counts beyond twice the noise)."
+    if gap > 0:
+        return f"{head}: reproduces ({figures})."
+    return f"{head}: does NOT reproduce ({rival} first; {figures})."
 
 
 def scale_note(table: str) -> str:

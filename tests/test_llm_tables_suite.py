@@ -104,11 +104,50 @@ def test_a_cell_is_the_seed_mean_and_std_of_each_runs_last_two_evaluations(suite
     assert rows["untuned"]["accuracy"] == [0.3, 0.0] and rows["heterolora"]["seeds"] == 0
     readme = (out["table52"] / "README.md").read_text()
     assert readme.startswith("# commonsense-table52: PARTIAL") and "50.0 ± 7.1" in readme and "pending" in readme
-    assert "ordering: not comparable yet" in readme
+    assert "ordering (fslora first): not comparable yet" in readme
+    assert "ordering (fslora first, final evaluation): not comparable yet" in readme
     rows = [{"method": m, "accuracy": [v, 0.0]} for m, v in (("untuned", 0.3), ("fslora", 0.5), ("fedit", 0.6))]
-    assert "does NOT reproduce (fedit first)" in suite.ordering_line("table52", rows)
+    assert "does NOT reproduce (fedit first" in suite.ordering_line("table52", rows)
     rows[2]["accuracy"] = [0.4, 0.0]
-    assert "reproduces" in suite.ordering_line("table52", rows)
+    assert ": reproduces (fslora - fedit = +10.0 points" in suite.ordering_line("table52", rows)
+
+
+def test_the_papers_ordering_counts_a_gap_only_beyond_twice_the_noise_of_a_difference(suite):
+    """noise = sqrt(sd_a^2 / S_a + sd_b^2 / S_b + se_a^2 + se_b^2): 3 seeds of sd 3 points and an
+    SE of 2 points per row give sqrt(2 * 9 / 3 + 2 * 4) = 3.74 points, so a 6-point lead is not
+    distinguishable; without the SE (2.45) or without the seed spread (2.83) it would count, with
+    sd instead of sd / sqrt(S) the noise would read 5.1."""
+    rows = [
+        {"method": "untuned", "seeds": 0, "accuracy": [0.30, 0.0]},
+        {"method": "fslora", "seeds": 3, "accuracy": [0.52, 0.03]},
+        {"method": "fedit", "seeds": 3, "accuracy": [0.46, 0.03]},
+        {"method": "flexlora", "seeds": 3, "accuracy": [0.40, 0.01]},
+    ]
+    line = suite.ordering_line("table52", rows, se=lambda r: 0.02)
+    assert "not distinguishable (fslora - fedit = +6.0 points, noise of the difference 3.7" in line
+    assert ": reproduces (fslora - fedit = +6.0 points, noise of the difference 2.4" in suite.ordering_line(
+        "table52", rows
+    )
+    rows[1]["accuracy"] = [0.40, 0.03]  # fedit leads by 6: within the noise, no claim either way
+    assert "not distinguishable (fslora - fedit = -6.0 points" in suite.ordering_line(
+        "table52", rows, se=lambda r: 0.02
+    )
+    rows[1]["accuracy"] = [0.30, 0.03]  # fedit leads by 16 > 2 x 3.7
+    assert "does NOT reproduce (fedit first; fslora - fedit = -16.0" in suite.ordering_line(
+        "table52", rows, se=lambda r: 0.02
+    )
+    one_seed = [{**r, "seeds": 1} for r in rows]  # one seed's sd (0 by mean_std) is no spread estimate
+    assert "noise of the difference 2.8" in suite.ordering_line("table52", one_seed, se=lambda r: 0.02)
+    dolly = [
+        {"method": "untuned", "seeds": 0, "rouge_l": [0.20, 0.0]},
+        {"method": "fedit", "seeds": 3, "rouge_l": [0.25, 0.01]},
+        {"method": "local", "seeds": 3, "rouge_l": [0.21, 0.01]},
+    ]
+    assert ": reproduces (fedit - local = +4.0 points" in suite.ordering_line("dolly", dolly)
+    final = [{**r, "final_accuracy": [None, None]} for r in rows]
+    assert "final evaluation): not comparable yet" in suite.ordering_line(
+        "table52", final, "final_accuracy", lambda r: 0.02, "final evaluation"
+    )
 
 
 def test_cost_model_counts_steps_and_evaluated_questions(suite, tmp_path):
