@@ -463,3 +463,23 @@ def test_the_sweep_needs_a_grid_and_a_grid_needs_positive_rates(capsys):
     assert capsys.readouterr().out == ""
     biased_seed_warning(Sweep((1e-3,), 4), [4, 5], ["table"], ["table"])
     assert "the sweep seed 4 is among --seeds" in capsys.readouterr().out
+
+
+def test_each_finished_run_prints_its_final_accuracy_and_loss(monkeypatch, capsys):
+    """A sweep that picks by the loss (Dolly's) shows the loss it picks by, not only an accuracy."""
+    from types import SimpleNamespace
+
+    from fedtune.harness import pool
+
+    specs = [
+        SimpleNamespace(key=name, owner="sweep", config=SimpleNamespace(name=name), summary=summary)
+        for name, summary in (("a", {"final_accuracy": 0.0, "final_loss": 2.6096}), ("b", {"final_accuracy": 0.5}))
+    ]
+    by_config = {id(s.config): s.summary for s in specs}
+    monkeypatch.setattr(
+        pool, "imap_unordered", lambda job, configs, workers: ((c, (by_config[id(c)], 3.0), None) for c in configs)
+    )
+    assert pool.run_specs(specs, {"a": 2.0, "b": 1.0}, workers=1) == ([], False)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("[1/2] sweep/a  acc 0.0000  loss 2.6096  3 s")
+    assert out[1].startswith("[2/2] sweep/b  acc 0.5000  loss –  3 s")

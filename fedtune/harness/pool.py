@@ -128,9 +128,12 @@ def run_specs(specs: list[RunSpec], costs: dict[str, float], workers: int) -> tu
                     print(f"{where}  FAILED\n{error}", flush=True)
                     continue
                 summary, seconds = result
-                acc = summary.get("final_accuracy")
+                shown = "  ".join(
+                    f"{name} {'–' if (v := summary.get(key)) is None else f'{v:.4f}'}"
+                    for name, key in (("acc", "final_accuracy"), ("loss", "final_loss"))
+                )
                 print(
-                    f"{where}  acc {'–' if acc is None else f'{acc:.4f}'}  {seconds:.0f} s  (elapsed "
+                    f"{where}  {shown}  {seconds:.0f} s  (elapsed "
                     f"{(time.perf_counter() - start) / 60:.1f} min, ~{max(0.0, remaining) / workers / 60:.0f} min "
                     "of estimate left)",
                     flush=True,
