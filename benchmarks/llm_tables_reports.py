@@ -119,7 +119,9 @@ def final_note(table: str, base_final: dict | None, limit: int | None) -> str:
         return (
             "`final_` columns: the final round's evaluation, which scores the final adapter on FedIT's whole "
             "80-record global test set (no larger set exists; `local`: the mean over the 10 clients' own adapters). "
-            "ROUGE-L and the loss are not proportions: no binomial SE; the ± is the spread over seeds."
+            "ROUGE-L and the loss are not proportions: no binomial SE; the ± is the spread over seeds, and the "
+            "ordering line's noise is the seed spread alone (it leaves out the sampling of the 80 test records, "
+            "so it understates the noise)."
         )
     sizes = final_sizes([base_final])
     cap = "every question" if limit is None else f"at most {limit} questions"
