@@ -240,7 +240,9 @@ def ordering_line(table: str, rows: list[dict], key: str | None = None, se=None,
 
     gap = by[top][key][0] - by[rival][key][0]
     noise = math.sqrt(variance(by[top]) + variance(by[rival]))
-    figures = f"{top} - {rival} = {100 * gap:+.1f} points, noise of the difference {100 * noise:.1f}"
+    figures = f"{top} - {rival} = {100 * gap:+.1f} points, noise of the difference {100 * noise:.1f}" + (
+        "" if se else " (seed spread only: the test records' sampling is not in it)"
+    )
     if abs(gap) <= 2 * noise:
         return f"{head}: not distinguishable ({figures}; a gap counts beyond twice the noise)."
     if gap > 0:

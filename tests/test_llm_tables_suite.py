@@ -143,7 +143,9 @@ def test_the_papers_ordering_counts_a_gap_only_beyond_twice_the_noise_of_a_diffe
         {"method": "fedit", "seeds": 3, "rouge_l": [0.25, 0.01]},
         {"method": "local", "seeds": 3, "rouge_l": [0.21, 0.01]},
     ]
-    assert ": reproduces (fedit - local = +4.0 points" in suite.ordering_line("dolly", dolly)
+    assert ": reproduces (fedit - local = +4.0 points, noise of the difference 0.8 (seed spread only" in (
+        suite.ordering_line("dolly", dolly)
+    )
     final = [{**r, "final_accuracy": [None, None]} for r in rows]
     assert "final evaluation): not comparable yet" in suite.ordering_line(
         "table52", final, "final_accuracy", lambda r: 0.02, "final evaluation"

@@ -321,6 +321,17 @@ class CausalLM(Task):
             out.append(self.tokenizer.decode(row, skip_special_tokens=True))
         return out
 
+    def answers(self, model: torch.nn.Module, ds: llm_text.PromptSet, batch_size: int) -> list[str]:
+        """Greedy answers (:meth:`generate`, :meth:`generation_budget`'s tokens) to every prompt of
+        ``ds``, in batches of ``batch_size`` prompts of similar length; in ``ds``'s order."""
+        texts = [""] * len(ds)
+        prompts = self.prompts(ds)
+        budget = self.generation_budget(ds)
+        for chunk in _length_chunks([len(p) for p in prompts], batch_size):
+            for k, text in zip(chunk, self.generate(model, [prompts[k] for k in chunk], budget)):
+                texts[k] = text
+        return texts
+
     def choice_continuations(self, ds: llm_text.PromptSet, i: int) -> tuple[str, str, list[str]]:
         """(instruction, input, continuation texts) that the log-likelihood protocol scores for
         multiple-choice example ``i`` (``task.choice_scoring``)."""
@@ -397,12 +408,7 @@ class CausalLM(Task):
         )
         per: dict[str, np.ndarray] = {"loss": losses[:n]}
         if self.options.generate:
-            texts = [""] * n
-            prompts = self.prompts(ds)
-            budget = self.generation_budget(ds)
-            for chunk in _length_chunks([len(p) for p in prompts], batch_size):
-                for k, text in zip(chunk, self.generate(model, [prompts[k] for k in chunk], budget)):
-                    texts[k] = text
+            texts = self.answers(model, ds, batch_size)
             if mc.any():
                 picked = np.array([extract_answer(texts[i], ds.tags[i]) if mc[i] else -1 for i in range(n)])
                 per["gen_acc"] = np.where(mc, picked == ds.gold, np.nan)
