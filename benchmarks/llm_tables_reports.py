@@ -189,6 +189,8 @@ def write_report(
     lines += [ordering_line(table, rows, se=None if se is None else lambda r: binomial_se(r[b.metric][0], n_test))]
     if b.final:
         lines += ["", ordering_line(table, rows, "final_accuracy", lambda r: r["final_se"][0], "final evaluation")]
+    if b.sign < 0:  # the sweep minimises the loss: the ordering on it too
+        lines += ["", ordering_line(table, rows, "final_loss", label="response loss at the final round", lower=True)]
     lines.append("")
     if sweep is not None:
         lines += ["Learning rates (sweep seed " + str(sweep.seed) + "):", ""]
@@ -217,35 +219,39 @@ def write_report(
     return [out / "README.md", out / "results.json", png]
 
 
-def ordering_line(table: str, rows: list[dict], key: str | None = None, se=None, label: str = "") -> str:
+def ordering_line(
+    table: str, rows: list[dict], key: str | None = None, se=None, label: str = "", lower: bool = False
+) -> str:
     """Whether the paper's ordering holds on ``key`` (the table's metric by default): FSLoRA above
     every other method (Table 5.2), FedIT above its clients alone and the untuned model (FedIT).
     The top method's gap to the best other row counts only beyond twice the noise of a difference
     of two rows, sqrt(sd_a^2 / S_a + sd_b^2 / S_b + se_a^2 + se_b^2): each row mean's seed spread
     (sample std sd over its S seeds) and each row's evaluation SE (``se(row)``, the binomial SE of
-    its average; None for ROUGE-L); a smaller gap either way is "not distinguishable". "not
-    comparable yet" while a row has no finished run."""
+    its average; None for ROUGE-L); a smaller gap either way is "not distinguishable". ``lower``:
+    lower is better (a loss, in its own units; else points). "not comparable yet" while a row has
+    no finished run."""
     key = key or BENCHES[table].metric
     head = f"Paper's ordering ({'fslora' if table == 'table52' else 'fedit'} first{', ' + label if label else ''})"
     by = {r["method"]: r for r in rows}
     if any(r[key][0] is None for r in rows):
         return f"{head}: not comparable yet (a row has no finished run)."
     top = "fslora" if table == "table52" else "fedit"
-    rival = max((m for m in by if m != top), key=lambda m: by[m][key][0])
+    sign, scale, unit = (-1.0, 1.0, "") if lower else (1.0, 100.0, " points")
+    rival = max((m for m in by if m != top), key=lambda m: sign * by[m][key][0])
 
     def variance(row: dict) -> float:
         seeds, (_, sd) = row.get("seeds", 0), row[key]
         spread = (sd or 0.0) ** 2 / seeds if seeds > 1 else 0.0
         return spread + ((se(row) if se else None) or 0.0) ** 2
 
-    gap = by[top][key][0] - by[rival][key][0]
+    diff = by[top][key][0] - by[rival][key][0]
     noise = math.sqrt(variance(by[top]) + variance(by[rival]))
-    figures = f"{top} - {rival} = {100 * gap:+.1f} points, noise of the difference {100 * noise:.1f}" + (
-        "" if se else " (seed spread only: the test records' sampling is not in it)"
-    )
-    if abs(gap) <= 2 * noise:
+    digits = 3 if lower else 1
+    figures = f"{top} - {rival} = {scale * diff:+.{digits}f}{unit}, noise of the difference {scale * noise:.{digits}f}"
+    figures += "" if se else " (seed spread only: the test records' sampling is not in it)"
+    if abs(diff) <= 2 * noise:
         return f"{head}: not distinguishable ({figures}; a gap counts beyond twice the noise)."
-    if gap > 0:
+    if sign * diff > 0:
         return f"{head}: reproduces ({figures})."
     return f"{head}: does NOT reproduce ({rival} first; {figures})."
 

@@ -146,6 +146,15 @@ def test_the_papers_ordering_counts_a_gap_only_beyond_twice_the_noise_of_a_diffe
     assert ": reproduces (fedit - local = +4.0 points, noise of the difference 0.8 (seed spread only" in (
         suite.ordering_line("dolly", dolly)
     )
+    for row, loss in zip(dolly, (2.86, 2.49, 2.67)):
+        row["loss"] = [loss, 0.0 if row["seeds"] == 0 else 0.015]
+    line = suite.ordering_line("dolly", dolly, "loss", lower=True)  # the lower loss leads
+    assert ": reproduces (fedit - local = -0.180, noise of the difference 0.012 (seed spread only" in line
+    dolly[2]["loss"] = [2.48, 0.015]
+    assert ": not distinguishable (fedit - local = +0.010" in suite.ordering_line("dolly", dolly, "loss", lower=True)
+    dolly[2]["loss"] = [2.40, 0.015]
+    line = suite.ordering_line("dolly", dolly, "loss", lower=True)
+    assert ": does NOT reproduce (local first; fedit - local = +0.090, noise of the difference 0.012" in line
     final = [{**r, "final_accuracy": [None, None]} for r in rows]
     assert "final evaluation): not comparable yet" in suite.ordering_line(
         "table52", final, "final_accuracy", lambda r: 0.02, "final evaluation"
@@ -291,4 +300,6 @@ def test_dolly_final_columns_are_the_final_rounds_evaluation_on_the_whole_test_s
     assert rows["fedit"]["final_rouge_l"] == [pytest.approx(0.215), pytest.approx(math.sqrt(2 * 0.005**2))]
     assert rows["local"]["final_rouge_l"][0] == pytest.approx(0.075) == rows["local"]["rouge_l"][0]
     assert rows["untuned"]["final_rouge_l"] == [0.15, 0.0] and rows["fedit"]["final_loss"][0] == pytest.approx(2.0)
-    assert "final_se" not in rows["fedit"] and "whole 80-record" in (out["dolly"] / "README.md").read_text()
+    readme = (out["dolly"] / "README.md").read_text()
+    assert "final_se" not in rows["fedit"] and "whole 80-record" in readme
+    assert "(fedit first, response loss at the final round): reproduces (fedit - untuned = -0.900" in readme
