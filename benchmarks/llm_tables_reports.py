@@ -231,18 +231,18 @@ def ordering_line(
     lower is better (a loss, in its own units; else points). "not comparable yet" while a row has
     no finished run."""
     key = key or BENCHES[table].metric
-    head = f"Paper's ordering ({'fslora' if table == 'table52' else 'fedit'} first{', ' + label if label else ''})"
+    top = "fslora" if table == "table52" else "fedit"
+    head = f"Paper's ordering ({top} first{', ' + label if label else ''})"
     by = {r["method"]: r for r in rows}
     if any(r[key][0] is None for r in rows):
         return f"{head}: not comparable yet (a row has no finished run)."
-    top = "fslora" if table == "table52" else "fedit"
     sign, scale, unit = (-1.0, 1.0, "") if lower else (1.0, 100.0, " points")
     rival = max((m for m in by if m != top), key=lambda m: sign * by[m][key][0])
 
     def variance(row: dict) -> float:
         seeds, (_, sd) = row.get("seeds", 0), row[key]
         spread = (sd or 0.0) ** 2 / seeds if seeds > 1 else 0.0
-        return spread + ((se(row) if se else None) or 0.0) ** 2
+        return spread + ((se(row) if se else 0.0) or 0.0) ** 2
 
     diff = by[top][key][0] - by[rival][key][0]
     noise = math.sqrt(variance(by[top]) + variance(by[rival]))
