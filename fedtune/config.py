@@ -344,7 +344,7 @@ class PrivacyConfig(_Section):
     target_quantile: float = Field(0.5, gt=0, lt=1, description="adaptive_clip: the norm quantile C tracks")
     clip_learning_rate: float = Field(0.2, gt=0, le=10, description="adaptive_clip: eta of C <- C exp(-eta (b - q))")
     clipped_count_stddev: float | None = Field(
-        None, gt=0, description="adaptive_clip: sigma_b, noise std of the unclipped count (default m/20)"
+        None, gt=0, description="adaptive_clip: sigma_b, noise std of the unclipped count (default max(m/20, z))"
     )
     insecure_reproducible_noise: bool = Field(
         False, description="TESTS ONLY, NOT PRIVATE: noise and sample derived from `seed`; epsilon reported as inf"

@@ -37,7 +37,8 @@ SECURE = [
     f"federation.secagg_quantization_range={T}",
     'engine="flower-sim"',
 ]
-LOCAL_DP = ['privacy.mode="local"', "privacy.clip=0.05", "privacy.noise_multiplier=0.01"]
+SAME_NOISE = "privacy.insecure_reproducible_noise=true"  # tests only: the secure and plain runs draw alike
+LOCAL_DP = ['privacy.mode="local"', "privacy.clip=0.05", "privacy.noise_multiplier=0.01", SAME_NOISE]
 #: 3 clients, all sampled; global rank r = 4; HeteroLoRA's r_i = 4, 2, 1 (rank indices 0..3 covered
 #: by 3, 2, 1, 1 clients); FSLoRA's k_i = 4, 2, 1
 PROFILES = {

@@ -19,9 +19,9 @@ may release. Round t, with q = m/N (m = ``federation.sample_size()``):
   counts, which would make the sensitivity depend on the data);
 * :class:`AdaptiveClipGaussian` (``privacy.adaptive_clip``): as central, and C follows the
   ``target_quantile`` gamma of the update norms: b = (sum_i (1[||Delta_i|| <= C] - 1/2) + N(0,
-  sigma_b^2)) / m + 1/2, C <- C exp(-eta (b - gamma)); the update's noise multiplier becomes
-  z_Delta = (z^-2 - (2 sigma_b)^-2)^-1/2, so the pair of queries is one Gaussian of multiplier z
-  (Andrew et al., Theorem 1) and the accountant is unchanged;
+  sigma_b^2)) / m + 1/2, C <- C exp(-eta (b - gamma)) (sigma_b default max(m/20, z)); the
+  update's noise multiplier becomes z_Delta = (z^-2 - (2 sigma_b)^-2)^-1/2, so the pair of queries
+  is one Gaussian of multiplier z (Andrew et al., Theorem 1) and the accountant is unchanged;
 * :class:`SecureCentralGaussian` (``federation.secure_aggregation`` with ``mode = "central"``):
   each client clips its own update before SecAgg+ masks it, the server adds xi to the secure sum.
   The server is trusted to add the noise, not with any individual update; the clients are trusted
@@ -310,7 +310,8 @@ class AdaptiveClipGaussian(Mechanism):
         super().__init__(config)
         p = config.privacy
         self.gamma, self.eta = p.target_quantile, p.clip_learning_rate
-        self.sigma_b = p.clipped_count_stddev if p.clipped_count_stddev is not None else self.m / 20
+        # Andrew et al.'s m/20, at least z (the update's noise then grows by at most 1/sqrt(3/4) = 1.15x)
+        self.sigma_b = p.clipped_count_stddev if p.clipped_count_stddev is not None else max(self.m / 20, self.z)
         if not self.z < 2 * self.sigma_b:
             raise ConfigError(
                 f"privacy.clipped_count_stddev: sigma_b = {self.sigma_b:g} must exceed z / 2 = {self.z / 2:g} "
