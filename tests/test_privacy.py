@@ -176,6 +176,16 @@ def test_the_accountant_is_dp_accountings_pld_of_the_poisson_subsampled_gaussian
     assert pld.epsilon(5) < rdp.epsilon(5)
 
 
+def test_local_dp_gets_no_amplification_by_sampling_even_at_m_much_below_n(tmp_path):
+    """m = 10 of N = 100: the server knows whom it asked, so a local upload is a plain Gaussian
+    (multiplier z/2 under add/remove); accounting it at q = m/N would report far less."""
+    local = mechanism(_config(tmp_path, *LOCAL, "federation.num_clients=100", "federation.clients_per_round=10"))
+    ref = PLDAccountant(NR.ADD_OR_REMOVE_ONE, value_discretization_interval=accounting.DISCRETIZATION)
+    ref.compose(dp_accounting.GaussianDpEvent(Z / 2), 20)
+    assert local.rate == 1.0 and local.epsilon(20) == pytest.approx(ref.get_epsilon(local.delta), rel=1e-3)
+    assert local.epsilon(20) > 2 * accounting.epsilon("pld", "replace-one", 0.1, Z, 20, local.delta)
+
+
 def test_calibration_lands_at_or_below_the_target_and_less_noise_exceeds_it():
     for acc, adj, q, steps in (
         ("pld", "replace-one", 0.1, 30),
