@@ -86,28 +86,30 @@ class AuditClient(UpdateClient):
 
 def audit_scores(config: Any, trials: int, dim: int = 1000, attack: str = "released", start: int = 0):
     """Scores s of ``trials`` runs of D (canary +C u) and of D' (-C u) under ``config``'s
-    ``[privacy]`` and ``[federation]``: two arrays (see the module docstring)."""
+    ``[privacy]`` and ``[federation]``, trial t with the public seed ``config.seed + t`` (many runs,
+    as an auditor repeats them): two arrays (see the module docstring)."""
     fed = config.federation
-    context = SimpleNamespace(
-        config=config, options=SimpleNamespace(weighting="uniform"), example_bound=lambda kind, cid: 1
-    )
     canary = np.random.default_rng([AUDIT_STREAM]).normal(size=dim)
     canary /= np.linalg.norm(canary)
     scores: dict[float, list[float]] = {1.0: [], -1.0: []}
     for trial in range(start, start + trials):
+        run = config.model_copy(update={"seed": (config.seed + trial) % 2**32})
+        context = SimpleNamespace(
+            config=run, options=SimpleNamespace(weighting="uniform"), example_bound=lambda kind, cid: 1
+        )
         for sign in scores:
             strategy = AuditStrategy(context, dim)
             strategy.initialize()
 
-            def make(cid: int, state: dict, trial=trial, sign=sign) -> AuditClient:
+            def make(cid: int, state: dict, context=context, trial=trial, sign=sign) -> AuditClient:
                 return AuditClient(cid, context, state, canary, sign, trial)
 
-            history = run_rounds(strategy, make, fed.num_clients, fed.sample_size(), config.rounds, config.seed)
+            history = run_rounds(strategy, make, fed.num_clients, fed.sample_size(), run.rounds, run.seed)
             moved = strategy.global_arrays["w"].astype(np.float64)
             if attack == "regenerate":  # the outsider's guess at the noise, from the public seed
                 for record in history:
                     guess = gaussian_like(
-                        {"w": moved}, strategy.privacy.noise_std(), generator([config.seed], NOISE, record.round)
+                        {"w": moved}, strategy.privacy.noise_std(), generator([run.seed], NOISE, record.round)
                     )
                     moved = moved - guess["w"] / strategy.privacy.m
             scores[sign].append(float(moved @ canary) * strategy.privacy.m / config.privacy.clip)
