@@ -17,6 +17,7 @@ inside functions are lazy and may point up, for example the registries discoveri
                         the round loop, in-process delivery, the engine, its device workers
     run, progress       one run end to end, the run folder
     trained             a finished run's model: reloaded, exported, evaluated
+    privacy_audit       the empirical DP audit: many runs of two neighbouring federations
     engines.flower      the same Strategy/Client objects on Flower (codec, runconfig, worker,
                         clientapp, transport, serverapp, simulation, commands, deployment)
     launch              config.engine -> its launcher (the one entry point)
@@ -46,7 +47,7 @@ LAYERS = [
     ["fedtune.methods"],
     ["fedtune.runtime"],
     ["fedtune.engines", "fedtune.engines.rounds", "fedtune.engines.embedded"],
-    ["fedtune.run", "fedtune.progress", "fedtune.trained"],
+    ["fedtune.run", "fedtune.progress", "fedtune.trained", "fedtune.privacy_audit"],
     ["fedtune.engines.flower"],
     ["fedtune.launch"],
     ["fedtune.cli", "fedtune.report", "fedtune.harness"],
