@@ -118,13 +118,13 @@ def methods(
     from fedtune import catalog
 
     pad = " " * 15
-    for name, description in catalog.read()["methods"]:  # without importing the methods (torch)
-        typer.echo(f"{name:<14} {description}")
+    for method, description in catalog.read()["methods"]:  # without importing the methods (torch)
+        typer.echo(f"{method:<14} {description}")
         if not verbose:
             continue
         from fedtune.methods import get_method
 
-        spec = get_method(name)
+        spec = get_method(method)
         typer.echo(f"{pad}tasks: {', '.join(spec.supported_tasks())}")
         for name, field in spec.options.model_fields.items():
             about = f"  ({field.description})" if field.description else ""
