@@ -14,6 +14,20 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Resource-ada
 console = Console(stderr=True)
 
 
+@app.callback()
+def _options(
+    verbose: bool = typer.Option(
+        False, "--verbose", help="also the libraries' warnings, log lines and progress bars (fedtune --verbose run ...)"
+    ),
+) -> None:
+    if verbose:
+        import os
+
+        from fedtune.process import VERBOSE_ENV
+
+        os.environ[VERBOSE_ENV] = "1"
+
+
 def _fail(message: str, code: int = 2) -> None:
     console.print("[bold red]error:[/]", end=" ")
     console.print(message, markup=False, highlight=False, soft_wrap=True)
@@ -101,13 +115,16 @@ def methods(
     ),
 ) -> None:
     """List the registered methods."""
-    from fedtune.methods import list_methods
+    from fedtune import catalog
 
     pad = " " * 15
-    for spec in list_methods():
-        typer.echo(f"{spec.name:<14} {spec.description}")
+    for method, description in catalog.read()["methods"]:  # without importing the methods (torch)
+        typer.echo(f"{method:<14} {description}")
         if not verbose:
             continue
+        from fedtune.methods import get_method
+
+        spec = get_method(method)
         typer.echo(f"{pad}tasks: {', '.join(spec.supported_tasks())}")
         for name, field in spec.options.model_fields.items():
             about = f"  ({field.description})" if field.description else ""
@@ -119,11 +136,11 @@ def methods(
 @app.command()
 def tasks() -> None:
     """List the task kinds (``task.kind``) with their default data set and model."""
-    from fedtune.tasks import list_tasks
+    from fedtune import catalog
 
-    for task in list_tasks():
-        defaults = ", ".join(f"{k} {v}" for k, v in task.defaults.items())
-        typer.echo(f"{task.kind:<22} {task.description} [{defaults}]")
+    for kind, description, defaults in catalog.read()["tasks"]:  # without importing the tasks (torch)
+        shown = ", ".join(f"{k} {v}" for k, v in defaults.items())
+        typer.echo(f"{kind:<22} {description} [{shown}]")
 
 
 @app.command()

@@ -20,7 +20,7 @@ from fedtune.engines.embedded import EmbeddedEngine
 from fedtune.engines.rounds import Engine, RoundRecord, RunHalted
 from fedtune.process import setup_process
 from fedtune.run_folder import check_free, create, move_aside, write_text, writing
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 
 
 def _toml(config: RunConfig) -> str:
@@ -188,10 +188,13 @@ def run_experiment(
     stops after the current round's checkpoint (:class:`~fedtune.engines.rounds.RunInterrupted`).
 
     Every input is read and checked before the run folder is touched; a fresh run never writes
-    into a folder holding an earlier run (:class:`~fedtune.run_folder.RunFolderTaken`), unless
+    into a folder holding an earlier run (:class:`~fedtune.run_folder.RunFolderTaken`, raised
+    before any data or model is read), unless
     ``overwrite``, which moves that run aside (:func:`~fedtune.run_folder.move_aside`)."""
     start = time.perf_counter()
     setup_process(config.train.threads)
+    if not (resume or overwrite):  # before any data or model is read: a refusal costs nothing
+        check_free(resolve_run(config).run_dir)
     server = RunContext(config)
     config = server.config  # resolved: the task's defaults filled in
     run_dir = server.run.run_dir
