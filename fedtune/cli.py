@@ -151,11 +151,16 @@ def export(
     push_to_hub: str | None = typer.Option(
         None, "--push-to-hub", help="also upload the folder to this hub repository (needs a token)"
     ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="when the folder is not empty, move it aside to <name>.old-<n> first"
+    ),
 ) -> None:
     """Write a run's adapter (or the base with it merged in) and tokenizer to a folder that
-    transformers / PEFT load anywhere; the adapter names its base by hub id."""
+    transformers / PEFT load anywhere; the adapter names its base by hub id. Never deletes or
+    overwrites: a non-empty folder is refused (--overwrite moves it aside), and so is a folder
+    inside a run folder other than the default."""
     from fedtune.process import setup_process
-    from fedtune.trained.export import export_run, hub_token
+    from fedtune.trained.export import default_folder, export_run, hub_token
     from fedtune.trained.export import push_to_hub as push
     from fedtune.trained.loader import open_run
 
@@ -164,8 +169,8 @@ def export(
         run = open_run(run_dir)
         base = None if merged else run.adapter_config.get("base_model_name_or_path")
         token = None if push_to_hub is None else hub_token(push_to_hub, base)
-        folder = out or run_dir / ("export-merged" if merged else "export")
-        for note in export_run(run, folder, merged):
+        folder = out or default_folder(run_dir, merged)
+        for note in export_run(run, folder, merged, overwrite):
             console.print(note, markup=False, highlight=False, soft_wrap=True)
         console.print(f"wrote {folder}")
         if push_to_hub is not None:

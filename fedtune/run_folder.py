@@ -8,6 +8,7 @@ folder, or one holding other files only, is free.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,21 +38,30 @@ def check_free(run_dir: Path) -> None:
         )
 
 
-def move_aside(run_dir: Path) -> Path | None:
-    """Rename ``run_dir``, when it holds an earlier run, to ``<name>.old-<n>`` beside it (the first
-    free n) and return the new path; None when there was nothing to move. One line naming the
-    folder when the rename fails."""
-    if not holds_run(run_dir):
-        return None
+def rename_aside(path: Path) -> Path:
+    """Rename ``path`` to ``<name>.old-<n>`` beside it (the first free n) and return the new path;
+    nothing is deleted. One line naming it when the rename fails."""
     n = 1
-    while (aside := run_dir.with_name(f"{run_dir.name}.old-{n}")).exists():
+    while os.path.lexists(aside := path.with_name(f"{path.name}.old-{n}")):
         n += 1
     try:
-        run_dir.rename(aside)
+        path.rename(aside)
     except OSError as exc:
-        raise ConfigError(f"--overwrite: cannot move {str(run_dir)!r} aside ({exc.strerror})") from None
-    logging.getLogger("fedtune").warning("moved the earlier run in %s to %s", run_dir, aside)
+        raise ConfigError(f"--overwrite: cannot move {str(path)!r} aside ({exc.strerror})") from None
+    logging.getLogger("fedtune").warning("moved the earlier %s to %s", path, aside)
     return aside
+
+
+def move_aside(run_dir: Path) -> Path | None:
+    """:func:`rename_aside` of ``run_dir`` when it holds an earlier run; None when there was nothing
+    to move."""
+    return rename_aside(run_dir) if holds_run(run_dir) else None
+
+
+def run_folder_around(path: Path) -> Path | None:
+    """The run folder ``path`` is, or lies inside (its nearest ancestor holding a run), else None."""
+    path = path.resolve()
+    return next((p for p in (path, *path.parents) if holds_run(p)), None)
 
 
 class RunWriteError(FedtuneError):

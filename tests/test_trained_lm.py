@@ -18,7 +18,7 @@ from fedtune.cli import app
 from fedtune.config import load_config
 from fedtune.models.hub_ids import hub_id
 from fedtune.tasks.causal_lm import CausalLM
-from fedtune.trained.loader import open_run
+from fedtune.trained.loader import ADAPTER_CONFIG, open_run
 
 runner = CliRunner()
 TINY = ["task.kind=causal-lm", *CausalLM.test_overrides]
@@ -187,3 +187,65 @@ def test_bad_input_gives_one_line_naming_the_path(run_dir, tmp_path, monkeypatch
     args = ["export", str(run_dir), "--merged", "--out", str(tmp_path / "m"), "--push-to-hub", "me/tiny"]
     _one_line_error(args, "--push-to-hub", "no Hugging Face token")
     _one_line_error(["export", str(run_dir), "--out", str(tmp_path / "a"), "--push-to-hub", "me/t"], "tiny-llama")
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` by relative path -> sha256 (a snapshot to compare after)."""
+    import hashlib
+
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_export_never_deletes_or_overwrites_what_it_did_not_write(run_dir, tmp_path, monkeypatch):
+    """A user's model folder (config.json and more), the run's own adapter/, another run's adapter/
+    and the run folder itself: refused with one line, byte for byte as before. --overwrite moves a
+    non-empty folder aside to <name>.old-<n> (the first free n) and writes afresh; the default
+    RUN/export is written once, then refused without --overwrite."""
+    user = tmp_path / "my-model"
+    user.mkdir()
+    (user / "config.json").write_text("{}")
+    (user / "weights.bin").write_bytes(b"mine")
+    other = tmp_path / "other"
+    shutil.copytree(run_dir, other)
+    before = {p: _tree(p) for p in (user, run_dir, other)}
+    _one_line_error(["export", str(run_dir), "-o", str(user)], str(user), "not empty", "--overwrite")
+    _one_line_error(["export", str(run_dir), "-o", str(run_dir / "adapter")], "inside the run folder")
+    _one_line_error(["export", str(run_dir), "-o", str(other / "adapter"), "--overwrite"], "inside the run folder")
+    _one_line_error(["export", str(run_dir), "-o", str(run_dir)], "inside the run folder")
+    _one_line_error(["export", str(run_dir), "-o", str(run_dir.parent), "--overwrite"], "holds the run")
+    assert {p: _tree(p) for p in (user, run_dir, other)} == before
+    for _ in range(2):
+        result = runner.invoke(app, ["export", str(run_dir), "-o", str(user), "--overwrite"])
+        assert result.exit_code == 0, result.output
+        assert (user / ADAPTER_CONFIG).is_file() and not (user / "weights.bin").exists()
+    assert _tree(user.with_name("my-model.old-1")) == before[user]  # the user's files, moved once
+    assert _tree(user.with_name("my-model.old-2")) == _tree(user)  # the first export, moved by the second
+    default = run_dir / "export"
+    assert runner.invoke(app, ["export", str(run_dir)]).exit_code == 0 and (default / ADAPTER_CONFIG).is_file()
+    _one_line_error(["export", str(run_dir)], str(default), "not empty")
+    shutil.rmtree(default)  # this test's own export
+
+
+def test_a_failed_export_leaves_nothing_half_written(run_dir, tmp_path, monkeypatch):
+    """A write that fails part-way (a full disk) or a read-only file system: one line, and no
+    folder is left (neither the target nor the temporary one beside it)."""
+    import errno
+
+    def full(task, out):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("fedtune.trained.export._save_tokenizer", full)
+    _one_line_error(["export", str(run_dir), "-o", str(tmp_path / "out")], "out", "No space left")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+
+    def read_only(self, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    _one_line_error(["export", str(run_dir), "-o", str(tmp_path / "ro" / "out")], "ro", "Read-only file system")
+    assert list(tmp_path.iterdir()) == []
