@@ -355,6 +355,12 @@ def test_bad_input_stops_with_one_line_naming_the_field_or_file(tmp_path):
     gold = tmp_path / "gold.jsonl"
     gold.write_text('{"question": "q", "choices": ["a", "b"], "gold": 2}\n')
     _one_line_error(r"gold\.jsonl: row 1: column 'gold' must be an index 0-1", ctx_of(f"data.name={gold}"))
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt": "a", "response": "b"}\n{"prompt": "caf\xe9", "response": "b"}\n')
+    _one_line_error(r"latin\.jsonl: line 2: not UTF-8 text", ctx_of(f"data.name={latin}"))
+    broken = tmp_path / "broken.jsonl.gz"
+    broken.write_bytes(b"not gzip at all")
+    _one_line_error(r"broken\.jsonl\.gz: not a readable gzip file", lambda: llm_text.read_jsonl(broken))
     _one_line_error(
         r"^data\.client_column: data 'commonsense' has no column 'fedit_client'",
         lambda: RunContext(config(tmp_path, "data.partition=column", "data.client_column=fedit_client")).partitions,
@@ -373,6 +379,27 @@ def test_bad_input_stops_with_one_line_naming_the_field_or_file(tmp_path):
             ).partitions
         ),
     )
+
+
+def test_nothing_is_written_before_the_data_is_read_and_partitioned(tmp_path):
+    """A data file that is not UTF-8, a row without its response, and a partition the data cannot
+    give: one line each and no run folder, so the corrected rerun under the same name starts
+    (before, config.toml and run_config.json were written first: "holds an earlier run")."""
+    from fedtune.run import run_experiment
+
+    bad = tmp_path / "bad.jsonl"
+    good = "".join(json.dumps({"prompt": f"q{i}", "response": "b" * (1 + i % 8)}) + "\n" for i in range(40)).encode()
+    for data, extra in [
+        (good + b'{"prompt": "caf\xe9", "response": "b"}\n', ()),
+        (good + b'{"prompt": "a", "response": 3}\n', ()),
+        (good, ("data.partition=column", "data.client_column=client")),
+    ]:
+        bad.write_bytes(data)
+        with pytest.raises(ConfigError):
+            run_experiment(config(tmp_path, f"data.name={bad}", "name=x", "rounds=1", *extra))
+        assert not (tmp_path / "runs").exists()
+    run = run_experiment(config(tmp_path, f"data.name={bad}", "name=x", "rounds=1", "train.local_steps=1"))
+    assert Path(run["run_dir"], "summary.json").is_file()
 
 
 def test_answer_format_text_trains_on_the_row_the_ranking_scores_for_the_gold_option(tmp_path, ctx):

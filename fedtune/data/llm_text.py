@@ -161,17 +161,24 @@ def _read_jsonl(path: Path, mtime: float) -> tuple[dict, ...]:
     by path and modification time)."""
     opener = gzip.open if path.suffix == ".gz" else open
     rows = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}: line {n}: not JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise ConfigError(f"{path}: line {n}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
+    try:
+        with opener(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise ConfigError(f"{path}: line {n}: not UTF-8 text (expected UTF-8 JSON lines)") from None
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ConfigError(f"{path}: line {n}: not JSON ({exc.msg})") from None
+                if not isinstance(row, dict):
+                    raise ConfigError(f"{path}: line {n}: expected a JSON object, got {type(row).__name__}")
+                rows.append(row)
+    except (gzip.BadGzipFile, EOFError) as exc:
+        raise ConfigError(f"{path}: not a readable gzip file ({exc})") from None
     return tuple(rows)
 
 
