@@ -170,7 +170,9 @@ def tasks() -> None:
 @app.command()
 def report(
     run_dirs: list[Path] = typer.Argument(..., help="run folders (runs/<name>)"),
-    out: Path | None = typer.Option(None, "--out", "-o", help="folder for report.md and plots"),
+    out: Path | None = typer.Option(
+        None, "--out", "-o", help="folder for report.md and plots (replaces only an earlier report's files)"
+    ),
 ) -> None:
     """Markdown table of final metrics and PNG plots (accuracy vs round, vs MB uploaded)."""
     from fedtune.report import make_report
@@ -235,7 +237,10 @@ def eval_(
     ),
     generate: bool = typer.Option(False, "--generate", help="commonsense: also greedy generation's accuracy (gen_acc)"),
     out: Path | None = typer.Option(
-        None, "--out", "-o", help="result file (default: RUN_DIR/eval.json, else ./eval.json)"
+        None,
+        "--out",
+        "-o",
+        help="result file (default: RUN_DIR/eval.json, else ./eval.json); replaces only an earlier result",
     ),
 ) -> None:
     """Score a run's adapter, or a bare model (the untuned row), on commonsense sets (log-likelihood
@@ -244,8 +249,9 @@ def eval_(
 
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+    from fedtune.output_files import check_free, write_output
     from fedtune.process import setup_process
-    from fedtune.trained.evaluate import evaluate, parse_sets, target_of
+    from fedtune.trained.evaluate import evaluate, is_eval_result, parse_sets, target_of
     from fedtune.trained.table import eval_table
 
     setup_process()
@@ -253,6 +259,7 @@ def eval_(
         sets = parse_sets(tasks)
         scored = target_of(target)
         path = out or (scored.run_dir / "eval.json" if scored.run_dir is not None else Path("eval.json"))
+        check_free(path, is_eval_result, "--out")  # before the evaluation, which takes a while
         columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
         with Progress(*columns, console=console, transient=True) as bar:
             shown = bar.add_task("loading the model", total=None)
@@ -261,11 +268,7 @@ def eval_(
                 bar.update(shown, description=f"{unit}: {passes} forward passes")
 
             result = evaluate(scored, sets, limit, batch_size, generate, advance)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(result, indent=1))
-        except OSError as exc:
-            raise FedtuneError(f"--out {str(path)!r}: cannot be written ({exc.strerror})") from None
+        write_output(path, json.dumps(result, indent=1).encode(), is_eval_result, "--out")
     except FedtuneError as exc:
         _fail(str(exc), code=exc.exit_code)
     Console().print(eval_table(result))
