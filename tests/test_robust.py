@@ -229,3 +229,18 @@ def test_the_screen_costs_an_honest_run_nothing(tiny_config):
     assert all(not line for run in runs for line in [run["dropped"]])
     for key, value in states[0]["global"].items():
         assert np.array_equal(value, states[1]["global"][key]), key
+
+
+def test_a_state_that_evaluates_to_a_non_finite_loss_is_never_checkpointed(tiny_config):
+    """With the screen off, the 1e30 update is averaged in: the round is rejected on the server's
+    evaluation (non-finite loss) before it is recorded, so no checkpoint holds the poisoned state
+    (before, round 1 was checkpointed and every client failed on it in round 2)."""
+    from fedtune.engines.rounds import RoundFailed
+    from fedtune.run import run_experiment
+
+    hostile = 'federation.profiles=[{attack="scale", attack_scale=1e30}, {}, {}, {}]'
+    config = tiny_config(hostile, "federation.max_update_ratio=0", "name=poisoned")
+    with pytest.raises(RoundFailed, match="round 1: the aggregated global state evaluates to a non-finite loss"):
+        run_experiment(config)
+    run_dir = Path(config.output_dir) / "poisoned"
+    assert not (run_dir / "checkpoint.npz").exists() and (run_dir / "metrics.jsonl").read_text() == ""

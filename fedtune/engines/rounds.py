@@ -404,6 +404,11 @@ def drive_rounds(
             )
         if rnd % eval_every == 0 or rnd == rounds:
             record.metrics.update(strategy.evaluate(rnd))
+            if not np.isfinite(record.metrics.get("loss", 0.0)):  # every client would fail on this state
+                raise RoundFailed(
+                    f"round {rnd}: the aggregated global state evaluates to a non-finite loss; nothing of this "
+                    "round is kept"
+                )
             eval_messages = strategy.configure_evaluate(rnd, list(range(num_clients)))
             eval_replies = {}
             for cid, got in transport(EVALUATE, rnd, eval_messages, 0).items():
