@@ -462,3 +462,47 @@ def test_fedit_run_saves_an_adapter_that_reloads_with_the_same_loss(tmp_path):
         assert torch.allclose(task.loss(reloaded, batch), expected, atol=1e-5)
         assert not torch.allclose(task.loss(task.build_model(cfg.seed).eval(), batch), expected, atol=1e-4)
     assert summary["final_loss"] == pytest.approx(task.evaluate(reloaded, 16)["loss"], abs=1e-4)
+
+
+# -- greedy generation stops at the end-of-sequence token ---------------------------------------------
+class ScriptedLM(torch.nn.Module):
+    """A causal LM whose step ``s`` argmax for row ``b`` is ``script[b][s]`` (vocabulary 16); counts
+    its forward passes."""
+
+    def __init__(self, script: list[list[int]]) -> None:
+        super().__init__()
+        self.script, self.calls = script, 0
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, attention_mask=None, **_):
+        from types import SimpleNamespace
+
+        logits = torch.zeros(len(self.script), 1, 16)
+        for b, row in enumerate(self.script):
+            logits[b, -1, row[min(self.calls, len(row) - 1)]] = 1.0
+        self.calls += 1
+        return SimpleNamespace(logits=logits, past_key_values=None)
+
+
+def test_greedy_generation_stops_at_eos_and_a_finished_row_emits_only_eos():
+    """Row 0 says EOS (15) at step 2 and would go on; row 1 at step 4: row 0 is EOS from step 2 on,
+    and decoding stops once both have (4 forward passes, not max_new_tokens = 10)."""
+    from fedtune.models.generation import greedy_generate
+
+    lm = ScriptedLM([[3, 15, 7, 8, 9], [4, 4, 4, 15, 9]])
+    tokens = greedy_generate(lm, torch.ones(2, 3, dtype=torch.long), 10, 15, input_ids=torch.zeros(2, 3).long())
+    assert tokens.tolist() == [[3, 15, 15, 15], [4, 4, 4, 15]] and lm.calls == 4
+
+
+def test_causal_lm_answers_end_at_the_first_eos_even_where_tokens_follow(ctx, monkeypatch):
+    """The decoded answer is the tokens before the first end-of-sequence token, whatever follows it
+    (here ordinary tokens, which skip_special_tokens would keep)."""
+    from fedtune.tasks import causal_lm
+
+    tok, eos = ctx.task.tokenizer, ctx.task.tokenizer.eos_token_id
+    hello, world = _encode(tok, " hello"), _encode(tok, " world")
+    rows = torch.tensor([[*hello, eos, *world], [*world, *hello, eos]])
+    monkeypatch.setattr(causal_lm, "greedy_generate", lambda *args, **kwargs: rows)
+    prompts = [np.array(_encode(tok, "q"), dtype=np.int64)] * 2
+    texts = ctx.task.generate(torch.nn.Linear(1, 1), prompts, rows.shape[1])
+    assert texts == [tok.decode(hello), tok.decode([*world, *hello])]
