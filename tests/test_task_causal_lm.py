@@ -257,6 +257,10 @@ def test_rouge_l_is_rouge_score():
         assert rouge_l(pred, ref) == pytest.approx(scorer.score(ref, pred)["rougeL"].fmeasure)
     assert rouge_l("The cat sat on the mat.", "the cat on the mat") == pytest.approx(10 / 11)
     assert rouge_l("", "") == 1.0  # two empty answers agree (the package says 0)
+    stemmed = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    pred, ref = "The cats were Running", "the cat was run"  # stemming would match cat and run
+    assert stemmed.score(ref, pred)["rougeL"].fmeasure == pytest.approx(0.75)
+    assert rouge_l(pred, ref) == pytest.approx(0.25)  # "the" alone: unstemmed, as FedIT's scorer
 
 
 # -- (d) data on the real files ---------------------------------------------------------------

@@ -344,3 +344,19 @@ def test_fuzz_output_paths_never_remove_or_change_a_file_the_command_did_not_cre
         for rel, digest in decoys.items():
             assert after.get(rel) == digest or _moved_aside(rel, digest, after), (trial, args, rel)
     assert outcomes == {(c, code) for c in ("export", "eval", "report") for code in (0, 2)}  # each wrote and refused
+
+
+def test_the_average_over_sets_has_the_standard_error_of_a_mean_of_independent_estimates():
+    """The mean of k sets' accuracies has SE sqrt(sum se_i^2) / k (independent sets), not the mean
+    of the SEs nor their root sum of squares; Dolly is not a multiple-choice set and stays out."""
+    from fedtune.trained.evaluate import average
+
+    rows = {
+        "arc_easy": {"acc": 0.5, "acc_se": 0.03, "acc_norm": 0.4, "acc_norm_se": 0.01},
+        "boolq": {"acc": 0.7, "acc_se": 0.04, "acc_norm": 0.6, "acc_norm_se": 0.02},
+        "dolly": {"acc": 0.0, "acc_se": 9.0, "rouge_l": 0.1},
+    }
+    out = average(rows)
+    assert out["sets"] == 2
+    assert out["acc"] == pytest.approx(0.6) and out["acc_se"] == pytest.approx(0.025)  # sqrt(.03^2 + .04^2) / 2
+    assert out["acc_norm"] == pytest.approx(0.5) and out["acc_norm_se"] == pytest.approx(5**0.5 / 200)
