@@ -1,7 +1,8 @@
 """A run folder is never lost: a fresh run refuses a folder that holds an earlier run, unless told
 to move that run aside (``--overwrite``), which renames the folder and deletes nothing.
 
-The files that make a folder an earlier run's are those a run writes (:data:`RUN_FILES`); an empty
+The files that make a folder an earlier run's are those every run writes (:data:`RUN_FILES`): any
+one of them marks it (a user's file of such a name too, which a run would overwrite); an empty
 folder, or one holding other files only, is free.
 """
 
@@ -16,8 +17,17 @@ from pathlib import Path
 from fedtune.config import ConfigError
 from fedtune.errors import FedtuneError
 
-#: what a run writes first (config.toml, run_config.json) and what it produces
-RUN_FILES = ("config.toml", "run_config.json", "metrics.jsonl", "checkpoint.npz", "summary.json")
+#: what a run writes first (config.toml, run_config.json), next (its data's label histograms, a
+#: causal-LM task's prompt template) and what it produces
+RUN_FILES = (
+    "config.toml",
+    "run_config.json",
+    "label_histograms.json",
+    "prompt_template.json",
+    "metrics.jsonl",
+    "checkpoint.npz",
+    "summary.json",
+)
 
 
 class RunFolderTaken(ConfigError):
