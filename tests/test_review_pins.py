@@ -43,30 +43,6 @@ def test_the_last_round_is_evaluated_when_rounds_is_not_a_multiple_of_eval_every
     assert summary["final_accuracy"] == lines[-1]["accuracy"] is not None
 
 
-# -- RABO -------------------------------------------------------------------------------------------
-def test_rabo_c_x_star_is_the_minimum_coverage_over_the_rounds_so_far(tmp_path):
-    """Mistake: C_x* (eqs. (12)-(13)) keeping the maximum coverage over rounds, not the minimum. The
-    coverage varies here: three equal clients, one of which fails half its rounds (seeded)."""
-    from tests.test_rabo import TINY_FEW_SHOT
-
-    config = load_config(
-        None,
-        [
-            *TINY_FEW_SHOT,
-            "method=rabo",
-            "rounds=6",
-            "eval_every=6",
-            "federation.profiles=[{capacity=1.0},{capacity=1.0},{capacity=1.0, failure_prob=0.5}]",
-            f"output_dir={tmp_path}",
-        ],
-    )
-    summary = run_experiment(config)
-    lines = [json.loads(x) for x in open(f"{summary['run_dir']}/metrics.jsonl")]
-    per_round = [line["C_x_round"] for line in lines]
-    assert len(set(per_round)) > 1, per_round  # the premise: coverage differs between rounds
-    assert [line["C_x_star"] for line in lines] == list(np.minimum.accumulate(per_round))
-
-
 # -- FSLoRA ------------------------------------------------------------------------------------------
 def fslora_strategy(*overrides: str):
     from tests.test_fslora import make_config
