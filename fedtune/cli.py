@@ -288,6 +288,11 @@ def _security(insecure: bool, certificates: Path | None, what: str) -> None:
         _fail(f"deploy {what}: {certificates} not found")
 
 
+def _check_port(port: int, what: str) -> None:
+    if not 1 <= port <= 65535:
+        _fail(f"deploy {what} --port {port}: expected a port number 1-65535")
+
+
 def _wait(procs) -> int:
     """Wait until a process ends (or Ctrl-C, or SIGTERM); its exit code."""
     import signal
@@ -328,6 +333,7 @@ def deploy_superlink(
     from fedtune.engines.flower.commands import flower_env, superlink_args
     from fedtune.process import Processes, is_loopback
 
+    _check_port(port, "superlink")
     if certificates is None and not insecure and not is_loopback(host):
         _fail(
             f"deploy superlink --host {host}: not a loopback address, so anyone on that network could submit "
@@ -377,6 +383,7 @@ def deploy_supernode(
     from fedtune.engines.flower.commands import flower_env, supernode_args, wait_for_worker, worker_args
     from fedtune.process import Processes
 
+    _check_port(port, "supernode")
     _security(insecure, root_certificates, "supernode")
     if auth_key is not None and not auth_key.is_file():
         _fail(f"deploy supernode --auth-key: {auth_key} not found")
