@@ -63,6 +63,14 @@ def data_files(tmp_path) -> dict[str, tuple[str, str]]:
         ),
         "float label": (jsonl_file(tmp_path, "float.jsonl", [0, 1] * 10 + [1.5]), "row 21: label 1.5 is a float"),
         "bool label": (jsonl_file(tmp_path, "bool.jsonl", [True, False] * 10), "row 1: label True is a bool"),
+        "float labels in a csv": (
+            csv_file(tmp_path, "floats.csv", ("text,label\n" + "movie,1\nfilm,0\n" * 10 + "x,0.5\n").encode()),
+            "row 21: label '0.5' is a float",
+        ),
+        "integral float labels in a tsv": (
+            csv_file(tmp_path, "floats.tsv", ("text\tlabel\n" + "movie\t1.0\nfilm\t0.0\n" * 10).encode()),
+            "row 1: label '1.0' is a float",
+        ),
         "huge label id": (
             jsonl_file(tmp_path, "huge.jsonl", [0, 1] * 10 + [1_000_000_000]),
             "integer labels up to 1000000000 but only 3 distinct",
@@ -427,3 +435,19 @@ def test_a_damaged_report_input_is_one_line(finished_run, tmp_path, case):
         [str(run), "--out", str(tmp_path / "report")], expected, tmp_path / "runs", finished_run, "report"
     )
     assert not (tmp_path / "report").exists()
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_column(tmp_path, tiny_config):
+    """A CSV / JSONL saved with a UTF-8 byte-order mark (Excel, Notepad) reads as without it (before:
+    "no column 'text'", the column being '\\ufefftext')."""
+    from fedtune.runtime import RunContext
+
+    rows = "".join(f"movie number {i},{['pos', 'neg'][i % 2]}\n" for i in range(40))
+    for name, data in [
+        ("bom.csv", "text,label\n" + rows),
+        ("bom.jsonl", "".join(json.dumps({"text": f"m{i}", "label": i % 2}) + "\n" for i in range(40))),
+    ]:
+        path = tmp_path / name
+        path.write_bytes(b"\xef\xbb\xbf" + data.encode())
+        task = RunContext(tiny_config(f"data.name={path}")).task
+        assert len(task.train) + len(task.test) == 40 and task.num_labels == 2

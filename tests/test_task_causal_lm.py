@@ -359,6 +359,18 @@ def test_bad_input_stops_with_one_line_naming_the_field_or_file(tmp_path):
     gold = tmp_path / "gold.jsonl"
     gold.write_text('{"question": "q", "choices": ["a", "b"], "gold": 2}\n')
     _one_line_error(r"gold\.jsonl: row 1: column 'gold' must be an index 0-1", ctx_of(f"data.name={gold}"))
+    for choices in (["a", "a"], ["a", " "], ["x", "y ", "y"]):
+        repeated = tmp_path / "repeated.jsonl"
+        repeated.write_text(json.dumps({"question": "q", "choices": choices, "gold": 0}) + "\n")
+        _one_line_error(
+            r"repeated\.jsonl: row 1: column 'choices' holds a blank or repeated", ctx_of(f"data.name={repeated}")
+        )
+    for name, data in [
+        ("bom.jsonl", b'{"prompt": "a", "response": "b"}\n'),
+        ("bom.csv", b"prompt,response\na,b\n"),
+    ]:
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + data)
+        assert llm_text._read_rows(tmp_path / name) == [{"prompt": "a", "response": "b"}]
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes(b'{"prompt": "a", "response": "b"}\n{"prompt": "caf\xe9", "response": "b"}\n')
     _one_line_error(r"latin\.jsonl: line 2: not UTF-8 text", ctx_of(f"data.name={latin}"))
