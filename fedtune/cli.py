@@ -13,7 +13,7 @@ from rich.console import Console
 
 from fedtune.errors import FedtuneError
 
-HF_TOKEN = re.compile(r"hf_[A-Za-z0-9]{6,}")
+HF_TOKEN = re.compile(r"hf_[A-Za-z0-9]{30,}")  # a token: 34 letters and digits (not hf_transfer)
 SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|KEY", re.IGNORECASE)
 
 
@@ -57,7 +57,7 @@ console = Console(stderr=True)
 
 def _fail(message: str, code: int = 2) -> None:
     console.print("[bold red]error:[/]", end=" ")
-    console.print(message, markup=False, highlight=False, soft_wrap=True)
+    console.print(redact(message), markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
