@@ -17,13 +17,12 @@ from pathlib import Path
 from fedtune.config import ConfigError
 from fedtune.errors import FedtuneError
 
-#: what a run writes first (config.toml, run_config.json), next (its data's label histograms, a
-#: causal-LM task's prompt template) and what it produces
+#: what a run writes first (config.toml, run_config.json), next (its data's label histograms) and
+#: what it produces (not prompt_template.json, which an export folder holds too)
 RUN_FILES = (
     "config.toml",
     "run_config.json",
     "label_histograms.json",
-    "prompt_template.json",
     "metrics.jsonl",
     "checkpoint.npz",
     "summary.json",

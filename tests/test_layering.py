@@ -6,7 +6,7 @@ inside functions are lazy and may point up, for example the registries discoveri
 
     errors              FedtuneError, the one exception base
     protocol            messages, Strategy/Client ABCs, profiles, top-k codec
-    config, process, certificates, checkpoint, run_folder
+    config, process, certificates, checkpoint, run_folder, output_files
     data                sources, partitioners, batches (no model code)
     models              loading, LoRA workspace, training loop, networks
     tasks               Task ABC + one module per kind (data + model + loss + metrics)
@@ -38,7 +38,14 @@ import fedtune
 LAYERS = [
     ["fedtune.errors"],
     ["fedtune.protocol"],
-    ["fedtune.config", "fedtune.process", "fedtune.certificates", "fedtune.checkpoint", "fedtune.run_folder"],
+    [
+        "fedtune.config",
+        "fedtune.process",
+        "fedtune.certificates",
+        "fedtune.checkpoint",
+        "fedtune.run_folder",
+        "fedtune.output_files",
+    ],
     ["fedtune.data"],
     ["fedtune.models"],
     ["fedtune.tasks"],
