@@ -118,14 +118,21 @@ def _summary(
         "majority_accuracy": server.task.majority_rate(),
         "reference_name": server.task.reference_name,
         "test_examples": len(server.task.test),
+        **({} if config.privacy.mode != "none" else _totals(lines, wall_s)),
+        "run_dir": str(run_dir),
+        "engine": engine,
+        "environment": environment(),
+    }
+
+
+def _totals(lines: list[dict], wall_s: float) -> dict:
+    """The run's bytes, compute, drops and wall time (a DP run releases none of them)."""
+    return {
         "total_bytes_up": sum(line["bytes_up"] for line in lines),
         "total_bytes_down": sum(line["bytes_down"] for line in lines),
         "total_compute_s": sum(line["compute_s"] for line in lines),
         "dropped": sum(len(line.get("dropped", {})) for line in lines),
         "wall_s": wall_s,
-        "run_dir": str(run_dir),
-        "engine": engine,
-        "environment": environment(),
     }
 
 
@@ -263,7 +270,8 @@ def run_experiment(
         else:
             check_free(run_dir)
         create(run_dir, {"config.toml": _toml(config), RUN_CONFIG: json.dumps(config.model_dump(mode="json"))})
-    write_text(run_dir / "label_histograms.json", json.dumps(histograms))
+    if config.privacy.mode == "none":  # per-client label counts: not released by a DP run
+        write_text(run_dir / "label_histograms.json", json.dumps(histograms))
     for name, text in run_files.items():
         write_text(run_dir / name, text)
     if on_start is not None:
@@ -294,7 +302,7 @@ def run_experiment(
                     sink.flush()
                 state = {**strategy.state_dict(), ROUND_KEY: rec.round, ENGINE_KEY: engine.state_dict()}
                 with writing(checkpoint, kept(rec.round - 1)):
-                    save_state(checkpoint, state)
+                    save_state(checkpoint, state, private=config.privacy.mode != "none")  # DP: holds secrets
                 if on_round is not None:
                     on_round(rec)
 

@@ -265,10 +265,10 @@ def test_a_failed_write_stops_with_one_line_and_keeps_the_earlier_rounds(tmp_pat
 
     real_save = run_module.save_state
 
-    def full_disk_at_round_2(path, state):
+    def full_disk_at_round_2(path, state, **kwargs):
         if state[run_module.ROUND_KEY] == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
-        real_save(path, state)
+        real_save(path, state, **kwargs)
 
     args = tiny_args("rounds=3", f"output_dir={tmp_path}", "name=full")
     monkeypatch.setattr(run_module, "save_state", full_disk_at_round_2)

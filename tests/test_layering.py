@@ -20,7 +20,7 @@ inside functions are lazy and may point up, for example the registries discoveri
     engines.flower      the same Strategy/Client objects on Flower (codec, runconfig, worker,
                         clientapp, transport, serverapp, simulation, commands, deployment)
     launch              config.engine -> its launcher (the one entry point)
-    cli, report, harness
+    cli, report, harness, privacy_audit
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ LAYERS = [
     ["fedtune.run", "fedtune.progress", "fedtune.trained"],
     ["fedtune.engines.flower"],
     ["fedtune.launch"],
-    ["fedtune.cli", "fedtune.report", "fedtune.harness"],
+    ["fedtune.cli", "fedtune.report", "fedtune.harness", "fedtune.privacy_audit"],
 ]
 
 

@@ -191,11 +191,17 @@ class RoundRecord:
     attempts: int = 1
     eval_bytes: int = 0
     wall_s: float = 0.0
+    private: bool = False  # a round under client-level DP: its line releases no per-client number
 
     def to_json(self) -> dict[str, Any]:
         """The ``metrics.jsonl`` line for this round: the record's own fields, and the metrics
         between them; a metric named like a field (a strategy passing on what clients reported)
-        never replaces the engine's accounting."""
+        never replaces the engine's accounting. A private round's line is only what the privacy
+        mechanism releases: the round, the metrics (the server's evaluation of the released state,
+        epsilon) and ``"private": true``; not the sample, bytes, timings, steps or drops, which
+        depend on who was sampled and on their data."""
+        if self.private:
+            return {"round": self.round, **{k: v for k, v in self.metrics.items() if k != "private"}, "private": True}
         own = {
             "round": self.round,
             "accuracy": self.metrics.get("accuracy"),
@@ -245,8 +251,8 @@ class RoundRecord:
 
         return cls(
             round=int(line["round"]),
-            clients=[int(c) for c in line["clients"]],
-            metrics={k: v for k, v in line.items() if k not in cls.FIELDS and v is not None},
+            clients=[int(c) for c in line.get("clients", [])],
+            metrics={k: v for k, v in line.items() if k not in (*cls.FIELDS, "private") and v is not None},
             client_bytes_up=by_client("client_bytes_up"),
             client_bytes_down=by_client("client_bytes_down"),
             client_steps=by_client("client_steps"),
@@ -255,6 +261,7 @@ class RoundRecord:
             attempts=int(line.get("attempts", 1)),
             eval_bytes=int(line.get("eval_bytes", 0)),
             wall_s=float(line.get("wall_s", 0.0)),
+            private=bool(line.get("private", False)),
         )
 
 
@@ -363,31 +370,41 @@ def drive_rounds(
             raise RunHalted(reason, rnd - 1)
         start = time.perf_counter()
         record = RoundRecord(rnd, [])
+        total = None
         for attempt in range(policy.max_retries + 1):
             record.attempts = attempt + 1
-            clients = sample_clients(num_clients, sample_size, seed, rnd, attempt)
+            secret = strategy.private_sample(rnd, attempt)
+            record.private = secret is not None
+            clients = secret if record.private else sample_clients(num_clients, sample_size, seed, rnd, attempt)
+            secure = unmask is not None
+            if record.private and secure and len(clients) < 2:
+                clients = []  # a sum of one update is that update: the round releases noise alone
             record.clients = sorted(set(record.clients) | set(clients))
             sent = strategy.configure_fit(rnd, clients)
             replies = _exchange(strategy, transport, policy, record, TRAIN, sent, rnd, attempt)
-            if unmask is None:  # masked replies carry no arrays to measure
+            if not secure:  # masked replies carry no arrays to measure
                 replies = policy.screened(record, replies, sent, attempt)
-            if len(replies) >= policy.min_replies:
-                if unmask is None:
+            need = 0 if record.private else policy.min_replies  # DP: missing replies are zero updates
+            if len(replies) >= need:
+                if not secure or not clients:
                     break
                 total = _unmasked(unmask, record, rnd, attempt, replies, sent)
-                if total is not None and len(total.clients) >= policy.min_replies:
+                if total is not None and len(total.clients) >= need:
                     replies = {cid: replies[cid] for cid in total.clients}
                     break
+            if record.private:  # never retried: a fresh sample would condition the first on failing
+                replies = {}
+                break
         else:
             raise RoundFailed(
                 f"round {rnd}: fewer than federation.min_replies = {policy.min_replies} valid replies after "
                 f"{policy.max_retries + 1} attempts; drops: {record.dropped}"
             )
-        if unmask is None:
+        if total is None:
             record.metrics.update(_aggregated(rnd, TRAIN, strategy.aggregate_fit, replies))
         else:
-            secure = partial(strategy.aggregate_secure_fit, total=total)
-            record.metrics.update(_aggregated(rnd, TRAIN, secure, replies))
+            secure_fit = partial(strategy.aggregate_secure_fit, total=total)
+            record.metrics.update(_aggregated(rnd, TRAIN, secure_fit, replies))
         for phase in strategy.phases(rnd):  # further exchanges, with the clients still answering
             sent = strategy.configure_phase(phase, rnd, sorted(replies))
             replies = _exchange(strategy, transport, policy, record, phase, sent, rnd, 0)
@@ -409,7 +426,8 @@ def drive_rounds(
                     f"round {rnd}: the aggregated global state evaluates to a non-finite loss; nothing of this "
                     "round is kept"
                 )
-            eval_messages = strategy.configure_evaluate(rnd, list(range(num_clients)))
+            # federated evaluation reports on the clients' data, outside what DP accounts for
+            eval_messages = {} if record.private else strategy.configure_evaluate(rnd, list(range(num_clients)))
             eval_replies = {}
             for cid, got in transport(EVALUATE, rnd, eval_messages, 0).items():
                 record.eval_bytes += got.down + got.up
