@@ -164,6 +164,13 @@ class FederationConfig(_Section):
     max_retries: int = Field(2, ge=0, description="retries of a round short of min_replies before the run stops")
     round_timeout_s: float | None = Field(None, gt=0, description="a client slower than this in a round is dropped")
     max_reply_bytes: int = Field(256 * 2**20, gt=0, description="a larger reply is rejected")
+    max_update_ratio: float = Field(
+        1000.0,
+        ge=0,
+        description="a training reply whose L2 norm exceeds this many times the round's reference (the replies' "
+        "lower median norm, or the norm of what the client was sent, the larger) is dropped; 0: no screen; "
+        "not under DP (its clipping bounds updates)",
+    )
     gpus_per_client: float = Field(
         0.0, ge=0, le=1, description="engine 'flower-sim': the GPU fraction Ray gives each ClientApp (device cuda)"
     )
@@ -202,6 +209,13 @@ class FederationConfig(_Section):
     secagg_threshold: int | None = Field(
         None, ge=2, description="SecAgg+: shares that rebuild a secret (default: a majority of num_shares)"
     )
+
+    @field_validator("max_update_ratio")
+    @classmethod
+    def _ratio_above_one(cls, ratio: float) -> float:
+        if 0 < ratio <= 1:
+            raise ValueError(f"expected 0 (no screen) or a ratio above 1, as honest replies reach 1 (got {ratio})")
+        return ratio
 
     @field_validator("client_devices")
     @classmethod

@@ -6,7 +6,7 @@ inside functions are lazy and may point up, for example the registries discoveri
 
     errors              FedtuneError, the one exception base
     protocol            messages, Strategy/Client ABCs, profiles, top-k codec
-    config, process, certificates, checkpoint, run_folder
+    config, process, certificates, checkpoint, run_folder, output_files
     data                sources, partitioners, batches (no model code)
     models              loading, LoRA workspace, training loop, networks
     tasks               Task ABC + one module per kind (data + model + loss + metrics)
@@ -22,7 +22,7 @@ inside functions are lazy and may point up, for example the registries discoveri
     engines.flower      the same Strategy/Client objects on Flower (codec, runconfig, worker,
                         clientapp, transport, serverapp, simulation, commands, deployment)
     launch              config.engine -> its launcher (the one entry point)
-    cli, report, harness
+    cli, report, harness, privacy_audit
 """
 
 from __future__ import annotations
@@ -40,7 +40,14 @@ import fedtune
 LAYERS = [
     ["fedtune.errors"],
     ["fedtune.protocol"],
-    ["fedtune.config", "fedtune.process", "fedtune.certificates", "fedtune.checkpoint", "fedtune.run_folder"],
+    [
+        "fedtune.config",
+        "fedtune.process",
+        "fedtune.certificates",
+        "fedtune.checkpoint",
+        "fedtune.run_folder",
+        "fedtune.output_files",
+    ],
     ["fedtune.data"],
     ["fedtune.models"],
     ["fedtune.tasks"],
@@ -52,7 +59,7 @@ LAYERS = [
     ["fedtune.run", "fedtune.progress", "fedtune.trained", "fedtune.privacy_audit"],
     ["fedtune.engines.flower"],
     ["fedtune.launch"],
-    ["fedtune.cli", "fedtune.report", "fedtune.harness"],
+    ["fedtune.cli", "fedtune.report", "fedtune.harness", "fedtune.privacy_audit"],
 ]
 
 

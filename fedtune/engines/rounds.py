@@ -9,7 +9,8 @@ reply that fails validation: the wrong client id or round, larger than
 ``federation.max_reply_bytes``, metadata other than :meth:`Strategy.reply_meta_spec` declares
 (types, ranges, finite numbers: a client's ``num_examples`` is at most what the server knows of
 it), or arrays other than :meth:`Strategy.reply_spec` expects (names, shapes, dtypes, finite
-values; :mod:`fedtune.protocol.validation`). Dropped replies never
+values; :mod:`fedtune.protocol.validation`), and so is a training reply whose norm exceeds
+``federation.max_update_ratio`` times the round's reference (not under DP). Dropped replies never
 reach ``aggregate_fit``. A round may hold further exchanges after the training one
 (:meth:`Strategy.phases`: RABO's two phases, BoMM's party / cloud exchanges), each with the
 clients still answering, each validated, byte-accounted and recorded the same way; a phase short
@@ -41,7 +42,7 @@ from fedtune.errors import FedtuneError
 from fedtune.protocol.client import Client
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import SECURE_LAYOUT, SecureSum, Strategy
-from fedtune.protocol.validation import check_arrays, check_meta
+from fedtune.protocol.validation import check_arrays, check_meta, outsized_updates
 
 
 def sample_clients(num_clients: int, sample_size: int, seed: int, rnd: int, attempt: int = 0) -> list[int]:
@@ -123,10 +124,26 @@ class RoundPolicy:
     max_retries: int = 2
     timeout_s: float | None = None
     max_reply_bytes: int = 256 * 2**20
+    max_update_ratio: float | None = None  # None: no outsized-update screen
 
     @classmethod
-    def of(cls, fed: Any) -> RoundPolicy:
-        return cls(fed.min_replies, fed.max_retries, fed.round_timeout_s, fed.max_reply_bytes)
+    def of(cls, fed: Any, private: bool = False) -> RoundPolicy:
+        """The policy of ``fed`` (``federation.*``); ``private`` (DP): no outsized-update screen,
+        whose reference would depend on the other clients' updates (DP clipping bounds them)."""
+        ratio = None if private or not fed.max_update_ratio else fed.max_update_ratio
+        return cls(fed.min_replies, fed.max_retries, fed.round_timeout_s, fed.max_reply_bytes, ratio)
+
+    def screened(
+        self, record: RoundRecord, replies: dict[int, Message], sent: dict[int, Message], attempt: int
+    ) -> dict[int, Message]:
+        """``replies`` less the outsized ones (:func:`~fedtune.protocol.validation.outsized_updates`),
+        each dropped in ``record`` with its reason."""
+        if self.max_update_ratio is None:
+            return replies
+        outsized = outsized_updates(replies, sent, self.max_update_ratio)
+        for cid, reason in outsized.items():
+            record.dropped[cid] = (f"attempt {attempt + 1}: " if attempt else "") + reason
+        return {cid: reply for cid, reply in replies.items() if cid not in outsized}
 
     def rejection(
         self, strategy: Strategy, kind: str, rnd: int, cid: int, sent: Message | None, got: Delivery
@@ -365,6 +382,8 @@ def drive_rounds(
             record.clients = sorted(set(record.clients) | set(clients))
             sent = strategy.configure_fit(rnd, clients)
             replies = _exchange(strategy, transport, policy, record, TRAIN, sent, rnd, attempt)
+            if not secure:  # masked replies carry no arrays to measure
+                replies = policy.screened(record, replies, sent, attempt)
             need = 0 if record.private else policy.min_replies  # DP: missing replies are zero updates
             if len(replies) >= need:
                 if not secure or not clients:
@@ -402,6 +421,11 @@ def drive_rounds(
             )
         if rnd % eval_every == 0 or rnd == rounds:
             record.metrics.update(strategy.evaluate(rnd))
+            if not np.isfinite(record.metrics.get("loss", 0.0)):  # every client would fail on this state
+                raise RoundFailed(
+                    f"round {rnd}: the aggregated global state evaluates to a non-finite loss; nothing of this "
+                    "round is kept"
+                )
             # federated evaluation reports on the clients' data, outside what DP accounts for
             eval_messages = {} if record.private else strategy.configure_evaluate(rnd, list(range(num_clients)))
             eval_replies = {}
@@ -477,6 +501,6 @@ class Engine(ABC):
             c.eval_every,
             on_round,
             start_round,
-            RoundPolicy.of(fed),
+            RoundPolicy.of(fed, c.privacy.mode != "none"),
             should_stop,
         )
