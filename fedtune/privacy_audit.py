@@ -18,9 +18,12 @@ mechanism, epsilon >= log((1 - delta - FPR) / FNR) (and with the rates swapped; 
 Viswanath 2015): that is the lower bound, to hold below the accountant's epsilon.
 
 ``attack``: ``"released"`` scores the released state as it is; ``"regenerate"`` plays the outsider
-who regenerates the noise from the run's public seed and subtracts it before scoring (what issue
-37 found possible): against secret noise it subtracts unrelated noise and gains nothing, against
-``privacy.insecure_reproducible_noise`` it removes the noise whole.
+who regenerates the sample and the noise from the run's public seed (what issue 37 found
+possible), subtracts the noise before scoring and, where the regenerated sample never holds the
+canary, abstains (the trial is left out: a guess conditioned on a public event still obeys the DP
+bound): against secret randomness it subtracts unrelated noise and leaves out unrelated trials,
+gaining nothing; against ``privacy.insecure_reproducible_noise`` it removes the noise whole and
+scores only the runs the canary was in.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from scipy.stats import beta
 
 from fedtune.engines.embedded import run_rounds
 from fedtune.methods.base.averaging import BroadcastAverage, UpdateClient
-from fedtune.methods.base.privacy import NOISE, gaussian_like, generator
+from fedtune.methods.base.privacy import NOISE, SAMPLE, gaussian_like, generator, poisson_sample
 from fedtune.protocol.messages import Message
 from fedtune.protocol.profiles import ClientProfile
 
@@ -87,7 +90,8 @@ class AuditClient(UpdateClient):
 def audit_scores(config: Any, trials: int, dim: int = 1000, attack: str = "released", start: int = 0):
     """Scores s of ``trials`` runs of D (canary +C u) and of D' (-C u) under ``config``'s
     ``[privacy]`` and ``[federation]``, trial t with the public seed ``config.seed + t`` (many runs,
-    as an auditor repeats them): two arrays (see the module docstring)."""
+    as an auditor repeats them): two arrays, without the trials the attack abstains on (see the
+    module docstring)."""
     fed = config.federation
     canary = np.random.default_rng([AUDIT_STREAM]).normal(size=dim)
     canary /= np.linalg.norm(canary)
@@ -97,6 +101,12 @@ def audit_scores(config: Any, trials: int, dim: int = 1000, attack: str = "relea
         context = SimpleNamespace(
             config=run, options=SimpleNamespace(weighting="uniform"), example_bound=lambda kind, cid: 1
         )
+        if attack == "regenerate" and not any(
+            0
+            in poisson_sample(fed.num_clients, fed.sample_size() / fed.num_clients, generator([run.seed], SAMPLE, r, 0))
+            for r in range(1, run.rounds + 1)
+        ):
+            continue
         for sign in scores:
             strategy = AuditStrategy(context, dim)
             strategy.initialize()
