@@ -22,7 +22,7 @@ inside functions are lazy and may point up, for example the registries discoveri
     engines.flower      the same Strategy/Client objects on Flower (codec, runconfig, worker,
                         clientapp, transport, serverapp, simulation, commands, deployment)
     launch              config.engine -> its launcher (the one entry point)
-    cli, report, harness, privacy_audit
+    cli, report, harness
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ LAYERS = [
     ["fedtune.run", "fedtune.progress", "fedtune.trained", "fedtune.privacy_audit"],
     ["fedtune.engines.flower"],
     ["fedtune.launch"],
-    ["fedtune.cli", "fedtune.report", "fedtune.harness", "fedtune.privacy_audit"],
+    ["fedtune.cli", "fedtune.report", "fedtune.harness"],
 ]
 
 
