@@ -12,6 +12,7 @@ inside functions are lazy and may point up, for example the registries discoveri
     tasks               Task ABC + one module per kind (data + model + loss + metrics)
     registry            method name -> Strategy, Client, options, required capabilities
     methods             one module per method, over protocol + the Task interface
+    planning            client budgets: the memory and time model, the planner, the peak meter
     runtime             RunContext: one process's task, model and profiles
     engines.rounds, engines.local, engines.embedded, engines.device_pool
                         the round loop, in-process delivery, the engine, its device workers
@@ -44,6 +45,7 @@ LAYERS = [
     ["fedtune.tasks"],
     ["fedtune.registry"],
     ["fedtune.methods"],
+    ["fedtune.planning"],
     ["fedtune.runtime"],
     ["fedtune.engines", "fedtune.engines.rounds", "fedtune.engines.embedded"],
     ["fedtune.run", "fedtune.progress", "fedtune.trained"],

@@ -73,7 +73,12 @@ def answer(client: Client, kind: str, message: Message, seed: int, rnd: int, att
     ):
         raise InjectedFailure(f"injected failure (failure_prob {profile.failure_prob})")
     if kind == TRAIN:
-        reply = client.fit(message)
+        if profile.memory_gib is not None:  # a memory budget: the fit's peak is measured
+            from fedtune.planning.planner import metered_fit
+
+            reply = metered_fit(client, message)
+        else:
+            reply = client.fit(message)
         reply = attacked(reply, profile.attack, profile.attack_scale) if profile.attack else reply
         return client.secure_reply(message, reply) if SECURE_LAYOUT in message.meta else reply
     if kind == EVALUATE:
@@ -123,10 +128,15 @@ class RoundPolicy:
     max_retries: int = 2
     timeout_s: float | None = None
     max_reply_bytes: int = 256 * 2**20
+    memory_bytes: dict[int, int] = field(default_factory=dict)  # client -> its memory budget
+    deadlines: dict[int, float] = field(default_factory=dict)  # client -> its deadline_s
+    excluded: dict[int, str] = field(default_factory=dict)  # client -> why the plan excluded it
 
     @classmethod
-    def of(cls, fed: Any) -> RoundPolicy:
-        return cls(fed.min_replies, fed.max_retries, fed.round_timeout_s, fed.max_reply_bytes)
+    def of(cls, fed: Any, context: Any = None) -> RoundPolicy:
+        """``federation.*``, and the budgets of ``context`` (a RunContext's ``round_limits``)."""
+        limits = context.round_limits() if hasattr(context, "round_limits") else {}
+        return cls(fed.min_replies, fed.max_retries, fed.round_timeout_s, fed.max_reply_bytes, **limits)
 
     def rejection(
         self, strategy: Strategy, kind: str, rnd: int, cid: int, sent: Message | None, got: Delivery
@@ -142,9 +152,17 @@ class RoundPolicy:
             return f"reply claims round {got.round}"
         if self.timeout_s is not None and got.seconds > self.timeout_s:
             return f"missed the {self.timeout_s:g} s deadline ({got.seconds:.2f} s)"
+        if cid in self.deadlines and got.seconds > self.deadlines[cid]:
+            return f"missed its deadline_s = {self.deadlines[cid]:g} ({got.seconds:.2f} s)"
         if got.up > self.max_reply_bytes:
             return f"reply of {got.up} bytes exceeds federation.max_reply_bytes = {self.max_reply_bytes}"
         reason = check_meta(got.reply.meta, strategy.reply_meta_spec(kind, cid))
+        peak = got.reply.meta.get("peak_bytes")
+        if reason is None and peak is not None and peak > self.memory_bytes.get(cid, peak):
+            reason = (
+                f"simulated out-of-memory: measured peak {peak / 2**30:.3g} GiB over its memory_gib "
+                f"{self.memory_bytes[cid] / 2**30:.3g}"
+            )
         if reason is not None or got.masked:  # a masked update is checked as part of the sum
             return reason
         spec = strategy.reply_spec(rnd, cid, sent) if sent is not None else None
@@ -175,6 +193,8 @@ class RoundRecord:
     eval_bytes: int = 0
     wall_s: float = 0.0
     private: bool = False  # a round under client-level DP: its line releases no per-client number
+    client_peak_bytes: dict[int, int] = field(default_factory=dict)  # measured (clients with a memory budget)
+    client_memory_budget_bytes: dict[int, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The ``metrics.jsonl`` line for this round: the record's own fields, and the metrics
@@ -204,6 +224,9 @@ class RoundRecord:
             "dropped": {str(k): v for k, v in self.dropped.items()},  # on every line, {} when none was
             "attempts": self.attempts,
         }
+        if self.client_peak_bytes:  # only runs with memory budgets
+            tail["client_peak_bytes"] = {str(k): v for k, v in self.client_peak_bytes.items()}
+            tail["client_memory_budget_bytes"] = {str(k): v for k, v in self.client_memory_budget_bytes.items()}
         metrics = {k: v for k, v in self.metrics.items() if k not in own and k not in tail}
         return {**own, **metrics, **tail}
 
@@ -220,6 +243,8 @@ class RoundRecord:
         "client_bytes_down",
         "client_steps",
         "client_compute_s",
+        "client_peak_bytes",
+        "client_memory_budget_bytes",
         "dropped",
         "attempts",
     )
@@ -240,6 +265,8 @@ class RoundRecord:
             client_bytes_down=by_client("client_bytes_down"),
             client_steps=by_client("client_steps"),
             client_compute_s=by_client("client_compute_s"),
+            client_peak_bytes=by_client("client_peak_bytes"),
+            client_memory_budget_bytes=by_client("client_memory_budget_bytes"),
             dropped=by_client("dropped"),
             attempts=int(line.get("attempts", 1)),
             eval_bytes=int(line.get("eval_bytes", 0)),
@@ -266,6 +293,10 @@ def _exchange(
         record.client_bytes_up[cid] = record.client_bytes_up.get(cid, 0) + got.up
         record.client_compute_s[cid] = record.client_compute_s.get(cid, 0.0) + got.seconds
         reason = policy.rejection(strategy, kind, rnd, cid, sent[cid], got)
+        peak = got.reply.meta.get("peak_bytes") if got.reply is not None else None
+        if isinstance(peak, int) and cid in policy.memory_bytes:
+            record.client_peak_bytes[cid] = max(peak, record.client_peak_bytes.get(cid, 0))
+            record.client_memory_budget_bytes[cid] = policy.memory_bytes[cid]
         if reason is None:
             valid[cid] = got.reply
             record.client_steps[cid] = record.client_steps.get(cid, 0) + int(got.reply.meta.get("steps", 0))
@@ -362,6 +393,8 @@ def drive_rounds(
             secure = unmask is not None
             if record.private and secure and len(clients) < 2:
                 clients = []  # a sum of one update is that update: the round releases noise alone
+            record.dropped.update({c: policy.excluded[c] for c in clients if c in policy.excluded})
+            clients = [c for c in clients if c not in policy.excluded]
             record.clients = sorted(set(record.clients) | set(clients))
             sent = strategy.configure_fit(rnd, clients)
             replies = _exchange(strategy, transport, policy, record, TRAIN, sent, rnd, attempt)
@@ -477,6 +510,6 @@ class Engine(ABC):
             c.eval_every,
             on_round,
             start_round,
-            RoundPolicy.of(fed),
+            RoundPolicy.of(fed, strategy.context),
             should_stop,
         )
