@@ -94,6 +94,9 @@ def test_planner_gives_each_client_the_largest_rank_that_fits_and_excludes_the_o
     assert [c.peak_bytes for c in plan.clients] == [peak[1], peak[0], peak[3], peak[0]]
     assert list(plan.excluded) == [2]
     assert plan.excluded[2].startswith("excluded by the plan: no setting fits its budget (rank 1: predicted peak")
+    strategy = RunContext(tiny_config(*rank, f"federation.profiles={profiles}")).strategy()
+    strategy.initialize()
+    assert [strategy.client_rank(cid) for cid in range(4)] == [4, 8, 1, 8]  # the method trains the plan
     # FSLoRA's knob is the sketch ratio, on the same ladder
     fs = plan_of(tiny_config("method=fslora", "model.lora_rank=8", f"federation.profiles={profiles}"))
     assert [p.sketch_ratio for p in fs.profiles] == [0.5, 1.0, 0.125, 1.0] and list(fs.excluded) == [2]
