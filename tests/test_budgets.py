@@ -125,6 +125,10 @@ def test_a_run_drops_the_excluded_the_over_budget_and_the_late_client_and_record
         assert line["client_memory_budget_bytes"]["3"] == 64 * GIB
         assert line["client_peak_bytes"]["1"] > 1e-4 * GIB  # at least the base it holds
         assert "3" in line["client_compute_s"] and "3" in line["client_bytes_up"]
+    planned = json.loads(Path(summary["run_dir"], "plan.json").read_text())["clients"]
+    assert [c["setting"] for c in planned] == ["rank 1", "rank 4", "rank 4", "rank 4"]
+    assert planned[0]["excluded"] == lines(summary)[0]["dropped"]["0"] and planned[1]["stated"]
+    assert planned[3]["peak_bytes"] > 0 and planned[3]["excluded"] is None
 
 
 def test_metrics_lines_keep_the_measurements_and_a_private_round_releases_none():

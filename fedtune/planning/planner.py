@@ -13,7 +13,8 @@ smallest setting, and every round drops it with that reason.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -170,3 +171,8 @@ def format_plan(plan: Plan) -> str:
     kept = len(plan.clients) - len(plan.excluded)
     lines.append(f"{kept} of {len(plan.clients)} clients planned, {len(plan.excluded)} excluded")
     return "\n".join(lines)
+
+
+def plan_json(plan: Plan) -> str:
+    """The plan as the run folder's ``plan.json``: one entry per client (:class:`ClientPlan`'s fields)."""
+    return json.dumps({"clients": [asdict(c) for c in plan.clients]}, indent=1) + "\n"
