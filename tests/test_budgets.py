@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from fedtune.config import ConfigError
@@ -17,7 +19,7 @@ from fedtune.planning.planner import GIB, plan_budgets
 from fedtune.protocol.profiles import DeviceClass, build_profiles
 from fedtune.run import run_experiment
 from fedtune.runtime import RunContext
-from tests.conftest import TINY
+from tests.conftest import TINY, tiny
 
 #: the memory model's stated tolerance on small float32 models held out of the fit
 #: (benchmarks/results/budgets/fit.json): without / with gradient checkpointing
@@ -168,6 +170,13 @@ def test_fedtune_plan_prints_each_clients_plan(tmp_path):
     assert bad.exit_code == 2 and "method 'fedavg' has no planner" in bad.output
 
 
-def test_a_budget_for_a_method_without_planner_is_refused(tiny_config):
+def test_a_budget_for_a_method_or_model_without_planner_is_refused(tiny_config, tmp_path):
     with pytest.raises(ConfigError, match="method 'fedavg' has no planner"):
         run_experiment(tiny_config("method=fedavg", "federation.profiles=[{memory_gib=4}]"))
+    config = tiny(tmp_path, "fedit", "image-classification", "federation.profiles=[{memory_gib=4}]")
+    with pytest.raises(ConfigError, match="'tiny-vit' is a 'vit' model; the memory model is fitted for llama, bert"):
+        RunContext(config).profiles
+    context = RunContext(tiny_config("method=fedit", "federation.profiles=[{memory_gib=4}]"))
+    context.workspace = SimpleNamespace(base=torch.nn.Linear(2, 2))  # a model without a transformer config
+    with pytest.raises(ConfigError, match="has no Hugging Face transformer config to plan from; budgets are"):
+        plan_budgets(context)

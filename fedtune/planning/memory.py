@@ -31,8 +31,8 @@ from torch import nn
 from fedtune.process import _malloc_trim
 
 #: Activation coefficients (c_h, c_i, c_a, c_v, c_r, k) per model family, fitted by
-#: ``benchmarks/budgets/fit_memory.py`` (results: benchmarks/results/budgets/fit.json). A family
-#: not listed uses ``llama``'s.
+#: ``benchmarks/budgets/fit_memory.py`` (results: benchmarks/results/budgets/fit.json); the
+#: planner refuses a family not listed.
 COEFFICIENTS: dict[str, tuple[float, ...]] = {
     "llama": (20.93, 3.123, 1.228, 4.594, 0, 12.99),  # 20 samples: predicted peak within 9.0 % of measured
     "bert": (25.63, 0, 4.381, 0, 0.745, 13.86),  # 20 samples: within 12.1 % in float32 without checkpointing, 45 % else
@@ -139,7 +139,7 @@ def predict(base: nn.Module, targets: list[str], heads: list[str], rank: int, wo
     shape = Shape.of(base)
     dims = adapted_layers(base, targets)
     feats = tuple(features(shape, work, rank, len(dims) / shape.layers))
-    coefficients = COEFFICIENTS.get(shape.family, COEFFICIENTS["llama"])
+    coefficients = COEFFICIENTS[shape.family]
     trainable = rank * sum(i + o for i, o in dims) + head_values(base, heads)
     frozen = sum(p.numel() for name, p in base.named_parameters() if not _adapter_part(name))
     tokens = work.batch * work.length

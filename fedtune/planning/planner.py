@@ -85,7 +85,7 @@ def plan_budgets(context, always: bool = False) -> Plan | None:
     from fedtune.methods.base.lora import client_rank
     from fedtune.models.precision import DTYPES, computes_natively, resolve_device
     from fedtune.models.train_memory import optimizer_states
-    from fedtune.planning.memory import Workload, predict
+    from fedtune.planning.memory import COEFFICIENTS, Shape, Workload, predict
 
     profiles = list(context.run.profiles)
     if not always and not any(has_budget(p) for p in profiles):
@@ -113,6 +113,15 @@ def plan_budgets(context, always: bool = False) -> Plan | None:
     if fed.upload_topk is not None:
         per_value = fed.upload_topk * (per_value + 4)  # the kept values and their int32 indices
     base = context.workspace.base
+    try:
+        family = Shape.of(base).family
+    except ValueError as exc:
+        raise ConfigError(f"model.name: {cfg.name!r}: {exc}; budgets are planned for transformer models") from None
+    if family not in COEFFICIENTS:
+        raise ConfigError(
+            f"model.name: {cfg.name!r} is a {family!r} model; the memory model is fitted for "
+            f"{', '.join(COEFFICIENTS)} (benchmarks/budgets/fit_memory.py)"
+        )
     predictions = {}
     clients, planned, excluded = [], [], {}
     for cid, profile in enumerate(profiles):
