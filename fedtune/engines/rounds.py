@@ -19,6 +19,11 @@ valid; otherwise it is retried with a fresh sample (seeded by the attempt), up t
 ``federation.max_retries`` times, after which :class:`RoundFailed` stops the run (the caller has
 checkpointed the last complete round). Every drop (who, why) is in the round's record.
 
+Budgets (:mod:`fedtune.planning`): a client the plan excluded is dropped whenever it is sampled,
+with the plan's reason; a client with a ``memory_gib`` has its fit's peak measured (the reply's
+``peak_bytes``), kept in the record beside its budget, and is dropped above it (a simulated
+out-of-memory); a client slower than its ``deadline_s`` is dropped as a missed deadline.
+
 Fault injection for tests and benchmarks: profile fields ``failure_prob`` (a client fails a
 request with that probability, drawn from (seed, round, client, attempt)), ``delay_s`` (it
 waits that long before answering) and ``attack`` (a hostile client: every floating array of its
