@@ -130,6 +130,7 @@ def test_a_run_drops_the_excluded_the_over_budget_and_the_late_client_and_record
     planned = json.loads(Path(summary["run_dir"], "plan.json").read_text())["clients"]
     assert [c["setting"] for c in planned] == ["rank 1", "rank 4", "rank 4", "rank 4"]
     assert planned[0]["excluded"] == lines(summary)[0]["dropped"]["0"] and planned[1]["stated"]
+    assert planned[1]["over"].startswith("predicted peak") and planned[1]["over"].endswith("> memory_gib 0.0001")
     assert planned[3]["peak_bytes"] > 0 and planned[3]["excluded"] is None
 
 
@@ -166,6 +167,13 @@ def test_fedtune_plan_prints_each_clients_plan(tmp_path):
             assert r[2:6] == ["8", "GiB", "rank", "8"] and "excluded" not in r[6]
     phones = sum(r[1] == "phone" for r in rows)
     assert out[head + 5] == f"{4 - phones} of 4 clients planned, {phones} excluded"
+    plain = tmp_path / "stated.toml"
+    plain.write_text('method = "heterolora"\n[model]\nlora_rank = 8\n')
+    profiles = "federation.profiles=[{rank=2, memory_gib=1e-6}]"
+    stated = CliRunner().invoke(app, ["plan", str(plain), *args, "--set", profiles])
+    row = stated.output.splitlines()[-4]
+    assert row.split()[:6] == ["1", "-", "1e-06", "GiB", "rank", "2"] and "excluded" not in row
+    assert "stated in its profile; predicted peak" in row and row.endswith("> memory_gib 1e-06: the run measures it")
     bad = CliRunner().invoke(app, ["plan", str(recipe), *args, "--set", "method=fedavg"])
     assert bad.exit_code == 2 and "method 'fedavg' has no planner" in bad.output
 

@@ -50,6 +50,7 @@ class ClientPlan:
     upload_mb: float
     excluded: str | None = None  # why no setting fits
     stated: bool = False  # the profile states the knob: kept, measured in the run
+    over: str | None = None  # a stated setting's predicted breach of its budget
 
 
 @dataclass
@@ -142,7 +143,17 @@ def plan_budgets(context, always: bool = False) -> Plan | None:
             value = rank / cfg.lora_rank if knob == "sketch_ratio" else rank
             profile = profile.model_copy(update={knob: value})
         clients.append(
-            ClientPlan(cid, profile.device_class, setting, p.peak, seconds, upload, excluded.get(cid), stated)
+            ClientPlan(
+                cid,
+                profile.device_class,
+                setting,
+                p.peak,
+                seconds,
+                upload,
+                excluded.get(cid),
+                stated,
+                reason if stated else None,
+            )  # fmt: skip
         )
         planned.append(profile)
     return Plan(clients, planned, excluded)
@@ -172,7 +183,9 @@ def format_plan(plan: Plan) -> str:
 
     rows = [("client", "class", "budget", "setting", "peak GiB", "s/round", "MB/round up", "")]
     for c, p in zip(plan.clients, plan.profiles):
-        note = c.excluded or ("stated in its profile, measured in the run" if c.stated else "")
+        note = c.excluded or ("stated in its profile" if c.stated else "")
+        if c.over is not None:
+            note += f"; {c.over}: the run measures it"
         rows.append((str(c.cid), c.device_class or "-", budget(p), c.setting, f"{c.peak_bytes / GIB:.3f}",
                      f"{c.seconds:.3g}", f"{c.upload_mb:.3g}", note))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
