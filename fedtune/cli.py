@@ -204,6 +204,24 @@ def report(
 
 
 @app.command()
+def plan(
+    recipe: Path = typer.Argument(..., help="TOML recipe (see configs/)"),
+    set_: list[str] = typer.Option([], "--set", "-s", help="override: key=value (dotted keys)"),
+) -> None:
+    """Print each client's planned setting (rank, sketch ratio) under its budget, with its predicted
+    peak memory, seconds and MB per round; excluded clients with the reason. Nothing trains."""
+    from fedtune.config import load_config
+    from fedtune.planning.planner import format_plan, plan_budgets
+    from fedtune.runtime import RunContext
+
+    try:
+        text = format_plan(plan_budgets(RunContext(load_config(recipe, set_)), always=True))
+    except FedtuneError as exc:
+        _fail(str(exc), code=exc.exit_code)
+    typer.echo(text)
+
+
+@app.command()
 def export(
     run_dir: Path = typer.Argument(..., help="run folder (runs/<name>) with an adapter/"),
     merged: bool = typer.Option(False, "--merged", help="the base with the adapter merged in (for serving)"),

@@ -15,7 +15,7 @@ import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fedtune.errors import FedtuneError
-from fedtune.protocol.profiles import ClientProfile, check_profile_choices
+from fedtune.protocol.profiles import ClientProfile, DeviceClass, check_device_classes, check_profile_choices
 
 
 class ConfigError(FedtuneError, ValueError):
@@ -134,6 +134,9 @@ class FederationConfig(_Section):
     fraction: float | None = Field(None, gt=0, le=1, description="fraction sampled per round")
     profiles: list[ClientProfile] | None = Field(None, description="one resource profile per client (or one for all)")
     profile_choices: dict[str, list[Any]] | None = Field(None, description="draw each profile field from a set")
+    device_classes: list[DeviceClass] | None = Field(
+        None, description="draw each client's budget (memory_gib, speed, bandwidth_mb, deadline_s) from these classes"
+    )
     wire_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of the float arrays a client uploads (aggregation stays in float32)"
     )
@@ -241,6 +244,8 @@ class FederationConfig(_Section):
             )
         if self.profile_choices is not None:
             check_profile_choices(self.profile_choices)
+        if self.device_classes is not None:
+            check_device_classes(self.device_classes)
         adam_only = [
             k
             for k in ("server_betas", "server_eps", "server_weight_decay", "server_bias_correction")

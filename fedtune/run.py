@@ -2,6 +2,7 @@
 
 ``runs/<name>/`` holds ``config.toml`` (the resolved config: ``fedtune run`` it to repeat the run;
 ``run_config.json``: the same as read, which ``--resume`` compares with), ``label_histograms.json``,
+``plan.json`` (clients with budgets: each one's planned setting and predicted costs),
 ``metrics.jsonl`` (one line per round, flushed as it ends), ``checkpoint.npz`` (rewritten atomically
 after every round: the round, the strategy's state and the engine's), the method's final artifacts
 (LoRA methods: ``adapter/``, PEFT ``save_pretrained``) and ``summary.json``.
@@ -275,6 +276,10 @@ def run_experiment(
         create(run_dir, {"config.toml": _toml(config), RUN_CONFIG: json.dumps(config.model_dump(mode="json"))})
     if config.privacy.mode == "none":  # per-client label counts: not released by a DP run
         write_text(run_dir / "label_histograms.json", json.dumps(histograms))
+    if server.plan is not None:
+        from fedtune.planning.planner import plan_json
+
+        write_text(run_dir / "plan.json", plan_json(server.plan))
     for name, text in run_files.items():
         write_text(run_dir / name, text)
     if on_start is not None:

@@ -67,7 +67,7 @@ def resolve_run(config: RunConfig) -> ResolvedRun:
     if refusal:
         raise ConfigError(refusal)
     try:
-        profiles = build_profiles(fed.num_clients, fed.profiles, fed.profile_choices, config.seed)
+        profiles = build_profiles(fed.num_clients, fed.profiles, fed.profile_choices, config.seed, fed.device_classes)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return ResolvedRun(config, method, task_class, task_options, options, tuple(profiles))
@@ -81,7 +81,27 @@ class RunContext:
         self.method = self.run.method
         self.task: Task = self.run.task_class(self.config, self.run.task_options)
         self.options = self.run.options
-        self.profiles: list[ClientProfile] = list(self.run.profiles)
+
+    @cached_property
+    def plan(self):
+        """The budget plan (:func:`~fedtune.planning.planner.plan_budgets`), None without budgets."""
+        from fedtune.planning.planner import plan_budgets
+
+        return plan_budgets(self)
+
+    @cached_property
+    def profiles(self) -> list[ClientProfile]:
+        """Each client's profile: the config's, with the planned knob where clients state budgets."""
+        return list(self.run.profiles) if self.plan is None else list(self.plan.profiles)
+
+    def round_limits(self) -> dict:
+        """What the round loop enforces of the budgets (:class:`~fedtune.engines.rounds.RoundPolicy`)."""
+        profiles = self.profiles
+        return {
+            "memory_bytes": {c: int(p.memory_gib * 2**30) for c, p in enumerate(profiles) if p.memory_gib},
+            "deadlines": {c: p.deadline_s for c, p in enumerate(profiles) if p.deadline_s},
+            "excluded": {} if self.plan is None else dict(self.plan.excluded),
+        }
 
     @cached_property
     def partitions(self) -> list[np.ndarray]:

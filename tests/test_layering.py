@@ -13,6 +13,7 @@ inside functions are lazy and may point up, for example the registries discoveri
     registry            method name -> Strategy, Client, options, required capabilities
     methods             one module per method, over protocol + the Task interface
     catalog             the methods' and task kinds' names and descriptions, read without them
+    planning            client budgets: the memory and time model, the planner, the peak meter
     runtime             RunContext: one process's task, model and profiles
     engines.rounds, engines.local, engines.embedded, engines.device_pool
                         the round loop, in-process delivery, the engine, its device workers
@@ -54,6 +55,7 @@ LAYERS = [
     ["fedtune.registry"],
     ["fedtune.methods"],
     ["fedtune.catalog"],
+    ["fedtune.planning"],
     ["fedtune.runtime"],
     ["fedtune.engines", "fedtune.engines.rounds", "fedtune.engines.embedded"],
     ["fedtune.run", "fedtune.progress", "fedtune.trained", "fedtune.privacy_audit"],

@@ -20,6 +20,11 @@ valid; otherwise it is retried with a fresh sample (seeded by the attempt), up t
 ``federation.max_retries`` times, after which :class:`RoundFailed` stops the run (the caller has
 checkpointed the last complete round). Every drop (who, why) is in the round's record.
 
+Budgets (:mod:`fedtune.planning`): a client the plan excluded is dropped whenever it is sampled,
+with the plan's reason; a client with a ``memory_gib`` has its fit's peak measured (the reply's
+``peak_bytes``), kept in the record beside its budget, and is dropped above it (a simulated
+out-of-memory); a client slower than its ``deadline_s`` is dropped as a missed deadline.
+
 Fault injection for tests and benchmarks: profile fields ``failure_prob`` (a client fails a
 request with that probability, drawn from (seed, round, client, attempt)), ``delay_s`` (it
 waits that long before answering) and ``attack`` (a hostile client: every floating array of its
@@ -74,7 +79,12 @@ def answer(client: Client, kind: str, message: Message, seed: int, rnd: int, att
     ):
         raise InjectedFailure(f"injected failure (failure_prob {profile.failure_prob})")
     if kind == TRAIN:
-        reply = client.fit(message)
+        if profile.memory_gib is not None:  # a memory budget: the fit's peak is measured
+            from fedtune.planning.planner import metered_fit
+
+            reply = metered_fit(client, message)
+        else:
+            reply = client.fit(message)
         reply = attacked(reply, profile.attack, profile.attack_scale) if profile.attack else reply
         return client.secure_reply(message, reply) if SECURE_LAYOUT in message.meta else reply
     if kind == EVALUATE:
@@ -125,13 +135,18 @@ class RoundPolicy:
     timeout_s: float | None = None
     max_reply_bytes: int = 256 * 2**20
     max_update_ratio: float | None = None  # None: no outsized-update screen
+    memory_bytes: dict[int, int] = field(default_factory=dict)  # client -> its memory budget
+    deadlines: dict[int, float] = field(default_factory=dict)  # client -> its deadline_s
+    excluded: dict[int, str] = field(default_factory=dict)  # client -> why the plan excluded it
 
     @classmethod
-    def of(cls, fed: Any, private: bool = False) -> RoundPolicy:
-        """The policy of ``fed`` (``federation.*``); ``private`` (DP): no outsized-update screen,
-        whose reference would depend on the other clients' updates (DP clipping bounds them)."""
+    def of(cls, fed: Any, private: bool = False, context: Any = None) -> RoundPolicy:
+        """The policy of ``fed`` (``federation.*``) and the budgets of ``context`` (a RunContext's
+        ``round_limits``); ``private`` (DP): no outsized-update screen, whose reference would
+        depend on the other clients' updates (DP clipping bounds them)."""
         ratio = None if private or not fed.max_update_ratio else fed.max_update_ratio
-        return cls(fed.min_replies, fed.max_retries, fed.round_timeout_s, fed.max_reply_bytes, ratio)
+        limits = context.round_limits() if hasattr(context, "round_limits") else {}
+        return cls(fed.min_replies, fed.max_retries, fed.round_timeout_s, fed.max_reply_bytes, ratio, **limits)
 
     def screened(
         self, record: RoundRecord, replies: dict[int, Message], sent: dict[int, Message], attempt: int
@@ -159,9 +174,17 @@ class RoundPolicy:
             return f"reply claims round {got.round}"
         if self.timeout_s is not None and got.seconds > self.timeout_s:
             return f"missed the {self.timeout_s:g} s deadline ({got.seconds:.2f} s)"
+        if cid in self.deadlines and got.seconds > self.deadlines[cid]:
+            return f"missed its deadline_s = {self.deadlines[cid]:g} ({got.seconds:.2f} s)"
         if got.up > self.max_reply_bytes:
             return f"reply of {got.up} bytes exceeds federation.max_reply_bytes = {self.max_reply_bytes}"
         reason = check_meta(got.reply.meta, strategy.reply_meta_spec(kind, cid))
+        peak = got.reply.meta.get("peak_bytes")
+        if reason is None and peak is not None and peak > self.memory_bytes.get(cid, peak):
+            reason = (
+                f"simulated out-of-memory: measured peak {peak / 2**30:.3g} GiB over its memory_gib "
+                f"{self.memory_bytes[cid] / 2**30:.3g}"
+            )
         if reason is not None or got.masked:  # a masked update is checked as part of the sum
             return reason
         spec = strategy.reply_spec(rnd, cid, sent) if sent is not None else None
@@ -192,6 +215,8 @@ class RoundRecord:
     eval_bytes: int = 0
     wall_s: float = 0.0
     private: bool = False  # a round under client-level DP: its line releases no per-client number
+    client_peak_bytes: dict[int, int] = field(default_factory=dict)  # measured (clients with a memory budget)
+    client_memory_budget_bytes: dict[int, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The ``metrics.jsonl`` line for this round: the record's own fields, and the metrics
@@ -221,6 +246,9 @@ class RoundRecord:
             "dropped": {str(k): v for k, v in self.dropped.items()},  # on every line, {} when none was
             "attempts": self.attempts,
         }
+        if self.client_peak_bytes:  # only runs with memory budgets
+            tail["client_peak_bytes"] = {str(k): v for k, v in self.client_peak_bytes.items()}
+            tail["client_memory_budget_bytes"] = {str(k): v for k, v in self.client_memory_budget_bytes.items()}
         metrics = {k: v for k, v in self.metrics.items() if k not in own and k not in tail}
         return {**own, **metrics, **tail}
 
@@ -237,6 +265,8 @@ class RoundRecord:
         "client_bytes_down",
         "client_steps",
         "client_compute_s",
+        "client_peak_bytes",
+        "client_memory_budget_bytes",
         "dropped",
         "attempts",
     )
@@ -257,6 +287,8 @@ class RoundRecord:
             client_bytes_down=by_client("client_bytes_down"),
             client_steps=by_client("client_steps"),
             client_compute_s=by_client("client_compute_s"),
+            client_peak_bytes=by_client("client_peak_bytes"),
+            client_memory_budget_bytes=by_client("client_memory_budget_bytes"),
             dropped=by_client("dropped"),
             attempts=int(line.get("attempts", 1)),
             eval_bytes=int(line.get("eval_bytes", 0)),
@@ -283,6 +315,10 @@ def _exchange(
         record.client_bytes_up[cid] = record.client_bytes_up.get(cid, 0) + got.up
         record.client_compute_s[cid] = record.client_compute_s.get(cid, 0.0) + got.seconds
         reason = policy.rejection(strategy, kind, rnd, cid, sent[cid], got)
+        peak = got.reply.meta.get("peak_bytes") if got.reply is not None else None
+        if isinstance(peak, int) and cid in policy.memory_bytes:
+            record.client_peak_bytes[cid] = max(peak, record.client_peak_bytes.get(cid, 0))
+            record.client_memory_budget_bytes[cid] = policy.memory_bytes[cid]
         if reason is None:
             valid[cid] = got.reply
             record.client_steps[cid] = record.client_steps.get(cid, 0) + int(got.reply.meta.get("steps", 0))
@@ -379,6 +415,8 @@ def drive_rounds(
             secure = unmask is not None
             if record.private and secure and len(clients) < 2:
                 clients = []  # a sum of one update is that update: the round releases noise alone
+            record.dropped.update({c: policy.excluded[c] for c in clients if c in policy.excluded})
+            clients = [c for c in clients if c not in policy.excluded]
             record.clients = sorted(set(record.clients) | set(clients))
             sent = strategy.configure_fit(rnd, clients)
             replies = _exchange(strategy, transport, policy, record, TRAIN, sent, rnd, attempt)
@@ -501,6 +539,6 @@ class Engine(ABC):
             c.eval_every,
             on_round,
             start_round,
-            RoundPolicy.of(fed, c.privacy.mode != "none"),
+            RoundPolicy.of(fed, c.privacy.mode != "none", strategy.context),
             should_stop,
         )

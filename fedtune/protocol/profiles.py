@@ -16,7 +16,13 @@ class ClientProfile(BaseModel):
     rank: int | None = Field(None, gt=0, description="LoRA rank budget (heterogeneous-rank methods)")
     sketch_ratio: float | None = Field(None, gt=0, le=1, description="FSLoRA k_i / r")
     capacity: float | None = Field(None, gt=0, le=1, description="fraction of the model it can train")
-    speed: float = Field(1.0, gt=0, description="relative compute speed (1 = reference)")
+    speed: float = Field(
+        1.0, gt=0, description="relative compute speed (1 = the reference of fedtune.planning.memory.REFERENCE_FLOPS)"
+    )
+    memory_gib: float | None = Field(None, gt=0, description="budget: memory for local training (GiB)")
+    bandwidth_mb: float | None = Field(None, gt=0, description="budget: MB the client can upload per round")
+    deadline_s: float | None = Field(None, gt=0, description="budget: seconds per round (slower: dropped)")
+    device_class: str | None = Field(None, description="the federation.device_classes entry it was drawn from")
     failure_prob: float = Field(0.0, ge=0, le=1, description="fault injection: chance the client fails a request")
     delay_s: float = Field(0.0, ge=0, description="fault injection: seconds the client waits before answering")
     attack: Literal["sign-flip", "scale"] | None = Field(
@@ -31,6 +37,43 @@ def _profile(fields: dict[str, Any], where: str) -> ClientProfile:
     except ValidationError as exc:
         err = exc.errors()[0]
         raise ValueError(f"{where}.{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err.get('input')!r})") from None
+
+
+#: The profile fields a device class states (its budget).
+BUDGET_FIELDS = ("memory_gib", "speed", "bandwidth_mb", "deadline_s")
+
+
+class DeviceClass(BaseModel):
+    """A kind of device (``federation.device_classes``): its budget, and the share of the clients
+    drawn to it with the seed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    name: str = Field(min_length=1, description="the class's name (phone, laptop, ...)")
+    share: float = Field(gt=0, le=1, description="chance that a client is of this class")
+    memory_gib: float | None = Field(None, gt=0)
+    speed: float = Field(1.0, gt=0)
+    bandwidth_mb: float | None = Field(None, gt=0)
+    deadline_s: float | None = Field(None, gt=0)
+
+
+def check_device_classes(classes: list[DeviceClass]) -> None:
+    """Names unique and shares summing to 1 (ValueError naming the field)."""
+    names = [c.name for c in classes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"federation.device_classes: names must be unique (got {names})")
+    total = sum(c.share for c in classes)
+    if not classes or abs(total - 1) > 1e-6:
+        raise ValueError(f"federation.device_classes: expected shares summing to 1 (got {total:g})")
+
+
+def draw_device_classes(classes: list[DeviceClass], num_clients: int, seed: int) -> list[DeviceClass]:
+    """Each client's device class, drawn with ``seed`` (independent of every other draw)."""
+    rng = np.random.default_rng([seed, 0xDC])
+    picks = rng.choice(
+        len(classes), size=num_clients, p=np.array([c.share for c in classes]) / sum(c.share for c in classes)
+    )
+    return [classes[i] for i in picks]
 
 
 def check_profile_choices(choices: dict[str, list[Any]]) -> None:
@@ -52,9 +95,34 @@ def build_profiles(
     explicit: list[ClientProfile | dict[str, Any]] | None,
     choices: dict[str, list[Any]] | None,
     seed: int,
+    classes: list[DeviceClass] | None = None,
 ) -> list[ClientProfile]:
     """Profiles for clients ``0..num_clients-1``: an explicit list (one per client, or one for
-    all), or each field drawn uniformly from its choices with ``seed``; else defaults."""
+    all), or each field drawn uniformly from its choices with ``seed``; else defaults. With
+    device ``classes``, each client's budget is its drawn class's (a profile may not state one too)."""
+    profiles = _base_profiles(num_clients, explicit, choices, seed)
+    if not classes:
+        return profiles
+    check_device_classes(classes)
+    out = []
+    for cid, (profile, cls) in enumerate(zip(profiles, draw_device_classes(classes, num_clients, seed))):
+        both = sorted(set(BUDGET_FIELDS) & profile.model_fields_set)
+        if both:
+            raise ValueError(
+                f"federation.device_classes: client {cid}'s profile also states {both[0]}; "
+                "state a budget in the profiles or in the device classes, not both"
+            )
+        budget = {k: getattr(cls, k) for k in BUDGET_FIELDS}
+        out.append(profile.model_copy(update={**budget, "device_class": cls.name}))
+    return out
+
+
+def _base_profiles(
+    num_clients: int,
+    explicit: list[ClientProfile | dict[str, Any]] | None,
+    choices: dict[str, list[Any]] | None,
+    seed: int,
+) -> list[ClientProfile]:
     if explicit is not None:
         if len(explicit) == 1:
             explicit = list(explicit) * num_clients

@@ -125,6 +125,7 @@ COMMON_META: dict[str, MetaField] = {
     "train_loss": MetaField(float),
     "loss": MetaField(float),
     "accuracy": MetaField(float, low=0.0, high=1.0),
+    "peak_bytes": MetaField(int, low=0),  # the client's measured peak memory (a budgeted client)
 }
 
 

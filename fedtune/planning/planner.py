@@ -1,0 +1,200 @@
+"""Each client's setting from its budget, before anything trains; and the measured peak of its fit.
+
+A client has a budget when its profile states ``memory_gib``, ``bandwidth_mb`` or ``deadline_s``
+(``speed`` scales its predicted seconds). For the LoRA methods the planner predicts
+(:mod:`fedtune.planning.memory`) the peak memory, the seconds of a round's local steps at the
+client's speed and the MB it uploads, and picks, simplest first, the knob its method lets a
+client vary: the rank for HeteroLoRA / FlexLoRA / FedStackLoRA, the sketch ratio (rank / r) for
+FSLoRA, each client's largest of r, r/2, r/4, ..., 1 that fits every budget it states; FedIT has
+no knob (rank r or nothing). A client that states its knob (``rank``, ``sketch_ratio``) keeps it
+and the run measures it. A client that no setting fits is excluded, with the reason of the
+smallest setting, and every round drops it with that reason.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from fedtune.config import ConfigError
+from fedtune.protocol.messages import Message
+from fedtune.protocol.profiles import ClientProfile
+
+#: method -> the profile field the planner sets (None: the method has no per-client knob)
+KNOBS: dict[str, str | None] = {
+    "heterolora": "rank",
+    "flexlora": "rank",
+    "fedstacklora": "rank",
+    "fslora": "sketch_ratio",
+    "fedit": None,
+}
+#: the key of a training reply's metadata with the client's measured peak bytes
+PEAK_BYTES = "peak_bytes"
+MB = 1e6  # MB per round: 10^6 bytes
+GIB = 2**30
+
+
+def has_budget(profile: ClientProfile) -> bool:
+    return any(getattr(profile, k) is not None for k in ("memory_gib", "bandwidth_mb", "deadline_s"))
+
+
+@dataclass
+class ClientPlan:
+    cid: int
+    device_class: str | None
+    setting: str  # what the client trains with ("rank 8", "sketch ratio 0.25")
+    peak_bytes: int
+    seconds: float  # a round's local steps at the client's speed
+    upload_mb: float
+    excluded: str | None = None  # why no setting fits
+    stated: bool = False  # the profile states the knob: kept, measured in the run
+    over: str | None = None  # a stated setting's predicted breach of its budget
+
+
+@dataclass
+class Plan:
+    clients: list[ClientPlan]
+    profiles: list[ClientProfile]  # with each client's planned knob
+    excluded: dict[int, str] = field(default_factory=dict)
+
+
+def _ladder(rank: int) -> list[int]:
+    """r, r/2, r/4, ..., 1 (largest first)."""
+    out = [rank]
+    while out[-1] > 1:
+        out.append(out[-1] // 2)
+    return out
+
+
+def _violation(profile: ClientProfile, peak: int, seconds: float, upload_mb: float) -> str | None:
+    """The first budget ``profile`` states that the prediction breaks, or None."""
+    if profile.memory_gib is not None and peak > profile.memory_gib * GIB:
+        return f"predicted peak {peak / GIB:.3g} GiB > memory_gib {profile.memory_gib:g}"
+    if profile.deadline_s is not None and seconds > profile.deadline_s:
+        return f"predicted {seconds:.3g} s per round > deadline_s {profile.deadline_s:g}"
+    if profile.bandwidth_mb is not None and upload_mb > profile.bandwidth_mb:
+        return f"predicted upload {upload_mb:.3g} MB per round > bandwidth_mb {profile.bandwidth_mb:g}"
+    return None
+
+
+def plan_budgets(context, always: bool = False) -> Plan | None:
+    """The plan of ``context``'s run (a :class:`~fedtune.runtime.RunContext`), or None when no
+    client states a budget (``always``: the predictions all the same); ConfigError for a method
+    the planner does not cover."""
+    from fedtune.methods.base.lora import client_rank
+    from fedtune.models.precision import DTYPES, computes_natively, resolve_device
+    from fedtune.models.train_memory import optimizer_states
+    from fedtune.planning.memory import COEFFICIENTS, Shape, Workload, predict
+
+    profiles = list(context.run.profiles)
+    if not always and not any(has_budget(p) for p in profiles):
+        return None
+    config = context.config
+    if config.method not in KNOBS:
+        raise ConfigError(
+            f"federation: client budgets are planned for {', '.join(KNOBS)}; method {config.method!r} has no planner"
+        )
+    knob, cfg, train = KNOBS[config.method], config.model, config.train
+    task = context.task
+    targets = list(cfg.target_modules) if cfg.target_modules is not None else task.lora_targets()
+    dtype = DTYPES[cfg.dtype]
+    compute = dtype if computes_natively(resolve_device(config.device), dtype) else torch.float32
+    work = Workload(
+        train.batch_size,
+        config.data.max_length,
+        torch.finfo(compute).bits // 8,
+        train.gradient_checkpointing,
+        optimizer_states(train.optimizer, train.momentum),
+        train.local_steps,
+    )
+    fed = config.federation
+    per_value = torch.finfo(DTYPES[fed.wire_dtype]).bits // 8
+    if fed.upload_topk is not None:
+        per_value = fed.upload_topk * (per_value + 4)  # the kept values and their int32 indices
+    base = context.workspace.base
+    try:
+        family = Shape.of(base).family
+    except ValueError as exc:
+        raise ConfigError(f"model.name: {cfg.name!r}: {exc}; budgets are planned for transformer models") from None
+    if family not in COEFFICIENTS:
+        raise ConfigError(
+            f"model.name: {cfg.name!r} is a {family!r} model; the memory model is fitted for "
+            f"{', '.join(COEFFICIENTS)} (benchmarks/budgets/fit_memory.py)"
+        )
+    predictions = {}
+    clients, planned, excluded = [], [], {}
+    for cid, profile in enumerate(profiles):
+        stated = knob is not None and (profile.rank is not None or profile.sketch_ratio is not None)
+        ranks = _ladder(cfg.lora_rank) if knob is not None and not stated else [client_rank(profile, cfg.lora_rank)]
+        for rank in ranks:
+            if rank not in predictions:
+                predictions[rank] = predict(base, targets, task.head_modules(), rank, work)
+            p = predictions[rank]
+            seconds, upload = p.seconds / profile.speed, p.trainable * per_value / MB
+            reason = _violation(profile, p.peak, seconds, upload) if has_budget(profile) else None
+            if reason is None:
+                break
+        setting = f"sketch ratio {rank / cfg.lora_rank:g}" if knob == "sketch_ratio" else f"rank {rank}"
+        if reason is not None and not stated:
+            excluded[cid] = f"excluded by the plan: no setting fits its budget ({setting}: {reason})"
+        if knob is not None and not stated:
+            value = rank / cfg.lora_rank if knob == "sketch_ratio" else rank
+            profile = profile.model_copy(update={knob: value})
+        clients.append(
+            ClientPlan(
+                cid,
+                profile.device_class,
+                setting,
+                p.peak,
+                seconds,
+                upload,
+                excluded.get(cid),
+                stated,
+                reason if stated else None,
+            )  # fmt: skip
+        )
+        planned.append(profile)
+    return Plan(clients, planned, excluded)
+
+
+def metered_fit(client, message: Message) -> Message:
+    """``client.fit(message)`` with its measured peak (:class:`~fedtune.planning.memory.PeakMeter`
+    on the run's device, plus the frozen base the client holds) in the reply's metadata."""
+    from fedtune.models.precision import resolve_device
+    from fedtune.planning.memory import PeakMeter, base_weight_bytes
+
+    with PeakMeter(resolve_device(client.config.device)) as meter:
+        reply = client.fit(message)
+    if meter.growth is None:
+        return reply
+    held = base_weight_bytes(client.context.workspace.base)
+    return Message(reply.arrays, {**reply.meta, PEAK_BYTES: held + meter.growth})
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a table: one row per client, its budget, setting and predicted costs."""
+
+    def budget(p: ClientProfile) -> str:
+        parts = [f"{p.memory_gib:g} GiB" if p.memory_gib else "", f"{p.deadline_s:g} s" if p.deadline_s else ""]
+        parts.append(f"{p.bandwidth_mb:g} MB" if p.bandwidth_mb else "")
+        return ", ".join(x for x in parts if x) or "-"
+
+    rows = [("client", "class", "budget", "setting", "peak GiB", "s/round", "MB/round up", "")]
+    for c, p in zip(plan.clients, plan.profiles):
+        note = c.excluded or ("stated in its profile" if c.stated else "")
+        if c.over is not None:
+            note += f"; {c.over}: the run measures it"
+        rows.append((str(c.cid), c.device_class or "-", budget(p), c.setting, f"{c.peak_bytes / GIB:.3f}",
+                     f"{c.seconds:.3g}", f"{c.upload_mb:.3g}", note))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)) + ("  " + r[-1] if r[-1] else "") for r in rows]
+    kept = len(plan.clients) - len(plan.excluded)
+    lines.append(f"{kept} of {len(plan.clients)} clients planned, {len(plan.excluded)} excluded")
+    return "\n".join(lines)
+
+
+def plan_json(plan: Plan) -> str:
+    """The plan as the run folder's ``plan.json``: one entry per client (:class:`ClientPlan`'s fields)."""
+    return json.dumps({"clients": [asdict(c) for c in plan.clients]}, indent=1) + "\n"
