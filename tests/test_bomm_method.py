@@ -5,7 +5,9 @@ inside a party's training, alignment in a round, and the same run on Flower."""
 
 from __future__ import annotations
 
+import copy
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +18,8 @@ from fedtune.config import load_config
 from fedtune.engines.embedded import LocalTransport
 from fedtune.engines.rounds import drive_rounds
 from fedtune.methods.bomm.backbone import FEATURE_DIM
-from fedtune.methods.bomm.options import MODES
 from fedtune.methods.bomm.party import COMPLETE
-from fedtune.methods.bomm.pool import Pool
+from fedtune.methods.bomm.pool import CloudRound, Pool, union_samples
 from fedtune.protocol.messages import Message
 from fedtune.protocol.validation import check_arrays
 from fedtune.runtime import RunContext
@@ -41,6 +42,29 @@ PAIRED = [
     "options.generator_epochs=1",
 ]
 UPLOAD = {"rows", "sample_ids", "masks", "labels", "features"}
+
+
+@dataclass(frozen=True)
+class Does:
+    """What a method does (Section 5.1), independently of its code: the rows its cloud holds (None:
+    no cloud), who completes missing modalities (none, each party alone, the cloud), with the
+    preference-driven loss, with alignment, with the parties' scheduler."""
+
+    cloud_rows: str | None = None
+    completion: str = "none"
+    preference: bool = False
+    alignment: bool = False
+    scheduler: bool = False
+
+
+DOES = {
+    "bomm-local": Does(),
+    "bomm-mm-local": Does(completion="local"),
+    "bomm-vanilla": Does("aligned"),
+    "bomm-mm-ac": Does("aligned", "cloud"),
+    "bomm-mm-uc": Does("all", "cloud"),
+    "bomm": Does("all", "cloud", preference=True, alignment=True, scheduler=True),
+}
 
 
 @pytest.fixture
@@ -95,7 +119,7 @@ def raw_samples(context, cid: int) -> list[bytes]:
     return out
 
 
-@pytest.mark.parametrize("method", list(MODES))
+@pytest.mark.parametrize("method", list(DOES))
 def test_no_raw_sample_leaves_a_party_and_only_representations_cross(config, method):
     strategy, transport, history = run(config(method))
     assert all(not r.dropped for r in history)
@@ -103,11 +127,11 @@ def test_no_raw_sample_leaves_a_party_and_only_representations_cross(config, met
     for cid in (0, 1):
         raws = raw_samples(transport.client_context, cid)
         assert raws and not any(raw in blobs[cid] for raw in raws)
-    mode = MODES[method]
+    mode = DOES[method]
     names = {(kind, way): set() for kind in ("train", COMPLETE, "evaluate") for way in ("down", "up")}
     for kind, _, way, m in transport.log:
         names[kind, way] |= set(m.arrays)
-    want_up = (UPLOAD | ({"prototypes", "proto_counts"} if mode.alignment else set())) if mode.cloud else set()
+    want_up = (UPLOAD | ({"prototypes", "proto_counts"} if mode.alignment else set())) if mode.cloud_rows else set()
     assert names["train", "up"] == want_up and names["train", "down"] == set()
     want_down = ({"gen_rows", "gen_modality", "gen"} if mode.completion == "cloud" else set()) | (
         {"label_rows", "label_values"} if mode.alignment else set()
@@ -117,25 +141,50 @@ def test_no_raw_sample_leaves_a_party_and_only_representations_cross(config, met
     assert names["evaluate", "down"] == ({"test_gen"} if mode.completion == "cloud" else set())
     # the representations cross once (round 1); round 2's fit replies carry none
     uploads = [m for kind, _, way, m in transport.log if kind == "train" and way == "up" and m.arrays]
-    assert len(uploads) == (2 if mode.cloud else 0)
+    assert len(uploads) == (2 if mode.cloud_rows else 0)
 
 
-def test_each_methods_cloud_parts_match_what_its_parties_do():
-    """The registration assembles each cloud from parts; the parties read MODES: the two agree."""
+def test_each_method_is_assembled_from_the_parts_of_what_it_does():
+    """The registration assembles each method's cloud and parties from parts, chosen once (no
+    dispatch on the method's name): they match what the method does, and the cloud and its parties
+    share the rows in scope and the aligner (what the parties send is what the cloud checks)."""
     from fedtune.methods import get_method
     from fedtune.methods.bomm.aligner import PrototypeAlignment
     from fedtune.methods.bomm.cloud import BommCloud, BommServer
     from fedtune.methods.bomm.completer import PreferenceCompletion, RegressionCompletion
+    from fedtune.methods.bomm.party import BommParty, CloudParty
+    from fedtune.methods.bomm.party_parts import CloudFill, LocalFill, Scheduling
 
-    for name, mode in MODES.items():
-        server = get_method(name).strategy
-        if not mode.cloud:
-            assert server is BommServer, name
+    for name, does in DOES.items():
+        server, party = get_method(name).strategy, get_method(name).client
+        assert issubclass(party, BommParty), name
+        assert isinstance(party.fill, LocalFill) == (does.completion == "local"), name
+        assert isinstance(party.fill, CloudFill) == (does.completion != "none"), name
+        assert party.fill.adapters == (does.completion != "none"), name
+        assert isinstance(party.scheduling, Scheduling) == does.scheduler, name
+        if not does.cloud_rows:
+            assert server is BommServer and not issubclass(party, CloudParty), name
             continue
-        assert issubclass(server, BommCloud) and server.rows == mode.cloud_rows, name
-        assert isinstance(server.aligner, PrototypeAlignment) == mode.alignment, name
-        assert isinstance(server.completer, RegressionCompletion) == (mode.completion == "cloud"), name
-        assert isinstance(server.completer, PreferenceCompletion) == mode.preference, name
+        assert issubclass(server, BommCloud) and issubclass(party, CloudParty), name
+        assert server.rows == party.scope == does.cloud_rows, name
+        assert party.aligner is server.aligner, name
+        assert isinstance(server.aligner, PrototypeAlignment) == does.alignment, name
+        assert isinstance(server.completer, RegressionCompletion) == (does.completion == "cloud"), name
+        assert isinstance(server.completer, PreferenceCompletion) == does.preference, name
+
+
+def test_a_party_is_assembled_only_from_parts_it_has():
+    from fedtune.methods.bomm.party import BommParty, CloudParty
+    from fedtune.methods.bomm.party_parts import LocalFill
+
+    with pytest.raises(TypeError, match="BommParty.assemble: no part named 'scope'"):
+        BommParty.assemble(scope="all")
+    assembled = CloudParty.assemble(scope="all", fill=LocalFill())
+    assert (
+        assembled.scope == "all"
+        and isinstance(assembled.fill, LocalFill)
+        and assembled.__name__ == ("CloudParty[all, local fill]")
+    )
 
 
 def test_parties_send_what_their_mode_scopes_and_zeros_for_absent_modalities(config):
@@ -325,6 +374,43 @@ def test_alignment_pairs_mostly_same_class_rows_grows_the_prototypes_and_labels_
         if kind == COMPLETE and way == "down" and len(m.arrays["label_rows"]):
             assert not ctx.task.train.labeled[ctx.partitions[cid][m.arrays["label_rows"]]].any()
     assert history[-1].metrics["transferred_labels"] > 0
+
+
+def test_the_clouds_parts_return_what_the_cloud_applies_and_leave_its_state_alone(config):
+    """The aligner and the completer read the round (a CloudRound), never the cloud: the aligner
+    returns the grown pairs (the cloud's ``grown`` unchanged until the cloud applies them), the
+    completer trains the generator it is given and says that it did."""
+    cfg = config(
+        "bomm",
+        "task.aligned=0",
+        "task.unaligned=80",
+        "task.labeled_fraction=0.3",
+        "options.n_global=64",
+        "options.grow_per_round=4",
+        "rounds=1",
+    )
+    strategy, _, _ = run(cfg)
+    state = copy.deepcopy(strategy.state_dict())  # arrays, not views of the networks
+    pool, st = Pool.of(strategy.uploads), strategy.standardizer()
+    z = st.apply(pool.x, pool.mask)
+    r = CloudRound(2, cfg.seed, strategy.uploads, pool, st, z, strategy.alignment_space(), None)
+    aligned = strategy.aligner.align(r, strategy.grown, strategy.options, 2, None)
+    assert len(aligned.grown) == len(state["grown"]) + 4
+    np.testing.assert_array_equal(aligned.grown[: len(state["grown"])], state["grown"])
+    assert aligned.metrics["aligned_pairs"] > 0 and "diag_pair_accuracy" not in aligned.metrics  # no truth given
+    generator = copy.deepcopy(strategy.generator)
+    samples = union_samples(pool.sid, aligned.pairs)
+    metrics, trained = strategy.completer.train(generator, r, samples, aligned.protos, strategy.options)
+    assert trained and metrics["generator_items"] > 0
+    moved = [
+        not torch.equal(a, b) for a, b in zip(generator.state_dict().values(), strategy.generator.state_dict().values())
+    ]
+    assert any(moved)
+    after = strategy.state_dict()
+    np.testing.assert_array_equal(after["grown"], state["grown"])
+    assert after["generator_trained"] == state["generator_trained"]
+    for key, value in state["generator"].items():
+        np.testing.assert_array_equal(after["generator"][key], value)
 
 
 def test_alignment_compares_the_cloud_models_embeddings_once_it_has_trained(config):

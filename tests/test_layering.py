@@ -1,5 +1,6 @@
-"""The package's layering: module-level imports only point down, there is no import circle, and
-every module imports cleanly on its own and in any order.
+"""The package's layering: module-level imports only point down, there is no import circle (lazy
+imports and imports under ``if TYPE_CHECKING`` counted), every module imports cleanly on its own
+and in any order, and no new class is assembled from mixins.
 
 Bottom to top (a module may import, at module level, only from its own layer or below; imports
 inside functions are lazy and may point up, for example the registries discovering plugins)::
@@ -17,7 +18,8 @@ inside functions are lazy and may point up, for example the registries discoveri
     runtime             RunContext: one process's task, model and profiles
     engines.rounds, engines.local, engines.embedded, engines.device_pool
                         the round loop, in-process delivery, the engine, its device workers
-    run, progress       one run end to end, the run folder
+    run, progress, privacy_audit
+                        one run end to end, the run folder; the empirical DP audit
     trained             a finished run's model: reloaded, exported, evaluated
     privacy_audit       the empirical DP audit: many runs of two neighbouring federations
     engines.flower      the same Strategy/Client objects on Flower (codec, runconfig, worker,
@@ -29,7 +31,9 @@ inside functions are lazy and may point up, for example the registries discoveri
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.util
+import inspect
 import pkgutil
 import random
 import subprocess
@@ -84,28 +88,32 @@ def layer_of(module: str) -> int:
     return best
 
 
-def imports_of(module: str, known: set[str]) -> dict[str, bool]:
-    """fedtune modules that ``module`` imports -> whether that import runs when ``module`` is
-    imported (True: at module level) or only when a function runs (False: lazy). Imports under
-    ``if TYPE_CHECKING`` never run and are left out."""
+EAGER, LAZY, TYPING = 3, 2, 1  # how an import runs, strongest first: at module level, in a function, never
+
+
+def imports_of(module: str, known: set[str]) -> dict[str, int]:
+    """fedtune modules that ``module`` imports -> how the strongest of those imports runs: EAGER
+    (at module level, when ``module`` is imported), LAZY (only when a function runs) or TYPING
+    (under ``if TYPE_CHECKING``: never, but a circle through it is a circle of the code all the same)."""
     spec = importlib.util.find_spec(module)
     tree = ast.parse(Path(spec.origin).read_text())
     package = module if spec.origin.endswith("__init__.py") else module.rpartition(".")[0]
-    found: dict[str, bool] = {}
+    found: dict[str, int] = {}
 
-    def add(name: str, eager: bool) -> None:
-        found[name] = found.get(name, False) or eager
+    def add(name: str, how: int) -> None:
+        found[name] = max(found.get(name, 0), how)
 
-    def visit(nodes, eager: bool):
+    def visit(nodes, how: int):
         for node in nodes:
-            inner = eager and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            inner = min(how, LAZY) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) else how
             if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                visit(node.orelse, eager)
+                visit(node.body, TYPING)
+                visit(node.orelse, how)
                 continue
             if isinstance(node, ast.Import):
                 for a in node.names:
                     if a.name.startswith("fedtune"):
-                        add(a.name, eager)
+                        add(a.name, how)
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
@@ -114,17 +122,17 @@ def imports_of(module: str, known: set[str]) -> dict[str, bool]:
                 if base.startswith("fedtune"):
                     for alias in node.names:
                         sub = f"{base}.{alias.name}"
-                        add(sub if sub in known else base, eager)
+                        add(sub if sub in known else base, how)
             visit(ast.iter_child_nodes(node), inner)
 
-    visit(tree.body, True)
+    visit(tree.body, EAGER)
     found.pop(module, None)
     return found
 
 
 def module_level_imports(module: str, known: set[str]) -> set[str]:
     """fedtune modules imported when ``module`` is imported (not inside functions)."""
-    return {dep for dep, eager in imports_of(module, known).items() if eager}
+    return {dep for dep, how in imports_of(module, known).items() if how == EAGER}
 
 
 def assert_no_cycle(graph: dict[str, set[str]]) -> None:
@@ -165,9 +173,10 @@ def test_module_level_imports_point_down_and_have_no_cycle():
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
 
 
-def test_function_level_imports_point_down_too_and_no_cycle_with_them_counted():
-    """Lazy imports (inside functions) count: they point down except the few in ALLOWED_UPWARD,
-    and the graph of all imports, lazy ones included, has no circle."""
+def test_function_level_and_type_checking_imports_point_down_too_and_no_cycle_with_them_counted():
+    """Lazy imports (inside functions) and imports under ``if TYPE_CHECKING`` count: they point
+    down except the few in ALLOWED_UPWARD, and the graph of all imports, those included, has no
+    circle (a type-only import back up a circle is still a circle of the code)."""
     assert len(ALLOWED_UPWARD) <= 3
     modules = all_modules()
     known = set(modules)
@@ -178,19 +187,22 @@ def test_function_level_imports_point_down_too_and_no_cycle_with_them_counted():
     assert_no_cycle(graph)
 
 
-def test_the_import_scan_sees_lazy_and_eager_imports(tmp_path, monkeypatch):
-    """The scan itself: a lazy import inside a method is found and marked lazy; a module-level one eager."""
+def test_the_import_scan_sees_lazy_eager_and_type_checking_imports(tmp_path, monkeypatch):
+    """The scan itself: a lazy import inside a method is found and marked lazy; a module-level one
+    eager; one under ``if TYPE_CHECKING`` typing (its ``else`` runs: eager)."""
     pkg = tmp_path / "fedtune_scan_probe"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "m.py").write_text(
         "from fedtune.config import ConfigError\n"
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from fedtune.launch import launch\nelse:\n    import fedtune.errors\n"
         "class A:\n    def f(self):\n        from fedtune.run import run_experiment\n"
         "        return lambda: __import__('x')\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    found = imports_of("fedtune_scan_probe.m", {"fedtune.config", "fedtune.run"})
-    assert found == {"fedtune.config": True, "fedtune.run": False}
+    found = imports_of("fedtune_scan_probe.m", {"fedtune.config", "fedtune.run", "fedtune.launch", "fedtune.errors"})
+    assert found == {"fedtune.config": EAGER, "fedtune.run": LAZY, "fedtune.launch": TYPING, "fedtune.errors": EAGER}
 
 
 def test_every_module_imports_in_any_order():
@@ -223,3 +235,68 @@ def test_every_methods_strategy_and_client_are_at_most_three_deep():
         if inheritance_depth(cls, root) > 3
     ]
     assert not deep, f"classes more than three deep below Strategy / Client: {deep}"
+
+
+#: The fedtune classes assembled from mixins (at most four, none new), each with its reason. A
+#: mixin is a concrete base (no abstract method left) beside another fedtune base: its methods call
+#: ``self`` for what the other bases provide and they call it back, a circle of objects that no
+#: import shows. Bases that are interfaces (abstract, such as Strategy or GlobalAdapterStrategy)
+#: combine without one; pydantic models (options) merge fields, not behaviour, and are left out.
+ALLOWED_MIXINS: dict[str, str] = {
+    "fedtune.methods.fedpft.proxy.ProxyStrategy": "SecureSummed: issue 40 item 2 composes aggregation",
+    "fedtune.methods.fedstacklora.FedStackLoRAStrategy": "ServerOptimized: issue 40 item 2 composes aggregation",
+    "fedtune.methods.fslora.FSLoRAStrategy": "PrivateAverage, SecureSummed: issue 40 item 2 composes aggregation",
+    "fedtune.methods.heterolora.HeteroLoRAStrategy": "PrivateAverage, SecureSummed: issue 40 item 2",
+}
+
+
+def mixin_bases(cls: type) -> list[type]:
+    """The mixins among ``cls``'s direct bases: its concrete fedtune bases, where it has two or more
+    fedtune bases (none for a pydantic model)."""
+    from pydantic import BaseModel
+
+    ours = [b for b in cls.__bases__ if b.__module__.split(".")[0] == "fedtune"]
+    if len(ours) < 2 or issubclass(cls, BaseModel):
+        return []
+    return [b for b in ours if not inspect.isabstract(b)]
+
+
+def classes_with_mixins(modules: list[str]) -> set[str]:
+    found = set()
+    for module in modules:
+        for cls in vars(importlib.import_module(module)).values():
+            if inspect.isclass(cls) and cls.__module__ == module and mixin_bases(cls):
+                found.add(f"{module}.{cls.__qualname__}")
+    return found
+
+
+def test_no_new_class_is_assembled_from_mixins():
+    assert len(ALLOWED_MIXINS) <= 4
+    found = classes_with_mixins(all_modules())
+    assert found <= set(ALLOWED_MIXINS), (
+        f"classes with mixin bases (compose parts instead): {sorted(found - set(ALLOWED_MIXINS))}"
+    )
+    assert set(ALLOWED_MIXINS) <= found, f"stale ALLOWED_MIXINS entries: {sorted(set(ALLOWED_MIXINS) - found)}"
+
+
+def test_the_mixin_rule_counts_concrete_bases_beside_another_and_not_interfaces():
+    from abc import ABC, abstractmethod
+
+    class Interface(ABC):
+        @abstractmethod
+        def f(self): ...
+
+    class Other(ABC):
+        @abstractmethod
+        def g(self): ...
+
+    class Mixin:
+        def h(self):
+            return self.f()
+
+    for c in (Interface, Other, Mixin):
+        c.__module__ = "fedtune.probe"
+    assert mixin_bases(type("Both", (Interface, Other), {})) == []
+    assert mixin_bases(type("Single", (Mixin,), {})) == []
+    assert mixin_bases(type("Mixed", (Mixin, Interface), {})) == [Mixin]
+    assert mixin_bases(type("Foreign", (Mixin, ABC), {})) == []  # ABC is not fedtune's

@@ -3,9 +3,11 @@ Section 5.1, registered as ``bomm``, ``bomm-local``, ``bomm-mm-local``, ``bomm-v
 ``bomm-mm-ac`` and ``bomm-mm-uc`` (the names carry the prefix because ``local`` is the LoRA
 methods' reference). They run on the ``paired-multimodal`` task.
 
-- :mod:`~fedtune.methods.bomm.options`: the options (shared by all six) and the mode of each;
+- :mod:`~fedtune.methods.bomm.options`: the options (shared by all six);
 - :mod:`~fedtune.methods.bomm.party`: a party (Client): its small model, what it sends, local
-  training with completions and the scheduler;
+  training with completions and the scheduler, assembled per method from parts
+  (:mod:`~fedtune.methods.bomm.party_parts`: where its completions come from, whether it schedules
+  them; with a cloud, the cloud's aligner for what it sends);
 - :mod:`~fedtune.methods.bomm.cloud`: the cloud (Strategy): the classifier, the round's exchanges,
   assembled per method from parts: :mod:`~fedtune.methods.bomm.aligner` (none, or global
   prototype-guided alignment) and :mod:`~fedtune.methods.bomm.completer` (no generator, regression,
@@ -23,7 +25,7 @@ BoMM's networks and the pure pieces of its algorithm (Section 4), free of any pr
 - :mod:`~fedtune.methods.bomm.alignment`: prototypes and global prototype-guided alignment, eq. (9);
 - :mod:`~fedtune.methods.bomm.dual_encoder`: CLIP-style dual encoders (phi for image + caption data).
 
-Baselines (Section 5.1), as implemented (:data:`~fedtune.methods.bomm.options.MODES`):
+Baselines (Section 5.1), as implemented (:data:`METHODS`):
 
 - ``bomm-local`` (LOCAL): each party trains its small model on its labeled rows; no cloud.
 - ``bomm-mm-local`` (MM-LOCAL): each party trains its own generator (regression, on its complete
@@ -39,40 +41,54 @@ Baselines (Section 5.1), as implemented (:data:`~fedtune.methods.bomm.options.MO
 
 from __future__ import annotations
 
-from fedtune.methods.bomm.aligner import PrototypeAlignment
+from fedtune.methods.bomm.aligner import NoAlignment, PrototypeAlignment
 from fedtune.methods.bomm.cloud import BommCloud, BommServer
 from fedtune.methods.bomm.common import PAIRED
-from fedtune.methods.bomm.completer import PreferenceCompletion, RegressionCompletion
-from fedtune.methods.bomm.options import MODES, BommOptions
-from fedtune.methods.bomm.party import BommParty
+from fedtune.methods.bomm.completer import NoCompletion, PreferenceCompletion, RegressionCompletion
+from fedtune.methods.bomm.options import BommOptions, CloudRows
+from fedtune.methods.bomm.party import BommParty, CloudParty
+from fedtune.methods.bomm.party_parts import CloudFill, LocalFill, NoScheduling, Scheduling
 from fedtune.registry import register
 
-#: The six methods: (description, the server: no cloud, or the cloud assembled from its parts). The
-#: parties (one Client class) read what they do from the method's entry of
-#: :data:`~fedtune.methods.bomm.options.MODES` (``config.method``), which these parts match.
+
+def with_cloud(
+    rows: CloudRows,
+    aligner: NoAlignment = NoAlignment(),
+    completer: NoCompletion = NoCompletion(),
+    scheduling: NoScheduling = NoScheduling(),
+) -> tuple[type[BommCloud], type[CloudParty]]:
+    """A method with a cloud over ``rows``: the cloud assembled from ``aligner`` and ``completer``,
+    its parties from the same ``rows`` and ``aligner`` (what they send), the completer's fill (the
+    cloud's completions, if it has a generator) and ``scheduling``."""
+    fill = CloudFill() if isinstance(completer, RegressionCompletion) else BommParty.fill
+    cloud = BommCloud.assemble(rows, aligner=aligner, completer=completer)
+    party = CloudParty.assemble(scope=rows, aligner=aligner, fill=fill, scheduling=scheduling)
+    return cloud, party
+
+
+#: The six methods: (description, (the server, the parties)), both assembled from their parts.
 METHODS = {
     "bomm": (
         "BoMM: parties' small models and a cloud multimodal model help each other (alignment, completion, scheduler)",
-        BommCloud.assemble("all", aligner=PrototypeAlignment(), completer=PreferenceCompletion()),
+        with_cloud("all", PrototypeAlignment(), PreferenceCompletion(), Scheduling()),
     ),
-    "bomm-local": ("BoMM's LOCAL baseline: each party trains its small model alone", BommServer),
+    "bomm-local": ("BoMM's LOCAL baseline: each party trains its small model alone", (BommServer, BommParty)),
     "bomm-mm-local": (
         "BoMM's MM-LOCAL baseline: each party completes missing modalities with its own generator",
-        BommServer,
+        (BommServer, BommParty.assemble(fill=LocalFill())),
     ),
     "bomm-vanilla": (
         "BoMM's Vanilla baseline: the cloud trains on the aligned ids' representations",
-        BommCloud.assemble("aligned"),
+        with_cloud("aligned"),
     ),
     "bomm-mm-ac": (
         "BoMM's MM-AC baseline: Vanilla plus cloud completion of the aligned rows",
-        BommCloud.assemble("aligned", completer=RegressionCompletion()),
+        with_cloud("aligned", completer=RegressionCompletion()),
     ),
     "bomm-mm-uc": (
         "BoMM's MM-UC baseline: cloud completion of aligned and unaligned rows",
-        BommCloud.assemble("all", completer=RegressionCompletion()),
+        with_cloud("all", completer=RegressionCompletion()),
     ),
 }
-assert set(METHODS) == set(MODES)
-for _name, (_description, _server) in METHODS.items():
-    register(_name, _server, BommParty, BommOptions, _description, requires=(PAIRED,), supports=("device",))
+for _name, (_description, (_server, _party)) in METHODS.items():
+    register(_name, _server, _party, BommOptions, _description, requires=(PAIRED,), supports=("device",))

@@ -12,19 +12,19 @@ unaligned rows with the prototype set's growth."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import combinations
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from fedtune.methods.bomm.alignment import PrototypeSet, align_parties
+from fedtune.methods.bomm.alignment import PrototypeSet, align_parties, class_prototypes
 from fedtune.methods.bomm.backbone import FEATURE_DIM
 from fedtune.methods.bomm.common import Standardizer
-from fedtune.methods.bomm.pool import M, Pool
+from fedtune.methods.bomm.pool import CloudRound, M, Pool
 from fedtune.protocol.validation import ArraySpec
 
-if TYPE_CHECKING:
-    from fedtune.methods.bomm.cloud import BommCloud
+Complete = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
 def prototype_set(
@@ -61,12 +61,12 @@ def align_rows(
     parties: list[int],
     grown: np.ndarray,
     options: Any,
-    truth: Callable[[Pool], np.ndarray] | None = None,
+    truth: np.ndarray | None = None,
 ) -> tuple[list[tuple[int, int]], np.ndarray, dict[str, float]]:
     """(accepted cross-party pairs of unaligned rows as pool indices, most similar first; ``grown``
     with up to ``grow_per_round`` of them added while the set holds fewer than ``n_global``; the
     round's alignment metrics). A pair of two labeled rows with different labels is never accepted.
-    ``truth``: the rows' true labels, for the diagnostic pair accuracy only."""
+    ``truth``: the pool rows' true labels, for the diagnostic pair accuracy only."""
     o = options
     inverse = np.unique(pool.sid, return_inverse=True)[1]
     unaligned = np.bincount(inverse)[inverse] == 1  # ids only one row holds
@@ -104,9 +104,20 @@ def align_rows(
         "prototypes": float(len(protos) + len(new)),
     }
     if truth is not None and accepted:
-        labels = truth(pool)
-        metrics["diag_pair_accuracy"] = float(np.mean([labels[a] == labels[b] for a, b, _ in accepted]))
+        metrics["diag_pair_accuracy"] = float(np.mean([truth[a] == truth[b] for a, b, _ in accepted]))
     return [(a, b) for a, b, _ in accepted], grown, metrics
+
+
+@dataclass(frozen=True)
+class Aligned:
+    """An aligner's round, for the cloud to apply: the accepted cross-party pairs of pool rows, the
+    prototype set (None without alignment), the grown pairs (the cloud's ``grown``, now) and the
+    round's metrics."""
+
+    pairs: list[tuple[int, int]]
+    protos: PrototypeSet | None
+    grown: np.ndarray
+    metrics: dict[str, float]
 
 
 class NoAlignment:
@@ -118,15 +129,20 @@ class NoAlignment:
         """What a party's upload carries besides its rows (its class prototypes, for eq. (9))."""
         return {}
 
-    def align(
-        self, cloud: BommCloud, pool: Pool, st: Standardizer, z: np.ndarray, space
-    ) -> tuple[list[tuple[int, int]], PrototypeSet | None, dict[str, float]]:
-        """(accepted cross-party pairs of pool rows, the prototype set, the round's metrics); grows
-        ``cloud.grown``."""
-        return [], None, {}
+    def upload(
+        self, features: Callable[[], np.ndarray], masks: np.ndarray, labels: np.ndarray, num_labels: int
+    ) -> dict[str, np.ndarray]:
+        """A party's arrays of :meth:`upload_spec`, from all its rows' phi-representations
+        (``features()``, computed only when needed), masks and labels (-1: unlabeled)."""
+        return {}
+
+    def align(self, r: CloudRound, grown: np.ndarray, options, num_parties: int, complete: Complete | None) -> Aligned:
+        """The round's alignment of the pool's rows, given the pairs ``grown`` so far, the run's
+        ``options`` and ``complete`` (the trained generator's completion of (z, mask), else None)."""
+        return Aligned([], None, grown, {})
 
     def transfer_labels(
-        self, cloud: BommCloud, pool: Pool, samples: list[np.ndarray]
+        self, r: CloudRound, samples: list[np.ndarray], options
     ) -> tuple[dict[int, dict[str, np.ndarray]], dict[str, float]]:
         """(per uploading party, the labels its unlabeled rows receive (``label_rows``,
         ``label_values``); the metrics)."""
@@ -149,39 +165,40 @@ class PrototypeAlignment(NoAlignment):
             "proto_counts": ArraySpec((num_labels, M), "float32", False),
         }
 
-    def align(
-        self, cloud: BommCloud, pool: Pool, st: Standardizer, z: np.ndarray, space
-    ) -> tuple[list[tuple[int, int]], PrototypeSet | None, dict[str, float]]:
-        o = cloud.options
-        zc, mc = (
-            cloud.complete(z, pool.mask)[:2] if o.complete_before_align and cloud.generator_trained else (z, pool.mask)
+    def upload(
+        self, features: Callable[[], np.ndarray], masks: np.ndarray, labels: np.ndarray, num_labels: int
+    ) -> dict[str, np.ndarray]:
+        protos, counts = class_prototypes(features(), masks, labels, num_labels)
+        return {"prototypes": protos, "proto_counts": counts}
+
+    def align(self, r: CloudRound, grown: np.ndarray, options, num_parties: int, complete: Complete | None) -> Aligned:
+        pool, o = r.pool, options
+        zc, mc = complete(r.z, pool.mask)[:2] if o.complete_before_align and complete is not None else (r.z, pool.mask)
+        protos = prototype_set(r.uploads, grown, num_parties, pool, r.st, zc, mc)
+        pairs, grown, metrics = align_rows(
+            pool, r.space(zc, mc), mc, protos.mapped(r.space), r.parties, grown, o, r.truth
         )
-        protos = prototype_set(cloud.uploads, cloud.grown, cloud.config.federation.num_clients, pool, st, zc, mc)
-        truth = cloud.true_labels if o.diagnostics else None
-        pairs, cloud.grown, metrics = align_rows(
-            pool, space(zc, mc), mc, protos.mapped(space), sorted(cloud.uploads), cloud.grown, o, truth
-        )
-        return pairs, protos, metrics
+        return Aligned(pairs, protos, grown, metrics)
 
     def transfer_labels(
-        self, cloud: BommCloud, pool: Pool, samples: list[np.ndarray]
+        self, r: CloudRound, samples: list[np.ndarray], options
     ) -> tuple[dict[int, dict[str, np.ndarray]], dict[str, float]]:
         """``transferred_labels`` counts the rows given a label (``diag_transferred_accuracy``: the
         share that is right, with ``diagnostics``)."""
-        o = cloud.options
-        if not o.label_transfer:
+        if not options.label_transfer:
             return {}, {}
+        pool = r.pool
         given = np.full(len(pool), -1, dtype=np.int64)
         for rows in samples:
             known = pool.label[rows][pool.label[rows] >= 0]
             if len(known):
                 given[rows[pool.label[rows] < 0]] = known[0]
         out = {}
-        for k in sorted(cloud.uploads):
+        for k in r.parties:
             rows = np.flatnonzero((pool.party == k) & (given >= 0))
             out[k] = {"label_rows": pool.local[rows], "label_values": given[rows]}
         rows = np.flatnonzero(given >= 0)
         metrics = {"transferred_labels": float(len(rows))}
-        if o.diagnostics and len(rows):
-            metrics["diag_transferred_accuracy"] = float(np.mean(cloud.true_labels(pool)[rows] == given[rows]))
+        if r.truth is not None and len(rows):
+            metrics["diag_transferred_accuracy"] = float(np.mean(r.truth[rows] == given[rows]))
         return out, metrics

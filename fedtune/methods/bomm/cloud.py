@@ -49,6 +49,7 @@ space.
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import ClassVar
 
 import numpy as np
@@ -63,6 +64,7 @@ from fedtune.methods.bomm.common import (
     CLOUD_INIT,
     CLOUD_TRAIN,
     Standardizer,
+    generate,
     load_module,
     module_arrays,
     on,
@@ -74,7 +76,7 @@ from fedtune.methods.bomm.completer import NoCompletion, complete_rows
 from fedtune.methods.bomm.networks import CloudClassifier
 from fedtune.methods.bomm.options import CloudRows
 from fedtune.methods.bomm.party import COMPLETE, scope_rows
-from fedtune.methods.bomm.pool import M, Pool, union_samples
+from fedtune.methods.bomm.pool import CloudRound, M, Pool, union_samples
 from fedtune.models.audio import seeded
 from fedtune.models.multimodal import MODALITY_NAMES
 from fedtune.models.precision import model_device
@@ -278,28 +280,40 @@ class BommCloud(BommServer):
         return party_metrics(replies)
 
     def evaluation_arrays(self) -> dict[str, np.ndarray]:
-        """The completer's completion of the test pairs' missing modality (``test_gen``, phi-space)."""
-        return self.completer.test_completions(self)
+        """The trained generator's completion of the test pairs' missing modality (``test_gen``,
+        phi-space); nothing in scenario 0 or before the generator has trained."""
+        t = self.missing
+        if t is None or not self.generator_trained:
+            return {}
+        z = self.test_z()
+        return {"test_gen": self.standardizer().invert_one(generate(self.generator, z[:, 1 - t], t), t)}
 
     # -- the cloud's update --------------------------------------------------------------------
     def cloud_update(self, rnd: int, active: list[int]) -> dict[str, float]:
         """Alignment (the aligner), generator (the completer), classifier, and the completions /
-        labels for the parties (``self.outgoing``); returns the round's cloud metrics."""
+        labels for the parties (``self.outgoing``); returns the round's cloud metrics. The parts read
+        the round (:class:`~fedtune.methods.bomm.pool.CloudRound`) and return what the cloud applies."""
         pool = Pool.of(self.uploads)
         self.outgoing = {}
         if len(pool) == 0:
             return {}
-        st = self.standardizer()
-        z = st.apply(pool.x, pool.mask)
-        space = self.alignment_space()
-        pairs, protos, metrics = self.aligner.align(self, pool, st, z, space)
-        samples = union_samples(pool.sid, pairs)
-        metrics |= self.completer.train(self, rnd, pool, z, samples, protos, space)
-        zc, mc, gen_mod = self.complete(z, pool.mask)
+        o, st = self.options, self.standardizer()
+        truth = self.true_labels(pool) if o.diagnostics else None
+        r = CloudRound(
+            rnd, self.config.seed, self.uploads, pool, st, st.apply(pool.x, pool.mask), self.alignment_space(), truth
+        )
+        complete = partial(complete_rows, self.generator) if self.generator_trained else None
+        aligned = self.aligner.align(r, self.grown, o, self.config.federation.num_clients, complete)
+        self.grown = aligned.grown
+        samples = union_samples(pool.sid, aligned.pairs)
+        generator_metrics, trained = self.completer.train(self.generator, r, samples, aligned.protos, o)
+        self.generator_trained = self.generator_trained or trained
+        metrics = aligned.metrics | generator_metrics
+        zc, mc, gen_mod = self.complete(r.z, pool.mask)
         metrics |= self.train_classifier(rnd, pool, zc, mc, samples)
-        completions = self.completer.completions(self, pool, st, zc, gen_mod)
-        labels, label_metrics = self.aligner.transfer_labels(self, pool, samples)
-        self.outgoing = {k: completions.get(k, {}) | labels.get(k, {}) for k in sorted(self.uploads)}
+        completions = self.completer.completions(r, zc, gen_mod)
+        labels, label_metrics = self.aligner.transfer_labels(r, samples, o)
+        self.outgoing = {k: completions.get(k, {}) | labels.get(k, {}) for k in r.parties}
         return metrics | label_metrics
 
     def alignment_space(self):
@@ -371,8 +385,9 @@ class BommCloud(BommServer):
         return self.standardizer().apply(feats)
 
     def evaluate(self, rnd: int) -> dict[str, float]:
-        """The cloud model on the test pairs: complete, each modality alone, and (the completer's)
-        the scenario's missing modality completed by the generator."""
+        """The cloud model on the test pairs: complete, each modality alone, and (with a generator)
+        the scenario's missing modality completed by it (``cloud_accuracy_completed``, and the
+        completer's ``cloud_gen_cosine``)."""
         z = self.test_z()
         y = torch.from_numpy(self.context.task.test.labels.astype(np.int64))
         variants = {"": (True, True), "_image_only": (True, False), "_audio_only": (False, True)}
@@ -380,7 +395,11 @@ class BommCloud(BommServer):
         for suffix, present in variants.items():
             mask = np.tile(np.asarray(present), (len(z), 1))
             metrics |= self.accuracy(z, mask, y, suffix)
-        return metrics | self.completer.evaluate(self, z, y)
+        completed = self.completer.completed_test(self.generator, z, self.missing)
+        if completed is not None:
+            zc, mc, generator_metrics = completed
+            metrics |= self.accuracy(zc, mc, y, "_completed") | generator_metrics
+        return metrics
 
     def accuracy(self, z: np.ndarray, mask: np.ndarray, y: torch.Tensor, suffix: str) -> dict[str, float]:
         """``cloud_accuracy<suffix>`` (and ``cloud_loss`` without a suffix) of the cloud model on

@@ -128,6 +128,39 @@ def fit_generator(
     return {f"generator_{k}": v / n for k, v in totals.items()}
 
 
+def train_generator(
+    gen: torch.nn.Module,
+    source: np.ndarray,
+    target: np.ndarray,
+    g_p: np.ndarray,
+    sim: np.ndarray,
+    options,
+    *,
+    preference: bool,
+    seed: int,
+    reference: torch.nn.Module | None = None,
+) -> dict[str, float]:
+    """:func:`fit_generator` with the run's generator ``options`` (``beta``, ``gamma``, ``prefer``,
+    ``generator_epochs``, ``generator_lr``, ``cloud_batch_size``)."""
+    o = options
+    return fit_generator(
+        gen,
+        source,
+        target,
+        g_p,
+        sim,
+        preference=preference,
+        beta=o.beta,
+        gamma=o.gamma,
+        prefer=o.prefer,
+        epochs=o.generator_epochs,
+        lr=o.generator_lr,
+        batch_size=o.cloud_batch_size,
+        seed=seed,
+        reference=reference,
+    )
+
+
 @torch.no_grad()
 def generate(gen: torch.nn.Module, source: np.ndarray, target: int) -> np.ndarray:
     """(n, D) generations of modality ``target`` from (n, D) representations of the other one."""

@@ -12,21 +12,15 @@ modality of the row's closest global prototype) and sim(x, o_i)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
-import torch
 
 from fedtune.methods.bomm.alignment import PrototypeSet, nearest_prototype, pair_similarity
 from fedtune.methods.bomm.backbone import FEATURE_DIM
-from fedtune.methods.bomm.common import GENERATOR_INIT, GENERATOR_TRAIN, Standardizer, fit_generator, generate
+from fedtune.methods.bomm.common import GENERATOR_INIT, GENERATOR_TRAIN, generate, train_generator
 from fedtune.methods.bomm.networks import Generator
-from fedtune.methods.bomm.pool import M, Pool
+from fedtune.methods.bomm.pool import CloudRound, M, Pool
 from fedtune.models.audio import seeded
 from fedtune.models.training import seed_for
-
-if TYPE_CHECKING:
-    from fedtune.methods.bomm.cloud import BommCloud
 
 
 def completion_items(
@@ -107,24 +101,21 @@ class NoCompletion:
         return None
 
     def train(
-        self, cloud: BommCloud, rnd: int, pool: Pool, z: np.ndarray, samples: list[np.ndarray], protos, space
-    ) -> dict[str, float]:
-        """One round's training of ``cloud.generator`` (marked trained); its metrics."""
-        return {}
+        self, generator, r: CloudRound, samples: list[np.ndarray], protos: PrototypeSet | None, options
+    ) -> tuple[dict[str, float], bool]:
+        """One round's training of ``generator`` (in place): (its metrics, whether it trained)."""
+        return {}, False
 
-    def completions(
-        self, cloud: BommCloud, pool: Pool, st: Standardizer, zc: np.ndarray, gen_mod: np.ndarray
-    ) -> dict[int, dict[str, np.ndarray]]:
+    def completions(self, r: CloudRound, zc: np.ndarray, gen_mod: np.ndarray) -> dict[int, dict[str, np.ndarray]]:
         """Per uploading party, the arrays of its completions (``gen_rows``, ``gen_modality``, ``gen``)."""
         return {}
 
-    def evaluate(self, cloud: BommCloud, z: np.ndarray, y: torch.Tensor) -> dict[str, float]:
-        """The cloud model on the test pairs with the scenario's missing modality completed."""
-        return {}
-
-    def test_completions(self, cloud: BommCloud) -> dict[str, np.ndarray]:
-        """What the parties' evaluation message carries: the test pairs' completions (``test_gen``)."""
-        return {}
+    def completed_test(
+        self, generator, z: np.ndarray, missing: int | None
+    ) -> tuple[np.ndarray, np.ndarray, dict[str, float]] | None:
+        """The standardized test pairs ``z`` with the scenario's ``missing`` modality removed and
+        completed by ``generator``: (completed z, mask, the completions' metrics); None without."""
+        return None
 
 
 class RegressionCompletion(NoCompletion):
@@ -143,71 +134,47 @@ class RegressionCompletion(NoCompletion):
         return None
 
     def train(
-        self, cloud: BommCloud, rnd: int, pool: Pool, z: np.ndarray, samples: list[np.ndarray], protos, space
-    ) -> dict[str, float]:
+        self, generator, r: CloudRound, samples: list[np.ndarray], protos: PrototypeSet | None, options
+    ) -> tuple[dict[str, float], bool]:
         """Items (row, target modality) with the other modality present, their g^p and sim(x, o_i)
-        (:func:`completion_items`); then :func:`~fedtune.methods.bomm.common.fit_generator`."""
-        o, seed = cloud.options, cloud.config.seed
-        source, target, g_p, sim, real = completion_items(pool, z, samples, protos, space, self.preference)
-        metrics = fit_generator(
-            cloud.generator,
-            source,
-            target,
-            g_p,
-            sim,
-            preference=self.preference,
-            beta=o.beta,
-            gamma=o.gamma,
-            prefer=o.prefer,
-            epochs=o.generator_epochs,
-            lr=o.generator_lr,
-            batch_size=o.cloud_batch_size,
-            seed=seed_for(seed, rnd, GENERATOR_TRAIN),
-            reference=self.reference(o, seed),
+        (:func:`completion_items`); then :func:`~fedtune.methods.bomm.common.train_generator`."""
+        source, target, g_p, sim, real = completion_items(r.pool, r.z, samples, protos, r.space, self.preference)
+        seed = seed_for(r.seed, r.rnd, GENERATOR_TRAIN)
+        reference = self.reference(options, r.seed)
+        metrics = train_generator(
+            generator, source, target, g_p, sim, options, preference=self.preference, seed=seed, reference=reference
         )
         metrics["generator_items"] = float(len(source))
         metrics["generator_real_items"] = float(real.sum())
-        cloud.generator_trained = True
-        return metrics
+        return metrics, True
 
-    def completions(
-        self, cloud: BommCloud, pool: Pool, st: Standardizer, zc: np.ndarray, gen_mod: np.ndarray
-    ) -> dict[int, dict[str, np.ndarray]]:
+    def completions(self, r: CloudRound, zc: np.ndarray, gen_mod: np.ndarray) -> dict[int, dict[str, np.ndarray]]:
         """Each party's rows that lack one modality (``gen_modality``, -1 in ``gen_mod`` elsewhere)
         with the generated representation ``zc`` de-standardized into phi-space (``gen``)."""
-        out = {}
-        for k in sorted(cloud.uploads):
+        pool, out = r.pool, {}
+        for k in r.parties:
             rows = np.flatnonzero((pool.party == k) & (gen_mod >= 0))
             gen = np.zeros((len(rows), FEATURE_DIM), np.float32)
             for t in range(M):
                 sel = gen_mod[rows] == t
-                gen[sel] = st.invert_one(zc[rows[sel], t], t)
+                gen[sel] = r.st.invert_one(zc[rows[sel], t], t)
             out[k] = {"gen_rows": pool.local[rows], "gen_modality": gen_mod[rows], "gen": gen}
         return out
 
-    def evaluate(self, cloud: BommCloud, z: np.ndarray, y: torch.Tensor) -> dict[str, float]:
-        """``cloud_accuracy_completed`` (the scenario's missing modality removed from every test pair
-        and completed by the generator) and ``cloud_gen_cosine`` (completions vs the real modality,
-        standardized); none in scenario 0."""
-        t = cloud.missing
+    def completed_test(
+        self, generator, z: np.ndarray, missing: int | None
+    ) -> tuple[np.ndarray, np.ndarray, dict[str, float]] | None:
+        """``cloud_gen_cosine``: the completions' mean cosine to the real modality (standardized);
+        None in scenario 0."""
+        t = missing
         if t is None:
-            return {}
+            return None
         mask = np.ones((len(z), M), bool)
         mask[:, t] = False
-        zc, mc, _ = cloud.complete(z * mask[..., None], mask)
-        metrics = cloud.accuracy(zc, mc, y, "_completed")
+        zc, mc, _ = complete_rows(generator, z * mask[..., None], mask)
         a, b = zc[:, t], z[:, t]
         cos = (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-12)
-        metrics["cloud_gen_cosine"] = float(cos.mean())
-        return metrics
-
-    def test_completions(self, cloud: BommCloud) -> dict[str, np.ndarray]:
-        """The generator's completion of the test pairs' missing modality (phi-space), once trained."""
-        t = cloud.missing
-        if t is None or not cloud.generator_trained:
-            return {}
-        z = cloud.test_z()
-        return {"test_gen": cloud.standardizer().invert_one(generate(cloud.generator, z[:, 1 - t], t), t)}
+        return zc, mc, {"cloud_gen_cosine": float(cos.mean())}
 
 
 class PreferenceCompletion(RegressionCompletion):

@@ -1,9 +1,9 @@
 """BoMM's options (one class for BoMM and its five baselines, so a benchmark gives every method
-the same settings) and the modes that tell the methods apart."""
+the same settings); the parts that tell the methods apart are chosen at registration
+(:mod:`fedtune.methods.bomm`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from pydantic import Field
@@ -68,40 +68,4 @@ class BommOptions(MethodOptions):
     diagnostics: bool = Field(True, description="server metrics from the pool's true labels (matching accuracy)")
 
 
-CloudRows = Literal["none", "aligned", "all"]
-Completion = Literal["none", "local", "cloud"]
-
-
-@dataclass(frozen=True)
-class Mode:
-    """What a method does (Section 5.1's baselines and BoMM), as its parties read it (the cloud is
-    assembled from the matching parts at registration, :mod:`fedtune.methods.bomm`):
-
-    - ``cloud_rows``: which rows' representations the parties send and the cloud trains on
-      (none: no cloud; aligned: the aligned ids only; all);
-    - ``completion``: who fills missing modalities (none; local: each party's own generator;
-      cloud: the cloud's generator, for the rows in ``cloud_rows``);
-    - ``preference``: the generator learns from L_G (eqs. (3)-(4)) instead of plain regression;
-    - ``alignment``: global prototype-guided alignment (eq. (9)) enlarges the aligned set;
-    - ``scheduler``: parties filter generated samples (eqs. (5)-(8)).
-    """
-
-    cloud_rows: CloudRows = "none"
-    completion: Completion = "none"
-    preference: bool = False
-    alignment: bool = False
-    scheduler: bool = False
-
-    @property
-    def cloud(self) -> bool:
-        return self.cloud_rows != "none"
-
-
-MODES = {
-    "bomm-local": Mode(),
-    "bomm-mm-local": Mode(completion="local"),
-    "bomm-vanilla": Mode(cloud_rows="aligned"),
-    "bomm-mm-ac": Mode(cloud_rows="aligned", completion="cloud"),
-    "bomm-mm-uc": Mode(cloud_rows="all", completion="cloud"),
-    "bomm": Mode(cloud_rows="all", completion="cloud", preference=True, alignment=True, scheduler=True),
-}
+CloudRows = Literal["aligned", "all"]  # the rows a cloud holds: the aligned ids' rows, or every row

@@ -9,6 +9,12 @@ initialized from (seed, party) (heterogeneous parties), plus, when it receives c
 and with BoMM's scheduler a :class:`~fedtune.methods.bomm.scheduler.SampleScheduler`. All of it lives
 in the party's persistent ``state``.
 
+**Parts**, chosen once by a method's registration (:meth:`BommParty.assemble`), like the cloud's:
+without a cloud a :class:`BommParty` trains in ``fit``; with one a :class:`CloudParty` sends the
+rows of its ``scope`` and what the cloud's ``aligner`` needs, and trains in the ``complete`` phase.
+Its ``fill`` says where completions come from and its ``scheduling`` whether it filters them
+(:mod:`~fedtune.methods.bomm.party_parts`).
+
 **What it sends** (the ``fit`` reply, once, when the cloud asks: its representations never
 change, phi being frozen): for the rows in the method's scope (aligned ids, or all rows) their
 party-local positions, sample ids, masks, labels (-1 where unlabeled) and phi-representations
@@ -42,6 +48,7 @@ MM-LOCAL's own), and ``gen_cosine``, the completions' mean cosine to the real re
 from __future__ import annotations
 
 from functools import cached_property
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -50,13 +57,11 @@ import torch.nn.functional as F
 from fedtune.config import ConfigError
 from fedtune.data.batches import index_batches
 from fedtune.data.paired import missing_modality
-from fedtune.methods.bomm.alignment import class_prototypes
+from fedtune.methods.bomm.aligner import NoAlignment
 from fedtune.methods.bomm.backbone import FEATURE_DIM, source_features
 from fedtune.methods.bomm.common import (
     GENERATOR_INIT,
-    SCHEDULER_INIT,
     Standardizer,
-    fit_generator,
     generate,
     load_module,
     module_arrays,
@@ -65,9 +70,10 @@ from fedtune.methods.bomm.common import (
     placed,
     run_device,
 )
-from fedtune.methods.bomm.networks import Adapters, Generator
-from fedtune.methods.bomm.options import MODES, Mode
-from fedtune.methods.bomm.scheduler import SampleScheduler, batch_level_reward, sample_level_reward
+from fedtune.methods.bomm.networks import Adapters
+from fedtune.methods.bomm.options import CloudRows
+from fedtune.methods.bomm.party_parts import NoFill, NoScheduling
+from fedtune.methods.bomm.scheduler import batch_level_reward, sample_level_reward
 from fedtune.models.audio import seeded
 from fedtune.models.multimodal import MODALITY_NAMES
 from fedtune.models.precision import model_device, to_device
@@ -79,23 +85,29 @@ from fedtune.protocol.messages import Message
 COMPLETE = "complete"  # the round's phase: the cloud's completions and labels out, local training
 
 
-def scope_rows(aligned: np.ndarray, cloud_rows: str) -> np.ndarray:
+def scope_rows(aligned: np.ndarray, cloud_rows: CloudRows) -> np.ndarray:
     """Party-local positions of the rows whose representations the party sends (given its rows'
-    aligned flags): the aligned ids' rows, all rows, or none."""
-    if cloud_rows == "aligned":
-        return np.flatnonzero(aligned)
-    if cloud_rows == "all":
-        return np.arange(len(aligned))
-    return np.zeros(0, dtype=np.int64)
+    aligned flags): the aligned ids' rows, or all rows."""
+    return np.flatnonzero(aligned) if cloud_rows == "aligned" else np.arange(len(aligned))
 
 
 class BommParty(Client):
-    """A party of BoMM or of one of its baselines (``mode``)."""
+    """A party without a cloud (LOCAL, MM-LOCAL): it trains in ``fit``. The base of
+    :class:`CloudParty`; assembled from its parts (:meth:`assemble`; the defaults: LOCAL's)."""
 
-    @property
-    def mode(self) -> Mode:
-        """What this method does: its registered name's entry of MODES."""
-        return MODES[self.config.method]
+    fill: ClassVar[NoFill] = NoFill()
+    scheduling: ClassVar[NoScheduling] = NoScheduling()
+
+    @classmethod
+    def assemble(cls, **parts) -> type[BommParty]:
+        """The party of a method that uses these ``parts`` (class attributes of ``cls``: ``fill``,
+        ``scheduling``, and for a :class:`CloudParty` ``scope`` and ``aligner``)."""
+        unknown = sorted(set(parts) - set(dir(cls)))
+        if unknown:
+            raise TypeError(f"{cls.__name__}.assemble: no part named {unknown[0]!r}")
+        names = ", ".join(str(getattr(part, "name", part)) for part in parts.values())
+        doc = f"A BoMM party with {names}."
+        return type(f"{cls.__name__}[{names}]", (cls,), {**parts, "__doc__": doc, "__module__": cls.__module__})
 
     # -- what the party holds ----------------------------------------------------------------
     @property
@@ -150,30 +162,23 @@ class BommParty(Client):
         o, seed = self.options, party_seed(self.config.seed, self.cid)
         sm = placed(self.task.build_model(seed), self.config)
         load_module(sm, self.state, "sm.")
-        adapters = sched = gen = None
-        if self.mode.completion != "none":
+        adapters = None
+        if self.fill.adapters:
             adapters = placed(seeded(seed + 1, lambda: Adapters(FEATURE_DIM, sm.embed_dim)), self.config)
             load_module(adapters, self.state, "ad.")
-        if self.mode.scheduler and o.scheduler:
-            in_dim = 3 * sm.embed_dim + self.task.num_labels
-            sched = placed(
-                seeded(
-                    seed_for(self.config.seed, SCHEDULER_INIT, self.cid),
-                    lambda: SampleScheduler(in_dim, o.scheduler_hidden),
-                ),
-                self.config,
-            )
+        sched = self.scheduling.build(3 * sm.embed_dim + self.task.num_labels, o, self.config.seed, self.cid)
+        if sched is not None:
+            sched = placed(sched, self.config)
             load_module(sched, self.state, "sc.")
-        if self.mode.completion == "local":
-            gen = placed(
-                seeded(
-                    seed_for(self.config.seed, GENERATOR_INIT, self.cid),
-                    lambda: Generator(FEATURE_DIM, o.generator_hidden),
-                ),
-                self.config,
-            )
+        return sm, adapters, sched, self.generator()
+
+    def generator(self):
+        """The fill's own generator (MM-LOCAL), from the party's state; None for the others."""
+        gen = self.fill.generator(self.options, self.config.seed, self.cid)
+        if gen is not None:
+            gen = placed(gen, self.config)
             load_module(gen, self.state, "gen.")
-        return sm, adapters, sched, gen
+        return gen
 
     def save(self, sm, adapters, sched, gen) -> None:
         for module, prefix in ((sm, "sm."), (adapters, "ad."), (sched, "sc."), (gen, "gen.")):
@@ -182,52 +187,9 @@ class BommParty(Client):
 
     # -- the exchanges -------------------------------------------------------------------------
     def fit(self, message: Message) -> Message:
-        """Without a cloud (LOCAL, MM-LOCAL): train locally and report. With one: send the
-        representations (and prototypes) when asked; training happens in the ``complete`` phase."""
+        """Train locally (with the fill's own completions, if any) and report."""
         rnd = int(message.meta["round"])
-        if not self.mode.cloud:
-            completions = self.local_completions(rnd) if self.mode.completion == "local" else None
-            return Message({}, self.train_sm(rnd, self.labels, completions))
-        arrays = self.upload() if message.meta.get("send") else {}
-        return Message(arrays, {"num_examples": int((self.labels >= 0).sum()), "steps": 0})
-
-    def upload(self) -> dict[str, np.ndarray]:
-        local = scope_rows(self.task.train.aligned[self.rows], self.mode.cloud_rows)
-        feats = self.features(local)
-        arrays = {
-            "rows": local.astype(np.int64),
-            "sample_ids": self.task.train.sample_ids[self.rows[local]].astype(np.int64),
-            "masks": self.masks[local].copy(),
-            "labels": self.labels[local].copy(),
-            "features": feats,
-        }
-        if self.mode.alignment:
-            every = np.arange(len(self.rows))
-            protos, counts = class_prototypes(self.features(every), self.masks, self.labels, self.task.num_labels)
-            arrays |= {"prototypes": protos, "proto_counts": counts}
-        return arrays
-
-    def phase(self, name: str, message: Message) -> Message:
-        """``complete``: the cloud's completions (``gen_rows``, ``gen_modality``, ``gen``) and
-        transferred labels (``label_rows``, ``label_values``) in, local training, metrics out."""
-        if name != COMPLETE:
-            return super().phase(name, message)
-        a = message.arrays
-        labels = self.labels.copy()
-        transferred = 0
-        if "label_rows" in a and len(a["label_rows"]):
-            fresh = labels[a["label_rows"]] < 0
-            labels[a["label_rows"][fresh]] = a["label_values"][fresh]
-            transferred = int(fresh.sum())
-        completions = None
-        if "gen_rows" in a:
-            completions = (
-                np.asarray(a["gen_rows"], np.int64),
-                np.asarray(a["gen_modality"], np.int64),
-                np.asarray(a["gen"], np.float32),
-            )
-        meta = self.train_sm(int(message.meta["round"]), labels, completions)
-        return Message({}, {**meta, "transferred_labels": transferred})
+        return Message({}, self.train_sm(rnd, self.labels, self.local_completions(rnd)))
 
     def evaluate(self, message: Message) -> Message:
         sm, adapters, _, gen = self.networks()
@@ -407,41 +369,18 @@ class BommParty(Client):
         return Standardizer.fit(self.features(every), self.masks)
 
     def local_completions(self, rnd: int):
-        """MM-LOCAL: train the party's generator by regression on its complete rows (each modality
-        from the other), then complete its rows that miss one modality."""
-        o = self.options
-        sm, adapters, sched, gen = self.networks()
+        """The fill's completions of the party's rows before local training without a cloud
+        (MM-LOCAL: its own generator, trained this round and saved to the state; else None)."""
+        gen = self.generator()
+        if gen is None:
+            return None
         every = np.arange(len(self.rows))
         st = self.local_standardizer()
         z = st.apply(self.features(every), self.masks)
-        both = np.flatnonzero(self.masks.all(axis=1))
-        source = np.concatenate([z[both, 1], z[both, 0]])
-        target = np.concatenate([np.zeros(len(both), np.int64), np.ones(len(both), np.int64)])
-        g_p = np.concatenate([z[both, 0], z[both, 1]])
-        fit_generator(
-            gen,
-            source,
-            target,
-            g_p,
-            np.zeros(len(target)),
-            preference=False,
-            beta=o.beta,
-            gamma=o.gamma,
-            prefer=o.prefer,
-            epochs=o.generator_epochs,
-            lr=o.generator_lr,
-            batch_size=o.cloud_batch_size,
-            seed=seed_for(self.config.seed, rnd, self.cid, GENERATOR_INIT),
-        )
+        seed = seed_for(self.config.seed, rnd, self.cid, GENERATOR_INIT)
+        completions = self.fill.local_completions(gen, st, z, self.masks, self.options, seed)
         self.save(None, None, None, gen)
-        one = np.flatnonzero(self.masks.sum(axis=1) == 1)
-        missing = np.where(self.masks[one, 0], 1, 0).astype(np.int64)  # the modality each row lacks
-        feats = np.zeros((len(one), FEATURE_DIM), np.float32)
-        for t in (0, 1):
-            sel = missing == t
-            if sel.any():
-                feats[sel] = st.invert_one(generate(gen, z[one[sel], 1 - t], t), t)
-        return one, missing, feats
+        return completions
 
     # -- evaluation ----------------------------------------------------------------------------
     def evaluate_completed(self, sm, adapters, test_gen: np.ndarray, t: int) -> float:
@@ -468,3 +407,53 @@ class BommParty(Client):
         adapters.eval()
         batches = (np.arange(i, min(i + bs, n)) for i in range(0, n, bs))
         return evaluate_classifier(sm, batches, forward)["accuracy"]
+
+
+class CloudParty(BommParty):
+    """A party with a cloud (Vanilla, MM-AC, MM-UC, BoMM): it sends the representations of the
+    rows in its ``scope`` (and what the cloud's ``aligner`` needs) once, when asked, and trains in the
+    ``complete`` phase with the cloud's completions and labels."""
+
+    scope: ClassVar[CloudRows] = "aligned"  # the rows it sends: the cloud's ``rows``
+    aligner: ClassVar[NoAlignment] = NoAlignment()
+
+    def fit(self, message: Message) -> Message:
+        """Send the representations (and the aligner's arrays) when asked; training happens in the
+        ``complete`` phase."""
+        arrays = self.upload() if message.meta.get("send") else {}
+        return Message(arrays, {"num_examples": int((self.labels >= 0).sum()), "steps": 0})
+
+    def upload(self) -> dict[str, np.ndarray]:
+        local = scope_rows(self.task.train.aligned[self.rows], self.scope)
+        feats = self.features(local)
+        arrays = {
+            "rows": local.astype(np.int64),
+            "sample_ids": self.task.train.sample_ids[self.rows[local]].astype(np.int64),
+            "masks": self.masks[local].copy(),
+            "labels": self.labels[local].copy(),
+            "features": feats,
+        }
+        every = np.arange(len(self.rows))
+        return arrays | self.aligner.upload(lambda: self.features(every), self.masks, self.labels, self.task.num_labels)
+
+    def phase(self, name: str, message: Message) -> Message:
+        """``complete``: the cloud's completions (``gen_rows``, ``gen_modality``, ``gen``) and
+        transferred labels (``label_rows``, ``label_values``) in, local training, metrics out."""
+        if name != COMPLETE:
+            return super().phase(name, message)
+        a = message.arrays
+        labels = self.labels.copy()
+        transferred = 0
+        if "label_rows" in a and len(a["label_rows"]):
+            fresh = labels[a["label_rows"]] < 0
+            labels[a["label_rows"][fresh]] = a["label_values"][fresh]
+            transferred = int(fresh.sum())
+        completions = None
+        if "gen_rows" in a:
+            completions = (
+                np.asarray(a["gen_rows"], np.int64),
+                np.asarray(a["gen_modality"], np.int64),
+                np.asarray(a["gen"], np.float32),
+            )
+        meta = self.train_sm(int(message.meta["round"]), labels, completions)
+        return Message({}, {**meta, "transferred_labels": transferred})

@@ -3,11 +3,13 @@ samples (the same sample id, merged along aligned pairs)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from fedtune.methods.bomm.backbone import FEATURE_DIM
+from fedtune.methods.bomm.common import Standardizer
 from fedtune.models.multimodal import MODALITY_NAMES
 
 M = len(MODALITY_NAMES)
@@ -50,6 +52,31 @@ class Pool:
             cat("labels").astype(np.int64),
             cat("features").astype(np.float32),
         )
+
+
+Space = Callable[[np.ndarray, np.ndarray], np.ndarray]  # f(z (n, M, D), mask (n, M)) -> (n, M, E)
+
+
+@dataclass(frozen=True)
+class CloudRound:
+    """What the cloud's parts (aligner, completer) read of one round, never the cloud itself: the
+    round, the run's seed, the parties' uploads and their pool, the standardization ``st`` and the
+    standardized rows ``z``, the alignment ``space`` (eq. (9)'s representations) and, for
+    diagnostics only (None without them), the pool rows' true labels."""
+
+    rnd: int
+    seed: int
+    uploads: Mapping[int, Mapping[str, np.ndarray]]
+    pool: Pool
+    st: Standardizer
+    z: np.ndarray
+    space: Space
+    truth: np.ndarray | None
+
+    @property
+    def parties(self) -> list[int]:
+        """The uploading parties, ascending."""
+        return sorted(self.uploads)
 
 
 def union_samples(sid: np.ndarray, pairs: list[tuple[int, int]]) -> list[np.ndarray]:
