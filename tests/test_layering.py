@@ -21,7 +21,6 @@ inside functions are lazy and may point up, for example the registries discoveri
     run, progress, privacy_audit
                         one run end to end, the run folder; the empirical DP audit
     trained             a finished run's model: reloaded, exported, evaluated
-    privacy_audit       the empirical DP audit: many runs of two neighbouring federations
     engines.flower      the same Strategy/Client objects on Flower (codec, runconfig, worker,
                         clientapp, transport, serverapp, simulation, commands, deployment)
     launch              config.engine -> its launcher (the one entry point)
