@@ -112,9 +112,13 @@ def run(
         printer = RoundPrinter(console, config)
         from fedtune.launch import launch
 
-        summary = launch(
-            config, on_round=printer, on_start=printer.start, resume=resume is not None, overwrite=overwrite
-        )
+        printer.begin()
+        try:
+            summary = launch(
+                config, on_round=printer, on_start=printer.start, resume=resume is not None, overwrite=overwrite
+            )
+        finally:
+            printer.working(None)
     except FedtuneError as exc:
         _fail(_run_failure(exc, config), code=exc.exit_code)
     except RunInterrupted as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.status import Status
 from rich.table import Table
 
 from fedtune.config import RunConfig
@@ -25,22 +26,53 @@ def _drops(rec: RoundRecord) -> str:
 
 
 class RoundPrinter:
-    """Prints one line per round as it ends, and a final summary."""
+    """Prints one line per round as it ends, and a final summary; on a terminal, a spinner names
+    the step under way between them (loading the data and model, the round being trained and
+    evaluated), gone once the step ends."""
 
     def __init__(self, console: Console, config: RunConfig) -> None:
         self.console = console
         self.config = config
         self.up = self.down = 0
+        self.status: Status | None = None
+
+    def working(self, what: str | None) -> None:
+        """Show ``what`` beside a spinner until the next line (None: nothing); terminals only."""
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
+        if what is not None and self.console.is_terminal:
+            self.status = self.console.status(what)
+            self.status.start()
+
+    def begin(self) -> None:
+        """Before the run: its data and model are being read."""
+        self.working("reading the data and loading the model")
+
+    def _next(self, done: int | None) -> None:
+        """The spinner for the round after ``done`` (None: the first this process runs)."""
+        rounds = self.config.rounds
+        if done is None:
+            self.working("training and evaluating the next round")
+        else:
+            self.working(f"round {done + 1}/{rounds}: training and evaluating" if done < rounds else None)
 
     def start(self, context) -> None:
+        self.working(None)
         c = self.config = context.config  # resolved: the task's default data and model named
         self.console.print(
             f"[bold]{c.run_name}[/]: method {c.method}, task {c.task.kind}, data {c.data.name}, model {c.model.name}, "
             f"{c.federation.num_clients} clients ({c.federation.sample_size()} per round), {c.rounds} rounds",
             soft_wrap=True,
         )
+        self._next(None)
 
     def __call__(self, rec: RoundRecord) -> None:
+        self.working(None)
+        self._line(rec)
+        self._next(rec.round)
+
+    def _line(self, rec: RoundRecord) -> None:
         m = rec.metrics
         if rec.private:  # only what the privacy mechanism releases (RoundRecord.to_json)
             clip = f"  clip {m['clip']:.4g}" if m.get("clip") is not None else ""
@@ -65,6 +97,7 @@ class RoundPrinter:
         )
 
     def finish(self, summary: dict) -> None:
+        self.working(None)
         table = Table(title=f"run folder: {summary['run_dir']}")
         columns = {
             "final accuracy": _pct(summary["final_accuracy"]),
