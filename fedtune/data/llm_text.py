@@ -15,7 +15,8 @@ Sets (``data.name``; files under the data directory, ``data.data_dir`` or ``$FED
   ``llm-adapters/*_test.json``, :func:`commonsense_instruction`) with the response
   "the correct answer is <tag>" (``answer1``, ``true``, ``solution2``, ``option1``, ``ending3``).
   Training: the sets' train splits; evaluation: each set's test split, its validation split where
-  no test labels exist. Labels = the set's index (partitioners skew clients by task).
+  no test labels exist. CommonsenseQA (``csqa``, :data:`EXTRA_SETS`, asked with the ARC template)
+  is there when named. Labels = the set's index (partitioners skew clients by task).
 - a local ``.jsonl`` / ``.csv`` file (test file ``data.test_path``, else a seeded 10 % hold-out):
   rows of ``{prompt, response}`` (optional ``input``, ``category``) or of
   ``{question, choices, gold}`` (``choices`` a list, in a CSV a JSON list; ``gold`` the 0-based
@@ -67,6 +68,9 @@ COMMONSENSE_SETS = (
     "socialiqa",
     "winogrande",
 )
+#: further multiple-choice sets of the folder: evaluated when named, not in the default training mix
+EXTRA_SETS = ("csqa",)
+ALL_SETS = (*COMMONSENSE_SETS, *EXTRA_SETS)
 ANSWER_PREFIX = "the correct answer is "
 #: the columns a local file or hub set gives (``task.columns`` maps them to a set's own)
 COLUMNS = ("prompt", "input", "response", "category", "question", "choices", "gold")
@@ -252,7 +256,7 @@ def commonsense_instruction(name: str, question: str, choices: list[str]) -> tup
     the data's ranked-classification form ("Question: ...\\nAnswer:", "Goal: ...", BoolQ's
     passage + question, HellaSwag's "activity: context", WinoGrande's sentence with "_")."""
     n = len(choices)
-    if name in ("arc_challenge", "arc_easy", "openbookqa", "socialiqa", "local"):
+    if name in ("arc_challenge", "arc_easy", "csqa", "openbookqa", "socialiqa", "local"):
         q = _strip(question, "Question: ", "\nAnswer:")
         tags = [f"answer{i}" for i in range(1, n + 1)]
         text = (
@@ -356,11 +360,12 @@ def eval_split(root: Path, name: str) -> str:
 
 
 def check_sets(sets: list[str] | None, field_name: str = "task.sets") -> list[str]:
-    """The chosen commonsense sets (default: all eight), each a known name, no repeats."""
+    """The chosen commonsense sets (default: the eight of :data:`COMMONSENSE_SETS`; CSQA when
+    named), each a known name, no repeats."""
     chosen = list(COMMONSENSE_SETS) if sets is None else list(sets)
     for s in chosen:
-        if s not in COMMONSENSE_SETS:
-            raise ConfigError(f"{field_name}: unknown set {s!r}; expected some of {', '.join(COMMONSENSE_SETS)}")
+        if s not in ALL_SETS:
+            raise ConfigError(f"{field_name}: unknown set {s!r}; expected some of {', '.join(ALL_SETS)}")
     if not chosen or len(set(chosen)) != len(chosen):
         raise ConfigError(f"{field_name}: expected distinct set names, got {chosen}")
     return chosen
