@@ -46,6 +46,10 @@ Metrics (:meth:`CausalLM.evaluate`, batched over the test set subsampled by
   multiple-choice example's prompt is its bare question and its response the gold option's text
   (:func:`fedtune.data.llm_text.as_option_texts`), so training, the response loss and the ranking
   share one format; the default ``"tag"`` trains on the Table B.1 prompts and tags.
+  ``"lm-eval"`` scores lm-evaluation-harness's task format of each set
+  (:mod:`fedtune.data.lm_eval_formats`: raw text, no template, ``" " + option``; a question's
+  ``loss`` is its gold option's), ``task.num_fewshot`` solved training examples before each
+  question (``fedtune eval``'s ``lm-eval`` protocol).
   ``accuracy`` = ``acc``. On ``commonsense`` every metric is the mean over sets (the eight-task
   average), each set's own value under ``<metric>_<set>``; elsewhere the mean over examples, with
   a value per label (Dolly category) beside it.
