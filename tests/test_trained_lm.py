@@ -289,3 +289,38 @@ def test_bad_input_gives_one_line_naming_the_path(run_dir, tmp_path, monkeypatch
     args = ["export", str(run_dir), "--merged", "--out", str(tmp_path / "m"), "--push-to-hub", "me/tiny"]
     _one_line_error(args, "--push-to-hub", "no Hugging Face token")
     _one_line_error(["export", str(run_dir), "--out", str(tmp_path / "a"), "--push-to-hub", "me/t"], "tiny-llama")
+
+
+@pytest.mark.slow
+def test_merged_export_of_a_smollm2_run_reloads_with_the_adapters_logits(tmp_path):
+    """The packaged SmolLM2 (read from its Q4_1 GGUF file): a 1-round run's merged export reloads
+    with plain ``AutoModelForCausalLM`` and gives the adapter-on-base logits; the card says which
+    weights the base is (about 1-2 minutes on one core: the GGUF file is read three times)."""
+    from transformers import AutoModelForCausalLM
+
+    from fedtune.run import run_experiment
+
+    overrides = [*TINY, f"output_dir={tmp_path}", "name=smol", "model.name=smollm2", "method=fedit", "rounds=1"]
+    overrides += ["federation.num_clients=2", "train.local_steps=1", "train.lr=5e-2", "data.max_train_samples=8"]
+    overrides += ["data.max_test_samples=2", "data.max_length=32", "task.generate=false", "model.lora_rank=2"]
+    run_dir = Path(run_experiment(load_config(None, overrides))["run_dir"])
+    out = tmp_path / "merged"
+    result = runner.invoke(app, ["export", str(run_dir), "--merged", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    card = (out / "README.md").read_text()
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "Q4_1 GGUF file" in card
+    assert "de-quantized to float32" in card and "not the hub's bfloat16" in card
+    # in float64: the saved float32 weights against the adapter on the base, less float32's rounding
+    # through 30 layers (about 6e-4 on logits of up to 30 when both compute in float32)
+    merged = AutoModelForCausalLM.from_pretrained(str(out)).eval().double()
+    run = open_run(run_dir)
+    task = run.task()
+    batch = _batch(task)
+    with torch.no_grad():
+        adapter = run.model(task).double()
+        want = adapter(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        got = merged(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        with adapter.disable_adapter():
+            base = adapter(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    assert not torch.allclose(base, want, atol=1e-3)  # the adapter acts
