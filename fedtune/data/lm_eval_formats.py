@@ -9,8 +9,10 @@ question stem; BoolQ ``"{passage}\\nQuestion: {question}?\\nAnswer:"`` (options 
 HellaSwag the preprocessed ``"{activity}: {context}"``; CSQA (``commonsense_qa``) the question
 with lettered options, the letters scored; WinoGrande (partial scoring) one context per option,
 the sentence up to the blank with the option filled in, and the rest of the sentence as the
-continuation. A local ``{question, choices, gold}`` file is asked as ARC is (its question as it
-is). Few-shot (:func:`fewshot_prefix`): the first ``k`` examples of the set's training split, each
+continuation; MMLU (each of its 57 subjects) ``"{question}\nA. ...\nD. ...\nAnswer:"``, the letters
+scored, after ``"The following are multiple choice questions (with answers) about {subject}.\n\n"``
+(:func:`description`). A local ``{question, choices, gold}`` file is asked as ARC is (its question
+as it is). Few-shot (:func:`fewshot_prefix`): the first ``k`` examples of the set's training split, each
 its context, ``" "`` and its gold continuation, followed by ``"\\n\\n"`` (lm-eval's ``first_n``
 sampler and delimiters).
 """
@@ -18,6 +20,7 @@ sampler and delimiters).
 from __future__ import annotations
 
 from fedtune.config import ConfigError
+from fedtune.data.llm_text import MMLU_SUBJECTS
 
 #: sets whose lm-eval form this module rebuilds (``local``: a question file, asked as ARC)
 FORMATS = (
@@ -43,6 +46,9 @@ def _inner(question: str, prefix: str, suffix: str = "\nAnswer:") -> str:
 def requests(name: str, question: str, choices: list[str]) -> list[tuple[str, str]]:
     """(context, continuation) of each option of a question of set ``name`` (see the module
     docstring); ``question`` in the data's ranked-classification form."""
+    if name in MMLU_SUBJECTS:
+        options = "".join(f"\n{LETTERS[j]}. {c}" for j, c in enumerate(choices))
+        return [(f"{question.strip()}{options}\nAnswer:", f" {LETTERS[j]}") for j in range(len(choices))]
     if name in ("arc_easy", "arc_challenge", "boolq", "hellaswag", "local"):
         context = question
     elif name == "piqa":
@@ -62,6 +68,13 @@ def requests(name: str, question: str, choices: list[str]) -> list[tuple[str, st
     else:
         raise ConfigError(f"protocol lm-eval: no lm-eval format for set {name!r}; expected one of {', '.join(FORMATS)}")
     return [(context, f" {c}") for c in choices]
+
+
+def description(name: str) -> str:
+    """The text lm-eval puts before the shots and the question: MMLU's subject line, else none."""
+    if name in MMLU_SUBJECTS:
+        return f"The following are multiple choice questions (with answers) about {name.replace('_', ' ')}.\n\n"
+    return ""
 
 
 def gold_text(name: str, question: str, choices: list[str], gold: int) -> str:

@@ -81,6 +81,7 @@ from fedtune.tasks.text_metrics import extract_answer, rouge_l
 #: LoRA targets of Llama-style models: attention and gated-MLP projections
 LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FFN_TARGETS = ("gate_proj", "up_proj", "down_proj")
+BY_LABEL = ("commonsense", llm_text.MMLU)  # data whose label names each example's set (subject)
 FREE_FORM_NEW_TOKENS = 64  # generation budget for free-form answers unless task.max_new_tokens
 
 
@@ -354,7 +355,7 @@ class CausalLM(Task):
 
     def set_name(self, ds: llm_text.PromptSet, i: int) -> str:
         """The commonsense set of example ``i`` (``local`` for a file's or hub set's question)."""
-        return ds.label_names[ds.labels[i]] if self.config.data.name == "commonsense" else "local"
+        return ds.label_names[ds.labels[i]] if self.config.data.name in BY_LABEL else "local"
 
     def fewshot_prefix(self, ds: llm_text.PromptSet, i: int) -> str:
         """``task.num_fewshot`` solved examples of example ``i``'s set, the first of its training
@@ -363,10 +364,13 @@ class CausalLM(Task):
         if not k:
             return ""
         pool = self.train
-        same = np.flatnonzero(pool.labels == ds.labels[i]) if self.config.data.name == "commonsense" else None
+        same = np.flatnonzero(pool.labels == ds.labels[i]) if self.config.data.name in BY_LABEL else None
         first = (same if same is not None else np.arange(len(pool)))[:k]
         if len(first) < k:
-            raise ConfigError(f"task.num_fewshot: {k} shots, but the training split has {len(first)} examples")
+            raise ConfigError(
+                f"task.num_fewshot: {k} shots of {self.set_name(ds, i)!r}, but its few-shot pool (training or dev "
+                f"split) has {len(first)}"
+            )
         shots = [(pool.questions[j], pool.choices[j], int(pool.gold[j])) for j in first]
         return lm_eval_formats.fewshot_prefix(self.set_name(ds, i), shots)
 
@@ -377,7 +381,8 @@ class CausalLM(Task):
         (the continuation's ids are those of context + continuation after the context's)."""
         tok = self.tokenizer
         if self.options.choice_scoring == "lm-eval":
-            name, prefix = self.set_name(ds, i), prompting.bos_prefix(tok) + self.fewshot_prefix(ds, i)
+            name = self.set_name(ds, i)
+            prefix = prompting.bos_prefix(tok) + lm_eval_formats.description(name) + self.fewshot_prefix(ds, i)
             pairs = lm_eval_formats.requests(name, ds.questions[i], list(ds.choices[i]))
             contexts = prompting.encode(tok, [prefix + c for c, _ in pairs])
             wholes = prompting.encode(tok, [prefix + c + x for c, x in pairs])

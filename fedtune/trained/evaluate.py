@@ -41,12 +41,12 @@ from pathlib import Path
 import numpy as np
 
 from fedtune.config import ConfigError, RunConfig, load_config
-from fedtune.data.llm_text import ALL_SETS
+from fedtune.data.llm_text import ALL_SETS, MMLU, MMLU_GROUPS, MMLU_SUBJECTS
 from fedtune.models.hub_ids import fedtune_name, hub_id
 from fedtune.trained.loader import evaluation_task, open_run, prepared_base
 
 DOLLY = "dolly"
-SETS = (*ALL_SETS, DOLLY)
+SETS = (*ALL_SETS, MMLU, DOLLY)
 ACCURACIES = ("acc", "acc_norm", "gen_acc")  # the binomial metrics (a standard error each)
 PAIRED = ("acc", "acc_norm", "gen_acc", "rouge_l", "loss")  # the metrics --baseline compares per question
 KIND = "causal-lm"
@@ -105,9 +105,9 @@ def unit_config(
     """``config`` evaluating set ``name`` (None: its own test set) under ``protocol`` (see the
     module docstring; ``max_length``: the lm-eval protocol's token limit)."""
     tree = config.model_dump(mode="json")
-    if name == DOLLY:
-        tree["data"].update(name=DOLLY, max_test_samples=None, test_path=None)
-        tree["task"].update(sets=None, test_per_set=None, generate=True)
+    if name in (DOLLY, MMLU):
+        tree["data"].update(name=name, max_test_samples=None, test_path=None)
+        tree["task"].update(sets=None, test_per_set=None, generate=name == DOLLY or generate)
     elif name is not None:
         tree["data"].update(name="commonsense", max_test_samples=None, test_path=None)
         tree["task"].update(sets=[name], test_per_set=None, generate=generate)
@@ -124,27 +124,36 @@ def _se(p: float, n: int) -> float:
 
 def set_groups(task, unit: str) -> list[tuple[str, np.ndarray]]:
     """(set name, its examples' indices) of a unit's test set: on commonsense data one per set (a
-    run's own test set may span several), elsewhere (Dolly, a run's local file) the unit."""
+    run's own test set may span several); on MMLU one per subject group (``mmlu_stem``, ...,
+    parts of the whole) and ``mmlu``, all questions (lm-eval's groups: means over their
+    questions); elsewhere (Dolly, a run's local file) the unit."""
     ds = task.test
+    if task.config.data.name == MMLU:
+        subjects = np.array([MMLU_SUBJECTS[s] for s in ds.labels])
+        parts = [(f"{MMLU}_{g}", np.flatnonzero(np.isin(subjects, members))) for g, members in MMLU_GROUPS.items()]
+        return [*((name, idx) for name, idx in parts if len(idx)), (MMLU, np.arange(len(ds)))]
     if task.config.data.name != "commonsense":
         return [(unit, np.arange(len(ds)))]
     return [(ds.label_names[s], np.flatnonzero(ds.labels == s)) for s in np.unique(ds.labels)]
 
 
-def set_rows(task, metrics: dict[str, float], unit: str) -> dict[str, dict]:
-    """{set: its size, metrics and standard errors} from one unit's metrics (their
-    ``<metric>_<set>`` values where the unit spans several sets)."""
-    groups = set_groups(task, unit)
+def is_part(name: str) -> bool:
+    """Whether a set row is a part of another (an MMLU subject group), left out of averages."""
+    return name.startswith(f"{MMLU}_")
+
+
+def set_rows(task, per: dict[str, np.ndarray], unit: str) -> dict[str, dict]:
+    """{set: its size, metrics (means over its questions) and standard errors} from one unit's
+    per-question metrics (:meth:`~fedtune.tasks.causal_lm.CausalLM.example_metrics`)."""
     rows = {}
-    for name, idx in groups:
-        suffix = f"_{name}" if len(groups) > 1 else ""
+    for name, idx in set_groups(task, unit):
         row: dict = {"n": len(idx)}
         for key in ("loss", "rouge_l", *ACCURACIES):
-            value = metrics.get(key + suffix)
-            if value is not None:
-                row[key] = value
+            values = per[key][idx] if key in per else np.full(1, np.nan)
+            if not np.isnan(values).all():
+                row[key] = float(np.nanmean(values))
                 if key in ACCURACIES:
-                    row[f"{key}_se"] = _se(value, len(idx))
+                    row[f"{key}_se"] = _se(row[key], len(idx))
         rows[name] = row
     return rows
 
@@ -153,7 +162,7 @@ def average(rows: dict[str, dict], keys=ACCURACIES) -> dict[str, float]:
     """Mean of each of ``keys`` over the multiple-choice sets, with its standard error."""
     out: dict[str, float] = {}
     for key in keys:
-        values = [r for name, r in rows.items() if name != DOLLY and key in r]
+        values = [r for name, r in rows.items() if name != DOLLY and not is_part(name) and key in r]
         if values:
             out[key] = float(np.mean([r[key] for r in values]))
             out[f"{key}_se"] = math.sqrt(sum(r[f"{key}_se"] ** 2 for r in values)) / len(values)
@@ -192,11 +201,13 @@ def counting_forwards(model, on_forward: Callable[[], None]):
 
 
 def first_per_set(task, limit: int | None) -> None:
-    """Keep the first ``limit`` test examples of each set of ``task`` (lm-eval's ``--limit``)."""
+    """Keep the first ``limit`` test examples of each set (each MMLU subject) of ``task``
+    (lm-eval's ``--limit``)."""
     if limit is None:
         return
     train, test = task.data
-    keep = np.sort(np.concatenate([idx[:limit] for _, idx in set_groups(task, "")]))
+    labels = test.labels if task.config.data.name in ("commonsense", MMLU) else np.zeros(len(test), dtype=np.int64)
+    keep = np.sort(np.concatenate([np.flatnonzero(labels == s)[:limit] for s in np.unique(labels)]))
     task.__dict__["data"] = (train, test.subset(keep))
 
 
@@ -262,7 +273,7 @@ def _score(units, model, batch: int, progress, label: str) -> tuple[dict, dict, 
         with counting_forwards(model, tick):
             per = task.example_metrics(model, batch)
         raw[unit] = task.summarize(per)
-        rows.update(set_rows(task, raw[unit], unit))
+        rows.update(set_rows(task, per, unit))
         examples.update(_examples(task, per, unit))
     return rows, raw, examples
 
@@ -319,7 +330,7 @@ def evaluate(
         cut = task.truncated(task.test)
         for name, idx in set_groups(task, unit):
             truncated[name] = int(cut[idx].sum())
-            if truncated[name]:
+            if truncated[name] and not is_part(name):
                 notes.append(
                     f"{name}: {truncated[name]} of {len(idx)} examples cut to {task.config.data.max_length} tokens "
                     f"(from the {task.options.truncation_side}; protocol {protocol})"
