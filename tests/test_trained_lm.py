@@ -150,7 +150,7 @@ def test_eval_of_the_run_folder_gives_the_runs_final_metrics_not_the_bases(run_d
     from fedtune.trained.evaluate import Target, evaluate
 
     final = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
-    result = runner.invoke(app, ["eval", str(run_dir), "--batch-size", "5"])
+    result = runner.invoke(app, ["eval", str(run_dir), "--batch-size", "5", "--baseline"])
     assert result.exit_code == 0, result.output
     assert "arc_easy" in result.output and "±" in result.output
     saved = json.loads((run_dir / "eval.json").read_text())
@@ -164,6 +164,12 @@ def test_eval_of_the_run_folder_gives_the_runs_final_metrics_not_the_bases(run_d
     # the base in the adapter's place scores another loss on the same examples
     bare = evaluate(Target(open_run(run_dir).config, None, "base", run_dir), [])
     assert abs(bare["metrics"]["run test set"]["loss"] - final["loss"]) > 1e-3
+    # --baseline without --tasks: the base on the run's own test set and protocol
+    assert saved["protocol"]["name"] == "run" and saved["protocol"]["prompt_template"] == "chat"
+    assert saved["baseline"]["metrics"]["run test set"] == pytest.approx(bare["metrics"]["run test set"], abs=1e-5)
+    assert saved["paired"]["sets"]["arc_easy"]["acc"] == pytest.approx(
+        saved["sets"]["arc_easy"]["acc"] - saved["baseline"]["sets"]["arc_easy"]["acc"]
+    )
 
 
 def test_eval_of_a_bare_model_on_named_sets(tmp_path):
