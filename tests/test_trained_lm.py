@@ -217,6 +217,8 @@ def test_a_run_and_its_base_on_one_protocol_with_the_paired_difference(run_dir, 
     assert result.exit_code == 0, result.output
     assert "run - base on protocol lm-eval" in result.output
     saved = json.loads(out.read_text())
+    # acc_norm where lm-eval's task reports it: ARC's options differ in length, CSQA's letters do not
+    assert "acc_norm" in saved["sets"]["arc_easy"] and "acc_norm" not in saved["sets"]["csqa"]
     bare = runner.invoke(app, ["eval", "tiny-llama", "--tasks", "arc_easy", "--out", str(tmp_path / "bare.json")])
     assert bare.exit_code == 0, bare.output
     assert json.loads((tmp_path / "bare.json").read_text())["protocol"] == saved["protocol"]  # one protocol

@@ -36,6 +36,9 @@ FORMATS = (
     "local",
 )
 LETTERS = "ABCDEFGHIJ"
+#: the sets whose lm-eval task reports acc_norm beside acc (the others' options, letters or
+#: answers of one kind, report acc alone)
+WITH_ACC_NORM = ("arc_challenge", "arc_easy", "hellaswag", "openbookqa", "piqa")
 
 
 def _inner(question: str, prefix: str, suffix: str = "\nAnswer:") -> str:

@@ -42,6 +42,7 @@ import numpy as np
 
 from fedtune.config import ConfigError, RunConfig, load_config
 from fedtune.data.llm_text import ALL_SETS, MMLU, MMLU_GROUPS, MMLU_SUBJECTS
+from fedtune.data.lm_eval_formats import WITH_ACC_NORM
 from fedtune.models.hub_ids import fedtune_name, hub_id
 from fedtune.trained.loader import evaluation_task, open_run, prepared_base
 
@@ -144,11 +145,14 @@ def is_part(name: str) -> bool:
 
 def set_rows(task, per: dict[str, np.ndarray], unit: str) -> dict[str, dict]:
     """{set: its size, metrics (means over its questions) and standard errors} from one unit's
-    per-question metrics (:meth:`~fedtune.tasks.causal_lm.CausalLM.example_metrics`)."""
+    per-question metrics (:meth:`~fedtune.tasks.causal_lm.CausalLM.example_metrics`); under the
+    lm-eval protocol ``acc_norm`` only where lm-eval's task reports it."""
     rows = {}
+    lm_eval = task.options.choice_scoring == LM_EVAL
     for name, idx in set_groups(task, unit):
         row: dict = {"n": len(idx)}
-        for key in ("loss", "rouge_l", *ACCURACIES):
+        keys = [k for k in ("loss", "rouge_l", *ACCURACIES) if not (lm_eval and k == "acc_norm")]
+        for key in [*keys, *(["acc_norm"] if lm_eval and name in WITH_ACC_NORM else [])]:
             values = per[key][idx] if key in per else np.full(1, np.nan)
             if not np.isnan(values).all():
                 row[key] = float(np.nanmean(values))
