@@ -14,7 +14,8 @@ model and a run alike:
 Each requested set is one evaluation unit: the target's config with ``data.name`` and the set
 swapped in: a commonsense set (``task.sets = [set]``) or ``dolly`` (FedIT's 80-example test set:
 ROUGE-L of greedy generations and the response loss, through the prompt template under either
-protocol). ``limit`` keeps the first N questions of each set (as lm-eval's ``--limit``). Without
+protocol). ``limit`` keeps the first N questions of each set (as lm-eval's ``--limit``; the
+benchmarks' ``draw = "seed0"``: a seed-0 draw, nested in the one a run evaluates on). Without
 sets, a run is scored on its own test set, drawn as its rounds drew it. The model is built once:
 the run's base prepared as the run's (dtype, quantization, device, ``train.threads``), its
 adapter loaded on top (:mod:`fedtune.trained.loader`). ``baseline``: the same units scored
@@ -56,6 +57,11 @@ RUN = "run"
 PROTOCOLS = {
     LM_EVAL: "lm-evaluation-harness's task formats: raw text (no chat template), ' ' + option, whole prompts",
     RUN: "the run's own evaluation: its prompt template, choice scoring, data.max_length and truncation side",
+}
+FIRST, SEEDED = "first", "seed0"
+DRAWS = {
+    FIRST: "the first N of each set (lm-eval's --limit)",
+    SEEDED: "N of each named set drawn with seed 0 (as runs draw task.test_per_set: nested in a run's subset)",
 }
 LM_EVAL_MAX_LENGTH = 4096  # the most tokens a prompt keeps under lm-eval (data.max_length's ceiling)
 LM_EVAL_TEMPLATE = "lm-eval task format (raw text: fedtune.data.lm_eval_formats)"
@@ -101,17 +107,24 @@ def target_of(arg: str) -> Target:
 
 
 def unit_config(
-    config: RunConfig, name: str | None, generate: bool, protocol: str = RUN, num_fewshot: int = 0, max_length=None
+    config: RunConfig,
+    name: str | None,
+    generate: bool,
+    protocol: str = RUN,
+    num_fewshot: int = 0,
+    max_length: int | None = None,
+    drawn: int | None = None,
 ) -> RunConfig:
     """``config`` evaluating set ``name`` (None: its own test set) under ``protocol`` (see the
-    module docstring; ``max_length``: the lm-eval protocol's token limit)."""
+    module docstring; ``max_length``: the lm-eval protocol's token limit; ``drawn``: at most that
+    many questions of a named set, drawn with seed 0 as runs draw ``task.test_per_set``)."""
     tree = config.model_dump(mode="json")
     if name in (DOLLY, MMLU):
-        tree["data"].update(name=name, max_test_samples=None, test_path=None)
+        tree["data"].update(name=name, max_test_samples=drawn, test_path=None)
         tree["task"].update(sets=None, test_per_set=None, generate=name == DOLLY or generate)
     elif name is not None:
         tree["data"].update(name="commonsense", max_test_samples=None, test_path=None)
-        tree["task"].update(sets=[name], test_per_set=None, generate=generate)
+        tree["task"].update(sets=[name], test_per_set=drawn, generate=generate)
     if protocol == LM_EVAL:
         tree["data"].update(max_length=max_length or LM_EVAL_MAX_LENGTH)
         if name != DOLLY:
@@ -300,10 +313,12 @@ def evaluate(
     protocol: str | None = None,
     num_fewshot: int = 0,
     baseline: bool = False,
+    draw: str = FIRST,
 ) -> dict:
     """Score ``target`` on ``sets`` (none: a run's own test set) under ``protocol`` (None:
     ``lm-eval`` for named sets, ``run`` for a run's own test set); the result as ``eval.json``
-    holds it. ``progress(unit, forward passes so far)`` is called as the evaluation advances."""
+    holds it. ``progress(unit, forward passes so far)`` is called as the evaluation advances.
+    ``draw``: which ``limit`` questions (:data:`DRAWS`)."""
     import torch
 
     if not sets and target.run_dir is None:
@@ -325,8 +340,9 @@ def evaluate(
     length = _lm_eval_length(model) if protocol == LM_EVAL else None
     units = []
     for name in names:
-        task = evaluation_task(unit_config(target.config, name, generate, protocol, num_fewshot, length))
-        first_per_set(task, limit)
+        drawn = limit if draw == SEEDED else None
+        task = evaluation_task(unit_config(target.config, name, generate, protocol, num_fewshot, length, drawn))
+        first_per_set(task, limit if draw == FIRST else None)
         units.append((name or "run test set", task))
     batch = batch_size or target.config.train.eval_batch_size
     notes, truncated = [], {}
@@ -351,7 +367,7 @@ def evaluate(
         "quantization": model_cfg.quantization,
         "protocol": describe_protocol(units[0][1], protocol),
         "limit": limit,
-        "limit_takes": "the first N of each set",
+        "limit_takes": DRAWS[draw],
         "batch_size": batch,
         "generate": generate,
         "truncated": truncated,
@@ -380,13 +396,13 @@ def evaluate(
 def evaluate_to_file(job: tuple[Target, list[str], int | None, Path, dict]) -> dict:
     """Worker job (one picklable argument, for :func:`fedtune.harness.pool.imap_unordered`):
     ``(target, sets, limit, path, extra)`` -> :func:`evaluate` of ``target`` on ``sets`` at
-    ``limit`` examples per set under the ``run`` protocol (the recipe's own), with ``extra``'s
-    entries added, written to ``path`` as JSON (the file appears only once the evaluation is
-    complete) and returned."""
+    ``limit`` examples per set (a seed-0 draw) under the ``run`` protocol (the recipe's own),
+    with ``extra``'s entries added, written to ``path`` as JSON (the file appears only once the
+    evaluation is complete) and returned."""
     import json
 
     target, sets, limit, path, extra = job
-    result = {**evaluate(target, sets, limit, protocol=RUN), **extra}
+    result = {**evaluate(target, sets, limit, protocol=RUN, draw=SEEDED), **extra}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".part")
