@@ -105,6 +105,18 @@ def test_merged_export_gives_the_adapter_models_logits(run_dir, tmp_path):
     assert "last round, the run's own test set" in card and f"accuracy {run_final(run_dir)['accuracy']:.4f}" in card
 
 
+def test_model_card_reports_the_runs_eval_json_with_its_protocol(run_dir, tmp_path):
+    from fedtune.trained.export import model_card
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    result = {"protocol": {"name": "lm-eval"}, "sets": {"arc_easy": {"n": 4, "acc": 0.5}, "dolly": {"n": 3}}}
+    (copy / "eval.json").write_text(json.dumps(result))
+    card = model_card(open_run(copy), merged=False)
+    assert "`fedtune eval` (`eval.json`, protocol lm-eval): arc_easy acc 0.5000 (n=4)" in card
+    assert "base_model:" not in card  # tiny-llama exists on no hub
+
+
 def run_final(run_dir: Path) -> dict:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
 
@@ -150,7 +162,13 @@ def test_eval_of_the_run_folder_gives_the_runs_final_metrics_not_the_bases(run_d
     from fedtune.trained.evaluate import Target, evaluate
 
     final = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
-    result = runner.invoke(app, ["eval", str(run_dir), "--batch-size", "5", "--baseline"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        result = runner.invoke(app, ["eval", str(run_dir), "--batch-size", "5", "--baseline"])
+        assert torch.get_num_threads() == 1  # the run's train.threads
+    finally:
+        torch.set_num_threads(threads)
     assert result.exit_code == 0, result.output
     assert "arc_easy" in result.output and "±" in result.output
     saved = json.loads((run_dir / "eval.json").read_text())
