@@ -354,7 +354,8 @@ class CausalLM(Task):
         return ds.instructions[i], ds.inputs[i], [llm_text.ANSWER_PREFIX + t for t in ds.tags[i]]
 
     def set_name(self, ds: llm_text.PromptSet, i: int) -> str:
-        """The commonsense set of example ``i`` (``local`` for a file's or hub set's question)."""
+        """The set of example ``i``: its commonsense set or MMLU subject (``local``: a file's or hub
+        set's question)."""
         return ds.label_names[ds.labels[i]] if self.config.data.name in BY_LABEL else "local"
 
     def fewshot_prefix(self, ds: llm_text.PromptSet, i: int) -> str:

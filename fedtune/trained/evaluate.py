@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -365,7 +365,7 @@ def evaluate(
         "adapter": None if target.adapter_dir is None else str(target.adapter_dir),
         "dtype": model_cfg.dtype,
         "quantization": model_cfg.quantization,
-        "protocol": describe_protocol(units[0][1], protocol),
+        "protocol": describe_protocol(next((t for u, t in units if u != DOLLY), units[0][1]), protocol),
         "limit": limit,
         "limit_takes": DRAWS[draw],
         "batch_size": batch,
@@ -379,7 +379,7 @@ def evaluate(
         "examples": examples,
     }
     if baseline:
-        with model.disable_adapter() if hasattr(model, "disable_adapter") else nullcontext():
+        with model.disable_adapter():
             base_rows, base_raw, base_examples = _score(units, model, batch, progress, "base: ")
         diffs = paired(examples, base_examples)
         result["baseline"] = {
