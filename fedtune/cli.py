@@ -181,8 +181,8 @@ def eval_(
         None,
         "--tasks",
         help="sets, comma-separated: arc_challenge, arc_easy, boolq, csqa, hellaswag, openbookqa, piqa, "
-        "socialiqa, winogrande, mmlu (by subject group; needs DATA_DIR/mmlu/test.jsonl), dolly "
-        "(default for a run: its own test set)",
+        "socialiqa, winogrande, mmlu (by subject group; needs DATA_DIR/mmlu/test.jsonl), dolly, or a local "
+        ".jsonl/.csv file of question, choices, gold rows (default for a run: its own test set)",
     ),
     protocol: str | None = typer.Option(
         None,

@@ -204,6 +204,28 @@ def test_eval_of_a_bare_model_on_named_sets(tmp_path):
     assert saved["versions"]["fedtune"] and saved["versions"]["transformers"] and saved["versions"]["torch"]
 
 
+def test_a_local_question_file_is_a_set(tmp_path):
+    """``--tasks FILE.jsonl``: a file of ``{question, choices, gold}`` rows, asked as ARC is: ARC-Easy's
+    first questions written to a file score as ``arc_easy`` does."""
+    import os
+
+    from fedtune.data import llm_text
+
+    rows = llm_text.read_jsonl(Path(os.environ["FEDTUNE_DATA_DIR"]) / "commonsense" / "arc_easy_test.jsonl.gz")[:4]
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps({k: r[k] for k in ("question", "choices", "gold")}) + "\n" for r in rows))
+    out = tmp_path / "e.json"
+    args = ["eval", "tiny-llama", "--tasks", f"{path},arc_easy", "--limit", "3", "--out", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    saved = json.loads(out.read_text())
+    assert saved["sets"][str(path)]["n"] == 3
+    assert saved["examples"][str(path)]["pick"] == saved["examples"]["arc_easy"]["pick"]
+    assert saved["examples"][str(path)]["loss"] == pytest.approx(saved["examples"]["arc_easy"]["loss"], abs=1e-5)
+    _one_line_error(["eval", "tiny-llama", "--tasks", str(tmp_path / "none.jsonl")], "none.jsonl", "not a file")
+    _one_line_error(["eval", "tiny-llama", "--tasks", str(path), "--num-fewshot", "1"], "--num-fewshot")
+
+
 def test_limit_takes_the_first_questions_and_truncation_warns(tmp_path):
     from fedtune.trained.evaluate import evaluate, target_of
 

@@ -12,7 +12,8 @@ model and a run alike:
   bare model, a run's defaults around it.
 
 Each requested set is one evaluation unit: the target's config with ``data.name`` and the set
-swapped in: a commonsense set (``task.sets = [set]``) or ``dolly`` (FedIT's 80-example test set:
+swapped in: a commonsense set (``task.sets = [set]``), ``mmlu``, a local ``.jsonl`` / ``.csv``
+file of ``{question, choices, gold}`` rows (asked as ARC is; the whole file) or ``dolly`` (FedIT's 80-example test set:
 ROUGE-L of greedy generations and the response loss, through the prompt template under either
 protocol). ``limit`` keeps the first N questions of each set (as lm-eval's ``--limit``; the
 benchmarks' ``draw = "seed0"``: a seed-0 draw, nested in the one a run evaluates on). Without
@@ -48,6 +49,7 @@ from fedtune.models.hub_ids import fedtune_name, hub_id
 from fedtune.trained.loader import evaluation_task, open_run, prepared_base
 
 DOLLY = "dolly"
+FILE_SUFFIXES = (".jsonl", ".csv")  # a local file as a set: {question, choices, gold} (or prompt/response) rows
 SETS = (*ALL_SETS, MMLU, DOLLY)
 ACCURACIES = ("acc", "acc_norm", "gen_acc")  # the binomial metrics (a standard error each)
 PAIRED = ("acc", "acc_norm", "gen_acc", "rouge_l", "loss")  # the metrics --baseline compares per question
@@ -68,14 +70,23 @@ LM_EVAL_TEMPLATE = "lm-eval task format (raw text: fedtune.data.lm_eval_formats)
 LIBRARIES = ("torch", "transformers", "peft", "lm_eval")
 
 
+def is_file_set(name: str) -> bool:
+    """Whether a ``--tasks`` entry names a local question file (``.jsonl`` / ``.csv``)."""
+    return Path(name).suffix in FILE_SUFFIXES
+
+
 def parse_sets(text: str | None) -> list[str]:
-    """``--tasks`` as a list of set names (each known, no repeats)."""
+    """``--tasks`` as a list of set names (each known, or an existing local file; no repeats)."""
     if text is None:
         return []
     names = [t.strip() for t in text.split(",") if t.strip()]
     for name in names:
-        if name not in SETS:
-            raise ConfigError(f"--tasks: unknown set {name!r}; expected some of {', '.join(SETS)}")
+        if is_file_set(name) and not Path(name).expanduser().is_file():
+            raise ConfigError(f"--tasks: {name!r} is not a file")
+        if name not in SETS and not is_file_set(name):
+            raise ConfigError(
+                f"--tasks: unknown set {name!r}; expected some of {', '.join(SETS)}, or a .jsonl / .csv file"
+            )
     if not names or len(set(names)) != len(names):
         raise ConfigError(f"--tasks: expected distinct set names, got {text!r}")
     return names
@@ -122,6 +133,10 @@ def unit_config(
     if name in (DOLLY, MMLU):
         tree["data"].update(name=name, max_test_samples=drawn, test_path=None)
         tree["task"].update(sets=None, test_per_set=None, generate=name == DOLLY or generate)
+    elif name is not None and is_file_set(name):
+        path = str(Path(name).expanduser().resolve())
+        tree["data"].update(name=path, max_test_samples=drawn, test_path=path)
+        tree["task"].update(sets=None, test_per_set=None, columns=None, generate=generate)
     elif name is not None:
         tree["data"].update(name="commonsense", max_test_samples=None, test_path=None)
         tree["task"].update(sets=[name], test_per_set=drawn, generate=generate)
@@ -328,6 +343,8 @@ def evaluate(
         raise ConfigError(f"--protocol: unknown protocol {protocol!r}; expected one of {', '.join(PROTOCOLS)}")
     if num_fewshot and protocol != LM_EVAL:
         raise ConfigError("--num-fewshot: few-shot prompts are part of the lm-eval protocol (--protocol lm-eval)")
+    if num_fewshot and any(is_file_set(s) for s in sets):
+        raise ConfigError("--num-fewshot: a local file as a set has no split to draw shots from; drop it or the shots")
     if generate and protocol == LM_EVAL:
         raise ConfigError("--generate: the lm-eval protocol ranks options only; use --protocol run")
     if baseline and target.adapter_dir is None:
