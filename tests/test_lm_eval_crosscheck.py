@@ -222,27 +222,28 @@ def _lm_eval_picks(tmp_path, model, tokenizer, name: str, n: int, k: int) -> lis
 
 
 @pytest.mark.parametrize(
-    ("sets", "k"),
+    ("model_name", "sets", "k", "n"),
     [
-        (("arc_easy", "boolq", "csqa", "winogrande"), 0),
-        (("arc_challenge", "csqa"), 2),
-        pytest.param(tuple(LM_EVAL_TASKS), 0, marks=pytest.mark.slow),
-        pytest.param(tuple(LM_EVAL_TASKS), 2, marks=pytest.mark.slow),
+        ("tiny-llama", ("arc_easy", "boolq", "csqa", "winogrande"), 0, 3),
+        ("tiny-llama", ("arc_challenge", "csqa"), 2, 3),
+        pytest.param("tiny-llama", tuple(LM_EVAL_TASKS), 0, 3, marks=pytest.mark.slow),
+        pytest.param("tiny-llama", tuple(LM_EVAL_TASKS), 2, 3, marks=pytest.mark.slow),
+        pytest.param("smollm2", ("arc_easy", "arc_challenge", "csqa"), 0, 10, marks=pytest.mark.slow),
+        pytest.param("smollm2", ("arc_challenge",), 5, 5, marks=pytest.mark.slow),
     ],
 )
-def test_eval_chooses_as_lm_eval_does_on_its_task_formats(tmp_path, sets, k):
-    """``fedtune eval tiny-llama --tasks ... --limit 3 [--num-fewshot 2]`` picks per question the
+def test_eval_chooses_as_lm_eval_does_on_its_task_formats(tmp_path, model_name, sets, k, n):
+    """``fedtune eval MODEL --tasks ... --limit n [--num-fewshot k]`` picks per question the
     request lm-eval 0.4's own task (its YAML, fed the same questions, first-n shots) picks: the
     same continuation after the same context (lm-eval's has the shots before it)."""
     from fedtune.data import lm_eval_formats
     from fedtune.models import prefix_lm as plm
     from fedtune.trained.evaluate import evaluate, target_of
 
-    n = 3
-    result = evaluate(target_of("tiny-llama"), list(sets), limit=n, num_fewshot=k)
+    result = evaluate(target_of(model_name), list(sets), limit=n, num_fewshot=k)
     assert result["protocol"]["name"] == "lm-eval" and result["protocol"]["num_fewshot"] == k
-    model = plm.build_language_model("tiny-llama", 0).eval()
-    tokenizer = plm.load_lm_tokenizer("tiny-llama")
+    model = plm.build_language_model(model_name, 0).eval()
+    tokenizer = plm.load_lm_tokenizer(model_name)
     for name in sets:
         rows = llm_text.read_jsonl(DATA / "commonsense" / f"{name}_{llm_text.eval_split(DATA, name)}.jsonl.gz")[:n]
         theirs = _lm_eval_picks(tmp_path, model, tokenizer, name, n, k)
