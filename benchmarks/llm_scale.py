@@ -18,6 +18,7 @@ the values), with a byte-level tokenizer.
     python benchmarks/llm_scale.py                      # CPU: (a) and (b) at N = 2, 8, 32
     python benchmarks/llm_scale.py --device cuda --size # a GPU, and (c) the 3B-shaped model
     python benchmarks/llm_scale.py --report-only        # rewrite the page from the saved numbers
+    python benchmarks/llm_scale.py --name cpu-bf16 ...  # another CPU kind: its own file and section
 
 Results: ``benchmarks/results/llm_scale/<device>.json`` and ``README.md`` (one table per device).
 """
@@ -236,6 +237,7 @@ def main() -> None:
     p.add_argument("--size", action="store_true", help="also (c): the Llama-3.2-3B-shaped model")
     p.add_argument("--scratch", default=str(Path(tempfile.gettempdir()) / "fedtune-llm-scale"))
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--name", help="results file and section (default: the device, cpu or cuda)")
     p.add_argument("--measure", help=argparse.SUPPRESS)
     p.add_argument("--dtype", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -263,8 +265,14 @@ def main() -> None:
         scratch.mkdir(parents=True, exist_ok=True)
         clients = [int(n) for n in args.clients.split(",")] if args.clients else []
         data = synthetic_data(scratch, max([8, *clients]) * args.batch * args.steps * 2 + 16)
-        machine = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "CPU"
-        device = "cuda" if args.device.startswith("cuda") else "cpu"
+        if args.device.startswith("cuda"):
+            machine = torch.cuda.get_device_name()
+        else:
+            from fedtune.models.precision import computes_natively
+
+            units = computes_natively(torch.device("cpu"), torch.bfloat16)
+            machine = f"{platform.processor() or 'CPU'} ({'with' if units else 'without'} bfloat16 units)"
+        device = args.name or ("cuda" if args.device.startswith("cuda") else "cpu")
         res = saved.setdefault(device, {"rows": [], "size": []})
         res["machine"] = f"{machine}, torch {torch.__version__}, {os.cpu_count()} cores"
         if clients or "config" not in res:  # (c) alone leaves the settings of (a) and (b) as they were

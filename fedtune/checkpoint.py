@@ -4,6 +4,7 @@ written atomically (a temporary file renamed over the old one), and read back ex
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +16,9 @@ class CheckpointError(FedtuneError):
     """A checkpoint that cannot be read (truncated, corrupted, not a fedtune checkpoint)."""
 
 
-def save_state(path: Path, state: dict) -> None:
-    """A strategy state (nested dicts of arrays and JSON values) as one .npz, written atomically."""
+def save_state(path: Path, state: dict, private: bool = False) -> None:
+    """A strategy state (nested dicts of arrays and JSON values) as one .npz, written atomically;
+    ``private``: readable by its owner only from its first byte (it holds a secret)."""
     flat: dict[str, np.ndarray] = {}
     plain: dict = {}
 
@@ -31,7 +33,9 @@ def save_state(path: Path, state: dict) -> None:
 
     walk(state, "", plain)
     tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, __json__=np.frombuffer(json.dumps(plain).encode(), dtype=np.uint8), **flat)
+    tmp.unlink(missing_ok=True)
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o666), "wb") as out:
+        np.savez(out, __json__=np.frombuffer(json.dumps(plain).encode(), dtype=np.uint8), **flat)
     tmp.replace(path)
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import re
 import sys
+import traceback
 from pathlib import Path
 
 import typer
@@ -10,13 +13,65 @@ from rich.console import Console
 
 from fedtune.errors import FedtuneError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Resource-adaptive federated fine-tuning.")
+HF_TOKEN = re.compile(r"hf_[A-Za-z0-9]{30,}")  # a token: 34 letters and digits (not hf_transfer)
+SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|KEY", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """``text`` with Hugging Face tokens (``hf_...``) and the values of secret-named environment
+    variables (``*TOKEN*``, ``*SECRET*``, ``*PASSWORD*``, ``*KEY*``) replaced by ``[redacted]``."""
+    for name, value in os.environ.items():
+        if len(value) >= 6 and SECRET_NAME.search(name):
+            text = text.replace(value, "[redacted]")
+    return HF_TOKEN.sub("[redacted]", text)
+
+
+class _App(typer.Typer):
+    """The command line: an unexpected error (a bug: anything but a :class:`FedtuneError`, which a
+    command turns into its one line) prints one line and the last frames of its traceback, never
+    local variables, with secrets redacted (:func:`redact`), and exits 1."""
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return super().__call__(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - the last stop before the user's terminal
+            first = (str(exc).strip().splitlines() or [""])[0]
+            import click
+
+            internal = (os.path.dirname(typer.__file__), os.path.dirname(click.__file__))
+            stack = [f for f in traceback.extract_tb(exc.__traceback__.tb_next) if not f.filename.startswith(internal)]
+            frames = "".join(traceback.StackSummary.from_list(stack[-6:]).format())
+            text = f"error: unexpected {type(exc).__name__}: {first} (a fedtune bug; its last frames:)\n{frames}"
+            sys.stderr.write(redact(text))
+            sys.exit(1)
+
+
+app = _App(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    help="Resource-adaptive federated fine-tuning.",
+)
 console = Console(stderr=True)
+
+
+@app.callback()
+def _options(
+    verbose: bool = typer.Option(
+        False, "--verbose", help="also the libraries' warnings, log lines and progress bars (fedtune --verbose run ...)"
+    ),
+) -> None:
+    if verbose:
+        import os
+
+        from fedtune.process import VERBOSE_ENV
+
+        os.environ[VERBOSE_ENV] = "1"
 
 
 def _fail(message: str, code: int = 2) -> None:
     console.print("[bold red]error:[/]", end=" ")
-    console.print(message, markup=False, highlight=False, soft_wrap=True)
+    console.print(redact(message), markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -101,13 +156,16 @@ def methods(
     ),
 ) -> None:
     """List the registered methods."""
-    from fedtune.methods import list_methods
+    from fedtune import catalog
 
     pad = " " * 15
-    for spec in list_methods():
-        typer.echo(f"{spec.name:<14} {spec.description}")
+    for method, description in catalog.read()["methods"]:  # without importing the methods (torch)
+        typer.echo(f"{method:<14} {description}")
         if not verbose:
             continue
+        from fedtune.methods import get_method
+
+        spec = get_method(method)
         typer.echo(f"{pad}tasks: {', '.join(spec.supported_tasks())}")
         for name, field in spec.options.model_fields.items():
             about = f"  ({field.description})" if field.description else ""
@@ -119,17 +177,19 @@ def methods(
 @app.command()
 def tasks() -> None:
     """List the task kinds (``task.kind``) with their default data set and model."""
-    from fedtune.tasks import list_tasks
+    from fedtune import catalog
 
-    for task in list_tasks():
-        defaults = ", ".join(f"{k} {v}" for k, v in task.defaults.items())
-        typer.echo(f"{task.kind:<22} {task.description} [{defaults}]")
+    for kind, description, defaults in catalog.read()["tasks"]:  # without importing the tasks (torch)
+        shown = ", ".join(f"{k} {v}" for k, v in defaults.items())
+        typer.echo(f"{kind:<22} {description} [{shown}]")
 
 
 @app.command()
 def report(
     run_dirs: list[Path] = typer.Argument(..., help="run folders (runs/<name>)"),
-    out: Path | None = typer.Option(None, "--out", "-o", help="folder for report.md and plots"),
+    out: Path | None = typer.Option(
+        None, "--out", "-o", help="folder for report.md and plots (replaces only an earlier report's files)"
+    ),
 ) -> None:
     """Markdown table of final metrics and PNG plots (accuracy vs round, vs MB uploaded)."""
     from fedtune.report import make_report
@@ -151,11 +211,16 @@ def export(
     push_to_hub: str | None = typer.Option(
         None, "--push-to-hub", help="also upload the folder to this hub repository (needs a token)"
     ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="when the folder is not empty, move it aside to <name>.old-<n> first"
+    ),
 ) -> None:
     """Write a run's adapter (or the base with it merged in) and tokenizer to a folder that
-    transformers / PEFT load anywhere; the adapter names its base by hub id."""
+    transformers / PEFT load anywhere; the adapter names its base by hub id. Never deletes or
+    overwrites: a non-empty folder is refused (--overwrite moves it aside), and so is a folder
+    inside a run folder other than the default."""
     from fedtune.process import setup_process
-    from fedtune.trained.export import export_run, hub_token
+    from fedtune.trained.export import default_folder, export_run, hub_token
     from fedtune.trained.export import push_to_hub as push
     from fedtune.trained.loader import open_run
 
@@ -164,8 +229,8 @@ def export(
         run = open_run(run_dir)
         base = None if merged else run.adapter_config.get("base_model_name_or_path")
         token = None if push_to_hub is None else hub_token(push_to_hub, base)
-        folder = out or run_dir / ("export-merged" if merged else "export")
-        for note in export_run(run, folder, merged):
+        folder = out or default_folder(run_dir, merged)
+        for note in export_run(run, folder, merged, overwrite):
             console.print(note, markup=False, highlight=False, soft_wrap=True)
         console.print(f"wrote {folder}")
         if push_to_hub is not None:
@@ -202,7 +267,10 @@ def eval_(
     ),
     generate: bool = typer.Option(False, "--generate", help="commonsense: also greedy generation's accuracy (gen_acc)"),
     out: Path | None = typer.Option(
-        None, "--out", "-o", help="result file (default: RUN_DIR/eval.json, else ./eval.json)"
+        None,
+        "--out",
+        "-o",
+        help="result file (default: RUN_DIR/eval.json, else ./eval.json); replaces only an earlier result",
     ),
 ) -> None:
     """Score a run's adapter, or a bare model (the untuned row), on commonsense sets (log-likelihood
@@ -213,8 +281,9 @@ def eval_(
 
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+    from fedtune.output_files import check_free, write_output
     from fedtune.process import setup_process
-    from fedtune.trained.evaluate import evaluate, parse_sets, target_of
+    from fedtune.trained.evaluate import evaluate, is_eval_result, parse_sets, target_of
     from fedtune.trained.table import eval_table, paired_table
 
     setup_process()
@@ -222,6 +291,7 @@ def eval_(
         sets = parse_sets(tasks)
         scored = target_of(target)
         path = out or (scored.run_dir / "eval.json" if scored.run_dir is not None else Path("eval.json"))
+        check_free(path, is_eval_result, "--out")  # before the evaluation, which takes a while
         columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
         with Progress(*columns, console=console, transient=True) as bar, warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # the result's warnings are printed below
@@ -231,11 +301,7 @@ def eval_(
                 bar.update(shown, description=f"{unit}: {passes} forward passes")
 
             result = evaluate(scored, sets, limit, batch_size, generate, advance, protocol, num_fewshot, baseline)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(result, indent=1))
-        except OSError as exc:
-            raise FedtuneError(f"--out {str(path)!r}: cannot be written ({exc.strerror})") from None
+        write_output(path, json.dumps(result, indent=1).encode(), is_eval_result, "--out")
     except FedtuneError as exc:
         _fail(str(exc), code=exc.exit_code)
     for note in result["warnings"]:
@@ -258,6 +324,11 @@ def _security(insecure: bool, certificates: Path | None, what: str) -> None:
         _fail(f"deploy {what}: give --insecure or the TLS certificate option (not both, not neither)")
     if certificates is not None and not certificates.exists():
         _fail(f"deploy {what}: {certificates} not found")
+
+
+def _check_port(port: int, what: str) -> None:
+    if not 1 <= port <= 65535:
+        _fail(f"deploy {what} --port {port}: expected a port number 1-65535")
 
 
 def _wait(procs) -> int:
@@ -300,6 +371,7 @@ def deploy_superlink(
     from fedtune.engines.flower.commands import flower_env, superlink_args
     from fedtune.process import Processes, is_loopback
 
+    _check_port(port, "superlink")
     if certificates is None and not insecure and not is_loopback(host):
         _fail(
             f"deploy superlink --host {host}: not a loopback address, so anyone on that network could submit "
@@ -349,6 +421,7 @@ def deploy_supernode(
     from fedtune.engines.flower.commands import flower_env, supernode_args, wait_for_worker, worker_args
     from fedtune.process import Processes
 
+    _check_port(port, "supernode")
     _security(insecure, root_certificates, "supernode")
     if auth_key is not None and not auth_key.is_file():
         _fail(f"deploy supernode --auth-key: {auth_key} not found")

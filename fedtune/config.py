@@ -164,6 +164,13 @@ class FederationConfig(_Section):
     max_retries: int = Field(2, ge=0, description="retries of a round short of min_replies before the run stops")
     round_timeout_s: float | None = Field(None, gt=0, description="a client slower than this in a round is dropped")
     max_reply_bytes: int = Field(256 * 2**20, gt=0, description="a larger reply is rejected")
+    max_update_ratio: float = Field(
+        1000.0,
+        ge=0,
+        description="a training reply whose L2 norm exceeds this many times the round's reference (the replies' "
+        "lower median norm, or the norm of what the client was sent, the larger) is dropped; 0: no screen; "
+        "not under DP (its clipping bounds updates)",
+    )
     gpus_per_client: float = Field(
         0.0, ge=0, le=1, description="engine 'flower-sim': the GPU fraction Ray gives each ClientApp (device cuda)"
     )
@@ -202,6 +209,13 @@ class FederationConfig(_Section):
     secagg_threshold: int | None = Field(
         None, ge=2, description="SecAgg+: shares that rebuild a secret (default: a majority of num_shares)"
     )
+
+    @field_validator("max_update_ratio")
+    @classmethod
+    def _ratio_above_one(cls, ratio: float) -> float:
+        if 0 < ratio <= 1:
+            raise ValueError(f"expected 0 (no screen) or a ratio above 1, as honest replies reach 1 (got {ratio})")
+        return ratio
 
     @field_validator("client_devices")
     @classmethod
@@ -330,15 +344,31 @@ class PrivacyConfig(_Section):
     )
     clip: float | None = Field(None, gt=0, description="C: each client's update clipped to this L2 norm")
     per_layer: bool = Field(False, description="clip each of the L arrays to C/sqrt(L) instead of the whole update")
-    noise_multiplier: float | None = Field(None, gt=0, description="z: noise std z*C (or calibrate it: epsilon)")
+    noise_multiplier: float | None = Field(
+        None, gt=0, le=1e6, description="z: noise std z*C (or calibrate it: epsilon)"
+    )
     epsilon: float | None = Field(None, gt=0, description="target epsilon after `rounds`: z calibrated to it")
-    delta: float | None = Field(None, gt=0, lt=1, description="delta (default 1/num_clients^1.1)")
+    delta: float | None = Field(None, gt=0, lt=1, description="delta (default min(1/num_clients^2, 1e-5))")
     epsilon_budget: float | None = Field(None, gt=0, description="stop before a round whose epsilon would exceed this")
+    accountant: Literal["pld", "rdp"] = Field("pld", description="pld (tight) or rdp (Renyi, an upper bound)")
+    adjacency: Literal["replace-one", "add-remove"] = Field(
+        "replace-one", description="neighbouring federations: one client's data replaced, or one client added/removed"
+    )
+    adaptive_clip: bool = Field(False, description="central: C follows a quantile of the update norms (Andrew 2021)")
+    target_quantile: float = Field(0.5, gt=0, lt=1, description="adaptive_clip: the norm quantile C tracks")
+    clip_learning_rate: float = Field(0.2, gt=0, le=10, description="adaptive_clip: eta of C <- C exp(-eta (b - q))")
+    clipped_count_stddev: float | None = Field(
+        None, gt=0, description="adaptive_clip: sigma_b, noise std of the unclipped count (default max(m/20, z))"
+    )
+    insecure_reproducible_noise: bool = Field(
+        False, description="TESTS ONLY, NOT PRIVATE: noise and sample derived from `seed`; epsilon reported as inf"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> PrivacyConfig:
+        defaults = {k: f.default for k, f in type(self).model_fields.items()}
         if self.mode == "none":
-            given = [k for k in type(self).model_fields if k != "mode" and getattr(self, k) not in (None, False)]
+            given = [k for k in type(self).model_fields if k != "mode" and getattr(self, k) != defaults[k]]
             if given:
                 raise ValueError(f'privacy.{given[0]}: applies to privacy.mode = "central" or "local"')
             return self
@@ -351,7 +381,31 @@ class PrivacyConfig(_Section):
                 f'privacy.noise_multiplier: required with privacy.mode = "{self.mode}" '
                 "(or privacy.epsilon to calibrate it)"
             )
+        if self.insecure_reproducible_noise and (self.epsilon is not None or self.epsilon_budget is not None):
+            given = "epsilon" if self.epsilon is not None else "epsilon_budget"
+            raise ValueError(
+                f"privacy.{given}: not with privacy.insecure_reproducible_noise (its noise can be regenerated from "
+                "the seed: it gives no privacy)"
+            )
+        adaptive = [k for k in ADAPTIVE_CLIP_KEYS if getattr(self, k) != defaults[k]]
+        if adaptive and not self.adaptive_clip:
+            raise ValueError(f"privacy.{adaptive[0]}: applies to privacy.adaptive_clip = true")
+        if self.mode == "local":
+            if self.adaptive_clip:
+                raise ValueError("privacy.adaptive_clip: central only (its count is noised by the server)")
+            if self.adjacency == "add-remove":
+                raise ValueError(
+                    'privacy.adjacency: local DP protects each upload against its replacement ("replace-one")'
+                )
+        elif self.accountant == "rdp" and self.adjacency == "replace-one":
+            raise ValueError(
+                'privacy.accountant: "rdp" has no Poisson-subsampled Gaussian under replace-one adjacency; '
+                'use "pld" or privacy.adjacency = "add-remove"'
+            )
         return self
+
+
+ADAPTIVE_CLIP_KEYS = ("target_quantile", "clip_learning_rate", "clipped_count_stddev")
 
 
 #: A run folder's name: one path component (no separator, no "." or ".."), of characters that need no
@@ -411,10 +465,9 @@ class RunConfig(BaseModel):
                 f"federation.nodes: secure aggregation needs one client per node ({fed.num_clients}; SecAgg+ keys "
                 f"and state belong to a node), got {fed.nodes}"
             )
-        if self.privacy.mode == "central":
+        if self.privacy.adaptive_clip:
             raise ValueError(
-                'privacy.mode: "central" clips each update on the server, which secure aggregation hides; '
-                'use "local" (each client clips and noises before masking)'
+                "privacy.adaptive_clip: not with federation.secure_aggregation (its count needs each update's norm)"
             )
         return self
 
@@ -435,6 +488,12 @@ class RunConfig(BaseModel):
         if robust:
             raise ValueError(
                 f"federation.{robust[0]}: not with privacy.mode (DP-FedAvg clips and sums every update itself)"
+            )
+        retry = [k for k in ("min_replies", "max_retries") if getattr(fed, k) != type(fed).model_fields[k].default]
+        if retry:
+            raise ValueError(
+                f"federation.{retry[0]}: not with privacy.mode (a DP round aggregates whatever its secret Poisson "
+                "sample returns, missing replies as zero updates; a retry would condition the sample)"
             )
         return self
 

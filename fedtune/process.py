@@ -4,9 +4,11 @@ for on a port, and stopped by PID with everything they started (no PID reuse); f
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -17,13 +19,36 @@ from typing import Any
 
 from fedtune.errors import FedtuneError
 
+#: set (``fedtune --verbose``), the libraries' own warnings, log lines and progress bars are shown
+VERBOSE_ENV = "FEDTUNE_VERBOSE"
+
+
+def quiet_libraries() -> None:
+    """No third-party output the user did not ask for, unless :data:`VERBOSE_ENV` is set:
+    bitsandbytes' log lines below errors (its "Failed to load CPU gemm_4bit_forward" at import on
+    an AVX512-BF16 CPU), transformers' log lines below errors and the hub's progress bars (its
+    "Loading weights"), PEFT's UserWarnings. Processes started from here inherit the setting."""
+    if os.environ.get(VERBOSE_ENV):
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=UserWarning, module="peft")
+    if "transformers" in sys.modules:  # imported before the variables above were set
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+
 
 def setup_process(threads: int | None = None) -> None:
     """Prepare this process for fedtune work: no tokenizer thread pool (it deadlocks after fork
-    and fights torch for the cores), quiet deprecation noise from the libraries, and ``threads``
-    torch threads when given (``train.threads``; None leaves torch's choice)."""
+    and fights torch for the cores), quiet deprecation noise and other output from the libraries
+    (:func:`quiet_libraries`), and ``threads`` torch threads when given (``train.threads``; None
+    leaves torch's choice)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=FutureWarning)
+    quiet_libraries()
     if threads:
         import torch
 

@@ -41,9 +41,18 @@ class RoundPrinter:
         )
 
     def __call__(self, rec: RoundRecord) -> None:
+        m = rec.metrics
+        if rec.private:  # only what the privacy mechanism releases (RoundRecord.to_json)
+            clip = f"  clip {m['clip']:.4g}" if m.get("clip") is not None else ""
+            self.console.print(
+                f"round {rec.round:>3}/{self.config.rounds}  acc {_pct(m.get('accuracy'))}  "
+                f"epsilon {m['epsilon']:.4g}{clip}",
+                highlight=False,
+                soft_wrap=True,
+            )
+            return
         self.up += sum(rec.client_bytes_up.values())
         self.down += sum(rec.client_bytes_down.values())
-        m = rec.metrics
         loss = m.get("train_loss")
         self.console.print(
             f"round {rec.round:>3}/{self.config.rounds}  clients {len(rec.clients):>3}  "
@@ -57,19 +66,24 @@ class RoundPrinter:
 
     def finish(self, summary: dict) -> None:
         table = Table(title=f"run folder: {summary['run_dir']}")
-        for col in (
-            "final accuracy",
-            summary.get("reference_name", "majority-class rate"),
-            "MB up",
-            "MB down",
-            "wall s",
-        ):
+        columns = {
+            "final accuracy": _pct(summary["final_accuracy"]),
+            summary.get("reference_name", "majority-class rate"): _pct(summary["majority_accuracy"]),
+        }
+        if "privacy" in summary:  # a DP run releases no bytes or timings
+            p = summary["privacy"]
+            columns.update(
+                {"epsilon": f"{p['epsilon']:.4g}", "delta": f"{p['delta']:.3g}", "adjacency": p["adjacency"]}
+            )
+        else:
+            columns.update(
+                {
+                    "MB up": f"{summary['total_bytes_up'] / MB:.3f}",
+                    "MB down": f"{summary['total_bytes_down'] / MB:.3f}",
+                    "wall s": f"{summary['wall_s']:.1f}",
+                }
+            )
+        for col in columns:
             table.add_column(col, justify="right")
-        table.add_row(
-            _pct(summary["final_accuracy"]),
-            _pct(summary["majority_accuracy"]),
-            f"{summary['total_bytes_up'] / MB:.3f}",
-            f"{summary['total_bytes_down'] / MB:.3f}",
-            f"{summary['wall_s']:.1f}",
-        )
+        table.add_row(*columns.values())
         Console().print(table)

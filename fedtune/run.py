@@ -14,13 +14,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from fedtune.checkpoint import load_state, save_state
 from fedtune.config import ConfigError, RunConfig, flat_keys
 from fedtune.engines.embedded import EmbeddedEngine
 from fedtune.engines.rounds import Engine, RoundRecord, RunHalted
 from fedtune.process import setup_process
 from fedtune.run_folder import check_free, create, move_aside, write_text, writing
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 
 
 def _toml(config: RunConfig) -> str:
@@ -36,9 +38,13 @@ MAY_CHANGE_ON_RESUME = {"rounds", "output_dir", "name", "train.threads"}
 
 def check_unchanged(config: RunConfig, started_with: Path) -> None:
     """Refuse to resume with a config other than the one the run started with (config.toml edited,
-    or a --set), naming the keys that differ; ``rounds`` may be raised (and the folder moved)."""
-    if not started_with.is_file():  # a run folder from before this file existed: nothing to compare
-        return
+    or a --set), naming the keys that differ, or without ``run_config.json`` to compare with;
+    ``rounds`` may be raised (and the folder moved)."""
+    if not started_with.is_file():
+        raise ConfigError(
+            f"--resume: {str(started_with)!r} is missing, so the config cannot be checked against the one "
+            "the run started with; start a new run instead"
+        )
     try:
         before = flat_keys(json.loads(started_with.read_text()))
     except (OSError, ValueError, AttributeError) as exc:
@@ -112,24 +118,41 @@ def _summary(
         "majority_accuracy": server.task.majority_rate(),
         "reference_name": server.task.reference_name,
         "test_examples": len(server.task.test),
-        "total_bytes_up": sum(line["bytes_up"] for line in lines),
-        "total_bytes_down": sum(line["bytes_down"] for line in lines),
-        "total_compute_s": sum(line["compute_s"] for line in lines),
-        "dropped": sum(len(line.get("dropped", {})) for line in lines),
-        "wall_s": wall_s,
+        **({} if config.privacy.mode != "none" else _totals(lines, wall_s)),
         "run_dir": str(run_dir),
         "engine": engine,
         "environment": environment(),
     }
 
 
-def _restore(checkpoint: Path, strategy, engine: Engine) -> int:
+def _totals(lines: list[dict], wall_s: float) -> dict:
+    """The run's bytes, compute, drops and wall time (a DP run releases none of them)."""
+    return {
+        "total_bytes_up": sum(line["bytes_up"] for line in lines),
+        "total_bytes_down": sum(line["bytes_down"] for line in lines),
+        "total_compute_s": sum(line["compute_s"] for line in lines),
+        "dropped": sum(len(line.get("dropped", {})) for line in lines),
+        "wall_s": wall_s,
+    }
+
+
+def _restore(checkpoint: Path, strategy, engine: Engine, rounds: int) -> int:
     """Load ``checkpoint`` into ``strategy`` and ``engine``; the round it holds. A checkpoint that
-    does not fit this run's config (another model, an edited method option) stops with one line."""
+    does not fit this run (another model or rank, an edited method option, a damaged ``_round``,
+    a non-finite array, more rounds done than ``rounds``) stops with one line, before anything is
+    written. Called on a freshly initialized strategy: its state is what this run would build."""
     state = load_state(checkpoint)
+    where = f"--resume: {str(checkpoint)!r}"
+    done = state.pop(ROUND_KEY, None)
+    if type(done) is not int or done < 1:
+        raise ConfigError(f"{where}: {ROUND_KEY} = {done!r}, expected the last completed round (1 or more)")
+    if done > rounds:
+        raise ConfigError(f"--resume: rounds = {rounds} but {done} rounds are done; rounds may only be raised")
+    engine_state = state.pop(ENGINE_KEY, {})
+    _check_fits(strategy.state_dict(), state, where)
+    _check_fits({}, engine_state, f"{where} {ENGINE_KEY}")
     try:
-        done = int(state.pop(ROUND_KEY))
-        engine.load_state_dict(state.pop(ENGINE_KEY, {}))
+        engine.load_state_dict(engine_state)
         strategy.load_state_dict(state)
     except (KeyError, ValueError, TypeError, IndexError) as exc:
         raise ConfigError(
@@ -137,6 +160,35 @@ def _restore(checkpoint: Path, strategy, engine: Engine) -> int:
             f"{type(exc).__name__}: {exc})"
         ) from None
     return done
+
+
+def _check_fits(built: dict, stored: dict, where: str, path: str = "") -> None:
+    """``stored`` (a checkpoint's state) holds the arrays of ``built`` (what this run builds) by the
+    same names, shapes (but where the built one is empty: a record that grows) and dtypes, and the
+    same ``rank``; every stored float array is finite."""
+    for key, value in stored.items():
+        if isinstance(value, np.ndarray) and value.dtype.kind in "fc" and not np.isfinite(value).all():
+            raise ConfigError(f"{where}: {path}{key} holds NaN or inf; the checkpoint is damaged")
+    names = {k for k, v in built.items() if isinstance(v, np.ndarray)}
+    stored_names = {k for k, v in stored.items() if isinstance(v, np.ndarray)}
+    if names and names != stored_names:
+        odd = sorted(names ^ stored_names)[:3]
+        raise ConfigError(f"{where}: arrays under {path or '/'} differ from this run's ({', '.join(odd)}, ...)")
+    for key, value in built.items():
+        have = stored.get(key)
+        grows = isinstance(value, np.ndarray) and value.size == 0  # a record that fills as rounds go
+        if isinstance(value, np.ndarray) and (have.dtype != value.dtype or (have.shape != value.shape and not grows)):
+            raise ConfigError(
+                f"{where}: {path}{key} is {have.dtype}{list(have.shape)}, this run builds "
+                f"{value.dtype}{list(value.shape)} (another model, rank or option)"
+            )
+        if isinstance(value, dict) and value and not isinstance(have, dict):
+            raise ConfigError(f"{where}: {path}{key} is missing; this run builds it")
+        if key == "rank" and have != value:
+            raise ConfigError(f"{where}: {path}rank = {have!r}, this run's is {value!r}")
+    for key, value in stored.items():
+        if isinstance(value, dict):
+            _check_fits(built.get(key) if isinstance(built.get(key), dict) else {}, value, where, f"{path}{key}/")
 
 
 def _metrics_lines(path: Path) -> list[dict]:
@@ -181,10 +233,13 @@ def run_experiment(
     stops after the current round's checkpoint (:class:`~fedtune.engines.rounds.RunInterrupted`).
 
     Every input is read and checked before the run folder is touched; a fresh run never writes
-    into a folder holding an earlier run (:class:`~fedtune.run_folder.RunFolderTaken`), unless
+    into a folder holding an earlier run (:class:`~fedtune.run_folder.RunFolderTaken`, raised
+    before any data or model is read), unless
     ``overwrite``, which moves that run aside (:func:`~fedtune.run_folder.move_aside`)."""
     start = time.perf_counter()
     setup_process(config.train.threads)
+    if not (resume or overwrite):  # before any data or model is read: a refusal costs nothing
+        check_free(resolve_run(config).run_dir)
     server = RunContext(config)
     config = server.config  # resolved: the task's defaults filled in
     run_dir = server.run.run_dir
@@ -200,10 +255,12 @@ def run_experiment(
     engine = engine or EmbeddedEngine(config, server)
     strategy = server.strategy()
     strategy.initialize()  # loads the model: a bad model.name stops here, before any output
+    histograms = {"label_names": server.task.label_names, "clients": server.histograms()}  # reads the data
+    run_files = server.task.run_files()  # and partitions it: a bad file or partition stops here too
     lines: list[dict] = []
     start_round = 1
     if resume:
-        done = _restore(checkpoint, strategy, engine)
+        done = _restore(checkpoint, strategy, engine, config.rounds)
         lines = [x for x in _metrics_lines(metrics_path) if x["round"] <= done]  # a round after it is redone
         if [x["round"] for x in lines] != list(range(1, done + 1)):
             raise ConfigError(
@@ -216,9 +273,9 @@ def run_experiment(
         else:
             check_free(run_dir)
         create(run_dir, {"config.toml": _toml(config), RUN_CONFIG: json.dumps(config.model_dump(mode="json"))})
-    histograms = {"label_names": server.task.label_names, "clients": server.histograms()}
-    write_text(run_dir / "label_histograms.json", json.dumps(histograms))
-    for name, text in server.task.run_files().items():
+    if config.privacy.mode == "none":  # per-client label counts: not released by a DP run
+        write_text(run_dir / "label_histograms.json", json.dumps(histograms))
+    for name, text in run_files.items():
         write_text(run_dir / name, text)
     if on_start is not None:
         on_start(server)
@@ -248,7 +305,7 @@ def run_experiment(
                     sink.flush()
                 state = {**strategy.state_dict(), ROUND_KEY: rec.round, ENGINE_KEY: engine.state_dict()}
                 with writing(checkpoint, kept(rec.round - 1)):
-                    save_state(checkpoint, state)
+                    save_state(checkpoint, state, private=config.privacy.mode != "none")  # DP: holds secrets
                 if on_round is not None:
                     on_round(rec)
 

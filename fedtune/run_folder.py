@@ -1,13 +1,15 @@
 """A run folder is never lost: a fresh run refuses a folder that holds an earlier run, unless told
 to move that run aside (``--overwrite``), which renames the folder and deletes nothing.
 
-The files that make a folder an earlier run's are those a run writes (:data:`RUN_FILES`); an empty
+The files that make a folder an earlier run's are those every run writes (:data:`RUN_FILES`): any
+one of them marks it (a user's file of such a name too, which a run would overwrite); an empty
 folder, or one holding other files only, is free.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,8 +17,16 @@ from pathlib import Path
 from fedtune.config import ConfigError
 from fedtune.errors import FedtuneError
 
-#: what a run writes first (config.toml, run_config.json) and what it produces
-RUN_FILES = ("config.toml", "run_config.json", "metrics.jsonl", "checkpoint.npz", "summary.json")
+#: what a run writes first (config.toml, run_config.json), next (its data's label histograms) and
+#: what it produces (not prompt_template.json, which an export folder holds too)
+RUN_FILES = (
+    "config.toml",
+    "run_config.json",
+    "label_histograms.json",
+    "metrics.jsonl",
+    "checkpoint.npz",
+    "summary.json",
+)
 
 
 class RunFolderTaken(ConfigError):
@@ -37,21 +47,30 @@ def check_free(run_dir: Path) -> None:
         )
 
 
-def move_aside(run_dir: Path) -> Path | None:
-    """Rename ``run_dir``, when it holds an earlier run, to ``<name>.old-<n>`` beside it (the first
-    free n) and return the new path; None when there was nothing to move. One line naming the
-    folder when the rename fails."""
-    if not holds_run(run_dir):
-        return None
+def rename_aside(path: Path) -> Path:
+    """Rename ``path`` to ``<name>.old-<n>`` beside it (the first free n) and return the new path;
+    nothing is deleted. One line naming it when the rename fails."""
     n = 1
-    while (aside := run_dir.with_name(f"{run_dir.name}.old-{n}")).exists():
+    while os.path.lexists(aside := path.with_name(f"{path.name}.old-{n}")):
         n += 1
     try:
-        run_dir.rename(aside)
+        path.rename(aside)
     except OSError as exc:
-        raise ConfigError(f"--overwrite: cannot move {str(run_dir)!r} aside ({exc.strerror})") from None
-    logging.getLogger("fedtune").warning("moved the earlier run in %s to %s", run_dir, aside)
+        raise ConfigError(f"--overwrite: cannot move {str(path)!r} aside ({exc.strerror})") from None
+    logging.getLogger("fedtune").warning("moved the earlier %s to %s", path, aside)
     return aside
+
+
+def move_aside(run_dir: Path) -> Path | None:
+    """:func:`rename_aside` of ``run_dir`` when it holds an earlier run; None when there was nothing
+    to move."""
+    return rename_aside(run_dir) if holds_run(run_dir) else None
+
+
+def run_folder_around(path: Path) -> Path | None:
+    """The run folder ``path`` is, or lies inside (its nearest ancestor holding a run), else None."""
+    path = path.resolve()
+    return next((p for p in (path, *path.parents) if holds_run(p)), None)
 
 
 class RunWriteError(FedtuneError):

@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -62,6 +63,14 @@ def data_files(tmp_path) -> dict[str, tuple[str, str]]:
         ),
         "float label": (jsonl_file(tmp_path, "float.jsonl", [0, 1] * 10 + [1.5]), "row 21: label 1.5 is a float"),
         "bool label": (jsonl_file(tmp_path, "bool.jsonl", [True, False] * 10), "row 1: label True is a bool"),
+        "float labels in a csv": (
+            csv_file(tmp_path, "floats.csv", ("text,label\n" + "movie,1\nfilm,0\n" * 10 + "x,0.5\n").encode()),
+            "row 21: label '0.5' is a float",
+        ),
+        "integral float labels in a tsv": (
+            csv_file(tmp_path, "floats.tsv", ("text\tlabel\n" + "movie\t1.0\nfilm\t0.0\n" * 10).encode()),
+            "row 1: label '1.0' is a float",
+        ),
         "huge label id": (
             jsonl_file(tmp_path, "huge.jsonl", [0, 1] * 10 + [1_000_000_000]),
             "integer labels up to 1000000000 but only 3 distinct",
@@ -256,10 +265,10 @@ def test_a_failed_write_stops_with_one_line_and_keeps_the_earlier_rounds(tmp_pat
 
     real_save = run_module.save_state
 
-    def full_disk_at_round_2(path, state):
+    def full_disk_at_round_2(path, state, **kwargs):
         if state[run_module.ROUND_KEY] == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
-        real_save(path, state)
+        real_save(path, state, **kwargs)
 
     args = tiny_args("rounds=3", f"output_dir={tmp_path}", "name=full")
     monkeypatch.setattr(run_module, "save_state", full_disk_at_round_2)
@@ -315,7 +324,56 @@ RESUME_CASES = {
         "differs from the one the run started with in model.lora_rank",
     ),
     "changed by --set": (lambda run: None, ["--set", "train.lr=0.5"], "in train.lr;"),
+    "_round negative": (lambda run: _edit_checkpoint(run, _round=-7), [], "_round = -7, expected the last"),
+    "_round zero": (lambda run: _edit_checkpoint(run, _round=0), [], "_round = 0, expected the last"),
+    "_round not a whole number": (lambda run: _edit_checkpoint(run, _round=1.5), [], "_round = 1.5"),
+    "fewer rounds than done": (
+        lambda run: _edit_checkpoint(run, _round=2),
+        ["--set", "rounds=1"],
+        "rounds = 1 but 2 rounds are done; rounds may only be raised",
+    ),
+    "_round beyond metrics.jsonl": (
+        lambda run: _raise_rounds(run, 3) or _edit_checkpoint(run, _round=2),
+        [],
+        "does not hold rounds 1-2 once each",
+    ),
+    "a rank-4 checkpoint in a rank-8 run": (lambda run: _edit_checkpoint(run, rank=4), [], "rank = 4, this run's is 8"),
+    "an array of another shape": (
+        lambda run: _edit_checkpoint(run, arrays=lambda a: a[..., :1]),
+        [],
+        "this run builds float32",
+    ),
+    "an array of another dtype": (
+        lambda run: _edit_checkpoint(run, arrays=lambda a: a.astype("float64")),
+        [],
+        "float64",
+    ),
+    "a NaN in an array": (lambda run: _edit_checkpoint(run, arrays=lambda a: a * np.nan), [], "holds NaN or inf"),
+    "an array renamed": (lambda run: _edit_checkpoint(run, rename=True), [], "differ from this run's"),
+    "missing run_config.json": (lambda run: (run / "run_config.json").unlink(), [], "run_config.json' is missing"),
 }
+
+
+def _edit_checkpoint(run: Path, arrays=None, rename: bool = False, **plain) -> None:
+    """Rewrite ``run``'s checkpoint.npz with ``plain`` values set, ``arrays(a)`` applied to every
+    global array, or the first global array renamed."""
+    from fedtune.checkpoint import load_state, save_state
+
+    state = load_state(run / "checkpoint.npz")
+    state.update(plain)
+    if arrays is not None:
+        state["global"] = {k: arrays(v) for k, v in state["global"].items()}
+    if rename:
+        first = sorted(state["global"])[0]
+        state["global"][first + ".x"] = state["global"].pop(first)
+    save_state(run / "checkpoint.npz", state)
+
+
+def _raise_rounds(run: Path, rounds: int) -> None:
+    """``rounds`` in both config files (as if the run had started with it)."""
+    (run / "config.toml").write_text((run / "config.toml").read_text().replace("rounds = 1", f"rounds = {rounds}"))
+    started = json.loads((run / "run_config.json").read_text())
+    (run / "run_config.json").write_text(json.dumps({**started, "rounds": rounds}))
 
 
 @pytest.mark.parametrize("case", list(RESUME_CASES))
@@ -333,12 +391,14 @@ def test_resuming_a_damaged_or_edited_run_folder_is_one_line(finished_run, tmp_p
 
     before = digest(neighbour)
     damage(run)
+    damaged = digest(run)
     result = runner.invoke(app, ["run", "--resume", str(run), *extra])
     lines = result.output.strip().splitlines()
     assert result.exit_code == 2, result.output
     assert len(lines) == 1 and "Traceback" not in result.output, result.output
     assert expected in lines[0], lines[0]
     assert digest(neighbour) == before  # nothing outside the resumed folder changed
+    assert digest(run) == damaged  # nor inside it (metrics.jsonl kept: no data loss)
 
 
 def test_rounds_may_be_raised_on_resume(finished_run, tmp_path):
@@ -375,3 +435,19 @@ def test_a_damaged_report_input_is_one_line(finished_run, tmp_path, case):
         [str(run), "--out", str(tmp_path / "report")], expected, tmp_path / "runs", finished_run, "report"
     )
     assert not (tmp_path / "report").exists()
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_column(tmp_path, tiny_config):
+    """A CSV / JSONL saved with a UTF-8 byte-order mark (Excel, Notepad) reads as without it (before:
+    "no column 'text'", the column being '\\ufefftext')."""
+    from fedtune.runtime import RunContext
+
+    rows = "".join(f"movie number {i},{['pos', 'neg'][i % 2]}\n" for i in range(40))
+    for name, data in [
+        ("bom.csv", "text,label\n" + rows),
+        ("bom.jsonl", "".join(json.dumps({"text": f"m{i}", "label": i % 2}) + "\n" for i in range(40))),
+    ]:
+        path = tmp_path / name
+        path.write_bytes(b"\xef\xbb\xbf" + data.encode())
+        task = RunContext(tiny_config(f"data.name={path}")).task
+        assert len(task.train) + len(task.test) == 40 and task.num_labels == 2

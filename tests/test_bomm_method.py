@@ -426,3 +426,34 @@ def test_a_resumed_run_ends_as_an_uninterrupted_one_though_it_loads_phi_later(co
     fresh.clear()
     resumed = lines(run_experiment(config(method, "rounds=3", "name=cut"), resume=True))
     assert resumed == whole
+
+
+def test_bomm_party_prototypes_are_standardized_before_they_seed_the_prototype_set(tmp_path, monkeypatch):
+    """Mistake: the parties' class prototypes seeding the global prototype set raw, while every row
+    they are compared with is standardized (per modality and feature over all representations
+    received, std floored at 1e-3)."""
+    from fedtune.methods.bomm import alignment
+
+    seen = []
+    real = alignment.PrototypeSet.seed.__func__
+
+    def capture(cls, prototypes, num_parties):
+        seen.append({k: (p.copy(), c.copy()) for k, (p, c) in prototypes.items()})
+        return real(cls, prototypes, num_parties)
+
+    monkeypatch.setattr(alignment.PrototypeSet, "seed", classmethod(capture))
+    config = load_config(None, [*PAIRED, "method=bomm", "rounds=1", f"output_dir={tmp_path}"])
+    _, transport, _ = run(config)
+    uploads = {cid: m.arrays for kind, cid, way, m in transport.log if way == "up" and "prototypes" in m.arrays}
+    assert seen and uploads
+    x = np.concatenate([u["features"] for u in uploads.values()]).astype(np.float64)
+    mask = np.concatenate([u["masks"] for u in uploads.values()])
+    for k, (protos, _) in seen[0].items():
+        raw, counts = uploads[k]["prototypes"], uploads[k]["proto_counts"]
+        expected = np.zeros_like(raw)
+        for mod in range(raw.shape[1]):
+            rows = x[mask[:, mod], mod]
+            mean, std = rows.mean(0), np.maximum(rows.std(0), 1e-3)
+            expected[:, mod] = ((raw[:, mod] - mean) / std) * (counts[:, mod] > 0)[:, None]
+        np.testing.assert_allclose(protos, expected, rtol=1e-4, atol=1e-4)
+        assert not np.allclose(protos, raw * (counts > 0)[..., None], atol=1e-2)  # the raw ones differ

@@ -1,6 +1,7 @@
 """The command line: methods, run (including its errors), report."""
 
 import json
+import os
 
 from typer.testing import CliRunner
 
@@ -61,3 +62,55 @@ def test_every_engine_a_config_may_name_has_a_launcher(monkeypatch):
         launch_module.launch(load_config(None, [f'engine="{engine}"']), on_round=print, resume=True)
     expected = {"on_round": print, "on_start": None, "resume": True, "overwrite": False}
     assert seen == [(e, expected) for e in launch_module.ENGINES]
+
+
+def test_an_unexpected_error_is_one_line_and_short_frames_with_no_locals_and_no_secrets(tmp_path):
+    """A bug (here: open_run raising) while a local holds a Hugging Face token and HF_TOKEN is in
+    the message: one line naming the error, then at most a few frames; neither token, nor any local
+    variable, is printed; exit 1. (Typer's default printed every local, the token included.)"""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+import fedtune.trained.loader as loader
+
+def open_run(path):
+    import os
+    token = "hf_LocalSecretToken123456789012345678"
+    config = {"huggingface": token, "padding": "x" * 5000}
+    raise RuntimeError("the hub refused " + os.environ["HF_TOKEN"])
+
+loader.open_run = open_run
+from fedtune.cli import main
+sys.argv = ["fedtune", "export", "somewhere"]
+main()
+"""
+    env = {**os.environ, "HF_TOKEN": "hf_EnvironmentToken4567890123456789012", "COLUMNS": "200"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "hf_LocalSecretToken123456789012345678" not in out and "hf_EnvironmentToken4567890123456789012" not in out, (
+        out
+    )
+    assert "padding" not in out and "xxxxx" not in out, out  # no locals
+    lines = out.strip().splitlines()
+    assert lines[0] == "error: unexpected RuntimeError: the hub refused [redacted] (a fedtune bug; its last frames:)"
+    assert len(lines) <= 19 and 'File "<string>"' in out and "click" not in out, out  # six frames at most
+
+
+def test_a_one_line_error_redacts_tokens_too(monkeypatch):
+    """A FedtuneError whose message carries a token (a hub error quoting a request) prints it redacted."""
+    from fedtune.cli import redact
+    from fedtune.config import ConfigError
+
+    monkeypatch.setenv("MY_SERVICE_TOKEN", "s3cr3t-value-42")
+
+    def open_run(path):
+        raise ConfigError("--push-to-hub me/x: 401 for hf_AbCdEf1234567890123456789012345678 and s3cr3t-value-42")
+
+    monkeypatch.setattr("fedtune.trained.loader.open_run", open_run)
+    result = runner.invoke(app, ["export", "somewhere"])
+    assert result.exit_code == 2
+    assert result.output.strip() == "error: --push-to-hub me/x: 401 for [redacted] and [redacted]", result.output
+    assert redact("pip install hf_transfer") == "pip install hf_transfer"

@@ -202,3 +202,28 @@ def test_topk_composes_with_fedit_uploads():
     assert any(
         np.count_nonzero(strategy.global_arrays[n] != v) for n, v in before.items() if n in dict(lora_pairs(before))
     )
+
+
+# -- the bfloat16 wire dtype --------------------------------------------------------------------------
+NAN_BITS = [0x7FC00000, 0x7F800001, 0x7FBFFFFF, 0x7FFFFFFF, 0xFFFFFFFF, 0xFF800001, 0xFFC00001, 0x7F80FFFF]
+
+
+def test_bfloat16_bits_equal_torchs_rounding_and_every_nan_bit_pattern_stays_nan():
+    """The encoder against torch's float32 -> bfloat16 on ordinary values, ties, subnormals, the
+    largest floats and infinities (bit for bit), and every NaN bit pattern (signalling, negative,
+    all payloads) decodes to NaN, which the reply check rejects: without the NaN branch the
+    rounding carry turns them into inf, -0.0 or +0.0, and +0.0 passes as finite."""
+    import torch
+
+    from fedtune.protocol.compression import bfloat16_bits, from_bfloat16_bits, wire_decode, wire_encode
+    from fedtune.protocol.validation import ArraySpec, check_arrays
+
+    rng = np.random.default_rng(0)
+    special = np.array([0x00000001, 0x007FFFFF, 0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x7F800000, 0xFF800000, 0x80000000])
+    values = np.concatenate([rng.standard_normal(4096).astype(np.float32), special.astype(np.uint32).view(np.float32)])
+    want = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(bfloat16_bits(values), want)
+    nans = np.array(NAN_BITS, dtype=np.uint32).view(np.float32)
+    assert np.isnan(from_bfloat16_bits(bfloat16_bits(nans))).all()
+    decoded = wire_decode(wire_encode({"a": nans}, "bfloat16"))
+    assert check_arrays(decoded, {"a": ArraySpec((len(NAN_BITS),))}) == "array 'a': non-finite values"

@@ -291,3 +291,29 @@ def test_tensors_cross_as_host_arrays_from_any_dtype():
     b = to_numpy(y)
     y.add_(1)
     assert b.tolist() == [1.0, 1.0]
+
+
+def test_bytes_up_of_a_multi_exchange_round_are_summed_over_its_exchanges(tiny_config):
+    """Mistake: ``client_bytes_up`` overwritten, not summed, across the exchanges of a round (RABO's
+    two phases): a client's upload is its fit reply plus its phase reply, byte for byte."""
+    register_toy("toy-two-phase", TwoPhase, TwoPhaseClient)
+    ctx = RunContext(tiny_config("method=toy-two-phase"))
+    strategy = ctx.strategy()
+    strategy.initialize()
+    record = run_rounds(strategy, ctx.client, 4, 4, 1, seed=0)[0]
+    x = np.zeros(2)  # the round-1 global both exchanges start from is x = 0, then 1.5
+    for cid in (0, 1, 2):
+        fit_up = Message({"x": x + cid}, {"steps": 1, "num_examples": 1}).nbytes
+        phase_up = Message({"y": cid * (x + 1.5)}, {}).nbytes
+        assert record.client_bytes_up[cid] == fit_up + phase_up
+
+
+def test_the_last_round_is_evaluated_when_rounds_is_not_a_multiple_of_eval_every(tiny_config):
+    """Mistake: evaluating only every ``eval_every`` rounds, so a run of 5 rounds at eval_every 2
+    ends without a final accuracy."""
+    from fedtune.run import run_experiment
+
+    summary = run_experiment(tiny_config("rounds=5", "eval_every=2"))
+    lines = [json.loads(x) for x in open(f"{summary['run_dir']}/metrics.jsonl")]
+    assert [line["round"] for line in lines if line["accuracy"] is not None] == [2, 4, 5]
+    assert summary["final_accuracy"] == lines[-1]["accuracy"] is not None

@@ -455,3 +455,16 @@ def test_distillation_clips_the_gradient_norm_at_one_every_step(monkeypatch):
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
     distill(DistillPairs(teacher, student, t.layers, s.layers), params, token_batches(3, 2), forward, 3, lr=1e-3)
     assert [c[0] for c in calls] == [1.0] * 3 and all(c[1] == {id(p) for p in params} for c in calls)
+
+
+@pytest.mark.parametrize(("d", "p", "count"), [(13, 0.5, 7), (15, 0.5, 8), (14, 0.5, 7), (10, 0.25, 3), (4, 0.1, 1)])
+def test_fedpft_apoz_alignment_count_is_the_published_one(d, p, count):
+    """Mistake: the number of re-aligned neurons floored (floor(p d)): the published align_model
+    freezes int((1 - p) d) and trains the rest, so p = 0.5 of 13 neurons trains 7 (floor: 6; Python's
+    round, half to even: 6)."""
+    from fedtune.methods.fedpft.fedpft import select_neurons
+
+    apoz = np.random.default_rng(0).random(d)
+    chosen = select_neurons(apoz, p, np.random.default_rng(1))
+    assert len(chosen) == count
+    assert set(chosen) == set(np.argsort(-apoz)[:count])  # the highest APoZ (no ties here)

@@ -47,6 +47,18 @@ def _run(tmp_path: Path, method: str, engine: str, groups=None):
 
 def assert_same_run(flower: tuple, embedded: tuple) -> None:
     (f_state, f_lines), (e_state, e_lines) = flower, embedded
+    assert_same_state(f_state, e_state)
+    assert [x["round"] for x in f_lines] == [x["round"] for x in e_lines] == [1, 2]
+    for key in ("clients", "client_bytes_up", "client_bytes_down", "eval_bytes", "client_steps"):
+        assert [x[key] for x in f_lines] == [x[key] for x in e_lines], key
+    assert all(v > 0 for x in f_lines for v in x["client_bytes_up"].values())
+    for f, e in zip(f_lines, e_lines):
+        np.testing.assert_allclose(f["accuracy"], e["accuracy"], atol=1e-6)
+        np.testing.assert_allclose(f["loss"], e["loss"], rtol=1e-4)
+
+
+def assert_same_state(f_state: dict, e_state: dict) -> None:
+    """Two flattened checkpoints hold the same arrays (floats to 1e-5)."""
     assert f_state.keys() == e_state.keys()
     for key, value in e_state.items():
         got, want = np.asarray(f_state[key]), np.asarray(value)
@@ -55,13 +67,6 @@ def assert_same_run(flower: tuple, embedded: tuple) -> None:
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=key)
         else:
             np.testing.assert_array_equal(got, want, err_msg=key)
-    assert [x["round"] for x in f_lines] == [x["round"] for x in e_lines] == [1, 2]
-    for key in ("clients", "client_bytes_up", "client_bytes_down", "eval_bytes", "client_steps"):
-        assert [x[key] for x in f_lines] == [x[key] for x in e_lines], key
-    assert all(v > 0 for x in f_lines for v in x["client_bytes_up"].values())
-    for f, e in zip(f_lines, e_lines):
-        np.testing.assert_allclose(f["accuracy"], e["accuracy"], atol=1e-6)
-        np.testing.assert_allclose(f["loss"], e["loss"], rtol=1e-4)
 
 
 @pytest.mark.parametrize("method", METHODS)

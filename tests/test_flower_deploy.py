@@ -245,6 +245,8 @@ def test_deploy_commands_refuse_an_exposed_superlink_and_existing_keys_in_one_li
         (["superlink", "--auth"], "--auth needs TLS"),
         (["superlink", "--insecure", "--certificates", str(tmp_path)], "not both, not neither"),
         (["certificates", str(tmp_path / "taken")], "taken: not a folder"),
+        (["superlink", "--port", "70000"], "deploy superlink --port 70000: expected a port number 1-65535"),
+        (["supernode", "--superlink", "x:1", "--clients", "0", "--insecure", "--port", "0"], "--port 0: expected"),
     ]:
         (tmp_path / "taken").write_text("a file")
         result = runner.invoke(app, ["deploy", *args])

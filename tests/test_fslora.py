@@ -445,3 +445,35 @@ def test_one_sgd_step_is_gamma_r_over_k_grad_on_active_ranks_and_eq5_gives_each_
         np.testing.assert_allclose(
             after[b] - before[b], moved_b, rtol=1e-3, atol=1e-4 * np.abs(moved_b).max(), err_msg=b
         )
+
+
+def fslora_strategy(*overrides: str):
+    strategy = RunContext(make_config(*overrides)).strategy()
+    strategy.initialize()
+    return strategy
+
+
+def test_fslora_k_i_is_the_sketch_ratio_times_r_rounded_half_up():
+    """Mistake: k_i = floor(sketch_ratio r): at r = 6 and ratio 0.25 that is 1 rank, where the stated
+    rounding (half up) gives 2; the index set a client receives has k_i entries."""
+    from fedtune.methods.fslora import SHARED_SKETCH
+
+    strategy = fslora_strategy(
+        "model.lora_rank=6", "federation.profiles=[{sketch_ratio=0.25}]", "federation.num_clients=1"
+    )
+    message = strategy.configure_fit(1, [0])[0]
+    assert message.arrays[SHARED_SKETCH].shape == (2,)
+
+
+def test_fslora_sketch_is_redrawn_every_round_from_seed_round_and_client():
+    """The sketch a client receives changes from round to round (a new random I each round, Alg. 1),
+    and the same (seed, round, client) gives the same I in a fresh strategy."""
+    from fedtune.methods.fslora import SHARED_SKETCH, sketch_indices
+
+    ratios = "federation.profiles=[{sketch_ratio=0.5},{sketch_ratio=0.5},{sketch_ratio=0.5}]"
+    first, again = fslora_strategy(ratios), fslora_strategy(ratios)
+    sets = [tuple(first.configure_fit(rnd, [1])[1].arrays[SHARED_SKETCH]) for rnd in range(1, 7)]
+    assert len(set(sets)) > 1
+    assert sets == [tuple(again.configure_fit(rnd, [1])[1].arrays[SHARED_SKETCH]) for rnd in range(1, 7)]
+    seed, rank = first.config.seed, first.rank
+    assert sets == [tuple(sketch_indices(seed, rnd, 1, rank, rank // 2)) for rnd in range(1, 7)]

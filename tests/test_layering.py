@@ -6,17 +6,19 @@ inside functions are lazy and may point up, for example the registries discoveri
 
     errors              FedtuneError, the one exception base
     protocol            messages, Strategy/Client ABCs, profiles, top-k codec
-    config, process, certificates, checkpoint, run_folder
+    config, process, certificates, checkpoint, run_folder, output_files
     data                sources, partitioners, batches (no model code)
     models              loading, LoRA workspace, training loop, networks
     tasks               Task ABC + one module per kind (data + model + loss + metrics)
     registry            method name -> Strategy, Client, options, required capabilities
     methods             one module per method, over protocol + the Task interface
+    catalog             the methods' and task kinds' names and descriptions, read without them
     runtime             RunContext: one process's task, model and profiles
     engines.rounds, engines.local, engines.embedded, engines.device_pool
                         the round loop, in-process delivery, the engine, its device workers
     run, progress       one run end to end, the run folder
     trained             a finished run's model: reloaded, exported, evaluated
+    privacy_audit       the empirical DP audit: many runs of two neighbouring federations
     engines.flower      the same Strategy/Client objects on Flower (codec, runconfig, worker,
                         clientapp, transport, serverapp, simulation, commands, deployment)
     launch              config.engine -> its launcher (the one entry point)
@@ -38,15 +40,23 @@ import fedtune
 LAYERS = [
     ["fedtune.errors"],
     ["fedtune.protocol"],
-    ["fedtune.config", "fedtune.process", "fedtune.certificates", "fedtune.checkpoint", "fedtune.run_folder"],
+    [
+        "fedtune.config",
+        "fedtune.process",
+        "fedtune.certificates",
+        "fedtune.checkpoint",
+        "fedtune.run_folder",
+        "fedtune.output_files",
+    ],
     ["fedtune.data"],
     ["fedtune.models"],
     ["fedtune.tasks"],
     ["fedtune.registry"],
     ["fedtune.methods"],
+    ["fedtune.catalog"],
     ["fedtune.runtime"],
     ["fedtune.engines", "fedtune.engines.rounds", "fedtune.engines.embedded"],
-    ["fedtune.run", "fedtune.progress", "fedtune.trained"],
+    ["fedtune.run", "fedtune.progress", "fedtune.trained", "fedtune.privacy_audit"],
     ["fedtune.engines.flower"],
     ["fedtune.launch"],
     ["fedtune.cli", "fedtune.report", "fedtune.harness"],

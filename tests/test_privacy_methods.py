@@ -3,7 +3,7 @@ docstrings of fedtune.methods.fslora and fedtune.methods.heterolora): FSLoRA's s
 HeteroLoRA's zero-padded ones enter (sum_i P_i clip_C(U_i) + xi) / m through the real
 Strategy.aggregate_fit, replacing one client moves that sum by at most 2C (checked on an adversarial
 update, tight), FSLoRA's local-DP upload through the real Client.fit is its clipped k-rank slice plus
-the seeded N(0, (zC)^2) draw, options without a DP form and every method without one refuse
+the N(0, (zC)^2) draw from its own secret, options without a DP form and every method without one refuse
 ``privacy.mode`` in one line."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from fedtune.config import ConfigError, load_config
 from fedtune.engines.embedded import exchange
 from fedtune.methods import list_methods
-from fedtune.methods.base.privacy import NOISE_STREAM, PRIVACY_OPTIONS
+from fedtune.methods.base.privacy import NOISE, PRIVACY_OPTIONS, UPLOAD, generator
 from fedtune.protocol.messages import Message
 from fedtune.runtime import RunContext, resolve_run
 from tests.conftest import TINY, tiny
@@ -111,28 +111,30 @@ def test_central_aggregate_is_the_placed_clipped_sum_plus_one_noise_draw_over_m(
     shapes = {k: v.shape for k, v in before.items()}
     assert len(_ranks(method, sent[0])) == 4 and len(_ranks(method, sent[1])) == 2  # k_i < r
     p0, p3 = (_placed(method, sent[c], arrays[c], shapes) for c in REPLIED)
-    rng = np.random.default_rng([11, 1, NOISE_STREAM])
+    rng = generator(strategy.privacy.secret, NOISE, 1)  # the server's secret: an insider's view
     noise = {k: rng.normal(0.0, Z * C, size=shapes[k]) for k in sorted(shapes)}
     for k in before:
         expected = before[k] + (p0[k] * (C / _norm(p0)) + p3[k] + noise[k]) / 3
         np.testing.assert_allclose(strategy.global_arrays[k], expected, rtol=1e-5, atol=1e-6)
     assert metrics["epsilon"] == pytest.approx(strategy.privacy.epsilon(1)) and metrics["epsilon"] > 0
-    assert strategy.summary()["privacy"]["steps"] == 1
+    assert strategy.summary()["privacy"]["releases"] == 1
 
 
 @pytest.mark.parametrize("method", ["fslora", "heterolora"])
 def test_replacing_one_client_moves_the_noiseless_aggregate_by_at_most_2C_over_m(tmp_path, method):
-    """Replace-one sensitivity, on the real aggregate_fit: two runs with the same seed (so the same
-    noise draw, which cancels in the difference) differ only in client 0's upload, U_0 of norm 50C
-    and the adversarial U_0' = -3 U_0 (norm 150C, the opposite direction): their states differ by
+    """Replace-one sensitivity, on the real aggregate_fit: two runs with the same seed and the
+    test-only reproducible noise (the same noise draw, which cancels in the difference) differ only
+    in client 0's upload, U_0 of norm 50C and the adversarial U_0' = -3 U_0 (norm 150C, the
+    opposite direction): their states differ by
     exactly 2C / m (clip(U_0') = -clip(U_0)), the sum's sensitivity 2C that the accountant assumes
     (multiplier z/2). Fails when the server skips the clip (100C), applies a factor r/k_0 = 2 after
     the clip (clipping the upload before an r/k scale: 4C), or divides by the 2 replies instead of
     m = 3."""
-    _, before, sent, arrays, _ = _round(tmp_path, method, {0: 50 * C, 3: C})
+    same = "privacy.insecure_reproducible_noise=true"
+    _, before, sent, arrays, _ = _round(tmp_path, method, {0: 50 * C, 3: C}, same)
     adversarial = {k: (-3 * v if v.dtype.kind == "f" else v) for k, v in arrays[0].items()}
-    first, *_ = _round(tmp_path, method, arrays)
-    second, *_ = _round(tmp_path, method, {0: adversarial, 3: arrays[3]})
+    first, *_ = _round(tmp_path, method, arrays, same)
+    second, *_ = _round(tmp_path, method, {0: adversarial, 3: arrays[3]}, same)
     moved = _norm({k: first.global_arrays[k].astype(np.float64) - second.global_arrays[k] for k in before})
     assert moved <= 2 * C / 3 * (1 + 1e-4)
     assert moved >= 2 * C / 3 * (1 - 1e-4)  # the bound is attained: it is the sensitivity, not a loose one
@@ -168,9 +170,10 @@ def test_fslora_noise_is_zC_over_m_on_every_coordinate_of_the_rank_r_state(tmp_p
     assert idle.size > 1000 and np.std(idle) == pytest.approx(Z * C / 3, rel=0.1)
 
 
-def test_fslora_local_upload_through_client_fit_is_its_clipped_slice_plus_the_seeded_noise(tmp_path):
+def test_fslora_local_upload_through_client_fit_is_its_clipped_slice_plus_its_own_noise(tmp_path):
     """Local DP on the real FSLoRAClient.fit: the upload holds only the k = 4 active ranks
-    ((m, k) / (k, n)), and minus the seeded draw N(0, (zC)^2) of (seed, round, client) it is the
+    ((m, k) / (k, n)), and minus the draw N(0, (zC)^2) from the client's own secret (kept in its
+    persistent state; round 1, its first upload) it is the
     trained update clipped to norm C exactly (training moves the adapter by far more than C =
     1e-3); its empirical std (about 1000 coordinates) is z C within 10 %. Fails when the client
     skips the clip, noises before clipping, scales the noise by r/k or 1/m, or uploads dense."""
@@ -181,12 +184,13 @@ def test_fslora_local_upload_through_client_fit_is_its_clipped_slice_plus_the_se
     strategy = server.strategy()
     strategy.initialize()
     sent = strategy.configure_fit(1, [0])[0]
-    reply = exchange(sent, clients.client(0, {}).fit)[0]
+    client = clients.client(0, {})
+    reply = exchange(sent, client.fit)[0]
     upload = {k: np.asarray(v, dtype=np.float64) for k, v in reply.arrays.items() if not k.startswith("sketch/")}
     for k, v in upload.items():
         full = strategy.global_arrays[k].shape
         assert v.shape == ((4, full[1]) if ".lora_A." in k else (full[0], 4) if ".lora_B." in k else full)
-    rng = np.random.default_rng([3, 1, 0, NOISE_STREAM])
+    rng = generator(client.state["dp_secret"], UPLOAD, 1, 0)
     noise = {k: rng.normal(0.0, z * c, size=upload[k].shape) for k in sorted(upload)}
     assert _norm({k: upload[k] - noise[k] for k in upload}) == pytest.approx(c, rel=1e-3)
     values = np.concatenate([v.ravel() for v in upload.values()])
@@ -256,8 +260,13 @@ def test_every_rounds_printed_line_carries_epsilon_so_far(tmp_path):
     printer = RoundPrinter(console, _config(tmp_path, "fslora", *CENTRAL))
     printer(RoundRecord(1, [0, 3], {"train_loss": 0.5, "epsilon": 1.23456}))
     printer(RoundRecord(2, [0, 3], {"train_loss": 0.5}))
-    first, second = console.export_text().splitlines()
+    secret = RoundRecord(3, [0, 3], {"train_loss": 0.5, "epsilon": 2.5, "accuracy": 0.5}, {0: 999}, private=True)
+    secret.dropped = {3: "timeout"}
+    printer(secret)
+    first, second, third = console.export_text().splitlines()
     assert first.rstrip().endswith("epsilon 1.235") and "epsilon" not in second
+    # a DP round's line shows what the mechanism releases, nothing per client (loss, sample, MB, drops)
+    assert third.split() == ["round", "3/2", "acc", "50.00%", "epsilon", "2.5"]
 
 
 @pytest.mark.parametrize("method", ["fslora", "heterolora"])
@@ -265,18 +274,22 @@ def test_every_rounds_printed_line_carries_epsilon_so_far(tmp_path):
 def test_a_dp_run_end_to_end_reports_the_accountants_epsilon(tmp_path, method, mode):
     """run_experiment on the tiny config (heterogeneous ranks or sketch ratios, 2 of 3 clients a
     round, 2 rounds): central counts the 2 aggregated rounds, local the most rounds any client was
-    sampled in; every metrics line carries epsilon so far."""
+    sampled in (the server's private release counts, in its checkpoint); every metrics line carries
+    epsilon so far."""
     import json
     from pathlib import Path
 
-    from fedtune.methods.base.privacy import Privacy
+    from fedtune.checkpoint import load_state
+    from fedtune.methods.base.privacy import mechanism
     from fedtune.run import run_experiment
 
     dp = [f'privacy.mode="{mode}"', f"privacy.clip={C}", f"privacy.noise_multiplier={Z}"]
     config = tiny(tmp_path, method, "text-classification", *dp)
     summary = run_experiment(config)
     lines = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    steps = len(lines) if mode == "central" else max(sum(c in x["clients"] for x in lines) for c in range(3))
-    assert summary["privacy"]["steps"] == steps and summary["privacy"]["mode"] == mode
-    assert summary["privacy"]["epsilon"] == pytest.approx(Privacy(config).epsilon(steps))
+    counts = load_state(Path(summary["run_dir"]) / "checkpoint.npz")["privacy_releases"]
+    steps = len(lines) if mode == "central" else int(counts.max())
+    assert counts.shape == ((1,) if mode == "central" else (3,))
+    assert summary["privacy"]["releases"] == steps and summary["privacy"]["mode"] == mode
+    assert summary["privacy"]["epsilon"] == pytest.approx(mechanism(config).epsilon(steps))
     assert lines[-1]["epsilon"] == pytest.approx(summary["privacy"]["epsilon"]) and lines[0]["epsilon"] > 0

@@ -28,10 +28,10 @@ def suite():
 
 
 def test_every_planned_run_resolves_fedit_on_100_clients_10_per_round_at_its_epsilon(suite, tmp_path, monkeypatch):
-    from fedtune.methods.base import privacy
+    from fedtune.methods.base import accounting
 
-    # resolving a run calibrates z for its epsilon (tests/test_privacy.py tests that; 20 s an epsilon here)
-    monkeypatch.setattr(privacy, "calibrate", lambda *args: 1.0)
+    # resolving a run calibrates z for its epsilon (tests/test_privacy.py tests that; seconds an epsilon here)
+    monkeypatch.setattr(accounting, "calibrate", lambda *args: 1.0)
     plan, choices, waiting = suite.build([1, 2, 3], 0, False, tmp_path)
     # FedIT's sweep and no-DP table runs; FSLoRA's (epsilon 8 only) likewise
     assert assert_every_planned_run_resolves(plan) == 18 + 3 + 6 + 3
@@ -47,7 +47,7 @@ def test_every_planned_run_resolves_fedit_on_100_clients_10_per_round_at_its_eps
             assert c.privacy.mode == "none"
         else:
             assert c.privacy.mode == "central" and c.privacy.epsilon == spec.labels["epsilon"]
-            assert c.privacy.clip == spec.labels["clip"] and c.privacy.delta is None  # default 1 / N^1.1
+            assert c.privacy.clip == spec.labels["clip"] and c.privacy.delta is None  # the default
     assert {(s.labels["epsilon"], s.labels["clip"]) for s in plan["sweep"]} == {
         (e, c) for e in suite.EPSILONS for c in suite.CLIP_GRID
     }
@@ -190,11 +190,11 @@ def test_each_epsilon_runs_the_table_at_its_swept_clip_and_the_report_gives_the_
 
 
 def test_noise_to_clip_is_the_norm_of_the_central_noise_on_the_average_over_the_clip(suite, tiny_config):
-    """z sqrt(d) / m against the real mechanism (Privacy.aggregate, central): 10 updates of norm
+    """z sqrt(d) / m against the real mechanism (central): 10 updates of norm
     5C in one direction are clipped to C each, so their average is C u exactly; what remains of the
     aggregate is the noise xi / m, whose norm over C must be z sqrt(d) / m (relative std of the norm
     1/sqrt(2d) = 0.5 % at d = 20,000: 3 % is 6 std)."""
-    from fedtune.methods.base.privacy import Privacy
+    from fedtune.methods.base.privacy import mechanism
 
     assert suite.noise_to_clip(1.0, 74_498, 10) == pytest.approx(27.2943, abs=1e-4)  # by hand: 272.943 / 10
     z, C, d, m = 2.0, 0.5, 20_000, 10
@@ -208,7 +208,8 @@ def test_noise_to_clip_is_the_norm_of_the_central_noise_on_the_average_over_the_
     )
     u = np.random.default_rng(0).normal(size=d)
     u /= np.linalg.norm(u)
-    average = Privacy(config).aggregate([{"x": 5 * C * u} for _ in range(m)], rnd=3)["x"].astype(np.float64)
+    updates = [{"x": 5 * C * u} for _ in range(m)]
+    average = mechanism(config).aggregate(updates, 3, {"x": u})["x"].astype(np.float64)
     noise = np.linalg.norm(average - C * u) / C
     assert noise == pytest.approx(suite.noise_to_clip(z, d, m), rel=0.03)  # 2 sqrt(20,000) / 10 = 28.3
 

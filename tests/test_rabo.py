@@ -445,3 +445,28 @@ def test_rabo_on_flower_apps_matches_embedded_engine(few_shot, tmp_path, monkeyp
     embedded = run_experiment(few_shot(f"output_dir={tmp_path / 'embedded'}"))
     assert flower["engine"] == "flower"
     assert_same_run(finished(flower), finished(embedded))
+
+
+@pytest.mark.parametrize("method", ["rabo", "static", "fedrolex", "fiarse"])
+def test_c_x_star_is_the_minimum_coverage_over_the_rounds_so_far(tmp_path, method):
+    """C_x* (RABO eqs. (12)-(13), and the same tracker of the Static / FedRolex / FIARSE baselines)
+    is the running minimum of each round's least coverage, not its maximum or the last value. The
+    coverage varies here: three equal clients, one of which fails half its rounds (seeded)."""
+    config = load_config(
+        None,
+        [
+            *TINY_FEW_SHOT,
+            f"method={method}",
+            "rounds=6",
+            "eval_every=6",
+            "seed=4",  # client 2 answers in rounds 1, 4, 5 only
+            "federation.profiles=[{capacity=1.0},{capacity=1.0},{capacity=1.0, failure_prob=0.5}]",
+            f"output_dir={tmp_path}",
+        ],
+    )
+    summary = run_experiment(config)
+    lines = [json.loads(x) for x in open(f"{summary['run_dir']}/metrics.jsonl")]
+    per_round = [line["C_x_round"] for line in lines]
+    assert len(set(per_round)) > 1, per_round  # the premise: coverage differs between rounds
+    assert per_round[0] > min(per_round)  # so that the first value is not the minimum either
+    assert [line["C_x_star"] for line in lines] == list(np.minimum.accumulate(per_round))

@@ -120,3 +120,42 @@ def test_bad_metrics_line_names_line_number(tmp_path):
         load_run(run_dir)
     message = str(info.value)
     assert str(metrics) in message and "line 2" in message and "\n" not in message
+
+
+def test_report_replaces_only_its_own_files_and_names_a_bad_out_in_one_line(tmp_path, monkeypatch):
+    """-o naming a file, or a folder holding a user's report.md or plot of the same name: one line,
+    nothing written or changed; an earlier report's files are replaced; a read-only folder is one
+    line and leaves no partial file."""
+    import errno
+
+    from typer.testing import CliRunner
+
+    from fedtune.cli import app
+
+    run = str(make_run(tmp_path / "runs", "a"))
+
+    def one_line(out, *expected):
+        result = CliRunner().invoke(app, ["report", run, "-o", str(out)])
+        lines = result.output.strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1, result.output
+        assert all(text in lines[0] for text in expected), lines[0]
+
+    (tmp_path / "file").write_text("mine")
+    one_line(tmp_path / "file", "exists and is not a folder")
+    for name in ("report.md", "accuracy_vs_round.png", "accuracy_vs_mb_up.png"):
+        user = tmp_path / name.split(".")[0]
+        user.mkdir()
+        (user / name).write_bytes(b"| my own table |\n")
+        one_line(user, str(user / name), "not an earlier fedtune output")
+        assert [p.name for p in user.iterdir()] == [name] and (user / name).read_bytes() == b"| my own table |\n"
+    out = tmp_path / "out"
+    for _ in range(2):  # the second replaces the first's files
+        assert CliRunner().invoke(app, ["report", run, "-o", str(out)]).exit_code == 0
+    assert sorted(p.name for p in out.iterdir()) == ["accuracy_vs_mb_up.png", "accuracy_vs_round.png", "report.md"]
+
+    def read_only(self, data):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(Path, "write_bytes", read_only)
+    one_line(tmp_path / "ro", "Read-only file system")
+    assert list((tmp_path / "ro").iterdir()) == []

@@ -4,6 +4,8 @@ one-line refusals for the methods whose combination is not a weighted sum."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -167,3 +169,78 @@ def test_option_combinations_that_would_be_ignored_are_refused():
         load_config(None, ['federation.aggregation="median"', "federation.max_client_weight=0.5"])
     with pytest.raises(ConfigError, match="federation.trim_fraction"):
         load_config(None, ['federation.aggregation="trimmed-mean"', "federation.trim_fraction=0.5"])
+
+
+# -- the default screen against an outsized update ---------------------------------------------------
+def test_outsized_updates_are_those_above_the_ratio_times_the_others_lower_median_or_the_sent_norm():
+    """The reference is the larger of the other replies' lower median norm and the sent state's
+    norm: one huge reply of two is caught (its own norm, or a mean, would raise the reference), so
+    is a lone one (against what it was sent), a reply at the bound passes and one just above it does
+    not, and a zero reference rejects nothing."""
+    from fedtune.protocol.validation import outsized_updates
+
+    def msg(*values):
+        return Message({"a": np.array(values, dtype=np.float32)}, {})
+
+    zeros = {c: msg(0.0) for c in range(3)}
+    assert list(outsized_updates({0: msg(1.0), 1: msg(1e30)}, zeros, 1000)) == [1]
+    lone = outsized_updates({1: msg(1e30)}, {1: msg(1.0)}, 1000)
+    assert lone == {1: "update norm 1e+30 exceeds federation.max_update_ratio = 1000 times its reference 1"}
+    assert outsized_updates({0: msg(3.0, 4.0)}, {0: msg(0.004, 0.003)}, 1000) == {}  # norm 5 = 1000 x 0.005
+    assert list(outsized_updates({0: msg(3.0, 4.0)}, {0: msg(0.00399, 0.003)}, 1000)) == [0]
+    assert outsized_updates({0: msg(0.0), 1: msg(0.0), 2: msg(5.0)}, zeros, 10) == {}
+    three = {0: msg(1.0), 1: msg(2.0), 2: msg(2500.0)}  # the others' lower median 1 -> bound 1000
+    assert list(outsized_updates(three, zeros, 1000)) == [2]
+    assert outsized_updates(three, {c: msg(3.0) for c in range(3)}, 1000) == {}  # sent norm 3 -> bound 3000
+    two_hostile = {0: msg(1.0), 1: msg(1.5), 2: msg(2.0), 3: msg(1e30), 4: msg(-1e30)}
+    assert sorted(outsized_updates(two_hostile, {c: msg(0.0) for c in range(5)}, 1000)) == [3, 4]
+
+
+def test_a_huge_finite_update_is_dropped_by_default_and_the_run_goes_on(tiny_config):
+    """One client times 1e30 (finite): under the default config it is dropped in every round with its
+    reason, and the model stays usable (before, round 2's losses were all NaN and the run stopped).
+    0 turns the screen off; under DP there is no screen (its clipping bounds updates)."""
+    import json
+
+    from fedtune.engines.rounds import RoundPolicy
+    from fedtune.run import run_experiment
+
+    hostile = 'federation.profiles=[{attack="scale", attack_scale=1e30}, {}, {}, {}]'
+    summary = run_experiment(tiny_config(hostile, "rounds=3"))
+    lines = [json.loads(x) for x in open(f"{summary['run_dir']}/metrics.jsonl")]
+    assert [line["round"] for line in lines] == [1, 2, 3]
+    for line in lines:
+        assert list(line["dropped"]) == ["0"] and "exceeds federation.max_update_ratio" in line["dropped"]["0"]
+        assert np.isfinite(line["loss"])
+    assert RoundPolicy.of(tiny_config().federation).max_update_ratio == 1000
+    assert RoundPolicy.of(tiny_config("federation.max_update_ratio=0").federation).max_update_ratio is None
+    assert RoundPolicy.of(tiny_config().federation, private=True).max_update_ratio is None
+    with pytest.raises(ConfigError, match="max_update_ratio"):
+        tiny_config("federation.max_update_ratio=0.5")
+
+
+def test_the_screen_costs_an_honest_run_nothing(tiny_config):
+    """An honest run with the default screen ends bit-identical to one without it."""
+    from fedtune.checkpoint import load_state
+    from fedtune.run import run_experiment
+
+    runs = [run_experiment(tiny_config(f"name=r{r}", f"federation.max_update_ratio={r}")) for r in (1000, 0)]
+    states = [load_state(Path(run["run_dir"], "checkpoint.npz")) for run in runs]
+    assert all(not line for run in runs for line in [run["dropped"]])
+    for key, value in states[0]["global"].items():
+        assert np.array_equal(value, states[1]["global"][key]), key
+
+
+def test_a_state_that_evaluates_to_a_non_finite_loss_is_never_checkpointed(tiny_config):
+    """With the screen off, the 1e30 update is averaged in: the round is rejected on the server's
+    evaluation (non-finite loss) before it is recorded, so no checkpoint holds the poisoned state
+    (before, round 1 was checkpointed and every client failed on it in round 2)."""
+    from fedtune.engines.rounds import RoundFailed
+    from fedtune.run import run_experiment
+
+    hostile = 'federation.profiles=[{attack="scale", attack_scale=1e30}, {}, {}, {}]'
+    config = tiny_config(hostile, "federation.max_update_ratio=0", "name=poisoned")
+    with pytest.raises(RoundFailed, match="round 1: the aggregated global state evaluates to a non-finite loss"):
+        run_experiment(config)
+    run_dir = Path(config.output_dir) / "poisoned"
+    assert not (run_dir / "checkpoint.npz").exists() and (run_dir / "metrics.jsonl").read_text() == ""

@@ -263,8 +263,9 @@ def test_a_method_that_needs_each_update_refuses_secure_aggregation_in_one_line(
             "federation.nodes: secure aggregation needs one client per node",
         ),
         (
-            [*SECURE, 'engine="flower-sim"', 'privacy.mode="central"', "privacy.clip=1", "privacy.noise_multiplier=1"],
-            'privacy.mode: "central" clips each update on the server',
+            [*SECURE, 'engine="flower-sim"', 'privacy.mode="central"', "privacy.clip=1", "privacy.noise_multiplier=1"]
+            + ["privacy.adaptive_clip=true"],
+            "privacy.adaptive_clip: not with federation.secure_aggregation",
         ),
     ],
 )

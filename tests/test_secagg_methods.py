@@ -3,7 +3,8 @@ server step is a weighted sum (fedtune.methods.base.averaging.SecureSummed): Het
 zero-padded mean (its updates or its modules; with ``padding = "coverage"`` the per-rank coverage
 weights summed securely beside them), FSLoRA's eq. (5) over the clients' scattered uploads,
 FedPETuning's and the proxy methods' (FedOT, FedPFT without its alignment) FedAvg, with local DP
-where the method has it. For each: the server's secure sum is sum_i w_i v_i of the vectors the
+and with central DP (clients clip, the server noises the secure sum) where the method has it. For
+each: the server's secure sum is sum_i w_i v_i of the vectors the
 clients masked, within its stated quantization error, and the global state after the round is the
 plain (embedded) run's within that error over the weights. Methods and options whose aggregation
 needs each update refuse in one line.
@@ -37,7 +38,10 @@ SECURE = [
     f"federation.secagg_quantization_range={T}",
     'engine="flower-sim"',
 ]
-LOCAL_DP = ['privacy.mode="local"', "privacy.clip=0.05", "privacy.noise_multiplier=0.01"]
+SAME_NOISE = "privacy.insecure_reproducible_noise=true"  # tests only: the secure and plain runs draw alike
+LOCAL_DP = ['privacy.mode="local"', "privacy.clip=0.05", "privacy.noise_multiplier=0.01", SAME_NOISE]
+#: central DP under SecAgg+: each client clips before masking, the server noises the secure sum
+CENTRAL_DP = ['privacy.mode="central"', "privacy.clip=0.05", "privacy.noise_multiplier=0.01", SAME_NOISE]
 #: 3 clients, all sampled; global rank r = 4; HeteroLoRA's r_i = 4, 2, 1 (rank indices 0..3 covered
 #: by 3, 2, 1, 1 clients); FSLoRA's k_i = 4, 2, 1
 PROFILES = {
@@ -49,6 +53,8 @@ CASES = {
     "heterolora-coverage": ("heterolora", 'options.padding="coverage"'),
     "heterolora-modules-coverage": ("heterolora", 'options.aggregate="modules"', 'options.padding="coverage"'),
     "heterolora-local-dp": ("heterolora", *LOCAL_DP),
+    "heterolora-central-dp": ("heterolora", *CENTRAL_DP),
+    "fslora-central-dp": ("fslora", *CENTRAL_DP),
     "fslora": ("fslora",),
     "fedpetuning": ("fedpetuning",),
     "fedot": ("fedot",),
@@ -143,6 +149,9 @@ def test_secure_aggregation_gives_the_plain_aggregate_within_the_quantization_er
         assert np.max(np.abs(value - exact)) <= total.error, name
         deviation = max(deviation, float(np.max(np.abs(value - exact))))
     assert deviation > 0  # quantized: not the plain sum passed through
+    if 'privacy.mode="central"' in extra:  # the trusted-for-noise server gets only clipped vectors
+        for vector, _ in seen["vectors"].values():
+            assert np.sqrt(sum(np.sum(np.square(v, dtype=np.float64)) for v in vector.values())) <= 0.05 * (1 + 1e-5)
 
     # (2) the plain run's global state
     want = _global(run_experiment(_config(tmp_path / "plain", method, *extra)))

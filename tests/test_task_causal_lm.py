@@ -257,6 +257,10 @@ def test_rouge_l_is_rouge_score():
         assert rouge_l(pred, ref) == pytest.approx(scorer.score(ref, pred)["rougeL"].fmeasure)
     assert rouge_l("The cat sat on the mat.", "the cat on the mat") == pytest.approx(10 / 11)
     assert rouge_l("", "") == 1.0  # two empty answers agree (the package says 0)
+    stemmed = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    pred, ref = "The cats were Running", "the cat was run"  # stemming would match cat and run
+    assert stemmed.score(ref, pred)["rougeL"].fmeasure == pytest.approx(0.75)
+    assert rouge_l(pred, ref) == pytest.approx(0.25)  # "the" alone: unstemmed, as FedIT's scorer
 
 
 # -- (d) data on the real files ---------------------------------------------------------------
@@ -355,6 +359,24 @@ def test_bad_input_stops_with_one_line_naming_the_field_or_file(tmp_path):
     gold = tmp_path / "gold.jsonl"
     gold.write_text('{"question": "q", "choices": ["a", "b"], "gold": 2}\n')
     _one_line_error(r"gold\.jsonl: row 1: column 'gold' must be an index 0-1", ctx_of(f"data.name={gold}"))
+    for choices in (["a", "a"], ["a", " "], ["x", "y ", "y"]):
+        repeated = tmp_path / "repeated.jsonl"
+        repeated.write_text(json.dumps({"question": "q", "choices": choices, "gold": 0}) + "\n")
+        _one_line_error(
+            r"repeated\.jsonl: row 1: column 'choices' holds a blank or repeated", ctx_of(f"data.name={repeated}")
+        )
+    for name, data in [
+        ("bom.jsonl", b'{"prompt": "a", "response": "b"}\n'),
+        ("bom.csv", b"prompt,response\na,b\n"),
+    ]:
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + data)
+        assert llm_text._read_rows(tmp_path / name) == [{"prompt": "a", "response": "b"}]
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt": "a", "response": "b"}\n{"prompt": "caf\xe9", "response": "b"}\n')
+    _one_line_error(r"latin\.jsonl: line 2: not UTF-8 text", ctx_of(f"data.name={latin}"))
+    broken = tmp_path / "broken.jsonl.gz"
+    broken.write_bytes(b"not gzip at all")
+    _one_line_error(r"broken\.jsonl\.gz: not a readable gzip file", lambda: llm_text.read_jsonl(broken))
     _one_line_error(
         r"^data\.client_column: data 'commonsense' has no column 'fedit_client'",
         lambda: RunContext(config(tmp_path, "data.partition=column", "data.client_column=fedit_client")).partitions,
@@ -373,6 +395,27 @@ def test_bad_input_stops_with_one_line_naming_the_field_or_file(tmp_path):
             ).partitions
         ),
     )
+
+
+def test_nothing_is_written_before_the_data_is_read_and_partitioned(tmp_path):
+    """A data file that is not UTF-8, a row without its response, and a partition the data cannot
+    give: one line each and no run folder, so the corrected rerun under the same name starts
+    (before, config.toml and run_config.json were written first: "holds an earlier run")."""
+    from fedtune.run import run_experiment
+
+    bad = tmp_path / "bad.jsonl"
+    good = "".join(json.dumps({"prompt": f"q{i}", "response": "b" * (1 + i % 8)}) + "\n" for i in range(40)).encode()
+    for data, extra in [
+        (good + b'{"prompt": "caf\xe9", "response": "b"}\n', ()),
+        (good + b'{"prompt": "a", "response": 3}\n', ()),
+        (good, ("data.partition=column", "data.client_column=client")),
+    ]:
+        bad.write_bytes(data)
+        with pytest.raises(ConfigError):
+            run_experiment(config(tmp_path, f"data.name={bad}", "name=x", "rounds=1", *extra))
+        assert not (tmp_path / "runs").exists()
+    run = run_experiment(config(tmp_path, f"data.name={bad}", "name=x", "rounds=1", "train.local_steps=1"))
+    assert Path(run["run_dir"], "summary.json").is_file()
 
 
 def test_answer_format_text_trains_on_the_row_the_ranking_scores_for_the_gold_option(tmp_path, ctx):
@@ -435,3 +478,47 @@ def test_fedit_run_saves_an_adapter_that_reloads_with_the_same_loss(tmp_path):
         assert torch.allclose(task.loss(reloaded, batch), expected, atol=1e-5)
         assert not torch.allclose(task.loss(task.build_model(cfg.seed).eval(), batch), expected, atol=1e-4)
     assert summary["final_loss"] == pytest.approx(task.evaluate(reloaded, 16)["loss"], abs=1e-4)
+
+
+# -- greedy generation stops at the end-of-sequence token ---------------------------------------------
+class ScriptedLM(torch.nn.Module):
+    """A causal LM whose step ``s`` argmax for row ``b`` is ``script[b][s]`` (vocabulary 16); counts
+    its forward passes."""
+
+    def __init__(self, script: list[list[int]]) -> None:
+        super().__init__()
+        self.script, self.calls = script, 0
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, attention_mask=None, **_):
+        from types import SimpleNamespace
+
+        logits = torch.zeros(len(self.script), 1, 16)
+        for b, row in enumerate(self.script):
+            logits[b, -1, row[min(self.calls, len(row) - 1)]] = 1.0
+        self.calls += 1
+        return SimpleNamespace(logits=logits, past_key_values=None)
+
+
+def test_greedy_generation_stops_at_eos_and_a_finished_row_emits_only_eos():
+    """Row 0 says EOS (15) at step 2 and would go on; row 1 at step 4: row 0 is EOS from step 2 on,
+    and decoding stops once both have (4 forward passes, not max_new_tokens = 10)."""
+    from fedtune.models.generation import greedy_generate
+
+    lm = ScriptedLM([[3, 15, 7, 8, 9], [4, 4, 4, 15, 9]])
+    tokens = greedy_generate(lm, torch.ones(2, 3, dtype=torch.long), 10, 15, input_ids=torch.zeros(2, 3).long())
+    assert tokens.tolist() == [[3, 15, 15, 15], [4, 4, 4, 15]] and lm.calls == 4
+
+
+def test_causal_lm_answers_end_at_the_first_eos_even_where_tokens_follow(ctx, monkeypatch):
+    """The decoded answer is the tokens before the first end-of-sequence token, whatever follows it
+    (here ordinary tokens, which skip_special_tokens would keep)."""
+    from fedtune.tasks import causal_lm
+
+    tok, eos = ctx.task.tokenizer, ctx.task.tokenizer.eos_token_id
+    hello, world = _encode(tok, " hello"), _encode(tok, " world")
+    rows = torch.tensor([[*hello, eos, *world], [*world, *hello, eos]])
+    monkeypatch.setattr(causal_lm, "greedy_generate", lambda *args, **kwargs: rows)
+    prompts = [np.array(_encode(tok, "q"), dtype=np.int64)] * 2
+    texts = ctx.task.generate(torch.nn.Linear(1, 1), prompts, rows.shape[1])
+    assert texts == [tok.decode(hello), tok.decode([*world, *hello])]

@@ -18,7 +18,7 @@ from fedtune.cli import app
 from fedtune.config import load_config
 from fedtune.models.hub_ids import hub_id
 from fedtune.tasks.causal_lm import CausalLM
-from fedtune.trained.loader import open_run
+from fedtune.trained.loader import ADAPTER_CONFIG, open_run
 
 runner = CliRunner()
 TINY = ["task.kind=causal-lm", *CausalLM.test_overrides]
@@ -372,3 +372,176 @@ def test_merged_export_of_a_smollm2_run_reloads_with_the_adapters_logits(tmp_pat
             base = adapter(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
     assert not torch.allclose(base, want, atol=1e-3)  # the adapter acts
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` by relative path -> sha256 (a snapshot to compare after)."""
+    import hashlib
+
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_export_never_deletes_or_overwrites_what_it_did_not_write(run_dir, tmp_path, monkeypatch):
+    """A user's model folder (config.json and more), the run's own adapter/, another run's adapter/
+    and the run folder itself: refused with one line, byte for byte as before. --overwrite moves a
+    non-empty folder aside to <name>.old-<n> (the first free n) and writes afresh; the default
+    RUN/export is written once, then refused without --overwrite."""
+    user = tmp_path / "my-model"
+    user.mkdir()
+    (user / "config.json").write_text("{}")
+    (user / "weights.bin").write_bytes(b"mine")
+    other = tmp_path / "other"
+    shutil.copytree(run_dir, other)
+    before = {p: _tree(p) for p in (user, run_dir, other)}
+    _one_line_error(["export", str(run_dir), "-o", str(user)], str(user), "not empty", "--overwrite")
+    _one_line_error(["export", str(run_dir), "-o", str(run_dir / "adapter")], "inside the run folder")
+    _one_line_error(["export", str(run_dir), "-o", str(other / "adapter"), "--overwrite"], "inside the run folder")
+    _one_line_error(["export", str(run_dir), "-o", str(run_dir)], "inside the run folder")
+    _one_line_error(["export", str(run_dir), "-o", str(run_dir.parent), "--overwrite"], "holds the run")
+    assert {p: _tree(p) for p in (user, run_dir, other)} == before
+    for _ in range(2):
+        result = runner.invoke(app, ["export", str(run_dir), "-o", str(user), "--overwrite"])
+        assert result.exit_code == 0, result.output
+        assert (user / ADAPTER_CONFIG).is_file() and not (user / "weights.bin").exists()
+    assert _tree(user.with_name("my-model.old-1")) == before[user]  # the user's files, moved once
+    assert _tree(user.with_name("my-model.old-2")) == _tree(user)  # the first export, moved by the second
+    default = run_dir / "export"
+    assert runner.invoke(app, ["export", str(run_dir)]).exit_code == 0 and (default / ADAPTER_CONFIG).is_file()
+    _one_line_error(["export", str(run_dir)], str(default), "not empty")
+    shutil.rmtree(default)  # this test's own export
+
+
+def test_a_failed_export_leaves_nothing_half_written(run_dir, tmp_path, monkeypatch):
+    """A write that fails part-way (a full disk) or a read-only file system: one line, and no
+    folder is left (neither the target nor the temporary one beside it)."""
+    import errno
+
+    def full(task, out):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("fedtune.trained.export._save_tokenizer", full)
+    _one_line_error(["export", str(run_dir), "-o", str(tmp_path / "out")], "out", "No space left")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+
+    def read_only(self, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    _one_line_error(["export", str(run_dir), "-o", str(tmp_path / "ro" / "out")], "ro", "Read-only file system")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_damaged_or_non_finite_adapter_and_a_missing_folder_are_one_line(run_dir, tmp_path, monkeypatch):
+    """eval / export of a run whose adapter_model.safetensors is empty, truncated, corrupted or holds
+    NaN: one line naming the file (before: a traceback, or accuracies of a NaN model with exit 0);
+    eval of a folder that does not exist says so (before: read as a model name)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = run_dir / "adapter" / "adapter_model.safetensors"
+    data = weights.read_bytes()
+    tensors = load_file(weights)
+    damaged = {
+        "empty": b"",
+        "truncated": data[: len(data) // 2],
+        "corrupted": bytes(range(256)) * 8,
+    }
+    for name, content in damaged.items():
+        run = shutil.copytree(run_dir, tmp_path / name)
+        (run / "adapter" / "adapter_model.safetensors").write_bytes(content)
+        _one_line_error(["eval", str(run), "--limit", "2"], "adapter_model.safetensors", "cannot be read")
+        _one_line_error(["export", str(run), "-o", str(tmp_path / f"{name}-out")], "cannot be read")
+    nan = shutil.copytree(run_dir, tmp_path / "nan")
+    save_file({k: v * float("nan") for k, v in tensors.items()}, nan / "adapter" / "adapter_model.safetensors")
+    _one_line_error(["eval", str(nan), "--limit", "2"], "adapter_model.safetensors", "not finite", "NaN")
+    mine = tmp_path / "mine.json"
+    mine.write_text('{"mine": 1}')
+    _one_line_error(["eval", str(run_dir), "--limit", "2", "-o", str(mine)], "mine.json", "not an earlier fedtune")
+    assert mine.read_text() == '{"mine": 1}'
+    monkeypatch.chdir(tmp_path)
+    for missing in (str(tmp_path / "gone"), "./gone", "nan/gone", "a/b/c"):
+        _one_line_error(["eval", missing, "--tasks", "arc_easy"], repr(missing), "no such folder")
+
+
+def _moved_aside(rel: str, digest: str, after: dict[str, str]) -> bool:
+    """Whether the file ``rel`` now lies, unchanged, under one of its folders moved aside to
+    ``<name>.old-<n>`` (--overwrite)."""
+    parts = rel.split("/")
+    for i in range(len(parts)):
+        for n in range(1, 50):
+            moved = "/".join([*parts[:i], f"{parts[i]}.old-{n}", *parts[i + 1 :]])
+            if after.get(moved) == digest:
+                return True
+    return False
+
+
+def test_fuzz_output_paths_never_remove_or_change_a_file_the_command_did_not_create(run_dir, tmp_path):
+    """export -o (with and without --overwrite), eval -o and report -o at seeded random paths among
+    a tree of decoy files (a user's model folder, files named like each command's outputs, a copy
+    of a run, plain files, new and nested paths): after every command each decoy is byte for byte
+    at its path, or moved aside whole by --overwrite, and so is every file of the run exported."""
+    import random
+
+    tree = tmp_path / "tree"
+    decoy_files = {
+        "model/config.json": "{}",
+        "model/adapter_config.json": "{}",
+        "model/weights.bin": "w",
+        "reports/report.md": "| mine |\n",
+        "reports/accuracy_vs_round.png": "not a plot",
+        "evals/eval.json": '{"mine": 1}',
+        "evals/notes.txt": "n",
+        "plain": "p",
+        "deep/a/b/keep.txt": "k",
+    }
+    for rel, text in decoy_files.items():
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(text)
+    shutil.copytree(run_dir, tree / "runs" / "copy", ignore=shutil.ignore_patterns("export*", "eval.json"))
+    (tree / "empty").mkdir()
+    run_dir = shutil.copytree(run_dir, tmp_path / "run", ignore=shutil.ignore_patterns("export*", "eval.json"))
+    decoys = _tree(tmp_path)  # from tmp_path: tree/ itself may be moved aside; the run's files too
+    folders = sorted({str(Path(rel).parent) for rel in decoys} | {"tree/empty", "tree", "."})
+    names = ["report.md", "eval.json", "config.json", "adapter", "new", "new/deeper", "plain", "x.old-1"]
+    rng = random.Random(0)
+    outcomes = set()
+    for trial in range(40):
+        command = ("export", "eval", "report", "export")[trial % 4]
+        target = tmp_path / rng.choice(folders) / rng.choice([*names, ""])
+        if rng.random() < 0.15:
+            target = rng.choice([run_dir, run_dir / "adapter", tree / "runs" / "copy" / "adapter", tree / "plain"])
+        args = {
+            "export": ["export", str(run_dir), "-o", str(target), *(["--overwrite"] if rng.random() < 0.5 else [])],
+            "eval": ["eval", str(run_dir), "--tasks", "arc_easy", "--limit", "2", "-o", str(target)],
+            "report": ["report", str(run_dir), "-o", str(target)],
+        }[command]
+        result = runner.invoke(app, args)
+        assert result.exit_code in (0, 2) and result.exception is None or isinstance(result.exception, SystemExit), (
+            args,
+            result.output,
+        )
+        outcomes.add((command, result.exit_code))
+        after = _tree(tmp_path)
+        for rel, digest in decoys.items():
+            assert after.get(rel) == digest or _moved_aside(rel, digest, after), (trial, args, rel)
+    assert outcomes == {(c, code) for c in ("export", "eval", "report") for code in (0, 2)}  # each wrote and refused
+
+
+def test_the_average_over_sets_has_the_standard_error_of_a_mean_of_independent_estimates():
+    """The mean of k sets' accuracies has SE sqrt(sum se_i^2) / k (independent sets), not the mean
+    of the SEs nor their root sum of squares; Dolly is not a multiple-choice set and stays out."""
+    from fedtune.trained.evaluate import average
+
+    rows = {
+        "arc_easy": {"acc": 0.5, "acc_se": 0.03, "acc_norm": 0.4, "acc_norm_se": 0.01},
+        "boolq": {"acc": 0.7, "acc_se": 0.04, "acc_norm": 0.6, "acc_norm_se": 0.02},
+        "dolly": {"acc": 0.0, "acc_se": 9.0, "rouge_l": 0.1},
+    }
+    out = average(rows)
+    assert out["sets"] == 2
+    assert out["acc"] == pytest.approx(0.6) and out["acc_se"] == pytest.approx(0.025)  # sqrt(.03^2 + .04^2) / 2
+    assert out["acc_norm"] == pytest.approx(0.5) and out["acc_norm_se"] == pytest.approx(5**0.5 / 200)

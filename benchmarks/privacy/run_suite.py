@@ -7,9 +7,15 @@ accuracy_vs_epsilon.png).
 Every run is ``configs/benchmarks/privacy-suite.toml`` (configs/fedit.toml's data, model, rate and
 H; 100 clients with 200 SST-2 examples each, Dirichlet 0.5; 30 rounds, evaluated every 5 on 500
 test examples; uniform client weights, DP-FedAvg's 1/m) plus, for a finite epsilon,
-``privacy.mode = "central"``, ``privacy.epsilon`` (z calibrated by the RDP accountant so that epsilon
-after the 30 rounds is at most the target) and ``privacy.clip``. delta is the default 1/N^1.1 =
-100^-1.1 = 0.0063 for every run.
+``privacy.mode = "central"``, ``privacy.epsilon`` (z calibrated by the accountant so that epsilon
+after the 30 rounds is at most the target) and ``privacy.clip``. delta is the default of the run's
+fedtune: the committed table (benchmarks/results/privacy/README.md, 2026-11-26, before issue 37)
+was measured with the former mechanism, 1/N^1.1 = 0.0063 under an RDP accountant of a sample drawn
+without replacement from a public seed; today's default is min(1/N^2, 1e-5) = 1e-5 under the PLD
+accountant of a secret Poisson sample (``fedtune.methods.base.accounting``), so a rerun calibrates
+other z. The clip sweep runs on the same federation and data as the table (another seed), and is
+not accounted for: its choice of clip leaks through the table's runs (``privacy.adaptive_clip``
+removes the sweep).
 
 FSLoRA (``fedtune/methods/fslora.py``, its DP form: the server clips each sketched upload U_i,
 puts it back at its ranks I_i and adds one N(0, (zC)^2) on every coordinate of the dense global
@@ -58,9 +64,8 @@ coordinates the noise covers, read from the run's ``checkpoint.npz`` (its global
 rank 8 and the head: d = 74,498 for MiniLM; the upload's bytes / 4 are 74,980 floats, the message
 header included). For FSLoRA the noise covers the dense rank-64 pair, although a client uploads
 only its k_i of the 64 ranks (``d up``: the run's mean ``client_bytes_up`` / 4 bytes, the header
-included; :func:`floats_up`). Example: at m = 10 (q = 0.1, 30 rounds, delta = 100^-1.1) the
-accountant calibrates z = 5.55, 2.67 and 1.40 for epsilon 1, 3 and 8
-(``fedtune.methods.base.privacy.calibrate``), so FedIT's noise / C is 5.55 sqrt(74,498) / 10 =
+included; :func:`floats_up`). Example: at m = 10 (q = 0.1, 30 rounds, delta = 100^-1.1) the former
+accountant calibrated z = 5.55, 2.67 and 1.40 for epsilon 1, 3 and 8, so FedIT's noise / C is 5.55 sqrt(74,498) / 10 =
 152, 73 and 38, and FSLoRA's at epsilon 8 (d = 6 layers x 2 modules x 2 x 64 x 384 + 770 =
 590,594) is 107: the noise is tens of times the largest possible signal, and a finite epsilon
 staying near chance at m = 10 is expected (the ratio falls like 1/m: McMahan et al. 2018 sample
@@ -364,7 +369,7 @@ def report(plan, choices, out: Path, command: str) -> list[Path]:
                 if r["epsilon"] is None:
                     ax.axhline(r["accuracy_mean"], color=color, ls="--", label=f"{LABEL[method]}, no DP")
         ax.set_xscale("log")
-        ax.set(xlabel="epsilon (delta = 1/N^1.1)", ylabel="accuracy (%)", title="SST-2, MiniLM, q = 0.1")
+        ax.set(xlabel="epsilon (the run's delta)", ylabel="accuracy (%)", title="SST-2, MiniLM, q = 0.1")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)

@@ -194,17 +194,24 @@ def _read_jsonl(path: Path, mtime: float) -> tuple[dict, ...]:
     by path and modification time)."""
     opener = gzip.open if path.suffix == ".gz" else open
     rows = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}: line {n}: not JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise ConfigError(f"{path}: line {n}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
+    try:
+        with opener(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # a byte-order mark is not data
+                except UnicodeDecodeError:
+                    raise ConfigError(f"{path}: line {n}: not UTF-8 text (expected UTF-8 JSON lines)") from None
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ConfigError(f"{path}: line {n}: not JSON ({exc.msg})") from None
+                if not isinstance(row, dict):
+                    raise ConfigError(f"{path}: line {n}: expected a JSON object, got {type(row).__name__}")
+                rows.append(row)
+    except (gzip.BadGzipFile, EOFError) as exc:
+        raise ConfigError(f"{path}: not a readable gzip file ({exc})") from None
     return tuple(rows)
 
 
@@ -214,7 +221,7 @@ def read_jsonl(path: Path) -> tuple[dict, ...]:
 
 def _read_csv(path: Path) -> list[dict]:
     try:
-        with path.open(newline="", encoding="utf-8") as f:
+        with path.open(newline="", encoding="utf-8-sig") as f:  # a byte-order mark is not data
             return list(csv.DictReader(f))
     except (csv.Error, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not a readable CSV file ({exc})") from None
@@ -343,11 +350,18 @@ def _mc_row(row: dict, path: Path, n: int) -> tuple[str, list[str], int]:
     return question, choices, gold
 
 
-def multiple_choice_set(rows, path: Path, name: str, label: int, label_names: list[str]) -> PromptSet:
-    """Multiple-choice rows (``question``, ``choices``, ``gold``) as Table B.1 prompt/response pairs."""
+def multiple_choice_set(
+    rows, path: Path, name: str, label: int, label_names: list[str], distinct: bool = False
+) -> PromptSet:
+    """Multiple-choice rows (``question``, ``choices``, ``gold``) as Table B.1 prompt/response pairs;
+    ``distinct`` (a user's file): a blank option, or two the same, is refused naming the row (the
+    published sets keep theirs: CSQA and SocialIQA repeat options in a few hundred rows)."""
     instructions, responses, choices_all, tags_all, gold_all, questions = [], [], [], [], [], []
     for n, row in enumerate(rows, 1):
         question, choices, gold = _mc_row(row, path, n)
+        stripped = [c.strip() for c in choices]
+        if distinct and (not all(stripped) or len(set(stripped)) < len(stripped)):
+            raise ConfigError(f"{path}: row {n}: column 'choices' holds a blank or repeated option ({choices})")
         text, tags = commonsense_instruction(name, question, choices)
         instructions.append(text)
         responses.append(ANSWER_PREFIX + tags[gold])
@@ -476,7 +490,7 @@ def local_set(rows: list[dict], path: Path) -> PromptSet:
         raise ConfigError(f"{path}: no rows")
     first = rows[0]
     if {"question", "choices", "gold"} <= set(first):
-        ds = multiple_choice_set(rows, path, "local", 0, ["local"])
+        ds = multiple_choice_set(rows, path, "local", 0, ["local"], distinct=True)
         k = int(ds.gold.max()) + 1
         ds.labels, ds.label_names = ds.gold.copy(), [f"choice{i + 1}" for i in range(k)]
         return ds

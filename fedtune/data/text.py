@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,8 @@ def data_dir(cfg: DataConfig) -> Path:
 #: split), but not by so much that the ids are not ids (a single label 1000000000 would allocate a
 #: head of a billion classes): C > max(2 x distinct, MIN_SPARSE_CLASSES) is refused.
 MIN_SPARSE_CLASSES = 64
+#: a label written as a float in a text file (0.5, 1.0, -2., 1e3): refused, as a float in JSON is
+FLOAT_LABEL = re.compile(r"[-+]?(\d+\.\d*|\.\d+|\d+(\.\d*)?[eE][-+]?\d+)")
 
 
 def _check_raw_labels(raw: list, where: str) -> None:
@@ -99,6 +102,12 @@ def _encode_labels(raw: list, classes: list[str] | None, where: str) -> tuple[np
                 "0..C-1 (give the labels as strings to use them as class names)"
             )
         return ints, [str(i) for i in range(num_classes)]
+    if classes is None:
+        row = next((n for n, v in enumerate(values, 1) if FLOAT_LABEL.fullmatch(v)), None)
+        if row is not None:
+            raise ConfigError(
+                f"{where}: row {row}: label {values[row - 1]!r} is a float; expected an integer id or a class name"
+            )
     classes = classes or sorted(set(values))
     index = {c: i for i, c in enumerate(classes)}
     unknown = sorted(set(values) - index.keys())
@@ -129,7 +138,7 @@ def _read_table(
 def _parse_table(path: Path, text_col, label_col, header: bool, errors: str) -> tuple[list[str], list]:
     texts, labels = [], []
     if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8", errors=errors) as f:
+        with path.open(encoding="utf-8-sig", errors=errors) as f:  # a byte-order mark is not data
             for n, line in enumerate(f, 1):
                 if line.strip():
                     row = json.loads(line)
@@ -141,7 +150,7 @@ def _parse_table(path: Path, text_col, label_col, header: bool, errors: str) -> 
                     labels.append(row[label_col])
         return texts, labels
     delimiter = "\t" if path.suffix in (".tsv", ".txt") else ","
-    with path.open(encoding="utf-8", errors=errors, newline="") as f:
+    with path.open(encoding="utf-8-sig", errors=errors, newline="") as f:
         reader = csv.reader(f, delimiter=delimiter, quoting=csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL)
         if header:
             names = next(reader, None)

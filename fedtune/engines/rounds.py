@@ -9,7 +9,8 @@ reply that fails validation: the wrong client id or round, larger than
 ``federation.max_reply_bytes``, metadata other than :meth:`Strategy.reply_meta_spec` declares
 (types, ranges, finite numbers: a client's ``num_examples`` is at most what the server knows of
 it), or arrays other than :meth:`Strategy.reply_spec` expects (names, shapes, dtypes, finite
-values; :mod:`fedtune.protocol.validation`). Dropped replies never
+values; :mod:`fedtune.protocol.validation`), and so is a training reply whose norm exceeds
+``federation.max_update_ratio`` times the round's reference (not under DP). Dropped replies never
 reach ``aggregate_fit``. A round may hold further exchanges after the training one
 (:meth:`Strategy.phases`: RABO's two phases, BoMM's party / cloud exchanges), each with the
 clients still answering, each validated, byte-accounted and recorded the same way; a phase short
@@ -41,7 +42,7 @@ from fedtune.errors import FedtuneError
 from fedtune.protocol.client import Client
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import SECURE_LAYOUT, SecureSum, Strategy
-from fedtune.protocol.validation import check_arrays, check_meta
+from fedtune.protocol.validation import check_arrays, check_meta, outsized_updates
 
 
 def sample_clients(num_clients: int, sample_size: int, seed: int, rnd: int, attempt: int = 0) -> list[int]:
@@ -123,10 +124,26 @@ class RoundPolicy:
     max_retries: int = 2
     timeout_s: float | None = None
     max_reply_bytes: int = 256 * 2**20
+    max_update_ratio: float | None = None  # None: no outsized-update screen
 
     @classmethod
-    def of(cls, fed: Any) -> RoundPolicy:
-        return cls(fed.min_replies, fed.max_retries, fed.round_timeout_s, fed.max_reply_bytes)
+    def of(cls, fed: Any, private: bool = False) -> RoundPolicy:
+        """The policy of ``fed`` (``federation.*``); ``private`` (DP): no outsized-update screen,
+        whose reference would depend on the other clients' updates (DP clipping bounds them)."""
+        ratio = None if private or not fed.max_update_ratio else fed.max_update_ratio
+        return cls(fed.min_replies, fed.max_retries, fed.round_timeout_s, fed.max_reply_bytes, ratio)
+
+    def screened(
+        self, record: RoundRecord, replies: dict[int, Message], sent: dict[int, Message], attempt: int
+    ) -> dict[int, Message]:
+        """``replies`` less the outsized ones (:func:`~fedtune.protocol.validation.outsized_updates`),
+        each dropped in ``record`` with its reason."""
+        if self.max_update_ratio is None:
+            return replies
+        outsized = outsized_updates(replies, sent, self.max_update_ratio)
+        for cid, reason in outsized.items():
+            record.dropped[cid] = (f"attempt {attempt + 1}: " if attempt else "") + reason
+        return {cid: reply for cid, reply in replies.items() if cid not in outsized}
 
     def rejection(
         self, strategy: Strategy, kind: str, rnd: int, cid: int, sent: Message | None, got: Delivery
@@ -174,11 +191,17 @@ class RoundRecord:
     attempts: int = 1
     eval_bytes: int = 0
     wall_s: float = 0.0
+    private: bool = False  # a round under client-level DP: its line releases no per-client number
 
     def to_json(self) -> dict[str, Any]:
         """The ``metrics.jsonl`` line for this round: the record's own fields, and the metrics
         between them; a metric named like a field (a strategy passing on what clients reported)
-        never replaces the engine's accounting."""
+        never replaces the engine's accounting. A private round's line is only what the privacy
+        mechanism releases: the round, the metrics (the server's evaluation of the released state,
+        epsilon) and ``"private": true``; not the sample, bytes, timings, steps or drops, which
+        depend on who was sampled and on their data."""
+        if self.private:
+            return {"round": self.round, **{k: v for k, v in self.metrics.items() if k != "private"}, "private": True}
         own = {
             "round": self.round,
             "accuracy": self.metrics.get("accuracy"),
@@ -228,8 +251,8 @@ class RoundRecord:
 
         return cls(
             round=int(line["round"]),
-            clients=[int(c) for c in line["clients"]],
-            metrics={k: v for k, v in line.items() if k not in cls.FIELDS and v is not None},
+            clients=[int(c) for c in line.get("clients", [])],
+            metrics={k: v for k, v in line.items() if k not in (*cls.FIELDS, "private") and v is not None},
             client_bytes_up=by_client("client_bytes_up"),
             client_bytes_down=by_client("client_bytes_down"),
             client_steps=by_client("client_steps"),
@@ -238,6 +261,7 @@ class RoundRecord:
             attempts=int(line.get("attempts", 1)),
             eval_bytes=int(line.get("eval_bytes", 0)),
             wall_s=float(line.get("wall_s", 0.0)),
+            private=bool(line.get("private", False)),
         )
 
 
@@ -346,29 +370,41 @@ def drive_rounds(
             raise RunHalted(reason, rnd - 1)
         start = time.perf_counter()
         record = RoundRecord(rnd, [])
+        total = None
         for attempt in range(policy.max_retries + 1):
             record.attempts = attempt + 1
-            clients = sample_clients(num_clients, sample_size, seed, rnd, attempt)
+            secret = strategy.private_sample(rnd, attempt)
+            record.private = secret is not None
+            clients = secret if record.private else sample_clients(num_clients, sample_size, seed, rnd, attempt)
+            secure = unmask is not None
+            if record.private and secure and len(clients) < 2:
+                clients = []  # a sum of one update is that update: the round releases noise alone
             record.clients = sorted(set(record.clients) | set(clients))
             sent = strategy.configure_fit(rnd, clients)
             replies = _exchange(strategy, transport, policy, record, TRAIN, sent, rnd, attempt)
-            if len(replies) >= policy.min_replies:
-                if unmask is None:
+            if not secure:  # masked replies carry no arrays to measure
+                replies = policy.screened(record, replies, sent, attempt)
+            need = 0 if record.private else policy.min_replies  # DP: missing replies are zero updates
+            if len(replies) >= need:
+                if not secure or not clients:
                     break
                 total = _unmasked(unmask, record, rnd, attempt, replies, sent)
-                if total is not None and len(total.clients) >= policy.min_replies:
+                if total is not None and len(total.clients) >= need:
                     replies = {cid: replies[cid] for cid in total.clients}
                     break
+            if record.private:  # never retried: a fresh sample would condition the first on failing
+                replies = {}
+                break
         else:
             raise RoundFailed(
                 f"round {rnd}: fewer than federation.min_replies = {policy.min_replies} valid replies after "
                 f"{policy.max_retries + 1} attempts; drops: {record.dropped}"
             )
-        if unmask is None:
+        if total is None:
             record.metrics.update(_aggregated(rnd, TRAIN, strategy.aggregate_fit, replies))
         else:
-            secure = partial(strategy.aggregate_secure_fit, total=total)
-            record.metrics.update(_aggregated(rnd, TRAIN, secure, replies))
+            secure_fit = partial(strategy.aggregate_secure_fit, total=total)
+            record.metrics.update(_aggregated(rnd, TRAIN, secure_fit, replies))
         for phase in strategy.phases(rnd):  # further exchanges, with the clients still answering
             sent = strategy.configure_phase(phase, rnd, sorted(replies))
             replies = _exchange(strategy, transport, policy, record, phase, sent, rnd, 0)
@@ -385,7 +421,13 @@ def drive_rounds(
             )
         if rnd % eval_every == 0 or rnd == rounds:
             record.metrics.update(strategy.evaluate(rnd))
-            eval_messages = strategy.configure_evaluate(rnd, list(range(num_clients)))
+            if not np.isfinite(record.metrics.get("loss", 0.0)):  # every client would fail on this state
+                raise RoundFailed(
+                    f"round {rnd}: the aggregated global state evaluates to a non-finite loss; nothing of this "
+                    "round is kept"
+                )
+            # federated evaluation reports on the clients' data, outside what DP accounts for
+            eval_messages = {} if record.private else strategy.configure_evaluate(rnd, list(range(num_clients)))
             eval_replies = {}
             for cid, got in transport(EVALUATE, rnd, eval_messages, 0).items():
                 record.eval_bytes += got.down + got.up
@@ -459,6 +501,6 @@ class Engine(ABC):
             c.eval_every,
             on_round,
             start_round,
-            RoundPolicy.of(fed),
+            RoundPolicy.of(fed, c.privacy.mode != "none"),
             should_stop,
         )

@@ -257,12 +257,10 @@ class FSLoRAStrategy(PrivateAverage, SecureSummed, GlobalAdapterStrategy):
     def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
         """Rebuild each sparse update (zeros outside I_i) and apply eq. (5); under ``privacy.mode``
         the DP form of the module docstring: (sum_i P_i clip(U_i) + xi) / m."""
+        if self.privacy is not None:  # a round releases its noised aggregate even when nobody replied
+            return self.private_step(rnd, [self.scatter(rnd, c, r, self.zeros(np.float64)) for c, r in replies.items()])
         if not replies:
             return {}
-        if self.privacy is not None:
-            placed = [self.scatter(rnd, cid, reply, self.zeros(np.float64)) for cid, reply in replies.items()]
-            self.global_arrays = self.server_opt.step(self.global_arrays, self.private_aggregate(rnd, placed))
-            return {**mean_train_loss(replies), "epsilon": self.spent()}
         w = np.asarray(client_weights(replies, self.options.weighting), dtype=np.float64)
         total = self.zeros()
         for p_i, (cid, reply) in zip(w / w.sum(), replies.items()):

@@ -265,13 +265,11 @@ class HeteroLoRAStrategy(PrivateAverage, SecureSummed, GlobalAdapterStrategy):
         return norms if sum(norms) > 0 else [1.0] * len(norms)
 
     def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
-        if not replies:
-            return {}
         updates = [decode_update(m.arrays) for m in replies.values()]
         if self.privacy is not None:  # (sum_i pad_r(clip(Delta_i)) + xi) / m: see the module docstring
-            padded = [{k: pad_rank(k, v, self.rank) for k, v in u.items()} for u in updates]
-            self.global_arrays = self.server_opt.step(self.global_arrays, self.private_aggregate(rnd, padded))
-            return {**mean_train_loss(replies), "epsilon": self.spent()}
+            return self.private_step(rnd, [{k: pad_rank(k, v, self.rank) for k, v in u.items()} for u in updates])
+        if not replies:
+            return {}
         trained: list[dict[str, np.ndarray]] = []
         if self.options.weighting == "sparsity" or self.options.aggregate == "modules":
             # B_i, A_i as trained: the truncation sent (to the rank the reply carries) plus the update
@@ -299,7 +297,7 @@ class HeteroLoRAStrategy(PrivateAverage, SecureSummed, GlobalAdapterStrategy):
 
     def aggregate_secure_fit(self, rnd: int, replies: dict[int, Message], total: SecureSum) -> dict[str, float]:
         """:meth:`aggregate_fit` from the sum alone: sum_i w_i pad_r(v_i) (v_i: the update, or the
-        trained module with ``aggregate = "modules"``) over sum_i w_i (local DP: over m), or, with
+        trained module with ``aggregate = "modules"``) over sum_i w_i (DP: the mechanism's noised sum over m), or, with
         ``padding = "coverage"``, rank j over its coverage weight sum_i w_i 1[j < r_i] (summed
         securely beside it, :data:`COVERED`; a rank index whose coverage is within the sum's
         quantization error of 0 is uncovered: zero)."""
@@ -313,7 +311,7 @@ class HeteroLoRAStrategy(PrivateAverage, SecureSummed, GlobalAdapterStrategy):
                 den = np.broadcast_to(denominator if is_head(k) else per_rank(k, covered, v.ndim), v.shape)
                 mean[k] = np.divide(arrays[k], den, out=np.zeros(v.shape), where=den > 0).astype(v.dtype)
         else:
-            mean = {k: (arrays[k] / denominator).astype(v.dtype) for k, v in self.global_arrays.items()}
+            mean = self.secure_mean(rnd, total)
         if self.options.aggregate == "modules":
             self.global_arrays = self.server_opt.move_to(self.global_arrays, mean)
         else:

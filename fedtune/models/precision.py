@@ -215,7 +215,16 @@ def quantize_linears(
     """Replace each ``nn.Linear`` outside ``keep`` (and :data:`NEVER_QUANTIZED`) by its bitsandbytes
     counterpart holding the same weights, quantized on ``device`` at once, layer by layer (a layer
     left for a later ``.to(device)`` would hold its float32 copy until then: 11 GB for a 3B
-    model's linears); the count."""
+    model's linears); the count.
+
+    A 4-bit layer takes the path an AVX2 CPU takes (dequantize, then a matrix product in
+    ``compute_dtype``) on every CPU, never bitsandbytes' AVX512-BF16 one (its
+    ``Linear4bit.support_avx512bf16_for_cpu``, set from the CPU's flags): there bitsandbytes 0.50
+    repacks a layer's weights in place at its first forward in eval mode under ``no_grad``, for a
+    bfloat16 kernel without a backward. The repacking fails where the input width is not a multiple
+    of the 64-weight quantization block (tiny-llama: "shape '[32, 0]' is invalid"), and elsewhere the
+    weights stay repacked: the next round trains through that kernel in bfloat16 and no gradient
+    reaches the layers below (measured: the input's gradient is None)."""
     try:
         import bitsandbytes as bnb
     except ImportError:
@@ -242,6 +251,7 @@ def quantize_linears(
                 device="meta",
             )
             new.weight = bnb.nn.Params4bit(weight, requires_grad=False, compress_statistics=True, quant_type="nf4")
+            new.support_avx512bf16_for_cpu = False  # the AVX2 path on every CPU (docstring)
         else:
             new = bnb.nn.Linear8bitLt(
                 lin.in_features, lin.out_features, bias=lin.bias is not None, has_fp16_weights=False, device="meta"

@@ -143,6 +143,13 @@ class Strategy(ABC):
         """One line when the run must stop before round ``rnd`` (a spent privacy budget), else None."""
         return None
 
+    def private_sample(self, rnd: int, attempt: int) -> list[int] | None:
+        """Under client-level DP, the clients of round ``rnd`` drawn from the privacy mechanism's
+        secret (:mod:`fedtune.methods.base.privacy`): the engine then keeps the sample and every
+        per-client number out of what the run releases, and never retries the round. None (the
+        default): the engine's seeded uniform draw."""
+        return None
+
     def summary(self) -> dict[str, Any]:
         """What the strategy adds to ``summary.json`` (default: nothing)."""
         return {}

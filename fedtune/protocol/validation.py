@@ -13,6 +13,11 @@ weighted sum): :meth:`Strategy.reply_meta_spec` declares the keys a method reads
 :class:`MetaField` (type and range), :data:`COMMON_META` the ones every method shares, and
 :func:`check_meta` checks a reply's metadata against it. Keys nobody declared may hold any
 JSON scalar or list, but a number among them must be finite.
+
+A valid reply may still be outsized: :func:`outsized_updates` finds the training replies whose
+L2 norm exceeds ``federation.max_update_ratio`` times a reference (the larger of the other
+replies' lower median norm and the norm of what the client was sent), a default defence against
+one client's huge but finite update (1e30) that honest rounds never reach.
 """
 
 from __future__ import annotations
@@ -175,3 +180,33 @@ def check_meta(meta, spec: Mapping[str, MetaField]) -> str | None:
         if key not in spec and not _finite_everywhere(value):
             return f"metadata {key!r}: non-finite value"
     return None
+
+
+def _norm(arrays: Mapping[str, np.ndarray]) -> float:
+    """The L2 norm over every float array of ``arrays`` (wire-encoded ones decoded), in float64."""
+    total = 0.0
+    for a in wire_decode(arrays).values():
+        a = np.asarray(a)
+        if a.dtype.kind == "f":
+            total += float(np.sum(np.square(a, dtype=np.float64)))
+    return math.sqrt(total)
+
+
+def outsized_updates(replies: Mapping, sent: Mapping, ratio: float) -> dict[int, str]:
+    """Client id -> reason for each training reply (a Message) whose norm exceeds ``ratio`` times
+    its reference: the larger of the lower median of the *other* replies' norms (0 for a lone
+    reply; a huge reply cannot raise its own reference, nor, among two, the other's) and the norm
+    of the message ``sent`` to that client (the global state it trained from). A zero reference
+    rejects nothing."""
+    norms = {cid: _norm(reply.arrays) for cid, reply in replies.items()}
+    out = {}
+    for cid, norm in norms.items():
+        others = sorted(v for c, v in norms.items() if c != cid)
+        median = others[(len(others) - 1) // 2] if others else 0.0
+        reference = max(median, _norm(sent[cid].arrays))
+        if reference > 0 and norm > ratio * reference:
+            out[cid] = (
+                f"update norm {norm:.3g} exceeds federation.max_update_ratio = {ratio:g} times its "
+                f"reference {reference:.3g}"
+            )
+    return out

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fedtune.errors import FedtuneError
+from fedtune.output_files import check_free, write_output
 
 __all__ = [
     "ReportError",
@@ -189,23 +190,40 @@ def pyplot():
 
 
 @contextmanager
-def figure(path: Path, *args: Any, **kwargs: Any) -> Iterator[tuple[Any, Any]]:
+def figure(path: Any, *args: Any, metadata: dict | None = None, **kwargs: Any) -> Iterator[tuple[Any, Any]]:
     """``plt.subplots(*args, **kwargs)`` as ``(fig, axes)``; on leaving the block without an error
-    the figure is laid out tightly and saved to ``path`` at 120 dpi. It is closed either way."""
+    the figure is laid out tightly and saved to ``path`` (a file or a binary buffer: PNG) at 120 dpi,
+    with the image's ``metadata``. It is closed either way."""
     plt = pyplot()
     fig, axes = plt.subplots(*args, **kwargs)
     try:
         yield fig, axes
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        fig.savefig(path, dpi=120, format="png", metadata=metadata)
     finally:
         plt.close(fig)
 
 
+PNG_MARK = "fedtune report"  # the PNG's Software text: a plot fedtune may replace
+
+
+def _our_plot(path: Path) -> bool:
+    with path.open("rb") as f:
+        return PNG_MARK.encode() in f.read(4096)
+
+
+def _our_report(path: Path) -> bool:
+    header = table_lines(_COLUMNS)[0].encode()
+    with path.open("rb") as f:
+        return f.read(len(header)) == header
+
+
 def plot_runs(runs: list[RunRecord], out_dir: Path) -> list[Path]:
-    """Write ``accuracy_vs_round.png`` and ``accuracy_vs_mb_up.png`` into ``out_dir``; return their paths."""
+    """Write ``accuracy_vs_round.png`` and ``accuracy_vs_mb_up.png`` into ``out_dir``; return their
+    paths (:func:`~fedtune.output_files.write_output`: never over a file fedtune did not write)."""
+    import io
+
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     specs = [
         ("accuracy_vs_round.png", "Round", "Accuracy vs round", lambda run: [r.get("round") for r in run.rounds]),
         (
@@ -215,9 +233,12 @@ def plot_runs(runs: list[RunRecord], out_dir: Path) -> list[Path]:
             lambda run: cumulative_mb_up(run.rounds),
         ),
     ]
+    for filename, *_ in specs:
+        check_free(out_dir / filename, _our_plot, "--out")
     paths = []
     for filename, xlabel, title, xs_of in specs:
-        with figure(out_dir / filename, figsize=(6, 4)) as (fig, ax):
+        image = io.BytesIO()
+        with figure(image, figsize=(6, 4), metadata={"Software": PNG_MARK}) as (fig, ax):
             for run in runs:
                 pts = [(x, r["accuracy"]) for x, r in zip(xs_of(run), run.rounds) if r.get("accuracy") is not None]
                 if pts:
@@ -226,18 +247,23 @@ def plot_runs(runs: list[RunRecord], out_dir: Path) -> list[Path]:
             ax.grid(alpha=0.3)
             if ax.get_legend_handles_labels()[0]:
                 ax.legend()
+        write_output(out_dir / filename, image.getvalue(), _our_plot, "--out")
         paths.append(out_dir / filename)
     return paths
 
 
 def make_report(run_dirs: list[Path], out_dir: Path | None = None) -> tuple[str, list[Path]]:
-    """Load runs, write ``report.md`` and the plots to ``out_dir`` (default: first run's parent)."""
+    """Load runs, write ``report.md`` and the plots to ``out_dir`` (default: first run's parent),
+    replacing only files an earlier report wrote there (else one line, nothing written)."""
     if not run_dirs:
         raise ReportError("no run folders given (expected at least one fedtune run folder)")
     runs = [load_run(Path(d)) for d in run_dirs]
     out_dir = Path(out_dir) if out_dir is not None else Path(run_dirs[0]).parent
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ReportError(f"--out {str(out_dir)!r}: exists and is not a folder; name a folder")
     markdown = markdown_table(runs)
     report = out_dir / "report.md"
-    report.write_text(markdown, encoding="utf-8")
-    return markdown, [report, *plot_runs(runs, out_dir)]
+    check_free(report, _our_report, "--out")
+    paths = plot_runs(runs, out_dir)
+    write_output(report, markdown.encode("utf-8"), _our_report, "--out")
+    return markdown, [report, *paths]

@@ -113,6 +113,11 @@ def target_of(arg: str) -> Target:
                 f"{str(path / 'config.toml')!r}: task.kind is {run.config.task.kind!r}; fedtune eval scores {KIND} runs"
             )
         return Target(run.config, run.adapter_dir, str(path), path)
+    a_path = (
+        arg.startswith(("/", ".", "~")) or arg.count("/") > 1 or (path.parent != Path(".") and path.parent.is_dir())
+    )
+    if a_path and not path.exists():  # a hub id is org/name, with no folder org/ here
+        raise ConfigError(f"{arg!r}: no such folder (expected a run folder, a model folder or a model name)")
     name = fedtune_name(arg)
     return Target(load_config(None, [f"task.kind={KIND}", f"model.name={name}"]), None, name, None)
 
@@ -408,6 +413,17 @@ def evaluate(
         }
         result["paired"] = {"sets": diffs, "average": average(diffs, PAIRED)}
     return result
+
+
+def is_eval_result(path: Path) -> bool:
+    """Whether ``path`` holds an earlier :func:`evaluate` result (``fedtune eval`` may replace it)."""
+    import json
+
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(value, dict) and {"target", "sets", "average", "metrics"} <= value.keys()
 
 
 def evaluate_to_file(job: tuple[Target, list[str], int | None, Path, dict]) -> dict:

@@ -15,6 +15,11 @@ folder that plain transformers / PEFT code loads, and optionally pushed to the h
 - **Model card**: ``README.md`` (:func:`model_card`) in either form: the base's hub id and its
   exact weights (a packaged GGUF base: the de-quantized file, not the hub's originals), the
   method, rounds, clients, data, template and the evaluations the run folder holds.
+- **Where**: the export never deletes or overwrites what it did not write in this call. An existing
+  non-empty ``out`` is refused, or with ``overwrite`` moved aside to ``<name>.old-<n>`` (the run
+  folder's ``--overwrite`` rule); a target that is, holds or lies inside a run folder is refused (but
+  the run's own default, ``RUN/export[-merged]``). Everything is written into a temporary folder beside
+  ``out`` and renamed to ``out`` at the end: a failure leaves nothing half-written.
 - **Hub** (``push_to_hub``): uploads the folder to that repository, only with a token
   (``HF_TOKEN`` or ``huggingface-cli login``) and a network, and only with a base another
   machine can resolve.
@@ -23,12 +28,15 @@ folder that plain transformers / PEFT code loads, and optionally pushed to the h
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import shutil
 from pathlib import Path
 
 from fedtune.config import ConfigError
 from fedtune.models import prefix_lm as plm
 from fedtune.models.hub_ids import BUILT_IN_CODE, hub_id, is_portable
+from fedtune.run_folder import rename_aside, run_folder_around
 from fedtune.trained.loader import ADAPTER_CONFIG, TrainedRun
 
 RUN_FILES = ("prompt_template.json",)  # run files a user of the export needs beside the weights
@@ -40,8 +48,8 @@ def _save_tokenizer(task, out: Path) -> None:
         tokenizer.save_pretrained(out)
 
 
-def _export_adapter(run: TrainedRun, task, out: Path) -> list[str]:
-    """Copy the adapter into ``out``; notes on how its base resolves."""
+def _export_adapter(run: TrainedRun, task, out: Path, final: Path) -> list[str]:
+    """Copy the adapter into ``out`` (renamed to ``final`` at the end); notes on how its base resolves."""
     from fedtune.models.hub_cache import link_packaged
 
     for path in run.adapter_dir.iterdir():
@@ -52,9 +60,9 @@ def _export_adapter(run: TrainedRun, task, out: Path) -> list[str]:
     if str(task.config.model.name) in BUILT_IN_CODE:
         task.build_model(task.config.seed).save_pretrained(out / "base")
         _save_tokenizer(task, out / "base")
-        info = dict(run.adapter_config, base_model_name_or_path=str((out / "base").resolve()))
+        info = dict(run.adapter_config, base_model_name_or_path=str((final / "base").resolve()))
         (out / ADAPTER_CONFIG).write_text(json.dumps(info, indent=2, sort_keys=True))
-        notes.append(f"base {task.config.model.name!r} is built in code: written to {out / 'base'}")
+        notes.append(f"base {task.config.model.name!r} is built in code: written to {final / 'base'}")
     elif base and (snapshot := link_packaged(base)) is not None:
         notes.append(f"hub id {base} resolves offline here to the packaged copy ({snapshot})")
     return notes
@@ -134,31 +142,78 @@ def model_card(run: TrainedRun, merged: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
-def export_run(run: TrainedRun, out: Path, merged: bool = False) -> list[str]:
-    """Write the export of ``run`` into ``out`` (emptied first if it holds an earlier export);
-    notes for the user."""
+def default_folder(run_dir: Path, merged: bool) -> Path:
+    """Where ``fedtune export`` writes without ``--out``: ``RUN/export`` (``export-merged``)."""
+    return run_dir / ("export-merged" if merged else "export")
+
+
+def check_target(run: TrainedRun, out: Path, merged: bool, overwrite: bool) -> None:
+    """One line when writing ``out`` could delete or change what the export did not write."""
+    where = f"--out {str(out)!r}"
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{where}: exists and is not a folder; choose a folder")
+    target, default = out.resolve(), default_folder(run.run_dir, merged).resolve()
+    holder = run_folder_around(out)
+    if holder is not None and target != default:
+        raise ConfigError(
+            f"{where}: inside the run folder {str(holder)!r}; export there only to its default "
+            f"({default.name}/): choose a folder outside every run folder"
+        )
+    if target in run.run_dir.resolve().parents:
+        raise ConfigError(f"{where}: holds the run being exported; choose a folder outside it")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ConfigError(
+            f"{where}: not empty; choose another folder, or pass --overwrite to move it aside to {out.name}.old-<n>"
+        )
+
+
+def export_run(run: TrainedRun, out: Path, merged: bool = False, overwrite: bool = False) -> list[str]:
+    """Write the export of ``run`` into ``out`` (see the module's **Where**); notes for the user."""
+    check_target(run, out, merged, overwrite)
     task = run.task()
-    if out.exists() and any(out.iterdir()):
-        if not (out / "config.json").is_file() and not (out / ADAPTER_CONFIG).is_file():
-            raise ConfigError(f"--out {str(out)!r}: not empty and not an earlier export; choose another folder")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.export-{secrets.token_hex(4)}")
+        tmp.mkdir()
+    except OSError as exc:
+        raise ConfigError(f"--out {str(out)!r}: cannot be written ({exc.strerror or exc})") from None
+    try:
+        notes = _write(run, task, tmp, out, merged)
+        aside = rename_aside(out) if out.is_dir() and any(out.iterdir()) else None
+        try:
+            os.rename(tmp, out)  # onto nothing, or onto an empty folder
+        except OSError:
+            if aside is not None:
+                aside.rename(out)
+            raise
+    except OSError as exc:
+        raise ConfigError(
+            f"--out {str(out)!r}: cannot be written ({exc.strerror or exc}); nothing was written"
+        ) from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)  # this call's own partial export
+    return notes
+
+
+def _write(run: TrainedRun, task, tmp: Path, out: Path, merged: bool) -> list[str]:
+    """The export's files in ``tmp`` (to become ``out``)."""
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # "Writing model shards": the command says what it wrote
     try:
-        notes = [] if merged else _export_adapter(run, task, out)
+        notes = [] if merged else _export_adapter(run, task, tmp, out)
         if merged:
-            _export_merged(task, run, out)
+            _export_merged(task, run, tmp)
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    _save_tokenizer(task, out)
-    (out / "README.md").write_text(model_card(run, merged))
+    _save_tokenizer(task, tmp)
+    (tmp / "README.md").write_text(model_card(run, merged))
     for name in RUN_FILES:
         if (run.run_dir / name).is_file():
-            shutil.copy2(run.run_dir / name, out / name)
+            shutil.copy2(run.run_dir / name, tmp / name)
     return notes
 
 

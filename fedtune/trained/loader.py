@@ -1,10 +1,11 @@
 """A run folder's trained model: its config and its adapter, checked, on the run's own base.
 
 A run folder (:mod:`fedtune.run`) holds ``config.toml`` (the resolved config) and, for LoRA
-methods, ``adapter/`` (PEFT ``save_pretrained``). :func:`open_run` reads and checks both (bad input:
-one line naming the path); :meth:`TrainedRun.model` builds the base as the run did (the task's
-``build_model`` from the run's seed, prepared for ``model.dtype`` / ``model.quantization`` /
-``device`` by :func:`~fedtune.models.precision.prepare_base`) and loads the adapter onto it.
+methods, ``adapter/`` (PEFT ``save_pretrained``). :func:`open_run` reads and checks both, the
+adapter's weights too (readable, finite): bad input is one line naming the path.
+:meth:`TrainedRun.model` builds the base as the run did (the task's ``build_model`` from the run's
+seed, prepared for ``model.dtype`` / ``model.quantization`` / ``device`` by
+:func:`~fedtune.models.precision.prepare_base`) and loads the adapter onto it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from fedtune.tasks import Task
 
 ADAPTER = "adapter"
 ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def make_task(config: RunConfig) -> Task:
@@ -99,4 +101,22 @@ def open_run(run_dir: Path) -> TrainedRun:
             raise ValueError("not a JSON object")
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise ConfigError(f"{str(adapter_config)!r}: cannot be read ({exc})") from None
+    check_weights(adapter_dir / ADAPTER_WEIGHTS)
     return TrainedRun(run_dir, config, adapter_dir, info)
+
+
+def check_weights(path: Path) -> None:
+    """One line naming ``path`` when its tensors cannot be read (missing, empty, truncated,
+    corrupted) or are not all finite (an adapter of NaNs scores as if it were a model)."""
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(path)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error kinds on a damaged file
+        first = (str(exc).splitlines() or [""])[0]
+        raise ConfigError(
+            f"{str(path)!r}: the adapter's weights cannot be read ({type(exc).__name__}: {first})"
+        ) from None
+    bad = next((name for name, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
+    if bad is not None:
+        raise ConfigError(f"{str(path)!r}: the adapter's weights are not finite ({bad} holds NaN or inf)")

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from fedtune.methods.base.privacy import Privacy
+from fedtune.methods.base.privacy import Mechanism, mechanism
 from fedtune.methods.base.robust import ROBUST_AGGREGATION, aggregate_updates
 from fedtune.methods.base.server_optimizer import ServerOptimizer
 from fedtune.models.training import FitResult, seed_for
@@ -71,12 +71,19 @@ class UpdateClient(Client):
     """A client that uploads an update (trained minus received arrays) through the upload codec."""
 
     def upload(self, update: dict[str, np.ndarray], result: FitResult, rnd: int | None = None, **meta) -> Message:
-        """The reply: the (possibly compressed) update and the fit metrics; with ``privacy.mode =
-        "local"`` the update is first clipped and noised (:meth:`Privacy.release`; needs ``rnd``)."""
+        """The reply: the (possibly compressed) update and the fit metrics. Under ``privacy.mode``
+        the update is first what the mechanism has the client release (local DP: clipped and
+        noised; SecAgg+ with central DP: clipped), and where the server must not see the client's
+        numbers (local DP, SecAgg+) the metadata is fixed: ``num_examples`` 1 and ``meta``."""
         fed = self.config.federation
-        if self.config.privacy.mode == "local":
-            update = Privacy(self.config).release(update, rnd, self.cid)
-        return Message(encode_update(update, fed.upload_topk, fed.wire_dtype), {**result.meta(), **meta})
+        private = mechanism(self.config) if self.config.privacy.mode != "none" else None
+        if private is None:
+            reported = {**result.meta(), **meta}
+        else:
+            update = private.client_release(update, self.state, self.cid, rnd)
+            hidden = private.clips_on_client or fed.secure_aggregation
+            reported = {"num_examples": 1, **meta} if hidden else {**result.meta(), **meta}
+        return Message(encode_update(update, fed.upload_topk, fed.wire_dtype), reported)
 
     def train_seed(self, rnd: int) -> int:
         """Data order and dropout of this client in round ``rnd``: from (run seed, round, client) alone."""
@@ -139,7 +146,7 @@ class SecureSummed:
 
     def secure_sum(self, total: SecureSum) -> tuple[dict[str, np.ndarray], float]:
         """``total``'s arrays, checked against :meth:`secure_layout`, and the round's denominator:
-        sum_i w_i, or, under local DP, the fixed m (DP-FedAvg)."""
+        sum_i w_i, or, under DP, the fixed m (DP-FedAvg)."""
         layout = self.secure_layout()
         if list(total.arrays) != list(layout) or any(np.shape(v) != layout[k] for k, v in total.arrays.items()):
             raise ValueError("the secure sum's arrays are not the names and shapes of the strategy's secure_layout")
@@ -149,85 +156,73 @@ class SecureSummed:
             raise ValueError(f"the secure sum's total weight is {denominator}")
         return total.arrays, float(denominator)
 
-    def secure_mean(self, total: SecureSum) -> dict[str, np.ndarray]:
-        """sum_i w_i Delta_i / sum_i w_i (local DP: / m) of the global arrays, in their dtypes."""
+    def secure_mean(self, rnd: int, total: SecureSum) -> dict[str, np.ndarray]:
+        """sum_i w_i Delta_i / sum_i w_i of the global arrays, in their dtypes; under DP the
+        mechanism's (sum + xi) / m (local DP: the uploads carry the noise)."""
         arrays, denominator = self.secure_sum(total)
+        privacy = getattr(self, "privacy", None)
+        if privacy is not None:
+            privacy.aggregated()
+            mean = privacy.noised_mean({k: arrays[k] for k in self.global_arrays}, rnd)
+            return {k: mean[k].astype(v.dtype) for k, v in self.global_arrays.items()}
         return {k: (arrays[k] / denominator).astype(v.dtype) for k, v in self.global_arrays.items()}
 
     def aggregate_secure_fit(self, rnd: int, replies: dict[int, Message], total: SecureSum) -> dict[str, float]:
-        """FedAvg's round from the sum alone: theta + sum_i w_i Delta_i / sum_i w_i, or, under
-        local DP, the noised uploads' sum over the fixed m (DP-FedAvg), through the server optimizer."""
-        self.global_arrays = self.server_opt.step(self.global_arrays, self.secure_mean(total))
+        """FedAvg's round from the sum alone: theta + sum_i w_i Delta_i / sum_i w_i, or, under DP,
+        the mechanism's noised sum over the fixed m, through the server optimizer."""
+        self.global_arrays = self.server_opt.step(self.global_arrays, self.secure_mean(rnd, total))
         return self.secure_metrics(replies)
 
     def secure_metrics(self, replies: dict[int, Message]) -> dict[str, float]:
-        """The round's metrics from the replies' metadata: the mean training loss (and epsilon so far)."""
-        extra = {"epsilon": self.spent()} if getattr(self, "privacy", None) is not None else {}
-        return {**mean_train_loss(replies), **extra}
+        """The round's metrics: the mean training loss, or under DP only what the mechanism releases."""
+        privacy = getattr(self, "privacy", None)
+        return privacy.metrics() if privacy is not None else mean_train_loss(replies)
 
 
 class PrivateAverage(ServerOptimized):
-    """A :class:`BroadcastAverage` under ``privacy.mode`` (:mod:`fedtune.methods.base.privacy`):
-    the DP aggregate, epsilon on every round's line, the budget, and the releases counted in the
-    server state (central: rounds aggregated; local: rounds each client was sampled in)."""
+    """A strategy under ``privacy.mode``: its mechanism (:mod:`fedtune.methods.base.privacy`)
+    draws the secret sample, aggregates, accounts and keeps its private state in the checkpoint."""
 
     @property
-    def privacy(self) -> Privacy | None:
+    def privacy(self) -> Mechanism | None:
         if self.config.privacy.mode == "none":
             return None
         if getattr(self, "_privacy", None) is None:
-            self._privacy = Privacy(self.config)
-            n = 1 if self._privacy.mode == "central" else self.config.federation.num_clients
-            self.releases = np.zeros(n, dtype=np.int64)
-            self._counted = 0  # the last round whose sample was counted (local)
+            self._privacy = mechanism(self.config)
         return self._privacy
 
-    def count_sample(self, rnd: int, client_ids: list[int]) -> None:
-        """Local DP: a client sampled in round ``rnd`` releases once, however many attempts the
-        round takes (a retry replays the same upload: training and noise are seeded by (seed,
-        round, client))."""
-        if self.privacy is None or self.privacy.mode != "local":
-            return
-        if rnd != self._counted:
-            self._counted, self._sampled = rnd, set()
-        fresh = sorted(set(client_ids) - self._sampled)
-        self.releases[fresh] += 1
-        self._sampled |= set(fresh)
+    def private_sample(self, rnd: int, attempt: int) -> list[int] | None:
+        return None if self.privacy is None else self.privacy.sample(rnd, attempt)
 
-    def spent(self) -> float:
-        """Epsilon so far."""
-        return self.privacy.epsilon(int(self.releases.max()))
+    def count_sample(self, rnd: int, client_ids: list[int]) -> None:
+        """Local DP: every client asked uploads once more (a fresh noise draw each time)."""
+        if self.privacy is not None:
+            self.privacy.asked(client_ids)
 
     def halt_before(self, rnd: int) -> str | None:
-        """The one line that stops the run before round ``rnd`` would exceed ``privacy.epsilon_budget``."""
-        p = self.privacy
-        if p is None or p.budget is None:
-            return None
-        after = p.epsilon(int(self.releases.max()) + 1)
-        if after <= p.budget:
-            return None
-        return (
-            f"privacy.epsilon_budget: stopped before round {rnd}, whose epsilon would be {after:.4g} > "
-            f"{p.budget:g} (spent: {self.spent():.4g} at delta {p.delta:.3g})"
-        )
+        return None if self.privacy is None else self.privacy.halt_before(rnd)
 
     def private_aggregate(self, rnd: int, updates: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-        combined = self.privacy.aggregate(updates, rnd)
-        if self.privacy.mode == "central":
-            self.releases[0] = rnd
-        return combined
+        """The mechanism's aggregate of ``updates`` (each in the global arrays' shapes; none: noise)."""
+        self.privacy.aggregated()
+        return self.privacy.aggregate(updates, rnd, self.global_arrays)
+
+    def private_step(self, rnd: int, updates: list[dict[str, np.ndarray]]) -> dict[str, float]:
+        """theta <- server_opt(theta, private aggregate); the metrics the mechanism releases."""
+        self.global_arrays = self.server_opt.step(self.global_arrays, self.private_aggregate(rnd, updates))
+        return self.privacy.metrics()
 
     def summary(self) -> dict:
-        return {} if self.privacy is None else {"privacy": self.privacy.report(int(self.releases.max()))}
+        return {} if self.privacy is None else {"privacy": self.privacy.report()}
 
     def server_state(self) -> dict:
-        extra = {} if self.privacy is None else {"privacy_releases": self.releases.copy()}
+        extra = {} if self.privacy is None else self.privacy.state_dict()
         return {**ServerOptimized.server_state(self), **extra}
 
     def load_server_state(self, state: Mapping) -> None:
         ServerOptimized.load_server_state(self, state)
-        if self.privacy is not None and "privacy_releases" in state:
-            self.releases = np.asarray(state["privacy_releases"], dtype=np.int64).copy()
+        if self.privacy is not None:
+            self.privacy.load_state_dict(state)
 
 
 class BroadcastAverage(PrivateAverage, SecureSummed, Strategy):
@@ -251,12 +246,11 @@ class BroadcastAverage(PrivateAverage, SecureSummed, Strategy):
         return update_of(sent)
 
     def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
+        updates = [decode_update(m.arrays) for m in replies.values()]
+        if self.privacy is not None:  # a round releases its noised aggregate even when nobody replied
+            return self.private_step(rnd, updates)
         if not replies:
             return {}
-        updates = [decode_update(m.arrays) for m in replies.values()]
-        if self.privacy is not None:
-            self.global_arrays = self.server_opt.step(self.global_arrays, self.private_aggregate(rnd, updates))
-            return {**mean_train_loss(replies), "epsilon": self.spent()}
         combined = aggregate_updates(updates, client_weights(replies, self.options.weighting), self.config.federation)
         self.global_arrays = self.server_opt.step(self.global_arrays, combined)
         return mean_train_loss(replies)

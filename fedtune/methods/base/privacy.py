@@ -1,127 +1,89 @@
 """Client-level differential privacy for the weighted-sum methods: DP-FedAvg (McMahan, Ramage,
-Talwar, Zhang, "Learning Differentially Private Recurrent Language Models", ICLR 2018) with an
-RDP accountant from Google's ``dp-accounting`` (``[privacy]``, :class:`fedtune.config.PrivacyConfig`).
+Talwar, Zhang, ICLR 2018), with adaptive clipping (Andrew, Thakkar, McMahan, Ramaswamy, NeurIPS
+2021) and the accountant of :mod:`fedtune.methods.base.accounting` (``[privacy]``,
+:class:`fedtune.config.PrivacyConfig`).
 
-The unit of privacy is a client: two federations are neighbours when one client's whole data set is
-replaced by any other (replace-one; ``num_clients`` N is public).
+The unit of privacy is a client (adjacency: :mod:`~fedtune.methods.base.accounting`). A
+*mechanism* (one class per kind, built once by :func:`mechanism`) owns everything private about a
+run: the secret randomness, the sample, the clipping, the noise, the accountant and what the run
+may release. Round t, with q = m/N (m = ``federation.sample_size()``):
 
-Mechanism, round t, with the m = ``federation.sample_size()`` clients sampled uniformly without
-replacement from the N (q = m/N, the seeded draw of :func:`fedtune.engines.rounds.sample_clients`):
+* sampling: each client joins the round independently with probability q (Poisson sampling, what
+  the accountant models), drawn from the server's secret; the sample is never written or printed.
+  A round aggregates whatever its sample returns (no retry: a resampled round would condition the
+  sample), a missing reply counting as a zero update;
+* :class:`CentralGaussian` (trusted server): the server clips each update to L2 norm C (the whole
+  update, or each of its L arrays to C/sqrt(L) with ``privacy.per_layer``), sums, adds one draw
+  xi ~ N(0, (zC)^2 I) and divides by the fixed m: Delta = (sum_i clip(Delta_i) + xi) / m
+  (McMahan et al.'s fixed-denominator estimator; neither the replies' count nor their example
+  counts, which would make the sensitivity depend on the data);
+* :class:`AdaptiveClipGaussian` (``privacy.adaptive_clip``): as central, and C follows the
+  ``target_quantile`` gamma of the update norms: b = (sum_i (1[||Delta_i|| <= C] - 1/2) + N(0,
+  sigma_b^2)) / m + 1/2, C <- C exp(-eta (b - gamma)) (sigma_b default max(m/20, z)); the
+  update's noise multiplier becomes z_Delta = (z^-2 - (2 sigma_b)^-2)^-1/2, so the pair of queries
+  is one Gaussian of multiplier z (Andrew et al., Theorem 1) and the accountant is unchanged;
+* :class:`SecureCentralGaussian` (``federation.secure_aggregation`` with ``mode = "central"``):
+  each client clips its own update before SecAgg+ masks it, the server adds xi to the secure sum.
+  The server is trusted to add the noise, not with any individual update; the clients are trusted
+  to clip (the masked sum cannot show a skipped clip);
+* :class:`LocalGaussian` (untrusted server): each client clips its update and adds its own
+  N(0, (zC)^2 I) before upload; the server sums the uploads over m. The server knows whom it
+  asked, so each upload is accounted as a Gaussian of its own (q = 1) and the reported epsilon is
+  the largest over clients. Its replies carry fixed metadata (``num_examples`` 1, no loss).
 
-* clipping: each update Delta_i -> Delta_i min(1, C / ||Delta_i||_2), the norm over all its arrays
-  (``privacy.per_layer``: each of its L arrays clipped to C/sqrt(L), so the whole stays within C);
-* central (trusted server): the server clips, sums, adds xi ~ N(0, (zC)^2 I) once to the sum and
-  divides by the fixed denominator m = qN (McMahan et al.'s f_f estimator, Algorithm 1 with
-  uniform weights w_k = 1 and W = m):
-  Delta = (sum_i clip(Delta_i) + xi) / m. Not the number of replies (a dropout would then raise
-  everybody's share, and the sensitivity with it), not the clients' example counts (a client's
-  weight would depend on its data: ``options.weighting = "examples"`` is refused). The server
-  clips (not the client) because the server is trusted in central DP and then a client that skips
-  its clipping (faulty or hostile) cannot break the bound;
-* local (untrusted server): each client clips and adds N(0, (zC)^2 I) to its own update before
-  upload; the server averages the uploads the same way (sum / m).
+Secret randomness. Every draw comes from OS entropy (:func:`fresh_secret`), never from the config,
+the run name or a message: the server's secret (sampling, central noise) lives in its checkpoint,
+which is therefore private state to be kept like a key (resume stays bit-identical); a local-DP
+client makes its own, kept in its persistent state (Flower: the node's memory; the embedded
+engine's simulated clients: the checkpoint), and draws a fresh noise vector for every upload it
+makes (a counter in that state), so a retry never reuses noise and a resumed round replays the
+same one. ``privacy.insecure_reproducible_noise`` derives every secret from ``seed`` instead, for
+tests only: it is not private, and a run with it reports epsilon = inf.
 
-Noise is drawn in float64 from ``numpy.random.default_rng([seed, round, NOISE_STREAM])`` (central)
-or ``[seed, round, client, NOISE_STREAM]`` (local), array by array in sorted name order, so runs
-and resumes are reproducible.
+What a DP run releases (:attr:`Mechanism.releases`): the global arrays of every round, the server's
+evaluation of them (post-processing), epsilon so far and, with adaptive clipping, C. Not the
+sample, the replies' count, losses, bytes, timings or drop reasons of clients, nor the label
+histograms (:mod:`fedtune.run`, :class:`fedtune.engines.rounds.RoundRecord`).
 
-Accounting (``dp_accounting.rdp.RdpAccountant``, neighbouring relation REPLACE_ONE):
+Dropouts: a dropped client's update is absent from the sum, the same as a zero update (norm 0 <= C)
+with the denominator still m, so the guarantee holds as long as whether a client drops does not
+depend on other clients' data.
 
-* central: replacing one client moves the sum of clipped updates by at most 2C, so each round is a
-  Gaussian mechanism of noise multiplier z/2 relative to its sensitivity, on a sample of m of N
-  drawn without replacement: ``SampledWithoutReplacementDpEvent(N, m, GaussianDpEvent(z/2))``
-  (Wang, Balle, Kasiviswanathan, "Subsampled Renyi DP and analytical moments accountant",
-  AISTATS 2019, Theorem 27), composed once per aggregated round. This is the sampling fedtune
-  actually does; McMahan et al.'s accounting assumes Poisson sampling with add/remove neighbours
-  (multiplier z, not z/2), which would give a smaller epsilon but does not match a fixed-size
-  sample, so it is not used.
-* local: against the server, a client's upload is a Gaussian mechanism with multiplier z/2 (no
-  amplification: the server knows whom it sampled), composed over the rounds that client was
-  sampled in; the reported epsilon is the largest over clients. A retry of a round sends the same
-  client the same round again, and its upload is the same (training and noise are seeded by
-  (seed, round, client)), so a round counts once per client.
-
-Dropouts: the accountant assumes every sampled client contributes. A dropped client's update is
-simply absent from the sum, which is the same as that client contributing the zero vector (norm
-0 <= C) while the denominator stays m; the sensitivity bound 2C and the sampling rate q are
-unchanged, so the guarantee holds as long as whether a client drops does not depend on other
-clients' data (crashes, deadlines, failures of its own). A retried round (fewer than
-``federation.min_replies`` replies) releases no aggregate; its fresh sample is another uniform
-draw. A reply rejected by validation because of its values (non-finite numbers) depends on that
-client's own data only and is likewise its zero contribution.
-
-Engines: the mechanism lives in the strategy and the clients, so it runs unchanged on every engine
-(tests/test_flower_privacy.py). With ``federation.secure_aggregation`` (SecAgg+ on Flower) only
-``local`` runs: each client clips and noises before masking (FSLoRA and HeteroLoRA then place or
-pad the noised upload) and the server divides the masked sum by m; the accounting stays local
-DP's, an upper bound, since the server sees only the noised sum (distributed DP's tighter
-accounting is not claimed). ``central`` is refused there: its server
-clips each update, which secure aggregation hides.
-
-Delta defaults to 1/N^1.1 (N = ``num_clients``), below 1/N as it must be for a client-level
-guarantee to mean anything. ``privacy.epsilon`` calibrates z by bisection so that epsilon after
-``rounds`` rounds is at most the target; ``privacy.epsilon_budget`` stops the run before a round
+Delta defaults to min(1/N^2, 1e-5). ``privacy.epsilon`` calibrates z so that epsilon after
+``rounds`` releases is at most the target; ``privacy.epsilon_budget`` stops the run before a round
 whose epsilon would exceed it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from functools import lru_cache
+import secrets
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from fedtune.config import ConfigError
+from fedtune.methods.base import accounting
 
-NOISE_STREAM = 0xD9  # the last word of the noise generator's seed
-ACCOUNTANT = "dp_accounting.rdp.RdpAccountant (REPLACE_ONE; central: SampledWithoutReplacement Gaussian)"
 #: The cross-method option (fedtune.registry.CROSS_METHOD_OPTIONS) a method honours when its server
 #: aggregates through BroadcastAverage (or, like FSLoRA and HeteroLoRA, puts each update in the
 #: global shape with its norm kept and calls PrivateAverage.private_aggregate) and its clients upload
-#: through UpdateClient.upload with the round.
+#: through UpdateClient.upload.
 PRIVACY_OPTIONS = ("privacy.mode",)
+SAMPLE, NOISE, COUNT, UPLOAD = 1, 2, 3, 4  # the streams drawn from a secret
+SECRET, UPLOADS = "dp_secret", "dp_uploads"  # a local-DP client's persistent state (uploads: [round, n])
+NOT_PRIVATE = "privacy.insecure_reproducible_noise: noise and sample derive from the seed (tests only)"
 
 
-def default_delta(num_clients: int) -> float:
-    """1 / N^1.1."""
-    return float(num_clients) ** -1.1
+def fresh_secret() -> np.ndarray:
+    """128 bits of OS entropy, as 4 uint32 words."""
+    return np.frombuffer(secrets.token_bytes(16), dtype=np.uint32).copy()
 
 
-@lru_cache(maxsize=4096)
-def rdp_epsilon(mode: str, num_clients: int, sample_size: int, z: float, steps: int, delta: float) -> float:
-    """Epsilon after ``steps`` releases (see the module docstring): central, a subsample of
-    ``sample_size`` of ``num_clients`` without replacement with Gaussian multiplier z/2 per step;
-    local, a plain Gaussian with multiplier z/2 per upload. 0 for no step."""
-    import dp_accounting
-    from dp_accounting.rdp import RdpAccountant
-
-    if steps <= 0:
-        return 0.0
-    accountant = RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
-    gaussian = dp_accounting.GaussianDpEvent(z / 2.0)  # the sum's replace-one sensitivity is 2C
-    if mode == "central" and sample_size < num_clients:
-        event = dp_accounting.SampledWithoutReplacementDpEvent(num_clients, sample_size, gaussian)
-    else:
-        event = gaussian
-    accountant.compose(event, int(steps))
-    return float(accountant.get_epsilon(delta))
-
-
-def calibrate(mode: str, num_clients: int, sample_size: int, steps: int, delta: float, target: float) -> float:
-    """The smallest noise multiplier z (to 0.1 %, by bisection) whose epsilon after ``steps`` is at
-    most ``target``."""
-    lo, hi = 1e-2, 1e4
-    if rdp_epsilon(mode, num_clients, sample_size, hi, steps, delta) > target:
-        raise ConfigError(f"privacy.epsilon: {target:g} is not reachable in {steps} rounds with any noise multiplier")
-    while hi / lo > 1.001:
-        mid = math.sqrt(lo * hi)
-        if rdp_epsilon(mode, num_clients, sample_size, mid, steps, delta) <= target:
-            hi = mid
-        else:
-            lo = mid
-    return hi
+def generator(secret: Sequence[int], *stream: int) -> np.random.Generator:
+    """The generator of ``stream`` (a tuple of non-negative ints) under ``secret``."""
+    return np.random.default_rng(np.random.SeedSequence([int(w) for w in secret], spawn_key=stream))
 
 
 def clip(update: Mapping[str, np.ndarray], bound: float, per_layer: bool = False) -> dict[str, np.ndarray]:
@@ -131,9 +93,14 @@ def clip(update: Mapping[str, np.ndarray], bound: float, per_layer: bool = False
     if per_layer:
         each = bound / math.sqrt(len(arrays))
         return {k: v * min(1.0, each / max(float(np.linalg.norm(v)), 1e-300)) for k, v in arrays.items()}
-    norm = math.sqrt(sum(float(np.sum(v * v)) for v in arrays.values()))
+    norm = l2_norm(arrays)
     scale = min(1.0, bound / norm) if norm > 0 else 1.0
     return {k: v * scale for k, v in arrays.items()}
+
+
+def l2_norm(update: Mapping[str, np.ndarray]) -> float:
+    """The L2 norm over all the arrays of ``update``."""
+    return math.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in update.values()))
 
 
 def gaussian_like(arrays: Mapping[str, np.ndarray], std: float, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -141,64 +108,257 @@ def gaussian_like(arrays: Mapping[str, np.ndarray], std: float, rng: np.random.G
     return {k: rng.normal(0.0, std, size=np.shape(arrays[k])) for k in sorted(arrays)}
 
 
-class Privacy:
-    """One run's DP-FedAvg: the mechanism and the accountant (see the module docstring)."""
+def poisson_sample(num_clients: int, rate: float, rng: np.random.Generator) -> list[int]:
+    """Each of ``num_clients`` independently with probability ``rate``."""
+    return [int(c) for c in np.flatnonzero(rng.random(num_clients) < rate)]
+
+
+class Mechanism:
+    """One run's DP mechanism (see the module docstring): the noise multiplier, the secret sample,
+    the aggregate, the accountant and the release count, the budget. Subclasses differ in where
+    updates are clipped and noised."""
+
+    mode = "central"
+    clips_on_client = False  # the client clips before upload (and the server cannot check it)
+    noises_on_client = False  # the client noises before upload (local DP)
 
     def __init__(self, config: Any) -> None:
         p, fed = config.privacy, config.federation
-        self.mode, self.C, self.per_layer, self.seed = p.mode, float(p.clip), p.per_layer, config.seed
+        self.C, self.per_layer = float(p.clip), p.per_layer
         self.N, self.m = fed.num_clients, fed.sample_size()
-        self.delta = p.delta if p.delta is not None else default_delta(self.N)
+        self.accountant, self.adjacency = p.accountant, p.adjacency
+        self.delta = p.delta if p.delta is not None else accounting.default_delta(self.N)
         self.budget = p.epsilon_budget
+        self.reproducible = p.insecure_reproducible_noise
+        self.seed = config.seed
         if p.noise_multiplier is not None:
             self.z = float(p.noise_multiplier)
         else:
-            self.z = calibrate(self.mode, self.N, self.m, config.rounds, self.delta, p.epsilon)
+            try:
+                self.z = accounting.calibrate(
+                    self.accountant, self.adjacency, self.rate, config.rounds, self.delta, p.epsilon
+                )
+            except ValueError as exc:
+                raise ConfigError(f"privacy.epsilon: {exc}") from None
+        self.secret = np.array([self.seed], dtype=np.uint32) if self.reproducible else fresh_secret()
+        self.releases = np.zeros(self.N if self.noises_on_client else 1, dtype=np.int64)
         if self.budget is not None and self.epsilon(1) > self.budget:
             raise ConfigError(
                 f"privacy.epsilon_budget: {self.budget:g} is below the epsilon of one round ({self.epsilon(1):.4g})"
             )
 
+    # -- accounting -------------------------------------------------------------------------------
     @property
-    def sampling_rate(self) -> float:
-        return self.m / self.N
+    def rate(self) -> float:
+        """The sampling rate the accountant amplifies by: q = m/N (local: 1)."""
+        return 1.0 if self.noises_on_client else self.m / self.N
 
     def epsilon(self, steps: int) -> float:
-        """Epsilon after ``steps`` rounds (central) or uploads of one client (local)."""
-        return rdp_epsilon(self.mode, self.N, self.m, self.z, int(steps), self.delta)
+        """Epsilon after ``steps`` releases (rounds, or one client's uploads)."""
+        if self.reproducible and steps > 0:
+            return math.inf
+        return accounting.epsilon(self.accountant, self.adjacency, self.rate, self.z, int(steps), self.delta)
 
-    def release(self, update: Mapping[str, np.ndarray], rnd: int, cid: int) -> dict[str, np.ndarray]:
-        """A client's upload: its update as it is (central), or clipped plus N(0, (zC)^2) (local)."""
-        if self.mode != "local":
-            return dict(update)
-        clipped = clip(update, self.C, self.per_layer)
-        noise = gaussian_like(clipped, self.z * self.C, np.random.default_rng([self.seed, rnd, cid, NOISE_STREAM]))
-        return {k: (clipped[k] + noise[k]).astype(np.float32) for k in update}
+    def spent(self) -> float:
+        """Epsilon so far."""
+        return self.epsilon(int(self.releases.max()))
 
-    def aggregate(self, updates: list[Mapping[str, np.ndarray]], rnd: int) -> dict[str, np.ndarray]:
-        """The round's update: (sum_i clip(Delta_i) + xi) / m with xi ~ N(0, (zC)^2) (central), or
-        sum_i Delta_i / m of the clients' noised uploads (local); uniform weights, fixed m."""
-        if self.mode == "central":
-            updates = [clip(u, self.C, self.per_layer) for u in updates]
-        total = {k: sum(np.asarray(u[k], dtype=np.float64) for u in updates) for k in updates[0]}
-        if self.mode == "central":
-            noise = gaussian_like(total, self.z * self.C, np.random.default_rng([self.seed, rnd, NOISE_STREAM]))
-            total = {k: total[k] + noise[k] for k in total}
-        return {k: (v / self.m).astype(np.float32) for k, v in total.items()}
+    def halt_before(self, rnd: int) -> str | None:
+        """The one line that stops the run before round ``rnd`` would exceed ``privacy.epsilon_budget``."""
+        if self.budget is None:
+            return None
+        after = self.epsilon(int(self.releases.max()) + 1)
+        if after <= self.budget:
+            return None
+        return (
+            f"privacy.epsilon_budget: stopped before round {rnd}, whose epsilon would be {after:.4g} > "
+            f"{self.budget:g} (spent: {self.spent():.4g} at delta {self.delta:.3g})"
+        )
 
-    def report(self, steps: int) -> dict[str, Any]:
+    def asked(self, client_ids: list[int]) -> None:
+        """Local DP: each client asked uploads once more (a fresh noise draw each time)."""
+        if self.noises_on_client:
+            self.releases[client_ids] += 1
+
+    def aggregated(self) -> None:
+        """Central DP: the round's aggregate is one release."""
+        if not self.noises_on_client:
+            self.releases[0] += 1
+
+    # -- the round ----------------------------------------------------------------------------------
+    def sample(self, rnd: int, attempt: int = 0) -> list[int]:
+        """Round ``rnd``'s clients: a Poisson sample of rate m/N from the server's secret."""
+        return poisson_sample(self.N, self.m / self.N, generator(self.secret, SAMPLE, rnd, attempt))
+
+    def client_release(
+        self, update: Mapping[str, np.ndarray], state: dict, cid: int, rnd: int
+    ) -> dict[str, np.ndarray]:
+        """Client ``cid``'s upload in round ``rnd`` (``state``: its persistent state): its update as
+        it is (the trusted server clips it)."""
+        return dict(update)
+
+    def server_clip(self, update: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """An update as the server sums it: clipped to C."""
+        return clip(update, self.C, self.per_layer)
+
+    def noise_std(self) -> float:
+        """The std of the noise on the sum: zC."""
+        return self.z * self.C
+
+    def noised_mean(self, total: Mapping[str, np.ndarray], rnd: int) -> dict[str, np.ndarray]:
+        """(sum + xi) / m, xi ~ N(0, noise_std^2) from the server's secret (float32)."""
+        noise = gaussian_like(total, self.noise_std(), generator(self.secret, NOISE, rnd))
+        return {k: ((np.asarray(v, np.float64) + noise[k]) / self.m).astype(np.float32) for k, v in total.items()}
+
+    def aggregate(
+        self, updates: list[Mapping[str, np.ndarray]], rnd: int, like: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """The round's update from the replies' updates (shaped like ``like``; none: noise alone)."""
+        total = {k: np.zeros(np.shape(v), np.float64) for k, v in like.items()}
+        for update in updates:
+            for k, v in self.server_clip(update).items():
+                total[k] += v
+        return self.noised_mean(total, rnd)
+
+    def metrics(self) -> dict[str, float]:
+        """What a round's line may show of the mechanism: epsilon so far."""
+        return {"epsilon": self.spent()}
+
+    # -- state and report --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The server's private state: its secret and the release counts."""
+        return {"privacy_secret": self.secret.copy(), "privacy_releases": self.releases.copy()}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        if "privacy_secret" in state:
+            self.secret = np.asarray(state["privacy_secret"], dtype=np.uint32).copy()
+        if "privacy_releases" in state:
+            self.releases = np.asarray(state["privacy_releases"], dtype=np.int64).copy()
+
+    def report(self) -> dict[str, Any]:
         """``summary.json``'s ``privacy``."""
         return {
             "mode": self.mode,
-            "epsilon": self.epsilon(steps),
+            "epsilon": self.spent(),
             "delta": self.delta,
             "noise_multiplier": self.z,
             "clip": self.C,
             "per_layer": self.per_layer,
-            "sampling_rate": self.sampling_rate,
-            "steps": int(steps),
-            "accountant": ACCOUNTANT,
+            "sampling": f"Poisson, rate {self.m / self.N:.6g} (secret)",
+            "releases": int(self.releases.max()),
+            "adjacency": self.adjacency,
+            "accountant": accounting.describe(self.accountant, self.adjacency, self.mode),
+            **({"not_private": NOT_PRIVATE} if self.reproducible else {}),
         }
+
+
+class CentralGaussian(Mechanism):
+    """Trusted server: it clips, sums and noises (module docstring)."""
+
+
+class SecureCentralGaussian(Mechanism):
+    """SecAgg+ with central noise: each client clips before masking, the server noises the sum."""
+
+    mode = "central+secagg"
+    clips_on_client = True
+
+    def client_release(
+        self, update: Mapping[str, np.ndarray], state: dict, cid: int, rnd: int
+    ) -> dict[str, np.ndarray]:
+        return {k: v.astype(np.float32) for k, v in clip(update, self.C, self.per_layer).items()}
+
+    def server_clip(self, update: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {k: np.asarray(v, np.float64) for k, v in update.items()}
+
+
+class LocalGaussian(Mechanism):
+    """Untrusted server: each client clips and noises its own upload from its own secret."""
+
+    mode = "local"
+    clips_on_client = noises_on_client = True
+
+    def client_release(
+        self, update: Mapping[str, np.ndarray], state: dict, cid: int, rnd: int
+    ) -> dict[str, np.ndarray]:
+        """clip(Delta) + N(0, (zC)^2), the noise drawn from the client's secret, the round and the
+        uploads it already made in that round (a second upload in one round draws afresh; a round
+        replayed from an earlier state replays its noise)."""
+        if SECRET not in state:
+            own = [self.seed, cid] if self.reproducible else fresh_secret()
+            state[SECRET] = np.asarray(own, dtype=np.uint32)
+        last, made = (int(x) for x in np.asarray(state.get(UPLOADS, [0, 0])))
+        made = made + 1 if last == rnd else 0
+        state[UPLOADS] = np.asarray([rnd, made], dtype=np.int64)
+        clipped = clip(update, self.C, self.per_layer)
+        noise = gaussian_like(clipped, self.noise_std(), generator(state[SECRET], UPLOAD, rnd, made))
+        return {k: (clipped[k] + noise[k]).astype(np.float32) for k in update}
+
+    def server_clip(self, update: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {k: np.asarray(v, np.float64) for k, v in update.items()}
+
+    def noised_mean(self, total: Mapping[str, np.ndarray], rnd: int) -> dict[str, np.ndarray]:
+        """sum / m: the uploads carry their noise."""
+        return {k: (np.asarray(v, np.float64) / self.m).astype(np.float32) for k, v in total.items()}
+
+
+class AdaptiveClipGaussian(Mechanism):
+    """Central DP whose clip follows a quantile of the update norms (Andrew et al. 2021)."""
+
+    mode = "central+adaptive-clip"
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        p = config.privacy
+        self.gamma, self.eta = p.target_quantile, p.clip_learning_rate
+        # Andrew et al.'s m/20, at least z (the update's noise then grows by at most 1/sqrt(3/4) = 1.15x)
+        self.sigma_b = p.clipped_count_stddev if p.clipped_count_stddev is not None else max(self.m / 20, self.z)
+        if not self.z < 2 * self.sigma_b:
+            raise ConfigError(
+                f"privacy.clipped_count_stddev: sigma_b = {self.sigma_b:g} must exceed z / 2 = {self.z / 2:g} "
+                "(the count query takes that share of the noise; Andrew et al. 2021, Theorem 1)"
+            )
+        self.z_update = (self.z**-2 - (2 * self.sigma_b) ** -2) ** -0.5
+
+    def noise_std(self) -> float:
+        return self.z_update * self.C
+
+    def aggregate(
+        self, updates: list[Mapping[str, np.ndarray]], rnd: int, like: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """Clip at the current C, noise with z_Delta C, then move C toward the target quantile by
+        the noised fraction of unclipped updates."""
+        below = sum(l2_norm(u) <= self.C for u in updates) - len(updates) / 2
+        combined = super().aggregate(updates, rnd, like)
+        noised = (below + generator(self.secret, COUNT, rnd).normal(0.0, self.sigma_b)) / self.m + 0.5
+        self.C *= math.exp(-self.eta * (noised - self.gamma))
+        return combined
+
+    def metrics(self) -> dict[str, float]:
+        return {**super().metrics(), "clip": self.C}
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {**super().state_dict(), "privacy_clip": np.asarray(self.C, dtype=np.float64)}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        super().load_state_dict(state)
+        if "privacy_clip" in state:
+            self.C = float(np.asarray(state["privacy_clip"]))
+
+    def report(self) -> dict[str, Any]:
+        extra = {"target_quantile": self.gamma, "clip_learning_rate": self.eta, "clipped_count_stddev": self.sigma_b}
+        return {**super().report(), "final_clip": self.C, "update_noise_multiplier": self.z_update, **extra}
+
+
+def mechanism(config: Any) -> Mechanism | None:
+    """The run's mechanism (None without ``privacy.mode``)."""
+    p = config.privacy
+    if p.mode == "none":
+        return None
+    if p.mode == "local":
+        return LocalGaussian(config)
+    if config.federation.secure_aggregation:
+        return SecureCentralGaussian(config)
+    return AdaptiveClipGaussian(config) if p.adaptive_clip else CentralGaussian(config)
 
 
 def check_privacy(config: Any, options: Any = None) -> None:
@@ -208,7 +368,7 @@ def check_privacy(config: Any, options: Any = None) -> None:
     method's validated options, :meth:`fedtune.registry.MethodOptions.privacy_refusal`)."""
     if config.privacy.mode == "none":
         return
-    Privacy(config)
+    mechanism(config)
     refusal = options.privacy_refusal() if options is not None else None
     if refusal:
         raise ConfigError(refusal)

@@ -234,7 +234,7 @@ class ProxyStrategy(SecureSummed, GlobalAdapterStrategy):
     def aggregate_secure_fit(self, rnd: int, replies: dict[int, Message], total: SecureSum) -> dict[str, float]:
         """The same round from the secure sum: theta + sum_i w_i Delta_i / sum_i w_i (the replies'
         metadata still say which proxy version each client holds, and its memory)."""
-        return self._round_step(rnd, replies, lambda: self.secure_mean(total))
+        return self._round_step(rnd, replies, lambda: self.secure_mean(rnd, total))
 
     def _round_step(self, rnd: int, replies: dict[int, Message], combine) -> dict[str, float]:
         """The round's bookkeeping around the server step theta + ``combine()``: who holds which
