@@ -267,10 +267,23 @@ def eval_(
     tasks: str | None = typer.Option(
         None,
         "--tasks",
-        help="sets, comma-separated: arc_challenge, arc_easy, boolq, hellaswag, openbookqa, piqa, "
-        "socialiqa, winogrande, dolly (default for a run: its own test set)",
+        help="sets, comma-separated: arc_challenge, arc_easy, boolq, csqa, hellaswag, openbookqa, piqa, "
+        "socialiqa, winogrande, mmlu (by subject group; needs DATA_DIR/mmlu/test.jsonl), dolly, or a local "
+        ".jsonl/.csv file of question, choices, gold rows (default for a run: its own test set)",
     ),
-    limit: int | None = typer.Option(None, "--limit", min=1, help="at most N examples per set (a seed-0 subset)"),
+    protocol: str | None = typer.Option(
+        None,
+        "--protocol",
+        help="lm-eval (lm-eval's task formats; the default for --tasks) or run (the run's own evaluation; "
+        "the default for a run's own test set)",
+    ),
+    num_fewshot: int = typer.Option(
+        0, "--num-fewshot", min=0, max=25, help="lm-eval protocol: solved examples before each question"
+    ),
+    baseline: bool = typer.Option(
+        False, "--baseline", help="a run: also score its base on the same protocol, and the paired difference"
+    ),
+    limit: int | None = typer.Option(None, "--limit", min=1, help="the first N examples of each set"),
     batch_size: int | None = typer.Option(
         None, "--batch-size", min=1, help="rows per forward pass (default: the run's)"
     ),
@@ -283,15 +296,17 @@ def eval_(
     ),
 ) -> None:
     """Score a run's adapter, or a bare model (the untuned row), on commonsense sets (log-likelihood
-    acc / acc_norm) and Dolly (ROUGE-L, response loss), with the runs' own evaluation code."""
+    acc / acc_norm) and Dolly (ROUGE-L, response loss), with the runs' own evaluation code, under
+    one protocol for both; eval.json records it."""
     import json
+    import warnings
 
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from fedtune.output_files import check_free, write_output
     from fedtune.process import setup_process
     from fedtune.trained.evaluate import evaluate, is_eval_result, parse_sets, target_of
-    from fedtune.trained.table import eval_table
+    from fedtune.trained.table import eval_table, paired_table
 
     setup_process()
     try:
@@ -300,18 +315,24 @@ def eval_(
         path = out or (scored.run_dir / "eval.json" if scored.run_dir is not None else Path("eval.json"))
         check_free(path, is_eval_result, "--out")  # before the evaluation, which takes a while
         columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-        with Progress(*columns, console=console, transient=True) as bar:
+        with Progress(*columns, console=console, transient=True) as bar, warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the result's warnings are printed below
             shown = bar.add_task("loading the model", total=None)
 
             def advance(unit: str, passes: int) -> None:
                 bar.update(shown, description=f"{unit}: {passes} forward passes")
 
-            result = evaluate(scored, sets, limit, batch_size, generate, advance)
+            result = evaluate(scored, sets, limit, batch_size, generate, advance, protocol, num_fewshot, baseline)
         write_output(path, json.dumps(result, indent=1).encode(), is_eval_result, "--out")
     except FedtuneError as exc:
         _fail(str(exc), code=exc.exit_code)
+    for note in result["warnings"]:
+        console.print(f"warning: {note}", markup=False, highlight=False, soft_wrap=True)
     Console().print(eval_table(result))
-    console.print(f"wrote {path}")
+    if baseline:
+        Console().print(eval_table({**result["baseline"], "protocol": result["protocol"]}))
+        Console().print(paired_table(result))
+    console.print(f"wrote {path} (protocol {result['protocol']['name']})")
 
 
 # -- deploy: Flower processes for real machines -------------------------------------------------

@@ -79,6 +79,7 @@ def test_export_writes_an_adapter_plain_peft_loads_with_the_runs_loss(run_dir, t
         base = task.loss(task.build_model(run.config.seed).eval(), batch)
         assert not torch.allclose(base, expected, atol=1e-3)  # the adapter acts: a base-only reload fails
     assert (out / "tokenizer.json").is_file() and (out / "prompt_template.json").is_file()
+    assert "library_name: peft" in (out / "README.md").read_text()
 
 
 def test_merged_export_gives_the_adapter_models_logits(run_dir, tmp_path):
@@ -98,13 +99,76 @@ def test_merged_export_gives_the_adapter_models_logits(run_dir, tmp_path):
         base = task.build_model(run.config.seed)(input_ids=batch["input_ids"]).logits
     assert torch.allclose(got, want, atol=1e-5)
     assert not torch.allclose(base, want, atol=1e-3)
+    card = (out / "README.md").read_text()  # the model card: base weights, method, rounds, data, evaluation
+    assert "library_name: transformers" in card and "built in code from the run's seed" in card
+    assert "method: fedit; rounds: 2; clients: 2" in card and "data: commonsense (sets: arc_easy, boolq)" in card
+    assert "last round, the run's own test set" in card and f"accuracy {run_final(run_dir)['accuracy']:.4f}" in card
+
+
+def test_model_card_reports_the_runs_eval_json_with_its_protocol(run_dir, tmp_path):
+    from fedtune.trained.export import model_card
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    result = {"protocol": {"name": "lm-eval"}, "sets": {"arc_easy": {"n": 4, "acc": 0.5}, "dolly": {"n": 3}}}
+    (copy / "eval.json").write_text(json.dumps(result))
+    card = model_card(open_run(copy), merged=False)
+    assert "`fedtune eval` (`eval.json`, protocol lm-eval): arc_easy acc 0.5000 (n=4)" in card
+    assert "base_model:" not in card  # tiny-llama exists on no hub
+
+
+def run_final(run_dir: Path) -> dict:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+
+
+def gguf_marked(build):
+    """``build`` (plm.build_language_model) whose models transformers takes for GGUF-read ones (as
+    the packaged SmolLM2's): marked quantized with gguf, which ``save_pretrained`` refuses."""
+    from transformers.quantizers.quantizer_gguf import GgufHfQuantizer
+    from transformers.utils.quantization_config import GgufConfig
+
+    def marked(*args, **kwargs):
+        model = build(*args, **kwargs)
+        model.config.quantization_config = GgufConfig()
+        model.hf_quantizer = GgufHfQuantizer(model.config.quantization_config)
+        return model
+
+    return marked
+
+
+def test_merged_export_of_a_gguf_read_base_saves_plain_weights(run_dir, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from fedtune.models import prefix_lm as plm
+
+    monkeypatch.setattr(plm, "build_language_model", gguf_marked(plm.build_language_model))
+    run = open_run(run_dir)
+    task = run.task()
+    with pytest.raises(ValueError, match="not serializable"):  # what --merged failed on before
+        task.build_model(0).save_pretrained(tmp_path / "plain")
+    out = tmp_path / "merged"
+    result = runner.invoke(app, ["export", str(run_dir), "--merged", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    merged = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert getattr(merged.config, "quantization_config", None) is None
+    batch = _batch(task)
+    with torch.no_grad():
+        want = run.model(task)(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        got = merged(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert torch.allclose(got, want, atol=1e-5)
 
 
 def test_eval_of_the_run_folder_gives_the_runs_final_metrics_not_the_bases(run_dir):
     from fedtune.trained.evaluate import Target, evaluate
 
     final = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
-    result = runner.invoke(app, ["eval", str(run_dir), "--batch-size", "5"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        result = runner.invoke(app, ["eval", str(run_dir), "--batch-size", "5", "--baseline"])
+        assert torch.get_num_threads() == 1  # the run's train.threads
+    finally:
+        torch.set_num_threads(threads)
     assert result.exit_code == 0, result.output
     assert "arc_easy" in result.output and "±" in result.output
     saved = json.loads((run_dir / "eval.json").read_text())
@@ -118,6 +182,12 @@ def test_eval_of_the_run_folder_gives_the_runs_final_metrics_not_the_bases(run_d
     # the base in the adapter's place scores another loss on the same examples
     bare = evaluate(Target(open_run(run_dir).config, None, "base", run_dir), [])
     assert abs(bare["metrics"]["run test set"]["loss"] - final["loss"]) > 1e-3
+    # --baseline without --tasks: the base on the run's own test set and protocol
+    assert saved["protocol"]["name"] == "run" and saved["protocol"]["prompt_template"] == "chat"
+    assert saved["baseline"]["metrics"]["run test set"] == pytest.approx(bare["metrics"]["run test set"], abs=1e-5)
+    assert saved["paired"]["sets"]["arc_easy"]["acc"] == pytest.approx(
+        saved["sets"]["arc_easy"]["acc"] - saved["baseline"]["sets"]["arc_easy"]["acc"]
+    )
 
 
 def test_eval_of_a_bare_model_on_named_sets(tmp_path):
@@ -128,8 +198,82 @@ def test_eval_of_a_bare_model_on_named_sets(tmp_path):
     assert saved["adapter"] is None and saved["sets"]["arc_easy"]["n"] == 3 and saved["sets"]["dolly"]["n"] == 3
     assert 0 <= saved["sets"]["arc_easy"]["acc"] <= 1 and 0 <= saved["sets"]["dolly"]["rouge_l"] <= 1
     again = runner.invoke(app, ["eval", "tiny-llama", "--tasks", "arc_easy", "--limit", "3", "--out", str(out)])
-    assert again.exit_code == 0, again.output  # --limit: a fixed seeded subset, the same questions again
+    assert again.exit_code == 0, again.output  # --limit: the first N, the same questions again
     assert json.loads(out.read_text())["sets"]["arc_easy"] == saved["sets"]["arc_easy"]
+    assert saved["protocol"]["name"] == "lm-eval" and saved["protocol"]["chat_template"] is None
+    assert saved["versions"]["fedtune"] and saved["versions"]["transformers"] and saved["versions"]["torch"]
+
+
+def test_a_local_question_file_is_a_set(tmp_path):
+    """``--tasks FILE.jsonl``: a file of ``{question, choices, gold}`` rows, asked as ARC is: ARC-Easy's
+    first questions written to a file score as ``arc_easy`` does."""
+    import os
+
+    from fedtune.data import llm_text
+
+    rows = llm_text.read_jsonl(Path(os.environ["FEDTUNE_DATA_DIR"]) / "commonsense" / "arc_easy_test.jsonl.gz")[:4]
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps({k: r[k] for k in ("question", "choices", "gold")}) + "\n" for r in rows))
+    out = tmp_path / "e.json"
+    args = ["eval", "tiny-llama", "--tasks", f"{path},arc_easy", "--limit", "3", "--out", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    saved = json.loads(out.read_text())
+    assert saved["sets"][str(path)]["n"] == 3
+    assert saved["examples"][str(path)]["pick"] == saved["examples"]["arc_easy"]["pick"]
+    assert saved["examples"][str(path)]["loss"] == pytest.approx(saved["examples"]["arc_easy"]["loss"], abs=1e-5)
+    _one_line_error(["eval", "tiny-llama", "--tasks", str(tmp_path / "none.jsonl")], "none.jsonl", "not a file")
+    _one_line_error(["eval", "tiny-llama", "--tasks", str(path), "--num-fewshot", "1"], "--num-fewshot")
+
+
+def test_limit_takes_the_first_questions_and_truncation_warns(tmp_path):
+    from fedtune.trained.evaluate import evaluate, target_of
+
+    five = evaluate(target_of("tiny-llama"), ["arc_easy"], limit=5)["examples"]["arc_easy"]
+    two = evaluate(target_of("tiny-llama"), ["arc_easy"], limit=2)["examples"]["arc_easy"]
+    assert two["pick"] == five["pick"][:2] and two["loss"] == pytest.approx(five["loss"][:2], abs=1e-5)
+    assert len(set(five["loss"])) == 5  # five distinct questions
+    out = tmp_path / "run-protocol.json"
+    args = ["eval", "tiny-llama", "--tasks", "arc_easy", "--limit", "2", "--protocol", "run", "--out", str(out)]
+    result = runner.invoke(app, args)  # a bare model under a run's defaults: 64 tokens, prompts cut
+    assert result.exit_code == 0, result.output
+    assert "warning: arc_easy: 2 of 2 examples cut to 64 tokens" in result.output
+    saved = json.loads(out.read_text())
+    assert saved["truncated"] == {"arc_easy": 2} and saved["protocol"]["name"] == "run"
+    assert saved["protocol"]["prompt_template"] == "chat" and saved["protocol"]["chat_template"]
+    with pytest.warns(UserWarning, match="arc_easy: 2 of 2 examples cut"):
+        evaluate(target_of("tiny-llama"), ["arc_easy"], limit=2, protocol="run")
+    lm_eval = runner.invoke(app, [*args[:-4], "--out", str(out)])
+    assert lm_eval.exit_code == 0 and "warning" not in lm_eval.output
+    assert json.loads(out.read_text())["truncated"] == {"arc_easy": 0}
+
+
+def test_a_run_and_its_base_on_one_protocol_with_the_paired_difference(run_dir, tmp_path):
+    from fedtune.trained.evaluate import Target, evaluate
+
+    out = tmp_path / "eval.json"
+    args = ["eval", str(run_dir), "--tasks", "arc_easy,csqa", "--limit", "6", "--baseline", "--out", str(out)]
+    result = runner.invoke(app, [*args, "--batch-size", "7"])
+    assert result.exit_code == 0, result.output
+    assert "run - base on protocol lm-eval" in result.output
+    saved = json.loads(out.read_text())
+    # acc_norm where lm-eval's task reports it: ARC's options differ in length, CSQA's letters do not
+    assert "acc_norm" in saved["sets"]["arc_easy"] and "acc_norm" not in saved["sets"]["csqa"]
+    bare = runner.invoke(app, ["eval", "tiny-llama", "--tasks", "arc_easy", "--out", str(tmp_path / "bare.json")])
+    assert bare.exit_code == 0, bare.output
+    assert json.loads((tmp_path / "bare.json").read_text())["protocol"] == saved["protocol"]  # one protocol
+    # the baseline is the run's base scored on the run's units and protocol
+    base = evaluate(Target(open_run(run_dir).config, None, "base", run_dir), ["arc_easy", "csqa"], limit=6)
+    for name in ("arc_easy", "csqa"):
+        mine, theirs = saved["baseline"]["examples"][name], base["examples"][name]
+        assert mine["pick"] == theirs["pick"] and mine["loss"] == pytest.approx(theirs["loss"], abs=1e-5)
+        assert saved["examples"][name]["loss"] != pytest.approx(mine["loss"], abs=1e-4)  # the adapter acts
+        d = np.array(saved["examples"][name]["acc"]) - np.array(mine["acc"])
+        row = saved["paired"]["sets"][name]
+        assert row["acc"] == pytest.approx(d.mean()) and row["n"] == 6
+        assert row["acc_se"] == pytest.approx(d.std(ddof=1) / np.sqrt(6), nan_ok=True)
+        dl = np.array(saved["examples"][name]["loss"]) - np.array(mine["loss"])
+        assert row["loss"] == pytest.approx(dl.mean()) and row["loss_se"] == pytest.approx(dl.std(ddof=1) / np.sqrt(6))
 
 
 def test_packaged_hub_id_resolves_offline_through_the_hub_cache(tmp_path, monkeypatch):
@@ -179,6 +323,12 @@ def test_bad_input_gives_one_line_naming_the_path(run_dir, tmp_path, monkeypatch
     _one_line_error(["eval", str(noadapter)], "adapter_config.json", "cannot be read")
     _one_line_error(["eval", str(run_dir), "--tasks", "arc"], "--tasks", "'arc'")
     _one_line_error(["eval", "tiny-llama"], "--tasks")
+    _one_line_error(["eval", "tiny-llama", "--tasks", "arc_easy", "--baseline"], "--baseline", "bare model")
+    _one_line_error(["eval", "tiny-llama", "--tasks", "arc_easy", "--protocol", "x"], "--protocol", "'x'")
+    _one_line_error(
+        ["eval", "tiny-llama", "--tasks", "csqa", "--protocol", "run", "--num-fewshot", "2"], "--num-fewshot"
+    )
+    _one_line_error(["eval", "tiny-llama", "--tasks", "arc_easy", "--generate"], "--generate", "--protocol run")
     # --push-to-hub: never the network here; no token -> one line
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_TOKEN", raising=False)
@@ -187,6 +337,41 @@ def test_bad_input_gives_one_line_naming_the_path(run_dir, tmp_path, monkeypatch
     args = ["export", str(run_dir), "--merged", "--out", str(tmp_path / "m"), "--push-to-hub", "me/tiny"]
     _one_line_error(args, "--push-to-hub", "no Hugging Face token")
     _one_line_error(["export", str(run_dir), "--out", str(tmp_path / "a"), "--push-to-hub", "me/t"], "tiny-llama")
+
+
+@pytest.mark.slow
+def test_merged_export_of_a_smollm2_run_reloads_with_the_adapters_logits(tmp_path):
+    """The packaged SmolLM2 (read from its Q4_1 GGUF file): a 1-round run's merged export reloads
+    with plain ``AutoModelForCausalLM`` and gives the adapter-on-base logits; the card says which
+    weights the base is (about 1-2 minutes on one core: the GGUF file is read three times)."""
+    from transformers import AutoModelForCausalLM
+
+    from fedtune.run import run_experiment
+
+    overrides = [*TINY, f"output_dir={tmp_path}", "name=smol", "model.name=smollm2", "method=fedit", "rounds=1"]
+    overrides += ["federation.num_clients=2", "train.local_steps=1", "train.lr=5e-2", "data.max_train_samples=8"]
+    overrides += ["data.max_test_samples=2", "data.max_length=32", "task.generate=false", "model.lora_rank=2"]
+    run_dir = Path(run_experiment(load_config(None, overrides))["run_dir"])
+    out = tmp_path / "merged"
+    result = runner.invoke(app, ["export", str(run_dir), "--merged", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    card = (out / "README.md").read_text()
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "Q4_1 GGUF file" in card
+    assert "de-quantized to float32" in card and "not the hub's bfloat16" in card
+    # in float64: the saved float32 weights against the adapter on the base, less float32's rounding
+    # through 30 layers (about 6e-4 on logits of up to 30 when both compute in float32)
+    merged = AutoModelForCausalLM.from_pretrained(str(out)).eval().double()
+    run = open_run(run_dir)
+    task = run.task()
+    batch = _batch(task)
+    with torch.no_grad():
+        adapter = run.model(task).double()
+        want = adapter(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        got = merged(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        with adapter.disable_adapter():
+            base = adapter(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    assert not torch.allclose(base, want, atol=1e-3)  # the adapter acts
 
 
 def _tree(folder: Path) -> dict[str, str]:

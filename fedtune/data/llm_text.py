@@ -15,7 +15,10 @@ Sets (``data.name``; files under the data directory, ``data.data_dir`` or ``$FED
   ``llm-adapters/*_test.json``, :func:`commonsense_instruction`) with the response
   "the correct answer is <tag>" (``answer1``, ``true``, ``solution2``, ``option1``, ``ending3``).
   Training: the sets' train splits; evaluation: each set's test split, its validation split where
-  no test labels exist. Labels = the set's index (partitioners skew clients by task).
+  no test labels exist. CommonsenseQA (``csqa``, :data:`EXTRA_SETS`, asked with the ARC template)
+  is there when named. Labels = the set's index (partitioners skew clients by task).
+- ``mmlu``: MMLU's dev and test splits (:func:`load_mmlu`; evaluation only, the dev split its
+  few-shot pool), labels = the subject; :data:`MMLU_GROUPS` groups the 57 subjects.
 - a local ``.jsonl`` / ``.csv`` file (test file ``data.test_path``, else a seeded 10 % hold-out):
   rows of ``{prompt, response}`` (optional ``input``, ``category``) or of
   ``{question, choices, gold}`` (``choices`` a list, in a CSV a JSON list; ``gold`` the 0-based
@@ -67,6 +70,36 @@ COMMONSENSE_SETS = (
     "socialiqa",
     "winogrande",
 )
+#: further multiple-choice sets of the folder: evaluated when named, not in the default training mix
+EXTRA_SETS = ("csqa",)
+ALL_SETS = (*COMMONSENSE_SETS, *EXTRA_SETS)
+MMLU = "mmlu"
+#: MMLU's 57 subjects by lm-evaluation-harness's subject group (as FlowerTune's general-NLP challenge reports)
+MMLU_GROUPS = {
+    "stem": (
+        "abstract_algebra", "anatomy", "astronomy", "college_biology", "college_chemistry",
+        "college_computer_science", "college_mathematics", "college_physics", "computer_security",
+        "conceptual_physics", "electrical_engineering", "elementary_mathematics", "high_school_biology",
+        "high_school_chemistry", "high_school_computer_science", "high_school_mathematics", "high_school_physics",
+        "high_school_statistics", "machine_learning",
+    ),
+    "humanities": (
+        "formal_logic", "high_school_european_history", "high_school_us_history", "high_school_world_history",
+        "international_law", "jurisprudence", "logical_fallacies", "moral_disputes", "moral_scenarios",
+        "philosophy", "prehistory", "professional_law", "world_religions",
+    ),
+    "social_sciences": (
+        "econometrics", "high_school_geography", "high_school_government_and_politics",
+        "high_school_macroeconomics", "high_school_microeconomics", "high_school_psychology", "human_sexuality",
+        "professional_psychology", "public_relations", "security_studies", "sociology", "us_foreign_policy",
+    ),
+    "other": (
+        "business_ethics", "clinical_knowledge", "college_medicine", "global_facts", "human_aging", "management",
+        "marketing", "medical_genetics", "miscellaneous", "nutrition", "professional_accounting",
+        "professional_medicine", "virology",
+    ),
+}  # fmt: skip
+MMLU_SUBJECTS = tuple(sorted(s for group in MMLU_GROUPS.values() for s in group))
 ANSWER_PREFIX = "the correct answer is "
 #: the columns a local file or hub set gives (``task.columns`` maps them to a set's own)
 COLUMNS = ("prompt", "input", "response", "category", "question", "choices", "gold")
@@ -259,7 +292,7 @@ def commonsense_instruction(name: str, question: str, choices: list[str]) -> tup
     the data's ranked-classification form ("Question: ...\\nAnswer:", "Goal: ...", BoolQ's
     passage + question, HellaSwag's "activity: context", WinoGrande's sentence with "_")."""
     n = len(choices)
-    if name in ("arc_challenge", "arc_easy", "openbookqa", "socialiqa", "local"):
+    if name in ("arc_challenge", "arc_easy", "csqa", "openbookqa", "socialiqa", "local"):
         q = _strip(question, "Question: ", "\nAnswer:")
         tags = [f"answer{i}" for i in range(1, n + 1)]
         text = (
@@ -370,11 +403,12 @@ def eval_split(root: Path, name: str) -> str:
 
 
 def check_sets(sets: list[str] | None, field_name: str = "task.sets") -> list[str]:
-    """The chosen commonsense sets (default: all eight), each a known name, no repeats."""
+    """The chosen commonsense sets (default: the eight of :data:`COMMONSENSE_SETS`; CSQA when
+    named), each a known name, no repeats."""
     chosen = list(COMMONSENSE_SETS) if sets is None else list(sets)
     for s in chosen:
-        if s not in COMMONSENSE_SETS:
-            raise ConfigError(f"{field_name}: unknown set {s!r}; expected some of {', '.join(COMMONSENSE_SETS)}")
+        if s not in ALL_SETS:
+            raise ConfigError(f"{field_name}: unknown set {s!r}; expected some of {', '.join(ALL_SETS)}")
     if not chosen or len(set(chosen)) != len(chosen):
         raise ConfigError(f"{field_name}: expected distinct set names, got {chosen}")
     return chosen
@@ -397,6 +431,41 @@ def load_commonsense(
                 part = part.subset(np.sort(rng.choice(len(part), size=test_per_set, replace=False)))
             out.append(part)
     return PromptSet.concat(train, chosen), PromptSet.concat(test, chosen)
+
+
+# -- mmlu ---------------------------------------------------------------------------------------
+def _mmlu_file(root: Path, split: str) -> Path | None:
+    for name in (f"{split}.jsonl", f"{split}.jsonl.gz"):
+        if (root / MMLU / name).is_file():
+            return root / MMLU / name
+    if split == "dev":
+        return None
+    raise ConfigError(
+        f"data.name: 'mmlu' needs {str(root / MMLU / (split + '.jsonl'))!r} (.gz too), which does not exist: "
+        f"rows of the hub set cais/mmlu, configuration 'all' (subject, question, choices, answer)"
+    )
+
+
+def load_mmlu(root: Path) -> tuple[PromptSet, PromptSet]:
+    """(MMLU's dev split, its test split) from ``mmlu/dev.jsonl`` and ``mmlu/test.jsonl`` (or
+    ``.jsonl.gz``) under the data directory: rows of the hub set ``cais/mmlu`` (configuration
+    ``all``: ``subject``, ``question``, ``choices``, ``answer`` the gold index), e.g. written by
+    ``load_dataset("cais/mmlu", "all")[split].to_json(...)``. Labels = the subject's index in
+    :data:`MMLU_SUBJECTS`; the dev split (5 questions a subject) is the few-shot pool (without
+    its file: empty, 0-shot only)."""
+    parts = []
+    for split in ("dev", "test"):
+        path = _mmlu_file(root, split)
+        rows = read_jsonl(path) if path is not None else ()
+        subjects = [r.get("subject") for r in rows]
+        bad = next((n for n, x in enumerate(subjects, 1) if x not in MMLU_SUBJECTS), None)
+        if bad is not None:
+            raise ConfigError(f"{path}: row {bad}: 'subject' must be one of MMLU's 57, got {subjects[bad - 1]!r}")
+        mc = [{"question": r.get("question"), "choices": r.get("choices"), "gold": r.get("answer")} for r in rows]
+        ds = multiple_choice_set(mc, path or root / MMLU, "local", 0, list(MMLU_SUBJECTS))
+        ds.labels = np.array([MMLU_SUBJECTS.index(x) for x in subjects], dtype=np.int64)
+        parts.append(ds)
+    return parts[0], parts[1]
 
 
 # -- local files ------------------------------------------------------------------------------
@@ -519,6 +588,8 @@ def load_prompt_set(
         return train, test
     if cfg.name == "commonsense":
         return load_commonsense(root, sets, test_per_set)
+    if cfg.name == MMLU:
+        return load_mmlu(root)
     if cfg.name.startswith("hub:"):
         return load_hub(cfg, columns)
     return load_local(cfg, columns)

@@ -58,17 +58,10 @@ def _write_minilm(snapshot: Path) -> str:
 def _write_gguf_lm(name: str, snapshot: Path) -> str:
     """The packaged GGUF language model ``name`` (SmolLM2, Gemma-3-270M) as fedtune loads it."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from fedtune.models import prefix_lm as plm
 
-    model = plm.build_language_model(name, 0, torch.float32)
-    config = model.config  # a model read from GGUF is marked quantized (not saveable): its weights, re-homed
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(model.state_dict())
-    plain.save_pretrained(snapshot)
+    plm.saveable(plm.build_language_model(name, 0, torch.float32)).save_pretrained(snapshot)
     plm.load_lm_tokenizer(name).save_pretrained(snapshot)
     source = plm.gguf_source(name)
     return f"{source['gguf_file']} of {source['pretrained_model_name_or_path']}, de-quantized to float32"

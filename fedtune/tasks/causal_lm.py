@@ -46,6 +46,10 @@ Metrics (:meth:`CausalLM.evaluate`, batched over the test set subsampled by
   multiple-choice example's prompt is its bare question and its response the gold option's text
   (:func:`fedtune.data.llm_text.as_option_texts`), so training, the response loss and the ranking
   share one format; the default ``"tag"`` trains on the Table B.1 prompts and tags.
+  ``"lm-eval"`` scores lm-evaluation-harness's task format of each set
+  (:mod:`fedtune.data.lm_eval_formats`: raw text, no template, ``" " + option``; a question's
+  ``loss`` is its gold option's), ``task.num_fewshot`` solved training examples before each
+  question (``fedtune eval``'s ``lm-eval`` protocol).
   ``accuracy`` = ``acc``. On ``commonsense`` every metric is the mean over sets (the eight-task
   average), each set's own value under ``<metric>_<set>``; elsewhere the mean over examples, with
   a value per label (Dolly category) beside it.
@@ -66,7 +70,7 @@ import torch
 from pydantic import Field, field_validator
 
 from fedtune.config import ConfigError
-from fedtune.data import llm_text, prompting
+from fedtune.data import llm_text, lm_eval_formats, prompting
 from fedtune.models import lm_scoring
 from fedtune.models import prefix_lm as plm
 from fedtune.models.generation import greedy_generate
@@ -77,6 +81,7 @@ from fedtune.tasks.text_metrics import extract_answer, rouge_l
 #: LoRA targets of Llama-style models: attention and gated-MLP projections
 LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FFN_TARGETS = ("gate_proj", "up_proj", "down_proj")
+BY_LABEL = ("commonsense", llm_text.MMLU)  # data whose label names each example's set (subject)
 FREE_FORM_NEW_TOKENS = 64  # generation budget for free-form answers unless task.max_new_tokens
 
 
@@ -93,8 +98,13 @@ class CausalLMOptions(TaskOptions):
     max_new_tokens: int | None = Field(
         None, ge=1, le=2048, description="greedy generation budget (default: longest answer; free-form 64)"
     )
-    choice_scoring: Literal["answer", "text"] = Field(
-        "answer", description="log-likelihood ranking of the trained answer format, or of the option texts"
+    choice_scoring: Literal["answer", "text", "lm-eval"] = Field(
+        "answer",
+        description="log-likelihood ranking of the trained answer format, of the option texts, or of lm-eval's "
+        "task format (raw text, no template)",
+    )
+    num_fewshot: int = Field(
+        0, ge=0, le=25, description="choice_scoring = 'lm-eval': solved examples before each question (first k)"
     )
     generate: bool = Field(True, description="evaluate greedy generations too (ROUGE-L, extracted answers)")
     answer_format: Literal["tag", "text"] = Field(
@@ -169,6 +179,10 @@ class CausalLM(Task):
             raise ConfigError(
                 "task.generate: answers in the 'text' format carry no answer tag to extract; set task.generate = false"
             )
+        if options.choice_scoring == "lm-eval" and options.generate:
+            raise ConfigError("task.generate: the lm-eval protocol ranks options only; set task.generate = false")
+        if options.num_fewshot and options.choice_scoring != "lm-eval":
+            raise ConfigError("task.num_fewshot: few-shot prompts need task.choice_scoring = 'lm-eval'")
         self.reference_name = (
             "majority gold-index rate (mean over sets)"
             if config.data.name == "commonsense"
@@ -339,19 +353,68 @@ class CausalLM(Task):
             return ds.questions[i], "", list(ds.choices[i])
         return ds.instructions[i], ds.inputs[i], [llm_text.ANSWER_PREFIX + t for t in ds.tags[i]]
 
+    def set_name(self, ds: llm_text.PromptSet, i: int) -> str:
+        """The set of example ``i``: its commonsense set or MMLU subject (``local``: a file's or hub
+        set's question)."""
+        return ds.label_names[ds.labels[i]] if self.config.data.name in BY_LABEL else "local"
+
+    def fewshot_prefix(self, ds: llm_text.PromptSet, i: int) -> str:
+        """``task.num_fewshot`` solved examples of example ``i``'s set, the first of its training
+        split (:func:`fedtune.data.lm_eval_formats.fewshot_prefix`)."""
+        k = self.options.num_fewshot
+        if not k:
+            return ""
+        pool = self.train
+        same = np.flatnonzero(pool.labels == ds.labels[i]) if self.config.data.name in BY_LABEL else None
+        first = (same if same is not None else np.arange(len(pool)))[:k]
+        if len(first) < k:
+            raise ConfigError(
+                f"task.num_fewshot: {k} shots of {self.set_name(ds, i)!r}, but its few-shot pool (training or dev "
+                f"split) has {len(first)}"
+            )
+        shots = [(pool.questions[j], pool.choices[j], int(pool.gold[j])) for j in first]
+        return lm_eval_formats.fewshot_prefix(self.set_name(ds, i), shots)
+
+    def choice_pairs(self, ds: llm_text.PromptSet, i: int) -> list[tuple[np.ndarray, np.ndarray, int]]:
+        """(context ids, continuation ids, the continuation's length in characters) of each option
+        of example ``i``: the context rendered through the prompt template (``answer``, ``text``),
+        or lm-eval's raw context, few-shot examples before it, encoded as lm-eval encodes a pair
+        (the continuation's ids are those of context + continuation after the context's)."""
+        tok = self.tokenizer
+        if self.options.choice_scoring == "lm-eval":
+            name = self.set_name(ds, i)
+            prefix = prompting.bos_prefix(tok) + lm_eval_formats.description(name) + self.fewshot_prefix(ds, i)
+            pairs = lm_eval_formats.requests(name, ds.questions[i], list(ds.choices[i]))
+            contexts = prompting.encode(tok, [prefix + c for c, _ in pairs])
+            wholes = prompting.encode(tok, [prefix + c + x for c, x in pairs])
+            return [(c, w[len(c) :], len(x)) for c, w, (_, x) in zip(contexts, wholes, pairs)]
+        instruction, inp, conts = self.choice_continuations(ds, i)
+        prompt = prompting.encode(tok, [self.prompt_format.render(tok, instruction, inp)])[0]
+        return [(prompt, ids, len(c)) for c, ids in zip(conts, prompting.encode(tok, conts))]
+
     def choice_items(self, ds: llm_text.PromptSet) -> list[tuple[int, np.ndarray, int, int]]:
         """(example, row, its prompt's length, the continuation's length in characters): one per
-        option of each multiple-choice example of ``ds``, the row its context (rendered through the
-        prompt template) + the option's continuation, truncated to ``data.max_length``."""
+        option of each multiple-choice example of ``ds`` (:meth:`choice_pairs`), truncated to
+        ``data.max_length``."""
         items = []
         length, side = self.config.data.max_length, self.options.truncation_side
         for i in np.flatnonzero(ds.multiple_choice):
-            instruction, inp, conts = self.choice_continuations(ds, i)
-            prompt = prompting.encode(self.tokenizer, [self.prompt_format.render(self.tokenizer, instruction, inp)])[0]
-            for c, ids in zip(conts, prompting.encode(self.tokenizer, conts)):
+            for prompt, ids, chars in self.choice_pairs(ds, i):
                 row, k = prompting.encode_pair(prompt, ids, length, side, self.keep_start)
-                items.append((int(i), row, k, len(c)))
+                items.append((int(i), row, k, chars))
         return items
+
+    def truncated(self, ds: llm_text.PromptSet) -> np.ndarray:
+        """(N,) bool: the examples of ``ds`` a scored row of which (its answer row, or one of its
+        options) is cut to ``data.max_length`` tokens."""
+        length = self.config.data.max_length
+        cut = np.zeros(len(ds), dtype=bool)
+        if self.options.choice_scoring != "lm-eval" or not ds.multiple_choice.all():
+            for i, (p, r) in enumerate(zip(self.prompts(ds), self.responses(ds.responses))):
+                cut[i] = len(p) + len(r) > length
+        for i in np.flatnonzero(ds.multiple_choice):
+            cut[i] |= any(len(p) + len(x) > length for p, x, _ in self.choice_pairs(ds, i))
+        return cut
 
     def score_rows(
         self, model: torch.nn.Module, rows: list[np.ndarray], prompt_lengths: list[int], batch_size: int, shared: bool
@@ -393,20 +456,25 @@ class CausalLM(Task):
         return self._by_example(items, logp)
 
     @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module, batch_size: int, shared: bool = True) -> dict[str, float]:
-        """The metrics of the module docstring. ``shared`` (the default) scores the response
-        loss and every option in one :meth:`score_rows` call that encodes each distinct prompt
-        once (a question's options and its answer row share it under ``choice_scoring =
-        "answer"``); ``shared = False`` runs every row in full: the same numbers up to rounding."""
+    def example_metrics(self, model: torch.nn.Module, batch_size: int, shared: bool = True) -> dict[str, np.ndarray]:
+        """Each test example's metrics ((N,) arrays, NaN where a metric skips the example):
+        ``loss``, ``rouge_l`` / ``gen_acc`` (generation), ``acc`` / ``acc_norm`` and ``pick``
+        (the option ranked first). ``shared`` (the default) scores the response loss and every
+        option in one :meth:`score_rows` call that encodes each distinct prompt once (a question's
+        options and its answer row share it under ``choice_scoring = "answer"``); ``shared =
+        False`` runs every row in full: the same numbers up to rounding. Under ``choice_scoring =
+        "lm-eval"`` a question's loss is that of its gold option's continuation."""
         model.eval()
-        ds, rows = self.test, self.test_rows
+        ds, mc = self.test, self.test.multiple_choice
         n = len(ds)
-        mc = ds.multiple_choice
+        lm_eval = self.options.choice_scoring == "lm-eval"
+        rows = ([], []) if lm_eval and mc.all() else self.test_rows
         items = self.choice_items(ds) if mc.any() else []
+        m = len(rows[0])
         logp, losses = self.score_rows(
             model, [*rows[0], *(x[1] for x in items)], [*rows[1], *(x[2] for x in items)], batch_size, shared
         )
-        per: dict[str, np.ndarray] = {"loss": losses[:n]}
+        per: dict[str, np.ndarray] = {"loss": losses[:n] if m else np.full(n, np.nan)}
         if self.options.generate:
             texts = self.answers(model, ds, batch_size)
             if mc.any():
@@ -415,14 +483,28 @@ class CausalLM(Task):
             if (~mc).any():
                 per["rouge_l"] = np.array([np.nan if mc[i] else rouge_l(texts[i], ds.responses[i]) for i in range(n)])
         if mc.any():
-            acc, acc_norm = np.full(n, np.nan), np.full(n, np.nan)
-            for i, (lp, chars) in self._by_example(items, logp[n:]).items():
-                acc[i] = int(np.argmax(lp)) == ds.gold[i]
+            acc, acc_norm, pick = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
+            start = m
+            for i, (lp, chars) in self._by_example(items, logp[m:]).items():
+                pick[i] = int(np.argmax(lp))
+                acc[i] = pick[i] == ds.gold[i]
                 acc_norm[i] = int(np.argmax(np.asarray(lp) / np.asarray(chars))) == ds.gold[i]
-            per["acc"], per["acc_norm"] = acc, acc_norm
-        metrics = _per_set(per, ds.labels, ds.label_names, macro=self.config.data.name == "commonsense")
+                if lm_eval:
+                    per["loss"][i] = losses[start + int(ds.gold[i])]
+                start += len(lp)
+            per["acc"], per["acc_norm"], per["pick"] = acc, acc_norm, pick
+        return per
+
+    def summarize(self, per: dict[str, np.ndarray]) -> dict[str, float]:
+        """The metrics of the module docstring from :meth:`example_metrics`."""
+        per = {k: v for k, v in per.items() if k != "pick"}
+        metrics = _per_set(per, self.test.labels, self.test.label_names, macro=self.config.data.name == "commonsense")
         metrics["accuracy"] = metrics["acc"] if "acc" in metrics else metrics.get("rouge_l", 0.0)
         return metrics
+
+    def evaluate(self, model: torch.nn.Module, batch_size: int, shared: bool = True) -> dict[str, float]:
+        """The metrics of the module docstring (:meth:`example_metrics`, :meth:`summarize`)."""
+        return self.summarize(self.example_metrics(model, batch_size, shared))
 
 
 def _length_chunks(lengths: list[int], size: int) -> list[np.ndarray]:

@@ -8,9 +8,13 @@ folder that plain transformers / PEFT code loads, and optionally pushed to the h
   (:func:`fedtune.models.hub_cache.link_packaged`). A base built in code (``tiny-llama``) exists on
   no hub: it is written into ``base/`` and the adapter names that folder's absolute path.
 - **Merged** (``merged=True``): the base in ``model.dtype`` with the adapter added into its weights
-  (PEFT ``merge_and_unload``), saved as a plain model with the tokenizer: for serving. A
+  (PEFT ``merge_and_unload``), saved as a plain model with the tokenizer: for serving (a base
+  read from a packaged GGUF file is saved as the plain float32 model it was de-quantized to). A
   quantized base (``model.quantization``) is refused: merging into 4/8-bit weights would round
   the update away (export the adapter and merge onto the unquantized base where it is served).
+- **Model card**: ``README.md`` (:func:`model_card`) in either form: the base's hub id and its
+  exact weights (a packaged GGUF base: the de-quantized file, not the hub's originals), the
+  method, rounds, clients, data, template and the evaluations the run folder holds.
 - **Where**: the export never deletes or overwrites what it did not write in this call. An existing
   non-empty ``out`` is refused, or with ``overwrite`` moved aside to ``<name>.old-<n>`` (the run
   folder's ``--overwrite`` rule); a target that is, holds or lies inside a run folder is refused (but
@@ -30,7 +34,8 @@ import shutil
 from pathlib import Path
 
 from fedtune.config import ConfigError
-from fedtune.models.hub_ids import BUILT_IN_CODE, is_portable
+from fedtune.models import prefix_lm as plm
+from fedtune.models.hub_ids import BUILT_IN_CODE, hub_id, is_portable
 from fedtune.run_folder import rename_aside, run_folder_around
 from fedtune.trained.loader import ADAPTER_CONFIG, TrainedRun
 
@@ -73,9 +78,68 @@ def _export_merged(task, run: TrainedRun, out: Path) -> None:
             "quantized weights would round the update away: export the adapter instead"
         )
     model = PeftModel.from_pretrained(task.build_model(task.config.seed), str(run.adapter_dir))
-    merged = model.merge_and_unload()
+    merged = plm.saveable(model.merge_and_unload())  # a GGUF-read base: its weights in a plain model
     merged.config._name_or_path = run.adapter_config.get("base_model_name_or_path") or str(cfg.name)
     merged.save_pretrained(out)
+
+
+def _final_metrics(run: TrainedRun) -> dict:
+    """The last evaluated round's metrics of the run (``metrics.jsonl``), or {}."""
+    path = run.run_dir / "metrics.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+    return rows[-1] if rows else {}
+
+
+def model_card(run: TrainedRun, merged: bool) -> str:
+    """The export's ``README.md``: the base (its hub id and exact weights), the method, rounds,
+    clients, data and template, and the evaluations the run folder holds (its last round on its
+    own test set; ``fedtune eval``'s ``eval.json`` with its protocol)."""
+    import fedtune
+
+    cfg = run.config
+    name = str(cfg.model.name)
+    base = run.adapter_config.get("base_model_name_or_path") or hub_id(name)
+    kind = "the base model with the LoRA adapter merged into its weights" if merged else "a LoRA adapter (PEFT)"
+    sets = cfg.task.options.get("sets")
+    lines = ["---", *([f"base_model: {base}"] if is_portable(base) else [])]
+    lines += [f"library_name: {'transformers' if merged else 'peft'}", "tags: [fedtune, federated-learning, lora]"]
+    lines += [
+        "---",
+        "",
+        f"# {run.run_dir.name}",
+        "",
+        f"{kind.capitalize()}, trained with fedtune {fedtune.__version__}.",
+        "",
+    ]
+    lines += ["## Base model", "", f"- name: `{base}` (fedtune `model.name = {name}`)"]
+    lines += [f"- exact weights: {plm.weights_source(name, cfg.model.dtype)}"]
+    lines += [f"- dtype: {cfg.model.dtype}; quantization in training: {cfg.model.quantization}", ""]
+    lines += ["## Training", "", f"- method: {cfg.method}; rounds: {cfg.rounds}; clients: {cfg.federation.num_clients}"]
+    lines += [f"- LoRA rank {cfg.model.lora_rank}, alpha {cfg.model.lora_alpha:g}; seed {cfg.seed}"]
+    chosen = f" (sets: {', '.join(sets)})" if sets else ""
+    lines += [f"- data: {cfg.data.name}{chosen}; partition {cfg.data.partition}"]
+    template = run.run_dir / "prompt_template.json"
+    if template.is_file():
+        info = json.loads(template.read_text())
+        lines += [
+            f"- prompt template: {info.get('template')} (`prompt_template.json`), max_length {info.get('max_length')}"
+        ]
+    lines += ["", "## Evaluation", ""]
+    final = {k: v for k, v in _final_metrics(run).items() if isinstance(v, float)}
+    if final:
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(final.items()))
+        lines += [f"- last round, the run's own test set and protocol (`metrics.jsonl`): {shown}"]
+    saved = run.run_dir / "eval.json"
+    if saved.is_file():
+        result = json.loads(saved.read_text())
+        protocol = result.get("protocol", {}).get("name", "run")
+        rows = ", ".join(
+            f"{k} acc {v['acc']:.4f} (n={v['n']})" for k, v in result.get("sets", {}).items() if "acc" in v
+        )
+        lines += [f"- `fedtune eval` (`eval.json`, protocol {protocol}): {rows or 'see the file'}"]
+    if not final and not saved.is_file():
+        lines += ["- none recorded in the run folder"]
+    return "\n".join(lines) + "\n"
 
 
 def default_folder(run_dir: Path, merged: bool) -> Path:
@@ -146,6 +210,7 @@ def _write(run: TrainedRun, task, tmp: Path, out: Path, merged: bool) -> list[st
         if bars:
             hf_logging.enable_progress_bar()
     _save_tokenizer(task, tmp)
+    (tmp / "README.md").write_text(model_card(run, merged))
     for name in RUN_FILES:
         if (run.run_dir / name).is_file():
             shutil.copy2(run.run_dir / name, tmp / name)

@@ -18,7 +18,8 @@ def eval_table(result: dict) -> Table:
     """A rich table of an :func:`~fedtune.trained.evaluate.evaluate` result."""
     rows, avg = result["sets"], result["average"]
     shown = [k for k in ACCURACIES if any(k in r for r in rows.values())]
-    table = Table(title=f"{result['target']} (accuracy % ± standard error)")
+    protocol = result["protocol"]["name"]
+    table = Table(title=f"{result['target']}, protocol {protocol} (accuracy % ± standard error)")
     table.add_column("set")
     table.add_column("n", justify="right")
     for key in shown:
@@ -31,4 +32,28 @@ def eval_table(result: dict) -> Table:
         table.add_row(name, str(row["n"]), *(_pct(row, k) for k in shown), rouge, loss)
     if avg.get("sets", 0) > 1:
         table.add_row(f"average ({avg['sets']} sets)", "", *(_pct(avg, k) for k in shown), "", "")
+    return table
+
+
+def paired_table(result: dict) -> Table:
+    """The run - base difference per set (``--baseline``): each metric's mean per-question
+    difference with its paired standard error (accuracies and ROUGE-L in points)."""
+    rows, avg = result["paired"]["sets"], result["paired"]["average"]
+    shown = [k for k in ("acc", "acc_norm", "gen_acc", "rouge_l", "loss") if any(k in r for r in rows.values())]
+    table = Table(title=f"run - base on protocol {result['protocol']['name']} (paired difference ± standard error)")
+    table.add_column("set")
+    table.add_column("n", justify="right")
+    for key in shown:
+        table.add_column(key, justify="right")
+
+    def cell(row: dict, key: str) -> str:
+        if key not in row:
+            return "–"
+        scale, digits = (1, 4) if key == "loss" else (100, 1)
+        return f"{scale * row[key]:+.{digits}f} ± {scale * row[f'{key}_se']:.{digits}f}"
+
+    for name, row in rows.items():
+        table.add_row(name, str(row["n"]), *(cell(row, k) for k in shown))
+    if avg.get("sets", 0) > 1:
+        table.add_row(f"average ({avg['sets']} sets)", "", *(cell(avg, k) for k in shown))
     return table

