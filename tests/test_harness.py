@@ -299,6 +299,12 @@ def test_cells_and_runs_section_show_pending_runs(recipe, tmp_path):
     section = runs_section([s0, s1], tmp_path)
     assert "| s0 | `runs/ranks/r8` (shared with ranks) | 75.00 | 2 | 0.500 | 12 |" in section
     assert "| s1 | `runs/seeds/s1` | pending | 4 | – | – |" in section
+    # a DP run's summary releases no bytes or timings: its row shows none, and no upload cell
+    summary = json.loads((s0.run_dir / "summary.json").read_text())
+    del summary["total_bytes_up"], summary["wall_s"]
+    (s0.run_dir / "summary.json").write_text(json.dumps(summary))
+    assert "| s0 | `runs/ranks/r8` (shared with ranks) | 75.00 | 2 | – | – |" in runs_section([s0], tmp_path)
+    assert upload_cell([s0]) == "–"
 
 
 def test_table_lines():

@@ -51,8 +51,11 @@ def mean_text(values: Sequence[float | None], spec: str = ".2f") -> str:
     return "–" if m is None else format(m, spec)
 
 
-def per_device_mb(spec: RunSpec, summary: dict[str, Any]) -> float:
-    """Megabytes the run uploaded per client (all clients' bytes / number of clients)."""
+def per_device_mb(spec: RunSpec, summary: dict[str, Any]) -> float | None:
+    """Megabytes the run uploaded per client (all clients' bytes / number of clients); None for a
+    DP run, whose summary releases no bytes."""
+    if "total_bytes_up" not in summary:
+        return None
     return summary["total_bytes_up"] / 1e6 / spec.config.federation.num_clients
 
 
@@ -98,7 +101,8 @@ def upload_cell(specs: Sequence[RunSpec]) -> str:
 
 def runs_section(specs: Sequence[RunSpec], out: Path) -> str:
     """``## Runs``: one row per spec with its folder (relative to ``out``), final accuracy, rounds,
-    MB up per client and wall seconds; ``pending`` for unfinished runs."""
+    MB up per client and wall seconds (``–`` where a DP run's summary releases none); ``pending`` for
+    unfinished runs."""
     rows = []
     for spec in specs:
         s = load_summary(spec)
@@ -114,8 +118,8 @@ def runs_section(specs: Sequence[RunSpec], out: Path) -> str:
                 f"`{folder}`{shared}",
                 acc,
                 str(s["rounds"]),
-                f"{per_device_mb(spec, s):.3f}",
-                f"{s['wall_s']:.0f}",
+                mean_text([per_device_mb(spec, s)], ".3f"),
+                mean_text([s.get("wall_s")], ".0f"),
             ]
         )
     columns = ["run", "folder", "final acc (%)", "rounds", "MB up / device", "wall s"]
