@@ -95,6 +95,10 @@ def test_the_report_gives_each_epsilon_its_mean_of_the_last_two_evaluations_and_
     assert (rows[8.0]["d_noised"], rows[8.0]["noise_to_clip"]) == (400, pytest.approx(0.8))
     assert rows[8.0]["final_clip_mean"] == pytest.approx(0.65)
     assert rows[1.0]["accuracy_mean"] is None and rows[1.0]["finished"] == 0
+    # each evaluated round's mean over the seeds: 50; 80, 82; 82, 84
+    assert rows[None]["curve"] == {"10": pytest.approx(50.0), "20": pytest.approx(81.0), "30": pytest.approx(83.0)}
+    assert rows[1.0]["curve"] == {}
     text = (tmp_path / "README.md").read_text()
     assert "| 3 | 1e-06 | 1.500 | 2.000 | 1 → 0.650 | 0.80 | 62.00 ± 1.41 (n=2) | 52.00 |" in text
     assert "| 1 | – | – | – | 1 → – | – | pending |" in text
+    assert "| ∞ (no DP) | 50.00 | 81.00 | 83.00 |" in text and "| 1 | – | – | – |\n" in text
