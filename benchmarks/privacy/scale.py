@@ -39,12 +39,14 @@ the row without DP and understate what DP allows here. The a priori start is lr 
 changing it after seeing a DP run's released C would have made the choice depend on that release.
 
 Scale, measured: a pilot (epsilon 8, 4 rounds of 100 clients at batch 16, 2 evaluations) took 84 s
-of CPU (74 user + 10 system; 183 s wall), a round of 100 clients about 15 s of one core at batch 16.
-The 2 cores were shared by 4 people (load 8-19; a run got 15-30 % of a core): the first start (100
-per round) took 131 s wall for its first round, so 3 seeds of even no DP and epsilon 8 would have
-ended after the deadline. Scaled from the issue's ask, to fit: 50 clients per round instead of 100
-(q = 0.05), 16 rounds instead of 30, one local step of batch 8; ``main`` (no DP and epsilon 8) runs
-before ``low`` (epsilon 3 and 1), seed by seed, on 2 workers.
+of CPU (74 user + 10 system; 183 s wall). The 2 cores were shared by 4 people (load 11-19), so a
+run got 13-15 % of a core: the first start (100 per round, 30 rounds) took 131 s wall for its
+first round, and 3 seeds of even no DP and epsilon 8 would have ended after the deadline. Scaled
+from the issue's ask, for wall time: 50 clients per round instead of 100 (q = 0.05), 16 rounds
+instead of 30, one local step of batch 8. A run then took about 110 s of CPU (the two workers' CPU
+time over their runs; :data:`RUN_S`) and 740-800 s wall; the suite is about 22 min of one free
+core (at 100 per round and 30 rounds, about 80). ``main`` (no DP and epsilon 8) runs before
+``low`` (epsilon 3 and 1), seed by seed, on 2 workers.
 
     HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR=../shared/data .venv/bin/python benchmarks/privacy/scale.py --plan
     ... --workers 1 (or 2) | --only main | --report-only | --quick (tiny-bert, 2 rounds, a scratch folder)
@@ -87,16 +89,9 @@ EXPERIMENTS = {"main": (math.inf, 8.0), "low": (3.0, 1.0)}
 CLIP0 = 1.0  # the adaptive clip's start, from the lr 0.01 pilot (too small at lr 0.05: docstring, Clip start)
 ADAPTIVE = ['privacy.mode="central"', "privacy.adaptive_clip=true"]
 LAST = 2  # a run's figure: the mean of its last 2 evaluations
-RUN_S, QUICK_RUN_S = 180.0, 15.0  # one run's seconds of one free core (module docstring)
-QUICK = [
-    "model.name=tiny-bert",
-    "rounds=2",
-    "eval_every=1",
-    "federation.num_clients=40",
-    "federation.clients_per_round=4",
-    "data.max_train_samples=800",
-    "data.max_test_samples=64",
-]
+RUN_S, QUICK_RUN_S = 110.0, 15.0  # one run's CPU seconds, measured (module docstring: Scale)
+QUICK = ["model.name=tiny-bert", "rounds=2", "eval_every=1", "federation.num_clients=40"]
+QUICK += ["federation.clients_per_round=4", "data.max_train_samples=800", "data.max_test_samples=64"]
 
 
 def spec(epsilon: float, seed: int, quick: bool) -> RunSpec:
