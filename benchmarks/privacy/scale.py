@@ -61,12 +61,11 @@ core (at 100 per round and 30 rounds, about 80). ``main`` (no DP and epsilon 8) 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
 from pathlib import Path
-
-from run_suite import noise_to_clip, noised_coordinates
 
 from fedtune.harness import (
     RunSpec,
@@ -85,6 +84,12 @@ from fedtune.harness import (
 from fedtune.harness.report import final_accuracy, run_accuracy
 from fedtune.harness.runs import load_rounds, load_summary
 from fedtune.harness.stats import mean as mean_of
+
+# run_suite.py's noise / C and d, loaded by path: other suites' folders on sys.path hold a run_suite.py too
+_SPEC = importlib.util.spec_from_file_location("privacy_run_suite", Path(__file__).with_name("run_suite.py"))
+_RUN_SUITE = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(_RUN_SUITE)
+noise_to_clip, noised_coordinates = _RUN_SUITE.noise_to_clip, _RUN_SUITE.noised_coordinates
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs" / "benchmarks" / "privacy-scale.toml"
