@@ -101,12 +101,8 @@ def audit_scores(config: Any, trials: int, dim: int = 1000, attack: str = "relea
         context = SimpleNamespace(
             config=run, options=SimpleNamespace(weighting="uniform"), example_bound=lambda kind, cid: 1
         )
-        if attack == "regenerate" and not any(
-            0
-            in poisson_sample(fed.num_clients, fed.sample_size() / fed.num_clients, generator([run.seed], SAMPLE, r, 0))
-            for r in range(1, run.rounds + 1)
-        ):
-            continue
+        if attack == "regenerate" and not seed_sample_holds_canary(run):
+            continue  # the outsider abstains: by the seed's sample, the canary never took part
         for sign in scores:
             strategy = AuditStrategy(context, dim)
             strategy.initialize()
@@ -124,6 +120,15 @@ def audit_scores(config: Any, trials: int, dim: int = 1000, attack: str = "relea
                     moved = moved - guess["w"] / strategy.privacy.m
             scores[sign].append(float(moved @ canary) * strategy.privacy.m / config.privacy.clip)
     return np.asarray(scores[1.0]), np.asarray(scores[-1.0])
+
+
+def seed_sample_holds_canary(run: Any) -> bool:
+    """Whether client 0 is in some round's sample as the run's public seed would draw it (the
+    reproducible rule; under secret sampling an unrelated draw)."""
+    fed = run.federation
+    rate = fed.sample_size() / fed.num_clients
+    rounds = range(1, run.rounds + 1)
+    return any(0 in poisson_sample(fed.num_clients, rate, generator([run.seed], SAMPLE, r, 0)) for r in rounds)
 
 
 def upper(failures: int, n: int, alpha: float) -> float:

@@ -63,3 +63,17 @@ def test_the_bound_is_the_clopper_pearson_form_of_fpr_plus_exp_eps_fnr():
     assert separated["epsilon_lower_bound"] == pytest.approx(np.log((1 - 1e-5 - rate) / rate), rel=1e-9)
     mixed = epsilon_lower_bound(np.r_[np.ones(150), -np.ones(150)], np.r_[np.ones(150), -np.ones(150)], 1e-5)
     assert mixed["epsilon_lower_bound"] == 0.0
+
+
+def test_with_a_sampled_federation_the_outsider_abstains_where_the_seeds_sample_lacks_the_canary():
+    """q = 1/4, 2 rounds: under reproducible noise the outsider also regenerates each run's sample,
+    leaves out the runs whose sample never held client 0 (about (3/4)^2 of them) and tells the rest
+    apart every time; without the abstention those runs would be coin flips."""
+    from fedtune.privacy_audit import seed_sample_holds_canary
+
+    sampled = ["federation.num_clients=20", "federation.clients_per_round=5", "rounds=2"]
+    config = load_config(None, [*BASE, *sampled, "privacy.insecure_reproducible_noise=true"])
+    kept = sum(seed_sample_holds_canary(config.model_copy(update={"seed": t})) for t in range(200))
+    assert 0.3 < kept / 200 < 0.6  # 1 - (3/4)^2 = 0.44
+    result = audit(config, 200, dim=500, attack="regenerate")
+    assert result["trials_each"] == kept and result["false_negatives"] == result["false_positives"] == 0
