@@ -37,6 +37,7 @@ import numpy as np
 from scipy.stats import beta
 
 from fedtune.engines.embedded import run_rounds
+from fedtune.methods.base.aggregation import Aggregation, plan_aggregation
 from fedtune.methods.base.averaging import BroadcastAverage, UpdateClient
 from fedtune.methods.base.privacy import NOISE, SAMPLE, gaussian_like, generator, poisson_sample
 from fedtune.protocol.messages import Message
@@ -50,13 +51,14 @@ class AuditStrategy(BroadcastAverage):
 
     def __init__(self, context: Any, dim: int) -> None:
         super().__init__(context)
+        self.aggregation = Aggregation(context.run.aggregation)
         self.dim = dim
 
     def initialize(self) -> None:
         self.global_arrays = {"w": np.zeros(self.dim, np.float32)}
 
     def state_dict(self) -> dict:
-        return {"global": dict(self.global_arrays), **self.server_state()}
+        return {"global": dict(self.global_arrays), **self.aggregation.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.global_arrays = dict(state["global"])
@@ -99,7 +101,10 @@ def audit_scores(config: Any, trials: int, dim: int = 1000, attack: str = "relea
     for trial in range(start, start + trials):
         run = config.model_copy(update={"seed": (config.seed + trial) % 2**32})
         context = SimpleNamespace(
-            config=run, options=SimpleNamespace(weighting="uniform"), example_bound=lambda kind, cid: 1
+            config=run,
+            run=SimpleNamespace(aggregation=plan_aggregation(run)),
+            options=SimpleNamespace(weighting="uniform"),
+            example_bound=lambda kind, cid: 1,
         )
         if attack == "regenerate" and not seed_sample_holds_canary(run):
             continue  # the outsider abstains: by the seed's sample, the canary never took part
@@ -111,14 +116,14 @@ def audit_scores(config: Any, trials: int, dim: int = 1000, attack: str = "relea
                 return AuditClient(cid, context, state, canary, sign, trial)
 
             history = run_rounds(strategy, make, fed.num_clients, fed.sample_size(), run.rounds, run.seed)
+            private = strategy.aggregation.privacy
+            assert private is not None, "the audit runs under privacy.mode"
             moved = strategy.global_arrays["w"].astype(np.float64)
             if attack == "regenerate":  # the outsider's guess at the noise, from the public seed
                 for record in history:
-                    guess = gaussian_like(
-                        {"w": moved}, strategy.privacy.noise_std(), generator([run.seed], NOISE, record.round)
-                    )
-                    moved = moved - guess["w"] / strategy.privacy.m
-            scores[sign].append(float(moved @ canary) * strategy.privacy.m / config.privacy.clip)
+                    guess = gaussian_like({"w": moved}, private.noise_std(), generator([run.seed], NOISE, record.round))
+                    moved = moved - guess["w"] / private.m
+            scores[sign].append(float(moved @ canary) * private.m / config.privacy.clip)
     return np.asarray(scores[1.0]), np.asarray(scores[-1.0])
 
 

@@ -29,7 +29,7 @@ class MethodOptions(BaseModel):
 
     def privacy_refusal(self) -> str | None:
         """For a method that honours ``privacy.mode``: one line naming the option of these whose
-        setting has no DP form, else None (checked by :func:`fedtune.methods.base.privacy.check_privacy`)."""
+        setting has no DP form, else None (checked by :func:`fedtune.methods.base.privacy.privacy_params`)."""
         return None
 
     def secure_refusal(self) -> str | None:

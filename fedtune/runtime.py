@@ -2,8 +2,10 @@
 
 :func:`resolve_run` is the one resolution step between a config and the first round: it fills the
 task's defaults (``data.name``, ``model.name``), looks the method up, checks the task's options, the
-method x task x model capabilities, the cross-method options it honours and its own options, and
-builds the client profiles, in that order (so the first error names the first bad field). The
+method x task x model capabilities, the cross-method options it honours and its own options, plans
+the server's aggregation (:func:`~fedtune.methods.base.aggregation.plan_aggregation`: the privacy
+parameters checked and calibrated once) and builds the client profiles, in that order (so the first
+error names the first bad field). The
 :class:`ResolvedRun` it returns is only read afterwards: by :class:`RunContext`, the engines and the
 run folder (:attr:`ResolvedRun.run_dir`).
 
@@ -28,7 +30,7 @@ import torch
 from fedtune.config import ConfigError, RunConfig, validate_options
 from fedtune.data.partition import label_histograms
 from fedtune.methods import get_method
-from fedtune.methods.base.privacy import check_privacy
+from fedtune.methods.base.aggregation import AggregationPlan, plan_aggregation
 from fedtune.protocol.profiles import ClientProfile, build_profiles
 from fedtune.registry import MethodOptions, MethodSpec
 from fedtune.tasks import Task, TaskOptions, get_task_class, resolve_config
@@ -44,6 +46,7 @@ class ResolvedRun:
     task_options: TaskOptions
     options: MethodOptions
     profiles: tuple[ClientProfile, ...]
+    aggregation: AggregationPlan  # the server's combiner, DP parameters (calibrated) and server optimizer
 
     @property
     def run_dir(self) -> Path:
@@ -61,7 +64,7 @@ def resolve_run(config: RunConfig) -> ResolvedRun:
     method.check(task_class, config)
     method.check_options(config)
     options = validate_options(config.options, method.options)
-    check_privacy(config, options)
+    aggregation = plan_aggregation(config, options)
     fed = config.federation
     refusal = options.secure_refusal() if fed.secure_aggregation else None
     if refusal:
@@ -70,7 +73,7 @@ def resolve_run(config: RunConfig) -> ResolvedRun:
         profiles = build_profiles(fed.num_clients, fed.profiles, fed.profile_choices, config.seed, fed.device_classes)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    return ResolvedRun(config, method, task_class, task_options, options, tuple(profiles))
+    return ResolvedRun(config, method, task_class, task_options, options, tuple(profiles), aggregation)
 
 
 class RunContext:

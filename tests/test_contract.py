@@ -138,7 +138,7 @@ def _initial_state(tmp_path, method, kind) -> dict:
     return flatten(strategy.state_dict())
 
 
-#: Who honours the cross-method options: the methods whose server steps through ServerOptimized and
+#: Who honours the cross-method options: the methods whose server steps through its Aggregation and
 #: whose clients upload through UpdateClient.upload (pinned: a declaration added or dropped fails here).
 HONOURING = [
     "commit",
@@ -189,7 +189,7 @@ PINNED = {
     "train.gradient_checkpointing": sorted([*SCALE_HONOURING, "commit"]),
     "model.quantization": ["commit", "fedit", "fslora", "heterolora", "local"],
     "privacy.mode": PRIVACY_HONOURING,
-    # the weighted sums SecAgg+ computes (fedtune.methods.base.averaging.SecureSummed)
+    # the weighted sums SecAgg+ computes (fedtune.methods.base.aggregation.Aggregation.secure_sum)
     "federation.secure_aggregation": ["fedavg", "fedit", "fedot", "fedpetuning", "fedpft", "fslora", "heterolora"],
 }
 

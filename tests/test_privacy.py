@@ -17,7 +17,7 @@ from dp_accounting.rdp import RdpAccountant
 from fedtune.checkpoint import load_state
 from fedtune.config import ConfigError, load_config
 from fedtune.methods.base import accounting
-from fedtune.methods.base.privacy import NOISE, UPLOAD, clip, generator, mechanism
+from fedtune.methods.base.privacy import NOISE, UPLOAD, clip, generator, mechanism, privacy_params
 from fedtune.protocol.messages import Message
 from fedtune.run import run_experiment
 from fedtune.runtime import RunContext, resolve_run
@@ -74,7 +74,7 @@ def test_central_aggregate_is_the_clipped_sum_plus_one_noise_draw_over_the_fixed
         sum(float(np.sum(np.square((strategy.global_arrays[k] - before[k]) * 3 - noise[k] - u2[k]))) for k in before)
     )
     assert clipped_norm == pytest.approx(C, rel=1e-3)  # the 10C update entered with norm C
-    assert metrics == {"epsilon": pytest.approx(strategy.privacy.epsilon(1))} and metrics["epsilon"] > 0
+    assert metrics == {"epsilon": pytest.approx(strategy.aggregation.privacy.epsilon(1))} and metrics["epsilon"] > 0
 
 
 def test_a_round_nobody_replied_to_still_releases_its_noise_and_counts(tmp_path):
@@ -86,11 +86,12 @@ def test_a_round_nobody_replied_to_still_releases_its_noise_and_counts(tmp_path)
     before = {k: v.astype(np.float64) for k, v in strategy.global_arrays.items()}
     strategy.configure_fit(1, [])
     metrics = strategy.aggregate_fit(1, {})
-    rng = generator(strategy.privacy.secret, NOISE, 1)
+    rng = generator(strategy.aggregation.privacy.secret, NOISE, 1)
     for k in sorted(before):
         expected = before[k] + rng.normal(0, Z * C, before[k].shape) / 3
         np.testing.assert_allclose(strategy.global_arrays[k], expected, rtol=1e-5, atol=1e-7)
-    assert strategy.privacy.releases[0] == 1 and metrics["epsilon"] == pytest.approx(strategy.privacy.epsilon(1))
+    private = strategy.aggregation.privacy
+    assert private.releases[0] == 1 and metrics["epsilon"] == pytest.approx(private.epsilon(1))
 
 
 def test_noise_std_is_zC_over_m_centrally_and_zC_per_client_locally(tmp_path):
@@ -105,9 +106,9 @@ def test_noise_std_is_zC_over_m_centrally_and_zC_per_client_locally(tmp_path):
     )
     assert np.std(drawn) == pytest.approx(Z * C / 3, rel=0.02)
     assert abs(np.mean(drawn)) < 4 * Z * C / 3 / np.sqrt(drawn.size)
-    local = mechanism(_config(tmp_path, *LOCAL))
+    local = privacy_params(_config(tmp_path, *LOCAL))
     state: dict = {}
-    first, second = (local.client_release(zeros, state, 0, 1) for _ in range(2))
+    first, second = (local.kind.client_release(local, zeros, state, 0, 1) for _ in range(2))
     uploads = np.concatenate([v.ravel() for u in (first, second) for v in u.values()])
     assert np.std(uploads) == pytest.approx(Z * C, rel=0.02)
     assert abs(np.corrcoef(first["b"], second["b"])[0, 1]) < 0.05 and state["dp_uploads"].tolist() == [1, 1]
@@ -118,8 +119,8 @@ def test_noise_std_is_zC_over_m_centrally_and_zC_per_client_locally(tmp_path):
     big = {"a": np.full((100, 200), 10 * C / np.sqrt(20000), np.float32)}
     fixed = {"dp_secret": np.array([1, 2, 3, 4], np.uint32)}
     shifted = (
-        local.client_release(big, dict(fixed), 0, 1)["a"]
-        - local.client_release({"a": np.zeros((100, 200), np.float32)}, dict(fixed), 0, 1)["a"]
+        local.kind.client_release(local, big, dict(fixed), 0, 1)["a"]
+        - local.kind.client_release(local, {"a": np.zeros((100, 200), np.float32)}, dict(fixed), 0, 1)["a"]
     )
     assert np.linalg.norm(shifted) == pytest.approx(C, rel=1e-4)
 

@@ -51,7 +51,7 @@ def test_one_round_moves_the_clip_by_the_noised_unclipped_fraction_and_noises_wi
     replies = {cid: Message(u, {"num_examples": 1}) for cid, u in enumerate(updates)}
     strategy.configure_fit(1, [0, 1, 2, 3])
     metrics = strategy.aggregate_fit(1, replies)
-    p = strategy.privacy
+    p = strategy.aggregation.privacy
     z_delta = (Z**-2 - (2 * 1.5) ** -2) ** -0.5
     assert p.z_update == pytest.approx(z_delta)
     xi_b = generator(p.secret, COUNT, 1).normal(0.0, 1.5)

@@ -160,7 +160,7 @@ def test_two_dp_runs_of_one_config_draw_different_noise_and_a_resume_replays_its
     resumed = _flat(load_state(Path(run_experiment(config(3), resume=True)["run_dir"]) / "checkpoint.npz"))
     strategy = RunContext(config(3)).strategy()
     strategy.initialize()
-    strategy.privacy.secret = resumed["privacy_secret"]
+    strategy.aggregation.privacy.secret = resumed["privacy_secret"]
     EmbeddedEngine(config(3)).run(strategy)
     whole = _flat(strategy.state_dict())
     for k in weights:

@@ -111,12 +111,12 @@ def test_central_aggregate_is_the_placed_clipped_sum_plus_one_noise_draw_over_m(
     shapes = {k: v.shape for k, v in before.items()}
     assert len(_ranks(method, sent[0])) == 4 and len(_ranks(method, sent[1])) == 2  # k_i < r
     p0, p3 = (_placed(method, sent[c], arrays[c], shapes) for c in REPLIED)
-    rng = generator(strategy.privacy.secret, NOISE, 1)  # the server's secret: an insider's view
+    rng = generator(strategy.aggregation.privacy.secret, NOISE, 1)  # the server's secret: an insider's view
     noise = {k: rng.normal(0.0, Z * C, size=shapes[k]) for k in sorted(shapes)}
     for k in before:
         expected = before[k] + (p0[k] * (C / _norm(p0)) + p3[k] + noise[k]) / 3
         np.testing.assert_allclose(strategy.global_arrays[k], expected, rtol=1e-5, atol=1e-6)
-    assert metrics["epsilon"] == pytest.approx(strategy.privacy.epsilon(1)) and metrics["epsilon"] > 0
+    assert metrics["epsilon"] == pytest.approx(strategy.aggregation.privacy.epsilon(1)) and metrics["epsilon"] > 0
     assert strategy.summary()["privacy"]["releases"] == 1
 
 

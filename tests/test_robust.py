@@ -11,7 +11,7 @@ import pytest
 
 from fedtune.config import ConfigError, load_config
 from fedtune.engines.rounds import TRAIN, answer
-from fedtune.methods.base.robust import aggregate_updates, bounded_weights, clip_update, trimmed_mean
+from fedtune.methods.base.robust import bounded_weights, clip_update, combiner, trimmed_mean
 from fedtune.protocol.messages import Message
 from fedtune.runtime import RunContext, resolve_run
 from tests.conftest import TINY
@@ -45,14 +45,14 @@ def test_trimmed_mean_and_median_per_coordinate():
     np.testing.assert_allclose(trimmed_mean(updates, 0.2)["w"], [2.0, -2.0])  # -50 and 100 cut, mean(1, 2, 3)
     np.testing.assert_allclose(trimmed_mean(updates, 0.0)["w"], [11.2, -11.2])  # no cut: the plain mean
     np.testing.assert_allclose(trimmed_mean(updates, 0.49)["w"], [2.0, -2.0])  # cut 2 a side: the median
-    median = aggregate_updates(updates, [1e9, 1, 1, 1, 1], fed(aggregation='"median"'))
+    median = combiner(fed(aggregation='"median"'))(updates, [1e9, 1, 1, 1, 1])
     np.testing.assert_allclose(median["w"], [2.0, -2.0])  # unweighted: a claimed 1e9 examples changes nothing
 
 
 def test_defaults_are_exactly_the_weighted_mean():
     rng = np.random.default_rng(0)
     updates = [{"w": rng.normal(size=(3, 4)).astype(np.float32)} for _ in range(3)]
-    out = aggregate_updates(updates, [1, 2, 3], fed())
+    out = combiner(fed())(updates, [1, 2, 3])
     expected = (1 * updates[0]["w"] + 2 * updates[1]["w"] + 3 * updates[2]["w"]) / 6
     np.testing.assert_allclose(out["w"], expected, rtol=1e-6)
 

@@ -1,5 +1,5 @@
 """Secure aggregation (SecAgg+ on Flower, fedtune.engines.flower.secagg) for every method whose
-server step is a weighted sum (fedtune.methods.base.averaging.SecureSummed): HeteroLoRA's
+server step is a weighted sum (fedtune.methods.base.aggregation.Aggregation.secure_sum): HeteroLoRA's
 zero-padded mean (its updates or its modules; with ``padding = "coverage"`` the per-rank coverage
 weights summed securely beside them), FSLoRA's eq. (5) over the clients' scattered uploads,
 FedPETuning's and the proxy methods' (FedOT, FedPFT without its alignment) FedAvg, with local DP

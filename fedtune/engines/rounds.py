@@ -39,7 +39,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -116,14 +116,30 @@ class Delivery:
     masked: bool = False  # the reply's arrays crossed masked (secure aggregation): only its meta is checked here
 
 
-#: ``transport(kind, rnd, messages, attempt)`` delivers ``messages`` (client id -> Message) as
-#: ``kind`` ("train", "evaluate" or a Strategy phase name) and returns client id -> Delivery for every message, in the
-#: order of ``messages`` (aggregation sums in that order).
-#: A transport that masks the training replies (secure aggregation, :mod:`fedtune.engines.flower.secagg`)
-#: also has ``unmask(rnd, attempt, client_ids, sent) -> (SecureSum | None, {cid: Delivery})``: its
-#: training deliveries carry metadata only (``Delivery.masked``), and the round aggregates the sum of
-#: the valid ones' updates (:meth:`Strategy.aggregate_secure_fit`).
-Transport = Callable[[str, int, dict[int, Message], int], dict[int, Delivery]]
+class Transport(Protocol):
+    """What an engine gives the round loop: ``transport(kind, rnd, messages, attempt)`` delivers
+    ``messages`` (client id -> Message) as ``kind`` ("train", "evaluate" or a Strategy phase name)
+    and returns client id -> Delivery for every message, in the order of ``messages``
+    (aggregation sums in that order)."""
+
+    def __call__(self, kind: str, rnd: int, messages: dict[int, Message], attempt: int) -> dict[int, Delivery]:
+        """One exchange's deliveries (see the class docstring)."""
+        ...
+
+
+@runtime_checkable
+class SecureTransport(Transport, Protocol):
+    """A transport that masks the training replies (secure aggregation,
+    :mod:`fedtune.engines.flower.secagg`): its training deliveries carry metadata only
+    (``Delivery.masked``), and the round aggregates the sum of the valid ones' updates
+    (:meth:`Strategy.aggregate_secure_fit`), which :meth:`unmask` rebuilds."""
+
+    def unmask(
+        self, rnd: int, attempt: int, client_ids: list[int], sent: dict[int, Message]
+    ) -> tuple[SecureSum | None, dict[int, Delivery]]:
+        """The sum of the masked updates of ``client_ids`` (None when it cannot be rebuilt) and
+        the unmask exchange's deliveries."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -399,7 +415,7 @@ def drive_rounds(
     ``on_round`` sees each record as its round ends (the caller writes metrics and the
     checkpoint there); ``should_stop()`` is asked after each round (Ctrl-C)."""
     history = []
-    unmask = getattr(transport, "unmask", None)  # a transport that masks the training replies (SecAgg+)
+    unmask = transport.unmask if isinstance(transport, SecureTransport) else None
     for rnd in range(start_round, rounds + 1):
         reason = strategy.halt_before(rnd)
         if reason is not None:

@@ -16,8 +16,11 @@ scratch and as the full-model baseline. The final global model is saved as ``mod
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from fedtune.methods.base.aggregation import Aggregation
 from fedtune.methods.base.averaging import (
     SECURE_AGGREGATION,
     WEIGHTED_SUM_OPTIONS,
@@ -39,12 +42,16 @@ class FedAvgOptions(MethodOptions):
 class FedAvgStrategy(BroadcastAverage, ModelStateStrategy):
     """FedAvg: average the model's trainable tensors (no LoRA; McMahan et al. 2017)."""
 
+    def __init__(self, context: Any) -> None:
+        super().__init__(context)
+        self.aggregation = Aggregation(context.run.aggregation)
+
     def state_dict(self) -> dict:
-        return {**ModelStateStrategy.state_dict(self), **self.server_state()}
+        return {**ModelStateStrategy.state_dict(self), **self.aggregation.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         ModelStateStrategy.load_state_dict(self, state)
-        self.load_server_state(state)
+        self.aggregation.load_state_dict(state)
 
 
 class FedAvgClient(UpdateClient):

@@ -40,15 +40,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import Field
 
 from fedtune.config import ConfigError
+from fedtune.methods.base.aggregation import Aggregation
 from fedtune.methods.base.averaging import (
     SERVER_STEP_AND_UPLOAD_CODEC,
-    ServerOptimized,
     Weighting,
     client_weights,
     decode_update,
@@ -113,11 +113,15 @@ def fresh_adapter(shapes: Mapping[str, tuple[int, ...]], seed: int, rnd: int, ci
     }
 
 
-class FedStackLoRAStrategy(ServerOptimized, Strategy):
+class FedStackLoRAStrategy(Strategy):
     """FedStackLoRA (FLoRA): stack B_i and p_i A_i, merge into the base (Wang et al. 2024)."""
 
+    def __init__(self, context: Any) -> None:
+        super().__init__(context)
+        self.aggregation = Aggregation(context.run.aggregation)
+
     def initialize(self) -> None:
-        if self.options.transport == "stacks" and not self.server_opt.is_identity:
+        if self.options.transport == "stacks" and not self.aggregation.server_opt.is_identity:
             raise ConfigError(
                 "options.transport: 'stacks' ships B_stack A_stack exactly, which a server optimizer other than "
                 "sgd at server_lr 1 does not keep; use transport='dense'"
@@ -174,7 +178,7 @@ class FedStackLoRAStrategy(ServerOptimized, Strategy):
                     b, a = np.concatenate([b0, b], axis=1), np.concatenate([a0, a], axis=0)
                 self.stacks[path] = (b, a)
         mean = weighted_average(head_updates, weights)
-        new = self.server_opt.step({**self.merged, **self.head}, {**products, **mean})
+        new = self.aggregation.server_opt.step({**self.merged, **self.head}, {**products, **mean})
         self.merged = {path: v for path, v in new.items() if path in products or path in self.merged}
         self.head = {k: new[k] for k in self.head}
         stacked = sum(array_rank(ad) for ad in adapters)
@@ -195,7 +199,7 @@ class FedStackLoRAStrategy(ServerOptimized, Strategy):
             "head": dict(self.head),
             "merged": dict(self.merged),
             "stacks": {p: {"B": b, "A": a} for p, (b, a) in self.stacks.items()},
-            **self.server_state(),
+            **self.aggregation.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -204,7 +208,7 @@ class FedStackLoRAStrategy(ServerOptimized, Strategy):
         self.merged = {k: np.asarray(v, dtype=np.float64) for k, v in state.get("merged", {}).items()}
         self.stacks = {p: (np.asarray(s["B"]), np.asarray(s["A"])) for p, s in state.get("stacks", {}).items()}
         self.paths = lora_paths(self.context.workspace.state(self.rank))
-        self.load_server_state(state)
+        self.aggregation.load_state_dict(state)
 
     def save(self, run_dir: Path) -> None:
         """W0 + Delta W as an exact full-rank PEFT adapter (scale 1) plus the head."""

@@ -139,7 +139,7 @@ class FlexLoRAStrategy(GlobalAdapterStrategy):
         head = weighted_average([head_arrays(t) for t in trained], weights)
         # the new Delta W and head replace the old ones (through the server optimizer, if any)
         old = {**self.delta, **head_arrays(self.global_arrays)}
-        new = self.server_opt.move_to(old, {**delta, **head})
+        new = self.aggregation.server_opt.move_to(old, {**delta, **head})
         self.delta = {path: new[path] for path in delta}
         self.global_arrays = {**self.global_arrays, **{k: new[k] for k in head}}
         self._refresh_svd()

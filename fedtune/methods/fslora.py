@@ -86,11 +86,10 @@ from typing import ClassVar, Literal
 import numpy as np
 from pydantic import Field
 
+from fedtune.methods.base.aggregation import layout_of
 from fedtune.methods.base.averaging import (
     SECURE_AGGREGATION,
     SERVER_STEP_AND_UPLOAD_CODEC,
-    PrivateAverage,
-    SecureSummed,
     Weighting,
     client_weights,
     decode_update,
@@ -107,7 +106,7 @@ from fedtune.methods.base.lora import (
 from fedtune.methods.base.lora_arrays import add_ranks, lora_pairs, module_path, take_ranks
 from fedtune.methods.base.privacy import PRIVACY_OPTIONS
 from fedtune.protocol.messages import Message
-from fedtune.protocol.strategy import secure_layout_of
+from fedtune.protocol.strategy import SecureSum, secure_layout_of
 from fedtune.protocol.validation import ArraySpec, spec_like
 from fedtune.registry import MethodOptions, register
 
@@ -203,7 +202,7 @@ def slice_adapter(arrays: Mapping[str, np.ndarray], indices: Mapping[str, np.nda
 # -- server -------------------------------------------------------------------------------
 
 
-class FSLoRAStrategy(PrivateAverage, SecureSummed, GlobalAdapterStrategy):
+class FSLoRAStrategy(GlobalAdapterStrategy):
     """FSLoRA: sketched rank-k updates of a rank-r global LoRA pair (Fang et al. 2025)."""
 
     def initialize(self) -> None:
@@ -226,14 +225,16 @@ class FSLoRAStrategy(PrivateAverage, SecureSummed, GlobalAdapterStrategy):
 
     def configure_fit(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
         messages = {}
-        self.count_sample(rnd, client_ids)
+        self.aggregation.asked(client_ids)
+        bounds = (self.context.example_bound("train", cid) for cid in client_ids)
+        secure = self.aggregation.secure_meta(layout_of(self.global_arrays), self.options.weighting, bounds)
         for cid in client_ids:
             indices = self.sketch(rnd, cid)
             arrays = (
                 self.global_arrays if self.options.download == "dense" else slice_adapter(self.global_arrays, indices)
             )
             sketch = sketch_arrays(indices, shared=not self.options.per_module_sketch)
-            meta = {"round": rnd, "rank": self.rank, "download": self.options.download, **self.secure_meta(client_ids)}
+            meta = {"round": rnd, "rank": self.rank, "download": self.options.download, **secure}
             messages[cid] = Message({**arrays, **sketch}, meta)
         return messages
 
@@ -257,16 +258,23 @@ class FSLoRAStrategy(PrivateAverage, SecureSummed, GlobalAdapterStrategy):
     def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
         """Rebuild each sparse update (zeros outside I_i) and apply eq. (5); under ``privacy.mode``
         the DP form of the module docstring: (sum_i P_i clip(U_i) + xi) / m."""
-        if self.privacy is not None:  # a round releases its noised aggregate even when nobody replied
-            return self.private_step(rnd, [self.scatter(rnd, c, r, self.zeros(np.float64)) for c, r in replies.items()])
+        if self.aggregation.privacy is not None:  # a round releases its noised aggregate even when nobody replied
+            updates = [self.scatter(rnd, c, r, self.zeros(np.float64)) for c, r in replies.items()]
+            self.global_arrays, metrics = self.aggregation.private_step(rnd, self.global_arrays, updates)
+            return metrics
         if not replies:
             return {}
         w = np.asarray(client_weights(replies, self.options.weighting), dtype=np.float64)
         total = self.zeros()
         for p_i, (cid, reply) in zip(w / w.sum(), replies.items()):
             self.scatter(rnd, cid, reply, total, float(p_i))
-        self.global_arrays = self.server_opt.step(self.global_arrays, total)
+        self.global_arrays = self.aggregation.server_opt.step(self.global_arrays, total)
         return mean_train_loss(replies)
+
+    def aggregate_secure_fit(self, rnd: int, replies: dict[int, Message], total: SecureSum) -> dict[str, float]:
+        """eq. (5) from the secure sum of the clients' P_i U_i (:meth:`FSLoRAClient.secure_vector`)."""
+        self.global_arrays, metrics = self.aggregation.secure_step(rnd, total, self.global_arrays, replies)
+        return metrics
 
     def zeros(self, dtype=None) -> dict[str, np.ndarray]:
         return {k: np.zeros(v.shape, dtype=dtype or v.dtype) for k, v in self.global_arrays.items()}

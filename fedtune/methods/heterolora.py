@@ -59,7 +59,7 @@ replies, whose weights sum to one over |R|, not a fixed m); ``self_pruning`` (wh
 its tail ranks is decided on its data and shows in the upload's shape, neither clipped nor noised).
 
 **Secure aggregation** (``federation.secure_aggregation``, SecAgg+ on Flower,
-:class:`~fedtune.methods.base.averaging.SecureSummed`). Both forms are weighted sums of per-client
+:meth:`~fedtune.methods.base.aggregation.Aggregation.secure_sum`). Both forms are weighted sums of per-client
 vectors: client i masks v_i = pad_r(Delta_i) (``aggregate = "modules"``: pad_r(theta_i), its trained
 module) with weight w_i (1, or its data size), and the server divides sum_i w_i v_i by sum_i w_i
 (local DP: by m). With ``padding = "coverage"`` client i also masks the r entries c 1[j < r_i] (c:
@@ -87,11 +87,10 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from fedtune.methods.base.aggregation import layout_of
 from fedtune.methods.base.averaging import (
     SECURE_AGGREGATION,
     SERVER_STEP_AND_UPLOAD_CODEC,
-    PrivateAverage,
-    SecureSummed,
     client_weights,
     decode_update,
     mean_train_loss,
@@ -213,7 +212,7 @@ def per_rank(name: str, values: np.ndarray, ndim: int) -> np.ndarray:
     raise ValueError(f"{name} is not a LoRA factor")
 
 
-class HeteroLoRAStrategy(PrivateAverage, SecureSummed, GlobalAdapterStrategy):
+class HeteroLoRAStrategy(GlobalAdapterStrategy):
     """HeteroLoRA: truncation down, zero-padded update average up (FSLoRA's baseline); HetLoRA
     (Cho et al. 2024) by options."""
 
@@ -239,10 +238,12 @@ class HeteroLoRAStrategy(PrivateAverage, SecureSummed, GlobalAdapterStrategy):
 
     def configure_fit(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
         out = {}
-        self.count_sample(rnd, client_ids)
+        self.aggregation.asked(client_ids)
+        bounds = (self.context.example_bound("train", cid) for cid in client_ids)
+        secure = self.aggregation.secure_meta(self.secure_layout(), self.options.weighting, bounds)
         for cid in client_ids:
             rank = self.client_rank(cid)
-            meta = {"round": rnd, "rank": rank, **self.secure_meta(client_ids)}
+            meta = {"round": rnd, "rank": rank, **secure}
             if self.client_alpha(rank) is not None:
                 meta["alpha"] = self.client_alpha(rank)
             out[cid] = Message(truncate_rank(self.global_arrays, rank), meta)
@@ -266,8 +267,10 @@ class HeteroLoRAStrategy(PrivateAverage, SecureSummed, GlobalAdapterStrategy):
 
     def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
         updates = [decode_update(m.arrays) for m in replies.values()]
-        if self.privacy is not None:  # (sum_i pad_r(clip(Delta_i)) + xi) / m: see the module docstring
-            return self.private_step(rnd, [{k: pad_rank(k, v, self.rank) for k, v in u.items()} for u in updates])
+        if self.aggregation.privacy is not None:  # (sum_i pad_r(clip(Delta_i)) + xi) / m: see the module docstring
+            padded = [{k: pad_rank(k, v, self.rank) for k, v in u.items()} for u in updates]
+            self.global_arrays, metrics = self.aggregation.private_step(rnd, self.global_arrays, padded)
+            return metrics
         if not replies:
             return {}
         trained: list[dict[str, np.ndarray]] = []
@@ -280,10 +283,10 @@ class HeteroLoRAStrategy(PrivateAverage, SecureSummed, GlobalAdapterStrategy):
         coverage = self.options.padding == "coverage"
         if self.options.aggregate == "modules":
             target = zero_pad_average(trained, weights, self.rank, coverage=coverage)
-            self.global_arrays = self.server_opt.move_to(self.global_arrays, target)
+            self.global_arrays = self.aggregation.server_opt.move_to(self.global_arrays, target)
         else:
             mean = zero_pad_average(updates, weights, self.rank, coverage=coverage)
-            self.global_arrays = self.server_opt.step(self.global_arrays, mean)
+            self.global_arrays = self.aggregation.server_opt.step(self.global_arrays, mean)
         for cid, u in zip(replies, updates):
             if array_rank(u) < self.client_rank(cid):
                 self.pruned[cid] = array_rank(u)
@@ -292,7 +295,7 @@ class HeteroLoRAStrategy(PrivateAverage, SecureSummed, GlobalAdapterStrategy):
     def secure_layout(self) -> dict[str, tuple[int, ...]]:
         """Every client's vector is padded to the global rank r; with ``padding = "coverage"``
         the r coverage entries (:data:`COVERED`) follow."""
-        layout = SecureSummed.secure_layout(self)
+        layout = layout_of(self.global_arrays)
         return {**layout, COVERED: (self.rank,)} if self.options.padding == "coverage" else layout
 
     def aggregate_secure_fit(self, rnd: int, replies: dict[int, Message], total: SecureSum) -> dict[str, float]:
@@ -301,7 +304,8 @@ class HeteroLoRAStrategy(PrivateAverage, SecureSummed, GlobalAdapterStrategy):
         ``padding = "coverage"``, rank j over its coverage weight sum_i w_i 1[j < r_i] (summed
         securely beside it, :data:`COVERED`; a rank index whose coverage is within the sum's
         quantization error of 0 is uncovered: zero)."""
-        arrays, denominator = self.secure_sum(total)
+        layout = self.secure_layout()
+        arrays, denominator = self.aggregation.secure_sum(total, layout)
         if self.options.padding == "coverage":
             c = self.config.federation.secagg_clipping_range
             covered = arrays[COVERED] / c
@@ -311,12 +315,13 @@ class HeteroLoRAStrategy(PrivateAverage, SecureSummed, GlobalAdapterStrategy):
                 den = np.broadcast_to(denominator if is_head(k) else per_rank(k, covered, v.ndim), v.shape)
                 mean[k] = np.divide(arrays[k], den, out=np.zeros(v.shape), where=den > 0).astype(v.dtype)
         else:
-            mean = self.secure_mean(rnd, total)
+            mean = self.aggregation.secure_mean(rnd, total, layout, self.global_arrays)
+        server_opt = self.aggregation.server_opt
         if self.options.aggregate == "modules":
-            self.global_arrays = self.server_opt.move_to(self.global_arrays, mean)
+            self.global_arrays = server_opt.move_to(self.global_arrays, mean)
         else:
-            self.global_arrays = self.server_opt.step(self.global_arrays, mean)
-        return self.secure_metrics(replies)
+            self.global_arrays = server_opt.step(self.global_arrays, mean)
+        return self.aggregation.metrics(replies)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "pruned": {str(c): r for c, r in self.pruned.items()}}

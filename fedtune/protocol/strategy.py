@@ -17,7 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -53,8 +53,29 @@ class SecureSum:
     error: float = 0.0
 
 
+class ServerAggregation(Protocol):
+    """What the round loop and the run folder ask of a strategy's aggregation
+    (:class:`fedtune.methods.base.aggregation.Aggregation`: combiner, privacy mechanism, server optimizer)."""
+
+    def sample(self, rnd: int, attempt: int) -> list[int] | None:
+        """Round ``rnd``'s clients drawn from the privacy mechanism's secret, or None."""
+        ...
+
+    def halt_before(self, rnd: int) -> str | None:
+        """Why the run stops before round ``rnd`` (a spent privacy budget), or None."""
+        ...
+
+    def summary(self) -> dict[str, Any]:
+        """What the aggregation adds to ``summary.json``."""
+        ...
+
+
 class Strategy(ABC):
-    """Server-side logic of one method. Holds the global state; never touches client objects."""
+    """Server-side logic of one method. Holds the global state; never touches client objects.
+    A strategy that aggregates through an :class:`ServerAggregation` holds it as ``aggregation``
+    (the defaults of :meth:`halt_before`, :meth:`private_sample` and :meth:`summary` ask it)."""
+
+    aggregation: ServerAggregation | None = None
 
     def __init__(self, context: Any) -> None:
         """``context``: the process's run context (:class:`fedtune.runtime.RunContext`): the
@@ -141,18 +162,18 @@ class Strategy(ABC):
 
     def halt_before(self, rnd: int) -> str | None:
         """One line when the run must stop before round ``rnd`` (a spent privacy budget), else None."""
-        return None
+        return None if self.aggregation is None else self.aggregation.halt_before(rnd)
 
     def private_sample(self, rnd: int, attempt: int) -> list[int] | None:
         """Under client-level DP, the clients of round ``rnd`` drawn from the privacy mechanism's
         secret (:mod:`fedtune.methods.base.privacy`): the engine then keeps the sample and every
         per-client number out of what the run releases, and never retries the round. None (the
         default): the engine's seeded uniform draw."""
-        return None
+        return None if self.aggregation is None else self.aggregation.sample(rnd, attempt)
 
     def summary(self) -> dict[str, Any]:
-        """What the strategy adds to ``summary.json`` (default: nothing)."""
-        return {}
+        """What the strategy adds to ``summary.json`` (default: its aggregation's)."""
+        return {} if self.aggregation is None else self.aggregation.summary()
 
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:

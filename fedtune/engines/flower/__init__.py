@@ -71,7 +71,7 @@ Secure aggregation. With ``federation.secure_aggregation`` the training exchange
 (:mod:`.secagg`): Flower's ``secaggplus_mod`` on every ClientApp (:func:`only_when_secure`,
 only for requests carrying its config record), fedtune's server stages in the round loop; the
 strategy gets the sum of the clients' weighted vectors (their updates, or the form the method
-sums: :class:`~fedtune.methods.base.averaging.SecureSummed`) and the total weight
+sums: :meth:`~fedtune.methods.base.aggregation.Aggregation.secure_mean`) and the total weight
 (:class:`~fedtune.protocol.strategy.SecureSum`), never an update.
 
 Usage::

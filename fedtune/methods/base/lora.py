@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedtune.methods.base.averaging import ServerOptimized, UpdateClient, update_of
+from fedtune.methods.base.aggregation import Aggregation
+from fedtune.methods.base.averaging import UpdateClient, update_of
 from fedtune.models.tensors import to_numpy
 from fedtune.models.training import FitResult, train_local
 from fedtune.protocol.messages import Message
@@ -75,14 +76,19 @@ class LoraClient(UpdateClient):
         return {k: to_numpy(p) for k, p in params.items()}, result
 
 
-class GlobalAdapterStrategy(ServerOptimized, Strategy):
+class GlobalAdapterStrategy(Strategy):
     """A strategy whose global state is one adapter (``self.global_arrays``) of rank ``self.rank``:
-    centralized evaluation, state_dict (with the server optimizer's) and saving come for free;
-    clients are expected to reply with an update of every array they were sent."""
+    its :class:`~fedtune.methods.base.aggregation.Aggregation` (built once from the resolved run),
+    centralized evaluation, state_dict (with the aggregation's) and saving come for free; clients
+    are expected to reply with an update of every array they were sent."""
 
     rank: int
     global_arrays: dict[str, np.ndarray]
     alpha: float | None = None
+
+    def __init__(self, context: Any) -> None:
+        super().__init__(context)
+        self.aggregation: Aggregation = Aggregation(context.run.aggregation)
 
     def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec]:
         return update_of(sent)
@@ -96,13 +102,13 @@ class GlobalAdapterStrategy(ServerOptimized, Strategy):
         return {
             "rank": self.rank,
             "global": {k: v.copy() for k, v in self.global_arrays.items()},
-            **self.server_state(),
+            **self.aggregation.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.rank = int(state["rank"])
         self.global_arrays = {k: np.asarray(v, dtype=np.float32).copy() for k, v in state["global"].items()}
-        self.load_server_state(state)
+        self.aggregation.load_state_dict(state)
 
     def save(self, run_dir: Path) -> None:
         self.context.workspace.save_pretrained(run_dir / "adapter", self.global_arrays, self.rank, self.alpha)

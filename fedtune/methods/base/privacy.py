@@ -4,9 +4,12 @@ Talwar, Zhang, ICLR 2018), with adaptive clipping (Andrew, Thakkar, McMahan, Ram
 :class:`fedtune.config.PrivacyConfig`).
 
 The unit of privacy is a client (adjacency: :mod:`~fedtune.methods.base.accounting`). A
-*mechanism* (one class per kind, built once by :func:`mechanism`) owns everything private about a
-run: the secret randomness, the sample, the clipping, the noise, the accountant and what the run
-may release. Round t, with q = m/N (m = ``federation.sample_size()``):
+*mechanism* (one class per kind, :func:`mechanism_kind` picks it; its parameters checked and
+calibrated once at resolve, :class:`PrivacyParams`; the server's instance built from them by
+:class:`~fedtune.methods.base.aggregation.Aggregation`) owns everything private about a run: the
+secret randomness, the sample, the clipping, the noise, the accountant and what the run may
+release. A new mechanism is a subclass here, chosen in :func:`mechanism_kind`. Round t, with
+q = m/N (m = ``federation.sample_size()``):
 
 * sampling: each client joins the round independently with probability q (Poisson sampling, what
   the accountant models), drawn from the server's secret; the sample is never written or printed.
@@ -59,16 +62,18 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from fedtune.config import ConfigError
+from fedtune.config import ConfigError, RunConfig
 from fedtune.methods.base import accounting
+from fedtune.registry import MethodOptions
 
 #: The cross-method option (fedtune.registry.CROSS_METHOD_OPTIONS) a method honours when its server
 #: aggregates through BroadcastAverage (or, like FSLoRA and HeteroLoRA, puts each update in the
-#: global shape with its norm kept and calls PrivateAverage.private_aggregate) and its clients upload
+#: global shape with its norm kept and calls Aggregation.private_step) and its clients upload
 #: through UpdateClient.upload.
 PRIVACY_OPTIONS = ("privacy.mode",)
 SAMPLE, NOISE, COUNT, UPLOAD = 1, 2, 3, 4  # the streams drawn from a secret
@@ -122,30 +127,13 @@ class Mechanism:
     clips_on_client = False  # the client clips before upload (and the server cannot check it)
     noises_on_client = False  # the client noises before upload (local DP)
 
-    def __init__(self, config: Any) -> None:
-        p, fed = config.privacy, config.federation
-        self.C, self.per_layer = float(p.clip), p.per_layer
-        self.N, self.m = fed.num_clients, fed.sample_size()
-        self.accountant, self.adjacency = p.accountant, p.adjacency
-        self.delta = p.delta if p.delta is not None else accounting.default_delta(self.N)
-        self.budget = p.epsilon_budget
-        self.reproducible = p.insecure_reproducible_noise
-        self.seed = config.seed
-        if p.noise_multiplier is not None:
-            self.z = float(p.noise_multiplier)
-        else:
-            try:
-                self.z = accounting.calibrate(
-                    self.accountant, self.adjacency, self.rate, config.rounds, self.delta, p.epsilon
-                )
-            except ValueError as exc:
-                raise ConfigError(f"privacy.epsilon: {exc}") from None
+    def __init__(self, params: PrivacyParams) -> None:
+        self.C, self.per_layer = params.clip, params.per_layer
+        self.N, self.m = params.num_clients, params.sample_size
+        self.accountant, self.adjacency, self.delta = params.accountant, params.adjacency, params.delta
+        self.budget, self.reproducible, self.seed, self.z = params.budget, params.reproducible, params.seed, params.z
         self.secret = np.array([self.seed], dtype=np.uint32) if self.reproducible else fresh_secret()
         self.releases = np.zeros(self.N if self.noises_on_client else 1, dtype=np.int64)
-        if self.budget is not None and self.epsilon(1) > self.budget:
-            raise ConfigError(
-                f"privacy.epsilon_budget: {self.budget:g} is below the epsilon of one round ({self.epsilon(1):.4g})"
-            )
 
     # -- accounting -------------------------------------------------------------------------------
     @property
@@ -190,11 +178,13 @@ class Mechanism:
         """Round ``rnd``'s clients: a Poisson sample of rate m/N from the server's secret."""
         return poisson_sample(self.N, self.m / self.N, generator(self.secret, SAMPLE, rnd, attempt))
 
+    @staticmethod
     def client_release(
-        self, update: Mapping[str, np.ndarray], state: dict, cid: int, rnd: int
+        params: PrivacyParams, update: Mapping[str, np.ndarray], state: dict, cid: int, rnd: int
     ) -> dict[str, np.ndarray]:
-        """Client ``cid``'s upload in round ``rnd`` (``state``: its persistent state): its update as
-        it is (the trusted server clips it)."""
+        """Client ``cid``'s upload in round ``rnd`` (``state``: its persistent state) under
+        ``params``: its update as it is (the trusted server clips it). Static: a client holds no
+        mechanism, only the run's parameters."""
         return dict(update)
 
     def server_clip(self, update: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -262,10 +252,11 @@ class SecureCentralGaussian(Mechanism):
     mode = "central+secagg"
     clips_on_client = True
 
+    @staticmethod
     def client_release(
-        self, update: Mapping[str, np.ndarray], state: dict, cid: int, rnd: int
+        params: PrivacyParams, update: Mapping[str, np.ndarray], state: dict, cid: int, rnd: int
     ) -> dict[str, np.ndarray]:
-        return {k: v.astype(np.float32) for k, v in clip(update, self.C, self.per_layer).items()}
+        return {k: v.astype(np.float32) for k, v in clip(update, params.clip, params.per_layer).items()}
 
     def server_clip(self, update: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {k: np.asarray(v, np.float64) for k, v in update.items()}
@@ -277,20 +268,21 @@ class LocalGaussian(Mechanism):
     mode = "local"
     clips_on_client = noises_on_client = True
 
+    @staticmethod
     def client_release(
-        self, update: Mapping[str, np.ndarray], state: dict, cid: int, rnd: int
+        params: PrivacyParams, update: Mapping[str, np.ndarray], state: dict, cid: int, rnd: int
     ) -> dict[str, np.ndarray]:
         """clip(Delta) + N(0, (zC)^2), the noise drawn from the client's secret, the round and the
         uploads it already made in that round (a second upload in one round draws afresh; a round
         replayed from an earlier state replays its noise)."""
         if SECRET not in state:
-            own = [self.seed, cid] if self.reproducible else fresh_secret()
+            own = [params.seed, cid] if params.reproducible else fresh_secret()
             state[SECRET] = np.asarray(own, dtype=np.uint32)
         last, made = (int(x) for x in np.asarray(state.get(UPLOADS, [0, 0])))
         made = made + 1 if last == rnd else 0
         state[UPLOADS] = np.asarray([rnd, made], dtype=np.int64)
-        clipped = clip(update, self.C, self.per_layer)
-        noise = gaussian_like(clipped, self.noise_std(), generator(state[SECRET], UPLOAD, rnd, made))
+        clipped = clip(update, params.clip, params.per_layer)
+        noise = gaussian_like(clipped, params.z * params.clip, generator(state[SECRET], UPLOAD, rnd, made))
         return {k: (clipped[k] + noise[k]).astype(np.float32) for k in update}
 
     def server_clip(self, update: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -306,17 +298,9 @@ class AdaptiveClipGaussian(Mechanism):
 
     mode = "central+adaptive-clip"
 
-    def __init__(self, config: Any) -> None:
-        super().__init__(config)
-        p = config.privacy
-        self.gamma, self.eta = p.target_quantile, p.clip_learning_rate
-        # Andrew et al.'s m/20, at least z (the update's noise then grows by at most 1/sqrt(3/4) = 1.15x)
-        self.sigma_b = p.clipped_count_stddev if p.clipped_count_stddev is not None else max(self.m / 20, self.z)
-        if not self.z < 2 * self.sigma_b:
-            raise ConfigError(
-                f"privacy.clipped_count_stddev: sigma_b = {self.sigma_b:g} must exceed z / 2 = {self.z / 2:g} "
-                "(the count query takes that share of the noise; Andrew et al. 2021, Theorem 1)"
-            )
+    def __init__(self, params: PrivacyParams) -> None:
+        super().__init__(params)
+        self.gamma, self.eta, self.sigma_b = params.target_quantile, params.clip_learning_rate, params.sigma_b
         self.z_update = (self.z**-2 - (2 * self.sigma_b) ** -2) ** -0.5
 
     def noise_std(self) -> float:
@@ -349,26 +333,76 @@ class AdaptiveClipGaussian(Mechanism):
         return {**super().report(), "final_clip": self.C, "update_noise_multiplier": self.z_update, **extra}
 
 
-def mechanism(config: Any) -> Mechanism | None:
-    """The run's mechanism (None without ``privacy.mode``)."""
-    p = config.privacy
+@dataclass(frozen=True)
+class PrivacyParams:
+    """A run's ``[privacy]`` resolved once (:func:`privacy_params`): the mechanism's kind and every
+    number it needs, the noise multiplier calibrated. No secret and no state: the server's
+    :class:`Mechanism` is built from it (``params.kind(params)``), a client releases through
+    ``params.kind.client_release``."""
+
+    kind: type[Mechanism]
+    clip: float
+    per_layer: bool
+    num_clients: int
+    sample_size: int
+    accountant: str
+    adjacency: str
+    delta: float
+    budget: float | None
+    reproducible: bool
+    seed: int
+    z: float
+    target_quantile: float = 0.5  # adaptive clipping (AdaptiveClipGaussian) only, from here on
+    clip_learning_rate: float = 0.2
+    sigma_b: float = 0.0
+
+
+def mechanism_kind(config: RunConfig) -> type[Mechanism]:
+    """The class of the run's mechanism (``privacy.mode`` not "none"): where a new one is chosen."""
+    if config.privacy.mode == "local":
+        return LocalGaussian
+    if config.federation.secure_aggregation:
+        return SecureCentralGaussian
+    return AdaptiveClipGaussian if config.privacy.adaptive_clip else CentralGaussian
+
+
+def privacy_params(config: RunConfig, options: MethodOptions | None = None) -> PrivacyParams | None:
+    """The run's :class:`PrivacyParams` (None without ``privacy.mode``), or one line on a
+    ``[privacy]`` that cannot run: a target epsilon no multiplier reaches, a budget below one
+    round's epsilon, an adaptive clip whose count noise is too small, an explicit
+    ``options.weighting = "examples"`` (DP-FedAvg weighs clients uniformly), or a method option
+    without a DP form (``options``: the method's validated options,
+    :meth:`fedtune.registry.MethodOptions.privacy_refusal`)."""
+    p, fed = config.privacy, config.federation
     if p.mode == "none":
         return None
-    if p.mode == "local":
-        return LocalGaussian(config)
-    if config.federation.secure_aggregation:
-        return SecureCentralGaussian(config)
-    return AdaptiveClipGaussian(config) if p.adaptive_clip else CentralGaussian(config)
-
-
-def check_privacy(config: Any, options: Any = None) -> None:
-    """Stop with one line on a ``[privacy]`` that cannot run: a target epsilon no multiplier
-    reaches, a budget below one round's epsilon, an explicit ``options.weighting = "examples"``
-    (DP-FedAvg weighs clients uniformly), or a method option without a DP form (``options``: the
-    method's validated options, :meth:`fedtune.registry.MethodOptions.privacy_refusal`)."""
-    if config.privacy.mode == "none":
-        return
-    mechanism(config)
+    kind = mechanism_kind(config)
+    n, m = fed.num_clients, fed.sample_size()
+    rate = 1.0 if kind.noises_on_client else m / n
+    delta = p.delta if p.delta is not None else accounting.default_delta(n)
+    if p.noise_multiplier is not None:
+        z = float(p.noise_multiplier)
+    else:
+        try:
+            z = accounting.calibrate(p.accountant, p.adjacency, rate, config.rounds, delta, p.epsilon)
+        except ValueError as exc:
+            raise ConfigError(f"privacy.epsilon: {exc}") from None
+    if p.epsilon_budget is not None:
+        one = accounting.epsilon(p.accountant, p.adjacency, rate, z, 1, delta)
+        if one > p.epsilon_budget:
+            raise ConfigError(
+                f"privacy.epsilon_budget: {p.epsilon_budget:g} is below the epsilon of one round ({one:.4g})"
+            )
+    adaptive = {}
+    if kind is AdaptiveClipGaussian:
+        # Andrew et al.'s m/20, at least z (the update's noise then grows by at most 1/sqrt(3/4) = 1.15x)
+        sigma_b = p.clipped_count_stddev if p.clipped_count_stddev is not None else max(m / 20, z)
+        if not z < 2 * sigma_b:
+            raise ConfigError(
+                f"privacy.clipped_count_stddev: sigma_b = {sigma_b:g} must exceed z / 2 = {z / 2:g} "
+                "(the count query takes that share of the noise; Andrew et al. 2021, Theorem 1)"
+            )
+        adaptive = dict(target_quantile=p.target_quantile, clip_learning_rate=p.clip_learning_rate, sigma_b=sigma_b)
     refusal = options.privacy_refusal() if options is not None else None
     if refusal:
         raise ConfigError(refusal)
@@ -377,3 +411,11 @@ def check_privacy(config: Any, options: Any = None) -> None:
             'options.weighting: "examples" is not DP (a weight depends on the client\'s data); '
             "privacy.mode weighs every client 1/m"
         )
+    common = (float(p.clip), p.per_layer, n, m, p.accountant, p.adjacency, delta, p.epsilon_budget)
+    return PrivacyParams(kind, *common, p.insecure_reproducible_noise, config.seed, z, **adaptive)
+
+
+def mechanism(config: RunConfig) -> Mechanism | None:
+    """A fresh server mechanism of ``config`` (None without ``privacy.mode``)."""
+    params = privacy_params(config)
+    return None if params is None else params.kind(params)

@@ -21,13 +21,16 @@ than it trims at each end.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
+from fedtune.config import FederationConfig
+
 #: The cross-method options (fedtune.registry.CROSS_METHOD_OPTIONS) a method honours when its server
-#: combines updates with :func:`aggregate_updates`.
+#: combines updates with its :func:`combiner`.
 ROBUST_AGGREGATION = ("federation.aggregation", "federation.clip_update_norm", "federation.max_client_weight")
 
 
@@ -85,17 +88,65 @@ def coordinate_median(updates: list[Mapping[str, np.ndarray]]) -> dict[str, np.n
     }
 
 
-def aggregate_updates(
-    updates: list[Mapping[str, np.ndarray]], weights: Iterable[float], federation: Any
-) -> dict[str, np.ndarray]:
-    """The round's combined update under ``federation``'s robust-aggregation options (see the
-    module docstring); with none set, exactly :func:`weighted_average`."""
-    if federation.clip_update_norm is not None:
-        updates = [clip_update(u, federation.clip_update_norm) for u in updates]
-    if federation.aggregation == "trimmed-mean":
-        return trimmed_mean(updates, federation.trim_fraction)
-    if federation.aggregation == "median":
-        return coordinate_median(updates)
-    if federation.max_client_weight is not None:
-        weights = bounded_weights(weights, federation.max_client_weight)
-    return weighted_average(updates, weights)
+class Combiner(Protocol):
+    """How a server combines the round's updates into one (with their FedAvg weights)."""
+
+    def __call__(self, updates: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]) -> dict[str, np.ndarray]:
+        """The combined update of ``updates`` (one weight each)."""
+        ...
+
+
+@dataclass(frozen=True)
+class WeightedMean:
+    """sum_i p_i Delta_i (FedAvg), each share capped at ``max_client_weight`` when given."""
+
+    max_client_weight: float | None = None
+
+    def __call__(self, updates: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]) -> dict[str, np.ndarray]:
+        if self.max_client_weight is not None:
+            return weighted_average(list(updates), bounded_weights(weights, self.max_client_weight))
+        return weighted_average(list(updates), weights)
+
+
+@dataclass(frozen=True)
+class TrimmedMean:
+    """The per-coordinate trimmed mean (unweighted), ``fraction`` cut at each end."""
+
+    fraction: float
+
+    def __call__(self, updates: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]) -> dict[str, np.ndarray]:
+        return trimmed_mean(list(updates), self.fraction)
+
+
+@dataclass(frozen=True)
+class CoordinateMedian:
+    """The per-coordinate median (unweighted)."""
+
+    def __call__(self, updates: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]) -> dict[str, np.ndarray]:
+        return coordinate_median(list(updates))
+
+
+@dataclass(frozen=True)
+class NormClipped:
+    """``combiner`` of the updates each clipped to L2 norm ``bound`` first."""
+
+    bound: float
+    combiner: Combiner
+
+    def __call__(self, updates: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]) -> dict[str, np.ndarray]:
+        return self.combiner([clip_update(u, self.bound) for u in updates], weights)
+
+
+#: ``federation.aggregation`` -> its combiner, from the ``[federation]`` section: where a new one is added.
+COMBINERS: dict[str, Callable[[FederationConfig], Combiner]] = {
+    "mean": lambda fed: WeightedMean(fed.max_client_weight),
+    "trimmed-mean": lambda fed: TrimmedMean(fed.trim_fraction),
+    "median": lambda fed: CoordinateMedian(),
+}
+
+
+def combiner(federation: FederationConfig) -> Combiner:
+    """The round's combiner under ``federation``'s robust-aggregation options (see the module
+    docstring); with none set, exactly :func:`weighted_average`."""
+    chosen = COMBINERS[federation.aggregation](federation)
+    return chosen if federation.clip_update_norm is None else NormClipped(federation.clip_update_norm, chosen)

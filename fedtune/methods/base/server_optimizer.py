@@ -26,20 +26,43 @@ their dtype. The state (step count and moments) is part of the strategy's checkp
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
+
+from fedtune.config import FederationConfig
+
+
+@dataclass(frozen=True)
+class ServerStep:
+    """The server optimizer's settings (``federation.server_*``), read once (:meth:`of`)."""
+
+    kind: str
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    bias_correction: bool
+
+    @classmethod
+    def of(cls, federation: FederationConfig) -> ServerStep:
+        b1, b2 = (float(b) for b in federation.server_betas)
+        return cls(
+            federation.server_optimizer,
+            federation.resolved_server_lr(),
+            (b1, b2),
+            float(federation.server_eps),
+            float(federation.server_weight_decay),
+            bool(federation.server_bias_correction),
+        )
 
 
 class ServerOptimizer:
     """x^{t+1} from x^t and the aggregated update Delta^t (see the module docstring)."""
 
-    def __init__(self, federation) -> None:
-        self.kind = federation.server_optimizer
-        self.lr = federation.resolved_server_lr()
-        self.betas = tuple(float(b) for b in federation.server_betas)
-        self.eps = float(federation.server_eps)
-        self.weight_decay = float(federation.server_weight_decay)
-        self.bias_correction = bool(federation.server_bias_correction)
+    def __init__(self, step: ServerStep) -> None:
+        self.kind, self.lr, self.betas, self.eps = step.kind, step.lr, step.betas, step.eps
+        self.weight_decay, self.bias_correction = step.weight_decay, step.bias_correction
         self.t = 0
         self.m: dict[str, np.ndarray] = {}
         self.v: dict[str, np.ndarray] = {}

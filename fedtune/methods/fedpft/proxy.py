@@ -47,11 +47,10 @@ import torch
 from pydantic import Field
 
 from fedtune.config import ConfigError
+from fedtune.methods.base.aggregation import layout_of
 from fedtune.methods.base.averaging import (
-    SecureSummed,
     UpdateClient,
     Weighting,
-    aggregate_updates,
     client_weights,
     decode_update,
     mean_train_loss,
@@ -144,7 +143,7 @@ class RoundAlignment:
         return {}
 
 
-class ProxyStrategy(SecureSummed, GlobalAdapterStrategy):
+class ProxyStrategy(GlobalAdapterStrategy):
     """Server side of FL on a proxy (module docstring): the rounds. The subclass chooses, by
     composition, how the proxy is built (``builder``: a :class:`ProxyBuilder`, which also holds the
     proxy) and aligned during FL (``alignment``: a :class:`RoundAlignment`, none by default), and
@@ -187,6 +186,8 @@ class ProxyStrategy(SecureSummed, GlobalAdapterStrategy):
         if rnd != self._round:
             self._round, self._sent, self._bytes = rnd, set(), {}
         builder, out = self.builder, {}
+        bounds = (self.context.example_bound("train", cid) for cid in client_ids)
+        secure = self.aggregation.secure_meta(layout_of(self.global_arrays), self.options.weighting, bounds)
         for cid in client_ids:
             arrays, meta = (
                 dict(self.global_arrays),
@@ -196,7 +197,7 @@ class ProxyStrategy(SecureSummed, GlobalAdapterStrategy):
                     "alpha": self.alpha,
                     "proxy_version": builder.version,
                     **self.alignment.fit_meta(rnd),
-                    **self.secure_meta(client_ids),
+                    **secure,
                 },
             )
             base = self.held.get(cid)
@@ -227,14 +228,15 @@ class ProxyStrategy(SecureSummed, GlobalAdapterStrategy):
                 decode_update({k: v for k, v in m.arrays.items() if encoded_base_name(k) in self.global_arrays})
                 for m in replies.values()
             ]
-            return aggregate_updates(updates, client_weights(replies, self.options.weighting), self.config.federation)
+            return self.aggregation.combine(updates, client_weights(replies, self.options.weighting))
 
         return self._round_step(rnd, replies, combine)
 
     def aggregate_secure_fit(self, rnd: int, replies: dict[int, Message], total: SecureSum) -> dict[str, float]:
         """The same round from the secure sum: theta + sum_i w_i Delta_i / sum_i w_i (the replies'
         metadata still say which proxy version each client holds, and its memory)."""
-        return self._round_step(rnd, replies, lambda: self.secure_mean(rnd, total))
+        like = self.global_arrays
+        return self._round_step(rnd, replies, lambda: self.aggregation.secure_mean(rnd, total, layout_of(like), like))
 
     def _round_step(self, rnd: int, replies: dict[int, Message], combine) -> dict[str, float]:
         """The round's bookkeeping around the server step theta + ``combine()``: who holds which
@@ -246,7 +248,7 @@ class ProxyStrategy(SecureSummed, GlobalAdapterStrategy):
         metrics: dict[str, float] = {k: float(v) for k, v in self._bytes.items()}
         if not replies:
             return metrics
-        self.global_arrays = self.server_opt.step(self.global_arrays, combine())
+        self.global_arrays = self.aggregation.server_opt.step(self.global_arrays, combine())
         metrics.update(mean_train_loss(replies))
         metrics.update(memory_metrics(replies))
         metrics.update(
