@@ -352,11 +352,16 @@ def test_first_nonfinite_finds_the_path_of_a_nan_anywhere_in_a_nested_state():
 )
 def test_a_methods_own_reply_metadata_is_validated_before_aggregation_reads_it(method, kind, key, value):
     """The keys a method's aggregation reads are declared: a bad or missing one drops the reply."""
+    from types import SimpleNamespace
+
+    from fedtune.config import load_config
     from fedtune.methods import get_method
+    from fedtune.methods.base.aggregation import plan_aggregation
     from fedtune.protocol.validation import check_meta
 
-    class Context:  # what reply_meta_spec reads of the run context
+    class Context:  # what reply_meta_spec reads of the run context (and the strategy's aggregation plan)
         config = options = None
+        run = SimpleNamespace(aggregation=plan_aggregation(load_config(None, TINY)))
 
         @staticmethod
         def example_bound(kind, cid):
