@@ -1,4 +1,4 @@
-"""benchmarks/llm_tables.py (issue 27's two causal-LM tables): every planned run resolves and is its
+"""benchmarks/llm/llm_tables.py (issue 27's two causal-LM tables): every planned run resolves and is its
 recipe plus the method's overlay; the Dolly sweep picks the lowest response loss, the commonsense one
 the highest accuracy; a table cell is the mean +- sample std over seeds of each run's mean of its last
 two evaluations, computed by hand here from written run folders; the cost model's arithmetic."""
@@ -16,7 +16,7 @@ import tomli_w
 from fedtune.harness import Sweep
 from tests.conftest import assert_every_planned_run_resolves, load_suite
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "llm_tables.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "llm" / "llm_tables.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""benchmarks/recipes.py: the recipes as runs (flattened recipes rebuild the very config, resume
+"""benchmarks/recipes/recipes.py: the recipes as runs (flattened recipes rebuild the very config, resume
 recognises a finished run), the clearly-above rule, and the table over hand-made run folders (no
 training)."""
 
@@ -15,7 +15,7 @@ import tomli_w
 from tests.conftest import load_suite
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "recipes.py"
+SCRIPT = ROOT / "benchmarks" / "recipes" / "recipes.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The reports of benchmarks/llm_tables.py: each table's rows (the mean of the last evaluations and the
+"""The reports of benchmarks/llm/llm_tables.py: each table's rows (the mean of the last evaluations and the
 final evaluation over seeds), its README.md, results.json and plot."""
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def final_note(table: str, base_final: dict | None, limit: int | None) -> str:
     return (
         f"`final_` columns: each run's final adapter (and the untuned base) scored once more on a larger fixed "
         f"subset of each set's evaluation split, {cap} per set drawn with seed 0 (the whole split where it is "
-        f"smaller): {shown} questions; with `benchmarks/llm_tables.py`'s `--final-per-set`, through "
+        f"smaller): {shown} questions; with `benchmarks/llm/llm_tables.py`'s `--final-per-set`, through "
         "`fedtune.trained.evaluate` (`fedtune eval`'s code, the task's own evaluation), saved as each run's "
         f"`{FINAL_EVAL}`. `final_se`: the binomial SE of one run's final average at the row's mean, "
         "sqrt(sum_s p_s (1 - p_s) / n_s) / S, in points (the seeds score the same questions, so it does not "

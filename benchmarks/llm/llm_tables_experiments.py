@@ -1,4 +1,4 @@
-"""The runs of benchmarks/llm_tables.py (issue 27's two causal-LM tables; its docstring says what
+"""The runs of benchmarks/llm/llm_tables.py (issue 27's two causal-LM tables; its docstring says what
 they are and what is cut): the tables, their methods' overrides, the sweep and the plan, the untuned
 rows, the final evaluation of each table run's adapter, and the cost model behind ``--plan``."""
 
@@ -26,7 +26,7 @@ from fedtune.harness import (
     with_labels,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs" / "benchmarks"
 OVERLAYS = read_overlays(CONFIGS / "fslora-suite-overlays.toml")  # the methods' options, [hetero]
 EXPERIMENTS = ["sweep", "table52", "dolly"]

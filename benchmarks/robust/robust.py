@@ -12,7 +12,7 @@ and the defence:
 - ``trim``: ``federation.aggregation = "trimmed-mean"``, ``trim_fraction = 0.2`` (2 of 10 values
   cut at each end of every coordinate: as many as there are attackers).
 
-    HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR=/path/to/shared/data .venv/bin/python benchmarks/robust.py
+    HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR=/path/to/shared/data .venv/bin/python benchmarks/robust/robust.py
     ... --plan | --report-only | --quick | --seeds 0,1,2 --workers 2
 """
 
@@ -38,7 +38,7 @@ from fedtune.harness import (
 )
 from fedtune.harness.report import final_accuracy
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs" / "benchmarks" / "robust-suite.toml"
 RESULTS = REPO / "benchmarks" / "results" / "robust"
 QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "robust-quick"
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     out = output_dir(args, RESULTS, QUICK_RESULTS)
     offline_data("sst2")
     plan = build_plan({"attacks": specs(seeds, args.quick)}, RECIPE, out)
-    command = suite_command("benchmarks/robust.py", argv)
+    command = suite_command("benchmarks/robust/robust.py", argv)
     costs = {s.key: 10.0 if args.quick else 110.0 for s in distinct_runs(plan, selected)}  # seconds, one core
     return run_suite(plan, selected, args, costs, lambda: report(plan, out, command), root=REPO)
 

@@ -17,7 +17,7 @@ last :data:`LAST` evaluations, the reference rate the task names (majority class
 few-shot; majority answer for instruction tasks), and whether the run is **clearly above** it
 (:func:`clearly_above`).
 
-    HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR=../shared/data .venv/bin/python benchmarks/recipes.py --plan
+    HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR=../shared/data .venv/bin/python benchmarks/recipes/recipes.py --plan
     ... [--only own] [--recipes fslora,fedit] [--rounds 10] [--workers 2]
     ... --report-only              # rewrite recipes.md / recipes.json from the run folders
     ... --quick                    # smoke test: 2 rounds, 2 local steps, small data, scratch folder
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = {e: [s for s in specs if s.labels["recipe"] in names] for e, specs in whole.items()}
     runs = distinct_runs(plan, selected)
     costs = {s.key: rough_cost_s(s.config, _previous(s)) for s in runs}
-    command = suite_command("benchmarks/recipes.py", argv)
+    command = suite_command("benchmarks/recipes/recipes.py", argv)
     print(f"recipes: {len(paths)} in configs/, experiments {', '.join(selected)} -> {out}")
     return run_suite(
         plan,

@@ -46,7 +46,7 @@ machine takes longer); the full plan, a 3-point grid with every Dolly evaluation
 every ``local`` client and no final evaluation, was about 32 h of one core at the old cost model
 (about 12.5 h of one core, 6.3 h on 2 workers, at this one):
 
-    HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR=/path/to/shared/data .venv/bin/python benchmarks/llm_tables.py \\
+    HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR=/path/to/shared/data .venv/bin/python benchmarks/llm/llm_tables.py \\
         --lr-grid 1e-3,3e-3 --seeds 1,2,3 --workers 2
 
 What is cut, beyond the recipes' own scale (their headers; the FSLoRA paper's 750 rounds of
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         out = {t: args.out.resolve() / BENCHES[t].name for t in tables}
     offline_data("commonsense/dolly15k")
     biased_seed_warning(sweep, seeds, selected, TABLES)
-    command = suite_command("benchmarks/llm_tables.py", argv)
+    command = suite_command("benchmarks/llm/llm_tables.py", argv)
     limit = final_limit(args)
     failed: list[str] = []
 
