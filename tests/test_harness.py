@@ -437,6 +437,20 @@ def test_the_sweep_runs_before_the_experiments_planned_from_it():
         calls.clear()
         sweep_first(stage, selected, parser.parse_args(argv))
         assert calls == [selected]  # one plan: nothing runs, or nothing is planned from a sweep
+    calls.clear()  # several sweeps (one per method): all of them first, then what is planned from them
+    assert sweep_first(stage, ["table", "sweep", "fig", "sweep2"], parser.parse_args([]), ["sweep", "sweep2"]) == 1
+    assert calls == [["sweep", "sweep2"], ["table", "fig"]]
+
+
+def test_a_pool_job_runs_its_config_on_the_engine_the_config_names(recipe, tmp_path, monkeypatch):
+    from fedtune import launch
+    from fedtune.harness.pool import run_config
+
+    launched = []
+    monkeypatch.setitem(launch.ENGINES, "flower-sim", lambda config, **kw: launched.append((config, kw)) or {})
+    spec = build_plan({"e": [RunSpec("r", ['engine="flower-sim"'])]}, recipe, tmp_path)["e"][0]
+    assert run_config(spec.config)[0] == {}
+    assert launched == [(spec.config, {"on_round": None, "on_start": None, "resume": False, "overwrite": True})]
 
 
 def test_the_sweep_needs_a_grid_and_a_grid_needs_positive_rates(capsys):

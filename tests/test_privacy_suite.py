@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from fedtune.config import load_config
-from tests.conftest import assert_every_planned_run_resolves, load_script
+from tests.conftest import assert_every_planned_run_resolves, load_suite
 from tests.test_harness import finish
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,7 +24,7 @@ SUITE = ROOT / "benchmarks" / "privacy" / "run_suite.py"
 
 @pytest.fixture(scope="module")
 def suite():
-    return load_script(SUITE, "privacy_suite")
+    return load_suite(SUITE, "privacy_suite", "privacy")
 
 
 def test_every_planned_run_resolves_fedit_on_100_clients_10_per_round_at_its_epsilon(suite, tmp_path, monkeypatch):
@@ -33,8 +33,9 @@ def test_every_planned_run_resolves_fedit_on_100_clients_10_per_round_at_its_eps
     # resolving a run calibrates z for its epsilon (tests/test_privacy.py tests that; seconds an epsilon here)
     monkeypatch.setattr(accounting, "calibrate", lambda *args: 1.0)
     plan, choices, waiting = suite.build([1, 2, 3], 0, False, tmp_path)
-    # FedIT's sweep and no-DP table runs; FSLoRA's (epsilon 8 only) likewise
-    assert assert_every_planned_run_resolves(plan) == 18 + 3 + 6 + 3
+    # FedIT's sweep and no-DP table runs; FSLoRA's (epsilon 8 only) likewise; secagg's two Flower runs
+    assert assert_every_planned_run_resolves(plan) == 18 + 3 + 6 + 3 + 2
+    assert [s.run_dir for s in plan["secagg"]] == [s.run_dir for s in suite.secagg_specs(False, tmp_path)]
     assert waiting == [("fedit", 1.0), ("fedit", 3.0), ("fedit", 8.0), ("fslora", 8.0)]
     assert all(c is None for c in choices.values())
     for spec in plan["sweep"] + plan["table"] + plan["fslora-sweep"] + plan["fslora-table"]:

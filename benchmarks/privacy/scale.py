@@ -5,7 +5,7 @@ without DP; written to ``benchmarks/results/privacy/scale/`` (README.md, results
 
 Why this regime: the central mechanism adds xi ~ N(0, (zC)^2 I_d) to the sum of the m clipped
 updates and divides by m, so the noise on the average has norm z C sqrt(d) / m while the average's
-signal is at most C (noise / C = z sqrt(d) / m, run_suite.py's ``noise_to_clip``). The m = 10,
+signal is at most C (noise / C = z sqrt(d) / m, privacy_experiments.py's ``noise_to_clip``). The m = 10,
 rank-8 suite (benchmarks/results/privacy, d = 74,498) has noise / C of 38-152 and stays at chance;
 here d = 9,986 (12 rank-1 pairs of 2 x 384 and the 770-coordinate head, read from a checkpoint) and
 m = 50, so noise / C = z_Delta sqrt(d) / m is 1.21, 1.92 and 3.87 at epsilon 8, 3 and 1 (at m = 100,
@@ -61,11 +61,12 @@ core (at 100 per round and 30 rounds, about 80). ``main`` (no DP and epsilon 8) 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
 from pathlib import Path
+
+from privacy_experiments import noise_to_clip, noised_coordinates
 
 from fedtune.harness import (
     RunSpec,
@@ -84,12 +85,6 @@ from fedtune.harness import (
 from fedtune.harness.report import final_accuracy, run_accuracy
 from fedtune.harness.runs import load_rounds, load_summary
 from fedtune.harness.stats import mean as mean_of
-
-# run_suite.py's noise / C and d, loaded by path: other suites' folders on sys.path hold a run_suite.py too
-_SPEC = importlib.util.spec_from_file_location("privacy_run_suite", Path(__file__).with_name("run_suite.py"))
-_RUN_SUITE = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(_RUN_SUITE)
-noise_to_clip, noised_coordinates = _RUN_SUITE.noise_to_clip, _RUN_SUITE.noised_coordinates
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs" / "benchmarks" / "privacy-scale.toml"

@@ -61,7 +61,8 @@ experiments and reports in modules beside it: ``fslora_suite_experiments.py``, .
 Name the data set and the model in the recipe: ``run_experiment`` writes the config with the
 task's defaults filled in, and resume compares that with the planned config.
 
-Workers call :func:`fedtune.run.run_experiment`; the harness imports nothing else from the engine.
+Workers call :func:`fedtune.launch.launch` (each run on the engine its config names); the harness
+imports nothing else from the engines.
 """
 
 from fedtune.harness.choice import (

@@ -183,15 +183,19 @@ def biased_seed_warning(
 
 
 def sweep_first(
-    stage: Callable[[list[str]], int], selected: Sequence[str], args: argparse.Namespace, sweep: str = "sweep"
+    stage: Callable[[list[str]], int],
+    selected: Sequence[str],
+    args: argparse.Namespace,
+    sweep: str | Sequence[str] = "sweep",
 ) -> int:
     """Run the ``selected`` experiments through ``stage`` (which plans and runs them); when they hold
-    the ``sweep`` and experiments planned from its choices, the sweep runs first and the rest is
-    planned afterwards, from its finished runs (not for ``--plan`` or ``--report-only``). Returns
-    the worse exit status."""
-    rest = [e for e in selected if e != sweep]
-    if sweep in selected and rest and not (args.plan or args.report_only):
-        return max(stage([sweep]), stage(rest))
+    a ``sweep`` (one name, or several) and experiments planned from its choices, the sweeps run first
+    and the rest is planned afterwards, from their finished runs (not for ``--plan`` or
+    ``--report-only``). Returns the worse exit status."""
+    sweeps = [sweep] if isinstance(sweep, str) else list(sweep)
+    first, rest = [e for e in selected if e in sweeps], [e for e in selected if e not in sweeps]
+    if first and rest and not (args.plan or args.report_only):
+        return max(stage(first), stage(rest))
     return stage(list(selected))
 
 
