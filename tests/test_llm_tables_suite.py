@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tomli_w
 
+from fedtune import harness
 from fedtune.harness import Sweep
 from tests.conftest import assert_every_planned_run_resolves, load_suite
 
@@ -199,9 +200,9 @@ def test_plan_prints_the_total_of_sweep_tables_and_final_evaluations(suite, tmp_
     assert final == pytest.approx(suite.SETUP_S + 2 * suite.FINAL_PER_SET * suite.EVAL_S["table52"])  # ARC: > 500
     untuned = [suite.SETUP_S + 200 * suite.EVAL_S["table52"], suite.SETUP_S + 80 * suite.EVAL_S["dolly"]]
     minutes = [
-        suite.makespan([suite.run_cost(s) for s in sweep], 2) / 60,
-        suite.makespan([suite.run_cost(s) for s in waiting], 2) / 60,
-        suite.makespan([final] * 16 + untuned, 2) / 60,  # 15 table runs and the untuned base; two untuned rows
+        harness.makespan([suite.run_cost(s) for s in sweep], 2) / 60,
+        harness.makespan([suite.run_cost(s) for s in waiting], 2) / 60,
+        harness.makespan([final] * 16 + untuned, 2) / 60,  # 15 table runs and the untuned base; two untuned rows
     ]
     assert f"~{sum(minutes):.0f} min" in total and "14 runs" in total and "21 runs" in total
     assert "18 final and untuned evaluations" in total and f"~{minutes[2]:.0f} min" in total

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fedtune import harness
 from fedtune.config import load_config
 from tests.conftest import assert_every_planned_run_resolves, load_suite
 from tests.test_harness import finish
@@ -273,6 +274,6 @@ def test_d_without_a_checkpoint_counts_the_global_arrays_the_config_builds(suite
     """tiny-bert (2 layers, hidden 32), FedIT at rank 4 on query and value, tweets' 3 classes: d = 2
     layers x 2 modules x (4 x 32 + 32 x 4) + the head (32 x 3 + 3) = 1,123."""
     config = tiny_config("model.lora_rank=4", 'model.target_modules=["query", "value"]')
-    spec = suite.RunSpec("x", [], config=config, run_dir=Path(config.output_dir) / "x")
+    spec = harness.RunSpec("x", [], config=config, run_dir=Path(config.output_dir) / "x")
     assert suite.noised_coordinates(spec) is None
     assert suite.noised_coordinates(spec, from_config=True) == 2 * 2 * (4 * 32 + 32 * 4) + 32 * 3 + 3

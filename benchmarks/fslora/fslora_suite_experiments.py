@@ -11,15 +11,11 @@ from fedtune.harness import (
     RunSpec,
     assignments,
     build_plan,
-    read_overlays,
+    suite_files,
 )
 
 REPO = Path(__file__).resolve().parents[2]
-
-RECIPE = REPO / "configs" / "benchmarks" / "fslora-suite.toml"
-OVERLAYS = read_overlays(REPO / "configs" / "benchmarks" / "fslora-suite-overlays.toml")
-RESULTS = REPO / "benchmarks" / "results" / "fslora"
-QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "fslora-quick"
+RECIPE, OVERLAYS, RESULTS, QUICK_RESULTS = suite_files(REPO, "fslora-suite", "fslora")
 EXPERIMENTS = ["table51", "fig3", "fig4b", "fig4c", "fig7", "horizon", "alpha"]  # also the order that owns shared runs
 METHODS = ["fedit", "fslora", "heterolora", "flexlora", "fedstacklora"]
 ALPHA_PER_RANK = 2.0  # lora_alpha = 2 r at every global rank (configs/*.toml: alpha / r = 2)

@@ -87,14 +87,12 @@ from pathlib import Path
 import numpy as np
 
 from fedtune.checkpoint import load_state
-from fedtune.harness import RunSpec, build_plan
+from fedtune.harness import RunSpec, build_plan, suite_files
 from fedtune.harness.choice import Choice, choose
 from fedtune.harness.report import run_accuracy
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "configs" / "benchmarks" / "privacy-suite.toml"
-RESULTS = REPO / "benchmarks" / "results" / "privacy"
-QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "privacy-quick"
+RECIPE, _, RESULTS, QUICK_RESULTS = suite_files(REPO, "privacy-suite", "privacy")
 DP_RUNS = ["sweep", "table", "fslora-sweep", "fslora-table"]  # the DP runs: the table, its sweeps
 SECAGG = "secagg"  # SecAgg+'s byte overhead: two one-round runs on the Flower simulation
 EXPERIMENTS = [*DP_RUNS, SECAGG]

@@ -35,27 +35,19 @@ from privacy_experiments import (
 from privacy_report import report
 from privacy_secagg import write_secagg
 
-from fedtune.harness import (
-    offline_data,
-    output_dir,
-    parse_selection,
-    run_suite,
-    suite_command,
-    suite_parser,
-    sweep_first,
-)
+from fedtune import harness
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="1,2,3", budget_minutes=300.0)
+    p = harness.suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="1,2,3", budget_minutes=300.0)
     p.set_defaults(only=DEFAULT_ONLY)
     p.add_argument("--sweep-seed", type=int, default=SWEEP_SEED, help=f"the seed that chooses each clip ({SWEEP_SEED})")
     args = p.parse_args(argv)
-    selected, seeds = parse_selection(args, EXPERIMENTS)
-    out = output_dir(args, RESULTS, QUICK_RESULTS)
-    offline_data("sst2")
+    selected, seeds = harness.parse_selection(args, EXPERIMENTS)
+    out = harness.output_dir(args, RESULTS, QUICK_RESULTS)
+    harness.offline_data("sst2")
     os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")  # the secagg runs' workers
-    command = suite_command("benchmarks/privacy/run_suite.py", argv)
+    command = harness.suite_command("benchmarks/privacy/run_suite.py", argv)
 
     def stage(selection: list[str]) -> int:
         plan, choices, waiting = build(seeds, args.sweep_seed, args.quick, out)
@@ -71,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
             secagg = write_secagg(plan[SECAGG], out, command) if SECAGG in selection else []
             return [*secagg, *report(plan, choices, out, command)]
 
-        return run_suite(plan, selection, args, costs(plan, args.quick), reports, root=REPO, notes=notes)
+        return harness.run_suite(plan, selection, args, costs(plan, args.quick), reports, root=REPO, notes=notes)
 
-    return sweep_first(stage, selected, args, [METHODS[m][3] for m in METHODS])
+    return harness.sweep_first(stage, selected, args, [METHODS[m][3] for m in METHODS])
 
 
 if __name__ == "__main__":

@@ -68,28 +68,13 @@ from pathlib import Path
 
 from privacy_experiments import noise_to_clip, noised_coordinates
 
-from fedtune.harness import (
-    RunSpec,
-    build_plan,
-    distinct_runs,
-    offline_data,
-    output_dir,
-    parse_selection,
-    produced_by,
-    run_suite,
-    runs_section,
-    suite_command,
-    suite_parser,
-    table_lines,
-)
+from fedtune import harness
 from fedtune.harness.report import final_accuracy, run_accuracy
 from fedtune.harness.runs import load_rounds, load_summary
 from fedtune.harness.stats import mean as mean_of
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "configs" / "benchmarks" / "privacy-scale.toml"
-RESULTS = REPO / "benchmarks" / "results" / "privacy" / "scale"
-QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "privacy-scale-quick"
+RECIPE, _, RESULTS, QUICK_RESULTS = harness.suite_files(REPO, "privacy-scale", "privacy/scale", "privacy-scale-quick")
 M10_RESULTS = REPO / "benchmarks" / "results" / "privacy" / "results.json"
 #: experiment -> its epsilons (infinity: no DP), run in this order
 EXPERIMENTS = {"main": (math.inf, 8.0), "low": (3.0, 1.0)}
@@ -101,17 +86,17 @@ QUICK = ["model.name=tiny-bert", "rounds=2", "eval_every=1", "federation.num_cli
 QUICK += ["federation.clients_per_round=4", "data.max_train_samples=800", "data.max_test_samples=64"]
 
 
-def spec(epsilon: float, seed: int, quick: bool) -> RunSpec:
+def spec(epsilon: float, seed: int, quick: bool) -> harness.RunSpec:
     """One run: ``eps<e>-s<seed>``, the recipe with (for a finite epsilon) central DP, adaptive clip."""
     eps = "inf" if math.isinf(epsilon) else f"{epsilon:g}"
     dp = [] if math.isinf(epsilon) else [f"privacy.epsilon={epsilon}", f"privacy.clip={CLIP0}", *ADAPTIVE]
     labels = {"epsilon": epsilon, "seed": seed}
-    return RunSpec(f"eps{eps}-s{seed}", [*(QUICK if quick else []), *dp, f"seed={seed}"], labels)
+    return harness.RunSpec(f"eps{eps}-s{seed}", [*(QUICK if quick else []), *dp, f"seed={seed}"], labels)
 
 
 def build(seeds: list[int], quick: bool, out: Path):
     """Every experiment's runs, by seed then epsilon (``main``'s run first: no DP and epsilon 8 pair up)."""
-    return build_plan(
+    return harness.build_plan(
         {e: [spec(x, s, quick) for s in seeds for x in eps] for e, eps in EXPERIMENTS.items()}, RECIPE, out
     )
 
@@ -156,7 +141,7 @@ def rows(plan) -> list[dict]:
     return out
 
 
-def curve(runs: list[RunSpec]) -> dict[int, float]:
+def curve(runs: list[harness.RunSpec]) -> dict[int, float]:
     """Each evaluated round's accuracy (%), the mean over the finished ``runs``."""
     by_round: dict[int, list[float]] = {}
     for spec in runs:
@@ -177,7 +162,7 @@ def m10_rows() -> dict:
 def report(plan, out: Path, command: str) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     table = rows(plan)
-    summaries = [x for s in distinct_runs(plan, list(EXPERIMENTS)) if (x := load_summary(s))]
+    summaries = [x for s in harness.distinct_runs(plan, list(EXPERIMENTS)) if (x := load_summary(s))]
     majority = 100 * summaries[0]["majority_accuracy"] if summaries else None
     result = {"last_evaluations": LAST, "majority_rate": majority, "rows": table}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -214,7 +199,7 @@ def report(plan, out: Path, command: str) -> list[Path]:
         f"{c.federation.sample_size()} per round, rank-{c.model.lora_rank} LoRA",
         "",
         *(" ".join(p.split()) + "\n" for p in paragraphs[1:7]),
-        *produced_by(command),
+        *harness.produced_by(command),
         f"These runs: model {c.model.name}, {fed.num_clients:,} clients, {m} per round (q = {m / fed.num_clients:g}), "
         f"{c.rounds} rounds of {c.train.local_steps} local step of batch {c.train.batch_size}, rank "
         f"{c.model.lora_rank}, d = {cell(table[0]['d_noised'], ',')} noised coordinates, "
@@ -226,7 +211,7 @@ def report(plan, out: Path, command: str) -> list[Path]:
         "z_Delta sqrt(d) / m. m = 10: FedIT in today's suite (benchmarks/results/privacy: 100 clients, rank 8, "
         "delta 0.0063 under the former RDP accountant, swept clip), beside it.",
         "",
-        *table_lines(
+        *harness.table_lines(
             [
                 "epsilon",
                 "delta",
@@ -247,26 +232,28 @@ def report(plan, out: Path, command: str) -> list[Path]:
     lines += [
         "## Accuracy by round (%, mean over the finished seeds)",
         "",
-        *table_lines(
+        *harness.table_lines(
             ["epsilon", *(f"round {k}" for k in evaluated)],
             [[body[i][0], *(cell(r["curve"].get(k)) for k in evaluated)] for i, r in enumerate(table)],
         ),
         "",
     ]
-    (out / "README.md").write_text("\n".join(lines) + "\n" + runs_section(distinct_runs(plan, list(EXPERIMENTS)), out))
+    (out / "README.md").write_text(
+        "\n".join(lines) + "\n" + harness.runs_section(harness.distinct_runs(plan, list(EXPERIMENTS)), out)
+    )
     return [out / "README.md", out / "results.json"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = suite_parser(__doc__.split("\n\n")[0], list(EXPERIMENTS), seeds="1,2,3", workers=1, budget_minutes=70.0)
+    p = harness.suite_parser(__doc__.split("\n\n")[0], list(EXPERIMENTS), seeds="1,2,3", workers=1, budget_minutes=70.0)
     args = p.parse_args(argv)
-    selected, seeds = parse_selection(args, list(EXPERIMENTS))
-    out = output_dir(args, RESULTS, QUICK_RESULTS)
-    offline_data("sst2")
-    command = suite_command("benchmarks/privacy/scale.py", argv)
+    selected, seeds = harness.parse_selection(args, list(EXPERIMENTS))
+    out = harness.output_dir(args, RESULTS, QUICK_RESULTS)
+    harness.offline_data("sst2")
+    command = harness.suite_command("benchmarks/privacy/scale.py", argv)
     plan = build(seeds, args.quick, out)
-    costs = {s.key: QUICK_RUN_S if args.quick else RUN_S for s in distinct_runs(plan, list(EXPERIMENTS))}
-    return run_suite(plan, selected, args, costs, lambda: report(plan, out, command), root=REPO)
+    costs = {s.key: QUICK_RUN_S if args.quick else RUN_S for s in harness.distinct_runs(plan, list(EXPERIMENTS))}
+    return harness.run_suite(plan, selected, args, costs, lambda: report(plan, out, command), root=REPO)
 
 
 if __name__ == "__main__":

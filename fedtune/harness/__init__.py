@@ -95,11 +95,13 @@ from fedtune.harness.cost import Costs, Probe, calibrate, estimate_s, eval_round
 from fedtune.harness.plan import (
     Plan,
     RunSpec,
+    SuiteFiles,
     assignments,
     build_plan,
     config_key,
     distinct_runs,
     read_overlays,
+    suite_files,
     toml_value,
     with_labels,
 )
@@ -170,6 +172,8 @@ __all__ = [
     "config_key",
     "distinct_runs",
     "read_overlays",
+    "SuiteFiles",
+    "suite_files",
     "toml_value",
     "with_labels",
     "imap_unordered",
