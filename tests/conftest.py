@@ -131,6 +131,21 @@ def load_suite(path: Path, name: str, prefix: str):
     return SimpleNamespace(**{**merged, **vars(script)})
 
 
+def suite_fixture(script: str, prefix: str | None = None, name: str = "suite"):
+    """A module-scoped fixture ``name``: the benchmark script ``benchmarks/<script>`` imported (as its
+    stem where that starts with its folder's name, else ``<folder>_<stem>``) with its sibling modules
+    ``<prefix>_*.py`` (:func:`load_suite`; without ``prefix``, the script alone: :func:`load_script`)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+    folder = path.parent.name
+    module = path.stem if path.stem.startswith(folder) else f"{folder}_{path.stem}"
+
+    @pytest.fixture(scope="module", name=name)
+    def loaded():
+        return load_script(path, module) if prefix is None else load_suite(path, module, prefix)
+
+    return loaded
+
+
 def planned_configs(plan) -> list:
     """The distinct RunConfigs of a benchmark suite's plan (its nested dicts / lists / tuples of
     RunSpecs), in plan order."""

@@ -5,20 +5,12 @@ any run has finished."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from fedtune import harness
-from tests.conftest import assert_every_planned_run_resolves, load_suite
+from tests.conftest import assert_every_planned_run_resolves, suite_fixture
 
-ROOT = Path(__file__).resolve().parents[1]
-SUITE = ROOT / "benchmarks" / "commit" / "run_suite.py"
-
-
-@pytest.fixture(scope="module")
-def suite():
-    return load_suite(SUITE, "commit_run_suite", "commit")
+suite = suite_fixture("commit/run_suite.py", "commit")
 
 
 @pytest.fixture(scope="module")

@@ -4,20 +4,10 @@ experiment runs the configuration its report names, shared runs are one config, 
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-
 from fedtune import harness
-from tests.conftest import assert_every_planned_run_resolves, load_suite
+from tests.conftest import assert_every_planned_run_resolves, suite_fixture
 
-ROOT = Path(__file__).resolve().parents[1]
-SUITE = ROOT / "benchmarks" / "fedpft" / "run_suite.py"
-
-
-@pytest.fixture(scope="module")
-def suite():
-    return load_suite(SUITE, "fedpft_run_suite", "fedpft")
+suite = suite_fixture("fedpft/run_suite.py", "fedpft")
 
 
 def test_every_planned_run_resolves(suite, tmp_path):

@@ -14,15 +14,12 @@ import pytest
 import tomli_w
 
 from fedtune import harness
-from tests.conftest import assert_every_planned_run_resolves, load_suite
+from tests.conftest import assert_every_planned_run_resolves, suite_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
-SWEEP = ROOT / "benchmarks" / "fslora" / "sweep.py"
 
 
-@pytest.fixture(scope="module")
-def sweep():
-    return load_suite(SWEEP, "fslora_sweep", "fslora_sweep")
+sweep = suite_fixture("fslora/sweep.py", "fslora_sweep", name="sweep")
 
 
 @pytest.fixture(scope="module")

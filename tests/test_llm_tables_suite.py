@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,14 +14,9 @@ import tomli_w
 
 from fedtune import harness
 from fedtune.harness import Sweep
-from tests.conftest import assert_every_planned_run_resolves, load_suite
+from tests.conftest import assert_every_planned_run_resolves, suite_fixture
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "llm" / "llm_tables.py"
-
-
-@pytest.fixture(scope="module")
-def suite():
-    return load_suite(SCRIPT, "llm_tables", "llm_tables")
+suite = suite_fixture("llm/llm_tables.py", "llm_tables")
 
 
 def out_dirs(tmp_path):

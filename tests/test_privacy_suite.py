@@ -16,16 +16,13 @@ import pytest
 
 from fedtune import harness
 from fedtune.config import load_config
-from tests.conftest import assert_every_planned_run_resolves, load_suite
+from tests.conftest import assert_every_planned_run_resolves, suite_fixture
 from tests.test_harness import finish
 
 ROOT = Path(__file__).resolve().parents[1]
-SUITE = ROOT / "benchmarks" / "privacy" / "run_suite.py"
 
 
-@pytest.fixture(scope="module")
-def suite():
-    return load_suite(SUITE, "privacy_suite", "privacy")
+suite = suite_fixture("privacy/run_suite.py", "privacy")
 
 
 def test_every_planned_run_resolves_fedit_on_100_clients_10_per_round_at_its_epsilon(suite, tmp_path, monkeypatch):

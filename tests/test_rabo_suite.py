@@ -5,20 +5,13 @@ and the cost model gives an estimate for every run."""
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from fedtune import harness
-from tests.conftest import assert_every_planned_run_resolves, load_suite
+from tests.conftest import assert_every_planned_run_resolves, suite_fixture
 
-ROOT = Path(__file__).resolve().parents[1]
-SUITE = ROOT / "benchmarks" / "rabo" / "run_suite.py"
-
-
-@pytest.fixture(scope="module")
-def suite():
-    return load_suite(SUITE, "rabo_run_suite", "rabo")
+suite = suite_fixture("rabo/run_suite.py", "rabo")
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,12 @@ import pytest
 import tomli_w
 
 from fedtune import harness
-from tests.conftest import load_suite
+from tests.conftest import suite_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "recipes" / "recipes.py"
 
 
-@pytest.fixture(scope="module")
-def rb():
-    return load_suite(SCRIPT, "recipes_bench", "recipes")
+rb = suite_fixture("recipes/recipes.py", "recipes", name="rb")
 
 
 def finish(spec, accuracies: list[float], reference: float, test_examples: int, every: int = 1) -> None:
