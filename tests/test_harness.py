@@ -42,6 +42,8 @@ from fedtune.harness import (
     run_state,
     runs_section,
     suite_command,
+    suite_files,
+    suite_main,
     suite_parser,
     sweep_first,
     sweep_note,
@@ -416,6 +418,30 @@ def test_standard_command_line():
         parse_selection(parser.parse_args(["--seeds", "0,x"]), ["a", "b", "c"])
     command = suite_command("benchmarks/x/run_suite.py", ["--quick", "--report-only", "--only", "a b"])
     assert command.endswith(".venv/bin/python benchmarks/x/run_suite.py --quick --only 'a b'")
+
+
+def test_a_suites_bad_option_prints_its_one_line_and_exits_2(capsys):
+    @suite_main
+    def main(argv=None):
+        parse_selection(suite_parser("a suite", ["a", "b"]).parse_args(argv), ["a", "b"])
+        return 0
+
+    assert main(["--only", "b"]) == 0
+    assert main(["--only", "c"]) == 2
+    assert capsys.readouterr().out == "--only: unknown ['c'] (expected ['a', 'b'])\n"
+
+
+def test_suite_files_are_named_after_the_suite(tmp_path):
+    (tmp_path / "configs" / "benchmarks").mkdir(parents=True)
+    (tmp_path / "configs" / "benchmarks" / "x-suite-overlays.toml").write_text("[quick]\nrounds = 2\n")
+    recipe, overlays, results, quick = suite_files(tmp_path, "x-suite", "x")
+    assert recipe == tmp_path / "configs" / "benchmarks" / "x-suite.toml" and overlays == {"quick": ["rounds=2"]}
+    assert (results, quick) == (tmp_path / "benchmarks/results/x", tmp_path / "benchmarks/results/_scratch/x-quick")
+    assert suite_files(tmp_path, "y", "y/z", "y-quick")[1:] == (
+        {},  # no overlays file
+        tmp_path / "benchmarks/results/y/z",
+        tmp_path / "benchmarks/results/_scratch/y-quick",
+    )
 
 
 def test_the_sweep_runs_before_the_experiments_planned_from_it():

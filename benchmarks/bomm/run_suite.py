@@ -52,17 +52,13 @@ def scale_from_args(args) -> Scale:
     return scale
 
 
+@harness.suite_main
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        selected, seeds = harness.parse_selection(args, EXPERIMENTS)
-    except harness.SuiteError as exc:
-        print(exc)
-        return 2
+    selected, seeds, out, command, _ = harness.suite_start(
+        args, argv, __file__, EXPERIMENTS, RESULTS, QUICK_RESULTS, "the FSDD recordings"
+    )
     scale = scale_from_args(args)
-    out = harness.output_dir(args, RESULTS, QUICK_RESULTS)
-    harness.offline_data("the FSDD recordings")
-    command = harness.suite_command("benchmarks/bomm/run_suite.py", argv)
     plan = build_suite_plan(scale, seeds, out)
     runs = harness.distinct_runs(plan, selected)
     costs = {s.key: run_cost(s.config) for s in runs}

@@ -138,19 +138,13 @@ def write_reports(plan, selected, seeds, out: Path, command: str, sweep: harness
     return written
 
 
+@harness.suite_main
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        selected, seeds = harness.parse_selection(args, EXPERIMENTS)
-        scale, modalities = selection(args)
-        sweep, selected = harness.sweep_selection(args, selected, SWEPT)
-    except harness.SuiteError as exc:
-        print(exc)
-        return 2
-    out = harness.output_dir(args, SWEPT_RESULTS if sweep else RESULTS, QUICK_RESULTS)
-    harness.offline_data("Fashion-MNIST and FSDD")
-    command = harness.suite_command("benchmarks/commit/run_suite.py", argv)
-    harness.biased_seed_warning(sweep, seeds, selected, SWEPT)
+    scale, modalities = selection(args)
+    selected, seeds, out, command, sweep = harness.suite_start(
+        args, argv, __file__, EXPERIMENTS, RESULTS, QUICK_RESULTS, "Fashion-MNIST and FSDD", SWEPT, SWEPT_RESULTS
+    )
     base = load_config(RECIPE, scale.overrides(modalities[0]))
     print(
         f"CoMMIT suite: {', '.join(selected)}; modalities {', '.join(modalities)}; seeds {seeds}"

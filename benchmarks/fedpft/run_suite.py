@@ -75,6 +75,7 @@ from fedtune import harness
 from fedtune.config import load_config
 
 
+@harness.suite_main
 def main(argv: list[str] | None = None) -> int:
     p = harness.suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="0,1,2", budget_minutes=600)
     harness.add_sweep_options(
@@ -83,19 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         "each method of Table 1 on SST-2 and AG News (for tables 1, 3-5; results to benchmarks/results/fedpft-swept/)",
     )
     args = p.parse_args(argv)
-    try:
-        selected, seeds = harness.parse_selection(args, EXPERIMENTS)
-        sweep, selected = harness.sweep_selection(args, selected, SWEPT)
-    except harness.SuiteError as exc:
-        print(exc)
-        return 2
-    out = harness.output_dir(args, SWEPT_RESULTS if sweep else RESULTS, QUICK_RESULTS)
+    selected, seeds, out, command, sweep = harness.suite_start(
+        args, argv, __file__, EXPERIMENTS, RESULTS, QUICK_RESULTS, "sst2/agnews", SWEPT, SWEPT_RESULTS
+    )
     scale = Scale(args.quick, out, sweep)
-    harness.offline_data("sst2/agnews")
-    harness.biased_seed_warning(sweep, seeds, selected, SWEPT)
     if "table2" in selected and not args.quick:
         ensure_random_vit()
-    command = harness.suite_command("benchmarks/fedpft/run_suite.py", argv)
     base = load_config(RECIPE, scale.overrides("sst2", "fedpft"))
     print(
         f"FedPFT suite: {', '.join(selected)}; seeds {seeds}"

@@ -82,17 +82,13 @@ def scale_from_args(args) -> Scale:
     return scale if args.topk is None else replace(scale, topk=args.topk)
 
 
+@harness.suite_main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        selected, seeds = harness.parse_selection(args, EXPERIMENTS)
-    except harness.SuiteError as exc:
-        print(exc)
-        return 2
+    selected, seeds, out, command, _ = harness.suite_start(
+        args, argv, __file__, EXPERIMENTS, RESULTS, QUICK_RESULTS, "sst2/agnews"
+    )
     scale = scale_from_args(args)
-    out = harness.output_dir(args, RESULTS, QUICK_RESULTS)
-    harness.offline_data("sst2/agnews")
-    command = harness.suite_command("benchmarks/fslora/run_suite.py", argv)
     plan = build_suite_plan(scale, seeds, out)
 
     if args.calibrate and not args.report_only:

@@ -100,26 +100,20 @@ def scale_from_args(args) -> Scale:
     )
 
 
+@harness.suite_main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        selected, seeds = harness.parse_selection(args, EXPERIMENTS)
-        scale = scale_from_args(args)
-        out = harness.output_dir(args, RESULTS, QUICK_RESULTS)
-        calibration, source = load_calibration(out)
-    except harness.SuiteError as exc:
-        print(exc)
-        return 2
+    scale = scale_from_args(args)
+    selected, seeds, out, command, _ = harness.suite_start(
+        args, argv, __file__, EXPERIMENTS, RESULTS, QUICK_RESULTS, "sst2"
+    )
+    calibration, source = load_calibration(out)
     if args.sweep_seed in seeds:
         print(
             f"warning: the sweep seed {args.sweep_seed} is among --seeds: its table run is the run that chose "
             "the rate (a biased figure)",
             flush=True,
         )
-    if not os.environ.get("FEDTUNE_DATA_DIR"):
-        print("warning: FEDTUNE_DATA_DIR is not set (sst2 is read from it)", flush=True)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    command = harness.suite_command("benchmarks/fslora/sweep.py", argv)
 
     if args.recipe_changes:
         plan, choices, _ = build_sweep_plan(scale, args.sweep_seed, seeds, out)

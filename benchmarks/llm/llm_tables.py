@@ -106,6 +106,7 @@ def final_limit(args) -> int | None:
     return args.final_per_set or None
 
 
+@harness.suite_main
 def main(argv: list[str] | None = None) -> int:
     p = harness.suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="1,2,3", workers=2, budget_minutes=240)
     harness.add_sweep_options(p, EXPERIMENTS, "every method of each table")
@@ -117,16 +118,12 @@ def main(argv: list[str] | None = None) -> int:
         f"default {FINAL_PER_SET}, --quick {QUICK_FINAL_PER_SET})",
     )
     args = p.parse_args(argv)
-    try:
-        selected, seeds = harness.parse_selection(args, EXPERIMENTS)
-        sweep, selected = harness.sweep_selection(args, selected, TABLES)
-        if args.final_per_set is not None and args.final_per_set < 0:
-            raise harness.SuiteError(
-                f"--final-per-set: expected a count >= 0 (0: every question), got {args.final_per_set}"
-            )
-    except harness.SuiteError as exc:
-        print(exc)
-        return 2
+    selected, seeds = harness.parse_selection(args, EXPERIMENTS)
+    sweep, selected = harness.sweep_selection(args, selected, TABLES)
+    if args.final_per_set is not None and args.final_per_set < 0:
+        raise harness.SuiteError(
+            f"--final-per-set: expected a count >= 0 (0: every question), got {args.final_per_set}"
+        )
     tables = [t for t in TABLES if t in selected] or TABLES
     out = {t: harness.output_dir(args, BENCHES[t].results, QUICK_RESULTS / BENCHES[t].name) for t in tables}
     if args.out is not None:

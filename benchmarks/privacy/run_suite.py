@@ -38,16 +38,16 @@ from privacy_secagg import write_secagg
 from fedtune import harness
 
 
+@harness.suite_main
 def main(argv: list[str] | None = None) -> int:
     p = harness.suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="1,2,3", budget_minutes=300.0)
     p.set_defaults(only=DEFAULT_ONLY)
     p.add_argument("--sweep-seed", type=int, default=SWEEP_SEED, help=f"the seed that chooses each clip ({SWEEP_SEED})")
     args = p.parse_args(argv)
-    selected, seeds = harness.parse_selection(args, EXPERIMENTS)
-    out = harness.output_dir(args, RESULTS, QUICK_RESULTS)
-    harness.offline_data("sst2")
+    selected, seeds, out, command, _ = harness.suite_start(
+        args, argv, __file__, EXPERIMENTS, RESULTS, QUICK_RESULTS, "sst2"
+    )
     os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")  # the secagg runs' workers
-    command = harness.suite_command("benchmarks/privacy/run_suite.py", argv)
 
     def stage(selection: list[str]) -> int:
         plan, choices, waiting = build(seeds, args.sweep_seed, args.quick, out)

@@ -244,13 +244,13 @@ def report(plan, out: Path, command: str) -> list[Path]:
     return [out / "README.md", out / "results.json"]
 
 
+@harness.suite_main
 def main(argv: list[str] | None = None) -> int:
     p = harness.suite_parser(__doc__.split("\n\n")[0], list(EXPERIMENTS), seeds="1,2,3", workers=1, budget_minutes=70.0)
     args = p.parse_args(argv)
-    selected, seeds = harness.parse_selection(args, list(EXPERIMENTS))
-    out = harness.output_dir(args, RESULTS, QUICK_RESULTS)
-    harness.offline_data("sst2")
-    command = harness.suite_command("benchmarks/privacy/scale.py", argv)
+    selected, seeds, out, command, _ = harness.suite_start(
+        args, argv, __file__, list(EXPERIMENTS), RESULTS, QUICK_RESULTS, "sst2"
+    )
     plan = build(seeds, args.quick, out)
     costs = {s.key: QUICK_RUN_S if args.quick else RUN_S for s in harness.distinct_runs(plan, list(EXPERIMENTS))}
     return harness.run_suite(plan, selected, args, costs, lambda: report(plan, out, command), root=REPO)

@@ -73,6 +73,7 @@ from rabo_figures import write_reports
 from fedtune import harness
 
 
+@harness.suite_main
 def main(argv: list[str] | None = None) -> int:
     parser = harness.suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="0,1,2")
     harness.add_sweep_options(
@@ -105,33 +106,26 @@ def main(argv: list[str] | None = None) -> int:
         help=f"Table II's N-way K-shot columns to run (comma-separated subset of {','.join(SETTINGS)})",
     )
     args = parser.parse_args(argv)
-    try:
-        selected, seeds = harness.parse_selection(args, EXPERIMENTS)
-        sweep, selected = harness.sweep_selection(args, selected, SWEPT)
-        lt_grid = harness.parse_grid(args.lt_factors, "--lt-factors", "multiples of each method's own rates")
-        settings = tuple(s for s in args.settings.split(",") if s)
-        unknown = [s for s in settings if s not in SETTINGS]
-        if args.updates is not None and (args.updates < 10 or args.updates % 10):
-            raise harness.SuiteError(f"--updates: a multiple of 10 expected, got {args.updates}")
-        methods = [m for m in args.methods.split(",") if m]
-        if not methods or set(methods) - set(METHODS):
-            raise harness.SuiteError(
-                f"--methods: unknown {', '.join(sorted(set(methods) - set(METHODS))) or '(none given)'}; "
-                f"expected a subset of {','.join(METHODS)}"
-            )
-        if unknown or not settings:
-            raise harness.SuiteError(
-                f"--settings: unknown {', '.join(unknown) or '(none given)'}; expected a subset of {','.join(SETTINGS)}"
-            )
-    except harness.SuiteError as exc:
-        print(exc)
-        return 2
+    selected, seeds, out, command, sweep = harness.suite_start(
+        args, argv, __file__, EXPERIMENTS, RESULTS, QUICK_RESULTS, "omniglot", SWEPT
+    )
+    lt_grid = harness.parse_grid(args.lt_factors, "--lt-factors", "multiples of each method's own rates")
+    settings = tuple(s for s in args.settings.split(",") if s)
+    unknown = [s for s in settings if s not in SETTINGS]
+    if args.updates is not None and (args.updates < 10 or args.updates % 10):
+        raise harness.SuiteError(f"--updates: a multiple of 10 expected, got {args.updates}")
+    methods = [m for m in args.methods.split(",") if m]
+    if not methods or set(methods) - set(METHODS):
+        raise harness.SuiteError(
+            f"--methods: unknown {', '.join(sorted(set(methods) - set(METHODS))) or '(none given)'}; "
+            f"expected a subset of {','.join(METHODS)}"
+        )
+    if unknown or not settings:
+        raise harness.SuiteError(
+            f"--settings: unknown {', '.join(unknown) or '(none given)'}; expected a subset of {','.join(SETTINGS)}"
+        )
     scale = quick_scale() if args.quick else Scale()
     scale = replace(scale, settings=settings, updates=args.updates, sweep=sweep, lt_grid=lt_grid)
-    out = harness.output_dir(args, RESULTS, QUICK_RESULTS)
-    harness.offline_data("omniglot")
-    harness.biased_seed_warning(sweep, seeds, selected, SWEPT)
-    command = harness.suite_command("benchmarks/rabo/run_suite.py", argv)
     print(
         f"RABO suite: {', '.join(selected)}; seeds {seeds}"
         + (

@@ -102,13 +102,13 @@ def report(plan, out: Path, command: str) -> list[Path]:
     return [out / "attacks.md"]
 
 
+@harness.suite_main
 def main(argv: list[str] | None = None) -> int:
     args = harness.suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="0,1,2").parse_args(argv)
-    selected, seeds = harness.parse_selection(args, EXPERIMENTS)
-    out = harness.output_dir(args, RESULTS, QUICK_RESULTS)
-    harness.offline_data("sst2")
+    selected, seeds, out, command, _ = harness.suite_start(
+        args, argv, __file__, EXPERIMENTS, RESULTS, QUICK_RESULTS, "sst2"
+    )
     plan = harness.build_plan({"attacks": specs(seeds, args.quick)}, RECIPE, out)
-    command = harness.suite_command("benchmarks/robust/robust.py", argv)
     costs = {s.key: 10.0 if args.quick else 110.0 for s in harness.distinct_runs(plan, selected)}  # seconds, one core
     return harness.run_suite(plan, selected, args, costs, lambda: report(plan, out, command), root=REPO)
 

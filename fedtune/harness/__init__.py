@@ -76,6 +76,7 @@ from fedtune.harness.choice import (
     sweep_sections,
 )
 from fedtune.harness.cli import (
+    Start,
     SuiteError,
     add_sweep_options,
     biased_seed_warning,
@@ -87,7 +88,9 @@ from fedtune.harness.cli import (
     print_plan,
     run_suite,
     suite_command,
+    suite_main,
     suite_parser,
+    suite_start,
     sweep_first,
     sweep_selection,
 )
@@ -147,6 +150,9 @@ __all__ = [
     "print_plan",
     "run_suite",
     "suite_command",
+    "suite_main",
+    "Start",
+    "suite_start",
     "suite_parser",
     "sweep_first",
     "sweep_selection",
