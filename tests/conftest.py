@@ -101,6 +101,17 @@ def tiny(tmp_path, method: str, kind: str, *extra: str, variant: str = ""):
     )
 
 
+def one_line_config_error(call) -> str:
+    """The message of the :class:`~fedtune.config.ConfigError` that ``call()`` raises, checked to be
+    one line."""
+    from fedtune.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        call()
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
 def load_script(path: Path, name: str):
     """A benchmark script (not a package module) imported from its file as module ``name``. Its
     folder goes on ``sys.path``, as when the script runs, so that it finds its sibling modules
