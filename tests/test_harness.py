@@ -272,6 +272,26 @@ def test_curves_accumulate_upload_and_average_over_common_rounds():
     assert mean_curve([[], []]) == []
 
 
+def test_a_curve_is_plotted_in_percent_against_the_round_or_the_upload_once_a_run_has_finished(recipe, tmp_path):
+    from fedtune.harness import finish_axes, plot_curve, pyplot
+
+    plan = build_plan({"seeds": two_experiments()["seeds"]}, recipe, tmp_path)["seeds"]
+    fig, ax = pyplot().subplots()
+    assert plot_curve(ax, plan, label="none") is False and ax.get_lines() == []
+    finish_axes(ax, title="t", xlabel="round")
+    assert ax.get_legend() is None and ax.get_title() == "t"  # nothing labelled: no legend
+    for spec, accuracies in zip(plan, ([0.5, 0.7], [0.7, 0.9])):
+        finish(spec, accuracies, bytes_up=2_000_000)
+    assert plot_curve(ax, plan, "--", label="rounds") and plot_curve(ax, plan, upload=True, label="MB")
+    (by_round, by_upload) = ax.get_lines()
+    assert list(by_round.get_xdata()) == [1, 2] and list(by_round.get_ydata()) == pytest.approx([60.0, 80.0])
+    assert by_round.get_linestyle() == "--" and by_round.get_marker() == "o"
+    assert list(by_upload.get_ydata()) == pytest.approx([60.0, 80.0]) and by_upload.get_xdata()[0] > 0
+    finish_axes(ax, 9)
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["rounds", "MB"]
+    pyplot().close(fig)
+
+
 # -- cost model ---------------------------------------------------------------------------------
 
 

@@ -48,15 +48,10 @@ def report_fig3(specs: list[harness.RunSpec], table1: list[harness.RunSpec], sca
     lines += ["", "![fig3](fig3.png)", ""]
     with harness.figure(out / "fig3.png", 1, 3, figsize=(15, 4)) as (fig, (ax1, ax2, ax3)):
         for m in METHODS:
-            pts = harness.averaged_curve(harness.with_labels(conv, method=m), "accuracy")
-            if pts:
-                ax1.plot([p[0] for p in pts], [100 * p[2] for p in pts], marker="o", ms=3, label=f"{LABEL[m]} P")
+            harness.plot_curve(ax1, harness.with_labels(conv, method=m), label=f"{LABEL[m]} P")
             if m in CLOUD_METHODS:
-                pts = harness.averaged_curve(harness.with_labels(conv, method=m), "cloud_accuracy")
-                if pts:
-                    ax1.plot(
-                        [p[0] for p in pts], [100 * p[2] for p in pts], ls="--", marker="s", ms=3, label=f"{LABEL[m]} C"
-                    )
+                group = harness.with_labels(conv, method=m)
+                harness.plot_curve(ax1, group, metric="cloud_accuracy", ls="--", marker="s", label=f"{LABEL[m]} C")
         ax1.set(title="(A) accuracy vs round (scenario 1, 0 aligned)", xlabel="round", ylabel="accuracy (%)")
         for m in scale.delta_methods:
             ys = [mean_value(harness.with_labels(deltas, method=m, delta=d), "accuracy") for d in scale.deltas]
@@ -71,9 +66,7 @@ def report_fig3(specs: list[harness.RunSpec], table1: list[harness.RunSpec], sca
                 ax3.plot(scale.mus, [y if y is not None else float("nan") for y in ys], marker="o", label=label)
         ax3.set(title="(B-ii) BoMM vs mu", xlabel="mu", ylabel="accuracy (%)")
         for ax in (ax1, ax2, ax3):
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
+            harness.finish_axes(ax)
     return "\n".join(lines) + "\n" + harness.runs_section(specs, out)
 
 

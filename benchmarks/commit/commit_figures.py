@@ -43,9 +43,7 @@ def plot_curves(
                 ax.set(title=f"{m}: {ylabel}", xlabel="step", ylabel=ylabel)
                 if key in ("kappa", "grad_S", "grad_T"):
                     ax.set_yscale("log")
-                ax.grid(alpha=0.3)
-                if ax.get_legend_handles_labels()[0]:
-                    ax.legend(fontsize=7)
+                harness.finish_axes(ax)
         fig.suptitle(title)
 
 

@@ -47,13 +47,8 @@ def write_table2(specs, scale, hd, out: Path) -> str:
     ]
     with harness.figure(out / "table2.png", figsize=(5.5, 4)) as (fig, ax):
         for m in METHODS:
-            pts = harness.averaged_curve(harness.with_labels(specs, method=m))
-            if pts:
-                ax.plot([p[0] for p in pts], [100 * p[2] for p in pts], marker="o", ms=3, label=LABEL[m])
-        ax.set(title="random ViT, digits", xlabel="round", ylabel="accuracy (%)")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
+            harness.plot_curve(ax, harness.with_labels(specs, method=m), label=LABEL[m])
+        harness.finish_axes(ax, 8, title="random ViT, digits", xlabel="round", ylabel="accuracy (%)")
     return "\n".join(lines + ["![table2](table2.png)", ""]) + "\n" + harness.runs_section(specs, out)
 
 
@@ -105,10 +100,9 @@ def write_table3(specs, scale, hd, out: Path) -> str:
                     capsize=3,
                     label=LABEL[m],
                 )
-        ax.set(title="SST-2: accuracy vs Dirichlet alpha", xlabel="alpha", ylabel="accuracy (%)", xscale="log")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
+        harness.finish_axes(
+            ax, 8, title="SST-2: accuracy vs Dirichlet alpha", xlabel="alpha", ylabel="accuracy (%)", xscale="log"
+        )
     return "\n".join(lines + ["![table3](table3.png)", ""]) + "\n" + harness.runs_section(specs, out)
 
 

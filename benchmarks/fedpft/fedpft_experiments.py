@@ -263,16 +263,8 @@ def ensure_random_vit() -> Path:
         from transformers import ViTConfig, ViTForImageClassification
 
         torch.manual_seed(0)
-        cfg = ViTConfig(
-            image_size=16,
-            patch_size=4,
-            num_channels=3,
-            hidden_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            intermediate_size=256,
-            num_labels=10,
-        )
+        shape = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 256}
+        cfg = ViTConfig(image_size=16, patch_size=4, num_channels=3, num_labels=10, **shape)
         ViTForImageClassification(cfg).save_pretrained(str(path))
     return path
 

@@ -196,18 +196,12 @@ def write_table1(specs, scale, hd, out: Path) -> str:
         for ax, d in zip(axes[0], TEXT):
             for m in METHODS:
                 for metric, style in (("accuracy", "-"), ("proxy_accuracy", ":")):
-                    pts = harness.averaged_curve(harness.with_labels(specs, method=m, data=d), metric)
-                    if pts and (metric == "accuracy" or m in PROXY_METHODS):
-                        ax.plot(
-                            [p[0] for p in pts],
-                            [100 * p[2] for p in pts],
-                            style,
-                            marker="o",
-                            ms=3,
-                            label=LABEL[m] + (" (proxy)" if metric != "accuracy" else ""),
+                    if metric == "accuracy" or m in PROXY_METHODS:
+                        label = LABEL[m] + (" (proxy)" if metric != "accuracy" else "")
+                        harness.plot_curve(
+                            ax, harness.with_labels(specs, method=m, data=d), style, metric=metric, label=label
                         )
-            ax.set(title=f"{d}: accuracy vs round (mean over seeds)", xlabel="round", ylabel="accuracy (%)")
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
+            harness.finish_axes(
+                ax, title=f"{d}: accuracy vs round (mean over seeds)", xlabel="round", ylabel="accuracy (%)"
+            )
     return "\n".join(lines) + "\n" + harness.runs_section(specs, out)

@@ -98,25 +98,15 @@ def report_fig7(specs: list[harness.RunSpec], ref: list[harness.RunSpec], scale:
         colors = harness.pyplot().rcParams["axes.prop_cycle"].by_key()["color"]
         for i, x in enumerate(scale.ratios):
             for group, style, tag in [(specs, "-", f"top-k {scale.topk:g}"), (ref, "--", "no top-k")]:
-                pts = harness.averaged_curve(harness.with_labels(group, ratio=x, data=data))
-                if pts:
-                    ax.plot(
-                        [p[1] for p in pts],
-                        [100 * p[2] for p in pts],
-                        style,
-                        marker="o",
-                        ms=3,
-                        color=colors[i % len(colors)],
-                        label=f"k/r = {x:g}" + (" (no sketch)" if x == 1 else "") + f", {tag}",
-                    )
-        ax.set(
+                label = f"k/r = {x:g}" + (" (no sketch)" if x == 1 else "") + f", {tag}"
+                group = harness.with_labels(group, ratio=x, data=data)
+                harness.plot_curve(ax, group, style, upload=True, color=colors[i % len(colors)], label=label)
+        harness.finish_axes(
+            ax,
             title=f"{data}: accuracy vs per-device upload (r = {scale.rank})",
             xlabel="MB uploaded per device",
             ylabel="accuracy (%)",
         )
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
     return "\n".join(lines) + "\n" + harness.runs_section(specs + harness.with_labels(ref, data=data), out)
 
 
@@ -181,9 +171,7 @@ def report_horizon(
     ]
     with harness.figure(out / "horizon.png", figsize=(6, 4)) as (fig, ax):
         for method in methods:
-            pts = harness.averaged_curve(harness.with_labels(specs, method=method, data=data))
-            if pts:
-                ax.plot([p[0] for p in pts], [100 * p[2] for p in pts], marker="o", ms=3, label=method)
+            harness.plot_curve(ax, harness.with_labels(specs, method=method, data=data), label=method)
         ax.axvline(short, color="gray", ls=":", lw=1, label=f"Table 5.1 stops (R = {short})")
         ax.set(title=f"{data}: accuracy vs round (mean over seeds)", xlabel="round", ylabel="accuracy (%)")
         ax.grid(alpha=0.3)

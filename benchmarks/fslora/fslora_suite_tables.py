@@ -120,15 +120,12 @@ def report_table51(specs: list[harness.RunSpec], scale: Scale, seeds: list[int],
     with harness.figure(out / "table51.png", 1, len(data_sets), figsize=size, squeeze=False) as (fig, axes):
         for ax, d in zip(axes[0], data_sets):
             for method in METHODS:
-                pts = harness.averaged_curve(harness.with_labels(specs, method=method, data=d))
-                if pts:
-                    ax.plot([p[0] for p in pts], [100 * p[2] for p in pts], marker="o", ms=3, label=method)
+                harness.plot_curve(ax, harness.with_labels(specs, method=method, data=d), label=method)
             if majority[d] != "–":
                 ax.axhline(float(majority[d]), color="gray", ls=":", lw=1, label="majority class")
-            ax.set(title=f"{d}: accuracy vs round (mean over seeds)", xlabel="round", ylabel="accuracy (%)")
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=8)
+            harness.finish_axes(
+                ax, 8, title=f"{d}: accuracy vs round (mean over seeds)", xlabel="round", ylabel="accuracy (%)"
+            )
     return "\n".join(lines) + "\n" + harness.runs_section(specs, out)
 
 
@@ -191,24 +188,15 @@ def report_fig3(specs: list[harness.RunSpec], scale: Scale, head: str, out: Path
         ax1.grid(alpha=0.3, axis="y")
         for r in ranks:
             for sketch, style in [(False, "--"), (True, "-")]:
-                pts = harness.averaged_curve(specs_of[r, sketch])
-                if pts:
-                    ax2.plot(
-                        [p[1] for p in pts],
-                        [100 * p[2] for p in pts],
-                        style,
-                        marker="o",
-                        ms=3,
-                        label=f"r = {r}, " + ("sketch" if sketch else "no sketch"),
-                    )
-        ax2.set(
+                label = f"r = {r}, " + ("sketch" if sketch else "no sketch")
+                harness.plot_curve(ax2, specs_of[r, sketch], style, upload=True, label=label)
+        harness.finish_axes(
+            ax2,
+            8,
             title="accuracy vs per-device upload (mean over seeds)",
             xlabel="MB uploaded per device",
             ylabel="accuracy (%)",
         )
-        ax2.grid(alpha=0.3)
-        if ax2.get_legend_handles_labels()[0]:
-            ax2.legend(fontsize=8)
     return "\n".join(lines) + "\n" + harness.runs_section(specs, out)
 
 

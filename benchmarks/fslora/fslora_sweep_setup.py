@@ -113,12 +113,10 @@ def report_sweep(plan, choices, scale: Scale, head: str, out: Path) -> str:
                             label=row + (f" slr {slr:g}" if slr else ""),
                         )
             ax.set_xscale("log")
-            ax.set(
+            harness.finish_axes(
+                ax,
                 title=f"{FAMILY_LABELS[family]}: sweep seed",
                 xlabel="client learning rate",
                 ylabel=f"mean of last {LAST} evaluations (%)",
             )
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
     return "\n".join(lines) + "\n" + harness.runs_section(sweep, out)

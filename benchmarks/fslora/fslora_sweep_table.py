@@ -212,19 +212,15 @@ def report_table(plan, choices, scale: Scale, seeds: list[int], head: str, out: 
     ):
         for ax, family in zip(axes[0], FAMILIES):
             for row in ROWS:
-                pts = harness.averaged_curve(harness.with_labels(table, row=row, family=family))
-                if pts:
-                    ax.plot([p[0] for p in pts], [100 * p[2] for p in pts], marker="o", ms=2, label=row)
+                harness.plot_curve(ax, harness.with_labels(table, row=row, family=family), ms=2, label=row)
             if majority is not None:
                 ax.axhline(100 * majority, color="gray", ls=":", lw=1, label="majority class")
-            ax.set(
+            harness.finish_axes(
+                ax,
                 title=f"{FAMILY_LABELS[family]} at the chosen rates (mean over seeds)",
                 xlabel="round",
                 ylabel="accuracy (%)",
             )
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
     return "\n".join(lines) + "\n" + harness.runs_section(table, out)
 
 

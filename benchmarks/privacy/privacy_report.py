@@ -23,7 +23,16 @@ from privacy_experiments import (
 )
 from privacy_secagg import secagg_lines
 
-from fedtune.harness import RunSpec, distinct_runs, load_rounds, load_summary, produced_by, runs_section, table_lines
+from fedtune.harness import (
+    RunSpec,
+    distinct_runs,
+    finish_axes,
+    load_rounds,
+    load_summary,
+    produced_by,
+    runs_section,
+    table_lines,
+)
 from fedtune.harness.choice import choice_text
 from fedtune.harness.report import figure, final_accuracy, per_device_mb
 from fedtune.harness.stats import mean as mean_of
@@ -139,10 +148,7 @@ def report(plan, choices, out: Path, command: str) -> list[Path]:
                 if r["epsilon"] is None:
                     ax.axhline(r["accuracy_mean"], color=color, ls="--", label=f"{LABEL[method]}, no DP")
         ax.set_xscale("log")
-        ax.set(xlabel="epsilon (the run's delta)", ylabel="accuracy (%)", title="SST-2, MiniLM, q = 0.1")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+        finish_axes(ax, xlabel="epsilon (the run's delta)", ylabel="accuracy (%)", title="SST-2, MiniLM, q = 0.1")
 
     def cell(r, key, spec=".2f"):
         return "pending" if r[key] is None else format(r[key], spec)

@@ -85,10 +85,9 @@ def curve_plot(
             if pts:
                 per = updates_per_round(specs[0]) if updates else 1
                 ax.plot([per * p[0] for p in pts], [100 * p[2] for p in pts], marker="o", ms=3, label=label)
-        ax.set(title=title, xlabel="backbone updates per client" if updates else "round", ylabel=f"{metric} (%)")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+        harness.finish_axes(
+            ax, title=title, xlabel="backbone updates per client" if updates else "round", ylabel=f"{metric} (%)"
+        )
 
 
 def budget_cell(specs: list[harness.RunSpec]) -> str:
