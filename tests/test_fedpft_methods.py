@@ -35,6 +35,12 @@ DATA = "sst2" if HAS_SST2 else "tweets"
 # else the task's own held-out examples
 HAS_AGNEWS = (Path(os.environ.get("FEDTUNE_DATA_DIR", "data")) / "agnews" / "dev.tsv").is_file()
 PUBLIC = ["options.distill_data=agnews"] if HAS_AGNEWS else []
+ALIGN_EVERY_ROUND = (  # FedPFT aligning a quarter of the neurons after every round, 3 steps
+    "options.align_interval=1",
+    "options.align_fraction=0.25",
+    "options.distill_before=false",
+    "options.align_steps=3",
+)
 TOP_LAYER = ("options.adapter_bottom=0", "options.adapter_top=1")  # the adapter: layer 1, the top one
 BASE = [
     *PUBLIC,
@@ -230,10 +236,7 @@ def test_apoz_uploads_and_neuron_downloads_are_byte_accounted(tmp_path):
     fed = Federation(
         tmp_path,
         "fedpft",
-        "options.align_interval=1",
-        "options.align_fraction=0.25",
-        "options.distill_before=false",
-        "options.align_steps=3",
+        *ALIGN_EVERY_ROUND,
         "rounds=2",
     )  # aligns after round 1 only
     replies, metrics = fed.round(1, [0, 1])
@@ -425,10 +428,7 @@ def test_a_client_several_versions_behind_gets_the_union_of_changed_neurons(tmp_
     fed = Federation(
         tmp_path,
         "fedpft",
-        "options.align_interval=1",
-        "options.align_fraction=0.25",
-        "options.distill_before=false",
-        "options.align_steps=3",
+        *ALIGN_EVERY_ROUND,
         "rounds=3",
     )
     # round 3, the last, does not align
