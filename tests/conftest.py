@@ -101,6 +101,18 @@ def tiny(tmp_path, method: str, kind: str, *extra: str, variant: str = ""):
     )
 
 
+def random_global(strategy, seed: int) -> dict:
+    """Give the initialized ``strategy`` random global arrays (N(0, 0.3^2) each coordinate, float32)
+    and return them in float64: a start far from the zero-initialized LoRA B."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    strategy.global_arrays = {
+        k: (0.3 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in strategy.global_arrays.items()
+    }
+    return {k: v.astype(np.float64) for k, v in strategy.global_arrays.items()}
+
+
 def one_line_config_error(call) -> str:
     """The message of the :class:`~fedtune.config.ConfigError` that ``call()`` raises, checked to be
     one line."""
