@@ -519,6 +519,7 @@ def test_the_sweep_needs_a_grid_and_a_grid_needs_positive_rates(capsys):
         Sweep((0.3, 1.0), 3),
         ["sweep", "table"],
     )
+    assert str(Sweep((3e-4, 1e-3), 3)) == "rates 0.0003, 0.001 swept on seed 3"  # the suites' plan line
     with pytest.raises(SuiteError, match="^--lr-factors: expected comma-separated positive multiples of each"):
         sweep_selection(factors.parse_args(["--lr-factors", "0"]), ["table"], ["table"])
     with pytest.raises(SuiteError, match="^--only sweep: needs --lr-factors"):

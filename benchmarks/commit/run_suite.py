@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     base = load_config(RECIPE, scale.overrides(modalities[0]))
     print(
         f"CoMMIT suite: {', '.join(selected)}; modalities {', '.join(modalities)}; seeds {seeds}"
-        + (f"; rates {', '.join(f'{lr:g}' for lr in sweep.grid)} swept on seed {sweep.seed}" if sweep else "")
+        + (f"; {sweep}" if sweep else "")
         + f"; model {base.model.name}; {base.rounds} x {base.train.local_steps} steps of batch "
         f"{base.train.batch_size} per centralized run -> {out}"
     )

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     base = load_config(RECIPE, scale.overrides("sst2", "fedpft"))
     print(
         f"FedPFT suite: {', '.join(selected)}; seeds {seeds}"
-        + (f"; rates {', '.join(f'{lr:g}' for lr in sweep.grid)} swept on seed {sweep.seed}" if sweep else "")
+        + (f"; {sweep}" if sweep else "")
         + f"; model {base.model.name}; R={base.rounds}, H={base.train.local_steps}, "
         f"{base.federation.sample_size()}/{base.federation.num_clients} clients per round -> {out}"
     )
