@@ -12,6 +12,11 @@ from fedtune.config import load_config
 from fedtune.harness.stats import mean, mean_std
 
 
+def accuracy_row(label: str, group: list[harness.RunSpec], *cells: str) -> list[str]:
+    """A table row: ``label``, the group's accuracy and proxy accuracy (mean of the last evaluations), ``cells``."""
+    return [label, harness.accuracy_cell(group, LAST), proxy_cell(group), *cells]
+
+
 def write_table2(specs, scale, hd, out: Path) -> str:
     digits_lr = load_config(RECIPE, scale.overrides("digits", "fedpft")).train.lr
     lines = [
@@ -27,15 +32,7 @@ def write_table2(specs, scale, hd, out: Path) -> str:
         "## Results",
         "",
     ]
-    rows = [
-        [
-            LABEL[m],
-            harness.accuracy_cell(g := harness.with_labels(specs, method=m), LAST),
-            proxy_cell(g),
-            *cost_cells(g),
-        ]
-        for m in METHODS
-    ]
+    rows = [accuracy_row(LABEL[m], g := harness.with_labels(specs, method=m), *cost_cells(g)) for m in METHODS]
     lines += harness.table_lines(["method", "acc (%)", "proxy acc (%)", *COST_COLUMNS], rows)
     lines += [
         "",
@@ -118,15 +115,7 @@ def write_table4(specs, scale, hd, out: Path) -> str:
         "## Results",
         "",
     ]
-    rows = [
-        [
-            LABEL[v],
-            harness.accuracy_cell(g := harness.with_labels(specs, variant=v), LAST),
-            proxy_cell(g),
-            str(PAPER["table4"][v]),
-        ]
-        for v in variants
-    ]
+    rows = [accuracy_row(LABEL[v], harness.with_labels(specs, variant=v), str(PAPER["table4"][v])) for v in variants]
     lines += harness.table_lines(["variant", "acc (%)", "proxy acc (%)", "paper SST-2 (BERT)"], rows)
     means = {v: mean([last_mean(s, "accuracy") for s in harness.with_labels(specs, variant=v)]) for v in variants}
     if all(x is not None for x in means.values()):

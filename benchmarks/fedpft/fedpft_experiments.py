@@ -174,50 +174,22 @@ def specs_table4(scale: Scale, seeds: list[int], rates: Rates) -> list[harness.R
 
 
 def specs_table5(scale: Scale, seeds: list[int], rates: Rates) -> list[harness.RunSpec]:
-    t_runs = [
-        r
-        for t in T_VALUES
-        for s in seeds
-        for r in rated(
-            rates,
-            "sst2",
-            "fedpft",
-            lambda lr: spec(
-                scale,
-                f"fedpft-sst2-t{t}-s{s}",
+    """Table 5: FedPFT on SST-2 at each alignment interval T (p = 0.5), then at each fraction p (T = 10)."""
+
+    def runs(tag: str, override: str, **labels) -> list[harness.RunSpec]:
+        return [
+            r
+            for s in seeds
+            for r in rated(
+                rates,
                 "sst2",
                 "fedpft",
-                s,
-                f"options.align_interval={t}",
-                lr=lr,
-                part="t",
-                t=t,
-                p=0.5,
-            ),
-        )
-    ]
-    return t_runs + [
-        r
-        for p in P_VALUES
-        for s in seeds
-        for r in rated(
-            rates,
-            "sst2",
-            "fedpft",
-            lambda lr: spec(
-                scale,
-                f"fedpft-sst2-p{p:g}-s{s}",
-                "sst2",
-                "fedpft",
-                s,
-                f"options.align_fraction={p}",
-                lr=lr,
-                part="p",
-                t=10,
-                p=p,
-            ),
-        )
-    ]
+                lambda lr: spec(scale, f"fedpft-sst2-{tag}-s{s}", "sst2", "fedpft", s, override, lr=lr, **labels),
+            )
+        ]
+
+    t_runs = [r for t in T_VALUES for r in runs(f"t{t}", f"options.align_interval={t}", part="t", t=t, p=0.5)]
+    return t_runs + [r for p in P_VALUES for r in runs(f"p{p:g}", f"options.align_fraction={p}", part="p", t=10, p=p)]
 
 
 def choices_of(sweep_runs: list[harness.RunSpec]) -> dict[tuple[str, str], harness.Choice | None]:

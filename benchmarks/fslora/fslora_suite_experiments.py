@@ -109,18 +109,8 @@ def table51_spec(
         *([] if method == "fedit" else OVERLAYS["hetero"]),
         *([f"rounds={rounds}"] if rounds else []),
     ]
-    return RunSpec(
-        name or f"{method}-{data}-s{seed}",
-        scale.run_overrides(data, method, *extra),
-        {
-            "method": method,
-            "data": data,
-            "seed": seed,
-            "rank": rank,
-            "rounds": rounds or scale.base.rounds,
-            "alpha": alpha,
-        },
-    )
+    labels = dict(method=method, data=data, seed=seed, rank=rank, rounds=rounds or scale.base.rounds, alpha=alpha)
+    return RunSpec(name or f"{method}-{data}-s{seed}", scale.run_overrides(data, method, *extra), labels)
 
 
 def fslora_spec(

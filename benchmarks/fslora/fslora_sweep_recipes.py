@@ -21,10 +21,7 @@ from fedtune.harness import (
 #: a recipe's method -> the benchmark rows that may set its [train] (and for FSLoRA [federation])
 RECIPE_ROWS = {
     "fslora": ["fslora", "fslora-sadam"],
-    "heterolora": ["heterolora"],
-    "flexlora": ["flexlora"],
-    "fedstacklora": ["fedstacklora"],
-    "fedit": ["fedit"],
+    **{m: [m] for m in ("heterolora", "flexlora", "fedstacklora", "fedit")},
 }
 
 
