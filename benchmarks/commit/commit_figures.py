@@ -65,6 +65,13 @@ def loss_table(specs: list[harness.RunSpec], trainers: list[str]) -> list[str]:
     return harness.table_lines(cols, rows)
 
 
+def page(intro: list[str], head: str, results: list[str], figure: str, specs: list[harness.RunSpec], out: Path) -> str:
+    """A figure's report: its ``intro`` lines, the setup ``head``, the results table, the plot
+    ``<figure>.png`` and the runs section."""
+    lines = [*intro, "", head, "## Results", "", *results, "", f"![{figure}]({figure}.png)", ""]
+    return "\n".join(lines) + "\n" + harness.runs_section(specs, out)
+
+
 def report_fig45(specs: list[harness.RunSpec], head: str, out: Path) -> str:
     plot_curves(
         out / "fig45.png",
@@ -79,16 +86,8 @@ def report_fig45(specs: list[harness.RunSpec], head: str, out: Path) -> str:
         "Per-step training loss (the answer cross-entropy of each step's batch), mean over seeds, smoothed over "
         f"{SMOOTH} steps; image is Figure 4's counterpart, audio Figure 5's. The paper: CoMMIT-CLR and CoMMIT "
         "reach lower losses earlier than Constant LR.",
-        "",
-        head,
-        "## Results",
-        "",
-        *loss_table(specs, FIG45),
-        "",
-        "![fig45](fig45.png)",
-        "",
     ]
-    return "\n".join(lines) + "\n" + harness.runs_section(specs, out)
+    return page(lines, head, loss_table(specs, FIG45), "fig45", specs, out)
 
 
 def report_fig6(specs: list[harness.RunSpec], head: str, out: Path) -> str:
@@ -110,16 +109,8 @@ def report_fig6(specs: list[harness.RunSpec], head: str, out: Path) -> str:
         "alone, moves the answer tokens' next-token distributions (total variation). Per run: the mean and the "
         "standard deviation of kappa_t over its steps; cells: mean ± sample std over seeds. The paper: CoMMIT and "
         "CoMMIT-CLR have the smallest std of kappa_t, Language LR up is also stable.",
-        "",
-        head,
-        "## Results",
-        "",
-        *harness.table_lines(cols, rows),
-        "",
-        "![fig6](fig6.png)",
-        "",
     ]
-    return "\n".join(lines) + "\n" + harness.runs_section(specs, out)
+    return page(lines, head, harness.table_lines(cols, rows), "fig6", specs, out)
 
 
 def report_fig3(specs: list[harness.RunSpec], head: str, out: Path) -> str:
@@ -151,16 +142,8 @@ def report_fig3(specs: list[harness.RunSpec], head: str, out: Path) -> str:
         "||G|| / ||theta|| of the loss gradient of each component at each step (S: the projector; T: the LoRA "
         "matrices). The paper (Sec. 4.2): imbalanced learning (Vision LR up) slows convergence and shrinks both "
         "components' gradients.",
-        "",
-        head,
-        "## Results",
-        "",
-        *harness.table_lines(cols, rows),
-        "",
-        "![fig3](fig3.png)",
-        "",
     ]
-    return "\n".join(lines) + "\n" + harness.runs_section(specs, out)
+    return page(lines, head, harness.table_lines(cols, rows), "fig3", specs, out)
 
 
 def report_federated(specs: list[harness.RunSpec], head: str, out: Path) -> str:
@@ -215,13 +198,5 @@ def report_federated(specs: list[harness.RunSpec], head: str, out: Path) -> str:
         "shards of the question labels: clients 0-1 the first type, 2-3 the second), 2 per round; each client "
         "runs the trainer on its own batches and measures its own kappa; the server averages the updates and "
         "the clients' kappa windows and rates (FedAvg weights).",
-        "",
-        head,
-        "## Results",
-        "",
-        *harness.table_lines(cols, rows),
-        "",
-        "![federated](federated.png)",
-        "",
     ]
-    return "\n".join(lines) + "\n" + harness.runs_section(specs, out)
+    return page(lines, head, harness.table_lines(cols, rows), "federated", specs, out)

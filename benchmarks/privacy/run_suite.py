@@ -20,18 +20,7 @@ from __future__ import annotations
 import os
 import sys
 
-from privacy_experiments import (
-    DEFAULT_ONLY,
-    EXPERIMENTS,
-    METHODS,
-    QUICK_RESULTS,
-    REPO,
-    RESULTS,
-    SECAGG,
-    SWEEP_SEED,
-    build,
-    costs,
-)
+import privacy_experiments as suite
 from privacy_report import report
 from privacy_secagg import write_secagg
 
@@ -40,32 +29,36 @@ from fedtune import harness
 
 @harness.suite_main
 def main(argv: list[str] | None = None) -> int:
-    p = harness.suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="1,2,3", budget_minutes=300.0)
-    p.set_defaults(only=DEFAULT_ONLY)
-    p.add_argument("--sweep-seed", type=int, default=SWEEP_SEED, help=f"the seed that chooses each clip ({SWEEP_SEED})")
+    p = harness.suite_parser(__doc__.split("\n\n")[0], suite.EXPERIMENTS, seeds="1,2,3", budget_minutes=300.0)
+    p.set_defaults(only=suite.DEFAULT_ONLY)
+    p.add_argument(
+        "--sweep-seed", type=int, default=suite.SWEEP_SEED, help=f"the seed that chooses each clip ({suite.SWEEP_SEED})"
+    )
     args = p.parse_args(argv)
     selected, seeds, out, command, _ = harness.suite_start(
-        args, argv, __file__, EXPERIMENTS, RESULTS, QUICK_RESULTS, "sst2"
+        args, argv, __file__, suite.EXPERIMENTS, suite.RESULTS, suite.QUICK_RESULTS, "sst2"
     )
     os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")  # the secagg runs' workers
 
     def stage(selection: list[str]) -> int:
-        plan, choices, waiting = build(seeds, args.sweep_seed, args.quick, out)
+        plan, choices, waiting = suite.build(seeds, args.sweep_seed, args.quick, out)
         notes = [
-            f"{METHODS[m][4]}: {sum(n == m for n, _ in waiting) * len(seeds)} runs wait for the sweep (epsilon "
+            f"{suite.METHODS[m][4]}: {sum(n == m for n, _ in waiting) * len(seeds)} runs wait for the sweep (epsilon "
             + (", ".join(f"{e:g}" for n, e in waiting if n == m) or "none")
             + ")"
-            for m in METHODS
-            if METHODS[m][4] in selection
+            for m in suite.METHODS
+            if suite.METHODS[m][4] in selection
         ]
 
         def reports():
-            secagg = write_secagg(plan[SECAGG], out, command) if SECAGG in selection else []
+            secagg = write_secagg(plan[suite.SECAGG], out, command) if suite.SECAGG in selection else []
             return [*secagg, *report(plan, choices, out, command)]
 
-        return harness.run_suite(plan, selection, args, costs(plan, args.quick), reports, root=REPO, notes=notes)
+        return harness.run_suite(
+            plan, selection, args, suite.costs(plan, args.quick), reports, root=suite.REPO, notes=notes
+        )
 
-    return harness.sweep_first(stage, selected, args, [METHODS[m][3] for m in METHODS])
+    return harness.sweep_first(stage, selected, args, [suite.METHODS[m][3] for m in suite.METHODS])
 
 
 if __name__ == "__main__":
