@@ -73,7 +73,7 @@ test-all: venv
 	$(BIN)/python -m pytest -q -m "slow or not slow"
 
 bench: venv
-	$(BIN)/python benchmarks/engine_overhead.py
+	$(BIN)/python benchmarks/engine/engine_overhead.py
 
 clean:
 	rm -rf $(VENV) .venv-lock runs

@@ -94,7 +94,7 @@ def release_free_memory(min_growth: int = TRIM_GROWTH) -> None:
     aggregation) and the freed activations of the last client's training. glibc's heap keeps those
     freed pages: the long-lived replies sit between them, and its adaptive mmap threshold moves
     megabyte buffers onto the heap after the first frees, so the resident size grew by about
-    12 MB per client on SmolLM2-135M (1.8 MB of which is the reply; benchmarks/llm_scale.py, 32
+    12 MB per client on SmolLM2-135M (1.8 MB of which is the reply; benchmarks/llm/llm_scale.py, 32
     clients: peak 1.16x the bare loop). A trim returns the next client's working set too, which it
     faults in again: trimming before every client cost 14 % of the training speed there. So the
     level is measured one client after a trim (the working set back in place), and the next trim

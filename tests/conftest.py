@@ -101,6 +101,29 @@ def tiny(tmp_path, method: str, kind: str, *extra: str, variant: str = ""):
     )
 
 
+def random_global(strategy, seed: int) -> dict:
+    """Give the initialized ``strategy`` random global arrays (N(0, 0.3^2) each coordinate, float32)
+    and return them in float64: a start far from the zero-initialized LoRA B."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    strategy.global_arrays = {
+        k: (0.3 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in strategy.global_arrays.items()
+    }
+    return {k: v.astype(np.float64) for k, v in strategy.global_arrays.items()}
+
+
+def one_line_config_error(call) -> str:
+    """The message of the :class:`~fedtune.config.ConfigError` that ``call()`` raises, checked to be
+    one line."""
+    from fedtune.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        call()
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
 def load_script(path: Path, name: str):
     """A benchmark script (not a package module) imported from its file as module ``name``. Its
     folder goes on ``sys.path``, as when the script runs, so that it finds its sibling modules
@@ -129,6 +152,21 @@ def load_suite(path: Path, name: str, prefix: str):
     for sibling in sorted(path.parent.glob(f"{prefix}_*.py")):
         merged.update(vars(importlib.import_module(sibling.stem)))
     return SimpleNamespace(**{**merged, **vars(script)})
+
+
+def suite_fixture(script: str, prefix: str | None = None, name: str = "suite"):
+    """A module-scoped fixture ``name``: the benchmark script ``benchmarks/<script>`` imported (as its
+    stem where that starts with its folder's name, else ``<folder>_<stem>``) with its sibling modules
+    ``<prefix>_*.py`` (:func:`load_suite`; without ``prefix``, the script alone: :func:`load_script`)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+    folder = path.parent.name
+    module = path.stem if path.stem.startswith(folder) else f"{folder}_{path.stem}"
+
+    @pytest.fixture(scope="module", name=name)
+    def loaded():
+        return load_script(path, module) if prefix is None else load_suite(path, module, prefix)
+
+    return loaded
 
 
 def planned_configs(plan) -> list:

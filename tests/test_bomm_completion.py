@@ -100,6 +100,10 @@ def test_the_preference_gradient_at_the_reference_pulls_toward_the_preferred_out
     np.testing.assert_allclose(cos.numpy(), 1.0, atol=1e-6)
 
 
+#: the generator fits' shared settings: the reward's beta, preferring the target, seed 0
+FIT = {"beta": 1.0, "prefer": True, "seed": 0}
+
+
 @pytest.mark.parametrize("preference", [False, True])
 def test_generator_training_moves_generations_toward_their_targets(preference):
     rng = np.random.default_rng(0)
@@ -115,21 +119,8 @@ def test_generator_training_moves_generations_toward_their_targets(preference):
         return np.mean([np.mean((generate(gen, source[target == t], t) - g_p[target == t]) ** 2) for t in (0, 1)])
 
     before = error()
-    metrics = fit_generator(
-        gen,
-        source,
-        target,
-        g_p,
-        np.zeros(n),
-        preference=preference,
-        beta=1.0,
-        gamma=1.0,
-        prefer=True,
-        epochs=20,
-        lr=3e-3,
-        batch_size=32,
-        seed=0,
-    )
+    data = (source, target, g_p, np.zeros(n))
+    metrics = fit_generator(gen, *data, preference=preference, gamma=1.0, epochs=20, lr=3e-3, batch_size=32, **FIT)
     assert error() < 0.5 * before
     assert ("generator_prefer" in metrics) == preference and "generator_loss" in metrics
 
@@ -142,22 +133,8 @@ def test_a_fixed_reference_enters_the_reward_and_stays_frozen():
     torch.manual_seed(0)
     gen, reference = Generator(8, hidden=16), Generator(8, hidden=16)
     frozen = {k: v.clone() for k, v in reference.state_dict().items()}
-    fit_generator(
-        gen,
-        source,
-        target,
-        g_p,
-        np.zeros(64),
-        preference=True,
-        beta=1.0,
-        gamma=0.0,
-        prefer=True,
-        epochs=1,
-        lr=1e-3,
-        batch_size=64,
-        seed=0,
-        reference=reference,
-    )
+    data = (source, target, g_p, np.zeros(64))
+    fit_generator(gen, *data, preference=True, gamma=0.0, epochs=1, lr=1e-3, batch_size=64, reference=reference, **FIT)
     assert all(torch.equal(frozen[k], v) for k, v in reference.state_dict().items())
     # one step by hand: the same gradient as preference_loss with ref = reference(x), g^q = gen_before(x)
     torch.manual_seed(0)

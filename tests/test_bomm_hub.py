@@ -20,27 +20,20 @@ def _image(path, value):
     Image.fromarray(np.full((20, 24, 3), value, np.uint8)).save(path)
 
 
+def instances(*pairs: tuple[int, int]) -> list[dict]:
+    """COCO instance annotations, one per (image id, category id)."""
+    return [{"image_id": i, "category_id": c} for i, c in pairs]
+
+
 def test_majority_category_counts_instances_and_breaks_ties_by_id():
-    anns = [
-        {"image_id": 1, "category_id": 5},
-        {"image_id": 1, "category_id": 3},
-        {"image_id": 1, "category_id": 5},
-        {"image_id": 2, "category_id": 9},
-        {"image_id": 2, "category_id": 4},
-    ]
+    anns = instances((1, 5), (1, 3), (1, 5), (2, 9), (2, 4))
     assert majority_category(anns) == {1: 5, 2: 4}
 
 
 def test_coco_from_the_official_annotation_files(tmp_path):
     images = [{"id": 7, "file_name": "a.jpg"}, {"id": 3, "file_name": "b.jpg"}, {"id": 9, "file_name": "c.jpg"}]
     cats = [{"id": 1, "name": "person"}, {"id": 18, "name": "dog"}, {"id": 44, "name": "bottle"}]
-    inst = [
-        {"image_id": 7, "category_id": 18},
-        {"image_id": 7, "category_id": 18},
-        {"image_id": 7, "category_id": 1},
-        {"image_id": 3, "category_id": 1},
-        {"image_id": 9, "category_id": 44},
-    ]
+    inst = instances((7, 18), (7, 18), (7, 1), (3, 1), (9, 44))
     caps = [
         {"image_id": 7, "caption": "two dogs and a man "},
         {"image_id": 7, "caption": "dogs"},

@@ -23,16 +23,12 @@ from fedtune.methods.bomm.pool import CloudRound, Pool, union_samples
 from fedtune.protocol.messages import Message
 from fedtune.protocol.validation import check_arrays
 from fedtune.runtime import RunContext
+from fedtune.tasks.paired_multimodal import PairedMultimodal
 from tests.test_flower import task_identity  # noqa: F401 - fixture
 
 PAIRED = [
     "task.kind=paired-multimodal",
-    "data.name=digits",
-    "model.name=fusion-cnn",
-    "task.aligned=8",
-    "task.unaligned=24",
-    "task.frames=32",
-    "data.max_test_samples=40",
+    *PairedMultimodal.test_overrides,
     "federation.num_clients=2",
     "rounds=2",
     "train.local_steps=3",

@@ -4,19 +4,11 @@ has finished."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.conftest import assert_every_planned_run_resolves, load_suite
+from tests.conftest import assert_every_planned_run_resolves, suite_fixture
 
-ROOT = Path(__file__).resolve().parents[1]
-SUITE = ROOT / "benchmarks" / "bomm" / "run_suite.py"
-
-
-@pytest.fixture(scope="module")
-def suite():
-    return load_suite(SUITE, "bomm_run_suite", "bomm")
+suite = suite_fixture("bomm/run_suite.py", "bomm")
 
 
 @pytest.fixture(scope="module")

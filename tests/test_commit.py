@@ -34,6 +34,7 @@ from fedtune.models.training import make_optimizer, seed_for
 from fedtune.run import run_experiment
 from fedtune.runtime import RunContext
 from fedtune.tasks.instruction import Instruction
+from tests.conftest import one_line_config_error
 from tests.test_flower import task_identity  # noqa: F401 - fixture
 
 RANK = 4
@@ -705,9 +706,7 @@ def test_commit_gives_the_same_run_on_flower(tmp_path, task_identity):  # noqa: 
     ],
 )
 def test_bad_options_stop_with_one_line_naming_the_field(tmp_path, override, field):
-    with pytest.raises(ConfigError) as info:
-        RunContext(config(tmp_path, override))
-    assert str(info.value).startswith(field + ":") and "\n" not in str(info.value)
+    assert one_line_config_error(lambda: RunContext(config(tmp_path, override))).startswith(field + ":")
 
 
 # -- unfaithful variants the checks above let through (found by applying them one at a time) ------

@@ -5,19 +5,12 @@ any run has finished."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.conftest import assert_every_planned_run_resolves, load_suite
+from fedtune import harness
+from tests.conftest import assert_every_planned_run_resolves, suite_fixture
 
-ROOT = Path(__file__).resolve().parents[1]
-SUITE = ROOT / "benchmarks" / "commit" / "run_suite.py"
-
-
-@pytest.fixture(scope="module")
-def suite():
-    return load_suite(SUITE, "commit_run_suite", "commit")
+suite = suite_fixture("commit/run_suite.py", "commit")
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +83,7 @@ def test_scale_options_reach_every_run_and_bad_ones_name_the_option(suite, tmp_p
     assert {s.labels["modality"] for specs in restricted.values() for s in specs} == {"image"}
     assert len(restricted["table1"]) == 5
     for bad, option in ((["--modalities", "video"], "--modalities"), (["--steps", "0"], "--steps")):
-        with pytest.raises(suite.SuiteError, match=f"^{option}:"):
+        with pytest.raises(harness.SuiteError, match=f"^{option}:"):
             suite.selection(suite.parse_args(bad))
 
 
@@ -103,7 +96,7 @@ def test_evals_split_a_centralized_run_into_evaluated_rounds_with_one_optimizer(
             assert (c.rounds, c.train.local_steps, c.options.get("carry_optimizer", False)) == (5, 4, False)
         else:
             assert (c.rounds, c.train.local_steps, c.eval_every, c.options["carry_optimizer"]) == (4, 10, 1, True)
-    with pytest.raises(suite.SuiteError, match="^--evals: expected a divisor of the 40 steps per run, got 3$"):
+    with pytest.raises(harness.SuiteError, match="^--evals: expected a divisor of the 40 steps per run, got 3$"):
         suite.selection(suite.parse_args(["--steps", "40", "--evals", "3"]))
 
 
@@ -112,7 +105,7 @@ def test_lr_sets_every_runs_base_rate(suite, tmp_path):
     plan = suite.build_suite_plan([0], scale, tmp_path)
     assert {s.config.train.lr for specs in plan.values() for s in specs} == {3e-4}
     for bad in ("0", "-1", "nan"):
-        with pytest.raises(suite.SuiteError, match="^--lr: expected a positive number"):
+        with pytest.raises(harness.SuiteError, match="^--lr: expected a positive number"):
             suite.selection(suite.parse_args(["--lr", bad]))
 
 
@@ -143,8 +136,8 @@ def test_with_a_rate_grid_each_trainer_runs_the_tables_at_its_own_chosen_rate(su
         ["--lr-grid", "3e-3,3e-4,1e-3", "--only", "table1", "--seeds", "1,2", "--evals", "4", "--steps", "40"]
     )
     scale, _ = suite.selection(args)
-    sweep, selected = suite.sweep_selection(args, ["table1"], suite.SWEPT)
-    assert selected == ["sweep", "table1"] and sweep == suite.Sweep((3e-4, 1e-3, 3e-3), 0)
+    sweep, selected = harness.sweep_selection(args, ["table1"], suite.SWEPT)
+    assert selected == ["sweep", "table1"] and sweep == harness.Sweep((3e-4, 1e-3, 3e-3), 0)
     plan = suite.build_suite_plan([1, 2], scale, tmp_path, sweep)
     runs = plan["sweep"]
     assert {(s.labels["modality"], s.labels["trainer"], s.config.train.lr, s.config.seed) for s in runs} == {
@@ -154,7 +147,7 @@ def test_with_a_rate_grid_each_trainer_runs_the_tables_at_its_own_chosen_rate(su
     assert plan["table1"] == [] and plan["fig45"] == []  # every group waits for its sweep
     waiting = {s.key: s.run_dir for s in plan["fig6"] + plan["fig3"]}
     assert {s.config.train.lr for s in plan["fig6"]} == {suite.load_config(suite.RECIPE).train.lr}  # not swept
-    group = {s.labels["lr"]: s for s in suite.with_labels(runs, modality="image", trainer="commit")}
+    group = {s.labels["lr"]: s for s in harness.with_labels(runs, modality="image", trainer="commit")}
     finish(group[3e-4], [0.1, 0.5, 0.5, 0.5])  # the best final point, but a last-3 mean of 0.5
     finish(group[1e-3], [0.2, 0.6, 0.6, 0.4])  # last-3 mean 0.533: chosen
     finish(group[3e-3], [0.7, 0.3, 0.3, 0.3])  # the best single evaluation, early

@@ -41,6 +41,10 @@ from fedtune.methods.fedpft.ffn_proxy import (
 )
 from fedtune.models.train_memory import ActivationMeter, training_peak_bytes, weight_bytes
 
+#: the tiny transformers' shared sizes (a text model adds its vocabulary and positions)
+SMALL = {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2}
+TEXT_SHAPE = {"vocab_size": 60, "max_position_embeddings": 32}
+
 
 def tiny_bert(layers: int = 2, hidden: int = 16, ff: int = 32, seed: int = 0, ffn_std: float | None = None):
     from transformers import BertConfig, BertModel
@@ -68,15 +72,7 @@ def tiny_llama(layers: int = 2):
     from transformers import LlamaConfig, LlamaModel
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=60,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
+    cfg = LlamaConfig(num_hidden_layers=layers, num_key_value_heads=2, **TEXT_SHAPE, **SMALL)
     return LlamaModel(cfg).eval()
 
 
@@ -84,17 +80,7 @@ def tiny_vit():
     from transformers import ViTConfig, ViTModel
 
     torch.manual_seed(0)
-    return ViTModel(
-        ViTConfig(
-            image_size=8,
-            patch_size=4,
-            num_channels=3,
-            hidden_size=16,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=32,
-        )
-    ).eval()
+    return ViTModel(ViTConfig(image_size=8, patch_size=4, num_channels=3, num_hidden_layers=2, **SMALL)).eval()
 
 
 def forward(model, batch):
@@ -383,15 +369,7 @@ def test_apoz_counts_exact_relu_zeros_at_threshold_zero():
 
     torch.manual_seed(0)
     model = BertModel(
-        BertConfig(
-            vocab_size=60,
-            hidden_size=16,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=8,
-            max_position_embeddings=32,
-            hidden_act="relu",
-        )
+        BertConfig(num_hidden_layers=2, hidden_act="relu", **TEXT_SHAPE, **{**SMALL, "intermediate_size": 8})
     ).eval()
     stack = find_stack(model)
     ffn = stack.ffn(1)

@@ -35,6 +35,13 @@ DATA = "sst2" if HAS_SST2 else "tweets"
 # else the task's own held-out examples
 HAS_AGNEWS = (Path(os.environ.get("FEDTUNE_DATA_DIR", "data")) / "agnews" / "dev.tsv").is_file()
 PUBLIC = ["options.distill_data=agnews"] if HAS_AGNEWS else []
+ALIGN_EVERY_ROUND = (  # FedPFT aligning a quarter of the neurons after every round, 3 steps
+    "options.align_interval=1",
+    "options.align_fraction=0.25",
+    "options.distill_before=false",
+    "options.align_steps=3",
+)
+TOP_LAYER = ("options.adapter_bottom=0", "options.adapter_top=1")  # the adapter: layer 1, the top one
 BASE = [
     *PUBLIC,
     "model.name=tiny-bert",
@@ -229,10 +236,7 @@ def test_apoz_uploads_and_neuron_downloads_are_byte_accounted(tmp_path):
     fed = Federation(
         tmp_path,
         "fedpft",
-        "options.align_interval=1",
-        "options.align_fraction=0.25",
-        "options.distill_before=false",
-        "options.align_steps=3",
+        *ALIGN_EVERY_ROUND,
         "rounds=2",
     )  # aligns after round 1 only
     replies, metrics = fed.round(1, [0, 1])
@@ -325,19 +329,10 @@ def test_fedpft_refuses_models_without_a_known_ffn(tmp_path):
 def test_fedot_plugs_the_adapter_into_the_full_models_layers(tmp_path):
     """Proxy = the top layer alone (layer 1 at position 0): the LoRA trained there lands on the full
     model's layer 1, as the merged weights predict; the rank keeps FedPETuning's budget."""
-    fed = Federation(
-        tmp_path,
-        "fedot",
-        "options.adapter_bottom=0",
-        "options.adapter_top=1",
-        "options.emulator_layers=1",
-        "options.distill_steps=5",
-    )
+    fed = Federation(tmp_path, "fedot", *TOP_LAYER, "options.emulator_layers=1", "options.distill_steps=5")
     s = fed.strategy
     assert s.builder.keep == [0, 1] and s.rank == 16 and s.alpha == fed.config.model.lora_alpha * 2
-    fed = Federation(
-        tmp_path / "b", "fedot", "options.adapter_bottom=0", "options.adapter_top=1", "options.emulator_layers=0"
-    )
+    fed = Federation(tmp_path / "b", "fedot", *TOP_LAYER, "options.emulator_layers=0")
     s = fed.strategy
     assert s.builder.keep == [1] and s.rank == 16
     fed.round(1, [0])
@@ -433,10 +428,7 @@ def test_a_client_several_versions_behind_gets_the_union_of_changed_neurons(tmp_
     fed = Federation(
         tmp_path,
         "fedpft",
-        "options.align_interval=1",
-        "options.align_fraction=0.25",
-        "options.distill_before=false",
-        "options.align_steps=3",
+        *ALIGN_EVERY_ROUND,
         "rounds=3",
     )
     # round 3, the last, does not align
@@ -500,14 +492,7 @@ def test_fedot_emulator_distillation_reads_the_middle_block_and_trains_only_the_
     """With every middle layer kept, the emulator is the full middle block: the distillation's
     held-out output error starts at exactly 0 (the teacher is read at the last middle layer);
     the adapter layers, embeddings and head stay the full model's."""
-    fed = Federation(
-        tmp_path,
-        "fedot",
-        "options.adapter_bottom=0",
-        "options.adapter_top=1",
-        "options.emulator_layers=1",
-        "options.distill_steps=5",
-    )
+    fed = Federation(tmp_path, "fedot", *TOP_LAYER, "options.emulator_layers=1", "options.distill_steps=5")
     s = fed.strategy
     assert s.builder.keep == [0, 1] and s.builder.emulator_positions == [0]
     assert s.builder.record["distill"]["heldout_output_error_before"] == 0.0

@@ -4,23 +4,14 @@ experiment runs the configuration its report names, shared runs are one config, 
 
 from __future__ import annotations
 
-from pathlib import Path
+from fedtune import harness
+from tests.conftest import assert_every_planned_run_resolves, suite_fixture
 
-import pytest
-
-from tests.conftest import assert_every_planned_run_resolves, load_suite
-
-ROOT = Path(__file__).resolve().parents[1]
-SUITE = ROOT / "benchmarks" / "fedpft" / "run_suite.py"
-
-
-@pytest.fixture(scope="module")
-def suite():
-    return load_suite(SUITE, "fedpft_run_suite", "fedpft")
+suite = suite_fixture("fedpft/run_suite.py", "fedpft")
 
 
 def test_every_planned_run_resolves(suite, tmp_path):
-    sweep = suite.Sweep((1e-3, 2e-3), 0)
+    sweep = harness.Sweep((1e-3, 2e-3), 0)
     plan = suite.build_suite_plan(suite.Scale(False, tmp_path, sweep), [1], tmp_path)
     # table2's model is a random ViT the suite writes to its scratch folder just before running it
     assert assert_every_planned_run_resolves({k: v for k, v in plan.items() if k != "table2"}) > 10
@@ -42,7 +33,7 @@ def test_each_method_runs_the_tables_at_its_own_chosen_rate(suite, tmp_path):
     from fedtune.config import load_config
     from tests.test_harness import finish
 
-    sweep = suite.Sweep((1e-3, 2e-3, 4e-3), 0)
+    sweep = harness.Sweep((1e-3, 2e-3, 4e-3), 0)
     scale = suite.Scale(False, tmp_path, sweep)
     plan = suite.build_suite_plan(scale, [1, 2], tmp_path)
     runs = plan["sweep"]
@@ -52,7 +43,7 @@ def test_each_method_runs_the_tables_at_its_own_chosen_rate(suite, tmp_path):
     for exp in suite.SWEPT:
         assert plan[exp] == []  # every (data set, method) waits for its sweep
     assert {s.config.train.lr for s in plan["table2"]} == {load_config(suite.RECIPE).train.lr}  # not swept
-    group = {s.labels["lr"]: s for s in suite.with_labels(runs, data="sst2", method="fedpft")}
+    group = {s.labels["lr"]: s for s in harness.with_labels(runs, data="sst2", method="fedpft")}
     finish(group[1e-3], [0.5, 0.9, 0.6, 0.6])  # the best final point, but a last-3 mean of 0.7
     finish(group[2e-3], [0.6, 0.8, 0.8, 0.7])  # last-3 mean 0.767: chosen
     finish(group[4e-3], [0.95, 0.5, 0.5, 0.5])  # the best single evaluation, early

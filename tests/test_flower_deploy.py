@@ -22,17 +22,9 @@ from fedtune.certificates import generate_certificates, generate_node_key
 from fedtune.config import load_config
 from fedtune.engines.flower import commands
 from fedtune.engines.flower.deployment import LoopbackDeployment
+from tests import test_flower
 
-TINY = [
-    "method=fedit",
-    "model.name=tiny-bert",
-    "data=tweets",
-    "data.max_train_samples=200",
-    "data.max_test_samples=100",
-    "federation.num_clients=2",
-    "train.local_steps=2",
-    "seed=3",
-]
+TINY = [x for x in test_flower.TINY if not x.startswith("rounds=")]  # the deployment's own default rounds
 
 
 def _flower_processes() -> set[int]:

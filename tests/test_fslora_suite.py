@@ -9,20 +9,13 @@ same configuration in both.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import tomli_w
 
-from tests.conftest import assert_every_planned_run_resolves, load_suite
+from tests.conftest import assert_every_planned_run_resolves, suite_fixture
 
-ROOT = Path(__file__).resolve().parents[1]
-SUITE = ROOT / "benchmarks" / "fslora" / "run_suite.py"
-
-
-@pytest.fixture(scope="module")
-def suite():
-    return load_suite(SUITE, "fslora_run_suite", "fslora_suite")
+suite = suite_fixture("fslora/run_suite.py", "fslora_suite")
 
 
 @pytest.fixture(scope="module")

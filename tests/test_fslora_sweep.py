@@ -13,15 +13,13 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from tests.conftest import assert_every_planned_run_resolves, load_suite
+from fedtune import harness
+from tests.conftest import assert_every_planned_run_resolves, suite_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
-SWEEP = ROOT / "benchmarks" / "fslora" / "sweep.py"
 
 
-@pytest.fixture(scope="module")
-def sweep():
-    return load_suite(SWEEP, "fslora_sweep", "fslora_sweep")
+sweep = suite_fixture("fslora/sweep.py", "fslora_sweep", name="sweep")
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +76,7 @@ def test_every_method_gets_the_same_grid_weighting_and_settings(sweep, built):
     assert shared == {(30, 2, 5, 16, 10, 10, "sst2", 20000, 0.5, "minilm", 0.1, 0)}
     for family in sweep.FAMILIES:
         for row in sweep.ROWS:
-            group = sweep.with_labels(runs, row=row, family=family)
+            group = harness.with_labels(runs, row=row, family=family)
             lrs = sorted({s.config.train.lr for s in group})
             assert lrs == sorted(sweep.LR_GRID[family])  # the same client grid for every row
             if row == "fslora-sadam":
@@ -125,7 +123,7 @@ def test_the_chosen_rate_is_the_argmax_of_the_mean_of_the_last_3_evaluations(swe
     scale = sweep.Scale()
     out = tmp_path / "out"
     plan, _, _ = sweep.build_sweep_plan(scale, 0, [1, 2, 3], out)
-    group = {s.labels["lr"]: s for s in sweep.with_labels(plan["sweep"], row="heterolora", family="adamw")}
+    group = {s.labels["lr"]: s for s in harness.with_labels(plan["sweep"], row="heterolora", family="adamw")}
     # 3e-4: best final point (0.90) but last-3 mean 0.70; 1e-3: last-3 mean 0.7667 (chosen);
     # 3e-3: best single evaluation (0.95) early, then collapsed (last-3 mean 0.50)
     finish(group[3e-4], [0.55, 0.6, 0.6, 0.6, 0.9])
@@ -149,7 +147,7 @@ def test_the_chosen_rate_is_the_argmax_of_the_mean_of_the_last_3_evaluations(swe
         assert same == chosen.model_dump(exclude={"seed", "name", "output_dir"})  # only the seed differs
     assert len(waiting) == (len(sweep.ROWS) * len(sweep.FAMILIES) - 1) * 3
     # a group with one unfinished sweep run is not chosen
-    flex = sweep.with_labels(plan["sweep"], row="flexlora", family="adamw")
+    flex = harness.with_labels(plan["sweep"], row="flexlora", family="adamw")
     for spec, acc in zip(flex[:-1], (0.6, 0.7)):
         finish(spec, [acc] * 5)
     assert sweep.choose(plan["sweep"], "flexlora", "adamw") is None
@@ -159,7 +157,7 @@ def test_fedit_table_runs_use_each_seeds_own_min_k(sweep, tmp_path):
     scale = sweep.Scale()
     out = tmp_path / "out"
     plan, _, _ = sweep.build_sweep_plan(scale, 0, [1, 2, 3], out)
-    runs = sweep.with_labels(plan["sweep"], row="fedit", family="sgdm")
+    runs = harness.with_labels(plan["sweep"], row="fedit", family="sgdm")
     for i, spec in enumerate(runs):  # accuracy rises with the rate: the largest wins
         finish(spec, [0.6 + 0.05 * i] * 4)
     plan, choices, _ = sweep.build_sweep_plan(scale, 0, [1, 2, 3], out)
@@ -185,7 +183,7 @@ def test_reports_and_verdicts_over_hand_made_runs(sweep, tmp_path):
     out = tmp_path / "out"
     plan, _, _ = sweep.build_sweep_plan(scale, 0, [1, 2], out)
     for row in ("fslora", "heterolora"):
-        for spec in sweep.with_labels(plan["sweep"], row=row, family="adamw"):
+        for spec in harness.with_labels(plan["sweep"], row=row, family="adamw"):
             finish(spec, [0.6 + spec.labels["lr"] if spec.labels["lr"] <= 3e-3 else 0.5] * 3)  # peak at 3e-3
     plan, choices, _ = sweep.build_sweep_plan(scale, 0, [1, 2], out)
     table = {(s.labels["row"], s.labels["seed"]): s for s in plan["table"]}

@@ -42,6 +42,8 @@ from fedtune.harness import (
     run_state,
     runs_section,
     suite_command,
+    suite_files,
+    suite_main,
     suite_parser,
     sweep_first,
     sweep_note,
@@ -270,6 +272,26 @@ def test_curves_accumulate_upload_and_average_over_common_rounds():
     assert mean_curve([[], []]) == []
 
 
+def test_a_curve_is_plotted_in_percent_against_the_round_or_the_upload_once_a_run_has_finished(recipe, tmp_path):
+    from fedtune.harness import finish_axes, plot_curve, pyplot
+
+    plan = build_plan({"seeds": two_experiments()["seeds"]}, recipe, tmp_path)["seeds"]
+    fig, ax = pyplot().subplots()
+    assert plot_curve(ax, plan, label="none") is False and ax.get_lines() == []
+    finish_axes(ax, title="t", xlabel="round")
+    assert ax.get_legend() is None and ax.get_title() == "t"  # nothing labelled: no legend
+    for spec, accuracies in zip(plan, ([0.5, 0.7], [0.7, 0.9])):
+        finish(spec, accuracies, bytes_up=2_000_000)
+    assert plot_curve(ax, plan, "--", label="rounds") and plot_curve(ax, plan, upload=True, label="MB")
+    (by_round, by_upload) = ax.get_lines()
+    assert list(by_round.get_xdata()) == [1, 2] and list(by_round.get_ydata()) == pytest.approx([60.0, 80.0])
+    assert by_round.get_linestyle() == "--" and by_round.get_marker() == "o"
+    assert list(by_upload.get_ydata()) == pytest.approx([60.0, 80.0]) and by_upload.get_xdata()[0] > 0
+    finish_axes(ax, 9)
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["rounds", "MB"]
+    pyplot().close(fig)
+
+
 # -- cost model ---------------------------------------------------------------------------------
 
 
@@ -418,6 +440,30 @@ def test_standard_command_line():
     assert command.endswith(".venv/bin/python benchmarks/x/run_suite.py --quick --only 'a b'")
 
 
+def test_a_suites_bad_option_prints_its_one_line_and_exits_2(capsys):
+    @suite_main
+    def main(argv=None):
+        parse_selection(suite_parser("a suite", ["a", "b"]).parse_args(argv), ["a", "b"])
+        return 0
+
+    assert main(["--only", "b"]) == 0
+    assert main(["--only", "c"]) == 2
+    assert capsys.readouterr().out == "--only: unknown ['c'] (expected ['a', 'b'])\n"
+
+
+def test_suite_files_are_named_after_the_suite(tmp_path):
+    (tmp_path / "configs" / "benchmarks").mkdir(parents=True)
+    (tmp_path / "configs" / "benchmarks" / "x-suite-overlays.toml").write_text("[quick]\nrounds = 2\n")
+    recipe, overlays, results, quick = suite_files(tmp_path, "x-suite", "x")
+    assert recipe == tmp_path / "configs" / "benchmarks" / "x-suite.toml" and overlays == {"quick": ["rounds=2"]}
+    assert (results, quick) == (tmp_path / "benchmarks/results/x", tmp_path / "benchmarks/results/_scratch/x-quick")
+    assert suite_files(tmp_path, "y", "y/z", "y-quick")[1:] == (
+        {},  # no overlays file
+        tmp_path / "benchmarks/results/y/z",
+        tmp_path / "benchmarks/results/_scratch/y-quick",
+    )
+
+
 def test_the_sweep_runs_before_the_experiments_planned_from_it():
     parser = suite_parser("a suite", ["sweep", "table", "fig"])
     calls = []
@@ -437,6 +483,20 @@ def test_the_sweep_runs_before_the_experiments_planned_from_it():
         calls.clear()
         sweep_first(stage, selected, parser.parse_args(argv))
         assert calls == [selected]  # one plan: nothing runs, or nothing is planned from a sweep
+    calls.clear()  # several sweeps (one per method): all of them first, then what is planned from them
+    assert sweep_first(stage, ["table", "sweep", "fig", "sweep2"], parser.parse_args([]), ["sweep", "sweep2"]) == 1
+    assert calls == [["sweep", "sweep2"], ["table", "fig"]]
+
+
+def test_a_pool_job_runs_its_config_on_the_engine_the_config_names(recipe, tmp_path, monkeypatch):
+    from fedtune import launch
+    from fedtune.harness.pool import run_config
+
+    launched = []
+    monkeypatch.setitem(launch.ENGINES, "flower-sim", lambda config, **kw: launched.append((config, kw)) or {})
+    spec = build_plan({"e": [RunSpec("r", ['engine="flower-sim"'])]}, recipe, tmp_path)["e"][0]
+    assert run_config(spec.config)[0] == {}
+    assert launched == [(spec.config, {"on_round": None, "on_start": None, "resume": False, "overwrite": True})]
 
 
 def test_the_sweep_needs_a_grid_and_a_grid_needs_positive_rates(capsys):
@@ -459,6 +519,7 @@ def test_the_sweep_needs_a_grid_and_a_grid_needs_positive_rates(capsys):
         Sweep((0.3, 1.0), 3),
         ["sweep", "table"],
     )
+    assert str(Sweep((3e-4, 1e-3), 3)) == "rates 0.0003, 0.001 swept on seed 3"  # the suites' plan line
     with pytest.raises(SuiteError, match="^--lr-factors: expected comma-separated positive multiples of each"):
         sweep_selection(factors.parse_args(["--lr-factors", "0"]), ["table"], ["table"])
     with pytest.raises(SuiteError, match="^--only sweep: needs --lr-factors"):

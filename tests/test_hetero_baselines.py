@@ -32,6 +32,7 @@ from fedtune.methods.fedstacklora import DENSE, STACK_B, split_downlink
 from fedtune.protocol.messages import Message
 from fedtune.run import run_experiment
 from fedtune.runtime import RunContext
+from tests.conftest import random_global
 
 ROOT = Path(__file__).resolve().parents[1]
 ALPHA = 16.0
@@ -414,11 +415,7 @@ def test_heterolora_one_sgd_step_is_the_gradient_of_the_truncated_model_at_its_s
     config = tiny("heterolora", PROFILES, f"options.scaling={scaling}", "train.optimizer=sgd", f"train.lr={gamma}")
     strategy, clients = RunContext(config).strategy(), RunContext(config)
     strategy.initialize()
-    rng = np.random.default_rng(8)
-    strategy.global_arrays = {
-        k: (0.3 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in strategy.global_arrays.items()
-    }
-    g0 = {k: v.astype(np.float64) for k, v in strategy.global_arrays.items()}
+    g0 = random_global(strategy, 8)
     paths = lora_paths(g0)
     head = {k: v for k, v in strategy.global_arrays.items() if k.startswith("classifier.")}
     replies = exchange_all(strategy, clients, 1)

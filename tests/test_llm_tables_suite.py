@@ -1,4 +1,4 @@
-"""benchmarks/llm_tables.py (issue 27's two causal-LM tables): every planned run resolves and is its
+"""benchmarks/llm/llm_tables.py (issue 27's two causal-LM tables): every planned run resolves and is its
 recipe plus the method's overlay; the Dolly sweep picks the lowest response loss, the commonsense one
 the highest accuracy; a table cell is the mean +- sample std over seeds of each run's mean of its last
 two evaluations, computed by hand here from written run folders; the cost model's arithmetic."""
@@ -7,21 +7,16 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import tomli_w
 
+from fedtune import harness
 from fedtune.harness import Sweep
-from tests.conftest import assert_every_planned_run_resolves, load_suite
+from tests.conftest import assert_every_planned_run_resolves, suite_fixture
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "llm_tables.py"
-
-
-@pytest.fixture(scope="module")
-def suite():
-    return load_suite(SCRIPT, "llm_tables", "llm_tables")
+suite = suite_fixture("llm/llm_tables.py", "llm_tables")
 
 
 def out_dirs(tmp_path):
@@ -199,9 +194,9 @@ def test_plan_prints_the_total_of_sweep_tables_and_final_evaluations(suite, tmp_
     assert final == pytest.approx(suite.SETUP_S + 2 * suite.FINAL_PER_SET * suite.EVAL_S["table52"])  # ARC: > 500
     untuned = [suite.SETUP_S + 200 * suite.EVAL_S["table52"], suite.SETUP_S + 80 * suite.EVAL_S["dolly"]]
     minutes = [
-        suite.makespan([suite.run_cost(s) for s in sweep], 2) / 60,
-        suite.makespan([suite.run_cost(s) for s in waiting], 2) / 60,
-        suite.makespan([final] * 16 + untuned, 2) / 60,  # 15 table runs and the untuned base; two untuned rows
+        harness.makespan([suite.run_cost(s) for s in sweep], 2) / 60,
+        harness.makespan([suite.run_cost(s) for s in waiting], 2) / 60,
+        harness.makespan([final] * 16 + untuned, 2) / 60,  # 15 table runs and the untuned base; two untuned rows
     ]
     assert f"~{sum(minutes):.0f} min" in total and "14 runs" in total and "21 runs" in total
     assert "18 final and untuned evaluations" in total and f"~{minutes[2]:.0f} min" in total

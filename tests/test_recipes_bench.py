@@ -1,4 +1,4 @@
-"""benchmarks/recipes.py: the recipes as runs (flattened recipes rebuild the very config, resume
+"""benchmarks/recipes/recipes.py: the recipes as runs (flattened recipes rebuild the very config, resume
 recognises a finished run), the clearly-above rule, and the table over hand-made run folders (no
 training)."""
 
@@ -12,15 +12,13 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from tests.conftest import load_suite
+from fedtune import harness
+from tests.conftest import suite_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "recipes.py"
 
 
-@pytest.fixture(scope="module")
-def rb():
-    return load_suite(SCRIPT, "recipes_bench", "recipes")
+rb = suite_fixture("recipes/recipes.py", "recipes", name="rb")
 
 
 def finish(spec, accuracies: list[float], reference: float, test_examples: int, every: int = 1) -> None:
@@ -45,16 +43,16 @@ def finish(spec, accuracies: list[float], reference: float, test_examples: int, 
 def test_clearly_above_rule(rb):
     # binary, 872 test sentences: 3 standard errors at p = 0.5 is 5.08 points
     margin = 3 * math.sqrt(0.25 / 872)
-    assert rb.clearly_above(0.5 + margin + 1e-6, 0.60, 0.5, 872) == (True, pytest.approx(margin))
-    assert rb.clearly_above(0.5 + margin - 1e-3, 0.60, 0.5, 872)[0] is False
+    assert harness.clearly_above(0.5 + margin + 1e-6, 0.60, 0.5, 872) == (True, pytest.approx(margin))
+    assert harness.clearly_above(0.5 + margin - 1e-3, 0.60, 0.5, 872)[0] is False
     # a large test set: the 2-point floor applies
-    assert rb.clearly_above(0.265, 0.27, 0.25, 100_000) == (False, 0.02)
-    assert rb.clearly_above(0.271, 0.27, 0.25, 100_000) == (True, 0.02)
+    assert harness.clearly_above(0.265, 0.27, 0.25, 100_000) == (False, 0.02)
+    assert harness.clearly_above(0.271, 0.27, 0.25, 100_000) == (True, 0.02)
     # well above on average but collapsed to the reference at the end: not clearly above
-    assert rb.clearly_above(0.80, 0.5092, 0.5092, 872)[0] is False
+    assert harness.clearly_above(0.80, 0.5092, 0.5092, 872)[0] is False
     # few-shot: chance 1/5
-    assert rb.clearly_above(0.30, 0.31, 0.2, 3000)[0] is True
-    assert rb.clearly_above(None, 0.5, 0.5, 872) == (None, None)
+    assert harness.clearly_above(0.30, 0.31, 0.2, 3000)[0] is True
+    assert harness.clearly_above(None, 0.5, 0.5, 872) == (None, None)
 
 
 def test_every_recipe_flattens_to_its_own_config(rb):

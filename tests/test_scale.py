@@ -274,7 +274,7 @@ def test_commit_trains_on_a_4bit_base_and_checkpointing_changes_none_of_its_numb
 
 @pytest.mark.skipif(not __import__("fedtune.process").process._malloc_trim(), reason="glibc only")
 def test_freed_heap_pages_go_back_between_clients(tmp_path, monkeypatch):
-    """What grew the resident size by ~12 MB per simulated client (benchmarks/llm_scale.py): megabyte
+    """What grew the resident size by ~12 MB per simulated client (benchmarks/llm/llm_scale.py): megabyte
     buffers freed on the heap behind a buffer that lives on (a reply awaiting aggregation) stay
     resident until ``release_free_memory`` trims, which it does once the resident size has grown by
     ``min_growth`` over its level one call after the last trim (not before every client: the next

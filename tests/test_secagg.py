@@ -32,6 +32,7 @@ SECURE = [
     f"federation.secagg_clipping_range={C}",
     f"federation.secagg_quantization_range={T}",
 ]
+ON_SIM = [*SECURE, 'engine="flower-sim"']  # SecAgg+ on the Flower simulation
 ALL_THREE = ["federation.clients_per_round=3"]  # 3 of 3 sampled: 3 shares, threshold 2 (one may drop)
 
 
@@ -230,32 +231,20 @@ def test_a_method_that_needs_each_update_refuses_secure_aggregation_in_one_line(
     [
         ([*SECURE], 'federation.secure_aggregation: runs on engine = "flower-sim" or "flower"'),
         (["federation.secagg_threshold=2"], "federation.secagg_threshold: applies to federation.secure_aggregation"),
+        ([*ON_SIM, "federation.clients_per_round=1"], "federation.secure_aggregation: needs at least 2"),
         (
-            [*SECURE, 'engine="flower-sim"', "federation.clients_per_round=1"],
-            "federation.secure_aggregation: needs at least 2",
-        ),
-        (
-            [*SECURE, 'engine="flower-sim"', "federation.secagg_quantization_range=2147483648"],
+            [*ON_SIM, "federation.secagg_quantization_range=2147483648"],
             "federation.secagg_quantization_range: 4 clients",
         ),
         (
-            [*SECURE, 'engine="flower-sim"', "federation.secagg_modulus_range=3000000000"],
+            [*ON_SIM, "federation.secagg_modulus_range=3000000000"],
             "federation.secagg_modulus_range: expected a power of 2",
         ),
+        ([*ON_SIM, "federation.secagg_threshold=5"], "federation.secagg_threshold: expected 2..secagg_num_shares = 4"),
+        ([*ON_SIM, "federation.secagg_num_shares=5"], "federation.secagg_num_shares: expected at most the 4"),
+        ([*ON_SIM, "federation.upload_topk=0.1"], "federation.upload_topk: not with federation.secure_aggregation"),
         (
-            [*SECURE, 'engine="flower-sim"', "federation.secagg_threshold=5"],
-            "federation.secagg_threshold: expected 2..secagg_num_shares = 4",
-        ),
-        (
-            [*SECURE, 'engine="flower-sim"', "federation.secagg_num_shares=5"],
-            "federation.secagg_num_shares: expected at most the 4",
-        ),
-        (
-            [*SECURE, 'engine="flower-sim"', "federation.upload_topk=0.1"],
-            "federation.upload_topk: not with federation.secure_aggregation",
-        ),
-        (
-            [*SECURE, 'engine="flower-sim"', 'federation.aggregation="median"'],
+            [*ON_SIM, 'federation.aggregation="median"'],
             "federation.aggregation: not with federation.secure_aggregation",
         ),
         (
@@ -263,7 +252,7 @@ def test_a_method_that_needs_each_update_refuses_secure_aggregation_in_one_line(
             "federation.nodes: secure aggregation needs one client per node",
         ),
         (
-            [*SECURE, 'engine="flower-sim"', 'privacy.mode="central"', "privacy.clip=1", "privacy.noise_multiplier=1"]
+            [*ON_SIM, 'privacy.mode="central"', "privacy.clip=1", "privacy.noise_multiplier=1"]
             + ["privacy.adaptive_clip=true"],
             "privacy.adaptive_clip: not with federation.secure_aggregation",
         ),

@@ -317,29 +317,10 @@ def test_fedit_on_tiny_vit_saves_an_adapter_that_reloads_with_equal_logits(tiny_
 def test_fedavg_trains_the_small_cnn_from_scratch_above_the_majority_rate(tiny_config):
     from fedtune.run import run_experiment
 
-    cfg = tiny_config(
-        *IMAGE,
-        "method=fedavg",
-        "model.name=small-cnn",
-        "rounds=4",
-        "train.local_steps=10",
-        "train.lr=0.005",
-        "data.partition=iid",
-    )
-    summary = run_experiment(cfg)
+    recipe = [*IMAGE, "method=fedavg", "model.name=small-cnn", "rounds=4", "train.local_steps=10", "train.lr=0.005"]
+    summary = run_experiment(tiny_config(*recipe, "data.partition=iid"))
     assert summary["final_accuracy"] > 2 * summary["majority_accuracy"]
-    again = run_experiment(
-        tiny_config(
-            *IMAGE,
-            "method=fedavg",
-            "model.name=small-cnn",
-            "rounds=4",
-            "train.local_steps=10",
-            "train.lr=0.005",
-            "data.partition=iid",
-            "name=again",
-        )
-    )
+    again = run_experiment(tiny_config(*recipe, "data.partition=iid", "name=again"))
     assert again["final_accuracy"] == summary["final_accuracy"] and again["final_loss"] == summary["final_loss"]
 
 
@@ -347,15 +328,8 @@ def test_hugging_face_model_by_path_uses_its_processor_and_gets_a_fresh_head(tmp
     from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
 
     torch.manual_seed(0)
-    cfg = ViTConfig(
-        image_size=16,
-        patch_size=4,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        num_labels=5,
-    )
+    shape = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}
+    cfg = ViTConfig(image_size=16, patch_size=4, num_labels=5, **shape)
     ViTForImageClassification(cfg).save_pretrained(tmp_path / "vit")
     processor = ViTImageProcessor(
         size={"height": 16, "width": 16}, image_mean=[0.1, 0.2, 0.3], image_std=[0.5, 0.6, 0.7]

@@ -11,9 +11,10 @@ from fedtune.config import ConfigError, load_config
 from fedtune.models import prefix_lm as plm
 from fedtune.runtime import RunContext
 from fedtune.tasks.instruction import Instruction, normalize_answer, rouge_l
-from tests.conftest import acting_adapter_model
+from tests import test_task_causal_lm
 
 TINY = ["task.kind=instruction", *Instruction.test_overrides]
+model = test_task_causal_lm.model  # the fixture: this module's ctx with an adapter that acts
 
 
 def config(tmp_path, *overrides):
@@ -24,13 +25,6 @@ def config(tmp_path, *overrides):
 def ctx(tmp_path_factory):
     """A tiny context: tiny-llama, digits questions (digit, parity, describe), LoRA rank 4."""
     return RunContext(config(tmp_path_factory.mktemp("instr"), "model.lora_rank=4"))
-
-
-@pytest.fixture(scope="module")
-def model(ctx):
-    """The tiny LM with an adapter that acts and attention that depends on positions
-    (:func:`tests.conftest.acting_adapter_model`)."""
-    return acting_adapter_model(ctx.workspace, rank=4)
 
 
 def rows_by_question(task, ds, question):

@@ -24,17 +24,10 @@ from fedtune.data.paired import (
     missing_modality,
 )
 from fedtune.models.multimodal import FusionClassifier
+from fedtune.tasks.paired_multimodal import PairedMultimodal
 
 DATA = Path(os.environ["FEDTUNE_DATA_DIR"])
-PAIRED_TASK = [
-    "task.kind=paired-multimodal",
-    "data.name=digits",
-    "model.name=fusion-cnn",
-    "task.aligned=8",
-    "task.unaligned=24",
-    "task.frames=32",
-    "data.max_test_samples=40",
-]
+PAIRED_TASK = ["task.kind=paired-multimodal", *PairedMultimodal.test_overrides]
 
 
 @pytest.fixture

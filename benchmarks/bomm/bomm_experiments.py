@@ -6,27 +6,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from fedtune import harness
 from fedtune.config import RunConfig, load_config
-from fedtune.harness import (
-    Costs,
-    RunSpec,
-    assignments,
-    build_plan,
-    estimate_s,
-    load_rounds,
-    load_summary,
-    mean_of_last,
-    mean_std,
-    read_overlays,
-)
 from fedtune.methods.bomm.options import BommOptions
 
 REPO = Path(__file__).resolve().parents[2]
-
-RECIPE = REPO / "configs" / "benchmarks" / "bomm-suite.toml"
-OVERLAYS = read_overlays(REPO / "configs" / "benchmarks" / "bomm-suite-overlays.toml")
-RESULTS = REPO / "benchmarks" / "results" / "bomm"
-QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "bomm-quick"
+RECIPE, OVERLAYS, RESULTS, QUICK_RESULTS = harness.suite_files(REPO, "bomm-suite", "bomm")
 EXPERIMENTS = ["table1", "table2", "table3", "fig3", "cost"]  # also the order that owns shared runs
 METHODS = ["bomm-local", "bomm-mm-local", "bomm-vanilla", "bomm-mm-ac", "bomm-mm-uc", "bomm"]
 LABEL = {
@@ -123,14 +108,14 @@ def spec(
     extra: list[str] = (),
     tag: str = "",
     **labels,
-) -> RunSpec:
+) -> harness.RunSpec:
     """One run: ``method`` in ``scenario`` with ``aligned`` aligned ids (Delta from the recipe unless given)."""
     delta = scale.base.task.options["delta"] if delta is None else delta
     values = {"method": method, "seed": seed, "task.scenario": scenario, "task.aligned": aligned, "task.delta": delta}
     name = f"{method}{tag}-s{scenario}-a{aligned}-d{delta:g}-seed{seed}"
-    return RunSpec(
+    return harness.RunSpec(
         name,
-        [*scale.overrides, *assignments(values), *extra],
+        [*scale.overrides, *harness.assignments(values), *extra],
         {
             "method": method,
             "seed": seed,
@@ -143,7 +128,7 @@ def spec(
     )
 
 
-def specs_table1(scale: Scale, seeds: list[int]) -> list[RunSpec]:
+def specs_table1(scale: Scale, seeds: list[int]) -> list[harness.RunSpec]:
     return [
         spec(scale, m, seed, scenario, a)
         for scenario in (1, 2)
@@ -153,11 +138,11 @@ def specs_table1(scale: Scale, seeds: list[int]) -> list[RunSpec]:
     ]
 
 
-def specs_table2(scale: Scale, seeds: list[int]) -> list[RunSpec]:
+def specs_table2(scale: Scale, seeds: list[int]) -> list[harness.RunSpec]:
     return [spec(scale, m, seed, 3, 0) for seed in seeds for m in METHODS]
 
 
-def specs_table3(scale: Scale, seeds: list[int]) -> list[RunSpec]:
+def specs_table3(scale: Scale, seeds: list[int]) -> list[harness.RunSpec]:
     return [
         spec(
             scale,
@@ -174,7 +159,7 @@ def specs_table3(scale: Scale, seeds: list[int]) -> list[RunSpec]:
     ]
 
 
-def specs_fig3(scale: Scale, seeds: list[int]) -> list[RunSpec]:
+def specs_fig3(scale: Scale, seeds: list[int]) -> list[harness.RunSpec]:
     deltas = [
         spec(scale, m, seed, 1, 0, delta=d, part="delta")
         for d in scale.deltas
@@ -189,7 +174,7 @@ def specs_fig3(scale: Scale, seeds: list[int]) -> list[RunSpec]:
             seed,
             1,
             0,
-            extra=[] if mu == default else assignments({"options.mu": mu}),
+            extra=[] if mu == default else harness.assignments({"options.mu": mu}),
             tag=f"-mu{mu:g}",
             part="mu",
             mu=mu,
@@ -200,7 +185,7 @@ def specs_fig3(scale: Scale, seeds: list[int]) -> list[RunSpec]:
     return deltas + mus
 
 
-def specs_cost(scale: Scale, seeds: list[int]) -> list[RunSpec]:
+def specs_cost(scale: Scale, seeds: list[int]) -> list[harness.RunSpec]:
     return [spec(scale, m, seed, 1, max(scale.aligned)) for seed in seeds for m in METHODS]
 
 
@@ -213,10 +198,10 @@ BUILDERS = {
 }
 
 
-def build_suite_plan(scale: Scale, seeds: list[int], out: Path) -> dict[str, list[RunSpec]]:
+def build_suite_plan(scale: Scale, seeds: list[int], out: Path) -> dict[str, list[harness.RunSpec]]:
     """Every experiment's runs (all of them, so that which folder owns a shared run never depends on
     ``--only``), resolved to their configs and canonical run folders."""
-    return build_plan({exp: BUILDERS[exp](scale, seeds) for exp in EXPERIMENTS}, RECIPE, out)
+    return harness.build_plan({exp: BUILDERS[exp](scale, seeds) for exp in EXPERIMENTS}, RECIPE, out)
 
 
 # -- cost model ------------------------------------------------------------------------------
@@ -257,30 +242,30 @@ def run_cost(config: RunConfig) -> float:
     per-round work spread over the parties as a per-client overhead."""
     c = DEFAULT_COSTS.get(config.data.name, DEFAULT_COSTS["mnist"])
     parties = config.federation.sample_size()
-    costs = Costs(
+    costs = harness.Costs(
         step_s=c["step_s"],
         eval_s_per_example=c["eval_s"] / 300,
         run_setup_s=c["setup_s"],
         client_overhead_s=c["round_s"].get(config.method, 5.0) / parties,
     )
-    return estimate_s(config, costs, 300)
+    return harness.estimate_s(config, costs, 300)
 
 
 # -- reading runs ----------------------------------------------------------------------------
-def value(spec_: RunSpec, metric: str) -> float | None:
+def value(spec_: harness.RunSpec, metric: str) -> float | None:
     """The run's ``metric`` averaged over its last ``LAST`` evaluations (None while unfinished or absent)."""
-    return mean_of_last(load_rounds(spec_), LAST, metric) if load_rounds(spec_) else None
+    return harness.mean_of_last(harness.load_rounds(spec_), LAST, metric) if harness.load_rounds(spec_) else None
 
 
-def cell(specs: list[RunSpec], metric: str, scale: float = 100.0, digits: int = 2) -> str:
+def cell(specs: list[harness.RunSpec], metric: str, scale: float = 100.0, digits: int = 2) -> str:
     values = [v for v in (value(s, metric) for s in specs) if v is not None]
-    m, s = mean_std([scale * v for v in values])
+    m, s = harness.mean_std([scale * v for v in values])
     if m is None:  # nothing yet, or finished runs that do not report the metric
-        return "pending" if any(load_summary(x) is None for x in specs) else "–"
+        return "pending" if any(harness.load_summary(x) is None for x in specs) else "–"
     more = f" (n={len(values)})" if len(values) < len(specs) else ""
     return f"{m:.{digits}f} ± {s:.{digits}f}{more}"
 
 
-def mean_value(specs: list[RunSpec], metric: str) -> float | None:
+def mean_value(specs: list[harness.RunSpec], metric: str) -> float | None:
     values = [v for v in (value(s, metric) for s in specs) if v is not None]
     return 100 * sum(values) / len(values) if values else None

@@ -6,13 +6,7 @@ from pathlib import Path
 
 from bomm_experiments import ABLATIONS, CLOUD_METHODS, LABEL, LAST, METHODS, PAPER_TABLE1, Scale, cell, mean_value
 
-from fedtune.harness import (
-    RunSpec,
-    produced_by,
-    runs_section,
-    table_lines,
-    with_labels,
-)
+from fedtune import harness
 
 
 def setup_section(scale: Scale, seeds: list[int], command: str) -> str:
@@ -21,7 +15,7 @@ def setup_section(scale: Scale, seeds: list[int], command: str) -> str:
     lines = [
         "## Setup",
         "",
-        *produced_by(command),
+        *harness.produced_by(command),
         "| | paper (Sec. 5.1, App. A) | here |",
         "|---|---|---|",
         "| data | MS COCO / CUB-200 image + captions | paired-multimodal: "
@@ -48,8 +42,8 @@ def setup_section(scale: Scale, seeds: list[int], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def triple_row(specs: list[RunSpec], method: str) -> list[str]:
-    group = with_labels(specs, method=method)
+def triple_row(specs: list[harness.RunSpec], method: str) -> list[str]:
+    group = harness.with_labels(specs, method=method)
     return [
         cell(group, "party0_accuracy"),
         cell(group, "party1_accuracy"),
@@ -57,7 +51,7 @@ def triple_row(specs: list[RunSpec], method: str) -> list[str]:
     ]
 
 
-def improvement_row(specs: list[RunSpec]) -> list[str]:
+def improvement_row(specs: list[harness.RunSpec]) -> list[str]:
     """BoMM minus the best baseline, per column (percentage points)."""
     out = []
     for metric, methods in (
@@ -65,14 +59,14 @@ def improvement_row(specs: list[RunSpec]) -> list[str]:
         ("party1_accuracy", METHODS),
         ("cloud_accuracy", CLOUD_METHODS),
     ):
-        ours = mean_value(with_labels(specs, method="bomm"), metric)
-        best = [mean_value(with_labels(specs, method=m), metric) for m in methods if m != "bomm"]
+        ours = mean_value(harness.with_labels(specs, method="bomm"), metric)
+        best = [mean_value(harness.with_labels(specs, method=m), metric) for m in methods if m != "bomm"]
         best = [b for b in best if b is not None]
         out.append("–" if ours is None or not best else f"{ours - max(best):+.2f}")
     return out
 
 
-def report_table1(specs: list[RunSpec], scale: Scale, head: str, out: Path) -> str:
+def report_table1(specs: list[harness.RunSpec], scale: Scale, head: str, out: Path) -> str:
     lines = [
         "# Table 1 (CPU scale): scenarios 1 and 2",
         "",
@@ -86,9 +80,14 @@ def report_table1(specs: list[RunSpec], scale: Scale, head: str, out: Path) -> s
     ]
     for scenario in (1, 2):
         for a in scale.aligned:
-            group = with_labels(specs, scenario=scenario, aligned=a)
+            group = harness.with_labels(specs, scenario=scenario, aligned=a)
             rows = [[LABEL[m], *triple_row(group, m)] for m in METHODS] + [["Imp.", *improvement_row(group)]]
-            lines += [f"### Scenario {scenario}, {a} aligned", "", *table_lines(["Method", "P1", "P2", "C"], rows), ""]
+            lines += [
+                f"### Scenario {scenario}, {a} aligned",
+                "",
+                *harness.table_lines(["Method", "P1", "P2", "C"], rows),
+                "",
+            ]
             paper = PAPER_TABLE1.get(scenario, {}).get(200 if a else 0)
             if paper:
                 lines += [
@@ -103,13 +102,13 @@ def report_table1(specs: list[RunSpec], scale: Scale, head: str, out: Path) -> s
                 ]
     lines += missing_section(specs, [(sc, a) for sc in (1, 2) for a in scale.aligned])
     lines += ordering_notes(specs, scale)
-    return "\n".join(lines) + "\n" + runs_section(specs, out)
+    return "\n".join(lines) + "\n" + harness.runs_section(specs, out)
 
 
 COMPLETING = ("bomm-mm-local", "bomm-mm-ac", "bomm-mm-uc", "bomm")
 
 
-def missing_section(specs: list[RunSpec], blocks: list[tuple[int, int]]) -> list[str]:
+def missing_section(specs: list[harness.RunSpec], blocks: list[tuple[int, int]]) -> list[str]:
     """Party accuracy (mean of the two parties) on the test pairs with the scenario's modality
     removed: the small model alone, and with the missing modality completed by the method's
     generator (the cloud's, or MM-LOCAL's own)."""
@@ -118,7 +117,7 @@ def missing_section(specs: list[RunSpec], blocks: list[tuple[int, int]]) -> list
         alone = "accuracy_audio_only" if scenario == 3 else "accuracy_image_only"
         cols += [f"s{scenario} #{a} alone", f"s{scenario} #{a} completed"]
         for m in METHODS:
-            group = with_labels(specs, scenario=scenario, aligned=a, method=m)
+            group = harness.with_labels(specs, scenario=scenario, aligned=a, method=m)
             rows[m] += [cell(group, alone), cell(group, "accuracy_completed") if m in COMPLETING else "–"]
     return [
         "### Test pairs missing the scenario's modality (mean of P1 and P2)",
@@ -127,23 +126,23 @@ def missing_section(specs: list[RunSpec], blocks: list[tuple[int, int]]) -> list
         "the small model on what is left (alone), and with the removed modality replaced by the method's "
         "completion (completed).",
         "",
-        *table_lines(["Method", *cols], list(rows.values())),
+        *harness.table_lines(["Method", *cols], list(rows.values())),
         "",
     ]
 
 
-def ordering_notes(specs: list[RunSpec], scale: Scale) -> list[str]:
+def ordering_notes(specs: list[harness.RunSpec], scale: Scale) -> list[str]:
     """Where BoMM is (or is not) the best method, column by column: the paper's claim, checked."""
     notes = ["## Does the paper's ordering reproduce?", ""]
     for scenario in (1, 2):
         for a in scale.aligned:
-            group = with_labels(specs, scenario=scenario, aligned=a)
+            group = harness.with_labels(specs, scenario=scenario, aligned=a)
             for metric, name, methods in (
                 ("party0_accuracy", "P1", METHODS),
                 ("party1_accuracy", "P2", METHODS),
                 ("cloud_accuracy", "C", CLOUD_METHODS),
             ):
-                means = {m: mean_value(with_labels(group, method=m), metric) for m in methods}
+                means = {m: mean_value(harness.with_labels(group, method=m), metric) for m in methods}
                 if any(v is None for v in means.values()):
                     continue
                 best = max(means, key=means.get)
@@ -156,10 +155,10 @@ def ordering_notes(specs: list[RunSpec], scale: Scale) -> list[str]:
     return notes + [""] if len(notes) > 2 else notes + ["(pending)", ""]
 
 
-def report_table2(specs: list[RunSpec], head: str, out: Path) -> str:
+def report_table2(specs: list[harness.RunSpec], head: str, out: Path) -> str:
     rows = []
     for m in METHODS:
-        group = with_labels(specs, method=m)
+        group = harness.with_labels(specs, method=m)
         gen = m not in ("bomm-local", "bomm-vanilla")
         rows.append(
             [
@@ -185,19 +184,23 @@ def report_table2(specs: list[RunSpec], head: str, out: Path) -> str:
         head,
         "## Results",
         "",
-        *table_lines(["Method", "P1 Acc", "P1 Gen", "P2 Acc", "P2 Gen", "C Acc"], rows),
+        *harness.table_lines(["Method", "P1 Acc", "P1 Gen", "P2 Acc", "P2 Gen", "C Acc"], rows),
         "",
         "Paper (MS COCO): LOCAL 36.13 / 34.47; MM-LOCAL 30.18 / 36.62; Vanilla 38.96 / 38.18 / 27.83; MM-AC "
         "40.79 / 39.88 / 28.04; MM-UC 50.08 / 39.72 / 44.90; BoMM 52.35 / 42.16 / 51.18 (P1 / P2 / C).",
         "",
         *missing_section(specs, [(3, 0)]),
     ]
-    return "\n".join(lines) + "\n" + runs_section(specs, out)
+    return "\n".join(lines) + "\n" + harness.runs_section(specs, out)
 
 
-def report_table3(specs: list[RunSpec], head: str, out: Path) -> str:
+def report_table3(specs: list[harness.RunSpec], head: str, out: Path) -> str:
     rows = [
-        [row, *triple_row(with_labels(specs, row=row), "bomm"), cell(with_labels(specs, row=row), "diag_pair_accuracy")]
+        [
+            row,
+            *triple_row(harness.with_labels(specs, row=row), "bomm"),
+            cell(harness.with_labels(specs, row=row), "diag_pair_accuracy"),
+        ]
         for row in ABLATIONS
     ]
     lines = [
@@ -212,7 +215,7 @@ def report_table3(specs: list[RunSpec], head: str, out: Path) -> str:
         head,
         "## Results",
         "",
-        *table_lines(["Model", "P1", "P2", "C", "same-class pairs"], rows),
+        *harness.table_lines(["Model", "P1", "P2", "C", "same-class pairs"], rows),
         "",
         "Same-class pairs: the share of the pairs eq. (9) accepts whose rows are of the same class (the pool's "
         "true labels, a diagnostic the method never reads), over the last evaluations.",
@@ -221,4 +224,4 @@ def report_table3(specs: list[RunSpec], head: str, out: Path) -> str:
         "loss 38.47 / 35.35 / 30.66; w/o scheduler 38.37 / 35.15 / 30.56.",
         "",
     ]
-    return "\n".join(lines) + "\n" + runs_section(specs, out)
+    return "\n".join(lines) + "\n" + harness.runs_section(specs, out)

@@ -36,21 +36,11 @@ from dataclasses import replace
 from bomm_experiments import EXPERIMENTS, QUICK_RESULTS, REPO, RESULTS, Scale, build_suite_plan, quick_scale, run_cost
 from bomm_figures import write_reports
 
-from fedtune.harness import (
-    SuiteError,
-    distinct_runs,
-    estimate_minutes,
-    offline_data,
-    output_dir,
-    parse_selection,
-    run_suite,
-    suite_command,
-    suite_parser,
-)
+from fedtune import harness
 
 
 def parse_args(argv=None):
-    p = suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="0,1,2", budget_minutes=240.0)
+    p = harness.suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="0,1,2", budget_minutes=240.0)
     p.add_argument("--rounds", type=int, default=None, help="override the recipe's rounds")
     return p.parse_args(argv)
 
@@ -62,19 +52,15 @@ def scale_from_args(args) -> Scale:
     return scale
 
 
+@harness.suite_main
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        selected, seeds = parse_selection(args, EXPERIMENTS)
-    except SuiteError as exc:
-        print(exc)
-        return 2
+    selected, seeds, out, command, _ = harness.suite_start(
+        args, argv, __file__, EXPERIMENTS, RESULTS, QUICK_RESULTS, "the FSDD recordings"
+    )
     scale = scale_from_args(args)
-    out = output_dir(args, RESULTS, QUICK_RESULTS)
-    offline_data("the FSDD recordings")
-    command = suite_command("benchmarks/bomm/run_suite.py", argv)
     plan = build_suite_plan(scale, seeds, out)
-    runs = distinct_runs(plan, selected)
+    runs = harness.distinct_runs(plan, selected)
     costs = {s.key: run_cost(s.config) for s in runs}
     base = scale.base
     print(
@@ -82,10 +68,10 @@ def main(argv=None) -> int:
         f"H={base.train.local_steps}, {base.federation.num_clients} parties -> {out}"
     )
     note = (
-        f"cost model: built-in per-run estimates measured on this machine (~{estimate_minutes(runs, costs, 1):.0f} "
-        "min of one core for the selection)"
+        "cost model: built-in per-run estimates measured on this machine "
+        f"(~{harness.estimate_minutes(runs, costs, 1):.0f} min of one core for the selection)"
     )
-    return run_suite(
+    return harness.run_suite(
         plan,
         selected,
         args,

@@ -6,29 +6,12 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedtune import harness
 from fedtune.config import RunConfig, load_config
-from fedtune.harness import (
-    Choice,
-    RunSpec,
-    Sweep,
-    build_plan,
-    choose,
-    eval_rounds,
-    load_rounds,
-    load_summary,
-    mean_of_last,
-    mean_std,
-    read_overlays,
-    with_labels,
-)
 
 REPO = Path(__file__).resolve().parents[2]
-
-RECIPE = REPO / "configs" / "benchmarks" / "commit-suite.toml"
-OVERLAYS = read_overlays(REPO / "configs" / "benchmarks" / "commit-suite-overlays.toml")
-RESULTS = REPO / "benchmarks" / "results" / "commit"
+RECIPE, OVERLAYS, RESULTS, QUICK_RESULTS = harness.suite_files(REPO, "commit-suite", "commit")
 SWEPT_RESULTS = REPO / "benchmarks" / "results" / "commit-swept"  # --lr-grid: every trainer at its own rate
-QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "commit-quick"
 EXPERIMENTS = ["sweep", "table1", "fig45", "fig6", "fig3", "federated"]  # also the order that owns shared runs
 SWEPT = ("table1", "fig45")  # with --lr-grid: run at each (modality, trainer)'s chosen rate
 MODALITIES = ["image", "audio"]
@@ -104,10 +87,10 @@ class Scale:
 
 def spec(
     modality: str, trainer: str, seed: int, scale: Scale, federated: bool = False, lr: float | None = None
-) -> RunSpec:
+) -> harness.RunSpec:
     """One run; ``lr`` (a swept or chosen rate, named in the run) overrides the scale's base rate."""
     mode, rate = "fed-" if federated else "", "" if lr is None else f"-lr{lr:g}"
-    return RunSpec(
+    return harness.RunSpec(
         f"{mode}{modality}-{trainer}{rate}-seed{seed}",
         [
             *scale.overrides(modality, federated),
@@ -119,28 +102,30 @@ def spec(
     )
 
 
-def choices_of(sweep_runs: list[RunSpec]) -> dict[tuple[str, str], Choice | None]:
+def choices_of(sweep_runs: list[harness.RunSpec]) -> dict[tuple[str, str], harness.Choice | None]:
     """Each (modality, trainer)'s chosen rate: the argmax over its finished sweep runs of the mean of
     the last :data:`LAST_EVALS` evaluations' exact match (None while any of its runs is unfinished)."""
     return {
-        (m, t): choose(
-            with_labels(sweep_runs, modality=m, trainer=t),
+        (m, t): harness.choose(
+            harness.with_labels(sweep_runs, modality=m, trainer=t),
             lambda s: {"lr": s.labels["lr"]},
             lambda s: run_metric(s, "accuracy"),
         )
         for m in MODALITIES
         for t in TABLE1
-        if with_labels(sweep_runs, modality=m, trainer=t)
+        if harness.with_labels(sweep_runs, modality=m, trainer=t)
     }
 
 
-def questions(specs: list[RunSpec], modality: str) -> list[str]:
+def questions(specs: list[harness.RunSpec], modality: str) -> list[str]:
     """The question types of the modality's runs (the first: the short-answer one, the last: describe)."""
-    group = with_labels(specs, modality=modality)
+    group = harness.with_labels(specs, modality=modality)
     return list(group[0].config.task.options["questions"]) if group else []
 
 
-def build_suite_plan(seeds: list[int], scale: Scale, out: Path, sweep: Sweep | None = None) -> dict[str, list[RunSpec]]:
+def build_suite_plan(
+    seeds: list[int], scale: Scale, out: Path, sweep: harness.Sweep | None = None
+) -> dict[str, list[harness.RunSpec]]:
     """Every experiment's runs (all of them, so that which folder owns a shared run never depends on
     ``--only`` or ``--modalities``), resolved to their configs and canonical run folders. With a
     ``sweep``, Table 1's and Figures 4/5's runs of a (modality, trainer) use its chosen rate, and
@@ -149,7 +134,7 @@ def build_suite_plan(seeds: list[int], scale: Scale, out: Path, sweep: Sweep | N
     swept, chosen = [], grid
     if sweep is not None:
         swept = [spec(m, t, sweep.seed, scale, lr=lr) for m in MODALITIES for t in TABLE1 for lr in sweep.grid]
-        choices = choices_of(build_plan({"sweep": swept}, RECIPE, out)["sweep"])
+        choices = choices_of(harness.build_plan({"sweep": swept}, RECIPE, out)["sweep"])
 
         def chosen(trainers):
             return [
@@ -171,11 +156,11 @@ def build_suite_plan(seeds: list[int], scale: Scale, out: Path, sweep: Sweep | N
     # ownership: the experiments planned from the sweep come last when sweeping, so that a run they
     # share with another one (a rate chosen equal to the base rate) keeps that one's folder
     order = [e for e in EXPERIMENTS if sweep is None or e not in SWEPT] + ([*SWEPT] if sweep else [])
-    plan = build_plan({e: experiments[e] for e in order}, RECIPE, out)
+    plan = harness.build_plan({e: experiments[e] for e in order}, RECIPE, out)
     return {e: plan[e] for e in EXPERIMENTS}
 
 
-def restrict(plan: dict[str, list[RunSpec]], modalities: list[str]) -> dict[str, list[RunSpec]]:
+def restrict(plan: dict[str, list[harness.RunSpec]], modalities: list[str]) -> dict[str, list[harness.RunSpec]]:
     """The plan's runs of ``modalities`` only (what ``--modalities`` runs)."""
     return {exp: [s for s in specs if s.labels["modality"] in modalities] for exp, specs in plan.items()}
 
@@ -198,15 +183,15 @@ def run_cost(config: RunConfig) -> float:
     tiny = config.model.name == "tiny-llama"
     step = 0.05 if tiny else STEP_S[config.options["trainer"]]
     steps = config.rounds * config.federation.sample_size() * config.train.local_steps
-    evals = eval_rounds(config.rounds, config.eval_every) * (config.data.max_test_samples or 200)
+    evals = harness.eval_rounds(config.rounds, config.eval_every) * (config.data.max_test_samples or 200)
     return (5.0 if tiny else 40.0) + steps * step + evals * (0.01 if tiny else 0.3)
 
 
 # -- reading runs ----------------------------------------------------------------------------
-def step_curve(spec_: RunSpec, key: str, client: str | None = None) -> list[float | None]:
+def step_curve(spec_: harness.RunSpec, key: str, client: str | None = None) -> list[float | None]:
     """The run's per-step ``key`` (client ``client``'s, else every client's in round order)."""
     out: list[float | None] = []
-    for line in load_rounds(spec_):
+    for line in harness.load_rounds(spec_):
         curves = line.get("client_curves", {})
         for cid in sorted(curves, key=int):
             if client is None or cid == client:
@@ -218,9 +203,9 @@ def finite(values) -> list[float]:
     return [v for v in values if v is not None and math.isfinite(v)]
 
 
-def seed_mean_curve(specs: list[RunSpec], key: str) -> list[float]:
+def seed_mean_curve(specs: list[harness.RunSpec], key: str) -> list[float]:
     """Step by step mean over the finished runs (nan where none has a value)."""
-    curves = [step_curve(s, key) for s in specs if load_summary(s)]
+    curves = [step_curve(s, key) for s in specs if harness.load_summary(s)]
     n = max((len(c) for c in curves), default=0)
     out = []
     for i in range(n):
@@ -238,32 +223,32 @@ def smooth(values: list[float], window: int = SMOOTH) -> list[float]:
     return out
 
 
-def run_metric(spec_: RunSpec, metric: str) -> float | None:
+def run_metric(spec_: harness.RunSpec, metric: str) -> float | None:
     """The finished run's ``metric``: the mean of its last (up to) :data:`LAST_EVALS` evaluations."""
-    return mean_of_last(load_rounds(spec_), LAST_EVALS, metric) if load_summary(spec_) else None
+    return harness.mean_of_last(harness.load_rounds(spec_), LAST_EVALS, metric) if harness.load_summary(spec_) else None
 
 
-def metric_values(specs: list[RunSpec], metric: str, scale: float = 100.0) -> list[float]:
+def metric_values(specs: list[harness.RunSpec], metric: str, scale: float = 100.0) -> list[float]:
     """:func:`run_metric` of each finished run that has it, times ``scale``."""
     return [scale * v for v in (run_metric(s, metric) for s in specs) if v is not None]
 
 
-def metric_cell(specs: list[RunSpec], metric: str, scale: float = 100.0) -> str:
+def metric_cell(specs: list[harness.RunSpec], metric: str, scale: float = 100.0) -> str:
     values = metric_values(specs, metric, scale)
-    m, s = mean_std(values)
+    m, s = harness.mean_std(values)
     if m is None:
         return "pending"
     return f"{m:.2f} ± {s:.2f}" + (f" (n={len(values)})" if len(values) < len(specs) else "")
 
 
-def metric_mean(specs: list[RunSpec], metric: str) -> float | None:
+def metric_mean(specs: list[harness.RunSpec], metric: str) -> float | None:
     values = metric_values(specs, metric)
     return sum(values) / len(values) if values else None
 
 
-def kappa_stats(spec_: RunSpec) -> tuple[float, float] | None:
+def kappa_stats(spec_: harness.RunSpec) -> tuple[float, float] | None:
     """(mean, std) of the run's kappa_t over its steps (None while unfinished or unmeasured)."""
-    if not load_summary(spec_):
+    if not harness.load_summary(spec_):
         return None
     vals = finite(step_curve(spec_, "kappa"))
     if not vals:
@@ -275,7 +260,7 @@ def kappa_stats(spec_: RunSpec) -> tuple[float, float] | None:
 def stat_cell(values: list[float | None], digits: int = 3) -> str:
     """Mean ± sample std of the values present (None: a run not finished), with their number when some are missing."""
     present = [v for v in values if v is not None]
-    m, s = mean_std(present)
+    m, s = harness.mean_std(present)
     if m is None:
         return "pending"
     return f"{m:.{digits}f} ± {s:.{digits}f}" + (f" (n={len(present)})" if len(present) < len(values) else "")
@@ -284,5 +269,5 @@ def stat_cell(values: list[float | None], digits: int = 3) -> str:
 # -- reports ---------------------------------------------------------------------------------
 def evaluated(config: RunConfig) -> str:
     """What a cell averages for a run of ``config`` (its evaluations: every ``eval_every`` rounds and the last)."""
-    n = min(LAST_EVALS, eval_rounds(config.rounds, config.eval_every))
+    n = min(LAST_EVALS, harness.eval_rounds(config.rounds, config.eval_every))
     return "the final evaluation" if n == 1 else f"each run's mean of its last {n} evaluations"

@@ -23,57 +23,56 @@ from commit_experiments import (
     step_curve,
 )
 
-from fedtune.harness import (
-    RunSpec,
-    figure,
-    load_rounds,
-    load_summary,
-    runs_section,
-    table_lines,
-    with_labels,
-)
+from fedtune import harness
 
 
-def plot_curves(path: Path, specs: list[RunSpec], trainers: list[str], panels: list[tuple[str, str]], title: str):
+def plot_curves(
+    path: Path, specs: list[harness.RunSpec], trainers: list[str], panels: list[tuple[str, str]], title: str
+):
     """One row per modality, one column per (curve key, y label); seed means smoothed over SMOOTH steps."""
-    with figure(
+    with harness.figure(
         path, len(MODALITIES), len(panels), figsize=(5 * len(panels), 3.6 * len(MODALITIES)), squeeze=False
     ) as (fig, axes):
         for i, m in enumerate(MODALITIES):
             for j, (key, ylabel) in enumerate(panels):
                 ax = axes[i][j]
                 for t in trainers:
-                    ys = smooth(seed_mean_curve(with_labels(specs, modality=m, trainer=t), key))
+                    ys = smooth(seed_mean_curve(harness.with_labels(specs, modality=m, trainer=t), key))
                     if ys and any(math.isfinite(y) for y in ys):
                         ax.plot(range(1, len(ys) + 1), ys, label=LABEL[t])
                 ax.set(title=f"{m}: {ylabel}", xlabel="step", ylabel=ylabel)
                 if key in ("kappa", "grad_S", "grad_T"):
                     ax.set_yscale("log")
-                ax.grid(alpha=0.3)
-                if ax.get_legend_handles_labels()[0]:
-                    ax.legend(fontsize=7)
+                harness.finish_axes(ax)
         fig.suptitle(title)
 
 
-def loss_table(specs: list[RunSpec], trainers: list[str]) -> list[str]:
+def loss_table(specs: list[harness.RunSpec], trainers: list[str]) -> list[str]:
     """Mean training loss over the first and the last quarter of the steps (seed mean ± std)."""
     rows = []
     for t in trainers:
         row = [LABEL[t]]
         for m in MODALITIES:
             firsts, lasts = [], []
-            for s in with_labels(specs, modality=m, trainer=t):
-                loss = finite(step_curve(s, "loss")) if load_summary(s) else []
+            for s in harness.with_labels(specs, modality=m, trainer=t):
+                loss = finite(step_curve(s, "loss")) if harness.load_summary(s) else []
                 q = max(1, len(loss) // 4)
                 firsts.append(sum(loss[:q]) / q if loss else None)
                 lasts.append(sum(loss[-q:]) / q if loss else None)
             row += [stat_cell(firsts), stat_cell(lasts)]
         rows.append(row)
     cols = ["Trainer"] + [c for m in MODALITIES for c in (f"{m}: loss, first quarter", f"{m}: loss, last quarter")]
-    return table_lines(cols, rows)
+    return harness.table_lines(cols, rows)
 
 
-def report_fig45(specs: list[RunSpec], head: str, out: Path) -> str:
+def page(intro: list[str], head: str, results: list[str], figure: str, specs: list[harness.RunSpec], out: Path) -> str:
+    """A figure's report: its ``intro`` lines, the setup ``head``, the results table, the plot
+    ``<figure>.png`` and the runs section."""
+    lines = [*intro, "", head, "## Results", "", *results, "", f"![{figure}]({figure}.png)", ""]
+    return "\n".join(lines) + "\n" + harness.runs_section(specs, out)
+
+
+def report_fig45(specs: list[harness.RunSpec], head: str, out: Path) -> str:
     plot_curves(
         out / "fig45.png",
         specs,
@@ -87,19 +86,11 @@ def report_fig45(specs: list[RunSpec], head: str, out: Path) -> str:
         "Per-step training loss (the answer cross-entropy of each step's batch), mean over seeds, smoothed over "
         f"{SMOOTH} steps; image is Figure 4's counterpart, audio Figure 5's. The paper: CoMMIT-CLR and CoMMIT "
         "reach lower losses earlier than Constant LR.",
-        "",
-        head,
-        "## Results",
-        "",
-        *loss_table(specs, FIG45),
-        "",
-        "![fig45](fig45.png)",
-        "",
     ]
-    return "\n".join(lines) + "\n" + runs_section(specs, out)
+    return page(lines, head, loss_table(specs, FIG45), "fig45", specs, out)
 
 
-def report_fig6(specs: list[RunSpec], head: str, out: Path) -> str:
+def report_fig6(specs: list[harness.RunSpec], head: str, out: Path) -> str:
     plot_curves(
         out / "fig6.png", specs, FIG6, [("kappa", "kappa_t")], f"Fig. 6: kappa_t\n(seed mean, {SMOOTH}-step average)"
     )
@@ -107,7 +98,7 @@ def report_fig6(specs: list[RunSpec], head: str, out: Path) -> str:
     for t in FIG6:
         row = [LABEL[t]]
         for m in MODALITIES:
-            stats = [kappa_stats(s) for s in with_labels(specs, modality=m, trainer=t)]
+            stats = [kappa_stats(s) for s in harness.with_labels(specs, modality=m, trainer=t)]
             row += [stat_cell([x[0] if x else None for x in stats]), stat_cell([x[1] if x else None for x in stats])]
         rows.append(row)
     cols = ["Trainer"] + [c for m in MODALITIES for c in (f"{m}: mean kappa_t", f"{m}: std of kappa_t")]
@@ -118,19 +109,11 @@ def report_fig6(specs: list[RunSpec], head: str, out: Path) -> str:
         "alone, moves the answer tokens' next-token distributions (total variation). Per run: the mean and the "
         "standard deviation of kappa_t over its steps; cells: mean ± sample std over seeds. The paper: CoMMIT and "
         "CoMMIT-CLR have the smallest std of kappa_t, Language LR up is also stable.",
-        "",
-        head,
-        "## Results",
-        "",
-        *table_lines(cols, rows),
-        "",
-        "![fig6](fig6.png)",
-        "",
     ]
-    return "\n".join(lines) + "\n" + runs_section(specs, out)
+    return page(lines, head, harness.table_lines(cols, rows), "fig6", specs, out)
 
 
-def report_fig3(specs: list[RunSpec], head: str, out: Path) -> str:
+def report_fig3(specs: list[harness.RunSpec], head: str, out: Path) -> str:
     plot_curves(
         out / "fig3.png",
         specs,
@@ -144,8 +127,8 @@ def report_fig3(specs: list[RunSpec], head: str, out: Path) -> str:
         for m in MODALITIES:
             for key in ("grad_S", "grad_T"):
                 vals = []
-                for s in with_labels(specs, modality=m, trainer=t):
-                    c = finite(step_curve(s, key)) if load_summary(s) else []
+                for s in harness.with_labels(specs, modality=m, trainer=t):
+                    c = finite(step_curve(s, key)) if harness.load_summary(s) else []
                     q = max(1, len(c) // 4)
                     vals.append(sum(c[-q:]) / q if c else None)
                 row.append(stat_cell(vals, 4))
@@ -159,22 +142,14 @@ def report_fig3(specs: list[RunSpec], head: str, out: Path) -> str:
         "||G|| / ||theta|| of the loss gradient of each component at each step (S: the projector; T: the LoRA "
         "matrices). The paper (Sec. 4.2): imbalanced learning (Vision LR up) slows convergence and shrinks both "
         "components' gradients.",
-        "",
-        head,
-        "## Results",
-        "",
-        *table_lines(cols, rows),
-        "",
-        "![fig3](fig3.png)",
-        "",
     ]
-    return "\n".join(lines) + "\n" + runs_section(specs, out)
+    return page(lines, head, harness.table_lines(cols, rows), "fig3", specs, out)
 
 
-def report_federated(specs: list[RunSpec], head: str, out: Path) -> str:
+def report_federated(specs: list[harness.RunSpec], head: str, out: Path) -> str:
     rows, asked = [], questions(specs, "image")
     for t in FEDERATED:
-        group = with_labels(specs, trainer=t)
+        group = harness.with_labels(specs, trainer=t)
         stats = [kappa_stats(s) for s in group]
         rows.append(
             [
@@ -186,16 +161,16 @@ def report_federated(specs: list[RunSpec], head: str, out: Path) -> str:
                 stat_cell([x[1] if x else None for x in stats]),
             ]
         )
-    with figure(out / "federated.png", 1, len(FEDERATED), figsize=(5 * len(FEDERATED), 3.6), squeeze=False) as (
+    with harness.figure(out / "federated.png", 1, len(FEDERATED), figsize=(5 * len(FEDERATED), 3.6), squeeze=False) as (
         fig,
         axes,
     ):
         for j, t in enumerate(FEDERATED):
             ax = axes[0][j]
-            group = [s for s in with_labels(specs, trainer=t) if load_summary(s)]
+            group = [s for s in harness.with_labels(specs, trainer=t) if harness.load_summary(s)]
             labeled: set[str] = set()
             if group:  # the first seed's per-client kappa curves, each client at the rounds it took part in
-                for line in load_rounds(group[0]):
+                for line in harness.load_rounds(group[0]):
                     for cid, c in sorted(line.get("client_curves", {}).items(), key=lambda kv: int(kv[0])):
                         h = len(c["kappa"])
                         xs = [(line["round"] - 1) * h + k + 1 for k in range(h)]
@@ -223,13 +198,5 @@ def report_federated(specs: list[RunSpec], head: str, out: Path) -> str:
         "shards of the question labels: clients 0-1 the first type, 2-3 the second), 2 per round; each client "
         "runs the trainer on its own batches and measures its own kappa; the server averages the updates and "
         "the clients' kappa windows and rates (FedAvg weights).",
-        "",
-        head,
-        "## Results",
-        "",
-        *table_lines(cols, rows),
-        "",
-        "![federated](federated.png)",
-        "",
     ]
-    return "\n".join(lines) + "\n" + runs_section(specs, out)
+    return page(lines, head, harness.table_lines(cols, rows), "federated", specs, out)

@@ -21,29 +21,18 @@ from commit_experiments import (
     step_curve,
 )
 
-from fedtune.harness import (
-    RunSpec,
-    Sweep,
-    clearly_above,
-    load_summary,
-    mean_std,
-    produced_by,
-    runs_section,
-    sweep_sections,
-    table_lines,
-    with_labels,
-)
+from fedtune import harness
 
 
-def setup_section(plan, seeds: list[int], command: str, sweep: Sweep | None = None) -> str:
+def setup_section(plan, seeds: list[int], command: str, sweep: harness.Sweep | None = None) -> str:
     specs = [s for exp in plan.values() for s in exp]
     base = specs[0].config
     o = base.options
-    data = {m: with_labels(specs, modality=m)[0].config.data.name for m in MODALITIES}
+    data = {m: harness.with_labels(specs, modality=m)[0].config.data.name for m in MODALITIES}
     lines = [
         "## Setup",
         "",
-        *produced_by(command),
+        *harness.produced_by(command),
         "| | paper (Sec. 7) | here |",
         "|---|---|---|",
         "| models | BLIP-2 (Q-Former + OPT-2.7B), SALMONN (audio Q-Former + Vicuna-7B) | "
@@ -88,7 +77,7 @@ def setup_section(plan, seeds: list[int], command: str, sweep: Sweep | None = No
         "",
     ]
     distinct = {s.key: s for s in specs}.values()
-    done = sum(load_summary(s) is not None for s in distinct)
+    done = sum(harness.load_summary(s) is not None for s in distinct)
     if done < len(distinct):
         lines += [
             f"Finished so far: {done} of the suite's {len(distinct)} distinct runs (cells say n= where seeds are "
@@ -100,17 +89,17 @@ def setup_section(plan, seeds: list[int], command: str, sweep: Sweep | None = No
     return "\n".join(lines)
 
 
-def short_question(specs: list[RunSpec], modality: str) -> str | None:
+def short_question(specs: list[harness.RunSpec], modality: str) -> str | None:
     """The modality's short-answer question (None: no run of it planned yet)."""
     return next(iter(questions(specs, modality)), None)
 
 
-def base_lr(specs: list[RunSpec]) -> float:
+def base_lr(specs: list[harness.RunSpec]) -> float:
     """The learning rate of the runs that are not swept (the recipe's, or ``--lr``)."""
     return next(s.config.train.lr for s in specs if s.labels["lr"] is None)
 
 
-def report_table1(specs: list[RunSpec], head: str, out: Path, sweep: Sweep | None = None) -> str:
+def report_table1(specs: list[harness.RunSpec], head: str, out: Path, sweep: harness.Sweep | None = None) -> str:
     cols, rows = ["Trainer"], []
     for m in MODALITIES:
         cols += [f"{m}: lr (swept)"] if sweep else []
@@ -120,7 +109,7 @@ def report_table1(specs: list[RunSpec], head: str, out: Path, sweep: Sweep | Non
         row = [LABEL[t]]
         means = []
         for m in MODALITIES:
-            group = with_labels(specs, modality=m, trainer=t)
+            group = harness.with_labels(specs, modality=m, trainer=t)
             if sweep:
                 row.append(f"{group[0].labels['lr']:g}" if group else "waiting for the sweep")
             row += [
@@ -138,21 +127,21 @@ def report_table1(specs: list[RunSpec], head: str, out: Path, sweep: Sweep | Non
         head,
         "## Results",
         "",
-        *table_lines(cols, rows),
+        *harness.table_lines(cols, rows),
         "",
         reference_line(specs),
         "",
         "Paper (accuracy for A-OKVQA, IconQA, TextVQA, ClothoAQA; ROUGE-L for MACS, SDD):",
         "",
-        *table_lines(["Method", "A-OKVQA", "IconQA", "TextVQA", "ClothoAQA", "MACS", "SDD", "Average"], paper),
+        *harness.table_lines(["Method", "A-OKVQA", "IconQA", "TextVQA", "ClothoAQA", "MACS", "SDD", "Average"], paper),
         "",
         *ordering_notes(specs),
         *cd_switches(specs),
     ]
-    return "\n".join(lines) + "\n" + runs_section(specs, out)
+    return "\n".join(lines) + "\n" + harness.runs_section(specs, out)
 
 
-def report_sweep(specs: list[RunSpec], head: str, out: Path, sweep: Sweep | None = None) -> str:
+def report_sweep(specs: list[harness.RunSpec], head: str, out: Path, sweep: harness.Sweep | None = None) -> str:
     """Each (modality, trainer)'s exact match at every grid rate on the sweep seed, and its choice."""
     choices = choices_of(specs)
     lines = [
@@ -163,8 +152,8 @@ def report_sweep(specs: list[RunSpec], head: str, out: Path, sweep: Sweep | None
         "",
         head,
     ]
-    panels = {m: {LABEL[t]: with_labels(specs, modality=m, trainer=t) for t in TABLE1} for m in MODALITIES}
-    lines += sweep_sections(
+    panels = {m: {LABEL[t]: harness.with_labels(specs, modality=m, trainer=t) for t in TABLE1} for m in MODALITIES}
+    lines += harness.sweep_sections(
         panels,
         {m: {LABEL[t]: choices.get((m, t)) for t in TABLE1} for m in MODALITIES},
         lambda s: run_metric(s, "accuracy"),
@@ -173,27 +162,27 @@ def report_sweep(specs: list[RunSpec], head: str, out: Path, sweep: Sweep | None
         reference_name="majority-answer rate",
         ylabel=f"exact match, mean of last {LAST_EVALS} (%)",
     )
-    return "\n".join([*lines, "![sweep](sweep.png)", ""]) + "\n" + runs_section(specs, out)
+    return "\n".join([*lines, "![sweep](sweep.png)", ""]) + "\n" + harness.runs_section(specs, out)
 
 
-def reference_line(specs: list[RunSpec]) -> str:
+def reference_line(specs: list[harness.RunSpec]) -> str:
     """The task's reference (exact match of always giving the test set's most frequent answer) per modality."""
     cells = []
     for m in MODALITIES:
-        done = [load_summary(s) for s in with_labels(specs, modality=m) if load_summary(s)]
+        done = [harness.load_summary(s) for s in harness.with_labels(specs, modality=m) if harness.load_summary(s)]
         cells.append(f"{m} {100 * done[0]['majority_accuracy']:.1f}%" if done else f"{m} pending")
     return "Reference, exact match of always giving the most frequent answer: " + ", ".join(cells) + "."
 
 
-def cd_switches(specs: list[RunSpec]) -> list[str]:
+def cd_switches(specs: list[harness.RunSpec]) -> list[str]:
     """When each CD run switched components: the first step that trained the second component, and
     whether the stabilization criterion or the cap made it switch."""
     lines = ["## When did coordinate descent switch?", ""]
     for m in MODALITIES:
         for t in ("feature-cd", "language-cd"):
             cells = []
-            for s in with_labels(specs, modality=m, trainer=t):
-                if not load_summary(s):
+            for s in harness.with_labels(specs, modality=m, trainer=t):
+                if not harness.load_summary(s):
                     continue
                 first = "lr_S" if t == "feature-cd" else "lr_T"
                 lrs, change = step_curve(s, first), step_curve(s, "cd_change")
@@ -213,19 +202,23 @@ def cd_switches(specs: list[RunSpec]) -> list[str]:
     return lines + [""]
 
 
-def learned_note(specs: list[RunSpec], modality: str) -> str | None:
+def learned_note(specs: list[harness.RunSpec], modality: str) -> str | None:
     """How many of each trainer's finished runs are clearly above the majority-answer rate
     (:func:`~fedtune.harness.clearly_above` on the mean of the last evaluations); a modality where
     none is cannot rank the trainers. None before any run finished."""
     cells, any_above, reference = [], False, None
     for t in TABLE1:
-        done = [(s, summary) for s in with_labels(specs, modality=modality, trainer=t) if (summary := load_summary(s))]
+        done = [
+            (s, summary)
+            for s in harness.with_labels(specs, modality=modality, trainer=t)
+            if (summary := harness.load_summary(s))
+        ]
         if not done:
             continue
         above = 0
         for s, summary in done:
             reference = summary.get("majority_accuracy")
-            ok, margin = clearly_above(
+            ok, margin = harness.clearly_above(
                 run_metric(s, "accuracy"), summary.get("final_accuracy"), reference, summary.get("test_examples")
             )
             above += bool(ok)
@@ -247,7 +240,7 @@ def learned_note(specs: list[RunSpec], modality: str) -> str | None:
     )
 
 
-def ordering_notes(specs: list[RunSpec]) -> list[str]:
+def ordering_notes(specs: list[harness.RunSpec]) -> list[str]:
     """The paper's claims (CoMMIT-CLR and CoMMIT improve Constant LR; CoMMIT best on average), checked,
     after whether each modality learned at all (:func:`learned_note`)."""
     notes = ["## Does the paper's ordering reproduce?", ""]
@@ -256,11 +249,12 @@ def ordering_notes(specs: list[RunSpec]) -> list[str]:
         if learned:
             notes.append(learned)
         for metric, name in (("accuracy", "exact match"), ("rouge_l", "ROUGE-L")):
-            means = {t: metric_mean(with_labels(specs, modality=m, trainer=t), metric) for t in TABLE1}
+            means = {t: metric_mean(harness.with_labels(specs, modality=m, trainer=t), metric) for t in TABLE1}
             if any(v is None for v in means.values()):
                 continue
             spread = max(
-                (mean_std(metric_values(with_labels(specs, modality=m, trainer=t), metric))[1] or 0.0) for t in TABLE1
+                (harness.mean_std(metric_values(harness.with_labels(specs, modality=m, trainer=t), metric))[1] or 0.0)
+                for t in TABLE1
             )
             best = max(means, key=means.get)
             notes.append(

@@ -66,29 +66,12 @@ from commit_experiments import (
 from commit_figures import report_federated, report_fig3, report_fig6, report_fig45
 from commit_tables import report_sweep, report_table1, setup_section
 
+from fedtune import harness
 from fedtune.config import load_config
-from fedtune.harness import (
-    SuiteError,
-    Sweep,
-    add_sweep_options,
-    biased_seed_warning,
-    distinct_runs,
-    estimate_minutes,
-    offline_data,
-    output_dir,
-    parse_selection,
-    run_suite,
-    suite_command,
-    suite_parser,
-    sweep_first,
-    sweep_note,
-    sweep_selection,
-    with_labels,
-)
 
 
 def parse_args(argv=None):
-    parser = suite_parser(
+    parser = harness.suite_parser(
         "CoMMIT suite (Table 1, Figures 3-6, federated mode)", EXPERIMENTS, seeds="0,1,2", budget_minutes=240.0
     )
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default: the recipe's 120)")
@@ -110,7 +93,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--modalities", default=",".join(MODALITIES), help="comma-separated subset of image,audio to run"
     )
-    add_sweep_options(
+    harness.add_sweep_options(
         parser,
         EXPERIMENTS,
         "each (modality, trainer) of Table 1 (for table1 / fig45; results to benchmarks/results/commit-swept/)",
@@ -123,16 +106,16 @@ def selection(args) -> tuple[Scale, list[str]]:
     modalities = [m.strip() for m in args.modalities.split(",") if m.strip()]
     unknown = [m for m in modalities if m not in MODALITIES]
     if unknown or not modalities:
-        raise SuiteError(f"--modalities: expected a subset of {MODALITIES}, got {args.modalities!r}")
+        raise harness.SuiteError(f"--modalities: expected a subset of {MODALITIES}, got {args.modalities!r}")
     for name in ("steps", "test_samples", "evals"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            raise SuiteError(f"--{name.replace('_', '-')}: expected a positive number, got {value}")
+            raise harness.SuiteError(f"--{name.replace('_', '-')}: expected a positive number, got {value}")
     if args.lr is not None and not (args.lr > 0 and math.isfinite(args.lr)):
-        raise SuiteError(f"--lr: expected a positive number, got {args.lr}")
+        raise harness.SuiteError(f"--lr: expected a positive number, got {args.lr}")
     scale = Scale(args.quick, args.steps, args.test_samples, args.evals, args.lr)
     if args.evals is not None and scale.centralized_steps(modalities[0]) % args.evals:
-        raise SuiteError(
+        raise harness.SuiteError(
             f"--evals: expected a divisor of the {scale.centralized_steps(modalities[0])} steps per "
             f"run, got {args.evals}"
         )
@@ -141,7 +124,7 @@ def selection(args) -> tuple[Scale, list[str]]:
 
 # -- cost model ------------------------------------------------------------------------------
 # Seconds of one step of SmolLM2 (batch 8) by trainer, measured here with one thread under the shared
-def write_reports(plan, selected, seeds, out: Path, command: str, sweep: Sweep | None = None) -> list[Path]:
+def write_reports(plan, selected, seeds, out: Path, command: str, sweep: harness.Sweep | None = None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     head = setup_section(plan, seeds, command, sweep)
     swept = {"sweep": report_sweep, "table1": report_table1}  # the writers that say which rates were chosen
@@ -155,23 +138,17 @@ def write_reports(plan, selected, seeds, out: Path, command: str, sweep: Sweep |
     return written
 
 
+@harness.suite_main
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        selected, seeds = parse_selection(args, EXPERIMENTS)
-        scale, modalities = selection(args)
-        sweep, selected = sweep_selection(args, selected, SWEPT)
-    except SuiteError as exc:
-        print(exc)
-        return 2
-    out = output_dir(args, SWEPT_RESULTS if sweep else RESULTS, QUICK_RESULTS)
-    offline_data("Fashion-MNIST and FSDD")
-    command = suite_command("benchmarks/commit/run_suite.py", argv)
-    biased_seed_warning(sweep, seeds, selected, SWEPT)
+    scale, modalities = selection(args)
+    selected, seeds, out, command, sweep = harness.suite_start(
+        args, argv, __file__, EXPERIMENTS, RESULTS, QUICK_RESULTS, "Fashion-MNIST and FSDD", SWEPT, SWEPT_RESULTS
+    )
     base = load_config(RECIPE, scale.overrides(modalities[0]))
     print(
         f"CoMMIT suite: {', '.join(selected)}; modalities {', '.join(modalities)}; seeds {seeds}"
-        + (f"; rates {', '.join(f'{lr:g}' for lr in sweep.grid)} swept on seed {sweep.seed}" if sweep else "")
+        + (f"; {sweep}" if sweep else "")
         + f"; model {base.model.name}; {base.rounds} x {base.train.local_steps} steps of batch "
         f"{base.train.batch_size} per centralized run -> {out}"
     )
@@ -179,23 +156,27 @@ def main(argv=None) -> int:
     def stage(experiments: list[str]) -> int:
         plan = build_suite_plan(seeds, scale, out, sweep)
         to_run = restrict(plan, modalities)
-        runs = distinct_runs(to_run, experiments)
+        runs = harness.distinct_runs(to_run, experiments)
         costs = {s.key: run_cost(s.config) for s in runs}
         notes = [
             f"cost model: per-trainer step seconds measured on this machine "
-            f"(~{estimate_minutes(runs, costs, 1):.0f} min of one core for the selection)"
+            f"(~{harness.estimate_minutes(runs, costs, 1):.0f} min of one core for the selection)"
         ]
         if sweep:
             choices = choices_of(plan["sweep"])
-            groups = {f"{m}/{t}": with_labels(plan["sweep"], modality=m, trainer=t) for m in modalities for t in TABLE1}
+            groups = {
+                f"{m}/{t}": harness.with_labels(plan["sweep"], modality=m, trainer=t)
+                for m in modalities
+                for t in TABLE1
+            }
             notes.append(
-                sweep_note(
+                harness.sweep_note(
                     groups,
                     {f"{m}/{t}": choices.get((m, t)) for m in modalities for t in TABLE1},
                     "(modality, trainer) groups",
                 )
             )
-        return run_suite(
+        return harness.run_suite(
             to_run,
             experiments,
             args,
@@ -205,7 +186,7 @@ def main(argv=None) -> int:
             notes=notes,
         )
 
-    return sweep_first(stage, selected, args)  # table1 / fig45 are planned from the sweep's finished runs
+    return harness.sweep_first(stage, selected, args)  # table1 / fig45 are planned from the sweep's finished runs
 
 
 if __name__ == "__main__":

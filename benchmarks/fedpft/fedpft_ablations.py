@@ -7,16 +7,14 @@ from pathlib import Path
 from fedpft_experiments import ALPHAS, LABEL, LAST, METHODS, P_VALUES, PAPER, RECIPE, T_VALUES, last_mean
 from fedpft_tables import COST_COLUMNS, cost_cells, ordering_note, proxy_cell, write_sweep, write_table1
 
+from fedtune import harness
 from fedtune.config import load_config
-from fedtune.harness import (
-    accuracy_cell,
-    averaged_curve,
-    figure,
-    runs_section,
-    table_lines,
-    with_labels,
-)
 from fedtune.harness.stats import mean, mean_std
+
+
+def accuracy_row(label: str, group: list[harness.RunSpec], *cells: str) -> list[str]:
+    """A table row: ``label``, the group's accuracy and proxy accuracy (mean of the last evaluations), ``cells``."""
+    return [label, harness.accuracy_cell(group, LAST), proxy_cell(group), *cells]
 
 
 def write_table2(specs, scale, hd, out: Path) -> str:
@@ -34,40 +32,35 @@ def write_table2(specs, scale, hd, out: Path) -> str:
         "## Results",
         "",
     ]
-    rows = [
-        [LABEL[m], accuracy_cell(g := with_labels(specs, method=m), LAST), proxy_cell(g), *cost_cells(g)]
-        for m in METHODS
-    ]
-    lines += table_lines(["method", "acc (%)", "proxy acc (%)", *COST_COLUMNS], rows)
+    rows = [accuracy_row(LABEL[m], g := harness.with_labels(specs, method=m), *cost_cells(g)) for m in METHODS]
+    lines += harness.table_lines(["method", "acc (%)", "proxy acc (%)", *COST_COLUMNS], rows)
     lines += [
         "",
         ordering_note(
-            {m: [last_mean(s, "accuracy") for s in with_labels(specs, method=m)] for m in METHODS},
+            {m: [last_mean(s, "accuracy") for s in harness.with_labels(specs, method=m)] for m in METHODS},
             "digits (random ViT)",
         ),
         "",
     ]
-    with figure(out / "table2.png", figsize=(5.5, 4)) as (fig, ax):
+    with harness.figure(out / "table2.png", figsize=(5.5, 4)) as (fig, ax):
         for m in METHODS:
-            pts = averaged_curve(with_labels(specs, method=m))
-            if pts:
-                ax.plot([p[0] for p in pts], [100 * p[2] for p in pts], marker="o", ms=3, label=LABEL[m])
-        ax.set(title="random ViT, digits", xlabel="round", ylabel="accuracy (%)")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    return "\n".join(lines + ["![table2](table2.png)", ""]) + "\n" + runs_section(specs, out)
+            harness.plot_curve(ax, harness.with_labels(specs, method=m), label=LABEL[m])
+        harness.finish_axes(ax, 8, title="random ViT, digits", xlabel="round", ylabel="accuracy (%)")
+    return "\n".join(lines + ["![table2](table2.png)", ""]) + "\n" + harness.runs_section(specs, out)
 
 
 def write_table3(specs, scale, hd, out: Path) -> str:
     lines = ["# Table 3 (CPU scale): Dirichlet label skew on SST-2", "", hd, "## Results", ""]
-    rows = [[LABEL[m], *(accuracy_cell(with_labels(specs, method=m, alpha=a), LAST) for a in ALPHAS)] for m in METHODS]
-    lines += table_lines(["method", *(f"Dir-{a:g} acc (%)" for a in ALPHAS)], rows)
+    rows = [
+        [LABEL[m], *(harness.accuracy_cell(harness.with_labels(specs, method=m, alpha=a), LAST) for a in ALPHAS)]
+        for m in METHODS
+    ]
+    lines += harness.table_lines(["method", *(f"Dir-{a:g} acc (%)" for a in ALPHAS)], rows)
     lines += [
         "",
         *(
             ordering_note(
-                {m: [last_mean(s, "accuracy") for s in with_labels(specs, method=m, alpha=a)] for m in METHODS},
+                {m: [last_mean(s, "accuracy") for s in harness.with_labels(specs, method=m, alpha=a)] for m in METHODS},
                 f"Dir-{a:g}",
             )
             for a in ALPHAS
@@ -79,7 +72,7 @@ def write_table3(specs, scale, hd, out: Path) -> str:
         ),
         "",
     ]
-    with figure(out / "table3.png", figsize=(5.5, 4)) as (fig, ax):
+    with harness.figure(out / "table3.png", figsize=(5.5, 4)) as (fig, ax):
         for m in METHODS:
             pts = [
                 (
@@ -87,7 +80,7 @@ def write_table3(specs, scale, hd, out: Path) -> str:
                     mean_std(
                         [
                             100 * v
-                            for s in with_labels(specs, method=m, alpha=a)
+                            for s in harness.with_labels(specs, method=m, alpha=a)
                             if (v := last_mean(s, "accuracy")) is not None
                         ]
                     ),
@@ -104,11 +97,10 @@ def write_table3(specs, scale, hd, out: Path) -> str:
                     capsize=3,
                     label=LABEL[m],
                 )
-        ax.set(title="SST-2: accuracy vs Dirichlet alpha", xlabel="alpha", ylabel="accuracy (%)", xscale="log")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    return "\n".join(lines + ["![table3](table3.png)", ""]) + "\n" + runs_section(specs, out)
+        harness.finish_axes(
+            ax, 8, title="SST-2: accuracy vs Dirichlet alpha", xlabel="alpha", ylabel="accuracy (%)", xscale="log"
+        )
+    return "\n".join(lines + ["![table3](table3.png)", ""]) + "\n" + harness.runs_section(specs, out)
 
 
 def write_table4(specs, scale, hd, out: Path) -> str:
@@ -123,12 +115,9 @@ def write_table4(specs, scale, hd, out: Path) -> str:
         "## Results",
         "",
     ]
-    rows = [
-        [LABEL[v], accuracy_cell(g := with_labels(specs, variant=v), LAST), proxy_cell(g), str(PAPER["table4"][v])]
-        for v in variants
-    ]
-    lines += table_lines(["variant", "acc (%)", "proxy acc (%)", "paper SST-2 (BERT)"], rows)
-    means = {v: mean([last_mean(s, "accuracy") for s in with_labels(specs, variant=v)]) for v in variants}
+    rows = [accuracy_row(LABEL[v], harness.with_labels(specs, variant=v), str(PAPER["table4"][v])) for v in variants]
+    lines += harness.table_lines(["variant", "acc (%)", "proxy acc (%)", "paper SST-2 (BERT)"], rows)
+    means = {v: mean([last_mean(s, "accuracy") for s in harness.with_labels(specs, variant=v)]) for v in variants}
     if all(x is not None for x in means.values()):
         order = sorted(variants, key=lambda v: -means[v])
         lines += [
@@ -136,7 +125,7 @@ def write_table4(specs, scale, hd, out: Path) -> str:
             "Order here: " + " > ".join(LABEL[v] for v in order) + "; paper: FedPFT > FedPFT_B > FedOT > "
             "FedPFT_D > FedPFT_N.",
         ]
-    return "\n".join(lines + [""]) + "\n" + runs_section(specs, out)
+    return "\n".join(lines + [""]) + "\n" + harness.runs_section(specs, out)
 
 
 def write_table5(specs, scale, hd, out: Path) -> str:
@@ -153,7 +142,7 @@ def write_table5(specs, scale, hd, out: Path) -> str:
     rows = [
         [
             f"t = {t}",
-            accuracy_cell(g := with_labels(specs, part="t", t=t), LAST),
+            harness.accuracy_cell(g := harness.with_labels(specs, part="t", t=t), LAST),
             proxy_cell(g),
             str(PAPER["table5"]["t"][t]),
         ]
@@ -162,14 +151,14 @@ def write_table5(specs, scale, hd, out: Path) -> str:
     rows += [
         [
             f"p = {p:g}",
-            accuracy_cell(g := with_labels(specs, part="p", p=p), LAST),
+            harness.accuracy_cell(g := harness.with_labels(specs, part="p", p=p), LAST),
             proxy_cell(g),
             str(PAPER["table5"]["p"][p]),
         ]
         for p in P_VALUES
     ]
-    lines += table_lines(["setting", "acc (%)", "proxy acc (%)", "paper QNLI (BERT)"], rows)
-    return "\n".join(lines + [""]) + "\n" + runs_section(specs, out)
+    lines += harness.table_lines(["setting", "acc (%)", "proxy acc (%)", "paper QNLI (BERT)"], rows)
+    return "\n".join(lines + [""]) + "\n" + harness.runs_section(specs, out)
 
 
 WRITERS = {

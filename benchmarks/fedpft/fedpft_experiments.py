@@ -5,28 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedtune.harness import (
-    Choice,
-    Costs,
-    RunSpec,
-    Sweep,
-    build_plan,
-    choose,
-    estimate_s,
-    eval_rounds,
-    load_rounds,
-    mean_of_last,
-    read_overlays,
-    with_labels,
-)
+from fedtune import harness
 
 REPO = Path(__file__).resolve().parents[2]
-
-RECIPE = REPO / "configs" / "benchmarks" / "fedpft-suite.toml"
-OVERLAYS = read_overlays(REPO / "configs" / "benchmarks" / "fedpft-suite-overlays.toml")
-RESULTS = REPO / "benchmarks" / "results" / "fedpft"
+RECIPE, OVERLAYS, RESULTS, QUICK_RESULTS = harness.suite_files(REPO, "fedpft-suite", "fedpft")
 SWEPT_RESULTS = REPO / "benchmarks" / "results" / "fedpft-swept"  # --lr-grid: every method at its own rate
-QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "fedpft-quick"
 EXPERIMENTS = ["sweep", "table1", "table2", "table3", "table4", "table5"]  # also the order that owns shared runs
 SWEPT = ("table1", "table3", "table4", "table5")  # with --lr-grid: at each (data set, method)'s chosen rate
 METHODS = ["fedpetuning", "fedot", "fedpft"]
@@ -57,9 +40,9 @@ MODELS = REPO / "benchmarks" / "results" / "_scratch" / "fedpft-models"  # git-i
 # Costs on one free core of this VM (one torch thread): the MiniLM numbers are the FSLoRA suite's
 # --calibrate (batch 16, max_length 64, load average ~3); the ViT's are rough guesses (tiny).
 COSTS = {
-    "sst2": Costs(0.189, 0.0091, 1.7, 0.17),
-    "agnews": Costs(0.534, 0.0150, 5.1, 0.17),
-    "digits": Costs(0.03, 0.0005, 2.0, 0.05),
+    "sst2": harness.Costs(0.189, 0.0091, 1.7, 0.17),
+    "agnews": harness.Costs(0.534, 0.0150, 5.1, 0.17),
+    "digits": harness.Costs(0.03, 0.0005, 2.0, 0.05),
 }
 
 PAPER = {  # Tables 1-5 (BERT), App. F (SST-2 ablation)
@@ -79,7 +62,7 @@ PAPER = {  # Tables 1-5 (BERT), App. F (SST-2 ablation)
 class Scale:
     quick: bool
     out: Path
-    sweep: Sweep | None = None
+    sweep: harness.Sweep | None = None
 
     def overrides(self, data: str, method: str, *extra: str) -> list[str]:
         """A run's overrides: its data set's overlay, --quick's, the model, its method's (and, for
@@ -118,30 +101,30 @@ class Rates:
 
 def spec(
     scale: Scale, name: str, data: str, method: str, seed: int, *extra: str, lr: float | None = None, **labels
-) -> RunSpec:
+) -> harness.RunSpec:
     """One run; ``lr`` (a swept or chosen rate, named in the run) overrides the recipe's."""
     rate = [] if lr is None else [f"train.lr={lr!r}"]
-    return RunSpec(
+    return harness.RunSpec(
         name + ("" if lr is None else f"-lr{lr:g}"),
         scale.overrides(data, method, f"seed={seed}", *extra, *rate),
         {"method": method, "data": data, "seed": seed, "lr": lr, **labels},
     )
 
 
-def rated(rates: Rates, data: str, method: str, make) -> list[RunSpec]:
+def rated(rates: Rates, data: str, method: str, make) -> list[harness.RunSpec]:
     """``[make(lr)]`` at the (data set, method)'s rate, or ``[]`` while it waits for the sweep."""
     lr = rates.of(data, method)
     return [] if lr is WAIT else [make(lr)]
 
 
-def specs_sweep(scale: Scale, seeds: list[int], rates: Rates) -> list[RunSpec]:
+def specs_sweep(scale: Scale, seeds: list[int], rates: Rates) -> list[harness.RunSpec]:
     if scale.sweep is None:
         return []
     s = scale.sweep.seed
     return [spec(scale, f"{m}-{d}-s{s}", d, m, s, lr=lr) for d in TEXT for m in METHODS for lr in scale.sweep.grid]
 
 
-def specs_table1(scale: Scale, seeds: list[int], rates: Rates) -> list[RunSpec]:
+def specs_table1(scale: Scale, seeds: list[int], rates: Rates) -> list[harness.RunSpec]:
     return [
         r
         for d in TEXT
@@ -151,11 +134,11 @@ def specs_table1(scale: Scale, seeds: list[int], rates: Rates) -> list[RunSpec]:
     ]
 
 
-def specs_table2(scale: Scale, seeds: list[int], rates: Rates) -> list[RunSpec]:
+def specs_table2(scale: Scale, seeds: list[int], rates: Rates) -> list[harness.RunSpec]:
     return [spec(scale, f"{m}-vit-digits-s{s}", "digits", m, s) for s in seeds for m in METHODS]
 
 
-def specs_table3(scale: Scale, seeds: list[int], rates: Rates) -> list[RunSpec]:
+def specs_table3(scale: Scale, seeds: list[int], rates: Rates) -> list[harness.RunSpec]:
     return [
         r
         for a in ALPHAS
@@ -180,7 +163,7 @@ def specs_table3(scale: Scale, seeds: list[int], rates: Rates) -> list[RunSpec]:
     ]
 
 
-def specs_table4(scale: Scale, seeds: list[int], rates: Rates) -> list[RunSpec]:
+def specs_table4(scale: Scale, seeds: list[int], rates: Rates) -> list[harness.RunSpec]:
     variants = {"fedot": ("fedot", []), **{v: ("fedpft", o) for v, o in ABLATIONS.items()}}
     return [
         r
@@ -190,65 +173,37 @@ def specs_table4(scale: Scale, seeds: list[int], rates: Rates) -> list[RunSpec]:
     ]
 
 
-def specs_table5(scale: Scale, seeds: list[int], rates: Rates) -> list[RunSpec]:
-    t_runs = [
-        r
-        for t in T_VALUES
-        for s in seeds
-        for r in rated(
-            rates,
-            "sst2",
-            "fedpft",
-            lambda lr: spec(
-                scale,
-                f"fedpft-sst2-t{t}-s{s}",
+def specs_table5(scale: Scale, seeds: list[int], rates: Rates) -> list[harness.RunSpec]:
+    """Table 5: FedPFT on SST-2 at each alignment interval T (p = 0.5), then at each fraction p (T = 10)."""
+
+    def runs(tag: str, override: str, **labels) -> list[harness.RunSpec]:
+        return [
+            r
+            for s in seeds
+            for r in rated(
+                rates,
                 "sst2",
                 "fedpft",
-                s,
-                f"options.align_interval={t}",
-                lr=lr,
-                part="t",
-                t=t,
-                p=0.5,
-            ),
-        )
-    ]
-    return t_runs + [
-        r
-        for p in P_VALUES
-        for s in seeds
-        for r in rated(
-            rates,
-            "sst2",
-            "fedpft",
-            lambda lr: spec(
-                scale,
-                f"fedpft-sst2-p{p:g}-s{s}",
-                "sst2",
-                "fedpft",
-                s,
-                f"options.align_fraction={p}",
-                lr=lr,
-                part="p",
-                t=10,
-                p=p,
-            ),
-        )
-    ]
+                lambda lr: spec(scale, f"fedpft-sst2-{tag}-s{s}", "sst2", "fedpft", s, override, lr=lr, **labels),
+            )
+        ]
+
+    t_runs = [r for t in T_VALUES for r in runs(f"t{t}", f"options.align_interval={t}", part="t", t=t, p=0.5)]
+    return t_runs + [r for p in P_VALUES for r in runs(f"p{p:g}", f"options.align_fraction={p}", part="p", t=10, p=p)]
 
 
-def choices_of(sweep_runs: list[RunSpec]) -> dict[tuple[str, str], Choice | None]:
+def choices_of(sweep_runs: list[harness.RunSpec]) -> dict[tuple[str, str], harness.Choice | None]:
     """Each swept (data set, method)'s choice: the argmax over its finished sweep runs of the mean of
     the last :data:`LAST` evaluations' full-model accuracy (None while any of its runs is unfinished)."""
     return {
-        (d, m): choose(
-            with_labels(sweep_runs, data=d, method=m),
+        (d, m): harness.choose(
+            harness.with_labels(sweep_runs, data=d, method=m),
             lambda s: {"lr": s.labels["lr"]},
             lambda s: last_mean(s, "accuracy"),
         )
         for d in TEXT
         for m in METHODS
-        if with_labels(sweep_runs, data=d, method=m)
+        if harness.with_labels(sweep_runs, data=d, method=m)
     }
 
 
@@ -257,9 +212,9 @@ def build_suite_plan(scale: Scale, seeds: list[int], out: Path):
     ``--only``), with the sweep's choices where ``scale.sweep`` is set."""
     rates = Rates()
     if scale.sweep is not None:
-        sweep = build_plan({"sweep": specs_sweep(scale, seeds, rates)}, RECIPE, out)["sweep"]
+        sweep = harness.build_plan({"sweep": specs_sweep(scale, seeds, rates)}, RECIPE, out)["sweep"]
         rates = Rates({k: c.setting["lr"] for k, c in choices_of(sweep).items() if c})
-    return build_plan({e: BUILDERS[e](scale, seeds, rates) for e in EXPERIMENTS}, RECIPE, out)
+    return harness.build_plan({e: BUILDERS[e](scale, seeds, rates) for e in EXPERIMENTS}, RECIPE, out)
 
 
 BUILDERS = {
@@ -280,16 +235,8 @@ def ensure_random_vit() -> Path:
         from transformers import ViTConfig, ViTForImageClassification
 
         torch.manual_seed(0)
-        cfg = ViTConfig(
-            image_size=16,
-            patch_size=4,
-            num_channels=3,
-            hidden_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            intermediate_size=256,
-            num_labels=10,
-        )
+        shape = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 256}
+        cfg = ViTConfig(image_size=16, patch_size=4, num_channels=3, num_labels=10, **shape)
         ViTForImageClassification(cfg).save_pretrained(str(path))
     return path
 
@@ -297,17 +244,17 @@ def ensure_random_vit() -> Path:
 # -- cost model -----------------------------------------------------------------------------------
 
 
-def run_cost(spec_: RunSpec, distills: bool) -> float:
+def run_cost(spec_: harness.RunSpec, distills: bool) -> float:
     """Seconds on one free core: the harness's model (client steps, evaluations, setup) plus what
     the proxy methods add: the proxy's evaluation beside the full model's, FedPFT's APoZ passes and
     alignments, and (``distills``: the first run of a proxy) the distillation before FL."""
     c = spec_.config
     costs = COSTS[spec_.labels["data"]]
     test = min(TEST_SIZES[spec_.labels["data"]], c.data.max_test_samples or 10**9)
-    total = estimate_s(c, costs, test)
+    total = harness.estimate_s(c, costs, test)
     if c.method in PROXY_METHODS:
         o = c.options
-        total += eval_rounds(c.rounds, c.eval_every) * test * costs.eval_s_per_example  # proxy_accuracy
+        total += harness.eval_rounds(c.rounds, c.eval_every) * test * costs.eval_s_per_example  # proxy_accuracy
         step32 = 2 * costs.step_s  # a distillation step: batch 32, teacher forward + student step
         if distills and o.get("distill_before", True):
             total += o.get("distill_steps", 200) * step32
@@ -318,7 +265,7 @@ def run_cost(spec_: RunSpec, distills: bool) -> float:
     return total
 
 
-def plan_costs(runs: list[RunSpec]) -> dict[str, float]:
+def plan_costs(runs: list[harness.RunSpec]) -> dict[str, float]:
     seen: set[tuple] = set()
     costs = {}
     for s in runs:
@@ -332,6 +279,6 @@ def plan_costs(runs: list[RunSpec]) -> dict[str, float]:
 # -- reports --------------------------------------------------------------------------------------
 
 
-def last_mean(spec_: RunSpec, metric: str) -> float | None:
-    rounds = load_rounds(spec_)
-    return mean_of_last(rounds, LAST, metric) if rounds else None
+def last_mean(spec_: harness.RunSpec, metric: str) -> float | None:
+    rounds = harness.load_rounds(spec_)
+    return harness.mean_of_last(rounds, LAST, metric) if rounds else None

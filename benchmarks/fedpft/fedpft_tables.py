@@ -6,33 +6,20 @@ from pathlib import Path
 
 from fedpft_experiments import LABEL, LAST, METHODS, PAPER, PROXY_METHODS, RECIPE, TEXT, Scale, choices_of, last_mean
 
+from fedtune import harness
 from fedtune.config import load_config
-from fedtune.harness import (
-    RunSpec,
-    accuracy_cell,
-    averaged_curve,
-    figure,
-    load_rounds,
-    mean_text,
-    percent,
-    produced_by,
-    runs_section,
-    sweep_sections,
-    table_lines,
-    with_labels,
-)
 from fedtune.harness.stats import mean
 
 
-def proxy_cell(specs: list[RunSpec]) -> str:
+def proxy_cell(specs: list[harness.RunSpec]) -> str:
     if not any(s.config.method in PROXY_METHODS for s in specs):
         return "(full model)"
-    return percent([last_mean(s, "proxy_accuracy") for s in specs])
+    return harness.percent([last_mean(s, "proxy_accuracy") for s in specs])
 
 
-def run_costs(spec_: RunSpec) -> dict[str, float] | None:
+def run_costs(spec_: harness.RunSpec) -> dict[str, float] | None:
     """Per-run cost figures from ``metrics.jsonl`` (None while unfinished)."""
-    rounds = load_rounds(spec_)
+    rounds = harness.load_rounds(spec_)
     if not rounds:
         return None
     client_rounds = sum(len(r["clients"]) for r in rounds)
@@ -51,14 +38,14 @@ def run_costs(spec_: RunSpec) -> dict[str, float] | None:
     }
 
 
-def cost_cells(specs: list[RunSpec]) -> list[str]:
+def cost_cells(specs: list[harness.RunSpec]) -> list[str]:
     runs = [c for c in map(run_costs, specs) if c]
 
     def m(key, fmt):
-        return mean_text([c[key] for c in runs if c[key] is not None], fmt)
+        return harness.mean_text([c[key] for c in runs if c[key] is not None], fmt)
 
-    millions = mean_text([c["trainable"] / 1e6 for c in runs if c["trainable"]], ".3f")
-    model = mean_text([c["model"] / 1e6 for c in runs if c["model"]], ".2f")
+    millions = harness.mean_text([c["trainable"] / 1e6 for c in runs if c["trainable"]], ".3f")
+    model = harness.mean_text([c["model"] / 1e6 for c in runs if c["model"]], ".2f")
     return [millions, model, m("round_mb", ".3f"), m("proxy_mb", ".1f"), m("compute_s", ".2f"), m("peak_mb", ".0f")]
 
 
@@ -93,7 +80,7 @@ def head(scale: Scale, seeds: list[int], command: str, note: str) -> str:
         [
             "## Setup",
             "",
-            *produced_by(command),
+            *harness.produced_by(command),
             f"Model `{base.model.name}`; {base.federation.num_clients} clients, {base.federation.sample_size()} "
             "sampled per "
             f"round, {base.rounds} rounds of {base.train.local_steps} local steps (batch {base.train.batch_size}, "
@@ -138,7 +125,7 @@ def rates_text(scale: Scale, seeds: list[int]) -> list[str]:
     ]
 
 
-def rate_cell(specs: list[RunSpec]) -> str:
+def rate_cell(specs: list[harness.RunSpec]) -> str:
     """The learning rate the specs ran at (one value, or the distinct ones)."""
     rates = sorted({s.config.train.lr for s in specs})
     return ", ".join(f"{lr:g}" for lr in rates) if rates else "waiting for the sweep"
@@ -155,15 +142,15 @@ def write_sweep(specs, scale, hd, out: Path) -> str:
         "",
         hd,
     ]
-    panels = {d: {LABEL[m]: with_labels(specs, data=d, method=m) for m in METHODS} for d in TEXT}
-    lines += sweep_sections(
+    panels = {d: {LABEL[m]: harness.with_labels(specs, data=d, method=m) for m in METHODS} for d in TEXT}
+    lines += harness.sweep_sections(
         panels,
         {d: {LABEL[m]: choices.get((d, m)) for m in METHODS} for d in TEXT},
         lambda s: last_mean(s, "accuracy"),
         out / "sweep.png",
         ylabel=f"accuracy, mean of last {LAST} (%)",
     )
-    return "\n".join([*lines, "![sweep](sweep.png)", ""]) + "\n" + runs_section(specs, out)
+    return "\n".join([*lines, "![sweep](sweep.png)", ""]) + "\n" + harness.runs_section(specs, out)
 
 
 def write_table1(specs, scale, hd, out: Path) -> str:
@@ -180,12 +167,14 @@ def write_table1(specs, scale, hd, out: Path) -> str:
     for m in METHODS:
         row = [LABEL[m]]
         for d in TEXT:
-            g = with_labels(specs, method=m, data=d)
-            row += ([rate_cell(g)] if scale.sweep else []) + [accuracy_cell(g, LAST), proxy_cell(g)]
-        rows.append(row + cost_cells(with_labels(specs, method=m, data="sst2")))
-    lines += table_lines(cols, rows)
+            g = harness.with_labels(specs, method=m, data=d)
+            row += ([rate_cell(g)] if scale.sweep else []) + [harness.accuracy_cell(g, LAST), proxy_cell(g)]
+        rows.append(row + cost_cells(harness.with_labels(specs, method=m, data="sst2")))
+    lines += harness.table_lines(cols, rows)
     lines += [""] + [
-        ordering_note({m: [last_mean(s, "accuracy") for s in with_labels(specs, method=m, data=d)] for m in METHODS}, d)
+        ordering_note(
+            {m: [last_mean(s, "accuracy") for s in harness.with_labels(specs, method=m, data=d)] for m in METHODS}, d
+        )
         for d in TEXT
     ]
     lines += [
@@ -203,22 +192,16 @@ def write_table1(specs, scale, hd, out: Path) -> str:
         "![table1](table1.png)",
         "",
     ]
-    with figure(out / "table1.png", 1, len(TEXT), figsize=(11, 4), squeeze=False) as (fig, axes):
+    with harness.figure(out / "table1.png", 1, len(TEXT), figsize=(11, 4), squeeze=False) as (fig, axes):
         for ax, d in zip(axes[0], TEXT):
             for m in METHODS:
                 for metric, style in (("accuracy", "-"), ("proxy_accuracy", ":")):
-                    pts = averaged_curve(with_labels(specs, method=m, data=d), metric)
-                    if pts and (metric == "accuracy" or m in PROXY_METHODS):
-                        ax.plot(
-                            [p[0] for p in pts],
-                            [100 * p[2] for p in pts],
-                            style,
-                            marker="o",
-                            ms=3,
-                            label=LABEL[m] + (" (proxy)" if metric != "accuracy" else ""),
+                    if metric == "accuracy" or m in PROXY_METHODS:
+                        label = LABEL[m] + (" (proxy)" if metric != "accuracy" else "")
+                        harness.plot_curve(
+                            ax, harness.with_labels(specs, method=m, data=d), style, metric=metric, label=label
                         )
-            ax.set(title=f"{d}: accuracy vs round (mean over seeds)", xlabel="round", ylabel="accuracy (%)")
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
-    return "\n".join(lines) + "\n" + runs_section(specs, out)
+            harness.finish_axes(
+                ax, title=f"{d}: accuracy vs round (mean over seeds)", xlabel="round", ylabel="accuracy (%)"
+            )
+    return "\n".join(lines) + "\n" + harness.runs_section(specs, out)

@@ -71,71 +71,49 @@ from fedpft_experiments import (
 )
 from fedpft_tables import head
 
+from fedtune import harness
 from fedtune.config import load_config
-from fedtune.harness import (
-    SuiteError,
-    add_sweep_options,
-    biased_seed_warning,
-    distinct_runs,
-    estimate_minutes,
-    offline_data,
-    output_dir,
-    parse_selection,
-    run_suite,
-    suite_command,
-    suite_parser,
-    sweep_first,
-    sweep_note,
-    sweep_selection,
-    with_labels,
-)
 
 
+@harness.suite_main
 def main(argv: list[str] | None = None) -> int:
-    p = suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="0,1,2", budget_minutes=600)
-    add_sweep_options(
+    p = harness.suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="0,1,2", budget_minutes=600)
+    harness.add_sweep_options(
         p,
         EXPERIMENTS,
         "each method of Table 1 on SST-2 and AG News (for tables 1, 3-5; results to benchmarks/results/fedpft-swept/)",
     )
     args = p.parse_args(argv)
-    try:
-        selected, seeds = parse_selection(args, EXPERIMENTS)
-        sweep, selected = sweep_selection(args, selected, SWEPT)
-    except SuiteError as exc:
-        print(exc)
-        return 2
-    out = output_dir(args, SWEPT_RESULTS if sweep else RESULTS, QUICK_RESULTS)
+    selected, seeds, out, command, sweep = harness.suite_start(
+        args, argv, __file__, EXPERIMENTS, RESULTS, QUICK_RESULTS, "sst2/agnews", SWEPT, SWEPT_RESULTS
+    )
     scale = Scale(args.quick, out, sweep)
-    offline_data("sst2/agnews")
-    biased_seed_warning(sweep, seeds, selected, SWEPT)
     if "table2" in selected and not args.quick:
         ensure_random_vit()
-    command = suite_command("benchmarks/fedpft/run_suite.py", argv)
     base = load_config(RECIPE, scale.overrides("sst2", "fedpft"))
     print(
         f"FedPFT suite: {', '.join(selected)}; seeds {seeds}"
-        + (f"; rates {', '.join(f'{lr:g}' for lr in sweep.grid)} swept on seed {sweep.seed}" if sweep else "")
+        + (f"; {sweep}" if sweep else "")
         + f"; model {base.model.name}; R={base.rounds}, H={base.train.local_steps}, "
         f"{base.federation.sample_size()}/{base.federation.num_clients} clients per round -> {out}"
     )
 
     def stage(experiments: list[str]) -> int:
         plan = build_suite_plan(scale, seeds, out)
-        runs = distinct_runs(plan, experiments)
+        runs = harness.distinct_runs(plan, experiments)
         costs = plan_costs(runs)
         note = (
             f"Cost model: per-step and evaluation costs measured by the FSLoRA suite's --calibrate on this VM "
             f"(MiniLM, one thread), plus the proxy methods' distillation, proxy evaluation, APoZ passes and "
             f"alignments. Estimated time of the selection with {args.workers} worker(s): "
-            f"{estimate_minutes(runs, costs, args.workers):.0f} min."
+            f"{harness.estimate_minutes(runs, costs, args.workers):.0f} min."
         )
         notes = [note]
         if sweep:
             choices = choices_of(plan["sweep"])
-            groups = {f"{d}/{m}": with_labels(plan["sweep"], data=d, method=m) for d in TEXT for m in METHODS}
+            groups = {f"{d}/{m}": harness.with_labels(plan["sweep"], data=d, method=m) for d in TEXT for m in METHODS}
             notes.append(
-                sweep_note(
+                harness.sweep_note(
                     groups,
                     {f"{d}/{m}": choices.get((d, m)) for d in TEXT for m in METHODS},
                     "(data set, method) groups",
@@ -152,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
                 written += [path, out / f"{exp}.png"]
             return written
 
-        return run_suite(plan, experiments, args, costs, write_reports, root=REPO, notes=notes)
+        return harness.run_suite(plan, experiments, args, costs, write_reports, root=REPO, notes=notes)
 
-    return sweep_first(stage, selected, args)  # tables 1, 3-5 are planned from the sweep's finished runs
+    return harness.sweep_first(stage, selected, args)  # tables 1, 3-5 are planned from the sweep's finished runs
 
 
 if __name__ == "__main__":

@@ -11,15 +11,11 @@ from fedtune.harness import (
     RunSpec,
     assignments,
     build_plan,
-    read_overlays,
+    suite_files,
 )
 
 REPO = Path(__file__).resolve().parents[2]
-
-RECIPE = REPO / "configs" / "benchmarks" / "fslora-suite.toml"
-OVERLAYS = read_overlays(REPO / "configs" / "benchmarks" / "fslora-suite-overlays.toml")
-RESULTS = REPO / "benchmarks" / "results" / "fslora"
-QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "fslora-quick"
+RECIPE, OVERLAYS, RESULTS, QUICK_RESULTS = suite_files(REPO, "fslora-suite", "fslora")
 EXPERIMENTS = ["table51", "fig3", "fig4b", "fig4c", "fig7", "horizon", "alpha"]  # also the order that owns shared runs
 METHODS = ["fedit", "fslora", "heterolora", "flexlora", "fedstacklora"]
 ALPHA_PER_RANK = 2.0  # lora_alpha = 2 r at every global rank (configs/*.toml: alpha / r = 2)
@@ -113,18 +109,8 @@ def table51_spec(
         *([] if method == "fedit" else OVERLAYS["hetero"]),
         *([f"rounds={rounds}"] if rounds else []),
     ]
-    return RunSpec(
-        name or f"{method}-{data}-s{seed}",
-        scale.run_overrides(data, method, *extra),
-        {
-            "method": method,
-            "data": data,
-            "seed": seed,
-            "rank": rank,
-            "rounds": rounds or scale.base.rounds,
-            "alpha": alpha,
-        },
-    )
+    labels = dict(method=method, data=data, seed=seed, rank=rank, rounds=rounds or scale.base.rounds, alpha=alpha)
+    return RunSpec(name or f"{method}-{data}-s{seed}", scale.run_overrides(data, method, *extra), labels)
 
 
 def fslora_spec(

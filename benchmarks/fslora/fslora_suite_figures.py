@@ -7,24 +7,10 @@ from pathlib import Path
 from fslora_suite_experiments import METHODS, Scale
 from fslora_suite_tables import fedit_label, report_fig3, report_table51, scale_section, sweep_report
 
-from fedtune.harness import (
-    RunSpec,
-    accuracy_cell,
-    averaged_curve,
-    curve,
-    figure,
-    final_accuracy,
-    load_summary,
-    percent,
-    pyplot,
-    runs_section,
-    table_lines,
-    upload_cell,
-    with_labels,
-)
+from fedtune import harness
 
 
-def report_fig4b(specs: list[RunSpec], scale: Scale, head: str, out: Path) -> str:
+def report_fig4b(specs: list[harness.RunSpec], scale: Scale, head: str, out: Path) -> str:
     k = scale.fig4b_k
     intro = (
         f"FSLoRA with every device updating k = {k} ranks (uniform k/r = {k}/r, "
@@ -49,7 +35,7 @@ def report_fig4b(specs: list[RunSpec], scale: Scale, head: str, out: Path) -> st
     )
 
 
-def report_fig4c(specs: list[RunSpec], scale: Scale, head: str, out: Path) -> str:
+def report_fig4c(specs: list[harness.RunSpec], scale: Scale, head: str, out: Path) -> str:
     intro = (
         f"FSLoRA, global rank r = {scale.rank}, uniform k/r for every device "
         "(`federation.profiles = [{sketch_ratio = k/r}]`); k/r = 1 is no sketching."
@@ -71,7 +57,7 @@ def report_fig4c(specs: list[RunSpec], scale: Scale, head: str, out: Path) -> st
     )
 
 
-def report_fig7(specs: list[RunSpec], ref: list[RunSpec], scale: Scale, head: str, out: Path) -> str:
+def report_fig7(specs: list[harness.RunSpec], ref: list[harness.RunSpec], scale: Scale, head: str, out: Path) -> str:
     data = scale.fig_data[0]
     lines = [
         "# Figure 7 (CPU scale): top-k compression with and without sketching",
@@ -94,39 +80,39 @@ def report_fig7(specs: list[RunSpec], ref: list[RunSpec], scale: Scale, head: st
     lines += [head, "## Results", ""]
     rows = []
     for x in scale.ratios:
-        g, r = with_labels(specs, ratio=x, data=data), with_labels(ref, ratio=x, data=data)
-        rows.append([f"{x:g}", accuracy_cell(g), upload_cell(g), accuracy_cell(r), upload_cell(r)])
-    lines += table_lines(
+        g, r = harness.with_labels(specs, ratio=x, data=data), harness.with_labels(ref, ratio=x, data=data)
+        rows.append(
+            [
+                f"{x:g}",
+                harness.accuracy_cell(g),
+                harness.upload_cell(g),
+                harness.accuracy_cell(r),
+                harness.upload_cell(r),
+            ]
+        )
+    lines += harness.table_lines(
         ["k/r", "top-k acc (%)", "top-k MB up / device", "no top-k acc (%)", "no top-k MB up / device"], rows
     )
     lines += ["", f"Data: {', '.join(scale.fig_data)} only.", "", "![fig7](fig7.png)", ""]
-    with figure(out / "fig7.png", figsize=(6.5, 4.5)) as (fig, ax):
-        colors = pyplot().rcParams["axes.prop_cycle"].by_key()["color"]
+    with harness.figure(out / "fig7.png", figsize=(6.5, 4.5)) as (fig, ax):
+        colors = harness.pyplot().rcParams["axes.prop_cycle"].by_key()["color"]
         for i, x in enumerate(scale.ratios):
             for group, style, tag in [(specs, "-", f"top-k {scale.topk:g}"), (ref, "--", "no top-k")]:
-                pts = averaged_curve(with_labels(group, ratio=x, data=data))
-                if pts:
-                    ax.plot(
-                        [p[1] for p in pts],
-                        [100 * p[2] for p in pts],
-                        style,
-                        marker="o",
-                        ms=3,
-                        color=colors[i % len(colors)],
-                        label=f"k/r = {x:g}" + (" (no sketch)" if x == 1 else "") + f", {tag}",
-                    )
-        ax.set(
+                label = f"k/r = {x:g}" + (" (no sketch)" if x == 1 else "") + f", {tag}"
+                group = harness.with_labels(group, ratio=x, data=data)
+                harness.plot_curve(ax, group, style, upload=True, color=colors[i % len(colors)], label=label)
+        harness.finish_axes(
+            ax,
             title=f"{data}: accuracy vs per-device upload (r = {scale.rank})",
             xlabel="MB uploaded per device",
             ylabel="accuracy (%)",
         )
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    return "\n".join(lines) + "\n" + runs_section(specs + with_labels(ref, data=data), out)
+    return "\n".join(lines) + "\n" + harness.runs_section(specs + harness.with_labels(ref, data=data), out)
 
 
-def report_horizon(specs: list[RunSpec], table51: list[RunSpec], scale: Scale, head: str, out: Path) -> str:
+def report_horizon(
+    specs: list[harness.RunSpec], table51: list[harness.RunSpec], scale: Scale, head: str, out: Path
+) -> str:
     data = scale.fig_data[0]
     methods = list(scale.horizon_methods)
     short = scale.base.rounds
@@ -144,19 +130,19 @@ def report_horizon(specs: list[RunSpec], table51: list[RunSpec], scale: Scale, h
         "## Results",
         "",
     ]
-    curves = {id(s): curve(s) for s in specs}
+    curves = {id(s): harness.curve(s) for s in specs}
     evals = sorted(set.intersection(*[{p[0] for p in c} for c in curves.values()]) if all(curves.values()) else set())
 
-    def at(spec: RunSpec, rnd: int) -> float | None:
+    def at(spec: harness.RunSpec, rnd: int) -> float | None:
         return next((p[2] for p in curves[id(spec)] if p[0] == rnd), None)
 
     rows = []
     for method in methods:
-        group = with_labels(specs, method=method, data=data)
+        group = harness.with_labels(specs, method=method, data=data)
         checks = []
         for s in group:
-            ref = next(iter(with_labels(table51, method=method, data=data, seed=s.labels["seed"])), None)
-            here, there = at(s, short), (load_summary(ref) or {}).get("final_accuracy") if ref else None
+            ref = next(iter(harness.with_labels(table51, method=method, data=data, seed=s.labels["seed"])), None)
+            here, there = at(s, short), (harness.load_summary(ref) or {}).get("final_accuracy") if ref else None
             if here is None or there is None:
                 checks.append(f"s{s.labels['seed']}: –")
             else:
@@ -167,12 +153,12 @@ def report_horizon(specs: list[RunSpec], table51: list[RunSpec], scale: Scale, h
         rows.append(
             [
                 fedit_label(method),
-                *(percent([at(s, r) for s in group]) for r in evals),
-                upload_cell(group),
+                *(harness.percent([at(s, r) for s in group]) for r in evals),
+                harness.upload_cell(group),
                 ", ".join(checks),
             ]
         )
-    lines += table_lines(
+    lines += harness.table_lines(
         ["method", *(f"acc @ {r} (%)" for r in evals), "MB up / device", f"round {short} = Table 5.1?"], rows
     )
     lines += [
@@ -183,23 +169,29 @@ def report_horizon(specs: list[RunSpec], table51: list[RunSpec], scale: Scale, h
         "![horizon](horizon.png)",
         "",
     ]
-    with figure(out / "horizon.png", figsize=(6, 4)) as (fig, ax):
+    with harness.figure(out / "horizon.png", figsize=(6, 4)) as (fig, ax):
         for method in methods:
-            pts = averaged_curve(with_labels(specs, method=method, data=data))
-            if pts:
-                ax.plot([p[0] for p in pts], [100 * p[2] for p in pts], marker="o", ms=3, label=method)
+            harness.plot_curve(ax, harness.with_labels(specs, method=method, data=data), label=method)
         ax.axvline(short, color="gray", ls=":", lw=1, label=f"Table 5.1 stops (R = {short})")
         ax.set(title=f"{data}: accuracy vs round (mean over seeds)", xlabel="round", ylabel="accuracy (%)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    return "\n".join(lines) + "\n" + runs_section(specs, out)
+    return "\n".join(lines) + "\n" + harness.runs_section(specs, out)
 
 
-def report_alpha(specs: list[RunSpec], plan: dict[str, list[RunSpec]], scale: Scale, head: str, out: Path) -> str:
+def report_alpha(
+    specs: list[harness.RunSpec], plan: dict[str, list[harness.RunSpec]], scale: Scale, head: str, out: Path
+) -> str:
     data = scale.fig_data[0]
     a, k, ratios = scale.fixed_alpha, scale.fig4b_k, scale.hetero_ratios
-    table, sweep = with_labels(specs, part="table51", data=data), with_labels(specs, part="fig4b", data=data)
-    ref_table, ref_sweep = with_labels(plan["table51"], data=data), with_labels(plan["fig4b"], data=data)
+    table, sweep = (
+        harness.with_labels(specs, part="table51", data=data),
+        harness.with_labels(specs, part="fig4b", data=data),
+    )
+    ref_table, ref_sweep = (
+        harness.with_labels(plan["table51"], data=data),
+        harness.with_labels(plan["fig4b"], data=data),
+    )
     lines = [
         f"# LoRA scaling (not in the paper): lora_alpha = 2 r vs a fixed lora_alpha = {a:g}",
         "",
@@ -219,37 +211,37 @@ def report_alpha(specs: list[RunSpec], plan: dict[str, list[RunSpec]], scale: Sc
         "## Table 5.1 on " + data,
         "",
     ]
-    lines += table_lines(
+    lines += harness.table_lines(
         ["method", "alpha = 2 r acc (%)", f"alpha = {a:g} acc (%)"],
         [
             [
                 fedit_label(m),
-                accuracy_cell(with_labels(ref_table, method=m)),
-                accuracy_cell(with_labels(table, method=m)),
+                harness.accuracy_cell(harness.with_labels(ref_table, method=m)),
+                harness.accuracy_cell(harness.with_labels(table, method=m)),
             ]
             for m in METHODS
         ],
     )
     lines += ["", f"## Figure 4(b): global rank r at k = {k}", ""]
-    lines += table_lines(
+    lines += harness.table_lines(
         ["r", "k/r", "alpha = 2 r: device scale", "acc (%)", f"alpha = {a:g}: device scale", "acc (%)"],
         [
             [
                 str(r),
                 f"{min(k, r) / r:g}",
                 f"{2 * r / min(k, r):g}",
-                accuracy_cell(with_labels(ref_sweep, rank=r)),
+                harness.accuracy_cell(harness.with_labels(ref_sweep, rank=r)),
                 f"{a / min(k, r):g}",
-                accuracy_cell(with_labels(sweep, rank=r)),
+                harness.accuracy_cell(harness.with_labels(sweep, rank=r)),
             ]
             for r in scale.fig4b_ranks
         ],
     )
     lines += ["", "Accuracy: final, mean ± sample std over the seeds.", "", "![alpha](alpha.png)", ""]
-    with figure(out / "alpha.png", 1, 2, figsize=(11, 4)) as (fig, (ax1, ax2)):
+    with harness.figure(out / "alpha.png", 1, 2, figsize=(11, 4)) as (fig, (ax1, ax2)):
         width = 0.38
         for j, (group, label) in enumerate([(ref_table, "alpha = 2 r"), (table, f"alpha = {a:g}")]):
-            finals = [final_accuracy(with_labels(group, method=m)) for m in METHODS]
+            finals = [harness.final_accuracy(harness.with_labels(group, method=m)) for m in METHODS]
             ax1.bar(
                 [i + (j - 0.5) * width for i in range(len(METHODS))],
                 [m or 0.0 for m, _, _ in finals],
@@ -264,7 +256,7 @@ def report_alpha(specs: list[RunSpec], plan: dict[str, list[RunSpec]], scale: Sc
         ax1.grid(alpha=0.3, axis="y")
         ax1.legend(fontsize=8)
         for group, label in [(ref_sweep, "alpha = 2 r"), (sweep, f"alpha = {a:g}")]:
-            pts = [(r, *final_accuracy(with_labels(group, rank=r))[:2]) for r in scale.fig4b_ranks]
+            pts = [(r, *harness.final_accuracy(harness.with_labels(group, rank=r))[:2]) for r in scale.fig4b_ranks]
             pts = [pt for pt in pts if pt[1] is not None]
             if pts:
                 ax2.errorbar(
@@ -280,11 +272,11 @@ def report_alpha(specs: list[RunSpec], plan: dict[str, list[RunSpec]], scale: Sc
         ax2.set(title=f"{data}: FSLoRA, k = {k}", xlabel="global rank r", ylabel="final accuracy (%)")
         ax2.grid(alpha=0.3)
         ax2.legend(fontsize=8)
-    return "\n".join(lines) + "\n" + runs_section(specs, out)
+    return "\n".join(lines) + "\n" + harness.runs_section(specs, out)
 
 
 def write_reports(
-    plan: dict[str, list[RunSpec]],
+    plan: dict[str, list[harness.RunSpec]],
     selected: list[str],
     scale: Scale,
     seeds: list[int],

@@ -14,21 +14,7 @@ from fslora_suite_experiments import (
     fig3_short_rounds,
 )
 
-from fedtune.harness import (
-    RunSpec,
-    accuracy_cell,
-    averaged_curve,
-    figure,
-    final_accuracy,
-    load_summary,
-    mean_text,
-    percent,
-    produced_by,
-    runs_section,
-    table_lines,
-    upload_cell,
-    with_labels,
-)
+from fedtune import harness
 
 # -- reports ---------------------------------------------------------------------------------
 
@@ -38,7 +24,7 @@ def scale_section(scale: Scale, seeds: list[int], data_sets: tuple, command: str
     train = ", ".join(f"{d}: {scale.config(d).data.max_train_samples or 'all'}" for d in data_sets)
     test = ", ".join(f"{d}: {scale.config(d).data.max_test_samples or 'all'}" for d in data_sets)
     lines = [
-        *produced_by(command),
+        *harness.produced_by(command),
         "| | paper (RoBERTa & GLUE, Table A.1 / Sec. 5) | here |",
         "|---|---|---|",
         f"| model | {PAPER['model']} | `{base.model.name}` "
@@ -77,7 +63,7 @@ def fedit_label(method: str) -> str:
     return method + (" (r = min k_i)" if method == "fedit" else "")
 
 
-def report_table51(specs: list[RunSpec], scale: Scale, seeds: list[int], head: str, out: Path) -> str:
+def report_table51(specs: list[harness.RunSpec], scale: Scale, seeds: list[int], head: str, out: Path) -> str:
     data_sets = [d for d in scale.table_data if any(s.labels["data"] == d for s in specs)]
     ratios = scale.hetero_ratios
     lines = [
@@ -105,20 +91,20 @@ def report_table51(specs: list[RunSpec], scale: Scale, seeds: list[int], head: s
     for method in METHODS:
         row = [fedit_label(method)]
         for d in data_sets:
-            group = with_labels(specs, method=method, data=d)
-            sums = [x for x in map(load_summary, group) if x is not None]
+            group = harness.with_labels(specs, method=method, data=d)
+            sums = [x for x in map(harness.load_summary, group) if x is not None]
             n = f" (n={len(sums)})" if len(sums) not in (0, len(group)) else ""
             row += [
-                percent([x["final_accuracy"] for x in sums]) + n,
-                mean_text([x["total_bytes_up"] / 1e6 for x in sums], ".1f"),
-                mean_text([x["total_bytes_down"] / 1e6 for x in sums], ".1f"),
-                mean_text([x["total_compute_s"] for x in sums], ".0f"),
+                harness.percent([x["final_accuracy"] for x in sums]) + n,
+                harness.mean_text([x["total_bytes_up"] / 1e6 for x in sums], ".1f"),
+                harness.mean_text([x["total_bytes_down"] / 1e6 for x in sums], ".1f"),
+                harness.mean_text([x["total_compute_s"] for x in sums], ".0f"),
             ]
         rows.append(row)
-    lines += table_lines(cols, rows)
+    lines += harness.table_lines(cols, rows)
     majority = {}
     for d in data_sets:
-        vals = [v["majority_accuracy"] for v in map(load_summary, with_labels(specs, data=d)) if v]
+        vals = [v["majority_accuracy"] for v in map(harness.load_summary, harness.with_labels(specs, data=d)) if v]
         majority[d] = f"{100 * vals[0]:.2f}" if vals else "–"
     lines += [
         "",
@@ -131,28 +117,27 @@ def report_table51(specs: list[RunSpec], scale: Scale, seeds: list[int], head: s
         "",
     ]
     size = (5.5 * len(data_sets), 4)
-    with figure(out / "table51.png", 1, len(data_sets), figsize=size, squeeze=False) as (fig, axes):
+    with harness.figure(out / "table51.png", 1, len(data_sets), figsize=size, squeeze=False) as (fig, axes):
         for ax, d in zip(axes[0], data_sets):
             for method in METHODS:
-                pts = averaged_curve(with_labels(specs, method=method, data=d))
-                if pts:
-                    ax.plot([p[0] for p in pts], [100 * p[2] for p in pts], marker="o", ms=3, label=method)
+                harness.plot_curve(ax, harness.with_labels(specs, method=method, data=d), label=method)
             if majority[d] != "–":
                 ax.axhline(float(majority[d]), color="gray", ls=":", lw=1, label="majority class")
-            ax.set(title=f"{d}: accuracy vs round (mean over seeds)", xlabel="round", ylabel="accuracy (%)")
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=8)
-    return "\n".join(lines) + "\n" + runs_section(specs, out)
+            harness.finish_axes(
+                ax, 8, title=f"{d}: accuracy vs round (mean over seeds)", xlabel="round", ylabel="accuracy (%)"
+            )
+    return "\n".join(lines) + "\n" + harness.runs_section(specs, out)
 
 
-def report_fig3(specs: list[RunSpec], scale: Scale, head: str, out: Path) -> str:
+def report_fig3(specs: list[harness.RunSpec], scale: Scale, head: str, out: Path) -> str:
     ranks = list(scale.fig3_ranks)
     short, base = fig3_short_rounds(scale), scale.base
     fed = base.federation
     data = scale.fig_data[0]
     specs_of = {
-        (r, sketch): with_labels(specs, rank=r, sketch=sketch, data=data) for r in ranks for sketch in (False, True)
+        (r, sketch): harness.with_labels(specs, rank=r, sketch=sketch, data=data)
+        for r in ranks
+        for sketch in (False, True)
     }
     lines = [
         "# Figure 3 (CPU scale): FSLoRA with vs without sketching at an equal upload budget",
@@ -171,23 +156,23 @@ def report_fig3(specs: list[RunSpec], scale: Scale, head: str, out: Path) -> str
     rows = [
         [
             str(r),
-            accuracy_cell(specs_of[r, False]),
-            upload_cell(specs_of[r, False]),
-            accuracy_cell(specs_of[r, True]),
-            upload_cell(specs_of[r, True]),
+            harness.accuracy_cell(specs_of[r, False]),
+            harness.upload_cell(specs_of[r, False]),
+            harness.accuracy_cell(specs_of[r, True]),
+            harness.upload_cell(specs_of[r, True]),
         ]
         for r in ranks
     ]
-    lines += table_lines(
+    lines += harness.table_lines(
         ["r", "no sketch acc (%)", "no sketch MB up / device", "sketch acc (%)", "sketch MB up / device"], rows
     )
     lines += ["", f"Data: {', '.join(scale.fig_data)} only.", "", "![fig3](fig3.png)", ""]
-    with figure(out / "fig3.png", 1, 2, figsize=(11, 4)) as (fig, (ax1, ax2)):
+    with harness.figure(out / "fig3.png", 1, 2, figsize=(11, 4)) as (fig, (ax1, ax2)):
         width = 0.38
         for j, (sketch, label) in enumerate(
             [(False, "w/o sketching (k/r = 1)"), (True, f"w/ sketching (k/r = {scale.fig3_ratio:g})")]
         ):
-            finals = [final_accuracy(specs_of[r, sketch]) for r in ranks]
+            finals = [harness.final_accuracy(specs_of[r, sketch]) for r in ranks]
             ax1.bar(
                 [i + (j - 0.5) * width for i in range(len(ranks))],
                 [m or 0.0 for m, _, _ in finals],
@@ -198,37 +183,28 @@ def report_fig3(specs: list[RunSpec], scale: Scale, head: str, out: Path) -> str
             )
         ax1.set_xticks(range(len(ranks)), [f"r = {r}" for r in ranks])
         ax1.set(title=f"{data}: final accuracy at equal upload budget", ylabel="accuracy (%)")
-        ax1.set_ylim(max(0, (final_accuracy(with_labels(specs, data=data))[0] or 50) - 15), None)
+        ax1.set_ylim(max(0, (harness.final_accuracy(harness.with_labels(specs, data=data))[0] or 50) - 15), None)
         ax1.legend(fontsize=8)
         ax1.grid(alpha=0.3, axis="y")
         for r in ranks:
             for sketch, style in [(False, "--"), (True, "-")]:
-                pts = averaged_curve(specs_of[r, sketch])
-                if pts:
-                    ax2.plot(
-                        [p[1] for p in pts],
-                        [100 * p[2] for p in pts],
-                        style,
-                        marker="o",
-                        ms=3,
-                        label=f"r = {r}, " + ("sketch" if sketch else "no sketch"),
-                    )
-        ax2.set(
+                label = f"r = {r}, " + ("sketch" if sketch else "no sketch")
+                harness.plot_curve(ax2, specs_of[r, sketch], style, upload=True, label=label)
+        harness.finish_axes(
+            ax2,
+            8,
             title="accuracy vs per-device upload (mean over seeds)",
             xlabel="MB uploaded per device",
             ylabel="accuracy (%)",
         )
-        ax2.grid(alpha=0.3)
-        if ax2.get_legend_handles_labels()[0]:
-            ax2.legend(fontsize=8)
-    return "\n".join(lines) + "\n" + runs_section(specs, out)
+    return "\n".join(lines) + "\n" + harness.runs_section(specs, out)
 
 
 def sweep_report(
     exp: str,
     title: str,
     intro: str,
-    specs: list[RunSpec],
+    specs: list[harness.RunSpec],
     scale: Scale,
     head: str,
     out: Path,
@@ -242,15 +218,15 @@ def sweep_report(
     """An FSLoRA sweep over ``labels[label] in xs`` (fig data set): a table with ``columns`` (from
     ``cells(x)``) plus final accuracy and MB up per device, and final accuracy vs x (log2 axis)."""
     data = scale.fig_data[0]
-    groups = [with_labels(specs, **{label: x}, data=data) for x in xs]
+    groups = [harness.with_labels(specs, **{label: x}, data=data) for x in xs]
     lines = [title, "", intro, "", head, "## Results", ""]
-    lines += table_lines(
+    lines += harness.table_lines(
         columns + ["final acc (%)", "MB up / device"],
-        [[*cells(x), accuracy_cell(g), upload_cell(g)] for x, g in zip(xs, groups)],
+        [[*cells(x), harness.accuracy_cell(g), harness.upload_cell(g)] for x, g in zip(xs, groups)],
     )
     lines += ["", f"Data: {', '.join(scale.fig_data)} only.", "", f"![{exp}]({exp}.png)", ""]
-    with figure(out / f"{exp}.png", figsize=(5.5, 4)) as (fig, ax):
-        pts = [(x, *final_accuracy(g)[:2]) for x, g in zip(xs, groups)]
+    with harness.figure(out / f"{exp}.png", figsize=(5.5, 4)) as (fig, ax):
+        pts = [(x, *harness.final_accuracy(g)[:2]) for x, g in zip(xs, groups)]
         pts = [p for p in pts if p[1] is not None]
         if pts:
             ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", capsize=3)
@@ -258,4 +234,4 @@ def sweep_report(
         ax.set_xticks(list(xs), [f"{x:g}" for x in xs])
         ax.set(title=plot_title, xlabel=xlabel, ylabel="final accuracy (%)")
         ax.grid(alpha=0.3)
-    return "\n".join(lines) + "\n" + runs_section(specs, out)
+    return "\n".join(lines) + "\n" + harness.runs_section(specs, out)

@@ -12,27 +12,12 @@ from typing import Any
 
 import tomllib
 
+from fedtune import harness
 from fedtune.config import RunConfig, load_config
-from fedtune.harness import (
-    Choice,
-    Costs,
-    RunSpec,
-    SuiteError,
-    assignments,
-    build_plan,
-    estimate_s,
-    read_overlays,
-    run_accuracy,
-    with_labels,
-)
 from fedtune.harness import choose as choose_runs
 
 REPO = Path(__file__).resolve().parents[2]
-
-RECIPE = REPO / "configs" / "benchmarks" / "fslora-sweep.toml"
-OVERLAYS = read_overlays(REPO / "configs" / "benchmarks" / "fslora-sweep-overlays.toml")
-RESULTS = REPO / "benchmarks" / "results" / "fslora-sweep"
-QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "fslora-sweep-quick"
+RECIPE, OVERLAYS, RESULTS, QUICK_RESULTS = harness.suite_files(REPO, "fslora-sweep", "fslora-sweep")
 SUITE_CALIBRATION = REPO / "benchmarks" / "results" / "fslora" / "calibration.json"
 EXPERIMENTS = ["sweep", "table"]
 ROWS = ["fslora", "heterolora", "flexlora", "fedstacklora", "fslora-sadam", "fedit"]
@@ -135,7 +120,7 @@ def fair_fedit_rank(scale: Scale, seed: int) -> int:
     return min(client_rank(p, scale.rank) for p in profiles)
 
 
-def run_spec(scale: Scale, row: str, family: str, seed: int, setting: dict[str, float], stage: str) -> RunSpec:
+def run_spec(scale: Scale, row: str, family: str, seed: int, setting: dict[str, float], stage: str) -> harness.RunSpec:
     """One run: the recipe + ``--quick``/options + the family's and the row's overlays + seed, LoRA
     rank (lora_alpha = 2 r) and the setting's rates. FedIT runs at r = min k_i without profiles."""
     rank = fair_fedit_rank(scale, seed) if row == "fedit" else scale.rank
@@ -147,9 +132,9 @@ def run_spec(scale: Scale, row: str, family: str, seed: int, setting: dict[str, 
         *OVERLAYS[family],
         *OVERLAYS[row],
         *([] if row == "fedit" else OVERLAYS["hetero"]),
-        *assignments(extra),
+        *harness.assignments(extra),
     ]
-    return RunSpec(
+    return harness.RunSpec(
         f"{row}-{family}-{setting_name(setting)}-s{seed}",
         overrides,
         {
@@ -164,7 +149,7 @@ def run_spec(scale: Scale, row: str, family: str, seed: int, setting: dict[str, 
     )
 
 
-def specs_sweep(scale: Scale, seed: int) -> list[RunSpec]:
+def specs_sweep(scale: Scale, seed: int) -> list[harness.RunSpec]:
     return [
         run_spec(scale, row, family, seed, setting, "sweep")
         for family in FAMILIES
@@ -173,20 +158,24 @@ def specs_sweep(scale: Scale, seed: int) -> list[RunSpec]:
     ]
 
 
-def setting_of(spec: RunSpec) -> dict[str, float]:
+def setting_of(spec: harness.RunSpec) -> dict[str, float]:
     return {
         "lr": spec.labels["lr"],
         **({"server_lr": spec.labels["server_lr"]} if spec.labels.get("server_lr") is not None else {}),
     }
 
 
-def choose(sweep: list[RunSpec], row: str, family: str) -> Choice | None:
+def choose(sweep: list[harness.RunSpec], row: str, family: str) -> harness.Choice | None:
     """The chosen setting of ``(row, family)`` once all its sweep runs are finished, else None: the
     argmax of the mean of each run's last LAST evaluations (:func:`fedtune.harness.choose`)."""
-    return choose_runs(with_labels(sweep, row=row, family=family), setting_of, lambda s: run_accuracy(s, LAST))
+    return choose_runs(
+        harness.with_labels(sweep, row=row, family=family), setting_of, lambda s: harness.run_accuracy(s, LAST)
+    )
 
 
-def specs_table(scale: Scale, seeds: list[int], choices: dict[tuple[str, str], Choice | None]) -> list[RunSpec]:
+def specs_table(
+    scale: Scale, seeds: list[int], choices: dict[tuple[str, str], harness.Choice | None]
+) -> list[harness.RunSpec]:
     """Table 5.1's runs: each (row, family) with a choice, at its chosen setting, on every seed."""
     return [
         run_spec(scale, row, family, seed, choice.setting, "table")
@@ -197,7 +186,9 @@ def specs_table(scale: Scale, seeds: list[int], choices: dict[tuple[str, str], C
     ]
 
 
-def waiting_table(scale: Scale, seeds: list[int], choices: dict[tuple[str, str], Choice | None]) -> list[RunSpec]:
+def waiting_table(
+    scale: Scale, seeds: list[int], choices: dict[tuple[str, str], harness.Choice | None]
+) -> list[harness.RunSpec]:
     """Stand-ins for the table runs still waiting for their sweep (first grid setting; for the
     time estimate only: a run's cost does not depend on its rates)."""
     return [
@@ -212,12 +203,12 @@ def waiting_table(scale: Scale, seeds: list[int], choices: dict[tuple[str, str],
 def build_sweep_plan(scale: Scale, sweep_seed: int, seeds: list[int], out: Path):
     """The plan (sweep runs, and the table runs of every (row, family) whose sweep is finished),
     the choices, and the waiting table runs (resolved configs, never run)."""
-    sweep_only = build_plan({"sweep": specs_sweep(scale, sweep_seed), "table": []}, RECIPE, out)
+    sweep_only = harness.build_plan({"sweep": specs_sweep(scale, sweep_seed), "table": []}, RECIPE, out)
     choices = {(row, family): choose(sweep_only["sweep"], row, family) for family in FAMILIES for row in ROWS}
-    plan = build_plan(
+    plan = harness.build_plan(
         {"sweep": specs_sweep(scale, sweep_seed), "table": specs_table(scale, seeds, choices)}, RECIPE, out
     )
-    waiting = build_plan({"waiting": waiting_table(scale, seeds, choices)}, RECIPE, out / "waiting")["waiting"]
+    waiting = harness.build_plan({"waiting": waiting_table(scale, seeds, choices)}, RECIPE, out / "waiting")["waiting"]
     return plan, choices, waiting
 
 
@@ -229,21 +220,23 @@ def load_calibration(out: Path) -> tuple[dict, str]:
     for path in (out / "calibration.json", SUITE_CALIBRATION):
         if path.is_file():
             return json.loads(path.read_text()), os.path.relpath(path, REPO)
-    raise SuiteError(f"no calibration: run benchmarks/fslora/run_suite.py --calibrate first ({SUITE_CALIBRATION})")
+    raise harness.SuiteError(
+        f"no calibration: run benchmarks/fslora/run_suite.py --calibrate first ({SUITE_CALIBRATION})"
+    )
 
 
 def run_cost(config: RunConfig, calibration: dict) -> float:
     """Estimated seconds of ``config`` on one free core (minilm's costs for any model)."""
     model = calibration.get(config.model.name) or calibration["minilm"]
     data = model.get(config.data.name) or model["sst2"]
-    costs = Costs(
+    costs = harness.Costs(
         data["step_s"],
         data["eval_s_per_example"],
         data["run_setup_s"],
         model["method_client_overhead_s"].get(config.method, 0.35),
     )
     full = TEST_SET_SIZES.get(config.data.name, 2000)
-    return estimate_s(config, costs, min(full, config.data.max_test_samples or full))
+    return harness.estimate_s(config, costs, min(full, config.data.max_test_samples or full))
 
 
 def train_values(family: str, setting: dict[str, float]) -> dict[str, Any]:

@@ -21,10 +21,7 @@ from fedtune.harness import (
 #: a recipe's method -> the benchmark rows that may set its [train] (and for FSLoRA [federation])
 RECIPE_ROWS = {
     "fslora": ["fslora", "fslora-sadam"],
-    "heterolora": ["heterolora"],
-    "flexlora": ["flexlora"],
-    "fedstacklora": ["fedstacklora"],
-    "fedit": ["fedit"],
+    **{m: [m] for m in ("heterolora", "flexlora", "fedstacklora", "fedit")},
 }
 
 
@@ -76,7 +73,7 @@ def recipe_changes(results: dict, configs: Path = REPO / "configs") -> list[Reci
         method, task = config.method, config.task.kind
         reason = ""
         if PINNED in path.read_text(encoding="utf-8"):
-            reason = f"its rate is {PINNED} (benchmarks/recipes.py): the sweep's does not learn there"
+            reason = f"its rate is {PINNED} (benchmarks/recipes/recipes.py): the sweep's does not learn there"
         elif method not in RECIPE_ROWS:
             reason = f"method {method} was not swept"
         elif task != "text-classification" or (config.model.name or "minilm") != "minilm":
@@ -192,7 +189,8 @@ def recipe_changes_report(changes: list[RecipeChange]) -> str:
         "Produced by `benchmarks/fslora/sweep.py --recipe-changes` from `winners.json`; "
         "`--apply-recipes` writes them (each changed line says where it came from). The sweep ran on "
         "SST-2 with MiniLM at the benchmark's scale (H = 5, 10 devices); a recipe with more local steps or "
-        "devices, or another data set, takes the rate as a transfer, which `benchmarks/recipes.py` then checks.",
+        "devices, or another data set, takes the rate as a transfer, which `benchmarks/recipes/recipes.py` then "
+        "checks.",
         "",
         *table_lines(["recipe", "method", "now", "proposed", "from"], rows),
         "",

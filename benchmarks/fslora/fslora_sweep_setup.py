@@ -6,16 +6,7 @@ from pathlib import Path
 
 from fslora_sweep_experiments import FAMILIES, FAMILY_LABELS, LAST, PAPER, ROWS, SUITE, Scale
 
-from fedtune.harness import (
-    choice_text,
-    figure,
-    load_summary,
-    produced_by,
-    run_accuracy,
-    runs_section,
-    table_lines,
-    with_labels,
-)
+from fedtune import harness
 
 # -- reports ----------------------------------------------------------------------------------
 
@@ -32,7 +23,7 @@ def setup_section(scale: Scale, sweep_seed: int, seeds: list[int], command: str,
         f"{FAMILY_LABELS[f]}: lr in {{{', '.join(f'{x:g}' for x in sorted(scale.lr_grid[f]))}}}" for f in FAMILIES
     )
     lines = [
-        *produced_by(command),
+        *harness.produced_by(command),
         "| | paper (RoBERTa & GLUE, Table A.1) | FSLoRA suite (`run_suite.py`) | here |",
         "|---|---|---|---|",
         f"| model | {PAPER['model']} | minilm | `{b.model.name}` |",
@@ -71,7 +62,7 @@ def setup_section(scale: Scale, sweep_seed: int, seeds: list[int], command: str,
 
 def report_sweep(plan, choices, scale: Scale, head: str, out: Path) -> str:
     sweep = plan["sweep"]
-    majority = next((x["majority_accuracy"] for x in map(load_summary, sweep) if x), None)
+    majority = next((x["majority_accuracy"] for x in map(harness.load_summary, sweep) if x), None)
     lines = [
         "# Learning-rate sweep (fair FSLoRA benchmark, stage 1)",
         "",
@@ -88,24 +79,29 @@ def report_sweep(plan, choices, scale: Scale, head: str, out: Path) -> str:
             for slr in [None] if row != "fslora-sadam" else sorted(scale.server_lr_grid):
                 cells = []
                 for lr in sorted(scale.lr_grid[family]):
-                    spec = next(iter(with_labels(sweep, row=row, family=family, lr=lr, server_lr=slr)), None)
-                    value = run_accuracy(spec, LAST) if spec else None
+                    spec = next(iter(harness.with_labels(sweep, row=row, family=family, lr=lr, server_lr=slr)), None)
+                    value = harness.run_accuracy(spec, LAST) if spec else None
                     text = "pending" if value is None else pct(value)
                     chosen = choice and choice.setting == {"lr": lr, **({"server_lr": slr} if slr else {})}
                     cells.append(f"**{text}**" if chosen else text)
                 name = row + (f" (server lr {slr:g})" if slr else "")
-                won = choice_text(choice, majority)
+                won = harness.choice_text(choice, majority)
                 rows.append([name, *cells, won if slr in (None, sorted(scale.server_lr_grid)[0]) else "〃"])
-        lines += table_lines(["method", *(f"lr {lr:g}" for lr in sorted(scale.lr_grid[family])), "chosen"], rows)
+        lines += harness.table_lines(
+            ["method", *(f"lr {lr:g}" for lr in sorted(scale.lr_grid[family])), "chosen"], rows
+        )
         lines.append("")
     lines += ["![sweep](sweep.png)", ""]
-    with figure(out / "sweep.png", 1, len(FAMILIES), figsize=(5.5 * len(FAMILIES), 4), squeeze=False) as (fig, axes):
+    with harness.figure(out / "sweep.png", 1, len(FAMILIES), figsize=(5.5 * len(FAMILIES), 4), squeeze=False) as (
+        fig,
+        axes,
+    ):
         for ax, family in zip(axes[0], FAMILIES):
             for row in ROWS:
                 for slr in [None] if row != "fslora-sadam" else sorted(scale.server_lr_grid):
                     pts = [
-                        (s.labels["lr"], run_accuracy(s, LAST))
-                        for s in with_labels(sweep, row=row, family=family, server_lr=slr)
+                        (s.labels["lr"], harness.run_accuracy(s, LAST))
+                        for s in harness.with_labels(sweep, row=row, family=family, server_lr=slr)
                     ]
                     pts = sorted((x, 100 * v) for x, v in pts if v is not None)
                     if pts:
@@ -117,12 +113,10 @@ def report_sweep(plan, choices, scale: Scale, head: str, out: Path) -> str:
                             label=row + (f" slr {slr:g}" if slr else ""),
                         )
             ax.set_xscale("log")
-            ax.set(
+            harness.finish_axes(
+                ax,
                 title=f"{FAMILY_LABELS[family]}: sweep seed",
                 xlabel="client learning rate",
                 ylabel=f"mean of last {LAST} evaluations (%)",
             )
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
-    return "\n".join(lines) + "\n" + runs_section(sweep, out)
+    return "\n".join(lines) + "\n" + harness.runs_section(sweep, out)

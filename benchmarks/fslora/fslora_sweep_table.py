@@ -21,35 +21,22 @@ from fslora_sweep_experiments import (
 )
 from fslora_sweep_setup import pct, report_sweep, setup_section
 
-from fedtune.harness import (
-    RunSpec,
-    accuracy_cell,
-    averaged_curve,
-    figure,
-    final_accuracy,
-    load_summary,
-    mean_std,
-    run_accuracy,
-    runs_section,
-    setting_text,
-    table_lines,
-    with_labels,
-)
+from fedtune import harness
 
 
-def paired(table: list[RunSpec], family: str, a: str, b: str, family_b: str | None = None) -> dict[str, Any]:
+def paired(table: list[harness.RunSpec], family: str, a: str, b: str, family_b: str | None = None) -> dict[str, Any]:
     """``a`` minus ``b`` (points, mean of the last LAST evaluations) in ``family`` (``b`` in
     ``family_b`` when given): both means and stds, the per-seed differences and their mean and
     std, and the per-device upload ratio."""
-    ga = with_labels(table, row=a, family=family)
-    gb = with_labels(table, row=b, family=family_b or family)
-    va = {s.labels["seed"]: run_accuracy(s, LAST) for s in ga}
-    vb = {s.labels["seed"]: run_accuracy(s, LAST) for s in gb}
+    ga = harness.with_labels(table, row=a, family=family)
+    gb = harness.with_labels(table, row=b, family=family_b or family)
+    va = {s.labels["seed"]: harness.run_accuracy(s, LAST) for s in ga}
+    vb = {s.labels["seed"]: harness.run_accuracy(s, LAST) for s in gb}
     seeds = sorted(k for k in va if va[k] is not None and vb.get(k) is not None)
     diffs = [100 * (va[k] - vb[k]) for k in seeds]
-    ma, sa = mean_std([100 * va[k] for k in seeds])
-    mb, sb = mean_std([100 * vb[k] for k in seeds])
-    md, sd = mean_std(diffs)
+    ma, sa = harness.mean_std([100 * va[k] for k in seeds])
+    mb, sb = harness.mean_std([100 * vb[k] for k in seeds])
+    md, sd = harness.mean_std(diffs)
     up = [upload_per_device(s) for s in ga], [upload_per_device(s) for s in gb]
     ua, ub = (sum(x for x in u if x is not None) / max(1, sum(x is not None for x in u)) for u in up)
     return {
@@ -62,8 +49,8 @@ def paired(table: list[RunSpec], family: str, a: str, b: str, family_b: str | No
     }
 
 
-def upload_per_device(spec: RunSpec) -> float | None:
-    summary = load_summary(spec)
+def upload_per_device(spec: harness.RunSpec) -> float | None:
+    summary = harness.load_summary(spec)
     return None if summary is None else summary["total_bytes_up"] / 1e6 / spec.config.federation.num_clients
 
 
@@ -98,19 +85,19 @@ def verdict(a: str, b: str, p: dict[str, Any], majority: float | None = None) ->
     )
 
 
-def best_family(table: list[RunSpec], row: str) -> str | None:
+def best_family(table: list[harness.RunSpec], row: str) -> str | None:
     """The family in which ``row``'s table runs have the higher seed mean (all finished), or None."""
     means = {}
     for family in FAMILIES:
-        group = with_labels(table, row=row, family=family)
-        m, _, n = final_accuracy(group, LAST) if group else (None, None, 0)
+        group = harness.with_labels(table, row=row, family=family)
+        m, _, n = harness.final_accuracy(group, LAST) if group else (None, None, 0)
         if m is None or n < len(group):
             return None
         means[family] = m
     return max(FAMILIES, key=lambda f: means[f])
 
 
-def one_line(table: list[RunSpec], family: str, row: str) -> str:
+def one_line(table: list[harness.RunSpec], family: str, row: str) -> str:
     """``row`` >= all of BASELINES in ``family``? One sentence, or None while runs are pending."""
     results = {b: paired(table, family, row, b) for b in BASELINES}
     if any(not p["seeds"] for p in results.values()):
@@ -136,33 +123,33 @@ def report_table(plan, choices, scale: Scale, seeds: list[int], head: str, out: 
         "## Results",
         "",
     ]
-    majority = next((x["majority_accuracy"] for x in map(load_summary, table) if x), None)
+    majority = next((x["majority_accuracy"] for x in map(harness.load_summary, table) if x), None)
     clients = scale.base.federation.num_clients
     for family in FAMILIES:
         lines += [f"### {FAMILY_LABELS[family]}", ""]
         rows = []
         for row in ROWS:
-            group = with_labels(table, row=row, family=family)
+            group = harness.with_labels(table, row=row, family=family)
             choice = choices.get((row, family))
-            sums = [x for x in map(load_summary, group) if x]
+            sums = [x for x in map(harness.load_summary, group) if x]
             n = len(group)
             rank = ", ".join(sorted({str(s.labels["rank"]) for s in group})) if row == "fedit" else str(scale.rank)
             rows.append(
                 [
                     LABELS[row],
                     rank,
-                    "waiting for the sweep" if choice is None else setting_text(choice.setting),
+                    "waiting for the sweep" if choice is None else harness.setting_text(choice.setting),
                     "–"
                     if choice is None
                     else pct(choice.score) + ("" if choice.margin is None else f" (+{choice.margin:.2f})"),
-                    accuracy_cell(group, LAST) if group else "–",
-                    accuracy_cell(group) if group else "–",
+                    harness.accuracy_cell(group, LAST) if group else "–",
+                    harness.accuracy_cell(group) if group else "–",
                     "–" if not sums else f"{sum(x['total_bytes_up'] for x in sums) / len(sums) / 1e6 / clients:.2f}",
                     "–" if not sums else f"{sum(x['total_bytes_down'] for x in sums) / len(sums) / 1e6 / clients:.2f}",
                     f"{len(sums)}/{n}",
                 ]
             )
-        lines += table_lines(
+        lines += harness.table_lines(
             [
                 "method",
                 "r",
@@ -219,36 +206,35 @@ def report_table(plan, choices, scale: Scale, seeds: list[int], head: str, out: 
                 lines.append("- " + verdict(a, b, paired(table, best[a], a, b, best[b]), majority))
         lines.append("")
     lines += ["![accuracy vs round](table51.png)", ""]
-    with figure(out / "table51.png", 1, len(FAMILIES), figsize=(6 * len(FAMILIES), 4), squeeze=False) as (fig, axes):
+    with harness.figure(out / "table51.png", 1, len(FAMILIES), figsize=(6 * len(FAMILIES), 4), squeeze=False) as (
+        fig,
+        axes,
+    ):
         for ax, family in zip(axes[0], FAMILIES):
             for row in ROWS:
-                pts = averaged_curve(with_labels(table, row=row, family=family))
-                if pts:
-                    ax.plot([p[0] for p in pts], [100 * p[2] for p in pts], marker="o", ms=2, label=row)
+                harness.plot_curve(ax, harness.with_labels(table, row=row, family=family), ms=2, label=row)
             if majority is not None:
                 ax.axhline(100 * majority, color="gray", ls=":", lw=1, label="majority class")
-            ax.set(
+            harness.finish_axes(
+                ax,
                 title=f"{FAMILY_LABELS[family]} at the chosen rates (mean over seeds)",
                 xlabel="round",
                 ylabel="accuracy (%)",
             )
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
-    return "\n".join(lines) + "\n" + runs_section(table, out)
+    return "\n".join(lines) + "\n" + harness.runs_section(table, out)
 
 
 def winners(plan, choices, scale: Scale) -> dict:
     """Machine-readable results: every (family, row)'s chosen setting, its sweep scores and its
     table figure (fractions)."""
-    majority = next((x["majority_accuracy"] for x in map(load_summary, plan["sweep"]) if x), None)
+    majority = next((x["majority_accuracy"] for x in map(harness.load_summary, plan["sweep"]) if x), None)
     out: dict = {"last": LAST, "majority": majority, "families": {}}
     for family in FAMILIES:
         fam = out["families"][family] = {}
         for row in ROWS:
             choice = choices.get((row, family))
-            group = with_labels(plan["table"], row=row, family=family)
-            m, s, n = final_accuracy(group, LAST) if group else (None, None, 0)
+            group = harness.with_labels(plan["table"], row=row, family=family)
+            m, s, n = harness.final_accuracy(group, LAST) if group else (None, None, 0)
             fam[row] = {
                 "train": train_values(family, choice.setting) if choice else None,
                 "federation": federation_values(row, choice.setting) if choice else None,

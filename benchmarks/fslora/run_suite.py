@@ -49,25 +49,13 @@ from fslora_suite_costs import calibrate_here, load_calibration, run_costs, test
 from fslora_suite_experiments import EXPERIMENTS, QUICK_RESULTS, REPO, RESULTS, Scale, build_suite_plan, quick_scale
 from fslora_suite_figures import write_reports
 
-from fedtune.harness import (
-    SuiteError,
-    assignments,
-    distinct_runs,
-    estimate_minutes,
-    estimate_s,
-    offline_data,
-    output_dir,
-    parse_selection,
-    run_suite,
-    suite_command,
-    suite_parser,
-)
+from fedtune import harness
 
 # -- command line ----------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None):
-    p = suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS)
+    p = harness.suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS)
     p.add_argument("--calibrate", action="store_true", help="measure step/eval/setup costs here first (a few minutes)")
     p.add_argument("--rounds", type=int, default=None, help="override R (rounds)")
     p.add_argument("--local-steps", type=int, default=None, help="override H (local steps)")
@@ -89,22 +77,18 @@ def scale_from_args(args) -> Scale:
     scale = replace(
         scale,
         overrides=scale.overrides
-        + tuple(assignments({key: value for key, value in options.items() if value is not None})),
+        + tuple(harness.assignments({key: value for key, value in options.items() if value is not None})),
     )
     return scale if args.topk is None else replace(scale, topk=args.topk)
 
 
+@harness.suite_main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        selected, seeds = parse_selection(args, EXPERIMENTS)
-    except SuiteError as exc:
-        print(exc)
-        return 2
+    selected, seeds, out, command, _ = harness.suite_start(
+        args, argv, __file__, EXPERIMENTS, RESULTS, QUICK_RESULTS, "sst2/agnews"
+    )
     scale = scale_from_args(args)
-    out = output_dir(args, RESULTS, QUICK_RESULTS)
-    offline_data("sst2/agnews")
-    command = suite_command("benchmarks/fslora/run_suite.py", argv)
     plan = build_suite_plan(scale, seeds, out)
 
     if args.calibrate and not args.report_only:
@@ -113,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     calibration, source = load_calibration(out)
     if scale.base.model.name not in calibration:
         source += f"; no {scale.base.model.name} entry, minilm costs used (an overestimate for tiny-bert)"
-    runs = distinct_runs(plan, selected)
-    costs = {s.key: estimate_s(s.config, run_costs(s.config, calibration), test_size(s.config)) for s in runs}
+    runs = harness.distinct_runs(plan, selected)
+    costs = {s.key: harness.estimate_s(s.config, run_costs(s.config, calibration), test_size(s.config)) for s in runs}
     model_cal = calibration.get(scale.base.model.name, {})
     steps = ", ".join(f"{d} {v['step_s']:.3f} s" for d, v in model_cal.items() if isinstance(v, dict) and "step_s" in v)
     evals = ", ".join(
@@ -127,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Cost model ({source}): one local step (batch {scale.base.train.batch_size}, max_length "
         f"{scale.base.data.max_length}, one thread) {steps or 'uncalibrated'}; one evaluation pass "
         f"{evals or 'uncalibrated'}. Estimated suite time with {args.workers} workers: "
-        f"{estimate_minutes(runs, costs, args.workers):.0f} min."
+        f"{harness.estimate_minutes(runs, costs, args.workers):.0f} min."
     )
     base = scale.base
     print(
@@ -135,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         f"H={base.train.local_steps}, {base.federation.clients_per_round}/{base.federation.num_clients} devices "
         f"per round -> {out}"
     )
-    return run_suite(
+    return harness.run_suite(
         plan,
         selected,
         args,

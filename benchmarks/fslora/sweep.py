@@ -68,24 +68,13 @@ from fslora_sweep_experiments import (
 from fslora_sweep_recipes import apply_change, recipe_changes, recipe_changes_report
 from fslora_sweep_table import winners, write_reports
 
-from fedtune.harness import (
-    SuiteError,
-    assignments,
-    distinct_runs,
-    makespan,
-    output_dir,
-    parse_selection,
-    run_suite,
-    suite_command,
-    suite_parser,
-    sweep_first,
-)
+from fedtune import harness
 
 # -- command line -----------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None):
-    p = suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds=DEFAULT_SEEDS, budget_minutes=BUDGET_MINUTES)
+    p = harness.suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds=DEFAULT_SEEDS, budget_minutes=BUDGET_MINUTES)
     p.add_argument(
         "--sweep-seed", type=int, default=SWEEP_SEED, help=f"the seed that chooses the rates (default {SWEEP_SEED})"
     )
@@ -107,30 +96,24 @@ def scale_from_args(args) -> Scale:
     return replace(
         scale,
         overrides=scale.overrides
-        + tuple(assignments({key: value for key, value in options.items() if value is not None})),
+        + tuple(harness.assignments({key: value for key, value in options.items() if value is not None})),
     )
 
 
+@harness.suite_main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        selected, seeds = parse_selection(args, EXPERIMENTS)
-        scale = scale_from_args(args)
-        out = output_dir(args, RESULTS, QUICK_RESULTS)
-        calibration, source = load_calibration(out)
-    except SuiteError as exc:
-        print(exc)
-        return 2
+    scale = scale_from_args(args)
+    selected, seeds, out, command, _ = harness.suite_start(
+        args, argv, __file__, EXPERIMENTS, RESULTS, QUICK_RESULTS, "sst2"
+    )
+    calibration, source = load_calibration(out)
     if args.sweep_seed in seeds:
         print(
             f"warning: the sweep seed {args.sweep_seed} is among --seeds: its table run is the run that chose "
             "the rate (a biased figure)",
             flush=True,
         )
-    if not os.environ.get("FEDTUNE_DATA_DIR"):
-        print("warning: FEDTUNE_DATA_DIR is not set (sst2 is read from it)", flush=True)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    command = suite_command("benchmarks/fslora/sweep.py", argv)
 
     if args.recipe_changes:
         plan, choices, _ = build_sweep_plan(scale, args.sweep_seed, seeds, out)
@@ -147,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def stage(selection: list[str]) -> int:
         plan, choices, waiting = build_sweep_plan(scale, args.sweep_seed, seeds, out)
-        runs = distinct_runs(plan, EXPERIMENTS)
+        runs = harness.distinct_runs(plan, EXPERIMENTS)
         costs = {s.key: run_cost(s.config, calibration) for s in runs}
         whole = [costs[s.key] for s in runs] + [run_cost(s.config, calibration) for s in waiting]
         base = scale.base
@@ -155,15 +138,15 @@ def main(argv: list[str] | None = None) -> int:
             f"Cost model ({source}): one local step {calibration['minilm']['sst2']['step_s']:.3f} s, one "
             f"evaluation {calibration['minilm']['sst2']['eval_s_per_example'] * 872:.1f} s (one free core). "
             f"Estimated whole benchmark ({len(runs) + len(waiting)} runs) on {args.workers} workers: "
-            f"{makespan(whole, args.workers) / 60:.0f} min."
+            f"{harness.makespan(whole, args.workers) / 60:.0f} min."
         )
         groups = sorted({(s.labels["row"], s.labels["family"]) for s in waiting})
         notes = [
             f"calibration: {source}",
             f"table: {len(waiting)} runs of {len(groups)} (method, family) groups wait for their sweep "
-            f"(~{makespan([run_cost(s.config, calibration) for s in waiting], args.workers) / 60:.0f} min on "
+            f"(~{harness.makespan([run_cost(s.config, calibration) for s in waiting], args.workers) / 60:.0f} min on "
             f"{args.workers} workers): {', '.join(f'{r}/{f}' for r, f in groups) or 'none'}",
-            f"whole benchmark (sweep + table, done or not): ~{makespan(whole, args.workers) / 60:.0f} min on "
+            f"whole benchmark (sweep + table, done or not): ~{harness.makespan(whole, args.workers) / 60:.0f} min on "
             f"{args.workers} workers",
         ]
         print(
@@ -176,9 +159,9 @@ def main(argv: list[str] | None = None) -> int:
             now, chosen, _ = build_sweep_plan(scale, args.sweep_seed, seeds, out)
             return write_reports(now, chosen, scale, args.sweep_seed, seeds, out, command, cost_note)
 
-        return run_suite(plan, selection, args, costs, reports, root=REPO, notes=notes)
+        return harness.run_suite(plan, selection, args, costs, reports, root=REPO, notes=notes)
 
-    return sweep_first(stage, selected, args)  # the table is planned from the sweep's finished runs
+    return harness.sweep_first(stage, selected, args)  # the table is planned from the sweep's finished runs
 
 
 if __name__ == "__main__":

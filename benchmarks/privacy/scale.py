@@ -5,7 +5,7 @@ without DP; written to ``benchmarks/results/privacy/scale/`` (README.md, results
 
 Why this regime: the central mechanism adds xi ~ N(0, (zC)^2 I_d) to the sum of the m clipped
 updates and divides by m, so the noise on the average has norm z C sqrt(d) / m while the average's
-signal is at most C (noise / C = z sqrt(d) / m, run_suite.py's ``noise_to_clip``). The m = 10,
+signal is at most C (noise / C = z sqrt(d) / m, privacy_experiments.py's ``noise_to_clip``). The m = 10,
 rank-8 suite (benchmarks/results/privacy, d = 74,498) has noise / C of 38-152 and stays at chance;
 here d = 9,986 (12 rank-1 pairs of 2 x 384 and the 770-coordinate head, read from a checkpoint) and
 m = 50, so noise / C = z_Delta sqrt(d) / m is 1.21, 1.92 and 3.87 at epsilon 8, 3 and 1 (at m = 100,
@@ -61,40 +61,20 @@ core (at 100 per round and 30 rounds, about 80). ``main`` (no DP and epsilon 8) 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
 from pathlib import Path
 
-from fedtune.harness import (
-    RunSpec,
-    build_plan,
-    distinct_runs,
-    offline_data,
-    output_dir,
-    parse_selection,
-    produced_by,
-    run_suite,
-    runs_section,
-    suite_command,
-    suite_parser,
-    table_lines,
-)
+from privacy_experiments import noise_to_clip, noised_coordinates
+
+from fedtune import harness
 from fedtune.harness.report import final_accuracy, run_accuracy
 from fedtune.harness.runs import load_rounds, load_summary
 from fedtune.harness.stats import mean as mean_of
 
-# run_suite.py's noise / C and d, loaded by path: other suites' folders on sys.path hold a run_suite.py too
-_SPEC = importlib.util.spec_from_file_location("privacy_run_suite", Path(__file__).with_name("run_suite.py"))
-_RUN_SUITE = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(_RUN_SUITE)
-noise_to_clip, noised_coordinates = _RUN_SUITE.noise_to_clip, _RUN_SUITE.noised_coordinates
-
 REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "configs" / "benchmarks" / "privacy-scale.toml"
-RESULTS = REPO / "benchmarks" / "results" / "privacy" / "scale"
-QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "privacy-scale-quick"
+RECIPE, _, RESULTS, QUICK_RESULTS = harness.suite_files(REPO, "privacy-scale", "privacy/scale", "privacy-scale-quick")
 M10_RESULTS = REPO / "benchmarks" / "results" / "privacy" / "results.json"
 #: experiment -> its epsilons (infinity: no DP), run in this order
 EXPERIMENTS = {"main": (math.inf, 8.0), "low": (3.0, 1.0)}
@@ -106,17 +86,17 @@ QUICK = ["model.name=tiny-bert", "rounds=2", "eval_every=1", "federation.num_cli
 QUICK += ["federation.clients_per_round=4", "data.max_train_samples=800", "data.max_test_samples=64"]
 
 
-def spec(epsilon: float, seed: int, quick: bool) -> RunSpec:
+def spec(epsilon: float, seed: int, quick: bool) -> harness.RunSpec:
     """One run: ``eps<e>-s<seed>``, the recipe with (for a finite epsilon) central DP, adaptive clip."""
     eps = "inf" if math.isinf(epsilon) else f"{epsilon:g}"
     dp = [] if math.isinf(epsilon) else [f"privacy.epsilon={epsilon}", f"privacy.clip={CLIP0}", *ADAPTIVE]
     labels = {"epsilon": epsilon, "seed": seed}
-    return RunSpec(f"eps{eps}-s{seed}", [*(QUICK if quick else []), *dp, f"seed={seed}"], labels)
+    return harness.RunSpec(f"eps{eps}-s{seed}", [*(QUICK if quick else []), *dp, f"seed={seed}"], labels)
 
 
 def build(seeds: list[int], quick: bool, out: Path):
     """Every experiment's runs, by seed then epsilon (``main``'s run first: no DP and epsilon 8 pair up)."""
-    return build_plan(
+    return harness.build_plan(
         {e: [spec(x, s, quick) for s in seeds for x in eps] for e, eps in EXPERIMENTS.items()}, RECIPE, out
     )
 
@@ -161,7 +141,7 @@ def rows(plan) -> list[dict]:
     return out
 
 
-def curve(runs: list[RunSpec]) -> dict[int, float]:
+def curve(runs: list[harness.RunSpec]) -> dict[int, float]:
     """Each evaluated round's accuracy (%), the mean over the finished ``runs``."""
     by_round: dict[int, list[float]] = {}
     for spec in runs:
@@ -182,7 +162,7 @@ def m10_rows() -> dict:
 def report(plan, out: Path, command: str) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     table = rows(plan)
-    summaries = [x for s in distinct_runs(plan, list(EXPERIMENTS)) if (x := load_summary(s))]
+    summaries = [x for s in harness.distinct_runs(plan, list(EXPERIMENTS)) if (x := load_summary(s))]
     majority = 100 * summaries[0]["majority_accuracy"] if summaries else None
     result = {"last_evaluations": LAST, "majority_rate": majority, "rows": table}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -219,7 +199,7 @@ def report(plan, out: Path, command: str) -> list[Path]:
         f"{c.federation.sample_size()} per round, rank-{c.model.lora_rank} LoRA",
         "",
         *(" ".join(p.split()) + "\n" for p in paragraphs[1:7]),
-        *produced_by(command),
+        *harness.produced_by(command),
         f"These runs: model {c.model.name}, {fed.num_clients:,} clients, {m} per round (q = {m / fed.num_clients:g}), "
         f"{c.rounds} rounds of {c.train.local_steps} local step of batch {c.train.batch_size}, rank "
         f"{c.model.lora_rank}, d = {cell(table[0]['d_noised'], ',')} noised coordinates, "
@@ -231,7 +211,7 @@ def report(plan, out: Path, command: str) -> list[Path]:
         "z_Delta sqrt(d) / m. m = 10: FedIT in today's suite (benchmarks/results/privacy: 100 clients, rank 8, "
         "delta 0.0063 under the former RDP accountant, swept clip), beside it.",
         "",
-        *table_lines(
+        *harness.table_lines(
             [
                 "epsilon",
                 "delta",
@@ -252,26 +232,28 @@ def report(plan, out: Path, command: str) -> list[Path]:
     lines += [
         "## Accuracy by round (%, mean over the finished seeds)",
         "",
-        *table_lines(
+        *harness.table_lines(
             ["epsilon", *(f"round {k}" for k in evaluated)],
             [[body[i][0], *(cell(r["curve"].get(k)) for k in evaluated)] for i, r in enumerate(table)],
         ),
         "",
     ]
-    (out / "README.md").write_text("\n".join(lines) + "\n" + runs_section(distinct_runs(plan, list(EXPERIMENTS)), out))
+    (out / "README.md").write_text(
+        "\n".join(lines) + "\n" + harness.runs_section(harness.distinct_runs(plan, list(EXPERIMENTS)), out)
+    )
     return [out / "README.md", out / "results.json"]
 
 
+@harness.suite_main
 def main(argv: list[str] | None = None) -> int:
-    p = suite_parser(__doc__.split("\n\n")[0], list(EXPERIMENTS), seeds="1,2,3", workers=1, budget_minutes=70.0)
+    p = harness.suite_parser(__doc__.split("\n\n")[0], list(EXPERIMENTS), seeds="1,2,3", workers=1, budget_minutes=70.0)
     args = p.parse_args(argv)
-    selected, seeds = parse_selection(args, list(EXPERIMENTS))
-    out = output_dir(args, RESULTS, QUICK_RESULTS)
-    offline_data("sst2")
-    command = suite_command("benchmarks/privacy/scale.py", argv)
+    selected, seeds, out, command, _ = harness.suite_start(
+        args, argv, __file__, list(EXPERIMENTS), RESULTS, QUICK_RESULTS, "sst2"
+    )
     plan = build(seeds, args.quick, out)
-    costs = {s.key: QUICK_RUN_S if args.quick else RUN_S for s in distinct_runs(plan, list(EXPERIMENTS))}
-    return run_suite(plan, selected, args, costs, lambda: report(plan, out, command), root=REPO)
+    costs = {s.key: QUICK_RUN_S if args.quick else RUN_S for s in harness.distinct_runs(plan, list(EXPERIMENTS))}
+    return harness.run_suite(plan, selected, args, costs, lambda: report(plan, out, command), root=REPO)
 
 
 if __name__ == "__main__":

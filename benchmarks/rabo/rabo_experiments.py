@@ -5,29 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedtune import harness
 from fedtune.config import RunConfig, load_config
-from fedtune.harness import (
-    Choice,
-    RunSpec,
-    Sweep,
-    build_plan,
-    choose,
-    eval_rounds,
-    load_rounds,
-    mean,
-    read_overlays,
-    run_accuracy,
-    toml_value,
-    with_labels,
-)
 
 REPO = Path(__file__).resolve().parents[2]
-
-FEW_SHOT_RECIPE = REPO / "configs" / "benchmarks" / "rabo-suite.toml"
 LOSS_RECIPE = REPO / "configs" / "benchmarks" / "rabo-losstune-suite.toml"
-OVERLAYS = read_overlays(REPO / "configs" / "benchmarks" / "rabo-suite-overlays.toml")
-RESULTS = REPO / "benchmarks" / "results" / "rabo"
-QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "rabo-quick"
+FEW_SHOT_RECIPE, OVERLAYS, RESULTS, QUICK_RESULTS = harness.suite_files(REPO, "rabo-suite", "rabo")
 EXPERIMENTS = ["sweep", "table2", "fig4", "fig3", "table3", "fig5"]  # also the order that owns shared runs
 SWEPT = ("table2", "table3", "fig5")  # with --lr-factors: each method at its chosen multiple of its own rate
 LT_FACTORS = "0.1,0.3,1,3,10,30"  # --lt-factors' default: the loss-tuning sweep's multiples
@@ -72,7 +55,7 @@ class Scale:
     table3_settings: tuple = ("w5s1", "w5s5")
     per_round: int = 10  # clients sampled per round beyond 10 clients (Table III)
     updates: int | None = None  # backbone updates per client (default the recipe's 60; --updates)
-    sweep: Sweep | None = None  # --lr-factors: multiples of each method's own step size
+    sweep: harness.Sweep | None = None  # --lr-factors: multiples of each method's own step size
     lt_grid: tuple = tuple(map(float, LT_FACTORS.split(",")))  # --lt-factors (used with sweep)
 
     def budget(self, method: str) -> list[str]:
@@ -146,12 +129,12 @@ def named(name: str, factor: float | None) -> str:
 
 
 # -- run specifications ----------------------------------------------------------------------------
-def specs_sweep(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
+def specs_sweep(scale: Scale, seeds: list[int], chosen=None) -> list[harness.RunSpec]:
     if scale.sweep is None:
         return []
     seed, s = scale.sweep.seed, SWEEP_SETTING
     return [
-        RunSpec(
+        harness.RunSpec(
             named(f"{m}-{s}-s{seed}", f),
             scale.few_shot(s, m, f"seed={seed}", factor=f),
             {"problem": "few-shot", "method": m, "setting": s, "seed": seed, "factor": f},
@@ -161,13 +144,13 @@ def specs_sweep(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
     ]
 
 
-def specs_lt_sweep(scale: Scale) -> list[RunSpec]:
+def specs_lt_sweep(scale: Scale) -> list[harness.RunSpec]:
     """Figure 5's sweep: each method on the loss-tuning problem at every ``scale.lt_grid`` factor."""
     if scale.sweep is None:
         return []
     seed = scale.sweep.seed
     return [
-        RunSpec(
+        harness.RunSpec(
             named(f"lt-{m}-s{seed}", f),
             scale.loss_tuning(m, f"seed={seed}", factor=f),
             {"problem": "loss-tuning", "method": m, "seed": seed, "factor": f},
@@ -177,9 +160,9 @@ def specs_lt_sweep(scale: Scale) -> list[RunSpec]:
     ]
 
 
-def specs_table2(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
+def specs_table2(scale: Scale, seeds: list[int], chosen=None) -> list[harness.RunSpec]:
     return [
-        RunSpec(
+        harness.RunSpec(
             named(f"{m}-{s}-s{seed}", f),
             scale.few_shot(s, m, f"seed={seed}", factor=f),
             {"method": m, "setting": s, "seed": seed, "factor": f},
@@ -191,10 +174,10 @@ def specs_table2(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
     ]
 
 
-def specs_fig4(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
+def specs_fig4(scale: Scale, seeds: list[int], chosen=None) -> list[harness.RunSpec]:
     rounds = ["rounds=2", "eval_every=2"] if scale.quick else ["rounds=3", "eval_every=3"]
     return [
-        RunSpec(
+        harness.RunSpec(
             f"flops-{m}-w5s1-s{seed}",
             scale.few_shot("w5s1", m, f"seed={seed}", *rounds, "options.count_flops=true"),
             {"method": m, "setting": "w5s1", "seed": seed},
@@ -204,9 +187,9 @@ def specs_fig4(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
     ]
 
 
-def specs_fig3(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
+def specs_fig3(scale: Scale, seeds: list[int], chosen=None) -> list[harness.RunSpec]:
     return [
-        RunSpec(
+        harness.RunSpec(
             f"{m}-cstar{c}-w5s5-s{seed}",
             scale.few_shot(
                 "w5s5",
@@ -230,14 +213,14 @@ def clients_overrides(n: int, per_round: int) -> list[str]:
     profiles = [{"capacity": c} for c in CAPACITY_MIX] * (n // 10)
     return [
         f"federation.num_clients={n}",
-        f"federation.profiles={toml_value(profiles)}",
+        f"federation.profiles={harness.toml_value(profiles)}",
         f"federation.clients_per_round={per_round}",
     ]
 
 
-def specs_table3(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
+def specs_table3(scale: Scale, seeds: list[int], chosen=None) -> list[harness.RunSpec]:
     return [
-        RunSpec(
+        harness.RunSpec(
             named(f"{m}-{s}-n{n}-s{seed}", f),
             scale.few_shot(s, m, f"seed={seed}", *clients_overrides(n, scale.per_round), factor=f),
             {"method": m, "setting": s, "clients": n, "seed": seed, "factor": f},
@@ -250,9 +233,9 @@ def specs_table3(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
     ]
 
 
-def specs_fig5(scale: Scale, seeds: list[int], chosen=None) -> list[RunSpec]:
+def specs_fig5(scale: Scale, seeds: list[int], chosen=None) -> list[harness.RunSpec]:
     return [
-        RunSpec(
+        harness.RunSpec(
             named(f"lt-{m}-s{seed}", f),
             scale.loss_tuning(m, f"seed={seed}", factor=f),
             {"method": m, "seed": seed, "factor": f},
@@ -272,38 +255,40 @@ FEW_SHOT = {
 }
 
 
-def sweep_score(spec: RunSpec) -> float | None:
+def sweep_score(spec: harness.RunSpec) -> float | None:
     """A sweep run's figure: Table II's (:func:`budget_accuracy`) on the few-shot problem; on the
     loss-tuning one, Figure 5's, the mean of its last LAST evaluations (balanced accuracy)."""
-    return budget_accuracy(spec) if spec.labels["problem"] == "few-shot" else run_accuracy(spec, LAST)
+    return budget_accuracy(spec) if spec.labels["problem"] == "few-shot" else harness.run_accuracy(spec, LAST)
 
 
-def choices_of(sweep_runs: list[RunSpec], problem: str = "few-shot") -> dict[str, Choice | None]:
+def choices_of(sweep_runs: list[harness.RunSpec], problem: str = "few-shot") -> dict[str, harness.Choice | None]:
     """Each method's chosen factor on ``problem``: the argmax over its finished sweep runs of
     :func:`sweep_score` (None while any of its runs is unfinished)."""
-    runs = with_labels(sweep_runs, problem=problem)
+    runs = harness.with_labels(sweep_runs, problem=problem)
     return {
-        m: choose(with_labels(runs, method=m), lambda s: {"factor": s.labels["factor"]}, sweep_score)
+        m: harness.choose(harness.with_labels(runs, method=m), lambda s: {"factor": s.labels["factor"]}, sweep_score)
         for m in METHODS
-        if with_labels(runs, method=m)
+        if harness.with_labels(runs, method=m)
     }
 
 
-def chosen_factors(sweep_runs: list[RunSpec], problem: str) -> dict[str, float]:
+def chosen_factors(sweep_runs: list[harness.RunSpec], problem: str) -> dict[str, float]:
     return {m: c.setting["factor"] for m, c in choices_of(sweep_runs, problem).items() if c}
 
 
-def build_suite_plan(scale: Scale, seeds: list[int], out: Path) -> dict[str, list[RunSpec]]:
+def build_suite_plan(scale: Scale, seeds: list[int], out: Path) -> dict[str, list[harness.RunSpec]]:
     """Every experiment's runs, resolved (all experiments, so run ownership never depends on --only);
     with ``scale.sweep``, Tables II and III and Figure 5 at each method's chosen factor on their
     problem (a method waits until its sweep is finished)."""
     few_shot = lt = None
     if scale.sweep is not None:
-        plan = build_plan({e: f(scale, seeds) for e, f in FEW_SHOT.items()}, FEW_SHOT_RECIPE, out)
+        plan = harness.build_plan({e: f(scale, seeds) for e, f in FEW_SHOT.items()}, FEW_SHOT_RECIPE, out)
         few_shot = chosen_factors(plan["sweep"], "few-shot")
-        lt = chosen_factors(build_plan({"sweep": specs_lt_sweep(scale)}, LOSS_RECIPE, out)["sweep"], "loss-tuning")
-    plan = build_plan({e: f(scale, seeds, few_shot) for e, f in FEW_SHOT.items()}, FEW_SHOT_RECIPE, out)
-    loss = build_plan({"sweep": specs_lt_sweep(scale), "fig5": specs_fig5(scale, seeds, lt)}, LOSS_RECIPE, out)
+        lt = chosen_factors(
+            harness.build_plan({"sweep": specs_lt_sweep(scale)}, LOSS_RECIPE, out)["sweep"], "loss-tuning"
+        )
+    plan = harness.build_plan({e: f(scale, seeds, few_shot) for e, f in FEW_SHOT.items()}, FEW_SHOT_RECIPE, out)
+    loss = harness.build_plan({"sweep": specs_lt_sweep(scale), "fig5": specs_fig5(scale, seeds, lt)}, LOSS_RECIPE, out)
     plan["sweep"] += loss["sweep"]
     plan["fig5"] = loss["fig5"]
     return {e: plan[e] for e in EXPERIMENTS}
@@ -337,22 +322,26 @@ def estimate_s(config: RunConfig) -> float:
         images *= (task.get("filters", 64) / 32.0) ** 1.5
         per = CLIENT_ROUND_S.get(config.method) or LOCAL_STEP_S[config.method] * config.train.local_steps
         per *= FLOPS_SLOWDOWN if config.options.get("count_flops") else 1.0
-        evals = eval_rounds(config.rounds, config.eval_every) * task.get("eval_episodes", 600) * 0.02 * images
+        evals = harness.eval_rounds(config.rounds, config.eval_every) * task.get("eval_episodes", 600) * 0.02 * images
         return 5 + client_rounds * per * images + evals
     scale = (config.data.max_train_samples or 15000) / 15000
-    evals = eval_rounds(config.rounds, config.eval_every) * 2.5 * (config.data.max_test_samples or 10000) / 10000
+    evals = (
+        harness.eval_rounds(config.rounds, config.eval_every) * 2.5 * (config.data.max_test_samples or 10000) / 10000
+    )
     return 10 + client_rounds * LOSS_CLIENT_ROUND_S[config.method] * max(scale, 0.2) + evals
 
 
-def updates_per_round(spec: RunSpec) -> int:
+def updates_per_round(spec: harness.RunSpec) -> int:
     """Backbone updates per client and round: one outer step (bilevel) or the local steps."""
     return 1 if spec.labels["method"] in BILEVEL else spec.config.train.local_steps
 
 
-def budget_accuracy(spec: RunSpec) -> float | None:
+def budget_accuracy(spec: harness.RunSpec) -> float | None:
     """The mean of the run's last LAST evaluations taken at a multiple of 10 backbone updates per
     client, so that every method is read at the same update counts (bilevel runs evaluate more
     often than single-level ones when ``--updates`` scales the rounds); None while unfinished."""
     per = updates_per_round(spec)
-    points = [r["accuracy"] for r in load_rounds(spec) if r.get("accuracy") is not None and r["round"] * per % 10 == 0]
-    return mean(points[-LAST:]) if points else None
+    points = [
+        r["accuracy"] for r in harness.load_rounds(spec) if r.get("accuracy") is not None and r["round"] * per % 10 == 0
+    ]
+    return harness.mean(points[-LAST:]) if points else None

@@ -7,27 +7,15 @@ from pathlib import Path
 from rabo_experiments import BILEVEL, LABEL, LAST, METHODS, PAPER_TABLE3, SEGMENTS, SETTINGS, lt_rate_keys
 from rabo_tables import curve_plot, report_sweep, report_table2, setup_section, step_size
 
-from fedtune.harness import (
-    RunSpec,
-    accuracy_cell,
-    figure,
-    load_rounds,
-    load_summary,
-    mean,
-    mean_text,
-    percent,
-    runs_section,
-    table_lines,
-    with_labels,
-)
+from fedtune import harness
 
 
 def stats_mean(values) -> float | None:
-    return mean([v for v in values if v is not None])
+    return harness.mean([v for v in values if v is not None])
 
 
-def per_client_round(spec: RunSpec, key: str) -> float | None:
-    rounds = load_rounds(spec)
+def per_client_round(spec: harness.RunSpec, key: str) -> float | None:
+    rounds = harness.load_rounds(spec)
     if not rounds:
         return None
     if key in ("bytes", "compute_s"):
@@ -45,9 +33,9 @@ def per_client_round(spec: RunSpec, key: str) -> float | None:
 def report_fig4(specs, table2, head, out) -> str:
     rows, bars = [], {}
     for m in BILEVEL:
-        flops = [per_client_round(s, "client_gflops") for s in with_labels(specs, method=m)]
-        comm = [per_client_round(s, "bytes") for s in with_labels(table2, method=m, setting="w5s1")]
-        secs = [per_client_round(s, "compute_s") for s in with_labels(table2, method=m, setting="w5s1")]
+        flops = [per_client_round(s, "client_gflops") for s in harness.with_labels(specs, method=m)]
+        comm = [per_client_round(s, "bytes") for s in harness.with_labels(table2, method=m, setting="w5s1")]
+        secs = [per_client_round(s, "compute_s") for s in harness.with_labels(table2, method=m, setting="w5s1")]
         bars[m] = [stats_mean(v) for v in (flops, comm, secs)]
     for m in BILEVEL:
         cells = []
@@ -67,36 +55,37 @@ def report_fig4(specs, table2, head, out) -> str:
         head,
         "## Results",
         "",
-        *table_lines(
+        *harness.table_lines(
             ["method", "GFLOPs / client / round", "bytes / client / round", "compute s / client / round"], rows
         ),
         "",
         "![fig4](fig4.png)",
         "",
     ]
-    with figure(out / "fig4.png", 1, 2, figsize=(9, 3.6)) as (fig, (a1, a2)):
+    with harness.figure(out / "fig4.png", 1, 2, figsize=(9, 3.6)) as (fig, (a1, a2)):
         for ax, i, title in ((a1, 0, "computation (GFLOPs)"), (a2, 1, "communication (bytes)")):
             vals = [bars[m][i] or 0.0 for m in BILEVEL]
             ax.bar([LABEL[m].split(" ")[0] for m in BILEVEL], vals)
             ax.set(title=f"{title} per client and round")
             ax.grid(alpha=0.3, axis="y")
-    return "\n".join(lines) + "\n" + runs_section(specs, out)
+    return "\n".join(lines) + "\n" + harness.runs_section(specs, out)
 
 
 def report_fig3(specs, head, out) -> str:
     def best(group):  # each run's best evaluation: the segment runs can peak and fall back
         values = [
-            max((r["accuracy"] for r in load_rounds(s) if r.get("accuracy") is not None), default=None) for s in group
+            max((r["accuracy"] for r in harness.load_rounds(s) if r.get("accuracy") is not None), default=None)
+            for s in group
         ]
-        return percent(values)
+        return harness.percent(values)
 
     rows = [
         [
             LABEL[m],
             *(
-                f(with_labels(specs, method=m, cstar=c))
+                f(harness.with_labels(specs, method=m, cstar=c))
                 for c in (1, 2)
-                for f in (lambda g: accuracy_cell(g, LAST), best)
+                for f in (lambda g: harness.accuracy_cell(g, LAST), best)
             ),
         ]
         for m in ("rabo", "rafbo")
@@ -112,7 +101,7 @@ def report_fig3(specs, head, out) -> str:
         head,
         "## Results",
         "",
-        *table_lines(
+        *harness.table_lines(
             ["method", "C_x^* = 1 acc (%)", "C_x^* = 1 best (%)", "C_x^* = 2 acc (%)", "C_x^* = 2 best (%)"], rows
         ),
         "",
@@ -123,10 +112,14 @@ def report_fig3(specs, head, out) -> str:
     ]
     curve_plot(
         out / "fig3.png",
-        [(f"{LABEL[m]}, C* = {c}", with_labels(specs, method=m, cstar=c)) for m in ("rabo", "rafbo") for c in (1, 2)],
+        [
+            (f"{LABEL[m]}, C* = {c}", harness.with_labels(specs, method=m, cstar=c))
+            for m in ("rabo", "rafbo")
+            for c in (1, 2)
+        ],
         "5-way 5-shot, capacity 1/4",
     )
-    return "\n".join(lines) + "\n" + runs_section(specs, out)
+    return "\n".join(lines) + "\n" + harness.runs_section(specs, out)
 
 
 def report_table3(specs, scale, head, out) -> str:
@@ -138,7 +131,7 @@ def report_table3(specs, scale, head, out) -> str:
                 [
                     f"{LABEL[m]}, {SETTINGS[s]}",
                     *(
-                        f"{accuracy_cell(with_labels(specs, method=m, setting=s, clients=n), LAST)}"
+                        f"{harness.accuracy_cell(harness.with_labels(specs, method=m, setting=s, clients=n), LAST)}"
                         + (
                             f" (paper {paper[(10, 20, 30, 50).index(n)]:.2f})"
                             if n in (10, 20, 30, 50) and paper
@@ -157,19 +150,22 @@ def report_table3(specs, scale, head, out) -> str:
         head,
         "## Results",
         "",
-        *table_lines(["method, setting", *(f"{n} clients (%)" for n in scale.clients)], rows),
+        *harness.table_lines(["method, setting", *(f"{n} clients (%)" for n in scale.clients)], rows),
         "",
     ]
-    return "\n".join(lines) + "\n" + runs_section(specs, out)
+    return "\n".join(lines) + "\n" + harness.runs_section(specs, out)
 
 
 def report_fig5(specs, scale, head, out) -> str:
     rows = [
         [
             LABEL[m],
-            *([step_size(with_labels(specs, method=m), lt_rate_keys)] if scale.sweep else []),
-            accuracy_cell(with_labels(specs, method=m), LAST),
-            mean_text([s.get("final_loss") for s in map(load_summary, with_labels(specs, method=m)) if s], ".3f"),
+            *([step_size(harness.with_labels(specs, method=m), lt_rate_keys)] if scale.sweep else []),
+            harness.accuracy_cell(harness.with_labels(specs, method=m), LAST),
+            harness.mean_text(
+                [s.get("final_loss") for s in map(harness.load_summary, harness.with_labels(specs, method=m)) if s],
+                ".3f",
+            ),
         ]
         for m in METHODS
     ]
@@ -185,18 +181,20 @@ def report_fig5(specs, scale, head, out) -> str:
         head,
         "## Results",
         "",
-        *table_lines(["method", *(["step size"] if scale.sweep else []), "balanced acc (%)", "final test loss"], rows),
+        *harness.table_lines(
+            ["method", *(["step size"] if scale.sweep else []), "balanced acc (%)", "final test loss"], rows
+        ),
         "",
         "![fig5](fig5.png)",
         "",
     ]
     curve_plot(
         out / "fig5.png",
-        [(LABEL[m], with_labels(specs, method=m)) for m in METHODS],
+        [(LABEL[m], harness.with_labels(specs, method=m)) for m in METHODS],
         "long-tailed Fashion-MNIST: balanced accuracy",
         "balanced_accuracy",
     )
-    return "\n".join(lines) + "\n" + runs_section(specs, out)
+    return "\n".join(lines) + "\n" + harness.runs_section(specs, out)
 
 
 def write_reports(plan, selected, scale, seeds, out, command, estimate) -> list[Path]:

@@ -22,18 +22,7 @@ from rabo_experiments import (
     updates_per_round,
 )
 
-from fedtune.harness import (
-    RunSpec,
-    accuracy_cell,
-    averaged_curve,
-    figure,
-    percent,
-    produced_by,
-    runs_section,
-    sweep_sections,
-    table_lines,
-    with_labels,
-)
+from fedtune import harness
 
 
 # -- reports ----------------------------------------------------------------------------------------
@@ -43,7 +32,7 @@ def setup_section(scale: Scale, seeds: list[int], command: str, estimate: str) -
         [
             "## Setup",
             "",
-            *produced_by(command),
+            *harness.produced_by(command),
             "| | paper (Sec. V) | here |",
             "|---|---|---|",
             "| few-shot model x | ResNet-12 | 4-block conv net, 32 filters (`task.filters`) |",
@@ -83,29 +72,32 @@ def setup_section(scale: Scale, seeds: list[int], command: str, estimate: str) -
 
 
 def curve_plot(
-    path: Path, groups: list[tuple[str, list[RunSpec]]], title: str, metric: str = "accuracy", updates: bool = False
+    path: Path,
+    groups: list[tuple[str, list[harness.RunSpec]]],
+    title: str,
+    metric: str = "accuracy",
+    updates: bool = False,
 ) -> None:
     """Seed-averaged curves against the round (``updates``: against backbone updates per client)."""
-    with figure(path, figsize=(6.5, 4.2)) as (fig, ax):
+    with harness.figure(path, figsize=(6.5, 4.2)) as (fig, ax):
         for label, specs in groups:
-            pts = averaged_curve(specs, metric)
+            pts = harness.averaged_curve(specs, metric)
             if pts:
                 per = updates_per_round(specs[0]) if updates else 1
                 ax.plot([per * p[0] for p in pts], [100 * p[2] for p in pts], marker="o", ms=3, label=label)
-        ax.set(title=title, xlabel="backbone updates per client" if updates else "round", ylabel=f"{metric} (%)")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+        harness.finish_axes(
+            ax, title=title, xlabel="backbone updates per client" if updates else "round", ylabel=f"{metric} (%)"
+        )
 
 
-def budget_cell(specs: list[RunSpec]) -> str:
+def budget_cell(specs: list[harness.RunSpec]) -> str:
     """mean ± std over the seeds of :func:`budget_accuracy`, ``(n=…)`` while some are unfinished."""
     values = [budget_accuracy(s) for s in specs]
     n = sum(v is not None for v in values)
-    return percent(values) + (f" (n={n})" if 0 < n < len(specs) else "")
+    return harness.percent(values) + (f" (n={n})" if 0 < n < len(specs) else "")
 
 
-def step_size(specs: list[RunSpec], keys_of=lambda m: (rate_key(m),)) -> str:
+def step_size(specs: list[harness.RunSpec], keys_of=lambda m: (rate_key(m),)) -> str:
     """The step sizes ``keys_of(method)`` the method's runs used (Figure 5: :func:`lt_rate_keys`),
     with ``x factor`` where swept; or that they wait for the sweep."""
     if not specs:
@@ -120,14 +112,14 @@ def report_sweep(specs, scale, head, out) -> str:
     the few-shot problem, Figure 5's on the loss-tuning one."""
     panels, choices = {}, {}
     for problem, title in (("few-shot", SETTINGS[SWEEP_SETTING]), ("loss-tuning", "loss tuning (Figure 5)")):
-        runs = with_labels(specs, problem=problem)
+        runs = harness.with_labels(specs, problem=problem)
         rows = {
             m: f"{LABEL[m]} ({sweep_rates(group[0], problem)})"
             for m in METHODS
-            if (group := with_labels(runs, method=m))
+            if (group := harness.with_labels(runs, method=m))
         }
         if rows:
-            panels[title] = {rows[m]: with_labels(runs, method=m) for m in rows}
+            panels[title] = {rows[m]: harness.with_labels(runs, method=m) for m in rows}
             picked = choices_of(runs, problem)
             choices[title] = {rows[m]: picked.get(m) for m in rows}
     lines = [
@@ -142,7 +134,7 @@ def report_sweep(specs, scale, head, out) -> str:
         head,
         "## Results",
         "",
-        *sweep_sections(
+        *harness.sweep_sections(
             panels,
             choices,
             sweep_score,
@@ -154,10 +146,10 @@ def report_sweep(specs, scale, head, out) -> str:
         "![sweep](sweep.png)",
         "",
     ]
-    return "\n".join(lines) + "\n" + runs_section(specs, out)
+    return "\n".join(lines) + "\n" + harness.runs_section(specs, out)
 
 
-def sweep_rates(spec: RunSpec, problem: str) -> str:
+def sweep_rates(spec: harness.RunSpec, problem: str) -> str:
     """The step sizes factor 1 stands for: ``options.outer_lr x 1 = 0.05``."""
     m, f = spec.labels["method"], spec.labels["factor"]
     if problem == "few-shot":
@@ -166,14 +158,18 @@ def sweep_rates(spec: RunSpec, problem: str) -> str:
 
 
 def report_table2(specs, scale, head, out) -> str:
-    settings = [s for s in scale.settings if with_labels(specs, setting=s)]
+    settings = [s for s in scale.settings if harness.with_labels(specs, setting=s)]
     rows = []
     for m in METHODS:
-        row = [LABEL[m]] + ([step_size(with_labels(specs, method=m))] if scale.sweep else [])
+        row = [LABEL[m]] + ([step_size(harness.with_labels(specs, method=m))] if scale.sweep else [])
         for s in settings:
             paper = PAPER_TABLE2.get(m)
-            group = with_labels(specs, method=m, setting=s)
-            row += [budget_cell(group), accuracy_cell(group), f"{paper[list(SETTINGS).index(s)]:.2f}" if paper else "–"]
+            group = harness.with_labels(specs, method=m, setting=s)
+            row += [
+                budget_cell(group),
+                harness.accuracy_cell(group),
+                f"{paper[list(SETTINGS).index(s)]:.2f}" if paper else "–",
+            ]
         rows.append(row)
     cols = ["method", *(["step size"] if scale.sweep else [])] + [
         c for s in settings for c in (f"{SETTINGS[s]} (%)", "final (%)", "paper")
@@ -184,7 +180,7 @@ def report_table2(specs, scale, head, out) -> str:
         head,
         "## Results",
         "",
-        *table_lines(cols, rows),
+        *harness.table_lines(cols, rows),
         "",
         "First column: each run's mean of its last 3 evaluations at a multiple of 10 backbone updates per "
         "client; final: its last evaluation (at the full update budget, the same for every method). "
@@ -196,9 +192,9 @@ def report_table2(specs, scale, head, out) -> str:
     for s in settings:
         curve_plot(
             out / f"table2-{s}.png",
-            [(LABEL[m], with_labels(specs, method=m, setting=s)) for m in METHODS],
+            [(LABEL[m], harness.with_labels(specs, method=m, setting=s)) for m in METHODS],
             f"{SETTINGS[s]}: accuracy vs updates (mean over seeds)",
             updates=True,
         )
         lines += [f"![{s}](table2-{s}.png)", ""]
-    return "\n".join(lines) + "\n" + runs_section(specs, out)
+    return "\n".join(lines) + "\n" + harness.runs_section(specs, out)

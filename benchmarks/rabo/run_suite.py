@@ -70,29 +70,13 @@ from rabo_experiments import (
 )
 from rabo_figures import write_reports
 
-from fedtune.harness import (
-    SuiteError,
-    add_sweep_options,
-    biased_seed_warning,
-    distinct_runs,
-    estimate_minutes,
-    offline_data,
-    output_dir,
-    parse_grid,
-    parse_selection,
-    run_suite,
-    suite_command,
-    suite_parser,
-    sweep_first,
-    sweep_note,
-    sweep_selection,
-    with_labels,
-)
+from fedtune import harness
 
 
+@harness.suite_main
 def main(argv: list[str] | None = None) -> int:
-    parser = suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="0,1,2")
-    add_sweep_options(
+    parser = harness.suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="0,1,2")
+    harness.add_sweep_options(
         parser,
         EXPERIMENTS,
         f"each method's own step size on {SETTINGS[SWEEP_SETTING]} (for table2, table3; --lt-factors: fig5)",
@@ -122,33 +106,26 @@ def main(argv: list[str] | None = None) -> int:
         help=f"Table II's N-way K-shot columns to run (comma-separated subset of {','.join(SETTINGS)})",
     )
     args = parser.parse_args(argv)
-    try:
-        selected, seeds = parse_selection(args, EXPERIMENTS)
-        sweep, selected = sweep_selection(args, selected, SWEPT)
-        lt_grid = parse_grid(args.lt_factors, "--lt-factors", "multiples of each method's own rates")
-        settings = tuple(s for s in args.settings.split(",") if s)
-        unknown = [s for s in settings if s not in SETTINGS]
-        if args.updates is not None and (args.updates < 10 or args.updates % 10):
-            raise SuiteError(f"--updates: a multiple of 10 expected, got {args.updates}")
-        methods = [m for m in args.methods.split(",") if m]
-        if not methods or set(methods) - set(METHODS):
-            raise SuiteError(
-                f"--methods: unknown {', '.join(sorted(set(methods) - set(METHODS))) or '(none given)'}; "
-                f"expected a subset of {','.join(METHODS)}"
-            )
-        if unknown or not settings:
-            raise SuiteError(
-                f"--settings: unknown {', '.join(unknown) or '(none given)'}; expected a subset of {','.join(SETTINGS)}"
-            )
-    except SuiteError as exc:
-        print(exc)
-        return 2
+    selected, seeds, out, command, sweep = harness.suite_start(
+        args, argv, __file__, EXPERIMENTS, RESULTS, QUICK_RESULTS, "omniglot", SWEPT
+    )
+    lt_grid = harness.parse_grid(args.lt_factors, "--lt-factors", "multiples of each method's own rates")
+    settings = tuple(s for s in args.settings.split(",") if s)
+    unknown = [s for s in settings if s not in SETTINGS]
+    if args.updates is not None and (args.updates < 10 or args.updates % 10):
+        raise harness.SuiteError(f"--updates: a multiple of 10 expected, got {args.updates}")
+    methods = [m for m in args.methods.split(",") if m]
+    if not methods or set(methods) - set(METHODS):
+        raise harness.SuiteError(
+            f"--methods: unknown {', '.join(sorted(set(methods) - set(METHODS))) or '(none given)'}; "
+            f"expected a subset of {','.join(METHODS)}"
+        )
+    if unknown or not settings:
+        raise harness.SuiteError(
+            f"--settings: unknown {', '.join(unknown) or '(none given)'}; expected a subset of {','.join(SETTINGS)}"
+        )
     scale = quick_scale() if args.quick else Scale()
     scale = replace(scale, settings=settings, updates=args.updates, sweep=sweep, lt_grid=lt_grid)
-    out = output_dir(args, RESULTS, QUICK_RESULTS)
-    offline_data("omniglot")
-    biased_seed_warning(sweep, seeds, selected, SWEPT)
-    command = suite_command("benchmarks/rabo/run_suite.py", argv)
     print(
         f"RABO suite: {', '.join(selected)}; seeds {seeds}"
         + (
@@ -163,20 +140,22 @@ def main(argv: list[str] | None = None) -> int:
     def stage(experiments: list[str]) -> int:
         plan = build_suite_plan(scale, seeds, out)
         plan = {e: [s for s in specs if s.labels["method"] in methods] for e, specs in plan.items()}
-        runs = distinct_runs(plan, experiments)
+        runs = harness.distinct_runs(plan, experiments)
         costs = {s.key: estimate_s(s.config) for s in runs}
         estimate = (
             f"Estimated time of the selection (built-in cost model, {args.workers} workers): "
-            f"{estimate_minutes(runs, costs, args.workers):.0f} min."
+            f"{harness.estimate_minutes(runs, costs, args.workers):.0f} min."
         )
         notes = ["cost model: built-in per-method constants (benchmarks/rabo/run_suite.py)"]
         for problem in ("few-shot", "loss-tuning") if sweep else ():
-            swept = with_labels(plan["sweep"], problem=problem)
+            swept = harness.with_labels(plan["sweep"], problem=problem)
             notes.append(
                 f"{problem}: "
-                + sweep_note({m: with_labels(swept, method=m) for m in methods}, choices_of(swept, problem), "methods")
+                + harness.sweep_note(
+                    {m: harness.with_labels(swept, method=m) for m in methods}, choices_of(swept, problem), "methods"
+                )
             )
-        return run_suite(
+        return harness.run_suite(
             plan,
             experiments,
             args,
@@ -186,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             notes=notes,
         )
 
-    return sweep_first(stage, selected, args)  # tables II and III are planned from the sweep's finished runs
+    return harness.sweep_first(stage, selected, args)  # tables II and III are planned from the sweep's finished runs
 
 
 if __name__ == "__main__":

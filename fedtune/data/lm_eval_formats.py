@@ -20,21 +20,11 @@ sampler and delimiters).
 from __future__ import annotations
 
 from fedtune.config import ConfigError
-from fedtune.data.llm_text import MMLU_SUBJECTS
+from fedtune.data.llm_text import ALL_SETS, MMLU_SUBJECTS
 
-#: sets whose lm-eval form this module rebuilds (``local``: a question file, asked as ARC)
-FORMATS = (
-    "arc_challenge",
-    "arc_easy",
-    "boolq",
-    "csqa",
-    "hellaswag",
-    "openbookqa",
-    "piqa",
-    "socialiqa",
-    "winogrande",
-    "local",
-)
+#: sets whose lm-eval form this module rebuilds: the registered multiple-choice sets
+#: (:data:`fedtune.data.llm_text.ALL_SETS`) and ``local`` (a question file, asked as ARC)
+FORMATS = (*sorted(ALL_SETS), "local")
 LETTERS = "ABCDEFGHIJ"
 #: the sets whose lm-eval task reports acc_norm beside acc (the others' options, letters or
 #: answers of one kind, report acc alone)

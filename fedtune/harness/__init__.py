@@ -20,40 +20,44 @@ the harness does the rest:
 - :mod:`~fedtune.harness.cli`: the standard command line (``--only``, ``--seeds``, ``--quick``,
   ``--workers``, ``--plan``, ``--report-only``, ``--out``) and the steps every suite takes.
 
-Example, a whole suite in one file (a full one, ``benchmarks/fslora/run_suite.py``, keeps its
-experiments and reports in modules beside it: ``fslora_suite_experiments.py``, ...)::
+Example, a whole suite in one file, ``benchmarks/mysuite/run_suite.py`` (a full one,
+``benchmarks/fslora/run_suite.py``, keeps its experiments and reports in modules beside it:
+``fslora_suite_experiments.py``, ...)::
 
     import sys
     from pathlib import Path
 
-    from fedtune.harness import (RunSpec, accuracy_cell, build_plan, output_dir, parse_selection, read_overlays,
-                                 run_suite, runs_section, suite_parser, table_lines)
+    from fedtune import harness
 
-    RECIPE = Path("configs/benchmarks/mysuite.toml")  # what every run shares (model, lr, data, clients)
-    OVERLAYS = read_overlays("configs/benchmarks/mysuite-overlays.toml")  # [quick], [fedit], ...
+    REPO = Path(__file__).resolve().parents[2]
+    # configs/benchmarks/mysuite.toml (what every run shares), its overlays ([quick], [fedit], ...),
+    # benchmarks/results/mysuite/ and --quick's benchmarks/results/_scratch/mysuite-quick/
+    RECIPE, OVERLAYS, RESULTS, QUICK_RESULTS = harness.suite_files(REPO, "mysuite", "mysuite")
     EXPERIMENTS = ["ranks"]
     RANKS = (4, 8, 16)
 
     def ranks(seeds, scale):  # FedIT at three LoRA ranks
-        return [RunSpec(f"r{r}-s{seed}", [*scale, *OVERLAYS["fedit"], f"seed={seed}", f"model.lora_rank={r}"],
-                        {"rank": r, "seed": seed})
+        return [harness.RunSpec(f"r{r}-s{seed}", [*scale, *OVERLAYS["fedit"], f"seed={seed}", f"model.lora_rank={r}"],
+                                {"rank": r, "seed": seed})
                 for seed in seeds for r in RANKS]
 
+    @harness.suite_main  # a bad option: its one line, exit status 2
     def main(argv=None):
-        args = suite_parser("FedIT over LoRA ranks", EXPERIMENTS).parse_args(argv)
-        selected, seeds = parse_selection(args, EXPERIMENTS)
-        out = output_dir(args, Path("benchmarks/results/mysuite"), Path("benchmarks/results/_scratch/mysuite"))
-        plan = build_plan({"ranks": ranks(seeds, OVERLAYS["quick"] if args.quick else [])}, RECIPE, out)
+        args = harness.suite_parser("FedIT over LoRA ranks", EXPERIMENTS).parse_args(argv)
+        selected, seeds, out, command, _ = harness.suite_start(
+            args, argv, __file__, EXPERIMENTS, RESULTS, QUICK_RESULTS, "sst2")
+        plan = harness.build_plan({"ranks": ranks(seeds, OVERLAYS["quick"] if args.quick else [])}, RECIPE, out)
 
         def write_reports():
-            rows = [[str(r), accuracy_cell([s for s in plan["ranks"] if s.labels["rank"] == r])] for r in RANKS]
-            text = "\n".join(["# FedIT over LoRA ranks", "", *table_lines(["r", "final acc (%)"], rows), ""])
+            rows = [[str(r), harness.accuracy_cell(harness.with_labels(plan["ranks"], rank=r))] for r in RANKS]
+            lines = ["# FedIT over LoRA ranks", "", *harness.produced_by(command)]
+            lines += [*harness.table_lines(["r", "final acc (%)"], rows), ""]
             out.mkdir(parents=True, exist_ok=True)
-            (out / "ranks.md").write_text(text + "\n" + runs_section(plan["ranks"], out))
+            (out / "ranks.md").write_text("\n".join(lines) + "\n" + harness.runs_section(plan["ranks"], out))
             return [out / "ranks.md"]
 
-        costs = {s.key: 60.0 for s in plan["ranks"]}  # seconds per run; or cost.estimate_s(config, Costs(...), n)
-        return run_suite(plan, selected, args, costs, write_reports, root=Path.cwd())
+        costs = {s.key: 60.0 for s in plan["ranks"]}  # seconds per run; or harness.estimate_s(config, Costs(...), n)
+        return harness.run_suite(plan, selected, args, costs, write_reports, root=REPO)
 
     if __name__ == "__main__":
         sys.exit(main())
@@ -61,7 +65,8 @@ experiments and reports in modules beside it: ``fslora_suite_experiments.py``, .
 Name the data set and the model in the recipe: ``run_experiment`` writes the config with the
 task's defaults filled in, and resume compares that with the planned config.
 
-Workers call :func:`fedtune.run.run_experiment`; the harness imports nothing else from the engine.
+Workers call :func:`fedtune.launch.launch` (each run on the engine its config names); the harness
+imports nothing else from the engines.
 """
 
 from fedtune.harness.choice import (
@@ -75,6 +80,7 @@ from fedtune.harness.choice import (
     sweep_sections,
 )
 from fedtune.harness.cli import (
+    Start,
     SuiteError,
     add_sweep_options,
     biased_seed_warning,
@@ -86,7 +92,9 @@ from fedtune.harness.cli import (
     print_plan,
     run_suite,
     suite_command,
+    suite_main,
     suite_parser,
+    suite_start,
     sweep_first,
     sweep_selection,
 )
@@ -94,11 +102,13 @@ from fedtune.harness.cost import Costs, Probe, calibrate, estimate_s, eval_round
 from fedtune.harness.plan import (
     Plan,
     RunSpec,
+    SuiteFiles,
     assignments,
     build_plan,
     config_key,
     distinct_runs,
     read_overlays,
+    suite_files,
     toml_value,
     with_labels,
 )
@@ -109,9 +119,11 @@ from fedtune.harness.report import (
     curve,
     figure,
     final_accuracy,
+    finish_axes,
     mean_text,
     per_device_mb,
     percent,
+    plot_curve,
     produced_by,
     pyplot,
     run_accuracy,
@@ -144,6 +156,9 @@ __all__ = [
     "print_plan",
     "run_suite",
     "suite_command",
+    "suite_main",
+    "Start",
+    "suite_start",
     "suite_parser",
     "sweep_first",
     "sweep_selection",
@@ -169,6 +184,8 @@ __all__ = [
     "config_key",
     "distinct_runs",
     "read_overlays",
+    "SuiteFiles",
+    "suite_files",
     "toml_value",
     "with_labels",
     "imap_unordered",
@@ -180,6 +197,8 @@ __all__ = [
     "curve",
     "figure",
     "final_accuracy",
+    "finish_axes",
+    "plot_curve",
     "mean_text",
     "per_device_mb",
     "percent",

@@ -29,6 +29,9 @@ class Sweep:
     grid: tuple[float, ...]
     seed: int = 0
 
+    def __str__(self) -> str:
+        return f"rates {', '.join(f'{lr:g}' for lr in self.grid)} swept on seed {self.seed}"
+
 
 @dataclass(frozen=True)
 class Choice:

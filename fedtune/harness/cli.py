@@ -11,6 +11,7 @@ unfinished in the worker pool (unless ``--report-only``) and writes the reports.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import shlex
@@ -18,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from fedtune.errors import FedtuneError
 from fedtune.harness.choice import Sweep
@@ -183,16 +185,71 @@ def biased_seed_warning(
 
 
 def sweep_first(
-    stage: Callable[[list[str]], int], selected: Sequence[str], args: argparse.Namespace, sweep: str = "sweep"
+    stage: Callable[[list[str]], int],
+    selected: Sequence[str],
+    args: argparse.Namespace,
+    sweep: str | Sequence[str] = "sweep",
 ) -> int:
     """Run the ``selected`` experiments through ``stage`` (which plans and runs them); when they hold
-    the ``sweep`` and experiments planned from its choices, the sweep runs first and the rest is
-    planned afterwards, from its finished runs (not for ``--plan`` or ``--report-only``). Returns
-    the worse exit status."""
-    rest = [e for e in selected if e != sweep]
-    if sweep in selected and rest and not (args.plan or args.report_only):
-        return max(stage([sweep]), stage(rest))
+    a ``sweep`` (one name, or several) and experiments planned from its choices, the sweeps run first
+    and the rest is planned afterwards, from their finished runs (not for ``--plan`` or
+    ``--report-only``). Returns the worse exit status."""
+    sweeps = [sweep] if isinstance(sweep, str) else list(sweep)
+    first, rest = [e for e in selected if e in sweeps], [e for e in selected if e not in sweeps]
+    if first and rest and not (args.plan or args.report_only):
+        return max(stage(first), stage(rest))
     return stage(list(selected))
+
+
+class Start(NamedTuple):
+    """What every suite starts from (:func:`suite_start`)."""
+
+    selected: list[str]
+    seeds: list[int]
+    out: Path
+    command: str
+    sweep: Sweep | None
+
+
+def suite_start(
+    args: argparse.Namespace,
+    argv: Sequence[str] | None,
+    script: str,
+    experiments: Sequence[str],
+    results: Path,
+    quick_results: Path,
+    reads: str,
+    swept: Sequence[str] | None = None,
+    swept_results: Path | None = None,
+) -> Start:
+    """The steps every suite starts with: the selection and seeds (:func:`parse_selection`); with
+    ``swept`` (the experiments planned from a sweep) the sweep (:func:`sweep_selection`, results to
+    ``swept_results`` when given, :func:`biased_seed_warning`); the output folder; offline data
+    (:func:`offline_data`, ``reads``); the reports' command line for ``script`` (the suite's
+    ``__file__``, written as ``benchmarks/<suite>/<script>.py``)."""
+    selected, seeds = parse_selection(args, experiments)
+    sweep = None
+    if swept is not None:
+        sweep, selected = sweep_selection(args, selected, swept)
+        biased_seed_warning(sweep, seeds, selected, swept)
+    out = output_dir(args, swept_results if sweep and swept_results else results, quick_results)
+    offline_data(reads)
+    return Start(selected, seeds, out, suite_command("/".join(Path(script).resolve().parts[-3:]), argv), sweep)
+
+
+def suite_main(main: Callable[..., int]) -> Callable[..., int]:
+    """A suite's ``main(argv)`` whose bad options (:class:`SuiteError`, raised anywhere in it) print
+    as their one line and exit with status 2."""
+
+    @functools.wraps(main)
+    def checked(argv: Sequence[str] | None = None) -> int:
+        try:
+            return main(argv)
+        except SuiteError as exc:
+            print(exc)
+            return 2
+
+    return checked
 
 
 def run_suite(

@@ -13,7 +13,7 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import tomllib
 
@@ -68,6 +68,30 @@ def read_overlays(path: str | Path) -> dict[str, list[str]]:
     ``model.name="tiny-bert"``), so tables merge into the recipe's like ``--set`` does."""
     tree = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     return {name: assignments(flat_keys(table)) for name, table in tree.items()}
+
+
+class SuiteFiles(NamedTuple):
+    """A suite's files (:func:`suite_files`): its recipe, its named overlays, its results folder and
+    ``--quick``'s scratch folder."""
+
+    recipe: Path
+    overlays: dict[str, list[str]]
+    results: Path
+    quick_results: Path
+
+
+def suite_files(repo: Path, recipe: str, results: str, quick: str | None = None) -> SuiteFiles:
+    """The files of a suite in checkout ``repo``: ``configs/benchmarks/<recipe>.toml``, the overlays of
+    ``<recipe>-overlays.toml`` beside it (none without one), ``benchmarks/results/<results>/`` and
+    ``benchmarks/results/_scratch/<quick>/`` (default ``<results>-quick``)."""
+    configs, out = repo / "configs" / "benchmarks", repo / "benchmarks" / "results"
+    overlays = configs / f"{recipe}-overlays.toml"
+    return SuiteFiles(
+        configs / f"{recipe}.toml",
+        read_overlays(overlays) if overlays.is_file() else {},
+        out / results,
+        out / "_scratch" / (quick or f"{results}-quick"),
+    )
 
 
 def config_key(config: RunConfig) -> str:

@@ -95,16 +95,17 @@ def resumable(config: RunConfig) -> bool:
 
 
 def run_config(config: RunConfig) -> tuple[dict[str, Any], float]:
-    """Worker job: ``run_experiment(config)``, continuing from the checkpoint of a cut-short run of
-    the same config (:func:`resumable`; a resumed run ends bit-identical to an uninterrupted one);
-    any other run in its folder (a stale config, a run killed before its first checkpoint) is moved
-    aside, not lost (``overwrite``). Returns its summary and the seconds it took."""
-    from fedtune.run import run_experiment
+    """Worker job: ``launch(config)`` on the engine it names (the embedded one, or a Flower
+    simulation or deployment started from this worker), continuing from the checkpoint of a
+    cut-short run of the same config (:func:`resumable`; a resumed run ends bit-identical to an
+    uninterrupted one); any other run in its folder (a stale config, a run killed before its first
+    checkpoint) is moved aside, not lost (``overwrite``). Returns its summary and the seconds it took."""
+    from fedtune.launch import launch
 
     start, resume = time.perf_counter(), resumable(config)
     if resume:
         print(f"{config.name}: continuing from its checkpoint", flush=True)
-    return run_experiment(config, resume=resume, overwrite=not resume), time.perf_counter() - start
+    return launch(config, resume=resume, overwrite=not resume), time.perf_counter() - start
 
 
 def run_specs(specs: list[RunSpec], costs: dict[str, float], workers: int) -> tuple[list[str], bool]:

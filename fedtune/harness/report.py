@@ -69,6 +69,26 @@ def averaged_curve(specs: Sequence[RunSpec], metric: str = "accuracy") -> stats.
     return stats.mean_curve([curve(s, metric) for s in specs])
 
 
+def plot_curve(ax: Any, specs: Sequence[RunSpec], *style: str, metric: str = "accuracy", upload: bool = False, **kw):
+    """Plot the seed-averaged ``metric`` curve of ``specs`` in % (:func:`averaged_curve`) on ``ax``
+    against the round, or with ``upload`` the MB uploaded per device, dots marked (``kw`` passes to
+    ``ax.plot``); whether any run has finished."""
+    pts = averaged_curve(specs, metric)
+    if pts:
+        x = [p[1] if upload else p[0] for p in pts]
+        ax.plot(x, [100 * p[2] for p in pts], *style, **{"marker": "o", "ms": 3, **kw})
+    return bool(pts)
+
+
+def finish_axes(ax: Any, fontsize: int = 7, **labels: Any) -> None:
+    """``ax.set(**labels)`` (title, axis labels, scales), a light grid, and a legend of size
+    ``fontsize`` when anything on ``ax`` is labelled."""
+    ax.set(**labels)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=fontsize)
+
+
 def run_accuracy(spec: RunSpec, last: int | None = None) -> float | None:
     """The finished run's final accuracy, or with ``last`` the mean of its last ``last`` evaluations
     (:func:`~fedtune.harness.stats.mean_of_last`); None while unfinished."""

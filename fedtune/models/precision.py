@@ -122,7 +122,7 @@ def computes_natively(device: torch.device, dtype: torch.dtype) -> bool:
 #: an upcast weight of at most this many bytes is written into a buffer kept for its shape (one per
 #: thread) instead of a fresh block per call (hundreds a step). glibc serves a block under 32 MiB
 #: from its heap, which the fresh copies fragmented: on SmolLM2-135M in bfloat16 the peak grew from
-#: 1.11 to 1.40 GiB over 32 one-step clients, with these buffers 1.13 to 1.20 (benchmarks/llm_scale.py).
+#: 1.11 to 1.40 GiB over 32 one-step clients, with these buffers 1.13 to 1.20 (benchmarks/llm/llm_scale.py).
 #: It maps a larger block and unmaps it when freed, so each call faulted its pages in afresh: a
 #: Llama-3.2-3B MLP layer's forward and input gradient (64 tokens, one thread) took 0.249 s, 0.115 s
 #: of it system time, and 0.167 s (0.008 s) with a buffer. 256 MiB covers every per-layer matrix

@@ -9,22 +9,12 @@ from typing import Any
 
 from recipes_runs import LAST, QUICK_DATA, SIMILAR, Options, similar_sets
 
-from fedtune.harness import (
-    MIN_MARGIN,
-    RunSpec,
-    Z,
-    clearly_above,
-    load_rounds,
-    load_summary,
-    mean_of_last,
-    produced_by,
-    table_lines,
-)
+from fedtune import harness
 
 
-def row_values(spec: RunSpec) -> dict[str, Any]:
+def row_values(spec: harness.RunSpec) -> dict[str, Any]:
     """The finished run's figures (fractions), or Nones."""
-    summary = load_summary(spec)
+    summary = harness.load_summary(spec)
     if summary is None:
         return {
             "done": False,
@@ -40,10 +30,10 @@ def row_values(spec: RunSpec) -> dict[str, Any]:
             "margin": None,
             "wall_s": None,
         }
-    rounds = load_rounds(spec)
+    rounds = harness.load_rounds(spec)
     evaluated = [r for r in rounds if r.get("accuracy") is not None]
-    mean_last = mean_of_last(rounds, LAST)
-    ok, margin = clearly_above(
+    mean_last = harness.mean_of_last(rounds, LAST)
+    ok, margin = harness.clearly_above(
         mean_last, summary.get("final_accuracy"), summary.get("majority_accuracy"), summary.get("test_examples")
     )
     return {
@@ -95,7 +85,7 @@ def markdown(plan, command: str, options: Options, selected: list[str], out: Pat
         "the reference rate its task names: the test set's majority class (text, image, audio, paired), "
         "chance 1/N (few-shot), the majority answer (instruction).",
         "",
-        *produced_by(command),
+        *harness.produced_by(command),
         (
             "**Changed from the recipes:** "
             + ", ".join(f"`{c}`" for c in changed)
@@ -107,8 +97,8 @@ def markdown(plan, command: str, options: Options, selected: list[str], out: Pat
         ),
         "",
         f"**Clearly above** = the mean of the last {LAST} evaluations beats the reference by at least "
-        f"max({100 * MIN_MARGIN:g} points, {Z:g} binomial standard errors of an accuracy at the reference "
-        "rate on that test set, sqrt(p (1 - p) / n)), *and* the final evaluation alone is above the "
+        f"max({100 * harness.MIN_MARGIN:g} points, {harness.Z:g} binomial standard errors of an accuracy at the "
+        "reference rate on that test set, sqrt(p (1 - p) / n)), *and* the final evaluation alone is above the "
         "reference. The needed margin is printed with each verdict. *First eval* is the run's first "
         "evaluation (after round 1 or its first evaluated round): where it is already far above the reference "
         "(few-shot: nearest-prototype classification on barely trained features), beating the reference says "
@@ -166,7 +156,7 @@ def markdown(plan, command: str, options: Options, selected: list[str], out: Pat
                 *sim_cells,
             ]
         )
-    lines += table_lines(cols, body)
+    lines += harness.table_lines(cols, body)
     own = [r["own"] for r in rows if r["own"]["done"]]
     sims = [w for r in rows for _, w in r["similar"] if w["done"]]
     lines += [
@@ -193,7 +183,7 @@ def markdown(plan, command: str, options: Options, selected: list[str], out: Pat
     lines += [
         "## Runs",
         "",
-        *table_lines(
+        *harness.table_lines(
             ["run", "folder", "rounds", "evaluations in the mean", "test examples", "wall s"],
             [
                 [
@@ -213,7 +203,7 @@ def markdown(plan, command: str, options: Options, selected: list[str], out: Pat
 
 
 def json_report(plan, command: str, options: Options, out: Path) -> dict:
-    def entry(spec: RunSpec, v: dict[str, Any]) -> dict:
+    def entry(spec: harness.RunSpec, v: dict[str, Any]) -> dict:
         return {
             "run": spec.name,
             "recipe": spec.labels["recipe"],
@@ -232,8 +222,8 @@ def json_report(plan, command: str, options: Options, out: Path) -> dict:
         "command": command,
         "changed": options.overrides() + (QUICK_DATA if options.quick else []),
         "last": LAST,
-        "min_margin": MIN_MARGIN,
-        "z": Z,
+        "min_margin": harness.MIN_MARGIN,
+        "z": harness.Z,
         "runs": [entry(r["spec"], r["own"]) for r in rows] + [entry(s, w) for r in rows for s, w in r["similar"]],
     }
 

@@ -15,10 +15,10 @@ The models are random weights in the shapes of SmolLM2-135M and of Llama-3.2-3B 
 configurations and saved once to a scratch folder: no download; memory and speed do not depend on
 the values), with a byte-level tokenizer.
 
-    python benchmarks/llm_scale.py                      # CPU: (a) and (b) at N = 2, 8, 32
-    python benchmarks/llm_scale.py --device cuda --size # a GPU, and (c) the 3B-shaped model
-    python benchmarks/llm_scale.py --report-only        # rewrite the page from the saved numbers
-    python benchmarks/llm_scale.py --name cpu-bf16 ...  # another CPU kind: its own file and section
+    python benchmarks/llm/llm_scale.py                      # CPU: (a) and (b) at N = 2, 8, 32
+    python benchmarks/llm/llm_scale.py --device cuda --size # a GPU, and (c) the 3B-shaped model
+    python benchmarks/llm/llm_scale.py --report-only        # rewrite the page from the saved numbers
+    python benchmarks/llm/llm_scale.py --name cpu-bf16 ...  # another CPU kind: its own file and section
 
 Results: ``benchmarks/results/llm_scale/<device>.json`` and ``README.md`` (one table per device).
 """
@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "llm_scale"
 SHAPES = {
     "smollm2-135m": dict(
@@ -178,7 +178,7 @@ def run_one(args, kind: str, dtype: str, clients: int, model: Path, data: Path, 
 
 def report(device_results: dict[str, dict]) -> str:
     lines = ["# Model scale: memory against clients, speed against a bare loop, a 3B-shaped model", "",
-             "Written by `benchmarks/llm_scale.py` (see its docstring for what is measured). Ratios are",
+             "Written by `benchmarks/llm/llm_scale.py` (see its docstring for what is measured). Ratios are",
              "measured side by side in one run of the script on one machine. The bare loop runs the",
              "steps of the largest N (N x local steps), so speed compares like with like at the largest N;",
              "at smaller N the process's one-time warm-up falls on fewer fedtune steps.", ""]  # fmt: skip
@@ -278,7 +278,7 @@ def main() -> None:
         if clients or "config" not in res:  # (c) alone leaves the settings of (a) and (b) as they were
             res["config"] = {"shape": "smollm2-135m", "batch": args.batch, "length": args.length,
                              "steps": args.steps, "size_batch": 1, "size_length": 64}  # fmt: skip
-        command = "python benchmarks/llm_scale.py " + " ".join(sys.argv[1:])
+        command = "python benchmarks/llm/llm_scale.py " + " ".join(sys.argv[1:])
 
         def keep(part: str, row: dict) -> None:  # saved after every measurement: a cut run keeps its rows
             res[part] = [r for r in res[part] if (r["kind"], r["dtype"], r["clients"]) != (

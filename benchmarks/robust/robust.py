@@ -12,7 +12,7 @@ and the defence:
 - ``trim``: ``federation.aggregation = "trimmed-mean"``, ``trim_fraction = 0.2`` (2 of 10 values
   cut at each end of every coordinate: as many as there are attackers).
 
-    HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR=/path/to/shared/data .venv/bin/python benchmarks/robust.py
+    HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR=/path/to/shared/data .venv/bin/python benchmarks/robust/robust.py
     ... --plan | --report-only | --quick | --seeds 0,1,2 --workers 2
 """
 
@@ -21,27 +21,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from fedtune.harness import (
-    RunSpec,
-    build_plan,
-    distinct_runs,
-    offline_data,
-    output_dir,
-    parse_selection,
-    produced_by,
-    run_suite,
-    runs_section,
-    suite_command,
-    suite_parser,
-    table_lines,
-    with_labels,
-)
+from fedtune import harness
 from fedtune.harness.report import final_accuracy
 
-REPO = Path(__file__).resolve().parents[1]
-RECIPE = REPO / "configs" / "benchmarks" / "robust-suite.toml"
-RESULTS = REPO / "benchmarks" / "results" / "robust"
-QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "robust-quick"
+REPO = Path(__file__).resolve().parents[2]
+RECIPE, _, RESULTS, QUICK_RESULTS = harness.suite_files(REPO, "robust-suite", "robust")
 EXPERIMENTS = ["attacks"]
 ATTACKERS = (8, 9)  # 20 % of the 10 clients
 ATTACKS = {"none": None, "sign-flip": "sign-flip", "scale-100": "scale"}
@@ -62,10 +46,10 @@ def profiles(attack: str | None) -> list[str]:
     return ["federation.profiles=[" + ", ".join(hostile if c in ATTACKERS else "{}" for c in range(10)) + "]"]
 
 
-def specs(seeds: list[int], quick: bool) -> list[RunSpec]:
+def specs(seeds: list[int], quick: bool) -> list[harness.RunSpec]:
     """The clean run with each defence, and each attack with each defence, on every seed."""
     return [
-        RunSpec(
+        harness.RunSpec(
             f"{attack}-{defence}-s{seed}",
             [*(QUICK if quick else []), *profiles(kind), *DEFENCES[defence], f"seed={seed}"],
             {"attack": attack, "defence": defence, "seed": seed},
@@ -78,11 +62,11 @@ def specs(seeds: list[int], quick: bool) -> list[RunSpec]:
 
 def report(plan, out: Path, command: str) -> list[Path]:
     runs = plan["attacks"]
-    clean, _, _ = final_accuracy(with_labels(runs, attack="none", defence="none"), LAST)
+    clean, _, _ = final_accuracy(harness.with_labels(runs, attack="none", defence="none"), LAST)
     rows = []
     for attack in ATTACKS:
         for defence in DEFENCES:
-            m, s, n = final_accuracy(with_labels(runs, attack=attack, defence=defence), LAST)
+            m, s, n = final_accuracy(harness.with_labels(runs, attack=attack, defence=defence), LAST)
             gap = None if m is None or clean is None else m - clean
             verdict = "–" if gap is None else ("yes" if abs(gap) <= WITHIN else "no")
             rows.append(
@@ -100,11 +84,11 @@ def report(plan, out: Path, command: str) -> list[Path]:
             "",
             __doc__.split("\n\n")[1].replace("\n", " "),
             "",
-            *produced_by(command),
+            *harness.produced_by(command),
             f"Accuracy (%): each run's mean of its last {LAST} evaluations (rounds 6, 8; 500 test examples), "
             f"mean ± std over seeds; gap: against the clean run without a defence; within {WITHIN:g} points?",
             "",
-            *table_lines(["attack", "defence", "accuracy (%)", "gap (points)", f"within {WITHIN:g}"], rows),
+            *harness.table_lines(["attack", "defence", "accuracy (%)", "gap (points)", f"within {WITHIN:g}"], rows),
             "",
             "What to expect of each defence: clipping bounds how far a client moves the model, so it stops",
             "the scaled update but not a sign-flipped one of honest size (its norm is under the bound); the",
@@ -114,19 +98,19 @@ def report(plan, out: Path, command: str) -> list[Path]:
         ]
     )
     out.mkdir(parents=True, exist_ok=True)
-    (out / "attacks.md").write_text(text + "\n" + runs_section(runs, out), encoding="utf-8")
+    (out / "attacks.md").write_text(text + "\n" + harness.runs_section(runs, out), encoding="utf-8")
     return [out / "attacks.md"]
 
 
+@harness.suite_main
 def main(argv: list[str] | None = None) -> int:
-    args = suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="0,1,2").parse_args(argv)
-    selected, seeds = parse_selection(args, EXPERIMENTS)
-    out = output_dir(args, RESULTS, QUICK_RESULTS)
-    offline_data("sst2")
-    plan = build_plan({"attacks": specs(seeds, args.quick)}, RECIPE, out)
-    command = suite_command("benchmarks/robust.py", argv)
-    costs = {s.key: 10.0 if args.quick else 110.0 for s in distinct_runs(plan, selected)}  # seconds, one core
-    return run_suite(plan, selected, args, costs, lambda: report(plan, out, command), root=REPO)
+    args = harness.suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="0,1,2").parse_args(argv)
+    selected, seeds, out, command, _ = harness.suite_start(
+        args, argv, __file__, EXPERIMENTS, RESULTS, QUICK_RESULTS, "sst2"
+    )
+    plan = harness.build_plan({"attacks": specs(seeds, args.quick)}, RECIPE, out)
+    costs = {s.key: 10.0 if args.quick else 110.0 for s in harness.distinct_runs(plan, selected)}  # seconds, one core
+    return harness.run_suite(plan, selected, args, costs, lambda: report(plan, out, command), root=REPO)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ Each job runs in a subprocess of this script (``--job``). The machine's load ave
 recorded before and after each job (a shared machine: compare ratios measured in one run).
 Writes benchmarks/results/flower_overhead.{md,json}.
 
-    python benchmarks/flower_overhead.py [--part rounds,memory] [--rounds 4] [--long-steps 50]
+    python benchmarks/engine/flower_overhead.py [--part rounds,memory] [--rounds 4] [--long-steps 50]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 BASE = [
     "method=fedit",
     "model.name=minilm",
@@ -220,7 +220,7 @@ def markdown(result: dict) -> str:
     lines = [
         "# Flower loopback deployment vs. embedded engine",
         "",
-        "Written by `benchmarks/flower_overhead.py` (each part: its command and the machine's load).",
+        "Written by `benchmarks/engine/flower_overhead.py` (each part: its command and the machine's load).",
         "",
     ]
     if "rounds" in result:
@@ -312,11 +312,11 @@ def main() -> None:
         return job(args.job, args.set)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("FEDTUNE_DATA_DIR", str(Path(__file__).resolve().parents[2] / "shared" / "data"))
+    os.environ.setdefault("FEDTUNE_DATA_DIR", str(Path(__file__).resolve().parents[3] / "shared" / "data"))
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / "flower_overhead.json"
     result = json.loads(path.read_text()) if path.is_file() else {}  # a part run alone keeps the other's
-    command = "python benchmarks/flower_overhead.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/engine/flower_overhead.py " + " ".join(sys.argv[1:])
     with tempfile.TemporaryDirectory(prefix="fedtune-bench-") as tmp:
         for part, run in (("rounds", part_rounds), ("memory", part_memory)):
             if part not in args.part.split(","):

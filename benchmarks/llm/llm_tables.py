@@ -46,7 +46,7 @@ machine takes longer); the full plan, a 3-point grid with every Dolly evaluation
 every ``local`` client and no final evaluation, was about 32 h of one core at the old cost model
 (about 12.5 h of one core, 6.3 h on 2 workers, at this one):
 
-    HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR=/path/to/shared/data .venv/bin/python benchmarks/llm_tables.py \\
+    HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR=/path/to/shared/data .venv/bin/python benchmarks/llm/llm_tables.py \\
         --lr-grid 1e-3,3e-3 --seeds 1,2,3 --workers 2
 
 What is cut, beyond the recipes' own scale (their headers; the FSLoRA paper's 750 rounds of
@@ -95,20 +95,7 @@ from llm_tables_experiments import (
 )
 from llm_tables_reports import scale_note, write_report
 
-from fedtune.harness import (
-    SuiteError,
-    add_sweep_options,
-    biased_seed_warning,
-    distinct_runs,
-    offline_data,
-    output_dir,
-    parse_selection,
-    run_suite,
-    suite_command,
-    suite_parser,
-    sweep_first,
-    sweep_selection,
-)
+from fedtune import harness
 
 
 def final_limit(args) -> int | None:
@@ -119,9 +106,10 @@ def final_limit(args) -> int | None:
     return args.final_per_set or None
 
 
+@harness.suite_main
 def main(argv: list[str] | None = None) -> int:
-    p = suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="1,2,3", workers=2, budget_minutes=240)
-    add_sweep_options(p, EXPERIMENTS, "every method of each table")
+    p = harness.suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="1,2,3", workers=2, budget_minutes=240)
+    harness.add_sweep_options(p, EXPERIMENTS, "every method of each table")
     p.add_argument(
         "--final-per-set",
         type=int,
@@ -130,21 +118,19 @@ def main(argv: list[str] | None = None) -> int:
         f"default {FINAL_PER_SET}, --quick {QUICK_FINAL_PER_SET})",
     )
     args = p.parse_args(argv)
-    try:
-        selected, seeds = parse_selection(args, EXPERIMENTS)
-        sweep, selected = sweep_selection(args, selected, TABLES)
-        if args.final_per_set is not None and args.final_per_set < 0:
-            raise SuiteError(f"--final-per-set: expected a count >= 0 (0: every question), got {args.final_per_set}")
-    except SuiteError as exc:
-        print(exc)
-        return 2
+    selected, seeds = harness.parse_selection(args, EXPERIMENTS)
+    sweep, selected = harness.sweep_selection(args, selected, TABLES)
+    if args.final_per_set is not None and args.final_per_set < 0:
+        raise harness.SuiteError(
+            f"--final-per-set: expected a count >= 0 (0: every question), got {args.final_per_set}"
+        )
     tables = [t for t in TABLES if t in selected] or TABLES
-    out = {t: output_dir(args, BENCHES[t].results, QUICK_RESULTS / BENCHES[t].name) for t in tables}
+    out = {t: harness.output_dir(args, BENCHES[t].results, QUICK_RESULTS / BENCHES[t].name) for t in tables}
     if args.out is not None:
         out = {t: args.out.resolve() / BENCHES[t].name for t in tables}
-    offline_data("commonsense/dolly15k")
-    biased_seed_warning(sweep, seeds, selected, TABLES)
-    command = suite_command("benchmarks/llm_tables.py", argv)
+    harness.offline_data("commonsense/dolly15k")
+    harness.biased_seed_warning(sweep, seeds, selected, TABLES)
+    command = harness.suite_command("benchmarks/llm/llm_tables.py", argv)
     limit = final_limit(args)
     failed: list[str] = []
 
@@ -152,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         plans = build(tables, seeds, sweep, args.quick, out)
         plan = {"sweep": [s for t in tables for s in plans[t][0]["sweep"]]}
         plan.update({t: plans[t][1][t] for t in tables})
-        costs = {s.key: run_cost(s) for s in distinct_runs(plan, experiments)}
+        costs = {s.key: run_cost(s) for s in harness.distinct_runs(plan, experiments)}
         notes = total_lines(plans, tables, limit, args.quick, out, args.workers, args.budget_minutes)
 
         def write_reports() -> list[Path]:
@@ -172,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
                     )
             return written
 
-        return run_suite(plan, experiments, args, costs, write_reports, root=REPO, notes=notes)
+        return harness.run_suite(plan, experiments, args, costs, write_reports, root=REPO, notes=notes)
 
-    rc = sweep_first(stage, [e for e in selected if e in EXPERIMENTS], args)
+    rc = harness.sweep_first(stage, [e for e in selected if e in EXPERIMENTS], args)
     if failed:
         print("failed final evaluations (rerun the command to retry them):\n  " + "\n  ".join(failed))
     return max(rc, 1 if failed else 0)

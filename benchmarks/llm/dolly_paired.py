@@ -7,7 +7,7 @@ SE = sd_i(d_i) / sqrt(n), d_i = ROUGE-L_run(i) - ROUGE-L_untuned(i).
 The table's report has only the seed spread as noise for ROUGE-L (the records' sampling is not in
 it); this measures the records' part.
 
-    PYTHONPATH=. HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR=../shared/data python benchmarks/dolly_paired.py \\
+    HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR=../shared/data python benchmarks/llm/dolly_paired.py \\
         RUN_DIR [RUN_DIR ...] --out FILE.json [--workers 2]
 
 Each model is one worker job (one thread); the untuned base is scored with the first run's config.

@@ -17,7 +17,7 @@ last :data:`LAST` evaluations, the reference rate the task names (majority class
 few-shot; majority answer for instruction tasks), and whether the run is **clearly above** it
 (:func:`clearly_above`).
 
-    HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR=../shared/data .venv/bin/python benchmarks/recipes.py --plan
+    HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR=../shared/data .venv/bin/python benchmarks/recipes/recipes.py --plan
     ... [--only own] [--recipes fslora,fedit] [--rounds 10] [--workers 2]
     ... --report-only              # rewrite recipes.md / recipes.json from the run folders
     ... --quick                    # smoke test: 2 rounds, 2 local steps, small data, scratch folder
@@ -48,20 +48,12 @@ from recipes_runs import (
     rough_cost_s,
 )
 
+from fedtune import harness
 from fedtune.config import ConfigError
-from fedtune.harness import (
-    RunSpec,
-    SuiteError,
-    distinct_runs,
-    output_dir,
-    run_suite,
-    suite_command,
-    suite_parser,
-)
 
 
 def parse_args(argv: list[str] | None = None):
-    p = suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="recipe", budget_minutes=240.0)
+    p = harness.suite_parser(__doc__.split("\n\n")[0], EXPERIMENTS, seeds="recipe", budget_minutes=240.0)
     p.add_argument("--recipes", default="", help="comma-separated recipe names (file stems) to run; default all")
     p.add_argument(
         "--rounds",
@@ -115,21 +107,21 @@ def main(argv: list[str] | None = None) -> int:
         args.similar_max_minutes,
         args.quick,
     )
-    out = output_dir(args, RESULTS, QUICK_RESULTS)
+    out = harness.output_dir(args, RESULTS, QUICK_RESULTS)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         # the report covers every recipe and experiment; the command runs the --recipes subset of it
         whole = build_recipes_plan(recipes(), options, out / "recipes", options.similar_max_minutes)
-    except (SuiteError, ConfigError) as exc:
+    except (harness.SuiteError, ConfigError) as exc:
         print(exc)
         return 2
     names = {p.name for p in paths}
     plan = {e: [s for s in specs if s.labels["recipe"] in names] for e, specs in whole.items()}
-    runs = distinct_runs(plan, selected)
+    runs = harness.distinct_runs(plan, selected)
     costs = {s.key: rough_cost_s(s.config, _previous(s)) for s in runs}
-    command = suite_command("benchmarks/recipes.py", argv)
+    command = harness.suite_command("benchmarks/recipes/recipes.py", argv)
     print(f"recipes: {len(paths)} in configs/, experiments {', '.join(selected)} -> {out}")
-    return run_suite(
+    return harness.run_suite(
         plan,
         selected,
         args,
@@ -140,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
 
-def _previous(spec: RunSpec) -> dict[str, Any] | None:
+def _previous(spec: harness.RunSpec) -> dict[str, Any] | None:
     """The summary of an earlier run in the spec's folder (any config), for the cost estimate."""
     try:
         return json.loads((spec.run_dir / "summary.json").read_text())

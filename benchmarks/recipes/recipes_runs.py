@@ -18,7 +18,7 @@ from fedtune.harness import (
     toml_value,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 CONFIGS = REPO / "configs"
 RESULTS = REPO / "benchmarks" / "results"

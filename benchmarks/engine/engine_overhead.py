@@ -19,7 +19,7 @@ encodes/decodes every message. Both start after the same model and raw image loa
 cache is built inside the timed part); written to benchmarks/results/engine_overhead_image.{md,json},
 so the text row's results stay when only the image row is rerun.
 
-    python benchmarks/engine_overhead.py [--rounds 3 --clients 4 --steps 10 --repeats 2] [--tasks text,image]
+    python benchmarks/engine/engine_overhead.py [--rounds 3 --clients 4 --steps 10 --repeats 2] [--tasks text,image]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from fedtune.engines.rounds import sample_clients  # noqa: E402
 from fedtune.models.training import seed_for  # noqa: E402
 from fedtune.runtime import RunContext  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def fedtune_job(config, model: str = "workspace") -> tuple[float, float, float]:
@@ -202,6 +202,31 @@ def measure(variants: dict, repeats: int) -> tuple[dict, dict, dict]:
     return times, cpu, acc
 
 
+def write_result(name: str, title: str, flags: str, args, times, cpu, acc, extra: dict, note: str = "") -> dict:
+    """Write ``RESULTS/<name>.{json,md}`` (each variant's best wall and CPU seconds, its accuracy and
+    its ratios to the bare loop, ``extra`` in the JSON, ``note`` after the command); the best wall
+    seconds per variant."""
+    best = {k: min(v) for k, v in times.items()}
+    best_cpu = {k: min(v) for k, v in cpu.items()}
+    result = {"args": vars(args), "seconds": times, "cpu_seconds": cpu, "best_s": best, "best_cpu_s": best_cpu}
+    result |= {"accuracy": acc, "ratio_same_batches": best["fedtune"] / best["bare"], **extra}
+    result["threads"] = torch.get_num_threads()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2))
+    rows = "".join(
+        f"| {k} | {best[k]:.2f} | {best_cpu[k]:.2f} | {acc[k]:.4f} | {best[k] / best['bare']:.3f} | "
+        f"{best_cpu[k] / best_cpu['bare']:.3f} |\n"
+        for k in times
+    )
+    (RESULTS / f"{name}.md").write_text(
+        f"# {title}\n\nCommand: `python benchmarks/engine/engine_overhead.py {flags}`; min of {args.repeats} "
+        f"interleaved repeats, torch threads {torch.get_num_threads()}{note}.\n\n"
+        "| variant | best wall s | best CPU s | final accuracy | wall ratio to bare loop | CPU ratio |\n"
+        "|---|---|---|---|---|---|\n" + rows
+    )
+    return best
+
+
 def image_row(args) -> None:
     """The image-classification row: FedAvg of the small conv net, fedtune vs the bare loop."""
     common = [
@@ -221,38 +246,16 @@ def image_row(args) -> None:
     cfg = load_config(None, common)
     variants = {"bare": (bare_image_job, cfg), "fedtune": (lambda c: fedtune_job(c, "model"), cfg)}
     times, cpu, acc = measure(variants, args.repeats)
-    best = {k: min(v) for k, v in times.items()}
-    best_cpu = {k: min(v) for k, v in cpu.items()}
+    title = (
+        f"Engine overhead, image-classification: FedAvg of small-cnn on {args.image_data}, {args.rounds} rounds x "
+        f"{args.clients} clients x {args.steps} steps (batch 32)"
+    )
+    flags = f"--tasks image --rounds {args.rounds} --clients {args.clients} --steps {args.steps} "
+    flags += f"--repeats {args.repeats} --image-data {args.image_data}"
+    note = "; 8,000 training / 2,000 test images"
+    best = write_result("engine_overhead_image", title, flags, args, times, cpu, acc, {"config": common}, note)
     ratio = best["fedtune"] / best["bare"]
     print(f"image-classification ratio fedtune / bare loop: {ratio:.3f} (same batches)")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    result = {
-        "args": vars(args),
-        "config": common,
-        "seconds": times,
-        "cpu_seconds": cpu,
-        "best_s": best,
-        "best_cpu_s": best_cpu,
-        "accuracy": acc,
-        "ratio_same_batches": ratio,
-        "threads": torch.get_num_threads(),
-    }
-    (RESULTS / "engine_overhead_image.json").write_text(json.dumps(result, indent=2))
-    (RESULTS / "engine_overhead_image.md").write_text(
-        f"# Engine overhead, image-classification: FedAvg of small-cnn on {args.image_data}, {args.rounds} rounds x "
-        f"{args.clients} clients x {args.steps} steps (batch 32)\n\n"
-        f"Command: `python benchmarks/engine_overhead.py --tasks image --rounds {args.rounds} --clients {args.clients} "
-        f"--steps {args.steps} --repeats {args.repeats} --image-data {args.image_data}`; min of {args.repeats} "
-        "interleaved "
-        f"repeats, torch threads {torch.get_num_threads()}; 8,000 training / 2,000 test images.\n\n"
-        "| variant | best wall s | best CPU s | final accuracy | wall ratio to bare loop | CPU ratio "
-        "|\n|---|---|---|---|---|---|\n"
-        + "".join(
-            f"| {k} | {best[k]:.2f} | {best_cpu[k]:.2f} | {acc[k]:.4f} | {best[k] / best['bare']:.3f} | "
-            f"{best_cpu[k] / best_cpu['bare']:.3f} |\n"
-            for k in variants
-        )
-    )
 
 
 def main() -> None:
@@ -289,37 +292,13 @@ def main() -> None:
     }
     times, cpu, acc = measure(variants, args.repeats)
     best = {k: min(v) for k, v in times.items()}
-    best_cpu = {k: min(v) for k, v in cpu.items()}
     ratio = best["fedtune"] / best["bare"]
     ratio_grouped = best["fedtune+grouped"] / best["bare"]
     print(f"ratio fedtune / bare loop: {ratio:.3f} (same batches), {ratio_grouped:.3f} (length-grouped batches)")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    result = {
-        "args": vars(args),
-        "seconds": times,
-        "cpu_seconds": cpu,
-        "best_s": best,
-        "best_cpu_s": best_cpu,
-        "accuracy": acc,
-        "ratio_same_batches": ratio,
-        "ratio_grouped": ratio_grouped,
-        "threads": torch.get_num_threads(),
-    }
-    (RESULTS / "engine_overhead.json").write_text(json.dumps(result, indent=2))
-    (RESULTS / "engine_overhead.md").write_text(
-        f"# Engine overhead: FedIT, {args.rounds} rounds x {args.clients} clients x {args.steps} steps "
-        f"({args.model})\n\n"
-        f"Command: `python benchmarks/engine_overhead.py --rounds {args.rounds} --clients {args.clients} "
-        f"--steps {args.steps} --repeats {args.repeats} --model {args.model}`; min of {args.repeats} interleaved "
-        f"repeats, torch threads {torch.get_num_threads()}.\n\n"
-        "| variant | best wall s | best CPU s | final accuracy | wall ratio to bare loop | CPU ratio "
-        "|\n|---|---|---|---|---|---|\n"
-        + "".join(
-            f"| {k} | {best[k]:.2f} | {best_cpu[k]:.2f} | {acc[k]:.4f} | {best[k] / best['bare']:.3f} | "
-            f"{best_cpu[k] / best_cpu['bare']:.3f} |\n"
-            for k in variants
-        )
-    )
+    title = f"Engine overhead: FedIT, {args.rounds} rounds x {args.clients} clients x {args.steps} steps ({args.model})"
+    flags = f"--rounds {args.rounds} --clients {args.clients} --steps {args.steps} --repeats {args.repeats} "
+    flags += f"--model {args.model}"
+    write_result("engine_overhead", title, flags, args, times, cpu, acc, {"ratio_grouped": ratio_grouped})
 
 
 if __name__ == "__main__":

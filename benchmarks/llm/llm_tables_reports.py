@@ -1,4 +1,4 @@
-"""The reports of benchmarks/llm_tables.py: each table's rows (the mean of the last evaluations and the
+"""The reports of benchmarks/llm/llm_tables.py: each table's rows (the mean of the last evaluations and the
 final evaluation over seeds), its README.md, results.json and plot."""
 
 from __future__ import annotations
@@ -16,20 +16,7 @@ from llm_tables_experiments import (
     last_mean,
 )
 
-from fedtune.harness import (
-    RunSpec,
-    Sweep,
-    choice_text,
-    figure,
-    load_rounds,
-    load_summary,
-    mean_of_last,
-    mean_std,
-    produced_by,
-    runs_section,
-    table_lines,
-    with_labels,
-)
+from fedtune import harness
 
 
 def binomial_se(p: float, n: int) -> float:
@@ -54,19 +41,19 @@ def final_sizes(results: list[dict | None]) -> dict[str, int]:
     return {}
 
 
-def run_final(table: str, spec: RunSpec, limit: int | None) -> dict[str, float]:
+def run_final(table: str, spec: harness.RunSpec, limit: int | None) -> dict[str, float]:
     """The finished run's ``final_`` metrics: its saved final evaluation (a table with ``final``),
     else its final round's evaluation, which covers the whole test set (Dolly's 80 records)."""
     b = BENCHES[table]
     if b.final:
         return final_metrics(final_file(spec.run_dir / FINAL_EVAL, spec.key, limit))
-    rounds = load_rounds(spec)
-    return {f"final_{k}": v for k in (b.metric, "loss") if (v := mean_of_last(rounds, 1, k)) is not None}
+    rounds = harness.load_rounds(spec)
+    return {f"final_{k}": v for k in (b.metric, "loss") if (v := harness.mean_of_last(rounds, 1, k)) is not None}
 
 
 def rows_of(
     table: str,
-    plan_runs: list[RunSpec],
+    plan_runs: list[harness.RunSpec],
     base: dict[str, float],
     base_final: dict | None = None,
     limit: int | None = None,
@@ -92,14 +79,14 @@ def rows_of(
     rows = [{"method": "untuned", "seeds": 0, **{k: [base.get(k), 0.0] for k in keys}, "compute_s": 0.0}]
     rows[0].update({k: [untuned_final.get(k), 0.0] for k in finals})
     for m in b.methods:
-        runs = [s for s in with_labels(plan_runs, method=m) if load_summary(s)]
+        runs = [s for s in harness.with_labels(plan_runs, method=m) if harness.load_summary(s)]
         row = {"method": m, "seeds": len(runs), "lr": runs[0].config.train.lr if runs else None}
         for k in keys:
-            row[k] = list(mean_std([v for s in runs if (v := last_mean(s, k)) is not None]))
-        row["compute_s"] = mean_std([load_summary(s)["total_compute_s"] for s in runs])[0]
+            row[k] = list(harness.mean_std([v for s in runs if (v := last_mean(s, k)) is not None]))
+        row["compute_s"] = harness.mean_std([harness.load_summary(s)["total_compute_s"] for s in runs])[0]
         run_finals = [run_final(table, s, limit) for s in runs]
         for k in finals:
-            row[k] = list(mean_std([f[k] for f in run_finals if k in f]))
+            row[k] = list(harness.mean_std([f[k] for f in run_finals if k in f]))
         rows.append(row)
     for row in rows if b.final else []:
         per_set = [(row[f"final_acc_{name}"][0], n) for name, n in sizes.items()]
@@ -129,7 +116,7 @@ def final_note(table: str, base_final: dict | None, limit: int | None) -> str:
     return (
         f"`final_` columns: each run's final adapter (and the untuned base) scored once more on a larger fixed "
         f"subset of each set's evaluation split, {cap} per set drawn with seed 0 (the whole split where it is "
-        f"smaller): {shown} questions; with `benchmarks/llm_tables.py`'s `--final-per-set`, through "
+        f"smaller): {shown} questions; with `benchmarks/llm/llm_tables.py`'s `--final-per-set`, through "
         "`fedtune.trained.evaluate` (`fedtune eval`'s code, the task's own evaluation), saved as each run's "
         f"`{FINAL_EVAL}`. `final_se`: the binomial SE of one run's final average at the row's mean, "
         "sqrt(sum_s p_s (1 - p_s) / n_s) / S, in points (the seeds score the same questions, so it does not "
@@ -141,7 +128,7 @@ def write_report(
     table: str,
     plans,
     seeds: list[int],
-    sweep: Sweep | None,
+    sweep: harness.Sweep | None,
     base,
     out: Path,
     command: str,
@@ -173,7 +160,7 @@ def write_report(
     lines = [
         f"# {b.name}: {'PARTIAL, ' if partial else ''}issue 27's {table} benchmark",
         "",
-        *produced_by(command),
+        *harness.produced_by(command),
         f"Scale: {scale_note}",
         "",
         f"Cells: mean ± sample std over the finished seeds (of {len(seeds)}: {seeds}) of each run's mean of its last "
@@ -183,7 +170,7 @@ def write_report(
         "",
         final_note(table, base_final, limit),
         "",
-        *table_lines(header, body),
+        *harness.table_lines(header, body),
         "",
     ]
     lines += [ordering_line(table, rows, se=None if se is None else lambda r: binomial_se(r[b.metric][0], n_test))]
@@ -194,12 +181,12 @@ def write_report(
     lines.append("")
     if sweep is not None:
         lines += ["Learning rates (sweep seed " + str(sweep.seed) + "):", ""]
-        lines += [f"- {m}: {choice_text(chosen.get(m))}" for m in b.methods]
+        lines += [f"- {m}: {harness.choice_text(chosen.get(m))}" for m in b.methods]
         lines.append("")
     if partial:
         lines += ["PARTIAL: rows with fewer seeds than listed are not finished; `pending` cells have no run yet.", ""]
     out.mkdir(parents=True, exist_ok=True)
-    (out / "README.md").write_text("\n".join(lines) + "\n" + runs_section([*swept["sweep"], *runs], out))
+    (out / "README.md").write_text("\n".join(lines) + "\n" + harness.runs_section([*swept["sweep"], *runs], out))
     sizes = final_sizes([base_final])
     (out / "results.json").write_text(
         json.dumps(
@@ -207,7 +194,7 @@ def write_report(
         )
     )
     png = out / f"{b.name}.png"
-    with figure(png, 1, 1, figsize=(6, 3.5)) as (fig, ax):
+    with harness.figure(png, 1, 1, figsize=(6, 3.5)) as (fig, ax):
         done = [r for r in rows if r[b.metric][0] is not None]
         ax.bar(
             [r["method"] for r in done],

@@ -1,4 +1,4 @@
-"""The runs of benchmarks/llm_tables.py (issue 27's two causal-LM tables; its docstring says what
+"""The runs of benchmarks/llm/llm_tables.py (issue 27's two causal-LM tables; its docstring says what
 they are and what is cut): the tables, their methods' overrides, the sweep and the plan, the untuned
 rows, the final evaluation of each table run's adapter, and the cost model behind ``--plan``."""
 
@@ -9,26 +9,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedtune.harness import (
-    RunSpec,
-    Sweep,
-    build_plan,
-    choose,
-    config_key,
-    eval_rounds,
-    imap_unordered,
-    load_rounds,
-    load_summary,
-    makespan,
-    mean_of_last,
-    read_overlays,
-    unfinished,
-    with_labels,
-)
+from fedtune import harness
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs" / "benchmarks"
-OVERLAYS = read_overlays(CONFIGS / "fslora-suite-overlays.toml")  # the methods' options, [hetero]
+OVERLAYS = harness.read_overlays(CONFIGS / "fslora-suite-overlays.toml")  # the methods' options, [hetero]
 EXPERIMENTS = ["sweep", "table52", "dolly"]
 QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "llm-tables-quick"
 LAST = 2  # a run's figure: the mean of its last 2 evaluations
@@ -109,17 +94,17 @@ BENCHES = {
 TABLES = ["table52", "dolly"]
 
 
-def last_mean(spec: RunSpec, metric: str) -> float | None:
+def last_mean(spec: harness.RunSpec, metric: str) -> float | None:
     """The finished run's mean of ``metric`` over its last :data:`LAST` evaluations (None before)."""
-    return mean_of_last(load_rounds(spec), LAST, metric) if load_summary(spec) else None
+    return harness.mean_of_last(harness.load_rounds(spec), LAST, metric) if harness.load_summary(spec) else None
 
 
-def spec(table: str, method: str, seed: int, quick: bool, lr: float | None, swept: bool = False) -> RunSpec:
+def spec(table: str, method: str, seed: int, quick: bool, lr: float | None, swept: bool = False) -> harness.RunSpec:
     """One run of ``table``'s ``method``: the method's overrides (and the table's sweep overrides
     for a sweep run, ``swept``), the quick scale, the seed and the rate."""
     b = BENCHES[table]
     tag = "" if lr is None else f"-lr{lr:g}"
-    return RunSpec(
+    return harness.RunSpec(
         f"{method}{tag}-s{seed}",
         [
             *(b.quick if quick else ()),  # first: a method's own rank or schedule stays its own
@@ -132,7 +117,7 @@ def spec(table: str, method: str, seed: int, quick: bool, lr: float | None, swep
     )
 
 
-def sweep_specs(tables: list[str], sweep: Sweep | None, quick: bool) -> dict[str, list[RunSpec]]:
+def sweep_specs(tables: list[str], sweep: harness.Sweep | None, quick: bool) -> dict[str, list[harness.RunSpec]]:
     if sweep is None:
         return {t: [] for t in tables}
     return {
@@ -141,12 +126,12 @@ def sweep_specs(tables: list[str], sweep: Sweep | None, quick: bool) -> dict[str
     }
 
 
-def choices(table: str, runs: list[RunSpec]):
+def choices(table: str, runs: list[harness.RunSpec]):
     """{method: its Choice (or None while its sweep runs)}."""
     b = BENCHES[table]
     return {
-        m: choose(
-            with_labels(runs, method=m),
+        m: harness.choose(
+            harness.with_labels(runs, method=m),
             lambda s: {"lr": s.labels["lr"]},
             lambda s: None if (v := last_mean(s, b.sweep_metric)) is None else b.sign * v,
         )
@@ -154,14 +139,14 @@ def choices(table: str, runs: list[RunSpec]):
     }
 
 
-def build(tables: list[str], seeds: list[int], sweep: Sweep | None, quick: bool, out: dict[str, Path]):
+def build(tables: list[str], seeds: list[int], sweep: harness.Sweep | None, quick: bool, out: dict[str, Path]):
     """{table: (sweep plan, table plan, choices, waiting)}: the sweep's runs, then each method on
     ``seeds`` at its chosen rate, or at the recipe's rate without a sweep. ``waiting``: the runs of
     the methods whose sweep has not finished, planned at the grid's first rate, only for the cost
     estimate (a run's cost does not depend on its rate); they run once the sweep has chosen."""
     plans = {}
     for t in tables:
-        swept = build_plan({"sweep": sweep_specs([t], sweep, quick)[t]}, BENCHES[t].recipe, out[t])
+        swept = harness.build_plan({"sweep": sweep_specs([t], sweep, quick)[t]}, BENCHES[t].recipe, out[t])
         chosen = choices(t, swept["sweep"]) if sweep else {}
         runs, waiting = [], []
         for m in BENCHES[t].methods:
@@ -170,8 +155,8 @@ def build(tables: list[str], seeds: list[int], sweep: Sweep | None, quick: bool,
                 continue
             lr = chosen[m].setting["lr"] if sweep else None
             runs += [spec(t, m, s, quick, lr) for s in seeds]
-        waiting = build_plan({t: waiting}, BENCHES[t].recipe, out[t])[t]
-        plans[t] = (swept, build_plan({t: runs}, BENCHES[t].recipe, out[t]), chosen, waiting)
+        waiting = harness.build_plan({t: waiting}, BENCHES[t].recipe, out[t])[t]
+        plans[t] = (swept, harness.build_plan({t: runs}, BENCHES[t].recipe, out[t]), chosen, waiting)
     return plans
 
 
@@ -225,25 +210,25 @@ def final_file(path: Path, key: str, limit: int | None) -> dict | None:
     return saved if ok else None
 
 
-def final_targets(table: str, runs: list[RunSpec], quick: bool, out: Path) -> list[tuple]:
+def final_targets(table: str, runs: list[harness.RunSpec], quick: bool, out: Path) -> list[tuple]:
     """(target, sets, result path, config key) of every final evaluation ``table`` reports: each
     planned run (scored once finished) and the untuned base (``<out>/untuned-<table>-final.json``)."""
     from fedtune.trained.evaluate import Target
 
     base = untuned_target(table, quick)
-    targets = [(base, eval_sets(base.config), out / f"untuned-{table}-final.json", config_key(base.config))]
+    targets = [(base, eval_sets(base.config), out / f"untuned-{table}-final.json", harness.config_key(base.config))]
     for s in runs:
         target = Target(s.config, s.run_dir / "adapter", str(s.run_dir), s.run_dir)
         targets.append((target, eval_sets(s.config), s.run_dir / FINAL_EVAL, s.key))
     return targets
 
 
-def final_jobs(table: str, runs: list[RunSpec], limit: int | None, quick: bool, out: Path) -> list[tuple]:
+def final_jobs(table: str, runs: list[harness.RunSpec], limit: int | None, quick: bool, out: Path) -> list[tuple]:
     """The final evaluations still to do (jobs of :func:`fedtune.trained.evaluate.evaluate_to_file`):
     the finished runs and the untuned base without a saved result at ``limit``."""
     if not BENCHES[table].final:
         return []
-    finished = [s for s in runs if load_summary(s)]
+    finished = [s for s in runs if harness.load_summary(s)]
     return [
         (target, sets, limit, path, {"config_key": key})
         for target, sets, path, key in final_targets(table, finished, quick, out)
@@ -268,7 +253,7 @@ def run_final_evaluations(jobs: list[tuple], workers: int) -> list[str]:
             except Exception as exc:  # a run whose adapter does not load: reported, the others go on
                 results.append((job, None, f"{type(exc).__name__}: {exc}"))
     else:
-        results = imap_unordered(evaluate_to_file, jobs, workers)
+        results = harness.imap_unordered(evaluate_to_file, jobs, workers)
     for job, result, error in results:
         where = f"final evaluation of {job[0].label} ({job[2] or 'all'} per set)"
         if error is not None:
@@ -310,7 +295,7 @@ def evaluated_questions(config) -> int:
     return min(80, config.data.max_test_samples or 80)
 
 
-def run_cost(s: RunSpec) -> float:
+def run_cost(s: harness.RunSpec) -> float:
     """Estimated seconds of one run: its setup, client steps and evaluations at the measured rates
     (``local`` evaluates every client's adapter; Dolly without generation scores the loss only)."""
     c, t = s.config, s.labels["table"]
@@ -318,7 +303,9 @@ def run_cost(s: RunSpec) -> float:
     rate = EVAL_S[t] if t == "table52" or c.task.options.get("generate", True) else LOSS_EVAL_S
     evaluators = c.federation.num_clients if c.method == "local" else 1
     return (
-        SETUP_S + steps * STEP_S[t] + eval_rounds(c.rounds, c.eval_every) * evaluated_questions(c) * rate * evaluators
+        SETUP_S
+        + steps * STEP_S[t]
+        + harness.eval_rounds(c.rounds, c.eval_every) * evaluated_questions(c) * rate * evaluators
     )
 
 
@@ -340,21 +327,21 @@ def total_lines(plans, tables, limit, quick, out, workers, budget) -> list[str]:
     """``--plan``'s total: the sweep's pending runs, then the tables' (those still waiting for the
     sweep counted at any rate: a run's cost does not depend on it), then the final and untuned
     evaluations, each stage's schedule over ``workers`` (they run one after the other)."""
-    sweep = unfinished([s for t in tables for s in plans[t][0]["sweep"]])
-    runs = unfinished([s for t in tables for s in [*plans[t][1][t], *plans[t][3]]])
+    sweep = harness.unfinished([s for t in tables for s in plans[t][0]["sweep"]])
+    runs = harness.unfinished([s for t in tables for s in [*plans[t][1][t], *plans[t][3]]])
     evals = []
     for t in tables:
         if BENCHES[t].final:  # the finished runs' missing ones (and the untuned base's), then one per run to do
             todo = final_jobs(t, plans[t][1][t], limit, quick, out[t])
-            todo += [s for s in [*plans[t][1][t], *plans[t][3]] if not load_summary(s)]
+            todo += [s for s in [*plans[t][1][t], *plans[t][3]] if not harness.load_summary(s)]
             evals += [final_cost(t, limit, quick)] * len(todo)
         if not (out[t] / f"untuned-{t}.json").is_file():
             evals.append(SETUP_S + evaluated_questions(untuned_target(t, quick).config) * EVAL_S[t])
     minutes = [
-        makespan([run_cost(s) for s in sweep], workers) / 60,
-        makespan([run_cost(s) for s in runs], workers) / 60,
+        harness.makespan([run_cost(s) for s in sweep], workers) / 60,
+        harness.makespan([run_cost(s) for s in runs], workers) / 60,
     ]
-    minutes.append(makespan(evals, workers) / 60)
+    minutes.append(harness.makespan(evals, workers) / 60)
     total = sum(minutes)
     lines = [
         f"total still to do on {workers} workers: ~{total:.0f} min ({total / 60:.1f} h): the sweep {len(sweep)} runs "

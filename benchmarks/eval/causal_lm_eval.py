@@ -2,7 +2,7 @@
 task's evaluation set, with its speed (examples per second of :meth:`CausalLM.evaluate`) and the
 binomial standard error of each accuracy: the numbers behind the LM recipes' headers.
 
-    PYTHONPATH=. HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR=../shared/data python benchmarks/causal_lm_eval.py \\
+    HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR=../shared/data python benchmarks/eval/causal_lm_eval.py \\
         [--config configs/commonsense-fslora.toml] [--set key=value ...] [--adapter RUN_DIR/adapter] \\
         [--plain] [--batch-size 16] [--threads 1]
 

