@@ -11,15 +11,17 @@ LoRA targets); it runs on every task kind that offers them.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict
 
-from fedtune.config import ConfigError
+from fedtune.config import ConfigError, RunConfig
 from fedtune.errors import FedtuneError
 from fedtune.protocol.client import Client
 from fedtune.protocol.strategy import Strategy
 from fedtune.tasks import get_task_class, list_tasks
+from fedtune.tasks.base import Task
 
 
 class MethodOptions(BaseModel):
@@ -61,11 +63,11 @@ class MethodSpec:
         """The registered task kinds this method runs on."""
         return [t.kind for t in list_tasks() if not self.missing(t.capabilities)]
 
-    def supports_config(self, config) -> bool:
+    def supports_config(self, config: RunConfig) -> bool:
         """Whether the method runs on ``config``'s task with ``config``'s model."""
         return not self.missing(get_task_class(config.task.kind).capabilities_for(config))
 
-    def check(self, task_class, config=None) -> None:
+    def check(self, task_class: type[Task], config: RunConfig | None = None) -> None:
         """Stop with one line when the method cannot run on ``task_class`` or, given ``config`` (a
         config of that task), on ``config``'s model of it."""
         need = self.missing(task_class.capabilities)
@@ -75,14 +77,16 @@ class MethodSpec:
                 f"(it needs: {', '.join(sorted(need))}); "
                 f"its tasks are {', '.join(self.supported_tasks()) or 'none'}"
             )
-        need = self.missing(task_class.capabilities_for(config)) if config is not None else None
+        if config is None:
+            return
+        need = self.missing(task_class.capabilities_for(config))
         if need:
             raise ConfigError(
                 f"method {self.name!r} does not support model {config.model.name!r} of task {task_class.kind!r} "
                 f"(it needs: {', '.join(sorted(need))})"
             )
 
-    def check_options(self, config) -> None:
+    def check_options(self, config: RunConfig) -> None:
         """Stop with one line when ``config`` sets a cross-method option the method does not honour
         (:data:`CROSS_METHOD_OPTIONS`): never accepted and silently ignored."""
         for option, in_use in CROSS_METHOD_OPTIONS.items():
@@ -96,7 +100,7 @@ class MethodSpec:
         """Stop with one line when the method cannot run on task ``kind`` (any model)."""
         self.check(get_task_class(kind))
 
-    def check_config(self, config) -> None:
+    def check_config(self, config: RunConfig) -> None:
         """Stop with one line when the method cannot run on ``config``'s task and model."""
         self.check(get_task_class(config.task.kind), config)
 
@@ -104,7 +108,7 @@ class MethodSpec:
 #: Options outside a method's own ``[options]`` that change what its server or clients do: a method
 #: declares those it honours (``register(..., supports=...)``); any other one, set to anything but
 #: its default, stops the run with one line naming the method and the option.
-CROSS_METHOD_OPTIONS = {
+CROSS_METHOD_OPTIONS: dict[str, Callable[[RunConfig], bool]] = {
     "federation.server_optimizer": lambda config: not config.federation.plain_server_step(),
     "federation.upload_topk": lambda config: config.federation.upload_topk is not None,
     "federation.aggregation": lambda config: config.federation.aggregation != "mean",

@@ -107,7 +107,7 @@ def bfloat16_bits(x: np.ndarray) -> np.ndarray:
     as uint16: numpy has no bfloat16 dtype, so its 16 bits cross as they are."""
     bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-    out = (rounded >> np.uint32(16)).astype(np.uint16)
+    out: np.ndarray = (rounded >> np.uint32(16)).astype(np.uint16)
     nan = np.isnan(x)
     out[nan] = (bits[nan] >> np.uint32(16)).astype(np.uint16) | np.uint16(0x0040)  # quiet NaN
     return out
@@ -115,7 +115,8 @@ def bfloat16_bits(x: np.ndarray) -> np.ndarray:
 
 def from_bfloat16_bits(bits: np.ndarray) -> np.ndarray:
     """uint16 bfloat16 bits -> float32 (exact)."""
-    return (np.asarray(bits, dtype=np.uint32) << np.uint32(16)).view(np.float32)
+    out: np.ndarray = (np.asarray(bits, dtype=np.uint32) << np.uint32(16)).view(np.float32)
+    return out
 
 
 def wire_encode(arrays: Mapping[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -92,7 +93,7 @@ def check_profile_choices(choices: dict[str, list[Any]]) -> None:
 
 def build_profiles(
     num_clients: int,
-    explicit: list[ClientProfile | dict[str, Any]] | None,
+    explicit: Sequence[ClientProfile | dict[str, Any]] | None,
     choices: dict[str, list[Any]] | None,
     seed: int,
     classes: list[DeviceClass] | None = None,
@@ -119,7 +120,7 @@ def build_profiles(
 
 def _base_profiles(
     num_clients: int,
-    explicit: list[ClientProfile | dict[str, Any]] | None,
+    explicit: Sequence[ClientProfile | dict[str, Any]] | None,
     choices: dict[str, list[Any]] | None,
     seed: int,
 ) -> list[ClientProfile]:

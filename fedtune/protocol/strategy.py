@@ -15,6 +15,7 @@ The engines (in-process simulation, Flower) call, each round::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from fedtune.protocol.validation import COMMON_META, ArraySpec, MetaField
 SECURE_WEIGHT, SECURE_MAX_WEIGHT, SECURE_LAYOUT = "secure_weight", "secure_max_weight", "secure_layout"
 
 
-def secure_layout_of(meta: dict) -> dict[str, tuple[int, ...]]:
+def secure_layout_of(meta: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """A training request's ``secure_layout`` as name -> shape (in order)."""
     return {str(name): tuple(int(d) for d in shape) for name, shape in meta[SECURE_LAYOUT]}
 

@@ -26,10 +26,12 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from numbers import Integral, Real
+from typing import TypeGuard
 
 import numpy as np
 
 from fedtune.protocol.compression import IDX, SHAPE, VAL, wire_decode
+from fedtune.protocol.messages import Message
 
 
 @dataclass(frozen=True)
@@ -129,11 +131,11 @@ COMMON_META: dict[str, MetaField] = {
 }
 
 
-def _is_number(value) -> bool:
+def _is_number(value: object) -> TypeGuard[Real]:
     return isinstance(value, Real) and not isinstance(value, bool)
 
 
-def _check_value(key: str, value, want: MetaField) -> str | None:
+def _check_value(key: str, value: object, want: MetaField) -> str | None:
     if want.kind is int:
         if not isinstance(value, Integral) or isinstance(value, bool):
             return f"metadata {key!r}: {type(value).__name__} {value!r:.40} where an integer was expected"
@@ -149,12 +151,12 @@ def _check_value(key: str, value, want: MetaField) -> str | None:
             return f"metadata {key!r}: non-finite value {value!r}"
         if want.low is not None and value < want.low:
             return f"metadata {key!r}: {value!r} below its minimum {want.low:g}"
-        if want.high is not None and value > want.high:
+        if want.high is not None and not value <= want.high:  # value is finite: ">" (numbers.Real types only < and <=)
             return f"metadata {key!r}: {value!r} above its maximum {want.high:g}"
     return None
 
 
-def _finite_everywhere(value) -> bool:
+def _finite_everywhere(value: object) -> bool:
     if _is_number(value):
         return math.isfinite(float(value))
     if isinstance(value, (list, tuple)):
@@ -164,7 +166,7 @@ def _finite_everywhere(value) -> bool:
     return True
 
 
-def check_meta(meta, spec: Mapping[str, MetaField]) -> str | None:
+def check_meta(meta: object, spec: Mapping[str, MetaField]) -> str | None:
     """Why a reply's metadata does not match ``spec``, or None. Never raises."""
     if not isinstance(meta, Mapping):
         return f"metadata is a {type(meta).__name__}, not a mapping"
@@ -193,7 +195,7 @@ def _norm(arrays: Mapping[str, np.ndarray]) -> float:
     return math.sqrt(total)
 
 
-def outsized_updates(replies: Mapping, sent: Mapping, ratio: float) -> dict[int, str]:
+def outsized_updates(replies: Mapping[int, Message], sent: Mapping[int, Message], ratio: float) -> dict[int, str]:
     """Client id -> reason for each training reply (a Message) whose norm exceeds ``ratio`` times
     its reference: the larger of the lower median of the *other* replies' norms (0 for a lone
     reply; a huge reply cannot raise its own reference, nor, among two, the other's) and the norm
