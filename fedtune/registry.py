@@ -43,6 +43,9 @@ class MethodOptions(BaseModel):
 
 @dataclass(frozen=True)
 class MethodSpec:
+    """A registered method: its Strategy, Client and options classes, a one-line description, the
+    task capabilities it requires, the module that registered it and the cross-method options it honours."""
+
     name: str
     strategy: type[Strategy]
     client: type[Client]
@@ -57,6 +60,7 @@ class MethodSpec:
         return self.requires - capabilities
 
     def supports(self, kind: str) -> bool:
+        """Whether the method runs on task ``kind`` (with some model of it)."""
         return not self.missing(get_task_class(kind).capabilities)
 
     def supported_tasks(self) -> list[str]:
@@ -147,8 +151,10 @@ def register(
     requires: tuple[str, ...] = (),
     supports: tuple[str, ...] = (),
 ) -> MethodSpec:
-    """Register a method under ``name``; ``requires``: the task capabilities it needs (``("lora",)``
-    for a LoRA method); ``supports``: the :data:`CROSS_METHOD_OPTIONS` it honours. A name that is
+    """Register a method under ``name``: its ``strategy``, ``client`` and ``options`` classes, a
+    one-line ``description`` (default: the first line of the strategy's docstring); ``requires``: the
+    task capabilities it needs (``("lora",)`` for a LoRA method); ``supports``: the
+    :data:`CROSS_METHOD_OPTIONS` it honours. A name that is
     already registered raises :class:`DuplicateMethodError`."""
     unknown = set(supports) - set(CROSS_METHOD_OPTIONS)
     if unknown:

@@ -55,7 +55,8 @@ class Message:
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> Message:
-        """Inverse of :meth:`encode`; arrays are fresh copies (nothing shared with the sender)."""
+        """Inverse of :meth:`encode`, from the bytes ``data``; arrays are fresh copies (nothing shared
+        with the sender)."""
         view = memoryview(data)
         if len(view) < _PREFIX.size:
             raise ValueError("message too short to hold a header")

@@ -59,7 +59,7 @@ class DeviceClass(BaseModel):
 
 
 def check_device_classes(classes: list[DeviceClass]) -> None:
-    """Names unique and shares summing to 1 (ValueError naming the field)."""
+    """The device ``classes``' names unique and shares summing to 1 (ValueError naming the field)."""
     names = [c.name for c in classes]
     if len(set(names)) != len(names):
         raise ValueError(f"federation.device_classes: names must be unique (got {names})")
@@ -69,7 +69,8 @@ def check_device_classes(classes: list[DeviceClass]) -> None:
 
 
 def draw_device_classes(classes: list[DeviceClass], num_clients: int, seed: int) -> list[DeviceClass]:
-    """Each client's device class, drawn with ``seed`` (independent of every other draw)."""
+    """Each of ``num_clients`` clients' device class among ``classes``, drawn with ``seed`` (independent of
+    every other draw)."""
     rng = np.random.default_rng([seed, 0xDC])
     picks = rng.choice(
         len(classes), size=num_clients, p=np.array([c.share for c in classes]) / sum(c.share for c in classes)
@@ -78,7 +79,8 @@ def draw_device_classes(classes: list[DeviceClass], num_clients: int, seed: int)
 
 
 def check_profile_choices(choices: dict[str, list[Any]]) -> None:
-    """Every key a profile field, every choice a valid value of it (ValueError naming the first bad one)."""
+    """Every key of ``choices`` a profile field, every choice a valid value of it (ValueError naming the
+    first bad one)."""
     for key, values in choices.items():
         if key not in ClientProfile.model_fields:
             raise ValueError(

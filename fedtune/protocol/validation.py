@@ -44,6 +44,7 @@ class ArraySpec:
 
     @classmethod
     def like(cls, array: np.ndarray, compressible: bool = True) -> ArraySpec:
+        """The spec of ``array``'s shape and dtype; ``compressible`` if asked and it is a float array."""
         array = np.asarray(array)
         return cls(tuple(int(s) for s in array.shape), array.dtype.name, compressible and array.dtype.kind == "f")
 
@@ -116,6 +117,7 @@ class MetaField:
     finite: bool = True  # a mapping or list whose numbers may be inf / NaN by design says False
 
     def with_high(self, high: float | None) -> MetaField:
+        """This field with the upper bound ``high`` (None: unbounded)."""
         return MetaField(self.kind, self.low, high, self.required, self.finite)
 
 
@@ -167,7 +169,7 @@ def _finite_everywhere(value: object) -> bool:
 
 
 def check_meta(meta: object, spec: Mapping[str, MetaField]) -> str | None:
-    """Why a reply's metadata does not match ``spec``, or None. Never raises."""
+    """Why a reply's metadata ``meta`` does not match ``spec``, or None. Never raises."""
     if not isinstance(meta, Mapping):
         return f"metadata is a {type(meta).__name__}, not a mapping"
     for key, want in spec.items():
