@@ -62,9 +62,11 @@ datasets:
 run: venv
 	$(BIN)/fedtune run configs/default.toml --overwrite
 
+# mypy: fedtune/ as [tool.mypy] in pyproject.toml sets it (strict on the protocol and the registry)
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 test: venv
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadgroup --durations=15
@@ -76,4 +78,4 @@ bench: venv
 	$(BIN)/python benchmarks/engine/engine_overhead.py
 
 clean:
-	rm -rf $(VENV) .venv-lock runs
+	rm -rf $(VENV) .venv-lock runs .mypy_cache

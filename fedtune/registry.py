@@ -11,15 +11,17 @@ LoRA targets); it runs on every task kind that offers them.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict
 
-from fedtune.config import ConfigError
+from fedtune.config import ConfigError, RunConfig
 from fedtune.errors import FedtuneError
 from fedtune.protocol.client import Client
 from fedtune.protocol.strategy import Strategy
 from fedtune.tasks import get_task_class, list_tasks
+from fedtune.tasks.base import Task
 
 
 class MethodOptions(BaseModel):
@@ -41,6 +43,9 @@ class MethodOptions(BaseModel):
 
 @dataclass(frozen=True)
 class MethodSpec:
+    """A registered method: its Strategy, Client and options classes, a one-line description, the
+    task capabilities it requires, the module that registered it and the cross-method options it honours."""
+
     name: str
     strategy: type[Strategy]
     client: type[Client]
@@ -55,17 +60,18 @@ class MethodSpec:
         return self.requires - capabilities
 
     def supports(self, kind: str) -> bool:
+        """Whether the method runs on task ``kind`` (with some model of it)."""
         return not self.missing(get_task_class(kind).capabilities)
 
     def supported_tasks(self) -> list[str]:
         """The registered task kinds this method runs on."""
         return [t.kind for t in list_tasks() if not self.missing(t.capabilities)]
 
-    def supports_config(self, config) -> bool:
+    def supports_config(self, config: RunConfig) -> bool:
         """Whether the method runs on ``config``'s task with ``config``'s model."""
         return not self.missing(get_task_class(config.task.kind).capabilities_for(config))
 
-    def check(self, task_class, config=None) -> None:
+    def check(self, task_class: type[Task], config: RunConfig | None = None) -> None:
         """Stop with one line when the method cannot run on ``task_class`` or, given ``config`` (a
         config of that task), on ``config``'s model of it."""
         need = self.missing(task_class.capabilities)
@@ -75,14 +81,16 @@ class MethodSpec:
                 f"(it needs: {', '.join(sorted(need))}); "
                 f"its tasks are {', '.join(self.supported_tasks()) or 'none'}"
             )
-        need = self.missing(task_class.capabilities_for(config)) if config is not None else None
+        if config is None:
+            return
+        need = self.missing(task_class.capabilities_for(config))
         if need:
             raise ConfigError(
                 f"method {self.name!r} does not support model {config.model.name!r} of task {task_class.kind!r} "
                 f"(it needs: {', '.join(sorted(need))})"
             )
 
-    def check_options(self, config) -> None:
+    def check_options(self, config: RunConfig) -> None:
         """Stop with one line when ``config`` sets a cross-method option the method does not honour
         (:data:`CROSS_METHOD_OPTIONS`): never accepted and silently ignored."""
         for option, in_use in CROSS_METHOD_OPTIONS.items():
@@ -96,7 +104,7 @@ class MethodSpec:
         """Stop with one line when the method cannot run on task ``kind`` (any model)."""
         self.check(get_task_class(kind))
 
-    def check_config(self, config) -> None:
+    def check_config(self, config: RunConfig) -> None:
         """Stop with one line when the method cannot run on ``config``'s task and model."""
         self.check(get_task_class(config.task.kind), config)
 
@@ -104,7 +112,7 @@ class MethodSpec:
 #: Options outside a method's own ``[options]`` that change what its server or clients do: a method
 #: declares those it honours (``register(..., supports=...)``); any other one, set to anything but
 #: its default, stops the run with one line naming the method and the option.
-CROSS_METHOD_OPTIONS = {
+CROSS_METHOD_OPTIONS: dict[str, Callable[[RunConfig], bool]] = {
     "federation.server_optimizer": lambda config: not config.federation.plain_server_step(),
     "federation.upload_topk": lambda config: config.federation.upload_topk is not None,
     "federation.aggregation": lambda config: config.federation.aggregation != "mean",
@@ -143,8 +151,10 @@ def register(
     requires: tuple[str, ...] = (),
     supports: tuple[str, ...] = (),
 ) -> MethodSpec:
-    """Register a method under ``name``; ``requires``: the task capabilities it needs (``("lora",)``
-    for a LoRA method); ``supports``: the :data:`CROSS_METHOD_OPTIONS` it honours. A name that is
+    """Register a method under ``name``: its ``strategy``, ``client`` and ``options`` classes, a
+    one-line ``description`` (default: the first line of the strategy's docstring); ``requires``: the
+    task capabilities it needs (``("lora",)`` for a LoRA method); ``supports``: the
+    :data:`CROSS_METHOD_OPTIONS` it honours. A name that is
     already registered raises :class:`DuplicateMethodError`."""
     unknown = set(supports) - set(CROSS_METHOD_OPTIONS)
     if unknown:

@@ -111,3 +111,10 @@ def test_the_install_passes_the_lock_to_every_pip_install_and_checks_the_venv_ag
     same, departs = results
     assert same.returncode == 0, same.stdout + same.stderr
     assert departs.returncode != 0 and "differs from requirements.lock" in departs.stdout
+
+
+def test_make_lint_type_checks_after_ruff_and_ci_runs_it():
+    """``make lint`` runs mypy (configured by pyproject.toml's ``[tool.mypy]``) after ruff's two
+    checks, and CI's script runs ``make lint``."""
+    assert [Path(command[0]).name for command in make_dry_run("lint")] == ["ruff", "ruff", "mypy"]
+    assert "make lint" in (ROOT / ".ci" / "run").read_text().splitlines()

@@ -29,6 +29,9 @@ class Client(ABC):
         context: Any,
         state: dict[str, np.ndarray] | None = None,
     ) -> None:
+        """Client ``cid`` with its resource ``profile``, the process's run ``context`` (whose
+        ``config`` and method ``options`` it keeps as attributes) and the ``state`` the engine
+        persisted for it (None: empty)."""
         self.cid = cid
         self.profile = profile
         self.context = context
@@ -38,7 +41,7 @@ class Client(ABC):
 
     @abstractmethod
     def fit(self, message: Message) -> Message:
-        """Train locally from the server's Message; reply with the update and ``meta`` metrics
+        """Train locally from the server's ``message``; reply with the update and ``meta`` metrics
         (by convention ``num_examples``, ``steps``, ``train_loss``)."""
 
     def secure_vector(self, message: Message, reply: Message) -> dict[str, np.ndarray]:
@@ -53,7 +56,7 @@ class Client(ABC):
 
     def secure_reply(self, message: Message, reply: Message) -> Message:
         """``reply`` with its arrays replaced by :meth:`secure_vector`, checked against (and in the
-        order of) the request's ``secure_layout``: what Flower's SecAgg+ mod masks."""
+        order of) the ``secure_layout`` of the request ``message``: what Flower's SecAgg+ mod masks."""
         layout = secure_layout_of(message.meta)
         vector = self.secure_vector(message, reply)
         if vector.keys() != layout.keys() or any(np.shape(vector[k]) != shape for k, shape in layout.items()):
@@ -64,9 +67,9 @@ class Client(ABC):
         return Message({k: np.asarray(vector[k]) for k in layout}, reply.meta)
 
     def phase(self, name: str, message: Message) -> Message:
-        """Answer a further exchange of the round (:meth:`Strategy.phases`); default: none."""
+        """Answer ``message`` of the round's further exchange ``name`` (:meth:`Strategy.phases`); default: none."""
         raise RuntimeError(f"{type(self).__name__} does not implement phase {name!r}")
 
     def evaluate(self, message: Message) -> Message:
-        """Evaluate locally; reply with metrics in ``meta`` (default: not supported)."""
+        """Evaluate locally as ``message`` asks; reply with metrics in ``meta`` (default: not supported)."""
         raise RuntimeError(f"{type(self).__name__} does not implement federated evaluation")

@@ -51,7 +51,7 @@ def topk_select(flat: np.ndarray, k: int) -> np.ndarray:
 
 
 def topk_encode(arrays: Mapping[str, np.ndarray], ratio: float) -> dict[str, np.ndarray]:
-    """Keep, per array, the ``topk_count(size, ratio)`` entries of largest magnitude."""
+    """Keep, per array of ``arrays``, the ``topk_count(size, ratio)`` entries of largest magnitude."""
     out: dict[str, np.ndarray] = {}
     for name, x in arrays.items():
         x = np.asarray(x)
@@ -66,6 +66,7 @@ def topk_encode(arrays: Mapping[str, np.ndarray], ratio: float) -> dict[str, np.
 
 
 def is_topk_encoded(arrays: Mapping[str, np.ndarray]) -> bool:
+    """Whether ``arrays`` hold a top-k triple."""
     return any(k.endswith(IDX) for k in arrays)
 
 
@@ -103,11 +104,11 @@ WIRE_SUFFIXES = {"bfloat16": (".bf16", np.dtype(np.uint16)), "float16": (".f16",
 
 
 def bfloat16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> the bits of the nearest bfloat16 (round to nearest, ties to even; NaN stays NaN),
+    """float32 ``x`` -> the bits of the nearest bfloat16 (round to nearest, ties to even; NaN stays NaN),
     as uint16: numpy has no bfloat16 dtype, so its 16 bits cross as they are."""
     bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-    out = (rounded >> np.uint32(16)).astype(np.uint16)
+    out: np.ndarray = (rounded >> np.uint32(16)).astype(np.uint16)
     nan = np.isnan(x)
     out[nan] = (bits[nan] >> np.uint32(16)).astype(np.uint16) | np.uint16(0x0040)  # quiet NaN
     return out
@@ -115,7 +116,8 @@ def bfloat16_bits(x: np.ndarray) -> np.ndarray:
 
 def from_bfloat16_bits(bits: np.ndarray) -> np.ndarray:
     """uint16 bfloat16 bits -> float32 (exact)."""
-    return (np.asarray(bits, dtype=np.uint32) << np.uint32(16)).view(np.float32)
+    out: np.ndarray = (np.asarray(bits, dtype=np.uint32) << np.uint32(16)).view(np.float32)
+    return out
 
 
 def wire_encode(arrays: Mapping[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:

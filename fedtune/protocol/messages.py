@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +55,8 @@ class Message:
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> Message:
-        """Inverse of :meth:`encode`; arrays are fresh copies (nothing shared with the sender)."""
+        """Inverse of :meth:`encode`, from the bytes ``data``; arrays are fresh copies (nothing shared
+        with the sender)."""
         view = memoryview(data)
         if len(view) < _PREFIX.size:
             raise ValueError("message too short to hold a header")
@@ -95,8 +95,3 @@ class Message:
     def __repr__(self) -> str:
         names = ", ".join(f"{k}{list(v.shape)}" for k, v in self.arrays.items())
         return f"Message(arrays=[{names}], meta={self.meta}, nbytes={self.nbytes})"
-
-
-def arrays_close(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], **tol: float) -> bool:
-    """True when two named-array dicts have the same keys and allclose values."""
-    return a.keys() == b.keys() and all(np.allclose(a[k], b[k], **tol) for k in a)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -58,7 +59,7 @@ class DeviceClass(BaseModel):
 
 
 def check_device_classes(classes: list[DeviceClass]) -> None:
-    """Names unique and shares summing to 1 (ValueError naming the field)."""
+    """The device ``classes``' names unique and shares summing to 1 (ValueError naming the field)."""
     names = [c.name for c in classes]
     if len(set(names)) != len(names):
         raise ValueError(f"federation.device_classes: names must be unique (got {names})")
@@ -68,7 +69,8 @@ def check_device_classes(classes: list[DeviceClass]) -> None:
 
 
 def draw_device_classes(classes: list[DeviceClass], num_clients: int, seed: int) -> list[DeviceClass]:
-    """Each client's device class, drawn with ``seed`` (independent of every other draw)."""
+    """Each of ``num_clients`` clients' device class among ``classes``, drawn with ``seed`` (independent of
+    every other draw)."""
     rng = np.random.default_rng([seed, 0xDC])
     picks = rng.choice(
         len(classes), size=num_clients, p=np.array([c.share for c in classes]) / sum(c.share for c in classes)
@@ -77,7 +79,8 @@ def draw_device_classes(classes: list[DeviceClass], num_clients: int, seed: int)
 
 
 def check_profile_choices(choices: dict[str, list[Any]]) -> None:
-    """Every key a profile field, every choice a valid value of it (ValueError naming the first bad one)."""
+    """Every key of ``choices`` a profile field, every choice a valid value of it (ValueError naming the
+    first bad one)."""
     for key, values in choices.items():
         if key not in ClientProfile.model_fields:
             raise ValueError(
@@ -92,7 +95,7 @@ def check_profile_choices(choices: dict[str, list[Any]]) -> None:
 
 def build_profiles(
     num_clients: int,
-    explicit: list[ClientProfile | dict[str, Any]] | None,
+    explicit: Sequence[ClientProfile | dict[str, Any]] | None,
     choices: dict[str, list[Any]] | None,
     seed: int,
     classes: list[DeviceClass] | None = None,
@@ -119,7 +122,7 @@ def build_profiles(
 
 def _base_profiles(
     num_clients: int,
-    explicit: list[ClientProfile | dict[str, Any]] | None,
+    explicit: Sequence[ClientProfile | dict[str, Any]] | None,
     choices: dict[str, list[Any]] | None,
     seed: int,
 ) -> list[ClientProfile]:

@@ -15,6 +15,7 @@ The engines (in-process simulation, Flower) call, each round::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,8 +32,8 @@ from fedtune.protocol.validation import COMMON_META, ArraySpec, MetaField
 SECURE_WEIGHT, SECURE_MAX_WEIGHT, SECURE_LAYOUT = "secure_weight", "secure_max_weight", "secure_layout"
 
 
-def secure_layout_of(meta: dict) -> dict[str, tuple[int, ...]]:
-    """A training request's ``secure_layout`` as name -> shape (in order)."""
+def secure_layout_of(meta: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """A training request's ``secure_layout`` (from its ``meta``) as name -> shape (in order)."""
     return {str(name): tuple(int(d) for d in shape) for name, shape in meta[SECURE_LAYOUT]}
 
 
@@ -90,14 +91,15 @@ class Strategy(ABC):
 
     @abstractmethod
     def configure_fit(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
-        """One Message per sampled client for round ``rnd`` (messages may differ per client)."""
+        """One Message per sampled client of ``client_ids`` for round ``rnd`` (messages may differ per client)."""
 
     @abstractmethod
     def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
-        """Fold the clients' replies into the global state; return round metrics."""
+        """Fold the clients' ``replies`` (client id -> Message) of round ``rnd`` into the global state;
+        return round metrics."""
 
     def aggregate_secure_fit(self, rnd: int, replies: dict[int, Message], total: SecureSum) -> dict[str, float]:
-        """:meth:`aggregate_fit` under ``federation.secure_aggregation``: ``replies`` hold the
+        """:meth:`aggregate_fit` of round ``rnd`` under ``federation.secure_aggregation``: ``replies`` hold the
         clients' metadata only (their arrays crossed masked), ``total`` their sum. Only a method
         that declares the option (``register(..., supports=...)``) is ever asked."""
         raise RuntimeError(f"{type(self).__name__} has no secure-aggregation form (it needs each update)")
@@ -113,11 +115,11 @@ class Strategy(ABC):
         return ()
 
     def configure_phase(self, phase: str, rnd: int, client_ids: list[int]) -> dict[int, Message]:
-        """One Message per client for ``phase`` of round ``rnd`` (see :meth:`phases`)."""
+        """One Message per client of ``client_ids`` for ``phase`` of round ``rnd`` (see :meth:`phases`)."""
         raise RuntimeError(f"{type(self).__name__} declares phase {phase!r} but does not configure it")
 
     def aggregate_phase(self, phase: str, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
-        """Fold the replies of ``phase`` into the global state; return round metrics."""
+        """Fold the ``replies`` of ``phase`` of round ``rnd`` into the global state; return round metrics."""
         raise RuntimeError(f"{type(self).__name__} declares phase {phase!r} but does not aggregate it")
 
     def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec] | list[dict[str, ArraySpec]] | None:
@@ -143,21 +145,21 @@ class Strategy(ABC):
         return {**COMMON_META, "num_examples": examples}
 
     def meta_with(self, kind: str, cid: int, when: str, **fields: MetaField) -> dict[str, MetaField]:
-        """:meth:`reply_meta_spec`'s default plus ``fields`` for the replies of exchange ``when``:
-        how a method declares the metadata keys it reads."""
+        """:meth:`reply_meta_spec`'s default for client ``cid``'s replies of exchange ``kind``, plus
+        ``fields`` when ``kind`` is ``when``: how a method declares the metadata keys it reads."""
         spec = Strategy.reply_meta_spec(self, kind, cid)
         return {**spec, **fields} if kind == when else spec
 
     def evaluate(self, rnd: int) -> dict[str, float]:
-        """Centralized evaluation of the global state (default: none)."""
+        """Centralized evaluation of the global state after round ``rnd`` (default: none)."""
         return {}
 
     def configure_evaluate(self, rnd: int, client_ids: list[int]) -> dict[int, Message]:
-        """Messages for federated evaluation (default: none)."""
+        """Messages for federated evaluation by the clients of ``client_ids`` in round ``rnd`` (default: none)."""
         return {}
 
     def aggregate_evaluate(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
-        """Combine federated evaluation replies (default: example-weighted mean of metrics)."""
+        """Combine the federated evaluation ``replies`` of round ``rnd`` (default: example-weighted mean of metrics)."""
         return weighted_mean_meta(replies)
 
     def halt_before(self, rnd: int) -> str | None:
@@ -166,9 +168,9 @@ class Strategy(ABC):
 
     def private_sample(self, rnd: int, attempt: int) -> list[int] | None:
         """Under client-level DP, the clients of round ``rnd`` drawn from the privacy mechanism's
-        secret (:mod:`fedtune.methods.base.privacy`): the engine then keeps the sample and every
-        per-client number out of what the run releases, and never retries the round. None (the
-        default): the engine's seeded uniform draw."""
+        secret (:mod:`fedtune.methods.base.privacy`), at the round's ``attempt`` (0 first): the
+        engine then keeps the sample and every per-client number out of what the run releases, and
+        never retries the round. None (the default): the engine's seeded uniform draw."""
         return None if self.aggregation is None else self.aggregation.sample(rnd, attempt)
 
     def summary(self) -> dict[str, Any]:
@@ -181,10 +183,10 @@ class Strategy(ABC):
 
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore ``state``, what :meth:`state_dict` returned."""
 
     def save(self, run_dir: Path) -> None:
-        """Write the final artifacts (for LoRA methods: the adapter with ``save_pretrained``)."""
+        """Write the final artifacts into ``run_dir`` (for LoRA methods: the adapter with ``save_pretrained``)."""
 
 
 def weighted_mean_meta(replies: dict[int, Message], weight_key: str = "num_examples") -> dict[str, float]:

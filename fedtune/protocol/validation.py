@@ -26,10 +26,12 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from numbers import Integral, Real
+from typing import TypeGuard
 
 import numpy as np
 
 from fedtune.protocol.compression import IDX, SHAPE, VAL, wire_decode
+from fedtune.protocol.messages import Message
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class ArraySpec:
 
     @classmethod
     def like(cls, array: np.ndarray, compressible: bool = True) -> ArraySpec:
+        """The spec of ``array``'s shape and dtype; ``compressible`` if asked and it is a float array."""
         array = np.asarray(array)
         return cls(tuple(int(s) for s in array.shape), array.dtype.name, compressible and array.dtype.kind == "f")
 
@@ -114,6 +117,7 @@ class MetaField:
     finite: bool = True  # a mapping or list whose numbers may be inf / NaN by design says False
 
     def with_high(self, high: float | None) -> MetaField:
+        """This field with the upper bound ``high`` (None: unbounded)."""
         return MetaField(self.kind, self.low, high, self.required, self.finite)
 
 
@@ -129,11 +133,11 @@ COMMON_META: dict[str, MetaField] = {
 }
 
 
-def _is_number(value) -> bool:
+def _is_number(value: object) -> TypeGuard[Real]:
     return isinstance(value, Real) and not isinstance(value, bool)
 
 
-def _check_value(key: str, value, want: MetaField) -> str | None:
+def _check_value(key: str, value: object, want: MetaField) -> str | None:
     if want.kind is int:
         if not isinstance(value, Integral) or isinstance(value, bool):
             return f"metadata {key!r}: {type(value).__name__} {value!r:.40} where an integer was expected"
@@ -149,12 +153,12 @@ def _check_value(key: str, value, want: MetaField) -> str | None:
             return f"metadata {key!r}: non-finite value {value!r}"
         if want.low is not None and value < want.low:
             return f"metadata {key!r}: {value!r} below its minimum {want.low:g}"
-        if want.high is not None and value > want.high:
+        if want.high is not None and not value <= want.high:  # value is finite: ">" (numbers.Real types only < and <=)
             return f"metadata {key!r}: {value!r} above its maximum {want.high:g}"
     return None
 
 
-def _finite_everywhere(value) -> bool:
+def _finite_everywhere(value: object) -> bool:
     if _is_number(value):
         return math.isfinite(float(value))
     if isinstance(value, (list, tuple)):
@@ -164,8 +168,8 @@ def _finite_everywhere(value) -> bool:
     return True
 
 
-def check_meta(meta, spec: Mapping[str, MetaField]) -> str | None:
-    """Why a reply's metadata does not match ``spec``, or None. Never raises."""
+def check_meta(meta: object, spec: Mapping[str, MetaField]) -> str | None:
+    """Why a reply's metadata ``meta`` does not match ``spec``, or None. Never raises."""
     if not isinstance(meta, Mapping):
         return f"metadata is a {type(meta).__name__}, not a mapping"
     for key, want in spec.items():
@@ -193,7 +197,7 @@ def _norm(arrays: Mapping[str, np.ndarray]) -> float:
     return math.sqrt(total)
 
 
-def outsized_updates(replies: Mapping, sent: Mapping, ratio: float) -> dict[int, str]:
+def outsized_updates(replies: Mapping[int, Message], sent: Mapping[int, Message], ratio: float) -> dict[int, str]:
     """Client id -> reason for each training reply (a Message) whose norm exceeds ``ratio`` times
     its reference: the larger of the lower median of the *other* replies' norms (0 for a lone
     reply; a huge reply cannot raise its own reference, nor, among two, the other's) and the norm
