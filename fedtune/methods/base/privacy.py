@@ -201,7 +201,7 @@ class Mechanism:
         return {k: ((np.asarray(v, np.float64) + noise[k]) / self.m).astype(np.float32) for k, v in total.items()}
 
     def aggregate(
-        self, updates: list[Mapping[str, np.ndarray]], rnd: int, like: Mapping[str, np.ndarray]
+        self, updates: Sequence[Mapping[str, np.ndarray]], rnd: int, like: Mapping[str, np.ndarray]
     ) -> dict[str, np.ndarray]:
         """The round's update from the replies' updates (shaped like ``like``; none: noise alone)."""
         total = {k: np.zeros(np.shape(v), np.float64) for k, v in like.items()}
@@ -307,7 +307,7 @@ class AdaptiveClipGaussian(Mechanism):
         return self.z_update * self.C
 
     def aggregate(
-        self, updates: list[Mapping[str, np.ndarray]], rnd: int, like: Mapping[str, np.ndarray]
+        self, updates: Sequence[Mapping[str, np.ndarray]], rnd: int, like: Mapping[str, np.ndarray]
     ) -> dict[str, np.ndarray]:
         """Clip at the current C, noise with z_Delta C, then move C toward the target quantile by
         the noised fraction of unclipped updates."""
