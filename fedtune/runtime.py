@@ -70,7 +70,11 @@ def resolve_run(config: RunConfig) -> ResolvedRun:
         profiles = build_profiles(fed.num_clients, fed.profiles, fed.profile_choices, config.seed, fed.device_classes)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    return ResolvedRun(config, method, task_class, task_options, options, tuple(profiles))
+    from fedtune.planning.planner import check_profile_codecs
+
+    run = ResolvedRun(config, method, task_class, task_options, options, tuple(profiles))
+    check_profile_codecs(run)
+    return run
 
 
 class RunContext:
