@@ -185,3 +185,34 @@ def test_the_planner_compresses_the_upload_to_fit_the_bandwidth_and_the_run_send
 
     with pytest.raises(ConfigError, match=r"federation.profiles\[0\].upload_topk: method 'static' does not compress"):
         RunContext(tiny(Path(config.output_dir), "static", "few-shot", "federation.profiles=[{upload_topk=0.5}]"))
+
+
+def test_the_planner_turns_checkpointing_on_where_memory_breaks_and_the_run_applies_it(tiny_config, monkeypatch):
+    import transformers
+
+    rank = "method=heterolora", "model.lora_rank=4", "train.batch_size=32", "data.max_length=64"
+    plain, ckpt = (
+        plan_of(tiny_config(*rank, f"train.gradient_checkpointing={on}")).clients[0] for on in ("false", "true")
+    )
+    assert ckpt.peak_bytes < plain.peak_bytes and ckpt.seconds > plain.seconds
+    between = (plain.peak_bytes + ckpt.peak_bytes) / 2 / GIB
+    config = tiny_config(
+        *rank, f"federation.profiles=[{{memory_gib={between}}}, {{memory_gib=64}}]", "federation.num_clients=2"
+    )
+    plan = plan_of(config)
+    assert [c.setting for c in plan.clients] == ["rank 4, checkpointing", "rank 4"]
+    assert [p.gradient_checkpointing for p in plan.profiles] == [True, None]
+    assert plan.clients[0].peak_bytes == ckpt.peak_bytes and not plan.excluded
+    calls = []
+    for name in ("gradient_checkpointing_enable", "gradient_checkpointing_disable"):
+        real = getattr(transformers.PreTrainedModel, name)
+        monkeypatch.setattr(
+            transformers.PreTrainedModel, name, lambda self, _n=name, _r=real, **kw: (calls.append(_n), _r(self, **kw))
+        )
+    summary = run_experiment(config)  # 2 rounds, both clients each round: client 0's fits checkpointed, then off
+    assert calls == ["gradient_checkpointing_enable", "gradient_checkpointing_disable"] * 2
+    assert not json.loads(Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines()[-1])["dropped"]
+    with pytest.raises(Exception, match=r"profiles\[0\].gradient_checkpointing: method 'static' does not honour it"):
+        RunContext(
+            tiny(Path(config.output_dir), "static", "few-shot", "federation.profiles=[{gradient_checkpointing=true}]")
+        )

@@ -79,7 +79,7 @@ def answer(client: Client, kind: str, message: Message, seed: int, rnd: int, att
     ):
         raise InjectedFailure(f"injected failure (failure_prob {profile.failure_prob})")
     if kind == TRAIN:
-        if profile.memory_gib is not None:  # a memory budget: the fit's peak is measured
+        if profile.memory_gib is not None or profile.gradient_checkpointing:  # measured; planned checkpointing
             from fedtune.planning.planner import metered_fit
 
             reply = metered_fit(client, message)

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from functools import partial
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -105,7 +105,7 @@ def plan_budgets(context, always: bool = False) -> Plan | None:
         from fedtune.planning.capacity import CAPACITIES, predict_capacity
 
         knobs = _Knob(
-            list(CAPACITIES), lambda p: p.capacity, partial(predict_capacity, context), "capacity {:g}".format
+            list(CAPACITIES), lambda p: p.capacity, lambda v, _: predict_capacity(context, v), "capacity {:g}".format
         )
     else:
         knobs = _lora_knob(context, knob)
@@ -117,20 +117,27 @@ def plan_budgets(context, always: bool = False) -> Plan | None:
         values = [own] if own is not None else knobs.ladder if knob is not None else knobs.ladder[:1]
         codecs = _codecs(context, profile)
         for value in values:
-            if value not in costs:
-                costs[value] = knobs.cost(value)
-            p, upload_values = costs[value]
-            seconds = p.seconds / profile.speed
-            # a lighter codec only where the upload is what breaks the budget
-            fits = not has_budget(profile) or _violation(profile, p.peak, seconds, 0.0) is None
-            for codec in codecs if fits else codecs[:1]:
-                upload = upload_values * bytes_per_value(*codec) / MB
-                reason = _violation(profile, p.peak, seconds, upload) if has_budget(profile) else None
-                if reason is None:
+            for checkpointing in knobs.variants:
+                if (value, checkpointing) not in costs:
+                    costs[value, checkpointing] = knobs.cost(value, checkpointing)
+                p, upload_values = costs[value, checkpointing]
+                seconds = p.seconds / profile.speed
+                # a lighter codec only where the upload is what breaks the budget
+                fits = not has_budget(profile) or _violation(profile, p.peak, seconds, 0.0) is None
+                for codec in codecs if fits else codecs[:1]:
+                    upload = upload_values * bytes_per_value(*codec) / MB
+                    reason = _violation(profile, p.peak, seconds, upload) if has_budget(profile) else None
+                    if reason is None:
+                        break
+                # checkpointing only where the memory is what breaks it
+                if reason is None or profile.memory_gib is None or p.peak <= profile.memory_gib * GIB:
                     break
             if reason is None:
                 break
         setting = knobs.label(value)
+        if checkpointing != knobs.variants[0]:
+            setting += ", checkpointing"
+            profile = profile.model_copy(update={"gradient_checkpointing": True})
         if codec != codecs[0]:
             setting += f", upload {codec[1]}" + ("" if codec[0] is None else f" top-k {codec[0]:g}")
         if reason is not None and not stated:
@@ -160,6 +167,7 @@ def plan_budgets(context, always: bool = False) -> Plan | None:
 CODECS = ((None, "float32"), (None, "bfloat16"), (0.25, "bfloat16"), (0.1, "bfloat16"), (0.05, "bfloat16"))
 #: the cross-method options of a method whose clients upload through the codec
 CODEC_OPTIONS = ("federation.upload_topk", "federation.wire_dtype")
+CHECKPOINTING = "train.gradient_checkpointing"
 
 
 def bytes_per_value(topk: float | None, wire_dtype: str) -> float:
@@ -184,10 +192,15 @@ def _codecs(context, profile: ClientProfile) -> list[tuple[float | None, str]]:
 
 
 def check_profile_codecs(run) -> None:
-    """A profile that states an upload codec needs a method whose uploads go through it (ConfigError
-    naming the first such profile); ``run``: a :class:`~fedtune.runtime.ResolvedRun`."""
+    """A profile that states an upload codec needs a method whose uploads go through it, one that
+    states gradient checkpointing a method that honours it (ConfigError naming the first such
+    profile); ``run``: a :class:`~fedtune.runtime.ResolvedRun`."""
     fed = run.config.federation
     for cid, p in enumerate(run.profiles):
+        if p.gradient_checkpointing and CHECKPOINTING not in run.method.honours:
+            raise ConfigError(
+                f"federation.profiles[{cid}].gradient_checkpointing: method {run.config.method!r} does not honour it"
+            )
         field_ = "upload_topk" if p.upload_topk is not None else "wire_dtype" if p.wire_dtype is not None else None
         if field_ is None:
             continue
@@ -202,14 +215,16 @@ def check_profile_codecs(run) -> None:
 @dataclass
 class _Knob:
     """What a method lets a client vary: its ladder (largest first), the value a profile states
-    (None: unstated), each value's (prediction, upload values), the setting's label, and the
-    profile field's value for a ladder value."""
+    (None: unstated), each (value, gradient checkpointing)'s (prediction, upload values), the
+    setting's label, the profile field's value for a ladder value, and the checkpointing
+    variants to try (the run's setting first)."""
 
     ladder: list
     stated: Callable[[ClientProfile], object]
-    cost: Callable[[object], tuple]
+    cost: Callable[[object, bool], tuple]
     label: Callable[[object], str]
     value: Callable[[object], object] = lambda v: v
+    variants: tuple[bool, ...] = (False,)
 
 
 def _lora_knob(context, knob: str | None) -> _Knob:
@@ -243,9 +258,13 @@ def _lora_knob(context, knob: str | None) -> _Knob:
             f"{', '.join(COEFFICIENTS)} (benchmarks/budgets/fit_memory.py)"
         )
 
-    def cost(rank: int) -> tuple:
-        p = predict(base, targets, task.head_modules(), rank, work)
+    def cost(rank: int, checkpointing: bool) -> tuple:
+        p = predict(base, targets, task.head_modules(), rank, replace(work, checkpointing=checkpointing))
         return p, p.trainable
+
+    variants = (train.gradient_checkpointing,)
+    if not train.gradient_checkpointing and _checkpointable(context, base):
+        variants = (False, True)
 
     r = cfg.lora_rank
 
@@ -253,18 +272,46 @@ def _lora_knob(context, knob: str | None) -> _Knob:
         return client_rank(profile, r) if profile.rank is not None or profile.sketch_ratio is not None else None
 
     if knob == "sketch_ratio":
-        return _Knob(_ladder(r), stated, cost, lambda v: f"sketch ratio {v / r:g}", lambda v: v / r)
-    return _Knob(_ladder(r), stated, cost, "rank {}".format)
+        return _Knob(_ladder(r), stated, cost, lambda v: f"sketch ratio {v / r:g}", lambda v: v / r, variants)
+    return _Knob(_ladder(r), stated, cost, "rank {}".format, variants=variants)
+
+
+def _checkpointable(context, base) -> bool:
+    """Whether the planner may turn gradient checkpointing on for a client: the method honours
+    ``train.gradient_checkpointing`` and the model supports it."""
+    return CHECKPOINTING in context.method.honours and any(
+        getattr(m, "supports_gradient_checkpointing", False) for m in base.modules()
+    )
+
+
+@contextmanager
+def planned_checkpointing(client):
+    """Gradient checkpointing on the client's base for the block when its profile has it and the
+    run does not (the base is shared by the process's clients: it is turned off again after)."""
+    on = client.profile.gradient_checkpointing and not client.config.train.gradient_checkpointing
+    if not on:
+        yield
+        return
+    from fedtune.models.precision import enable_gradient_checkpointing
+
+    base = client.context.workspace.base
+    enable_gradient_checkpointing(base, str(client.config.model.name))
+    try:
+        yield
+    finally:
+        for m in base.modules():
+            if getattr(m, "is_gradient_checkpointing", False) and hasattr(m, "gradient_checkpointing_disable"):
+                m.gradient_checkpointing_disable()
 
 
 def metered_fit(client, message: Message, call: Callable[[Message], Message] | None = None) -> Message:
     """``client.fit(message)`` (or ``call(message)``: a phase of the round) with its measured peak
     (:class:`~fedtune.planning.memory.PeakMeter` on the run's device, plus the frozen base a LoRA
-    client holds) in the reply's metadata."""
+    client holds) in the reply's metadata, under the client's planned checkpointing."""
     from fedtune.models.precision import resolve_device
     from fedtune.planning.memory import PeakMeter, base_weight_bytes
 
-    with PeakMeter(resolve_device(client.config.device)) as meter:
+    with planned_checkpointing(client), PeakMeter(resolve_device(client.config.device)) as meter:
         reply = (call or client.fit)(message)
     if meter.growth is None:
         return reply

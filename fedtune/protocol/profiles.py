@@ -29,6 +29,9 @@ class ClientProfile(BaseModel):
     wire_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="its upload codec: dtype of its float arrays (default federation.wire_dtype)"
     )
+    gradient_checkpointing: bool | None = Field(
+        None, description="its local training with gradient checkpointing (default train.gradient_checkpointing)"
+    )
     failure_prob: float = Field(0.0, ge=0, le=1, description="fault injection: chance the client fails a request")
     delay_s: float = Field(0.0, ge=0, description="fault injection: seconds the client waits before answering")
     attack: Literal["sign-flip", "scale"] | None = Field(
