@@ -82,7 +82,7 @@ UNPLANNED = {
     "commit.toml": "method 'commit' has no planner",
     "fedpft.toml": "method 'fedpft' has no planner",
     "fedot.toml": "method 'fedot' has no planner",
-    "image-classification.toml": "'mobilenet-v2' is a 'mobilenet_v2' model",
+    "image-classification.toml": "'mobilenet-v2': the model has no Hugging Face transformer config to plan from",
 }
 
 
