@@ -31,6 +31,7 @@ from fedtune.config import ConfigError, RunConfig, validate_options
 from fedtune.data.partition import label_histograms
 from fedtune.methods import get_method
 from fedtune.methods.base.aggregation import AggregationPlan, plan_aggregation
+from fedtune.planning.planner import check_profile_codecs
 from fedtune.protocol.profiles import ClientProfile, build_profiles
 from fedtune.registry import MethodOptions, MethodSpec
 from fedtune.tasks import Task, TaskOptions, get_task_class, resolve_config
@@ -73,7 +74,9 @@ def resolve_run(config: RunConfig) -> ResolvedRun:
         profiles = build_profiles(fed.num_clients, fed.profiles, fed.profile_choices, config.seed, fed.device_classes)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    return ResolvedRun(config, method, task_class, task_options, options, tuple(profiles), aggregation)
+    run = ResolvedRun(config, method, task_class, task_options, options, tuple(profiles), aggregation)
+    check_profile_codecs(run)
+    return run
 
 
 class RunContext:

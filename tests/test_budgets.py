@@ -100,7 +100,8 @@ def plan_of(config):
 
 
 def test_planner_gives_each_client_the_largest_rank_that_fits_and_excludes_the_one_none_fits(tiny_config):
-    rank = "method=heterolora", "model.lora_rank=8"
+    # checkpointing fixed for the run: the planner's per-client checkpointing is test_budget_planner's
+    rank = "method=heterolora", "model.lora_rank=8", "train.gradient_checkpointing=true"
     stated = plan_of(tiny_config(*rank, "federation.profiles=[{rank=8}, {rank=4}, {rank=2}, {rank=1}]"))
     peak = [c.peak_bytes for c in stated.clients]
     assert peak[0] > peak[1] > peak[2] > peak[3] and all(c.stated for c in stated.clients)
@@ -121,7 +122,8 @@ def test_planner_gives_each_client_the_largest_rank_that_fits_and_excludes_the_o
     up = stated.clients[0].upload_mb
     tight = f"[{{bandwidth_mb={up / 3}}}, {{deadline_s={stated.clients[0].seconds / 10}}}, {{}}, {{}}]"
     plan = plan_of(tiny_config(*rank, f"federation.profiles={tight}"))
-    assert plan.profiles[0].rank == 2 and plan.clients[0].upload_mb <= up / 3
+    # the rank kept, the upload compressed (bfloat16 top-k 0.1: 0.15 of float32's bytes; test_budget_planner)
+    assert (plan.profiles[0].rank, plan.profiles[0].upload_topk) == (8, 0.1) and plan.clients[0].upload_mb <= up / 3
     assert "per round > deadline_s" in plan.excluded[1]
     fast = tight.replace("}, {}, {}]", ", speed=20}, {}, {}]")
     assert 1 not in plan_of(tiny_config(*rank, f"federation.profiles={fast}")).excluded
@@ -130,7 +132,13 @@ def test_planner_gives_each_client_the_largest_rank_that_fits_and_excludes_the_o
 def test_a_run_drops_the_excluded_the_over_budget_and_the_late_client_and_records_the_peaks(tiny_config):
     profiles = "[{memory_gib=1e-6}, {rank=4, memory_gib=1e-4}, {rank=4, deadline_s=1e-6}, {memory_gib=64}]"
     summary = run_experiment(
-        tiny_config("method=heterolora", "model.lora_rank=4", f"federation.profiles={profiles}", "rounds=2")
+        tiny_config(
+            "method=heterolora",
+            "model.lora_rank=4",
+            f"federation.profiles={profiles}",
+            "rounds=2",
+            "train.gradient_checkpointing=true",  # fixed: client 0 then fits no setting
+        )
     )
     for line in lines(summary):
         assert line["dropped"]["0"].startswith("excluded by the plan: no setting fits its budget")
@@ -185,7 +193,8 @@ def test_fedtune_plan_prints_each_clients_plan(tmp_path):
     plain = tmp_path / "stated.toml"
     plain.write_text('method = "heterolora"\n[model]\nlora_rank = 8\n')
     profiles = "federation.profiles=[{rank=2, memory_gib=1e-6}]"
-    stated = CliRunner().invoke(app, ["plan", str(plain), *args, "--set", profiles])
+    fixed = ["--set", "train.gradient_checkpointing=true"]  # the setting column is the rank alone
+    stated = CliRunner().invoke(app, ["plan", str(plain), *args, "--set", profiles, *fixed])
     row = stated.output.splitlines()[-4]
     assert row.split()[:6] == ["1", "-", "1e-06", "GiB", "rank", "2"] and "excluded" not in row
     assert "stated in its profile; predicted peak" in row and row.endswith("> memory_gib 1e-06: the run measures it")

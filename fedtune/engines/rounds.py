@@ -79,7 +79,7 @@ def answer(client: Client, kind: str, message: Message, seed: int, rnd: int, att
     ):
         raise InjectedFailure(f"injected failure (failure_prob {profile.failure_prob})")
     if kind == TRAIN:
-        if profile.memory_gib is not None:  # a memory budget: the fit's peak is measured
+        if profile.memory_gib is not None or profile.gradient_checkpointing:  # measured; planned checkpointing
             from fedtune.planning.planner import metered_fit
 
             reply = metered_fit(client, message)
@@ -89,6 +89,10 @@ def answer(client: Client, kind: str, message: Message, seed: int, rnd: int, att
         return client.secure_reply(message, reply) if SECURE_LAYOUT in message.meta else reply
     if kind == EVALUATE:
         return client.evaluate(message)
+    if profile.memory_gib is not None:  # a phase of the round's training (RABO's hypergradient): measured too
+        from fedtune.planning.planner import metered_fit
+
+        return metered_fit(client, message, partial(client.phase, kind))
     return client.phase(kind, message)
 
 

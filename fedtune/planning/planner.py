@@ -6,7 +6,10 @@ A client has a budget when its profile states ``memory_gib``, ``bandwidth_mb`` o
 client's speed and the MB it uploads, and picks, simplest first, the knob its method lets a
 client vary: the rank for HeteroLoRA / FlexLoRA / FedStackLoRA, the sketch ratio (rank / r) for
 FSLoRA, each client's largest of r, r/2, r/4, ..., 1 that fits every budget it states; FedIT has
-no knob (rank r or nothing). A client that states its knob (``rank``, ``sketch_ratio``) keeps it
+no knob (rank r or nothing). The sub-model methods (RABO / RAFBO, Static, FedRolex, FIARSE) vary
+the capacity, the largest of RABO's 1, 1/2, ..., 1/16 that fits, priced on the sliced model
+(:mod:`fedtune.planning.capacity`). A client that states its knob (``rank``, ``sketch_ratio``,
+``capacity``) keeps it
 and the run measures it. A client that no setting fits is excluded, with the reason of the
 smallest setting, and every round drops it with that reason.
 """
@@ -14,11 +17,14 @@ smallest setting, and every round drops it with that reason.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from fedtune.config import ConfigError
+from fedtune.models.precision import DTYPES
 from fedtune.protocol.messages import Message
 from fedtune.protocol.profiles import ClientProfile
 
@@ -29,6 +35,9 @@ KNOBS: dict[str, str | None] = {
     "fedstacklora": "rank",
     "fslora": "sketch_ratio",
     "fedit": None,
+    "fedpetuning": None,
+    "local": None,
+    **dict.fromkeys(("rabo", "rafbo", "static", "fedrolex", "fiarse"), "capacity"),
 }
 #: the key of a training reply's metadata with the client's measured peak bytes
 PEAK_BYTES = "peak_bytes"
@@ -83,11 +92,6 @@ def plan_budgets(context, always: bool = False) -> Plan | None:
     """The plan of ``context``'s run (a :class:`~fedtune.runtime.RunContext`), or None when no
     client states a budget (``always``: the predictions all the same); ConfigError for a method
     the planner does not cover."""
-    from fedtune.methods.base.lora import client_rank
-    from fedtune.models.precision import DTYPES, computes_natively, resolve_device
-    from fedtune.models.train_memory import optimizer_states
-    from fedtune.planning.memory import COEFFICIENTS, Shape, Workload, predict
-
     profiles = list(context.run.profiles)
     if not always and not any(has_budget(p) for p in profiles):
         return None
@@ -96,52 +100,52 @@ def plan_budgets(context, always: bool = False) -> Plan | None:
         raise ConfigError(
             f"federation: client budgets are planned for {', '.join(KNOBS)}; method {config.method!r} has no planner"
         )
-    knob, cfg, train = KNOBS[config.method], config.model, config.train
-    task = context.task
-    targets = list(cfg.target_modules) if cfg.target_modules is not None else task.lora_targets()
-    dtype = DTYPES[cfg.dtype]
-    compute = dtype if computes_natively(resolve_device(config.device), dtype) else torch.float32
-    work = Workload(
-        train.batch_size,
-        config.data.max_length,
-        torch.finfo(compute).bits // 8,
-        train.gradient_checkpointing,
-        optimizer_states(train.optimizer, train.momentum),
-        train.local_steps,
-    )
-    fed = config.federation
-    per_value = torch.finfo(DTYPES[fed.wire_dtype]).bits // 8
-    if fed.upload_topk is not None:
-        per_value = fed.upload_topk * (per_value + 4)  # the kept values and their int32 indices
-    base = context.workspace.base
-    try:
-        family = Shape.of(base).family
-    except ValueError as exc:
-        raise ConfigError(f"model.name: {cfg.name!r}: {exc}; budgets are planned for transformer models") from None
-    if family not in COEFFICIENTS:
-        raise ConfigError(
-            f"model.name: {cfg.name!r} is a {family!r} model; the memory model is fitted for "
-            f"{', '.join(COEFFICIENTS)} (benchmarks/budgets/fit_memory.py)"
+    knob = KNOBS[config.method]
+    if knob == "capacity":
+        from fedtune.planning.capacity import CAPACITIES, predict_capacity
+
+        knobs = _Knob(
+            list(CAPACITIES), lambda p: p.capacity, lambda v, _: predict_capacity(context, v), "capacity {:g}".format
         )
-    predictions = {}
+    else:
+        knobs = _lora_knob(context, knob)
+    costs = {}
     clients, planned, excluded = [], [], {}
     for cid, profile in enumerate(profiles):
-        stated = knob is not None and (profile.rank is not None or profile.sketch_ratio is not None)
-        ranks = _ladder(cfg.lora_rank) if knob is not None and not stated else [client_rank(profile, cfg.lora_rank)]
-        for rank in ranks:
-            if rank not in predictions:
-                predictions[rank] = predict(base, targets, task.head_modules(), rank, work)
-            p = predictions[rank]
-            seconds, upload = p.seconds / profile.speed, p.trainable * per_value / MB
-            reason = _violation(profile, p.peak, seconds, upload) if has_budget(profile) else None
+        own = knobs.stated(profile)
+        stated = knob is not None and own is not None
+        values = [own] if own is not None else knobs.ladder if knob is not None else knobs.ladder[:1]
+        codecs = _codecs(context, profile)
+        for value in values:
+            for checkpointing in knobs.variants:
+                if (value, checkpointing) not in costs:
+                    costs[value, checkpointing] = knobs.cost(value, checkpointing)
+                p, upload_values = costs[value, checkpointing]
+                seconds = p.seconds / profile.speed
+                # a lighter codec only where the upload is what breaks the budget
+                fits = not has_budget(profile) or _violation(profile, p.peak, seconds, 0.0) is None
+                for codec in codecs if fits else codecs[:1]:
+                    upload = upload_values * bytes_per_value(*codec) / MB
+                    reason = _violation(profile, p.peak, seconds, upload) if has_budget(profile) else None
+                    if reason is None:
+                        break
+                # checkpointing only where the memory is what breaks it
+                if reason is None or profile.memory_gib is None or p.peak <= profile.memory_gib * GIB:
+                    break
             if reason is None:
                 break
-        setting = f"sketch ratio {rank / cfg.lora_rank:g}" if knob == "sketch_ratio" else f"rank {rank}"
+        setting = knobs.label(value)
+        if checkpointing != knobs.variants[0]:
+            setting += ", checkpointing"
+            profile = profile.model_copy(update={"gradient_checkpointing": True})
+        if codec != codecs[0]:
+            setting += f", upload {codec[1]}" + ("" if codec[0] is None else f" top-k {codec[0]:g}")
         if reason is not None and not stated:
             excluded[cid] = f"excluded by the plan: no setting fits its budget ({setting}: {reason})"
         if knob is not None and not stated:
-            value = rank / cfg.lora_rank if knob == "sketch_ratio" else rank
-            profile = profile.model_copy(update={knob: value})
+            profile = profile.model_copy(update={knob: knobs.value(value)})
+        if codec != codecs[0]:
+            profile = profile.model_copy(update={"upload_topk": codec[0], "wire_dtype": codec[1]})
         clients.append(
             ClientPlan(
                 cid,
@@ -159,17 +163,160 @@ def plan_budgets(context, always: bool = False) -> Plan | None:
     return Plan(clients, planned, excluded)
 
 
-def metered_fit(client, message: Message) -> Message:
-    """``client.fit(message)`` with its measured peak (:class:`~fedtune.planning.memory.PeakMeter`
-    on the run's device, plus the frozen base the client holds) in the reply's metadata."""
+#: the upload codecs (top-k fraction, wire dtype) the planner may give a client, heaviest first
+CODECS = ((None, "float32"), (None, "bfloat16"), (0.25, "bfloat16"), (0.1, "bfloat16"), (0.05, "bfloat16"))
+#: the cross-method options of a method whose clients upload through the codec
+CODEC_OPTIONS = ("federation.upload_topk", "federation.wire_dtype")
+CHECKPOINTING = "train.gradient_checkpointing"
+
+
+def bytes_per_value(topk: float | None, wire_dtype: str) -> float:
+    """Upload bytes per update value: dense in ``wire_dtype``, or top-k's kept values and their int32 indices."""
+    size = torch.finfo(DTYPES[wire_dtype]).bits // 8
+    return size if topk is None else topk * (size + 4)
+
+
+def compresses(context) -> bool:
+    """Whether the run's clients upload through the codec (the method honours it; no secure aggregation)."""
+    return set(CODEC_OPTIONS) <= context.method.honours and not context.config.federation.secure_aggregation
+
+
+def _codecs(context, profile: ClientProfile) -> list[tuple[float | None, str]]:
+    """The client's codec ladder: its own (or the federation's), then, where the run's uploads go
+    through the codec and the profile states none, each lighter one of :data:`CODECS`."""
+    fed = context.config.federation
+    first = profile.upload_codec(fed.upload_topk, fed.wire_dtype)
+    if profile.upload_topk is not None or profile.wire_dtype is not None or not compresses(context):
+        return [first]
+    return [first, *(c for c in CODECS if bytes_per_value(*c) < bytes_per_value(*first))]
+
+
+def check_profile_codecs(run) -> None:
+    """A profile that states an upload codec needs a method whose uploads go through it, one that
+    states gradient checkpointing a method that honours it (ConfigError naming the first such
+    profile); ``run``: a :class:`~fedtune.runtime.ResolvedRun`."""
+    fed = run.config.federation
+    for cid, p in enumerate(run.profiles):
+        if p.gradient_checkpointing and CHECKPOINTING not in run.method.honours:
+            raise ConfigError(
+                f"federation.profiles[{cid}].gradient_checkpointing: method {run.config.method!r} does not honour it"
+            )
+        field_ = "upload_topk" if p.upload_topk is not None else "wire_dtype" if p.wire_dtype is not None else None
+        if field_ is None:
+            continue
+        if not set(CODEC_OPTIONS) <= run.method.honours:
+            raise ConfigError(
+                f"federation.profiles[{cid}].{field_}: method {run.config.method!r} does not compress its uploads"
+            )
+        if fed.secure_aggregation:
+            raise ConfigError(f"federation.profiles[{cid}].{field_}: not with federation.secure_aggregation")
+
+
+@dataclass
+class _Knob:
+    """What a method lets a client vary: its ladder (largest first), the value a profile states
+    (None: unstated), each (value, gradient checkpointing)'s (prediction, upload values), the
+    setting's label, the profile field's value for a ladder value, and the checkpointing
+    variants to try (the run's setting first)."""
+
+    ladder: list
+    stated: Callable[[ClientProfile], object]
+    cost: Callable[[object, bool], tuple]
+    label: Callable[[object], str]
+    value: Callable[[object], object] = lambda v: v
+    variants: tuple[bool, ...] = (False,)
+
+
+def _lora_knob(context, knob: str | None) -> _Knob:
+    """The LoRA methods' knob: the rank on r, r/2, ..., 1 (FSLoRA: the sketch ratio rank / r)."""
+    from fedtune.methods.base.lora import client_rank
+    from fedtune.models.precision import computes_natively, resolve_device
+    from fedtune.models.train_memory import optimizer_states
+    from fedtune.planning.memory import COEFFICIENTS, Shape, Workload, predict
+
+    config = context.config
+    cfg, train, task = config.model, config.train, context.task
+    targets = list(cfg.target_modules) if cfg.target_modules is not None else task.lora_targets()
+    dtype = DTYPES[cfg.dtype]
+    compute = dtype if computes_natively(resolve_device(config.device), dtype) else torch.float32
+    work = Workload(
+        train.batch_size,
+        config.data.max_length,
+        torch.finfo(compute).bits // 8,
+        train.gradient_checkpointing,
+        optimizer_states(train.optimizer, train.momentum),
+        train.local_steps,
+    )
+    base = context.workspace.base
+    try:
+        family = Shape.of(base).family
+    except ValueError as exc:
+        raise ConfigError(f"model.name: {cfg.name!r}: {exc}; budgets are planned for transformer models") from None
+    if family not in COEFFICIENTS:
+        raise ConfigError(
+            f"model.name: {cfg.name!r} is a {family!r} model; the memory model is fitted for "
+            f"{', '.join(COEFFICIENTS)} (benchmarks/budgets/fit_memory.py)"
+        )
+
+    def cost(rank: int, checkpointing: bool) -> tuple:
+        p = predict(base, targets, task.head_modules(), rank, replace(work, checkpointing=checkpointing))
+        return p, p.trainable
+
+    variants = (train.gradient_checkpointing,)
+    if not train.gradient_checkpointing and _checkpointable(context, base):
+        variants = (False, True)
+
+    r = cfg.lora_rank
+
+    def stated(profile: ClientProfile):
+        return client_rank(profile, r) if profile.rank is not None or profile.sketch_ratio is not None else None
+
+    if knob == "sketch_ratio":
+        return _Knob(_ladder(r), stated, cost, lambda v: f"sketch ratio {v / r:g}", lambda v: v / r, variants)
+    return _Knob(_ladder(r), stated, cost, "rank {}".format, variants=variants)
+
+
+def _checkpointable(context, base) -> bool:
+    """Whether the planner may turn gradient checkpointing on for a client: the method honours
+    ``train.gradient_checkpointing`` and the model supports it."""
+    return CHECKPOINTING in context.method.honours and any(
+        getattr(m, "supports_gradient_checkpointing", False) for m in base.modules()
+    )
+
+
+@contextmanager
+def planned_checkpointing(client):
+    """Gradient checkpointing on the client's base for the block when its profile has it and the
+    run does not (the base is shared by the process's clients: it is turned off again after)."""
+    on = client.profile.gradient_checkpointing and not client.config.train.gradient_checkpointing
+    if not on:
+        yield
+        return
+    from fedtune.models.precision import enable_gradient_checkpointing
+
+    base = client.context.workspace.base
+    enable_gradient_checkpointing(base, str(client.config.model.name))
+    try:
+        yield
+    finally:
+        for m in base.modules():
+            if getattr(m, "is_gradient_checkpointing", False) and hasattr(m, "gradient_checkpointing_disable"):
+                m.gradient_checkpointing_disable()
+
+
+def metered_fit(client, message: Message, call: Callable[[Message], Message] | None = None) -> Message:
+    """``client.fit(message)`` (or ``call(message)``: a phase of the round) with its measured peak
+    (:class:`~fedtune.planning.memory.PeakMeter` on the run's device, plus the frozen base a LoRA
+    client holds) in the reply's metadata, under the client's planned checkpointing."""
     from fedtune.models.precision import resolve_device
     from fedtune.planning.memory import PeakMeter, base_weight_bytes
 
-    with PeakMeter(resolve_device(client.config.device)) as meter:
-        reply = client.fit(message)
+    with planned_checkpointing(client), PeakMeter(resolve_device(client.config.device)) as meter:
+        reply = (call or client.fit)(message)
     if meter.growth is None:
         return reply
-    held = base_weight_bytes(client.context.workspace.base)
+    # a LoRA client holds the frozen base; a sub-model client builds its sub-model inside its fit
+    held = 0 if KNOBS.get(client.config.method) == "capacity" else base_weight_bytes(client.context.workspace.base)
     return Message(reply.arrays, {**reply.meta, PEAK_BYTES: held + meter.growth})
 
 
@@ -186,7 +333,7 @@ def format_plan(plan: Plan) -> str:
         note = c.excluded or ("stated in its profile" if c.stated else "")
         if c.over is not None:
             note += f"; {c.over}: the run measures it"
-        rows.append((str(c.cid), c.device_class or "-", budget(p), c.setting, f"{c.peak_bytes / GIB:.3f}",
+        rows.append((str(c.cid), c.device_class or "-", budget(p), c.setting, f"{c.peak_bytes / GIB:.3g}",
                      f"{c.seconds:.3g}", f"{c.upload_mb:.3g}", note))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)) + ("  " + r[-1] if r[-1] else "") for r in rows]

@@ -24,12 +24,26 @@ class ClientProfile(BaseModel):
     bandwidth_mb: float | None = Field(None, gt=0, description="budget: MB the client can upload per round")
     deadline_s: float | None = Field(None, gt=0, description="budget: seconds per round (slower: dropped)")
     device_class: str | None = Field(None, description="the federation.device_classes entry it was drawn from")
+    upload_topk: float | None = Field(
+        None, gt=0, le=1, description="its upload codec: top-k fraction (default federation.upload_topk)"
+    )
+    wire_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="its upload codec: dtype of its float arrays (default federation.wire_dtype)"
+    )
+    gradient_checkpointing: bool | None = Field(
+        None, description="its local training with gradient checkpointing (default train.gradient_checkpointing)"
+    )
     failure_prob: float = Field(0.0, ge=0, le=1, description="fault injection: chance the client fails a request")
     delay_s: float = Field(0.0, ge=0, description="fault injection: seconds the client waits before answering")
     attack: Literal["sign-flip", "scale"] | None = Field(
         None, description="fault injection: a hostile client's reply (its update sign-flipped, or times attack_scale)"
     )
     attack_scale: float = Field(100.0, gt=0, description="fault injection: the factor of attack = 'scale'")
+
+    def upload_codec(self, topk: float | None, wire_dtype: str) -> tuple[float | None, str]:
+        """(top-k fraction, wire dtype) of its uploads: its own where it states them, else the
+        federation's ``topk`` and ``wire_dtype``."""
+        return (topk if self.upload_topk is None else self.upload_topk), (self.wire_dtype or wire_dtype)
 
 
 def _profile(fields: dict[str, Any], where: str) -> ClientProfile:

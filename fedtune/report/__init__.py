@@ -1,4 +1,5 @@
-"""Summarise fedtune run folders (``summary.json`` + ``metrics.jsonl``) as a markdown table and plots.
+"""Summarise fedtune run folders (``summary.json`` + ``metrics.jsonl``) as a markdown table and plots;
+a budgeted run (``plan.json``) also gets its clients' predicted against measured costs.
 
 The building blocks are shared with the benchmark suites (:mod:`fedtune.harness`): :func:`load_run`
 reads a run folder, :func:`table_lines` writes any markdown table, and :func:`figure` is the one
@@ -12,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import mean
 from typing import Any
 
 from fedtune.errors import FedtuneError
@@ -265,5 +267,131 @@ def make_report(run_dirs: list[Path], out_dir: Path | None = None) -> tuple[str,
     report = out_dir / "report.md"
     check_free(report, _our_report, "--out")
     paths = plot_runs(runs, out_dir)
+    markdown += _budget_sections(runs, out_dir, paths)
     write_output(report, markdown.encode("utf-8"), _our_report, "--out")
     return markdown, [report, *paths]
+
+
+def _budget_sections(runs: list[RunRecord], out_dir: Path, paths: list[Path]) -> str:
+    """For each budgeted run (a ``plan.json``): its predicted-against-measured tables, and its plot
+    ``budgets_<run>.png`` appended to ``paths``."""
+    import io
+
+    text = ""
+    for run in runs:
+        rows = client_rows(run.path, run.rounds)
+        if rows is None:
+            continue
+        text += budget_markdown(run.name, rows)
+        path = out_dir / f"budgets_{run.path.name}.png"
+        check_free(path, _our_plot, "--out")
+        image = io.BytesIO()
+        plot_budgets(rows, image, f"{run.name}: predicted against measured per client")
+        write_output(path, image.getvalue(), _our_plot, "--out")
+        paths.append(path)
+    return text
+
+
+# -- budgets: a budgeted run's plan (``plan.json``) against what its rounds measured ----------------
+# Measured, per client over the rounds it trained in: its peak memory (the largest
+# ``client_peak_bytes``; only clients with a ``memory_gib`` are measured), its seconds per round
+# (the mean ``client_compute_s``) and its MB uploaded per round (the mean ``client_bytes_up``). A
+# device class's row is the mean over its clients of each column that has a value.
+
+GIB, MB = 2**30, 1e6  # fedtune.planning.planner's units
+
+#: (label, plan.json key, metrics.jsonl key, scale to the shown unit, how per-round values combine)
+QUANTITIES = (
+    ("peak GiB", "peak_bytes", "client_peak_bytes", 1 / GIB, max),
+    ("s/round", "seconds", "client_compute_s", 1.0, mean),
+    ("MB up/round", "upload_mb", "client_bytes_up", 1 / MB, mean),
+)
+
+
+@dataclass
+class ClientRow:
+    cid: int
+    device_class: str
+    setting: str
+    predicted: list[float]  # per QUANTITIES
+    measured: list[float | None]
+    rounds: int  # rounds it trained in
+    dropped: int  # rounds it was dropped in
+
+
+def client_rows(run_dir: Path, rounds: list[dict]) -> list[ClientRow] | None:
+    """One row per planned client of the run in ``run_dir`` (None: the run has no ``plan.json``)."""
+    path = Path(run_dir) / "plan.json"
+    if not path.is_file():
+        return None
+    try:
+        planned = json.loads(path.read_text(encoding="utf-8"))["clients"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ReportError(f"{path}: expected the plan's JSON object with a 'clients' list ({exc})") from None
+    out = []
+    for c in planned:
+        key = str(c["cid"])
+        trained = [r for r in rounds if key in r.get("client_compute_s", {}) and key not in r.get("dropped", {})]
+        measured = []
+        for _, _, metric, scale, combine in QUANTITIES:
+            values = [r[metric][key] * scale for r in trained if key in r.get(metric, {})]
+            measured.append(combine(values) if values else None)
+        predicted = [c["peak_bytes"] / GIB, c["seconds"], c["upload_mb"]]
+        dropped = sum(key in r.get("dropped", {}) for r in rounds)
+        out.append(
+            ClientRow(c["cid"], c["device_class"] or "-", c["setting"], predicted, measured, len(trained), dropped)
+        )
+    return out
+
+
+def _cell(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3g}"
+
+
+def budget_markdown(name: str, rows: list[ClientRow]) -> str:
+    """The per-client and per-class tables of predicted against measured."""
+    pairs = [f"{label} {kind}" for label, *_ in QUANTITIES for kind in ("predicted", "measured")]
+    per_client = [
+        [str(r.cid), r.device_class, r.setting]
+        + [_cell(v) for p, m in zip(r.predicted, r.measured) for v in (p, m)]
+        + [f"{r.rounds} / {r.dropped}"]
+        for r in rows
+    ]
+    per_class = []
+    for cls in sorted({r.device_class for r in rows}):
+        members = [r for r in rows if r.device_class == cls]
+        cells = []
+        for i in range(len(QUANTITIES)):
+            seen = [r.measured[i] for r in members if r.measured[i] is not None]
+            cells += [_cell(mean(r.predicted[i] for r in members)), _cell(mean(seen) if seen else None)]
+        per_class.append([cls, str(len(members)), *cells])
+    return "\n".join(
+        [
+            f"\n### {name}: budgets, predicted against measured",
+            "",
+            *table_lines(["client", "class", "setting", *pairs, "rounds trained / dropped"], per_client),
+            "",
+            *table_lines(["class", "clients", *pairs], per_class),
+            "",
+        ]
+    )
+
+
+def plot_budgets(rows: list[ClientRow], path, title: str) -> None:
+    """Predicted against measured, one panel per quantity, a point per measured client, coloured by class."""
+    with figure(path, 1, len(QUANTITIES), figsize=(12, 4), metadata={"Software": PNG_MARK}) as (fig, axes):
+        classes = sorted({r.device_class for r in rows})
+        for i, (ax, (label, *_)) in enumerate(zip(axes, QUANTITIES)):
+            for cls in classes:
+                pts = [
+                    (r.predicted[i], r.measured[i]) for r in rows if r.device_class == cls and r.measured[i] is not None
+                ]
+                if pts:
+                    ax.scatter(*zip(*pts), label=cls, s=18)
+            top = max([v for r in rows for v in (r.predicted[i], r.measured[i]) if v is not None], default=1.0)
+            ax.plot([0, top], [0, top], color="grey", linewidth=0.8, linestyle="--")
+            ax.set(title=label, xlabel="predicted", ylabel="measured")
+            ax.grid(alpha=0.3)
+        if axes[0].get_legend_handles_labels()[0]:
+            axes[0].legend()
+        fig.suptitle(title)

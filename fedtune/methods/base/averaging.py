@@ -78,7 +78,7 @@ class UpdateClient(Client):
             update = private.kind.client_release(private, update, self.state, self.cid, rnd)
             hidden = private.kind.clips_on_client or fed.secure_aggregation
             reported = {"num_examples": 1, **meta} if hidden else {**result.meta(), **meta}
-        return Message(encode_update(update, fed.upload_topk, fed.wire_dtype), reported)
+        return Message(encode_update(update, *self.profile.upload_codec(fed.upload_topk, fed.wire_dtype)), reported)
 
     def train_seed(self, rnd: int) -> int:
         """Data order and dropout of this client in round ``rnd``: from (run seed, round, client) alone."""

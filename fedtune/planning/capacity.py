@@ -1,0 +1,89 @@
+"""What a client of capacity beta costs in the sub-model methods (RABO / RAFBO, Static, FedRolex,
+FIARSE), predicted from the task's model sliced to that capacity.
+
+A capacity beta (``profile.capacity``) is RABO's resource-adaptive mask M(., R_i) (eq. (3)) made
+concrete as HeteroFL's model rate: ceil(beta n) units of every unit group of n
+(:func:`~fedtune.models.structure.units_kept`), so the planner's ladder is the paper's settings
+beta in {1, 1/2, 1/4, 1/8, 1/16} (Sec. V-A). Each capacity's sub-model is built as the static
+policy's (every policy keeps the same number of units, so the costs are the same), and
+
+- **peak** = its weights + trainable values x 4 x (1 gradient + optimizer states) + the
+  activations autograd saves over one forward of the task's loss on one batch of the client's
+  data (:class:`~fedtune.models.train_memory.ActivationMeter`);
+  the activation term is ``a + k x`` those saved bytes, (a, k) fitted per kind from measured runs
+  of the recipes (:data:`SUBMODEL_FIT`, ``benchmarks/budgets/fit_capacity.py``): the backward's
+  transient gradients and the allocator's floor are not saved tensors;
+- **seconds** = 3 x the forward's FLOPs (torch's FLOP counter) x the local steps over
+  ``REFERENCE_FLOPS x speed`` (RABO: its T inner steps where y is the model, one pass where y is
+  a head fitted on the network's features);
+- **upload** = the sub-model's values at its mask x the wire bytes per value.
+
+FIARSE trains the full-size model with its entries masked (its sub-model is the same count of
+values by magnitude), so its memory and seconds are capacity 1's and only its upload shrinks.
+
+RABO's y and x are priced together as the task's model's sub-model (its few-shot head and its
+loss parameters are small beside the network); its hypergradient's Hessian-vector products are
+not in the prediction, so a run measures the training phase of each client against its budget.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedtune.planning.memory import REFERENCE_FLOPS, Prediction
+
+#: the sub-model methods (their knob: ``profile.capacity``)
+CAPACITY_METHODS = ("rabo", "rafbo", "static", "fedrolex", "fiarse")
+#: RABO Sec. V-A's capacities, largest first
+CAPACITIES = (1.0, 0.5, 0.25, 0.125, 0.0625)
+#: (a bytes, k) of the activation term ``a + k x saved`` per kind, fitted by
+#: benchmarks/budgets/fit_capacity.py on the Conv4 recipes (static, fedrolex; rabo), two seeds x five
+#: capacities each: predicted peak within 33 % (single-level) and 27 % (bilevel) of the measured
+#: resident growth, which itself scatters up to 30 % between seeds for the same client
+#: (results: benchmarks/results/budgets/capacity-fit.json)
+SUBMODEL_FIT: dict[str, tuple[float, float]] = {"single-level": (6179315, 2.467), "bilevel": (11772888, 1.233)}
+
+
+def predict_capacity(context, capacity: float, fitted: bool = True) -> tuple[Prediction, int]:
+    """The predicted cost of one client of ``context``'s run training at ``capacity``, and the
+    values it uploads (its sub-model's, at the mask); ``fitted=False``: the activation term is
+    the saved bytes themselves (what the fit starts from)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fedtune.methods.rabo.masks import SubModel, choose_units, expand, materialize, submodel_of, take
+    from fedtune.methods.rabo.submodel import model_structure
+    from fedtune.models.precision import model_device
+    from fedtune.models.tensors import trainable_tensors
+    from fedtune.models.train_memory import ActivationMeter, optimizer_states, weight_bytes
+
+    config, task = context.config, context.task
+    structure = model_structure(context)
+
+    def sliced(beta: float) -> SubModel:
+        return submodel_of(structure, {g.name: choose_units("static", g, beta, 1, 0) for g in structure.groups})
+
+    sub = sliced(capacity)
+    trains = sliced(1.0) if config.method == "fiarse" else sub
+    full = {n: t.detach().cpu().numpy() for n, t in trainable_tensors(context.model).items()}
+    tensors = expand(take(full, trains), trains, structure.physical, model_device(context.model))
+    model = materialize(context.model, tensors)
+    model.train()
+    rng = np.random.default_rng(config.seed)
+    batch = next(iter(task.train_batches(context.partitions[0], config.train.batch_size, 1, rng)))
+    with ActivationMeter(model) as meter, FlopCounterMode(display=False) as flops:
+        task.loss(model, batch)
+    bilevel = config.method in ("rabo", "rafbo")  # T plain inner steps
+    steps = config.train.local_steps
+    if bilevel:
+        inner = task.bilevel_problem(context, context.options).inner
+        steps = context.options.inner_steps if set(inner) <= set(full) else 1
+    a, k = SUBMODEL_FIT["bilevel" if bilevel else "single-level"] if fitted else (0, 1.0)
+    prediction = Prediction(
+        weights=weight_bytes(model),
+        trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        states=0 if bilevel else optimizer_states(config.train.optimizer, config.train.momentum),
+        activations=int(a + k * meter.peak),
+        seconds=3 * flops.get_total_flops() * steps / REFERENCE_FLOPS,
+        features=(),
+    )
+    return prediction, sum(sub.kept(n) for n in full)
