@@ -20,6 +20,7 @@ import json
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -220,10 +221,10 @@ class _Knob:
     variants to try (the run's setting first)."""
 
     ladder: list
-    stated: Callable[[ClientProfile], object]
-    cost: Callable[[object, bool], tuple]
-    label: Callable[[object], str]
-    value: Callable[[object], object] = lambda v: v
+    stated: Callable[[ClientProfile], Any]
+    cost: Callable[[Any, bool], tuple]
+    label: Callable[[Any], str]
+    value: Callable[[Any], Any] = lambda v: v
     variants: tuple[bool, ...] = (False,)
 
 
@@ -262,7 +263,7 @@ def _lora_knob(context, knob: str | None) -> _Knob:
         p = predict(base, targets, task.head_modules(), rank, replace(work, checkpointing=checkpointing))
         return p, p.trainable
 
-    variants = (train.gradient_checkpointing,)
+    variants: tuple[bool, ...] = (train.gradient_checkpointing,)
     if not train.gradient_checkpointing and _checkpointable(context, base):
         variants = (False, True)
 

@@ -59,7 +59,8 @@ class ServerAggregation(Protocol):
     (:class:`fedtune.methods.base.aggregation.Aggregation`: combiner, privacy mechanism, server optimizer)."""
 
     def sample(self, rnd: int, attempt: int) -> list[int] | None:
-        """Round ``rnd``'s clients drawn from the privacy mechanism's secret, or None."""
+        """Round ``rnd``'s clients at its ``attempt`` (0 first), drawn from the privacy mechanism's
+        secret, or None."""
         ...
 
     def halt_before(self, rnd: int) -> str | None:

@@ -362,7 +362,7 @@ def budget_markdown(name: str, rows: list[ClientRow]) -> str:
         members = [r for r in rows if r.device_class == cls]
         cells = []
         for i in range(len(QUANTITIES)):
-            seen = [r.measured[i] for r in members if r.measured[i] is not None]
+            seen = [m for r in members if (m := r.measured[i]) is not None]
             cells += [_cell(mean(r.predicted[i] for r in members)), _cell(mean(seen) if seen else None)]
         per_class.append([cls, str(len(members)), *cells])
     return "\n".join(
