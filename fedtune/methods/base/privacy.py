@@ -359,21 +359,3 @@ def mechanism(config: Any) -> Mechanism | None:
     if config.federation.secure_aggregation:
         return SecureCentralGaussian(config)
     return AdaptiveClipGaussian(config) if p.adaptive_clip else CentralGaussian(config)
-
-
-def check_privacy(config: Any, options: Any = None) -> None:
-    """Stop with one line on a ``[privacy]`` that cannot run: a target epsilon no multiplier
-    reaches, a budget below one round's epsilon, an explicit ``options.weighting = "examples"``
-    (DP-FedAvg weighs clients uniformly), or a method option without a DP form (``options``: the
-    method's validated options, :meth:`fedtune.registry.MethodOptions.privacy_refusal`)."""
-    if config.privacy.mode == "none":
-        return
-    mechanism(config)
-    refusal = options.privacy_refusal() if options is not None else None
-    if refusal:
-        raise ConfigError(refusal)
-    if config.options.get("weighting") == "examples":
-        raise ConfigError(
-            'options.weighting: "examples" is not DP (a weight depends on the client\'s data); '
-            "privacy.mode weighs every client 1/m"
-        )
