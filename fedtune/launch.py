@@ -1,7 +1,9 @@
 """Run a config on the engine it names: the one entry point of ``fedtune run`` and of a library user.
 
-Every engine runs the same Strategy and Client objects and writes the same run folder; a launcher
-is a function ``(config, on_round=, on_start=, resume=, overwrite=) -> summary``. To add an engine, write its
+Every engine runs the same Strategy and Client objects and writes the same run folder. :func:`launch`
+resolves the config once (:func:`~fedtune.runtime.resolve_run`) and hands the
+:class:`~fedtune.runtime.ResolvedRun` to a launcher, a function
+``(run, on_round=, on_start=, resume=, overwrite=) -> summary``. To add an engine, write its
 launcher and name it in :data:`ENGINES` (and in ``RunConfig.engine``'s choices, :mod:`fedtune.config`).
 The launchers import their engine when called, so that ``fedtune`` starts without loading Flower.
 """
@@ -11,38 +13,38 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from fedtune.config import RunConfig
 from fedtune.run_folder import check_free, move_aside
-from fedtune.runtime import resolve_run
+from fedtune.runtime import ResolvedRun, as_resolved
 
 
-def _embedded(config: Any, overwrite: bool = False, **kw: Any) -> dict:
+def _embedded(run: ResolvedRun, overwrite: bool = False, **kw: Any) -> dict:
     from fedtune.run import run_experiment
 
-    return run_experiment(config, overwrite=overwrite, **kw)  # claims the folder once every input is checked
+    return run_experiment(run, overwrite=overwrite, **kw)  # claims the folder once every input is checked
 
 
-def _claim_run_folder(config: Any, resume: bool, overwrite: bool) -> None:
+def _claim_run_folder(run: ResolvedRun, resume: bool, overwrite: bool) -> None:
     """Before any Flower process starts: a fresh run's folder is free, or its earlier run moved aside."""
     if not resume:
-        run_dir = resolve_run(config).run_dir
         if overwrite:
-            move_aside(run_dir)
+            move_aside(run.run_dir)
         else:
-            check_free(run_dir)
+            check_free(run.run_dir)
 
 
-def _flower_simulation(config: Any, overwrite: bool = False, **kw: Any) -> dict:
+def _flower_simulation(run: ResolvedRun, overwrite: bool = False, **kw: Any) -> dict:
     from fedtune.engines.flower.simulation import run_flower_simulation
 
-    _claim_run_folder(config, kw["resume"], overwrite)
-    return run_flower_simulation(config, **kw)
+    _claim_run_folder(run, kw["resume"], overwrite)
+    return run_flower_simulation(run, **kw)
 
 
-def _flower_deployment(config: Any, overwrite: bool = False, **kw: Any) -> dict:
+def _flower_deployment(run: ResolvedRun, overwrite: bool = False, **kw: Any) -> dict:
     from fedtune.engines.flower.deployment import run_flower_deployment
 
-    _claim_run_folder(config, kw["resume"], overwrite)
-    return run_flower_deployment(config, **kw)
+    _claim_run_folder(run, kw["resume"], overwrite)
+    return run_flower_deployment(run, **kw)
 
 
 #: ``config.engine`` -> its launcher: clients in this process; a Flower simulation (Ray); a loopback
@@ -55,17 +57,19 @@ ENGINES: dict[str, Callable[..., dict]] = {
 
 
 def launch(
-    config: Any,
+    config: RunConfig | ResolvedRun,
     on_round: Callable[[Any], None] | None = None,
     on_start: Callable[[Any], None] | None = None,
     resume: bool = False,
     overwrite: bool = False,
 ) -> dict:
-    """Run ``config`` on ``config.engine`` and return the summary (also in the run folder's
-    ``summary.json``); ``on_round`` gets each round's record, ``on_start`` the resolved run.
+    """Run ``config`` (resolved here unless it is already) on ``config.engine`` and return the
+    summary (also in the run folder's ``summary.json``); ``on_round`` gets each round's record,
+    ``on_start`` the server's :class:`~fedtune.runtime.RunContext`.
 
     A fresh run never writes into a folder holding an earlier run: ``overwrite`` moves that run
     aside (:func:`~fedtune.run_folder.move_aside`), else the run stops with one line
     (:class:`~fedtune.run_folder.RunFolderTaken`); in-process once every input is checked
     (:func:`~fedtune.run.run_experiment`), on Flower before any process starts."""
-    return ENGINES[config.engine](config, on_round=on_round, on_start=on_start, resume=resume, overwrite=overwrite)
+    run = as_resolved(config)
+    return ENGINES[run.config.engine](run, on_round=on_round, on_start=on_start, resume=resume, overwrite=overwrite)

@@ -31,13 +31,13 @@ class MethodOptions(BaseModel):
 
     def privacy_refusal(self) -> str | None:
         """For a method that honours ``privacy.mode``: one line naming the option of these whose
-        setting has no DP form, else None (checked by :func:`fedtune.methods.base.privacy.privacy_params`)."""
+        setting has no DP form, else None (a rule of :data:`fedtune.config.RULES`)."""
         return None
 
     def secure_refusal(self) -> str | None:
         """For a method that honours ``federation.secure_aggregation``: one line naming the option
-        of these whose setting makes the server step more than a weighted sum (checked by
-        :func:`fedtune.runtime.resolve_run`), else None."""
+        of these whose setting makes the server step more than a weighted sum (a rule of
+        :data:`fedtune.config.RULES`), else None."""
         return None
 
 

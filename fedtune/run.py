@@ -23,7 +23,7 @@ from fedtune.engines.embedded import EmbeddedEngine
 from fedtune.engines.rounds import Engine, RoundRecord, RunHalted
 from fedtune.process import setup_process
 from fedtune.run_folder import check_free, create, move_aside, write_text, writing
-from fedtune.runtime import RunContext, resolve_run
+from fedtune.runtime import ResolvedRun, RunContext, as_resolved
 
 
 def _toml(config: RunConfig) -> str:
@@ -215,16 +215,17 @@ def _metrics_lines(path: Path) -> list[dict]:
 
 
 def run_experiment(
-    config: RunConfig,
+    run: RunConfig | ResolvedRun,
     on_round: Callable[[RoundRecord], None] | None = None,
     on_start: Callable[[RunContext], None] | None = None,
     engine: Engine | None = None,
     resume: bool = False,
     overwrite: bool = False,
 ) -> dict:
-    """Run ``config`` and return the summary (also in ``summary.json``). ``engine`` runs the
-    rounds (default: :class:`~fedtune.engines.embedded.EmbeddedEngine`, clients in this process or
-    spread over ``federation.client_devices``).
+    """Run ``run`` (a resolved run, or a config resolved here) and return the summary (also in
+    ``summary.json``). ``engine`` runs the rounds (default:
+    :class:`~fedtune.engines.embedded.EmbeddedEngine`, clients in this process or spread over
+    ``federation.client_devices``).
 
     After every round the metrics line is appended and ``checkpoint.npz`` is rewritten
     atomically: the strategy's state, plus the round (``_round``) and the engine's state
@@ -238,12 +239,13 @@ def run_experiment(
     before any data or model is read), unless
     ``overwrite``, which moves that run aside (:func:`~fedtune.run_folder.move_aside`)."""
     start = time.perf_counter()
+    run = as_resolved(run)
+    config = run.config  # resolved: the task's defaults filled in
     setup_process(config.train.threads)
+    run_dir = run.run_dir
     if not (resume or overwrite):  # before any data or model is read: a refusal costs nothing
-        check_free(resolve_run(config).run_dir)
-    server = RunContext(config)
-    config = server.config  # resolved: the task's defaults filled in
-    run_dir = server.run.run_dir
+        check_free(run_dir)
+    server = RunContext(run)
     checkpoint = run_dir / "checkpoint.npz"
     metrics_path = run_dir / "metrics.jsonl"
     if resume:
@@ -253,7 +255,7 @@ def run_experiment(
                 "run it again without --resume)"
             )
         check_unchanged(config, run_dir / RUN_CONFIG)
-    engine = engine or EmbeddedEngine(config, server)
+    engine = engine or EmbeddedEngine(run, server)
     strategy = server.strategy()
     strategy.initialize()  # loads the model: a bad model.name stops here, before any output
     histograms = {"label_names": server.task.label_names, "clients": server.histograms()}  # reads the data

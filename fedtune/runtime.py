@@ -2,32 +2,34 @@
 
 :func:`resolve_run` is the one resolution step between a config and the first round: it fills the
 task's defaults (``data.name``, ``model.name``), looks the method up, checks the task's options, the
-method x task x model capabilities, the cross-method options it honours and its own options, plans
-the server's aggregation (:func:`~fedtune.methods.base.aggregation.plan_aggregation`: the privacy
-parameters checked and calibrated once) and builds the client profiles, in that order (so the first
-error names the first bad field). The
-:class:`ResolvedRun` it returns is only read afterwards: by :class:`RunContext`, the engines and the
-run folder (:attr:`ResolvedRun.run_dir`).
+method x task x model capabilities, the cross-method options it honours, its own options, the
+server's aggregation (:func:`~fedtune.methods.base.aggregation.plan_aggregation`: the privacy
+parameters checked and calibrated once) and the method's rules of :data:`fedtune.config.RULES`, and builds the client
+profiles, in that order (so the first error names the first bad field). The immutable
+:class:`ResolvedRun` it returns is what travels: :func:`fedtune.launch.launch` resolves once and
+hands it to the engine, which hands it on (:class:`RunContext`, the run folder
+:attr:`ResolvedRun.run_dir`); a process that gets only a config (a Flower ServerApp or node, a
+client device's worker: :attr:`ResolvedRun.config` is their serialized form) resolves it once.
 
-A :class:`RunContext` is built from the config alone (so a Flower node builds the same one); it
-loads lazily and caches the task (its data, prepared once on first use, and the seeded partition)
-and the task's base model with its LoRA adapters. All clients of a process share one context; none
-of them holds a model. The embedded engine gives the server a context of its own, whose LoRA
-workspace it shares (``shares_base``): one frozen base per process, however many clients; every
-user of a workspace loads the adapter arrays it needs (from a Message, or the server's state)
-before each use, so the two sides still exchange nothing but Messages.
+A :class:`RunContext` is built from a :class:`ResolvedRun`; it loads lazily and caches the task (its
+data, prepared once on first use, and the seeded partition) and the task's base model with its LoRA
+adapters. All clients of a process share one context; none of them holds a model. The embedded
+engine gives the server a context of its own, whose LoRA workspace it shares (``shares_base``): one
+frozen base per process, however many clients; every user of a workspace loads the adapter arrays it
+needs (from a Message, or the server's state) before each use, so the two sides still exchange
+nothing but Messages.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from fedtune.config import ConfigError, RunConfig, validate_options
+from fedtune.config import ConfigError, RunConfig, check_rules, validate_options
 from fedtune.data.partition import label_histograms
 from fedtune.methods import get_method
 from fedtune.methods.base.aggregation import AggregationPlan, plan_aggregation
@@ -55,6 +57,10 @@ class ResolvedRun:
         the task's default ``data.name``): the one place it is spelled out."""
         return Path(self.config.output_dir) / self.config.run_name
 
+    def relocated(self, output_dir: str) -> ResolvedRun:
+        """This run writing under ``output_dir`` (nothing resolved depends on it)."""
+        return replace(self, config=self.config.model_copy(update={"output_dir": output_dir}))
+
 
 def resolve_run(config: RunConfig) -> ResolvedRun:
     """Resolve ``config`` once (see the module docstring); raises ConfigError naming the first bad field."""
@@ -65,11 +71,9 @@ def resolve_run(config: RunConfig) -> ResolvedRun:
     method.check(task_class, config)
     method.check_options(config)
     options = validate_options(config.options, method.options)
-    aggregation = plan_aggregation(config, options)
+    aggregation = plan_aggregation(config)  # the privacy parameters checked and calibrated once
+    check_rules(config, options)
     fed = config.federation
-    refusal = options.secure_refusal() if fed.secure_aggregation else None
-    if refusal:
-        raise ConfigError(refusal)
     try:
         profiles = build_profiles(fed.num_clients, fed.profiles, fed.profile_choices, config.seed, fed.device_classes)
     except ValueError as exc:
@@ -79,9 +83,19 @@ def resolve_run(config: RunConfig) -> ResolvedRun:
     return run
 
 
+def as_resolved(run: RunConfig | ResolvedRun) -> ResolvedRun:
+    """``run`` itself, or, given a config, resolved: an entry point's (:func:`~fedtune.launch.launch`,
+    :func:`~fedtune.run.run_experiment`, ...) one resolution when it is called with a config."""
+    return run if isinstance(run, ResolvedRun) else resolve_run(run)
+
+
 class RunContext:
-    def __init__(self, run: RunConfig | ResolvedRun, shares_base: RunContext | None = None) -> None:
-        self.run = run if isinstance(run, ResolvedRun) else resolve_run(run)
+    """What one process needs to play the server or any client of the resolved ``run``."""
+
+    def __init__(self, run: ResolvedRun, shares_base: RunContext | None = None) -> None:
+        if not isinstance(run, ResolvedRun):
+            raise TypeError(f"RunContext takes a ResolvedRun (fedtune.runtime.resolve_run), got {type(run).__name__}")
+        self.run = run
         self.shares_base = shares_base
         self.config = self.run.config
         self.method = self.run.method

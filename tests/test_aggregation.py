@@ -14,7 +14,7 @@ from fedtune.engines.rounds import SecureTransport
 from fedtune.methods.base import accounting
 from fedtune.methods.base.privacy import AdaptiveClipGaussian, LocalGaussian, SecureCentralGaussian
 from fedtune.methods.base.robust import COMBINERS, CoordinateMedian, NormClipped, TrimmedMean, WeightedMean, combiner
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 from tests.conftest import TINY
 
 
@@ -31,7 +31,9 @@ def test_the_privacy_parameters_are_calibrated_once_at_resolve_and_the_strategy_
     calls = []
     calibrate = accounting.calibrate
     monkeypatch.setattr(accounting, "calibrate", lambda *a: calls.append(a) or calibrate(*a))
-    context = RunContext(_config(tmp_path, f'privacy.mode="{mode}"', "privacy.clip=0.5", "privacy.epsilon=8"))
+    context = RunContext(
+        resolve_run(_config(tmp_path, f'privacy.mode="{mode}"', "privacy.clip=0.5", "privacy.epsilon=8"))
+    )
     assert len(calls) == 1
     strategy = context.strategy()
     strategy.initialize()
@@ -54,16 +56,16 @@ def test_the_plan_picks_the_mechanism_combiner_and_server_step_from_the_options(
         AdaptiveClipGaussian: ['privacy.mode="central"', *dp, "privacy.adaptive_clip=true"],
     }
     for kind, extra in kinds.items():
-        plan = RunContext(_config(tmp_path, *extra)).run.aggregation
+        plan = resolve_run(_config(tmp_path, *extra)).aggregation
         assert plan.privacy.kind is kind and plan.secure == ("federation.secure_aggregation=true" in extra)
-    plan = RunContext(
+    plan = resolve_run(
         _config(
             tmp_path,
             'federation.aggregation="median"',
             'federation.server_optimizer="adam"',
             "federation.server_lr=0.1",
         )
-    ).run.aggregation
+    ).aggregation
     assert plan.privacy is None and plan.combiner == CoordinateMedian()
     assert (plan.server.kind, plan.server.lr) == ("adam", 0.1)
 

@@ -440,7 +440,7 @@ def test_a_damaged_report_input_is_one_line(finished_run, tmp_path, case):
 def test_a_byte_order_mark_is_not_part_of_the_first_column(tmp_path, tiny_config):
     """A CSV / JSONL saved with a UTF-8 byte-order mark (Excel, Notepad) reads as without it (before:
     "no column 'text'", the column being '\\ufefftext')."""
-    from fedtune.runtime import RunContext
+    from fedtune.runtime import RunContext, resolve_run
 
     rows = "".join(f"movie number {i},{['pos', 'neg'][i % 2]}\n" for i in range(40))
     for name, data in [
@@ -449,5 +449,5 @@ def test_a_byte_order_mark_is_not_part_of_the_first_column(tmp_path, tiny_config
     ]:
         path = tmp_path / name
         path.write_bytes(b"\xef\xbb\xbf" + data.encode())
-        task = RunContext(tiny_config(f"data.name={path}")).task
+        task = RunContext(resolve_run(tiny_config(f"data.name={path}"))).task
         assert len(task.train) + len(task.test) == 40 and task.num_labels == 2

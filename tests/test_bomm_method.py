@@ -22,7 +22,7 @@ from fedtune.methods.bomm.party import COMPLETE
 from fedtune.methods.bomm.pool import CloudRound, Pool, union_samples
 from fedtune.protocol.messages import Message
 from fedtune.protocol.validation import check_arrays
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 from fedtune.tasks.paired_multimodal import PairedMultimodal
 from tests.test_flower import task_identity  # noqa: F401 - fixture
 
@@ -75,7 +75,7 @@ class Recorder(LocalTransport):
     """The embedded engine's transport, keeping every message and reply that crossed, encoded."""
 
     def __init__(self, config) -> None:
-        super().__init__(RunContext(config).client, config.seed)
+        super().__init__(RunContext(resolve_run(config)).client, config.seed)
         self.client_context = self.make_client(0, {}).context
         self.log: list[tuple[str, int, str, Message]] = []  # (kind, client, "down" / "up", message)
 
@@ -90,7 +90,7 @@ class Recorder(LocalTransport):
 
 def run(config, transport=None):
     """(strategy, transport, round records) of ``config`` on the embedded engine's transport."""
-    server = RunContext(config)
+    server = RunContext(resolve_run(config))
     strategy = server.strategy()
     strategy.initialize()
     transport = transport or Recorder(config)
@@ -240,7 +240,7 @@ def test_completions_are_exactly_the_rows_missing_the_scenarios_modality(config,
 
 def states_after_one_round(cfg, relabel_unlabeled: bool):
     transport = Recorder(cfg)
-    server = RunContext(cfg)
+    server = RunContext(resolve_run(cfg))
     if relabel_unlabeled:  # every unlabeled row's label changed, on the parties' side and the cloud's
         for ctx in (transport.client_context, server):
             train = ctx.task.train
@@ -264,7 +264,7 @@ def test_labels_of_unlabeled_rows_are_never_used(config):
 
 
 def test_the_party_loss_is_the_tasks_loss_when_nothing_is_completed(config):
-    ctx = RunContext(config("bomm"))
+    ctx = RunContext(resolve_run(config("bomm")))
     party = ctx.client(0, {})
     sm, adapters, _, _ = party.networks()
     sm.eval()
@@ -288,7 +288,7 @@ def completion_message(party, rnd: int = 1, seed: int = 0) -> Message:
 
 
 def trained(cfg, message: Message, monkeypatch=None, record=None) -> dict[str, np.ndarray]:
-    ctx = RunContext(cfg)
+    ctx = RunContext(resolve_run(cfg))
     party = ctx.client(0, {})
     if record is not None:
         original_select, original_forward = type(party.networks()[2]).select, type(party).forward
@@ -312,7 +312,7 @@ def trained(cfg, message: Message, monkeypatch=None, record=None) -> dict[str, n
 
 def test_the_scheduler_decides_which_completions_each_update_uses(config, monkeypatch):
     cfg = config("bomm", "options.mu=0.5", "train.local_steps=6", "train.batch_size=16")
-    ctx = RunContext(cfg)
+    ctx = RunContext(resolve_run(cfg))
     message = completion_message(ctx.client(0, {}))
     record = {"selected": [], "used": [], "has": []}
     state = trained(cfg, message, monkeypatch, record)
@@ -328,7 +328,7 @@ def test_the_scheduler_decides_which_completions_each_update_uses(config, monkey
 
 def test_mu_at_the_extremes_is_no_completion_and_every_completion(config):
     base = config("bomm", "train.local_steps=4")
-    ctx = RunContext(base)
+    ctx = RunContext(resolve_run(base))
     message = completion_message(ctx.client(0, {}))
     empty = Message({k: v[:0] for k, v in message.arrays.items()}, message.meta)
 
@@ -413,7 +413,7 @@ def test_alignment_compares_the_cloud_models_embeddings_once_it_has_trained(conf
     x = np.random.default_rng(0).normal(size=(5, 2, FEATURE_DIM)).astype(np.float32)
     mask = np.array([[True, True], [True, False], [False, True], [True, True], [True, False]])
     for space in ("cloud", "phi"):
-        strategy = RunContext(config("bomm", f"options.alignment_space={space}")).strategy()
+        strategy = RunContext(resolve_run(config("bomm", f"options.alignment_space={space}"))).strategy()
         strategy.initialize()
         assert strategy.alignment_space()(x, mask) is x  # before psi_1 has trained: phi
         strategy.classifier_trained = True
@@ -439,7 +439,7 @@ def test_only_bomm_gives_its_generator_prototype_targets_where_no_real_one_exist
 
 
 def test_a_malformed_upload_is_rejected_by_the_reply_spec(config):
-    ctx = RunContext(config("bomm"))
+    ctx = RunContext(resolve_run(config("bomm")))
     strategy = ctx.strategy()
     strategy.initialize()
     sent = strategy.configure_fit(1, [0])[0]

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from fedtune.planning.capacity import CAPACITIES
 from fedtune.planning.planner import GIB, MB, plan_budgets
 from fedtune.run import run_experiment
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 from tests.conftest import tiny
 
 
@@ -23,7 +23,7 @@ def few_shot(tmp_path, method: str, *extra: str):
 
 
 def plan_of(config):
-    return plan_budgets(RunContext(config), always=True)
+    return plan_budgets(RunContext(resolve_run(config)), always=True)
 
 
 def test_capacity_planner_picks_the_largest_capacity_that_fits_and_excludes_the_one_none_fits(tmp_path):
@@ -47,7 +47,7 @@ def test_capacity_planner_picks_the_largest_capacity_that_fits_and_excludes_the_
     assert plan.excluded[2].startswith(
         "excluded by the plan: no setting fits its budget (capacity 0.0625: predicted peak"
     )
-    strategy = RunContext(config).strategy()
+    strategy = RunContext(resolve_run(config)).strategy()
     strategy.initialize()
     assert [strategy.capacity(cid) for cid in range(2)] == [0.5, 1.0]  # the method trains the plan
     # a bandwidth budget bounds the upload: the largest capacity whose sub-model fits it
@@ -184,7 +184,7 @@ def test_the_planner_compresses_the_upload_to_fit_the_bandwidth_and_the_run_send
     from fedtune.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"federation.profiles\[0\].upload_topk: method 'static' does not compress"):
-        RunContext(tiny(Path(config.output_dir), "static", "few-shot", "federation.profiles=[{upload_topk=0.5}]"))
+        resolve_run(tiny(Path(config.output_dir), "static", "few-shot", "federation.profiles=[{upload_topk=0.5}]"))
 
 
 def test_the_planner_turns_checkpointing_on_where_memory_breaks_and_the_run_applies_it(tiny_config, monkeypatch):
@@ -213,6 +213,6 @@ def test_the_planner_turns_checkpointing_on_where_memory_breaks_and_the_run_appl
     assert calls == ["gradient_checkpointing_enable", "gradient_checkpointing_disable"] * 2
     assert not json.loads(Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines()[-1])["dropped"]
     with pytest.raises(Exception, match=r"profiles\[0\].gradient_checkpointing: method 'static' does not honour it"):
-        RunContext(
+        resolve_run(
             tiny(Path(config.output_dir), "static", "few-shot", "federation.profiles=[{gradient_checkpointing=true}]")
         )

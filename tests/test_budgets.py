@@ -19,7 +19,7 @@ from fedtune.engines.rounds import RoundRecord
 from fedtune.planning.planner import GIB, plan_budgets
 from fedtune.protocol.profiles import DeviceClass, build_profiles
 from fedtune.run import run_experiment
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 from tests.conftest import TINY, one_line_config_error, tiny
 
 #: the memory model's stated tolerance on small float32 models held out of the fit
@@ -96,7 +96,7 @@ def test_memory_model_predicts_the_measured_peak_of_small_models(family, dims, c
 
 
 def plan_of(config):
-    return plan_budgets(RunContext(config), always=True)
+    return plan_budgets(RunContext(resolve_run(config)), always=True)
 
 
 def test_planner_gives_each_client_the_largest_rank_that_fits_and_excludes_the_one_none_fits(tiny_config):
@@ -112,7 +112,7 @@ def test_planner_gives_each_client_the_largest_rank_that_fits_and_excludes_the_o
     assert [c.peak_bytes for c in plan.clients] == [peak[1], peak[0], peak[3], peak[0]]
     assert list(plan.excluded) == [2]
     assert plan.excluded[2].startswith("excluded by the plan: no setting fits its budget (rank 1: predicted peak")
-    strategy = RunContext(tiny_config(*rank, f"federation.profiles={profiles}")).strategy()
+    strategy = RunContext(resolve_run(tiny_config(*rank, f"federation.profiles={profiles}"))).strategy()
     strategy.initialize()
     assert [strategy.client_rank(cid) for cid in range(4)] == [4, 8, 1, 8]  # the method trains the plan
     # FSLoRA's knob is the sketch ratio, on the same ladder
@@ -207,8 +207,8 @@ def test_a_budget_for_a_method_or_model_without_planner_is_refused(tiny_config, 
         run_experiment(tiny_config("method=fedavg", "federation.profiles=[{memory_gib=4}]"))
     config = tiny(tmp_path, "fedit", "image-classification", "federation.profiles=[{memory_gib=4}]")
     with pytest.raises(ConfigError, match="'tiny-vit' is a 'vit' model; the memory model is fitted for llama, bert"):
-        RunContext(config).profiles
-    context = RunContext(tiny_config("method=fedit", "federation.profiles=[{memory_gib=4}]"))
+        RunContext(resolve_run(config)).profiles
+    context = RunContext(resolve_run(tiny_config("method=fedit", "federation.profiles=[{memory_gib=4}]")))
     context.workspace = SimpleNamespace(base=torch.nn.Linear(2, 2))  # a model without a transformer config
     with pytest.raises(ConfigError, match="has no Hugging Face transformer config to plan from; budgets are"):
         plan_budgets(context)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fedtune.config import ConfigError, load_config
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 from fedtune.tasks.causal_lm import CausalLM
 
 datasets = pytest.importorskip("datasets")
@@ -56,7 +56,7 @@ COLUMNS = 'task.columns={prompt = "instruction", input = "context", response = "
 
 
 def _task(tmp_path, *overrides):
-    return RunContext(load_config(None, [*TINY, f"output_dir={tmp_path / 'runs'}", *overrides])).task
+    return RunContext(resolve_run(load_config(None, [*TINY, f"output_dir={tmp_path / 'runs'}", *overrides]))).task
 
 
 def _save(tmp_path, name: str, splits: dict) -> str:

@@ -22,7 +22,7 @@ from fedtune.config import ConfigError, load_config
 from fedtune.data import prompting
 from fedtune.models import prefix_lm as plm
 from fedtune.models.hub_ids import fedtune_name, hub_id
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 from fedtune.tasks.causal_lm import CausalLM
 
 
@@ -61,7 +61,7 @@ def test_task_prompts_start_with_the_bos_token(tmp_path, monkeypatch):
         None,
         ["task.kind=causal-lm", *CausalLM.test_overrides, f"output_dir={tmp_path}", "task.template=alpaca"],
     )
-    task = RunContext(cfg).task
+    task = RunContext(resolve_run(cfg)).task
     bos = task.tokenizer.bos_token_id
     assert all(r[0] == bos and (r == bos).sum() == 1 for r in task.train_rows[0][:8])
     assert all(row[0] == bos for _, row, _, _ in task.choice_items(task.test)[:8])
@@ -120,7 +120,7 @@ def test_gemma3_270m_ranks_options_as_transformers_does_and_picks_right_answers(
         "task.choice_scoring=text",
         "task.generate=false",
     ]
-    task = RunContext(load_config(None, overrides)).task
+    task = RunContext(resolve_run(load_config(None, overrides))).task
     assert task.prompt_format.template == "alpaca" and prompting.bos_prefix(task.tokenizer) == "<bos>"  # base model
     lm = task.build_model(0).eval()
     assert next(lm.parameters()).dtype == torch.float32 and type(lm).__name__ == "Gemma3ForCausalLM"

@@ -49,7 +49,7 @@ def test_run_then_report(tmp_path):
 
 def test_every_engine_a_config_may_name_has_a_launcher(monkeypatch):
     """fedtune.launch.ENGINES covers RunConfig.engine's choices, and launch() calls the named one
-    with the run's callbacks (the CLI's one entry point)."""
+    with the resolved run and the run's callbacks (the CLI's one entry point)."""
     from typing import get_args
 
     from fedtune import launch as launch_module
@@ -58,7 +58,7 @@ def test_every_engine_a_config_may_name_has_a_launcher(monkeypatch):
     assert set(launch_module.ENGINES) == set(get_args(RunConfig.model_fields["engine"].annotation))
     seen = []
     for engine in launch_module.ENGINES:
-        monkeypatch.setitem(launch_module.ENGINES, engine, lambda config, **kw: seen.append((config.engine, kw)) or {})
+        monkeypatch.setitem(launch_module.ENGINES, engine, lambda run, **kw: seen.append((run.config.engine, kw)) or {})
         launch_module.launch(load_config(None, [f'engine="{engine}"']), on_round=print, resume=True)
     expected = {"on_round": print, "on_start": None, "resume": True, "overwrite": False}
     assert seen == [(e, expected) for e in launch_module.ENGINES]

@@ -32,7 +32,7 @@ from fedtune.methods.commit.balance import Coordination, Schedule, train_coordin
 from fedtune.models import prefix_lm as plm
 from fedtune.models.training import make_optimizer, seed_for
 from fedtune.run import run_experiment
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 from fedtune.tasks.instruction import Instruction
 from tests.conftest import one_line_config_error
 from tests.test_flower import task_identity  # noqa: F401 - fixture
@@ -56,7 +56,7 @@ def config(tmp_path, *overrides):
 
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory):
-    context = RunContext(config(tmp_path_factory.mktemp("commit")))
+    context = RunContext(resolve_run(config(tmp_path_factory.mktemp("commit"))))
     context.workspace.activate(RANK)
     return context
 
@@ -408,7 +408,7 @@ def check_federated_one_client_is_centralized(tmp_path, carry: bool = False, ref
     state = load_state(run_dir / "checkpoint.npz")
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
-    ref = RunContext(cfg)
+    ref = RunContext(resolve_run(cfg))
     params = ref.workspace.activate(RANK)
     initial = {k: p.detach().numpy().copy() for k, p in params.items()}
     pool = ref.partitions[0]
@@ -481,7 +481,7 @@ def test_federated_rounds_record_per_client_kappa_curves_and_merge_schedules(tmp
     assert line["kappa"] == pytest.approx(np.mean(kappas)) and line["kappa_std"] == pytest.approx(np.std(kappas))
     # the server's rates: the clients' rates averaged with their data sizes (equal here, 32 / 32; unequal
     # sizes: test_two_client_round_is_fedavg_of_the_clients_own_runs)
-    ctx = RunContext(cfg)
+    ctx = RunContext(resolve_run(cfg))
     sizes = [len(p) for p in ctx.partitions]
     rates = [balance.coordinated_rates(np.mean(c["kappa"]), 2 * cfg.train.lr, 1.0) for c in curves.values()]
     want = [sum(w * r[i] for w, r in zip(sizes, rates)) / sum(sizes) for i in range(2)]
@@ -530,7 +530,7 @@ def test_commit_runs_only_where_the_task_offers_an_encoder_and_a_language_model(
 
 def test_lora_dropout_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="lora_dropout"):
-        RunContext(config(tmp_path, "model.lora_dropout=0.1")).strategy().initialize()
+        RunContext(resolve_run(config(tmp_path, "model.lora_dropout=0.1"))).strategy().initialize()
 
 
 # -- unfaithful variants -------------------------------------------------------------------------
@@ -706,7 +706,7 @@ def test_commit_gives_the_same_run_on_flower(tmp_path, task_identity):  # noqa: 
     ],
 )
 def test_bad_options_stop_with_one_line_naming_the_field(tmp_path, override, field):
-    assert one_line_config_error(lambda: RunContext(config(tmp_path, override))).startswith(field + ":")
+    assert one_line_config_error(lambda: RunContext(resolve_run(config(tmp_path, override)))).startswith(field + ":")
 
 
 # -- unfaithful variants the checks above let through (found by applying them one at a time) ------
@@ -891,7 +891,7 @@ def test_two_client_round_is_fedavg_of_the_clients_own_runs(tmp_path):
     )
     summary = run_experiment(cfg)
     state = load_state(Path(summary["run_dir"]) / "checkpoint.npz")
-    ref = RunContext(cfg)
+    ref = RunContext(resolve_run(cfg))
     params = ref.workspace.activate(RANK)
     start = ref.workspace.state(RANK)
     sizes = [len(p) for p in ref.partitions]

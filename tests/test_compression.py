@@ -17,7 +17,7 @@ from fedtune.methods.base.lora_arrays import lora_pairs
 from fedtune.methods.fslora import SHARED_SKETCH, read_indices
 from fedtune.protocol.compression import IDX, SHAPE, VAL, is_topk_encoded, topk_count, topk_decode, topk_encode
 from fedtune.protocol.messages import Message
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HAS_SST2 = (Path(os.environ.get("FEDTUNE_DATA_DIR", "data")) / "sst2" / "train.tsv").is_file()
@@ -127,7 +127,7 @@ def run_one_round(method: str, *overrides: str):
             *overrides,
         ],
     )
-    server, clients = RunContext(config), RunContext(config)
+    server, clients = RunContext(resolve_run(config)), RunContext(resolve_run(config))
     strategy = server.strategy()
     strategy.initialize()
     before = {k: v.copy() for k, v in strategy.global_arrays.items()}

@@ -47,16 +47,16 @@ def test_missing_recipe_and_bad_toml(tmp_path):
 
 
 def test_method_options_are_validated(tiny_config):
-    from fedtune.runtime import RunContext
+    from fedtune.runtime import RunContext, resolve_run
 
     with pytest.raises(ConfigError, match=r"^options\.weighting"):
-        RunContext(tiny_config("options.weighting=median"))
+        RunContext(resolve_run(tiny_config("options.weighting=median")))
     with pytest.raises(ConfigError, match=r"^method: unknown method 'nope'"):
-        RunContext(tiny_config("method=nope"))
+        RunContext(resolve_run(tiny_config("method=nope")))
 
 
 def test_bad_profile_names_the_client(tiny_config):
-    from fedtune.runtime import RunContext
+    from fedtune.runtime import RunContext, resolve_run
 
     with pytest.raises(ConfigError, match=r"federation\.profiles\[1\]\.sketch_ratio"):
-        RunContext(tiny_config("federation.profiles=[{sketch_ratio=0.5}, {sketch_ratio=2.0}, {}, {}]"))
+        RunContext(resolve_run(tiny_config("federation.profiles=[{sketch_ratio=0.5}, {sketch_ratio=2.0}, {}, {}]")))

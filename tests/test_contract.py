@@ -17,7 +17,7 @@ from fedtune.checkpoint import load_state
 from fedtune.config import ConfigError, flat_keys
 from fedtune.methods import get_method, list_methods
 from fedtune.run import run_experiment
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 from fedtune.tasks import list_tasks
 from tests.conftest import assert_moved_alike, tiny, variants
 
@@ -60,7 +60,7 @@ def test_method_runs_on_task(tmp_path, method, kind, variant):
     state = load_state(run_dir / "checkpoint.npz")
     assert state.pop("_round") == 2
     state.pop("_engine")
-    fresh = RunContext(tiny(tmp_path, method, kind, variant=variant)).strategy()
+    fresh = RunContext(resolve_run(tiny(tmp_path, method, kind, variant=variant))).strategy()
     fresh.load_state_dict(state)
     again = fresh.state_dict()
     a, b = flatten(state), flatten(again)
@@ -79,7 +79,7 @@ def test_unsupported_pairing_names_both(tmp_path):
         return
     method, kind = unsupported[0]
     with pytest.raises(ConfigError, match=rf"method '{method}' does not support task '{kind}'"):
-        RunContext(tiny(tmp_path, method, kind))
+        RunContext(resolve_run(tiny(tmp_path, method, kind)))
 
 
 CROSS_OPTION_SETTINGS = {
@@ -133,7 +133,7 @@ def _one_round(tmp_path, method, kind, *extra):
 
 def _initial_state(tmp_path, method, kind) -> dict:
     """The strategy's state before any round (as :func:`_one_round` flattens a checkpoint)."""
-    strategy = RunContext(tiny(tmp_path, method, kind)).strategy()
+    strategy = RunContext(resolve_run(tiny(tmp_path, method, kind))).strategy()
     strategy.initialize()
     return flatten(strategy.state_dict())
 

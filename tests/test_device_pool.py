@@ -28,6 +28,7 @@ from fedtune.engines.embedded import EmbeddedEngine
 from fedtune.engines.rounds import RoundFailed
 from fedtune.protocol.messages import Message
 from fedtune.run import run_experiment
+from fedtune.runtime import resolve_run
 from tests.device_pool_probe import probe_context
 
 TWO_CPUS = 'federation.client_devices=["cpu", "cpu"]'
@@ -94,7 +95,7 @@ def test_local_on_two_workers_resumed_from_round_one_equals_a_straight_one_proce
 def test_a_run_whose_clients_all_fail_in_the_workers_stops_with_their_reasons_and_no_worker_left(tiny_config):
     # the engine's workers are probes (no model to load), whose fit raises on FedIT's messages (no array "x")
     cfg = config(tiny_config, "fedit", TWO_CPUS)
-    engine = EmbeddedEngine(cfg)
+    engine = EmbeddedEngine(resolve_run(cfg))
     engine.local = DevicePool(cfg, ["cpu", "cpu"], make_context=probe_context)
     before = children()
     with pytest.raises(RoundFailed, match=r"after 3 attempts; drops: \{.*\"attempt 3: KeyError: 'x'\"") as failed:
@@ -193,7 +194,7 @@ def test_a_worker_killed_between_or_during_calls_fails_its_clients_naming_its_de
 def test_each_worker_runs_the_process_threads_divided_among_the_workers_unless_configured(tiny_config):
     torch.set_num_threads(4)  # the autouse fixture sets 1 again for the next test
     split = DevicePool(tiny_config(), ["cpu", "cpu"], make_context=probe_context)
-    given = EmbeddedEngine(tiny_config(TWO_CPUS, "train.threads=3")).local
+    given = EmbeddedEngine(resolve_run(tiny_config(TWO_CPUS, "train.threads=3"))).local
     try:
         assert split.threads == 2 and given.threads == 3
         out = split("train", 1, probe_messages([0, 1]))

@@ -13,7 +13,7 @@ from fedtune.protocol.client import Client
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
 from fedtune.registry import MethodOptions, register
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 
 
 class VectorOptions(MethodOptions):
@@ -48,7 +48,7 @@ class VectorClient(Client):
 
 def test_a_method_defined_here_runs_through_the_registry(tiny_config):
     register_toy("toy-vector-mean", VectorMean, VectorClient, VectorOptions)
-    ctx = RunContext(tiny_config("method=toy-vector-mean", "options.dim=2", "rounds=3"))
+    ctx = RunContext(resolve_run(tiny_config("method=toy-vector-mean", "options.dim=2", "rounds=3")))
     strategy = ctx.strategy()
     strategy.initialize()
     history = run_rounds(strategy, ctx.client, 4, 4, 3, seed=0)
@@ -70,7 +70,7 @@ def test_fedit_upload_is_parameter_count_times_dtype_plus_header(tiny_config):
     from fedtune.run import run_experiment
 
     cfg = tiny_config("method=fedit", "model.lora_rank=4", "federation.clients_per_round=3")
-    ctx = RunContext(cfg)
+    ctx = RunContext(resolve_run(cfg))
     adapter = ctx.workspace.state(4)
     n_params = sum(a.size for a in adapter.values())
     # 2 layers x (query, value) x (A: 4x32 + B: 32x4) + head (3x32 + 3)
@@ -119,7 +119,7 @@ def test_local_averages_every_metric_all_clients_report_and_cannot_forge_the_acc
     from fedtune.protocol.messages import Message
     from fedtune.runtime import RunContext
 
-    strategy = RunContext(tiny_config("method=local")).strategy()
+    strategy = RunContext(resolve_run(tiny_config("method=local"))).strategy()
     strategy.initialize()
     metas = [
         {"accuracy": 0.2, "loss": 2.0, "rouge_l": 0.10, "loss_a": 1.0, "only_here": 5.0, "bytes_up": 0, "odd": 1.0},
@@ -148,7 +148,7 @@ def test_run_folder_and_saved_adapter_reproduce_final_predictions(tiny_config):
         assert (run_dir / name).exists(), name
     assert summary["environment"]["torch"] == torch.__version__  # where it ran: timings depend on it
     # the run's final model: the strategy's global state loaded into a fresh workspace
-    ctx = RunContext(cfg)
+    ctx = RunContext(resolve_run(cfg))
     state = load_state(run_dir / "checkpoint.npz")
     ws = ctx.workspace
     ws.load(state["global"], int(state["rank"]))
@@ -225,7 +225,7 @@ def register_toy(name: str, strategy, client, options=MethodOptions) -> None:
 
 def test_a_round_with_a_second_exchange_runs_it_on_the_clients_that_answered(tiny_config):
     register_toy("toy-two-phase", TwoPhase, TwoPhaseClient)
-    ctx = RunContext(tiny_config("method=toy-two-phase"))
+    ctx = RunContext(resolve_run(tiny_config("method=toy-two-phase")))
     strategy = ctx.strategy()
     strategy.initialize()
     history = run_rounds(strategy, ctx.client, 4, 4, 1, seed=0)
@@ -297,7 +297,7 @@ def test_bytes_up_of_a_multi_exchange_round_are_summed_over_its_exchanges(tiny_c
     """Mistake: ``client_bytes_up`` overwritten, not summed, across the exchanges of a round (RABO's
     two phases): a client's upload is its fit reply plus its phase reply, byte for byte."""
     register_toy("toy-two-phase", TwoPhase, TwoPhaseClient)
-    ctx = RunContext(tiny_config("method=toy-two-phase"))
+    ctx = RunContext(resolve_run(tiny_config("method=toy-two-phase")))
     strategy = ctx.strategy()
     strategy.initialize()
     record = run_rounds(strategy, ctx.client, 4, 4, 1, seed=0)[0]

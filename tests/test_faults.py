@@ -26,7 +26,7 @@ from fedtune.methods import get_method, list_methods
 from fedtune.protocol.compression import topk_encode
 from fedtune.protocol.messages import Message
 from fedtune.run import run_experiment
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 from tests.conftest import TINY, tiny
 
 
@@ -176,8 +176,8 @@ def mutate(reply: Message, rng: np.random.Generator, cid: int, rnd: int, cap: in
 @pytest.mark.parametrize("method", ["fedit", "fedavg"])
 def test_fuzzed_replies_are_all_rejected_and_the_aggregate_is_the_valid_ones(tiny_config, method):
     config = tiny_config(f"method={method}", "federation.num_clients=22", "train.local_steps=1", "model.lora_rank=2")
-    server, clients = RunContext(config), RunContext(config)
-    strategy, reference = server.strategy(), RunContext(config).strategy()
+    server, clients = RunContext(resolve_run(config)), RunContext(resolve_run(config))
+    strategy, reference = server.strategy(), RunContext(resolve_run(config)).strategy()
     strategy.initialize()
     reference.initialize()
     first = strategy.configure_fit(1, [0, 1])

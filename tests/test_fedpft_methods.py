@@ -26,7 +26,7 @@ from fedtune.methods.fedpft.fedpft import APOZ, DELTA, TOKENS
 from fedtune.methods.fedpft.ffn_proxy import find_stack
 from fedtune.methods.fedpft.proxy import PROXY
 from fedtune.run import run_experiment
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HAS_SST2 = (Path(os.environ.get("FEDTUNE_DATA_DIR", "data")) / "sst2" / "train.tsv").is_file()
@@ -67,7 +67,7 @@ class Federation:
     def __init__(self, tmp_path: Path, method: str = "fedpft", *overrides: str) -> None:
         base = [o for o in BASE if method != "fedpetuning" or not o.startswith("options.")]  # no proxy options
         self.config = load_config(None, [*base, f"method={method}", f"output_dir={tmp_path}", *overrides])
-        self.server, self.clients = RunContext(self.config), RunContext(self.config)
+        self.server, self.clients = RunContext(resolve_run(self.config)), RunContext(resolve_run(self.config))
         self.strategy = self.server.strategy()
         self.strategy.initialize()
         self.states: dict[int, dict] = {}
@@ -274,7 +274,7 @@ def test_apoz_uploads_and_neuron_downloads_are_byte_accounted(tmp_path):
 def test_a_client_that_lost_its_proxy_is_dropped_then_sent_it_whole(tmp_path):
     fed = Federation(tmp_path)
     fed.round(1, [0])
-    fed.clients = RunContext(fed.config)  # a new process: empty store, the persistent state kept
+    fed.clients = RunContext(resolve_run(fed.config))  # a new process: empty store, the persistent state kept
     with pytest.raises(RuntimeError, match="holds proxy version"):
         fed.clients.client(0, dict(fed.states[0])).fit(fed.strategy.configure_fit(2, [0])[0])
     fed.strategy.aggregate_fit(2, {})  # the engine drops the failed client
@@ -300,10 +300,10 @@ def test_run_metrics_and_proxy_cache(tmp_path, capsys):
     assert "layer-level distillation (eq. 13): step 10/10" in capsys.readouterr().err
     cache = Path(summary["run_dir"]) / "fedpft-proxy.npz"
     assert cache.is_file()
-    again = RunContext(config).strategy()
+    again = RunContext(resolve_run(config)).strategy()
     again.initialize()  # a rerun loads the cached proxy instead of distilling
     assert again.builder.record["cache"] == str(cache) and "layer-level" not in capsys.readouterr().err
-    fresh = RunContext(config).strategy()
+    fresh = RunContext(resolve_run(config)).strategy()
     fresh.builder._proxy, _ = fresh.builder.construct()  # distilling again gives the very same proxy (seeded)
     for name, array in fresh.builder.state()["ffn"].items():
         assert np.array_equal(again.builder.state()["ffn"][name], array), name
@@ -323,7 +323,7 @@ def test_fedpft_refuses_models_without_a_known_ffn(tmp_path):
         ],
     )
     with pytest.raises(ConfigError, match=r"method 'fedpft' does not support model 'small-cnn' .*needs: transformer"):
-        RunContext(config).strategy().initialize()
+        RunContext(resolve_run(config)).strategy().initialize()
 
 
 def test_fedot_plugs_the_adapter_into_the_full_models_layers(tmp_path):

@@ -248,7 +248,7 @@ def test_loopback_flower_apps_match_embedded_engine(task_identity, tmp_path, emb
 def test_federated_evaluation_and_client_state_match_embedded_engine(task_identity, tmp_path, monkeypatch):
     from fedtune.engines.embedded import run_rounds
     from fedtune.methods.fedit import FedITClient, FedITStrategy
-    from fedtune.runtime import RunContext
+    from fedtune.runtime import RunContext, resolve_run
 
     # Prepare: FedIT plus a federated evaluation whose clients count their calls in Client.state
     def configure_evaluate(self, rnd, client_ids):
@@ -267,9 +267,9 @@ def test_federated_evaluation_and_client_state_match_embedded_engine(task_identi
 
     # Execute
     serve(LoopbackGrid(make_client_app(config), 2), config, timeout=60, on_round=flower_history.append)
-    strategy = RunContext(config).strategy()
+    strategy = RunContext(resolve_run(config)).strategy()
     strategy.initialize()
-    embedded_history = run_rounds(strategy, RunContext(config).client, 2, 2, config.rounds, config.seed)
+    embedded_history = run_rounds(strategy, RunContext(resolve_run(config)).client, 2, 2, config.rounds, config.seed)
 
     # Assert
     assert [r.metrics["calls"] for r in flower_history] == [1.0, 2.0]  # state persisted on the node
@@ -534,8 +534,8 @@ def test_cli_runs_each_engine(tmp_path, monkeypatch):
     calls = []
 
     def fake(name):
-        def run(config, on_round=None, on_start=None, resume=False, **_):
-            calls.append((name, config.engine, resume, callable(on_round), callable(on_start)))
+        def run(run, on_round=None, on_start=None, resume=False, **_):  # launch hands the resolved run
+            calls.append((name, run.config.engine, resume, callable(on_round), callable(on_start)))
             return {
                 "run_dir": str(tmp_path),
                 "final_accuracy": 0.5,
@@ -561,10 +561,10 @@ def test_tokenized_cache_gives_the_same_batches(tmp_path, monkeypatch):
     """What a ClientApp maps from the on-disk cache is what tokenizing gives: ids, dtypes, batches."""
     from fedtune.data.batches import TokenizedSet
     from fedtune.data.cache import CACHE_ENV
-    from fedtune.runtime import RunContext
+    from fedtune.runtime import RunContext, resolve_run
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
-    task = RunContext(_config(tmp_path)).task
+    task = RunContext(resolve_run(_config(tmp_path))).task
     (train, _), tokenizer = task.data, task.tokenizer
     reference = TokenizedSet.from_texts(tokenizer, train.texts, train.labels, 16)
     calls = []

@@ -28,7 +28,7 @@ from fedtune.methods.fslora import (
     slice_adapter,
 )
 from fedtune.protocol.messages import Message
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 from tests.conftest import random_global
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -56,7 +56,7 @@ def make_config(*overrides: str, method: str = "fslora", clients: int = 3):
 def run(config, rounds: int = 2):
     """Run ``rounds`` rounds with separate server and client contexts; return the strategy, the
     round records and the decoded replies (round -> cid -> Message)."""
-    server, clients = RunContext(config), RunContext(config)
+    server, clients = RunContext(resolve_run(config)), RunContext(resolve_run(config))
     strategy = server.strategy()
     strategy.initialize()
     replies: dict[int, dict[int, Message]] = {}
@@ -116,7 +116,7 @@ def test_sketch_is_unbiased_expected_S_is_identity():
 
 
 def test_one_index_set_per_client_shared_by_all_pairs_unless_per_module():
-    shared = RunContext(make_config(profiles(0.5, 0.5, 0.5))).strategy()
+    shared = RunContext(resolve_run(make_config(profiles(0.5, 0.5, 0.5)))).strategy()
     shared.initialize()
     sets = shared.sketch(1, 0)
     assert len(sets) == len(shared.pairs) == 4
@@ -124,7 +124,9 @@ def test_one_index_set_per_client_shared_by_all_pairs_unless_per_module():
     message = shared.configure_fit(1, [0])[0]
     assert [k for k in message.arrays if k.startswith("sketch/")] == [SHARED_SKETCH]
 
-    per_module = RunContext(make_config(profiles(0.5, 0.5, 0.5), "options.per_module_sketch=true")).strategy()
+    per_module = RunContext(
+        resolve_run(make_config(profiles(0.5, 0.5, 0.5), "options.per_module_sketch=true"))
+    ).strategy()
     per_module.initialize()
     sets = per_module.sketch(1, 0)
     assert len({tuple(s) for s in sets.values()}) > 1
@@ -148,7 +150,7 @@ def test_client_uploads_active_slices_and_ranks_outside_I_stay_exactly_unchanged
         "train.weight_decay=0.1",
         clients=1,
     )
-    server, clients = RunContext(config), RunContext(config)
+    server, clients = RunContext(resolve_run(config)), RunContext(resolve_run(config))
     strategy = server.strategy()
     strategy.initialize()
     pairs = strategy.pairs
@@ -180,7 +182,7 @@ def test_client_uploads_active_slices_and_ranks_outside_I_stay_exactly_unchanged
 
 def test_server_rejects_a_reply_with_another_sketch():
     config = make_config(profiles(0.5), clients=1)
-    server, clients = RunContext(config), RunContext(config)
+    server, clients = RunContext(resolve_run(config)), RunContext(resolve_run(config))
     strategy = server.strategy()
     strategy.initialize()
     reply = exchange(strategy.configure_fit(1, [0])[0], clients.client(0, {}).fit)[0]
@@ -271,7 +273,7 @@ def test_rank_k_adapter_gradient_equals_autograd_of_dense_sketched_loss():
     from torch.func import functional_call
 
     config = make_config(profiles(0.375), "model.lora_alpha=12", clients=1)  # k = 3, alpha/r = 1.5
-    ctx = RunContext(config)
+    ctx = RunContext(resolve_run(config))
     ws = ctx.workspace
     rng = np.random.default_rng(0)
     global_arrays = {k: (0.2 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in ws.state(RANK).items()}
@@ -330,7 +332,7 @@ def test_same_seed_same_global_arrays():
 
 def test_state_dict_round_trip_resumes_the_same_global_adapter():
     strategy, _, _ = run(make_config(profiles(0.5, 0.5, 0.5), clients=3), rounds=1)
-    fresh = RunContext(strategy.config).strategy()
+    fresh = RunContext(resolve_run(strategy.config)).strategy()
     fresh.load_state_dict(strategy.state_dict())
     assert fresh.rank == RANK
     for k in strategy.global_arrays:
@@ -351,7 +353,7 @@ def test_state_dict_round_trip_resumes_the_same_global_adapter():
 )
 def test_bad_option_is_a_config_error_naming_the_field(option, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
-        RunContext(make_config(option))
+        RunContext(resolve_run(make_config(option)))
 
 
 # -- unfaithful variants: one plain-SGD step through FSLoRAClient.fit and eq. (5) ------------------
@@ -389,7 +391,7 @@ def test_one_sgd_step_is_gamma_r_over_k_grad_on_active_ranks_and_eq5_gives_each_
         f"model.lora_alpha={alpha}",
         clients=2,
     )
-    server, clients = RunContext(config), RunContext(config)
+    server, clients = RunContext(resolve_run(config)), RunContext(resolve_run(config))
     strategy = server.strategy()
     strategy.initialize()
     before = random_global(strategy, 1)
@@ -445,7 +447,7 @@ def test_one_sgd_step_is_gamma_r_over_k_grad_on_active_ranks_and_eq5_gives_each_
 
 
 def fslora_strategy(*overrides: str):
-    strategy = RunContext(make_config(*overrides)).strategy()
+    strategy = RunContext(resolve_run(make_config(*overrides))).strategy()
     strategy.initialize()
     return strategy
 

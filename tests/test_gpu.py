@@ -15,7 +15,7 @@ import torch
 
 from fedtune.config import load_config
 from fedtune.run import run_experiment
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 from tests.test_scale import TINY as CPU_TINY
 from tests.test_scale import batch_of
 
@@ -54,7 +54,7 @@ def test_a_run_on_cuda_agrees_with_the_cpu(tmp_path, method, case):
 
 def test_the_shared_base_lives_on_the_gpu_and_batches_follow_it(tmp_path):
     cfg = load_config(None, [*TINY, f"output_dir={tmp_path}", "device=cuda", "model.dtype=bfloat16"])
-    context = RunContext(cfg)
+    context = RunContext(resolve_run(cfg))
     ws = context.workspace
     params = ws.activate(4)
     assert all(p.device.type == "cuda" and p.dtype == torch.float32 for p in params.values())

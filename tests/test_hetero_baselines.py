@@ -31,7 +31,7 @@ from fedtune.methods.base.ranked import merged_into_base
 from fedtune.methods.fedstacklora import DENSE, STACK_B, split_downlink
 from fedtune.protocol.messages import Message
 from fedtune.run import run_experiment
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 from tests.conftest import random_global
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,7 +103,7 @@ def test_zero_pad_average_hand_computed():
 
 def test_heterolora_sends_truncations_and_pads_updates():
     # Prepare
-    ctx = RunContext(tiny("heterolora", PROFILES, "options.scaling=global"))
+    ctx = RunContext(resolve_run(tiny("heterolora", PROFILES, "options.scaling=global")))
     strategy = ctx.strategy()
     strategy.initialize()
     g0 = {k: v.copy() for k, v in strategy.global_arrays.items()}
@@ -183,7 +183,7 @@ def test_an_svd_that_gesdd_cannot_converge_on_falls_back_to_gesvd(monkeypatch):
 
 def test_flexlora_server_rebuilds_pairs_and_redistributes_svd():
     # Prepare
-    ctx = RunContext(tiny("flexlora", PROFILES))
+    ctx = RunContext(resolve_run(tiny("flexlora", PROFILES)))
     strategy = ctx.strategy()
     strategy.initialize()
     messages = strategy.configure_fit(1, [0, 1, 2])
@@ -210,7 +210,7 @@ def test_flexlora_server_rebuilds_pairs_and_redistributes_svd():
     head = sum(p[c] * trained[c]["classifier.weight"] for c in range(3))
     np.testing.assert_allclose(nxt[0].arrays["classifier.weight"], head, atol=1e-5)
     # the checkpoint round trip gives the same messages
-    fresh = RunContext(tiny("flexlora", PROFILES)).strategy()
+    fresh = RunContext(resolve_run(tiny("flexlora", PROFILES))).strategy()
     fresh.load_state_dict(strategy.state_dict())
     again = fresh.configure_fit(2, [0, 1, 2])
     for c in range(3):
@@ -234,7 +234,7 @@ def test_stack_factors_product_is_weighted_sum():
 
 def test_fedstacklora_server_stacks_and_merges_exactly():
     # Prepare
-    ctx = RunContext(tiny("fedstacklora", PROFILES, "options.transport=stacks"))
+    ctx = RunContext(resolve_run(tiny("fedstacklora", PROFILES, "options.transport=stacks")))
     strategy = ctx.strategy()
     strategy.initialize()
     rng = np.random.default_rng(5)
@@ -284,7 +284,7 @@ def base_weights(ws) -> dict[str, torch.Tensor]:
 
 def test_merged_into_base_adds_then_restores_even_on_error():
     # Prepare
-    ctx = RunContext(tiny("fedstacklora"))
+    ctx = RunContext(resolve_run(tiny("fedstacklora")))
     ws = ctx.workspace
     ws.activate(RANK)
     path = lora_paths(ws.state(RANK))[0]
@@ -304,14 +304,14 @@ def test_merged_into_base_adds_then_restores_even_on_error():
 def test_fedstacklora_client_trains_on_merged_base_and_restores_it():
     # Prepare: a server with a non-zero merged Delta W; the clients' own process
     config = tiny("fedstacklora", PROFILES)
-    server = RunContext(config).strategy()
+    server = RunContext(resolve_run(config)).strategy()
     server.initialize()
     rng = np.random.default_rng(7)
     server.merged = {p: rng.normal(scale=0.5, size=(32, 32)) for p in server.paths}
     with_delta = server.configure_fit(2, [1])[1]
     server.merged = {}
     without = server.configure_fit(2, [1])[1]
-    clients = RunContext(config)
+    clients = RunContext(resolve_run(config))
     clients.workspace.activate(RANK)
     before = base_weights(clients.workspace)
     # Execute
@@ -331,7 +331,7 @@ def test_fedstacklora_client_trains_on_merged_base_and_restores_it():
 def test_two_rounds_end_to_end_with_heterogeneous_ranks(method, tmp_path):
     # Prepare
     config = tiny(method, "federation.profile_choices.sketch_ratio=[0.25, 0.5, 1.0]", tmp_path=tmp_path)
-    ranks = sorted({round(p.sketch_ratio * RANK) for p in RunContext(config).profiles})
+    ranks = sorted({round(p.sketch_ratio * RANK) for p in RunContext(resolve_run(config)).profiles})
     assert len(ranks) > 1
     # Execute
     summary = run_experiment(config)
@@ -366,13 +366,13 @@ def test_heterolora_equals_fedit_with_uniform_ranks(tmp_path):
 
 def test_state_survives_save_and_load(tmp_path):
     # Prepare: a FedStackLoRA state after one aggregated round
-    ctx = RunContext(tiny("fedstacklora", PROFILES))
+    ctx = RunContext(resolve_run(tiny("fedstacklora", PROFILES)))
     strategy = ctx.strategy()
     strategy.initialize()
     strategy.merged = {p: np.full((32, 32), 0.25) for p in strategy.paths}
     # Execute
     save_state(tmp_path / "s.npz", strategy.state_dict())
-    other = RunContext(tiny("fedstacklora", PROFILES)).strategy()
+    other = RunContext(resolve_run(tiny("fedstacklora", PROFILES))).strategy()
     other.load_state_dict(load_state(tmp_path / "s.npz"))
     # Assert
     assert other.merged.keys() == strategy.merged.keys()
@@ -385,7 +385,7 @@ def test_recipe_parses(method):
     assert config.method == method and config.model.lora_rank == 64
     assert config.federation.num_clients == 20
     assert config.federation.profile_choices == {"sketch_ratio": [0.125, 0.25, 0.5, 0.75]}
-    RunContext(config)  # options validate; profiles build
+    RunContext(resolve_run(config))  # options validate; profiles build
 
 
 # -- unfaithful variants, through the real Client.fit and Strategy.aggregate_fit ---------------
@@ -413,7 +413,7 @@ def test_heterolora_one_sgd_step_is_the_gradient_of_the_truncated_model_at_its_s
 
     gamma = 20.0  # a large rate: the uploaded difference of float32 arrays must resolve the step
     config = tiny("heterolora", PROFILES, f"options.scaling={scaling}", "train.optimizer=sgd", f"train.lr={gamma}")
-    strategy, clients = RunContext(config).strategy(), RunContext(config)
+    strategy, clients = RunContext(resolve_run(config)).strategy(), RunContext(resolve_run(config))
     strategy.initialize()
     g0 = random_global(strategy, 8)
     paths = lora_paths(g0)
@@ -448,7 +448,7 @@ def test_flexlora_delta_w_is_replaced_each_round_by_the_clients_products():
     from round 1's SVD, so their products already carry Delta W^1. Fails on a server that
     accumulates Delta W across rounds (Delta W^2 = Delta W^1 + sum_i ...)."""
     config = tiny("flexlora", PROFILES)
-    strategy, clients = RunContext(config).strategy(), RunContext(config)
+    strategy, clients = RunContext(resolve_run(config)).strategy(), RunContext(resolve_run(config))
     strategy.initialize()
     for rnd in (1, 2):
         sent = {cid: m.arrays for cid, m in strategy.configure_fit(rnd, [0, 1, 2]).items()}
@@ -481,7 +481,7 @@ def test_fedstacklora_merges_the_pairs_the_clients_actually_trained():
     started from. Fails on a client whose fresh A is not the one the server regenerates (for
     example PEFT's own seeded init of the workspace adapter)."""
     config = tiny("fedstacklora", PROFILES)
-    strategy, clients = RunContext(config).strategy(), RunContext(config)
+    strategy, clients = RunContext(resolve_run(config)).strategy(), RunContext(resolve_run(config))
     strategy.initialize()
     expected: dict[str, np.ndarray] = {}
     for rnd in (1, 2):
@@ -518,7 +518,9 @@ def test_hetlora_sparsity_weighted_module_aggregation_hand_computed():
     modules of ||(alpha/r_i) B_i A_i||_F^2 of the trained pairs, and the new global adapter is
     sum_i p_i pad_8(theta_i) (rank indices j >= r_i get nothing from client i). Fails on weights
     computed from the uploaded updates instead of the trained modules."""
-    ctx = RunContext(tiny("heterolora", PROFILES, "options.weighting=sparsity", "options.aggregate=modules"))
+    ctx = RunContext(
+        resolve_run(tiny("heterolora", PROFILES, "options.weighting=sparsity", "options.aggregate=modules"))
+    )
     strategy = ctx.strategy()
     strategy.initialize()
     rng = np.random.default_rng(11)
@@ -573,7 +575,7 @@ def test_hetlora_self_pruning_drops_the_tail_when_its_norm_shrinks_and_the_serve
     tails = {}
     for lam in (0.0, 5.0):
         config = tiny("heterolora", *opts, f"options.prune_lambda={lam}")
-        strategy, clients = RunContext(config).strategy(), RunContext(config)
+        strategy, clients = RunContext(resolve_run(config)).strategy(), RunContext(resolve_run(config))
         strategy.initialize()
         fresh = strategy.configure_fit(1, [0])[0]
         reply = clients.client(0).fit(Message.decode(fresh.encode()))
@@ -591,7 +593,7 @@ def test_hetlora_self_pruning_drops_the_tail_when_its_norm_shrinks_and_the_serve
             assert replies[0].arrays[a_name(lora_paths(replies[0].arrays)[0])].shape[0] == 6
             assert strategy.pruned == {0: 6}
             assert strategy.configure_fit(3, [0])[0].meta["rank"] == 6
-            fresh = RunContext(config).strategy()
+            fresh = RunContext(resolve_run(config)).strategy()
             fresh.load_state_dict(strategy.state_dict())
             assert fresh.client_rank(0) == 6
     assert tails[5.0] < tails[0.0]

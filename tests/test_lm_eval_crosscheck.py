@@ -28,7 +28,7 @@ import torch
 
 from fedtune.config import load_config
 from fedtune.data import llm_text
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 from fedtune.tasks.causal_lm import CausalLM
 from tests.conftest import acting_adapter_model
 
@@ -62,7 +62,7 @@ def _context(tmp_path, model: str, scoring: str) -> RunContext:
         f"task.choice_scoring={scoring}",
         "task.generate=false",
     ]
-    return RunContext(load_config(None, overrides))
+    return RunContext(resolve_run(load_config(None, overrides)))
 
 
 def _lm_eval_scores(model, task, ds) -> dict[int, np.ndarray]:

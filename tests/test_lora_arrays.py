@@ -94,7 +94,7 @@ def test_convolution_lora_product_is_what_peft_computes(tiny_config):
 
     from fedtune.methods.base.lora_arrays import fresh_lora_a, is_head, lora_scale, pair_product
     from fedtune.methods.base.ranked import merged_into_base
-    from fedtune.runtime import RunContext
+    from fedtune.runtime import RunContext, resolve_run
 
     config = tiny_config(
         "task=image-classification",
@@ -105,7 +105,7 @@ def test_convolution_lora_product_is_what_peft_computes(tiny_config):
         "model.lora_rank=3",
         "model.lora_alpha=6",
     )
-    ctx = RunContext(config)
+    ctx = RunContext(resolve_run(config))
     ws = ctx.workspace
     rng = np.random.default_rng(0)
     arrays = {k: (0.3 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in ws.state(3).items()}

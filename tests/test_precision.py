@@ -9,7 +9,7 @@ import torch
 
 from fedtune.config import load_config
 from fedtune.models import precision
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 from fedtune.tasks.causal_lm import CausalLM
 from tests.conftest import TINY
 
@@ -21,7 +21,7 @@ MODELS = {"tiny-bert": TINY, "tiny-llama": ["task.kind=causal-lm", *CausalLM.tes
 def test_a_bfloat16_base_keeps_every_norm_in_float32_and_casts_the_matrix_layers(model, native, monkeypatch):
     monkeypatch.setattr(precision, "computes_natively", lambda device, dtype: native)
     config = load_config(None, [*MODELS[model], "model.dtype=bfloat16", "device=cpu"])
-    base = precision.prepare_base(RunContext(config).task.build_model(0), config)
+    base = precision.prepare_base(RunContext(resolve_run(config)).task.build_model(0), config)
     norms = [(n, m) for n, m in base.named_modules() if "Norm" in type(m).__name__]
     assert {type(m).__name__ for _, m in norms} >= ({"LayerNorm"} if model == "tiny-bert" else {"LlamaRMSNorm"})
     for name, module in norms:

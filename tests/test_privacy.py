@@ -54,7 +54,7 @@ def test_central_aggregate_is_the_clipped_sum_plus_one_noise_draw_over_the_fixed
     train loss). Fails when clipping is skipped or comes after the noise, when the denominator is
     the 2 replies, when the weights are the clients' example counts, or when noise is drawn per
     client."""
-    strategy = RunContext(_config(tmp_path, *CENTRAL, "seed=11")).strategy()
+    strategy = RunContext(resolve_run(_config(tmp_path, *CENTRAL, "seed=11"))).strategy()
     strategy.initialize()
     before = {k: v.copy() for k, v in strategy.global_arrays.items()}
     strategy.configure_fit(1, [0, 1, 3])
@@ -81,7 +81,7 @@ def test_a_round_nobody_replied_to_still_releases_its_noise_and_counts(tmp_path)
     """A Poisson sample may be empty or every client may drop: the round's release is xi / m alone
     (the state moves), and it is accounted. Returning early (no move, no count) would make whether
     a round is released depend on who replied."""
-    strategy = RunContext(_config(tmp_path, *CENTRAL)).strategy()
+    strategy = RunContext(resolve_run(_config(tmp_path, *CENTRAL))).strategy()
     strategy.initialize()
     before = {k: v.astype(np.float64) for k, v in strategy.global_arrays.items()}
     strategy.configure_fit(1, [])

@@ -14,7 +14,7 @@ import pytest
 from fedtune.config import load_config
 from fedtune.methods.base.privacy import COUNT, NOISE, generator, mechanism
 from fedtune.protocol.messages import Message
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 from tests.conftest import TINY
 
 C0, Z = 0.5, 1.0
@@ -44,7 +44,7 @@ def test_one_round_moves_the_clip_by_the_noised_unclipped_fraction_and_noises_wi
     update (the pair would cost more than z), with the count over the replies instead of m, with
     the new C used to clip this round's updates, or with an arithmetic update of C."""
     config = _config(tmp_path, "privacy.clipped_count_stddev=1.5", "privacy.clip_learning_rate=0.3")
-    strategy = RunContext(config).strategy()
+    strategy = RunContext(resolve_run(config)).strategy()
     strategy.initialize()
     before = {k: v.astype(np.float64) for k, v in strategy.global_arrays.items()}
     updates = [_scaled(before, n, s) for s, n in enumerate((0.1, 0.2, 5.0))]

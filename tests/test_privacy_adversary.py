@@ -16,7 +16,7 @@ import pytest
 from fedtune.checkpoint import load_state
 from fedtune.methods.base.privacy import NOISE, generator
 from fedtune.run import run_experiment
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 from tests.conftest import tiny
 
 KIND = "text-classification"
@@ -158,10 +158,10 @@ def test_two_dp_runs_of_one_config_draw_different_noise_and_a_resume_replays_its
 
     run_experiment(config(1))
     resumed = _flat(load_state(Path(run_experiment(config(3), resume=True)["run_dir"]) / "checkpoint.npz"))
-    strategy = RunContext(config(3)).strategy()
+    strategy = RunContext(resolve_run(config(3))).strategy()
     strategy.initialize()
     strategy.aggregation.privacy.secret = resumed["privacy_secret"]
-    EmbeddedEngine(config(3)).run(strategy)
+    EmbeddedEngine(resolve_run(config(3))).run(strategy)
     whole = _flat(strategy.state_dict())
     for k in weights:
         np.testing.assert_array_equal(resumed[k], whole[k], err_msg=k)
@@ -220,10 +220,10 @@ def test_where_the_server_must_not_see_a_clients_numbers_its_reply_metadata_is_f
     loss, no steps), whatever the client's data. Control: without DP the reply says both."""
     engine = ['engine="flower-sim"'] if "federation.secure_aggregation=true" in extra else []
     config = tiny(tmp_path, "fedit", KIND, "federation.num_clients=4", *extra, *engine)
-    context = RunContext(config)
+    context = RunContext(resolve_run(config))
     strategy = context.strategy()
     strategy.initialize()
     sent = strategy.configure_fit(1, [0])[0]
     assert context.client(0, {}).fit(sent).meta == {"num_examples": 1}
-    plain = RunContext(tiny(tmp_path, "fedit", KIND, "federation.num_clients=4"))
+    plain = RunContext(resolve_run(tiny(tmp_path, "fedit", KIND, "federation.num_clients=4")))
     assert {"train_loss", "steps"} <= set(plain.client(0, {}).fit(sent).meta)

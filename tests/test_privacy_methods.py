@@ -87,7 +87,7 @@ def _round(tmp_path, method, uploads, *extra, seed=11):
     """One round through the real configure_fit / aggregate_fit: clients 0, 1, 3 sampled, the
     uploads of clients 0 and 3 ({cid: norm} or {cid: arrays}) replied. Returns the strategy, the
     global state before, what was sent and the arrays replied."""
-    strategy = RunContext(_config(tmp_path, method, *CENTRAL, f"seed={seed}", *extra)).strategy()
+    strategy = RunContext(resolve_run(_config(tmp_path, method, *CENTRAL, f"seed={seed}", *extra))).strategy()
     strategy.initialize()
     before = {k: v.copy() for k, v in strategy.global_arrays.items()}
     sent = strategy.configure_fit(1, SAMPLED)
@@ -145,7 +145,7 @@ def test_fslora_noise_is_zC_over_m_on_every_coordinate_of_the_rank_r_state(tmp_p
     tiny adapter (about 17000 draws, relative standard error 0.55 %) is z C / m within 3 %, on the
     sketched ranks and on those no replying client drew alike. Noise per client (sqrt(2) z C / m),
     over the replies (z C / 2) or only on the active ranks would fail."""
-    strategy = RunContext(_config(tmp_path, "fslora", *CENTRAL)).strategy()
+    strategy = RunContext(resolve_run(_config(tmp_path, "fslora", *CENTRAL))).strategy()
     strategy.initialize()
     drawn, idle = [], []
     for rnd in range(1, 9):
@@ -180,7 +180,7 @@ def test_fslora_local_upload_through_client_fit_is_its_clipped_slice_plus_its_ow
     c, z = 1e-3, 2.0
     local = ['privacy.mode="local"', f"privacy.clip={c}", f"privacy.noise_multiplier={z}", "seed=3"]
     config = _config(tmp_path, "fslora", *local, "train.lr=0.01")
-    server, clients = RunContext(config), RunContext(config)
+    server, clients = RunContext(resolve_run(config)), RunContext(resolve_run(config))
     strategy = server.strategy()
     strategy.initialize()
     sent = strategy.configure_fit(1, [0])[0]

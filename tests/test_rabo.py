@@ -34,7 +34,7 @@ from fedtune.models.structure import Member, Structure, UnitGroup, units_kept
 from fedtune.protocol.messages import Message
 from fedtune.protocol.profiles import ClientProfile
 from fedtune.run import run_experiment
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 
 TINY_FEW_SHOT = [
     "task.kind=few-shot",
@@ -308,7 +308,7 @@ def few_shot(tmp_path):
 
 def test_masks_respect_each_clients_capacity_exactly(few_shot):
     # Prepare
-    ctx = RunContext(few_shot())
+    ctx = RunContext(resolve_run(few_shot()))
     strategy = ctx.strategy()
     strategy.initialize()
     # Execute
@@ -336,10 +336,10 @@ def inner_phase_equals_fit_head(few_shot, client_cls):
     from fedtune.models.fewshot import fit_head
 
     cfg = few_shot("options.inner_l2=0.0", "options.inner_steps=4", "options.inner_lr=0.1", "federation.profiles=[{}]")
-    server = RunContext(cfg)
+    server = RunContext(resolve_run(cfg))
     strategy = server.strategy()
     strategy.initialize()
-    clients = RunContext(cfg)
+    clients = RunContext(resolve_run(cfg))
     sent = strategy.configure_fit(1, [0])
     replies = {
         0: Message.decode(
@@ -368,7 +368,7 @@ def test_literal_sign_of_g_fails(few_shot):
 
 
 def test_few_shot_losses_are_the_tasks_hooks(few_shot):
-    ctx = RunContext(few_shot("options.inner_l2=0.0"))
+    ctx = RunContext(resolve_run(few_shot("options.inner_l2=0.0")))
     ctx.model.train()
     from fedtune.tasks.bilevel_problems import HyperRepresentation
 

@@ -30,7 +30,7 @@ from fedtune.methods.rabo.fiarse import FiarseClient, FiarseStrategy, ThresholdM
 from fedtune.methods.rabo.masks import SubModel, choose_units, covered_update, expand, submodel_of
 from fedtune.models.structure import structure_of, units_kept
 from fedtune.protocol.messages import Message
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 
 FEW_SHOT = [
     "task.kind=few-shot",
@@ -58,7 +58,7 @@ PROFILES = "federation.profiles=[{capacity=1.0},{capacity=0.5},{capacity=0.25}]"
 
 
 def context(method: str, base: list[str], *extra: str) -> RunContext:
-    return RunContext(load_config(None, [f"method={method}", *base, *extra]))
+    return RunContext(resolve_run(load_config(None, [f"method={method}", *base, *extra])))
 
 
 def started(ctx: RunContext):

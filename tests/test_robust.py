@@ -59,7 +59,7 @@ def test_defaults_are_exactly_the_weighted_mean():
 
 def _strategy(method: str, *extra: str):
     config = load_config(None, [*TINY, f"method={method}", "federation.num_clients=5", *extra])
-    strategy = RunContext(config).strategy()
+    strategy = RunContext(resolve_run(config)).strategy()
     strategy.initialize()
     return strategy
 
@@ -113,7 +113,7 @@ def test_a_hostile_profile_sign_flips_or_scales_its_update():
     config = load_config(
         None, [*TINY, "federation.num_clients=3", 'federation.profiles=[{}, {attack="sign-flip"}, {attack="scale"}]']
     )
-    context = RunContext(config)
+    context = RunContext(resolve_run(config))
     strategy = context.strategy()
     strategy.initialize()
     clients = [context.client(c) for c in range(3)]
@@ -121,7 +121,7 @@ def test_a_hostile_profile_sign_flips_or_scales_its_update():
     honest = answer(clients[0], TRAIN, messages[0], config.seed, 1)
     again = {
         c: answer(
-            RunContext(load_config(None, [*TINY, "federation.num_clients=3"])).client(c),
+            RunContext(resolve_run(load_config(None, [*TINY, "federation.num_clients=3"]))).client(c),
             TRAIN,
             messages[c],
             config.seed,

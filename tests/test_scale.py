@@ -18,7 +18,7 @@ from fedtune.models.precision import prepare_base, resolve_device
 from fedtune.protocol.compression import bfloat16_bits, from_bfloat16_bits, wire_decode, wire_encode
 from fedtune.protocol.validation import ArraySpec, check_arrays
 from fedtune.run import run_experiment
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 from fedtune.tasks.instruction import Instruction
 from tests.conftest import assert_moved_alike
 
@@ -82,7 +82,7 @@ def test_two_rounds_at_scale_give_finite_losses_and_an_adapter_that_reloads(tmp_
         assert lines[-1]["train_loss"] != float32_runs["fedit"][-1]["train_loss"]
         assert lines[-1]["train_loss"] == pytest.approx(float32_runs["fedit"][-1]["train_loss"], rel=0.05)
 
-    context = RunContext(cfg)
+    context = RunContext(resolve_run(cfg))
     ws = context.workspace
     state = load_state(run_dir / "checkpoint.npz")
     global_arrays = state["global"]
@@ -104,7 +104,7 @@ def test_two_rounds_at_scale_give_finite_losses_and_an_adapter_that_reloads(tmp_
 
 
 def test_a_bfloat16_base_keeps_adapters_heads_and_norms_in_float32(tmp_path):
-    ws = RunContext(config(tmp_path, *SCALES["bfloat16"])).workspace
+    ws = RunContext(resolve_run(config(tmp_path, *SCALES["bfloat16"]))).workspace
     params = ws.activate(4)
     assert params and all(p.dtype == torch.float32 for p in params.values())  # what trains and travels
     q_proj = ws.base.language_model.model.layers[0].self_attn.q_proj
@@ -113,7 +113,7 @@ def test_a_bfloat16_base_keeps_adapters_heads_and_norms_in_float32(tmp_path):
     projector = ws.base.image_projector.modules_to_save[ws.adapter_name(4)]
     assert all(p.dtype == torch.float32 and p.requires_grad for p in projector.parameters())
     frozen_bytes = sum(p.numel() * p.element_size() for p in ws.base.parameters() if not p.requires_grad)
-    f32 = RunContext(config(tmp_path / "f32")).workspace
+    f32 = RunContext(resolve_run(config(tmp_path / "f32"))).workspace
     f32.activate(4)
     assert frozen_bytes < 0.6 * sum(p.numel() * p.element_size() for p in f32.base.parameters() if not p.requires_grad)
 
@@ -121,7 +121,7 @@ def test_a_bfloat16_base_keeps_adapters_heads_and_norms_in_float32(tmp_path):
 def test_a_4bit_base_is_nf4_with_double_quantization_and_lora_on_top(tmp_path):
     import bitsandbytes as bnb
 
-    ws = RunContext(config(tmp_path, *SCALES["4bit"])).workspace
+    ws = RunContext(resolve_run(config(tmp_path, *SCALES["4bit"]))).workspace
     ws.activate(4)
     q_proj = ws.base.language_model.model.layers[0].self_attn.q_proj
     layer = q_proj.base_layer
@@ -137,11 +137,11 @@ def test_a_4bit_base_is_nf4_with_double_quantization_and_lora_on_top(tmp_path):
 def test_a_method_that_writes_into_base_weights_refuses_a_quantized_base(tmp_path):
     for method in ("fedstacklora", "flexlora"):
         with pytest.raises(ConfigError, match=rf"^model.quantization: method '{method}' does not support it"):
-            RunContext(config(tmp_path, f"method={method}", *SCALES["4bit"]))
+            RunContext(resolve_run(config(tmp_path, f"method={method}", *SCALES["4bit"])))
 
 
 def test_gradient_checkpointing_is_on_and_refused_by_models_without_it(tmp_path):
-    ws = RunContext(config(tmp_path, *SCALES["checkpointing"])).workspace
+    ws = RunContext(resolve_run(config(tmp_path, *SCALES["checkpointing"]))).workspace
     assert ws.base.language_model.is_gradient_checkpointing
     tiny_cnn = load_config(
         None,
@@ -209,7 +209,7 @@ def test_a_bfloat16_upload_halves_the_bytes_and_the_server_aggregates_in_float32
     globals16 = s16["global"]
     assert globals16 and all(v.dtype == np.float32 for v in globals16.values())
     assert any(not np.array_equal(v, s32["global"][k]) for k, v in globals16.items())  # the rounding reached the mean
-    strategy = RunContext(config(tmp_path / "init", f"method={method}")).strategy()
+    strategy = RunContext(resolve_run(config(tmp_path / "init", f"method={method}"))).strategy()
     strategy.initialize()
     assert_moved_alike(globals16, s32["global"], strategy.global_arrays)  # decoded, under the same names
 
@@ -229,7 +229,9 @@ def test_the_parameter_storage_does_not_grow_with_the_number_of_clients(tmp_path
     """The embedded engine's clients and the server's evaluation share one base: a run of 8
     clients holds as many parameter bytes as a run of 2 (measured while the run is alive, over
     what the process held before it: other tests' models may still be alive)."""
-    one_base = sum(p.numel() * p.element_size() for p in RunContext(config(tmp_path)).task.build_model(0).parameters())
+    one_base = sum(
+        p.numel() * p.element_size() for p in RunContext(resolve_run(config(tmp_path))).task.build_model(0).parameters()
+    )
     held = {}
     for n in (2, 8):
         before, peak = _parameter_bytes(), []
@@ -269,7 +271,7 @@ def test_commit_trains_on_a_4bit_base_and_checkpointing_changes_none_of_its_numb
     for key in ("train_loss", "loss", "kappa"):
         assert runs["ckpt"][key] == runs["plain"][key]
     with pytest.raises(ConfigError, match="^model.dtype: method 'commit' does not support it"):
-        RunContext(config(tmp_path, "method=commit", *SCALES["bfloat16"]))
+        RunContext(resolve_run(config(tmp_path, "method=commit", *SCALES["bfloat16"])))
 
 
 @pytest.mark.skipif(not __import__("fedtune.process").process._malloc_trim(), reason="glibc only")
@@ -349,8 +351,8 @@ def test_an_8bit_base_holds_int8_weights_that_compute_what_the_float_ones_do(tmp
     error (row-wise absmax: 1/127 of a row's largest weight)."""
     import bitsandbytes as bnb
 
-    base = RunContext(config(tmp_path, "model.quantization=8bit")).workspace.base
-    dense = RunContext(config(tmp_path / "f32")).workspace.base
+    base = RunContext(resolve_run(config(tmp_path, "model.quantization=8bit"))).workspace.base
+    dense = RunContext(resolve_run(config(tmp_path / "f32"))).workspace.base
     layer = base.language_model.model.layers[0].self_attn.q_proj
     reference = dense.language_model.model.layers[0].self_attn.q_proj
     assert isinstance(layer, bnb.nn.Linear8bitLt) and layer.weight.dtype == torch.int8

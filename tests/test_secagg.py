@@ -206,14 +206,14 @@ def test_secure_aggregation_on_the_flower_simulation_matches_plain_aggregation(t
 def _partition_sizes(config) -> list[int]:
     from fedtune.runtime import RunContext
 
-    context = RunContext(config)
+    context = RunContext(resolve_run(config))
     return [context.example_bound("train", cid) for cid in range(config.federation.num_clients)]
 
 
 def _initial(config) -> dict:
     from fedtune.runtime import RunContext
 
-    strategy = RunContext(config).strategy()
+    strategy = RunContext(resolve_run(config)).strategy()
     strategy.initialize()
     return strategy.global_arrays
 

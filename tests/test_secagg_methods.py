@@ -117,7 +117,7 @@ def _global(summary: dict) -> dict[str, np.ndarray]:
 
 
 def _initial(config) -> dict[str, np.ndarray]:
-    strategy = RunContext(config).strategy()
+    strategy = RunContext(resolve_run(config)).strategy()
     strategy.initialize()
     return {k: np.array(v) for k, v in strategy.global_arrays.items()}
 

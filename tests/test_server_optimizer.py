@@ -18,7 +18,7 @@ from fedtune.methods.fslora import SHARED_SKETCH
 from fedtune.models.training import make_optimizer
 from fedtune.protocol.messages import Message
 from fedtune.run import run_experiment
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 
 RANK = 8
 TINY = [
@@ -42,7 +42,7 @@ def tiny(method: str, *extra: str):
 
 
 def strategy_of(config):
-    strategy = RunContext(config).strategy()
+    strategy = RunContext(resolve_run(config)).strategy()
     strategy.initialize()
     return strategy
 
@@ -149,7 +149,7 @@ def test_server_adam_with_bias_correction_is_torch_adamw_on_the_negated_mean_as_
         replies, d = fedit_round(strategy, rng)
         if rnd == 3:  # resume from a checkpoint before the last round
             save_state(tmp_path / "s.npz", strategy.state_dict())
-            strategy = RunContext(config).strategy()
+            strategy = RunContext(resolve_run(config)).strategy()
             strategy.load_state_dict(load_state(tmp_path / "s.npz"))
         strategy.aggregate_fit(rnd, replies)
         for k, p in params.items():
@@ -183,7 +183,7 @@ def test_every_lora_method_runs_with_server_adam_and_client_momentum(method, ext
     summary = run_experiment(config)
     state = load_state(Path(summary["run_dir"]) / "checkpoint.npz")
     assert state["server_opt"]["t"] == 2 and state["server_opt"]["m"] and state["server_opt"]["v"]
-    fresh = RunContext(config).strategy()
+    fresh = RunContext(resolve_run(config)).strategy()
     fresh.load_state_dict(state)
     again = fresh.state_dict()["server_opt"]
     assert again["t"] == 2

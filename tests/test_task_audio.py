@@ -174,16 +174,18 @@ def test_log_mel_matches_librosa(fsdd):
 
 # -- the task ----------------------------------------------------------------------------------
 def test_speaker_partition_gives_whole_speakers(tiny_config):
-    from fedtune.runtime import RunContext
+    from fedtune.runtime import RunContext, resolve_run
 
     ctx = RunContext(
-        tiny_config(
-            "method=fedavg",
-            "task.kind=audio-classification",
-            "data.name=fsdd",
-            "task.split_by=speaker",
-            "federation.num_clients=3",
-            "data.max_train_samples=300",
+        resolve_run(
+            tiny_config(
+                "method=fedavg",
+                "task.kind=audio-classification",
+                "data.name=fsdd",
+                "task.split_by=speaker",
+                "federation.num_clients=3",
+                "data.max_train_samples=300",
+            )
         )
     )
     speakers = np.array(ctx.task.train.speakers)
@@ -194,17 +196,19 @@ def test_speaker_partition_gives_whole_speakers(tiny_config):
     assert all(not (a & b) for i, a in enumerate(owned) for b in owned[i + 1 :])
     with pytest.raises(ConfigError, match="^federation.num_clients: task.split_by='speaker' needs at most 6"):
         RunContext(
-            tiny_config("method=fedavg", *AUDIO_TASK, "task.split_by=speaker", "federation.num_clients=7")
+            resolve_run(tiny_config("method=fedavg", *AUDIO_TASK, "task.split_by=speaker", "federation.num_clients=7"))
         ).partitions
 
 
 def test_bad_data_name_and_option_are_config_errors(tiny_config):
-    from fedtune.runtime import RunContext
+    from fedtune.runtime import RunContext, resolve_run
 
     with pytest.raises(ConfigError, match="^data.name: audio-classification reads fsdd; got 'tweets'"):
-        RunContext(tiny_config("method=fedavg", "task.kind=audio-classification", "data.name=tweets")).task.train
+        RunContext(
+            resolve_run(tiny_config("method=fedavg", "task.kind=audio-classification", "data.name=tweets"))
+        ).task.train
     with pytest.raises(ConfigError, match=r"^task.split_by"):
-        RunContext(tiny_config("method=fedavg", "task.kind=audio-classification", "task.split_by=room"))
+        RunContext(resolve_run(tiny_config("method=fedavg", "task.kind=audio-classification", "task.split_by=room")))
 
 
 def test_fedavg_on_the_small_net_runs(tiny_config):
@@ -222,7 +226,7 @@ def test_fedavg_on_the_small_net_runs(tiny_config):
 
 def test_fedit_on_a_tiny_wav2vec2_trains_lora_on_attention_and_the_head(tiny_config):
     from fedtune.run import run_experiment
-    from fedtune.runtime import RunContext
+    from fedtune.runtime import RunContext, resolve_run
 
     cfg = tiny_config(
         "method=fedit",
@@ -236,7 +240,7 @@ def test_fedit_on_a_tiny_wav2vec2_trains_lora_on_attention_and_the_head(tiny_con
         "federation.num_clients=2",
         "model.lora_rank=2",
     )
-    ctx = RunContext(cfg)
+    ctx = RunContext(resolve_run(cfg))
     assert ctx.task.lora_targets() == ["q_proj", "v_proj"]
     assert ctx.task.head_modules() == ["projector", "classifier"]
     names = ctx.workspace.state(2).keys()
@@ -248,21 +252,22 @@ def test_fedit_on_a_tiny_wav2vec2_trains_lora_on_attention_and_the_head(tiny_con
 
 
 def test_the_head_and_its_init_are_the_same_in_every_process(tiny_config):
-    from fedtune.runtime import RunContext
+    from fedtune.runtime import RunContext, resolve_run
 
     cfg = tiny_config("method=fedavg", *AUDIO_TASK)
-    a, b = RunContext(cfg).task.build_model(3), RunContext(cfg).task.build_model(3)
+    a, b = RunContext(resolve_run(cfg)).task.build_model(3), RunContext(resolve_run(cfg)).task.build_model(3)
     for (n, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items()):
         assert np.array_equal(p.numpy(), q.numpy()), n
     assert not np.array_equal(
-        a.classifier.weight.detach().numpy(), RunContext(cfg).task.build_model(4).classifier.weight.detach().numpy()
+        a.classifier.weight.detach().numpy(),
+        RunContext(resolve_run(cfg)).task.build_model(4).classifier.weight.detach().numpy(),
     )
 
 
 def test_lora_on_the_small_net_adapts_its_convolutions(tiny_config):
-    from fedtune.runtime import RunContext
+    from fedtune.runtime import RunContext, resolve_run
 
-    ctx = RunContext(tiny_config("method=fedit", *AUDIO_TASK, "model.lora_rank=2"))
+    ctx = RunContext(resolve_run(tiny_config("method=fedit", *AUDIO_TASK, "model.lora_rank=2")))
     state = ctx.workspace.state(2)
     assert ctx.task.lora_targets() == ["conv"] and ctx.task.head_modules() == ["classifier"]
     assert state["encoder.blocks.0.conv.lora_A.weight"].shape == (2, 1, 3, 3)
@@ -272,13 +277,13 @@ def test_lora_on_the_small_net_adapts_its_convolutions(tiny_config):
 
 def test_a_hf_audio_model_loads_by_path_with_a_fresh_seeded_head(tiny_config, tmp_path):
     from fedtune.models.audio import _tiny_wav2vec2, _tiny_wav2vec2_extractor
-    from fedtune.runtime import RunContext
+    from fedtune.runtime import RunContext, resolve_run
 
     saved = _tiny_wav2vec2(10)
     saved.save_pretrained(tmp_path / "w2v")
     _tiny_wav2vec2_extractor().save_pretrained(tmp_path / "w2v")
     ctx = RunContext(
-        tiny_config("method=fedit", *AUDIO_TASK, f"model.name={tmp_path / 'w2v'}", "task.clip_seconds=0.5")
+        resolve_run(tiny_config("method=fedit", *AUDIO_TASK, f"model.name={tmp_path / 'w2v'}", "task.clip_seconds=0.5"))
     )
     assert ctx.task.lora_targets() == ["q_proj", "v_proj"] and ctx.task.head_modules() == ["projector", "classifier"]
     a, b = ctx.task.build_model(1), ctx.task.build_model(1)

@@ -14,7 +14,7 @@ import torch
 
 from fedtune.config import ConfigError, load_config
 from fedtune.data import llm_text
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 from fedtune.tasks.causal_lm import CausalLM
 from fedtune.tasks.text_metrics import extract_answer, rouge_l
 from tests.conftest import acting_adapter_model
@@ -29,7 +29,7 @@ def config(tmp_path, *overrides):
 
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory):
-    return RunContext(config(tmp_path_factory.mktemp("clm"), "model.lora_rank=4"))
+    return RunContext(resolve_run(config(tmp_path_factory.mktemp("clm"), "model.lora_rank=4")))
 
 
 @pytest.fixture(scope="module")
@@ -171,14 +171,16 @@ def test_loglikelihood_acc_and_acc_norm_equal_a_direct_transformers_computation(
     path = tmp_path / "mc.jsonl"
     path.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in items))
     c = RunContext(
-        config(
-            tmp_path,
-            f"data.name={path}",
-            f"data.test_path={path}",
-            "data.max_test_samples=1000",
-            "data.max_length=512",
-            f"task.choice_scoring={scoring}",
-            "task.generate=false",
+        resolve_run(
+            config(
+                tmp_path,
+                f"data.name={path}",
+                f"data.test_path={path}",
+                "data.max_test_samples=1000",
+                "data.max_length=512",
+                f"task.choice_scoring={scoring}",
+                "task.generate=false",
+            )
         )
     )
     task = c.task
@@ -208,7 +210,9 @@ def test_shared_prompt_scoring_equals_scoring_every_row_in_full(tmp_path, max_le
     its answer row) gives the plain path's option log-likelihoods, losses and metrics, on the
     LoRA model with its adapter acting, in batches that mix questions of several lengths and
     option counts; at 64 tokens the prompts are cut (differently per option length)."""
-    c = RunContext(config(tmp_path, "model.lora_rank=4", f"data.max_length={max_length}", "task.generate=false"))
+    c = RunContext(
+        resolve_run(config(tmp_path, "model.lora_rank=4", f"data.max_length={max_length}", "task.generate=false"))
+    )
     task = c.task
     c.workspace.activate(4)
     with torch.no_grad():
@@ -303,7 +307,7 @@ def test_hellaswag_prompt_follows_table_b1():
 
 
 def test_commonsense_mix_labels_sets_and_evaluates_test_or_validation(tmp_path):
-    c = RunContext(config(tmp_path, 'task.sets=["openbookqa", "piqa"]', "task.test_per_set=30"))
+    c = RunContext(resolve_run(config(tmp_path, 'task.sets=["openbookqa", "piqa"]', "task.test_per_set=30")))
     train, test = c.task.load()
     assert train.label_names == ["openbookqa", "piqa"]
     assert np.bincount(train.labels).tolist() == [4957, 16113]  # the train splits
@@ -321,7 +325,7 @@ def test_fedit_client_column_gives_fedits_ten_clients(tmp_path):
         "data.client_column=fedit_client",
         "federation.num_clients=10",
     )
-    task = RunContext(cfg).task
+    task = RunContext(resolve_run(cfg)).task
     parts = task.partition(10, cfg.seed)
     column = task.train.columns["fedit_client"]
     assert len(parts) == 10 and sum(len(p) for p in parts) == len(task.train)
@@ -343,7 +347,7 @@ def _one_line_error(match: str, make) -> None:
 
 def test_bad_input_stops_with_one_line_naming_the_field_or_file(tmp_path):
     def ctx_of(*o):
-        return lambda: RunContext(config(tmp_path, *o)).task.train
+        return lambda: RunContext(resolve_run(config(tmp_path, *o))).task.train
 
     _one_line_error(r"^task\.sets: unknown set 'arc'", ctx_of('task.sets=["arc"]'))
     _one_line_error(r"^task\.truncation_side", ctx_of("task.truncation_side=middle"))
@@ -379,18 +383,24 @@ def test_bad_input_stops_with_one_line_naming_the_field_or_file(tmp_path):
     _one_line_error(r"broken\.jsonl\.gz: not a readable gzip file", lambda: llm_text.read_jsonl(broken))
     _one_line_error(
         r"^data\.client_column: data 'commonsense' has no column 'fedit_client'",
-        lambda: RunContext(config(tmp_path, "data.partition=column", "data.client_column=fedit_client")).partitions,
+        lambda: (
+            RunContext(
+                resolve_run(config(tmp_path, "data.partition=column", "data.client_column=fedit_client"))
+            ).partitions
+        ),
     )
     _one_line_error(
         r"^federation\.num_clients: data\.client_column 'fedit_client' assigns the pool to 10 clients",
         lambda: (
             RunContext(
-                config(
-                    tmp_path,
-                    "data.name=dolly",
-                    "data.partition=column",
-                    "data.client_column=fedit_client",
-                    "federation.num_clients=3",
+                resolve_run(
+                    config(
+                        tmp_path,
+                        "data.name=dolly",
+                        "data.partition=column",
+                        "data.client_column=fedit_client",
+                        "federation.num_clients=3",
+                    )
                 )
             ).partitions
         ),
@@ -424,12 +434,14 @@ def test_answer_format_text_trains_on_the_row_the_ranking_scores_for_the_gold_op
     very row the ranked classification scores for the gold option (plus eos); the question, options
     and gold are those of the tag-format task's same example."""
     c = RunContext(
-        config(
-            tmp_path,
-            "task.answer_format=text",
-            "task.choice_scoring=text",
-            "task.generate=false",
-            "data.max_length=512",
+        resolve_run(
+            config(
+                tmp_path,
+                "task.answer_format=text",
+                "task.choice_scoring=text",
+                "task.generate=false",
+                "data.max_length=512",
+            )
         )
     )
     task, tok = c.task, c.task.tokenizer
@@ -468,7 +480,7 @@ def test_fedit_run_saves_an_adapter_that_reloads_with_the_same_loss(tmp_path):
     summary = run_experiment(cfg)
     run_dir = Path(summary["run_dir"])
     assert json.loads((run_dir / "prompt_template.json").read_text())["template"] == "chat"
-    ctx = RunContext(cfg)
+    ctx = RunContext(resolve_run(cfg))
     task = ctx.task
     batch = task.batch(task.test_rows, np.arange(len(task.test)))
     ctx.workspace.load(load_state(run_dir / "checkpoint.npz")["global"], cfg.model.lora_rank)

@@ -19,7 +19,7 @@ from fedtune.data.images import (
     read_idx,
 )
 from fedtune.models import vision
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 
 IMAGE = [
     "task.kind=image-classification",
@@ -135,9 +135,9 @@ def test_unknown_name_and_bad_option_are_one_line_config_errors(tiny_config):
     with pytest.raises(ConfigError, match="^data.name: 'no-such-set' is not a named image set"):
         load_image_set(DataConfig(name="no-such-set"))
     with pytest.raises(ConfigError, match="^task.image_size"):
-        RunContext(tiny_config(*IMAGE, "task.image_size=2"))
+        RunContext(resolve_run(tiny_config(*IMAGE, "task.image_size=2")))
     with pytest.raises(ConfigError, match="^task.imbalance_ratio"):
-        RunContext(tiny_config(*IMAGE, "task.imbalance_ratio=0.5"))
+        RunContext(resolve_run(tiny_config(*IMAGE, "task.imbalance_ratio=0.5")))
 
 
 # -- long tail, tensors, batches ------------------------------------------------------------------------
@@ -154,8 +154,8 @@ def test_long_tail_counts_follow_the_ldam_formula():
 
 
 def test_task_long_tails_the_training_pool_only(tiny_config):
-    balanced = RunContext(tiny_config(*IMAGE)).task
-    tailed = RunContext(tiny_config(*IMAGE, "task.imbalance_ratio=10")).task
+    balanced = RunContext(resolve_run(tiny_config(*IMAGE))).task
+    tailed = RunContext(resolve_run(tiny_config(*IMAGE, "task.imbalance_ratio=10"))).task
     before, after = np.bincount(balanced.train.labels), np.bincount(tailed.train.labels)
     n_max = before.max()  # the pool is subsampled first (data.max_train_samples), then long-tailed
     assert after.tolist() == [min(int(np.floor(n_max * 10 ** (-c / 9) + 1e-6)), before[c]) for c in range(10)]
@@ -175,7 +175,7 @@ def test_image_tensor_resizes_repeats_gray_and_normalizes():
 
 
 def test_train_batches_are_seeded_epochs_of_the_pool(tiny_config):
-    task = RunContext(tiny_config(*IMAGE, "model.name=small-cnn")).task
+    task = RunContext(resolve_run(tiny_config(*IMAGE, "model.name=small-cnn"))).task
     pool = np.array([3, 5, 7, 11, 13])
     idx = list(index_batches(pool, 2, 4, np.random.default_rng(1)))
     assert [len(b) for b in idx] == [2, 2, 1, 2] and sorted(np.concatenate(idx[:3]).tolist()) == pool.tolist()
@@ -186,8 +186,10 @@ def test_train_batches_are_seeded_epochs_of_the_pool(tiny_config):
 
 
 def test_raw_images_are_read_once_per_process_and_cached_resized_per_task(tiny_config):
-    a = RunContext(tiny_config(*IMAGE, "model.name=small-cnn")).task
-    b = RunContext(tiny_config(*IMAGE, "model.name=small-cnn", "data.alpha=0.1", "data.max_train_samples=100")).task
+    a = RunContext(resolve_run(tiny_config(*IMAGE, "model.name=small-cnn"))).task
+    b = RunContext(
+        resolve_run(tiny_config(*IMAGE, "model.name=small-cnn", "data.alpha=0.1", "data.max_train_samples=100"))
+    ).task
     assert a.load() is b.load()  # the server's and the clients' contexts share one read
     assert not a.load()[0].images.flags.writeable
     assert a.pixels("train") is a.pixels("train") and a.pixels("train")[0].dtype == torch.uint8
@@ -234,7 +236,7 @@ def test_lora_targets_are_pointwise_convs_attention_or_all_convs(tiny_config):
     assert all(modules[t].kernel_size == (1, 1) and modules[t].groups == 1 for t in targets)
     depthwise = [n for n, m in modules.items() if isinstance(m, nn.Conv2d) and m.groups > 1]
     assert depthwise and not set(depthwise) & set(targets)
-    ctx = RunContext(tiny_config(*IMAGE, "model.name=mobilenet-v2", "task.image_size=32"))
+    ctx = RunContext(resolve_run(tiny_config(*IMAGE, "model.name=mobilenet-v2", "task.image_size=32")))
     adapter = ctx.workspace.activate(4)
     assert {n.rsplit(".lora_", 1)[0] for n in adapter if ".lora_" in n} == set(targets)
     assert set(n for n in adapter if ".lora_" not in n) == {"classifier.1.weight", "classifier.1.bias"}
@@ -264,7 +266,7 @@ def test_head_only_fedavg_leaves_every_other_weight_bit_equal(tiny_config):
     )
     summary = run_experiment(cfg)
     trained = load_file(str(Path(summary["run_dir"]) / "model.safetensors"))
-    fresh = RunContext(cfg).task.build_model(cfg.seed).state_dict()
+    fresh = RunContext(resolve_run(cfg)).task.build_model(cfg.seed).state_dict()
     assert trained.keys() == fresh.keys()
     head = {"classifier.1.weight", "classifier.1.bias"}
     assert all(torch.equal(trained[k], fresh[k]) for k in fresh if k not in head)  # BN statistics included
@@ -275,7 +277,7 @@ def test_lora_training_leaves_frozen_batch_norm_statistics_unchanged(tiny_config
     from fedtune.models.training import train_local
 
     cfg = tiny_config(*IMAGE, "model.name=mobilenet-v2", "task.image_size=32", "train.local_steps=3", "train.lr=0.01")
-    ctx = RunContext(cfg)
+    ctx = RunContext(resolve_run(cfg))
     ws = ctx.workspace
     params = ws.activate(4)
     before = {k: v.clone() for k, v in ws.base.state_dict().items() if "running_" in k or "num_batches" in k}
@@ -296,7 +298,7 @@ def test_fedit_on_tiny_vit_saves_an_adapter_that_reloads_with_equal_logits(tiny_
     summary = run_experiment(cfg)
     run_dir = Path(summary["run_dir"])
     assert summary["task"] == "image-classification" and summary["majority_accuracy"] > 0
-    ctx = RunContext(cfg)
+    ctx = RunContext(resolve_run(cfg))
     ws = ctx.workspace
     state = load_state(run_dir / "checkpoint.npz")
     ws.load(state["global"], int(state["rank"]))
@@ -335,7 +337,7 @@ def test_hugging_face_model_by_path_uses_its_processor_and_gets_a_fresh_head(tmp
         size={"height": 16, "width": 16}, image_mean=[0.1, 0.2, 0.3], image_std=[0.5, 0.6, 0.7]
     )
     processor.save_pretrained(tmp_path / "vit")
-    task = RunContext(tiny_config(*IMAGE, f"model.name={tmp_path / 'vit'}")).task
+    task = RunContext(resolve_run(tiny_config(*IMAGE, f"model.name={tmp_path / 'vit'}"))).task
     assert task.spec.mean == (0.1, 0.2, 0.3) and task.input_size == (16, 16) and task.input_channels == 3
     model = task.build_model(0)
     saved = ViTForImageClassification.from_pretrained(tmp_path / "vit")
@@ -349,6 +351,6 @@ def test_hugging_face_model_by_path_uses_its_processor_and_gets_a_fresh_head(tmp
     ]
     with torch.no_grad():
         assert model.eval()(task.inputs(task.pixels("test")[0][:3])).shape == (3, 10)
-    bigger = RunContext(tiny_config(*IMAGE, f"model.name={tmp_path / 'vit'}", "task.image_size=32")).task
+    bigger = RunContext(resolve_run(tiny_config(*IMAGE, f"model.name={tmp_path / 'vit'}", "task.image_size=32"))).task
     with torch.no_grad():  # position embeddings interpolated to 8x8 patches
         assert bigger.build_model(0).eval()(bigger.inputs(bigger.pixels("test")[0][:2])).shape == (2, 10)

@@ -9,7 +9,7 @@ import torch
 
 from fedtune.config import ConfigError, load_config
 from fedtune.models import prefix_lm as plm
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 from fedtune.tasks.instruction import Instruction, normalize_answer, rouge_l
 from tests import test_task_causal_lm
 
@@ -24,7 +24,7 @@ def config(tmp_path, *overrides):
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory):
     """A tiny context: tiny-llama, digits questions (digit, parity, describe), LoRA rank 4."""
-    return RunContext(config(tmp_path_factory.mktemp("instr"), "model.lora_rank=4"))
+    return RunContext(resolve_run(config(tmp_path_factory.mktemp("instr"), "model.lora_rank=4")))
 
 
 def rows_by_question(task, ds, question):
@@ -127,7 +127,7 @@ def test_parameter_groups_split_encoder_and_language_model_exactly(tmp_path):
         (["task.train_encoder=true"], True),
         (["task.image_encoder=small-cnn"], True),
     ):
-        c = RunContext(config(tmp_path, "model.lora_rank=2", *overrides))
+        c = RunContext(resolve_run(config(tmp_path, "model.lora_rank=2", *overrides)))
         names = list(c.workspace.activate(2))
         groups = c.task.parameter_groups(names)
         assert set(groups) == {"encoder", "language_model"}
@@ -157,11 +157,11 @@ def test_majority_rate_and_bad_options(ctx, tmp_path):
     answers = [normalize_answer(a) for a in ctx.task.test.answers()]
     assert ctx.task.majority_rate() == max(answers.count(a) for a in set(answers)) / len(answers)
     with pytest.raises(ConfigError, match=r"^task\.questions: 'colour' is not a question about digits"):
-        RunContext(config(tmp_path, "task.questions=['colour']"))
+        RunContext(resolve_run(config(tmp_path, "task.questions=['colour']")))
     with pytest.raises(ConfigError, match=r"^data\.name: 'sst2' has no instruction questions"):
-        RunContext(config(tmp_path, "data.name=sst2"))
+        RunContext(resolve_run(config(tmp_path, "data.name=sst2")))
     with pytest.raises(ConfigError, match=r"^task\.prefix_tokens"):
-        RunContext(config(tmp_path, "task.prefix_tokens=0"))
+        RunContext(resolve_run(config(tmp_path, "task.prefix_tokens=0")))
 
 
 def test_fedit_run_saves_an_adapter_that_reloads_with_equal_outputs(tmp_path):
@@ -181,7 +181,7 @@ def test_fedit_run_saves_an_adapter_that_reloads_with_equal_outputs(tmp_path):
     summary = run_experiment(cfg)
     assert 0.0 <= summary["final_accuracy"] <= 1.0 and np.isfinite(summary["final_loss"])
     run_dir = tmp_path / "runs" / cfg.run_name
-    ctx = RunContext(cfg)
+    ctx = RunContext(resolve_run(cfg))
     task = ctx.task
     batch = task.batch(task.test, np.arange(6))
     ctx.workspace.load(load_state(run_dir / "checkpoint.npz")["global"], cfg.model.lora_rank)
@@ -206,7 +206,9 @@ def test_pairing_matches_half_the_images_and_never_mismatches_a_match():
 
 
 def test_image_and_audio_questions_give_two_prefixes_and_two_trained_encoders(tmp_path):
-    c = RunContext(config(tmp_path, "data.name=digits+fsdd", "model.lora_rank=2", "task.n_mels=16", "task.frames=16"))
+    c = RunContext(
+        resolve_run(config(tmp_path, "data.name=digits+fsdd", "model.lora_rank=2", "task.n_mels=16", "task.frames=16"))
+    )
     task = c.task
     ds = task.train
     assert task.modalities == ("image", "audio") and ds.question_names == ["match", "spoken", "written"]
@@ -234,7 +236,7 @@ def test_hugging_face_encoders_by_name(tmp_path):
         (["task.image_encoder=tiny-vit"], "image_encoder"),
         (["data.name=fsdd", "task.audio_encoder=tiny-wav2vec2", "task.audio_seconds=0.25"], "audio_encoder"),
     ):
-        c = RunContext(config(tmp_path, "model.lora_rank=2", "data.max_train_samples=16", *overrides))
+        c = RunContext(resolve_run(config(tmp_path, "model.lora_rank=2", "data.max_train_samples=16", *overrides)))
         params = c.workspace.activate(2)
         groups = c.task.parameter_groups(list(params))
         assert any(n.startswith(encoder + ".") for n in groups["encoder"])
@@ -243,4 +245,4 @@ def test_hugging_face_encoders_by_name(tmp_path):
         batch = c.task.batch(c.task.train, np.arange(3))
         assert np.isfinite(c.task.loss(c.workspace.model, batch).item())
     with pytest.raises(ConfigError, match=r"^task\.image_encoder: "):
-        RunContext(config(tmp_path, "task.image_encoder=/no/such/encoder"))
+        RunContext(resolve_run(config(tmp_path, "task.image_encoder=/no/such/encoder")))

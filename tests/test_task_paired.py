@@ -170,7 +170,7 @@ def test_impossible_sizes_and_bad_options_are_one_line_config_errors(sources, pa
         build(sources, aligned=200, unaligned=1000)
     with pytest.raises(ConfigError, match=r"^task.delta"):
         build(sources, delta=1.5)
-    from fedtune.runtime import RunContext
+    from fedtune.runtime import RunContext, resolve_run
 
     for override, pattern in [
         ("data.name=fashion-mnist", "^data.name: paired-multimodal pairs spoken digits"),
@@ -178,9 +178,9 @@ def test_impossible_sizes_and_bad_options_are_one_line_config_errors(sources, pa
         ("task.scenario=4", "^task.scenario"),
     ]:
         with pytest.raises(ConfigError, match=pattern):
-            RunContext(paired_config("method=fedavg", override)).task.train
+            RunContext(resolve_run(paired_config("method=fedavg", override))).task.train
     with pytest.raises(ConfigError, match="^method 'fedit' does not support task 'paired-multimodal'"):
-        RunContext(paired_config("method=fedit"))
+        RunContext(resolve_run(paired_config("method=fedit")))
 
 
 # -- model, task, run --------------------------------------------------------------------------
@@ -206,9 +206,9 @@ def test_the_fusion_model_runs_with_either_modality_missing_and_ignores_the_abse
 
 
 def test_partition_is_the_parties_rows_and_batches_use_labeled_rows_only(paired_config):
-    from fedtune.runtime import RunContext
+    from fedtune.runtime import RunContext, resolve_run
 
-    ctx = RunContext(paired_config("method=fedavg", "task.scenario=3"))
+    ctx = RunContext(resolve_run(paired_config("method=fedavg", "task.scenario=3")))
     task, pool = ctx.task, ctx.task.train
     parts = ctx.partitions
     assert [len(p) for p in parts] == [32, 32] and all(np.all(pool.party[p] == k) for k, p in enumerate(parts))
@@ -237,9 +237,9 @@ def test_a_tiny_fedavg_run_reports_complete_and_single_modality_accuracy(paired_
 
 
 def test_the_loss_adds_each_present_modality_classified_alone(paired_config):
-    from fedtune.runtime import RunContext
+    from fedtune.runtime import RunContext, resolve_run
 
-    ctx = RunContext(paired_config("method=fedavg", "task.unimodal_weight=0.25"))
+    ctx = RunContext(resolve_run(paired_config("method=fedavg", "task.unimodal_weight=0.25")))
     task = ctx.task
     model = ctx.model.eval()  # no dropout: the hand computation below sees the same logits
     inputs, labels = next(iter(task.train_batches(ctx.partitions[0], 8, 1, np.random.default_rng(1))))

@@ -25,7 +25,7 @@ import numpy as np
 from fedtune.config import load_config
 from fedtune.planning.capacity import CAPACITIES, predict_capacity
 from fedtune.run import run_experiment
-from fedtune.runtime import RunContext
+from fedtune.runtime import RunContext, resolve_run
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "benchmarks" / "results" / "budgets" / "capacity-fit.json"
@@ -44,7 +44,7 @@ def samples(recipe: str, repeat: int) -> list[dict]:
         f"output_dir={tempfile.mkdtemp()}",
     ]
     config = load_config(ROOT / "configs" / recipe, overrides)
-    context = RunContext(config)
+    context = RunContext(resolve_run(config))
     line = json.loads(Path(run_experiment(config)["run_dir"], "metrics.jsonl").read_text().splitlines()[0])
     out = []
     for cid, capacity in enumerate(CAPACITIES):

@@ -42,7 +42,7 @@ from fedtune.config import load_config  # noqa: E402
 from fedtune.engines.embedded import run_rounds  # noqa: E402
 from fedtune.engines.rounds import sample_clients  # noqa: E402
 from fedtune.models.training import seed_for  # noqa: E402
-from fedtune.runtime import RunContext  # noqa: E402
+from fedtune.runtime import RunContext, resolve_run  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -50,7 +50,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 def fedtune_job(config, model: str = "workspace") -> tuple[float, float, float]:
     """Wall seconds, CPU seconds and final accuracy of the embedded engine (model already loaded:
     ``model`` is the context's LoRA ``workspace``, or its plain ``model`` for FedAvg)."""
-    server, clients = RunContext(config), RunContext(config)
+    server, clients = RunContext(resolve_run(config)), RunContext(resolve_run(config))
     # load models and data (tokenizing / image caching is timed)
     getattr(server, model), getattr(clients, model), server.task.data, clients.task.data
     start, cpu = time.perf_counter(), time.process_time()
@@ -63,7 +63,7 @@ def fedtune_job(config, model: str = "workspace") -> tuple[float, float, float]:
 
 def bare_job(config) -> tuple[float, float, float]:
     """The same job as a plain script: per-batch tokenization, state-dict FedAvg."""
-    ctx = RunContext(config)
+    ctx = RunContext(resolve_run(config))
     train, test = ctx.task.data
     parts, tokenizer, model = ctx.partitions, ctx.task.tokenizer, ctx.workspace.base
     rank, tc = config.model.lora_rank, config.train
@@ -126,7 +126,7 @@ def bare_job(config) -> tuple[float, float, float]:
 def bare_image_job(config) -> tuple[float, float, float]:
     """The image job as a plain script: per-image ToTensor + Normalize in a Dataset, a DataLoader
     over the same index batches, state-dict FedAvg."""
-    ctx = RunContext(config)
+    ctx = RunContext(resolve_run(config))
     train, test = ctx.task.data
     parts, model, task = ctx.partitions, ctx.model, ctx.task
     size, channels, tc = task.input_size, task.input_channels, config.train

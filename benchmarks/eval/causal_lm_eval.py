@@ -122,7 +122,7 @@ def main() -> None:
     import numpy as np
 
     from fedtune.config import load_config
-    from fedtune.runtime import RunContext
+    from fedtune.runtime import RunContext, resolve_run
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=None, help="a recipe (its evaluation settings are used)")
@@ -149,7 +149,7 @@ def main() -> None:
     if args.set_file:
         path = commonsense_set_file(args.set_file, args.set_n)
         overrides += [f"data.name={path}", f"data.test_path={path}", "data.partition=iid"]
-    ctx = RunContext(load_config(args.config, overrides))
+    ctx = RunContext(resolve_run(load_config(args.config, overrides)))
     task = ctx.task
     model = task.build_model(ctx.config.seed)
     if args.adapter:

@@ -168,10 +168,10 @@ def untuned(table: str, recipe: Path, quick: bool, out: Path) -> dict[str, float
     import torch
 
     from fedtune.config import load_config
-    from fedtune.runtime import RunContext
+    from fedtune.runtime import RunContext, resolve_run
 
     torch.set_num_threads(1)
-    ctx = RunContext(load_config(recipe, list(BENCHES[table].quick) if quick else []))
+    ctx = RunContext(resolve_run(load_config(recipe, list(BENCHES[table].quick) if quick else [])))
     model = ctx.task.build_model(ctx.config.seed)
     metrics = ctx.task.evaluate(model, ctx.config.train.eval_batch_size)
     metrics["test_examples"] = len(ctx.task.test)

@@ -242,9 +242,9 @@ def noised_coordinates(spec: RunSpec, from_config: bool = False) -> int | None:
     if path.is_file():
         arrays = load_state(path)["global"]
     elif from_config:
-        from fedtune.runtime import RunContext
+        from fedtune.runtime import RunContext, resolve_run
 
-        strategy = RunContext(spec.config).strategy()
+        strategy = RunContext(resolve_run(spec.config)).strategy()
         strategy.initialize()
         arrays = strategy.global_arrays
     else:

@@ -64,18 +64,19 @@ def worker_config(config: RunConfig, device: str) -> RunConfig:
 
 
 def client_context(config: RunConfig) -> Any:
-    """A worker's :class:`~fedtune.runtime.RunContext` (its own base), the worker's current CUDA
+    """A worker's :class:`~fedtune.runtime.RunContext` (its own base; ``config`` resolved once in
+    the worker's process: its device is the worker's, not the run's), the worker's current CUDA
     device set to ``config.device`` (so code naming plain ``cuda`` stays on it). Its data and, for
     a LoRA method, its base are loaded here, before the first request, as the server's are before
     the first round in one process: a client's compute time does not hold the worker's start."""
     import torch
 
-    from fedtune.runtime import RunContext
+    from fedtune.runtime import RunContext, resolve_run
 
     device = torch.device(config.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    context = RunContext(config)
+    context = RunContext(resolve_run(config))
     context.partitions  # noqa: B018 - loads the task's data
     if "lora" in context.method.requires:
         context.workspace  # noqa: B018 - builds the base on the device

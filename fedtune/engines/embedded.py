@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from fedtune.config import RunConfig
 from fedtune.engines.local import LocalTransport, exchange
 from fedtune.engines.rounds import Engine, RoundPolicy, RoundRecord, Transport, drive_rounds
 from fedtune.protocol.strategy import Strategy
+from fedtune.runtime import ResolvedRun, RunContext
 
 __all__ = ["EmbeddedEngine", "LocalTransport", "exchange", "run_rounds"]  # LocalTransport, exchange: from engines.local
 
@@ -57,17 +57,17 @@ class EmbeddedEngine(Engine):
 
     name = "embedded"
 
-    def __init__(self, config: RunConfig, server: Any = None) -> None:
+    def __init__(self, run: ResolvedRun, server: RunContext | None = None) -> None:
         """``server``: the server's RunContext, whose LoRA workspace in-process clients share."""
         from fedtune.engines.device_pool import DevicePool, client_devices
-        from fedtune.runtime import RunContext
 
+        config = run.config
         super().__init__(config)
         devices = client_devices(config)
         if devices:
-            self.local = DevicePool(config, devices, config.train.threads)
+            self.local: LocalTransport | DevicePool = DevicePool(config, devices, config.train.threads)
         else:
-            self.local = LocalTransport(RunContext(config, shares_base=server).client, config.seed)
+            self.local = LocalTransport(RunContext(run, shares_base=server).client, config.seed)
 
     def transport(self) -> Transport:
         return self.local

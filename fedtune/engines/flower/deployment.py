@@ -34,9 +34,9 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from fedtune.certificates import generate_certificates, generate_node_key
+from fedtune.config import RunConfig
 from fedtune.engines.flower.commands import (
     TASK_POLL_S,
     client_groups,
@@ -53,12 +53,12 @@ from fedtune.engines.flower.commands import (
 from fedtune.engines.flower.serverapp import read_status
 from fedtune.engines.rounds import RoundFailed, RoundRecord, RunInterrupted
 from fedtune.process import DeploymentError, Processes, free_ports, log_tail, wait_for_port
-from fedtune.runtime import resolve_run
+from fedtune.runtime import ResolvedRun, RunContext, as_resolved
 
 
 # -- running the app -----------------------------------------------------------------------------
 def run_app(
-    config: Any,
+    config: RunConfig,
     home: Path,
     connection: str,
     processes: Processes,
@@ -68,21 +68,20 @@ def run_app(
     clipping_norm: float | None = None,
     interrupt: Callable[[], None] | None = None,
     on_output: Callable[[str], None] | None = None,
-    local: bool = True,
+    run_dir: Path | None = None,
 ) -> dict | None:
-    """Submit ``config`` (as JSON in Flower's run config) to the SuperLink of ``connection`` (in
-    ``home``) with ``flwr run --stream`` and wait for the run to end. When this machine sees the
-    run folder (a loopback deployment; ``output_dir`` is made absolute), ``on_round`` gets each
-    round as its line appears in ``metrics.jsonl`` and the summary is returned; otherwise
-    (``local=False``, a remote SuperLink) None. ``on_output`` gets Flower's streamed output as it comes. Raises
+    """Submit ``config`` (as JSON in Flower's run config: the ServerApp resolves it once) to the
+    SuperLink of ``connection`` (in ``home``) with ``flwr run --stream`` and wait for the run to
+    end. When this machine sees the run folder ``run_dir`` (a loopback deployment: the resolved
+    run's, ``output_dir`` absolute), ``on_round`` gets each round as its line appears in
+    ``metrics.jsonl`` and the summary is returned; otherwise (None, a remote SuperLink) None.
+    ``on_output`` gets Flower's streamed output as it comes. Raises
     :class:`~fedtune.engines.rounds.RoundFailed`, :class:`~fedtune.engines.rounds.RunInterrupted`
     or :class:`DeploymentError` as the run ended."""
     import tomli_w
 
-    if local:  # the ServerApp's working directory is not ours
-        config = config.model_copy(update={"output_dir": str(Path(config.output_dir).resolve())})
-    # the folder the ServerApp writes (its name may come from the task's defaults); a remote run's is not read here
-    run_dir = resolve_run(config).run_dir if local else Path(config.output_dir) / config.run_name
+    local = run_dir is not None
+    run_dir = run_dir if run_dir is not None else Path(config.output_dir) / config.run_name  # remote: not read
     run_config = home / "run-config.toml"
     run_config.write_text(
         tomli_w.dumps(
@@ -252,16 +251,19 @@ class LoopbackDeployment:
 
     def run(
         self,
-        config: Any,
+        run: RunConfig | ResolvedRun,
         on_round: Callable | None = None,
         resume: bool = False,
         timeout: float | None = 600,
         clipping_norm: float | None = None,
     ) -> dict:
-        """Run ``config`` on this deployment (:func:`run_app`); Ctrl-C asks the ServerApp to stop
-        after the current round's checkpoint."""
+        """Run ``run`` (a resolved run, or a config resolved here) on this deployment
+        (:func:`run_app`, ``output_dir`` made absolute: the ServerApp's working directory is not
+        ours); Ctrl-C asks the ServerApp to stop after the current round's checkpoint."""
+        resolved = as_resolved(run)
+        resolved = resolved.relocated(str(Path(resolved.config.output_dir).resolve()))
         return run_app(
-            config,
+            resolved.config,
             self.home,
             self.connection,
             self.processes,
@@ -270,6 +272,7 @@ class LoopbackDeployment:
             timeout,
             clipping_norm,
             interrupt=self.interrupt_server,
+            run_dir=resolved.run_dir,
         )
 
     def interrupt_server(self) -> None:
@@ -292,7 +295,7 @@ class LoopbackDeployment:
 
 
 def run_flower_deployment(
-    config: Any,
+    run: RunConfig | ResolvedRun,
     on_round: Callable | None = None,
     on_start: Callable | None = None,
     resume: bool = False,
@@ -301,22 +304,21 @@ def run_flower_deployment(
     timeout: float | None = 3600,
     keep_logs: Path | None = None,
 ) -> dict:
-    """``engine = "flower"``: run ``config`` on a fresh :class:`LoopbackDeployment` (nodes:
-    :func:`default_nodes`, clients in contiguous groups, cores / nodes torch threads each unless
-    ``train.threads``) and stop it; the run folder is the embedded engine's. ``on_start`` gets
-    this process's RunContext (for the banner); ``timeout`` bounds the wait for nodes and for each
-    round's replies (``federation.round_timeout_s`` overrides it for rounds). ``keep_logs``: copy
-    the deployment's logs there."""
-    from fedtune.runtime import RunContext
-
-    context = RunContext(config)
-    config = context.config
+    """``engine = "flower"``: run ``run`` (a resolved run, or a config resolved here) on a fresh
+    :class:`LoopbackDeployment` (nodes: :func:`default_nodes`, clients in contiguous groups, cores /
+    nodes torch threads each unless ``train.threads``) and stop it; the run folder is the embedded
+    engine's. ``on_start`` gets this process's RunContext (for the banner); ``timeout`` bounds the
+    wait for nodes and for each round's replies (``federation.round_timeout_s`` overrides it for
+    rounds). ``keep_logs``: copy the deployment's logs there."""
+    run = as_resolved(run)
+    context = RunContext(run)
+    config = run.config
     if on_start is not None:
         on_start(context)
     groups = client_groups(config.federation.num_clients, default_nodes(config))
     with LoopbackDeployment(groups, tls=tls, auth=auth, threads=config.train.threads) as deployment:
         try:
-            return deployment.run(config, on_round, resume, timeout)
+            return deployment.run(run, on_round, resume, timeout)
         finally:
             if keep_logs is not None:
                 shutil.copytree(deployment.log_dir, keep_logs, dirs_exist_ok=True)

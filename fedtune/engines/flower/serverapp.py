@@ -17,7 +17,7 @@ from fedtune.engines.flower.runconfig import config_from_run_config
 from fedtune.engines.flower.transport import GridTransport, discover_nodes
 from fedtune.engines.rounds import Engine, RoundFailed, RoundRecord, RunInterrupted
 from fedtune.process import setup_process
-from fedtune.runtime import resolve_run
+from fedtune.runtime import ResolvedRun, as_resolved, resolve_run
 
 
 class FlowerEngine(Engine):
@@ -28,13 +28,14 @@ class FlowerEngine(Engine):
 
     def __init__(
         self,
-        config: RunConfig,
+        run: ResolvedRun,
         grid: Grid,
         timeout: float | None = None,
         request_config: Mapping[str, Any] | None = None,
         resume: bool = False,
     ) -> None:
-        super().__init__(config)
+        super().__init__(run.config)
+        self.run_dir = run.run_dir
         self.grid, self.timeout, self.request_config, self.resume = grid, timeout, request_config, resume
         self._transport = None
 
@@ -42,7 +43,7 @@ class FlowerEngine(Engine):
         if self._transport is None:
             fed = self.config.federation
             node_of = discover_nodes(self.grid, fed.num_clients, self.timeout)
-            timing = resolve_run(self.config).run_dir / TIMING_FILE
+            timing = self.run_dir / TIMING_FILE
             if not self.resume:
                 timing.unlink(missing_ok=True)
             wait = fed.round_timeout_s or self.timeout
@@ -59,20 +60,22 @@ class FlowerEngine(Engine):
 
 def serve(
     grid: Grid,
-    config: RunConfig,
+    run: RunConfig | ResolvedRun,
     timeout: float | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
     on_start: Callable[[Any], None] | None = None,
     resume: bool = False,
     request_config: Mapping[str, Any] | None = None,
 ) -> dict:
-    """Run ``config``'s method over ``grid`` and write the run folder exactly as the embedded
-    engine does (:func:`fedtune.run.run_experiment`, summary marked ``"engine": "flower"``)."""
+    """Run ``run``'s method (a resolved run, or a config resolved here) over ``grid`` and write the
+    run folder exactly as the embedded engine does (:func:`fedtune.run.run_experiment`, summary
+    marked ``"engine": "flower"``)."""
     from fedtune.run import run_experiment
 
-    setup_process(config.train.threads)
-    engine = FlowerEngine(config, grid, timeout, request_config, resume)
-    return run_experiment(config, on_round, on_start, engine=engine, resume=resume)
+    run = as_resolved(run)
+    setup_process(run.config.train.threads)
+    engine = FlowerEngine(run, grid, timeout, request_config, resume)
+    return run_experiment(run, on_round, on_start, engine=engine, resume=resume)
 
 
 STATUS_FILE = "server_status.json"  # run folder: how the ServerApp's run ended (read by a deployment)
@@ -100,13 +103,14 @@ def read_status(run_dir: Path, since: float) -> dict | None:
 
 
 def make_server_app(
-    config: RunConfig | None = None,
+    run: RunConfig | ResolvedRun | None = None,
     timeout: float | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
     on_start: Callable[[Any], None] | None = None,
     resume: bool = False,
 ) -> ServerApp:
-    """A ServerApp running ``config`` (default: from Flower's run config) with :func:`serve`;
+    """A ServerApp running ``run`` (a resolved run or a config; default: the config in Flower's run
+    config, resolved once in the ServerApp's process) with :func:`serve`;
     ``timeout`` bounds the wait for nodes and for each round's replies (None: wait forever).
     From Flower's run config it also reads ``resume`` (continue the run folder), ``timeout``
     (seconds, 0: none) and ``clipping-norm`` (> 0: ask the nodes' clipping mods for it)."""
@@ -115,14 +119,14 @@ def make_server_app(
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         rc = context.run_config
-        run_config = config if config is not None else config_from_run_config(rc)
+        resolved = as_resolved(run) if run is not None else resolve_run(config_from_run_config(rc))
         wait = timeout if "timeout" not in rc else (float(rc["timeout"]) or None)
         clip = float(rc.get("clipping-norm", 0) or 0)
-        status = resolve_run(run_config).run_dir / STATUS_FILE
+        status = resolved.run_dir / STATUS_FILE
         try:
             serve(
                 grid,
-                run_config,
+                resolved,
                 wait,
                 on_round,
                 on_start,

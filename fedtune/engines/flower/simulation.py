@@ -12,7 +12,7 @@ from fedtune.engines.flower.clientapp import make_client_app
 from fedtune.engines.flower.serverapp import make_server_app
 from fedtune.engines.rounds import RoundRecord
 from fedtune.process import ReapDescendants, setup_process
-from fedtune.runtime import resolve_run
+from fedtune.runtime import ResolvedRun, as_resolved
 
 
 # -- simulation ----------------------------------------------------------------------------------
@@ -43,7 +43,7 @@ def ray_backend_config(num_supernodes: int, verbose: bool = False, gpus_per_clie
 
 
 def run_flower_simulation(
-    config: RunConfig,
+    run: RunConfig | ResolvedRun,
     num_supernodes: int | None = None,
     backend_config: dict | None = None,
     timeout: float | None = None,
@@ -52,11 +52,15 @@ def run_flower_simulation(
     on_start: Callable[[Any], None] | None = None,
     resume: bool = False,
 ) -> dict:
-    """Run ``config`` as a Flower ServerApp + ClientApp with ``flwr.simulation.run_simulation``
-    (Ray backend, one virtual SuperNode per client, :func:`ray_backend_config` updated with
-    ``backend_config``; Ray is shut down at the end); return the summary (``summary.json``).
+    """Run ``run`` (a resolved run, or a config resolved here) as a Flower ServerApp (in this
+    process, handed the resolved run) + ClientApp (each Ray actor resolves its config once) with
+    ``flwr.simulation.run_simulation`` (Ray backend, one virtual SuperNode per client,
+    :func:`ray_backend_config` updated with ``backend_config``; Ray is shut down at the end);
+    return the summary (``summary.json``).
     A ClientApp failure is a drop; a round without ``federation.min_replies`` valid replies
     raises :class:`~fedtune.engines.rounds.RoundFailed`."""
+    run = as_resolved(run)
+    config = run.config
     num_clients = config.federation.num_clients
     num_supernodes = num_clients if num_supernodes is None else num_supernodes
     if num_supernodes != num_clients:
@@ -73,7 +77,7 @@ def run_flower_simulation(
     with ReapDescendants():
         try:
             run_simulation(
-                make_server_app(config, timeout, on_round, on_start, resume),
+                make_server_app(run, timeout, on_round, on_start, resume),
                 make_client_app(config),
                 num_supernodes,
                 backend_config=backend,
@@ -86,4 +90,4 @@ def run_flower_simulation(
                 os.environ.pop("PYTHONPATH", None)
             else:
                 os.environ["PYTHONPATH"] = pythonpath
-    return json.loads((resolve_run(config).run_dir / "summary.json").read_text())
+    return json.loads((run.run_dir / "summary.json").read_text())

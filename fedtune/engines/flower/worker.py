@@ -21,15 +21,15 @@ _CONTEXTS_LOCK = threading.Lock()
 
 
 def _process_context(config: RunConfig, threads: int | None = None):
-    """This process's RunContext for ``config`` (built once: it caches the model and the data);
-    ``train.threads``, else ``threads``, torch threads."""
-    from fedtune.runtime import RunContext
+    """This process's RunContext for ``config`` (resolved and built once per process: it caches the
+    model and the data); ``train.threads``, else ``threads``, torch threads."""
+    from fedtune.runtime import RunContext, resolve_run
 
     key = config.model_dump_json()
     with _CONTEXTS_LOCK:
         if key not in _CONTEXTS:
             setup_process(config.train.threads or threads)
-            _CONTEXTS[key] = RunContext(config)
+            _CONTEXTS[key] = RunContext(resolve_run(config))
         return _CONTEXTS[key]
 
 

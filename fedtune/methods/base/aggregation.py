@@ -32,7 +32,6 @@ from fedtune.methods.base.robust import Combiner, combiner
 from fedtune.methods.base.server_optimizer import ServerOptimizer, ServerStep
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import SECURE_LAYOUT, SECURE_MAX_WEIGHT, SECURE_WEIGHT, SecureSum
-from fedtune.registry import MethodOptions
 
 Layout = dict[str, tuple[int, ...]]
 
@@ -47,11 +46,11 @@ class AggregationPlan:
     secure: bool
 
 
-def plan_aggregation(config: RunConfig, options: MethodOptions | None = None) -> AggregationPlan:
+def plan_aggregation(config: RunConfig) -> AggregationPlan:
     """The run's :class:`AggregationPlan`; raises ConfigError on a ``[privacy]`` that cannot run
     (:func:`~fedtune.methods.base.privacy.privacy_params`)."""
     fed = config.federation
-    return AggregationPlan(combiner(fed), privacy_params(config, options), ServerStep.of(fed), fed.secure_aggregation)
+    return AggregationPlan(combiner(fed), privacy_params(config), ServerStep.of(fed), fed.secure_aggregation)
 
 
 def mean_train_loss(replies: Mapping[int, Message]) -> dict[str, float]:

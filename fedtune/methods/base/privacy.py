@@ -69,7 +69,6 @@ import numpy as np
 
 from fedtune.config import ConfigError, RunConfig
 from fedtune.methods.base import accounting
-from fedtune.registry import MethodOptions
 
 #: The cross-method option (fedtune.registry.CROSS_METHOD_OPTIONS) a method honours when its server
 #: aggregates through BroadcastAverage (or, like FSLoRA and HeteroLoRA, puts each update in the
@@ -366,13 +365,12 @@ def mechanism_kind(config: RunConfig) -> type[Mechanism]:
     return AdaptiveClipGaussian if config.privacy.adaptive_clip else CentralGaussian
 
 
-def privacy_params(config: RunConfig, options: MethodOptions | None = None) -> PrivacyParams | None:
+def privacy_params(config: RunConfig) -> PrivacyParams | None:
     """The run's :class:`PrivacyParams` (None without ``privacy.mode``), or one line on a
     ``[privacy]`` that cannot run: a target epsilon no multiplier reaches, a budget below one
-    round's epsilon, an adaptive clip whose count noise is too small, an explicit
-    ``options.weighting = "examples"`` (DP-FedAvg weighs clients uniformly), or a method option
-    without a DP form (``options``: the method's validated options,
-    :meth:`fedtune.registry.MethodOptions.privacy_refusal`)."""
+    round's epsilon, an adaptive clip whose count noise is too small. (The method's options
+    without a DP form, and ``options.weighting = "examples"``, are rules of
+    :data:`fedtune.config.RULES`.)"""
     p, fed = config.privacy, config.federation
     if p.mode == "none":
         return None
@@ -403,14 +401,6 @@ def privacy_params(config: RunConfig, options: MethodOptions | None = None) -> P
                 "(the count query takes that share of the noise; Andrew et al. 2021, Theorem 1)"
             )
         adaptive = dict(target_quantile=p.target_quantile, clip_learning_rate=p.clip_learning_rate, sigma_b=sigma_b)
-    refusal = options.privacy_refusal() if options is not None else None
-    if refusal:
-        raise ConfigError(refusal)
-    if config.options.get("weighting") == "examples":
-        raise ConfigError(
-            'options.weighting: "examples" is not DP (a weight depends on the client\'s data); '
-            "privacy.mode weighs every client 1/m"
-        )
     common = (float(p.clip), p.per_layer, n, m, p.accountant, p.adjacency, delta, p.epsilon_budget)
     return PrivacyParams(kind, *common, p.insecure_reproducible_noise, config.seed, z, **adaptive)
 

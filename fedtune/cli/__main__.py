@@ -1,0 +1,6 @@
+"""``python -m fedtune.cli``."""
+
+from fedtune.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""What every ``fedtune`` command shares: the app (an unexpected error is one redacted line and
+the last frames), the console and the one-line failure."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import traceback
+
+import typer
+from rich.console import Console
+
+HF_TOKEN = re.compile(r"hf_[A-Za-z0-9]{30,}")  # a token: 34 letters and digits (not hf_transfer)
+SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|KEY", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """``text`` with Hugging Face tokens (``hf_...``) and the values of secret-named environment
+    variables (``*TOKEN*``, ``*SECRET*``, ``*PASSWORD*``, ``*KEY*``) replaced by ``[redacted]``."""
+    for name, value in os.environ.items():
+        if len(value) >= 6 and SECRET_NAME.search(name):
+            text = text.replace(value, "[redacted]")
+    return HF_TOKEN.sub("[redacted]", text)
+
+
+class _App(typer.Typer):
+    """The command line: an unexpected error (a bug: anything but a :class:`FedtuneError`, which a
+    command turns into its one line) prints one line and the last frames of its traceback, never
+    local variables, with secrets redacted (:func:`redact`), and exits 1."""
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return super().__call__(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - the last stop before the user's terminal
+            first = (str(exc).strip().splitlines() or [""])[0]
+            import click
+
+            internal = (os.path.dirname(typer.__file__), os.path.dirname(click.__file__))
+            stack = [f for f in traceback.extract_tb(exc.__traceback__.tb_next) if not f.filename.startswith(internal)]
+            frames = "".join(traceback.StackSummary.from_list(stack[-6:]).format())
+            text = f"error: unexpected {type(exc).__name__}: {first} (a fedtune bug; its last frames:)\n{frames}"
+            sys.stderr.write(redact(text))
+            sys.exit(1)
+
+
+app = _App(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    help="Resource-adaptive federated fine-tuning.",
+)
+console = Console(stderr=True)
+
+
+@app.callback()
+def _options(
+    verbose: bool = typer.Option(
+        False, "--verbose", help="also the libraries' warnings, log lines and progress bars (fedtune --verbose run ...)"
+    ),
+) -> None:
+    if verbose:
+        import os
+
+        from fedtune.process import VERBOSE_ENV
+
+        os.environ[VERBOSE_ENV] = "1"
+
+
+def fail(message: str, code: int = 2) -> None:
+    console.print("[bold red]error:[/]", end=" ")
+    console.print(redact(message), markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(code)

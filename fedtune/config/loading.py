@@ -1,0 +1,94 @@
+"""Reading a config: a TOML recipe, ``key=value`` overrides, validation with one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import tomllib
+from pydantic import BaseModel, ValidationError
+
+from fedtune.config.base import ConfigError
+from fedtune.config.run_config import RunConfig
+
+
+def _format_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"]).lstrip(".") or "config"
+    msg = first["msg"].removeprefix("Value error, ")
+    given = first.get("input")
+    shown = "" if first["type"] == "missing" or isinstance(given, dict) else f" (got {given!r})"
+    more = f" [+{len(err.errors()) - 1} more]" if len(err.errors()) > 1 else ""
+    if first["type"] == "value_error" and (msg.startswith(where) or not first["loc"]):  # a check naming its field
+        return f"{msg}{more}"
+    return f"{where}: {msg}{shown}{more}"
+
+
+SHORTHAND = {"task": "kind"}  # what a section given as a plain string names (default: "name")
+
+
+def parse_value(text: str) -> Any:
+    """A ``--set`` value: TOML syntax if it parses (numbers, booleans, lists), else a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(tree: dict[str, Any], assignment: str) -> None:
+    """Apply one ``dotted.key=value`` to a nested dict, in place."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected key=value")
+    key, text = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.get(part)
+        if isinstance(child, str):  # `data = "sst2"` then `--set data.alpha=0.1`
+            child = {SHORTHAND.get(part, "name"): child}
+        node[part] = child if isinstance(child, dict) else {}
+        node = node[part]
+    node[parts[-1]] = parse_value(text.strip())
+
+
+def flat_keys(tree: dict[str, Any], sep: str = ".") -> dict[str, Any]:
+    """A nested dict as one ``{"a.b.c": value}`` dict (the inverse of :func:`apply_override`'s
+    nesting); ``sep`` joins the keys."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update({f"{key}{sep}{sub}": leaf for sub, leaf in flat_keys(value, sep).items()})
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a TOML recipe (optional), apply ``key=value`` overrides, validate."""
+    tree: dict[str, Any] = {}
+    if recipe is not None:
+        path = Path(recipe)
+        if not path.is_file():
+            raise ConfigError(f"recipe {str(path)!r}: file not found")
+        try:
+            tree = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"recipe {str(path)!r}: invalid TOML ({exc})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"recipe {str(path)!r}: invalid TOML (not UTF-8 text)") from None
+        except OSError as exc:
+            raise ConfigError(f"recipe {str(path)!r}: cannot be read ({exc.strerror})") from None
+    for assignment in overrides or []:
+        apply_override(tree, assignment)
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc)) from None
+
+
+def validate_options(values: dict[str, Any], options_cls: type[BaseModel], prefix: str = "options") -> BaseModel:
+    """Typed options (a method's ``[options]``, a task's ``[task]``), errors prefixed with ``prefix.``."""
+    try:
+        return options_cls.model_validate(values)
+    except ValidationError as exc:
+        raise ConfigError(f"{prefix}." + _format_error(exc)) from None
