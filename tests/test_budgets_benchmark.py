@@ -43,17 +43,17 @@ def test_specs_list_every_method_arm_and_seed(bench):
     assert set(settings) == set(bench.METHODS)
 
 
-def test_class_costs_average_the_trained_client_rounds_and_count_the_dropped(bench, monkeypatch):
+def test_class_costs_average_the_measured_client_rounds_and_count_the_dropped(bench, monkeypatch):
     line = {
         "clients": [0, 1, 2, 3],
-        "dropped": {"1": "injected failure (failure_prob 1.0)"},
+        "dropped": {"1": "injected failure (failure_prob 1.0)", "3": "simulated out-of-memory: ..."},
         "client_peak_bytes": {"0": GIB, "3": 3 * GIB, "2": GIB},
         "client_compute_s": {"0": 1.0, "1": 0.0, "2": 5.0, "3": 3.0},
         "client_bytes_up": {"0": 1_000_000, "1": 0, "2": 4_000_000, "3": 3_000_000},
     }
     monkeypatch.setattr(bench, "load_rounds", lambda spec: [line, line])
-    costs = bench.class_costs(None)  # clients 0 and 3: phones; 1: laptop; 2: workstation
-    phone = {"trained": 4, "dropped": 0, "peak_gib": 2.0, "peak_gib_max": 3.0, "compute_s": 2.0, "mb_up": 2.0}
+    costs = bench.class_costs(None)  # clients 0 and 3: phones (3 over its memory); 1: laptop; 2: workstation
+    phone = {"trained": 4, "dropped": 2, "peak_gib": 2.0, "peak_gib_max": 3.0, "compute_s": 2.0, "mb_up": 2.0}
     assert costs["phone"] == phone
     assert costs["laptop"]["trained"] == 0 and costs["laptop"]["dropped"] == 2 and costs["laptop"]["peak_gib"] is None
     assert costs["workstation"]["mb_up"] == 4.0
