@@ -119,3 +119,32 @@ def test_a_hub_row_of_no_mmlu_subject_is_one_line(tmp_path, monkeypatch):
     _fake_hub(monkeypatch, {"dev": [], "test": [_row("anatomy", 0), _row("astrology", 1)]})
     with pytest.raises(ConfigError, match=r"^cais/mmlu\[test\]: row 2: 'subject' must be one of MMLU's 57"):
         llm_text.load_mmlu(tmp_path)
+
+
+def test_the_mmlu_row_script_scores_in_resumable_passes_and_tabulates_complete_ranks(tmp_path, monkeypatch):
+    """benchmarks/eval/mmlu_row.py: passes of the first questions of every subject, appended as
+    they end; a rerun scores only what is missing, the picks those of ``fedtune eval --limit``;
+    the table takes the first N of every subject (N the most all have) and groups them."""
+    from fedtune.trained.evaluate import evaluate, target_of
+    from tests.conftest import load_script
+
+    row = load_script(ROOT / "benchmarks" / "eval" / "mmlu_row.py", "mmlu_row")
+    subjects = {"anatomy": 4, "philosophy": 3, "virology": 4}  # STEM, humanities, other
+    _write(tmp_path / "data" / "mmlu" / "test.jsonl", [_row(s, k % 4) for s, n in subjects.items() for k in range(n)])
+    monkeypatch.setenv("FEDTUNE_DATA_DIR", str(tmp_path / "data"))
+    out = tmp_path / "out"
+    row.score("tiny-llama", out, step=1, upto=2, batch=4)
+    assert len(row.done(out)) == 6
+    lines = (out / row.QUESTIONS).read_text().splitlines()
+    row.score("tiny-llama", out, step=2, upto=4, batch=4)  # resumes: ranks 2-3 only
+    assert (out / row.QUESTIONS).read_text().splitlines()[:6] == lines and len(row.done(out)) == 11
+    ours = evaluate(target_of("tiny-llama"), ["mmlu"], limit=4)["examples"]["mmlu"]
+    order = sorted(row.done(out).values(), key=lambda r: (r["subject"], r["rank"]))
+    assert [r["pick"] for r in order] == ours["pick"] and [r["acc"] for r in order] == ours["acc"]
+    (out / row.QUESTIONS).write_text("\n".join(lines[:5]) + "\n")  # virology's rank 1 missing
+    summary = row.table(out, subjects)
+    assert summary["first_per_subject"] == 1
+    assert row.table(out, {**subjects, "virology": 1})["first_per_subject"] == 2  # virology complete at 1
+    assert {k: v["n"] for k, v in summary["groups"].items()} == {
+        "STEM": 1, "humanities": 1, "other": 1, "MMLU": 3
+    }  # fmt: skip
