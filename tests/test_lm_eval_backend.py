@@ -113,3 +113,20 @@ def test_backend_errors_are_one_line(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval.tasks", None)  # as if lm-eval were not installed
     _one_line(["tiny-llama", "--backend", "lm-eval", "--tasks", "arc_easy", *out], "not installed", "fedtune[lm-eval]")
     assert not (tmp_path / "e.json").exists()
+
+
+def test_the_table_shows_lm_evals_other_metrics_with_their_errors():
+    from rich.console import Console
+
+    from fedtune.trained.table import eval_table
+
+    rows = {
+        "gsm8k": {"n": 10, "exact_match": 0.3, "exact_match_se": 0.15},
+        "arc_easy": {"n": 10, "acc": 0.5, "acc_se": 0.16},
+    }
+    console = Console(width=200, record=True)
+    console.print(
+        eval_table({"target": "m", "protocol": {"name": "lm-eval:gsm8k,arc_easy"}, "sets": rows, "average": {}})
+    )
+    text = console.export_text()
+    assert "exact_match" in text and "0.3000 ± 0.1500" in text and "50.0 ± 16.0" in text
