@@ -47,7 +47,8 @@ Metrics (:meth:`CausalLM.evaluate`, batched over the test set subsampled by
   (:func:`fedtune.data.llm_text.as_option_texts`), so training, the response loss and the ranking
   share one format; the default ``"tag"`` trains on the Table B.1 prompts and tags.
   ``"lm-eval"`` scores lm-evaluation-harness's task format of each set
-  (:mod:`fedtune.data.lm_eval_formats`: raw text, no template, ``" " + option``; a question's
+  (:mod:`fedtune.data.lm_eval_formats`: raw text, no template, ``" " + option``, ``acc_norm``
+  dividing by the option's length without that space, as lm-eval does; a question's
   ``loss`` is its gold option's), ``task.num_fewshot`` solved training examples before each
   question (``fedtune eval``'s ``lm-eval`` protocol).
   ``accuracy`` = ``acc``. On ``commonsense`` every metric is the mean over sets (the eight-task
@@ -387,7 +388,8 @@ class CausalLM(Task):
             pairs = lm_eval_formats.requests(name, ds.questions[i], list(ds.choices[i]))
             contexts = prompting.encode(tok, [prefix + c for c, _ in pairs])
             wholes = prompting.encode(tok, [prefix + c + x for c, x in pairs])
-            return [(c, w[len(c) :], len(x)) for c, w, (_, x) in zip(contexts, wholes, pairs)]
+            # acc_norm divides by the option's length without lm-eval's " " delimiter (its completion_len)
+            return [(c, w[len(c) :], len(x.removeprefix(" "))) for c, w, (_, x) in zip(contexts, wholes, pairs)]
         instruction, inp, conts = self.choice_continuations(ds, i)
         prompt = prompting.encode(tok, [self.prompt_format.render(tok, instruction, inp)])[0]
         return [(prompt, ids, len(c)) for c, ids in zip(conts, prompting.encode(tok, conts))]
