@@ -496,7 +496,9 @@ def test_a_pool_job_runs_its_config_on_the_engine_the_config_names(recipe, tmp_p
     monkeypatch.setitem(launch.ENGINES, "flower-sim", lambda config, **kw: launched.append((config, kw)) or {})
     spec = build_plan({"e": [RunSpec("r", ['engine="flower-sim"'])]}, recipe, tmp_path)["e"][0]
     assert run_config(spec.config)[0] == {}
-    assert launched == [(spec.config, {"on_round": None, "on_start": None, "resume": False, "overwrite": True})]
+    [(run, options)] = launched  # the launcher gets the run resolved once
+    assert run.config == spec.config
+    assert options == {"on_round": None, "on_start": None, "resume": False, "overwrite": True}
 
 
 def test_the_sweep_needs_a_grid_and_a_grid_needs_positive_rates(capsys):

@@ -16,8 +16,10 @@ inside functions are lazy and may point up, for example the registries discoveri
     catalog             the methods' and task kinds' names and descriptions, read without them
     planning            client budgets: the memory and time model, the planner, the peak meter
     runtime             RunContext: one process's task, model and profiles
-    engines.rounds, engines.local, engines.embedded, engines.device_pool
-                        the round loop, in-process delivery, the engine, its device workers
+    engines.rounds, engines.delivery, engines.policy, engines.record, engines.local,
+    engines.embedded, engines.device_pool
+                        the round loop (its transport protocol, reply checks and round record),
+                        in-process delivery, the engine, its device workers
     run, progress, privacy_audit
                         one run end to end, the run folder; the empirical DP audit
     trained             a finished run's model: reloaded, exported, evaluated

@@ -84,13 +84,16 @@ def class_of(cid: int) -> str:
 
 
 def budgets(largest) -> dict[str, dict]:
-    """Each class's profile fields, from ``largest`` (the :class:`ClientPlan` of rank r, no budget)."""
+    """Each class's profile fields, from ``largest`` (the :class:`ClientPlan` of rank r, no budget).
+    The upload codec is pinned to dense float32, so the planner meets a bandwidth budget with the
+    method's own knob (rank, sketch ratio), not with top-k or bfloat16 (which it tries first)."""
     return {
         name: {
             "device_class": name,
             "memory_gib": round(m * largest.peak_bytes / GIB, 4),
             "bandwidth_mb": round(b * largest.upload_mb, 4),
             "speed": s,
+            "wire_dtype": "float32",
         }
         for name, (m, b, s) in CLASSES.items()
     }

@@ -219,8 +219,21 @@ def eval_(
         help="lm-eval (lm-eval's task formats; the default for --tasks) or run (the run's own evaluation; "
         "the default for a run's own test set)",
     ),
-    num_fewshot: int = typer.Option(
-        0, "--num-fewshot", min=0, max=25, help="lm-eval protocol: solved examples before each question"
+    num_fewshot: int | None = typer.Option(
+        None,
+        "--num-fewshot",
+        min=0,
+        max=25,
+        help="solved examples before each question (default 0; --backend lm-eval: each task's default)",
+    ),
+    backend: str = typer.Option(
+        "fedtune",
+        "--backend",
+        help="fedtune (its own scoring) or lm-eval (lm-evaluation-harness scores any of its tasks on the "
+        "model, a run's adapter included; the lm-eval extra)",
+    ),
+    include_path: Path | None = typer.Option(
+        None, "--include-path", help="--backend lm-eval: a folder of custom lm-eval task YAMLs"
     ),
     baseline: bool = typer.Option(
         False, "--baseline", help="a run: also score its base on the same protocol, and the paired difference"
@@ -245,14 +258,20 @@ def eval_(
 
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+    from fedtune.config import ConfigError
     from fedtune.output_files import check_free, write_output
     from fedtune.process import setup_process
     from fedtune.trained.evaluate import evaluate, is_eval_result, parse_sets, target_of
+    from fedtune.trained.lm_eval_backend import BACKENDS, check_backend_options, evaluate_lm_eval
     from fedtune.trained.table import eval_table, paired_table
 
     setup_process()
     try:
-        sets = parse_sets(tasks)
+        if backend not in BACKENDS:
+            raise ConfigError(f"--backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+        lm_eval = backend == "lm-eval"
+        check_backend_options(lm_eval, tasks, protocol, generate, include_path)
+        sets = [t.strip() for t in tasks.split(",") if t.strip()] if lm_eval else parse_sets(tasks)
         scored = target_of(target)
         path = out or (scored.run_dir / "eval.json" if scored.run_dir is not None else Path("eval.json"))
         check_free(path, is_eval_result, "--out")  # before the evaluation, which takes a while
@@ -264,7 +283,13 @@ def eval_(
             def advance(unit: str, passes: int) -> None:
                 bar.update(shown, description=f"{unit}: {passes} forward passes")
 
-            result = evaluate(scored, sets, limit, batch_size, generate, advance, protocol, num_fewshot, baseline)
+            if lm_eval:
+                folder = None if include_path is None else str(include_path)
+                result = evaluate_lm_eval(scored, sets, limit, batch_size, num_fewshot, baseline, folder)
+            else:
+                result = evaluate(
+                    scored, sets, limit, batch_size, generate, advance, protocol, num_fewshot or 0, baseline
+                )
         write_output(path, json.dumps(result, indent=1).encode(), is_eval_result, "--out")
     except FedtuneError as exc:
         fail(str(exc), code=exc.exit_code)

@@ -25,11 +25,10 @@ with the plan's reason; a client with a ``memory_gib`` has its fit's peak measur
 ``peak_bytes``), kept in the record beside its budget, and is dropped above it (a simulated
 out-of-memory); a client slower than its ``deadline_s`` is dropped as a missed deadline.
 
-Fault injection for tests and benchmarks: profile fields ``failure_prob`` (a client fails a
-request with that probability, drawn from (seed, round, client, attempt)), ``delay_s`` (it
-waits that long before answering) and ``attack`` (a hostile client: every floating array of its
-training reply sign-flipped, or scaled by ``attack_scale``; clients reply with updates, so this
-is the update), applied on the client side by :func:`answer`.
+The parts: :mod:`fedtune.engines.delivery` (the transport protocol, a client's :class:`Delivery`,
+:func:`answer` on the client side, fault injection), :mod:`fedtune.engines.policy` (the checks
+that drop a reply) and :mod:`fedtune.engines.record` (a round's record); their names are
+importable from here too.
 """
 
 from __future__ import annotations
@@ -37,17 +36,46 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 
+from fedtune.engines.delivery import (
+    EVALUATE,
+    TRAIN,
+    Delivery,
+    InjectedFailure,
+    SecureTransport,
+    Transport,
+    answer,
+    attacked,
+)
+from fedtune.engines.policy import RoundPolicy
+from fedtune.engines.record import RoundRecord
 from fedtune.errors import FedtuneError
-from fedtune.protocol.client import Client
 from fedtune.protocol.messages import Message
-from fedtune.protocol.strategy import SECURE_LAYOUT, SecureSum, Strategy
-from fedtune.protocol.validation import check_arrays, check_meta, outsized_updates
+from fedtune.protocol.strategy import SecureSum, Strategy
+
+__all__ = [
+    "EVALUATE",
+    "TRAIN",
+    "Delivery",
+    "Engine",
+    "InjectedFailure",
+    "RoundFailed",
+    "RoundPolicy",
+    "RoundRecord",
+    "RunHalted",
+    "RunInterrupted",
+    "SecureTransport",
+    "Transport",
+    "answer",
+    "attacked",
+    "drive_rounds",
+    "first_nonfinite",
+    "sample_clients",
+]
 
 
 def sample_clients(num_clients: int, sample_size: int, seed: int, rnd: int, attempt: int = 0) -> list[int]:
@@ -58,263 +86,11 @@ def sample_clients(num_clients: int, sample_size: int, seed: int, rnd: int, atte
     return sorted(int(c) for c in rng.choice(num_clients, size=sample_size, replace=False))
 
 
-TRAIN, EVALUATE = "train", "evaluate"  # transport kinds; any other kind is a Strategy phase
-
-
-class InjectedFailure(RuntimeError):
-    """A failure injected by the client's profile (``failure_prob``)."""
-
-
-def answer(client: Client, kind: str, message: Message, seed: int, rnd: int, attempt: int = 0) -> Message:
-    """Serve one request on the client side, as every engine does: the profile's injected delay
-    and failure first, then ``fit`` ("train"), ``evaluate``, or the named phase. Under secure
-    aggregation (the request names a ``secure_layout``) a training reply's arrays become the vector
-    the client masks (:meth:`Client.secure_reply`)."""
-    profile = client.profile
-    if profile.delay_s:
-        time.sleep(profile.delay_s)
-    if (
-        profile.failure_prob
-        and np.random.default_rng([seed, rnd, client.cid, attempt, 0xFA11]).random() < profile.failure_prob
-    ):
-        raise InjectedFailure(f"injected failure (failure_prob {profile.failure_prob})")
-    if kind == TRAIN:
-        if profile.memory_gib is not None or profile.gradient_checkpointing:  # measured; planned checkpointing
-            from fedtune.planning.planner import metered_fit
-
-            reply = metered_fit(client, message)
-        else:
-            reply = client.fit(message)
-        reply = attacked(reply, profile.attack, profile.attack_scale) if profile.attack else reply
-        return client.secure_reply(message, reply) if SECURE_LAYOUT in message.meta else reply
-    if kind == EVALUATE:
-        return client.evaluate(message)
-    if profile.memory_gib is not None:  # a phase of the round's training (RABO's hypergradient): measured too
-        from fedtune.planning.planner import metered_fit
-
-        return metered_fit(client, message, partial(client.phase, kind))
-    return client.phase(kind, message)
-
-
-def attacked(reply: Message, attack: str, scale: float) -> Message:
-    """``reply`` with every floating array sign-flipped (``"sign-flip"``) or times ``scale``
-    (``"scale"``); integer arrays (top-k indices) and the metadata as they are."""
-    factor = -1.0 if attack == "sign-flip" else scale
-    arrays = {
-        k: (v * factor).astype(v.dtype) if np.issubdtype(v.dtype, np.floating) else v for k, v in reply.arrays.items()
-    }
-    return Message(arrays, reply.meta)
-
-
-@dataclass
-class Delivery:
-    """One client's answer to one message, as the transport saw it."""
-
-    reply: Message | None  # None when the client failed or never answered
-    down: int  # bytes sent to the client
-    up: int = 0  # bytes it sent back
-    seconds: float = 0.0  # its compute time
-    sender: int | None = None  # the client id the reply claims
-    round: int | None = None  # the round the reply claims
-    error: str | None = None  # why there is no reply
-    masked: bool = False  # the reply's arrays crossed masked (secure aggregation): only its meta is checked here
-
-
-class Transport(Protocol):
-    """What an engine gives the round loop: ``transport(kind, rnd, messages, attempt)`` delivers
-    ``messages`` (client id -> Message) as ``kind`` ("train", "evaluate" or a Strategy phase name)
-    and returns client id -> Delivery for every message, in the order of ``messages``
-    (aggregation sums in that order)."""
-
-    def __call__(self, kind: str, rnd: int, messages: dict[int, Message], attempt: int) -> dict[int, Delivery]:
-        """One exchange's deliveries (see the class docstring)."""
-        ...
-
-
-@runtime_checkable
-class SecureTransport(Transport, Protocol):
-    """A transport that masks the training replies (secure aggregation,
-    :mod:`fedtune.engines.flower.secagg`): its training deliveries carry metadata only
-    (``Delivery.masked``), and the round aggregates the sum of the valid ones' updates
-    (:meth:`Strategy.aggregate_secure_fit`), which :meth:`unmask` rebuilds."""
-
-    def unmask(
-        self, rnd: int, attempt: int, client_ids: list[int], sent: dict[int, Message]
-    ) -> tuple[SecureSum | None, dict[int, Delivery]]:
-        """The sum of the masked updates of ``client_ids`` (None when it cannot be rebuilt) and
-        the unmask exchange's deliveries."""
-        ...
-
-
-@dataclass(frozen=True)
-class RoundPolicy:
-    """How a round treats faults (``federation.*``)."""
-
-    min_replies: int = 1
-    max_retries: int = 2
-    timeout_s: float | None = None
-    max_reply_bytes: int = 256 * 2**20
-    max_update_ratio: float | None = None  # None: no outsized-update screen
-    memory_bytes: dict[int, int] = field(default_factory=dict)  # client -> its memory budget
-    deadlines: dict[int, float] = field(default_factory=dict)  # client -> its deadline_s
-    excluded: dict[int, str] = field(default_factory=dict)  # client -> why the plan excluded it
-
-    @classmethod
-    def of(cls, fed: Any, private: bool = False, context: Any = None) -> RoundPolicy:
-        """The policy of ``fed`` (``federation.*``) and the budgets of ``context`` (a RunContext's
-        ``round_limits``); ``private`` (DP): no outsized-update screen, whose reference would
-        depend on the other clients' updates (DP clipping bounds them)."""
-        ratio = None if private or not fed.max_update_ratio else fed.max_update_ratio
-        limits = context.round_limits() if hasattr(context, "round_limits") else {}
-        return cls(fed.min_replies, fed.max_retries, fed.round_timeout_s, fed.max_reply_bytes, ratio, **limits)
-
-    def screened(
-        self, record: RoundRecord, replies: dict[int, Message], sent: dict[int, Message], attempt: int
-    ) -> dict[int, Message]:
-        """``replies`` less the outsized ones (:func:`~fedtune.protocol.validation.outsized_updates`),
-        each dropped in ``record`` with its reason."""
-        if self.max_update_ratio is None:
-            return replies
-        outsized = outsized_updates(replies, sent, self.max_update_ratio)
-        for cid, reason in outsized.items():
-            record.dropped[cid] = (f"attempt {attempt + 1}: " if attempt else "") + reason
-        return {cid: reply for cid, reply in replies.items() if cid not in outsized}
-
-    def rejection(
-        self, strategy: Strategy, kind: str, rnd: int, cid: int, sent: Message | None, got: Delivery
-    ) -> str | None:
-        """Why ``got`` (a reply of exchange ``kind``) may not be aggregated, or None."""
-        if got.error is not None:
-            return got.error
-        if got.reply is None:
-            return "no reply"
-        if got.sender != cid:
-            return f"reply claims to come from client {got.sender}"
-        if got.round != rnd:
-            return f"reply claims round {got.round}"
-        if self.timeout_s is not None and got.seconds > self.timeout_s:
-            return f"missed the {self.timeout_s:g} s deadline ({got.seconds:.2f} s)"
-        if cid in self.deadlines and got.seconds > self.deadlines[cid]:
-            return f"missed its deadline_s = {self.deadlines[cid]:g} ({got.seconds:.2f} s)"
-        if got.up > self.max_reply_bytes:
-            return f"reply of {got.up} bytes exceeds federation.max_reply_bytes = {self.max_reply_bytes}"
-        reason = check_meta(got.reply.meta, strategy.reply_meta_spec(kind, cid))
-        peak = got.reply.meta.get("peak_bytes")
-        if reason is None and peak is not None and peak > self.memory_bytes.get(cid, peak):
-            reason = (
-                f"simulated out-of-memory: measured peak {peak / 2**30:.3g} GiB over its memory_gib "
-                f"{self.memory_bytes[cid] / 2**30:.3g}"
-            )
-        if reason is not None or got.masked:  # a masked update is checked as part of the sum
-            return reason
-        spec = strategy.reply_spec(rnd, cid, sent) if sent is not None else None
-        if isinstance(spec, list):  # alternative forms (a client that may prune its rank, say)
-            reasons = [check_arrays(got.reply.arrays, s) for s in spec]
-            return None if None in reasons else reasons[0]
-        return check_arrays(got.reply.arrays, spec)
-
-
 class RoundFailed(FedtuneError, RuntimeError):
     """A round stayed short of ``federation.min_replies`` valid replies after every retry, or its
     aggregation was rejected."""
 
     exit_code = 1
-
-
-@dataclass
-class RoundRecord:
-    round: int
-    clients: list[int]
-    metrics: dict[str, float] = field(default_factory=dict)
-    client_bytes_up: dict[int, int] = field(default_factory=dict)
-    client_bytes_down: dict[int, int] = field(default_factory=dict)
-    client_steps: dict[int, int] = field(default_factory=dict)
-    client_compute_s: dict[int, float] = field(default_factory=dict)
-    dropped: dict[int, str] = field(default_factory=dict)  # client -> why (every attempt of the round)
-    attempts: int = 1
-    eval_bytes: int = 0
-    wall_s: float = 0.0
-    private: bool = False  # a round under client-level DP: its line releases no per-client number
-    client_peak_bytes: dict[int, int] = field(default_factory=dict)  # measured (clients with a memory budget)
-    client_memory_budget_bytes: dict[int, int] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        """The ``metrics.jsonl`` line for this round: the record's own fields, and the metrics
-        between them; a metric named like a field (a strategy passing on what clients reported)
-        never replaces the engine's accounting. A private round's line is only what the privacy
-        mechanism releases: the round, the metrics (the server's evaluation of the released state,
-        epsilon) and ``"private": true``; not the sample, bytes, timings, steps or drops, which
-        depend on who was sampled and on their data."""
-        if self.private:
-            return {"round": self.round, **{k: v for k, v in self.metrics.items() if k != "private"}, "private": True}
-        own = {
-            "round": self.round,
-            "accuracy": self.metrics.get("accuracy"),
-            "loss": self.metrics.get("loss"),
-            "bytes_up": sum(self.client_bytes_up.values()),
-            "bytes_down": sum(self.client_bytes_down.values()),
-            "eval_bytes": self.eval_bytes,
-            "wall_s": self.wall_s,
-            "compute_s": sum(self.client_compute_s.values()),
-            "clients": self.clients,
-        }
-        tail = {
-            "client_bytes_up": {str(k): v for k, v in self.client_bytes_up.items()},
-            "client_bytes_down": {str(k): v for k, v in self.client_bytes_down.items()},
-            "client_steps": {str(k): v for k, v in self.client_steps.items()},
-            "client_compute_s": {str(k): round(v, 4) for k, v in self.client_compute_s.items()},
-            "dropped": {str(k): v for k, v in self.dropped.items()},  # on every line, {} when none was
-            "attempts": self.attempts,
-        }
-        if self.client_peak_bytes:  # only runs with memory budgets
-            tail["client_peak_bytes"] = {str(k): v for k, v in self.client_peak_bytes.items()}
-            tail["client_memory_budget_bytes"] = {str(k): v for k, v in self.client_memory_budget_bytes.items()}
-        metrics = {k: v for k, v in self.metrics.items() if k not in own and k not in tail}
-        return {**own, **metrics, **tail}
-
-    #: The keys of a :meth:`to_json` line that are the record's own fields (the rest are metrics).
-    FIELDS = (
-        "round",
-        "bytes_up",
-        "bytes_down",
-        "eval_bytes",
-        "wall_s",
-        "compute_s",
-        "clients",
-        "client_bytes_up",
-        "client_bytes_down",
-        "client_steps",
-        "client_compute_s",
-        "client_peak_bytes",
-        "client_memory_budget_bytes",
-        "dropped",
-        "attempts",
-    )
-
-    @classmethod
-    def from_json(cls, line: dict[str, Any]) -> RoundRecord:
-        """The record of a ``metrics.jsonl`` line (:meth:`to_json`'s inverse; the per-client
-        totals are recomputed from the per-client maps, and a metric that was None is left out)."""
-
-        def by_client(key: str) -> dict[int, Any]:
-            return {int(k): v for k, v in (line.get(key) or {}).items()}
-
-        return cls(
-            round=int(line["round"]),
-            clients=[int(c) for c in line.get("clients", [])],
-            metrics={k: v for k, v in line.items() if k not in (*cls.FIELDS, "private") and v is not None},
-            client_bytes_up=by_client("client_bytes_up"),
-            client_bytes_down=by_client("client_bytes_down"),
-            client_steps=by_client("client_steps"),
-            client_compute_s=by_client("client_compute_s"),
-            client_peak_bytes=by_client("client_peak_bytes"),
-            client_memory_budget_bytes=by_client("client_memory_budget_bytes"),
-            dropped=by_client("dropped"),
-            attempts=int(line.get("attempts", 1)),
-            eval_bytes=int(line.get("eval_bytes", 0)),
-            wall_s=float(line.get("wall_s", 0.0)),
-            private=bool(line.get("private", False)),
-        )
 
 
 def _exchange(

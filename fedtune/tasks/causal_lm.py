@@ -47,7 +47,8 @@ Metrics (:meth:`CausalLM.evaluate`, batched over the test set subsampled by
   (:func:`fedtune.data.llm_text.as_option_texts`), so training, the response loss and the ranking
   share one format; the default ``"tag"`` trains on the Table B.1 prompts and tags.
   ``"lm-eval"`` scores lm-evaluation-harness's task format of each set
-  (:mod:`fedtune.data.lm_eval_formats`: raw text, no template, ``" " + option``; a question's
+  (:mod:`fedtune.data.lm_eval_formats`: raw text, no template, ``" " + option``, ``acc_norm``
+  dividing by the option's length without that space, as lm-eval does; a question's
   ``loss`` is its gold option's), ``task.num_fewshot`` solved training examples before each
   question (``fedtune eval``'s ``lm-eval`` protocol).
   ``accuracy`` = ``acc``. On ``commonsense`` every metric is the mean over sets (the eight-task
@@ -63,11 +64,9 @@ from __future__ import annotations
 
 import json
 from functools import cached_property
-from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import Field, field_validator
 
 from fedtune.config import ConfigError
 from fedtune.data import llm_text, lm_eval_formats, prompting
@@ -75,62 +74,15 @@ from fedtune.models import lm_scoring
 from fedtune.models import prefix_lm as plm
 from fedtune.models.generation import greedy_generate
 from fedtune.models.precision import load_dtype
-from fedtune.tasks.base import Task, TaskOptions, majority_rate, register_task
-from fedtune.tasks.text_metrics import extract_answer, rouge_l
-
-#: LoRA targets of Llama-style models: attention and gated-MLP projections
-LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FFN_TARGETS = ("gate_proj", "up_proj", "down_proj")
-BY_LABEL = ("commonsense", llm_text.MMLU)  # data whose label names each example's set (subject)
-FREE_FORM_NEW_TOKENS = 64  # generation budget for free-form answers unless task.max_new_tokens
-
-
-class CausalLMOptions(TaskOptions):
-    template: Literal["auto", "chat", "alpaca"] = Field(
-        "auto", description="prompt template (auto: the tokenizer's chat template when it has one, else Alpaca)"
-    )
-    system_prompt: str | None = Field(None, description="chat template's system turn (None: its own default)")
-    truncation_side: Literal["left", "right"] = Field(
-        "left", description="which end of a too-long prompt is cut (left keeps the question's end)"
-    )
-    sets: list[str] | None = Field(None, description="commonsense sets (default: all eight)")
-    test_per_set: int | None = Field(None, ge=1, description="evaluate at most this many questions per set (seed 0)")
-    max_new_tokens: int | None = Field(
-        None, ge=1, le=2048, description="greedy generation budget (default: longest answer; free-form 64)"
-    )
-    choice_scoring: Literal["answer", "text", "lm-eval"] = Field(
-        "answer",
-        description="log-likelihood ranking of the trained answer format, of the option texts, or of lm-eval's "
-        "task format (raw text, no template)",
-    )
-    num_fewshot: int = Field(
-        0, ge=0, le=25, description="choice_scoring = 'lm-eval': solved examples before each question (first k)"
-    )
-    generate: bool = Field(True, description="evaluate greedy generations too (ROUGE-L, extracted answers)")
-    answer_format: Literal["tag", "text"] = Field(
-        "tag",
-        description="multiple-choice answers trained and scored as the Table B.1 tag ('the correct answer is "
-        "answer2') or as the gold option's text after the bare question (needs choice_scoring = 'text')",
-    )
-    columns: dict[str, str | list[str]] | None = Field(
-        None,
-        description="hub sets and local files: the set's column for each of prompt, input, response, category "
-        "(free-form) or question, choices, gold (multiple choice); choices may name one column per option "
-        '(PIQA: choices = ["sol1", "sol2"])',
-    )
-
-    @field_validator("columns")
-    @classmethod
-    def _known_columns(cls, value: dict[str, str | list[str]] | None) -> dict[str, str | list[str]] | None:
-        unknown = sorted(set(value or {}) - set(llm_text.COLUMNS))
-        if unknown:
-            raise ValueError(f"unknown column {unknown[0]!r}; expected some of {', '.join(llm_text.COLUMNS)}")
-        for ours, theirs in (value or {}).items():
-            if isinstance(theirs, list) and ours != "choices":
-                raise ValueError(f"{ours}: expected one column name, got a list (only choices takes one per option)")
-            if isinstance(theirs, list) and (len(theirs) < 2 or len(set(theirs)) != len(theirs)):
-                raise ValueError(f"choices: expected at least 2 distinct column names, one per option, got {theirs}")
-        return value
+from fedtune.tasks.base import Task, majority_rate, register_task
+from fedtune.tasks.causal_lm_options import (
+    BY_LABEL,
+    FFN_TARGETS,
+    FREE_FORM_NEW_TOKENS,
+    LLAMA_TARGETS,
+    CausalLMOptions,
+)
+from fedtune.tasks.text_metrics import extract_answer, per_label_means, rouge_l
 
 
 @register_task
@@ -387,7 +339,8 @@ class CausalLM(Task):
             pairs = lm_eval_formats.requests(name, ds.questions[i], list(ds.choices[i]))
             contexts = prompting.encode(tok, [prefix + c for c, _ in pairs])
             wholes = prompting.encode(tok, [prefix + c + x for c, x in pairs])
-            return [(c, w[len(c) :], len(x)) for c, w, (_, x) in zip(contexts, wholes, pairs)]
+            # acc_norm divides by the option's length without lm-eval's " " delimiter (its completion_len)
+            return [(c, w[len(c) :], len(x.removeprefix(" "))) for c, w, (_, x) in zip(contexts, wholes, pairs)]
         instruction, inp, conts = self.choice_continuations(ds, i)
         prompt = prompting.encode(tok, [self.prompt_format.render(tok, instruction, inp)])[0]
         return [(prompt, ids, len(c)) for c, ids in zip(conts, prompting.encode(tok, conts))]
@@ -498,7 +451,8 @@ class CausalLM(Task):
     def summarize(self, per: dict[str, np.ndarray]) -> dict[str, float]:
         """The metrics of the module docstring from :meth:`example_metrics`."""
         per = {k: v for k, v in per.items() if k != "pick"}
-        metrics = _per_set(per, self.test.labels, self.test.label_names, macro=self.config.data.name == "commonsense")
+        macro = self.config.data.name == "commonsense"
+        metrics = per_label_means(per, self.test.labels, self.test.label_names, macro=macro)
         metrics["accuracy"] = metrics["acc"] if "acc" in metrics else metrics.get("rouge_l", 0.0)
         return metrics
 
@@ -511,24 +465,3 @@ def _length_chunks(lengths: list[int], size: int) -> list[np.ndarray]:
     """Indices 0..N-1 sorted by length, cut into batches of ``size`` (little padding per batch)."""
     order = np.argsort(np.asarray(lengths), kind="stable")
     return [order[i : i + size] for i in range(0, len(order), size)]
-
-
-def _per_set(per: dict[str, np.ndarray], labels: np.ndarray, names: list[str], macro: bool) -> dict[str, float]:
-    """Each metric's mean per label (``<metric>_<label>``: per set, per Dolly category) where the
-    test set spans several, and overall: the mean of the per-label means (``macro``: the
-    multiple-choice sets' average) or over examples. NaN entries: examples a metric skips."""
-    out: dict[str, float] = {}
-    present = list(np.unique(labels))
-    for key, values in per.items():
-        means = []
-        for s in present:
-            v = values[labels == s]
-            v = v[~np.isnan(v)]
-            if len(v):
-                means.append(float(v.mean()))
-                if len(present) > 1:
-                    out[f"{key}_{names[s]}"] = means[-1]
-        kept = values[~np.isnan(values)]
-        if means:
-            out[key] = float(np.mean(means)) if macro else float(kept.mean())
-    return out

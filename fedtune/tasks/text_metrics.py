@@ -1,11 +1,13 @@
 """Metrics of generated text: ROUGE-L (the ``rouge-score`` package papers report with) and the
 answer extraction of LLM-Adapters' commonsense evaluation (Hu et al. 2023), which FSLoRA's
-Table 5.2 uses."""
+Table 5.2 uses; and the means of per-example metrics per set (or category)."""
 
 from __future__ import annotations
 
 import re
 from functools import cache
+
+import numpy as np
 
 
 @cache
@@ -32,3 +34,24 @@ def extract_answer(text: str, tags: list[str]) -> int:
     pattern = "|".join(re.escape(t) for t in sorted(tags, key=len, reverse=True))
     found = re.search(pattern, text)
     return tags.index(found.group(0)) if found else -1
+
+
+def per_label_means(per: dict[str, np.ndarray], labels: np.ndarray, names: list[str], macro: bool) -> dict[str, float]:
+    """Each metric's mean per label (``<metric>_<label>``: per set, per Dolly category) where the
+    test set spans several, and overall: the mean of the per-label means (``macro``: the
+    multiple-choice sets' average) or over examples. NaN entries: examples a metric skips."""
+    out: dict[str, float] = {}
+    present = list(np.unique(labels))
+    for key, values in per.items():
+        means = []
+        for s in present:
+            v = values[labels == s]
+            v = v[~np.isnan(v)]
+            if len(v):
+                means.append(float(v.mean()))
+                if len(present) > 1:
+                    out[f"{key}_{names[s]}"] = means[-1]
+        kept = values[~np.isnan(values)]
+        if means:
+            out[key] = float(np.mean(means)) if macro else float(kept.mean())
+    return out

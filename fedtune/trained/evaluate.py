@@ -199,7 +199,7 @@ def average(rows: dict[str, dict], keys=ACCURACIES) -> dict[str, float]:
     """Mean of each of ``keys`` over the multiple-choice sets, with its standard error."""
     out: dict[str, float] = {}
     for key in keys:
-        values = [r for name, r in rows.items() if name != DOLLY and not is_part(name) and key in r]
+        values = [r for name, r in rows.items() if name != DOLLY and not is_part(name) and f"{key}_se" in r]
         if values:
             out[key] = float(np.mean([r[key] for r in values]))
             out[f"{key}_se"] = math.sqrt(sum(r[f"{key}_se"] ** 2 for r in values)) / len(values)
@@ -280,6 +280,18 @@ def describe_protocol(task, protocol: str) -> dict:
         "bos_prefix": fmt["bos_prefix"],
         "max_length": task.config.data.max_length,
         "truncation_side": opts.truncation_side,
+    }
+
+
+def describe_target(target: Target) -> dict:
+    """What was scored: the target, its base's hub id, the adapter folder, dtype and quantization."""
+    model_cfg = target.config.model
+    return {
+        "target": target.label,
+        "base": hub_id(str(model_cfg.name)),
+        "adapter": None if target.adapter_dir is None else str(target.adapter_dir),
+        "dtype": model_cfg.dtype,
+        "quantization": model_cfg.quantization,
     }
 
 
@@ -380,13 +392,8 @@ def evaluate(
     for note in notes:
         warnings.warn(note, stacklevel=2)
     rows, raw, examples = _score(units, model, batch, progress, "")
-    model_cfg = target.config.model
     result = {
-        "target": target.label,
-        "base": hub_id(str(model_cfg.name)),
-        "adapter": None if target.adapter_dir is None else str(target.adapter_dir),
-        "dtype": model_cfg.dtype,
-        "quantization": model_cfg.quantization,
+        **describe_target(target),
         "protocol": describe_protocol(next((t for u, t in units if u != DOLLY), units[0][1]), protocol),
         "limit": limit,
         "limit_takes": DRAWS[draw],

@@ -1,5 +1,6 @@
 """The table ``fedtune eval`` prints: per set its size, each accuracy with its binomial standard
-error, ROUGE-L and the response loss; the commonsense average last."""
+error, any other metric with a standard error (lm-eval's: ``exact_match``, ...), ROUGE-L and the
+response loss; the commonsense average last."""
 
 from __future__ import annotations
 
@@ -18,20 +19,22 @@ def eval_table(result: dict) -> Table:
     """A rich table of an :func:`~fedtune.trained.evaluate.evaluate` result."""
     rows, avg = result["sets"], result["average"]
     shown = [k for k in ACCURACIES if any(k in r for r in rows.values())]
+    other = sorted({k for r in rows.values() for k in r if f"{k}_se" in r and k not in ACCURACIES})  # lm-eval's
     protocol = result["protocol"]["name"]
     table = Table(title=f"{result['target']}, protocol {protocol} (accuracy % ± standard error)")
     table.add_column("set")
     table.add_column("n", justify="right")
     for key in shown:
         table.add_column(key, justify="right")
-    table.add_column("rouge_l", justify="right")
-    table.add_column("loss", justify="right")
+    for key in [*other, "rouge_l", "loss"]:
+        table.add_column(key, justify="right")
     for name, row in rows.items():
         rouge = f"{row['rouge_l']:.4f}" if "rouge_l" in row else "–"
         loss = f"{row['loss']:.4f}" if "loss" in row else "–"
-        table.add_row(name, str(row["n"]), *(_pct(row, k) for k in shown), rouge, loss)
+        extra = [f"{row[k]:.4f} ± {row[f'{k}_se']:.4f}" if k in row else "–" for k in other]
+        table.add_row(name, str(row["n"]), *(_pct(row, k) for k in shown), *extra, rouge, loss)
     if avg.get("sets", 0) > 1:
-        table.add_row(f"average ({avg['sets']} sets)", "", *(_pct(avg, k) for k in shown), "", "")
+        table.add_row(f"average ({avg['sets']} sets)", "", *(_pct(avg, k) for k in shown), *[""] * len(other), "", "")
     return table
 
 

@@ -1,0 +1,82 @@
+"""How a round treats faults (:class:`RoundPolicy`, from ``federation.*`` and the run's budgets):
+why a client's reply may not be aggregated (errors, deadlines, size, metadata, memory, arrays) and
+the screen of outsized training updates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedtune.engines.delivery import Delivery
+from fedtune.engines.record import RoundRecord
+from fedtune.protocol.messages import Message
+from fedtune.protocol.strategy import Strategy
+from fedtune.protocol.validation import check_arrays, check_meta, outsized_updates
+
+
+@dataclass(frozen=True)
+class RoundPolicy:
+    """How a round treats faults (``federation.*``)."""
+
+    min_replies: int = 1
+    max_retries: int = 2
+    timeout_s: float | None = None
+    max_reply_bytes: int = 256 * 2**20
+    max_update_ratio: float | None = None  # None: no outsized-update screen
+    memory_bytes: dict[int, int] = field(default_factory=dict)  # client -> its memory budget
+    deadlines: dict[int, float] = field(default_factory=dict)  # client -> its deadline_s
+    excluded: dict[int, str] = field(default_factory=dict)  # client -> why the plan excluded it
+
+    @classmethod
+    def of(cls, fed: Any, private: bool = False, context: Any = None) -> RoundPolicy:
+        """The policy of ``fed`` (``federation.*``) and the budgets of ``context`` (a RunContext's
+        ``round_limits``); ``private`` (DP): no outsized-update screen, whose reference would
+        depend on the other clients' updates (DP clipping bounds them)."""
+        ratio = None if private or not fed.max_update_ratio else fed.max_update_ratio
+        limits = context.round_limits() if hasattr(context, "round_limits") else {}
+        return cls(fed.min_replies, fed.max_retries, fed.round_timeout_s, fed.max_reply_bytes, ratio, **limits)
+
+    def screened(
+        self, record: RoundRecord, replies: dict[int, Message], sent: dict[int, Message], attempt: int
+    ) -> dict[int, Message]:
+        """``replies`` less the outsized ones (:func:`~fedtune.protocol.validation.outsized_updates`),
+        each dropped in ``record`` with its reason."""
+        if self.max_update_ratio is None:
+            return replies
+        outsized = outsized_updates(replies, sent, self.max_update_ratio)
+        for cid, reason in outsized.items():
+            record.dropped[cid] = (f"attempt {attempt + 1}: " if attempt else "") + reason
+        return {cid: reply for cid, reply in replies.items() if cid not in outsized}
+
+    def rejection(
+        self, strategy: Strategy, kind: str, rnd: int, cid: int, sent: Message | None, got: Delivery
+    ) -> str | None:
+        """Why ``got`` (a reply of exchange ``kind``) may not be aggregated, or None."""
+        if got.error is not None:
+            return got.error
+        if got.reply is None:
+            return "no reply"
+        if got.sender != cid:
+            return f"reply claims to come from client {got.sender}"
+        if got.round != rnd:
+            return f"reply claims round {got.round}"
+        if self.timeout_s is not None and got.seconds > self.timeout_s:
+            return f"missed the {self.timeout_s:g} s deadline ({got.seconds:.2f} s)"
+        if cid in self.deadlines and got.seconds > self.deadlines[cid]:
+            return f"missed its deadline_s = {self.deadlines[cid]:g} ({got.seconds:.2f} s)"
+        if got.up > self.max_reply_bytes:
+            return f"reply of {got.up} bytes exceeds federation.max_reply_bytes = {self.max_reply_bytes}"
+        reason = check_meta(got.reply.meta, strategy.reply_meta_spec(kind, cid))
+        peak = got.reply.meta.get("peak_bytes")
+        if reason is None and peak is not None and peak > self.memory_bytes.get(cid, peak):
+            reason = (
+                f"simulated out-of-memory: measured peak {peak / 2**30:.3g} GiB over its memory_gib "
+                f"{self.memory_bytes[cid] / 2**30:.3g}"
+            )
+        if reason is not None or got.masked:  # a masked update is checked as part of the sum
+            return reason
+        spec = strategy.reply_spec(rnd, cid, sent) if sent is not None else None
+        if isinstance(spec, list):  # alternative forms (a client that may prune its rank, say)
+            reasons = [check_arrays(got.reply.arrays, s) for s in spec]
+            return None if None in reasons else reasons[0]
+        return check_arrays(got.reply.arrays, spec)
