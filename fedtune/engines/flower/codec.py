@@ -44,7 +44,7 @@ class FlowerClientError(FedtuneError, RuntimeError):
 
     exit_code = 1
 
-    def __init__(self, cid: int | None, node_id: int, rnd: int, kind: str, reason: str) -> None:
+    def __init__(self, cid: int | None, node_id: int, rnd: int, kind: str, reason: str | None) -> None:
         who = f"client {cid}" if cid is not None else "a client"
         super().__init__(f"{who} (Flower node {node_id}) failed in round {rnd} ({kind}): {reason}")
         self.cid, self.node_id, self.round, self.kind, self.reason = cid, node_id, rnd, kind, reason
