@@ -62,7 +62,7 @@ datasets:
 run: venv
 	$(BIN)/fedtune run configs/default.toml --overwrite
 
-# mypy: fedtune/ as [tool.mypy] in pyproject.toml sets it (strict on the protocol and the registry)
+# mypy: fedtune/ as [tool.mypy] in pyproject.toml sets it (strict on protocol/, registry, runtime, config/, engines/ but rounds)
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

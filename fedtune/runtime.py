@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,10 +34,15 @@ from fedtune.config import ConfigError, RunConfig, check_rules, validate_options
 from fedtune.data.partition import label_histograms
 from fedtune.methods import get_method
 from fedtune.methods.base.aggregation import AggregationPlan, plan_aggregation
-from fedtune.planning.planner import check_profile_codecs
+from fedtune.planning.planner import Plan, check_profile_codecs
+from fedtune.protocol.client import Client
 from fedtune.protocol.profiles import ClientProfile, build_profiles
+from fedtune.protocol.strategy import Strategy
 from fedtune.registry import MethodOptions, MethodSpec
 from fedtune.tasks import Task, TaskOptions, get_task_class, resolve_config
+
+if TYPE_CHECKING:
+    from fedtune.models.lora import LoraWorkspace
 
 
 @dataclass(frozen=True)
@@ -90,7 +96,8 @@ def as_resolved(run: RunConfig | ResolvedRun) -> ResolvedRun:
 
 
 class RunContext:
-    """What one process needs to play the server or any client of the resolved ``run``."""
+    """What one process needs to play the server or any client of the resolved ``run``; ``shares_base``:
+    the context whose LoRA workspace this one shares (see the module docstring), None to build its own."""
 
     def __init__(self, run: ResolvedRun, shares_base: RunContext | None = None) -> None:
         if not isinstance(run, ResolvedRun):
@@ -103,7 +110,7 @@ class RunContext:
         self.options = self.run.options
 
     @cached_property
-    def plan(self):
+    def plan(self) -> Plan | None:
         """The budget plan (:func:`~fedtune.planning.planner.plan_budgets`), None without budgets."""
         from fedtune.planning.planner import plan_budgets
 
@@ -114,7 +121,7 @@ class RunContext:
         """Each client's profile: the config's, with the planned knob where clients state budgets."""
         return list(self.run.profiles) if self.plan is None else list(self.plan.profiles)
 
-    def round_limits(self) -> dict:
+    def round_limits(self) -> dict[str, dict[int, Any]]:
         """What the round loop enforces of the budgets (:class:`~fedtune.engines.rounds.RoundPolicy`)."""
         profiles = self.profiles
         return {
@@ -129,8 +136,8 @@ class RunContext:
         return self.task.partition(self.config.federation.num_clients, self.config.seed)
 
     def example_bound(self, kind: str, cid: int) -> int:
-        """The most examples client ``cid`` can hold: its partition's size; in an evaluation reply
-        ("evaluate"), the test set's (clients evaluate on it)."""
+        """The most examples client ``cid`` can hold in a reply of ``kind``: its partition's size; in
+        an evaluation reply ("evaluate"), the test set's (clients evaluate on it)."""
         return len(self.task.test) if kind == "evaluate" else len(self.partitions[cid])
 
     def histograms(self) -> list[list[int]]:
@@ -146,7 +153,7 @@ class RunContext:
         return place(self.task.build_model(self.config.seed), self.config.device)
 
     @cached_property
-    def workspace(self):
+    def workspace(self) -> LoraWorkspace:
         """The task's base model with PEFT LoRA adapters by rank (LoRA methods): ``shares_base``'s
         when given (the same config in the same process), else built here."""
         from fedtune.models.lora import LoraWorkspace
@@ -155,9 +162,11 @@ class RunContext:
             return self.shares_base.workspace
         return LoraWorkspace(self.task, self.config.seed)
 
-    def client(self, cid: int, state: dict | None = None):
-        """A fresh client object for ``cid`` (cheap: it shares this context's model and data)."""
+    def client(self, cid: int, state: dict[str, np.ndarray] | None = None) -> Client:
+        """A fresh client object for ``cid`` (cheap: it shares this context's model and data), given
+        its carried ``state`` (None: a new client)."""
         return self.method.client(cid, self.profiles[cid], self, state)
 
-    def strategy(self):
+    def strategy(self) -> Strategy:
+        """A fresh server strategy of the run's method on this context."""
         return self.method.strategy(self)

@@ -179,6 +179,23 @@ def test_pack_unpack_round_trip_through_flower_serialization():
     assert back.encode() == message.encode()
 
 
+def test_a_bundled_reply_names_its_failed_client_and_decodes_the_others(task_identity):
+    """GridTransport._delivery reads a bundle's ``error-<cid>`` entry as that client's failure, and a
+    client without one from its suffixed records."""
+    from fedtune.engines.flower.transport import GridTransport
+
+    sent = Message({"w": np.ones(2, dtype=np.float32)}, {"round": 1})
+    content, _ = pack(sent, 4, suffix="-4", into=RecordDict(), **{codec.COMPUTE_S: 0.5, codec.ROUND: 1})
+    content[codec.BUNDLE] = ConfigRecord({codec.CLIENTS: [3, 4], "error-3": "ValueError: boom"})
+    reply = FlowerMessage(content, dst_node_id=1, message_type="train")
+    failed = GridTransport._delivery(reply, 3, "-3", sent, 10, {})
+    answered = GridTransport._delivery(reply, 4, "-4", sent, 10, {})
+    assert failed.reply is None and failed.error == "client error: ValueError: boom"
+    assert answered.error is None and answered.sender == 4 and answered.round == 1
+    np.testing.assert_array_equal(answered.reply.arrays["w"], sent.arrays["w"])
+    assert GridTransport._delivery(reply, 5, "", sent, 10, {}).error.startswith("undecodable reply")
+
+
 def test_client_state_round_trips_through_array_record():
     state = {"momentum": np.linspace(0, 1, 12, dtype=np.float32).reshape(3, 4), "step": np.array(4)}
     back = state_from_record(state_to_record(state))

@@ -96,6 +96,12 @@ def test_deployment_pieces(tmp_path):
         LoopbackDeployment([[0]], auth=True)
 
 
+def test_a_deployment_starts_nothing_outside_its_with_block(tmp_path):
+    with pytest.raises(RuntimeError, match="with LoopbackDeployment"):
+        LoopbackDeployment([[0]], home=tmp_path).start_supernode([0], "supernode0")
+    assert not list(tmp_path.glob("*.sock"))
+
+
 def test_the_written_app_matches_flower_app(tmp_path):
     """flower_app/pyproject.toml (for `flwr run flower_app ...` by hand) names the same apps and
     run config keys as the app fedtune writes for its own deployments."""

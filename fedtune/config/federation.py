@@ -19,6 +19,8 @@ SECAGG_PARAMETERS = (
 
 
 class FederationConfig(Section):
+    """``[federation]``: the clients, their sampling and profiles, the wire, the server's aggregation."""
+
     num_clients: int = Field(10, gt=0)
     clients_per_round: int | None = Field(None, gt=0, description="clients sampled per round")
     fraction: float | None = Field(None, gt=0, le=1, description="fraction sampled per round")
@@ -223,6 +225,7 @@ class FederationConfig(Section):
         return self.server_optimizer == "sgd" and self.resolved_server_lr() == 1.0
 
     def sample_size(self) -> int:
+        """Clients sampled per round: ``clients_per_round``, else ``fraction`` of them (at least 1), else all."""
         if self.clients_per_round is not None:
             return self.clients_per_round
         if self.fraction is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import tomllib
 from pydantic import BaseModel, ValidationError
@@ -24,11 +24,13 @@ def _format_error(err: ValidationError) -> str:
     return f"{where}: {msg}{shown}{more}"
 
 
+Options = TypeVar("Options", bound=BaseModel)
+
 SHORTHAND = {"task": "kind"}  # what a section given as a plain string names (default: "name")
 
 
 def parse_value(text: str) -> Any:
-    """A ``--set`` value: TOML syntax if it parses (numbers, booleans, lists), else a string."""
+    """A ``--set`` value ``text``: TOML syntax if it parses (numbers, booleans, lists), else the string."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
@@ -36,7 +38,7 @@ def parse_value(text: str) -> Any:
 
 
 def apply_override(tree: dict[str, Any], assignment: str) -> None:
-    """Apply one ``dotted.key=value`` to a nested dict, in place."""
+    """Apply one ``assignment`` ``dotted.key=value`` to the nested dict ``tree``, in place."""
     if "=" not in assignment:
         raise ConfigError(f"--set {assignment!r}: expected key=value")
     key, text = assignment.split("=", 1)
@@ -52,7 +54,7 @@ def apply_override(tree: dict[str, Any], assignment: str) -> None:
 
 
 def flat_keys(tree: dict[str, Any], sep: str = ".") -> dict[str, Any]:
-    """A nested dict as one ``{"a.b.c": value}`` dict (the inverse of :func:`apply_override`'s
+    """The nested dict ``tree`` as one ``{"a.b.c": value}`` dict (the inverse of :func:`apply_override`'s
     nesting); ``sep`` joins the keys."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
@@ -86,8 +88,9 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
         raise ConfigError(_format_error(exc)) from None
 
 
-def validate_options(values: dict[str, Any], options_cls: type[BaseModel], prefix: str = "options") -> BaseModel:
-    """Typed options (a method's ``[options]``, a task's ``[task]``), errors prefixed with ``prefix.``."""
+def validate_options(values: dict[str, Any], options_cls: type[Options], prefix: str = "options") -> Options:
+    """``values`` validated as ``options_cls``: typed options (a method's ``[options]``, a task's
+    ``[task]``); errors prefixed with ``prefix.``."""
     try:
         return options_cls.model_validate(values)
     except ValidationError as exc:

@@ -24,6 +24,8 @@ from fedtune.config.sections import DataConfig, ModelConfig, TaskConfig, TrainCo
 
 
 class RunConfig(BaseModel):
+    """One run's config: the method, seed, rounds, engine, device and output, and its sections."""
+
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # every number finite
 
     name: str | None = Field(None, description="run folder name under output_dir (default: method-data-seed)")
@@ -81,9 +83,11 @@ class MethodRefusals(Protocol):
     """What the ``"method"`` rules ask of a method's validated options
     (:class:`~fedtune.registry.MethodOptions`)."""
 
-    def privacy_refusal(self) -> str | None: ...
+    def privacy_refusal(self) -> str | None:
+        """Why these options refuse client-level DP, or None."""
 
-    def secure_refusal(self) -> str | None: ...
+    def secure_refusal(self) -> str | None:
+        """Why these options refuse secure aggregation, or None."""
 
 
 @dataclass(frozen=True)

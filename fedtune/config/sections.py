@@ -28,6 +28,8 @@ class TaskConfig(Section):
 
 
 class DataConfig(Section):
+    """``[data]``: the data set, where it lives, the test subsample and tokens per example."""
+
     name: str | None = Field(
         None, description="data set (default: the task's; text: tweets, sst2, agnews, a local file, or hub:<dataset>)"
     )
@@ -54,6 +56,8 @@ class DataConfig(Section):
 
 
 class ModelConfig(Section):
+    """``[model]``: the model, its LoRA adapters, what full fine-tuning trains, base dtype and quantization."""
+
     name: str | None = Field(None, description="model (default: the task's; text: minilm), a hub name, or a local path")
     lora_rank: int = Field(8, gt=0)
     lora_alpha: float = Field(16.0, gt=0)
@@ -73,6 +77,8 @@ class ModelConfig(Section):
 
 
 class TrainConfig(Section):
+    """``[train]``: each client's local training per round (steps, batches, optimizer) and evaluation batches."""
+
     local_steps: int = Field(10, gt=0, description="optimizer steps per client per round (H)")
     batch_size: int = Field(16, gt=0)
     lr: float = Field(5e-4, gt=0)

@@ -25,16 +25,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import get_context
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from fedtune.config import RunConfig
 from fedtune.engines.local import LocalTransport
 from fedtune.engines.rounds import Delivery
 from fedtune.protocol.messages import Message
 
+if TYPE_CHECKING:
+    from fedtune.runtime import RunContext
+
 
 def client_devices(config: RunConfig) -> list[str]:
-    """The devices the embedded engine's clients spread over: ``federation.client_devices``
+    """The devices the embedded engine's clients spread over in ``config``: ``federation.client_devices``
     (each must exist here, else one line naming the option); by default every visible CUDA device
     when ``device`` is ``cuda`` or ``auto`` and there are two or more; else ``[]`` (the clients
     run in the server's process)."""
@@ -63,7 +68,7 @@ def worker_config(config: RunConfig, device: str) -> RunConfig:
     return config.model_copy(update={"device": device, "federation": federation})
 
 
-def client_context(config: RunConfig) -> Any:
+def client_context(config: RunConfig) -> RunContext:
     """A worker's :class:`~fedtune.runtime.RunContext` (its own base; ``config`` resolved once in
     the worker's process: its device is the worker's, not the run's), the worker's current CUDA
     device set to ``config.device`` (so code naming plain ``cuda`` stays on it). Its data and, for
@@ -84,7 +89,7 @@ def client_context(config: RunConfig) -> Any:
     return context
 
 
-def _serve(conn: Connection, config: RunConfig, threads: int, make_context: Callable[[RunConfig], Any]) -> None:
+def _serve(conn: Connection, config: RunConfig, threads: int, make_context: Callable[[RunConfig], RunContext]) -> None:
     """A worker's loop: requests ``(kind, rnd, attempt, [(cid, message, state), ...])`` in, one
     ``(cid, delivery, state)`` out per client as it finishes; ``None`` (or the parent gone) ends it."""
     import signal
@@ -151,26 +156,29 @@ class DevicePool:
     """Clients served by one worker process per device (see the module docstring); ``states``
     as :attr:`LocalTransport.states <fedtune.engines.local.LocalTransport>` (the engine's
     checkpoint). ``make_context(config)`` builds a worker's context (default
-    :func:`client_context`; a module-level function: it is sent to the worker by name)."""
+    :func:`client_context`; a module-level function: it is sent to the worker by name). ``config``:
+    the run's; ``devices``: one worker each; ``threads``: each worker's torch threads (None: see the
+    module docstring)."""
 
     def __init__(
         self,
         config: RunConfig,
         devices: list[str],
         threads: int | None = None,
-        make_context: Callable[[RunConfig], Any] = client_context,
+        make_context: Callable[[RunConfig], RunContext] = client_context,
     ) -> None:
         import torch
 
         self.config, self.devices, self.make_context = config, list(devices), make_context
         self.threads = threads or max(1, torch.get_num_threads() // len(self.devices))
-        self.states: dict[int, dict] = {}
+        self.states: dict[int, dict[str, np.ndarray]] = {}
         self.workers: list[_Worker | None] = [None] * len(self.devices)
         self._finalizer = weakref.finalize(self, _stop_all, self.workers)
 
     def _worker(self, w: int) -> _Worker:
         """Worker ``w``, started (again) if it is not running."""
-        if self.workers[w] is None:
+        worker = self.workers[w]
+        if worker is None:
             ctx = get_context("spawn")
             parent, child = ctx.Pipe()
             config = worker_config(self.config, self.devices[w])
@@ -181,12 +189,14 @@ class DevicePool:
             )
             process.start()
             child.close()  # the worker holds the only other end: its death reads as end of file here
-            self.workers[w] = _Worker(self.devices[w], process, parent)
-        return self.workers[w]
+            worker = self.workers[w] = _Worker(self.devices[w], process, parent)
+        return worker
 
-    def _lost(self, w: int, cids: list[int], messages: dict[int, Message], out: dict[int, Delivery]) -> None:
-        """Worker ``w`` died: the clients it still owed fail, naming its device; it restarts on the next call."""
-        worker = self.workers[w]
+    def _lost(
+        self, w: int, worker: _Worker, cids: list[int], messages: dict[int, Message], out: dict[int, Delivery]
+    ) -> None:
+        """Worker ``w`` (``worker``) died: the clients it still owed fail, naming its device; it restarts
+        on the next call."""
         reason = worker.death()
         worker.stop(grace_s=0)
         self.workers[w] = None
@@ -196,6 +206,7 @@ class DevicePool:
     def __call__(self, kind: str, rnd: int, messages: dict[int, Message], attempt: int = 0) -> dict[int, Delivery]:
         out: dict[int, Delivery] = {}
         owed: dict[int, list[int]] = {}  # worker -> the clients it has still to answer for
+        live: dict[int, _Worker] = {}  # the workers of owed
         for w, share in enumerate(assignment(list(messages), len(self.devices))):
             if not share:
                 continue
@@ -204,13 +215,13 @@ class DevicePool:
             try:
                 worker.conn.send((kind, rnd, attempt, jobs))
             except OSError:  # it died since the last call
-                self._lost(w, share, messages, out)
+                self._lost(w, worker, share, messages, out)
                 continue
-            owed[w] = list(share)
+            owed[w], live[w] = list(share), worker
         while owed:
-            ready = set(wait([self.workers[w].conn for w in owed] + [self.workers[w].process.sentinel for w in owed]))
+            ready = set(wait([live[w].conn for w in owed] + [live[w].process.sentinel for w in owed]))
             for w in list(owed):
-                worker = self.workers[w]
+                worker = live[w]
                 if worker.conn not in ready and worker.process.sentinel not in ready:
                     continue
                 try:
@@ -218,7 +229,7 @@ class DevicePool:
                         raise EOFError
                     cid, got, state = worker.conn.recv()
                 except (EOFError, OSError):
-                    self._lost(w, owed.pop(w), messages, out)
+                    self._lost(w, worker, owed.pop(w), messages, out)
                     continue
                 out[cid] = got
                 if got.error is None:

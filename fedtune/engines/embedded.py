@@ -13,8 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from fedtune.engines.local import LocalTransport, exchange
 from fedtune.engines.rounds import Engine, RoundPolicy, RoundRecord, Transport, drive_rounds
+from fedtune.protocol.client import Client
 from fedtune.protocol.strategy import Strategy
 from fedtune.runtime import ResolvedRun, RunContext
 
@@ -23,7 +26,7 @@ __all__ = ["EmbeddedEngine", "LocalTransport", "exchange", "run_rounds"]  # Loca
 
 def run_rounds(
     strategy: Strategy,
-    make_client: Callable[[int, dict], Any],
+    make_client: Callable[[int, dict[str, np.ndarray]], Client],
     num_clients: int,
     sample_size: int,
     rounds: int,
@@ -33,7 +36,9 @@ def run_rounds(
     start_round: int = 1,
     policy: RoundPolicy = RoundPolicy(),
 ) -> list[RoundRecord]:
-    """The embedded engine's rounds: :func:`drive_rounds` with in-process clients from ``make_client``."""
+    """The embedded engine's rounds: :func:`drive_rounds` of ``strategy`` with in-process clients from
+    ``make_client`` (:class:`LocalTransport`); ``num_clients``, ``sample_size``, ``rounds``, ``seed``,
+    ``eval_every``, ``on_round``, ``start_round`` and ``policy`` as there."""
     return drive_rounds(
         strategy,
         LocalTransport(make_client, seed),
@@ -70,10 +75,12 @@ class EmbeddedEngine(Engine):
             self.local = LocalTransport(RunContext(run, shares_base=server).client, config.seed)
 
     def transport(self) -> Transport:
+        """The in-process clients, or the device pool's."""
         return self.local
 
     def run(self, *args: Any, **kwargs: Any) -> list[RoundRecord]:
-        """:meth:`Engine.run`; the client workers, if any, are stopped when it returns or raises."""
+        """:meth:`Engine.run` with its ``args`` and ``kwargs``; the client workers, if any, are stopped
+        when it returns or raises."""
         try:
             return super().run(*args, **kwargs)
         finally:
@@ -81,8 +88,10 @@ class EmbeddedEngine(Engine):
             if close is not None:
                 close()
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
+        """The clients' states by client id (a string: the checkpoint's key)."""
         return {str(cid): dict(state) for cid, state in self.local.states.items()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the clients' states from ``state`` (:meth:`state_dict`)."""
         self.local.states = {int(cid): dict(s) for cid, s in state.items()}

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+
+import numpy as np
 
 from fedtune.engines.rounds import Delivery, answer
 from fedtune.process import release_free_memory
+from fedtune.protocol.client import Client
 from fedtune.protocol.messages import Message
 
 
@@ -30,18 +32,20 @@ def exchange(message: Message, handler: Callable[[Message], Message]) -> tuple[M
 class LocalTransport:
     """In-process delivery: a fresh client per message, built by ``make_client(cid, state)``,
     where ``state`` is a copy of that client's persistent dict (see Client), kept here between
-    rounds and updated only when the client answers. A client that raises is a failed
+    rounds and updated only when the client answers; ``seed``: the run's (requests are served with
+    it, :func:`~fedtune.engines.rounds.answer`). A client that raises is a failed
     :class:`~fedtune.engines.rounds.Delivery` (the round loop drops it), not a crash."""
 
-    def __init__(self, make_client: Callable[[int, dict], Any], seed: int) -> None:
+    def __init__(self, make_client: Callable[[int, dict[str, np.ndarray]], Client], seed: int) -> None:
         self.make_client, self.seed = make_client, seed
-        self.states: dict[int, dict] = {}
+        self.states: dict[int, dict[str, np.ndarray]] = {}
 
     def __call__(self, kind: str, rnd: int, messages: dict[int, Message], attempt: int = 0) -> dict[int, Delivery]:
         return {cid: self.deliver(kind, rnd, cid, message, attempt) for cid, message in messages.items()}
 
     def deliver(self, kind: str, rnd: int, cid: int, message: Message, attempt: int = 0) -> Delivery:
-        """Client ``cid``'s answer to ``message`` (its state kept only when it answers)."""
+        """Client ``cid``'s answer to ``message``, a ``kind`` request of round ``rnd`` (try ``attempt``;
+        its state kept only when it answers)."""
         release_free_memory()  # the last client's freed pages go back before this one trains
         client = self.make_client(cid, dict(self.states.get(cid, {})))
         try:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
-from flwr.app import ConfigRecord, Context, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
@@ -47,14 +48,18 @@ from fedtune.engines.flower.worker import call_worker, serve_request
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import SECURE_WEIGHT
 
+CallNext = Callable[[FlowerMessage, Context], FlowerMessage]  # the rest of a ClientApp's chain
+Mod = Callable[[FlowerMessage, Context, CallNext], FlowerMessage]  # a Flower client mod
+
 
 # -- client side ---------------------------------------------------------------------------------
 def node_clients(context: Context) -> list[int]:
-    """The client ids this node plays (``fedtune-clients`` or ``partition-id``)."""
-    if NODE_CLIENTS in context.node_config:
-        return parse_clients(context.node_config[NODE_CLIENTS])
-    if PARTITION_ID in context.node_config:
-        return [int(context.node_config[PARTITION_ID])]
+    """The client ids the node of ``context`` plays (``fedtune-clients`` or ``partition-id``)."""
+    node_config: Mapping[str, Any] = context.node_config
+    if NODE_CLIENTS in node_config:
+        return parse_clients(node_config[NODE_CLIENTS])
+    if PARTITION_ID in node_config:
+        return [int(node_config[PARTITION_ID])]
     raise RuntimeError(
         f"node {context.node_id} has no node_config[{PARTITION_ID!r}] or [{NODE_CLIENTS!r}]: start the SuperNode "
         f'with --node-config "{PARTITION_ID}=<client id>" or \'{NODE_CLIENTS}="0-9"\''
@@ -70,12 +75,14 @@ def _process_start() -> float:
     except (OSError, ValueError, IndexError):
         import psutil
 
-        return psutil.Process().create_time()
+        created: float = psutil.Process().create_time()
+        return created
 
 
 def handle_client_message(config: RunConfig | None, message: FlowerMessage, context: Context) -> FlowerMessage:
-    """Answer one Flower message as the client it names (or, for a bundle, as each client it
-    names, one after another): from the node's persistent state for that client, in this process
+    """Answer one Flower ``message`` as the client it names (or, for a bundle, as each client it
+    names, one after another) of the run ``config`` (None: the one in Flower's run config), from the
+    node's persistent state for that client (in ``context``), in this process
     (:func:`serve_request`) or in the node's worker (:func:`call_worker`). A failure propagates:
     Flower returns it to the server as an error reply (a drop); in a bundle, a failing client's
     reason is returned beside the others' replies. The reply carries the times of :data:`TIMES`
@@ -90,13 +97,15 @@ def handle_client_message(config: RunConfig | None, message: FlowerMessage, cont
     config = config if config is not None else config_from_run_config(context.run_config)
     if BUNDLE not in message.content:
         reply, extra = _serve_one(config, kind, message.content, "", clients, context)
-        times = dict(zip(TIMES, (_process_start(), entered, time.time())))
-        content, _ = pack(reply, int(message.content[RECORD][CID]), **extra, **times)
+        times: dict[str, Any] = dict(zip(TIMES, (_process_start(), entered, time.time())))
+        record: Mapping[str, Any] = message.content[RECORD]
+        content, _ = pack(reply, int(record[CID]), **extra, **times)
         if RECORD_KEY_CONFIGS in message.content.config_records:  # SecAgg+: the mod masks it
-            _as_fit_res(content, json.loads(message.content[RECORD][META]), reply)
+            _as_fit_res(content, json.loads(record[META]), reply)
         return FlowerMessage(content, reply_to=message)
-    cids = [int(c) for c in message.content[BUNDLE][CLIENTS]]
-    content, errors = RecordDict(), {}
+    bundle: Mapping[str, Any] = message.content[BUNDLE]
+    cids = [int(c) for c in bundle[CLIENTS]]
+    content, errors = RecordDict(), dict[str, str]()
     for cid in cids:
         try:
             reply, extra = _serve_one(config, kind, message.content, f"-{cid}", clients, context)
@@ -110,18 +119,19 @@ def handle_client_message(config: RunConfig | None, message: FlowerMessage, cont
 
 def _serve_one(
     config: RunConfig, kind: str, content: RecordDict, suffix: str, clients: list[int], context: Context
-) -> tuple[Message, dict]:
+) -> tuple[Message, dict[str, Any]]:
     """One client's request in ``content`` (keys suffixed with ``suffix``) served: (the reply,
     its transport scalars)."""
     cid, request, _ = unpack(content, suffix)
     if cid not in clients:
         raise RuntimeError(f"message for client {cid} reached a node that plays clients {format_clients(clients)}")
-    envelope = content[RECORD + suffix]
+    envelope: Mapping[str, Any] = content[RECORD + suffix]
     rnd, attempt = int(envelope.get(ROUND, 0)), int(envelope.get(ATTEMPT, 0))
     kind = str(envelope.get(PHASE, kind))  # a further exchange of the round travels as "train"
-    state = from_array_record(context.state.get(f"{STATE}-{cid}"))
-    threads = context.node_config.get(NODE_THREADS)
-    worker = context.node_config.get(NODE_WORKER)
+    state = from_array_record(cast(ArrayRecord | None, context.state.get(f"{STATE}-{cid}")))
+    node_config: Mapping[str, Any] = context.node_config
+    threads = node_config.get(NODE_THREADS)
+    worker = node_config.get(NODE_WORKER)
     if worker:
         reply, state, seconds = call_worker(str(worker), config, kind, cid, request, state, rnd, attempt)
     else:
@@ -134,7 +144,7 @@ def _serve_one(
     return reply, {COMPUTE_S: seconds, ROUND: rnd}
 
 
-def _as_fit_res(content: RecordDict, request_meta: dict, reply: Message) -> None:
+def _as_fit_res(content: RecordDict, request_meta: dict[str, Any], reply: Message) -> None:
     """Add to ``content`` the legacy FitRes records Flower's ``secaggplus_mod`` reads: the
     update's ArrayRecord (the mod then clears every ArrayRecord: the arrays cross masked) and,
     as ``num_examples``, the weight the strategy asked for (``secure_weight``: the client's
@@ -146,16 +156,16 @@ def _as_fit_res(content: RecordDict, request_meta: dict, reply: Message) -> None
     content["fitres.status"] = ConfigRecord({"code": 0, "message": "Success"})
 
 
-def only_when_secure(mod: Callable, config: RunConfig | None = None) -> Callable:
+def only_when_secure(mod: Mod, config: RunConfig | None = None) -> Mod:
     """Flower ``mod`` (``secaggplus_mod``) applied only to requests that carry SecAgg+'s config
     record, with numpy's global generator (the mod's stochastic rounding draws from it) seeded
     from (run seed, round, client, attempt) and restored afterwards, so a run is reproducible;
     every other message passes untouched."""
 
-    def wrapped(message: FlowerMessage, context: Context, call_next: Callable) -> FlowerMessage:
+    def wrapped(message: FlowerMessage, context: Context, call_next: CallNext) -> FlowerMessage:
         if not message.has_content() or RECORD_KEY_CONFIGS not in message.content.config_records:
             return call_next(message, context)
-        envelope = message.content.config_records.get(RECORD)
+        envelope: Mapping[str, Any] | None = message.content.config_records.get(RECORD)
         if envelope is not None and int(envelope[CID]) not in node_clients(context):
             raise RuntimeError(f"SecAgg+ message for client {envelope[CID]} reached a node that does not play it")
         run = config if config is not None else config_from_run_config(context.run_config)
@@ -171,11 +181,11 @@ def only_when_secure(mod: Callable, config: RunConfig | None = None) -> Callable
     return wrapped
 
 
-def only_when_clipping(mod: Callable) -> Callable:
+def only_when_clipping(mod: Mod) -> Mod:
     """Flower ``mod`` (``fixedclipping_mod``) applied only to requests whose ConfigRecord carries
     ``clipping_norm``; every other message passes untouched (the mod would reject them)."""
 
-    def wrapped(message: FlowerMessage, context: Context, call_next: Callable) -> FlowerMessage:
+    def wrapped(message: FlowerMessage, context: Context, call_next: CallNext) -> FlowerMessage:
         record = message.content.config_records.get(RECORD) if message.has_content() else None
         if record is not None and CLIPPING_NORM in record:
             return mod(message, context, call_next)
@@ -185,7 +195,7 @@ def only_when_clipping(mod: Callable) -> Callable:
     return wrapped
 
 
-def make_client_app(config: RunConfig | None = None, mods: Iterable[Callable] = ()) -> ClientApp:
+def make_client_app(config: RunConfig | None = None, mods: Iterable[Mod] = ()) -> ClientApp:
     """A ClientApp playing the clients of its node (``fedtune-clients`` or ``partition-id``) for
     ``config`` (default: the config from Flower's run config, :func:`config_from_run_config`),
     with Flower ``mods`` around it, inside Flower's ``secaggplus_mod`` for the requests of secure

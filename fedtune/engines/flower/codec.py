@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
@@ -39,11 +39,12 @@ POLL_S = 0.05  # seconds between two pulls of replies from the grid
 
 
 class FlowerClientError(FedtuneError, RuntimeError):
-    """A ClientApp failed (or never answered); names the client, its node, the round and kind."""
+    """A ClientApp failed (or never answered); names the client ``cid`` (None: unknown), its node
+    ``node_id``, the round ``rnd``, the request's ``kind`` and the ``reason``."""
 
     exit_code = 1
 
-    def __init__(self, cid: int | None, node_id: int, rnd: int, kind: str, reason: str) -> None:
+    def __init__(self, cid: int | None, node_id: int, rnd: int, kind: str, reason: str | None) -> None:
         who = f"client {cid}" if cid is not None else "a client"
         super().__init__(f"{who} (Flower node {node_id}) failed in round {rnd} ({kind}): {reason}")
         self.cid, self.node_id, self.round, self.kind, self.reason = cid, node_id, rnd, kind, reason
@@ -51,11 +52,12 @@ class FlowerClientError(FedtuneError, RuntimeError):
 
 # -- conversion --------------------------------------------------------------------------------
 def to_array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
-    """Named arrays as an ArrayRecord (names, order, dtypes and shapes kept)."""
+    """Named ``arrays`` as an ArrayRecord (names, order, dtypes and shapes kept)."""
     return ArrayRecord({str(k): Array(np.asarray(v, order="C")) for k, v in arrays.items()})
 
 
 def from_array_record(record: ArrayRecord | None) -> dict[str, np.ndarray]:
+    """Inverse of :func:`to_array_record`: the named arrays of ``record`` (None: none)."""
     return {} if record is None else {k: record[k].numpy() for k in record}
 
 
@@ -73,7 +75,8 @@ def pack(
     """Flower content carrying ``message`` for/from client ``cid`` (plus transport scalars such
     as ``compute_s``, not part of the accounted bytes) and the accounted bytes,
     ``message.nbytes``. ``arrays``: the message's ArrayRecord when already built (a broadcast);
-    ``suffix``/``into``: add the records, their keys suffixed, to a bundle's content."""
+    ``suffix``/``into``: add the records, their keys suffixed, to a bundle's content; ``extra``: the
+    transport scalars."""
     record = ConfigRecord({META: json.dumps(message.meta, separators=(",", ":")), CID: int(cid), **extra})
     content = RecordDict() if into is None else into
     content[ARRAYS + suffix] = to_array_record(message.arrays) if arrays is None else arrays
@@ -82,18 +85,20 @@ def pack(
 
 
 def unpack(content: RecordDict, suffix: str = "") -> tuple[int, Message, int]:
-    """Inverse of :func:`pack`: (client id, message, accounted bytes ``message.nbytes``)."""
+    """Inverse of :func:`pack`: (client id, message, accounted bytes ``message.nbytes``) of ``content``
+    (its records' keys suffixed with ``suffix``)."""
     if RECORD + suffix not in content or ARRAYS + suffix not in content:
         raise ValueError(
             f"Flower message carries no {RECORD + suffix!r} / {ARRAYS + suffix!r} records (keys: {sorted(content)})"
         )
-    record = content[RECORD + suffix]
-    message = Message(from_array_record(content[ARRAYS + suffix]), json.loads(record[META]))
-    return int(record[CID]), message, message.nbytes
+    record = cast(ConfigRecord, content[RECORD + suffix])
+    arrays = cast(ArrayRecord, content[ARRAYS + suffix])
+    message = Message(from_array_record(arrays), json.loads(cast(str, record[META])))
+    return int(cast(int, record[CID])), message, message.nbytes
 
 
 def parse_clients(text: str | int) -> list[int]:
-    """``"0-3,7"`` -> [0, 1, 2, 3, 7] (node_config ``fedtune-clients``)."""
+    """The client ids ``text`` names: ``"0-3,7"`` -> [0, 1, 2, 3, 7] (node_config ``fedtune-clients``)."""
     out: list[int] = []
     for part in str(text).replace(" ", "").split(","):
         if not part:

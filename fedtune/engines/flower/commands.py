@@ -11,9 +11,12 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedtune.process import DeploymentError, log_tail
+
+if TYPE_CHECKING:
+    from fedtune.config import RunConfig
 
 TASK_POLL_S = 0.05  # FLWR_SUPEREXEC_TASK_POLL_INTERVAL of the loopback SuperNodes (Flower: 1 s)
 APP_CONFIG_KEYS = ("recipe", "config", "overrides", "resume", "timeout", "clipping-norm")
@@ -45,7 +48,7 @@ clipping-norm = 0.0  # > 0: the nodes clip each update to this L2 norm (Flower's
 
 
 def flower_command(name: str) -> str:
-    """Path of a Flower command (``flower-superlink``, ``flwr``, ...): beside this Python first."""
+    """Path of the Flower command ``name`` (``flower-superlink``, ``flwr``, ...): beside this Python first."""
     here = Path(sys.executable).parent / name
     found = str(here) if here.exists() else shutil.which(name)
     if found is None:
@@ -55,7 +58,8 @@ def flower_command(name: str) -> str:
 
 def flower_env(home: Path | None = None, **extra: str) -> dict[str, str]:
     """The environment of every deployment process: no runtime dependency installation (it
-    would install a CUDA torch), this Python's bin first on PATH, ``FLWR_HOME`` when given."""
+    would install a CUDA torch), this Python's bin first on PATH, ``FLWR_HOME`` = ``home`` when given,
+    and the ``extra`` variables."""
     env = {
         **os.environ,
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
@@ -73,8 +77,8 @@ def flower_env(home: Path | None = None, **extra: str) -> dict[str, str]:
 def superlink_args(
     host: str, port: int, certificates: dict[str, Path] | None = None, auth: bool = False, extra: Sequence[str] = ()
 ) -> list[str]:
-    """``flower-superlink`` arguments: TLS from ``certificates`` (``ca``, ``cert``, ``key``) or
-    ``--insecure``; ``auth``: admit only registered SuperNodes."""
+    """``flower-superlink`` arguments, listening on ``host``:``port``: TLS from ``certificates``
+    (``ca``, ``cert``, ``key``) or ``--insecure``; ``auth``: admit only registered SuperNodes; ``extra``: appended."""
     args = [
         flower_command("flower-superlink"),
         "--disable-runtime-dependency-installation",
@@ -109,9 +113,11 @@ def supernode_args(
     threads: int | None = None,
     extra: Sequence[str] = (),
 ) -> list[str]:
-    """``flower-supernode`` arguments for a node playing ``clients``: TLS with
+    """``flower-supernode`` arguments for a node playing ``clients``, connecting to ``superlink`` (its
+    fleet ``port``): TLS with
     ``root_certificates`` (the CA that signed the SuperLink's certificate) or ``--insecure``;
-    ``private_key``: authenticate with it; ``worker``: the node's fedtune worker socket."""
+    ``private_key``: authenticate with it; ``worker``: the node's fedtune worker socket; ``threads``:
+    its torch threads; ``extra``: appended."""
     from fedtune.engines.flower.codec import NODE_CLIENTS, NODE_THREADS, NODE_WORKER, format_clients
 
     node_config = [f'{NODE_CLIENTS}="{format_clients(clients)}"']
@@ -135,7 +141,8 @@ def supernode_args(
 
 
 def worker_args(socket_path: str, threads: int | None) -> list[str]:
-    """The command of a node's fedtune worker (:func:`fedtune.engines.flower.worker.run_worker`)."""
+    """The command of a node's fedtune worker (:func:`fedtune.engines.flower.worker.run_worker`) on
+    ``socket_path`` with ``threads`` torch threads (None: torch's choice)."""
     code = (
         "import sys; from fedtune.engines.flower.worker import run_worker; "
         "run_worker(sys.argv[1], int(sys.argv[2]) or None)"
@@ -143,7 +150,9 @@ def worker_args(socket_path: str, threads: int | None) -> list[str]:
     return [sys.executable, "-c", code, socket_path, str(int(threads or 0))]
 
 
-def wait_for_worker(socket_path: str, proc: subprocess.Popen, log: Path | None, timeout: float = 120) -> None:
+def wait_for_worker(socket_path: str, proc: subprocess.Popen[Any], log: Path | None, timeout: float = 120) -> None:
+    """Wait until the worker process ``proc`` serves ``socket_path`` (its socket and key exist); a
+    DeploymentError, with the tail of its ``log``, when it exits or ``timeout`` seconds pass first."""
     deadline = time.monotonic() + timeout
     while not (Path(socket_path).exists() and Path(f"{socket_path}.key").exists()):
         if proc.poll() is not None:
@@ -154,7 +163,8 @@ def wait_for_worker(socket_path: str, proc: subprocess.Popen, log: Path | None, 
 
 
 def write_flower_config(home: Path, address: str, root_certificates: Path | None = None, name: str = "fedtune") -> str:
-    """``FLWR_HOME/config.toml`` naming the SuperLink connection ``name`` for ``flwr`` commands."""
+    """``FLWR_HOME/config.toml`` (``home``) naming the SuperLink connection ``name`` at ``address`` for
+    ``flwr`` commands (TLS with ``root_certificates``, else insecure)."""
     home.mkdir(parents=True, exist_ok=True)
     tls = f'root-certificates = "{root_certificates}"\n' if root_certificates else "insecure = true\n"
     (home / "config.toml").write_text(
@@ -164,23 +174,23 @@ def write_flower_config(home: Path, address: str, root_certificates: Path | None
 
 
 def write_app(folder: Path) -> Path:
-    """The fedtune Flower App (a ``pyproject.toml`` naming fedtune's ServerApp and ClientApp)."""
+    """The fedtune Flower App in ``folder`` (a ``pyproject.toml`` naming fedtune's ServerApp and ClientApp)."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "pyproject.toml").write_text(APP_PYPROJECT)
     return folder
 
 
-def default_nodes(config: Any) -> int:
-    """SuperNodes of a loopback deployment: ``federation.nodes``, else min(clients sampled per
+def default_nodes(config: RunConfig) -> int:
+    """SuperNodes of a loopback deployment of ``config``: ``federation.nodes``, else min(clients sampled per
     round, cores); one per client under ``federation.secure_aggregation``."""
     fed = config.federation
     if getattr(fed, "secure_aggregation", False):  # SecAgg+ keys and state are a node's
         return fed.num_clients
-    nodes = getattr(fed, "nodes", None) or min(fed.sample_size(), os.cpu_count() or 1)
+    nodes: int = getattr(fed, "nodes", None) or min(fed.sample_size(), os.cpu_count() or 1)
     return max(1, min(nodes, fed.num_clients))
 
 
 def client_groups(num_clients: int, nodes: int) -> list[list[int]]:
-    """Client ids in ``nodes`` contiguous groups of (nearly) equal size."""
+    """Client ids ``0..num_clients-1`` in ``nodes`` contiguous groups of (nearly) equal size."""
     bounds = [round(i * num_clients / nodes) for i in range(nodes + 1)]
     return [list(range(bounds[i], bounds[i + 1])) for i in range(nodes)]

@@ -34,6 +34,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, cast
 
 from fedtune.certificates import generate_certificates, generate_node_key
 from fedtune.config import RunConfig
@@ -62,20 +63,22 @@ def run_app(
     home: Path,
     connection: str,
     processes: Processes,
-    on_round: Callable | None = None,
+    on_round: Callable[[RoundRecord], None] | None = None,
     resume: bool = False,
     timeout: float | None = None,
     clipping_norm: float | None = None,
     interrupt: Callable[[], None] | None = None,
     on_output: Callable[[str], None] | None = None,
     run_dir: Path | None = None,
-) -> dict | None:
+) -> dict[str, Any] | None:
     """Submit ``config`` (as JSON in Flower's run config: the ServerApp resolves it once) to the
-    SuperLink of ``connection`` (in ``home``) with ``flwr run --stream`` and wait for the run to
-    end. When this machine sees the run folder ``run_dir`` (a loopback deployment: the resolved
-    run's, ``output_dir`` absolute), ``on_round`` gets each round as its line appears in
-    ``metrics.jsonl`` and the summary is returned; otherwise (None, a remote SuperLink) None.
-    ``on_output`` gets Flower's streamed output as it comes. Raises
+    SuperLink of ``connection`` (in ``home``) with ``flwr run --stream``, started by ``processes``,
+    and wait for the run to end (``resume``: continue the run folder; ``timeout``: the ServerApp's
+    wait for nodes and replies; ``clipping_norm``: asked of the nodes' clipping mods; ``interrupt``:
+    called on Ctrl-C, then the run is awaited). When this machine sees the run folder ``run_dir``
+    (a loopback deployment: the resolved run's, ``output_dir`` absolute), ``on_round`` gets each
+    round as its line appears in ``metrics.jsonl`` and the summary is returned; otherwise (None, a
+    remote SuperLink) None. ``on_output`` gets Flower's streamed output as it comes. Raises
     :class:`~fedtune.engines.rounds.RoundFailed`, :class:`~fedtune.engines.rounds.RunInterrupted`
     or :class:`DeploymentError` as the run ended."""
     import tomli_w
@@ -134,7 +137,8 @@ def run_app(
     text = log.read_text(errors="replace") if log else ""
     summary = run_dir / "summary.json"
     if proc.returncode == 0 and summary.is_file() and summary.stat().st_mtime >= started - 1:
-        return json.loads(summary.read_text())
+        done: dict[str, Any] = json.loads(summary.read_text())
+        return done
     status = read_status(run_dir, started) if local else None
     if status is not None and status["status"] == "interrupted":
         raise RunInterrupted(int(status.get("round", 0)))
@@ -147,7 +151,10 @@ def run_app(
 
 class LoopbackDeployment:
     """A SuperLink, workers and SuperNodes on 127.0.0.1 in a private ``FLWR_HOME``; a context
-    manager (everything is stopped by PID on exit). ``groups``: the client ids of each node."""
+    manager (everything is stopped by PID on exit). ``groups``: the client ids of each node;
+    ``home``: the ``FLWR_HOME`` (None: a temporary folder, removed on exit); ``tls``, ``auth``: see
+    the module docstring; ``threads``: each node's torch threads (None: the cores shared out);
+    ``workers``: a fedtune worker per node; ``log_dir``: the processes' logs (None: in ``home``)."""
 
     def __init__(
         self,
@@ -173,13 +180,15 @@ class LoopbackDeployment:
         self.certificates: dict[str, Path] | None = None
         self.processes: Processes | None = None
         self.port = 0
-        self.nodes: list[subprocess.Popen] = []
+        self.nodes: list[subprocess.Popen[Any]] = []
 
     @property
     def address(self) -> str:
+        """The SuperLink's Fleet API address (127.0.0.1 and its port)."""
         return f"127.0.0.1:{self.port}"
 
     def env(self, **extra: str) -> dict[str, str]:
+        """The environment of this deployment's processes (:func:`flower_env`) plus ``extra``."""
         return flower_env(self.home, FLWR_SUPEREXEC_TASK_POLL_INTERVAL=str(TASK_POLL_S), **extra)
 
     def __enter__(self) -> LoopbackDeployment:
@@ -191,21 +200,28 @@ class LoopbackDeployment:
             raise
         return self
 
+    def _started(self) -> Processes:
+        """The processes of the entered deployment; outside its ``with`` block, a RuntimeError."""
+        if self.processes is None:
+            raise RuntimeError("LoopbackDeployment: start it with `with LoopbackDeployment(...) as deployment:`")
+        return self.processes
+
     def _start(self) -> None:
         if self.tls:
             self.certificates = generate_certificates(self.home / "certificates")
         self.port = free_ports(1)[0]
-        link = self.processes.start(
+        link = self._started().start(
             "superlink", superlink_args("127.0.0.1", self.port, self.certificates, self.auth), self.env()
         )
-        wait_for_port(self.port, link, log=self.processes.log_of(link))
-        self.connection = write_flower_config(self.home, self.address, self.certificates and self.certificates["ca"])
+        wait_for_port(self.port, link, log=self._started().log_of(link))
+        roots = None if self.certificates is None else self.certificates["ca"]
+        self.connection = write_flower_config(self.home, self.address, roots)
         for i, clients in enumerate(self.groups):
             key = self.register_node_key(f"node{i}") if self.auth else None
             self.start_supernode(clients, name=f"supernode{i}", private_key=key)
 
     def register_node_key(self, name: str) -> Path:
-        """A fresh key pair for a SuperNode, its public key registered with the SuperLink; the
+        """A fresh key pair ``name`` for a SuperNode, its public key registered with the SuperLink; the
         private key's path."""
         private, public = generate_node_key(self.home / "keys", name)
         done = subprocess.run(
@@ -228,45 +244,47 @@ class LoopbackDeployment:
         insecure: bool = False,
         wait: bool = True,
         extra: Sequence[str] = (),
-    ) -> subprocess.Popen:
-        """Start a worker (unless ``workers=False``) and a SuperNode playing ``clients``;
-        ``insecure``: connect without TLS even when the SuperLink has it (tests)."""
+    ) -> subprocess.Popen[Any]:
+        """Start a worker (unless ``workers=False``) and a SuperNode ``name`` playing ``clients``;
+        ``private_key``: its authentication key; ``insecure``: connect without TLS even when the
+        SuperLink has it (tests); ``wait``: until both serve; ``extra``: more SuperNode arguments."""
         worker = None
         if self.workers:
             worker = str(self.home / f"{name}.sock")
-            proc = self.processes.start(f"{name}-worker", worker_args(worker, self.threads), self.env())
+            proc = self._started().start(f"{name}-worker", worker_args(worker, self.threads), self.env())
             if wait:
-                wait_for_worker(worker, proc, self.processes.log_of(proc))
+                wait_for_worker(worker, proc, self._started().log_of(proc))
         port = free_ports(1)[0]
         roots = None if insecure or self.certificates is None else self.certificates["ca"]
-        node = self.processes.start(
+        node = self._started().start(
             name,
             supernode_args(self.address, port, clients, roots, private_key, worker, self.threads, extra),
             self.env(),
         )
         if wait:
-            wait_for_port(port, node, log=self.processes.log_of(node))
+            wait_for_port(port, node, log=self._started().log_of(node))
         self.nodes.append(node)
         return node
 
     def run(
         self,
         run: RunConfig | ResolvedRun,
-        on_round: Callable | None = None,
+        on_round: Callable[[RoundRecord], None] | None = None,
         resume: bool = False,
         timeout: float | None = 600,
         clipping_norm: float | None = None,
-    ) -> dict:
+    ) -> dict[str, Any]:
         """Run ``run`` (a resolved run, or a config resolved here) on this deployment
         (:func:`run_app`, ``output_dir`` made absolute: the ServerApp's working directory is not
-        ours); Ctrl-C asks the ServerApp to stop after the current round's checkpoint."""
+        ours; ``on_round``, ``resume``, ``timeout``, ``clipping_norm`` as there); Ctrl-C asks the
+        ServerApp to stop after the current round's checkpoint."""
         resolved = as_resolved(run)
         resolved = resolved.relocated(str(Path(resolved.config.output_dir).resolve()))
-        return run_app(
+        summary = run_app(
             resolved.config,
             self.home,
             self.connection,
-            self.processes,
+            self._started(),
             on_round,
             resume,
             timeout,
@@ -274,13 +292,14 @@ class LoopbackDeployment:
             interrupt=self.interrupt_server,
             run_dir=resolved.run_dir,
         )
+        return cast(dict[str, Any], summary)  # run_dir given: the summary, or run_app raised
 
     def interrupt_server(self) -> None:
         """Send SIGINT to the ServerApp process (``flwr-serverapp``): it stops after its round's checkpoint."""
         import psutil
 
-        self.processes.reaper.poll()
-        for proc in list(self.processes.reaper.seen.values()):
+        self._started().reaper.poll()
+        for proc in list(self._started().reaper.seen.values()):
             try:
                 if "flwr-serverapp" in " ".join(proc.cmdline()):
                     proc.send_signal(signal.SIGINT)
@@ -296,20 +315,21 @@ class LoopbackDeployment:
 
 def run_flower_deployment(
     run: RunConfig | ResolvedRun,
-    on_round: Callable | None = None,
-    on_start: Callable | None = None,
+    on_round: Callable[[RoundRecord], None] | None = None,
+    on_start: Callable[[RunContext], None] | None = None,
     resume: bool = False,
     tls: bool = False,
     auth: bool = False,
     timeout: float | None = 3600,
     keep_logs: Path | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """``engine = "flower"``: run ``run`` (a resolved run, or a config resolved here) on a fresh
     :class:`LoopbackDeployment` (nodes: :func:`default_nodes`, clients in contiguous groups, cores /
     nodes torch threads each unless ``train.threads``) and stop it; the run folder is the embedded
     engine's. ``on_start`` gets this process's RunContext (for the banner); ``timeout`` bounds the
     wait for nodes and for each round's replies (``federation.round_timeout_s`` overrides it for
-    rounds). ``keep_logs``: copy the deployment's logs there."""
+    rounds). ``keep_logs``: copy the deployment's logs there. ``on_round``, ``resume``: as
+    :func:`run_app`'s; ``tls``, ``auth``: as :class:`LoopbackDeployment`'s."""
     run = as_resolved(run)
     context = RunContext(run)
     config = run.config

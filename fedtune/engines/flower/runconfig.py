@@ -12,7 +12,7 @@ from fedtune.engines.flower.codec import ENGINE_KEYS
 
 
 def config_from_run_config(run_config: Mapping[str, Any]) -> RunConfig:
-    """:func:`parse_run_config`, once per process and run config: a ClientApp asks for every
+    """:func:`parse_run_config` of ``run_config``, once per process and run config: a ClientApp asks for every
     request, and a node serves many (the same RunConfig object comes back; nobody mutates it)."""
     return _parsed(tuple(sorted(run_config.items())))
 
@@ -23,7 +23,7 @@ def _parsed(items: tuple[tuple[str, Any], ...]) -> RunConfig:
 
 
 def parse_run_config(run_config: Mapping[str, Any]) -> RunConfig:
-    """A RunConfig from Flower's run config (``flwr run -c ...``): ``recipe`` (a TOML path, may be
+    """A RunConfig from Flower's run config ``run_config`` (``flwr run -c ...``): ``recipe`` (a TOML path, may be
     empty), ``overrides`` (``"rounds=3; data.name=sst2"``, as ``fedtune run --set``) and dotted
     ``fedtune.<key> = value`` entries (``fedtune.rounds = 3``), applied in that order. The
     ServerApp's own keys (:data:`ENGINE_KEYS`) are read by :func:`make_server_app`."""

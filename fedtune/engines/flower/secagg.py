@@ -50,7 +50,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from flwr.app import ConfigRecord, RecordDict
@@ -77,7 +77,7 @@ MALFORMED = (KeyError, TypeError, ValueError, IndexError, OSError, EOFError)
 
 
 def secagg_nbytes(record: Mapping[str, Any]) -> int:
-    """Bytes of a SecAgg+ ConfigRecord's payload: bytes and strings by length, numbers 8 each,
+    """Bytes of a SecAgg+ ConfigRecord's payload ``record``: bytes and strings by length, numbers 8 each,
     lists summed."""
 
     def size(value: Any) -> int:
@@ -105,9 +105,14 @@ class _Round:
     layout: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # the summed vector's names, shapes
 
 
+Parse = Callable[[int, FlowerMessage, ConfigRecord], None]  # a stage's reading of one node's reply
+
+
 class SecAggPlusTransport(GridTransport):
     """:class:`GridTransport` whose training exchange runs SecAgg+ (see the module docstring);
-    every other exchange (evaluation) is :class:`GridTransport`'s."""
+    every other exchange (evaluation) is :class:`GridTransport`'s. ``grid``, ``node_of`` (client id ->
+    node id, one client per node), ``timeout``, ``request_config``: as :class:`GridTransport`'s;
+    ``fed``: the run's ``[federation]`` (its ``secagg_*`` parameters); ``seed``: the run's (the ring)."""
 
     def __init__(
         self,
@@ -147,7 +152,9 @@ class SecAggPlusTransport(GridTransport):
             if r.metadata.reply_to_message_id in node_of_id
         }
 
-    def _stage(self, state: _Round, configs: dict[int, dict], bytes_down: dict[int, int]) -> dict[int, FlowerMessage]:
+    def _stage(
+        self, state: _Round, configs: dict[int, dict[str, Any]], bytes_down: dict[int, int]
+    ) -> dict[int, FlowerMessage]:
         """Send each node its SecAgg+ config (plus fedtune's envelope naming its client); the
         replies without an error (node id -> reply)."""
         contents = {}
@@ -174,7 +181,7 @@ class SecAggPlusTransport(GridTransport):
         down, up = dict.fromkeys(order, 0), dict.fromkeys(order, 0)
         errors: dict[int, str] = {}
 
-        def answered(replies: dict[int, FlowerMessage], stage: str, expected: set[int], parse: Callable) -> None:
+        def answered(replies: dict[int, FlowerMessage], stage: str, expected: set[int], parse: Parse) -> None:
             """``parse(nid, reply, record)`` for each expected node's reply; a missing, failed or
             malformed one (untrusted: anything ``parse`` rejects) is that client's drop."""
             for nid in sorted(expected):
@@ -206,20 +213,22 @@ class SecAggPlusTransport(GridTransport):
         }
 
         def public_keys(nid: int, reply: FlowerMessage, record: ConfigRecord) -> None:
-            state.public_keys[nid] = tuple(_byte_strings([record[Key.PUBLIC_KEY_1], record[Key.PUBLIC_KEY_2]]))
+            first, second = _byte_strings([record[Key.PUBLIC_KEY_1], record[Key.PUBLIC_KEY_2]])
+            state.public_keys[nid] = (first, second)
 
         answered(self._stage(state, dict.fromkeys(order, setup), down), "setup", set(order), public_keys)
         active = set(state.public_keys)
 
         # 1. share keys -> encrypted shares, forwarded in stage 2
-        configs = {}
+        configs: dict[int, dict[str, Any]] = {}
         for nid in active:
-            config = {str(n): list(state.public_keys[n]) for n in neighbours[nid] & active}
+            config: dict[str, Any] = {str(n): list(state.public_keys[n]) for n in neighbours[nid] & active}
             configs[nid] = {**config, Key.STAGE: Stage.SHARE_KEYS}
         forward: dict[int, tuple[list[int], list[bytes]]] = {nid: ([], []) for nid in active}
 
         def key_shares(nid: int, reply: FlowerMessage, record: ConfigRecord) -> None:
-            pairs = list(zip(record[Key.DESTINATION_LIST], _byte_strings(record[Key.CIPHERTEXT_LIST]), strict=True))
+            destinations = cast(list[int], record[Key.DESTINATION_LIST])  # for the checker: still untrusted
+            pairs = list(zip(destinations, _byte_strings(record[Key.CIPHERTEXT_LIST]), strict=True))
             if any(dst not in neighbours[nid] for dst, _ in pairs):
                 raise ValueError("shares for a node that is not its neighbour")
             state.keyed.add(nid)
@@ -237,9 +246,8 @@ class SecAggPlusTransport(GridTransport):
             srcs = [s for s in forward[nid][0] if s in state.keyed]
             ctxts = [c for s, c in zip(*forward[nid], strict=True) if s in state.keyed]
             config = {Key.STAGE: Stage.COLLECT_MASKED_VECTORS, Key.CIPHERTEXT_LIST: ctxts, Key.SOURCE_LIST: srcs}
-            content, nbytes = pack(
-                messages[cid], cid, to_array_record(messages[cid].arrays), **{ROUND: rnd, ATTEMPT: attempt}
-            )
+            scalars: dict[str, Any] = {ROUND: rnd, ATTEMPT: attempt}
+            content, nbytes = pack(messages[cid], cid, to_array_record(messages[cid].arrays), **scalars)
             content[RECORD_KEY_CONFIGS] = ConfigRecord(config)
             contents[nid] = content
             down[nid] += nbytes + secagg_nbytes(config)
@@ -269,8 +277,8 @@ class SecAggPlusTransport(GridTransport):
         self, rnd: int, attempt: int, client_ids: list[int], sent: dict[int, Message]
     ) -> tuple[SecureSum | None, dict[int, Delivery]]:
         """Stage 3: the sum of the masked updates of ``client_ids`` (the valid replies of this
-        round's training exchange), every other mask removed; None when a secret cannot be rebuilt
-        (fewer than ``secagg_threshold`` shares)."""
+        round's training exchange ``rnd``, try ``attempt``, whose requests were ``sent``), every other
+        mask removed; None when a secret cannot be rebuilt (fewer than ``secagg_threshold`` shares)."""
         state = self._round
         if state is None or (state.rnd, state.attempt) != (rnd, attempt):
             raise RuntimeError(f"unmask of round {rnd} (attempt {attempt}) without its training exchange")
@@ -295,7 +303,8 @@ class SecAggPlusTransport(GridTransport):
                     raise ValueError("no reply" if reply is None else f"client error: {reply.error.reason}")
                 record = reply.content.config_records[RECORD_KEY_CONFIGS]
                 up[nid] += secagg_nbytes(record)
-                pairs = list(zip(record[Key.NODE_ID_LIST], _byte_strings(record[Key.SHARE_LIST]), strict=True))
+                owners = cast(list[int], record[Key.NODE_ID_LIST])  # for the checker: still untrusted
+                pairs = list(zip(owners, _byte_strings(record[Key.SHARE_LIST]), strict=True))
             except MALFORMED as exc:
                 errors[nid] = f"{type(exc).__name__}: {exc}"
                 continue
@@ -324,17 +333,17 @@ class SecAggPlusTransport(GridTransport):
         vector = [sum(state.masked[n][i].astype(np.int64) for n in summed) for i in range(len(shapes))]
         for nid, shares in collected.items():
             secret = combine_shares(shares)
-            private = bytes_to_private_key(secret) if nid not in summed else None
             if nid in summed:  # its own mask b_i
                 vector = [v - p for v, p in zip(vector, pseudo_rand_gen(secret, self.M, shapes), strict=True)]
                 continue
+            private = bytes_to_private_key(secret)
             for other in state.neighbours[nid] & summed:  # the pairwise masks it shared with summed clients
                 key = generate_shared_key(private, bytes_to_public_key(state.public_keys[other][0]))
                 mask = pseudo_rand_gen(key, self.M, shapes)
                 sign = 1 if nid > other else -1  # the summed client subtracted (nid > other) or added it
                 vector = [v + sign * p for v, p in zip(vector, mask, strict=True)]
-        vector = [np.asarray(v) & (self.M - 1) for v in vector]
-        factor, rest = int(vector[0].reshape(-1)[0]), vector[1:]
+        reduced = [np.asarray(v) & (self.M - 1) for v in vector]
+        factor, rest = int(reduced[0].reshape(-1)[0]), reduced[1:]
         k = len(summed)
         values = [d - (k - 1) * self.clip for d in dequantize(rest, self.clip, self.T)]  # sum_i (w_i / W) Delta_i
         return SecureSum(

@@ -22,7 +22,10 @@ from fedtune.runtime import ResolvedRun, as_resolved, resolve_run
 
 class FlowerEngine(Engine):
     """Rounds over a Flower Grid: nodes are discovered on first use (:func:`discover_nodes`);
-    client state lives on the nodes (``context.state``), not in the server's checkpoint."""
+    client state lives on the nodes (``context.state``), not in the server's checkpoint. ``run``: the
+    resolved run; ``grid``: the ServerApp's; ``timeout``: the wait for nodes and, without
+    ``federation.round_timeout_s``, for a round's replies; ``request_config``: sent with every
+    request; ``resume``: the run folder's timing file is kept."""
 
     name = "flower"
 
@@ -37,9 +40,10 @@ class FlowerEngine(Engine):
         super().__init__(run.config)
         self.run_dir = run.run_dir
         self.grid, self.timeout, self.request_config, self.resume = grid, timeout, request_config, resume
-        self._transport = None
+        self._transport: GridTransport | None = None
 
     def transport(self) -> GridTransport:
+        """The Grid transport (SecAgg+ under ``federation.secure_aggregation``), built on first use."""
         if self._transport is None:
             fed = self.config.federation
             node_of = discover_nodes(self.grid, fed.num_clients, self.timeout)
@@ -66,10 +70,11 @@ def serve(
     on_start: Callable[[Any], None] | None = None,
     resume: bool = False,
     request_config: Mapping[str, Any] | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """Run ``run``'s method (a resolved run, or a config resolved here) over ``grid`` and write the
     run folder exactly as the embedded engine does (:func:`fedtune.run.run_experiment`, summary
-    marked ``"engine": "flower"``)."""
+    marked ``"engine": "flower"``); ``on_round``, ``on_start``, ``resume`` as there; ``timeout`` and
+    ``request_config`` as :class:`FlowerEngine`'s."""
     from fedtune.run import run_experiment
 
     run = as_resolved(run)
@@ -82,15 +87,16 @@ STATUS_FILE = "server_status.json"  # run folder: how the ServerApp's run ended 
 
 
 def write_status(path: Path, status: str, **detail: Any) -> None:
-    """The ServerApp's outcome as JSON (``ok``, ``round_failed``, ``interrupted`` or ``error``,
-    with its message or round), written atomically: what a deployment reports, not log text."""
+    """The ServerApp's outcome ``status`` (``ok``, ``round_failed``, ``interrupted`` or ``error``, with
+    its message or round: ``detail``) as JSON at ``path``, written atomically: what a deployment
+    reports, not log text."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"status": status, **detail}))
     tmp.replace(path)
 
 
-def read_status(run_dir: Path, since: float) -> dict | None:
+def read_status(run_dir: Path, since: float) -> dict[str, Any] | None:
     """The status a ServerApp wrote in ``run_dir`` at or after ``since`` (epoch s), else None."""
     path = run_dir / STATUS_FILE
     try:
@@ -113,7 +119,8 @@ def make_server_app(
     config, resolved once in the ServerApp's process) with :func:`serve`;
     ``timeout`` bounds the wait for nodes and for each round's replies (None: wait forever).
     From Flower's run config it also reads ``resume`` (continue the run folder), ``timeout``
-    (seconds, 0: none) and ``clipping-norm`` (> 0: ask the nodes' clipping mods for it)."""
+    (seconds, 0: none) and ``clipping-norm`` (> 0: ask the nodes' clipping mods for it).
+    ``on_round``, ``on_start``: as :func:`serve`'s."""
     app = ServerApp()
 
     @app.main()

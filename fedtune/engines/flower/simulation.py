@@ -16,9 +16,10 @@ from fedtune.runtime import ResolvedRun, as_resolved
 
 
 # -- simulation ----------------------------------------------------------------------------------
-def ray_backend_config(num_supernodes: int, verbose: bool = False, gpus_per_client: float = 0.0) -> dict:
+def ray_backend_config(num_supernodes: int, verbose: bool = False, gpus_per_client: float = 0.0) -> dict[str, Any]:
     """Flower's Ray backend config for a small offline machine: 1 CPU per ClientApp, a private
-    local Ray instance (never someone else's cluster), no dashboard; ``gpus_per_client``
+    local Ray instance (never someone else's cluster) of at most ``num_supernodes`` CPUs, no dashboard,
+    its logs shown when ``verbose``; ``gpus_per_client``
     (``federation.gpus_per_client``): the GPU fraction of each ClientApp, over this machine's GPUs
     (Ray sets each actor's CUDA_VISIBLE_DEVICES), none by default."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -45,18 +46,20 @@ def ray_backend_config(num_supernodes: int, verbose: bool = False, gpus_per_clie
 def run_flower_simulation(
     run: RunConfig | ResolvedRun,
     num_supernodes: int | None = None,
-    backend_config: dict | None = None,
+    backend_config: dict[str, Any] | None = None,
     timeout: float | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
     verbose: bool = False,
     on_start: Callable[[Any], None] | None = None,
     resume: bool = False,
-) -> dict:
+) -> dict[str, Any]:
     """Run ``run`` (a resolved run, or a config resolved here) as a Flower ServerApp (in this
     process, handed the resolved run) + ClientApp (each Ray actor resolves its config once) with
     ``flwr.simulation.run_simulation`` (Ray backend, one virtual SuperNode per client,
     :func:`ray_backend_config` updated with ``backend_config``; Ray is shut down at the end);
-    return the summary (``summary.json``).
+    return the summary (``summary.json``). ``num_supernodes``: must be the number of clients (the
+    default); ``timeout``, ``on_round``, ``on_start``, ``resume``: the ServerApp's
+    (:func:`~fedtune.engines.flower.serverapp.make_server_app`); ``verbose``: Flower's and Ray's logs.
     A ClientApp failure is a drop; a round without ``federation.min_replies`` valid replies
     raises :class:`~fedtune.engines.rounds.RoundFailed`."""
     run = as_resolved(run)
@@ -90,4 +93,5 @@ def run_flower_simulation(
                 os.environ.pop("PYTHONPATH", None)
             else:
                 os.environ["PYTHONPATH"] = pythonpath
-    return json.loads((run.run_dir / "summary.json").read_text())
+    summary: dict[str, Any] = json.loads((run.run_dir / "summary.json").read_text())
+    return summary

@@ -43,7 +43,7 @@ def exchange(
     poll_s: float = POLL_S,
     pulled_at: dict[str, float] | None = None,
 ) -> tuple[list[str], list[FlowerMessage]]:
-    """Push ``messages`` and pull their replies every ``poll_s`` seconds until all arrived or
+    """Push ``messages`` through ``grid`` and pull their replies every ``poll_s`` seconds until all arrived or
     ``timeout`` seconds passed (Grid's public push/pull; its ``send_and_receive`` waits 3 s
     between pulls). Returns the pushed message ids (in order) and the replies; ``pulled_at``
     receives each reply's arrival time (epoch s) by the id of the message it answers."""
@@ -65,9 +65,12 @@ def exchange(
 
 
 def discover_nodes(grid: Grid, num_clients: int, timeout: float | None = None) -> dict[int, int]:
-    """Client id -> Flower node id, from the client ids each connected node reports; asks new
-    nodes as they connect until every client id 0..N-1 has one (or ``timeout`` seconds)."""
-    start, asked, node_of = time.monotonic(), set(), {}
+    """Client id -> Flower node id, from the client ids each connected node of ``grid`` reports;
+    asks new nodes as they connect until every client id 0..N-1 (N: ``num_clients``) has one (or
+    ``timeout`` seconds)."""
+    start = time.monotonic()
+    asked: set[int] = set()
+    node_of: dict[int, int] = {}
     while True:
         new = [n for n in grid.get_node_ids() if n not in asked]
         if new:
@@ -81,7 +84,8 @@ def discover_nodes(grid: Grid, num_clients: int, timeout: float | None = None) -
                 nid = reply.metadata.src_node_id
                 if reply.has_error():
                     raise FlowerClientError(None, nid, 0, "query", reply.error.reason)
-                for pid in reply.content[RECORD][CLIENTS]:
+                played: Mapping[str, Any] = reply.content[RECORD]  # what the node reports: checked below
+                for pid in played[CLIENTS]:
                     if not 0 <= pid < num_clients:
                         raise RuntimeError(
                             f"Flower node {nid} plays client {pid}; "
@@ -106,7 +110,9 @@ class GridTransport:
     :class:`~fedtune.engines.rounds.Delivery` (dropped by the round loop). ``request_config``
     entries go into every training request's ConfigRecord (``clipping_norm`` for Flower's
     clipping mods, which also sets ``update-as-weights``; see the module docstring). ``bundle``:
-    a node's clients of one exchange travel in one Flower message."""
+    a node's clients of one exchange travel in one Flower message. ``grid``: the ServerApp's;
+    ``node_of``: client id -> node id (:func:`discover_nodes`); ``timing_path``: the timing file
+    (:data:`~fedtune.engines.flower.codec.TIMING_FILE`; None: none kept)."""
 
     def __init__(
         self,
@@ -157,18 +163,19 @@ class GridTransport:
                     content[BUNDLE] = ConfigRecord({CLIENTS: group})
                 out.append(FlowerMessage(content, dst_node_id=nid, message_type=wire, group_id=str(rnd)))
                 targets.append(group)
-        pushed, pulled_at = time.time(), {}
+        pushed = time.time()
+        pulled_at: dict[str, float] = {}
         ids, replies = exchange(self.grid, out, self.timeout, pulled_at=pulled_at)
         target_of = dict(zip(ids, targets))  # request id -> the client ids it carried
         self._log_timing(kind, rnd, attempt, pushed, replies, target_of, pulled_at)
         received: dict[int, Delivery] = {}
         for reply in replies:
-            group = target_of.get(reply.metadata.reply_to_message_id)
-            if group is None:
+            carried = target_of.get(reply.metadata.reply_to_message_id)
+            if carried is None:
                 continue  # not a reply to this batch: ignore
-            for cid in group:
+            for cid in carried:
                 received[cid] = self._delivery(
-                    reply, cid, "" if len(group) == 1 else f"-{cid}", messages[cid], down[cid], extra
+                    reply, cid, "" if len(carried) == 1 else f"-{cid}", messages[cid], down[cid], extra
                 )
         # in configure order: aggregation sums in dict order, as the embedded engine does
         return {
@@ -177,17 +184,20 @@ class GridTransport:
         }
 
     @staticmethod
-    def _delivery(reply: FlowerMessage, cid: int, suffix: str, sent: Message, down: int, extra: Mapping) -> Delivery:
+    def _delivery(
+        reply: FlowerMessage, cid: int, suffix: str, sent: Message, down: int, extra: Mapping[str, Any]
+    ) -> Delivery:
         """Client ``cid``'s answer in ``reply`` (its records suffixed with ``suffix`` in a bundle)."""
         if reply.has_error():
             return Delivery(None, down, error=f"client error: {reply.error.reason}")
-        if suffix and BUNDLE in reply.content and f"error{suffix}" in reply.content[BUNDLE]:
-            return Delivery(None, down, error=f"client error: {reply.content[BUNDLE][f'error{suffix}']}")
+        bundle: Mapping[str, Any] = reply.content[BUNDLE] if suffix and BUNDLE in reply.content else {}
+        if f"error{suffix}" in bundle:
+            return Delivery(None, down, error=f"client error: {bundle[f'error{suffix}']}")
         try:
             sender, message, up = unpack(reply.content, suffix)
             if extra.get(AS_WEIGHTS):  # received + clipped update -> the (clipped) update
                 message = Message({k: v - sent.arrays[k] for k, v in message.arrays.items()}, message.meta)
-            record = reply.content[RECORD + suffix]
+            record: Mapping[str, Any] = reply.content[RECORD + suffix]
             return Delivery(message, down, up, float(record.get(COMPUTE_S, 0.0)), sender, int(record.get(ROUND, -1)))
         except Exception as exc:  # noqa: BLE001 - a reply that does not even decode is a drop
             return Delivery(None, down, error=f"undecodable reply ({exc})")
@@ -214,11 +224,13 @@ class GridTransport:
             group = target_of.get(reply.metadata.reply_to_message_id)
             if group is None or reply.has_error():
                 continue
-            head = reply.content.config_records.get(BUNDLE if len(group) > 1 else RECORD)
+            head: Mapping[str, Any] | None = reply.content.config_records.get(BUNDLE if len(group) > 1 else RECORD)
             if head is None or not all(key in head for key in TIMES):
                 continue
             t_process, t_enter, t_exit = (float(head[key]) for key in TIMES)
-            records = [reply.content.config_records.get(RECORD + (f"-{c}" if len(group) > 1 else "")) for c in group]
+            records: list[Mapping[str, Any] | None] = [
+                reply.content.config_records.get(RECORD + (f"-{c}" if len(group) > 1 else "")) for c in group
+            ]
             messages["+".join(map(str, group))] = {
                 "dispatch_s": round(t_process - pushed, 4),
                 "startup_s": round(t_enter - t_process, 4),

@@ -8,19 +8,26 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from fedtune.config import RunConfig
 from fedtune.engines.rounds import answer
 from fedtune.process import setup_process
 from fedtune.protocol.messages import Message
 
+if TYPE_CHECKING:
+    from fedtune.runtime import RunContext
+
+State = dict[str, np.ndarray]  # a client's persistent state (Client.state)
+
 # -- the node's long-lived worker ----------------------------------------------------------------
-_CONTEXTS: dict[str, Any] = {}  # config JSON -> RunContext, one per process (a Ray actor, a worker)
+_CONTEXTS: dict[str, RunContext] = {}  # config JSON -> RunContext, one per process (a Ray actor, a worker)
 _CONTEXTS_LOCK = threading.Lock()
 
 
-def _process_context(config: RunConfig, threads: int | None = None):
+def _process_context(config: RunConfig, threads: int | None = None) -> RunContext:
     """This process's RunContext for ``config`` (resolved and built once per process: it caches the
     model and the data); ``train.threads``, else ``threads``, torch threads."""
     from fedtune.runtime import RunContext, resolve_run
@@ -38,14 +45,15 @@ def serve_request(
     kind: str,
     cid: int,
     request: Message,
-    state: dict,
+    state: State,
     rnd: int,
     attempt: int,
     threads: int | None = None,
-) -> tuple[Message, dict, float]:
-    """Serve one request as client ``cid`` in this process: (reply, the client's new state,
-    seconds of the Client call), through :func:`~fedtune.engines.rounds.answer` (fault
-    injection, then ``fit`` or ``evaluate``), timed as the embedded engine times it."""
+) -> tuple[Message, State, float]:
+    """Serve one ``kind`` request of round ``rnd`` (try ``attempt``) of the run ``config`` as client
+    ``cid`` with its ``state``, in this process (``threads``: as :func:`run_worker`'s): (reply, the
+    client's new state, seconds of the Client call), through :func:`~fedtune.engines.rounds.answer`
+    (fault injection, then ``fit`` or ``evaluate``), timed as the embedded engine times it."""
     client = _process_context(config, threads).client(cid, state)
     start = time.perf_counter()
     reply = answer(client, kind, request, config.seed, rnd, attempt)
@@ -57,10 +65,11 @@ def _worker_key(address: str) -> bytes:
 
 
 def call_worker(
-    address: str, config: RunConfig, kind: str, cid: int, request: Message, state: dict, rnd: int, attempt: int
-) -> tuple[Message, dict, float]:
+    address: str, config: RunConfig, kind: str, cid: int, request: Message, state: State, rnd: int, attempt: int
+) -> tuple[Message, State, float]:
     """:func:`serve_request` in the worker listening on the Unix socket ``address`` (authenticated
-    with the key in ``<address>.key``); its failure is raised here with the worker's reason."""
+    with the key in ``<address>.key``), with the same ``config``, ``kind``, ``cid``, ``request``,
+    ``state``, ``rnd`` and ``attempt``; its failure is raised here with the worker's reason."""
     from multiprocessing.connection import Client as Connection
 
     payload = {
@@ -86,7 +95,8 @@ def call_worker(
 def run_worker(address: str, threads: int | None = None, ready: Callable[[], None] | None = None) -> None:
     """Serve :func:`call_worker` requests on the Unix socket ``address``, one at a time, forever:
     one RunContext per config, built on first use and kept (model, tokenized data). The socket's
-    key is written to ``<address>.key`` (mode 0600); only this user's processes can read it."""
+    key is written to ``<address>.key`` (mode 0600); only this user's processes can read it.
+    ``threads``: torch threads (a config's ``train.threads`` first); ``ready``: called once listening."""
     import secrets
     from multiprocessing.connection import Listener
 
