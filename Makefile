@@ -62,7 +62,7 @@ datasets:
 run: venv
 	$(BIN)/fedtune run configs/default.toml --overwrite
 
-# mypy: fedtune/ as [tool.mypy] in pyproject.toml sets it (strict on protocol/, registry, runtime, config/, engines/ but rounds)
+# mypy: fedtune/ as [tool.mypy] in pyproject.toml sets it (strict on protocol/, registry, runtime, config/, engines/)
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -30,8 +30,9 @@ class InjectedFailure(RuntimeError):
 
 
 def answer(client: Client, kind: str, message: Message, seed: int, rnd: int, attempt: int = 0) -> Message:
-    """Serve one request on the client side, as every engine does: the profile's injected delay
-    and failure first, then ``fit`` ("train"), ``evaluate``, or the named phase. Under secure
+    """Serve one request ``message`` of exchange ``kind`` on ``client``'s side, as every engine
+    does: the profile's injected delay and failure first (drawn from ``seed``, ``rnd`` and
+    ``attempt``), then ``fit`` ("train"), ``evaluate``, or the named phase. Under secure
     aggregation (the request names a ``secure_layout``) a training reply's arrays become the vector
     the client masks (:meth:`Client.secure_reply`)."""
     profile = client.profile
@@ -61,8 +62,8 @@ def answer(client: Client, kind: str, message: Message, seed: int, rnd: int, att
 
 
 def attacked(reply: Message, attack: str, scale: float) -> Message:
-    """``reply`` with every floating array sign-flipped (``"sign-flip"``) or times ``scale``
-    (``"scale"``); integer arrays (top-k indices) and the metadata as they are."""
+    """``reply`` with every floating array sign-flipped (``attack`` ``"sign-flip"``) or times
+    ``scale`` (``"scale"``); integer arrays (top-k indices) and the metadata as they are."""
     factor = -1.0 if attack == "sign-flip" else scale
     arrays = {
         k: (v * factor).astype(v.dtype) if np.issubdtype(v.dtype, np.floating) else v for k, v in reply.arrays.items()
@@ -106,5 +107,6 @@ class SecureTransport(Transport, Protocol):
         self, rnd: int, attempt: int, client_ids: list[int], sent: dict[int, Message]
     ) -> tuple[SecureSum | None, dict[int, Delivery]]:
         """The sum of the masked updates of ``client_ids`` (None when it cannot be rebuilt) and
-        the unmask exchange's deliveries."""
+        the unmask exchange's deliveries, for round ``rnd``'s ``attempt`` whose requests were
+        ``sent``."""
         ...

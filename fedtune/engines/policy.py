@@ -39,8 +39,9 @@ class RoundPolicy:
     def screened(
         self, record: RoundRecord, replies: dict[int, Message], sent: dict[int, Message], attempt: int
     ) -> dict[int, Message]:
-        """``replies`` less the outsized ones (:func:`~fedtune.protocol.validation.outsized_updates`),
-        each dropped in ``record`` with its reason."""
+        """``replies`` less the outsized ones against the states ``sent``
+        (:func:`~fedtune.protocol.validation.outsized_updates`), each dropped in ``record`` with its
+        reason (prefixed with the ``attempt`` after the first)."""
         if self.max_update_ratio is None:
             return replies
         outsized = outsized_updates(replies, sent, self.max_update_ratio)
@@ -51,7 +52,8 @@ class RoundPolicy:
     def rejection(
         self, strategy: Strategy, kind: str, rnd: int, cid: int, sent: Message | None, got: Delivery
     ) -> str | None:
-        """Why ``got`` (a reply of exchange ``kind``) may not be aggregated, or None."""
+        """Why ``got`` (client ``cid``'s reply of exchange ``kind`` in round ``rnd``, to the request
+        ``sent``) may not be aggregated by ``strategy``, or None."""
         if got.error is not None:
             return got.error
         if got.reply is None:

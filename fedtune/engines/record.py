@@ -9,6 +9,9 @@ from typing import Any
 
 @dataclass
 class RoundRecord:
+    """What one round did: its clients, metrics, per-client bytes, steps, seconds, peaks and drops,
+    and its timings; :meth:`to_json` is its ``metrics.jsonl`` line."""
+
     round: int
     clients: list[int]
     metrics: dict[str, float] = field(default_factory=dict)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import Any
 
@@ -79,7 +79,8 @@ __all__ = [
 
 
 def sample_clients(num_clients: int, sample_size: int, seed: int, rnd: int, attempt: int = 0) -> list[int]:
-    """Clients of round ``rnd``: uniform without replacement, from (seed, round, attempt) alone."""
+    """Clients of round ``rnd``: ``sample_size`` of the ``num_clients``, uniform without replacement,
+    from (``seed``, round, ``attempt``) alone."""
     if sample_size >= num_clients:
         return list(range(num_clients))
     rng = np.random.default_rng([seed, rnd, 0x5A] if attempt == 0 else [seed, rnd, 0x5A, attempt])
@@ -105,7 +106,7 @@ def _exchange(
 ) -> dict[int, Message]:
     """One exchange of a round (training or a phase): the valid replies; bytes and drops go to
     ``record``."""
-    valid = {}
+    valid: dict[int, Message] = {}
     for cid, got in transport(kind, rnd, sent, attempt).items():
         record.client_bytes_down[cid] = record.client_bytes_down.get(cid, 0) + got.down
         record.client_bytes_up[cid] = record.client_bytes_up.get(cid, 0) + got.up
@@ -116,6 +117,7 @@ def _exchange(
             record.client_peak_bytes[cid] = max(peak, record.client_peak_bytes.get(cid, 0))
             record.client_memory_budget_bytes[cid] = policy.memory_bytes[cid]
         if reason is None:
+            assert got.reply is not None  # rejection() names a missing reply
             valid[cid] = got.reply
             record.client_steps[cid] = record.client_steps.get(cid, 0) + int(got.reply.meta.get("steps", 0))
         else:
@@ -131,6 +133,7 @@ def first_nonfinite(state: Any, path: str = "state") -> str | None:
         return path if state.dtype.kind in "fc" and not np.isfinite(state).all() else None
     if isinstance(state, (float, np.floating)):
         return None if np.isfinite(state) else path
+    items: Iterable[tuple[Any, Any]]
     if isinstance(state, dict):
         items = state.items()
     elif isinstance(state, (list, tuple)):
@@ -144,7 +147,9 @@ def first_nonfinite(state: Any, path: str = "state") -> str | None:
     return None
 
 
-def _aggregated(rnd: int, kind: str, aggregate: Callable[..., dict[str, float]], replies, *phase) -> dict[str, float]:
+def _aggregated(
+    rnd: int, kind: str, aggregate: Callable[..., dict[str, float]], replies: Mapping[int, Message], *phase: Any
+) -> dict[str, float]:
     """The metrics of ``aggregate(*phase, rnd, replies)``; an exception inside it (whatever the
     validated replies held) rejects the round with one line: nothing of it is recorded or
     checkpointed."""
@@ -193,7 +198,10 @@ def drive_rounds(
     """Rounds ``start_round..rounds`` of ``strategy``, messages delivered by ``transport`` (the
     embedded engine's in-process clients, or Flower's grid): one loop for every engine.
     ``on_round`` sees each record as its round ends (the caller writes metrics and the
-    checkpoint there); ``should_stop()`` is asked after each round (Ctrl-C)."""
+    checkpoint there); ``should_stop()`` is asked after each round (Ctrl-C). Each round samples
+    ``sample_size`` of the ``num_clients`` clients (:func:`sample_clients` with ``seed``, or the
+    strategy's private sample), evaluates every ``eval_every`` rounds, and drops and retries as
+    ``policy`` (:class:`RoundPolicy`) says."""
     history = []
     unmask = transport.unmask if isinstance(transport, SecureTransport) else None
     for rnd in range(start_round, rounds + 1):
@@ -207,7 +215,7 @@ def drive_rounds(
             record.attempts = attempt + 1
             secret = strategy.private_sample(rnd, attempt)
             record.private = secret is not None
-            clients = secret if record.private else sample_clients(num_clients, sample_size, seed, rnd, attempt)
+            clients = secret if secret is not None else sample_clients(num_clients, sample_size, seed, rnd, attempt)
             secure = unmask is not None
             if record.private and secure and len(clients) < 2:
                 clients = []  # a sum of one update is that update: the round releases noise alone
@@ -220,7 +228,7 @@ def drive_rounds(
                 replies = policy.screened(record, replies, sent, attempt)
             need = 0 if record.private else policy.min_replies  # DP: missing replies are zero updates
             if len(replies) >= need:
-                if not secure or not clients:
+                if unmask is None or not clients:
                     break
                 total = _unmasked(unmask, record, rnd, attempt, replies, sent)
                 if total is not None and len(total.clients) >= need:
@@ -262,11 +270,12 @@ def drive_rounds(
                 )
             # federated evaluation reports on the clients' data, outside what DP accounts for
             eval_messages = {} if record.private else strategy.configure_evaluate(rnd, list(range(num_clients)))
-            eval_replies = {}
+            eval_replies: dict[int, Message] = {}
             for cid, got in transport(EVALUATE, rnd, eval_messages, 0).items():
                 record.eval_bytes += got.down + got.up
                 reason = policy.rejection(strategy, EVALUATE, rnd, cid, None, got)
                 if reason is None:
+                    assert got.reply is not None  # rejection() names a missing reply
                     eval_replies[cid] = got.reply
                 else:
                     record.dropped.setdefault(cid, f"evaluation: {reason}")
@@ -285,6 +294,7 @@ class RunInterrupted(Exception):
     """The run was asked to stop (Ctrl-C) and stopped after round ``round`` (checkpointed)."""
 
     def __init__(self, rnd: int) -> None:
+        """``rnd``: the last complete round."""
         super().__init__(f"interrupted after round {rnd}")
         self.round = rnd
 
@@ -294,6 +304,7 @@ class RunHalted(Exception):
     rounds up to ``round`` are complete and checkpointed."""
 
     def __init__(self, reason: str, rnd: int) -> None:
+        """``reason``: the strategy's one line; ``rnd``: the last complete round."""
         super().__init__(reason)
         self.round = rnd
 
@@ -305,17 +316,19 @@ class Engine(ABC):
     name = "engine"
 
     def __init__(self, config: Any) -> None:
+        """``config``: the run's resolved :class:`~fedtune.config.RunConfig`."""
         self.config = config
 
     @abstractmethod
     def transport(self) -> Transport:
         """The transport of this run (built on first use: Flower discovers its nodes here)."""
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
+        """What the checkpoint keeps for the engine beside the strategy's state (default: nothing)."""
         return {}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (resume)."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state``, a :meth:`state_dict` (resume)."""
 
     def run(
         self,
@@ -324,6 +337,8 @@ class Engine(ABC):
         start_round: int = 1,
         should_stop: Callable[[], bool] = lambda: False,
     ) -> list[RoundRecord]:
+        """The rounds ``start_round..`` of ``strategy`` through this engine's transport
+        (:func:`drive_rounds`, with ``on_round`` and ``should_stop``)."""
         c, fed = self.config, self.config.federation
         return drive_rounds(
             strategy,
