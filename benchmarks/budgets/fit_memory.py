@@ -3,10 +3,12 @@ measured LoRA training on small random-weight models (issue 41).
 
 Each sample trains a rank-r LoRA (AdamW, two steps after a warm-up) on a Llama (causal LM, LoRA on
 q/v) or a BERT classifier (LoRA on query/value, head trained), in one process, one thread, on the
-CPU; its resident growth less the trainable values and their gradient and AdamW states is the
-measured activation memory. The coefficients are a non-negative least-squares fit of those,
-relative (each sample weighted by 1 / its measurement); REFERENCE_FLOPS is the median of the
-samples' predicted FLOPs over their seconds.
+CPU; its growth (fedtune.planning.memory.PeakMeter: the tensor bytes allocated, at their most)
+less the trainable values and their gradient and AdamW states is the measured activation memory
+(the process's resident growth is recorded beside it, not fitted). The coefficients are a
+non-negative least-squares fit of those, relative (each sample weighted by 1 / its measurement);
+REFERENCE_FLOPS is the median of the samples' predicted FLOPs over their seconds (timed without
+the meter).
 
     PYTHONPATH=$PWD python benchmarks/budgets/fit_memory.py [--samples 24]
 
@@ -61,21 +63,20 @@ def grid(family: str, samples: int, seed: int) -> list[dict]:
 
 
 def fit(rows: list[dict]) -> list[float]:
-    """Non-negative coefficients: the no-checkpointing ones first, then k from the checkpointed rows."""
+    """Non-negative coefficients, each sample weighted by 1 / its measurement: the
+    no-checkpointing ones (the first five features) first, then k and c_v' from the checkpointed
+    rows less their one-layer terms."""
     from scipy.optimize import nnls
 
     plain = [r for r in rows if not r["checkpointing"]]
-    a = np.array([r["features"][:-1] for r in plain]) / np.array([[r["activations"]] for r in plain])
+    a = np.array([r["features"][:5] for r in plain]) / np.array([[r["activations"]] for r in plain])
     coef, _ = nnls(a, np.ones(len(plain)))
     ck = [r for r in rows if r["checkpointing"]]
-    rest = np.array([r["activations"] - np.dot(coef, r["features"][:-1]) for r in ck])
-    feat = np.array([r["features"][-1] for r in ck])
-    k = max(
-        0.0,
-        float(np.sum(feat * rest / np.array([r["activations"] for r in ck]) ** 2))
-        / float(np.sum((feat / np.array([r["activations"] for r in ck])) ** 2)),
-    )
-    return [*map(float, coef), k]
+    measured = np.array([r["activations"] for r in ck])
+    rest = np.array([r["activations"] - np.dot(coef, r["features"][:5]) for r in ck])
+    b = np.array([r["features"][5:] for r in ck]) / measured[:, None]
+    tail, _ = nnls(b, rest / measured)
+    return [*map(float, coef), *map(float, tail)]
 
 
 def main() -> None:
@@ -93,7 +94,7 @@ def main() -> None:
             p = m.prediction
             state = p.trainable * 4 * (1 + p.states)
             rows.append({**setting, "features": list(p.features), "activations": m.activations,
-                         "fixed": p.weights + state, "seconds": m.seconds})  # fmt: skip
+                         "fixed": p.weights + state, "resident": m.resident, "seconds": m.seconds})  # fmt: skip
             flops.append(p.seconds * memory.REFERENCE_FLOPS / m.seconds)
             print(family, setting, f"activations {m.activations / 2**20:.1f} MiB, {m.seconds:.2f} s", flush=True)
         coef = fit(rows)

@@ -22,13 +22,17 @@ FAMILIES = {
 @dataclass
 class Measurement:
     prediction: Prediction
-    activations: int | None  # the measured resident growth less the trainable values and their states
-    growth: int | None  # the measured resident growth over the local training
+    activations: int | None  # the measured growth less the trainable values and their states
+    growth: int | None  # the measured growth over the local training (:class:`PeakMeter`: tensor bytes)
+    resident: int | None  # the process's resident growth over it (Linux)
     seconds: float
 
 
-def build(family: str, dims: dict, dtype: str, checkpointing: bool, seed: int = 0) -> torch.nn.Module:
-    """A random-weight ``family`` model of ``dims`` prepared as a run's base (:func:`prepare_base`)."""
+def build(
+    family: str, dims: dict, dtype: str, checkpointing: bool, seed: int = 0, quantization: str = "none"
+) -> torch.nn.Module:
+    """A random-weight ``family`` model of ``dims`` prepared as a run's base (:func:`prepare_base`)
+    with ``model.quantization=quantization``."""
     import transformers
 
     from fedtune.config import load_config
@@ -39,7 +43,13 @@ def build(family: str, dims: dict, dtype: str, checkpointing: bool, seed: int = 
     cfg = getattr(transformers, config_cls)(**dims)
     model = getattr(transformers, model_cls)(cfg)
     run = load_config(
-        None, [f"model.dtype={dtype}", f"train.gradient_checkpointing={str(checkpointing).lower()}", "device=cpu"]
+        None,
+        [
+            f"model.dtype={dtype}",
+            f"train.gradient_checkpointing={str(checkpointing).lower()}",
+            "device=cpu",
+            f"model.quantization={quantization}",
+        ],
     )
     return prepare_base(model, run, heads)
 
@@ -53,17 +63,20 @@ def measure(
     dtype: str = "float32",
     checkpointing: bool = False,
     steps: int = 2,
+    quantization: str = "none",
 ) -> Measurement:
     """Train a rank-``rank`` LoRA (AdamW) for ``steps`` steps on ``batch`` x ``length`` random
-    tokens, after one warm-up step; the resident growth over those steps and the prediction."""
+    tokens, after one warm-up step: their seconds, then the growth over them run again
+    (:class:`PeakMeter`, with the resident growth beside it), and the prediction."""
     from peft import LoraConfig, get_peft_model
 
     _, _, targets, heads = FAMILIES[family]
-    base = build(family, dims, dtype, checkpointing)
+    base = build(family, dims, dtype, checkpointing, quantization=quantization)
     from fedtune.models.precision import DTYPES, computes_natively
 
     compute = DTYPES[dtype] if computes_natively(torch.device("cpu"), DTYPES[dtype]) else torch.float32
-    work = Workload(batch, length, torch.finfo(compute).bits // 8, checkpointing, states=2, steps=steps)
+    bits = torch.finfo(compute).bits
+    work = Workload(batch, length, bits // 8, checkpointing, states=2, steps=steps, kbit=quantization != "none")
     prediction = predict(base, targets, heads, rank, work)
     model = get_peft_model(base, LoraConfig(r=rank, target_modules=targets, modules_to_save=heads or None))
     gen = torch.Generator().manual_seed(1)
@@ -79,11 +92,12 @@ def measure(
 
     model.train()
     train(1)  # warm-up: kernels, caches, the upcast buffers of a low-precision base
-    gc.collect()
     start = time.perf_counter()
-    with PeakMeter(torch.device("cpu")) as meter:
-        train(steps)
+    train(steps)  # timed without the meter, whose profiler slows the steps
     seconds = time.perf_counter() - start
+    gc.collect()
+    with PeakMeter(torch.device("cpu"), resident=True) as meter:
+        train(steps)
     state = prediction.trainable * 4 * (1 + prediction.states)
     acts = None if meter.growth is None else meter.growth - state
-    return Measurement(prediction, acts, meter.growth, seconds)
+    return Measurement(prediction, acts, meter.growth, meter.resident, seconds)

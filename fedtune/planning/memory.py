@@ -10,19 +10,25 @@ model's shape and the run's settings, and the meter that measures a client's pea
 - **activations**, fitted from measurements (``benchmarks/budgets/fit_memory.py``) per model family
   as a sum of features times bytes, with t = batch x length tokens, n layers, hidden h,
   intermediate i, a heads, vocabulary V (0 for a classifier), r the rank and m the adapted
-  layers per transformer layer, e the bytes of the compute dtype::
+  layers per transformer layer, e the bytes of the compute dtype (4 on a quantized base: PEFT's
+  k-bit preparation keeps its norms and embedding in float32, and bitsandbytes' quantized linears
+  return their input's dtype, so its activations are float32 whatever it computes in), e_h those
+  of the hidden states (e; 4 for :data:`FLOAT32_HIDDEN`'s families)::
 
-      no checkpointing: e t n (c_h h + c_i i + c_a a length) + c_v 4 t V + c_r 4 t n m r
-      checkpointing:    e k t n h + (the same for one layer, n = 1)
+      no checkpointing: t n (e_h c_h h + e c_i i + e c_a a length) + c_v 4 t V + c_r 4 t n m r
+      checkpointing:    k e_h t n h + c_v' 4 t V + (the same without the logits for one layer, n = 1)
 
 The fitted coefficients also cover what autograd keeps besides the saved tensors (the gradient of
-the logits, the backward's transient buffers) because they are fitted to the resident growth.
+the logits, the backward's transient buffers) because they are fitted to the measured peak
+(:class:`PeakMeter`: the tensor bytes allocated at their most); with checkpointing the logits
+peak and the recomputed layer's do not coincide, so the logits have their own c_v'.
 Time: ``(2 (2 + checkpointing) N_base + 6 N_trainable) t`` FLOPs a step over
 ``REFERENCE_FLOPS x speed``.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -30,13 +36,18 @@ from torch import nn
 
 from fedtune.process import _malloc_trim
 
-#: Activation coefficients (c_h, c_i, c_a, c_v, c_r, k) per model family, fitted by
+#: Activation coefficients (c_h, c_i, c_a, c_v, c_r, k, c_v') per model family, fitted by
 #: ``benchmarks/budgets/fit_memory.py`` (results: benchmarks/results/budgets/fit.json); the
 #: planner refuses a family not listed.
 COEFFICIENTS: dict[str, tuple[float, ...]] = {
-    "llama": (20.93, 3.123, 1.228, 4.594, 0, 12.99),  # 20 samples: predicted peak within 9.0 % of measured
-    "bert": (25.63, 0, 4.381, 0, 0.745, 13.86),  # 20 samples: within 12.1 % in float32 without checkpointing, 45 % else
+    # 20 samples each; predicted peak against measured: Llama within 1.6 % without checkpointing, 10.7 % with;
+    # BERT within 6.9 % without, 17.4 % with (bfloat16; float32 2.5 %)
+    "llama": (7.179, 2.888, 0, 3.039, 0.9356, 0, 2.342),
+    "bert": (8.007, 1.565, 3.267, 0, 0, 2.583, 0),
 }
+#: Families whose hidden states stay float32 under a low-precision autocast (LayerNorm runs in
+#: float32 there, and the residual stream adds to its output; Llama's RMSNorm returns the input's dtype).
+FLOAT32_HIDDEN = {"bert"}
 #: FLOP/s of a client of speed 1 (this machine's CPU, one thread, fitted with the coefficients).
 REFERENCE_FLOPS = 1.16e10
 
@@ -80,6 +91,7 @@ class Workload:
     checkpointing: bool
     states: int  # optimizer states per trainable value
     steps: int = 1
+    kbit: bool = False  # a quantized base (its activations are float32: :func:`features`)
 
 
 @dataclass(frozen=True)
@@ -157,45 +169,104 @@ def predict(base: nn.Module, targets: list[str], heads: list[str], rank: int, wo
 def features(shape: Shape, work: Workload, rank: int, adapted_per_layer: float) -> list[float]:
     """The activation term's features, in :data:`COEFFICIENTS`' order (the module docstring);
     ``adapted_per_layer``: m."""
-    t, e = work.batch * work.length, work.act_bytes
-    n = 1 if work.checkpointing else shape.layers
+    t = work.batch * work.length
+    e = 4 if work.kbit else work.act_bytes
+    eh = 4 if shape.family in FLOAT32_HIDDEN else e  # the hidden states' bytes
+    ck = work.checkpointing
+    n = 1 if ck else shape.layers
     return [
-        e * t * n * shape.hidden,
+        eh * t * n * shape.hidden,
         e * t * n * shape.intermediate,
         e * t * n * shape.heads * work.length,
-        4 * t * shape.vocab,
+        0.0 if ck else 4 * t * shape.vocab,
         4 * t * n * adapted_per_layer * rank,
-        e * t * shape.layers * shape.hidden if work.checkpointing else 0.0,
+        eh * t * shape.layers * shape.hidden if ck else 0.0,
+        4 * t * shape.vocab if ck else 0.0,
     ]
 
 
 class PeakMeter:
-    """Context manager: ``growth``, the most memory held during the block above what was held when
-    it began (a CUDA device: its max allocated bytes; the CPU: the process's resident peak, reset at
-    the start through ``/proc/self/clear_refs`` after the C heap's free pages went back, so that
-    the pages an earlier client freed do not hide this one's growth; None where neither is
-    available)."""
+    """Context manager: ``growth``, the most bytes held during the block above what was held when
+    it began, and with ``resident`` the process's resident growth over the block too (CPU, Linux;
+    else None; it costs a heap trim and the pages' faults, about a fifth of a small client's fit).
 
-    def __init__(self, device: torch.device) -> None:
+    A CUDA device: its max allocated bytes. The CPU: the tensor bytes the block's operations
+    allocated, at their most at once: the CPU allocator's events (PyTorch's profiler with
+    ``profile_memory``: each allocation's address and size, each release's), on the block's thread
+    and the threads it hands work to, replayed in time order; a release counts only when the
+    block allocated that address. Memory allocated before the block (by an earlier client, or held
+    by other objects), by other threads, or kept by the C heap after a release does not count, so
+    the measurement is one client's, whatever ran before it in the process: the CPU analogue of
+    ``max_memory_allocated``. When a profiler is already running (profilers do not nest),
+    ``growth`` is the resident growth. The resident growth is the whole process's, reset at the start
+    through ``/proc/self/clear_refs`` after the C heap's free pages went back; it is above
+    ``growth`` by what the heap keeps and what libraries allocate outside PyTorch. Kineto's log
+    lines at each start and stop are silenced (``KINETO_LOG_LEVEL`` 6) unless the environment
+    sets a level."""
+
+    def __init__(self, device: torch.device, resident: bool = False) -> None:
         self.device = device
         self.growth: int | None = None
+        self.resident: int | None = None
+        self._profiling = False
+        self._resident = resident
 
     def __enter__(self) -> PeakMeter:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self.start = torch.cuda.memory_allocated(self.device)
-        else:
-            self.start = _reset_resident_peak()
+            return self
+        self._profiling = not torch._C._autograd._profiler_enabled()
+        self.start = _reset_resident_peak() if self._resident or not self._profiling else None
+        if self._profiling:
+            from torch._C._profiler import ProfilerActivity, ProfilerConfig, ProfilerState, _ExperimentalConfig
+
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # read when Kineto first starts
+            config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+            torch.autograd._prepare_profiler(config, {ProfilerActivity.CPU})
+            torch.autograd._enable_profiler(config, {ProfilerActivity.CPU})
         return self
 
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.growth = torch.cuda.max_memory_allocated(self.device) - self.start
-        elif self.start is not None:
+            return
+        if self.start is not None:
             peak = _status_bytes("VmHWM")
-            self.growth = None if peak is None else max(0, peak - self.start)
+            self.resident = None if peak is None else max(0, peak - self.start)
+        if self._profiling:
+            self._profiling = False
+            self.growth = _allocated_peak(torch.autograd._disable_profiler().experimental_event_tree())
+        else:
+            self.growth = self.resident
+
+
+def _allocated_peak(roots: list) -> int:
+    """The most bytes held at once by the allocations among the profiler's events (``roots``, the
+    event trees), replayed in time order; a release of an address not allocated among them is
+    skipped."""
+    from torch._C._profiler import _EventType
+
+    events, stack = [], list(roots)
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+    live: dict[int, int] = {}
+    held = peak = 0
+    for _, ptr, size in sorted(events, key=lambda e: e[0]):
+        if size > 0:
+            live[ptr] = size
+        elif ptr in live:
+            size = -live.pop(ptr)
+        else:
+            continue
+        held += size
+        peak = max(peak, held)
+    return peak
 
 
 def _status_bytes(key: str) -> int | None:

@@ -247,6 +247,7 @@ def _lora_knob(context, knob: str | None) -> _Knob:
         train.gradient_checkpointing,
         optimizer_states(train.optimizer, train.momentum),
         train.local_steps,
+        cfg.quantization != "none",
     )
     base = context.workspace.base
     try:
