@@ -4,6 +4,9 @@ do meanwhile."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import torch
@@ -60,9 +63,10 @@ def test_inside_a_running_profiler_the_meter_falls_back_to_the_resident_growth()
 
 
 def test_activation_features_count_float32_where_the_model_keeps_it():
-    """A quantized base's activations are float32 whatever it computes in; BERT's hidden states
-    are float32 under a bfloat16 autocast; with checkpointing the logits move to their own term."""
-    from fedtune.planning.memory import Shape, Workload, features
+    """A quantized base's activations are float32 whatever it computes in (plus the compute-dtype
+    copy of its LM head); BERT's hidden states are float32 under a bfloat16 autocast; with
+    checkpointing the logits move to their own term."""
+    from fedtune.planning.memory import Shape, Workload, activation_bytes, features
 
     llama, bert = Shape("llama", 4, 64, 128, 4, 1000), Shape("bert", 4, 64, 128, 4, 0)
     bf16, f32 = Workload(2, 16, 2, False, 2), Workload(2, 16, 4, False, 2)
@@ -72,3 +76,20 @@ def test_activation_features_count_float32_where_the_model_keeps_it():
     assert features(bert, bf16, 8, 2)[1] == features(bert, f32, 8, 2)[1] / 2  # the intermediate
     plain, checkpointed = features(llama, f32, 8, 2), features(llama, Workload(2, 16, 4, True, 2), 8, 2)
     assert plain[3] == checkpointed[6] == 4 * 32 * 1000 and plain[6] == checkpointed[3] == 0
+    # the bfloat16 copy of a quantized base's float32 LM head (V x h x 2 bytes), and nothing else
+    feats = features(llama, quantized, 8, 2)
+    assert activation_bytes(llama, quantized, feats) - activation_bytes(llama, f32, feats) == 1000 * 64 * 2
+
+
+def test_the_meter_keeps_kinetos_log_lines_out_of_the_output():
+    code = (
+        "import torch; from fedtune.planning.memory import PeakMeter\n"
+        "for _ in range(2):\n"
+        "    with PeakMeter(torch.device('cpu')) as m:\n"
+        "        x = torch.ones(1000)\n"
+        "print(m.growth)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0 and done.stdout.split() == ["4000"], done.stderr[-2000:]
+    assert "profiler_start" not in done.stderr and "profiler_stop" not in done.stderr

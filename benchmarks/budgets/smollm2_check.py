@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from fedtune.planning.calibrate import measure
-from fedtune.planning.memory import COEFFICIENTS, Shape, Workload, features
+from fedtune.planning.memory import Shape, Workload, activation_bytes, features
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "budgets"
 SMOLLM2 = dict(
@@ -68,7 +68,7 @@ def repredict(args: argparse.Namespace, rows: list[dict]) -> None:
         work = Workload(args.batch, args.length, torch.finfo(compute).bits // 8, args.checkpointing, 2, args.steps,
                         args.quantization != "none")  # fmt: skip
         r["features"] = features(shape, work, r["rank"], 2)  # LoRA on q and v
-        acts = int(sum(c * f for c, f in zip(COEFFICIENTS["llama"], r["features"])))
+        acts = activation_bytes(shape, work, r["features"])
         r["predicted"] += acts - r["predicted_activations"]
         r["predicted_activations"] = acts
 

@@ -18,6 +18,9 @@ model's shape and the run's settings, and the meter that measures a client's pea
       no checkpointing: t n (e_h c_h h + e c_i i + e c_a a length) + c_v 4 t V + c_r 4 t n m r
       checkpointing:    k e_h t n h + c_v' 4 t V + (the same without the logits for one layer, n = 1)
 
+  plus, on a quantized base computing in bfloat16 / float16, V h times the compute dtype's bytes:
+  the autocast's copy of its float32 LM head, which the backward keeps.
+
 The fitted coefficients also cover what autograd keeps besides the saved tensors (the gradient of
 the logits, the backward's transient buffers) because they are fitted to the measured peak
 (:class:`PeakMeter`: the tensor bytes allocated at their most); with checkpointing the logits
@@ -151,7 +154,6 @@ def predict(base: nn.Module, targets: list[str], heads: list[str], rank: int, wo
     shape = Shape.of(base)
     dims = adapted_layers(base, targets)
     feats = tuple(features(shape, work, rank, len(dims) / shape.layers))
-    coefficients = COEFFICIENTS[shape.family]
     trainable = rank * sum(i + o for i, o in dims) + head_values(base, heads)
     frozen = sum(p.numel() for name, p in base.named_parameters() if not _adapter_part(name))
     tokens = work.batch * work.length
@@ -160,10 +162,18 @@ def predict(base: nn.Module, targets: list[str], heads: list[str], rank: int, wo
         weights=base_weight_bytes(base),
         trainable=trainable,
         states=work.states,
-        activations=int(sum(c * f for c, f in zip(coefficients, feats))),
+        activations=activation_bytes(shape, work, feats),
         seconds=flops / REFERENCE_FLOPS,
         features=feats,
     )
+
+
+def activation_bytes(shape: Shape, work: Workload, feats: tuple[float, ...] | list[float]) -> int:
+    """The activation term: the fitted sum over ``feats`` (:func:`features`), plus, on a quantized
+    base computing in a lower precision, the copy of its float32 output embedding (the LM head,
+    never quantized) that the autocast makes in the compute dtype and the backward keeps."""
+    cast = shape.vocab * shape.hidden * work.act_bytes if work.kbit and work.act_bytes < 4 else 0
+    return int(sum(c * f for c, f in zip(COEFFICIENTS[shape.family], feats))) + cast
 
 
 def features(shape: Shape, work: Workload, rank: int, adapted_per_layer: float) -> list[float]:
