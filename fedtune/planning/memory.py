@@ -198,21 +198,20 @@ def features(shape: Shape, work: Workload, rank: int, adapted_per_layer: float) 
 class PeakMeter:
     """Context manager: ``growth``, the most bytes held during the block above what was held when
     it began, and with ``resident`` the process's resident growth over the block too (CPU, Linux;
-    else None; it costs a heap trim and the pages' faults, about a fifth of a small client's fit).
+    else None; it costs a heap trim and the pages' faults).
 
-    A CUDA device: its max allocated bytes. The CPU: the tensor bytes the block's operations
-    allocated, at their most at once: the CPU allocator's events (PyTorch's profiler with
-    ``profile_memory``: each allocation's address and size, each release's), on the block's thread
-    and the threads it hands work to, replayed in time order; a release counts only when the
-    block allocated that address. Memory allocated before the block (by an earlier client, or held
-    by other objects), by other threads, or kept by the C heap after a release does not count, so
-    the measurement is one client's, whatever ran before it in the process: the CPU analogue of
-    ``max_memory_allocated``. When a profiler is already running (profilers do not nest),
-    ``growth`` is the resident growth. The resident growth is the whole process's, reset at the start
-    through ``/proc/self/clear_refs`` after the C heap's free pages went back; it is above
-    ``growth`` by what the heap keeps and what libraries allocate outside PyTorch. Kineto's log
-    lines at each start and stop are silenced (``KINETO_LOG_LEVEL`` 6) unless the environment
-    sets a level."""
+    A CUDA device: its max allocated bytes. The CPU: the tensor bytes the block allocated, at their
+    most at once: the CPU allocator's events on the block's thread (PyTorch's profiler with
+    ``profile_memory``: each allocation's address and size, each release's; the backward runs on
+    that thread, and intra-op threads mostly write into tensors it allocated), replayed in time order,
+    a release counted only for an address the block allocated. So memory allocated before the
+    block (by an earlier client, or held by other objects), other threads' allocations and what the
+    C heap keeps after a release do not count: the CPU analogue of ``max_memory_allocated``, one
+    client's whatever else the process holds. When a profiler is already running (profilers do not
+    nest), ``growth`` is the resident growth: the whole process's, reset at the start through
+    ``/proc/self/clear_refs`` after the C heap's free pages went back, so above the tensor bytes by
+    what the heap keeps and libraries allocate outside PyTorch. Kineto's log lines at each start
+    and stop are silenced (``KINETO_LOG_LEVEL`` 6) unless the environment sets a level."""
 
     def __init__(self, device: torch.device, resident: bool = False) -> None:
         self.device = device
