@@ -140,3 +140,13 @@ def test_a_budgeted_fedpft_run_trains_the_planned_model_per_client_and_drops_the
         # measured as the client's own training memory (the model it holds), not the process's growth
         assert max(peaks.values()) / MB == pytest.approx(line["client_peak_mem_mb"])
         assert line.get("proxy_downloads", 0) == (1 if rnd == 1 else 0)  # client 1 only: client 0 holds the full model
+
+
+def test_a_mixed_fedot_federation_runs_under_secure_aggregation(tmp_path):
+    """The full-model clients rename their update back to the proxy's positions before it is
+    masked, so SecAgg+ sums every client's in one layout (flower-sim)."""
+    profiles = 'federation.profiles=[{trains_on="full"}, {}, {trains_on="full"}]'
+    secure = ("engine=flower-sim", "federation.secure_aggregation=true", "federation.clients_per_round=3")
+    summary = run_experiment(config(tmp_path, "fedot", profiles, *secure, "rounds=1"))
+    (line,) = (json.loads(x) for x in Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines())
+    assert line["dropped"] == {} and line["proxy_downloads"] == 1  # client 1 alone holds the proxy
