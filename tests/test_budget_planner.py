@@ -80,8 +80,6 @@ CLASSES = '[{name="phone", share=0.5, memory_gib=0.5}, {name="laptop", share=0.5
 #: LoRA recipes the planner does not cover yet, with the one-line refusal `fedtune plan` gives
 UNPLANNED = {
     "commit.toml": "method 'commit' has no planner",
-    "fedpft.toml": "method 'fedpft' has no planner",
-    "fedot.toml": "method 'fedot' has no planner",
     "image-classification.toml": "'mobilenet-v2': the model has no Hugging Face transformer config to plan from",
 }
 
@@ -118,7 +116,7 @@ def test_fedtune_plan_prints_a_per_client_plan_for_every_lora_recipe_and_rabo(re
     head = next(i for i, line in enumerate(out) if "client  class  " in line)  # after a loading bar's \r
     rows = [line.split() for line in out[head + 1 : head + 1 + clients]]
     assert [r[0] for r in rows] == [str(c) for c in range(clients)]
-    assert all(r[1] in ("phone", "laptop") and r[4] in ("rank", "sketch", "capacity") for r in rows)
+    assert all(r[1] in ("phone", "laptop") and r[4] in ("rank", "sketch", "capacity", "full", "proxy") for r in rows)
     assert re.fullmatch(rf"\d+ of {clients} clients planned, \d+ excluded", out[head + 1 + clients])
 
 

@@ -149,9 +149,12 @@ def head_values(base: nn.Module, heads: list[str]) -> int:
     return sum(p.numel() for m in modules for name, p in m.named_parameters() if not _adapter_part(name))
 
 
-def predict(base: nn.Module, targets: list[str], heads: list[str], rank: int, work: Workload) -> Prediction:
-    """The predicted cost of training a rank-``rank`` adapter on ``base`` (as loaded) with ``work``."""
-    shape = Shape.of(base)
+def predict(
+    base: nn.Module, targets: list[str], heads: list[str], rank: int, work: Workload, shape: Shape | None = None
+) -> Prediction:
+    """The predicted cost of training a rank-``rank`` adapter on ``base`` (as loaded) with ``work``;
+    ``shape``: the activation term's (default: ``base``'s config; a proxy's differs from it)."""
+    shape = shape or Shape.of(base)
     dims = adapted_layers(base, targets)
     feats = tuple(features(shape, work, rank, len(dims) / shape.layers))
     trainable = rank * sum(i + o for i, o in dims) + head_values(base, heads)

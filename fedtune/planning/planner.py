@@ -8,8 +8,9 @@ client vary: the rank for HeteroLoRA / FlexLoRA / FedStackLoRA, the sketch ratio
 FSLoRA, each client's largest of r, r/2, r/4, ..., 1 that fits every budget it states; FedIT has
 no knob (rank r or nothing). The sub-model methods (RABO / RAFBO, Static, FedRolex, FIARSE) vary
 the capacity, the largest of RABO's 1, 1/2, ..., 1/16 that fits, priced on the sliced model
-(:mod:`fedtune.planning.capacity`). A client that states its knob (``rank``, ``sketch_ratio``,
-``capacity``) keeps it
+(:mod:`fedtune.planning.capacity`). FedPFT and FedOT choose the model a client trains the
+adapter on, the full model or else the proxy (:mod:`fedtune.planning.proxy`). A client that
+states its knob (``rank``, ``sketch_ratio``, ``capacity``, ``trains_on``) keeps it
 and the run measures it. A client that no setting fits is excluded, with the reason of the
 smallest setting, and every round drops it with that reason.
 """
@@ -39,6 +40,7 @@ KNOBS: dict[str, str | None] = {
     "fedpetuning": None,
     "local": None,
     **dict.fromkeys(("rabo", "rafbo", "static", "fedrolex", "fiarse"), "capacity"),
+    **dict.fromkeys(("fedpft", "fedot"), "trains_on"),
 }
 #: the key of a training reply's metadata with the client's measured peak bytes
 PEAK_BYTES = "peak_bytes"
@@ -108,6 +110,12 @@ def plan_budgets(context, always: bool = False) -> Plan | None:
         knobs = _Knob(
             list(CAPACITIES), lambda p: p.capacity, lambda v, _: predict_capacity(context, v), "capacity {:g}".format
         )
+    elif knob == "trains_on":
+        from fedtune.planning.proxy import SETTINGS, predict_settings
+
+        settings = predict_settings(context, lora_workload(context, context.workspace.base))
+        label = {"full": "full model", "proxy": "proxy"}.__getitem__
+        knobs = _Knob(list(SETTINGS), lambda p: p.trains_on, lambda v, _: settings[v], label)
     else:
         knobs = _lora_knob(context, knob)
     costs = {}
@@ -194,10 +202,15 @@ def _codecs(context, profile: ClientProfile) -> list[tuple[float | None, str]]:
 
 def check_profile_codecs(run) -> None:
     """A profile that states an upload codec needs a method whose uploads go through it, one that
-    states gradient checkpointing a method that honours it (ConfigError naming the first such
-    profile); ``run``: a :class:`~fedtune.runtime.ResolvedRun`."""
+    states gradient checkpointing a method that honours it, one that states ``trains_on`` a proxy
+    method (ConfigError naming the first such profile); ``run``: a :class:`~fedtune.runtime.ResolvedRun`."""
     fed = run.config.federation
     for cid, p in enumerate(run.profiles):
+        if p.trains_on is not None and KNOBS.get(run.config.method) != "trains_on":
+            raise ConfigError(
+                f"federation.profiles[{cid}].trains_on: method {run.config.method!r} trains on no proxy "
+                "(fedpft and fedot do)"
+            )
         if p.gradient_checkpointing and CHECKPOINTING not in run.method.honours:
             raise ConfigError(
                 f"federation.profiles[{cid}].gradient_checkpointing: method {run.config.method!r} does not honour it"
@@ -231,34 +244,13 @@ class _Knob:
 def _lora_knob(context, knob: str | None) -> _Knob:
     """The LoRA methods' knob: the rank on r, r/2, ..., 1 (FSLoRA: the sketch ratio rank / r)."""
     from fedtune.methods.base.lora import client_rank
-    from fedtune.models.precision import computes_natively, resolve_device
-    from fedtune.models.train_memory import optimizer_states
-    from fedtune.planning.memory import COEFFICIENTS, Shape, Workload, predict
+    from fedtune.planning.memory import predict
 
     config = context.config
     cfg, train, task = config.model, config.train, context.task
     targets = list(cfg.target_modules) if cfg.target_modules is not None else task.lora_targets()
-    dtype = DTYPES[cfg.dtype]
-    compute = dtype if computes_natively(resolve_device(config.device), dtype) else torch.float32
-    work = Workload(
-        train.batch_size,
-        config.data.max_length,
-        torch.finfo(compute).bits // 8,
-        train.gradient_checkpointing,
-        optimizer_states(train.optimizer, train.momentum),
-        train.local_steps,
-        cfg.quantization != "none",
-    )
     base = context.workspace.base
-    try:
-        family = Shape.of(base).family
-    except ValueError as exc:
-        raise ConfigError(f"model.name: {cfg.name!r}: {exc}; budgets are planned for transformer models") from None
-    if family not in COEFFICIENTS:
-        raise ConfigError(
-            f"model.name: {cfg.name!r} is a {family!r} model; the memory model is fitted for "
-            f"{', '.join(COEFFICIENTS)} (benchmarks/budgets/fit_memory.py)"
-        )
+    work = lora_workload(context, base)
 
     def cost(rank: int, checkpointing: bool) -> tuple:
         p = predict(base, targets, task.head_modules(), rank, replace(work, checkpointing=checkpointing))
@@ -276,6 +268,38 @@ def _lora_knob(context, knob: str | None) -> _Knob:
     if knob == "sketch_ratio":
         return _Knob(_ladder(r), stated, cost, lambda v: f"sketch ratio {v / r:g}", lambda v: v / r, variants)
     return _Knob(_ladder(r), stated, cost, "rank {}".format, variants=variants)
+
+
+def lora_workload(context, base):
+    """A client's LoRA training on ``base`` as the run states it (a
+    :class:`~fedtune.planning.memory.Workload`); ConfigError for a model the memory model does not cover."""
+    from fedtune.models.precision import computes_natively, resolve_device
+    from fedtune.models.train_memory import optimizer_states
+    from fedtune.planning.memory import COEFFICIENTS, Shape, Workload
+
+    config = context.config
+    cfg, train = config.model, config.train
+    dtype = DTYPES[cfg.dtype]
+    compute = dtype if computes_natively(resolve_device(config.device), dtype) else torch.float32
+    work = Workload(
+        train.batch_size,
+        config.data.max_length,
+        torch.finfo(compute).bits // 8,
+        train.gradient_checkpointing,
+        optimizer_states(train.optimizer, train.momentum),
+        train.local_steps,
+        cfg.quantization != "none",
+    )
+    try:
+        family = Shape.of(base).family
+    except ValueError as exc:
+        raise ConfigError(f"model.name: {cfg.name!r}: {exc}; budgets are planned for transformer models") from None
+    if family not in COEFFICIENTS:
+        raise ConfigError(
+            f"model.name: {cfg.name!r} is a {family!r} model; the memory model is fitted for "
+            f"{', '.join(COEFFICIENTS)} (benchmarks/budgets/fit_memory.py)"
+        )
+    return work
 
 
 def _checkpointable(context, base) -> bool:
@@ -309,12 +333,18 @@ def planned_checkpointing(client):
 def metered_fit(client, message: Message, call: Callable[[Message], Message] | None = None) -> Message:
     """``client.fit(message)`` (or ``call(message)``: a phase of the round) with its measured peak
     (:class:`~fedtune.planning.memory.PeakMeter` on the run's device, plus the frozen base a LoRA
-    client holds) in the reply's metadata, under the client's planned checkpointing."""
+    client holds; FedPFT / FedOT: the client's own ``peak_mem_bytes``,
+    :func:`~fedtune.models.train_memory.training_peak_bytes`) in the reply's metadata, under the
+    client's planned checkpointing."""
     from fedtune.models.precision import resolve_device
     from fedtune.planning.memory import PeakMeter, base_weight_bytes
 
     with planned_checkpointing(client), PeakMeter(resolve_device(client.config.device)) as meter:
         reply = (call or client.fit)(message)
+    if KNOBS.get(client.config.method) == "trains_on" and "peak_mem_bytes" in reply.meta:
+        # FedPFT / FedOT: the process cuts a proxy client's skeleton from the full model, so its
+        # growth is not the client's; the client measures the model it trains on and its training
+        return Message(reply.arrays, {**reply.meta, PEAK_BYTES: int(reply.meta["peak_mem_bytes"])})
     if meter.growth is None:
         return reply
     # a LoRA client holds the frozen base; a sub-model client builds its sub-model inside its fit

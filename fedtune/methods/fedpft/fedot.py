@@ -36,7 +36,7 @@ from fedtune.methods.fedpft.alignment import ProxyAligner
 from fedtune.methods.fedpft.construction import ProxyBuilder
 from fedtune.methods.fedpft.distill import DistillPairs
 from fedtune.methods.fedpft.ffn_proxy import ProxyShape, find_stack, keep_layers, uniform_choose
-from fedtune.methods.fedpft.proxy import ProxyClient, ProxyOptions, ProxyStrategy
+from fedtune.methods.fedpft.proxy import ProxyClient, ProxyOptions, ProxyStrategy, rename_layers
 from fedtune.methods.fedpft.support import ModelTask, load_tensors, lora_target_modules, state_tensors, task_model
 from fedtune.models.lora import LoraWorkspace
 from fedtune.models.tensors import to_numpy
@@ -78,6 +78,16 @@ def layer_plan(n_layers: int, bottom: int, top: int, emulator: int | None) -> li
         raise ConfigError(f"options.emulator_layers = {k}: the model has only {middle} middle layers")
     emulator_idx = [bottom + j for j in uniform_choose(middle, k)] if k else []
     return list(range(bottom)) + emulator_idx + list(range(n_layers - top, n_layers))
+
+
+def adapter_budget(o: FedOTOptions, cfg, n_layers: int) -> tuple[int, float]:
+    """(rank, alpha) of the adapter: FedPETuning's trainable parameters on fewer layers, rank x
+    ``n_layers`` / adapter layers (``cfg``: the run's model config), alpha / r kept."""
+    n_adapter = o.adapter_bottom + o.adapter_top
+    if n_adapter == 0:
+        raise ConfigError("options.adapter_bottom + adapter_top: the adapter needs at least one layer")
+    rank = o.adapter_rank or max(1, round(cfg.lora_rank * n_layers / n_adapter))
+    return rank, cfg.lora_alpha * rank / cfg.lora_rank
 
 
 def adapter_positions(n_proxy_layers: int, bottom: int, top: int) -> list[int]:
@@ -173,24 +183,11 @@ class FedOTStrategy(ProxyStrategy):
 
     # -- the adapter --------------------------------------------------------------------------------------
     def adapter_budget(self) -> tuple[int, float]:
-        """FedPETuning's trainable parameters on fewer layers: rank x layers / adapter layers, alpha / r kept."""
-        o, cfg = self.options, self.config.model
-        n_adapter = o.adapter_bottom + o.adapter_top
-        if n_adapter == 0:
-            raise ConfigError("options.adapter_bottom + adapter_top: the adapter needs at least one layer")
-        rank = o.adapter_rank or max(1, round(cfg.lora_rank * self.builder.n_layers / n_adapter))
-        return rank, cfg.lora_alpha * rank / cfg.lora_rank
+        return adapter_budget(self.options, self.config.model, self.builder.n_layers)
 
     def to_full(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The adapter's arrays named by the full model's layers (proxy position p -> layer keep[p])."""
-        path, keep = find_stack(self.builder.proxy).path + ".", self.builder.keep
-        out = {}
-        for name, a in arrays.items():
-            if name.startswith(path):
-                pos, rest = name[len(path) :].split(".", 1)
-                name = f"{path}{keep[int(pos)]}.{rest}"
-            out[name] = a
-        return out
+        return rename_layers(arrays, find_stack(self.builder.proxy).path, self.builder.keep)
 
     @cached_property
     def full_ws(self) -> LoraWorkspace:

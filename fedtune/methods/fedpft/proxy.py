@@ -33,6 +33,13 @@ again, so a resumed run counts those extra bytes; its accuracies are unaffected.
 received :class:`~fedtune.methods.fedpft.ffn_proxy.ProxyShape`), loads *every* tensor of the held version
 into it (nothing of the locally built weights survives), trains the received adapter on it for
 ``train.local_steps`` and uploads the update (trained minus received, through the upload codec).
+A client whose profile says ``trains_on = "full"`` (the budget planner's choice, or stated:
+:mod:`fedtune.planning.proxy`) gets no proxy: it trains the same adapter on the full model it
+holds, the adapter's arrays renamed from the proxy's layer positions to the full model's layers
+(FedPFT keeps every layer: the names are the same; FedOT's position p is layer ``keep[p]``, sent
+as ``meta["proxy_shape"]``) and its update renamed back, so the server averages every client's
+update in the one adapter space. It counts no APoZ (FedPFT's alignment pools the proxy clients'),
+and the server keeps no proxy version for it.
 Its reply's ``meta["peak_mem_bytes"]`` is its training memory
 (:mod:`fedtune.models.train_memory`): the strategy reports ``client_peak_mem_mb`` (max over the
 round's clients).
@@ -189,6 +196,10 @@ class ProxyStrategy(GlobalAdapterStrategy):
         bounds = (self.context.example_bound("train", cid) for cid in client_ids)
         secure = self.aggregation.secure_meta(layout_of(self.global_arrays), self.options.weighting, bounds)
         for cid in client_ids:
+            if self.context.profiles[cid].trains_on == "full":
+                meta = {"round": rnd, "rank": self.rank, "alpha": self.alpha, "trains_on": "full", **secure}
+                out[cid] = Message(dict(self.global_arrays), {**meta, "proxy_shape": builder.shape.to_meta()})
+                continue
             arrays, meta = (
                 dict(self.global_arrays),
                 {
@@ -244,7 +255,8 @@ class ProxyStrategy(GlobalAdapterStrategy):
         for cid in self._sent - set(replies):
             self.held.pop(cid, None)
         for cid, reply in replies.items():
-            self.held[cid] = int(reply.meta["proxy_version"])
+            if "proxy_version" in reply.meta:  # a full-model client holds none
+                self.held[cid] = int(reply.meta["proxy_version"])
         metrics: dict[str, float] = {k: float(v) for k, v in self._bytes.items()}
         if not replies:
             return metrics
@@ -341,29 +353,64 @@ class ProxyClient(UpdateClient):
         """Arrays to upload beside the update, computed before training (FedPFT: APoZ)."""
         return {}
 
+    def train_adapter(self, ws: LoraWorkspace, received: dict[str, np.ndarray], meta: dict) -> tuple:
+        """:func:`train_lora` of the ``received`` adapter (rank, alpha: ``meta``'s) on ``ws`` with this
+        client's data and round seed."""
+        rank, alpha = int(meta["rank"]), meta.get("alpha")
+        round_seed = self.train_seed(int(meta["round"]))
+        pool = self.context.partitions[self.cid]
+        return train_lora(ws, received, rank, alpha, self.context.task, pool, self.config, round_seed)
+
+    def fit_full(self, message: Message) -> Message:
+        """Train the received adapter on the full model (module docstring: its arrays renamed to the
+        full model's layers, the update renamed back to the proxy's positions)."""
+        meta, store = message.meta, self.store
+        layers = ProxyShape.from_meta(meta["proxy_shape"]).layers
+        if store.get("full") is None:
+            model = task_model(self.context)
+            path = find_stack(model).path
+            names = rename_layers(dict(message.arrays), path, layers)
+            targets = sorted({k.split(".lora_A.")[0] for k in names if ".lora_A." in k})
+            store["full"] = LoraWorkspace(ModelTask(self.context.task, lambda: model, targets), self.config.seed), path
+        ws, path = store["full"]
+        received = rename_layers(dict(message.arrays), path, layers)
+        trained, result, peak = self.train_adapter(ws, received, meta)
+        update = rename_layers({k: trained[k] - received[k] for k in trained}, path, layers, inverse=True)
+        return self.upload(update, result, peak_mem_bytes=int(peak))
+
     def fit(self, message: Message) -> Message:
         meta = message.meta
+        if meta.get("trains_on") == "full":
+            return self.fit_full(message)
         version = self.receive(message)
         ws = self.workspace(version)
         rank, alpha = int(meta["rank"]), meta.get("alpha")
         received = {k: v for k, v in message.arrays.items() if not k.startswith(PROXY) and "/" not in k}
         ws.load(received, rank, alpha)
         extra = self.before_training(ws, message)
-        trained, result, peak = train_lora(
-            ws,
-            received,
-            rank,
-            alpha,
-            self.context.task,
-            self.context.partitions[self.cid],
-            self.config,
-            self.train_seed(int(meta["round"])),
-        )
+        trained, result, peak = self.train_adapter(ws, received, meta)
         reply = self.upload(
             {k: trained[k] - received[k] for k in trained}, result, proxy_version=version, peak_mem_bytes=int(peak)
         )
         reply.arrays.update(extra)
         return reply
+
+
+def rename_layers(
+    arrays: dict[str, np.ndarray], path: str, layers: tuple[int, ...] | list[int] | None, inverse: bool = False
+) -> dict[str, np.ndarray]:
+    """``arrays`` with the layer index after the stack's ``path`` renamed from the proxy's position
+    p to the full model's layer ``layers[p]`` (``inverse``: back); None (every layer kept): unchanged."""
+    if layers is None:
+        return dict(arrays)
+    to = {layer: p for p, layer in enumerate(layers)} if inverse else dict(enumerate(layers))
+    prefix, out = path + ".", {}
+    for name, a in arrays.items():
+        if name.startswith(prefix):
+            pos, rest = name[len(prefix) :].split(".", 1)
+            name = f"{prefix}{to[int(pos)]}.{rest}"
+        out[name] = a
+    return out
 
 
 def check_layers(stack_len: int, layers: list[int], what: str) -> None:
@@ -372,4 +419,13 @@ def check_layers(stack_len: int, layers: list[int], what: str) -> None:
         raise ConfigError(f"{what}: layers {bad} do not exist (the model has {stack_len} layers)")
 
 
-__all__ = ["PROXY", "GlobalAdapter", "ProxyClient", "ProxyOptions", "ProxyStrategy", "RoundAlignment", "check_layers"]
+__all__ = [
+    "PROXY",
+    "GlobalAdapter",
+    "ProxyClient",
+    "ProxyOptions",
+    "ProxyStrategy",
+    "RoundAlignment",
+    "check_layers",
+    "rename_layers",
+]
