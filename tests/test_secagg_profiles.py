@@ -1,0 +1,88 @@
+"""The privacy paths with mixed per-client profiles (regression matrix for a report, not reproduced,
+of SecAgg+ with FSLoRA and mixed sketch ratios failing a reply on "dtype float64 where float32 was
+expected"): FSLoRA (sketch ratios 1, 0.5, 0.25) and HeteroLoRA (ranks 4, 2, 1) x secure
+aggregation off (embedded engine) / on (SecAgg+ over Flower's apps on the in-process Grid of
+tests/test_flower.py) x ``privacy.mode`` none / central / local, and the same with the planner
+choosing the profiles from device classes. Each run: every sampled client's update reaches the
+aggregate in both rounds (none dropped; under SecAgg+ the sum is every client's), the global
+adapter keeps the model's float32 and is finite, and it moved."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedtune.checkpoint import load_state
+from fedtune.engines.flower.clientapp import make_client_app
+from fedtune.engines.flower.serverapp import serve
+from fedtune.methods import get_method
+from fedtune.run import run_experiment
+from tests.test_flower import LoopbackGrid, task_identity  # noqa: F401 - fixture
+from tests.test_secagg_methods import _initial
+
+SAME_NOISE = "privacy.insecure_reproducible_noise=true"  # tests only: no accountant run
+DP = {
+    "none": (),
+    "central": ('privacy.mode="central"', "privacy.clip=0.05", "privacy.noise_multiplier=0.5", SAME_NOISE),
+    "local": ('privacy.mode="local"', "privacy.clip=0.05", "privacy.noise_multiplier=0.5", SAME_NOISE),
+}
+PROFILES = {
+    "fslora": "federation.profiles=[{sketch_ratio=1.0},{sketch_ratio=0.5},{sketch_ratio=0.25}]",
+    "heterolora": "federation.profiles=[{rank=4},{rank=2},{rank=1}]",
+}
+#: an upload budget the planner meets with a smaller rank / sketch (SecAgg+: no upload codec) or the codec
+PLANNED = (
+    'federation.device_classes=[{name="small", share=0.4, bandwidth_mb=0.002}, {name="big", share=0.6}]',
+    "seed=4",
+)
+SECURE = ("federation.secure_aggregation=true", 'engine="flower-sim"')
+#: 3 clients, all sampled (under DP: Poisson rate 1), 2 rounds
+SMALL = ("model.lora_rank=4", "federation.num_clients=3", "federation.clients_per_round=3")
+
+
+def _aggregated(monkeypatch, method: str) -> list[list[int]]:
+    """The clients whose updates each round's aggregation summed, recorded as the strategy sees them."""
+    strategy, seen = get_method(method).strategy, []
+    plain, secure = strategy.aggregate_fit, strategy.aggregate_secure_fit
+
+    def plain_fit(self, rnd, replies):
+        seen.append(sorted(replies))
+        return plain(self, rnd, replies)
+
+    def secure_fit(self, rnd, replies, total):
+        seen.append(total.clients)
+        return secure(self, rnd, replies, total)
+
+    monkeypatch.setattr(strategy, "aggregate_fit", plain_fit)
+    monkeypatch.setattr(strategy, "aggregate_secure_fit", secure_fit)
+    return seen
+
+
+@pytest.mark.usefixtures("task_identity")
+@pytest.mark.parametrize("profiles", ["stated", "planned"])
+@pytest.mark.parametrize("dp", list(DP))
+@pytest.mark.parametrize("secure", [False, True], ids=["plain", "secagg"])
+@pytest.mark.parametrize("method", list(PROFILES))
+def test_mixed_profiles_aggregate_every_client_under_each_privacy_path(
+    tiny_config, monkeypatch, method, secure, dp, profiles
+):
+    chosen = (PROFILES[method],) if profiles == "stated" else PLANNED
+    config = tiny_config(f"method={method}", *SMALL, *chosen, *DP[dp], *(SECURE if secure else ()))
+    seen = _aggregated(monkeypatch, method)
+    summary = serve(LoopbackGrid(make_client_app(config), 3), config, timeout=60) if secure else run_experiment(config)
+    assert seen == [[0, 1, 2], [0, 1, 2]]
+    if profiles == "planned":  # the planner gave the small client a smaller rank / sketch than the others
+        plan = json.loads((Path(summary["run_dir"]) / "plan.json").read_text())["clients"]
+        assert len({c["setting"] for c in plan}) > 1 and not any(c["excluded"] for c in plan), plan
+    state = load_state(Path(summary["run_dir"]) / "checkpoint.npz")["global"]
+    initial = _initial(config)
+    assert {str(v.dtype) for v in state.values()} == {"float32"}
+    assert all(np.isfinite(v).all() for v in state.values())
+    assert max(float(np.max(np.abs(state[k] - initial[k]))) for k in initial) > 0
+    if dp != "none":
+        assert (
+            summary["privacy"]["mode"] == {"central": "central+secagg" if secure else "central", "local": "local"}[dp]
+        )
