@@ -19,6 +19,7 @@ from fedtune.checkpoint import load_state
 from fedtune.engines.flower.clientapp import make_client_app
 from fedtune.engines.flower.serverapp import serve
 from fedtune.methods import get_method
+from fedtune.methods.base.privacy import mechanism
 from fedtune.run import run_experiment
 from tests.test_flower import LoopbackGrid, task_identity  # noqa: F401 - fixture
 from tests.test_secagg_methods import _initial
@@ -86,3 +87,23 @@ def test_mixed_profiles_aggregate_every_client_under_each_privacy_path(
         assert (
             summary["privacy"]["mode"] == {"central": "central+secagg" if secure else "central", "local": "local"}[dp]
         )
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_poisson_sample_below_the_configured_threshold_is_still_summed(tiny_config, monkeypatch):
+    """Under DP the round's clients are a Poisson sample (here 2 of 5 at rate 4/5, seed 2): the
+    default threshold is a majority of that round's shares (2), not of the expected sample's (3),
+    which no 2-client round reaches (each client's setup failed, the round released noise alone)."""
+    config = tiny_config(
+        "method=fedit",
+        "federation.num_clients=5",
+        "federation.clients_per_round=4",
+        "rounds=1",
+        "seed=2",
+        *SECURE,
+        *DP["central"],
+    )
+    assert mechanism(config).sample(1) == [1, 4]
+    seen = _aggregated(monkeypatch, "fedit")
+    serve(LoopbackGrid(make_client_app(config), 5), config, timeout=60)
+    assert seen == [[1, 4]]

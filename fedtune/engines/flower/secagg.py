@@ -98,6 +98,7 @@ class _Round:
     attempt: int
     cid_of: dict[int, int]  # node id -> client id
     neighbours: dict[int, set[int]]  # node id -> its neighbours' node ids (itself included)
+    threshold: int  # shares that rebuild a secret in this round
     public_keys: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
     keyed: set[int] = field(default_factory=set)  # nodes whose shares went out (stage 1 done)
     masked: dict[int, list[np.ndarray]] = field(default_factory=dict)  # node id -> masked vector
@@ -174,9 +175,9 @@ class SecAggPlusTransport(GridTransport):
         half = self.fed.secagg_shares() >> 1
         neighbours = {nid: {ring[(i + o) % m] for o in range(-half, half + 1)} for i, nid in enumerate(ring)}
         shares = max(len(v) for v in neighbours.values())
-        threshold = self.fed.secagg_reconstruction_threshold()
+        threshold = self.fed.secagg_reconstruction_threshold(shares)  # of this round's shares
         max_weight, layout = _secure_request(messages)
-        state = _Round(rnd, attempt, cid_of, neighbours, max_weight=max_weight, layout=layout)
+        state = _Round(rnd, attempt, cid_of, neighbours, threshold, max_weight=max_weight, layout=layout)
         self._round = state
         down, up = dict.fromkeys(order, 0), dict.fromkeys(order, 0)
         errors: dict[int, str] = {}
@@ -278,7 +279,7 @@ class SecAggPlusTransport(GridTransport):
     ) -> tuple[SecureSum | None, dict[int, Delivery]]:
         """Stage 3: the sum of the masked updates of ``client_ids`` (the valid replies of this
         round's training exchange ``rnd``, try ``attempt``, whose requests were ``sent``), every other
-        mask removed; None when a secret cannot be rebuilt (fewer than ``secagg_threshold`` shares)."""
+        mask removed; None when a secret cannot be rebuilt (fewer than the round's threshold of shares)."""
         state = self._round
         if state is None or (state.rnd, state.attempt) != (rnd, attempt):
             raise RuntimeError(f"unmask of round {rnd} (attempt {attempt}) without its training exchange")
@@ -312,9 +313,8 @@ class SecAggPlusTransport(GridTransport):
                 if owner in collected and owner in state.neighbours[nid]:
                     collected[owner].append(share)
         self._round = None
-        threshold = self.fed.secagg_reconstruction_threshold()
-        short = sorted(state.cid_of[n] for n, shares in collected.items() if len(shares) < threshold)
-        total, why = None, f"secure aggregation: fewer than {threshold} shares for clients {short}"
+        short = sorted(state.cid_of[n] for n, shares in collected.items() if len(shares) < state.threshold)
+        total, why = None, f"secure aggregation: fewer than {state.threshold} shares for clients {short}"
         if summed and not short:
             try:
                 total = self._sum(state, summed, collected, [name for name, _ in state.layout])
