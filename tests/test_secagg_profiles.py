@@ -20,6 +20,8 @@ from fedtune.engines.flower.clientapp import make_client_app
 from fedtune.engines.flower.serverapp import serve
 from fedtune.methods import get_method
 from fedtune.methods.base.privacy import mechanism
+from fedtune.protocol.client import Client
+from fedtune.protocol.messages import Message
 from fedtune.run import run_experiment
 from tests.test_flower import LoopbackGrid, task_identity  # noqa: F401 - fixture
 from tests.test_secagg_methods import _initial
@@ -107,3 +109,43 @@ def test_a_poisson_sample_below_the_configured_threshold_is_still_summed(tiny_co
     seen = _aggregated(monkeypatch, "fedit")
     serve(LoopbackGrid(make_client_app(config), 5), config, timeout=60)
     assert seen == [[1, 4]]
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_poisson_sample_above_the_expected_one_does_not_wrap_the_secure_sum(tiny_config, monkeypatch):
+    """The config keeps m T below M for the expected m = 2; under DP the round's Poisson sample
+    (seed 10: 4 of 5 at rate 2/5) is larger, and 4 T summed wrapped around M (the sum off by 2.0,
+    its stated error 7.6e-6): the round quantizes with a T that its 4 clients keep below M."""
+    T, M = 2**19 - 1, 2**20
+    config = tiny_config(
+        "method=fedit",
+        "federation.num_clients=5",
+        "federation.clients_per_round=2",
+        "rounds=1",
+        "seed=10",
+        *SECURE,
+        "federation.secagg_clipping_range=0.5",
+        f"federation.secagg_quantization_range={T}",
+        f"federation.secagg_modulus_range={M}",
+        *DP["central"],
+    )
+    assert mechanism(config).sample(1) == [0, 1, 2, 3]
+    vectors, sums = {}, []
+    secure_reply, secure_fit = Client.secure_reply, get_method("fedit").strategy.aggregate_secure_fit
+
+    def recording_reply(self, message, reply):
+        vectors[self.cid] = secure_reply(self, message, reply).arrays
+        return Message(vectors[self.cid], reply.meta)
+
+    def recording_fit(self, rnd, replies, total):
+        sums.append(total)
+        return secure_fit(self, rnd, replies, total)
+
+    monkeypatch.setattr(Client, "secure_reply", recording_reply)
+    monkeypatch.setattr(get_method("fedit").strategy, "aggregate_secure_fit", recording_fit)
+    serve(LoopbackGrid(make_client_app(config), 5), config, timeout=60)
+    (total,) = sums
+    assert total.clients == [0, 1, 2, 3] and total.error == pytest.approx(4 * 2 * 0.5 / ((M - 1) // 4))
+    for name, value in total.arrays.items():
+        exact = sum(vectors[c][name].astype(np.float64) for c in total.clients)
+        assert np.max(np.abs(value - exact)) <= total.error, name
