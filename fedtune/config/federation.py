@@ -102,7 +102,7 @@ class FederationConfig(Section):
         "(default: every sampled client)",
     )
     secagg_threshold: int | None = Field(
-        None, ge=2, description="SecAgg+: shares that rebuild a secret (default: a majority of num_shares)"
+        None, ge=2, description="SecAgg+: shares that rebuild a secret (default: a majority of the round's shares)"
     )
 
     @field_validator("max_update_ratio")
@@ -212,9 +212,11 @@ class FederationConfig(Section):
         """SecAgg+'s shares per secret: ``secagg_num_shares``, default every sampled client."""
         return self.secagg_num_shares or self.sample_size()
 
-    def secagg_reconstruction_threshold(self) -> int:
-        """Shares that rebuild a secret: ``secagg_threshold``, default a majority of the shares (at least 2)."""
-        return self.secagg_threshold or max(2, self.secagg_shares() // 2 + 1)
+    def secagg_reconstruction_threshold(self, shares: int | None = None) -> int:
+        """Shares that rebuild a secret: ``secagg_threshold``, default a majority (at least 2) of
+        ``shares``, a round's shares per secret (default :meth:`secagg_shares`; under DP's Poisson
+        sample a round's clients, and so its shares, vary)."""
+        return self.secagg_threshold or max(2, (shares or self.secagg_shares()) // 2 + 1)
 
     def resolved_server_lr(self) -> float:
         """``server_lr``, or 1 (the plain sum of eq. (5) / FedAvg) when not given."""

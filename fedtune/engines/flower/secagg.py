@@ -33,7 +33,8 @@ a node's) is four exchanges, all of message type "train":
 Quantization error: stochastic rounding moves each client's coordinate by less than one step
 2c/T, so each coordinate of the sum sum_i w_i Delta_i is within k (2c/T) W of the exact one (k
 summed clients; ``SecureSum.error``), provided |w_i/W Delta_i| <= c (larger values are clipped
-to c by the mod). m T must stay below M (checked by the config).
+to c by the mod). m T must stay below M (checked by the config for the expected m; a round
+whose DP Poisson sample is larger quantizes with T = (M - 1) // m instead, its error so stated).
 
 Bytes: the accounted bytes of a client are its fedtune messages' ``Message.nbytes`` (the request's
 arrays down; the reply's metadata up: its arrays do not cross) plus the SecAgg+ payload both ways
@@ -98,6 +99,8 @@ class _Round:
     attempt: int
     cid_of: dict[int, int]  # node id -> client id
     neighbours: dict[int, set[int]]  # node id -> its neighbours' node ids (itself included)
+    threshold: int  # shares that rebuild a secret in this round
+    target: int  # this round's quantization range T (m T below M for this round's m clients)
     public_keys: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
     keyed: set[int] = field(default_factory=set)  # nodes whose shares went out (stage 1 done)
     masked: dict[int, list[np.ndarray]] = field(default_factory=dict)  # node id -> masked vector
@@ -174,9 +177,10 @@ class SecAggPlusTransport(GridTransport):
         half = self.fed.secagg_shares() >> 1
         neighbours = {nid: {ring[(i + o) % m] for o in range(-half, half + 1)} for i, nid in enumerate(ring)}
         shares = max(len(v) for v in neighbours.values())
-        threshold = self.fed.secagg_reconstruction_threshold()
+        threshold = self.fed.secagg_reconstruction_threshold(shares)  # of this round's shares
         max_weight, layout = _secure_request(messages)
-        state = _Round(rnd, attempt, cid_of, neighbours, max_weight=max_weight, layout=layout)
+        target = min(self.T, (self.M - 1) // m)  # a DP round's Poisson sample may exceed the expected m
+        state = _Round(rnd, attempt, cid_of, neighbours, threshold, target, max_weight=max_weight, layout=layout)
         self._round = state
         down, up = dict.fromkeys(order, 0), dict.fromkeys(order, 0)
         errors: dict[int, str] = {}
@@ -207,7 +211,7 @@ class SecAggPlusTransport(GridTransport):
             Key.SHARE_NUMBER: shares,
             Key.THRESHOLD: threshold,
             Key.CLIPPING_RANGE: self.clip,
-            Key.TARGET_RANGE: self.T,
+            Key.TARGET_RANGE: state.target,
             Key.MOD_RANGE: self.M,
             Key.MAX_WEIGHT: state.max_weight,
         }
@@ -278,7 +282,7 @@ class SecAggPlusTransport(GridTransport):
     ) -> tuple[SecureSum | None, dict[int, Delivery]]:
         """Stage 3: the sum of the masked updates of ``client_ids`` (the valid replies of this
         round's training exchange ``rnd``, try ``attempt``, whose requests were ``sent``), every other
-        mask removed; None when a secret cannot be rebuilt (fewer than ``secagg_threshold`` shares)."""
+        mask removed; None when a secret cannot be rebuilt (fewer than the round's threshold of shares)."""
         state = self._round
         if state is None or (state.rnd, state.attempt) != (rnd, attempt):
             raise RuntimeError(f"unmask of round {rnd} (attempt {attempt}) without its training exchange")
@@ -312,9 +316,8 @@ class SecAggPlusTransport(GridTransport):
                 if owner in collected and owner in state.neighbours[nid]:
                     collected[owner].append(share)
         self._round = None
-        threshold = self.fed.secagg_reconstruction_threshold()
-        short = sorted(state.cid_of[n] for n, shares in collected.items() if len(shares) < threshold)
-        total, why = None, f"secure aggregation: fewer than {threshold} shares for clients {short}"
+        short = sorted(state.cid_of[n] for n, shares in collected.items() if len(shares) < state.threshold)
+        total, why = None, f"secure aggregation: fewer than {state.threshold} shares for clients {short}"
         if summed and not short:
             try:
                 total = self._sum(state, summed, collected, [name for name, _ in state.layout])
@@ -345,12 +348,12 @@ class SecAggPlusTransport(GridTransport):
         reduced = [np.asarray(v) & (self.M - 1) for v in vector]
         factor, rest = int(reduced[0].reshape(-1)[0]), reduced[1:]
         k = len(summed)
-        values = [d - (k - 1) * self.clip for d in dequantize(rest, self.clip, self.T)]  # sum_i (w_i / W) Delta_i
+        values = [d - (k - 1) * self.clip for d in dequantize(rest, self.clip, state.target)]  # sum_i (w_i / W) Delta_i
         return SecureSum(
             arrays={name: v * state.max_weight for name, v in zip(names, values, strict=True)},
-            weight=factor / self.T * state.max_weight,
+            weight=factor / state.target * state.max_weight,
             clients=sorted(state.cid_of[n] for n in summed),
-            error=k * 2 * self.clip / self.T * state.max_weight,
+            error=k * 2 * self.clip / state.target * state.max_weight,
         )
 
 
