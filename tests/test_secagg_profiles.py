@@ -149,3 +149,30 @@ def test_a_poisson_sample_above_the_expected_one_does_not_wrap_the_secure_sum(ti
     for name, value in total.arrays.items():
         exact = sum(vectors[c][name].astype(np.float64) for c in total.clients)
         assert np.max(np.abs(value - exact)) <= total.error, name
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_private_secure_round_left_with_one_client_after_the_plan_excludes_asks_none(tiny_config, monkeypatch):
+    """Seed 4 samples clients 0 and 3 under DP; the plan excludes client 0 (no setting fits its
+    memory). One client's masked sum is its update in the clear, so the round asks neither
+    (noise alone): the two-client rule counts the clients left after the plan's exclusions."""
+    config = tiny_config(
+        "method=fedit",
+        "federation.num_clients=4",
+        "federation.clients_per_round=2",
+        "rounds=1",
+        "seed=4",
+        "federation.profiles=[{memory_gib=1e-6},{},{},{}]",
+        *SECURE,
+        *DP["central"],
+    )
+    assert mechanism(config).sample(1) == [0, 3]
+    strategy, asked = get_method("fedit").strategy, []
+    configure = strategy.configure_fit
+    monkeypatch.setattr(
+        strategy, "configure_fit", lambda self, rnd, clients: asked.append(clients) or configure(self, rnd, clients)
+    )
+    summary = serve(LoopbackGrid(make_client_app(config), 4), config, timeout=60)
+    plan = json.loads((Path(summary["run_dir"]) / "plan.json").read_text())["clients"]
+    assert [bool(c["excluded"]) for c in plan] == [True, False, False, False]
+    assert asked == [[]]

@@ -217,10 +217,10 @@ def drive_rounds(
             record.private = secret is not None
             clients = secret if secret is not None else sample_clients(num_clients, sample_size, seed, rnd, attempt)
             secure = unmask is not None
-            if record.private and secure and len(clients) < 2:
-                clients = []  # a sum of one update is that update: the round releases noise alone
             record.dropped.update({c: policy.excluded[c] for c in clients if c in policy.excluded})
             clients = [c for c in clients if c not in policy.excluded]
+            if record.private and secure and len(clients) < 2:
+                clients = []  # a sum of one update is that update: the round releases noise alone
             record.clients = sorted(set(record.clients) | set(clients))
             sent = strategy.configure_fit(rnd, clients)
             replies = _exchange(strategy, transport, policy, record, TRAIN, sent, rnd, attempt)
