@@ -33,6 +33,9 @@ class ClientProfile(BaseModel):
     gradient_checkpointing: bool | None = Field(
         None, description="its local training with gradient checkpointing (default train.gradient_checkpointing)"
     )
+    quantization: Literal["none", "8bit", "4bit"] | None = Field(
+        None, description="its frozen base's quantization (default model.quantization): its own base in the process"
+    )
     failure_prob: float = Field(0.0, ge=0, le=1, description="fault injection: chance the client fails a request")
     delay_s: float = Field(0.0, ge=0, description="fault injection: seconds the client waits before answering")
     attack: Literal["sign-flip", "scale"] | None = Field(
