@@ -22,6 +22,7 @@ from fedtune.planning.quantization import weight_bytes
 from fedtune.run import run_experiment
 from fedtune.runtime import RunContext, resolve_run
 from fedtune.tasks.instruction import Instruction
+from tests.test_flower import task_identity  # noqa: F401 - the fixture a loopback ServerApp needs
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -79,16 +80,26 @@ def test_two_clients_train_on_their_own_bases_and_one_base_is_held_per_quantizat
     assert [q for q, _ in built] == [None]  # no client states another base: one base
 
 
-def test_a_flower_node_builds_the_base_its_clients_profile_states(tmp_path):
+@pytest.mark.usefixtures("task_identity")
+def test_a_flower_run_trains_each_client_on_the_base_its_profile_states(tmp_path, built):
+    """Flower's ClientApp serves each node's requests in the node's process (here: this one, through
+    a loopback Grid), whose RunContext reads the client's profile from the run config."""
     from fedtune.engines.flower import worker
+    from fedtune.engines.flower.clientapp import make_client_app
+    from fedtune.engines.flower.serverapp import serve
+    from tests.test_flower import LoopbackGrid
 
     cfg = config(tmp_path, "federation.profiles=[{}, {quantization='8bit'}]")
     try:
-        client = worker._process_context(cfg).client(1)
-        assert quantized(client.context.workspace.base) == {"8bit"}
-        assert "workspace" not in worker._CONTEXTS[cfg.model_dump_json()].__dict__  # the run's base: not built
+        summary = serve(LoopbackGrid(make_client_app(cfg), 2), cfg, timeout=120)
+        node = worker._CONTEXTS[cfg.model_dump_json()]  # the nodes' context (one process here)
+        assert list(node._bases) == ["8bit"]  # built by client 1's requests
+        assert quantized(node._bases["8bit"].base) == {"8bit"} and quantized(node.workspace.base) == {"none"}
     finally:
         worker._CONTEXTS.pop(cfg.model_dump_json(), None)
+    assert sorted(str(q) for q, _ in built) == ["8bit", "None", "None"]  # the server's base, the nodes' two
+    line = json.loads(Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines()[-1])
+    assert sorted(line["clients"]) == [0, 1] and not line.get("dropped")
 
 
 @pytest.mark.parametrize("quantization", ["8bit", "4bit"])
