@@ -17,7 +17,9 @@ adapters. All clients of a process share one context; none of them holds a model
 engine gives the server a context of its own, whose LoRA workspace it shares (``shares_base``): one
 frozen base per process, however many clients; every user of a workspace loads the adapter arrays it
 needs (from a Message, or the server's state) before each use, so the two sides still exchange
-nothing but Messages.
+nothing but Messages. A client whose profile states another base quantization
+(``federation.profiles[i].quantization``) trains on the process's base of that quantization, built
+on first use (:meth:`RunContext.base_for`): one base per quantization in use.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from fedtune.data.partition import label_histograms
 from fedtune.methods import get_method
 from fedtune.methods.base.aggregation import AggregationPlan, plan_aggregation
 from fedtune.planning.planner import Plan, check_profile_codecs
+from fedtune.planning.quantization import check_profile_quantization
 from fedtune.protocol.client import Client
 from fedtune.protocol.profiles import ClientProfile, build_profiles
 from fedtune.protocol.strategy import Strategy
@@ -86,6 +89,7 @@ def resolve_run(config: RunConfig) -> ResolvedRun:
         raise ConfigError(str(exc)) from None
     run = ResolvedRun(config, method, task_class, task_options, options, tuple(profiles), aggregation)
     check_profile_codecs(run)
+    check_profile_quantization(run)
     return run
 
 
@@ -108,6 +112,7 @@ class RunContext:
         self.method = self.run.method
         self.task: Task = self.run.task_class(self.config, self.run.task_options)
         self.options = self.run.options
+        self._bases: dict[str, LoraWorkspace] = {}  # quantization -> a client's own base (base_for)
 
     @cached_property
     def plan(self) -> Plan | None:
@@ -162,11 +167,41 @@ class RunContext:
             return self.shares_base.workspace
         return LoraWorkspace(self.task, self.config.seed)
 
+    def base_for(self, quantization: str | None) -> LoraWorkspace:
+        """The LoRA workspace whose base is quantized as ``quantization`` (a client profile's; None
+        or ``model.quantization``: :attr:`workspace`), built on first use by the context that holds
+        the process's bases (``shares_base``'s)."""
+        if quantization is None or quantization == self.config.model.quantization:
+            return self.workspace
+        if self.shares_base is not None:
+            return self.shares_base.base_for(quantization)
+        if quantization not in self._bases:
+            from fedtune.models.lora import LoraWorkspace
+
+            self._bases[quantization] = LoraWorkspace(self.task, self.config.seed, quantization)
+        return self._bases[quantization]
+
     def client(self, cid: int, state: dict[str, np.ndarray] | None = None) -> Client:
         """A fresh client object for ``cid`` (cheap: it shares this context's model and data), given
-        its carried ``state`` (None: a new client)."""
-        return self.method.client(cid, self.profiles[cid], self, state)
+        its carried ``state`` (None: a new client); one whose profile states its own base
+        quantization sees this context with that base as its workspace."""
+        profile = self.profiles[cid]
+        context: Any = self
+        if profile.quantization not in (None, self.config.model.quantization):
+            context = OwnBase(self, self.base_for(profile.quantization))
+        return self.method.client(cid, profile, context, state)
 
     def strategy(self) -> Strategy:
         """A fresh server strategy of the run's method on this context."""
         return self.method.strategy(self)
+
+
+class OwnBase:
+    """``context`` as a client with its own base sees it: every attribute the context's, but its
+    ``workspace`` (:meth:`RunContext.base_for`)."""
+
+    def __init__(self, context: RunContext, workspace: LoraWorkspace) -> None:
+        self.context, self.workspace = context, workspace
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.context, name)

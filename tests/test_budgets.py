@@ -94,7 +94,11 @@ def test_planner_gives_each_client_the_largest_rank_that_fits_and_excludes_the_o
     peak = [c.peak_bytes for c in stated.clients]
     assert peak[0] > peak[1] > peak[2] > peak[3] and all(c.stated for c in stated.clients)
     between = (peak[0] + peak[1]) / 2 / GIB
-    profiles = f"[{{memory_gib={between}}}, {{memory_gib=4}}, {{memory_gib={peak[3] * 0.99 / GIB}}}, {{}}]"
+    # clients 0 and 2 keep their unquantized base (the planner's quantization: tests/test_client_quantization.py)
+    keep = "quantization='none'"
+    profiles = (
+        f"[{{memory_gib={between}, {keep}}}, {{memory_gib=4}}, {{memory_gib={peak[3] * 0.99 / GIB}, {keep}}}, {{}}]"
+    )
     plan = plan_of(tiny_config(*rank, f"federation.profiles={profiles}"))
     assert [p.rank for p in plan.profiles] == [4, 8, 1, 8]
     assert [c.peak_bytes for c in plan.clients] == [peak[1], peak[0], peak[3], peak[0]]
@@ -139,7 +143,7 @@ def test_a_run_drops_the_excluded_the_over_budget_and_the_late_client_and_record
         assert line["client_peak_bytes"]["1"] > 1e-4 * GIB  # at least the base it holds
         assert "3" in line["client_compute_s"] and "3" in line["client_bytes_up"]
     planned = json.loads(Path(summary["run_dir"], "plan.json").read_text())["clients"]
-    assert [c["setting"] for c in planned] == ["rank 1", "rank 4", "rank 4", "rank 4"]
+    assert [c["setting"] for c in planned] == ["rank 1, 4bit base", "rank 4, 4bit base", "rank 4", "rank 4"]
     assert planned[0]["excluded"] == lines(summary)[0]["dropped"]["0"] and planned[1]["stated"]
     assert planned[1]["over"].startswith("predicted peak") and planned[1]["over"].endswith("> memory_gib 0.0001")
     assert planned[3]["peak_bytes"] > 0 and planned[3]["excluded"] is None
@@ -180,7 +184,7 @@ def test_fedtune_plan_prints_each_clients_plan(tmp_path):
     assert out[head + 5] == f"{4 - phones} of 4 clients planned, {phones} excluded"
     plain = tmp_path / "stated.toml"
     plain.write_text('method = "heterolora"\n[model]\nlora_rank = 8\n')
-    profiles = "federation.profiles=[{rank=2, memory_gib=1e-6}]"
+    profiles = "federation.profiles=[{rank=2, memory_gib=1e-6, quantization='none'}]"
     fixed = ["--set", "train.gradient_checkpointing=true"]  # the setting column is the rank alone
     stated = CliRunner().invoke(app, ["plan", str(plain), *args, "--set", profiles, *fixed])
     row = stated.output.splitlines()[-4]

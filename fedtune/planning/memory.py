@@ -121,13 +121,23 @@ def _adapter_part(name: str) -> bool:
 
 
 def base_weight_bytes(base: nn.Module) -> int:
-    """Bytes of ``base``'s own parameters and buffers as loaded, each storage once; none of the
-    adapters or head copies PEFT added to it."""
+    """Bytes of ``base``'s own parameters and buffers as loaded, each storage once, with the scales
+    bitsandbytes keeps beside a packed weight (:func:`_quant_state`); none of the adapters or head
+    copies PEFT added to it."""
     seen = {}
     for name, t in [*base.named_parameters(), *base.named_buffers()]:
         if not _adapter_part(name):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            for x in (t, *_quant_state(t)):
+                seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
     return sum(seen.values())
+
+
+def _quant_state(weight: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors beside a bitsandbytes weight: a 4-bit one's block scales and maps, an 8-bit one's row scales."""
+    state = getattr(weight, "quant_state", None)
+    nested = getattr(state, "state2", None)
+    found = [getattr(s, k, None) for s in (state, nested) if s is not None for k in ("absmax", "code")]
+    return [x for x in (*found, getattr(weight, "SCB", None)) if isinstance(x, torch.Tensor)]
 
 
 def adapted_layers(base: nn.Module, targets: list[str]) -> list[tuple[int, int]]:
@@ -150,10 +160,17 @@ def head_values(base: nn.Module, heads: list[str]) -> int:
 
 
 def predict(
-    base: nn.Module, targets: list[str], heads: list[str], rank: int, work: Workload, shape: Shape | None = None
+    base: nn.Module,
+    targets: list[str],
+    heads: list[str],
+    rank: int,
+    work: Workload,
+    shape: Shape | None = None,
+    weights: int | None = None,
 ) -> Prediction:
     """The predicted cost of training a rank-``rank`` adapter on ``base`` (as loaded) with ``work``;
-    ``shape``: the activation term's (default: ``base``'s config; a proxy's differs from it)."""
+    ``shape``: the activation term's (default: ``base``'s config; a proxy's differs from it);
+    ``weights``: the base's bytes at another quantization (:func:`fedtune.planning.quantization.weight_bytes`)."""
     shape = shape or Shape.of(base)
     dims = adapted_layers(base, targets)
     feats = tuple(features(shape, work, rank, len(dims) / shape.layers))
@@ -162,7 +179,7 @@ def predict(
     tokens = work.batch * work.length
     flops = (2 * (2 + work.checkpointing) * frozen + 6 * trainable) * tokens * work.steps
     return Prediction(
-        weights=base_weight_bytes(base),
+        weights=base_weight_bytes(base) if weights is None else weights,
         trainable=trainable,
         states=work.states,
         activations=activation_bytes(shape, work, feats),

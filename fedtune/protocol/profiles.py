@@ -36,6 +36,9 @@ class ClientProfile(BaseModel):
     trains_on: Literal["full", "proxy"] | None = Field(
         None, description="FedPFT / FedOT: the model it trains the adapter on (default: the proxy)"
     )
+    quantization: Literal["none", "8bit", "4bit"] | None = Field(
+        None, description="its frozen base's quantization (default model.quantization): its own base in the process"
+    )
     failure_prob: float = Field(0.0, ge=0, le=1, description="fault injection: chance the client fails a request")
     delay_s: float = Field(0.0, ge=0, description="fault injection: seconds the client waits before answering")
     attack: Literal["sign-flip", "scale"] | None = Field(

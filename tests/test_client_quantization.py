@@ -1,0 +1,179 @@
+"""Issue 41: a client's own base quantization (``federation.profiles[i].quantization``): the run
+holds one base per quantization in use and each client trains on its own; the planner gives a
+client over its memory budget a cheaper base before a smaller rank; bad values are one-line errors.
+Every base here is float32 (4-bit compute in float32), and the CPU is seen without bfloat16 units
+(as tests/test_cpu_paths.py forces it), so the same path runs on an AVX2-only CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fedtune.config import ConfigError, load_config
+from fedtune.models import precision
+from fedtune.models.lora import LoraWorkspace
+from fedtune.planning.memory import base_weight_bytes
+from fedtune.planning.planner import GIB, format_plan, plan_budgets
+from fedtune.planning.quantization import weight_bytes
+from fedtune.run import run_experiment
+from fedtune.runtime import RunContext, resolve_run
+from fedtune.tasks.instruction import Instruction
+from tests.test_flower import task_identity  # noqa: F401 - the fixture a loopback ServerApp needs
+
+bnb = pytest.importorskip("bitsandbytes")
+
+
+@pytest.fixture(autouse=True)
+def avx2_cpu(monkeypatch):
+    """This machine seen as a CPU without bfloat16/float16 units, for fedtune and bitsandbytes."""
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+        monkeypatch.setattr(torch.cpu, probe, lambda: False, raising=False)
+    monkeypatch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: False)
+
+
+def config(tmp_path, *extra: str):
+    """Two clients of HeteroLoRA on the instruction task's tiny Llama, one round of two steps."""
+    overrides = [*Instruction.test_overrides, "data.max_train_samples=16", "data.max_test_samples=4"]
+    overrides += ["train.local_steps=2", "train.batch_size=4", "federation.num_clients=2", "rounds=1"]
+    overrides += ["method=heterolora", "model.lora_rank=4", f"output_dir={tmp_path}"]
+    return load_config(None, ["task.kind=instruction", *overrides, *extra])
+
+
+def quantized(base: nn.Module) -> set[str]:
+    """The kinds of the base's attention projections: plain, 8-bit or 4-bit layers."""
+    kinds = {"Linear": "none", "Linear8bitLt": "8bit", "Linear4bit": "4bit"}
+    return {kinds[type(m).__name__] for n, m in base.named_modules() if n.endswith("q_proj")}
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """The quantization of every LoRA workspace the run builds (None: the run's ``model.quantization``)."""
+    out: list[tuple[str | None, LoraWorkspace]] = []
+    init = LoraWorkspace.__init__
+
+    def record(self, task, seed, quantization=None):
+        init(self, task, seed, quantization)
+        out.append((quantization, self))
+
+    monkeypatch.setattr(LoraWorkspace, "__init__", record)
+    return out
+
+
+def test_two_clients_train_on_their_own_bases_and_one_base_is_held_per_quantization_in_use(tmp_path, built):
+    summary = run_experiment(config(tmp_path / "two", "federation.profiles=[{}, {quantization='4bit'}]"))
+    assert [q for q, _ in built] == [None, "4bit"]  # the run's base, and the 4-bit client's
+    (_, plain), (_, own) = built
+    assert quantized(plain.base) == {"none"} and quantized(own.base) == {"4bit"}
+    frozen = {n: p.dtype for n, p in own.base.named_parameters() if "q_proj" in n and "lora_" not in n}
+    assert set(frozen.values()) == {torch.uint8}  # packed NF4
+    assert {p.dtype for n, p in plain.base.named_parameters() if n in frozen} == {torch.float32}
+    line = json.loads(Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines()[-1])
+    assert sorted(line["clients"]) == [0, 1] and not line.get("dropped")
+    up = line["client_bytes_up"]  # the same float32 adapter from either base (the metadata's digits aside)
+    assert abs(up["0"] - up["1"]) < 16 and up["0"] > 4 * sum(v.size for v in plain.state(4).values()), up
+    built.clear()
+    run_experiment(config(tmp_path / "one", "federation.profiles=[{}, {quantization='none'}]"))
+    assert [q for q, _ in built] == [None]  # no client states another base: one base
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_flower_run_trains_each_client_on_the_base_its_profile_states(tmp_path, built):
+    """Flower's ClientApp serves each node's requests in the node's process (here: this one, through
+    a loopback Grid), whose RunContext reads the client's profile from the run config."""
+    from fedtune.engines.flower import worker
+    from fedtune.engines.flower.clientapp import make_client_app
+    from fedtune.engines.flower.serverapp import serve
+    from tests.test_flower import LoopbackGrid
+
+    cfg = config(tmp_path, "federation.profiles=[{}, {quantization='8bit'}]")
+    try:
+        summary = serve(LoopbackGrid(make_client_app(cfg), 2), cfg, timeout=120)
+        node = worker._CONTEXTS[cfg.model_dump_json()]  # the nodes' context (one process here)
+        assert list(node._bases) == ["8bit"]  # built by client 1's requests
+        assert quantized(node._bases["8bit"].base) == {"8bit"} and quantized(node.workspace.base) == {"none"}
+    finally:
+        worker._CONTEXTS.pop(cfg.model_dump_json(), None)
+    assert sorted(str(q) for q, _ in built) == ["8bit", "None", "None"]  # the server's base, the nodes' two
+    line = json.loads(Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines()[-1])
+    assert sorted(line["clients"]) == [0, 1] and not line.get("dropped")
+
+
+@pytest.mark.parametrize("quantization", ["8bit", "4bit"])
+def test_weights_predicted_at_a_quantization_not_loaded_are_the_bytes_of_that_base(quantization):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def build(q: str) -> nn.Module:
+        shape = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
+        torch.manual_seed(0)
+        return precision.prepare_base(LlamaForCausalLM(shape), load_config(None, [f"model.quantization={q}"]))
+
+    plain, packed = build("none"), build(quantization)
+    assert weight_bytes(plain, quantization, ()) == base_weight_bytes(packed) < base_weight_bytes(plain)
+    assert weight_bytes(packed, "none", ()) == base_weight_bytes(plain)
+
+
+def test_the_planner_gives_a_4bit_base_before_a_smaller_rank_and_excludes_the_client_nothing_fits(
+    tmp_path, monkeypatch
+):
+    """On a tiny Llama of width 256 (at width 32 a 4-bit layer's block scales and maps outweigh what
+    packing saves over 8 bits: the planner tries both)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fedtune.models import prefix_lm
+
+    def wider(vocab_size: int, bos: int, eos: int, pad: int, seed: int) -> nn.Module:
+        shape = LlamaConfig(vocab_size=vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                            bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)  # fmt: skip
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(shape).eval()
+
+    monkeypatch.setattr(prefix_lm, "tiny_llama", wider)
+
+    def plan(profiles: str):
+        cfg = config(tmp_path, f"federation.profiles={profiles}", "train.gradient_checkpointing=true")
+        return plan_budgets(RunContext(resolve_run(cfg)), always=True)
+
+    stated = plan("[{rank=4, quantization='8bit'}, {rank=4, quantization='4bit'}]")
+    eight, packed = (c.peak_bytes for c in stated.clients)
+    assert packed < eight
+    smallest = plan("[{rank=1, quantization='4bit'}, {}]").clients[0].peak_bytes
+    budgets = f"[{{memory_gib={(eight + packed) / 2 / GIB}}}, {{memory_gib={smallest * 0.99 / GIB}}}]"
+    planned = plan(budgets)
+    assert (planned.profiles[0].rank, planned.profiles[0].quantization) == (4, "4bit")
+    assert planned.clients[0].setting == "rank 4, 4bit base" and planned.clients[0].peak_bytes == packed
+    assert list(planned.excluded) == [1] and planned.profiles[1].quantization is None  # no base built for it
+    assert planned.excluded[1].startswith("excluded by the plan: no setting fits its budget (rank 1, 4bit base:")
+    assert "rank 4, 4bit base" in format_plan(planned)  # what `fedtune plan` prints
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            ("federation.profiles=[{quantization='3bit'}]",),
+            "federation.profiles[0].quantization: Input should be 'none', '8bit' or '4bit'",
+        ),
+        (
+            ("method=flexlora", "federation.profiles=[{}, {quantization='4bit'}]"),
+            "federation.profiles[1].quantization: method 'flexlora' keeps its base unquantized (expected none)",
+        ),
+    ],
+)
+def test_a_bad_client_quantization_is_a_one_line_error_naming_the_field(tmp_path, extra, message):
+    with pytest.raises(ConfigError) as err:
+        resolve_run(config(tmp_path, *extra))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_client_quantization_without_bitsandbytes_is_refused(tmp_path, monkeypatch):
+    from fedtune.planning import quantization
+
+    monkeypatch.setattr(quantization, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match=r"^federation.profiles\[0\].quantization: '8bit' needs the bitsandbytes"):
+        resolve_run(config(tmp_path, "federation.profiles=[{quantization='8bit'}]"))
