@@ -2,11 +2,12 @@
 measured runs of their recipes (issue 41).
 
 Each recipe runs one round with five clients at RABO's capacities 1, 1/2, ..., 1/16 and a memory
-budget far above what they need (so that every client's peak is measured: the resident growth
-over its training and, for RABO, its hypergradient phase). Per kind (single-level: Static,
-FedRolex, FIARSE; bilevel: RABO, RAFBO) the measured peak less the predicted weights and trainable
-states is fitted as ``a + k x activations`` (least squares, each sample weighted by 1 / its
-measurement).
+budget far above what they need (so that every client's peak is measured: the tensor bytes its
+training allocates at their most, :class:`~fedtune.planning.memory.PeakMeter`, and for RABO its
+hypergradient phase's too). Per kind (single-level: Static, FedRolex; bilevel: RABO) the measured
+peak less the predicted weights and trainable states is fitted as ``a + k x activations`` (least
+squares, each sample weighted by 1 / its measurement); FIARSE (single-level) and RAFBO (bilevel)
+are run the same way and checked against the fit, not fitted.
 
     PYTHONPATH=$PWD FEDTUNE_DATA_DIR=... python benchmarks/budgets/fit_capacity.py [--repeats 2]
 
@@ -30,6 +31,7 @@ from fedtune.runtime import RunContext, resolve_run
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "benchmarks" / "results" / "budgets" / "capacity-fit.json"
 RECIPES = {"single-level": ["static.toml", "fedrolex.toml"], "bilevel": ["rabo.toml"]}
+CHECKED = {"single-level": ["fiarse.toml"], "bilevel": ["rafbo.toml"]}
 
 
 def samples(recipe: str, repeat: int) -> list[dict]:
@@ -76,11 +78,13 @@ def main() -> None:
         w = 1 / np.array([s["measured"] for s in got], dtype=float)
         (a, k), *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
         fit[kind] = (round(float(a)), round(float(k), 3))
-        for s in got:
-            s["kind"] = kind
-            s["error"] = (s["fixed"] + a + k * s["activations"]) / s["measured"] - 1
-        rows += got
-        print(kind, "a, k =", fit[kind], "worst error", f"{max(abs(s['error']) for s in got):.1%}")
+        checked = [s for r in CHECKED[kind] for i in range(args.repeats) for s in samples(r, i)]
+        for fitted, part in ((True, got), (False, checked)):
+            for s in part:
+                s.update(kind=kind, fitted=fitted, error=(s["fixed"] + a + k * s["activations"]) / s["measured"] - 1)
+            worst = max(abs(s["error"]) for s in part)
+            print(kind, "a, k =", fit[kind], "fitted" if fitted else "checked", f"worst error {worst:.1%}")
+        rows += got + checked
     OUT.write_text(json.dumps({"fit": fit, "samples": rows}, indent=1) + "\n")
     print(f"SUBMODEL_FIT = {fit}")
 
