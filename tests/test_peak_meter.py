@@ -62,6 +62,15 @@ def test_inside_a_running_profiler_the_meter_falls_back_to_the_resident_growth()
     assert meter.growth == meter.resident and meter.growth > 32 * MB
 
 
+def test_without_the_profiler_interface_the_meter_falls_back_to_the_resident_growth(monkeypatch):
+    """Another PyTorch without the private profiler calls the meter uses: no error, resident growth."""
+    monkeypatch.delattr(torch.autograd, "_prepare_profiler")
+    with PeakMeter(CPU) as meter:
+        big = torch.ones(64 * MB, dtype=torch.uint8)
+    assert meter.growth == meter.resident and meter.growth > 32 * MB
+    assert not torch._C._autograd._profiler_enabled() and big.numel() == 64 * MB
+
+
 def test_activation_features_count_float32_where_the_model_keeps_it():
     """A quantized base's activations are float32 whatever it computes in (plus the compute-dtype
     copy of its LM head); BERT's hidden states are float32 under a bfloat16 autocast; with

@@ -230,7 +230,8 @@ class PeakMeter:
     client's whatever else the process holds. When a profiler is already running (profilers do not
     nest), ``growth`` is the resident growth: the whole process's, reset at the start through
     ``/proc/self/clear_refs`` after the C heap's free pages went back, so above the tensor bytes by
-    what the heap keeps and libraries allocate outside PyTorch. Kineto's log lines at each start
+    what the heap keeps and libraries allocate outside PyTorch; the same where this PyTorch lacks
+    the profiler interface the meter uses. Kineto's log lines at each start
     and stop are silenced (``KINETO_LOG_LEVEL`` 6) unless the environment sets a level."""
 
     def __init__(self, device: torch.device, resident: bool = False) -> None:
@@ -246,15 +247,8 @@ class PeakMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.start = torch.cuda.memory_allocated(self.device)
             return self
-        self._profiling = not torch._C._autograd._profiler_enabled()
+        self._profiling = not torch._C._autograd._profiler_enabled() and _start_allocation_profiler()
         self.start = _reset_resident_peak() if self._resident or not self._profiling else None
-        if self._profiling:
-            from torch._C._profiler import ProfilerActivity, ProfilerConfig, ProfilerState, _ExperimentalConfig
-
-            os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # read when Kineto first starts
-            config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
-            torch.autograd._prepare_profiler(config, {ProfilerActivity.CPU})
-            torch.autograd._enable_profiler(config, {ProfilerActivity.CPU})
         return self
 
     def __exit__(self, *exc) -> None:
@@ -270,6 +264,21 @@ class PeakMeter:
             self.growth = _allocated_peak(torch.autograd._disable_profiler().experimental_event_tree())
         else:
             self.growth = self.resident
+
+
+def _start_allocation_profiler() -> bool:
+    """Start PyTorch's profiler recording the CPU allocator's events; False where this PyTorch
+    lacks the (private) interface it uses, so that the meter falls back to the resident growth."""
+    try:
+        from torch._C._profiler import ProfilerActivity, ProfilerConfig, ProfilerState, _ExperimentalConfig
+
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # read when Kineto first starts
+        config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+        torch.autograd._prepare_profiler(config, {ProfilerActivity.CPU})
+        torch.autograd._enable_profiler(config, {ProfilerActivity.CPU})
+    except (ImportError, AttributeError, TypeError):
+        return False
+    return True
 
 
 def _allocated_peak(roots: list) -> int:
