@@ -278,7 +278,8 @@ def report(runs: list, settings: dict, out: Path, command: str, doc: str = __doc
         *produced_by(command),
         f"These runs: model {c.model.name}, {c.federation.num_clients} clients (all in every round), {c.rounds} rounds "
         f"of {c.train.local_steps} local steps of batch {c.train.batch_size} x {c.data.max_length} tokens, rank "
-        f"r = {c.model.lora_rank}, {c.data.max_train_samples} training and {c.data.max_test_samples} test examples, "
+        f"r = {c.model.lora_rank}, {c.data.max_train_samples or 'all'} training and "
+        f"{summaries[0]['test_examples'] if summaries else c.data.max_test_samples} test examples, "
         f"evaluated every {c.eval_every} rounds; majority rate {cell(majority, '.2f')} %.",
         "",
         "Class budgets (scaled to the model):",
