@@ -1,32 +1,38 @@
-"""benchmarks/budgets/three_classes.py (issue 41, item 5): its three arms give the device classes
-different settings, on the quick scale (tiny-bert), without training."""
+"""benchmarks/budgets/three_classes.py and causal_lm.py (issue 41, item 5): their three arms give
+the device classes different settings, on the quick scales (tiny-bert, tiny-llama; causal_lm.py's
+own SmolLM2 scale too, slow), without training; the per-class costs and the held-out loss they report."""
 
 from __future__ import annotations
 
-import importlib.util
+import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from fedtune.planning.planner import GIB, plan_budgets
+from tests.conftest import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "budgets" / "three_classes.py"
+FOLDER = Path(__file__).resolve().parents[1] / "benchmarks" / "budgets"
+SIZES = [("heterolora", 4, 64), ("fslora", 0.0625, 1.0)]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("three_classes", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(FOLDER / "three_classes.py", "three_classes")
 
 
-@pytest.mark.parametrize("method, small, top", [("heterolora", 4, 64), ("fslora", 0.0625, 1.0)])
-def test_the_three_arms_give_the_classes_different_settings(bench, method, small, top):
+@pytest.fixture(scope="module")
+def causal():
+    return load_script(FOLDER / "causal_lm.py", "causal_lm")
+
+
+def check_arms(bench, method, small, top, base, recipe):
+    """The planned arm gives phone < laptop < workstation (``small`` and ``top`` at the ends), the
+    smallest arm ``small`` everywhere, the drop arm ``top`` and drops the phones and laptops."""
     knob = {"heterolora": "rank", "fslora": "sketch_ratio"}[method]
-    base = [*bench.QUICK, *bench.METHODS[method]]
-    profiles, settings = bench.arm_profiles(method, base)
-    planned = plan_budgets(bench.context(base, profiles["planned"]))
+    profiles, settings = bench.arm_profiles(method, base, recipe)
+    planned = plan_budgets(bench.context(base, profiles["planned"], recipe))
     by_class = {bench.class_of(c.cid): getattr(p, knob) for c, p in zip(planned.clients, planned.profiles)}
     assert by_class["phone"] == small < by_class["laptop"] < by_class["workstation"] == top
     assert not planned.excluded
@@ -34,6 +40,31 @@ def test_the_three_arms_give_the_classes_different_settings(bench, method, small
     dropped = [p["device_class"] for p in profiles["drop"] if p.get("failure_prob") == 1.0]
     assert set(dropped) == {"phone", "laptop"} and all(p[knob] == top for p in profiles["drop"])
     assert settings["drop"]["phone"] == "dropped" and settings["planned"] != settings["smallest"]
+
+
+@pytest.mark.parametrize("method, small, top", SIZES)
+def test_the_three_arms_give_the_classes_different_settings(bench, method, small, top):
+    check_arms(bench, method, small, top, [*bench.QUICK, *bench.METHODS[method]], bench.RECIPE)
+
+
+@pytest.mark.parametrize("quick", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method, small, top", SIZES)
+def test_the_causal_lm_arms_give_the_classes_different_settings(causal, method, small, top, quick):
+    """On tiny-llama, and (slow) on the benchmark's own SmolLM2-135M at its scale."""
+    base = [*(causal.QUICK if quick else []), *causal.tc.METHODS[method]]
+    check_arms(causal.tc, method, small, top, base, causal.RECIPE)
+
+
+def test_the_causal_lm_plan_has_one_experiment_per_method_on_its_recipe(causal, tmp_path):
+    plan, settings = causal.SUITE.plan([0, 1], True, tmp_path)
+    assert list(plan) == ["heterolora", "fslora"] == list(settings)
+    for method, specs in plan.items():
+        assert {(s.labels["arm"], s.labels["seed"]) for s in specs} == {(a, k) for a in causal.tc.ARMS for k in (0, 1)}
+        assert {s.config.method for s in specs} == {method}
+        assert {s.config.task.kind for s in specs} == {"causal-lm"} and {s.config.data.name for s in specs} == {
+            "commonsense"
+        }
+        assert all(s.run_dir.parent == tmp_path / "runs" / method for s in specs)
 
 
 def test_specs_list_every_method_arm_and_seed(bench):
@@ -54,6 +85,34 @@ def test_class_costs_average_the_measured_client_rounds_and_count_the_dropped(be
     monkeypatch.setattr(bench, "load_rounds", lambda spec: [line, line])
     costs = bench.class_costs(None)  # clients 0 and 3: phones (3 over its memory); 1: laptop; 2: workstation
     phone = {"trained": 4, "dropped": 2, "peak_gib": 2.0, "peak_gib_max": 3.0, "compute_s": 2.0, "mb_up": 2.0}
+    phone |= {"peak_pred": None, "s_pred": None, "mb_pred": None}  # no plan.json
     assert costs["phone"] == phone
     assert costs["laptop"]["trained"] == 0 and costs["laptop"]["dropped"] == 2 and costs["laptop"]["peak_gib"] is None
     assert costs["workstation"]["mb_up"] == 4.0
+
+
+def test_class_costs_read_each_class_prediction_from_the_runs_plan(bench, monkeypatch, tmp_path):
+    clients = [{"cid": c, "peak_bytes": (c + 1) * GIB, "seconds": 2.0 * c, "upload_mb": 0.5 * c} for c in range(3)]
+    (tmp_path / "plan.json").write_text(json.dumps({"clients": clients}))
+    monkeypatch.setattr(bench, "load_rounds", lambda spec: [])
+    costs = bench.class_costs(SimpleNamespace(run_dir=tmp_path))
+    assert costs["laptop"]["peak_pred"] == 2.0 and costs["laptop"]["s_pred"] == 2.0
+    assert costs["workstation"]["mb_pred"] == 1.0 and costs["workstation"]["peak_gib"] is None
+
+
+def test_rows_give_the_mean_and_sample_std_of_each_runs_last_two_held_out_losses(bench, monkeypatch):
+    runs = [
+        SimpleNamespace(labels={"method": m, "arm": a}, n=n) for m in bench.METHODS for a in bench.ARMS for n in (0, 1)
+    ]
+    evals = {0: [3.0, 2.0, 1.0], 1: [5.0, 4.0, 3.0]}  # last two: 1.5 and 3.5
+
+    def rounds(spec):
+        return [{"round": r + 1, "loss": v, "accuracy": 0.5, "clients": []} for r, v in enumerate(evals[spec.n])]
+
+    monkeypatch.setattr(bench, "load_rounds", rounds)
+    monkeypatch.setattr(bench, "load_summary", lambda spec: {})
+    monkeypatch.setattr(bench, "final_accuracy", lambda specs, last: (50.0, 0.0, len(specs)))
+    settings = {m: {a: dict.fromkeys(bench.CLASSES, "x") for a in bench.ARMS} for m in bench.METHODS}
+    table = bench.rows(runs, settings)
+    assert len(table) == len(bench.METHODS) * len(bench.ARMS)
+    assert all(r["loss_mean"] == pytest.approx(2.5) and r["loss_std"] == pytest.approx(2**0.5) for r in table)
