@@ -17,8 +17,9 @@ model's shape and the run's settings, and the meter that measures a client's pea
 
 The fitted coefficients also cover what autograd keeps besides the saved tensors (the gradient of
 the logits, the backward's transient buffers) because they are fitted to the resident growth.
-Time: ``(2 (2 + checkpointing) N_base + 6 N_trainable) t`` FLOPs a step over
-``REFERENCE_FLOPS x speed``.
+Time: ``(2 (2 + checkpointing) N_base + 6 N_trainable) t`` FLOPs a step (a 4-bit weight counted
+unpacked) over the speed-1 client's FLOP/s in the base's format (:mod:`fedtune.planning.speed`)
+times ``speed``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fedtune.planning.speed import REFERENCE_FLOPS as REFERENCE_FLOPS  # float32's, for planning.capacity
+from fedtune.planning.speed import reference, train_flops
 from fedtune.process import _malloc_trim
 
 #: Activation coefficients (c_h, c_i, c_a, c_v, c_r, k) per model family, fitted by
@@ -37,8 +40,6 @@ COEFFICIENTS: dict[str, tuple[float, ...]] = {
     "llama": (20.93, 3.123, 1.228, 4.594, 0, 12.99),  # 20 samples: predicted peak within 9.0 % of measured
     "bert": (25.63, 0, 4.381, 0, 0.745, 13.86),  # 20 samples: within 12.1 % in float32 without checkpointing, 45 % else
 }
-#: FLOP/s of a client of speed 1 (this machine's CPU, one thread, fitted with the coefficients).
-REFERENCE_FLOPS = 1.16e10
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,19 @@ def base_weight_bytes(base: nn.Module) -> int:
     return sum(seen.values())
 
 
+def frozen_values(base: nn.Module) -> int:
+    """Values of ``base``'s own weights (none of PEFT's adapters or head copies), a 4-bit layer's
+    as its unpacked matrix (bitsandbytes stores two per byte)."""
+    values = {}  # by parameter, each (a tied weight) once
+    for name, module in base.named_modules():
+        if _adapter_part(name):
+            continue
+        for p in module.parameters(recurse=False):
+            packed = type(module).__module__.startswith("bitsandbytes") and p.dtype == torch.uint8
+            values[id(p)] = module.in_features * module.out_features if packed else p.numel()
+    return sum(values.values())
+
+
 def adapted_layers(base: nn.Module, targets: list[str]) -> list[tuple[int, int]]:
     """(in, out) of each layer LoRA adapts (a convolution as its (c_in x kernel, c_out) matrix)."""
     dims = []
@@ -141,15 +155,13 @@ def predict(base: nn.Module, targets: list[str], heads: list[str], rank: int, wo
     feats = tuple(features(shape, work, rank, len(dims) / shape.layers))
     coefficients = COEFFICIENTS[shape.family]
     trainable = rank * sum(i + o for i, o in dims) + head_values(base, heads)
-    frozen = sum(p.numel() for name, p in base.named_parameters() if not _adapter_part(name))
-    tokens = work.batch * work.length
-    flops = (2 * (2 + work.checkpointing) * frozen + 6 * trainable) * tokens * work.steps
+    flops = train_flops(frozen_values(base), trainable, work.batch * work.length, work.checkpointing) * work.steps
     return Prediction(
         weights=base_weight_bytes(base),
         trainable=trainable,
         states=work.states,
         activations=int(sum(c * f for c, f in zip(coefficients, feats))),
-        seconds=flops / REFERENCE_FLOPS,
+        seconds=flops / reference(base, shape.hidden).flops,
         features=feats,
     )
 

@@ -68,6 +68,7 @@ class Plan:
     clients: list[ClientPlan]
     profiles: list[ClientProfile]  # with each client's planned knob
     excluded: dict[int, str] = field(default_factory=dict)
+    speed_note: str = ""  # what the predicted seconds assume (:func:`fedtune.planning.speed.reference`)
 
 
 def _ladder(rank: int) -> list[int]:
@@ -161,7 +162,7 @@ def plan_budgets(context, always: bool = False) -> Plan | None:
             )  # fmt: skip
         )
         planned.append(profile)
-    return Plan(clients, planned, excluded)
+    return Plan(clients, planned, excluded, knobs.speed_note)
 
 
 #: the upload codecs (top-k fraction, wire dtype) the planner may give a client, heaviest first
@@ -226,6 +227,7 @@ class _Knob:
     label: Callable[[Any], str]
     value: Callable[[Any], Any] = lambda v: v
     variants: tuple[bool, ...] = (False,)
+    speed_note: str = ""
 
 
 def _lora_knob(context, knob: str | None) -> _Knob:
@@ -234,6 +236,7 @@ def _lora_knob(context, knob: str | None) -> _Knob:
     from fedtune.models.precision import computes_natively, resolve_device
     from fedtune.models.train_memory import optimizer_states
     from fedtune.planning.memory import COEFFICIENTS, Shape, Workload, predict
+    from fedtune.planning.speed import reference
 
     config = context.config
     cfg, train, task = config.model, config.train, context.task
@@ -272,9 +275,10 @@ def _lora_knob(context, knob: str | None) -> _Knob:
     def stated(profile: ClientProfile):
         return client_rank(profile, r) if profile.rank is not None or profile.sketch_ratio is not None else None
 
+    note = reference(base, Shape.of(base).hidden).note
     if knob == "sketch_ratio":
-        return _Knob(_ladder(r), stated, cost, lambda v: f"sketch ratio {v / r:g}", lambda v: v / r, variants)
-    return _Knob(_ladder(r), stated, cost, "rank {}".format, variants=variants)
+        return _Knob(_ladder(r), stated, cost, lambda v: f"sketch ratio {v / r:g}", lambda v: v / r, variants, note)
+    return _Knob(_ladder(r), stated, cost, "rank {}".format, variants=variants, speed_note=note)
 
 
 def _checkpointable(context, base) -> bool:
@@ -340,6 +344,8 @@ def format_plan(plan: Plan) -> str:
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)) + ("  " + r[-1] if r[-1] else "") for r in rows]
     kept = len(plan.clients) - len(plan.excluded)
     lines.append(f"{kept} of {len(plan.clients)} clients planned, {len(plan.excluded)} excluded")
+    if plan.speed_note:
+        lines.insert(0, plan.speed_note)
     return "\n".join(lines)
 
 
