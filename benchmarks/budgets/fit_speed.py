@@ -135,7 +135,7 @@ def write(result: dict) -> None:
 CHECKS = [
     ("smollm2", list(FORMATS), 1, 64),
     ("smollm2", list(FORMATS), 2, 64),
-    ("1b", [("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("4bit", "bfloat16")], 1, 64),
+    ("1b", [("bfloat16", "bfloat16"), ("4bit", "bfloat16")], 1, 64),
     ("3b", [("bfloat16", "bfloat16")], 1, 64),
 ]
 #: the full shapes of the check: Llama-3.2-3B (benchmarks/llm/llm_scale.py's) and Llama-3.2-1B, a width not fitted
@@ -146,14 +146,19 @@ FULL = {
 }  # fmt: skip
 
 
-def check(repeats: int) -> list[dict]:
+def check(repeats: int, shapes: list[str], command: str) -> None:
     """Predicted (:func:`fedtune.planning.memory.predict`) against measured seconds of a step on
     the full SmolLM2 shape in every format, the Llama-3.2-1B shape (a width between the fitted
-    ones) and the full Llama-3.2-3B shape in bfloat16."""
+    ones) and the full Llama-3.2-3B shape in bfloat16 (``shapes``: those of :data:`CHECKS` to
+    run); each shape's rows replace its earlier ones in speed-check.json / .md as it ends."""
     from fedtune.planning.memory import Workload, predict
 
-    rows = []
+    path = OUT / "speed-check.json"
+    rows = json.loads(path.read_text())["rows"] if path.exists() else []
     for shape, formats, batch, length in CHECKS:
+        if shape not in shapes:
+            continue
+        rows = [r for r in rows if (r["shape"], r["batch"], r["length"]) != (shape, batch, length)]
         dims = FULL.get(shape) or SHAPES[shape]
         models, predicted, notes = {}, {}, {}
         for fmt in formats:
@@ -174,18 +179,20 @@ def check(repeats: int) -> list[dict]:
             cpu = statistics.median(c for c, _ in seconds[fmt])
             wall = statistics.median(w for _, w in seconds[fmt])
             rows.append({"shape": shape, "format": "/".join(fmt), "batch": batch, "length": length,
-                         "predicted_s": predicted[fmt], "cpu_s": cpu, "wall_s": wall, "note": notes[fmt]})  # fmt: skip
+                         "predicted_s": predicted[fmt], "cpu_s": cpu, "wall_s": wall, "note": notes[fmt],
+                         "command": command})  # fmt: skip
             print(rows[-1], flush=True)
         del models, seconds, base
-    return rows
+        write_check(rows)
 
 
-def write_check(rows: list[dict], command: str) -> None:
-    (OUT / "speed-check.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
+def write_check(rows: list[dict]) -> None:
+    (OUT / "speed-check.json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     lines = [
         "# Predicted vs measured seconds a step (CPU, one thread; LoRA r = 16 on q/v, AdamW)",
         "",
-        f"`{command}`: the formats of a shape interleaved step by step, medians; predicted / measured "
+        "`PYTHONPATH=$PWD python benchmarks/budgets/fit_speed.py --check SHAPE`, the command of each row in "
+        "speed-check.json: the formats of a shape interleaved step by step, medians; predicted / measured "
         "CPU seconds (the wall seconds on this shared CPU beside them).",
         "",
         "| shape | format | batch x length | predicted s | CPU s | predicted / CPU | wall s |",
@@ -205,12 +212,17 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--length", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--check", action="store_true", help="predicted vs measured on the full shapes instead")
+    parser.add_argument(
+        "--check",
+        nargs="+",
+        choices=sorted({c[0] for c in CHECKS}),
+        help="predicted vs measured on these full shapes instead",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     command = "PYTHONPATH=$PWD python benchmarks/budgets/fit_speed.py " + " ".join(sys.argv[1:])
     if args.check:
-        write_check(check(args.repeats), command)
+        check(args.repeats, args.check, command)
         return
     result = {"command": command, "shapes": {}}
     for shape in args.shapes:
