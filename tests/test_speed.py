@@ -66,6 +66,14 @@ def test_a_format_without_an_entry_is_priced_at_float32s_and_the_note_says_so(ta
     )
 
 
+def test_a_base_on_another_device_is_priced_at_this_cpus_float32_and_the_note_says_so(table):
+    base = speed.lora_llama(DIMS, "bfloat16", rank=4).base_model.model.to("meta")
+    ref = speed.reference(base, 64)
+    assert ref == speed.Reference(
+        1e9, "time model: width 64, no speed measured on meta: this CPU's float32 1e+09 FLOP/s used"
+    )
+
+
 def test_widths_between_the_fitted_ones_are_interpolated_on_log_scales_and_clamped_outside():
     points = ((100, 1e9), (400, 4e9))
     assert speed.at_width(points, 200) == pytest.approx(2e9)  # halfway in log width: the geometric mean

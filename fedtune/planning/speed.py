@@ -8,7 +8,7 @@ kind picks the entry. Each entry holds the FLOP/s measured at a few hidden width
 speed grows with its matrices) by ``benchmarks/budgets/fit_speed.py`` (results:
 benchmarks/results/budgets/speed-fit.json) on this machine's CPU, one thread: LoRA training steps on
 random-weight Llamas, the formats interleaved step by step in one process, each one's median CPU
-seconds (the CPU is shared by other processes: the wall seconds of a step were 3-4x its CPU
+seconds (the CPU is shared by other processes: the wall seconds of a step were 3-7x its CPU
 seconds, and drifted with the load). Between two widths the FLOP/s are interpolated on log scales;
 outside them the nearest width's are used. A format without an entry, or a base on another device,
 is priced at float32's and the plan says so; :func:`calibrated` puts this machine's measured
@@ -87,14 +87,13 @@ def base_format(base: nn.Module) -> tuple[str, str]:
             return "8bit", "int8"
         if isinstance(module, nn.Linear):
             linears.append(module.weight)
-    if not linears:
-        return "float32", "float32"
     weight = max(linears, key=torch.Tensor.numel)
     compute = weight.dtype if computes_natively(weight.device, weight.dtype) else torch.float32
     return _dtype_name(weight.dtype), _dtype_name(compute)
 
 
 def label(fmt: tuple[str, str]) -> str:
+    """A format as the plan names it."""
     return fmt[0] if fmt[0] == fmt[1] else f"{fmt[0]} weights, {fmt[1]} compute"
 
 
@@ -120,13 +119,9 @@ def reference(base: nn.Module, hidden: int) -> Reference:
     return Reference(float32, f"time model: width {hidden}, {note}")
 
 
-def train_step(model: nn.Module, ids: torch.Tensor) -> tuple[float, float]:
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> tuple[float, float]:
     """(CPU seconds of this process, wall seconds) of one causal-LM training step of ``model``
-    (AdamW on its trainable values) on ``ids``."""
-    opt = getattr(model, "_speed_optimizer", None)
-    if opt is None:
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        model._speed_optimizer = opt
+    with ``opt`` on ``ids``."""
     cpu, wall = time.process_time(), time.perf_counter()
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
@@ -135,15 +130,18 @@ def train_step(model: nn.Module, ids: torch.Tensor) -> tuple[float, float]:
 
 
 def interleaved(models: dict, ids: torch.Tensor, repeats: int) -> dict:
-    """Each model's (CPU, wall) seconds of ``repeats`` steps, the models taking one step each in
-    turn, after a warm-up step each."""
-    for model in models.values():
+    """Each model's (CPU, wall) seconds of ``repeats`` AdamW steps, the models taking one step each
+    in turn, after a warm-up step each."""
+    opts = {
+        key: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4) for key, m in models.items()
+    }
+    for key, model in models.items():
         model.train()
-        train_step(model, ids)
+        train_step(model, opts[key], ids)
     seconds: dict = {key: [] for key in models}
     for _ in range(repeats):
         for key, model in models.items():
-            seconds[key].append(train_step(model, ids))
+            seconds[key].append(train_step(model, opts[key], ids))
     return seconds
 
 
