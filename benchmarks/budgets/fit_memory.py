@@ -1,19 +1,17 @@
-"""Fit the activation coefficients and the reference FLOP/s of fedtune.planning.memory from
-measured LoRA training on small random-weight models (issue 41).
+"""Fit the activation coefficients of fedtune.planning.memory from measured LoRA training on small
+random-weight models (issue 41; the FLOP/s of the time model: fit_speed.py).
 
 Each sample trains a rank-r LoRA (AdamW, two steps after a warm-up) on a Llama (causal LM, LoRA on
 q/v) or a BERT classifier (LoRA on query/value, head trained), in one process, one thread, on the
 CPU; its growth (fedtune.planning.memory.PeakMeter: the tensor bytes allocated, at their most)
 less the trainable values and their gradient and AdamW states is the measured activation memory
 (the process's resident growth is recorded beside it, not fitted). The coefficients are a
-non-negative least-squares fit of those, relative (each sample weighted by 1 / its measurement);
-REFERENCE_FLOPS is the median of the samples' predicted FLOPs over their seconds (timed without
-the meter).
+non-negative least-squares fit of those, relative (each sample weighted by 1 / its measurement).
 
     PYTHONPATH=$PWD python benchmarks/budgets/fit_memory.py [--samples 24]
 
 Writes benchmarks/results/budgets/fit.json (every sample, the fit, each sample's relative error of
-the predicted peak) and prints the COEFFICIENTS / REFERENCE_FLOPS lines to paste into memory.py.
+the predicted peak) and prints the COEFFICIENTS lines to paste into memory.py.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedtune.planning import memory
 from fedtune.planning.calibrate import measure
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "budgets" / "fit.json"
@@ -86,7 +83,6 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     result = {"command": f"PYTHONPATH=$PWD python benchmarks/budgets/fit_memory.py --samples {args.samples}"}
-    flops = []
     for family in ("llama", "bert"):
         rows = []
         for setting in grid(family, args.samples, args.seed):
@@ -95,7 +91,6 @@ def main() -> None:
             state = p.trainable * 4 * (1 + p.states)
             rows.append({**setting, "features": list(p.features), "activations": m.activations,
                          "fixed": p.weights + state, "resident": m.resident, "seconds": m.seconds})  # fmt: skip
-            flops.append(p.seconds * memory.REFERENCE_FLOPS / m.seconds)
             print(family, setting, f"activations {m.activations / 2**20:.1f} MiB, {m.seconds:.2f} s", flush=True)
         coef = fit(rows)
         for r in rows:
@@ -104,8 +99,6 @@ def main() -> None:
         errors = [abs(r["peak_error"]) for r in rows]
         result[family] = {"coefficients": coef, "max_peak_error": max(errors), "samples": rows}
         print(f'    "{family}": ({", ".join(f"{c:.4g}" for c in coef)}),  max |peak error| {max(errors):.1%}')
-    result["reference_flops"] = float(np.median(flops))
-    print(f"REFERENCE_FLOPS = {result['reference_flops']:.3g}")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=1) + "\n")
 

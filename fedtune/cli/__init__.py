@@ -153,15 +153,26 @@ def report(
 def plan(
     recipe: Path = typer.Argument(..., help="TOML recipe (see configs/)"),
     set_: list[str] = typer.Option([], "--set", "-s", help="override: key=value (dotted keys)"),
+    calibrate_speed: bool = typer.Option(
+        False, "--calibrate-speed", help="time this CPU's speed of the base's format against float32 first (seconds)"
+    ),
 ) -> None:
     """Print each client's planned setting (rank, sketch ratio) under its budget, with its predicted
     peak memory, seconds and MB per round; excluded clients with the reason. Nothing trains."""
     from fedtune.config import load_config
+    from fedtune.planning import speed
+    from fedtune.planning.memory import Shape
     from fedtune.planning.planner import format_plan, plan_budgets
     from fedtune.runtime import RunContext, resolve_run
 
     try:
-        text = format_plan(plan_budgets(RunContext(resolve_run(load_config(recipe, set_))), always=True))
+        context = RunContext(resolve_run(load_config(recipe, set_)))
+        ratios = {}
+        if calibrate_speed:
+            model = context.config.model
+            ratios = speed.calibrate(Shape.of(context.workspace.base), model.dtype, model.quantization)
+        with speed.calibrated(ratios):
+            text = format_plan(plan_budgets(context, always=True))
     except FedtuneError as exc:
         fail(str(exc), code=exc.exit_code)
     typer.echo(text)

@@ -25,8 +25,9 @@ The fitted coefficients also cover what autograd keeps besides the saved tensors
 the logits, the backward's transient buffers) because they are fitted to the measured peak
 (:class:`PeakMeter`: the tensor bytes allocated at their most); with checkpointing the logits
 peak and the recomputed layer's do not coincide, so the logits have their own c_v'.
-Time: ``(2 (2 + checkpointing) N_base + 6 N_trainable) t`` FLOPs a step over
-``REFERENCE_FLOPS x speed``.
+Time: ``(2 (2 + checkpointing) N_base + 6 N_trainable) t`` FLOPs a step (a 4-bit weight counted
+unpacked) over the speed-1 client's FLOP/s in the base's format (:mod:`fedtune.planning.speed`)
+times ``speed``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fedtune.planning.speed import REFERENCE_FLOPS as REFERENCE_FLOPS  # float32's, for planning.capacity
+from fedtune.planning.speed import reference, train_flops
 from fedtune.process import _malloc_trim
 
 #: Activation coefficients (c_h, c_i, c_a, c_v, c_r, k, c_v') per model family, fitted by
@@ -51,8 +54,6 @@ COEFFICIENTS: dict[str, tuple[float, ...]] = {
 #: Families whose hidden states stay float32 under a low-precision autocast (LayerNorm runs in
 #: float32 there, and the residual stream adds to its output; Llama's RMSNorm returns the input's dtype).
 FLOAT32_HIDDEN = {"bert"}
-#: FLOP/s of a client of speed 1 (this machine's CPU, one thread, fitted with the coefficients).
-REFERENCE_FLOPS = 1.16e10
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,19 @@ def _quant_state(weight: torch.Tensor) -> list[torch.Tensor]:
     return [x for x in (*found, getattr(weight, "SCB", None)) if isinstance(x, torch.Tensor)]
 
 
+def frozen_values(base: nn.Module) -> int:
+    """Values of ``base``'s own weights (none of PEFT's adapters or head copies), a 4-bit layer's
+    as its unpacked matrix (bitsandbytes stores two per byte)."""
+    values = {}  # by parameter, each (a tied weight) once
+    for name, module in base.named_modules():
+        if _adapter_part(name):
+            continue
+        for p in module.parameters(recurse=False):
+            packed = type(module).__module__.startswith("bitsandbytes") and p.dtype == torch.uint8
+            values[id(p)] = module.in_features * module.out_features if packed else p.numel()
+    return sum(values.values())
+
+
 def adapted_layers(base: nn.Module, targets: list[str]) -> list[tuple[int, int]]:
     """(in, out) of each layer LoRA adapts (a convolution as its (c_in x kernel, c_out) matrix)."""
     dims = []
@@ -175,15 +189,13 @@ def predict(
     dims = adapted_layers(base, targets)
     feats = tuple(features(shape, work, rank, len(dims) / shape.layers))
     trainable = rank * sum(i + o for i, o in dims) + head_values(base, heads)
-    frozen = sum(p.numel() for name, p in base.named_parameters() if not _adapter_part(name))
-    tokens = work.batch * work.length
-    flops = (2 * (2 + work.checkpointing) * frozen + 6 * trainable) * tokens * work.steps
+    flops = train_flops(frozen_values(base), trainable, work.batch * work.length, work.checkpointing) * work.steps
     return Prediction(
         weights=base_weight_bytes(base) if weights is None else weights,
         trainable=trainable,
         states=work.states,
         activations=activation_bytes(shape, work, feats),
-        seconds=flops / REFERENCE_FLOPS,
+        seconds=flops / reference(base, shape.hidden).flops,
         features=feats,
     )
 

@@ -29,6 +29,7 @@ import json
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -78,6 +79,7 @@ class Plan:
     clients: list[ClientPlan]
     profiles: list[ClientProfile]  # with each client's planned knob
     excluded: dict[int, str] = field(default_factory=dict)
+    speed_note: str = ""  # what the predicted seconds assume (:func:`fedtune.planning.speed.reference`)
 
 
 def _ladder(rank: int) -> list[int]:
@@ -182,7 +184,7 @@ def plan_budgets(context, always: bool = False) -> Plan | None:
             )  # fmt: skip
         )
         planned.append(profile)
-    return Plan(clients, planned, excluded)
+    return Plan(clients, planned, excluded, knobs.speed_note)
 
 
 #: the upload codecs (top-k fraction, wire dtype) the planner may give a client, heaviest first
@@ -253,13 +255,15 @@ class _Knob:
     value: Callable[[Any], Any] = lambda v: v
     variants: tuple[bool, ...] = (False,)
     quantizations: tuple[str | None, ...] = (None,)
+    speed_note: str = ""
 
 
 def _lora_knob(context, knob: str | None) -> _Knob:
     """The LoRA methods' knob: the rank on r, r/2, ..., 1 (FSLoRA: the sketch ratio rank / r)."""
     from fedtune.methods.base.lora import client_rank
-    from fedtune.planning.memory import predict
+    from fedtune.planning.memory import Shape, predict
     from fedtune.planning.quantization import can_quantize, cheaper, weight_bytes
+    from fedtune.planning.speed import reference
 
     config = context.config
     cfg, train, task = config.model, config.train, context.task
@@ -286,11 +290,11 @@ def _lora_knob(context, knob: str | None) -> _Knob:
     def stated(profile: ClientProfile):
         return client_rank(profile, r) if profile.rank is not None or profile.sketch_ratio is not None else None
 
+    note = reference(base, Shape.of(base).hidden).note
+    knob_of = partial(_Knob, variants=variants, quantizations=quantizations, speed_note=note)
     if knob == "sketch_ratio":
-        return _Knob(
-            _ladder(r), stated, cost, lambda v: f"sketch ratio {v / r:g}", lambda v: v / r, variants, quantizations
-        )
-    return _Knob(_ladder(r), stated, cost, "rank {}".format, variants=variants, quantizations=quantizations)
+        return knob_of(_ladder(r), stated, cost, lambda v: f"sketch ratio {v / r:g}", lambda v: v / r)
+    return knob_of(_ladder(r), stated, cost, "rank {}".format)
 
 
 def lora_workload(context, base):
@@ -394,6 +398,8 @@ def format_plan(plan: Plan) -> str:
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)) + ("  " + r[-1] if r[-1] else "") for r in rows]
     kept = len(plan.clients) - len(plan.excluded)
     lines.append(f"{kept} of {len(plan.clients)} clients planned, {len(plan.excluded)} excluded")
+    if plan.speed_note:
+        lines.insert(0, plan.speed_note)
     return "\n".join(lines)
 
 

@@ -18,7 +18,7 @@ class ClientProfile(BaseModel):
     sketch_ratio: float | None = Field(None, gt=0, le=1, description="FSLoRA k_i / r")
     capacity: float | None = Field(None, gt=0, le=1, description="fraction of the model it can train")
     speed: float = Field(
-        1.0, gt=0, description="relative compute speed (1 = the reference of fedtune.planning.memory.REFERENCE_FLOPS)"
+        1.0, gt=0, description="relative compute speed (1 = fedtune.planning.speed's reference FLOP/s)"
     )
     memory_gib: float | None = Field(None, gt=0, description="budget: memory for local training (GiB)")
     bandwidth_mb: float | None = Field(None, gt=0, description="budget: MB the client can upload per round")
