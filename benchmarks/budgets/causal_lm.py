@@ -33,20 +33,22 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs" / "benchmarks" / "budgets-causal-lm.toml"
 RESULTS = REPO / "benchmarks" / "results" / "budgets" / "causal-lm"
 QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "budgets-causal-lm-quick"
-RUN_S, QUICK_RUN_S = 480.0, 20.0  # one run's CPU seconds (the timing run: README)
+RUN_S = (480.0, 20.0)  # one run's CPU seconds, full and --quick (the timing run: README)
 QUICK = ["model.name=tiny-llama", "rounds=2", "eval_every=1", "data.max_train_samples=48", "task.test_per_set=4"]
 QUICK += ["data.max_length=64", "train.local_steps=1"]
-
+LORA = ("heterolora", "fslora")  # one experiment per method, so that --only heterolora runs it first
 
 SUITE = tc.Suite(
     __doc__,
     "benchmarks/budgets/causal_lm.py",
-    RECIPE,
     RESULTS,
     QUICK_RESULTS,
-    QUICK,
-    (RUN_S, QUICK_RUN_S),
     "commonsense",
+    {m: m for m in LORA},
+    dict.fromkeys(LORA, tc.ARMS[:3]),
+    dict.fromkeys(LORA, RECIPE),
+    dict.fromkeys(LORA, QUICK),
+    dict.fromkeys(LORA, RUN_S),
     loss=True,
 )
 
