@@ -50,11 +50,16 @@ def built_as(dtype: str):
         torch.set_default_dtype(default)
 
 
+#: each shape's batch x length whose results' file names leave it out
+NAMED_BATCH = {"smollm2": (2, 64), "3b": (1, 64)}
+
+
 def name_of(args: argparse.Namespace) -> str:
-    """The results' file name (no suffix) for the setting ``args``."""
-    return (
-        args.shape + ("-4bit" if args.quantization == "4bit" else "") + ("-checkpointing" if args.checkpointing else "")
-    )
+    """The results' file name (no suffix) for the setting ``args`` (``-batch{B}x{L}`` beside another
+    shape's :data:`NAMED_BATCH`)."""
+    batch = "" if (args.batch, args.length) == NAMED_BATCH[args.shape] else f"-batch{args.batch}x{args.length}"
+    quantized = "-4bit" if args.quantization == "4bit" else ""
+    return args.shape + quantized + batch + ("-checkpointing" if args.checkpointing else "")
 
 
 def repredict(args: argparse.Namespace, rows: list[dict]) -> None:
