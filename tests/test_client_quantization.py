@@ -16,6 +16,7 @@ from torch import nn
 from fedtune.config import ConfigError, load_config
 from fedtune.models import precision
 from fedtune.models.lora import LoraWorkspace
+from fedtune.planning import speed
 from fedtune.planning.memory import base_weight_bytes
 from fedtune.planning.planner import GIB, format_plan, plan_budgets
 from fedtune.planning.quantization import weight_bytes
@@ -139,9 +140,12 @@ def test_the_planner_gives_a_4bit_base_before_a_smaller_rank_and_excludes_the_cl
         cfg = config(tmp_path, f"federation.profiles={profiles}", "train.gradient_checkpointing=true")
         return plan_budgets(RunContext(resolve_run(cfg)), always=True)
 
+    # a 4-bit step 4x slower than float32's (8-bit: no entry, float32's): each client timed at its own base's
+    monkeypatch.setattr(speed, "FLOPS", {("float32", "float32"): ((256, 1e9),), ("4bit", "float32"): ((256, 0.25e9),)})
     stated = plan("[{rank=4, quantization='8bit'}, {rank=4, quantization='4bit'}]")
     eight, packed = (c.peak_bytes for c in stated.clients)
     assert packed < eight
+    assert stated.clients[1].seconds == pytest.approx(4 * stated.clients[0].seconds, rel=1e-9)
     smallest = plan("[{rank=1, quantization='4bit'}, {}]").clients[0].peak_bytes
     budgets = f"[{{memory_gib={(eight + packed) / 2 / GIB}}}, {{memory_gib={smallest * 0.99 / GIB}}}]"
     planned = plan(budgets)

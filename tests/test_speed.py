@@ -122,3 +122,26 @@ def test_calibrate_times_the_runs_format_against_float32():
     ratios = speed.calibrate(shape, "bfloat16", "none", repeats=1)
     assert list(ratios) == [speed.base_format(speed.lora_llama(DIMS, "bfloat16").base_model.model)]
     assert 0 < next(iter(ratios.values())) < 100
+
+
+@pytest.mark.parametrize(
+    ("quantization", "fmt"),
+    [("4bit", ("4bit", "float32")), ("8bit", ("8bit", "int8")), ("none", ("float32", "float32"))],
+)
+def test_a_planned_quantization_is_timed_at_its_own_formats_entry(table, monkeypatch, quantization, fmt):
+    """A client the planner gives another base than the loaded one (float32 here) is priced at that
+    base's format (4-bit: its entry; 8-bit: none measured, float32's), not the loaded base's."""
+    monkeypatch.setitem(speed.FLOPS, ("4bit", "float32"), ((64, 0.25e9),))
+    base = speed.lora_llama(DIMS, "float32", rank=4).base_model.model
+    assert speed.planned_format(quantization, torch.float32, torch.device("cpu")) == fmt
+    work = Workload(2, 8, 4, False, states=2)
+    planned = predict(
+        base,
+        ["q_proj", "v_proj"],
+        [],
+        4,
+        work,
+        fmt=speed.planned_format(quantization, torch.float32, torch.device("cpu")),
+    )
+    flops = {"4bit": 0.25e9, "8bit": 1e9, "none": 1e9}[quantization]
+    assert planned.seconds == pytest.approx(hand_flops(2, 8, 4) / flops, rel=1e-9)

@@ -181,10 +181,12 @@ def predict(
     work: Workload,
     shape: Shape | None = None,
     weights: int | None = None,
+    fmt: tuple[str, str] | None = None,
 ) -> Prediction:
     """The predicted cost of training a rank-``rank`` adapter on ``base`` (as loaded) with ``work``;
     ``shape``: the activation term's (default: ``base``'s config; a proxy's differs from it);
-    ``weights``: the base's bytes at another quantization (:func:`fedtune.planning.quantization.weight_bytes`)."""
+    ``weights`` and ``fmt``: the base's bytes and (weights, compute) format at another quantization
+    (:func:`fedtune.planning.quantization.weight_bytes`, :func:`fedtune.planning.speed.planned_format`)."""
     shape = shape or Shape.of(base)
     dims = adapted_layers(base, targets)
     feats = tuple(features(shape, work, rank, len(dims) / shape.layers))
@@ -195,7 +197,7 @@ def predict(
         trainable=trainable,
         states=work.states,
         activations=activation_bytes(shape, work, feats),
-        seconds=flops / reference(base, shape.hidden).flops,
+        seconds=flops / reference(base, shape.hidden, fmt).flops,
         features=feats,
     )
 

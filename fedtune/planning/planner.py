@@ -261,9 +261,10 @@ class _Knob:
 def _lora_knob(context, knob: str | None) -> _Knob:
     """The LoRA methods' knob: the rank on r, r/2, ..., 1 (FSLoRA: the sketch ratio rank / r)."""
     from fedtune.methods.base.lora import client_rank
+    from fedtune.models.precision import resolve_device
     from fedtune.planning.memory import Shape, predict
     from fedtune.planning.quantization import can_quantize, cheaper, weight_bytes
-    from fedtune.planning.speed import reference
+    from fedtune.planning.speed import planned_format, reference
 
     config = context.config
     cfg, train, task = config.model, config.train, context.task
@@ -272,12 +273,13 @@ def _lora_knob(context, knob: str | None) -> _Knob:
     work = lora_workload(context, base)
 
     def cost(rank: int, checkpointing: bool, quantization: str | None) -> tuple:
-        weights = None
+        weights = fmt = None
         if quantization not in (None, cfg.quantization):
             weights = weight_bytes(base, quantization, tuple(task.head_modules()), DTYPES[cfg.dtype].itemsize)
+            fmt = planned_format(quantization, DTYPES[cfg.dtype], resolve_device(config.device))
         kbit = (quantization or cfg.quantization) != "none"  # a quantized base's activations are float32
         client = replace(work, checkpointing=checkpointing, kbit=kbit)
-        p = predict(base, targets, task.head_modules(), rank, client, weights=weights)
+        p = predict(base, targets, task.head_modules(), rank, client, weights=weights, fmt=fmt)
         return p, p.trainable
 
     variants: tuple[bool, ...] = (train.gradient_checkpointing,)

@@ -98,10 +98,25 @@ def label(fmt: tuple[str, str]) -> str:
     return fmt[0] if fmt[0] == fmt[1] else f"{fmt[0]} weights, {fmt[1]} compute"
 
 
-def reference(base: nn.Module, hidden: int) -> Reference:
+def planned_format(quantization: str, dtype: torch.dtype, device: torch.device) -> tuple[str, str]:
+    """(weights, compute dtype) of a base prepared as
+    :func:`~fedtune.models.precision.prepare_base` would with ``quantization`` and ``model.dtype``
+    ``dtype`` on ``device``: what :func:`base_format` reads from such a base once built."""
+    from fedtune.models.precision import computes_natively
+
+    compute = dtype if computes_natively(device, dtype) else torch.float32
+    if quantization == "4bit":
+        return "4bit", _dtype_name(compute)
+    if quantization == "8bit":
+        return "8bit", "int8"
+    return _dtype_name(dtype), _dtype_name(compute)
+
+
+def reference(base: nn.Module, hidden: int, fmt: tuple[str, str] | None = None) -> Reference:
     """The FLOP/s of a speed-1 client training ``base`` of width ``hidden`` (it picks the point of
-    the format's entry), or float32's with a note saying its format was not measured."""
-    fmt = base_format(base)
+    the format's entry), or float32's with a note saying its format was not measured; ``fmt``: the
+    format the client's base will have (:func:`planned_format`; default ``base``'s own)."""
+    fmt = fmt or base_format(base)
     float32 = at_width(FLOPS["float32", "float32"], hidden)
     device = next((p.device for p in base.parameters()), torch.device("cpu"))
     widths = sorted({w for points in FLOPS.values() for w, _ in points})
