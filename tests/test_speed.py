@@ -145,3 +145,14 @@ def test_a_planned_quantization_is_timed_at_its_own_formats_entry(table, monkeyp
     )
     flops = {"4bit": 0.25e9, "8bit": 1e9, "none": 1e9}[quantization]
     assert planned.seconds == pytest.approx(hand_flops(2, 8, 4) / flops, rel=1e-9)
+
+
+def test_a_4bit_base_wrapped_by_peft_counts_its_adapted_layers_unpacked():
+    """PEFT's wrapper of a 4-bit layer shows the packed bytes as its ``weight``; the adapted layers'
+    (in, out) are the float base's, so the trainable values (and the FLOPs, the peak) are too."""
+    from fedtune.planning.memory import adapted_layers
+
+    plain = speed.llama_base(DIMS, "float32")
+    wrapped = speed.lora_llama(DIMS, "float32", "4bit", rank=4).base_model.model
+    assert adapted_layers(wrapped, ["q_proj", "v_proj"]) == adapted_layers(plain, ["q_proj", "v_proj"])
+    assert adapted_layers(plain, ["q_proj", "v_proj"]) == [(64, 64), (64, 32)] * 2

@@ -155,15 +155,17 @@ def frozen_values(base: nn.Module) -> int:
 
 
 def adapted_layers(base: nn.Module, targets: list[str]) -> list[tuple[int, int]]:
-    """(in, out) of each layer LoRA adapts (a convolution as its (c_in x kernel, c_out) matrix)."""
+    """(in, out) of each layer LoRA adapts (a convolution as its (c_in x kernel, c_out) matrix); a
+    layer PEFT wrapped is read from its ``base_layer`` (a 4-bit one's ``weight`` is the packed bytes)."""
     dims = []
     for name, module in base.named_modules():
         if _adapter_part(name) or not _matches(name, targets):
             continue
-        if isinstance(module, nn.Linear):
-            dims.append((module.in_features, module.out_features))
-        elif getattr(module, "weight", None) is not None and module.weight.dim() >= 2:
-            dims.append((module.weight[0].numel(), module.weight.shape[0]))
+        layer = getattr(module, "base_layer", module)
+        if isinstance(layer, nn.Linear):
+            dims.append((layer.in_features, layer.out_features))
+        elif getattr(layer, "weight", None) is not None and layer.weight.dim() >= 2:
+            dims.append((layer.weight[0].numel(), layer.weight.shape[0]))
     return dims
 
 
