@@ -246,9 +246,11 @@ class PeakMeter:
     client's whatever else the process holds. When a profiler is already running (profilers do not
     nest), ``growth`` is the resident growth: the whole process's, reset at the start through
     ``/proc/self/clear_refs`` after the C heap's free pages went back, so above the tensor bytes by
-    what the heap keeps and libraries allocate outside PyTorch; the same where this PyTorch lacks
-    the profiler interface the meter uses. Kineto's log lines at each start
-    and stop are silenced (``KINETO_LOG_LEVEL`` 6) unless the environment sets a level."""
+    what the heap keeps and libraries allocate outside PyTorch, and possibly below a transient peak
+    freed inside the block (the kernel's high-water mark does not always record one: a test read 11
+    of 64 MB once); the same where this PyTorch lacks the profiler interface the meter uses.
+    Kineto's log lines at each start and stop are silenced (``KINETO_LOG_LEVEL`` 6) unless the
+    environment sets a level."""
 
     def __init__(self, device: torch.device, resident: bool = False) -> None:
         self.device = device
