@@ -64,3 +64,36 @@ def test_rdp_is_an_upper_bound_on_pld_and_replace_one_costs_more_than_add_remove
         pld = accounting.epsilon("pld", "add-remove", q, z, steps, 1e-5)
         assert pld < accounting.epsilon("rdp", "add-remove", q, z, steps, 1e-5)
         assert pld < accounting.epsilon("pld", "replace-one", q, z, steps, 1e-5)
+
+
+@pytest.mark.parametrize(("q", "z", "steps"), [(1.0, 0.03, 2), (0.2, 0.03, 100), (1.0, 0.1, 2), (1.0, 0.3, 2)])
+def test_a_large_epsilon_reported_from_the_coarse_grid_bounds_the_fine_one_within_1_percent(q, z, steps):
+    """A tiny noise multiplier: the reported epsilon (coarse grid, seconds less) is within 1 % of
+    the fine grid's (both upper bounds of the true epsilon; at z = 0.03, q = 1 the coarse one is
+    0.04 below the fine one's 4846.54)."""
+    fine = accounting.epsilon("pld", "replace-one", q, z, steps, 1e-5, grid=accounting.DISCRETIZATION)
+    reported = accounting.epsilon("pld", "replace-one", q, z, steps, 1e-5)
+    assert abs(reported - fine) <= 0.01 * fine, (fine, reported)
+
+
+@pytest.mark.parametrize(("z", "grids"), [(0.01, [accounting.COARSE_DISCRETIZATION]), (1.0, None)])
+def test_only_a_large_epsilon_skips_the_fine_grid(monkeypatch, z, grids):
+    """z = 0.01 (epsilon about 4e4, minutes on the fine grid): the coarse grid alone; z = 1 (a usual
+    epsilon): the fine grid's value, as before."""
+    from dp_accounting.pld import PLDAccountant
+
+    used = []
+
+    class Recording(PLDAccountant):
+        def __init__(self, relation, value_discretization_interval):
+            used.append(value_discretization_interval)
+            super().__init__(relation, value_discretization_interval=value_discretization_interval)
+
+    monkeypatch.setattr("dp_accounting.pld.PLDAccountant", Recording)
+    accounting.epsilon.cache_clear()  # computed before by another test: no accountant would be built
+    reported = accounting.epsilon("pld", "replace-one", 1.0, z, 2, 1e-5)
+    if grids is not None:
+        assert used == grids
+    else:
+        assert used == [accounting.COARSE_DISCRETIZATION, accounting.DISCRETIZATION]
+        assert reported == accounting.epsilon("pld", "replace-one", 1.0, z, 2, 1e-5, grid=accounting.DISCRETIZATION)
