@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import torch
+from smollm2_check import LLAMA_3B, SMOLLM2  # the shapes the memory model is checked on
 
 from fedtune.planning import speed
 from fedtune.planning.memory import frozen_values
@@ -31,26 +32,9 @@ from fedtune.planning.memory import frozen_values
 OUT = Path(__file__).resolve().parents[1] / "results" / "budgets"
 SHAPES = {
     "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, vocab_size=2000),
-    # benchmarks/budgets/smollm2_check.py's SmolLM2-135M
-    "smollm2": dict(
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        vocab_size=49152,
-        tie_word_embeddings=True,
-    ),  # fmt: skip
+    "smollm2": SMOLLM2,
     # two layers of the Llama-3.2-3B shape and a small vocabulary (the full model: 6 GiB in bfloat16)
-    "3b-layers": dict(
-        hidden_size=3072,
-        intermediate_size=8192,
-        num_hidden_layers=2,
-        num_attention_heads=24,
-        num_key_value_heads=8,
-        vocab_size=4096,
-        tie_word_embeddings=True,
-    ),  # fmt: skip
+    "3b-layers": {**LLAMA_3B, "num_hidden_layers": 2, "vocab_size": 4096},
 }
 #: (weights, compute) -> (model.dtype, model.quantization, hide the CPU's bfloat16 units)
 FORMATS = {
