@@ -150,3 +150,19 @@ def test_a_mixed_fedot_federation_runs_under_secure_aggregation(tmp_path):
     summary = run_experiment(config(tmp_path, "fedot", profiles, *secure, "rounds=1"))
     (line,) = (json.loads(x) for x in Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines())
     assert line["dropped"] == {} and line["proxy_downloads"] == 1  # client 1 alone holds the proxy
+
+
+@pytest.mark.parametrize("method", ["fedpft", "fedot"])
+@pytest.mark.parametrize(("key", "value"), [("peak_mem_bytes", "abc"), ("proxy_version", -1), ("proxy_version", 1.5)])
+def test_a_replys_proxy_version_and_training_memory_are_checked_before_the_server_reads_them(
+    tiny_config, method, key, value
+):
+    """The server reads int(meta[...]) of both: a bad one is the reply's rejection, not a crash."""
+    from fedtune.protocol.validation import check_meta
+    from fedtune.runtime import RunContext, resolve_run
+
+    spec = RunContext(resolve_run(tiny_config(f"method={method}"))).strategy().reply_meta_spec("train", 0)
+    good = {"num_examples": 4, "proxy_version": 1, "peak_mem_bytes": 1000}
+    assert check_meta(good, spec) is None
+    reason = check_meta({**good, key: value}, spec)
+    assert reason is not None and key in reason

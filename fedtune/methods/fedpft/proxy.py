@@ -79,7 +79,7 @@ from fedtune.models.lora import LoraWorkspace
 from fedtune.protocol.compression import encoded_base_name
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import SecureSum
-from fedtune.protocol.validation import ArraySpec, spec_like
+from fedtune.protocol.validation import ArraySpec, MetaField, spec_like
 from fedtune.registry import MethodOptions
 
 PROXY = "proxy/"  # whole-proxy arrays of a fit message
@@ -166,6 +166,12 @@ class ProxyStrategy(GlobalAdapterStrategy):
         self._sent: set[int] = set()
         self._round = -1
         self._bytes: dict[str, int] = {}
+
+    def reply_meta_spec(self, kind: str, cid: int) -> dict[str, MetaField]:
+        """The keys the server reads: the proxy version a reply holds (a full-model client's holds
+        none) and the client's training memory (``peak_mem_bytes``), integers, not negative."""
+        versions = {"proxy_version": MetaField(int, low=0), "peak_mem_bytes": MetaField(int, low=0)}
+        return {**super().reply_meta_spec(kind, cid), **versions}
 
     def adapter_budget(self) -> tuple[int, float | None]:
         """(LoRA rank, alpha) of the clients' adapter, once the proxy exists (default: ``model.lora_rank``,
