@@ -227,3 +227,16 @@ def test_where_the_server_must_not_see_a_clients_numbers_its_reply_metadata_is_f
     assert context.client(0, {}).fit(sent).meta == {"num_examples": 1}
     plain = RunContext(resolve_run(tiny(tmp_path, "fedit", KIND, "federation.num_clients=4")))
     assert {"train_loss", "steps"} <= set(plain.client(0, {}).fit(sent).meta)
+
+
+def test_a_budgeted_dp_run_releases_no_clients_measured_memory_time_or_drop(tmp_path):
+    """Budgets (issue 41) measure each client's peak, seconds and bytes and drop an excluded one:
+    under DP no line carries any of them (only the mechanism's outputs); the plan (plan.json) is
+    made from the config before any training. Control: the same budgeted run without DP writes them."""
+    budgets = "federation.profiles=[{memory_gib=8},{memory_gib=8},{memory_gib=1e-6},{memory_gib=8}]"
+    run_dir = _run(tmp_path, "dp-budgets", ALL, *DP["central"], budgets)
+    assert json.loads((run_dir / "plan.json").read_text())["clients"][2]["excluded"]
+    for line in _lines(run_dir):
+        assert set(line) <= LINE_KEYS and line["private"] is True
+    plain = _lines(_run(tmp_path, "plain-budgets", ALL, budgets))[0]
+    assert {"client_peak_bytes", "client_memory_budget_bytes", "client_compute_s", "dropped"} <= set(plain)
