@@ -18,6 +18,7 @@ from tests.conftest import load_script
 FOLDER = Path(__file__).resolve().parents[1] / "benchmarks" / "budgets"
 SIZES = [("heterolora", 4, 64), ("fslora", 0.0625, 1.0)]  # at r = 64
 QUICK_SIZES = [("heterolora", 2, 32), ("fslora", 0.0625, 1.0)]  # three_classes --quick: r = 32
+CAUSAL_QUICK_SIZES = [("heterolora", 1, 16), ("fslora", 0.0625, 1.0)]  # causal_lm --quick: r = 16 (tiny-llama's most)
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +56,10 @@ def test_the_three_arms_give_the_classes_different_settings(bench, method, small
     check_arms(bench, method, small, top, [*bench.QUICK, *bench.METHODS[method]], bench.AGNEWS)
 
 
-@pytest.mark.parametrize("quick", [True, pytest.param(False, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("method, small, top", SIZES)
+@pytest.mark.parametrize(
+    "quick, method, small, top",
+    [(True, *s) for s in CAUSAL_QUICK_SIZES] + [pytest.param(False, *s, marks=pytest.mark.slow) for s in SIZES],
+)
 def test_the_causal_lm_arms_give_the_classes_different_settings(causal, method, small, top, quick):
     """On tiny-llama, and (slow) on the benchmark's own SmolLM2-135M at its scale."""
     base = [*(causal.QUICK if quick else []), *causal.tc.METHODS[method]]
@@ -122,6 +125,19 @@ def test_specs_list_every_method_arm_and_seed(bench):
     assert (config.rounds, config.task.eval_episodes, config.federation.num_clients) == (2, 20, 6)
     assert [r.labels["seed"] for r in runs] == sorted(r.labels["seed"] for r in runs)  # seed by seed
     assert set(settings) == set(bench.METHODS)
+
+
+def test_only_heterolora_smallest_arm_sets_the_global_rank_to_the_clients(bench):
+    """Under HeteroLoRA's rank scaling a rank-2 client in a rank-32 global adapter would count
+    16x weaker in the evaluated model than it trained; the smallest arm's global rank is theirs."""
+    runs, _ = bench.specs([0], quick=True)
+    rank = {
+        (r.labels["method"], r.labels["arm"]): load_config(bench.RECIPE, r.overrides).model.lora_rank
+        for r in runs
+        if r.labels["method"] != "rabo"
+    }
+    assert rank.pop(("heterolora", "smallest")) == 2
+    assert set(rank.values()) == {32}  # the other arms, and FSLoRA's smallest (its sketch of the r adapter)
 
 
 def test_class_costs_average_the_measured_client_rounds_and_count_the_dropped(table, monkeypatch):

@@ -34,8 +34,8 @@ RECIPE = REPO / "configs" / "benchmarks" / "budgets-causal-lm.toml"
 RESULTS = REPO / "benchmarks" / "results" / "budgets" / "causal-lm"
 QUICK_RESULTS = REPO / "benchmarks" / "results" / "_scratch" / "budgets-causal-lm-quick"
 RUN_S = (480.0, 20.0)  # one run's CPU seconds, full and --quick (the timing run: README)
-QUICK = ["model.name=tiny-llama", "rounds=2", "eval_every=1", "data.max_train_samples=48", "task.test_per_set=4"]
-QUICK += ["data.max_length=64", "train.local_steps=1"]
+QUICK = ["model.name=tiny-llama", "model.lora_rank=16", "rounds=2", "eval_every=1", "data.max_train_samples=48"]
+QUICK += ["task.test_per_set=4", "data.max_length=64", "train.local_steps=1"]
 LORA = ("heterolora", "fslora")  # one experiment per method, so that --only heterolora runs it first
 
 SUITE = tc.Suite(

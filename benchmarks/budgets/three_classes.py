@@ -198,6 +198,17 @@ def arm_profiles(method: str, base: list[str], suite: Suite = AGNEWS) -> tuple[d
     return profiles, settings
 
 
+def global_rank(method: str, arm: str, profiles: list[dict]) -> list[str]:
+    """The smallest arm of a rank knob sets the global adapter to the clients' rank
+    (``model.lora_rank``), as a federation of such devices would. Left at r, HeteroLoRA's ``scaling
+    = "rank"`` would train each rank-4 client at alpha/4 and evaluate the global model at alpha/r:
+    every update r/4 times weaker than it trained (the causal-LM runs before this measured that arm
+    1.5 nats worse). The clients still train at alpha/4; the evaluated model now uses it too."""
+    if arm != "smallest" or KNOBS[method] != "rank":
+        return []
+    return [f"model.lora_rank={profiles[0]['rank']}"]
+
+
 def specs(seeds: list[int], quick: bool, suite: Suite = AGNEWS) -> tuple[list[RunSpec], dict]:
     """Every run (seed, method, arm) of ``suite`` and each method's settings by arm and class."""
     out, settings = [], {}
@@ -207,6 +218,7 @@ def specs(seeds: list[int], quick: bool, suite: Suite = AGNEWS) -> tuple[list[Ru
         for seed in seeds:
             for arm in suite.arms[method]:
                 extra = [f"federation.profiles={toml_value(profiles[arm])}", f"seed={seed}"]
+                extra += global_rank(method, arm, profiles[arm])
                 labels = {"method": method, "arm": arm, "seed": seed}
                 out.append(RunSpec(f"{method}-{arm}-s{seed}", [*base, *extra], labels))
     return sorted(out, key=lambda s: s.labels["seed"]), settings
