@@ -228,3 +228,32 @@ def test_the_planner_turns_checkpointing_on_where_memory_breaks_and_the_run_appl
         resolve_run(
             tiny(Path(config.output_dir), "static", "few-shot", "federation.profiles=[{gradient_checkpointing=true}]")
         )
+
+
+@pytest.mark.parametrize("method", ["static", "fiarse", "rabo", "rafbo"])
+def test_capacity_seconds_are_the_fitted_line_of_the_methods_kind_over_flop_seconds(tmp_path, method):
+    """seconds = a + b x flop_s with (a, b) of the method's seconds kind: at capacity 1/16 a round
+    costs at least a (its episodes and masks; FLOPs alone put RABO's at milliseconds)."""
+    from fedtune.planning.capacity import SECONDS_KIND, SUBMODEL_SECONDS, predict_capacity
+
+    context = RunContext(resolve_run(few_shot(tmp_path, method)))
+    a, b = SUBMODEL_SECONDS[SECONDS_KIND[method]]
+    for capacity in (1.0, 0.0625):
+        flop_s = predict_capacity(context, capacity, fitted=False)[0].seconds
+        assert predict_capacity(context, capacity)[0].seconds == pytest.approx(a + b * flop_s)
+        assert a + b * flop_s >= a > 0.1
+    assert len(set(SUBMODEL_SECONDS.values())) == 3  # the three kinds were fitted apart
+
+
+def test_capacity_seconds_constants_reproduce_the_measured_cpu_seconds_they_were_fitted_on():
+    """benchmarks/results/budgets/capacity-fit.json: every measured client (Static, FedRolex, RABO,
+    RAFBO fitted; FIARSE checked) within 0.7-1.25x of the committed constants' prediction; a
+    constant edited without a refit, or the FLOP-count seconds alone (0.004-3.3x), falls outside."""
+    from fedtune.planning.capacity import SECONDS_KIND, SUBMODEL_SECONDS
+
+    fit = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "budgets" / "capacity-fit.json"
+    samples = json.loads(fit.read_text())["samples"]
+    assert {s["method"] for s in samples} == {"static", "fedrolex", "fiarse", "rabo", "rafbo"}
+    for s in samples:
+        a, b = SUBMODEL_SECONDS[SECONDS_KIND[s["method"]]]
+        assert 0.7 < (a + b * s["flop_s"]) / s["measured_seconds"] < 1.25, s

@@ -15,9 +15,13 @@ policy's (every policy keeps the same number of units, so the costs are the same
   tensor bytes the client's fit allocates, :class:`~fedtune.planning.memory.PeakMeter`): not
   every saved tensor is held at the peak, the backward's transient gradients are not saved (k),
   and some tensors' size does not follow the width (a);
-- **seconds** = 3 x the forward's FLOPs (torch's FLOP counter) x the local steps over
-  ``REFERENCE_FLOPS x speed`` (RABO: its T inner steps where y is the model, one pass where y is
-  a head fitted on the network's features);
+- **seconds** = ``a + b x flop_s`` over the client's speed, where flop_s = 3 x the forward's FLOPs
+  (torch's FLOP counter) x the local steps / ``REFERENCE_FLOPS`` (RABO: its T inner steps where y
+  is the model, one pass where y is a head fitted on the network's features), (a, b) fitted per
+  seconds kind from the CPU seconds measured in the recipes' runs (:data:`SUBMODEL_SECONDS`): a is
+  what FLOPs do not count (episodes built, masks chosen, per-step dispatch: at capacity 1/16 it is
+  nearly all of a round), b the passes a FLOP count of the training step misses (RABO's and RAFBO's
+  hypergradient phase);
 - **upload** = the sub-model's values at its mask x the wire bytes per value.
 
 FIARSE trains the full-size model with its entries masked (its sub-model is the same count of
@@ -45,12 +49,22 @@ CAPACITIES = (1.0, 0.5, 0.25, 0.125, 0.0625)
 #: Conv4, the tests' tiny few-shot net measures -11 % .. +20 % (static) and +5 % .. +46 % (RABO)
 #: (results: benchmarks/results/budgets/capacity-fit.json)
 SUBMODEL_FIT: dict[str, tuple[float, float]] = {"single-level": (1727637, 1.055), "bilevel": (1221447, 0.875)}
+#: method -> its seconds kind (:data:`SUBMODEL_SECONDS`)
+SECONDS_KIND = {"static": "single-level", "fedrolex": "single-level", "fiarse": "single-level"}
+SECONDS_KIND |= {"rabo": "implicit", "fedmbo": "implicit", "rafbo": "finite-difference"}
+#: (a seconds, b) of ``a + b x flop_s`` per seconds kind, fitted by benchmarks/budgets/fit_capacity.py on
+#: the Conv4 recipes' CPU seconds (single-level on Static and FedRolex, FIARSE checked; RABO and RAFBO
+#: each on their own runs): see benchmarks/results/budgets/capacity-fit.json
+#: (predicted / measured 0.79-1.16 single-level, FIARSE included; 0.88-1.20 RABO; 0.72-1.15 RAFBO; b < 1:
+#: this CPU runs the Conv4's FLOPs ~5x faster than REFERENCE_FLOPS, a wall-seconds reference)
+SUBMODEL_SECONDS: dict[str, tuple[float, float]] = {"single-level": (0.719, 0.19), "implicit": (0.126, 0.26)}
+SUBMODEL_SECONDS |= {"finite-difference": (1.107, 0.69)}
 
 
 def predict_capacity(context, capacity: float, fitted: bool = True) -> tuple[Prediction, int]:
     """The predicted cost of one client of ``context``'s run training at ``capacity``, and the
     values it uploads (its sub-model's, at the mask); ``fitted=False``: the activation term is
-    the saved bytes themselves (what the fit starts from)."""
+    the saved bytes themselves and the seconds flop_s (what the fits start from)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from fedtune.methods.rabo.masks import SubModel, choose_units, expand, materialize, submodel_of, take
@@ -81,12 +95,13 @@ def predict_capacity(context, capacity: float, fitted: bool = True) -> tuple[Pre
         inner = task.bilevel_problem(context, context.options).inner
         steps = context.options.inner_steps if set(inner) <= set(full) else 1
     a, k = SUBMODEL_FIT["bilevel" if bilevel else "single-level"] if fitted else (0, 1.0)
+    a_s, b_s = SUBMODEL_SECONDS[SECONDS_KIND[config.method]] if fitted else (0.0, 1.0)
     prediction = Prediction(
         weights=weight_bytes(model),
         trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
         states=0 if bilevel else optimizer_states(config.train.optimizer, config.train.momentum),
         activations=int(a + k * meter.peak),
-        seconds=3 * flops.get_total_flops() * steps / REFERENCE_FLOPS,
+        seconds=a_s + b_s * 3 * flops.get_total_flops() * steps / REFERENCE_FLOPS,
         features=(),
     )
     return prediction, sum(sub.kept(n) for n in full)
