@@ -76,12 +76,19 @@ def test_commit_seconds_are_fedits_step_times_the_trainers_passes(tmp_path):
 def test_a_budget_that_fits_fedits_peak_but_not_commits_excludes_the_commit_client(tmp_path):
     fedit, commit = (client_plan(instruction(tmp_path, m)) for m in ("fedit", "commit"))
     assert commit.peak_bytes > fedit.peak_bytes
-    between = f"federation.profiles=[{{memory_gib={(fedit.peak_bytes + commit.peak_bytes) / 2 / GIB}}}]"
+    budget = (fedit.peak_bytes + commit.peak_bytes) / 2 / GIB
+    between = f"federation.profiles=[{{memory_gib={budget}}}]"
     assert client_plan(instruction(tmp_path, "fedit", between)).excluded is None
     excluded = client_plan(instruction(tmp_path, "commit", between)).excluded
     assert (
         excluded.startswith("excluded by the plan: no setting fits its budget (rank 4") and "> memory_gib" in excluded
     )
+    # a run drops it with that reason and measures the client that fits against its prediction
+    budgets = f"federation.profiles=[{{memory_gib=64}}, {{memory_gib={budget}}}]"
+    summary = run_experiment(instruction(tmp_path, "commit", budgets, "rounds=1", "federation.clients_per_round=2"))
+    line = json.loads(Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines()[0])
+    assert line["dropped"] == {"1": excluded}
+    assert abs(commit.peak_bytes / line["client_peak_bytes"]["0"] - 1) < TOLERANCE
     # the trainer runs in evaluation mode, where the LM does not checkpoint: no saving predicted
     ckpt = "train.gradient_checkpointing=true"
     assert client_plan(instruction(tmp_path, "commit", ckpt)).peak_bytes == commit.peak_bytes
