@@ -93,13 +93,12 @@ ROOT = Path(__file__).resolve().parents[1]
 CLASSES = '[{name="phone", share=0.5, memory_gib=0.5}, {name="laptop", share=0.5, memory_gib=8}]'
 #: LoRA recipes the planner does not cover yet, with the one-line refusal `fedtune plan` gives
 UNPLANNED = {
-    "commit.toml": "method 'commit' has no planner",
     "image-classification.toml": "'mobilenet-v2': the model has no Hugging Face transformer config to plan from",
 }
 
 
 def plannable_recipes() -> list[str]:
-    """Every recipe of a LoRA method, and RABO's."""
+    """Every recipe of a LoRA method, and RABO's and its full-model baseline FedMBO's."""
     import tomllib
 
     from fedtune.methods import get_method
@@ -107,7 +106,7 @@ def plannable_recipes() -> list[str]:
     out = []
     for path in sorted((ROOT / "configs").glob("*.toml")):
         method = tomllib.loads(path.read_text()).get("method", "fedit")
-        if "lora" in get_method(method).requires or path.name == "rabo.toml":
+        if "lora" in get_method(method).requires or path.name in ("rabo.toml", "fedmbo.toml"):
             out.append(path.name)
     return out
 

@@ -24,6 +24,8 @@ policy's (every policy keeps the same number of units, so the costs are the same
   hypergradient phase);
 - **upload** = the sub-model's values at its mask x the wire bytes per value.
 
+FedMBO (RABO without masks) is priced as RABO at capacity 1 on every client.
+
 FIARSE trains the full-size model with its entries masked (its sub-model is the same count of
 values by magnitude), so its memory and seconds are capacity 1's and only its upload shrinks.
 
@@ -40,6 +42,9 @@ from fedtune.planning.memory import REFERENCE_FLOPS, Prediction
 
 #: the sub-model methods (their knob: ``profile.capacity``)
 CAPACITY_METHODS = ("rabo", "rafbo", "static", "fedrolex", "fiarse")
+#: RABO's full-model baseline: every client trains the whole model, planned at capacity 1 only
+FULL_MODEL_METHODS = ("fedmbo",)
+BILEVEL_METHODS = ("rabo", "rafbo", "fedmbo")
 #: RABO Sec. V-A's capacities, largest first
 CAPACITIES = (1.0, 0.5, 0.25, 0.125, 0.0625)
 #: (a bytes, k) of the activation term ``a + k x saved`` per kind, fitted by
@@ -89,7 +94,7 @@ def predict_capacity(context, capacity: float, fitted: bool = True) -> tuple[Pre
     batch = next(iter(task.train_batches(context.partitions[0], config.train.batch_size, 1, rng)))
     with ActivationMeter(model) as meter, FlopCounterMode(display=False) as flops:
         task.loss(model, batch)
-    bilevel = config.method in ("rabo", "rafbo")  # T plain inner steps
+    bilevel = config.method in BILEVEL_METHODS  # T plain inner steps
     steps = config.train.local_steps
     if bilevel:
         inner = task.bilevel_problem(context, context.options).inner

@@ -27,7 +27,8 @@ the logits, the backward's transient buffers) because they are fitted to the mea
 peak and the recomputed layer's do not coincide, so the logits have their own c_v'.
 Time: ``(2 (2 + checkpointing) N_base + 6 N_trainable) t`` FLOPs a step (a 4-bit weight counted
 unpacked) over the speed-1 client's FLOP/s in the base's format (:mod:`fedtune.planning.speed`)
-times ``speed``.
+times ``speed``. A method whose step does more (CoMMIT: :func:`fedtune.planning.planner.commit_workload`)
+states its passes and what it holds beside the step in its :class:`Workload`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch
 from torch import nn
 
 from fedtune.planning.speed import REFERENCE_FLOPS as REFERENCE_FLOPS  # float32's, for planning.capacity
-from fedtune.planning.speed import reference, train_flops
+from fedtune.planning.speed import forward_flops, reference, train_flops
 from fedtune.process import _malloc_trim
 
 #: Activation coefficients (c_h, c_i, c_a, c_v, c_r, k, c_v') per model family, fitted by
@@ -96,6 +97,10 @@ class Workload:
     states: int  # optimizer states per trainable value
     steps: int = 1
     kbit: bool = False  # a quantized base (its activations are float32: :func:`features`)
+    passes: int = 1  # forward-backward passes a step (CoMMIT's regularizer adds two)
+    forwards: int = 0  # gradient-free forward passes a step (CoMMIT's kappa measurement)
+    copies: int = 0  # copies of the trainable values held beside them, their gradients and states
+    held: int = 0  # other bytes held at the peak beyond the LoRA step's (CoMMIT's answer logits)
 
 
 @dataclass(frozen=True)
@@ -106,10 +111,11 @@ class Prediction:
     activations: int
     seconds: float  # of all steps, at speed 1
     features: tuple[float, ...]  # the activation term's (:func:`features`)
+    held: int = 0  # bytes the method holds beyond the LoRA step's (:attr:`Workload.copies`, :attr:`Workload.held`)
 
     @property
     def peak(self) -> int:
-        return self.weights + self.trainable * 4 * (1 + self.states) + self.activations
+        return self.weights + self.trainable * 4 * (1 + self.states) + self.activations + self.held
 
 
 def _matches(name: str, targets: list[str]) -> bool:
@@ -193,7 +199,9 @@ def predict(
     dims = adapted_layers(base, targets)
     feats = tuple(features(shape, work, rank, len(dims) / shape.layers))
     trainable = rank * sum(i + o for i, o in dims) + head_values(base, heads)
-    flops = train_flops(frozen_values(base), trainable, work.batch * work.length, work.checkpointing) * work.steps
+    frozen, tokens = frozen_values(base), work.batch * work.length
+    step = work.passes * train_flops(frozen, trainable, tokens, work.checkpointing)
+    flops = (step + work.forwards * forward_flops(frozen, trainable, tokens)) * work.steps
     return Prediction(
         weights=base_weight_bytes(base) if weights is None else weights,
         trainable=trainable,
@@ -201,6 +209,7 @@ def predict(
         activations=activation_bytes(shape, work, feats),
         seconds=flops / reference(base, shape.hidden, fmt).flops,
         features=feats,
+        held=work.copies * 4 * trainable + work.held,
     )
 
 

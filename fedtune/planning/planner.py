@@ -6,13 +6,15 @@ A client has a budget when its profile states ``memory_gib``, ``bandwidth_mb`` o
 client's speed and the MB it uploads, and picks, simplest first, the knob its method lets a
 client vary: the rank for HeteroLoRA / FlexLoRA / FedStackLoRA, the sketch ratio (rank / r) for
 FSLoRA, each client's largest of r, r/2, r/4, ..., 1 that fits every budget it states; FedIT has
-no knob (rank r or nothing). The sub-model methods (RABO / RAFBO, Static, FedRolex, FIARSE) vary
-the capacity, the largest of RABO's 1, 1/2, ..., 1/16 that fits, priced on the sliced model
-(:mod:`fedtune.planning.capacity`). FedPFT and FedOT choose the model a client trains the
-adapter on, the full model or else the proxy (:mod:`fedtune.planning.proxy`). A client that
-states its knob (``rank``, ``sketch_ratio``, ``capacity``, ``trains_on``) keeps it
-and the run measures it. A client that no setting fits is excluded, with the reason of the
-smallest setting, and every round drops it with that reason.
+no knob (rank r or nothing), nor has CoMMIT (FedIT's step with its trainer's extra passes and
+held tensors: :func:`commit_workload`). The sub-model methods (RABO / RAFBO, Static, FedRolex,
+FIARSE) vary the capacity, the largest of RABO's 1, 1/2, ..., 1/16 that fits, priced on the sliced
+model (:mod:`fedtune.planning.capacity`); FedMBO trains the full model: capacity 1 or nothing.
+FedPFT and FedOT choose the model a client trains the adapter on, the full model or else the
+proxy (:mod:`fedtune.planning.proxy`). A client that states its knob (``rank``,
+``sketch_ratio``, ``capacity``, ``trains_on``) keeps it and the run measures it. A client that
+no setting fits is excluded, with the reason of the smallest setting, and every round drops it
+with that reason.
 
 At each value of the knob, largest first, a LoRA client over its memory budget is tried with
 gradient checkpointing (it costs time, about a third more compute, and no accuracy), then on an
@@ -46,15 +48,24 @@ KNOBS: dict[str, str | None] = {
     "fedstacklora": "rank",
     "fslora": "sketch_ratio",
     "fedit": None,
+    "commit": None,
     "fedpetuning": None,
     "local": None,
     **dict.fromkeys(("rabo", "rafbo", "static", "fedrolex", "fiarse"), "capacity"),
+    "fedmbo": None,  # the full model: capacity 1 (planning.capacity.FULL_MODEL_METHODS)
     **dict.fromkeys(("fedpft", "fedot"), "trains_on"),
 }
 #: the key of a training reply's metadata with the client's measured peak bytes
 PEAK_BYTES = "peak_bytes"
 MB = 1e6  # MB per round: 10^6 bytes
 GIB = 2**30
+
+
+def _capacity_planned(method: str) -> bool:
+    """Whether ``method``'s clients are priced on the sliced model (:mod:`fedtune.planning.capacity`)."""
+    from fedtune.planning.capacity import FULL_MODEL_METHODS
+
+    return KNOBS.get(method) == "capacity" or method in FULL_MODEL_METHODS
 
 
 def has_budget(profile: ClientProfile) -> bool:
@@ -80,6 +91,7 @@ class Plan:
     profiles: list[ClientProfile]  # with each client's planned knob
     excluded: dict[int, str] = field(default_factory=dict)
     speed_note: str = ""  # what the predicted seconds assume (:func:`fedtune.planning.speed.reference`)
+    note: str = ""  # what the plan leaves out of the profiles (FedMBO: their capacities)
 
 
 def _ladder(rank: int) -> list[int]:
@@ -114,12 +126,22 @@ def plan_budgets(context, always: bool = False) -> Plan | None:
             f"federation: client budgets are planned for {', '.join(KNOBS)}; method {config.method!r} has no planner"
         )
     knob = KNOBS[config.method]
-    if knob == "capacity":
+    note = ""
+    if _capacity_planned(config.method):
         from fedtune.planning.capacity import CAPACITIES, predict_capacity
 
-        knobs = _Knob(
-            list(CAPACITIES), lambda p: p.capacity, lambda v, *_: predict_capacity(context, v), "capacity {:g}".format
-        )
+        def price(v, *_):
+            return predict_capacity(context, v)
+
+        if knob == "capacity":
+            knobs = _Knob(list(CAPACITIES), lambda p: p.capacity, price, "capacity {:g}".format)
+        else:  # FedMBO: the full model, whatever capacity a profile states (the method ignores it)
+            knobs = _Knob([1.0], lambda p: None, price, lambda v: "full model")
+            ignored = [str(cid) for cid, p in enumerate(profiles) if p.capacity not in (None, 1.0)]
+            if ignored:
+                note = (
+                    f"{config.method} trains the full model: the capacities of clients {', '.join(ignored)} are ignored"
+                )
     elif knob == "trains_on":
         from fedtune.planning.proxy import SETTINGS, predict_settings
 
@@ -184,7 +206,7 @@ def plan_budgets(context, always: bool = False) -> Plan | None:
             )  # fmt: skip
         )
         planned.append(profile)
-    return Plan(clients, planned, excluded, knobs.speed_note)
+    return Plan(clients, planned, excluded, knobs.speed_note, note)
 
 
 #: the upload codecs (top-k fraction, wire dtype) the planner may give a client, heaviest first
@@ -279,6 +301,8 @@ def _lora_knob(context, knob: str | None) -> _Knob:
             fmt = planned_format(quantization, DTYPES[cfg.dtype], resolve_device(config.device))
         kbit = (quantization or cfg.quantization) != "none"  # a quantized base's activations are float32
         client = replace(work, checkpointing=checkpointing, kbit=kbit)
+        if config.method == "commit":
+            client = commit_workload(context, client)
         p = predict(base, targets, task.head_modules(), rank, client, weights=weights, fmt=fmt)
         return p, p.trainable
 
@@ -331,11 +355,51 @@ def lora_workload(context, base):
     return work
 
 
+#: CoMMIT's local step (:func:`fedtune.methods.commit.balance.train_coordinated`) beyond FedIT's, per
+#: path of the trainer: (forward-backward passes, gradient-free forward passes, copies of the
+#: trainable values held, float32 tensors of the answer logits' shape held beyond the loss pass's)
+COMMIT_STEP: dict[str, tuple[int, int, int, int]] = {
+    # the loss pass, then D^T's and D^S's (each a forward and autograd.grad through the LM); the
+    # provisional values and the swapped-out component's own; answer_distance holds log q, log p,
+    # q, q - p and |q - p| where the cross-entropy holds its float copy and log-softmax
+    "regularized": (3, 0, 2, 3),
+    "measured": (1, 2, 1, 0),  # d_T and d_S: two no-grad forwards after the step; the values before it
+    "cd": (1, 0, 1, 0),  # the first component's values at the window's start
+    "plain": (1, 0, 0, 0),
+}
+
+
+def commit_workload(context, work):
+    """``work`` (FedIT's step on the same base) as a CoMMIT client's (:data:`COMMIT_STEP` for its
+    ``options.trainer``), with y_hat held too: the loss pass's logits over the A + 1 positions the
+    LM head computes (A: the task's longest answer), kept through the step. Without checkpointing:
+    the trainer runs the model in evaluation mode, where Hugging Face layers do not checkpoint."""
+    from fedtune.methods.commit.balance import CD_ORDER
+    from fedtune.methods.commit.commit import coordination
+    from fedtune.planning.memory import Shape
+
+    coord = coordination(context.options, context.config)
+    path = (
+        "regularized" if coord.regularized
+        else "measured" if coord.measures
+        else "cd" if coord.trainer in CD_ORDER
+        else "plain"
+    )  # fmt: skip
+    passes, forwards, copies, tensors = COMMIT_STEP[path]
+    answer, vocab = context.task.prompts.max_answer_tokens, Shape.of(context.workspace.base).vocab
+    logits = (4 if work.kbit else work.act_bytes) * work.batch * (answer + 1) * vocab
+    held = tensors * 4 * work.batch * answer * vocab + logits
+    return replace(work, checkpointing=False, passes=passes, forwards=forwards, copies=copies, held=held)
+
+
 def _checkpointable(context, base) -> bool:
     """Whether the planner may turn gradient checkpointing on for a client: the method honours
-    ``train.gradient_checkpointing`` and the model supports it."""
-    return CHECKPOINTING in context.method.honours and any(
-        getattr(m, "supports_gradient_checkpointing", False) for m in base.modules()
+    ``train.gradient_checkpointing``, checkpoints in its fit (not CoMMIT: :func:`commit_workload`)
+    and the model supports it."""
+    return (
+        CHECKPOINTING in context.method.honours
+        and context.config.method != "commit"
+        and any(getattr(m, "supports_gradient_checkpointing", False) for m in base.modules())
     )
 
 
@@ -377,7 +441,7 @@ def metered_fit(client, message: Message, call: Callable[[Message], Message] | N
     if meter.growth is None:
         return reply
     # a LoRA client holds the frozen base; a sub-model client builds its sub-model inside its fit
-    held = 0 if KNOBS.get(client.config.method) == "capacity" else base_weight_bytes(client.context.workspace.base)
+    held = 0 if _capacity_planned(client.config.method) else base_weight_bytes(client.context.workspace.base)
     return Message(reply.arrays, {**reply.meta, PEAK_BYTES: held + meter.growth})
 
 
@@ -400,6 +464,8 @@ def format_plan(plan: Plan) -> str:
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)) + ("  " + r[-1] if r[-1] else "") for r in rows]
     kept = len(plan.clients) - len(plan.excluded)
     lines.append(f"{kept} of {len(plan.clients)} clients planned, {len(plan.excluded)} excluded")
+    if plan.note:
+        lines.append(plan.note)
     if plan.speed_note:
         lines.insert(0, plan.speed_note)
     return "\n".join(lines)

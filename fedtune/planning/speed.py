@@ -70,6 +70,11 @@ def train_flops(frozen: int, trainable: int, tokens: int, checkpointing: bool) -
     return (2 * (2 + checkpointing) * frozen + 6 * trainable) * tokens
 
 
+def forward_flops(frozen: int, trainable: int, tokens: int) -> float:
+    """FLOPs of one gradient-free forward pass: 2 per value and token."""
+    return 2 * (frozen + trainable) * tokens
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
