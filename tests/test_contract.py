@@ -186,7 +186,7 @@ PINNED = {
     **dict.fromkeys(ROBUST_OPTIONS, ROBUST_HONOURING),
     "model.dtype": SCALE_HONOURING,
     "device": DEVICE_HONOURING,
-    "train.gradient_checkpointing": sorted([*SCALE_HONOURING, "commit"]),
+    "train.gradient_checkpointing": sorted(SCALE_HONOURING),
     "model.quantization": ["commit", "fedit", "fslora", "heterolora", "local"],
     "privacy.mode": PRIVACY_HONOURING,
     # the weighted sums SecAgg+ computes (fedtune.methods.base.aggregation.Aggregation.secure_sum)

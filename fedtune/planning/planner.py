@@ -372,8 +372,8 @@ COMMIT_STEP: dict[str, tuple[int, int, int, int]] = {
 def commit_workload(context, work):
     """``work`` (FedIT's step on the same base) as a CoMMIT client's (:data:`COMMIT_STEP` for its
     ``options.trainer``), with y_hat held too: the loss pass's logits over the A + 1 positions the
-    LM head computes (A: the task's longest answer), kept through the step. Without checkpointing:
-    the trainer runs the model in evaluation mode, where Hugging Face layers do not checkpoint."""
+    LM head computes (A: the task's longest answer), kept through the step. Without checkpointing
+    (CoMMIT does not honour it: its trainer runs the model in evaluation mode)."""
     from fedtune.methods.commit.balance import CD_ORDER
     from fedtune.methods.commit.commit import coordination
     from fedtune.planning.memory import Shape
@@ -394,12 +394,9 @@ def commit_workload(context, work):
 
 def _checkpointable(context, base) -> bool:
     """Whether the planner may turn gradient checkpointing on for a client: the method honours
-    ``train.gradient_checkpointing``, checkpoints in its fit (not CoMMIT: :func:`commit_workload`)
-    and the model supports it."""
-    return (
-        CHECKPOINTING in context.method.honours
-        and context.config.method != "commit"
-        and any(getattr(m, "supports_gradient_checkpointing", False) for m in base.modules())
+    ``train.gradient_checkpointing`` and the model supports it."""
+    return CHECKPOINTING in context.method.honours and any(
+        getattr(m, "supports_gradient_checkpointing", False) for m in base.modules()
     )
 
 
