@@ -36,11 +36,11 @@ def table():
     return load_script(FOLDER / "class_table.py", "class_table")
 
 
-def check_arms(bench, method, small, top, base, suite):
+def check_arms(bench, method, small, top, base, suite, pin=False):
     """The planned arm gives phone < laptop < workstation (``small`` and ``top`` at the ends), the
     smallest arm ``small`` everywhere, the drop arm ``top`` and drops the phones and laptops."""
     knob = {"heterolora": "rank", "fslora": "sketch_ratio"}[method]
-    profiles, settings = bench.arm_profiles(method, base, suite)
+    profiles, settings = bench.arm_profiles(method, base, suite, pin)
     planned = plan_budgets(bench.context(base, profiles["planned"], suite.recipe(method)))
     by_class = {bench.class_of(c.cid): getattr(p, knob) for c, p in zip(planned.clients, planned.profiles)}
     assert by_class["phone"] == small < by_class["laptop"] < by_class["workstation"] == top
@@ -63,7 +63,7 @@ def test_the_three_arms_give_the_classes_different_settings(bench, method, small
 def test_the_causal_lm_arms_give_the_classes_different_settings(causal, method, small, top, quick):
     """On tiny-llama, and (slow) on the benchmark's own SmolLM2-135M at its scale."""
     base = [*(causal.QUICK if quick else []), *causal.tc.METHODS[method]]
-    check_arms(causal.tc, method, small, top, base, causal.SUITE)
+    check_arms(causal.tc, method, small, top, base, causal.SUITE, pin=not quick)
 
 
 def test_the_causal_lm_plan_has_one_experiment_per_method_on_its_recipe(causal, tmp_path):
@@ -187,3 +187,18 @@ def test_rows_give_the_mean_and_sample_std_of_each_runs_last_two_held_out_losses
         ("rabo", "smallest"),
     ]
     assert all(r["loss_mean"] == pytest.approx(2.5) and r["loss_std"] == pytest.approx(2**0.5) for r in out)
+
+
+def test_the_full_scale_runs_state_the_pinned_class_budgets_and_quick_ones_derive_theirs(bench):
+    """A device's budget is fixed: a refit of the memory model must not change the runs' configs
+    (and void them); --quick's tiny-bert derives its own from the multiples (RABO's quick scale
+    keeps the Conv4: the same values)."""
+    for quick in (False, True):
+        runs, _ = bench.specs([0], quick=quick)
+        for r in runs:
+            experiment = bench.EXPERIMENT[r.labels["method"]]
+            if quick and experiment == "omniglot":
+                continue
+            config = load_config(bench.RECIPES[experiment], r.overrides)
+            stated = {p.device_class: (p.memory_gib, p.bandwidth_mb) for p in config.federation.profiles}
+            assert (stated == bench.PINNED[experiment]) is not quick, (quick, r.name, stated)

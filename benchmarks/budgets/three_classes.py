@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from class_table import CLASSES, COST_HEADER, LAST, accuracy, cell, class_of, ratio, rows
@@ -97,7 +97,8 @@ class Suite:
     """One task's benchmark: its script's docstring and path, results and ``--quick`` scratch
     folders, what it reads from the data folder, each method's experiment and arms, each
     experiment's recipe, ``--quick`` overrides and one run's estimated seconds (full, quick), and
-    whether its report gives the held-out loss."""
+    whether its report gives the held-out loss; ``pinned``: each experiment's class budgets at the
+    full scale (memory GiB, upload MB a round), fixed as a device's are (:data:`PINNED`)."""
 
     doc: str
     script: str
@@ -110,6 +111,7 @@ class Suite:
     quick: dict[str, list[str]]
     run_s: dict[str, tuple[float, float]]
     loss: bool = False
+    pinned: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
 
     def recipe(self, method: str) -> Path:
         return self.recipes[self.experiment[method]]
@@ -126,6 +128,16 @@ class Suite:
         return plan, settings
 
 
+#: experiment -> class -> (memory GiB, upload MB a round) at the full scale: CLASSES' (RABO_CLASSES')
+#: multiples of the predicted cost at the largest setting, as the memory model priced it at the
+#: eleventh session's runs. Fixed, as a device's budget is: a later refit of the model changes what
+#: the planner predicts and picks inside them (each run's plan.json), not the devices, so it does
+#: not void the runs; ``--quick`` (other models) still derives them from the multiples.
+PINNED = {
+    "agnews": {"phone": (0.21, 0.1892), "laptop": (0.4201, 0.7096), "workstation": (1.2603, 4.7309)},
+    "omniglot": {"phone": (0.0368, 0.9022), "laptop": (0.0662, 0.9022), "workstation": (0.1471, 0.9022)},
+}
+
 AGNEWS = Suite(
     __doc__,
     "benchmarks/budgets/three_classes.py",
@@ -137,24 +149,32 @@ AGNEWS = Suite(
     RECIPES,
     {"agnews": QUICK, "omniglot": QUICK_RABO},
     RUN_S,
+    pinned=PINNED,
 )
 
 
-def budgets(largest, method: str) -> dict[str, dict]:
-    """Each class's profile fields, from ``largest`` (the :class:`ClientPlan` of rank r or capacity
-    1, no budget). The LoRA methods' upload codec is pinned to dense float32, so the planner meets a
-    bandwidth budget with the method's own knob (rank, sketch ratio), not with top-k or bfloat16
-    (which it tries first; the ``compressed`` arm unpins it)."""
+def budgets(largest, method: str, pinned: dict[str, tuple[float, float]] | None = None) -> dict[str, dict]:
+    """Each class's profile fields: its ``pinned`` (memory GiB, upload MB), else the class's
+    multiples of ``largest`` (the :class:`ClientPlan` of rank r or capacity 1, no budget). The LoRA
+    methods' upload codec is pinned to dense float32, so the planner meets a bandwidth budget with
+    the method's own knob (rank, sketch ratio), not with top-k or bfloat16 (which it tries first;
+    the ``compressed`` arm unpins it)."""
     lora = KNOBS[method] != "capacity"
+    classes = CLASSES if lora else RABO_CLASSES
+    if pinned is None:
+        pinned = {
+            k: (round(m * largest.peak_bytes / GIB, 4), round(b * largest.upload_mb, 4))
+            for k, (m, b, _) in classes.items()
+        }
     return {
         name: {
             "device_class": name,
-            "memory_gib": round(m * largest.peak_bytes / GIB, 4),
-            "bandwidth_mb": round(b * largest.upload_mb, 4),
+            "memory_gib": pinned[name][0],
+            "bandwidth_mb": pinned[name][1],
             "speed": s,
             **({"wire_dtype": "float32"} if lora else {}),
         }
-        for name, (m, b, s) in (CLASSES if lora else RABO_CLASSES).items()
+        for name, (_, _, s) in classes.items()
     }
 
 
@@ -163,13 +183,17 @@ def context(base: list[str], profiles: list[dict] | None = None, recipe: Path = 
     return RunContext(resolve_run(load_config(recipe, [*base, *extra])))
 
 
-def arm_profiles(method: str, base: list[str], suite: Suite = AGNEWS) -> tuple[dict[str, list[dict]], dict]:
+def arm_profiles(
+    method: str, base: list[str], suite: Suite = AGNEWS, pin: bool = False
+) -> tuple[dict[str, list[dict]], dict]:
     """Each of the method's arms (``suite.arms``): its explicit profiles and its setting by class
-    (from the planned arm's plan)."""
+    (from the planned arm's plan); ``pin``: the class budgets are the suite's pinned ones for the
+    method's experiment (the full scale)."""
     recipe = suite.recipe(method)
     n = load_config(recipe, base).federation.num_clients
-    largest = plan_budgets(context(base, recipe=recipe), always=True).clients[0]
-    fields = budgets(largest, method)
+    pinned = suite.pinned.get(suite.experiment[method]) if pin else None
+    largest = None if pinned else plan_budgets(context(base, recipe=recipe), always=True).clients[0]
+    fields = budgets(largest, method, pinned)
     planned = [fields[class_of(c)] for c in range(n)]
     plan = plan_budgets(context(base, planned, recipe))
     knob = KNOBS[method]
@@ -214,7 +238,7 @@ def specs(seeds: list[int], quick: bool, suite: Suite = AGNEWS) -> tuple[list[Ru
     out, settings = [], {}
     for method, experiment in suite.experiment.items():
         base = [*METHODS[method], *(suite.quick[experiment] if quick else [])]
-        profiles, settings[method] = arm_profiles(method, base, suite)
+        profiles, settings[method] = arm_profiles(method, base, suite, pin=not quick)
         for seed in seeds:
             for arm in suite.arms[method]:
                 extra = [f"federation.profiles={toml_value(profiles[arm])}", f"seed={seed}"]
