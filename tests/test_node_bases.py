@@ -12,6 +12,7 @@ from itertools import product
 from pathlib import Path
 
 import pytest
+import torch
 
 from fedtune.planning.memory import predict
 from fedtune.planning.planner import _lora_knob, lora_workload, plan_budgets
@@ -111,3 +112,54 @@ def test_a_pretrained_models_skeleton_comes_from_its_configuration_and_plans_as_
     assert [c.setting for c in plan.clients] == ["rank 8", "rank 8, checkpointing"]
     context.skeleton = context.workspace.base
     assert plan_budgets(context) == plan
+
+
+def save_vit(folder: Path) -> None:
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+    shape = ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                      image_size=16, patch_size=4)  # fmt: skip
+    ViTForImageClassification(shape).save_pretrained(folder)
+    ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(folder)
+
+
+def save_wav2vec2(folder: Path) -> None:
+    from fedtune.models import audio
+
+    audio._tiny_wav2vec2(2).save_pretrained(folder)
+    audio._tiny_wav2vec2_extractor().save_pretrained(folder)
+
+
+@pytest.mark.parametrize(
+    "kind, save, family",
+    [("image-classification", save_vit, "vit"), ("audio-classification", save_wav2vec2, "wav2vec2")],
+)
+def test_a_pretrained_classifiers_skeleton_reaches_the_planners_one_line_refusal(tmp_path, kind, save, family):
+    """A Hugging Face image or audio classifier in a local folder (``from_pretrained``, which
+    refuses the meta device): its skeleton comes from its configuration, and the planner refuses
+    its family in one line, as it did from the loaded model."""
+    from fedtune.config import ConfigError
+    from tests.conftest import tiny
+
+    save(tmp_path / "model")
+    budget = ("federation.profiles=[{memory_gib=4}]", f"model.name={tmp_path / 'model'}")
+    context = RunContext(resolve_run(tiny(tmp_path, "fedit", kind, *budget)))
+    with pytest.raises(ConfigError, match=rf"is a '{family}' model; the memory model is fitted for llama, bert"):
+        context.profiles
+    linears = [m for m in context.skeleton.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and {m.weight.device.type for m in linears} == {"meta"} and "workspace" not in vars(context)
+
+
+def test_the_skeleton_of_a_model_built_from_the_tasks_data_leaves_the_data_on_the_cpu(tmp_path):
+    """The instruction task's audio encoder is sized by a dry run on a recording's log-mel
+    features: the first read of the data, inside the skeleton's meta device, still prepares it on
+    the CPU (the same features as a fresh task's), and the skeleton is planned."""
+    import numpy as np
+
+    from tests.conftest import tiny
+
+    cfg = tiny(tmp_path, "heterolora", "instruction", "federation.profiles=[{memory_gib=4}]", variant="image+audio")
+    context = RunContext(resolve_run(cfg))
+    assert context.plan is not None and "workspace" not in vars(context)
+    fresh = RunContext(resolve_run(cfg)).task.train.items.media["audio"]
+    assert np.array_equal(context.task.train.items.media["audio"], fresh)
