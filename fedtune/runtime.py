@@ -19,7 +19,9 @@ frozen base per process, however many clients; every user of a workspace loads t
 needs (from a Message, or the server's state) before each use, so the two sides still exchange
 nothing but Messages. A client whose profile states another base quantization
 (``federation.profiles[i].quantization``) trains on the process's base of that quantization, built
-on first use (:meth:`RunContext.base_for`): one base per quantization in use.
+on first use (:meth:`RunContext.base_for`): one base per quantization in use. The budget planner
+reads the model's meta-device skeleton (:attr:`RunContext.skeleton`), not a loaded base, so a
+client process builds the run's base only when one of its clients trains on it.
 """
 
 from __future__ import annotations
@@ -156,6 +158,18 @@ class RunContext:
         from fedtune.models.precision import place
 
         return place(self.task.build_model(self.config.seed), self.config.device)
+
+    @cached_property
+    def skeleton(self) -> torch.nn.Module:
+        """The task's model on the meta device: its modules and shapes, no weights (a pretrained
+        model from its configuration, :func:`~fedtune.models.loading.on_meta`). The planner reads
+        it, so a process plans without loading a base and builds one only for a client of its own."""
+        import warnings
+
+        with torch.device("meta"), warnings.catch_warnings():
+            # a pretrained encoder's weights copied into its meta parameters: a no-op torch warns of
+            warnings.filterwarnings("ignore", "for .*: copying from a non-meta parameter", UserWarning)
+            return self.task.build_model(self.config.seed)
 
     @cached_property
     def workspace(self) -> LoraWorkspace:

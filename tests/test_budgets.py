@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -201,6 +200,6 @@ def test_a_budget_for_a_method_or_model_without_planner_is_refused(tiny_config, 
     with pytest.raises(ConfigError, match="'tiny-vit' is a 'vit' model; the memory model is fitted for llama, bert"):
         RunContext(resolve_run(config)).profiles
     context = RunContext(resolve_run(tiny_config("method=fedit", "federation.profiles=[{memory_gib=4}]")))
-    context.workspace = SimpleNamespace(base=torch.nn.Linear(2, 2))  # a model without a transformer config
+    context.skeleton = torch.nn.Linear(2, 2)  # a model without a transformer config
     with pytest.raises(ConfigError, match="has no Hugging Face transformer config to plan from; budgets are"):
         plan_budgets(context)

@@ -170,7 +170,7 @@ def plan(
         ratios = {}
         if calibrate_speed:
             model = context.config.model
-            ratios = speed.calibrate(Shape.of(context.workspace.base), model.dtype, model.quantization)
+            ratios = speed.calibrate(Shape.of(context.skeleton), model.dtype, model.quantization)
         with speed.calibrated(ratios):
             text = format_plan(plan_budgets(context, always=True))
     except FedtuneError as exc:

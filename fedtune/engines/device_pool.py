@@ -72,8 +72,10 @@ def client_context(config: RunConfig) -> RunContext:
     """A worker's :class:`~fedtune.runtime.RunContext` (its own base; ``config`` resolved once in
     the worker's process: its device is the worker's, not the run's), the worker's current CUDA
     device set to ``config.device`` (so code naming plain ``cuda`` stays on it). Its data and, for
-    a LoRA method, its base are loaded here, before the first request, as the server's are before
-    the first round in one process: a client's compute time does not hold the worker's start."""
+    a LoRA method, the bases its clients train on (:meth:`~fedtune.runtime.RunContext.base_for`:
+    the run's only where a client the plan keeps trains on it) are loaded here, before the first
+    request, as the server's are before the first round in one process: a client's compute time
+    does not hold the worker's start."""
     import torch
 
     from fedtune.runtime import RunContext, resolve_run
@@ -84,7 +86,9 @@ def client_context(config: RunConfig) -> RunContext:
     context = RunContext(resolve_run(config))
     context.partitions  # noqa: B018 - loads the task's data
     if "lora" in context.method.requires:
-        context.workspace  # noqa: B018 - builds the base on the device
+        excluded = context.plan.excluded if context.plan is not None else {}
+        for quantization in dict.fromkeys(p.quantization for c, p in enumerate(context.profiles) if c not in excluded):
+            context.base_for(quantization)  # builds the base on the device
         import peft  # noqa: F401 - imported by the first adapter's activation (seconds), else inside a fit
     return context
 

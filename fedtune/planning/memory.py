@@ -190,11 +190,13 @@ def predict(
     shape: Shape | None = None,
     weights: int | None = None,
     fmt: tuple[str, str] | None = None,
+    device: torch.device | None = None,
 ) -> Prediction:
     """The predicted cost of training a rank-``rank`` adapter on ``base`` (as loaded) with ``work``;
     ``shape``: the activation term's (default: ``base``'s config; a proxy's differs from it);
-    ``weights`` and ``fmt``: the base's bytes and (weights, compute) format at another quantization
-    (:func:`fedtune.planning.quantization.weight_bytes`, :func:`fedtune.planning.speed.planned_format`)."""
+    ``weights``, ``fmt`` and ``device``: the base's bytes, (weights, compute) format and device where
+    ``base`` is not it as loaded (another quantization, a meta skeleton:
+    :func:`fedtune.planning.quantization.weight_bytes`, :func:`fedtune.planning.speed.planned_format`)."""
     shape = shape or Shape.of(base)
     dims = adapted_layers(base, targets)
     feats = tuple(features(shape, work, rank, len(dims) / shape.layers))
@@ -207,7 +209,7 @@ def predict(
         trainable=trainable,
         states=work.states,
         activations=activation_bytes(shape, work, feats),
-        seconds=flops / reference(base, shape.hidden, fmt).flops,
+        seconds=flops / reference(base, shape.hidden, fmt, device).flops,
         features=feats,
         held=work.copies * 4 * trainable + work.held,
     )

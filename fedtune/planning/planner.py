@@ -145,7 +145,7 @@ def plan_budgets(context, always: bool = False) -> Plan | None:
     elif knob == "trains_on":
         from fedtune.planning.proxy import SETTINGS, predict_settings
 
-        settings = predict_settings(context, lora_workload(context, context.workspace.base))
+        settings = predict_settings(context, lora_workload(context, context.skeleton))
         label = {"full": "full model", "proxy": "proxy"}.__getitem__
         knobs = _Knob(list(SETTINGS), lambda p: p.trains_on, lambda v, *_: settings[v], label)
     else:
@@ -291,19 +291,19 @@ def _lora_knob(context, knob: str | None) -> _Knob:
     config = context.config
     cfg, train, task = config.model, config.train, context.task
     targets = list(cfg.target_modules) if cfg.target_modules is not None else task.lora_targets()
-    base = context.workspace.base
+    base = context.skeleton  # shapes only: each base's weights and format are predicted
     work = lora_workload(context, base)
+    dtype, device = DTYPES[cfg.dtype], resolve_device(config.device)
 
     def cost(rank: int, checkpointing: bool, quantization: str | None) -> tuple:
-        weights = fmt = None
-        if quantization not in (None, cfg.quantization):
-            weights = weight_bytes(base, quantization, tuple(task.head_modules()), DTYPES[cfg.dtype].itemsize)
-            fmt = planned_format(quantization, DTYPES[cfg.dtype], resolve_device(config.device))
-        kbit = (quantization or cfg.quantization) != "none"  # a quantized base's activations are float32
+        quantization = quantization or cfg.quantization
+        weights = weight_bytes(base, quantization, tuple(task.head_modules()), dtype.itemsize)
+        fmt = planned_format(quantization, dtype, device)
+        kbit = quantization != "none"  # a quantized base's activations are float32
         client = replace(work, checkpointing=checkpointing, kbit=kbit)
         if config.method == "commit":
             client = commit_workload(context, client)
-        p = predict(base, targets, task.head_modules(), rank, client, weights=weights, fmt=fmt)
+        p = predict(base, targets, task.head_modules(), rank, client, weights=weights, fmt=fmt, device=device)
         return p, p.trainable
 
     variants: tuple[bool, ...] = (train.gradient_checkpointing,)
@@ -316,7 +316,7 @@ def _lora_knob(context, knob: str | None) -> _Knob:
     def stated(profile: ClientProfile):
         return client_rank(profile, r) if profile.rank is not None or profile.sketch_ratio is not None else None
 
-    note = reference(base, Shape.of(base).hidden).note
+    note = reference(base, Shape.of(base).hidden, planned_format(cfg.quantization, dtype, device), device).note
     knob_of = partial(_Knob, variants=variants, quantizations=quantizations, speed_note=note)
     if knob == "sketch_ratio":
         return knob_of(_ladder(r), stated, cost, lambda v: f"sketch ratio {v / r:g}", lambda v: v / r)
@@ -386,7 +386,7 @@ def commit_workload(context, work):
         else "plain"
     )  # fmt: skip
     passes, forwards, copies, tensors = COMMIT_STEP[path]
-    answer, vocab = context.task.prompts.max_answer_tokens, Shape.of(context.workspace.base).vocab
+    answer, vocab = context.task.prompts.max_answer_tokens, Shape.of(context.skeleton).vocab
     logits = (4 if work.kbit else work.act_bytes) * work.batch * (answer + 1) * vocab
     held = tensors * 4 * work.batch * answer * vocab + logits
     return replace(work, checkpointing=False, passes=passes, forwards=forwards, copies=copies, held=held)

@@ -69,7 +69,8 @@ def weight_bytes(base: nn.Module, quantization: str, keep: tuple[str, ...], dtyp
     (:func:`quantized_bytes`), every other parameter float32 (PEFT's k-bit preparation), buffers
     as they are (what :func:`~fedtune.planning.memory.base_weight_bytes` counts of such a base);
     ``none``: those layers' weights and the other matrix layers' parameters in ``model.dtype``
-    (``dtype_bytes`` each), the rest float32."""
+    (``dtype_bytes`` each), the rest as built. ``base`` may be a skeleton on the meta device
+    (:attr:`~fedtune.runtime.RunContext.skeleton`: a tied weight is one Parameter there)."""
     from fedtune.models.precision import MATRIX_LAYERS, NEVER_QUANTIZED, _under
     from fedtune.planning.memory import _adapter_part
 
@@ -88,7 +89,7 @@ def weight_bytes(base: nn.Module, quantization: str, keep: tuple[str, ...], dtyp
         if _adapter_part(name):
             continue
         for pname, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-            ptr = t.untyped_storage().data_ptr()
+            ptr = id(t) if t.is_meta else t.untyped_storage().data_ptr()
             if name in quantized and pname == "weight":
                 values = module.in_features * module.out_features
                 if quantization == "none":
@@ -97,7 +98,7 @@ def weight_bytes(base: nn.Module, quantization: str, keep: tuple[str, ...], dtyp
                     seen[ptr] = quantized_bytes(values, bits) + (4 * module.out_features if bits == 8 else 0)
             elif isinstance(t, nn.Parameter):
                 matrix = quantization == "none" and isinstance(module, MATRIX_LAYERS) and not _under(name, keep)
-                seen[ptr] = (dtype_bytes if matrix else 4) * t.numel()
+                seen[ptr] = (dtype_bytes if matrix else t.element_size() if quantization == "none" else 4) * t.numel()
             else:
                 seen[ptr] = t.untyped_storage().nbytes()
     return sum(seen.values())

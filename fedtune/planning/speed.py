@@ -117,13 +117,16 @@ def planned_format(quantization: str, dtype: torch.dtype, device: torch.device) 
     return _dtype_name(dtype), _dtype_name(compute)
 
 
-def reference(base: nn.Module, hidden: int, fmt: tuple[str, str] | None = None) -> Reference:
+def reference(
+    base: nn.Module, hidden: int, fmt: tuple[str, str] | None = None, device: torch.device | None = None
+) -> Reference:
     """The FLOP/s of a speed-1 client training ``base`` of width ``hidden`` (it picks the point of
-    the format's entry), or float32's with a note saying its format was not measured; ``fmt``: the
-    format the client's base will have (:func:`planned_format`; default ``base``'s own)."""
+    the format's entry), or float32's with a note saying its format was not measured; ``fmt`` and
+    ``device``: the format the client's base will have (:func:`planned_format`) and the device it
+    will be on (default: ``base``'s own)."""
     fmt = fmt or base_format(base)
     float32 = at_width(FLOPS["float32", "float32"], hidden)
-    device = next((p.device for p in base.parameters()), torch.device("cpu"))
+    device = device or next((p.device for p in base.parameters()), torch.device("cpu"))
     widths = sorted({w for points in FLOPS.values() for w, _ in points})
     fitted = f"fitted at widths {widths[0]}-{widths[-1]} (benchmarks/results/budgets/speed-fit.json)"
     if device.type != "cpu":

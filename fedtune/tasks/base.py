@@ -92,9 +92,11 @@ class Task(ABC):
     @cached_property
     def data(self) -> tuple[Any, Any]:
         """(training pool, test set), subsampled to ``data.max_train_samples`` (with the run's
-        seed) and ``data.max_test_samples`` (seed 0: every run of a set tests on the same examples)."""
+        seed) and ``data.max_test_samples`` (seed 0: every run of a set tests on the same examples);
+        prepared on the CPU also when first read while a model's skeleton is built on the meta device."""
         cfg = self.config.data
-        train, test = self.load()
+        with torch.device("cpu"):
+            train, test = self.load()
         train, test = (
             subsample(train, cfg.max_train_samples, self.config.seed),
             subsample(test, cfg.max_test_samples, 0),

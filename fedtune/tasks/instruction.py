@@ -236,7 +236,7 @@ class Instruction(Task):
                 example = torch.zeros(1, 3, pre.size, pre.size)
             else:
                 enc = plm.build_audio_encoder(opts.audio_encoder, opts.n_mels, seed + 1)
-                example = torch.from_numpy(self.train.items.media["audio"][:1])
+                example = torch.as_tensor(self.train.items.media["audio"][:1])  # on the meta device for a skeleton
             enc.requires_grad_(self._encoder_trainable(enc.pretrained))
             with torch.random.fork_rng():
                 torch.manual_seed(seed + 2 + i)
