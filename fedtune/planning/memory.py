@@ -13,10 +13,11 @@ model's shape and the run's settings, and the meter that measures a client's pea
   layers per transformer layer, e the bytes of the compute dtype (4 on a quantized base: PEFT's
   k-bit preparation keeps its norms and embedding in float32, and bitsandbytes' quantized linears
   return their input's dtype, so its activations are float32 whatever it computes in), e_h those
-  of the hidden states (e; 4 for :data:`FLOAT32_HIDDEN`'s families)::
+  of the hidden states (e; 4 for :data:`FLOAT32_HIDDEN`'s families), t_V = batch x the positions
+  whose LM-head logits the loss computes (:attr:`Workload.logits`; t where it computes every one)::
 
-      no checkpointing: t n (e_h c_h h + e c_i i + e c_a a length) + c_v 4 t V + c_r 4 t n m r
-      checkpointing:    k e_h t n h + c_v' 4 t V + (the same without the logits for one layer, n = 1)
+      no checkpointing: t n (e_h c_h h + e c_i i + e c_a a length) + c_v 4 t_V V + c_r 4 t n m r
+      checkpointing:    k e_h t n h + c_v' 4 t_V V + (the same without the logits for one layer, n = 1)
 
   plus, on a quantized base computing in bfloat16 / float16, V h times the compute dtype's bytes:
   the autocast's copy of its float32 LM head, which the backward keeps.
@@ -101,6 +102,11 @@ class Workload:
     forwards: int = 0  # gradient-free forward passes a step (CoMMIT's kappa measurement)
     copies: int = 0  # copies of the trainable values held beside them, their gradients and states
     held: int = 0  # other bytes held at the peak beyond the LoRA step's (CoMMIT's answer logits)
+    logits: int | None = None  # positions per row whose LM-head logits the loss computes (None: every one)
+
+    @property
+    def logit_positions(self) -> int:
+        return self.length if self.logits is None else self.logits
 
 
 @dataclass(frozen=True)
@@ -224,7 +230,7 @@ def activation_bytes(shape: Shape, work: Workload, feats: tuple[float, ...] | li
 def features(shape: Shape, work: Workload, rank: int, adapted_per_layer: float) -> list[float]:
     """The activation term's features, in :data:`COEFFICIENTS`' order (the module docstring);
     ``adapted_per_layer``: m."""
-    t = work.batch * work.length
+    t, tv = work.batch * work.length, work.batch * work.logit_positions
     e = 4 if work.kbit else work.act_bytes
     eh = 4 if shape.family in FLOAT32_HIDDEN else e  # the hidden states' bytes
     ck = work.checkpointing
@@ -233,10 +239,10 @@ def features(shape: Shape, work: Workload, rank: int, adapted_per_layer: float) 
         eh * t * n * shape.hidden,
         e * t * n * shape.intermediate,
         e * t * n * shape.heads * work.length,
-        0.0 if ck else 4 * t * shape.vocab,
+        0.0 if ck else 4 * tv * shape.vocab,
         4 * t * n * adapted_per_layer * rank,
         eh * t * shape.layers * shape.hidden if ck else 0.0,
-        4 * t * shape.vocab if ck else 0.0,
+        4 * tv * shape.vocab if ck else 0.0,
     ]
 
 
