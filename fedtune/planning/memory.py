@@ -20,7 +20,9 @@ model's shape and the run's settings, and the meter that measures a client's pea
       checkpointing:    k e_h t n h + c_v' 4 t_V V + (the same without the logits for one layer, n = 1)
 
   plus, on a quantized base computing in bfloat16 / float16, V h times the compute dtype's bytes:
-  the autocast's copy of its float32 LM head, which the backward keeps.
+  the autocast's copy of its float32 LM head, which the backward keeps; and with LoRA dropout,
+  (e + 1) t x the adapted layers' input widths (each keeps its dropped input and the mask, a byte
+  a value; not fitted: the fit trains without dropout), one transformer layer's with checkpointing.
 
 The fitted coefficients also cover what autograd keeps besides the saved tensors (the gradient of
 the logits, the backward's transient buffers) because they are fitted to the measured peak
@@ -103,6 +105,7 @@ class Workload:
     copies: int = 0  # copies of the trainable values held beside them, their gradients and states
     held: int = 0  # other bytes held at the peak beyond the LoRA step's (CoMMIT's answer logits)
     logits: int | None = None  # positions per row whose LM-head logits the loss computes (None: every one)
+    dropout: bool = False  # LoRA dropout (``model.lora_dropout`` > 0) on the adapted layers' inputs
 
     @property
     def logit_positions(self) -> int:
@@ -212,7 +215,7 @@ def predict(
         weights=base_weight_bytes(base) if weights is None else weights,
         trainable=trainable,
         states=work.states,
-        activations=activation_bytes(shape, work, feats),
+        activations=activation_bytes(shape, work, feats) + dropout_bytes(shape, work, sum(i for i, _ in dims)),
         seconds=flops / reference(base, shape.hidden, fmt).flops,
         features=feats,
         held=work.copies * 4 * trainable + work.held,
@@ -225,6 +228,16 @@ def activation_bytes(shape: Shape, work: Workload, feats: tuple[float, ...] | li
     never quantized) that the autocast makes in the compute dtype and the backward keeps."""
     cast = shape.vocab * shape.hidden * work.act_bytes if work.kbit and work.act_bytes < 4 else 0
     return int(sum(c * f for c, f in zip(COEFFICIENTS[shape.family], feats))) + cast
+
+
+def dropout_bytes(shape: Shape, work: Workload, inputs: int) -> int:
+    """What LoRA dropout keeps (0 without it): each adapted layer's dropped input, in the
+    activations' dtype, and its mask, over ``inputs``, the adapted layers' summed input widths;
+    with checkpointing one transformer layer's."""
+    if not work.dropout:
+        return 0
+    held = ((4 if work.kbit else work.act_bytes) + 1) * work.batch * work.length * inputs
+    return held // shape.layers if work.checkpointing else held
 
 
 def features(shape: Shape, work: Workload, rank: int, adapted_per_layer: float) -> list[float]:

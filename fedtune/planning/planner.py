@@ -345,6 +345,7 @@ def lora_workload(context, base):
         train.local_steps,
         cfg.quantization != "none",
         logits=logits,
+        dropout=cfg.lora_dropout > 0,
     )
     try:
         family = Shape.of(base).family
