@@ -13,13 +13,16 @@ model's shape and the run's settings, and the meter that measures a client's pea
   layers per transformer layer, e the bytes of the compute dtype (4 on a quantized base: PEFT's
   k-bit preparation keeps its norms and embedding in float32, and bitsandbytes' quantized linears
   return their input's dtype, so its activations are float32 whatever it computes in), e_h those
-  of the hidden states (e; 4 for :data:`FLOAT32_HIDDEN`'s families)::
+  of the hidden states (e; 4 for :data:`FLOAT32_HIDDEN`'s families), t_V = batch x the positions
+  whose LM-head logits the loss computes (:attr:`Workload.logits`; t where it computes every one)::
 
-      no checkpointing: t n (e_h c_h h + e c_i i + e c_a a length) + c_v 4 t V + c_r 4 t n m r
-      checkpointing:    k e_h t n h + c_v' 4 t V + (the same without the logits for one layer, n = 1)
+      no checkpointing: t n (e_h c_h h + e c_i i + e c_a a length) + c_v 4 t_V V + c_r 4 t n m r
+      checkpointing:    k e_h t n h + c_v' 4 t_V V + (the same without the logits for one layer, n = 1)
 
   plus, on a quantized base computing in bfloat16 / float16, V h times the compute dtype's bytes:
-  the autocast's copy of its float32 LM head, which the backward keeps.
+  the autocast's copy of its float32 LM head, which the backward keeps; and with LoRA dropout,
+  (e + 1) t x the adapted layers' input widths (each keeps its dropped input and the mask, a byte
+  a value; not fitted: the fit trains without dropout), one transformer layer's with checkpointing.
 
 The fitted coefficients also cover what autograd keeps besides the saved tensors (the gradient of
 the logits, the backward's transient buffers) because they are fitted to the measured peak
@@ -101,6 +104,12 @@ class Workload:
     forwards: int = 0  # gradient-free forward passes a step (CoMMIT's kappa measurement)
     copies: int = 0  # copies of the trainable values held beside them, their gradients and states
     held: int = 0  # other bytes held at the peak beyond the LoRA step's (CoMMIT's answer logits)
+    logits: int | None = None  # positions per row whose LM-head logits the loss computes (None: every one)
+    dropout: bool = False  # LoRA dropout (``model.lora_dropout`` > 0) on the adapted layers' inputs
+
+    @property
+    def logit_positions(self) -> int:
+        return self.length if self.logits is None else self.logits
 
 
 @dataclass(frozen=True)
@@ -208,7 +217,7 @@ def predict(
         weights=base_weight_bytes(base) if weights is None else weights,
         trainable=trainable,
         states=work.states,
-        activations=activation_bytes(shape, work, feats),
+        activations=activation_bytes(shape, work, feats) + dropout_bytes(shape, work, sum(i for i, _ in dims)),
         seconds=flops / reference(base, shape.hidden, fmt, device).flops,
         features=feats,
         held=work.copies * 4 * trainable + work.held,
@@ -223,10 +232,20 @@ def activation_bytes(shape: Shape, work: Workload, feats: tuple[float, ...] | li
     return int(sum(c * f for c, f in zip(COEFFICIENTS[shape.family], feats))) + cast
 
 
+def dropout_bytes(shape: Shape, work: Workload, inputs: int) -> int:
+    """What LoRA dropout keeps (0 without it): each adapted layer's dropped input, in the
+    activations' dtype, and its mask, over ``inputs``, the adapted layers' summed input widths;
+    with checkpointing one transformer layer's."""
+    if not work.dropout:
+        return 0
+    held = ((4 if work.kbit else work.act_bytes) + 1) * work.batch * work.length * inputs
+    return held // shape.layers if work.checkpointing else held
+
+
 def features(shape: Shape, work: Workload, rank: int, adapted_per_layer: float) -> list[float]:
     """The activation term's features, in :data:`COEFFICIENTS`' order (the module docstring);
     ``adapted_per_layer``: m."""
-    t = work.batch * work.length
+    t, tv = work.batch * work.length, work.batch * work.logit_positions
     e = 4 if work.kbit else work.act_bytes
     eh = 4 if shape.family in FLOAT32_HIDDEN else e  # the hidden states' bytes
     ck = work.checkpointing
@@ -235,10 +254,10 @@ def features(shape: Shape, work: Workload, rank: int, adapted_per_layer: float) 
         eh * t * n * shape.hidden,
         e * t * n * shape.intermediate,
         e * t * n * shape.heads * work.length,
-        0.0 if ck else 4 * t * shape.vocab,
+        0.0 if ck else 4 * tv * shape.vocab,
         4 * t * n * adapted_per_layer * rank,
         eh * t * shape.layers * shape.hidden if ck else 0.0,
-        4 * t * shape.vocab if ck else 0.0,
+        4 * tv * shape.vocab if ck else 0.0,
     ]
 
 

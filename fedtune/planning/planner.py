@@ -325,7 +325,8 @@ def _lora_knob(context, knob: str | None) -> _Knob:
 
 def lora_workload(context, base):
     """A client's LoRA training on ``base`` as the run states it (a
-    :class:`~fedtune.planning.memory.Workload`); ConfigError for a model the memory model does not cover."""
+    :class:`~fedtune.planning.memory.Workload`), its rows and logit positions the task's
+    (:meth:`~fedtune.tasks.base.Task.step_shape`); ConfigError for a model the memory model does not cover."""
     from fedtune.models.precision import computes_natively, resolve_device
     from fedtune.models.train_memory import optimizer_states
     from fedtune.planning.memory import COEFFICIENTS, Shape, Workload
@@ -334,14 +335,17 @@ def lora_workload(context, base):
     cfg, train = config.model, config.train
     dtype = DTYPES[cfg.dtype]
     compute = dtype if computes_natively(resolve_device(config.device), dtype) else torch.float32
+    length, logits = context.task.step_shape()
     work = Workload(
         train.batch_size,
-        config.data.max_length,
+        length,
         torch.finfo(compute).bits // 8,
         train.gradient_checkpointing,
         optimizer_states(train.optimizer, train.momentum),
         train.local_steps,
         cfg.quantization != "none",
+        logits=logits,
+        dropout=cfg.lora_dropout > 0,
     )
     try:
         family = Shape.of(base).family
@@ -372,8 +376,8 @@ COMMIT_STEP: dict[str, tuple[int, int, int, int]] = {
 def commit_workload(context, work):
     """``work`` (FedIT's step on the same base) as a CoMMIT client's (:data:`COMMIT_STEP` for its
     ``options.trainer``), with y_hat held too: the loss pass's logits over the A + 1 positions the
-    LM head computes (A: the task's longest answer), kept through the step. Without checkpointing
-    (CoMMIT does not honour it: its trainer runs the model in evaluation mode)."""
+    LM head computes (``work.logits``: A, the task's longest answer, + 1), kept through the step.
+    Without checkpointing (CoMMIT does not honour it: its trainer runs the model in evaluation mode)."""
     from fedtune.methods.commit.balance import CD_ORDER
     from fedtune.methods.commit.commit import coordination
     from fedtune.planning.memory import Shape
@@ -386,9 +390,9 @@ def commit_workload(context, work):
         else "plain"
     )  # fmt: skip
     passes, forwards, copies, tensors = COMMIT_STEP[path]
-    answer, vocab = context.task.prompts.max_answer_tokens, Shape.of(context.skeleton).vocab
-    logits = (4 if work.kbit else work.act_bytes) * work.batch * (answer + 1) * vocab
-    held = tensors * 4 * work.batch * answer * vocab + logits
+    positions, vocab = work.logit_positions, Shape.of(context.skeleton).vocab
+    logits = (4 if work.kbit else work.act_bytes) * work.batch * positions * vocab
+    held = tensors * 4 * work.batch * (positions - 1) * vocab + logits
     return replace(work, checkpointing=False, passes=passes, forwards=forwards, copies=copies, held=held)
 
 

@@ -182,6 +182,13 @@ class Task(ABC):
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         """The training loss of ``model`` on ``batch`` (a scalar tensor)."""
 
+    def step_shape(self) -> tuple[int, int | None]:
+        """(tokens per row, positions per row whose LM-head logits :meth:`loss` computes; None:
+        every one, or a head without vocabulary logits) of the largest training batch: the step the
+        memory planner prices (:func:`fedtune.planning.planner.lora_workload`). Default:
+        (``data.max_length``, None)."""
+        return self.config.data.max_length, None
+
     @abstractmethod
     def evaluate(self, model: torch.nn.Module, batch_size: int) -> dict[str, float]:
         """Metrics of ``model`` on the test set; always ``accuracy`` and ``loss``."""

@@ -257,6 +257,14 @@ class CausalLM(Task):
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return lm_scoring.response_loss(model, batch)
 
+    def step_shape(self) -> tuple[int, int]:
+        """(the longest training row, cut to ``data.max_length``; its longest response + 1): a
+        batch is padded to its longest row, and :func:`~fedtune.models.lm_scoring.response_logits`
+        computes the LM head over its longest response and the position before it."""
+        rows, prompt_lengths = self.train_rows
+        longest = max(len(r) for r in rows)
+        return longest, min(longest, max(len(r) - k for r, k in zip(rows, prompt_lengths)) + 1)
+
     # -- evaluation --------------------------------------------------------------------------
     def generation_budget(self, ds: llm_text.PromptSet) -> int:
         """``task.max_new_tokens``, else the longest reference response in tokens (multiple

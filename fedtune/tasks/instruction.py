@@ -283,6 +283,15 @@ class Instruction(Task):
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return plm.answer_loss(model, batch)
 
+    def step_shape(self) -> tuple[int, int]:
+        """(the longest training row: prompt with its prefix slots, then answer; the longest
+        training answer + 1): a batch is padded to its longest row, and :func:`~fedtune.models.prefix_lm.answer_logits`
+        computes the LM head over its longest answer and the position before it."""
+        prompts, ds = self.prompts, self.train
+        answers = np.array([len(a) for a in prompts.answers])[ds.answer]
+        rows = np.array([len(p) for p in prompts.prompts])[ds.question] + answers
+        return int(rows.max()), int(answers.max()) + 1
+
     def generate(self, model: torch.nn.Module, ds: idata.InstructionSet, idx: np.ndarray) -> list[str]:
         """Greedy answers of ``model`` to the examples ``idx`` of ``ds`` (decoded text)."""
         budget = self.options.max_new_tokens or self.prompts.max_answer_tokens
