@@ -4,7 +4,8 @@ ratio; RABO: the capacity); written to ``benchmarks/results/budgets/three-classe
 results.json, three_classes.png).
 
 Arms: ``planned`` (the planner gives each client the largest setting its budget fits),
-``smallest`` (every client states the setting the plan gives the smallest class), ``drop``
+``smallest`` (every client states the setting the plan gives the smallest class; HeteroLoRA's
+global adapter at that rank too, :func:`global_rank`), ``drop``
 (every client states the largest setting; the clients whose class the plan does not give it never
 answer: ``failure_prob = 1``, so they are dropped every round and their data is lost) and
 ``compressed`` (the planned arm's budgets without its dense float32 wire: the planner may meet a
@@ -14,11 +15,12 @@ Device classes (:data:`CLASSES`), 2 of each in 6 clients, assigned by client id 
 explicit ``federation.profiles``, not drawn: a 12-client draw of seed 0 gave 9 / 1 / 2. Budgets are
 multiples of the model's predicted cost at the largest setting (rank r): memory 1.15 / 2.3 / 6.9 x
 its predicted peak (the README's 4 / 8 / 24 GiB classes, scaled), upload 0.08 / 0.3 / 2 x its
-predicted MB per round, speed 0.5 / 1 / 2. The GiB figures are therefore scaled to the model, not
-real devices. On MiniLM with LoRA on query/value the rank moves the predicted peak by 3 % and the
-upload 59-fold, so the upload decides each class's setting; the memory budgets bind no plan, but the
-run measures each fit and drops a client over its budget (a simulated out-of-memory): here the
-measured peaks exceed the predicted ones, and phones are dropped so (README).
+predicted MB per round, speed 0.5 / 1 / 2, pinned at the full scale as the model priced them for
+the eleventh session's runs (:data:`PINNED`: a device's budget does not move when the memory model
+is refit). The GiB figures are therefore scaled to the model, not real devices. On MiniLM with
+LoRA on query/value the rank moves the predicted peak by 3 % and the upload 59-fold, so the upload
+decides each class's setting; the memory budgets bind no plan, but the run measures each fit and
+drops a client over its budget (a simulated out-of-memory; README).
 
 RABO (experiment ``omniglot``): ``configs/rabo.toml`` (5-way 1-shot, its rates) scaled to 6 clients
 and :data:`RABO_SCALE`; the planned profiles state budgets only (RABO's uploads are no codec's, so
@@ -119,9 +121,10 @@ class Suite:
     def names(self) -> list[str]:
         return list(self.recipes)
 
-    def plan(self, seeds: list[int], quick: bool, out: Path) -> tuple[dict, dict]:
-        """The suite's plan (:func:`specs` by experiment) and each method's settings by arm and class."""
-        runs, settings = specs(seeds, quick, self)
+    def plan(self, seeds: list[int], quick: bool, out: Path, extra: tuple[str, ...] = ()) -> tuple[dict, dict]:
+        """The suite's plan (:func:`specs` by experiment, ``extra`` overrides on every run) and each
+        method's settings by arm and class."""
+        runs, settings = specs(seeds, quick, self, extra)
         plan = {}
         for e, recipe in self.recipes.items():
             plan |= build_plan({e: [s for s in runs if self.experiment[s.labels["method"]] == e]}, recipe, out)
@@ -233,18 +236,21 @@ def global_rank(method: str, arm: str, profiles: list[dict]) -> list[str]:
     return [f"model.lora_rank={profiles[0]['rank']}"]
 
 
-def specs(seeds: list[int], quick: bool, suite: Suite = AGNEWS) -> tuple[list[RunSpec], dict]:
-    """Every run (seed, method, arm) of ``suite`` and each method's settings by arm and class."""
+def specs(
+    seeds: list[int], quick: bool, suite: Suite = AGNEWS, extra: tuple[str, ...] = ()
+) -> tuple[list[RunSpec], dict]:
+    """Every run (seed, method, arm) of ``suite`` (``extra`` overrides on each) and each method's
+    settings by arm and class."""
     out, settings = [], {}
     for method, experiment in suite.experiment.items():
-        base = [*METHODS[method], *(suite.quick[experiment] if quick else [])]
+        base = [*METHODS[method], *(suite.quick[experiment] if quick else []), *extra]
         profiles, settings[method] = arm_profiles(method, base, suite, pin=not quick)
         for seed in seeds:
             for arm in suite.arms[method]:
-                extra = [f"federation.profiles={toml_value(profiles[arm])}", f"seed={seed}"]
-                extra += global_rank(method, arm, profiles[arm])
+                own = [f"federation.profiles={toml_value(profiles[arm])}", f"seed={seed}"]
+                own += global_rank(method, arm, profiles[arm])
                 labels = {"method": method, "arm": arm, "seed": seed}
-                out.append(RunSpec(f"{method}-{arm}-s{seed}", [*base, *extra], labels))
+                out.append(RunSpec(f"{method}-{arm}-s{seed}", [*base, *own], labels))
     return sorted(out, key=lambda s: s.labels["seed"]), settings
 
 
@@ -363,12 +369,13 @@ def report(runs: list, settings: dict, out: Path, command: str, doc: str = __doc
 def main(argv: list[str] | None = None, suite: Suite = AGNEWS) -> int:
     names = suite.names()
     p = suite_parser(suite.doc.split("\n\n")[0], names, seeds="0,1,2", workers=2, budget_minutes=70.0)
+    p.add_argument("--lr", type=float, help="train.lr of every run (a sweep: give each rate its own --out)")
     args = p.parse_args(argv)
     selected, seeds = parse_selection(args, names)
     out = output_dir(args, suite.results, suite.quick_results)
     offline_data(suite.reads)
     command = suite_command(suite.script, argv)
-    plan, settings = suite.plan(seeds, args.quick, out)
+    plan, settings = suite.plan(seeds, args.quick, out, () if args.lr is None else (f"train.lr={args.lr}",))
     costs = {s.key: suite.run_s[s.experiment][args.quick] for s in distinct_runs(plan, names)}
     every = [s for e in names for s in plan[e]]
     write = lambda: report(every, settings, out, command, suite.doc, suite.loss)  # noqa: E731
