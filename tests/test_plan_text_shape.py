@@ -1,5 +1,5 @@
 """Issue 41: text classification's step shape (a batch padded to its longest row, not to
-``data.max_length``)."""
+``data.max_length``) and the time model's LM head over the logit positions only."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ import json
 from dataclasses import replace
 
 import numpy as np
+import pytest
 
 from fedtune.config import load_config
-from fedtune.planning.memory import Shape, predict
+from fedtune.planning.memory import Shape, frozen_values, predict
 from fedtune.planning.planner import lora_workload, plan_budgets
+from fedtune.planning.speed import reference
 from fedtune.runtime import RunContext, resolve_run
 from fedtune.tasks.base import Task
 from tests.test_plan_step_shape import TOLERANCE, context, planned_and_measured
@@ -76,3 +78,28 @@ def test_rows_that_reach_max_length_keep_the_prediction(tmp_path):
 def predicted_rank(ctx: RunContext, work, rank: int) -> int:
     base = ctx.workspace.base
     return predict(base, list(ctx.config.model.target_modules), ctx.task.head_modules(), rank, work).peak
+
+
+@pytest.mark.parametrize("kind", ["instruction", "causal-lm"])
+def test_the_lm_heads_flops_are_counted_over_the_logit_positions(tmp_path, kind):
+    """The head computes logits at ``work.logits`` positions a row; a frozen head costs 4 FLOPs a
+    value and position (forward, input gradient), checkpointing recomputing the layers, not it."""
+    ctx = context(tmp_path, kind, 4)
+    base = ctx.workspace.base
+    shape = Shape.of(base)
+    work = lora_workload(ctx, base)
+    assert work.logits < work.length
+    flops = reference(base, shape.hidden).flops
+
+    def seconds(w) -> float:
+        return predict(base, ctx.task.lora_targets(), ctx.task.head_modules(), 4, w).seconds
+
+    head = shape.vocab * shape.hidden
+    skipped = 4 * work.batch * (work.length - work.logits) * head * work.steps
+    for ck in (False, True):
+        w = replace(work, checkpointing=ck)
+        assert seconds(replace(w, logits=None)) - seconds(w) == pytest.approx(skipped / flops, rel=1e-9)
+    # checkpointing's second forward: 2 FLOPs a frozen value and token, the head's excepted
+    recompute = 2 * (frozen_values(base) - head) * work.batch * work.length * work.steps
+    assert seconds(replace(work, checkpointing=True)) - seconds(work) == pytest.approx(recompute / flops, rel=1e-9)
+    assert plan_budgets(ctx, always=True).clients[0].seconds == pytest.approx(seconds(work), rel=1e-12)
