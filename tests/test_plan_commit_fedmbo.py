@@ -66,9 +66,12 @@ def test_commit_seconds_are_fedits_step_times_the_trainers_passes(tmp_path):
     cfg = fedit_ctx.config
     base = fedit_ctx.workspace.base
     trainable = _lora_knob(fedit_ctx, None).cost(4, False, None)[0].trainable
-    tokens = cfg.train.batch_size * fedit_ctx.task.step_shape()[0]
-    forwards = 2 * forward_flops(frozen_values(base), trainable, tokens) * cfg.train.local_steps
-    measured = fedit + forwards / reference(base, Shape.of(base).hidden).flops
+    length, logits = fedit_ctx.task.step_shape()
+    shape = Shape.of(base)  # the LM head over the answer logits only
+    head = (shape.vocab * shape.hidden, cfg.train.batch_size * logits)
+    forwards = 2 * forward_flops(frozen_values(base), trainable, cfg.train.batch_size * length, *head)
+    forwards *= cfg.train.local_steps
+    measured = fedit + forwards / reference(base, shape.hidden).flops
     assert commit("options.trainer=commit-clr") == pytest.approx(measured, rel=1e-12)
     assert commit("options.trainer=constant") == pytest.approx(measured, rel=1e-12)
 

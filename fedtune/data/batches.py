@@ -50,6 +50,16 @@ def length_grouped_batches(
         produced += min(len(batches), steps - produced)
 
 
+def row_lengths(rows: list[np.ndarray]) -> np.ndarray:
+    """(N,) int64: the length of each row (token ids, unpadded)."""
+    return np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+
+
+def longest_row(rows: list[np.ndarray]) -> int:
+    """The longest of ``rows``: the width a batch holding it is padded to."""
+    return int(row_lengths(rows).max())
+
+
 @dataclass
 class TokenizedSet:
     """Token ids (unpadded, one array per example) and labels, tokenized once at start-up."""
@@ -100,7 +110,7 @@ class TokenizedSet:
 
     @property
     def lengths(self) -> np.ndarray:
-        return np.fromiter((len(e) for e in self.ids), dtype=np.int64, count=len(self.ids))
+        return row_lengths(self.ids)
 
     def collate(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
         """Pad the examples ``idx`` to the longest among them."""

@@ -28,10 +28,11 @@ The fitted coefficients also cover what autograd keeps besides the saved tensors
 the logits, the backward's transient buffers) because they are fitted to the measured peak
 (:class:`PeakMeter`: the tensor bytes allocated at their most); with checkpointing the logits
 peak and the recomputed layer's do not coincide, so the logits have their own c_v'.
-Time: ``(2 (2 + checkpointing) N_base + 6 N_trainable) t`` FLOPs a step (a 4-bit weight counted
-unpacked) over the speed-1 client's FLOP/s in the base's format (:mod:`fedtune.planning.speed`)
-times ``speed``. A method whose step does more (CoMMIT: :func:`fedtune.planning.planner.commit_workload`)
-states its passes and what it holds beside the step in its :class:`Workload`.
+Time: ``(2 (2 + checkpointing) (N_base - V h) + 6 N_trainable) t + 4 V h t_V`` FLOPs a step (a
+4-bit weight counted unpacked; the LM head's V h over the logit positions only, not recomputed)
+over the speed-1 client's FLOP/s in the base's format (:mod:`fedtune.planning.speed`) times ``speed``.
+A method whose step does more (CoMMIT: :func:`fedtune.planning.planner.commit_workload`) states its
+passes and what it holds beside the step in its :class:`Workload`.
 """
 
 from __future__ import annotations
@@ -211,8 +212,9 @@ def predict(
     feats = tuple(features(shape, work, rank, len(dims) / shape.layers))
     trainable = rank * sum(i + o for i, o in dims) + head_values(base, heads)
     frozen, tokens = frozen_values(base), work.batch * work.length
-    step = work.passes * train_flops(frozen, trainable, tokens, work.checkpointing)
-    flops = (step + work.forwards * forward_flops(frozen, trainable, tokens)) * work.steps
+    head = (shape.vocab * shape.hidden, work.batch * work.logit_positions)  # the LM head, its logit tokens
+    step = work.passes * train_flops(frozen, trainable, tokens, work.checkpointing, *head)
+    flops = (step + work.forwards * forward_flops(frozen, trainable, tokens, *head)) * work.steps
     return Prediction(
         weights=base_weight_bytes(base) if weights is None else weights,
         trainable=trainable,

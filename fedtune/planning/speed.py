@@ -64,15 +64,19 @@ def at_width(points: tuple[tuple[int, float], ...], hidden: int) -> float:
     return math.exp(math.log(f0) + t * math.log(f1 / f0))
 
 
-def train_flops(frozen: int, trainable: int, tokens: int, checkpointing: bool) -> float:
+def train_flops(
+    frozen: int, trainable: int, tokens: int, checkpointing: bool, head: int = 0, logit_tokens: int = 0
+) -> float:
     """FLOPs of one training step: the forward (2 per frozen value and token), the input's
-    gradient (2), a second forward under checkpointing (2), and 6 per trainable value and token."""
-    return (2 * (2 + checkpointing) * frozen + 6 * trainable) * tokens
+    gradient (2), a second forward under checkpointing (2), and 6 per trainable value and token;
+    ``head`` of the frozen values (the LM head) over the ``logit_tokens`` whose logits the loss
+    computes only, 4 each (checkpointing recomputes the transformer layers, not the head)."""
+    return (2 * (2 + checkpointing) * (frozen - head) + 6 * trainable) * tokens + 4 * head * logit_tokens
 
 
-def forward_flops(frozen: int, trainable: int, tokens: int) -> float:
-    """FLOPs of one gradient-free forward pass: 2 per value and token."""
-    return 2 * (frozen + trainable) * tokens
+def forward_flops(frozen: int, trainable: int, tokens: int, head: int = 0, logit_tokens: int = 0) -> float:
+    """FLOPs of one gradient-free forward pass: 2 per value and token, ``head``'s per logit token."""
+    return 2 * (frozen - head + trainable) * tokens + 2 * head * logit_tokens
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -70,6 +70,7 @@ import torch
 
 from fedtune.config import ConfigError
 from fedtune.data import llm_text, lm_eval_formats, prompting
+from fedtune.data.batches import index_batches, length_grouped_batches, longest_row, row_lengths
 from fedtune.models import lm_scoring
 from fedtune.models import prefix_lm as plm
 from fedtune.models.generation import greedy_generate
@@ -243,12 +244,9 @@ class CausalLM(Task):
 
     # -- batches, loss -----------------------------------------------------------------------
     def train_batches(self, pool: np.ndarray, batch_size: int, steps: int, rng: np.random.Generator):
-        from fedtune.data.batches import index_batches, length_grouped_batches
-
         rows = self.train_rows
         if self.config.train.group_by_length:
-            lengths = np.fromiter((len(r) for r in rows[0]), dtype=np.int64, count=len(rows[0]))
-            order = length_grouped_batches(pool, lengths, batch_size, steps, rng)
+            order = length_grouped_batches(pool, row_lengths(rows[0]), batch_size, steps, rng)
         else:
             order = index_batches(pool, batch_size, steps, rng)
         for idx in order:
@@ -262,7 +260,7 @@ class CausalLM(Task):
         batch is padded to its longest row, and :func:`~fedtune.models.lm_scoring.response_logits`
         computes the LM head over its longest response and the position before it."""
         rows, prompt_lengths = self.train_rows
-        longest = max(len(r) for r in rows)
+        longest = longest_row(rows)
         return longest, min(longest, max(len(r) - k for r, k in zip(rows, prompt_lengths)) + 1)
 
     # -- evaluation --------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from fedtune.data.batches import TokenizedSet
+from fedtune.data.batches import TokenizedSet, longest_row
 from fedtune.data.text import TextDataset, load_text_dataset
 from fedtune.models.training import evaluate_classifier, freeze_except
 from fedtune.tasks.base import Task, register_task
@@ -81,6 +81,12 @@ class TextClassification(Task):
 
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return model(**batch).loss
+
+    def step_shape(self) -> tuple[int, None]:
+        """(the longest training row, tokenized and cut to ``data.max_length``; None): a batch is
+        padded to its longest row (:meth:`~fedtune.data.batches.TokenizedSet.collate`), and the
+        classifier head has no vocabulary logits."""
+        return longest_row(self.tokenized[0].ids), None
 
     def evaluate(self, model: torch.nn.Module, batch_size: int) -> dict[str, float]:
         def forward(m, batch):
