@@ -199,7 +199,9 @@ def test_a_budget_for_a_method_or_model_without_planner_is_refused(tiny_config, 
     config = tiny(tmp_path, "fedit", "image-classification", "federation.profiles=[{memory_gib=4}]")
     with pytest.raises(ConfigError, match="'tiny-vit' is a 'vit' model; the memory model is fitted for llama, bert"):
         RunContext(resolve_run(config)).profiles
-    context = RunContext(resolve_run(tiny_config("method=fedit", "federation.profiles=[{memory_gib=4}]")))
-    context.skeleton = torch.nn.Linear(2, 2)  # a model without a transformer config
+    # a model without a transformer config: a LoRA method's ranks are measured (tests/test_plan_cnn.py),
+    # FedPFT's full model or proxy are not
+    context = RunContext(resolve_run(tiny_config("method=fedpft", "federation.profiles=[{memory_gib=4}]")))
+    context.skeleton = torch.nn.Linear(2, 2)
     with pytest.raises(ConfigError, match="has no Hugging Face transformer config to plan from; budgets are"):
         plan_budgets(context)

@@ -52,6 +52,7 @@ def rank_bound(model: torch.nn.Module, targets: list[str]) -> tuple[int, str] | 
     for name, module in model.named_modules():
         if not any(name == t or name.endswith("." + t) for t in targets):
             continue
+        module = getattr(module, "base_layer", module)  # a layer PEFT adapted already: its own
         if isinstance(module, torch.nn.Linear):
             dims = (module.in_features, module.out_features)
         elif isinstance(module, torch.nn.modules.conv._ConvNd):  # as a matrix: (c_out, c_in / groups x kernel)

@@ -70,13 +70,11 @@ def predict_capacity(context, capacity: float, fitted: bool = True) -> tuple[Pre
     """The predicted cost of one client of ``context``'s run training at ``capacity``, and the
     values it uploads (its sub-model's, at the mask); ``fitted=False``: the activation term is
     the saved bytes themselves and the seconds flop_s (what the fits start from)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     from fedtune.methods.rabo.masks import SubModel, choose_units, expand, materialize, submodel_of, take
     from fedtune.methods.rabo.submodel import model_structure
     from fedtune.models.precision import model_device
     from fedtune.models.tensors import trainable_tensors
-    from fedtune.models.train_memory import ActivationMeter, optimizer_states, weight_bytes
+    from fedtune.models.train_memory import optimizer_states, weight_bytes
 
     config, task = context.config, context.task
     structure = model_structure(context)
@@ -89,11 +87,7 @@ def predict_capacity(context, capacity: float, fitted: bool = True) -> tuple[Pre
     full = {n: t.detach().cpu().numpy() for n, t in trainable_tensors(context.model).items()}
     tensors = expand(take(full, trains), trains, structure.physical, model_device(context.model))
     model = materialize(context.model, tensors)
-    model.train()
-    rng = np.random.default_rng(config.seed)
-    batch = next(iter(task.train_batches(context.partitions[0], config.train.batch_size, 1, rng)))
-    with ActivationMeter(model) as meter, FlopCounterMode(display=False) as flops:
-        task.loss(model, batch)
+    saved, forward = measure_forward(context, model)
     bilevel = config.method in BILEVEL_METHODS  # T plain inner steps
     steps = config.train.local_steps
     if bilevel:
@@ -105,8 +99,25 @@ def predict_capacity(context, capacity: float, fitted: bool = True) -> tuple[Pre
         weights=weight_bytes(model),
         trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
         states=0 if bilevel else optimizer_states(config.train.optimizer, config.train.momentum),
-        activations=int(a + k * meter.peak),
-        seconds=a_s + b_s * 3 * flops.get_total_flops() * steps / REFERENCE_FLOPS,
+        activations=int(a + k * saved),
+        seconds=a_s + b_s * 3 * forward * steps / REFERENCE_FLOPS,
         features=(),
     )
     return prediction, sum(sub.kept(n) for n in full)
+
+
+def measure_forward(context, model) -> tuple[int, int]:
+    """(the bytes autograd saves at most, the FLOPs) of one forward of ``context``'s task loss of
+    ``model`` (put in training mode) on one batch of client 0's data
+    (:class:`~fedtune.models.train_memory.ActivationMeter`, torch's FLOP counter)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fedtune.models.train_memory import ActivationMeter
+
+    config = context.config
+    model.train()
+    rng = np.random.default_rng(config.seed)
+    batch = next(iter(context.task.train_batches(context.partitions[0], config.train.batch_size, 1, rng)))
+    with ActivationMeter(model) as meter, FlopCounterMode(display=False) as flops:
+        context.task.loss(model, batch)
+    return meter.peak, flops.get_total_flops()
