@@ -1,5 +1,5 @@
 """Issue 41's planner on a LoRA run whose model has no transformer config (a CNN): each rank priced
-by measuring the adapted model (fedtune.planning.planner._measured_lora_knob)."""
+by measuring the adapted model (fedtune.planning.measured.measured_lora_knob)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from fedtune.config import load_config
-from fedtune.planning.planner import GIB, _measured_lora_knob, format_plan, plan_budgets
+from fedtune.planning.measured import measured_lora_knob
+from fedtune.planning.planner import GIB, format_plan, plan_budgets
 from fedtune.run import run_experiment
 from fedtune.runtime import RunContext, resolve_run
 
@@ -33,7 +34,7 @@ def cnn(tmp_path, method: str, *extra: str):
 
 
 def predictions(config) -> dict:
-    knob = _measured_lora_knob(RunContext(resolve_run(config)), "rank")
+    knob = measured_lora_knob(RunContext(resolve_run(config)), "rank")
     return {r: knob.cost(r, False, None)[0] for r in knob.ladder}
 
 
@@ -83,6 +84,6 @@ def test_pricing_a_rank_leaves_the_runs_base_and_random_state_as_they_were(tmp_p
     before = {n: b.clone() for n, b in ws.model.named_buffers()}
     assert any("running_mean" in n for n in before)
     rng = torch.random.get_rng_state()
-    _measured_lora_knob(context, "rank").cost(4, False, None)
+    measured_lora_knob(context, "rank").cost(4, False, None)
     assert all(torch.equal(before[n], b) for n, b in ws.model.named_buffers())
     assert not ws.model.training and torch.equal(torch.random.get_rng_state(), rng)

@@ -1,5 +1,5 @@
 """Issue 41's planner for CoMMIT (FedIT's LoRA step with the trainer's extra passes and held
-tensors, :data:`fedtune.planning.planner.COMMIT_STEP`) and FedMBO (RABO's full-model baseline,
+tensors, :data:`fedtune.planning.workload.COMMIT_STEP`) and FedMBO (RABO's full-model baseline,
 priced at capacity 1)."""
 
 from __future__ import annotations

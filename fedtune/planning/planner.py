@@ -3,7 +3,7 @@
 A client has a budget when its profile states ``memory_gib``, ``bandwidth_mb`` or ``deadline_s``
 (``speed`` scales its predicted seconds). For the LoRA methods the planner predicts
 (:mod:`fedtune.planning.memory`; on a model with no transformer config, a CNN, measured per rank:
-:func:`_measured_lora_knob`) the peak memory, the seconds of a round's local steps at the
+:func:`~fedtune.planning.measured.measured_lora_knob`) the peak memory, the seconds of a round's local steps at the
 client's speed and the MB it uploads, and picks, simplest first, the knob its method lets a
 client vary: the rank for HeteroLoRA / FlexLoRA / FedStackLoRA, the sketch ratio (rank / r) for
 FSLoRA, each client's largest of r, r/2, r/4, ..., 1 that fits every budget it states; FedIT has
@@ -32,12 +32,13 @@ import json
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
 
 import torch
 
 from fedtune.config import ConfigError
 from fedtune.models.precision import DTYPES
+from fedtune.planning.knob import Knob, rank_knob
+from fedtune.planning.workload import commit_workload, lora_workload
 from fedtune.protocol.messages import Message
 from fedtune.protocol.profiles import ClientProfile
 
@@ -94,14 +95,6 @@ class Plan:
     note: str = ""  # what the plan leaves out of the profiles (FedMBO: their capacities)
 
 
-def _ladder(rank: int) -> list[int]:
-    """r, r/2, r/4, ..., 1 (largest first)."""
-    out = [rank]
-    while out[-1] > 1:
-        out.append(out[-1] // 2)
-    return out
-
-
 def _violation(profile: ClientProfile, peak: int, seconds: float, upload_mb: float) -> str | None:
     """The first budget ``profile`` states that the prediction breaks, or None."""
     if profile.memory_gib is not None and peak > profile.memory_gib * GIB:
@@ -134,9 +127,9 @@ def plan_budgets(context, always: bool = False) -> Plan | None:
             return predict_capacity(context, v)
 
         if knob == "capacity":
-            knobs = _Knob(list(CAPACITIES), lambda p: p.capacity, price, "capacity {:g}".format)
+            knobs = Knob(list(CAPACITIES), lambda p: p.capacity, price, "capacity {:g}".format)
         else:  # FedMBO: the full model, whatever capacity a profile states (the method ignores it)
-            knobs = _Knob([1.0], lambda p: None, price, lambda v: "full model")
+            knobs = Knob([1.0], lambda p: None, price, lambda v: "full model")
             ignored = [str(cid) for cid, p in enumerate(profiles) if p.capacity not in (None, 1.0)]
             if ignored:
                 note = (
@@ -147,7 +140,7 @@ def plan_budgets(context, always: bool = False) -> Plan | None:
 
         settings = predict_settings(context, lora_workload(context, context.skeleton))
         label = {"full": "full model", "proxy": "proxy"}.__getitem__
-        knobs = _Knob(list(SETTINGS), lambda p: p.trains_on, lambda v, *_: settings[v], label)
+        knobs = Knob(list(SETTINGS), lambda p: p.trains_on, lambda v, *_: settings[v], label)
     else:
         knobs = _lora_knob(context, knob)
     costs = {}
@@ -263,24 +256,7 @@ def check_profile_codecs(run) -> None:
             raise ConfigError(f"federation.profiles[{cid}].{field_}: not with federation.secure_aggregation")
 
 
-@dataclass
-class _Knob:
-    """What a method lets a client vary: its ladder (largest first), the value a profile states
-    (None: unstated), each (value, gradient checkpointing, base quantization)'s (prediction, upload
-    values), the setting's label, the profile field's value for a ladder value, and the
-    checkpointing variants and base quantizations to try (the run's setting first)."""
-
-    ladder: list
-    stated: Callable[[ClientProfile], Any]
-    cost: Callable[[Any, bool, str | None], tuple]
-    label: Callable[[Any], str]
-    value: Callable[[Any], Any] = lambda v: v
-    variants: tuple[bool, ...] = (False,)
-    quantizations: tuple[str | None, ...] = (None,)
-    speed_note: str = ""
-
-
-def _lora_knob(context, knob: str | None) -> _Knob:
+def _lora_knob(context, knob: str | None) -> Knob:
     """The LoRA methods' knob: the rank on r, r/2, ..., 1 (FSLoRA: the sketch ratio rank / r)."""
     from fedtune.models.precision import resolve_device
     from fedtune.planning.memory import Shape, predict
@@ -291,8 +267,10 @@ def _lora_knob(context, knob: str | None) -> _Knob:
     cfg, train, task = config.model, config.train, context.task
     targets = list(cfg.target_modules) if cfg.target_modules is not None else task.lora_targets()
     base = context.skeleton  # shapes only: each base's weights and format are predicted
-    if config.method != "commit" and not _has_shape(base):
-        return _measured_lora_knob(context, knob)
+    from fedtune.planning.measured import has_shape, measured_lora_knob
+
+    if config.method != "commit" and not has_shape(base):
+        return measured_lora_knob(context, knob)
     work = lora_workload(context, base)
     dtype, device = DTYPES[cfg.dtype], resolve_device(config.device)
 
@@ -313,156 +291,7 @@ def _lora_knob(context, knob: str | None) -> _Knob:
 
     quantizations = tuple(cheaper(cfg.quantization) if can_quantize(context.method) else [cfg.quantization])
     note = reference(base, Shape.of(base).hidden, planned_format(cfg.quantization, dtype, device), device).note
-    return _rank_knob(cfg.lora_rank, knob, cost, variants=variants, quantizations=quantizations, speed_note=note)
-
-
-def _rank_knob(r: int, knob: str | None, cost: Callable, **kwargs) -> _Knob:
-    """The rank r, r/2, ..., 1 (``knob`` "sketch_ratio": FSLoRA's rank / r) priced by ``cost``."""
-    from fedtune.methods.base.lora import client_rank
-
-    def stated(profile: ClientProfile):
-        return client_rank(profile, r) if profile.rank is not None or profile.sketch_ratio is not None else None
-
-    if knob == "sketch_ratio":
-        return _Knob(_ladder(r), stated, cost, lambda v: f"sketch ratio {v / r:g}", lambda v: v / r, **kwargs)
-    return _Knob(_ladder(r), stated, cost, "rank {}".format, **kwargs)
-
-
-def _has_shape(base) -> bool:
-    """Whether ``base`` has the transformer config the memory model prices (:meth:`.memory.Shape.of`)."""
-    from fedtune.planning.memory import Shape
-
-    try:
-        Shape.of(base)
-    except ValueError:
-        return False
-    return True
-
-
-#: the activation term of a LoRA client on a model with no transformer config (a CNN): this factor x
-#: the bytes autograd saves over one forward (:func:`_measured_lora_knob`), measured against the tensor
-#: bytes of real FedIT client fits (:func:`metered_fit`): MobileNetV2 on Fashion-MNIST, 2 local steps,
-#: 1.017 at rank 8 / batch 32 and 1.055 at rank 2 / batch 16; with 1.04 the predicted peak is +1.8 % /
-#: -1.0 % of the measured there, and -3 % .. -14 % on the tests' small-cnn (whose fit holds ~90 KB more)
-MEASURED_LORA_FACTOR = 1.04
-
-
-def _measured_lora_knob(context, knob: str | None) -> _Knob:
-    """The LoRA methods' knob on a model the memory model cannot price (no transformer config):
-    each rank of r, r/2, ..., 1 priced by measuring the run's workspace with that rank's adapter,
-    as :func:`~fedtune.planning.capacity.predict_capacity` prices a sub-model: peak = the base's
-    weights and the adapter's + trainable values x 4 x (1 gradient + optimizer states) +
-    :data:`MEASURED_LORA_FACTOR` x the saved bytes of one forward; seconds = 3 x its FLOPs x the
-    local steps at float32's ``REFERENCE_FLOPS``. The run's quantization and checkpointing only."""
-    from fedtune.models.train_memory import optimizer_states
-    from fedtune.planning.capacity import measure_forward
-    from fedtune.planning.memory import REFERENCE_FLOPS, Prediction, base_weight_bytes
-
-    config = context.config
-    cfg, train, ws = config.model, config.train, context.workspace
-
-    def cost(rank: int, *_) -> tuple:
-        params = ws.activate(rank).values()
-        # the run's base: its batch-norm statistics, its mode and the global RNG left as they were
-        buffers, training = [b.clone() for b in ws.model.buffers()], ws.model.training
-        with torch.random.fork_rng():
-            saved, flops = measure_forward(context, ws.model)
-        with torch.no_grad():
-            for b, kept in zip(ws.model.buffers(), buffers):
-                b.copy_(kept)
-        ws.model.train(training)
-        trainable = sum(p.numel() for p in params)
-        p = Prediction(
-            weights=base_weight_bytes(ws.base) + sum(p.numel() * p.element_size() for p in params),
-            trainable=trainable,
-            states=optimizer_states(train.optimizer, train.momentum),
-            activations=int(MEASURED_LORA_FACTOR * saved),
-            seconds=3 * flops * train.local_steps / REFERENCE_FLOPS,
-            features=(),
-        )
-        return p, trainable
-
-    note = (
-        f"time model: the forward's FLOPs measured (torch's counter; {cfg.name!r} has no transformer config) "
-        f"at float32's {REFERENCE_FLOPS:.3g} FLOP/s"
-    )
-    return _rank_knob(
-        cfg.lora_rank, knob, cost, variants=(train.gradient_checkpointing,), quantizations=(cfg.quantization,),
-        speed_note=note,
-    )  # fmt: skip
-
-
-def lora_workload(context, base):
-    """A client's LoRA training on ``base`` as the run states it (a
-    :class:`~fedtune.planning.memory.Workload`), its rows and logit positions the task's
-    (:meth:`~fedtune.tasks.base.Task.step_shape`); ConfigError for a model the memory model does not cover."""
-    from fedtune.models.precision import computes_natively, resolve_device
-    from fedtune.models.train_memory import optimizer_states
-    from fedtune.planning.memory import COEFFICIENTS, Shape, Workload
-
-    config = context.config
-    cfg, train = config.model, config.train
-    dtype = DTYPES[cfg.dtype]
-    compute = dtype if computes_natively(resolve_device(config.device), dtype) else torch.float32
-    length, logits = context.task.step_shape()
-    work = Workload(
-        train.batch_size,
-        length,
-        torch.finfo(compute).bits // 8,
-        train.gradient_checkpointing,
-        optimizer_states(train.optimizer, train.momentum),
-        train.local_steps,
-        cfg.quantization != "none",
-        logits=logits,
-        dropout=cfg.lora_dropout > 0,
-    )
-    try:
-        family = Shape.of(base).family
-    except ValueError as exc:
-        raise ConfigError(f"model.name: {cfg.name!r}: {exc}; budgets are planned for transformer models") from None
-    if family not in COEFFICIENTS:
-        raise ConfigError(
-            f"model.name: {cfg.name!r} is a {family!r} model; the memory model is fitted for "
-            f"{', '.join(COEFFICIENTS)} (benchmarks/budgets/fit_memory.py)"
-        )
-    return work
-
-
-#: CoMMIT's local step (:func:`fedtune.methods.commit.balance.train_coordinated`) beyond FedIT's, per
-#: path of the trainer: (forward-backward passes, gradient-free forward passes, copies of the
-#: trainable values held, float32 tensors of the answer logits' shape held beyond the loss pass's)
-COMMIT_STEP: dict[str, tuple[int, int, int, int]] = {
-    # the loss pass, then D^T's and D^S's (each a forward and autograd.grad through the LM); the
-    # provisional values and the swapped-out component's own; answer_distance holds log q, log p,
-    # q, q - p and |q - p| where the cross-entropy holds its float copy and log-softmax
-    "regularized": (3, 0, 2, 3),
-    "measured": (1, 2, 1, 0),  # d_T and d_S: two no-grad forwards after the step; the values before it
-    "cd": (1, 0, 1, 0),  # the first component's values at the window's start
-    "plain": (1, 0, 0, 0),
-}
-
-
-def commit_workload(context, work):
-    """``work`` (FedIT's step on the same base) as a CoMMIT client's (:data:`COMMIT_STEP` for its
-    ``options.trainer``), with y_hat held too: the loss pass's logits over the A + 1 positions the
-    LM head computes (``work.logits``: A, the task's longest answer, + 1), kept through the step.
-    Without checkpointing (CoMMIT does not honour it: its trainer runs the model in evaluation mode)."""
-    from fedtune.methods.commit.balance import CD_ORDER
-    from fedtune.methods.commit.commit import coordination
-    from fedtune.planning.memory import Shape
-
-    coord = coordination(context.options, context.config)
-    path = (
-        "regularized" if coord.regularized
-        else "measured" if coord.measures
-        else "cd" if coord.trainer in CD_ORDER
-        else "plain"
-    )  # fmt: skip
-    passes, forwards, copies, tensors = COMMIT_STEP[path]
-    positions, vocab = work.logit_positions, Shape.of(context.skeleton).vocab
-    logits = (4 if work.kbit else work.act_bytes) * work.batch * positions * vocab
-    held = tensors * 4 * work.batch * (positions - 1) * vocab + logits
-    return replace(work, checkpointing=False, passes=passes, forwards=forwards, copies=copies, held=held)
+    return rank_knob(cfg.lora_rank, knob, cost, variants=variants, quantizations=quantizations, speed_note=note)
 
 
 def _checkpointable(context, base) -> bool:

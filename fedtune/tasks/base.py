@@ -185,7 +185,7 @@ class Task(ABC):
     def step_shape(self) -> tuple[int, int | None]:
         """(tokens per row, positions per row whose LM-head logits :meth:`loss` computes; None:
         every one, or a head without vocabulary logits) of the largest training batch: the step the
-        memory planner prices (:func:`fedtune.planning.planner.lora_workload`). Default:
+        memory planner prices (:func:`fedtune.planning.workload.lora_workload`). Default:
         (``data.max_length``, None)."""
         return self.config.data.max_length, None
 
