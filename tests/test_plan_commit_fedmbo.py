@@ -131,3 +131,23 @@ def test_fedmbo_plans_rabos_capacity_1_prediction_ignores_stated_capacities_and_
     line = json.loads(Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines()[0])
     assert line["dropped"] == {"2": plan.excluded[2]}
     assert set(line["client_peak_bytes"]) == {"1"} and line["client_peak_bytes"]["1"] > 0
+
+
+@pytest.mark.parametrize(
+    "trainer, copies, tensors",
+    [("commit", 2, 3), ("commit-clr", 1, 0), ("feature-cd", 1, 0)],
+)
+def test_commit_holds_its_trainers_copies_and_answer_logits_beyond_fedits_peak(tmp_path, trainer, copies, tensors):
+    """Counted by hand from ``train_coordinated``: the regularized trainer holds the provisional
+    values and the swapped-out component's (2 copies of the trainable values) and answer_distance's 3
+    float32 answer-logit tensors; kappa's measurement and CD one copy; every path y_hat, the loss
+    pass's logits over the A + 1 positions. A table entry that drops a copy or a tensor fails here."""
+    fedit = client_plan(instruction(tmp_path, "fedit"))
+    ctx = context(instruction(tmp_path, "commit", f"options.trainer={trainer}"))
+    commit = plan_budgets(ctx, always=True).clients[0]
+    batch, positions = 4, ctx.task.step_shape()[1]
+    vocab = Shape.of(ctx.skeleton).vocab
+    trainable = _lora_knob(ctx, None).cost(4, False, None)[0].trainable
+    y_hat = 4 * batch * positions * vocab  # float32: the tiny model computes in float32
+    held = copies * 4 * trainable + tensors * 4 * batch * (positions - 1) * vocab + y_hat
+    assert commit.peak_bytes - fedit.peak_bytes == held

@@ -20,10 +20,11 @@ def has_shape(base) -> bool:
 
 
 #: the activation term of a LoRA client on a model with no transformer config (a CNN): this factor x
-#: the bytes autograd saves over one forward (:func:`_measured_lora_knob`), measured against the tensor
-#: bytes of real FedIT client fits (:func:`metered_fit`): MobileNetV2 on Fashion-MNIST, 2 local steps,
-#: 1.017 at rank 8 / batch 32 and 1.055 at rank 2 / batch 16; with 1.04 the predicted peak is +1.8 % /
-#: -1.0 % of the measured there, and -3 % .. -14 % on the tests' small-cnn (whose fit holds ~90 KB more)
+#: the bytes autograd saves over one forward (:func:`measured_lora_knob`), measured against the tensor
+#: bytes of real FedIT client fits (:func:`~fedtune.planning.planner.metered_fit`): MobileNetV2 on
+#: Fashion-MNIST, 2 local steps, 1.017 at rank 8 / batch 32 and 1.055 at rank 2 / batch 16; with 1.04 the
+#: predicted peak is +1.8 % / -1.0 % of the measured there, and -3 % .. -14 % on the tests' small-cnn
+#: (whose fit holds ~90 KB more)
 MEASURED_LORA_FACTOR = 1.04
 
 
