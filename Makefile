@@ -28,7 +28,7 @@ define install
 	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 	$(1)/bin/pip install -q $(2) --upgrade pip
 	$(1)/bin/pip install -q $(2) torch==2.13.0
-	$(1)/bin/pip install -q $(2) -e ".[test]"
+	$(1)/bin/pip install -q $(2) -e ".[test,tracking,docs]"
 	$(1)/bin/pip install -q $(2) --no-deps $(NODEPS)
 endef
 

@@ -16,6 +16,7 @@ from typing import Any
 from fedtune.config import RunConfig
 from fedtune.run_folder import check_free, move_aside
 from fedtune.runtime import ResolvedRun, as_resolved
+from fedtune.tracking import check_installed
 
 
 def _embedded(run: ResolvedRun, overwrite: bool = False, **kw: Any) -> dict:
@@ -72,4 +73,5 @@ def launch(
     (:class:`~fedtune.run_folder.RunFolderTaken`); in-process once every input is checked
     (:func:`~fedtune.run.run_experiment`), on Flower before any process starts."""
     run = as_resolved(config)
+    check_installed(run.config)  # a tracker's package, before any engine process starts
     return ENGINES[run.config.engine](run, on_round=on_round, on_start=on_start, resume=resume, overwrite=overwrite)

@@ -24,6 +24,7 @@ from fedtune.engines.rounds import Engine, RoundRecord, RunHalted
 from fedtune.process import setup_process
 from fedtune.run_folder import check_free, create, move_aside, write_text, writing
 from fedtune.runtime import ResolvedRun, RunContext, as_resolved
+from fedtune.tracking import Trackers, check_installed
 
 
 def _toml(config: RunConfig) -> str:
@@ -35,12 +36,13 @@ def _toml(config: RunConfig) -> str:
 ROUND_KEY, ENGINE_KEY = "_round", "_engine"  # checkpoint.npz: the strategy's state plus these two
 RUN_CONFIG = "run_config.json"  # the config the run started with, as fedtune read it (resume compares)
 MAY_CHANGE_ON_RESUME = {"rounds", "output_dir", "name", "train.threads"}
+MAY_CHANGE_PREFIXES = ("logging.",)  # where the metrics also go: a tracker added on resume gets every round
 
 
 def check_unchanged(config: RunConfig, started_with: Path) -> None:
     """Refuse to resume with a config other than the one the run started with (config.toml edited,
     or a --set), naming the keys that differ, or without ``run_config.json`` to compare with;
-    ``rounds`` may be raised (and the folder moved)."""
+    ``rounds`` may be raised (and the folder moved), and the trackers (``logging``) changed."""
     if not started_with.is_file():
         raise ConfigError(
             f"--resume: {str(started_with)!r} is missing, so the config cannot be checked against the one "
@@ -52,7 +54,9 @@ def check_unchanged(config: RunConfig, started_with: Path) -> None:
         raise ConfigError(f"--resume: {str(started_with)!r} cannot be read ({exc})") from None
     now = flat_keys(config.model_dump(mode="json"))
     changed = sorted(
-        k for k in before.keys() | now.keys() if before.get(k) != now.get(k) and k not in MAY_CHANGE_ON_RESUME
+        k
+        for k in before.keys() | now.keys()
+        if before.get(k) != now.get(k) and k not in MAY_CHANGE_ON_RESUME and not k.startswith(MAY_CHANGE_PREFIXES)
     )
     if changed:
         raise ConfigError(
@@ -242,6 +246,7 @@ def run_experiment(
     run = as_resolved(run)
     config = run.config  # resolved: the task's defaults filled in
     setup_process(config.train.threads)
+    check_installed(config)  # a tracker's package: before anything is read or written
     run_dir = run.run_dir
     if not (resume or overwrite):  # before any data or model is read: a refusal costs nothing
         check_free(run_dir)
@@ -278,10 +283,12 @@ def run_experiment(
         create(run_dir, {"config.toml": _toml(config), RUN_CONFIG: json.dumps(config.model_dump(mode="json"))})
     if config.privacy.mode == "none":  # per-client label counts: not released by a DP run
         write_text(run_dir / "label_histograms.json", json.dumps(histograms))
+    plan_text = None
     if server.plan is not None:
         from fedtune.planning.planner import plan_json
 
-        write_text(run_dir / "plan.json", plan_json(server.plan))
+        plan_text = plan_json(server.plan)
+        write_text(run_dir / "plan.json", plan_text)
     for name, text in run_files.items():
         write_text(run_dir / name, text)
     if on_start is not None:
@@ -292,6 +299,8 @@ def run_experiment(
             return "; no round completed"
         return f"; rounds 1-{rnd} are checkpointed: free space or fix the folder, then fedtune run --resume {run_dir}"
 
+    trackers = Trackers(config, run_dir, resume)  # logging.to: they get what the run folder gets
+    trackers.start(config, _toml(config), plan_text, lines)
     stopped = None
     stop_requested, restore = _interrupt_flag()
     try:
@@ -313,6 +322,7 @@ def run_experiment(
                 state = {**strategy.state_dict(), ROUND_KEY: rec.round, ENGINE_KEY: engine.state_dict()}
                 with writing(checkpoint, kept(rec.round - 1)):
                     save_state(checkpoint, state, private=config.privacy.mode != "none")  # DP: holds secrets
+                trackers.round(line)  # the line just written (under DP: the mechanism's release), checkpointed
                 if on_round is not None:
                     on_round(rec)
 
@@ -322,15 +332,21 @@ def run_experiment(
                 if not lines:
                     raise ConfigError(str(halt)) from None
                 stopped = str(halt)
+        restore()  # Ctrl-C as before the run from here on
+        last = lines[-1]["round"] if lines else 0
+        with writing(run_dir, kept(last)):
+            strategy.save(run_dir)
+        summary = _summary(config, lines, server, run_dir, time.perf_counter() - start, engine.name)
+        summary.update(strategy.summary())
+        if stopped is not None:
+            summary["stopped"] = stopped
+        with writing(run_dir / "summary.json", kept(last)):
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        trackers.finish(summary)
+    except BaseException:
+        trackers.close(ok=False)
+        raise
     finally:
         restore()
-    last = lines[-1]["round"] if lines else 0
-    with writing(run_dir, kept(last)):
-        strategy.save(run_dir)
-    summary = _summary(config, lines, server, run_dir, time.perf_counter() - start, engine.name)
-    summary.update(strategy.summary())
-    if stopped is not None:
-        summary["stopped"] = stopped
-    with writing(run_dir / "summary.json", kept(last)):
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    trackers.close(ok=True)
     return summary

@@ -209,7 +209,15 @@ def assert_every_planned_run_resolves(plan) -> int:
 #: (``make test``) they share one xdist group, so one worker runs them one after another and two
 #: Flower runs never compete for ports, Ray's session folder or the two cores.
 FLOWER_MODULES = frozenset(
-    {"test_flower", "test_flower_contract", "test_flower_deploy", "test_flower_privacy", "test_scale", "test_secagg"}
+    {
+        "test_flower",
+        "test_flower_contract",
+        "test_flower_deploy",
+        "test_flower_privacy",
+        "test_scale",
+        "test_secagg",
+        "test_tracking_engines",
+    }
 )
 
 

@@ -7,7 +7,7 @@ inside functions are lazy and may point up, for example the registries discoveri
 
     errors              FedtuneError, the one exception base
     protocol            messages, Strategy/Client ABCs, profiles, top-k codec
-    config, process, certificates, checkpoint, run_folder, output_files
+    config, process, certificates, checkpoint, run_folder, output_files, steps
     data                sources, partitioners, batches (no model code)
     models              loading, LoRA workspace, training loop, networks
     tasks               Task ABC + one module per kind (data + model + loss + metrics)
@@ -20,8 +20,8 @@ inside functions are lazy and may point up, for example the registries discoveri
     engines.embedded, engines.device_pool
                         the round loop (its transport protocol, reply checks and round record),
                         in-process delivery, the engine, its device workers
-    run, progress, privacy_audit
-                        one run end to end, the run folder; the empirical DP audit
+    run, progress, privacy_audit, tracking
+                        one run end to end, the run folder; the empirical DP audit; experiment trackers
     trained             a finished run's model: reloaded, exported, evaluated
     engines.flower      the same Strategy/Client objects on Flower (codec, runconfig, worker,
                         clientapp, transport, serverapp, simulation, commands, deployment)
@@ -53,6 +53,7 @@ LAYERS = [
         "fedtune.checkpoint",
         "fedtune.run_folder",
         "fedtune.output_files",
+        "fedtune.steps",
     ],
     ["fedtune.data"],
     ["fedtune.models"],
@@ -63,7 +64,7 @@ LAYERS = [
     ["fedtune.planning"],
     ["fedtune.runtime"],
     ["fedtune.engines", "fedtune.engines.rounds", "fedtune.engines.embedded"],
-    ["fedtune.run", "fedtune.progress", "fedtune.trained", "fedtune.privacy_audit"],
+    ["fedtune.run", "fedtune.progress", "fedtune.trained", "fedtune.privacy_audit", "fedtune.tracking"],
     ["fedtune.engines.flower"],
     ["fedtune.launch"],
     ["fedtune.cli", "fedtune.report", "fedtune.harness"],

@@ -74,15 +74,16 @@ def locked() -> dict[str, str]:
 
 
 def test_the_lock_pins_every_package_the_makefile_and_pyproject_name():
-    """Every dependency of pyproject.toml (the test extra too) and every package the Makefile
-    installs without its dependencies has one version in the lock, within what they allow; torch
-    is its CPU build and flwr 1.41.0."""
+    """Every dependency of pyproject.toml (and of the extras the Makefile installs: test, tracking,
+    docs) and every package the Makefile installs without its dependencies has one version in the
+    lock, within what they allow; torch is its CPU build and flwr 1.41.0."""
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     makefile = (ROOT / "Makefile").read_text()
     nodeps = re.search(r"^NODEPS := (.*?[^\\])\n", makefile, re.S | re.M).group(1).replace("\\\n", " ").split()
     pins = locked()
-    for line in [*project["dependencies"], *project["optional-dependencies"]["test"], *nodeps]:
+    extras = [x for extra in ("test", "tracking", "docs") for x in project["optional-dependencies"][extra]]
+    for line in [*project["dependencies"], *extras, *nodeps]:
         requirement = Requirement(line)
         name = canonicalize_name(requirement.name)
         assert name in pins, f"requirements.lock has no {name}"

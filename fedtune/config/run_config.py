@@ -21,6 +21,7 @@ from fedtune.config.base import DEVICE, RUN_NAME, ConfigError
 from fedtune.config.federation import FederationConfig
 from fedtune.config.privacy import PrivacyConfig
 from fedtune.config.sections import DataConfig, ModelConfig, TaskConfig, TrainConfig
+from fedtune.config.tracking import LoggingConfig
 
 
 class RunConfig(BaseModel):
@@ -47,6 +48,7 @@ class RunConfig(BaseModel):
     train: TrainConfig = Field(default_factory=TrainConfig)
     federation: FederationConfig = Field(default_factory=FederationConfig)
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
     options: dict[str, Any] = Field(default_factory=dict, description="the method's own options")
 
     @model_validator(mode="after")
