@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.console import Console
 
-from fedtune.cli.common import app, console, fail, redact
+from fedtune.cli.common import app, console, fail, redact, steps_shown
 from fedtune.cli.deploy import deploy_app
 from fedtune.errors import FedtuneError
 
@@ -60,10 +60,11 @@ def run(
 
         printer.begin()
         try:
-            run = resolve_run(config)  # this process's one resolution: launch and the engine take it
-            summary = launch(
-                run, on_round=printer, on_start=printer.start, resume=resume is not None, overwrite=overwrite
-            )
+            with steps_shown(before_live=lambda: printer.working(None)):
+                run = resolve_run(config)  # this process's one resolution: launch and the engine take it
+                summary = launch(
+                    run, on_round=printer, on_start=printer.start, resume=resume is not None, overwrite=overwrite
+                )
         finally:
             printer.working(None)
     except FedtuneError as exc:
@@ -166,12 +167,13 @@ def plan(
     from fedtune.runtime import RunContext, resolve_run
 
     try:
-        context = RunContext(resolve_run(load_config(recipe, set_)))
+        with steps_shown():
+            context = RunContext(resolve_run(load_config(recipe, set_)))
         ratios = {}
         if calibrate_speed:
             model = context.config.model
             ratios = speed.calibrate(Shape.of(context.skeleton), model.dtype, model.quantization)
-        with speed.calibrated(ratios):
+        with speed.calibrated(ratios), steps_shown():
             text = format_plan(plan_budgets(context, always=True))
     except FedtuneError as exc:
         fail(str(exc), code=exc.exit_code)
@@ -205,7 +207,9 @@ def export(
         base = None if merged else run.adapter_config.get("base_model_name_or_path")
         token = None if push_to_hub is None else hub_token(push_to_hub, base)
         folder = out or default_folder(run_dir, merged)
-        for note in export_run(run, folder, merged, overwrite):
+        with steps_shown():
+            notes = export_run(run, folder, merged, overwrite)
+        for note in notes:
             console.print(note, markup=False, highlight=False, soft_wrap=True)
         console.print(f"wrote {folder}")
         if push_to_hub is not None:
@@ -267,8 +271,6 @@ def eval_(
     import json
     import warnings
 
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
     from fedtune.config import ConfigError
     from fedtune.output_files import check_free, write_output
     from fedtune.process import setup_process
@@ -286,21 +288,13 @@ def eval_(
         scored = target_of(target)
         path = out or (scored.run_dir / "eval.json" if scored.run_dir is not None else Path("eval.json"))
         check_free(path, is_eval_result, "--out")  # before the evaluation, which takes a while
-        columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-        with Progress(*columns, console=console, transient=True) as bar, warnings.catch_warnings():
+        with steps_shown(), warnings.catch_warnings():  # loading, tokenizing, scoring: questions, rate, ETA
             warnings.simplefilter("ignore", UserWarning)  # the result's warnings are printed below
-            shown = bar.add_task("loading the model", total=None)
-
-            def advance(unit: str, passes: int) -> None:
-                bar.update(shown, description=f"{unit}: {passes} forward passes")
-
             if lm_eval:
                 folder = None if include_path is None else str(include_path)
                 result = evaluate_lm_eval(scored, sets, limit, batch_size, num_fewshot, baseline, folder)
             else:
-                result = evaluate(
-                    scored, sets, limit, batch_size, generate, advance, protocol, num_fewshot or 0, baseline
-                )
+                result = evaluate(scored, sets, limit, batch_size, generate, None, protocol, num_fewshot or 0, baseline)
         write_output(path, json.dumps(result, indent=1).encode(), is_eval_result, "--out")
     except FedtuneError as exc:
         fail(str(exc), code=exc.exit_code)

@@ -41,6 +41,7 @@ from fedtune.planning.knob import Knob, rank_knob
 from fedtune.planning.workload import commit_workload, lora_workload
 from fedtune.protocol.messages import Message
 from fedtune.protocol.profiles import ClientProfile
+from fedtune.steps import track
 
 #: method -> the profile field the planner sets (None: the method has no per-client knob)
 KNOBS: dict[str, str | None] = {
@@ -145,7 +146,7 @@ def plan_budgets(context, always: bool = False) -> Plan | None:
         knobs = _lora_knob(context, knob)
     costs = {}
     clients, planned, excluded = [], [], {}
-    for cid, profile in enumerate(profiles):
+    for cid, profile in track(enumerate(profiles), f"planning {len(profiles)} clients", len(profiles), "clients"):
         own = knobs.stated(profile)
         stated = knob is not None and own is not None
         values = [own] if own is not None else knobs.ladder if knob is not None else knobs.ladder[:1]
