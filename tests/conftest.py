@@ -72,33 +72,12 @@ METHOD_TINY = {
 
 
 def tiny(tmp_path, method: str, kind: str, *extra: str, variant: str = ""):
-    """A seconds-long config of ``method`` on task ``kind`` (its ``test_overrides`` and the named
-    variant, the method's ``METHOD_TINY``): 3 clients, 2 per round, 2 rounds, heterogeneous ranks,
-    writing under ``tmp_path``."""
-    from fedtune.config import load_config
-    from fedtune.tasks import get_task_class
+    """A seconds-long config of ``method`` on task ``kind`` (:func:`fedtune.testing.tiny_config`: its
+    ``test_overrides`` and the named variant, 3 clients, 2 per round, 2 rounds, heterogeneous ranks)
+    with the method's ``METHOD_TINY``, writing under ``tmp_path``."""
+    from fedtune.testing import tiny_config
 
-    task = get_task_class(kind)
-    return load_config(
-        None,
-        [
-            f"method={method}",
-            f"task.kind={kind}",
-            *task.test_overrides,
-            *task.test_variants.get(variant, ()),
-            *METHOD_TINY.get(method, ()),
-            "federation.num_clients=3",
-            "federation.clients_per_round=2",
-            "rounds=2",
-            "train.local_steps=2",
-            "train.batch_size=4",
-            "model.lora_rank=4",
-            "federation.profile_choices={rank=[2,4], sketch_ratio=[0.5,1.0]}",  # heterogeneous ranks
-            "train.eval_batch_size=16",
-            f"output_dir={tmp_path}",
-            *extra,
-        ],
-    )
+    return tiny_config(method, kind, tmp_path, *METHOD_TINY.get(method, ()), *extra, variant=variant)
 
 
 def random_global(strategy, seed: int) -> dict:
@@ -217,6 +196,7 @@ FLOWER_MODULES = frozenset(
         "test_scale",
         "test_secagg",
         "test_tracking_engines",
+        "test_plugins",
     }
 )
 

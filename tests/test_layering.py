@@ -7,7 +7,7 @@ inside functions are lazy and may point up, for example the registries discoveri
 
     errors              FedtuneError, the one exception base
     protocol            messages, Strategy/Client ABCs, profiles, top-k codec
-    config, process, certificates, checkpoint, run_folder, output_files, steps
+    config, process, certificates, checkpoint, run_folder, output_files, steps, plugins
     data                sources, partitioners, batches (no model code)
     models              loading, LoRA workspace, training loop, networks
     tasks               Task ABC + one module per kind (data + model + loss + metrics)
@@ -26,7 +26,7 @@ inside functions are lazy and may point up, for example the registries discoveri
     engines.flower      the same Strategy/Client objects on Flower (codec, runconfig, worker,
                         clientapp, transport, serverapp, simulation, commands, deployment)
     launch              config.engine -> its launcher (the one entry point)
-    cli, report, harness
+    cli, report, harness, testing
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ LAYERS = [
         "fedtune.run_folder",
         "fedtune.output_files",
         "fedtune.steps",
+        "fedtune.plugins",
     ],
     ["fedtune.data"],
     ["fedtune.models"],
@@ -67,7 +68,7 @@ LAYERS = [
     ["fedtune.run", "fedtune.progress", "fedtune.trained", "fedtune.privacy_audit", "fedtune.tracking"],
     ["fedtune.engines.flower"],
     ["fedtune.launch"],
-    ["fedtune.cli", "fedtune.report", "fedtune.harness"],
+    ["fedtune.cli", "fedtune.report", "fedtune.harness", "fedtune.testing"],
 ]
 
 

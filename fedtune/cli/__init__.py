@@ -1,5 +1,5 @@
 """The ``fedtune`` command line: run, methods, tasks, report, plan, export, eval; deploy
-(:mod:`fedtune.cli.deploy`); what they share in :mod:`fedtune.cli.common`."""
+(:mod:`fedtune.cli.deploy`); new (:mod:`fedtune.cli.new`); what they share in :mod:`fedtune.cli.common`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from rich.console import Console
 
 from fedtune.cli.common import app, console, fail, redact, steps_shown
 from fedtune.cli.deploy import deploy_app
+from fedtune.cli.new import new_app
 from fedtune.errors import FedtuneError
 
 if TYPE_CHECKING:
@@ -102,17 +103,28 @@ def methods(
         help="also each method's task kinds, options, and the settings that depart from its paper",
     ),
 ) -> None:
-    """List the registered methods."""
+    """List the registered methods: fedtune's own, then those installed packages declare (entry
+    point group fedtune.methods); -v imports them all and names each one's source."""
     from fedtune import catalog
+    from fedtune.plugins import METHODS, declared, source
 
     pad = " " * 15
-    for method, description in catalog.read()["methods"]:  # without importing the methods (torch)
-        typer.echo(f"{method:<14} {description}")
-        if not verbose:
-            continue
-        from fedtune.methods import get_method
+    if not verbose:  # without importing the methods (torch)
+        for method, description in catalog.read()["methods"]:
+            typer.echo(f"{method:<14} {description}")
+        for ep in declared(METHODS):
+            typer.echo(f"{ep.name:<14} (from {source(ep)})")
+        return
+    from fedtune.methods import list_methods
 
-        spec = get_method(method)
+    try:
+        specs = list_methods(plugins=True)
+    except FedtuneError as exc:
+        fail(str(exc), code=exc.exit_code)
+    for spec in specs:
+        typer.echo(f"{spec.name:<14} {spec.description}")
+        own = spec.module.startswith("fedtune.")
+        typer.echo(f"{pad}source: {'fedtune' if own else spec.module + ' (your package)'}")
         typer.echo(f"{pad}tasks: {', '.join(spec.supported_tasks())}")
         for name, field in spec.options.model_fields.items():
             about = f"  ({field.description})" if field.description else ""
@@ -125,10 +137,13 @@ def methods(
 def tasks() -> None:
     """List the task kinds (``task.kind``) with their default data set and model."""
     from fedtune import catalog
+    from fedtune.plugins import TASKS, declared, source
 
     for kind, description, defaults in catalog.read()["tasks"]:  # without importing the tasks (torch)
         shown = ", ".join(f"{k} {v}" for k, v in defaults.items())
         typer.echo(f"{kind:<22} {description} [{shown}]")
+    for ep in declared(TASKS):  # a package's own (entry point group fedtune.tasks)
+        typer.echo(f"{ep.name:<22} (from {source(ep)})")
 
 
 @app.command()
@@ -308,6 +323,7 @@ def eval_(
 
 
 app.add_typer(deploy_app, name="deploy")
+app.add_typer(new_app, name="new")
 
 
 def main() -> None:  # pragma: no cover

@@ -78,7 +78,8 @@ class RunConfig(BaseModel):
         if self.name:
             return self.name
         data = re.sub(r"[^A-Za-z0-9._+=-]", "_", Path(self.data.name).stem) if self.data.name else self.task.kind
-        return f"{self.method}-{data}-s{self.seed}"[:128]
+        method = self.method.rpartition(":")[2]  # "my_pkg.module:NAME": NAME
+        return f"{method}-{data}-s{self.seed}"[:128]
 
 
 class MethodRefusals(Protocol):
