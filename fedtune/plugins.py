@@ -9,15 +9,14 @@ Two ways, both registering through the same :func:`fedtune.registry.register` /
 - a reference in the config: ``method = "my_pkg.method:NAME"`` (``task.kind`` likewise) imports
   ``my_pkg.method`` and looks ``NAME`` up.
 
-A module that fails to import stops with one line naming it.
+A module that fails to import stops with one line naming it. This module imports nothing of
+fedtune at load: ``fedtune methods`` lists the entry points without pydantic or torch.
 """
 
 from __future__ import annotations
 
 import importlib
 from importlib.metadata import EntryPoint, entry_points
-
-from fedtune.config import ConfigError
 
 METHODS, TASKS = "fedtune.methods", "fedtune.tasks"  # the entry-point groups
 
@@ -33,11 +32,17 @@ def source(ep: EntryPoint) -> str:
     return f"{ep.module} ({dist.name} {dist.version})" if dist is not None else ep.module
 
 
+def _error(message: str) -> Exception:
+    from fedtune.config import ConfigError
+
+    return ConfigError(message)
+
+
 def _import(module: str, what: str) -> None:
     try:
         importlib.import_module(module)
     except Exception as exc:  # noqa: BLE001 - the user's code: any failure is one line
-        raise ConfigError(f"{what}: cannot import {module!r} ({type(exc).__name__}: {exc})") from None
+        raise _error(f"{what}: cannot import {module!r} ({type(exc).__name__}: {exc})") from None
 
 
 def load_declared(group: str) -> None:
@@ -53,6 +58,6 @@ def resolve_reference(name: str, what: str) -> str:
         return name
     module, _, registered = name.partition(":")
     if not module or not registered:
-        raise ConfigError(f"{what}: {name!r} is not module:NAME")
+        raise _error(f"{what}: {name!r} is not module:NAME")
     _import(module, what)
     return registered
