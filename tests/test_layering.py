@@ -13,7 +13,9 @@ inside functions are lazy and may point up, for example the registries discoveri
     tasks               Task ABC + one module per kind (data + model + loss + metrics)
     registry            method name -> Strategy, Client, options, required capabilities
     methods             one module per method, over protocol + the Task interface
-    catalog             the methods' and task kinds' names and descriptions, read without them
+    catalog, config_reference
+                        the methods' and task kinds' names and descriptions, read without them;
+                        the config reference generated from the config classes (the docs)
     planning            client budgets: the memory and time model, the planner, the peak meter
     runtime             RunContext: one process's task, model and profiles
     engines.rounds, engines.delivery, engines.policy, engines.record, engines.local,
@@ -61,7 +63,7 @@ LAYERS = [
     ["fedtune.tasks"],
     ["fedtune.registry"],
     ["fedtune.methods"],
-    ["fedtune.catalog"],
+    ["fedtune.catalog", "fedtune.config_reference"],
     ["fedtune.planning"],
     ["fedtune.runtime"],
     ["fedtune.engines", "fedtune.engines.rounds", "fedtune.engines.embedded"],

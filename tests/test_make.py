@@ -116,6 +116,9 @@ def test_the_install_passes_the_lock_to_every_pip_install_and_checks_the_venv_ag
 
 def test_make_lint_type_checks_after_ruff_and_ci_runs_it():
     """``make lint`` runs mypy (configured by pyproject.toml's ``[tool.mypy]``) after ruff's two
-    checks, and CI's script runs ``make lint``."""
-    assert [Path(command[0]).name for command in make_dry_run("lint")] == ["ruff", "ruff", "mypy"]
+    checks, then builds the docs site with every warning an error, and CI's script runs ``make lint``."""
+    commands = make_dry_run("lint")
+    assert [Path(command[0]).name for command in commands[:3]] == ["ruff", "ruff", "mypy"]
+    assert commands[3][0] == "NO_MKDOCS_2_WARNING=1" and Path(commands[3][1]).name == "mkdocs"
+    assert commands[3][2:4] == ["build", "--strict"]
     assert "make lint" in (ROOT / ".ci" / "run").read_text().splitlines()

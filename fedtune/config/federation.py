@@ -21,7 +21,7 @@ SECAGG_PARAMETERS = (
 class FederationConfig(Section):
     """``[federation]``: the clients, their sampling and profiles, the wire, the server's aggregation."""
 
-    num_clients: int = Field(10, gt=0)
+    num_clients: int = Field(10, gt=0, description="clients in the federation (N)")
     clients_per_round: int | None = Field(None, gt=0, description="clients sampled per round")
     fraction: float | None = Field(None, gt=0, le=1, description="fraction sampled per round")
     profiles: list[ClientProfile] | None = Field(None, description="one resource profile per client (or one for all)")

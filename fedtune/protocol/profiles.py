@@ -72,10 +72,10 @@ class DeviceClass(BaseModel):
 
     name: str = Field(min_length=1, description="the class's name (phone, laptop, ...)")
     share: float = Field(gt=0, le=1, description="chance that a client is of this class")
-    memory_gib: float | None = Field(None, gt=0)
-    speed: float = Field(1.0, gt=0)
-    bandwidth_mb: float | None = Field(None, gt=0)
-    deadline_s: float | None = Field(None, gt=0)
+    memory_gib: float | None = Field(None, gt=0, description="the class's memory budget for local training (GiB)")
+    speed: float = Field(1.0, gt=0, description="the class's relative compute speed (1: the reference)")
+    bandwidth_mb: float | None = Field(None, gt=0, description="the class's upload budget (MB per round)")
+    deadline_s: float | None = Field(None, gt=0, description="the class's deadline (seconds per round)")
 
 
 def check_device_classes(classes: list[DeviceClass]) -> None:
