@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedtune.config import flat_keys
+
 
 @dataclass
 class Store:
@@ -29,16 +31,6 @@ class Store:
 
     def values(self, key: str) -> dict[int, float]:
         return dict(self.metrics.get(key, []))
-
-
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def tensorboard(run_dir: Path) -> Store:
@@ -95,17 +87,17 @@ def wandb_offline(run_dir: Path) -> Store:
             record = json.loads(line)
             kind = record["type"]
             if kind == "run":
-                store.config.update(_flat(record["run"].get("config", {}).get("update", {})))
+                store.config.update(flat_keys(record["run"].get("config", {}).get("update", {})))
             elif kind == "config":
-                store.config.update(_flat(record["config"].get("update", {})))
+                store.config.update(flat_keys(record["config"].get("update", {})))
             elif kind == "history":
                 item = record["history"]["item"]
                 step = int(record["history"]["step"]["num"])
-                for key, value in _flat(item, "").items():
+                for key, value in flat_keys(item).items():
                     if not key.startswith("_"):
                         store.metrics.setdefault(key, []).append((step, value))
             elif kind == "summary":
-                for key, value in _flat(record["summary"].get("update", {})).items():
+                for key, value in flat_keys(record["summary"].get("update", {})).items():
                     if not key.startswith("_"):
                         store.summary[key] = value
     store.config.pop("_wandb", None)
