@@ -170,6 +170,7 @@ def _scaffold(kind: str, name: str, folder: Path) -> Path:
         "pyproject.toml": PYPROJECT.format(**values),
         "recipe.toml": RECIPE.format(**values),
         f"tests/test_{package}.py": TEST.format(**values),
+        "conftest.py": '"""pytest puts this folder on sys.path: the package imports uninstalled too."""\n',
         "README.md": README.format(**values),
     }
     for relative, text in files.items():
