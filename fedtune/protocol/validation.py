@@ -205,9 +205,9 @@ def _norm_and_size(arrays: Mapping[str, np.ndarray]) -> tuple[float, int]:
 
 
 def beyond_bound(replies: Mapping[int, Message], bound: Callable[[int], float]) -> dict[int, str]:
-    """Client id -> reason for each training reply whose L2 norm exceeds ``bound(d)``, d the number
-    of float values it holds (its arrays already checked against what the server expects): the
-    local-DP screen of uploads beyond what a clipped and noised one can be."""
+    """Client id -> reason for each training reply of ``replies`` whose L2 norm exceeds ``bound(d)``,
+    d the number of float values it holds (its arrays already checked against what the server
+    expects): the local-DP screen of uploads beyond what a clipped and noised one can be."""
     out = {}
     for cid, reply in replies.items():
         norm, size = _norm_and_size(reply.arrays)

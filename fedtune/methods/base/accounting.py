@@ -23,6 +23,10 @@ at this project's settings and is 10x faster), or
 this project's settings). dp-accounting's RDP has no Poisson-subsampled Gaussian under REPLACE_ONE,
 so ``"rdp"`` needs ``adjacency = "add-remove"`` (or local mode, whose q = 1 Gaussian of multiplier
 z/2 it composes).
+
+What a run released is its :class:`Ledger` (each release with its own z and q, kept in the
+checkpoint); the epsilon a run reports is their composition (:func:`composed`), never re-derived
+from today's config.
 """
 
 from __future__ import annotations

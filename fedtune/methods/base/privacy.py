@@ -52,9 +52,12 @@ Dropouts: a dropped client's update is absent from the sum, the same as a zero u
 with the denominator still m, so the guarantee holds as long as whether a client drops does not
 depend on other clients' data.
 
-Delta defaults to min(1/N^2, 1e-5). ``privacy.epsilon`` calibrates z so that epsilon after
-``rounds`` releases is at most the target; ``privacy.epsilon_budget`` stops the run before a round
-whose epsilon would exceed it.
+Delta defaults to min(1/N^2, 1e-5) and must be below 1/N. ``privacy.epsilon`` calibrates z so that
+epsilon after ``rounds`` releases is at most the target; ``privacy.epsilon_budget`` (and the target)
+stop the run before a round whose epsilon would exceed it. Epsilon is the composition of the
+:class:`~fedtune.methods.base.accounting.Ledger` (each release at its own z and q, in the
+checkpoint), and a resume never changes z. Under local DP the server drops an upload beyond what a
+clipped and noised one can be (:meth:`LocalGaussian.upload_bound`).
 """
 
 from __future__ import annotations
@@ -269,18 +272,13 @@ class Mechanism:
 
     def _changed_z(self, z: float, q: float, n: int) -> str:
         """The one line refusing a resume whose config gives another z (or q) than the releases'."""
-        why = ""
-        if self.calibrated_for is not None and q == self.rate:
-            later = self.calibrated_for - n
-            would = accounting.composed(self.accountant, self.adjacency, ((q, z, n), (q, self.z, later)), self.delta)
-            why = (
-                f" (privacy.epsilon = {self.target:g} recalibrated for rounds = {self.calibrated_for}; the releases "
-                f"would compose to epsilon {would:.4g})"
-            )
+        later = (self.calibrated_for or n) - n  # privacy.epsilon: the rounds today's z is calibrated for
+        events = ((q, z, n), (self.rate, self.z, later))
+        would = accounting.composed(self.accountant, self.adjacency, events, self.delta)
         return (
-            f"--resume: this DP run released {n} times at noise multiplier z = {z:.4g} (sampling rate {q:.4g}); "
-            f"the config now gives z = {self.z:.4g} (rate {self.rate:.4g}){why}; a DP run keeps its z on resume, "
-            "so under privacy.epsilon its rounds cannot change: start a new run"
+            f"--resume: this DP run released {n} times at noise multiplier z = {z:.4g} (rate {q:.4g}); the config "
+            f"now gives z = {self.z:.4g} (rate {self.rate:.4g}; privacy.epsilon recalibrates z when rounds change) "
+            f"and its releases would compose to epsilon {would:.4g}: a DP run keeps its z on resume, start a new run"
         )
 
     def report(self) -> dict[str, Any]:
