@@ -64,8 +64,12 @@ def input_digests(context: Any, strategy: Any, config_keys: Mapping[str, Any]) -
     }
 
 
-def fresh_key() -> np.ndarray:
-    """A new HMAC key: 256 bits of OS entropy."""
+def fresh_key(reproducible_seed: int | None = None) -> np.ndarray:
+    """A new HMAC key: 256 bits of OS entropy; with ``reproducible_seed`` (the test-only
+    ``privacy.insecure_reproducible_noise``, whose noise derives from the seed too) derived from it,
+    so that two engines' runs of one config keep equal checkpoints."""
+    if reproducible_seed is not None:
+        return np.frombuffer(hashlib.sha256(f"fedtune-inputs:{reproducible_seed}".encode()).digest(), np.uint8).copy()
     return np.frombuffer(secrets.token_bytes(SIZE), dtype=np.uint8).copy()
 
 

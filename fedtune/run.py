@@ -312,7 +312,8 @@ def run_experiment(
         digests = input_digests(server, strategy, _resumable_keys(config))
     lines: list[dict] = []
     start_round = 1
-    inputs = None if digests is None else keyed(digests, fresh_key())
+    reproducible = config.seed if config.privacy.insecure_reproducible_noise else None
+    inputs = None if digests is None else keyed(digests, fresh_key(reproducible))
     if resume:
         done, inputs = _restore(checkpoint, strategy, engine, config.rounds)
         if digests is not None:

@@ -194,13 +194,16 @@ def _norm(arrays: Mapping[str, np.ndarray]) -> float:
 
 def _norm_and_size(arrays: Mapping[str, np.ndarray]) -> tuple[float, int]:
     """(the L2 norm in float64, the number of values) over every float array of ``arrays``
-    (wire-encoded ones decoded: a top-k upload counts its dense size)."""
+    (wire-encoded ones decoded; a top-k array counts its dense size, its ``.topk_shape``, which
+    :func:`check_arrays` holds to the expected shape)."""
     total, size = 0.0, 0
-    for a in wire_decode(arrays).values():
+    decoded = wire_decode(arrays)
+    for name, a in decoded.items():
         a = np.asarray(a)
         if a.dtype.kind == "f":
             total += float(np.sum(np.square(a, dtype=np.float64)))
-            size += a.size
+            shape = decoded.get(name.removesuffix(VAL) + SHAPE) if name.endswith(VAL) else None
+            size += a.size if shape is None else int(np.prod(shape, dtype=np.int64))
     return math.sqrt(total), size
 
 

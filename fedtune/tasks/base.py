@@ -191,7 +191,8 @@ class Task(ABC):
 
     def public_step_shape(self) -> tuple[int, int | None]:
         """A bound on :meth:`step_shape` from public information alone (the config and the task's
-        fixed vocabulary of answers, never the training rows): what the planner prices under DP,
+        label or answer vocabulary, public as a classifier's label set is; never the training
+        rows): what the planner prices under DP,
         whose ``plan.json`` must not depend on one client's data. Default: (``data.max_length``,
         None), the cut every tokenized row gets."""
         return self.config.data.max_length, None

@@ -294,7 +294,8 @@ class Instruction(Task):
 
     def public_step_shape(self) -> tuple[int, int]:
         """:meth:`step_shape` over every prompt and answer the task can form (its question
-        templates and fixed answer texts), not over the training rows."""
+        templates and its answer vocabulary, public as a classifier's labels are), not over the
+        training rows."""
         answer = self.prompts.max_answer_tokens
         return max(len(p) for p in self.prompts.prompts) + answer, answer + 1
 
