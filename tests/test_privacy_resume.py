@@ -157,3 +157,24 @@ def test_epsilon_composes_each_release_at_its_own_z_and_the_budget_prices_the_ne
         fresh.load_state_dict(state)
     with pytest.raises(ConfigError, match="privacy_ledger is damaged"):
         fresh.load_state_dict({**state, "privacy_ledger": -state["privacy_ledger"]})
+
+
+def test_a_dp_resume_stops_before_the_release_that_would_cross_its_budget(tmp_path):
+    """A fixed z = 1.699 (q = 1) and epsilon_budget = 9: two rounds (epsilon 7.99), then a resume to
+    four stops before round 3 (its release would take epsilon to about 10.2), in one line, the
+    restored ledger composed with one more release. Control: with budget 11 the same resume runs
+    round 3 (and stops before round 4)."""
+    every = ["federation.num_clients=4", "federation.clients_per_round=4", 'privacy.mode="central"', "privacy.clip=1"]
+
+    def config(budget: float, rounds: int, name: str):
+        dp = ["privacy.noise_multiplier=1.699", f"privacy.epsilon_budget={budget}", f"name={name}"]
+        return tiny(tmp_path, "fedit", KIND, *every, *dp, f"rounds={rounds}")
+
+    for budget, name, done in ((9, "tight", [1, 2]), (11, "loose", [1, 2, 3])):
+        run_dir = Path(run_experiment(config(budget, 2, name))["run_dir"])
+        summary = run_experiment(config(budget, 4, name), resume=True)
+        assert summary["stopped"].startswith(f"privacy.epsilon_budget: stopped before round {done[-1] + 1}, whose ")
+        assert "\n" not in summary["stopped"]
+        lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [x["round"] for x in lines] == done and lines[-1]["epsilon"] <= budget
+        assert summary["privacy"]["epsilon"] == pytest.approx(_pld((1.699, len(done))), rel=1e-3)
