@@ -11,6 +11,7 @@ after every round: the round, the strategy's state and the engine's), the method
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +34,7 @@ def _toml(config: RunConfig) -> str:
 
 
 ROUND_KEY, ENGINE_KEY = "_round", "_engine"  # checkpoint.npz: the strategy's state plus these two
+INPUTS_KEY = "_inputs"  # and, under DP, the keyed fingerprints of its inputs (fedtune.fingerprint)
 RUN_CONFIG = "run_config.json"  # the config the run started with, as fedtune read it (resume compares)
 MAY_CHANGE_ON_RESUME = {"rounds", "output_dir", "name", "train.threads"}
 
@@ -137,13 +139,15 @@ def _totals(lines: list[dict], wall_s: float) -> dict:
     }
 
 
-def _restore(checkpoint: Path, strategy, engine: Engine, rounds: int) -> int:
-    """Load ``checkpoint`` into ``strategy`` and ``engine``; the round it holds. A checkpoint that
-    does not fit this run (another model or rank, an edited method option, a damaged ``_round``,
-    a non-finite array, more rounds done than ``rounds``) stops with one line, before anything is
-    written. Called on a freshly initialized strategy: its state is what this run would build."""
+def _restore(checkpoint: Path, strategy, engine: Engine, rounds: int) -> tuple[int, dict | None]:
+    """Load ``checkpoint`` into ``strategy`` and ``engine``; the round it holds and its record of
+    the inputs' fingerprints (DP; None without). A checkpoint that does not fit this run (another
+    model or rank, an edited method option, a damaged ``_round``, a non-finite array, more rounds
+    done than ``rounds``, a DP release at another noise multiplier) stops with one line, before
+    anything is written. Called on a freshly initialized strategy: its state is what this run would build."""
     state = load_state(checkpoint)
     where = f"--resume: {str(checkpoint)!r}"
+    inputs = state.pop(INPUTS_KEY, None)
     done = state.pop(ROUND_KEY, None)
     if type(done) is not int or done < 1:
         raise ConfigError(f"{where}: {ROUND_KEY} = {done!r}, expected the last completed round (1 or more)")
@@ -155,12 +159,47 @@ def _restore(checkpoint: Path, strategy, engine: Engine, rounds: int) -> int:
     try:
         engine.load_state_dict(engine_state)
         strategy.load_state_dict(state)
+    except ConfigError:  # already the one line (a DP release at another z)
+        raise
     except (KeyError, ValueError, TypeError, IndexError) as exc:
         raise ConfigError(
             f"--resume: {str(checkpoint)!r} does not fit this run's config.toml (was it edited? "
             f"{type(exc).__name__}: {exc})"
         ) from None
-    return done
+    return done, inputs if isinstance(inputs, dict) else None
+
+
+def _check_inputs(checkpoint: Path, recorded: dict | None, digests: dict) -> None:
+    """A DP resume sees the inputs its checkpoint fingerprinted (:mod:`fedtune.fingerprint`), else
+    one line naming what changed: resuming would replay the run's secret noise on other inputs."""
+    from fedtune.fingerprint import changed_inputs
+
+    where = f"--resume: {str(checkpoint)!r}"
+    if recorded is None:
+        raise ConfigError(
+            f"{where} is a DP checkpoint without a fingerprint of its inputs (written before fedtune checked them), "
+            "so a resume could replay its secret noise on other data: start a new run"
+        )
+    try:
+        changed = changed_inputs(recorded, digests)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {INPUTS_KEY} is damaged ({exc})") from None
+    if changed:
+        raise ConfigError(
+            f"--resume: this DP run's inputs changed since its checkpoint: {'; '.join(changed)}. Resuming would "
+            "replay its secret noise on other inputs (the two releases' difference is noise-free): start a new run"
+        )
+
+
+def _resumable_keys(config: RunConfig) -> dict:
+    """The resolved config's flat keys that a resume may not change (a DP run fingerprints them)."""
+    return {k: v for k, v in flat_keys(config.model_dump(mode="json")).items() if k not in MAY_CHANGE_ON_RESUME}
+
+
+def _operator(note: str) -> None:
+    """A line for the operator's console (stderr), never the run folder: what a DP run may not
+    write but its operator must know."""
+    print(f"warning: {note}", file=sys.stderr, flush=True)
 
 
 def _check_fits(built: dict, stored: dict, where: str, path: str = "") -> None:
@@ -260,10 +299,25 @@ def run_experiment(
     strategy.initialize()  # loads the model: a bad model.name stops here, before any output
     histograms = {"label_names": server.task.label_names, "clients": server.histograms()}  # reads the data
     run_files = server.task.run_files()  # and partitions it: a bad file or partition stops here too
+    private = config.privacy.mode != "none"
+    if private and server.plan is not None and len(server.plan.excluded) == config.federation.num_clients:
+        raise ConfigError(
+            "federation: the budget plan excludes every client (no setting fits any budget; `fedtune plan` shows "
+            "each one's reason), so this DP run would release noise alone"
+        )
+    digests = None
+    if private:  # every input of a release, before the checkpoint's state replaces the initial one
+        from fedtune.fingerprint import fresh_key, input_digests, keyed
+
+        digests = input_digests(server, strategy, _resumable_keys(config))
     lines: list[dict] = []
     start_round = 1
+    reproducible = config.seed if config.privacy.insecure_reproducible_noise else None
+    inputs = None if digests is None else keyed(digests, fresh_key(reproducible))
     if resume:
-        done = _restore(checkpoint, strategy, engine, config.rounds)
+        done, inputs = _restore(checkpoint, strategy, engine, config.rounds)
+        if digests is not None:
+            _check_inputs(checkpoint, inputs, digests)
         lines = [x for x in _metrics_lines(metrics_path) if x["round"] <= done]  # a round after it is redone
         if [x["round"] for x in lines] != list(range(1, done + 1)):
             raise ConfigError(
@@ -293,6 +347,7 @@ def run_experiment(
         return f"; rounds 1-{rnd} are checkpointed: free space or fix the folder, then fedtune run --resume {run_dir}"
 
     stopped = None
+    contributed = [0, 0]  # rounds this process ran, and of them those some client's update reached
     stop_requested, restore = _interrupt_flag()
     try:
         if resume:  # the lines up to the checkpoint, written atomically, then appended to
@@ -307,10 +362,16 @@ def run_experiment(
             def record(rec: RoundRecord) -> None:
                 line = rec.to_json()
                 lines.append(line)
+                for note in rec.notes:  # a private round's drops: the operator's console only
+                    _operator(f"round {rec.round}: {note}")
+                contributed[0] += 1
+                contributed[1] += bool(set(rec.clients) - set(rec.dropped))
                 with writing(metrics_path, kept(rec.round - 1)):
                     sink.write(json.dumps(line) + "\n")
                     sink.flush()
                 state = {**strategy.state_dict(), ROUND_KEY: rec.round, ENGINE_KEY: engine.state_dict()}
+                if inputs is not None:
+                    state[INPUTS_KEY] = inputs
                 with writing(checkpoint, kept(rec.round - 1)):
                     save_state(checkpoint, state, private=config.privacy.mode != "none")  # DP: holds secrets
                 if on_round is not None:
@@ -324,6 +385,11 @@ def run_experiment(
                 stopped = str(halt)
     finally:
         restore()
+        if private and contributed[0] and not contributed[1]:
+            _operator(
+                f"no client's update reached this DP run's aggregate in its {contributed[0]} round(s) here: every "
+                "release was noise alone (every client failed or was dropped, or none was sampled)"
+            )
     last = lines[-1]["round"] if lines else 0
     with writing(run_dir, kept(last)):
         strategy.save(run_dir)

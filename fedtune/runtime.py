@@ -195,6 +195,15 @@ class RunContext:
             self._bases[quantization] = LoraWorkspace(self.task, self.config.seed, quantization)
         return self._bases[quantization]
 
+    def loaded_bases(self) -> list[torch.nn.Module]:
+        """The base models this context has loaded so far (:attr:`model`, :attr:`workspace`'s and
+        each :meth:`base_for`'s), none built here: what a DP run fingerprints (:mod:`fedtune.fingerprint`)."""
+        held = vars(self)
+        modules = [held["model"]] if "model" in held else []
+        if "workspace" in held:
+            modules.append(held["workspace"].base)
+        return modules + [ws.base for _, ws in sorted(self._bases.items())]
+
     def client(self, cid: int, state: dict[str, np.ndarray] | None = None) -> Client:
         """A fresh client object for ``cid`` (cheap: it shares this context's model and data), given
         its carried ``state`` (None: a new client); one whose profile states its own base

@@ -64,7 +64,7 @@ class FederationConfig(Section):
         ge=0,
         description="a training reply whose L2 norm exceeds this many times the round's reference (the replies' "
         "lower median norm, or the norm of what the client was sent, the larger) is dropped; 0: no screen; "
-        "not under DP (its clipping bounds updates)",
+        "refused under DP (central DP clips every update, local DP bounds each upload itself)",
     )
     gpus_per_client: float = Field(
         0.0, ge=0, le=1, description="engine 'flower-sim': the GPU fraction Ray gives each ClientApp (device cuda)"

@@ -1,6 +1,7 @@
-"""How a round treats faults (:class:`RoundPolicy`, from ``federation.*`` and the run's budgets):
-why a client's reply may not be aggregated (errors, deadlines, size, metadata, memory, arrays) and
-the screen of outsized training updates."""
+"""How a round treats faults (:class:`RoundPolicy`, from ``federation.*``, the run's budgets and its
+DP mechanism): why a client's reply may not be aggregated (errors, deadlines, size, metadata,
+memory, arrays) and the screen of outsized training updates (without DP: against the others'
+norms; under local DP: against what a clipped and noised upload can be)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from fedtune.engines.delivery import Delivery
 from fedtune.engines.record import RoundRecord
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
-from fedtune.protocol.validation import check_arrays, check_meta, outsized_updates
+from fedtune.protocol.validation import beyond_bound, check_arrays, check_meta, outsized_updates
 
 
 @dataclass(frozen=True)
@@ -26,27 +27,39 @@ class RoundPolicy:
     memory_bytes: dict[int, int] = field(default_factory=dict)  # client -> its memory budget
     deadlines: dict[int, float] = field(default_factory=dict)  # client -> its deadline_s
     excluded: dict[int, str] = field(default_factory=dict)  # client -> why the plan excluded it
+    privacy: Any = None  # the run's PrivacyParams under DP: its mechanism's bound on each upload
 
     @classmethod
     def of(cls, fed: Any, private: bool = False, context: Any = None) -> RoundPolicy:
         """The policy of ``fed`` (``federation.*``) and the budgets of ``context`` (a RunContext's
         ``round_limits``); ``private`` (DP): no outsized-update screen, whose reference would
-        depend on the other clients' updates (DP clipping bounds them)."""
+        depend on the other clients' updates, but the mechanism's own bound on an upload
+        (``upload_bound``: local DP's clipped and noised norm; the context's run's privacy parameters)."""
         ratio = None if private or not fed.max_update_ratio else fed.max_update_ratio
         limits = context.round_limits() if hasattr(context, "round_limits") else {}
-        return cls(fed.min_replies, fed.max_retries, fed.round_timeout_s, fed.max_reply_bytes, ratio, **limits)
+        params = context.run.aggregation.privacy if private and hasattr(context, "run") else None
+        policy = (fed.min_replies, fed.max_retries, fed.round_timeout_s, fed.max_reply_bytes, ratio)
+        return cls(*policy, **limits, privacy=params)
 
     def screened(
         self, record: RoundRecord, replies: dict[int, Message], sent: dict[int, Message], attempt: int
     ) -> dict[int, Message]:
-        """``replies`` less the outsized ones against the states ``sent``
-        (:func:`~fedtune.protocol.validation.outsized_updates`), each dropped in ``record`` with its
-        reason (prefixed with the ``attempt`` after the first)."""
-        if self.max_update_ratio is None:
+        """``replies`` less the outsized ones: beyond the DP mechanism's bound on an upload
+        (:func:`~fedtune.protocol.validation.beyond_bound`), or, without DP, against the states
+        ``sent`` (:func:`~fedtune.protocol.validation.outsized_updates`); each dropped in ``record``
+        with its reason (prefixed with the ``attempt`` after the first). A private round's drops are
+        private; the operator's console gets a note (:attr:`RoundRecord.notes`) of each."""
+        if self.privacy is not None:
+            params = self.privacy
+            outsized = beyond_bound(replies, lambda d: params.kind.upload_bound(params, d))
+        elif self.max_update_ratio is not None:
+            outsized = outsized_updates(replies, sent, self.max_update_ratio)
+        else:
             return replies
-        outsized = outsized_updates(replies, sent, self.max_update_ratio)
         for cid, reason in outsized.items():
             record.dropped[cid] = (f"attempt {attempt + 1}: " if attempt else "") + reason
+            if record.private:
+                record.notes.append(f"client {cid}'s upload dropped: {reason}")
         return {cid: reply for cid, reply in replies.items() if cid not in outsized}
 
     def rejection(
