@@ -22,7 +22,7 @@ from fedtune.config import ConfigError, RunConfig, flat_keys
 from fedtune.engines.embedded import EmbeddedEngine
 from fedtune.engines.rounds import Engine, RoundRecord, RunHalted
 from fedtune.process import setup_process
-from fedtune.run_folder import check_free, create, move_aside, write_text, writing
+from fedtune.run_folder import check_free, check_unlocked, claimed, create, write_text, writing
 from fedtune.runtime import ResolvedRun, RunContext, as_resolved
 
 
@@ -234,16 +234,19 @@ def run_experiment(
     round, client) alone, so a resumed run ends bit-identical to an uninterrupted one. Ctrl-C
     stops after the current round's checkpoint (:class:`~fedtune.engines.rounds.RunInterrupted`).
 
-    Every input is read and checked before the run folder is touched; a fresh run never writes
+    Every input is read and checked before the run folder is touched (the data, the model, the
+    budget plan, a privacy budget that would stop it before round 1); a fresh run never writes
     into a folder holding an earlier run (:class:`~fedtune.run_folder.RunFolderTaken`, raised
-    before any data or model is read), unless
-    ``overwrite``, which moves that run aside (:func:`~fedtune.run_folder.move_aside`)."""
+    before any data or model is read), unless ``overwrite``, which moves that run aside; the folder
+    is locked while the run writes it (:func:`~fedtune.run_folder.claimed`: a second process is
+    refused, :class:`~fedtune.run_folder.RunFolderInUse`)."""
     start = time.perf_counter()
     run = as_resolved(run)
     config = run.config  # resolved: the task's defaults filled in
     setup_process(config.train.threads)
     run_dir = run.run_dir
-    if not (resume or overwrite):  # before any data or model is read: a refusal costs nothing
+    check_unlocked(run_dir)  # before any data or model is read: a refusal costs nothing
+    if not (resume or overwrite):
         check_free(run_dir)
     server = RunContext(run)
     checkpoint = run_dir / "checkpoint.npz"
@@ -251,8 +254,9 @@ def run_experiment(
     if resume:
         if not checkpoint.is_file():
             raise ConfigError(
-                f"--resume {str(run_dir)!r}: no checkpoint.npz there (no round has completed; "
-                "run it again without --resume)"
+                f"--resume {str(run_dir)!r}: no round has completed there (no checkpoint.npz), so there is "
+                "nothing to resume: run it afresh without --resume and with --overwrite (moves this folder aside), "
+                "or under another name"
             )
         check_unchanged(config, run_dir / RUN_CONFIG)
     engine = engine or EmbeddedEngine(run, server)
@@ -260,6 +264,7 @@ def run_experiment(
     strategy.initialize()  # loads the model: a bad model.name stops here, before any output
     histograms = {"label_names": server.task.label_names, "clients": server.histograms()}  # reads the data
     run_files = server.task.run_files()  # and partitions it: a bad file or partition stops here too
+    server.check_plan()  # a budget plan that leaves no round able to aggregate stops here too
     lines: list[dict] = []
     start_round = 1
     if resume:
@@ -270,67 +275,70 @@ def run_experiment(
                 f"--resume: {str(metrics_path)!r} does not hold rounds 1-{done} once each, as the checkpoint does"
             )
         start_round = done + 1
-    else:  # every input is checked: the folder is touched from here on
-        if overwrite:
-            move_aside(run_dir)
-        else:
-            check_free(run_dir)
-        create(run_dir, {"config.toml": _toml(config), RUN_CONFIG: json.dumps(config.model_dump(mode="json"))})
-    if config.privacy.mode == "none":  # per-client label counts: not released by a DP run
-        write_text(run_dir / "label_histograms.json", json.dumps(histograms))
-    if server.plan is not None:
-        from fedtune.planning.planner import plan_json
+    else:
+        halted = strategy.halt_before(1)
+        if halted is not None:  # a run that would stop before its first round (a privacy budget)
+            raise ConfigError(halted)
+    with claimed(run_dir, resume, overwrite):  # locked while the run writes it
+        if not resume:  # every input is checked: the folder is touched from here on
+            create(run_dir, {"config.toml": _toml(config), RUN_CONFIG: json.dumps(config.model_dump(mode="json"))})
+        if config.privacy.mode == "none":  # per-client label counts: not released by a DP run
+            write_text(run_dir / "label_histograms.json", json.dumps(histograms))
+        if server.plan is not None:
+            from fedtune.planning.planner import plan_json
 
-        write_text(run_dir / "plan.json", plan_json(server.plan))
-    for name, text in run_files.items():
-        write_text(run_dir / name, text)
-    if on_start is not None:
-        on_start(server)
+            write_text(run_dir / "plan.json", plan_json(server.plan))
+        for name, text in run_files.items():
+            write_text(run_dir / name, text)
+        if on_start is not None:
+            on_start(server)
 
-    def kept(rnd: int) -> str:  # what a failed write leaves, and the way on
-        if rnd < 1:
-            return "; no round completed"
-        return f"; rounds 1-{rnd} are checkpointed: free space or fix the folder, then fedtune run --resume {run_dir}"
+        def kept(rnd: int) -> str:  # what a failed write leaves, and the way on
+            if rnd < 1:
+                return "; no round completed"
+            return (
+                f"; rounds 1-{rnd} are checkpointed: free space or fix the folder, then fedtune run --resume {run_dir}"
+            )
 
-    stopped = None
-    stop_requested, restore = _interrupt_flag()
-    try:
-        if resume:  # the lines up to the checkpoint, written atomically, then appended to
-            tmp = metrics_path.with_suffix(".jsonl.tmp")
-            with writing(tmp, kept(start_round - 1)):
-                tmp.write_text("".join(json.dumps(x) + "\n" for x in lines))
-                tmp.replace(metrics_path)
-        with writing(metrics_path, kept(start_round - 1)):
-            sink = metrics_path.open("a" if resume else "w")
-        with sink:
+        stopped = None
+        stop_requested, restore = _interrupt_flag()
+        try:
+            if resume:  # the lines up to the checkpoint, written atomically, then appended to
+                tmp = metrics_path.with_suffix(".jsonl.tmp")
+                with writing(tmp, kept(start_round - 1)):
+                    tmp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+                    tmp.replace(metrics_path)
+            with writing(metrics_path, kept(start_round - 1)):
+                sink = metrics_path.open("a" if resume else "w")
+            with sink:
 
-            def record(rec: RoundRecord) -> None:
-                line = rec.to_json()
-                lines.append(line)
-                with writing(metrics_path, kept(rec.round - 1)):
-                    sink.write(json.dumps(line) + "\n")
-                    sink.flush()
-                state = {**strategy.state_dict(), ROUND_KEY: rec.round, ENGINE_KEY: engine.state_dict()}
-                with writing(checkpoint, kept(rec.round - 1)):
-                    save_state(checkpoint, state, private=config.privacy.mode != "none")  # DP: holds secrets
-                if on_round is not None:
-                    on_round(rec)
+                def record(rec: RoundRecord) -> None:
+                    line = rec.to_json()
+                    lines.append(line)
+                    with writing(metrics_path, kept(rec.round - 1)):
+                        sink.write(json.dumps(line) + "\n")
+                        sink.flush()
+                    state = {**strategy.state_dict(), ROUND_KEY: rec.round, ENGINE_KEY: engine.state_dict()}
+                    with writing(checkpoint, kept(rec.round - 1)):
+                        save_state(checkpoint, state, private=config.privacy.mode != "none")  # DP: holds secrets
+                    if on_round is not None:
+                        on_round(rec)
 
-            try:
-                engine.run(strategy, record, start_round, stop_requested)
-            except RunHalted as halt:
-                if not lines:
-                    raise ConfigError(str(halt)) from None
-                stopped = str(halt)
-    finally:
-        restore()
-    last = lines[-1]["round"] if lines else 0
-    with writing(run_dir, kept(last)):
-        strategy.save(run_dir)
-    summary = _summary(config, lines, server, run_dir, time.perf_counter() - start, engine.name)
-    summary.update(strategy.summary())
-    if stopped is not None:
-        summary["stopped"] = stopped
-    with writing(run_dir / "summary.json", kept(last)):
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+                try:
+                    engine.run(strategy, record, start_round, stop_requested)
+                except RunHalted as halt:
+                    if not lines:
+                        raise ConfigError(str(halt)) from None
+                    stopped = str(halt)
+        finally:
+            restore()
+        last = lines[-1]["round"] if lines else 0
+        with writing(run_dir, kept(last)):
+            strategy.save(run_dir)
+        summary = _summary(config, lines, server, run_dir, time.perf_counter() - start, engine.name)
+        summary.update(strategy.summary())
+        if stopped is not None:
+            summary["stopped"] = stopped
+        with writing(run_dir / "summary.json", kept(last)):
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
