@@ -192,14 +192,15 @@ def _check_fits(built: dict, stored: dict, where: str, path: str = "") -> None:
             _check_fits(built.get(key) if isinstance(built.get(key), dict) else {}, value, where, f"{path}{key}/")
 
 
-def _metrics_lines(path: Path) -> list[dict]:
-    """The rounds of ``metrics.jsonl`` (resume); a missing or damaged file stops with one line naming it.
-    A last line without its newline is a line whose write was cut short (a full disk, a kill): its
-    round comes after the checkpoint's and is left out."""
+def read_metrics(path: Path, where: str = "--resume") -> list[dict]:
+    """The rounds of ``metrics.jsonl`` (resume, export's model card); a missing or damaged file stops
+    with one line naming it (``where``: what read it). A last line without its newline is a line
+    whose write was cut short (a full disk, a kill): its round comes after the checkpoint's and is
+    left out."""
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--resume: {str(path)!r} cannot be read ({exc})") from None
+        raise ConfigError(f"{where}: {str(path)!r} cannot be read ({exc})") from None
     lines = []
     complete = text[: text.rfind("\n") + 1]
     for n, raw in enumerate(complete.splitlines(), 1):
@@ -209,7 +210,10 @@ def _metrics_lines(path: Path) -> list[dict]:
             line = json.loads(raw)
             int(line["round"])
         except (ValueError, KeyError, TypeError):
-            raise ConfigError(f"--resume: {str(path)!r} line {n} is not a round's metrics line") from None
+            raise ConfigError(
+                f"{where}: {str(path)!r} line {n} is not a round's metrics line (the file is damaged: restore it, "
+                "or remove that line)"
+            ) from None
         lines.append(line)
     return lines
 
@@ -269,7 +273,7 @@ def run_experiment(
     start_round = 1
     if resume:
         done = _restore(checkpoint, strategy, engine, config.rounds)
-        lines = [x for x in _metrics_lines(metrics_path) if x["round"] <= done]  # a round after it is redone
+        lines = [x for x in read_metrics(metrics_path) if x["round"] <= done]  # a round after it is redone
         if [x["round"] for x in lines] != list(range(1, done + 1)):
             raise ConfigError(
                 f"--resume: {str(metrics_path)!r} does not hold rounds 1-{done} once each, as the checkpoint does"
