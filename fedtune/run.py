@@ -239,7 +239,7 @@ def run_experiment(
     stops after the current round's checkpoint (:class:`~fedtune.engines.rounds.RunInterrupted`).
 
     Every input is read and checked before the run folder is touched (the data, the model, the
-    budget plan, a privacy budget that would stop it before round 1); a fresh run never writes
+    budget plan; a privacy budget below one round's epsilon at resolve time); a fresh run never writes
     into a folder holding an earlier run (:class:`~fedtune.run_folder.RunFolderTaken`, raised
     before any data or model is read), unless ``overwrite``, which moves that run aside; the folder
     is locked while the run writes it (:func:`~fedtune.run_folder.claimed`: a second process is
@@ -279,10 +279,6 @@ def run_experiment(
                 f"--resume: {str(metrics_path)!r} does not hold rounds 1-{done} once each, as the checkpoint does"
             )
         start_round = done + 1
-    else:
-        halted = strategy.halt_before(1)
-        if halted is not None:  # a run that would stop before its first round (a privacy budget)
-            raise ConfigError(halted)
     with claimed(run_dir, resume, overwrite):  # locked while the run writes it
         if not resume:  # every input is checked: the folder is touched from here on
             create(run_dir, {"config.toml": _toml(config), RUN_CONFIG: json.dumps(config.model_dump(mode="json"))})
