@@ -48,7 +48,7 @@ def check_unchanged(config: RunConfig, started_with: Path) -> None:
         )
     try:
         before = flat_keys(json.loads(started_with.read_text()))
-    except (OSError, ValueError, AttributeError) as exc:
+    except (OSError, ValueError, AttributeError, RecursionError) as exc:
         raise ConfigError(f"--resume: {str(started_with)!r} cannot be read ({exc})") from None
     now = flat_keys(config.model_dump(mode="json"))
     changed = sorted(
@@ -209,7 +209,7 @@ def read_metrics(path: Path, where: str = "--resume") -> list[dict]:
         try:
             line = json.loads(raw)
             int(line["round"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             raise ConfigError(
                 f"{where}: {str(path)!r} line {n} is not a round's metrics line (the file is damaged: restore it, "
                 "or remove that line)"

@@ -35,6 +35,8 @@ def parse_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+    except RecursionError:  # tomllib recurses per nesting level
+        raise ConfigError(f"--set value {text[:40]!r}...: nested too deeply") from None
 
 
 def apply_override(tree: dict[str, Any], assignment: str) -> None:
@@ -76,6 +78,8 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
             tree = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"recipe {str(path)!r}: invalid TOML ({exc})") from None
+        except RecursionError:
+            raise ConfigError(f"recipe {str(path)!r}: invalid TOML (nested too deeply)") from None
         except UnicodeDecodeError:
             raise ConfigError(f"recipe {str(path)!r}: invalid TOML (not UTF-8 text)") from None
         except OSError as exc:

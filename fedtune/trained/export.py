@@ -99,7 +99,7 @@ def _json_of(path: Path) -> dict:
     when it is not one."""
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ConfigError(f"export: {str(path)!r} is not readable JSON ({exc}): restore it, or move it away") from None
     if not isinstance(value, dict):
         raise ConfigError(f"export: {str(path)!r} holds a {type(value).__name__}, not a JSON object: move it away")
