@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -66,12 +66,12 @@ def answer(client: Client, kind: str, message: Message, seed: int, rnd: int, att
     return attacked(reply, "metadata", 0.0, profile.attack_metadata) if profile.attack == "metadata" else reply
 
 
-def attacked(reply: Message, attack: str, scale: float, metadata: object = None) -> Message:
+def attacked(reply: Message, attack: str, scale: float, metadata: Any = None) -> Message:
     """``reply`` with every floating array sign-flipped (``attack`` ``"sign-flip"``) or times
     ``scale`` (``"scale"``), integer arrays (top-k indices) and the metadata as they are; or
     (``"metadata"``) its arrays as they are and ``metadata`` as its metadata."""
     if attack == "metadata":
-        return Message(reply.arrays, metadata)  # type: ignore[arg-type] - hostile: any value
+        return Message(reply.arrays, metadata)  # hostile: any value, a mapping or not
     factor = -1.0 if attack == "sign-flip" else scale
     arrays = {
         k: (v * factor).astype(v.dtype) if np.issubdtype(v.dtype, np.floating) else v for k, v in reply.arrays.items()
