@@ -330,6 +330,7 @@ def test_bad_input_gives_one_line_naming_the_path(run_dir, tmp_path, monkeypatch
     )
     _one_line_error(["eval", "tiny-llama", "--tasks", "arc_easy", "--generate"], "--generate", "--protocol run")
     # --push-to-hub: never the network here; no token -> one line
+    monkeypatch.setattr("fedtune.process._resolves", lambda host, timeout: True)  # as if online: to the token check
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))

@@ -38,6 +38,7 @@ from pathlib import Path
 from fedtune.config import ConfigError
 from fedtune.models import prefix_lm as plm
 from fedtune.models.hub_ids import BUILT_IN_CODE, hub_id, is_portable
+from fedtune.process import offline_hint
 from fedtune.run_folder import holds_run, rename_aside, run_folder_around
 from fedtune.trained.loader import ADAPTER_CONFIG, TrainedRun
 
@@ -290,7 +291,7 @@ def hub_token(repo: str, base: str | None) -> str:
     if base is not None and not is_portable(base):
         raise ConfigError(f"--push-to-hub {repo}: the base {base!r} exists only on this machine; nobody could load it")
     if os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise ConfigError(f"--push-to-hub {repo}: HF_HUB_OFFLINE=1 is set; pushing needs the network")
+        raise ConfigError(f"--push-to-hub {repo}: pushing needs the network{offline_hint()}")
     token = get_token()
     if not token:
         raise ConfigError(f"--push-to-hub {repo}: no Hugging Face token (set HF_TOKEN or run `huggingface-cli login`)")
