@@ -39,7 +39,7 @@ class FederationConfig(Section):
         "sgd", description="server step on the aggregated update: sgd (lr 1: the method's own rule) or adam (FedAdam)"
     )
     server_lr: float | None = Field(None, gt=0, description="server learning rate (sgd: default 1; adam: required)")
-    server_betas: tuple[float, float] = Field((0.9, 0.999), description="FedAdam's (beta1, beta2)")
+    server_betas: list[float] = Field([0.9, 0.999], min_length=2, max_length=2, description="FedAdam's (beta1, beta2)")
     server_eps: float = Field(1e-8, gt=0, description="FedAdam's epsilon (Reddi et al.'s tau)")
     server_weight_decay: float = Field(0.0, ge=0, description="FedAdam's decoupled weight decay (torch AdamW: 0.01)")
     server_bias_correction: bool = Field(

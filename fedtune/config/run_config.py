@@ -31,7 +31,9 @@ class RunConfig(BaseModel):
     name: str | None = Field(None, description="run folder name under output_dir (default: method-data-seed)")
     method: str = "fedit"
     seed: int = Field(0, ge=0, lt=2**32)
-    rounds: int = Field(10, gt=0)
+    rounds: int = Field(
+        10, gt=0, le=10**6, description="rounds of the run (at most 10^6: a count the checkpoint holds)"
+    )
     eval_every: int = Field(1, gt=0, description="evaluate every this many rounds (and the last)")
     output_dir: str = "runs"
     engine: Literal["embedded", "flower-sim", "flower"] = Field(

@@ -5,6 +5,7 @@ norms; under local DP: against what a clipped and noised upload can be)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,14 @@ from fedtune.engines.record import RoundRecord
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
 from fedtune.protocol.validation import beyond_bound, check_arrays, check_meta, outsized_updates
+
+
+def measured_peak(got: Delivery) -> int | None:
+    """The peak memory ``got``'s reply reports (its metadata's ``peak_bytes``): None unless the
+    metadata is a mapping and the value an int of at least 0 (an untrusted reply may hold anything)."""
+    meta = got.reply.meta if got.reply is not None else None
+    peak = meta.get("peak_bytes") if isinstance(meta, Mapping) else None
+    return peak if isinstance(peak, int) and not isinstance(peak, bool) and peak >= 0 else None
 
 
 @dataclass(frozen=True)
@@ -81,9 +90,9 @@ class RoundPolicy:
             return f"missed its deadline_s = {self.deadlines[cid]:g} ({got.seconds:.2f} s)"
         if got.up > self.max_reply_bytes:
             return f"reply of {got.up} bytes exceeds federation.max_reply_bytes = {self.max_reply_bytes}"
-        reason = check_meta(got.reply.meta, strategy.reply_meta_spec(kind, cid))
-        peak = got.reply.meta.get("peak_bytes")
-        if reason is None and peak is not None and peak > self.memory_bytes.get(cid, peak):
+        reason = check_meta(got.reply.meta, strategy.reply_meta_spec(kind, cid))  # the shape first, then read
+        peak = measured_peak(got) if reason is None else None
+        if peak is not None and peak > self.memory_bytes.get(cid, peak):
             reason = (
                 f"simulated out-of-memory: measured peak {peak / 2**30:.3g} GiB over its memory_gib "
                 f"{self.memory_bytes[cid] / 2**30:.3g}"

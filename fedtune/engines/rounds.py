@@ -52,7 +52,7 @@ from fedtune.engines.delivery import (
     answer,
     attacked,
 )
-from fedtune.engines.policy import RoundPolicy
+from fedtune.engines.policy import RoundPolicy, measured_peak
 from fedtune.engines.record import RoundRecord
 from fedtune.errors import FedtuneError
 from fedtune.protocol.messages import Message
@@ -113,8 +113,8 @@ def _exchange(
         record.client_bytes_up[cid] = record.client_bytes_up.get(cid, 0) + got.up
         record.client_compute_s[cid] = record.client_compute_s.get(cid, 0.0) + got.seconds
         reason = policy.rejection(strategy, kind, rnd, cid, sent[cid], got)
-        peak = got.reply.meta.get("peak_bytes") if got.reply is not None else None
-        if isinstance(peak, int) and cid in policy.memory_bytes:
+        peak = measured_peak(got)  # kept for a reply dropped over its budget too
+        if peak is not None and cid in policy.memory_bytes:
             record.client_peak_bytes[cid] = max(peak, record.client_peak_bytes.get(cid, 0))
             record.client_memory_budget_bytes[cid] = policy.memory_bytes[cid]
         if reason is None:
