@@ -350,14 +350,16 @@ RESUME_CASES = {
     ),
     "a NaN in an array": (lambda run: _edit_checkpoint(run, arrays=lambda a: a * np.nan), [], "holds NaN or inf"),
     "an inf in an array": (
-        lambda run: _edit_checkpoint(run, arrays=lambda a: np.where(np.arange(a.size).reshape(a.shape) == 0, np.inf, a)),
+        lambda run: _edit_checkpoint(run, arrays=lambda a: np.full_like(a, np.inf)),
         [],
         "holds NaN or inf",
     ),
     "round 1 twice where rounds 1-2 are done": (
-        lambda run: _raise_rounds(run, 3)
-        or _edit_checkpoint(run, _round=2)
-        or (run / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text() * 2),
+        lambda run: (
+            _raise_rounds(run, 3)
+            or _edit_checkpoint(run, _round=2)
+            or (run / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text() * 2)
+        ),
         [],
         "does not hold rounds 1-2 once each",
     ),

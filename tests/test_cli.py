@@ -3,6 +3,7 @@
 import json
 import os
 
+import pytest
 from typer.testing import CliRunner
 
 from fedtune.cli import app
@@ -114,3 +115,27 @@ def test_a_one_line_error_redacts_tokens_too(monkeypatch):
     assert result.exit_code == 2
     assert result.output.strip() == "error: --push-to-hub me/x: 401 for [redacted] and [redacted]", result.output
     assert redact("pip install hf_transfer") == "pip install hf_transfer"
+
+
+@pytest.mark.parametrize(
+    ("name", "secret"),
+    [("MY_API_KEY", True), ("OPENAI_KEY", True), ("hf_token", True), ("my_api_key", True), ("Db_Password", True),
+     ("aws_secret_access_key", True), ("RUN_LABEL", False)],
+)  # fmt: skip
+def test_secret_named_variables_are_redacted_whatever_their_case(monkeypatch, name, secret):
+    """A one-line error quoting the value of a variable named like a secret (``*KEY*``, ``*TOKEN*``,
+    ``*SECRET*``, ``*PASSWORD*``, in any case: shells and .env files use lower case too) prints it
+    redacted; an ordinary variable's value is printed as it is."""
+    from fedtune.config import ConfigError
+
+    value = "v4lue-0f-" + name.lower()
+    monkeypatch.setenv(name, value)
+
+    def open_run(path):
+        raise ConfigError(f"--push-to-hub me/x: refused with {value}")
+
+    monkeypatch.setattr("fedtune.trained.loader.open_run", open_run)
+    result = runner.invoke(app, ["export", "somewhere"])
+    assert result.exit_code == 2
+    shown = "[redacted]" if secret else value
+    assert result.output.strip() == f"error: --push-to-hub me/x: refused with {shown}", result.output

@@ -159,8 +159,8 @@ def _two_subject_folder(tmp_path: Path, sizes: dict[str, tuple[int, int]]) -> di
         lines = []
         for subject, counts in sizes.items():
             rows = [
-                {"subject": subject, "question": f"{split} {subject} {j}?", "choices": [f"{subject}{j}{c}" for c in "wxyz"],
-                 "answer": j % 4}
+                {"subject": subject, "question": f"{split} {subject} {j}?", "answer": j % 4,
+                 "choices": [f"{subject}{j}{c}" for c in "wxyz"]}
                 for j in range(counts[at])
             ]  # fmt: skip
             lines += rows
@@ -212,7 +212,9 @@ def test_mmlu_shots_are_lm_evals_own_context_token_for_token(tmp_path, monkeypat
     ds = task.test
     assert sorted(ds.questions) == sorted(theirs) and len(ds) == 4
     for i, question in enumerate(ds.questions):
-        mine = [(task.tokenizer.decode(list(c)), task.tokenizer.decode(list(t))) for c, t, _ in task.choice_pairs(ds, i)]
+        mine = [
+            (task.tokenizer.decode(list(c)), task.tokenizer.decode(list(t))) for c, t, _ in task.choice_pairs(ds, i)
+        ]
         assert mine == theirs[question], (question, mine[0][0], theirs[question][0][0])
 
 

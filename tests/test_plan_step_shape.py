@@ -5,6 +5,7 @@ head's logits over the answer span only, not ``data.max_length`` x every positio
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 import numpy as np
@@ -142,16 +143,16 @@ def test_lora_dropout_is_priced_for_one_layer_under_checkpointing(tiny_config, c
     peaks = []
     for dropout in (0.0, 0.1):
         config = tiny_config(
-            "method=fedit", f"model.lora_dropout={dropout}", f"train.gradient_checkpointing={str(checkpointing).lower()}"
+            "method=fedit",
+            f"model.lora_dropout={dropout}",
+            f"train.gradient_checkpointing={str(checkpointing).lower()}",
         )
         ctx = RunContext(resolve_run(config))
         peaks.append(plan_budgets(ctx, always=True).clients[0].peak_bytes)
     base, targets = ctx.workspace.base, ctx.task.lora_targets()
-    layer_inputs = {
-        name.split(".layer.")[1].split(".")[0]: 0 for name, _ in base.named_modules() if ".layer." in name
-    }
+    layer_inputs: Counter[str] = Counter()  # transformer layer -> its adapted modules' inputs
     for name, module in base.named_modules():
-        if name.split(".")[-1] in targets and ".layer." in name:
+        if name.split(".")[-1] in targets:
             layer_inputs[name.split(".layer.")[1].split(".")[0]] += module.in_features
     assert layer_inputs == {"0": 64, "1": 64}
     held = sum(layer_inputs.values()) if not checkpointing else layer_inputs["0"]
