@@ -3,6 +3,7 @@
 import json
 import os
 
+import pytest
 from typer.testing import CliRunner
 
 from fedtune.cli import app
@@ -181,3 +182,27 @@ except ConfigError as exc:
     assert done.returncode == 0 and "Retrying" not in done.stderr, done.stderr
     assert line.startswith("model.name: cannot load 'fedtune-tests/no-such-model' (offline: hub.invalid does not"), line
     assert float(seconds) < 5, seconds  # the retries alone took 23 s
+
+
+@pytest.mark.parametrize(
+    ("name", "secret"),
+    [("MY_API_KEY", True), ("OPENAI_KEY", True), ("hf_token", True), ("my_api_key", True), ("Db_Password", True),
+     ("aws_secret_access_key", True), ("RUN_LABEL", False)],
+)  # fmt: skip
+def test_secret_named_variables_are_redacted_whatever_their_case(monkeypatch, name, secret):
+    """A one-line error quoting the value of a variable named like a secret (``*KEY*``, ``*TOKEN*``,
+    ``*SECRET*``, ``*PASSWORD*``, in any case: shells and .env files use lower case too) prints it
+    redacted; an ordinary variable's value is printed as it is."""
+    from fedtune.config import ConfigError
+
+    value = "v4lue-0f-" + name.lower()
+    monkeypatch.setenv(name, value)
+
+    def open_run(path):
+        raise ConfigError(f"--push-to-hub me/x: refused with {value}")
+
+    monkeypatch.setattr("fedtune.trained.loader.open_run", open_run)
+    result = runner.invoke(app, ["export", "somewhere"])
+    assert result.exit_code == 2
+    shown = "[redacted]" if secret else value
+    assert result.output.strip() == f"error: --push-to-hub me/x: refused with {shown}", result.output

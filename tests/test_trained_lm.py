@@ -437,6 +437,49 @@ def test_a_failed_export_leaves_nothing_half_written(run_dir, tmp_path, monkeypa
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_failed_final_rename_puts_the_folder_moved_aside_back(run_dir, tmp_path, monkeypatch):
+    """--overwrite of a user's non-empty folder whose last step, renaming the finished export onto
+    it, fails (another process took the name; a file system that refuses): one line, and the
+    user's folder is back at its own name byte for byte, with no <name>.old-<n> and no temporary
+    folder left beside it."""
+    import errno
+    import os
+
+    user = tmp_path / "my-model"
+    user.mkdir()
+    (user / "weights.bin").write_bytes(b"mine")
+    before = _tree(user)
+    rename = os.rename
+
+    def refuse_the_export(src, dst, *args, **kwargs):
+        if ".export-" in os.fspath(src):  # the finished export onto the target: refused
+            raise OSError(errno.EACCES, "Permission denied")
+        return rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", refuse_the_export)
+    _one_line_error(["export", str(run_dir), "-o", str(user), "--overwrite"], str(user), "Permission denied")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my-model"]
+    assert _tree(user) == before
+
+
+@pytest.mark.parametrize("bits", ["8bit", "4bit"])
+def test_merged_refuses_every_quantized_base(run_dir, tmp_path, bits):
+    """--merged of a run trained on an 8-bit or a 4-bit base: merging into k-bit weights rounds the
+    update away (an 8-bit step is about 1/127 of a row's largest weight, far above a LoRA update),
+    so either is refused in one line and nothing is written."""
+    run = shutil.copytree(run_dir, tmp_path / "q")
+    config = (run / "config.toml").read_text()
+    assert config.count('quantization = "none"') == 1
+    (run / "config.toml").write_text(config.replace('quantization = "none"', f'quantization = "{bits}"'))
+    started = json.loads((run / "run_config.json").read_text())
+    started["model"]["quantization"] = bits
+    (run / "run_config.json").write_text(json.dumps(started))
+    out = tmp_path / "merged"
+    _one_line_error(["export", str(run), "--merged", "-o", str(out)], f"model.quantization = '{bits}'")
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["q"]
+
+
 def test_a_damaged_or_non_finite_adapter_and_a_missing_folder_are_one_line(run_dir, tmp_path, monkeypatch):
     """eval / export of a run whose adapter_model.safetensors is empty, truncated, corrupted or holds
     NaN: one line naming the file (before: a traceback, or accuracies of a NaN model with exit 0);
