@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -101,6 +102,15 @@ def one_line_config_error(call) -> str:
         call()
     assert "\n" not in str(info.value)
     return str(info.value)
+
+
+STEP_LINE = re.compile(r"^.+: done(, [\d,.]+ \S+)? in \d+\.\d s$")
+
+
+def output_lines(output: str) -> list[str]:
+    """A command's output less the closing lines of :mod:`fedtune.steps` shown off a terminal ("loading
+    X: done in 0.1 s"): what a one-line error test counts. Nothing else is removed."""
+    return [line for line in output.strip().splitlines() if not STEP_LINE.match(line)]
 
 
 def load_script(path: Path, name: str):
