@@ -22,6 +22,7 @@ MB = 1e6
 TERMINAL_ENV = "FEDTUNE_TERMINAL"  # "1": show steps as on a terminal whatever the output is; "0": plain lines
 QUIET_ENV = "FEDTUNE_QUIET"  # set by `fedtune --quiet`: no step display and no spinner
 PLAIN_EVERY_S = 10.0  # off a terminal: a long step's progress line at most this often
+PLAIN_MIN_S = 2.0  # off a terminal: a step shorter than this (loading a tiny model) leaves no line
 
 
 def duration(seconds: float) -> str:
@@ -52,9 +53,10 @@ class _CountColumn(ProgressColumn):
 class StepDisplay:
     """Shows the steps of :mod:`fedtune.steps` (a :class:`~fedtune.steps.Sink`). On a terminal (or
     with ``FEDTUNE_TERMINAL=1``): a bar per open step (what, done / total, rate, ETA, elapsed),
-    gone once it ends. Elsewhere (a pipe, a file, CI): plain lines, one when a step ends (what, how
-    many, in how long) and, while a long one runs, one every :data:`PLAIN_EVERY_S` seconds with its
-    progress. ``before_live``: called before the bars take the terminal (the run's spinner stops)."""
+    gone once it ends. Elsewhere (a pipe, a file, CI): plain lines, one when a step of at least
+    :data:`PLAIN_MIN_S` ends (what, how many, in how long) and, while a long one runs, one every
+    :data:`PLAIN_EVERY_S` seconds with its progress; a step that failed leaves no closing line (its
+    error follows). ``before_live``: called before the bars take the terminal (the run's spinner stops)."""
 
     def __init__(self, console: Console, before_live: Callable[[], None] = lambda: None) -> None:
         forced = os.environ.get(TERMINAL_ENV)
@@ -83,7 +85,7 @@ class StepDisplay:
             return
         now = time.monotonic()
         if now - step.shown >= PLAIN_EVERY_S:
-            step.shown = now
+            step.shown, step.reported = now, True
             speed = step.completed / (now - step.started) if now > step.started else None
             self._line(f"{step.description}: {_count(step.completed, step.total, step.unit, speed)}")
 
@@ -95,6 +97,10 @@ class StepDisplay:
                 self.progress.stop()
                 self.progress = None
             return
+        if step.failed:  # the error that follows says what happened
+            return
+        if time.monotonic() - step.started < PLAIN_MIN_S and not step.reported:
+            return  # not a long step: a log need not hear of it
         done = f", {step.completed:,.0f} {step.unit}" if step.unit else ""
         self._line(f"{step.description}: done{done} in {time.monotonic() - step.started:.1f} s")
 

@@ -33,6 +33,8 @@ class Step:
     started: float = field(default_factory=time.monotonic)
     shown: float = field(default_factory=time.monotonic)  # when a display last reported it
     handle: object = field(default=None, repr=False)  # the display's own record of it
+    reported: bool = False  # a display printed a progress line of it
+    failed: bool = False  # it ended by an exception (the error says why; no "done" line)
 
 
 class Sink(Protocol):
@@ -76,6 +78,9 @@ def step(
 
     try:
         yield lambda k=1: _move(current, k)
+    except BaseException:
+        current.failed = True
+        raise
     finally:
         _open.remove(current)
         if _sink is not None:
