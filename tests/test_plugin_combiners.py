@@ -36,7 +36,8 @@ class Half:
 
     def __call__(self, updates, weights):
         if RECORD:
-            np.savez(RECORD, weights=np.asarray(weights), **{{f"{{i}}/{{k}}": v for i, u in enumerate(updates) for k, v in u.items()}})
+            arrays = {{f"{{i}}/{{k}}": v for i, u in enumerate(updates) for k, v in u.items()}}
+            np.savez(RECORD, weights=np.asarray(weights), **arrays)
         return {{k: v * 0.5 for k, v in WeightedMean()(updates, weights).items()}}
 
 
@@ -116,9 +117,11 @@ def test_an_installed_packages_combiner_is_listed_with_its_source_and_resolves_b
     assert WeightedMean()([update, update], [1, 3])["w"].tolist() == [2.0, -4.0]
 
 
-NOT_A_FACTORY = "from fedtune.methods.base.robust import register_combiner\nregister_combiner('bad', lambda u, w: u[0])\n"
-MAKES_NO_COMBINER = "from fedtune.methods.base.robust import register_combiner\nregister_combiner('bad', lambda f: 3)\n"
-FACTORY_FAILS = "from fedtune.methods.base.robust import register_combiner\nregister_combiner('bad', lambda f: 1 / 0)\n"
+IMPORT = "from fedtune.methods.base.robust import register_combiner\n"
+NOT_A_FACTORY = IMPORT + "register_combiner('bad', lambda updates, weights: updates[0])\n"  # a combiner itself
+MAKES_NO_COMBINER = IMPORT + "register_combiner('bad', lambda federation: 3)\n"
+FACTORY_FAILS = IMPORT + "register_combiner('bad', lambda federation: 1 / 0)\n"
+BAD = '"usercomb_err.combine:bad"'
 
 
 @pytest.mark.parametrize(
@@ -127,9 +130,9 @@ FACTORY_FAILS = "from fedtune.methods.base.robust import register_combiner\nregi
         ('"meen"', None, "federation.aggregation: unknown combiner 'meen'; expected one of"),
         ('"usercomb_err.combine:nope"', "", "federation.aggregation: unknown combiner 'usercomb_err.combine:nope'"),
         ('"no_such_pkg.mod:x"', None, "federation.aggregation: cannot import 'no_such_pkg.mod' (ModuleNotFound"),
-        ('"usercomb_err.combine:bad"', NOT_A_FACTORY, "federation.aggregation: cannot import 'usercomb_err.combine' "),
-        ('"usercomb_err.combine:bad"', MAKES_NO_COMBINER, "federation.aggregation: 'usercomb_err.combine:bad' made int"),
-        ('"usercomb_err.combine:bad"', FACTORY_FAILS, "federation.aggregation: 'usercomb_err.combine:bad' failed (Zero"),
+        (BAD, NOT_A_FACTORY, "federation.aggregation: cannot import 'usercomb_err.combine' "),
+        (BAD, MAKES_NO_COMBINER, "federation.aggregation: 'usercomb_err.combine:bad' made int"),
+        (BAD, FACTORY_FAILS, "federation.aggregation: 'usercomb_err.combine:bad' failed (ZeroDivisionError"),
         ('"a b"', None, "federation.aggregation: expected mean, trimmed-mean, median"),
     ],
 )

@@ -233,6 +233,7 @@ def combiner(federation: FederationConfig) -> Combiner:
         raise ConfigError(f"federation.aggregation: {name!r} failed ({type(exc).__name__}: {exc})") from None
     if not callable(chosen) or not _takes(chosen, 2):
         raise ConfigError(
-            f"federation.aggregation: {name!r} made {type(chosen).__name__}, not a combiner (updates, weights) -> update"
+            f"federation.aggregation: {name!r} made {type(chosen).__name__}, "
+            "not a combiner (updates, weights) -> update"
         )
     return chosen if federation.clip_update_norm is None else NormClipped(federation.clip_update_norm, chosen)
