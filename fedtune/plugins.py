@@ -1,13 +1,15 @@
-"""Methods and task kinds from the user's own package, found without editing fedtune.
+"""Methods, task kinds and combiners from the user's own package, found without editing fedtune.
 
-Two ways, both registering through the same :func:`fedtune.registry.register` /
-:func:`fedtune.tasks.register_task` as fedtune's own:
+Two ways, all registering through the same :func:`fedtune.registry.register` /
+:func:`fedtune.tasks.register_task` / :func:`fedtune.methods.base.robust.register_combiner` as
+fedtune's own:
 
 - an entry point: a distribution declares ``[project.entry-points."fedtune.methods"] NAME =
-  "my_pkg.method"`` (or ``"fedtune.tasks"``); importing the module registers it. They are imported
-  when a name is not one of fedtune's, and by ``fedtune methods -v`` / ``fedtune tasks``.
-- a reference in the config: ``method = "my_pkg.method:NAME"`` (``task.kind`` likewise) imports
-  ``my_pkg.method`` and looks ``NAME`` up.
+  "my_pkg.method"`` (or ``"fedtune.tasks"``, ``"fedtune.combiners"``); importing the module
+  registers it. They are imported when a name is not one of fedtune's, and by ``fedtune methods
+  -v`` / ``fedtune tasks`` / ``fedtune combiners``.
+- a reference in the config: ``method = "my_pkg.method:NAME"`` (``task.kind``,
+  ``federation.aggregation`` likewise) imports ``my_pkg.method`` and looks ``NAME`` up.
 
 A module that fails to import stops with one line naming it. This module imports nothing of
 fedtune at load: ``fedtune methods`` lists the entry points without pydantic or torch.
@@ -18,7 +20,7 @@ from __future__ import annotations
 import importlib
 from importlib.metadata import EntryPoint, entry_points
 
-METHODS, TASKS = "fedtune.methods", "fedtune.tasks"  # the entry-point groups
+METHODS, TASKS, COMBINERS = "fedtune.methods", "fedtune.tasks", "fedtune.combiners"  # the entry-point groups
 
 
 def declared(group: str) -> list[EntryPoint]:
@@ -45,10 +47,11 @@ def _import(module: str, what: str) -> None:
         raise _error(f"{what}: cannot import {module!r} ({type(exc).__name__}: {exc})") from None
 
 
-def load_declared(group: str) -> None:
-    """Import every module the entry points of ``group`` name (each registers what it declares)."""
+def load_declared(group: str, field: str = "") -> None:
+    """Import every module the entry points of ``group`` name (each registers what it declares);
+    ``field``: the config key a failure's line starts with, if any."""
     for ep in declared(group):
-        _import(ep.module, f"entry point {ep.name!r} of {group}")
+        _import(ep.module, f"{field}: " * bool(field) + f"entry point {ep.name!r} of {group}")
 
 
 def resolve_reference(name: str, what: str) -> str:

@@ -147,6 +147,21 @@ def tasks() -> None:
 
 
 @app.command()
+def combiners() -> None:
+    """List the combiners (``federation.aggregation``): fedtune's own, then those installed packages
+    declare (entry point group fedtune.combiners), each with its source."""
+    from fedtune.methods.base.robust import list_combiners
+
+    try:
+        specs = list_combiners(plugins=True)
+    except FedtuneError as exc:
+        fail(str(exc), code=exc.exit_code)
+    for spec in specs:
+        own = spec.module.startswith("fedtune.")
+        typer.echo(f"{spec.name:<14} {spec.description} (source: {'fedtune' if own else spec.module})")
+
+
+@app.command()
 def report(
     run_dirs: list[Path] = typer.Argument(..., help="run folders (runs/<name>)"),
     out: Path | None = typer.Option(

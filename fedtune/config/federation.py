@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from fedtune.config.base import DEVICE, Section
 from fedtune.protocol.profiles import ClientProfile, DeviceClass, check_device_classes, check_profile_choices
+
+BUILTIN_AGGREGATIONS = ("mean", "trimmed-mean", "median")  # fedtune's own combiners (methods.base.robust)
+AGGREGATION_NAME = re.compile(r"[\w.-]+(:[\w.-]+)?")  # a combiner's name, or module:NAME (resolved at resolve)
 
 SECAGG_PARAMETERS = (
     "secagg_clipping_range",
@@ -45,8 +49,12 @@ class FederationConfig(Section):
     server_bias_correction: bool = Field(
         True, description="FedAdam with Adam's bias correction (torch) or without (Reddi et al.)"
     )
-    aggregation: Literal["mean", "trimmed-mean", "median"] = Field(
-        "mean", description="combine the updates by their weighted mean, or per coordinate by a trimmed mean or median"
+    aggregation: str = Field(
+        "mean",
+        description='combine the updates by their weighted mean ("mean"), or per coordinate by a trimmed mean '
+        '("trimmed-mean") or median ("median"), or by your own combiner (fedtune combiners): a name an installed '
+        'package declares (entry point group fedtune.combiners) or "my_pkg.module:NAME"; like the robust ones it '
+        "is refused under DP, SecAgg+ and by the methods that do not honour it",
     )
     trim_fraction: float = Field(0.1, ge=0, lt=0.5, description="trimmed-mean: the fraction cut at each end")
     clip_update_norm: float | None = Field(
@@ -104,6 +112,16 @@ class FederationConfig(Section):
     secagg_threshold: int | None = Field(
         None, ge=2, description="SecAgg+: shares that rebuild a secret (default: a majority of the round's shares)"
     )
+
+    @field_validator("aggregation")
+    @classmethod
+    def _aggregation_name(cls, name: str) -> str:
+        if not AGGREGATION_NAME.fullmatch(name):
+            raise ValueError(
+                f"expected {', '.join(BUILTIN_AGGREGATIONS)}, a combiner an installed package declares, or "
+                "my_pkg.module:NAME"
+            )
+        return name
 
     @field_validator("max_update_ratio")
     @classmethod
