@@ -14,7 +14,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 
 from fedtune.config import RunConfig
 from fedtune.engines.flower.codec import (
@@ -45,6 +45,7 @@ from fedtune.engines.flower.codec import (
 )
 from fedtune.engines.flower.runconfig import config_from_run_config
 from fedtune.engines.flower.worker import call_worker, serve_request
+from fedtune.methods.base.privacy import fresh_secret
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import SECURE_WEIGHT
 
@@ -158,9 +159,10 @@ def _as_fit_res(content: RecordDict, request_meta: dict[str, Any], reply: Messag
 
 def only_when_secure(mod: Mod, config: RunConfig | None = None) -> Mod:
     """Flower ``mod`` (``secaggplus_mod``) applied only to requests that carry SecAgg+'s config
-    record, with numpy's global generator (the mod's stochastic rounding draws from it) seeded
-    from (run seed, round, client, attempt) and restored afterwards, so a run is reproducible;
-    every other message passes untouched."""
+    record; every other message passes untouched. The mod's stochastic rounding draws from numpy's
+    global generator: seeded here for the call (and restored afterwards) by :func:`rounding_seed`.
+    A setup stage whose quantization is coarser than the run's worst round is refused
+    (:func:`check_setup`): the client's clip margin was computed for that step."""
 
     def wrapped(message: FlowerMessage, context: Context, call_next: CallNext) -> FlowerMessage:
         if not message.has_content() or RECORD_KEY_CONFIGS not in message.content.config_records:
@@ -169,9 +171,9 @@ def only_when_secure(mod: Mod, config: RunConfig | None = None) -> Mod:
         if envelope is not None and int(envelope[CID]) not in node_clients(context):
             raise RuntimeError(f"SecAgg+ message for client {envelope[CID]} reached a node that does not play it")
         run = config if config is not None else config_from_run_config(context.run_config)
-        words = [run.seed, *(int(envelope.get(k, 0)) for k in (ROUND, CID, ATTEMPT))] if envelope else [run.seed]
+        check_setup(run, message.content.config_records[RECORD_KEY_CONFIGS])
         saved = np.random.get_state()
-        np.random.seed(np.random.SeedSequence([*words, 0x5EC]).generate_state(1)[0])
+        np.random.seed(rounding_seed(run, envelope))
         try:
             return mod(message, context, call_next)
         finally:
@@ -179,6 +181,32 @@ def only_when_secure(mod: Mod, config: RunConfig | None = None) -> Mod:
 
     wrapped.__name__ = f"only_when_secure({getattr(mod, '__name__', mod)})"
     return wrapped
+
+
+def rounding_seed(run: RunConfig, envelope: Mapping[str, Any] | None) -> np.ndarray:
+    """The seed of one SecAgg+ message's stochastic rounding. Under ``privacy.mode``: 128 bits of
+    fresh OS entropy (:func:`~fedtune.methods.base.privacy.fresh_secret`), so nobody can know or
+    repeat a client's rounding and two runs of one config round differently (its error is then
+    independent of everything public); with ``privacy.insecure_reproducible_noise`` (tests only)
+    and without DP: from (run seed, round, client, attempt), so a run is reproducible."""
+    if run.privacy.mode != "none" and not run.privacy.insecure_reproducible_noise:
+        return fresh_secret()
+    words = [run.seed, *(int(envelope.get(k, 0)) for k in (ROUND, CID, ATTEMPT))] if envelope else [run.seed]
+    return np.random.SeedSequence([*words, 0x5EC]).generate_state(1)
+
+
+def check_setup(run: RunConfig, record: Mapping[str, Any]) -> None:
+    """Refuse (ValueError) a SecAgg+ setup ``record`` whose quantization step 2c/T exceeds the
+    run's worst (:meth:`~fedtune.config.FederationConfig.secagg_step`); other stages pass."""
+    if record.get(Key.STAGE) != Stage.SETUP:
+        return
+    step = 2 * float(record[Key.CLIPPING_RANGE]) / int(record[Key.TARGET_RANGE])
+    worst = run.federation.secagg_step()
+    if not step <= worst * (1 + 1e-12):
+        raise ValueError(
+            f"SecAgg+ setup: quantization step {step:.3g} is coarser than this run's worst {worst:.3g} "
+            "(federation.secagg_clipping_range / secagg_quantization_range)"
+        )
 
 
 def only_when_clipping(mod: Mod) -> Mod:

@@ -35,6 +35,10 @@ Quantization error: stochastic rounding moves each client's coordinate by less t
 summed clients; ``SecureSum.error``), provided |w_i/W Delta_i| <= c (larger values are clipped
 to c by the mod). m T must stay below M (checked by the config for the expected m; a round
 whose DP Poisson sample is larger quantizes with T = (M - 1) // m instead, its error so stated).
+Under DP the rounding draws from secret OS entropy (:func:`.clientapp.rounding_seed`) and a client
+clips its vector to C minus the rounding's worst lift s sqrt(d), s the coarsest step of any round
+(:meth:`fedtune.methods.base.privacy.SecureCentralGaussian.secure_release`), so its quantized
+vector stays within C and the sum's sensitivity is the 2C the accountant assumes.
 
 Bytes: the accounted bytes of a client are its fedtune messages' ``Message.nbytes`` (the request's
 arrays down; the reply's metadata up: its arrays do not cross) plus the SecAgg+ payload both ways
@@ -135,11 +139,7 @@ class SecAggPlusTransport(GridTransport):
                 "one client per node (its keys and state are a node's)"
             )
         self.fed, self.seed = fed, seed
-        self.clip, self.T, self.M = (
-            float(fed.secagg_clipping_range),
-            fed.secagg_quantization_range,
-            fed.secagg_modulus_range,
-        )
+        self.clip, self.M = float(fed.secagg_clipping_range), fed.secagg_modulus_range
         self._round: _Round | None = None
 
     def _send(self, stage_of: dict[int, RecordDict], rnd: int) -> dict[int, FlowerMessage]:
@@ -179,7 +179,7 @@ class SecAggPlusTransport(GridTransport):
         shares = max(len(v) for v in neighbours.values())
         threshold = self.fed.secagg_reconstruction_threshold(shares)  # of this round's shares
         max_weight, layout = _secure_request(messages)
-        target = min(self.T, (self.M - 1) // m)  # a DP round's Poisson sample may exceed the expected m
+        target = self.fed.secagg_target(m)  # a DP round's Poisson sample may exceed the expected m
         state = _Round(rnd, attempt, cid_of, neighbours, threshold, target, max_weight=max_weight, layout=layout)
         self._round = state
         down, up = dict.fromkeys(order, 0), dict.fromkeys(order, 0)
