@@ -20,6 +20,7 @@ import pytest
 from flwr.common.secure_aggregation.quantization import dequantize
 from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
 
+from fedtune.config import ConfigError
 from fedtune.engines.flower.clientapp import check_setup, make_client_app
 from fedtune.engines.flower.serverapp import serve
 from fedtune.methods.base import privacy
@@ -151,3 +152,20 @@ def test_a_setup_coarser_than_the_configs_worst_step_is_refused(tmp_path):
     check_setup(config, {Key.STAGE: Stage.SHARE_KEYS})  # other stages carry no quantization
     with pytest.raises(ValueError, match=r"SecAgg\+ setup: quantization step .* coarser than this run's worst"):
         check_setup(config, {**setup, Key.TARGET_RANGE: T // 2})
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_clip_within_the_rounding_margin_stops_in_one_line(tmp_path):
+    """T = 16: the step 2c/T = 1/16 lifts 1,123 coordinates by up to 2.1 > C = 1, so no clip keeps the
+    quantized update within C: the server stops at its first request, naming the field and the way
+    out (every client would refuse the same with its reply)."""
+    config = _config(tmp_path, "federation.secagg_quantization_range=16")
+    with pytest.raises(ConfigError) as stopped:
+        _serve(config)
+    assert str(stopped.value).startswith(
+        "privacy.clip: C = 1 is within SecAgg+'s rounding margin 2.09 for 1123 coordinates (step 0.0625)"
+    )
+    assert str(stopped.value).endswith(
+        "raise federation.secagg_quantization_range or lower federation.secagg_clipping_range"
+    )
+    assert "\n" not in str(stopped.value)

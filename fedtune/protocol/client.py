@@ -68,9 +68,9 @@ class Client(ABC):
         return Message(self.bound_secure_vector({k: np.asarray(vector[k]) for k in layout}), reply.meta)
 
     def bound_secure_vector(self, vector: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The :meth:`secure_vector` as the SecAgg+ mod gets it to quantize and mask: default as it
-        is; a client under a privacy mechanism bounds it here (``UpdateClient``: clipped so that its
-        quantized form stays within the clip)."""
+        """The :meth:`secure_vector` ``vector`` as the SecAgg+ mod gets it to quantize and mask:
+        default as it is; a client under a privacy mechanism bounds it here (``UpdateClient``:
+        clipped so that its quantized form stays within the clip)."""
         return vector
 
     def phase(self, name: str, message: Message) -> Message:

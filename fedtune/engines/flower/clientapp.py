@@ -184,7 +184,8 @@ def only_when_secure(mod: Mod, config: RunConfig | None = None) -> Mod:
 
 
 def rounding_seed(run: RunConfig, envelope: Mapping[str, Any] | None) -> np.ndarray:
-    """The seed of one SecAgg+ message's stochastic rounding. Under ``privacy.mode``: 128 bits of
+    """The seed of one SecAgg+ message's stochastic rounding (``envelope``: its fedtune envelope,
+    naming round, client and attempt) for ``run``. Under ``privacy.mode``: 128 bits of
     fresh OS entropy (:func:`~fedtune.methods.base.privacy.fresh_secret`), so nobody can know or
     repeat a client's rounding and two runs of one config round differently (its error is then
     independent of everything public); with ``privacy.insecure_reproducible_noise`` (tests only)

@@ -198,10 +198,18 @@ class Mechanism:
         return dict(update)
 
     @staticmethod
-    def secure_release(params: PrivacyParams, vector: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def secure_bound(params: PrivacyParams, size: int) -> float | None:
+        """Under SecAgg+: the L2 bound a client clips its vector of ``size`` coordinates to before the
+        mod quantizes it (None: none); ValueError where no bound can hold (one line)."""
+        return None
+
+    @classmethod
+    def secure_release(cls, params: PrivacyParams, vector: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Under SecAgg+: the vector a client hands the mod to quantize and mask, from the one its
-        method sums (:meth:`fedtune.protocol.client.Client.bound_secure_vector`); here as it is."""
-        return dict(vector)
+        method sums (:meth:`fedtune.protocol.client.Client.bound_secure_vector`): clipped to
+        :meth:`secure_bound` (float64), or as it is."""
+        bound = cls.secure_bound(params, sum(int(np.size(v)) for v in vector.values()))
+        return dict(vector) if bound is None else clip(vector, bound, params.per_layer)
 
     def server_clip(self, update: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """An update as the server sums it: clipped to C."""
@@ -275,14 +283,13 @@ class SecureCentralGaussian(Mechanism):
         return {k: v.astype(np.float32) for k, v in clip(update, params.clip, params.per_layer).items()}
 
     @staticmethod
-    def secure_release(params: PrivacyParams, vector: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The vector v clipped to C - mu (:func:`quantization_margin` of its d coordinates at the
-        worst step of any round, ``params.quantization_step``), in float64 (the mod then rounds
-        without float32 error): what the mod quantizes, q(v), has norm at most C, so the secure sum
-        moves by at most 2C when one client's data is replaced, as the accountant assumes. (The
+    def secure_bound(params: PrivacyParams, size: int) -> float | None:
+        """C - mu, mu the rounding margin (:func:`quantization_margin`) of ``size`` coordinates at the
+        worst step of any round (``params.quantization_step``): a vector clipped to it (in float64,
+        so the mod rounds without float32 error) quantizes to norm at most C, and the secure sum
+        moves by at most 2C when one client's data is replaced, as the accountant assumes. (A
         method's vector is its update placed in the global shape, norm kept: clipping it is
         clipping the update.) ValueError where the margin leaves no room (mu >= C)."""
-        size = sum(int(np.size(v)) for v in vector.values())
         margin = quantization_margin(params.quantization_step, size, params.clip)
         if not margin < params.clip:
             raise ValueError(
@@ -290,7 +297,7 @@ class SecureCentralGaussian(Mechanism):
                 f"{size} coordinates (step {params.quantization_step:.3g}): raise "
                 "federation.secagg_quantization_range or lower federation.secagg_clipping_range"
             )
-        return clip(vector, params.clip - margin, params.per_layer)
+        return params.clip - margin
 
     def server_clip(self, update: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {k: np.asarray(v, np.float64) for k, v in update.items()}
