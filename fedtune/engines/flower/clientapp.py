@@ -183,17 +183,17 @@ def only_when_secure(mod: Mod, config: RunConfig | None = None) -> Mod:
     return wrapped
 
 
-def rounding_seed(run: RunConfig, envelope: Mapping[str, Any] | None) -> np.ndarray:
+def rounding_seed(run: RunConfig, envelope: Mapping[str, Any] | None) -> int | np.ndarray:
     """The seed of one SecAgg+ message's stochastic rounding (``envelope``: its fedtune envelope,
     naming round, client and attempt) for ``run``. Under ``privacy.mode``: 128 bits of
     fresh OS entropy (:func:`~fedtune.methods.base.privacy.fresh_secret`), so nobody can know or
     repeat a client's rounding and two runs of one config round differently (its error is then
     independent of everything public); with ``privacy.insecure_reproducible_noise`` (tests only)
-    and without DP: from (run seed, round, client, attempt), so a run is reproducible."""
+    and without DP: one word from (run seed, round, client, attempt), so a run is reproducible."""
     if run.privacy.mode != "none" and not run.privacy.insecure_reproducible_noise:
         return fresh_secret()
     words = [run.seed, *(int(envelope.get(k, 0)) for k in (ROUND, CID, ATTEMPT))] if envelope else [run.seed]
-    return np.random.SeedSequence([*words, 0x5EC]).generate_state(1)
+    return int(np.random.SeedSequence([*words, 0x5EC]).generate_state(1)[0])
 
 
 def check_setup(run: RunConfig, record: Mapping[str, Any]) -> None:
