@@ -259,7 +259,7 @@ def claimed(config: Any) -> dict:
 
     private = mechanism(config)
     assert private is not None, "the audit runs under privacy.mode"
-    private.releases[:] = config.rounds
+    private.ledger.record(private.z, private.rate, range(len(private.releases)), times=config.rounds)
     return {
         "reported_epsilon": private.spent(),
         "accountant_epsilon": accounting.epsilon(

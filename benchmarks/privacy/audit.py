@@ -7,7 +7,7 @@ epsilon, the noise reproducible from the config (what fedtune did before issue 3
 disabled. And one run of 1,000 canary clients (Steinke, Nasr, Jagielski 2023), with the noise as
 shipped and cut 4x. Writes ``benchmarks/results/privacy/audit.json`` and ``audit.md``.
 
-    python benchmarks/privacy/audit.py [--trials 2000] [--canaries 1000] [--guesses 200] [--out DIR]
+    python benchmarks/privacy/audit.py [--trials 1000] [--canaries 1000] [--guesses 200] [--out DIR]
 
 Each run goes through the real round loop and DP strategy over a synthetic federation (the module
 docstring of ``fedtune.privacy_audit``): many runs on d = 1000, client 0 the canary (+C u or -C u),
@@ -150,7 +150,7 @@ def report(rows: list[dict], trials: int, canaries: int, guesses: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=2000)
+    parser.add_argument("--trials", type=int, default=1000)
     parser.add_argument("--canaries", type=int, default=1000)
     parser.add_argument("--guesses", type=int, default=200)
     parser.add_argument("--out", type=Path, default=Path(__file__).parents[1] / "results" / "privacy")
