@@ -168,9 +168,11 @@ def test_pack_unpack_round_trip_through_flower_serialization():
     proto.ParseFromString(wire)
     cid, back, nbytes_back = unpack(recorddict_from_proto(proto))
 
-    # Assert: Flower-native records (one ArrayRecord, one ConfigRecord), the fedtune bytes counted
+    # Assert: Flower-native records (one ArrayRecord of one Array per dtype, one ConfigRecord), the
+    # fedtune bytes counted
     assert list(content.array_records) == [codec.ARRAYS] and list(content.config_records) == [codec.RECORD]
-    assert list(content[codec.ARRAYS]) == list(arrays)
+    assert list(content[codec.ARRAYS]) == ["<f4", "<f2", "<i8", "<f8"]  # the dtypes, in order of appearance
+    assert content[codec.ARRAYS]["<f4"].numpy().shape == (12,)  # lora_B and empty, flattened and concatenated
     assert cid == 17 and nbytes == nbytes_back == len(message.encode()) == message.nbytes
     assert list(back.arrays) == list(arrays) and back.meta == message.meta
     for key, value in message.arrays.items():
