@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from flwr.app import ConfigRecord, RecordDict
 from flwr.app import Message as FlowerMessage
-from flwr.app import RecordDict
 
 from fedtune.checkpoint import load_state
 from fedtune.engines.flower.standby import STANDBY, Standby
@@ -109,6 +109,24 @@ def test_standby_keeps_an_idle_node_fed_one_message_at_a_time(task_identity):  #
     assert pump.pushed == 7  # S1, S2, one per idle hold, the one behind the request
 
 
+def test_standby_keeps_only_the_latest_exchanges_nodes_awake(task_identity):  # noqa: F811
+    """With partial participation a node left out of the next exchange is let sleep."""
+    grid, pump = QueueGrid(), Standby(QueueGrid(), lead_s=0.3)
+    pump.grid = grid
+    _request(grid, pump, 7)
+    grid.answer(grid.take(7))
+    pump.replied(7, now=1.0)
+    grid.take(7)  # node 7 holds its standby; the next is due at 1.3 ...
+    _request(grid, pump, 8)  # ... but the next exchange goes to node 8 only
+    pump.tick(now=2.0)
+    assert grid.queued(7) == [] and grid.queued(8) == ["train", STANDBY]
+    grid.answer(grid.take(8))
+    pump.replied(8, now=2.5)
+    grid.take(8)
+    pump.tick(now=2.9)
+    assert grid.queued(7) == [] and grid.queued(8) == [STANDBY]
+
+
 def test_standby_stops_with_its_thread(task_identity):  # noqa: F811
     grid = QueueGrid()
     pump = Standby(grid, lead_s=0.0, period_s=0.01).start()
@@ -124,51 +142,75 @@ def test_standby_stops_with_its_thread(task_identity):  # noqa: F811
     assert pump.pushed == pushed and pump.thread is None
 
 
-def test_the_executor_answers_another_apps_task_with_an_error_and_marks_it_failed(monkeypatch, task_identity):  # noqa: F811
-    """A node's executor runs fedtune's ClientApp only: a FAB naming another one is refused."""
+def _serve_with(monkeypatch, app_ref: str, app, message_type: str = "train"):
+    """:func:`executor.serve_task` on a claimed task of ``message_type`` whose FAB names
+    ``app_ref``, fedtune's ClientApp replaced by ``app``, the Runtime API faked: (the reply it
+    pushed, the (status, Context) of its task output)."""
     import io
     import zipfile
 
     from flwr.app import Context
     from flwr.supernode.runtime import run_clientapp
 
-    from fedtune.engines.flower import executor, runtime_api
+    from fedtune.engines.flower import clientapp, executor, runtime_api
 
     fab = io.BytesIO()
     with zipfile.ZipFile(fab, "w") as z:
         z.writestr(
             "pyproject.toml",
-            '[project]\nname = "other"\nversion = "1.0.0"\n[tool.flwr.app]\npublisher = "x"\n'
-            '[tool.flwr.app.components]\nserverapp = "other:server"\nclientapp = "other:client"\n',
+            '[project]\nname = "x"\nversion = "1.0.0"\n[tool.flwr.app]\npublisher = "x"\n'
+            f'[tool.flwr.app.components]\nserverapp = "x:server"\nclientapp = "{app_ref}"\n',
         )
-    message = FlowerMessage(RecordDict(), dst_node_id=3, message_type="train", group_id="1")
+    message = FlowerMessage(RecordDict(), dst_node_id=3, message_type=message_type, group_id="1")
     message.metadata.__dict__["_message_id"] = "m1"
     context = Context(run_id=1, node_id=3, node_config={}, state=RecordDict(), run_config={})
     pushed, outputs = [], []
 
-    class Client:
+    class Closable:
         def close(self):
             pass
 
-    class Beat:
         def stop(self):
             pass
 
-    monkeypatch.setattr(runtime_api, "runtime_client", lambda *a, **k: Client())
-    monkeypatch.setattr(runtime_api, "task_heartbeat", lambda client: Beat())
-    monkeypatch.setattr(
-        runtime_api,
-        "pull_task_input",
-        lambda client: (message, context, None, type("F", (), {"content": fab.getvalue()})),
-    )
+    given = (message, context, None, type("Fab", (), {"content": fab.getvalue()}))
+    monkeypatch.setattr(runtime_api, "runtime_client", lambda *a, **k: Closable())
+    monkeypatch.setattr(runtime_api, "task_heartbeat", lambda client: Closable())
+    monkeypatch.setattr(runtime_api, "pull_task_input", lambda client: given)
     monkeypatch.setattr(run_clientapp, "push_message", lambda client, reply, ctx: pushed.append(reply))
-    monkeypatch.setattr(run_clientapp, "push_task_output", lambda client, ctx, status, details: outputs.append(status))
-
+    monkeypatch.setattr(run_clientapp, "push_task_output", lambda client, ctx, st, details: outputs.append((st, ctx)))
+    monkeypatch.setattr(clientapp, "client_app", app)
     executor.serve_task("127.0.0.1:1", "token")
-
     (reply,) = pushed
+    (output,) = outputs
+    return reply, output, context
+
+
+def test_the_executor_answers_each_task_in_place_and_a_failure_as_flower_does(monkeypatch, task_identity):  # noqa: F811
+    ours = "fedtune.engines.flower.clientapp:client_app"
+
+    def answer(message, context):
+        context.state["seen"] = ConfigRecord({"n": 1})  # the app may change the node's state
+        return FlowerMessage(RecordDict(), reply_to=message)
+
+    reply, (status, ctx), context = _serve_with(monkeypatch, ours, answer)
+    assert not reply.has_error() and status == "completed" and ctx is context  # the state goes back
+
+    def fail(message, context):
+        raise ValueError("bad luck")
+
+    reply, (status, _), _ = _serve_with(monkeypatch, ours, fail)
+    assert reply.has_error() and "bad luck" in reply.error.reason and status == "failed"
+
+    # a standby leaves the node's Context as it was: none pushed back
+    reply, (status, ctx), _ = _serve_with(monkeypatch, ours, answer, message_type=STANDBY)
+    assert status == "completed" and ctx is None
+
+    # fedtune's ClientApp only: a FAB naming another one is refused, the app never called
+    called = []
+    reply, (status, _), _ = _serve_with(monkeypatch, "other:client", lambda m, c: called.append(m))
     assert reply.has_error() and "runs fedtune.engines.flower.clientapp:client_app only" in reply.error.reason
-    assert "other:client" in reply.error.reason and outputs == ["failed"]
+    assert "other:client" in reply.error.reason and status == "failed" and called == []
 
 
 # -- a real deployment -----------------------------------------------------------------------------

@@ -129,6 +129,9 @@ def deploy_supernode(
         ids = []
     if not ids:
         fail(f"deploy supernode --clients: expected ids like 3, 0-4 or 0,2,5-7 (got {clients!r})")
+    # the SuperNode runs in its own folder: paths as given here, made absolute
+    root_certificates = root_certificates.resolve() if root_certificates is not None else None
+    auth_key = auth_key.resolve() if auth_key is not None else None
     home = Path(tempfile.mkdtemp(prefix="fedtune-node-"))
     home.chmod(0o700)
     procs = Processes(home)

@@ -1,5 +1,6 @@
 """The client side on Flower: the ClientApp that answers a request as the fedtune client it names
-(in this process or in the node's worker), and the node's clients."""
+(in this process: a node's executor, or a process Flower started for the message), and the node's
+clients."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def _process_start() -> float:
     """When this process took the message (epoch s): a node executor's claim of its task
     (:mod:`.executor`), else this process's start (a ``flwr-clientapp`` process per message), to
     10 ms on Linux (psutil rounds the boot time to 1 s)."""
-    from fedtune.engines.flower.executor import task_claimed_at
+    from fedtune.engines.flower.runtime_api import task_claimed_at
 
     if task_claimed_at[0] is not None:
         return task_claimed_at[0]

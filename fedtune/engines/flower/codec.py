@@ -33,7 +33,6 @@ TIMING_FILE = "flower_timing.jsonl"  # run folder: where the Flower engine's tim
 
 PARTITION_ID = "partition-id"  # node_config: the one client id a node plays (Flower's convention)
 NODE_CLIENTS = "fedtune-clients"  # node_config: the client ids a node plays, "0-9" or "0,3,5-7"
-NODE_WORKER = "fedtune-worker"  # node_config: Unix socket of the node's fedtune worker
 NODE_THREADS = "fedtune-threads"  # node_config: torch threads of the node's training
 
 ENGINE_KEYS = ("resume", "timeout", "clipping-norm")  # Flower run config keys for the ServerApp

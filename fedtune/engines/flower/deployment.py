@@ -2,25 +2,26 @@
 keys, and the loopback deployment behind ``fedtune run RECIPE --set engine=flower``.
 
 :class:`LoopbackDeployment` starts, on 127.0.0.1 and in a private ``FLWR_HOME`` (a temporary
-folder, mode 0700): one SuperLink, one fedtune worker plus one SuperNode per node (a node plays
+folder, mode 0700): one SuperLink and, per node, a SuperNode and its fedtune executor (a node plays
 one client or a group of clients, ``federation.nodes``; default ``min(clients per round,
-cores)``), then ``flwr run`` submits the fedtune app (:func:`write_app`). Every process it
-starts, and every process those start (SuperExec, ServerApp, ClientApps), is stopped by PID on
-exit: after the run, on an error, and on Ctrl-C. Options: TLS (``tls=True``: a fresh CA and
-server certificate for 127.0.0.1, :func:`generate_certificates`) and SuperNode authentication
-(``auth=True``: the SuperLink admits only SuperNodes whose public keys were registered with
-``flwr supernode register``, :func:`generate_node_key`; Flower requires TLS for it).
+cores)``); :meth:`LoopbackDeployment.run` submits the fedtune app with ``flwr run`` (:func:`write_app`)
+and serves the run's ServerApp in this process. Every process it starts, and every process those
+start, is stopped by PID on exit: after the run, on an error, and on Ctrl-C. Options: TLS
+(``tls=True``: a fresh CA and server certificate for 127.0.0.1, :func:`generate_certificates`) and
+SuperNode authentication (``auth=True``: the SuperLink admits only SuperNodes whose public keys
+were registered with ``flwr supernode register``, :func:`generate_node_key`; Flower requires TLS
+for it); ``executors=False``: stock Flower processes (a SuperExec per SuperNode starting a
+``flwr-clientapp`` per message, a ``flwr-serverapp`` per run), for comparison.
 
-Per-round cost in a deployment: Flower starts a ``flwr-clientapp`` process per message; with a
-worker (the default here) that process imports only Flower and fedtune's Flower module and hands
-the work to the node's warm worker (:func:`fedtune.engines.flower.worker.run_worker`). Flower's own
-latencies remain: a SuperNode that found no message sleeps 3 s before asking again, and its
-SuperExec polls for new tasks every ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` seconds (set here to
-:data:`TASK_POLL_S`); the server pulls replies every :data:`~fedtune.engines.flower.POLL_S` s.
+Per-round cost: both the SuperLink and the SuperNodes run with ``--isolation process`` and a
+SuperExec secret. A node's executor (:mod:`.executor`) answers every message of the node in one
+process, the model and data kept warm; the ServerApp runs here (:mod:`.inprocess`); standby
+messages (:mod:`.standby`) keep idle SuperNodes from Flower's 3 s idle sleep; objects are pulled
+without Flower's 1 s back-off (:mod:`.runtime_api`) and packed one Array per dtype (:mod:`.packing`).
 
 :func:`run_flower_deployment` is what ``engine = "flower"`` runs: it writes the same run folder
-as the embedded engine (the ServerApp process runs :func:`fedtune.run.run_experiment`) and calls
-``on_round`` with each round's record as its line appears in ``metrics.jsonl``.
+as the embedded engine (:func:`fedtune.run.run_experiment`) and calls ``on_round`` with each
+round's record as it ends.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def submission(
     config: RunConfig, home: Path, resume: bool, timeout: float | None, clipping_norm: float | None
 ) -> tuple[Path, Path]:
     """The fedtune Flower App (:func:`write_app`) and the Flower run config that submits ``config``
-    (as JSON: resolved once, by the ServerApp), both in ``home``: (app folder, run config file)."""
+    (as JSON: resolved once, by the ServerApp) with ``resume``, ``timeout`` and ``clipping_norm``
+    (as :func:`run_app`'s), both in ``home``: (app folder, run config file)."""
     import tomli_w
 
     run_config = home / "run-config.toml"
@@ -160,7 +162,7 @@ def run_app(
 
 
 class LoopbackDeployment:
-    """A SuperLink, workers and SuperNodes on 127.0.0.1 in a private ``FLWR_HOME``; a context
+    """A SuperLink, SuperNodes and their executors on 127.0.0.1 in a private ``FLWR_HOME``; a context
     manager (everything is stopped by PID on exit). ``groups``: the client ids of each node;
     ``home``: the ``FLWR_HOME`` (None: a temporary folder, removed on exit); ``tls``, ``auth``: see
     the module docstring; ``threads``: each node's torch threads (None: the cores shared out);

@@ -31,10 +31,6 @@ from pathlib import Path
 #: the component of fedtune's ClientApp in a FAB (``[tool.flwr.app.components] clientapp``)
 CLIENT_APP_REF = "fedtune.engines.flower.clientapp:client_app"
 
-#: epoch seconds at which this process claimed the task it is serving (None: not serving one),
-#: read by the ClientApp for its timing (in place of a per-message process's start)
-task_claimed_at: list[float | None] = [None]
-
 
 def write_secret(path: Path) -> Path:
     """A fresh random SuperExec secret at ``path`` (mode 0600 from the start; an existing file is
@@ -94,7 +90,7 @@ def run_executor(address: str, secret: bytes, threads: int | None = None) -> Non
     ``threads``: torch threads (a run's ``train.threads`` first)."""
     from flwr.supercore.constant import TaskType
 
-    from fedtune.engines.flower.runtime_api import claim_tasks, runtime_client
+    from fedtune.engines.flower.runtime_api import claim_tasks, runtime_client, task_claimed_at
     from fedtune.process import setup_process
 
     setup_process(threads)
@@ -112,7 +108,8 @@ def run_executor(address: str, secret: bytes, threads: int | None = None) -> Non
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m fedtune.engines.flower.executor``: :func:`run_executor` from the command line."""
+    """``python -m fedtune.engines.flower.executor``: :func:`run_executor` from the command line
+    (``argv``: its arguments; None: ``sys.argv``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runtime-api-address", required=True, help="the SuperNode's Runtime API, HOST:PORT")
     parser.add_argument("--secret-file", required=True, type=Path, help="the SuperNode's SuperExec secret file")
@@ -121,7 +118,5 @@ def main(argv: list[str] | None = None) -> None:
     run_executor(args.runtime_api_address, args.secret_file.read_bytes(), args.threads or None)
 
 
-if __name__ == "__main__":  # through the imported module: the ClientApp reads its task_claimed_at
-    from fedtune.engines.flower import executor
-
-    executor.main()
+if __name__ == "__main__":
+    main()

@@ -23,6 +23,10 @@ POLL_MIN_S = 0.01  # seconds between two task claims right after a task
 POLL_MAX_S = 0.1  # ... growing to this while there is none
 _ACQUIRE = "/flwr.proto.Runtime/AcquireTask"  # the Runtime API call the SuperExec secret signs
 
+#: epoch seconds at which this process (a node's executor) claimed the task it is serving (None:
+#: none), read by the ClientApp for its timing in place of a per-message process's start
+task_claimed_at: list[float | None] = [None]
+
 
 def runtime_client(
     address: str, root_certificates: bytes | None = None, token: str | None = None, secret: bytes | None = None

@@ -68,7 +68,8 @@ class FlowerEngine(Engine):
         return self._transport
 
     def run(self, strategy: Any, *args: Any, **kwargs: Any) -> list[RoundRecord]:
-        """The rounds (:meth:`Engine.run`); a deployment's standby messages stop with them."""
+        """The rounds of ``strategy`` (:meth:`Engine.run`, with its ``args`` and ``kwargs``); a
+        deployment's standby messages stop with them."""
         try:
             return super().run(strategy, *args, **kwargs)
         finally:

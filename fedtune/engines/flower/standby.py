@@ -39,8 +39,9 @@ PERIOD_S = 0.05  # seconds between two pulls of standby replies
 
 class Standby:
     """Standby messages for the nodes of ``grid`` (a background thread between :meth:`start` and
-    :meth:`stop`); the round loop calls :meth:`sent` after pushing requests to nodes and
-    :meth:`replied` when a node's reply to a request arrives."""
+    :meth:`stop`, pulling standby replies every ``period_s`` s; a standby goes out ``lead_s`` s
+    after the reply before it); the round loop calls :meth:`sent` after pushing requests to nodes
+    and :meth:`replied` when a node's reply to a request arrives."""
 
     def __init__(self, grid: Any, lead_s: float = LEAD_S, period_s: float = PERIOD_S) -> None:
         self.grid, self.lead_s, self.period_s = grid, lead_s, period_s
