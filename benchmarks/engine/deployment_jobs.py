@@ -71,7 +71,7 @@ def plain_job(nodes: int, overrides: list[str]) -> dict:
             d.start_supernode([i], f"supernode{i}", extra=["--node-config", f"partition-id={i} num-partitions={nodes}"])
         args = [flower_command("flwr"), "run", str(PLAIN_APP), d.connection, "--stream", "--run-config", text]
         done = subprocess.run(args, env=d.env(), cwd=d.home, capture_output=True, text=True, timeout=3600)
-        if done.returncode != 0 or not times.is_file():
+        if done.returncode != 0 or not times.is_file() or '"done"' not in times.read_text():
             raise RuntimeError(f"plain app failed ({done.returncode}): {(done.stdout + done.stderr)[-3000:]}")
     return {"times": str(times)}
 
@@ -164,3 +164,32 @@ def plain_stats(times: Path) -> dict:
         "fixed_s": _median_later(fixed),
         "handler_s": _median_later(handler),
     }
+
+
+def run_parts(parts: dict, args, stem: str, markdown, script: str) -> None:
+    """Run the ``parts`` (name -> function of ``args`` and a scratch folder) that ``args.part``
+    names, each stamped with the command and the machine's load at its start and end, writing
+    benchmarks/results/``stem``.{json,md} (``markdown``: the results as Markdown) after each; a
+    part run alone keeps the others' earlier results."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("FEDTUNE_DATA_DIR", str(ENGINE.parents[2] / "shared" / "data"))
+    results = ENGINE.parent / "results"
+    results.mkdir(exist_ok=True)
+    path = results / f"{stem}.json"
+    result = json.loads(path.read_text()) if path.is_file() else {}
+    command = f"python benchmarks/engine/{script} " + " ".join(sys.argv[1:])
+    with tempfile.TemporaryDirectory(prefix="fedtune-bench-") as tmp:
+        for part, run in parts.items():
+            if part not in args.part.split(","):
+                continue
+            start_load = os.getloadavg()[0]
+            result[part] = run(args, Path(tmp))
+            result[part]["machine"] = (
+                f"{os.cpu_count()} cores, load average {start_load:.1f} at the start and "
+                f"{os.getloadavg()[0]:.1f} at the end of the part"
+            )
+            result[part]["command"] = command
+            path.write_text(json.dumps(result, indent=1))
+            (results / f"{stem}.md").write_text(markdown(result))
+    print(markdown(result))

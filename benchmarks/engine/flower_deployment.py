@@ -39,15 +39,10 @@ nodes; results in ``flower_deployment_quick.*``).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-import tempfile
 from pathlib import Path
 
-from deployment_jobs import job, run_job
+from deployment_jobs import job, run_job, run_parts
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
 MINILM = [
     "method=fedit",
     "model.name=minilm",
@@ -188,28 +183,8 @@ def main() -> None:
     args.clients, args.nodes_list = 4, [1, 2, 4]
     if args.quick:  # 2 clients, 1 and 2 nodes, 1 step, 3 rounds, no simulation; scale to 4 nodes
         args.clients, args.nodes_list, args.rounds, args.steps, args.scale_nodes = 2, [1, 2], 3, [1], [1, 2, 4]
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("FEDTUNE_DATA_DIR", str(Path(__file__).resolve().parents[3] / "shared" / "data"))
-    RESULTS.mkdir(exist_ok=True)
     stem = "flower_deployment_quick" if args.quick else "flower_deployment"
-    path = RESULTS / f"{stem}.json"
-    result = json.loads(path.read_text()) if path.is_file() else {}  # a part run alone keeps the other's
-    command = "python benchmarks/engine/flower_deployment.py " + " ".join(sys.argv[1:])
-    with tempfile.TemporaryDirectory(prefix="fedtune-deploy-bench-") as tmp:
-        for part, run in (("engines", part_engines), ("scale", part_scale)):
-            if part not in args.part.split(","):
-                continue
-            start_load = os.getloadavg()[0]
-            result[part] = run(args, Path(tmp))
-            result[part]["machine"] = (
-                f"{os.cpu_count()} cores, load average {start_load:.1f} at the start and "
-                f"{os.getloadavg()[0]:.1f} at the end of the part"
-            )
-            result[part]["command"] = command
-            path.write_text(json.dumps(result, indent=1))
-            (RESULTS / f"{stem}.md").write_text(markdown(result))
-    print(markdown(result))
+    run_parts({"engines": part_engines, "scale": part_scale}, args, stem, markdown, Path(__file__).name)
 
 
 if __name__ == "__main__":

@@ -40,9 +40,10 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from deployment_jobs import run_parts
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 BASE = [
@@ -310,27 +311,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.job:
         return job(args.job, args.set)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("FEDTUNE_DATA_DIR", str(Path(__file__).resolve().parents[3] / "shared" / "data"))
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "flower_overhead.json"
-    result = json.loads(path.read_text()) if path.is_file() else {}  # a part run alone keeps the other's
-    command = "python benchmarks/engine/flower_overhead.py " + " ".join(sys.argv[1:])
-    with tempfile.TemporaryDirectory(prefix="fedtune-bench-") as tmp:
-        for part, run in (("rounds", part_rounds), ("memory", part_memory)):
-            if part not in args.part.split(","):
-                continue
-            start_load = os.getloadavg()[0]
-            result[part] = run(args, Path(tmp))
-            result[part]["machine"] = (
-                f"{os.cpu_count()} cores, load average {start_load:.1f} at the start and "
-                f"{os.getloadavg()[0]:.1f} at the end of the part"
-            )
-            result[part]["command"] = command
-            path.write_text(json.dumps(result, indent=1))
-            (RESULTS / "flower_overhead.md").write_text(markdown(result))
-    print(markdown(result))
+    run_parts({"rounds": part_rounds, "memory": part_memory}, args, "flower_overhead", markdown, Path(__file__).name)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import sys
 import time
 from pathlib import Path
 
@@ -86,8 +87,9 @@ def serve_task(address: str, token: str) -> None:
 
 def run_executor(address: str, secret: bytes, threads: int | None = None) -> None:
     """Claim and serve the ClientApp tasks of the SuperNode at ``address`` (signed with ``secret``),
-    one at a time, forever: every message of the node in this one process (:func:`serve_task`).
-    ``threads``: torch threads (a run's ``train.threads`` first)."""
+    one at a time, until the SuperNode goes away: every message of the node in this one process
+    (:func:`serve_task`; a task that fails on the way, its reply or output refused, is reported on
+    stderr and the next one served). ``threads``: torch threads (a run's ``train.threads`` first)."""
     from flwr.supercore.constant import TaskType
 
     from fedtune.engines.flower.runtime_api import claim_tasks, runtime_client, task_claimed_at
@@ -103,6 +105,8 @@ def run_executor(address: str, secret: bytes, threads: int | None = None) -> Non
         task_claimed_at[0] = time.time()
         try:
             serve_task(address, token)
+        except Exception as exc:  # noqa: BLE001 - a task the SuperNode dropped meanwhile: serve the next
+            print(f"fedtune executor: task not completed ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
         finally:
             task_claimed_at[0] = None
 

@@ -14,9 +14,9 @@ from plain_lora.task import get_model, trainable_state
 app = ServerApp()
 
 
-def slowest(records: list[RecordDict], key: str) -> MetricRecord:
-    """Per round, the largest of each metric over the clients (FedAvg's default: the mean)."""
-    metrics = [r[key] for r in records]
+def slowest(records: list[RecordDict], weighting_key: str) -> MetricRecord:
+    """Per round, the largest of each metric over the clients (FedAvg's default: the weighted mean)."""
+    metrics = [next(iter(r.metric_records.values())) for r in records]
     return MetricRecord({k: max(float(m[k]) for m in metrics) for k in metrics[0]})
 
 
