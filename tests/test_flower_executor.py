@@ -213,6 +213,26 @@ def test_the_executor_answers_each_task_in_place_and_a_failure_as_flower_does(mo
     assert "other:client" in reply.error.reason and status == "failed" and called == []
 
 
+def test_the_executor_serves_the_next_task_after_one_it_could_not_complete(monkeypatch, capsys):
+    """A task whose reply or output the SuperNode refuses (it dropped the task meanwhile) must not
+    end the node's executor: the next task is still served, the failure said on stderr."""
+    from fedtune.engines.flower import executor, runtime_api
+
+    served = []
+
+    def serve(address, token):
+        served.append(token)
+        if token == "t1":
+            raise RuntimeError("task t1 is gone")
+
+    monkeypatch.setattr(runtime_api, "claim_tasks", lambda client, task_type: iter(["t1", "t2"]))
+    monkeypatch.setattr(runtime_api, "runtime_client", lambda *a, **k: object())
+    monkeypatch.setattr(executor, "serve_task", serve)
+    executor.run_executor("127.0.0.1:1", b"secret")
+    assert served == ["t1", "t2"] and runtime_api.task_claimed_at[0] is None
+    assert "task not completed (RuntimeError: task t1 is gone)" in capsys.readouterr().err
+
+
 # -- a real deployment -----------------------------------------------------------------------------
 class Descendants:
     """Every process below this one, with when it was first seen (sampled every 50 ms: a
