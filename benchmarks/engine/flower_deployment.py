@@ -30,8 +30,9 @@ rounds: the fixed cost per round against nodes.
 
 Each job runs in a subprocess (``--job``); the machine's load average is recorded before and after
 each. Writes benchmarks/results/flower_deployment.{md,json}. About 25 minutes on 2 cores;
-``--quick`` is a smoke run (2 clients, 1 and 2 nodes, 1 local step, no simulation; scale to 4
-nodes; results in ``flower_deployment_quick.*``).
+``--quick`` is a smoke run (2 clients, 1 and 2 nodes, no simulation; 3 rounds, 1 local step and
+scale to 4 nodes unless ``--rounds`` / ``--steps`` / ``--scale-nodes`` say otherwise; results in
+``flower_deployment_quick.*``, with ``--steps S`` in ``flower_deployment_quick_Ssteps.*``).
 
     python benchmarks/engine/flower_deployment.py [--part engines,scale] [--rounds 4] [--steps 1,10,50] [--quick]
 """
@@ -168,22 +169,26 @@ def markdown(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", default="engines,scale")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", default="1,10,50")
-    parser.add_argument("--scale-nodes", default="1,2,4,8,16")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny model, fewer rows, a few minutes")
+    parser.add_argument("--rounds", type=int, help="rounds per job (default 4; --quick: 3)")
+    parser.add_argument("--steps", help="local steps per setting (default 1,10,50; --quick: 1)")
+    parser.add_argument("--scale-nodes", help="nodes of the scale part (default 1,2,4,8,16; --quick: 1,2,4)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: fewer clients, rows and rounds")
     parser.add_argument("--job", choices=["embedded", "sim", "flower", "plain"])
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--set", action="append", default=[])
     args = parser.parse_args()
     if args.job:
         return job(args.job, args.nodes, args.set)
-    args.steps = [int(x) for x in args.steps.split(",")]
-    args.scale_nodes = [int(x) for x in args.scale_nodes.split(",")]
-    args.clients, args.nodes_list = 4, [1, 2, 4]
-    if args.quick:  # 2 clients, 1 and 2 nodes, 1 step, 3 rounds, no simulation; scale to 4 nodes
-        args.clients, args.nodes_list, args.rounds, args.steps, args.scale_nodes = 2, [1, 2], 3, [1], [1, 2, 4]
+    steps, scale = ("1", "1,2,4") if args.quick else ("1,10,50", "1,2,4,8,16")
     stem = "flower_deployment_quick" if args.quick else "flower_deployment"
+    if args.quick and args.steps:  # a smoke run at other steps keeps the default one's results
+        stem += f"_{args.steps.replace(',', '-')}steps"
+    args.steps = [int(x) for x in (args.steps or steps).split(",")]
+    args.scale_nodes = [int(x) for x in (args.scale_nodes or scale).split(",")]
+    args.clients, args.nodes_list = 4, [1, 2, 4]
+    args.rounds = args.rounds or (3 if args.quick else 4)
+    if args.quick:  # 2 clients, 1 and 2 nodes, no simulation
+        args.clients, args.nodes_list = 2, [1, 2]
     run_parts({"engines": part_engines, "scale": part_scale}, args, stem, markdown, Path(__file__).name)
 
 
