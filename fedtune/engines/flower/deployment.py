@@ -307,9 +307,9 @@ class LoopbackDeployment:
             return cast(dict[str, Any], done)  # run_dir given: the summary, or run_app raised
         app, run_config = submission(config, self.home, resume, timeout, clipping_norm)
         flwr = [flower_command("flwr"), "run", str(app), self.connection, "--run-config", str(run_config)]
-        done = subprocess.run(flwr, env=self.env(), cwd=self.home, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise DeploymentError(f"flwr run exited with code {done.returncode}: {(done.stdout + done.stderr)[-800:]}")
+        sub = subprocess.run(flwr, env=self.env(), cwd=self.home, capture_output=True, text=True, timeout=300)
+        if sub.returncode != 0:
+            raise DeploymentError(f"flwr run exited with code {sub.returncode}: {(sub.stdout + sub.stderr)[-800:]}")
         roots = None if self.certificates is None else self.certificates["ca"].read_bytes()
         request = {CLIPPING_NORM: float(clipping_norm)} if clipping_norm else None
         return serve_run(self.address, self.secret.read_bytes(), roots, resolved, on_round, resume, timeout, request)

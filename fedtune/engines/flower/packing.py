@@ -28,7 +28,8 @@ KINDS = "biufc"  # dtype kinds a layout may name: booleans and numbers (never ob
 def pack_arrays(arrays: Mapping[str, np.ndarray]) -> tuple[ArrayRecord, str]:
     """``arrays`` as (an ArrayRecord of one flat Array per dtype, their layout as JSON: ``[[name,
     dtype, shape], ...]`` in order)."""
-    layout, parts = [], {}
+    layout: list[list[object]] = []
+    parts: dict[str, list[np.ndarray]] = {}
     for name, value in arrays.items():
         value = np.asarray(value)
         layout.append([str(name), value.dtype.str, list(value.shape)])
