@@ -104,17 +104,20 @@ def deploy_supernode(
     insecure: bool = typer.Option(False, "--insecure", help="no TLS (trusted networks only)"),
     auth_key: Path | None = typer.Option(None, help="this node's private key (OpenSSH EC; its .pub registered)"),
     threads: int | None = typer.Option(None, min=1, help="torch threads (default: all cores)"),
-    worker: bool = typer.Option(
-        True, help="a warm fedtune worker next to the node (else each message loads the model)"
+    executor: bool = typer.Option(
+        True,
+        help="a warm fedtune executor next to the node answers every message in one process (else Flower "
+        "starts a flwr-clientapp process per message, which loads the model each time)",
     ),
     extra: list[str] = EXTRA,
 ) -> None:
-    """Start a Flower SuperNode playing fedtune clients, with its warm worker; Ctrl-C stops both."""
+    """Start a Flower SuperNode playing fedtune clients, with its warm executor; Ctrl-C stops both."""
     import tempfile
 
     from fedtune.engines.flower.codec import parse_clients
-    from fedtune.engines.flower.commands import flower_env, supernode_args, wait_for_worker, worker_args
-    from fedtune.process import Processes
+    from fedtune.engines.flower.commands import executor_args, flower_env, supernode_args
+    from fedtune.engines.flower.executor import write_secret
+    from fedtune.process import Processes, wait_for_port
 
     _check_port(port, "supernode")
     _security(insecure, root_certificates, "supernode")
@@ -126,19 +129,25 @@ def deploy_supernode(
         ids = []
     if not ids:
         fail(f"deploy supernode --clients: expected ids like 3, 0-4 or 0,2,5-7 (got {clients!r})")
+    # the SuperNode runs in its own folder: paths as given here, made absolute
+    root_certificates = root_certificates.resolve() if root_certificates is not None else None
+    auth_key = auth_key.resolve() if auth_key is not None else None
     home = Path(tempfile.mkdtemp(prefix="fedtune-node-"))
+    home.chmod(0o700)
     procs = Processes(home)
     try:
-        sock = None
-        if worker:
-            sock = str(home / "worker.sock")
-            proc = procs.start("worker", worker_args(sock, threads), flower_env())
-            wait_for_worker(sock, proc, procs.log_of(proc))
-        procs.start(
+        secret = write_secret(home / "executor.secret") if executor else None
+        node = procs.start(
             "supernode",
-            supernode_args(superlink, port, ids, root_certificates, auth_key, sock, threads, extra),
+            supernode_args(superlink, port, ids, root_certificates, auth_key, secret, threads, extra),
             flower_env(),
         )
+        if secret is not None:
+            try:
+                wait_for_port(port, node, log=procs.log_of(node))
+            except FedtuneError as exc:
+                fail(f"deploy supernode: {exc}")
+            procs.start("executor", executor_args(port, secret, threads), flower_env())
         console.print(f"SuperNode for clients {clients} -> {superlink} (logs: {home}); Ctrl-C stops it")
         code = _wait([p for _, p, _ in procs.started])
     finally:

@@ -1,5 +1,6 @@
 """The client side on Flower: the ClientApp that answers a request as the fedtune client it names
-(in this process or in the node's worker), and the node's clients."""
+(in this process: a node's executor, or a process Flower started for the message), and the node's
+clients."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 
 from fedtune.config import RunConfig
 from fedtune.engines.flower.codec import (
-    ARRAYS,
     AS_WEIGHTS,
     ATTEMPT,
     BUNDLE,
@@ -29,7 +29,6 @@ from fedtune.engines.flower.codec import (
     META,
     NODE_CLIENTS,
     NODE_THREADS,
-    NODE_WORKER,
     PARTITION_ID,
     PHASE,
     RECORD,
@@ -44,7 +43,7 @@ from fedtune.engines.flower.codec import (
     unpack,
 )
 from fedtune.engines.flower.runconfig import config_from_run_config
-from fedtune.engines.flower.worker import call_worker, serve_request
+from fedtune.engines.flower.worker import serve_request
 from fedtune.methods.base.privacy import fresh_secret
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import SECURE_WEIGHT
@@ -68,7 +67,13 @@ def node_clients(context: Context) -> list[int]:
 
 
 def _process_start() -> float:
-    """This process's start (epoch s), to 10 ms on Linux (psutil rounds the boot time to 1 s)."""
+    """When this process took the message (epoch s): a node executor's claim of its task
+    (:mod:`.executor`), else this process's start (a ``flwr-clientapp`` process per message), to
+    10 ms on Linux (psutil rounds the boot time to 1 s)."""
+    from fedtune.engines.flower.runtime_api import task_claimed_at
+
+    if task_claimed_at[0] is not None:
+        return task_claimed_at[0]
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
         uptime = float(Path("/proc/uptime").read_text().split()[0])
@@ -84,7 +89,7 @@ def handle_client_message(config: RunConfig | None, message: FlowerMessage, cont
     """Answer one Flower ``message`` as the client it names (or, for a bundle, as each client it
     names, one after another) of the run ``config`` (None: the one in Flower's run config), from the
     node's persistent state for that client (in ``context``), in this process
-    (:func:`serve_request`) or in the node's worker (:func:`call_worker`). A failure propagates:
+    (:func:`serve_request`: a node's executor, or a ``flwr-clientapp`` process). A failure propagates:
     Flower returns it to the server as an error reply (a drop); in a bundle, a failing client's
     reason is returned beside the others' replies. The reply carries the times of :data:`TIMES`
     (for :data:`TIMING_FILE`)."""
@@ -100,8 +105,9 @@ def handle_client_message(config: RunConfig | None, message: FlowerMessage, cont
         reply, extra = _serve_one(config, kind, message.content, "", clients, context)
         times: dict[str, Any] = dict(zip(TIMES, (_process_start(), entered, time.time())))
         record: Mapping[str, Any] = message.content[RECORD]
-        content, _ = pack(reply, int(record[CID]), **extra, **times)
-        if RECORD_KEY_CONFIGS in message.content.config_records:  # SecAgg+: the mod masks it
+        secure = RECORD_KEY_CONFIGS in message.content.config_records  # SecAgg+: the update crosses masked
+        content, _ = pack(reply, int(record[CID]), (ArrayRecord(), "[]") if secure else None, **extra, **times)
+        if secure:  # the mod masks fitres.parameters and clears every ArrayRecord
             _as_fit_res(content, json.loads(record[META]), reply)
         return FlowerMessage(content, reply_to=message)
     bundle: Mapping[str, Any] = message.content[BUNDLE]
@@ -132,11 +138,7 @@ def _serve_one(
     state = from_array_record(cast(ArrayRecord | None, context.state.get(f"{STATE}-{cid}")))
     node_config: Mapping[str, Any] = context.node_config
     threads = node_config.get(NODE_THREADS)
-    worker = node_config.get(NODE_WORKER)
-    if worker:
-        reply, state, seconds = call_worker(str(worker), config, kind, cid, request, state, rnd, attempt)
-    else:
-        reply, state, seconds = serve_request(config, kind, cid, request, state, rnd, attempt, threads and int(threads))
+    reply, state, seconds = serve_request(config, kind, cid, request, state, rnd, attempt, threads and int(threads))
     context.state[f"{STATE}-{cid}"] = to_array_record(state)
     if envelope.get(AS_WEIGHTS):  # for Flower's clipping mods: received + update (the server subtracts)
         if list(reply.arrays) != list(request.arrays):
@@ -151,7 +153,7 @@ def _as_fit_res(content: RecordDict, request_meta: dict[str, Any], reply: Messag
     as ``num_examples``, the weight the strategy asked for (``secure_weight``: the client's
     ``num_examples``, or 1)."""
     weight = int(reply.meta["num_examples"]) if request_meta.get(SECURE_WEIGHT) == "examples" else 1
-    content["fitres.parameters"] = content[ARRAYS]
+    content["fitres.parameters"] = to_array_record(reply.arrays)  # one Array each, as secure_layout
     content["fitres.num_examples"] = MetricRecord({"num_examples": weight})
     content["fitres.metrics"] = ConfigRecord({})
     content["fitres.status"] = ConfigRecord({"code": 0, "message": "Success"})
@@ -246,6 +248,10 @@ def make_client_app(config: RunConfig | None = None, mods: Iterable[Mod] = ()) -
     @app.query()
     def query(message: FlowerMessage, context: Context) -> FlowerMessage:
         return handle_client_message(config, message, context)
+
+    @app.query("standby")
+    def standby(message: FlowerMessage, context: Context) -> FlowerMessage:
+        return FlowerMessage(RecordDict(), reply_to=message)  # keeps the SuperNode awake (.standby)
 
     return app
 

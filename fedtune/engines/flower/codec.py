@@ -10,12 +10,14 @@ from typing import Any, cast
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
+from fedtune.engines.flower.packing import pack_arrays, unpack_arrays
 from fedtune.errors import FedtuneError
 from fedtune.protocol.messages import Message
 
 RECORD = "fedtune"  # RecordDict key of the ConfigRecord: meta and transport scalars
 ARRAYS = "fedtune-arrays"  # RecordDict key of the ArrayRecord: the message's arrays
 META = "meta"  # ConfigRecord key: JSON of Message.meta
+LAYOUT = "layout"  # ConfigRecord key: JSON of the packed arrays' names, dtypes, shapes (.packing)
 CID = "cid"  # ConfigRecord key: the fedtune client id the message is for / from
 ROUND = "round"  # ConfigRecord key: the round a message belongs to (request) or claims (reply)
 ATTEMPT = "attempt"  # ConfigRecord key of a request: the round's attempt (fault injection draws)
@@ -31,7 +33,6 @@ TIMING_FILE = "flower_timing.jsonl"  # run folder: where the Flower engine's tim
 
 PARTITION_ID = "partition-id"  # node_config: the one client id a node plays (Flower's convention)
 NODE_CLIENTS = "fedtune-clients"  # node_config: the client ids a node plays, "0-9" or "0,3,5-7"
-NODE_WORKER = "fedtune-worker"  # node_config: Unix socket of the node's fedtune worker
 NODE_THREADS = "fedtune-threads"  # node_config: torch threads of the node's training
 
 ENGINE_KEYS = ("resume", "timeout", "clipping-norm")  # Flower run config keys for the ServerApp
@@ -67,19 +68,23 @@ state_to_record, state_from_record = to_array_record, from_array_record  # a cli
 def pack(
     message: Message,
     cid: int,
-    arrays: ArrayRecord | None = None,
+    arrays: tuple[ArrayRecord, str] | None = None,
     suffix: str = "",
     into: RecordDict | None = None,
     **extra: Any,
 ) -> tuple[RecordDict, int]:
     """Flower content carrying ``message`` for/from client ``cid`` (plus transport scalars such
     as ``compute_s``, not part of the accounted bytes) and the accounted bytes,
-    ``message.nbytes``. ``arrays``: the message's ArrayRecord when already built (a broadcast);
-    ``suffix``/``into``: add the records, their keys suffixed, to a bundle's content; ``extra``: the
-    transport scalars."""
-    record = ConfigRecord({META: json.dumps(message.meta, separators=(",", ":")), CID: int(cid), **extra})
+    ``message.nbytes``. The arrays travel packed, one Array per dtype, their layout in the
+    ConfigRecord (:func:`.packing.pack_arrays`); ``arrays``: that packing when already built (a
+    broadcast); ``suffix``/``into``: add the records, their keys suffixed, to a bundle's content;
+    ``extra``: the transport scalars."""
+    packed, layout = pack_arrays(message.arrays) if arrays is None else arrays
+    record = ConfigRecord(
+        {META: json.dumps(message.meta, separators=(",", ":")), LAYOUT: layout, CID: int(cid), **extra}
+    )
     content = RecordDict() if into is None else into
-    content[ARRAYS + suffix] = to_array_record(message.arrays) if arrays is None else arrays
+    content[ARRAYS + suffix] = packed
     content[RECORD + suffix] = record
     return content, message.nbytes
 
@@ -92,8 +97,8 @@ def unpack(content: RecordDict, suffix: str = "") -> tuple[int, Message, int]:
             f"Flower message carries no {RECORD + suffix!r} / {ARRAYS + suffix!r} records (keys: {sorted(content)})"
         )
     record = cast(ConfigRecord, content[RECORD + suffix])
-    arrays = cast(ArrayRecord, content[ARRAYS + suffix])
-    message = Message(from_array_record(arrays), json.loads(cast(str, record[META])))
+    arrays = unpack_arrays(cast(ArrayRecord, content[ARRAYS + suffix]), cast(str, record[LAYOUT]))
+    message = Message(arrays, json.loads(cast(str, record[META])))
     return int(cast(int, record[CID])), message, message.nbytes
 
 

@@ -70,7 +70,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
 from fedtune.config import ConfigError
-from fedtune.engines.flower.codec import ATTEMPT, CID, RECORD, ROUND, format_clients, pack, to_array_record
+from fedtune.engines.flower.codec import ATTEMPT, CID, RECORD, ROUND, format_clients, pack
 from fedtune.engines.flower.transport import GridTransport, exchange
 from fedtune.engines.rounds import TRAIN, Delivery
 from fedtune.protocol.messages import Message
@@ -147,7 +147,7 @@ class SecAggPlusTransport(GridTransport):
         out = [
             FlowerMessage(c, dst_node_id=nid, message_type="train", group_id=str(rnd)) for nid, c in stage_of.items()
         ]
-        ids, replies = exchange(self.grid, out, self.timeout)
+        ids, replies = exchange(self.grid, out, self.timeout, standby=self.standby)
         node_of_id = dict(zip(ids, stage_of))
         return {
             node_of_id[r.metadata.reply_to_message_id]: r
@@ -251,7 +251,7 @@ class SecAggPlusTransport(GridTransport):
             ctxts = [c for s, c in zip(*forward[nid], strict=True) if s in state.keyed]
             config = {Key.STAGE: Stage.COLLECT_MASKED_VECTORS, Key.CIPHERTEXT_LIST: ctxts, Key.SOURCE_LIST: srcs}
             scalars: dict[str, Any] = {ROUND: rnd, ATTEMPT: attempt}
-            content, nbytes = pack(messages[cid], cid, to_array_record(messages[cid].arrays), **scalars)
+            content, nbytes = pack(messages[cid], cid, **scalars)
             content[RECORD_KEY_CONFIGS] = ConfigRecord(config)
             contents[nid] = content
             down[nid] += nbytes + secagg_nbytes(config)

@@ -10,10 +10,12 @@ from typing import Any
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
+from flwr.superlink.grid import HttpGrid
 
 from fedtune.config import RunConfig
 from fedtune.engines.flower.codec import CLIPPING_NORM, TIMING_FILE
 from fedtune.engines.flower.runconfig import config_from_run_config
+from fedtune.engines.flower.standby import Standby
 from fedtune.engines.flower.transport import GridTransport, discover_nodes
 from fedtune.engines.rounds import Engine, RoundFailed, RoundRecord, RunInterrupted
 from fedtune.process import setup_process
@@ -25,7 +27,8 @@ class FlowerEngine(Engine):
     client state lives on the nodes (``context.state``), not in the server's checkpoint. ``run``: the
     resolved run; ``grid``: the ServerApp's; ``timeout``: the wait for nodes and, without
     ``federation.round_timeout_s``, for a round's replies; ``request_config``: sent with every
-    request; ``resume``: the run folder's timing file is kept."""
+    request; ``resume``: the run folder's timing file is kept. On a deployment (Flower's
+    ``HttpGrid``) idle nodes get standby messages between their requests (:mod:`.standby`)."""
 
     name = "flower"
 
@@ -40,6 +43,7 @@ class FlowerEngine(Engine):
         super().__init__(run.config)
         self.run_dir = run.run_dir
         self.grid, self.timeout, self.request_config, self.resume = grid, timeout, request_config, resume
+        self.standby = isinstance(grid, HttpGrid)  # a deployment's ServerApp (not the simulation's)
         self._transport: GridTransport | None = None
 
     def transport(self) -> GridTransport:
@@ -59,7 +63,18 @@ class FlowerEngine(Engine):
                 )
             else:
                 self._transport = GridTransport(self.grid, node_of, wait, self.request_config, timing)
+            if self.standby:  # a deployment: keep its SuperNodes from Flower's 3 s idle sleep
+                self._transport.standby = Standby(self.grid).start()
         return self._transport
+
+    def run(self, strategy: Any, *args: Any, **kwargs: Any) -> list[RoundRecord]:
+        """The rounds of ``strategy`` (:meth:`Engine.run`, with its ``args`` and ``kwargs``); a
+        deployment's standby messages stop with them."""
+        try:
+            return super().run(strategy, *args, **kwargs)
+        finally:
+            if self._transport is not None and self._transport.standby is not None:
+                self._transport.standby.stop()
 
 
 def serve(

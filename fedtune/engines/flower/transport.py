@@ -28,9 +28,11 @@ from fedtune.engines.flower.codec import (
     FlowerClientError,
     format_clients,
     pack,
-    to_array_record,
     unpack,
 )
+from fedtune.engines.flower.packing import pack_arrays
+from fedtune.engines.flower.runtime_api import pull_replies
+from fedtune.engines.flower.standby import Standby
 from fedtune.engines.rounds import Delivery
 from fedtune.protocol.messages import Message
 
@@ -42,20 +44,29 @@ def exchange(
     timeout: float | None,
     poll_s: float = POLL_S,
     pulled_at: dict[str, float] | None = None,
+    standby: Standby | None = None,
 ) -> tuple[list[str], list[FlowerMessage]]:
-    """Push ``messages`` through ``grid`` and pull their replies every ``poll_s`` seconds until all arrived or
-    ``timeout`` seconds passed (Grid's public push/pull; its ``send_and_receive`` waits 3 s
-    between pulls). Returns the pushed message ids (in order) and the replies; ``pulled_at``
-    receives each reply's arrival time (epoch s) by the id of the message it answers."""
+    """Push ``messages`` through ``grid`` and pull their replies every ``poll_s`` seconds until all
+    arrived or ``timeout`` seconds passed (Grid's public push, :func:`.runtime_api.pull_replies`;
+    Flower's ``send_and_receive`` waits 3 s between pulls). Returns the pushed message ids (in
+    order) and the replies; ``pulled_at`` receives each reply's arrival time (epoch s) by the id of
+    the message it answers; ``standby`` (a deployment's) is told which nodes got requests and which
+    answered them (:class:`.standby.Standby`)."""
     ids = list(grid.push_messages(messages))
+    node_of = {i: m.metadata.dst_node_id for i, m in zip(ids, messages)}
+    if standby is not None:
+        standby.sent(node_of[i] for i in ids if i)
     pending = set(ids)
     deadline = None if timeout is None else time.monotonic() + timeout
     replies: list[FlowerMessage] = []
     while pending:
-        got = list(grid.pull_messages(list(pending)))
+        got = pull_replies(grid, pending)
         if pulled_at is not None:
             now = time.time()
             pulled_at.update((reply.metadata.reply_to_message_id, now) for reply in got)
+        if standby is not None:
+            for reply in got:
+                standby.replied(node_of[reply.metadata.reply_to_message_id])
         replies.extend(got)
         pending.difference_update(reply.metadata.reply_to_message_id for reply in got)
         if not pending or (deadline is not None and time.monotonic() >= deadline):
@@ -131,6 +142,7 @@ class GridTransport:
             bundle,
         )
         self.request_config = dict(request_config or {})
+        self.standby: Standby | None = None  # a deployment's (FlowerEngine sets it)
         if CLIPPING_NORM in self.request_config:
             self.request_config[AS_WEIGHTS] = True
 
@@ -154,7 +166,7 @@ class GridTransport:
                 for cid in group:
                     message = messages[cid]
                     if id(message) not in records:  # a Message broadcast to many clients is converted once
-                        records[id(message)] = to_array_record(message.arrays)
+                        records[id(message)] = pack_arrays(message.arrays)
                     suffix = f"-{cid}" if len(group) > 1 else ""
                     _, down[cid] = pack(
                         message, cid, records[id(message)], suffix, content, **{ROUND: rnd, ATTEMPT: attempt, **extra}
@@ -165,7 +177,7 @@ class GridTransport:
                 targets.append(group)
         pushed = time.time()
         pulled_at: dict[str, float] = {}
-        ids, replies = exchange(self.grid, out, self.timeout, pulled_at=pulled_at)
+        ids, replies = exchange(self.grid, out, self.timeout, pulled_at=pulled_at, standby=self.standby)
         target_of = dict(zip(ids, targets))  # request id -> the client ids it carried
         self._log_timing(kind, rnd, attempt, pushed, replies, target_of, pulled_at)
         received: dict[int, Delivery] = {}
