@@ -88,7 +88,7 @@ ARMS = ("planned", "smallest", "drop", "compressed")
 #: method -> its arms (RABO: no upload codec to plan)
 METHOD_ARMS = {"heterolora": ARMS, "fslora": ARMS, "rabo": ARMS[:3]}
 #: experiment -> one run's CPU seconds, full and --quick (the timing runs: README)
-RUN_S = {"agnews": (110.0, 15.0), "omniglot": (380.0, 15.0)}
+RUN_S = {"agnews": (215.0, 15.0), "omniglot": (380.0, 15.0)}
 QUICK = ["model.name=tiny-bert", "model.lora_rank=32", "rounds=2", "eval_every=1", "data.max_train_samples=300"]
 QUICK += ["data.max_test_samples=64", "train.local_steps=1"]
 QUICK_RABO = ["rounds=2", "eval_every=1", "task.eval_episodes=20"]
@@ -121,10 +121,12 @@ class Suite:
     def names(self) -> list[str]:
         return list(self.recipes)
 
-    def plan(self, seeds: list[int], quick: bool, out: Path, extra: tuple[str, ...] = ()) -> tuple[dict, dict]:
-        """The suite's plan (:func:`specs` by experiment, ``extra`` overrides on every run) and each
-        method's settings by arm and class."""
-        runs, settings = specs(seeds, quick, self, extra)
+    def plan(
+        self, seeds: list[int], quick: bool, out: Path, extra: tuple[str, ...] = (), methods: list[str] | None = None
+    ) -> tuple[dict, dict]:
+        """The suite's plan (:func:`specs` by experiment, ``extra`` overrides on every run; ``methods``:
+        only theirs) and each method's settings by arm and class."""
+        runs, settings = specs(seeds, quick, self, extra, methods)
         plan = {}
         for e, recipe in self.recipes.items():
             plan |= build_plan({e: [s for s in runs if self.experiment[s.labels["method"]] == e]}, recipe, out)
@@ -237,12 +239,18 @@ def global_rank(method: str, arm: str, profiles: list[dict]) -> list[str]:
 
 
 def specs(
-    seeds: list[int], quick: bool, suite: Suite = AGNEWS, extra: tuple[str, ...] = ()
+    seeds: list[int],
+    quick: bool,
+    suite: Suite = AGNEWS,
+    extra: tuple[str, ...] = (),
+    methods: list[str] | None = None,
 ) -> tuple[list[RunSpec], dict]:
-    """Every run (seed, method, arm) of ``suite`` (``extra`` overrides on each) and each method's
-    settings by arm and class."""
+    """Every run (seed, method, arm) of ``suite`` (``extra`` overrides on each; ``methods``: only
+    theirs, None: all) and each method's settings by arm and class."""
     out, settings = [], {}
     for method, experiment in suite.experiment.items():
+        if methods is not None and method not in methods:
+            continue
         base = [*METHODS[method], *(suite.quick[experiment] if quick else []), *extra]
         profiles, settings[method] = arm_profiles(method, base, suite, pin=not quick)
         for seed in seeds:
@@ -368,14 +376,20 @@ def report(runs: list, settings: dict, out: Path, command: str, doc: str = __doc
 
 def main(argv: list[str] | None = None, suite: Suite = AGNEWS) -> int:
     names = suite.names()
-    p = suite_parser(suite.doc.split("\n\n")[0], names, seeds="0,1,2", workers=2, budget_minutes=70.0)
+    p = suite_parser(suite.doc.split("\n\n")[0], names, seeds="0,1,2,3,4", workers=2, budget_minutes=240.0)
     p.add_argument("--lr", type=float, help="train.lr of every run (a sweep: give each rate its own --out)")
+    p.add_argument("--methods", help=f"comma-separated subset of {','.join(suite.experiment)} (default: all)")
     args = p.parse_args(argv)
+    methods = None if args.methods is None else [m.strip() for m in args.methods.split(",") if m.strip()]
+    if methods is not None and not set(methods) <= set(suite.experiment):
+        print(f"--methods: expected some of {', '.join(suite.experiment)}, got {args.methods!r}")
+        return 2
     selected, seeds = parse_selection(args, names)
     out = output_dir(args, suite.results, suite.quick_results)
     offline_data(suite.reads)
     command = suite_command(suite.script, argv)
-    plan, settings = suite.plan(seeds, args.quick, out, () if args.lr is None else (f"train.lr={args.lr}",))
+    lr = () if args.lr is None else (f"train.lr={args.lr}",)
+    plan, settings = suite.plan(seeds, args.quick, out, lr, methods)
     costs = {s.key: suite.run_s[s.experiment][args.quick] for s in distinct_runs(plan, names)}
     every = [s for e in names for s in plan[e]]
     write = lambda: report(every, settings, out, command, suite.doc, suite.loss)  # noqa: E731
