@@ -16,7 +16,7 @@ from torch import nn
 from fedtune.config import ConfigError, load_config
 from fedtune.models import precision
 from fedtune.models.lora import LoraWorkspace
-from fedtune.planning import speed
+from fedtune.planning import quantization, speed
 from fedtune.planning.memory import base_weight_bytes
 from fedtune.planning.planner import GIB, format_plan, plan_budgets
 from fedtune.planning.quantization import weight_bytes
@@ -56,8 +56,8 @@ def built(monkeypatch):
     out: list[tuple[str | None, LoraWorkspace]] = []
     init = LoraWorkspace.__init__
 
-    def record(self, task, seed, quantization=None):
-        init(self, task, seed, quantization)
+    def record(self, task, seed, quantization=None, dtype=None):
+        init(self, task, seed, quantization, dtype)
         out.append((quantization, self))
 
     monkeypatch.setattr(LoraWorkspace, "__init__", record)
@@ -142,6 +142,10 @@ def test_the_planner_gives_a_4bit_base_before_a_smaller_rank_and_excludes_the_cl
 
     # a 4-bit step 4x slower than float32's (8-bit: no entry, float32's): each client timed at its own base's
     monkeypatch.setattr(speed, "FLOPS", {("float32", "float32"): ((256, 1e9),), ("4bit", "float32"): ((256, 0.25e9),)})
+    # the quantized rungs only: on this tiny model the bfloat16 rung (tests/test_node_budgets.py) is
+    # lighter than 4-bit (k-bit preparation keeps the embedding float32), so it would fit first
+    ladder = quantization.base_formats
+    monkeypatch.setattr(quantization, "base_formats", lambda *a: [f for f in ladder(*a) if f[1] == "float32"])
     stated = plan("[{rank=4, quantization='8bit'}, {rank=4, quantization='4bit'}]")
     eight, packed = (c.peak_bytes for c in stated.clients)
     assert packed < eight
