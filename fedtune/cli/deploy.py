@@ -107,9 +107,18 @@ def deploy_supernode(
     worker: bool = typer.Option(
         True, help="a warm fedtune worker next to the node (else each message loads the model)"
     ),
+    memory_gib: float | None = typer.Option(None, help="budget: memory for one client's local training (GiB)"),
+    bandwidth_mb: float | None = typer.Option(None, help="budget: MB a client may upload per round"),
+    deadline_s: float | None = typer.Option(None, help="budget: seconds a client may take per round"),
+    speed: float | None = typer.Option(None, help="relative compute speed (1: the planner's reference)"),
+    measure_memory: bool = typer.Option(False, "--measure-memory", help="state the memory available at start"),
+    measure_speed: bool = typer.Option(False, "--measure-speed", help="state the speed a short probe measures"),
     extra: list[str] = EXTRA,
 ) -> None:
-    """Start a Flower SuperNode playing fedtune clients, with its warm worker; Ctrl-C stops both."""
+    """Start a Flower SuperNode playing fedtune clients, with its warm worker; Ctrl-C stops both. Its
+    budget (the options below) is this node's own: it reports it to the server, which plans each of
+    its clients from it, and it refuses a setting that the budget cannot hold."""
+    import math
     import tempfile
 
     from fedtune.engines.flower.codec import parse_clients
@@ -126,6 +135,12 @@ def deploy_supernode(
         ids = []
     if not ids:
         fail(f"deploy supernode --clients: expected ids like 3, 0-4 or 0,2,5-7 (got {clients!r})")
+    stated = {"memory-gib": memory_gib, "bandwidth-mb": bandwidth_mb, "deadline-s": deadline_s, "speed": speed}
+    for key, value in stated.items():
+        if value is not None and not (math.isfinite(value) and value > 0):
+            fail(f"deploy supernode --{key}: expected a positive finite number (got {value:g})")
+    budget: dict[str, float | bool] = {k: v for k, v in stated.items() if v is not None}
+    budget.update({k: True for k, on in (("measure-memory", measure_memory), ("measure-speed", measure_speed)) if on})
     home = Path(tempfile.mkdtemp(prefix="fedtune-node-"))
     procs = Processes(home)
     try:
@@ -136,7 +151,7 @@ def deploy_supernode(
             wait_for_worker(sock, proc, procs.log_of(proc))
         procs.start(
             "supernode",
-            supernode_args(superlink, port, ids, root_certificates, auth_key, sock, threads, extra),
+            supernode_args(superlink, port, ids, root_certificates, auth_key, sock, threads, extra, budget),
             flower_env(),
         )
         console.print(f"SuperNode for clients {clients} -> {superlink} (logs: {home}); Ctrl-C stops it")

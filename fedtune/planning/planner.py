@@ -370,7 +370,8 @@ def metered_fit(client, message: Message, call: Callable[[Message], Message] | N
     (:class:`~fedtune.planning.memory.PeakMeter` on the run's device, plus the frozen base a LoRA
     client holds; FedPFT / FedOT: the client's own ``peak_mem_bytes``,
     :func:`~fedtune.models.train_memory.training_peak_bytes`) in the reply's metadata, under the
-    client's planned checkpointing."""
+    client's planned checkpointing. Under DP the peak is not sent: the client fails the request
+    itself (a simulated out-of-memory) when it is over its ``memory_gib``."""
     from fedtune.models.precision import resolve_device
     from fedtune.planning.memory import PeakMeter, base_weight_bytes
 
@@ -379,12 +380,18 @@ def metered_fit(client, message: Message, call: Callable[[Message], Message] | N
     if KNOBS.get(client.config.method) == "trains_on" and "peak_mem_bytes" in reply.meta:
         # FedPFT / FedOT: the process cuts a proxy client's skeleton from the full model, so its
         # growth is not the client's; the client measures the model it trains on and its training
-        return Message(reply.arrays, {**reply.meta, PEAK_BYTES: int(reply.meta["peak_mem_bytes"])})
-    if meter.growth is None:
+        peak = int(reply.meta["peak_mem_bytes"])
+    elif meter.growth is None:
         return reply
-    # a LoRA client holds the frozen base; a sub-model client builds its sub-model inside its fit
-    held = 0 if _capacity_planned(client.config.method) else base_weight_bytes(client.context.workspace.base)
-    return Message(reply.arrays, {**reply.meta, PEAK_BYTES: held + meter.growth})
+    else:  # a LoRA client holds the frozen base; a sub-model client builds its sub-model inside its fit
+        held = 0 if _capacity_planned(client.config.method) else base_weight_bytes(client.context.workspace.base)
+        peak = held + meter.growth
+    budget = client.profile.memory_gib
+    if client.config.privacy.mode != "none":  # under DP the measured peak stays on the client, which enforces it
+        if budget is not None and peak > budget * GIB:
+            raise MemoryError(f"simulated out-of-memory: measured peak {peak / GIB:.3g} GiB over memory_gib {budget:g}")
+        return reply
+    return Message(reply.arrays, {**reply.meta, PEAK_BYTES: peak})
 
 
 def format_plan(plan: Plan) -> str:

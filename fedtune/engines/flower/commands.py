@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -112,12 +112,14 @@ def supernode_args(
     worker: str | None = None,
     threads: int | None = None,
     extra: Sequence[str] = (),
+    budget: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """``flower-supernode`` arguments for a node playing ``clients``, connecting to ``superlink`` (its
     fleet ``port``): TLS with
     ``root_certificates`` (the CA that signed the SuperLink's certificate) or ``--insecure``;
     ``private_key``: authenticate with it; ``worker``: the node's fedtune worker socket; ``threads``:
-    its torch threads; ``extra``: appended."""
+    its torch threads; ``extra``: appended; ``budget``: the node's own resources as node-config
+    entries (``{"memory-gib": 8, "measure-speed": True}``: :mod:`fedtune.planning.node_report`)."""
     from fedtune.engines.flower.codec import NODE_CLIENTS, NODE_THREADS, NODE_WORKER, format_clients
 
     node_config = [f'{NODE_CLIENTS}="{format_clients(clients)}"']
@@ -125,6 +127,7 @@ def supernode_args(
         node_config.append(f'{NODE_WORKER}="{worker}"')
     if threads:
         node_config.append(f"{NODE_THREADS}={int(threads)}")
+    node_config += [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in (budget or {}).items()]
     args = [
         flower_command("flower-supernode"),
         "--superlink",

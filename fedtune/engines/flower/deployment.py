@@ -32,7 +32,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -154,7 +154,8 @@ class LoopbackDeployment:
     manager (everything is stopped by PID on exit). ``groups``: the client ids of each node;
     ``home``: the ``FLWR_HOME`` (None: a temporary folder, removed on exit); ``tls``, ``auth``: see
     the module docstring; ``threads``: each node's torch threads (None: the cores shared out);
-    ``workers``: a fedtune worker per node; ``log_dir``: the processes' logs (None: in ``home``)."""
+    ``workers``: a fedtune worker per node; ``log_dir``: the processes' logs (None: in ``home``);
+    ``budgets``: each node's own resources, node-config entries (:func:`supernode_args`)."""
 
     def __init__(
         self,
@@ -165,10 +166,12 @@ class LoopbackDeployment:
         threads: int | None = None,
         workers: bool = True,
         log_dir: Path | None = None,
+        budgets: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         if auth and not tls:
             raise ValueError("SuperNode authentication needs TLS (Flower refuses it on an insecure connection)")
         self.groups = [list(g) for g in groups]
+        self.budgets = list(budgets) if budgets is not None else [{}] * len(self.groups)
         self.tls, self.auth, self.workers = tls, auth, workers
         self.threads = threads or max(1, (os.cpu_count() or 1) // max(1, len(self.groups)))
         self._own_home = home is None
@@ -218,7 +221,7 @@ class LoopbackDeployment:
         self.connection = write_flower_config(self.home, self.address, roots)
         for i, clients in enumerate(self.groups):
             key = self.register_node_key(f"node{i}") if self.auth else None
-            self.start_supernode(clients, name=f"supernode{i}", private_key=key)
+            self.start_supernode(clients, name=f"supernode{i}", private_key=key, budget=self.budgets[i])
 
     def register_node_key(self, name: str) -> Path:
         """A fresh key pair ``name`` for a SuperNode, its public key registered with the SuperLink; the
@@ -244,10 +247,12 @@ class LoopbackDeployment:
         insecure: bool = False,
         wait: bool = True,
         extra: Sequence[str] = (),
+        budget: Mapping[str, Any] | None = None,
     ) -> subprocess.Popen[Any]:
         """Start a worker (unless ``workers=False``) and a SuperNode ``name`` playing ``clients``;
         ``private_key``: its authentication key; ``insecure``: connect without TLS even when the
-        SuperLink has it (tests); ``wait``: until both serve; ``extra``: more SuperNode arguments."""
+        SuperLink has it (tests); ``wait``: until both serve; ``extra``: more SuperNode arguments;
+        ``budget``: its own resources (:func:`supernode_args`)."""
         worker = None
         if self.workers:
             worker = str(self.home / f"{name}.sock")
@@ -258,7 +263,7 @@ class LoopbackDeployment:
         roots = None if insecure or self.certificates is None else self.certificates["ca"]
         node = self._started().start(
             name,
-            supernode_args(self.address, port, clients, roots, private_key, worker, self.threads, extra),
+            supernode_args(self.address, port, clients, roots, private_key, worker, self.threads, extra, budget),
             self.env(),
         )
         if wait:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fedtune.config import RunConfig
+from fedtune.engines.flower.budgets import node_client
 from fedtune.engines.rounds import answer
 from fedtune.process import setup_process
 from fedtune.protocol.messages import Message
@@ -49,12 +50,15 @@ def serve_request(
     rnd: int,
     attempt: int,
     threads: int | None = None,
+    budget: str | None = None,
 ) -> tuple[Message, State, float]:
     """Serve one ``kind`` request of round ``rnd`` (try ``attempt``) of the run ``config`` as client
     ``cid`` with its ``state``, in this process (``threads``: as :func:`run_worker`'s): (reply, the
     client's new state, seconds of the Client call), through :func:`~fedtune.engines.rounds.answer`
-    (fault injection, then ``fit`` or ``evaluate``), timed as the embedded engine times it."""
-    client = _process_context(config, threads).client(cid, state)
+    (fault injection, then ``fit`` or ``evaluate``), timed as the embedded engine times it. ``budget``:
+    the node's own budget and the request's setting (:func:`~fedtune.engines.flower.budgets.node_client`)."""
+    context = _process_context(config, threads)
+    client = context.client(cid, state) if budget is None else node_client(context, cid, state, budget)
     start = time.perf_counter()
     reply = answer(client, kind, request, config.seed, rnd, attempt)
     return reply, client.state, time.perf_counter() - start
@@ -65,11 +69,19 @@ def _worker_key(address: str) -> bytes:
 
 
 def call_worker(
-    address: str, config: RunConfig, kind: str, cid: int, request: Message, state: State, rnd: int, attempt: int
+    address: str,
+    config: RunConfig,
+    kind: str,
+    cid: int,
+    request: Message,
+    state: State,
+    rnd: int,
+    attempt: int,
+    budget: str | None = None,
 ) -> tuple[Message, State, float]:
     """:func:`serve_request` in the worker listening on the Unix socket ``address`` (authenticated
     with the key in ``<address>.key``), with the same ``config``, ``kind``, ``cid``, ``request``,
-    ``state``, ``rnd`` and ``attempt``; its failure is raised here with the worker's reason."""
+    ``state``, ``rnd``, ``attempt`` and ``budget``; its failure is raised here with the worker's reason."""
     from multiprocessing.connection import Client as Connection
 
     payload = {
@@ -80,6 +92,7 @@ def call_worker(
         "state": dict(state),
         "round": rnd,
         "attempt": attempt,
+        "budget": budget,
     }
     try:
         with Connection(address, family="AF_UNIX", authkey=_worker_key(address)) as conn:
@@ -134,6 +147,7 @@ def run_worker(address: str, threads: int | None = None, ready: Callable[[], Non
                         job["round"],
                         job["attempt"],
                         threads,
+                        job.get("budget"),
                     )
                     result = {"reply": reply.encode(), "state": state, "seconds": seconds}
                 except Exception as exc:  # noqa: BLE001 - returned to the ClientApp, which reports it
