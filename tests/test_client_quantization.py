@@ -211,3 +211,65 @@ def test_a_client_quantization_without_bitsandbytes_is_refused(tmp_path, monkeyp
     monkeypatch.setattr(quantization, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match=r"^federation.profiles\[0\].quantization: '8bit' needs the bitsandbytes"):
         resolve_run(config(tmp_path, "federation.profiles=[{quantization='8bit'}]"))
+
+
+def test_a_simulation_with_4bit_and_bfloat16_clients_holds_two_bases_one_per_format(tmp_path, monkeypatch):
+    """Issue 52, item 3: clients 0 and 2 at 4-bit, 1 and 3 at bfloat16 (the run's base: float32) in one
+    simulated process. The server's context holds the run's base (it evaluates) and one base per
+    other format, built once and shared by that format's clients (object identity); each measured in
+    bytes is the format's (4-bit packs the projections, bfloat16 halves the float32 weights but the kept
+    heads')."""
+    contexts: list[RunContext] = []
+    init = RunContext.__init__
+
+    def keep(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        contexts.append(self)
+
+    monkeypatch.setattr(RunContext, "__init__", keep)
+    seen: dict[int, int] = {}  # client id -> id() of the base it trained on
+    client = RunContext.client
+
+    def record(self, cid, state=None, profile=None):
+        made = client(self, cid, state, profile)
+        seen.setdefault(cid, id(made.context.workspace.base))
+        return made
+
+    monkeypatch.setattr(RunContext, "client", record)
+    profiles = "[{quantization='4bit'}, {dtype='bfloat16'}, {quantization='4bit'}, {dtype='bfloat16'}]"
+    cfg = config(tmp_path, f"federation.profiles={profiles}", "federation.num_clients=4")
+    summary = run_experiment(cfg)
+    (server,) = [c for c in contexts if c._bases]
+    assert sorted(server._bases) == [("4bit", "float32"), ("none", "bfloat16")]  # two bases beside the run's
+    packed, half = server._bases["4bit", "float32"].base, server._bases["none", "bfloat16"].base
+    assert seen[0] == seen[2] == id(packed) and seen[1] == seen[3] == id(half)  # shared by the format's clients
+    assert quantized(packed) == {"4bit"} and quantized(half) == {"none"}
+    assert {p.dtype for n, p in half.named_parameters() if "q_proj" in n and "lora_" not in n} == {torch.bfloat16}
+    plain = base_weight_bytes(server.workspace.base)
+    # measured: float32 9.31 MB, 4-bit 9.26 MB (at width 32 packing saves little), bfloat16 4.88 MB (the
+    # image encoder, a kept head, stays float32)
+    assert base_weight_bytes(packed) < plain and plain / 2 < base_weight_bytes(half) < 0.55 * plain
+    line = json.loads(Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines()[-1])
+    assert sorted(line["clients"]) == [0, 1, 2, 3] and not line.get("dropped")
+
+
+def test_the_planner_gives_a_float32_runs_client_a_bfloat16_base_before_a_4bit_one(tmp_path, wide_llama):
+    """The format ladder (quantization.base_formats): float32, its bfloat16 copy, 8-bit, 4-bit. A memory
+    budget under the float32 peak (checkpointed too) and over the bfloat16 one gets the bfloat16 base; a method that
+    keeps one base (FlexLoRA merges into it) is never given one."""
+
+    def plan(*extra: str):
+        return plan_budgets(RunContext(resolve_run(config(tmp_path, *extra))), always=True)
+
+    plain = plan().clients[0].peak_bytes
+    half = plan("federation.profiles=[{rank=4, dtype='bfloat16'}, {}]").clients[0]
+    assert half.peak_bytes < plain and half.setting == "rank 4, bfloat16 base"
+    ckpt = plan("train.gradient_checkpointing=true").clients[0].peak_bytes  # exact, so tried before a format
+    assert half.peak_bytes * 1.001 < ckpt
+    budget = f"memory_gib={half.peak_bytes * 1.001 / GIB}"
+    chosen = plan(f"federation.profiles=[{{{budget}}}, {{}}]")
+    assert chosen.clients[0].setting == "rank 4, bfloat16 base" and chosen.profiles[0].dtype == "bfloat16"
+    assert chosen.profiles[0].quantization in (None, "none") and chosen.profiles[1].dtype is None
+    assert quantization.base_formats(resolve_run(config(tmp_path, "method=flexlora")).method, "none", "float32") == [
+        ("none", "float32")
+    ]

@@ -46,7 +46,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from class_table import CLASSES, COST_HEADER, LAST, accuracy, cell, class_of, ratio, rows
+from class_table import CLASSES, COST_HEADER, LAST, accuracy, cell, class_of, paired, paired_lines, ratio, rows
 
 from fedtune.config import load_config
 from fedtune.harness import (
@@ -309,7 +309,8 @@ def report(runs: list, settings: dict, out: Path, command: str, doc: str = __doc
         first.setdefault(s.config.data.name, s.config)
     dumps = {e: [p.model_dump(exclude_defaults=True) for p in c.federation.profiles] for e, c in first.items()}
     classes = {e: {k: d[i] for i, k in enumerate(CLASSES)} for e, d in dumps.items()}
-    result = {"last_evaluations": LAST, "majority_rate": majority, "classes": classes, "rows": table}
+    pairs = paired(runs)
+    result = {"last_evaluations": LAST, "majority_rate": majority, "classes": classes, "rows": table, "paired": pairs}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     acc_rows = [
         [r["method"], r["arm"], *(r["classes"][k]["setting"] for k in CLASSES), accuracy(r)]
@@ -356,6 +357,12 @@ def report(runs: list, settings: dict, out: Path, command: str, doc: str = __doc
         "",
         *table_lines(["method", "arm", *CLASSES, "accuracy (%)", *(["loss"] if loss else [])], acc_rows),
         "",
+        "Paired by seed: the planned arm's accuracy minus each other arm's (points), mean and standard error "
+        "over the seeds both finished.",
+        "",
+        *paired_lines(pairs),
+        "",
+        *([*paired_lines(paired(runs, "loss"), "nats; negative: planned lower"), ""] if loss else []),
         "Per class, mean over seeds: client-rounds per run that trained (fit measured; kept, or then dropped "
         "over its memory) and that were dropped (any reason); over the trained client-rounds, the measured "
         "peak GiB (mean / max), compute seconds and MB up (mean), each after the plan's prediction for the "
