@@ -230,3 +230,34 @@ def test_deploy_supernode_refuses_a_bad_budget_flag_and_states_a_good_one(tmp_pa
     args = supernode_args("127.0.0.1:1", 2, [0, 1], budget={"memory-gib": 8.0, "measure-speed": True})
     node_config = args[args.index("--node-config") + 1]
     assert node_config == 'fedtune-clients="0-1" memory-gib=8.0 measure-speed=true'
+
+
+@pytest.mark.slow
+def test_a_real_loopback_deployment_plans_each_node_from_its_own_node_config(tmp_path):
+    """Issue 52's acceptance on real processes (SuperLink, one SuperNode per client started with its own
+    ``--node-config`` budget, ``flwr run``): the plan follows each node's report, the node no setting fits
+    is excluded with its reason, the NaN report's reply is dropped, and the server's config names no
+    node's resources. The fast tests above drive the same code in one process."""
+    from fedtune.engines.flower.deployment import LoopbackDeployment
+
+    up = uploads(tmp_path)
+    cfg = config(tmp_path / "runs", "name=deployed")
+    fed = cfg.federation
+    assert fed.profiles is None and fed.profile_choices is None and fed.device_classes is None
+    node_budgets = [
+        {"bandwidth-mb": round(up[8] * 1.5, 6)},
+        {"bandwidth-mb": round((up[2] + up[4]) / 2, 6), "memory-gib": 64},
+        {"bandwidth-mb": round(up[1] / 50, 6)},
+        {"memory-gib": "nan"},  # TOML's nan in the node config: a float NaN on the node
+    ]
+    with LoopbackDeployment([[i] for i in range(NODES)], workers=False, budgets=node_budgets) as d:
+        summary = d.run(cfg, timeout=600)
+    run_dir = Path(summary["run_dir"])
+    plan = json.loads((run_dir / "plan.json").read_text())["clients"]
+    assert plan[0]["setting"] == "rank 8" and plan[1]["setting"] not in ("rank 8", "-")
+    assert plan[2]["excluded"].startswith("excluded by the plan: no setting fits its budget")
+    assert "memory_gib = nan: expected a positive finite number; reply dropped" in plan[3]["excluded"]
+    (line,) = lines(run_dir)
+    assert sorted(line["clients"]) == [0, 1] and set(line["dropped"]) == {"2", "3"}
+    server_config = (run_dir / "config.toml").read_text()  # the server's config: no node's resources
+    assert not any(field in server_config for field in ("memory_gib", "bandwidth_mb", "deadline_s", "profiles"))

@@ -35,9 +35,10 @@ class NodeRefusal(RuntimeError):
 
 # -- node side -----------------------------------------------------------------------------------
 def report_entry(context: Context) -> dict[str, str]:
-    """The query reply's budget entry (``{BUDGET: JSON}``; ``{}`` when the node states none): the node's
-    report from its node config (:func:`~fedtune.planning.node_report.node_report`, measured fields
-    measured now), kept in the node's state, so that its requests are held to what it reported."""
+    """The query reply's budget entry (``{BUDGET: JSON}``; ``{}`` when the node states none): the report
+    of the node whose Flower ``context`` this is, from its node config
+    (:func:`~fedtune.planning.node_report.node_report`, measured fields measured now), kept in the
+    node's state, so that its requests are held to what it reported."""
     report = node_report(context.node_config)
     if not report:
         return {}
@@ -48,8 +49,9 @@ def report_entry(context: Context) -> dict[str, str]:
 
 def request_budget(context: Context, envelope: Mapping[str, Any]) -> str | None:
     """What one request's client needs of its node's budget (for :func:`node_client`): JSON of the
-    node's report (as it answered the query, else from its node config now) and the setting the
-    request carries; None when the node states no budget and the request carries no setting."""
+    report of the node whose Flower ``context`` this is (as it answered the query, else from its node
+    config now) and the setting the request's ``envelope`` carries; None when the node states no budget
+    and the request carries no setting."""
     stored: Mapping[str, Any] | None = context.state.config_records.get(STATE)
     report = stored[BUDGET] if stored is not None else (json.dumps(node_report(context.node_config)) or None)
     setting = envelope.get(SETTING)
