@@ -94,8 +94,8 @@ def test_a_flower_run_trains_each_client_on_the_base_its_profile_states(tmp_path
     try:
         summary = serve(LoopbackGrid(make_client_app(cfg), 2), cfg, timeout=120)
         node = worker._CONTEXTS[cfg.model_dump_json()]  # the nodes' context (one process here)
-        assert list(node._bases) == ["8bit"]  # built by client 1's requests
-        assert quantized(node._bases["8bit"].base) == {"8bit"} and quantized(node.workspace.base) == {"none"}
+        assert list(node._bases) == [("8bit", "float32")]  # built by client 1's requests
+        assert quantized(node._bases["8bit", "float32"].base) == {"8bit"} and quantized(node.workspace.base) == {"none"}
     finally:
         worker._CONTEXTS.pop(cfg.model_dump_json(), None)
     assert sorted(str(q) for q, _ in built) == ["8bit", "None", "None"]  # the server's base, the nodes' two
@@ -165,7 +165,7 @@ def test_the_planner_gives_a_4bit_base_before_a_smaller_rank_and_excludes_the_cl
     assert "rank 4, 4bit base" in format_plan(planned)  # what `fedtune plan` prints
 
 
-def test_checkpointing_the_unquantized_base_comes_before_a_quantized_one(tmp_path, wide_llama):
+def test_checkpointing_the_unquantized_base_comes_before_a_quantized_one(tmp_path, wide_llama, monkeypatch):
     """A budget that checkpointing alone meets, and an 8-bit base without checkpointing would too:
     the plan keeps the run's float32 base and checkpoints it (exact, only slower), and quantizes only
     where checkpointing does not fit (a budget just under the checkpointed float32 peak: the 8-bit
@@ -174,6 +174,9 @@ def test_checkpointing_the_unquantized_base_comes_before_a_quantized_one(tmp_pat
     def plan(*extra: str):
         return plan_budgets(RunContext(resolve_run(config(tmp_path, *extra))), always=True)
 
+    # the quantized rungs only (the bfloat16 rung comes before 8-bit: the test below)
+    ladder = quantization.base_formats
+    monkeypatch.setattr(quantization, "base_formats", lambda *a: [f for f in ladder(*a) if f[1] == "float32"])
     plain, ckpt = (plan(f"train.gradient_checkpointing={on}").clients[0].peak_bytes for on in ("false", "true"))
     eight = plan("federation.profiles=[{rank=4, quantization='8bit'}, {}]").clients[0].peak_bytes
     assert ckpt < plain and eight < plain  # either way fits a budget between them and the plain peak

@@ -28,7 +28,7 @@ class Knob:
 
     ladder: list
     stated: Callable[[ClientProfile], Any]
-    cost: Callable[[Any, bool, str | None], tuple]
+    cost: Callable[[Any, bool, tuple[str, str] | None], tuple]
     label: Callable[[Any], str]
     value: Callable[[Any], Any] = lambda v: v
     variants: tuple[bool, ...] = (False,)

@@ -231,8 +231,10 @@ def plan_budgets(context, always: bool = False) -> Plan | None:
             excluded[cid] = f"excluded by the plan: no setting fits its budget ({setting}: {reason})"
         if knob is not None and not stated:
             profile = profile.model_copy(update={knob: knobs.value(value)})
-        if fmt != knobs.formats[0] and formats is knobs.formats and cid not in excluded:
-            run_format = knobs.formats[0]
+        run_format = knobs.formats[0]
+        own_base = fmt is not None and run_format is not None and fmt != run_format
+        if own_base and formats is knobs.formats and cid not in excluded:
+            assert fmt is not None and run_format is not None  # for mypy: own_base says so
             own_format = {k: v for k, v, r in zip(("quantization", "dtype"), fmt, run_format) if v != r}
             profile = profile.model_copy(update=own_format)
         if codec != codecs[0]:
