@@ -112,7 +112,7 @@ def paired(runs: list[RunSpec], field: str = "accuracy") -> list[dict]:
 
 def paired_lines(table: list[dict], unit: str = "points") -> list[str]:
     """:func:`paired`'s rows as a markdown table, with whether each difference is over 2 SE."""
-    header = ["method", "planned minus", f"mean ({unit})", "SE", "n", "resolved (|mean| > 2 SE)"]
+    header = ["method", "planned minus", f"mean ({unit})", "SE", "n", "resolved (mean beyond 2 SE)"]
     body = [
         [r["method"], r["versus"], cell(r["diff_mean"], "+.2f"), cell(r["diff_se"], ".2f"), str(r["n"]),
          "–" if r["diff_se"] is None else ("yes" if abs(r["diff_mean"]) > 2 * r["diff_se"] else "no")]
