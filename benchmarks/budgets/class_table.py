@@ -121,6 +121,14 @@ def paired_lines(table: list[dict], unit: str = "points") -> list[str]:
     return [f"| {' | '.join(header)} |", "|" + "---|" * len(header), *(f"| {' | '.join(row)} |" for row in body)]
 
 
+def paired_section(runs: list[RunSpec], pairs: list[dict], loss: bool) -> list[str]:
+    """The README's paired differences: ``pairs`` (:func:`paired` of ``runs``' accuracy), and with
+    ``loss`` the held-out loss's too."""
+    out = ["Paired by seed: the planned arm's accuracy minus each other arm's (points), mean and standard error "
+           "over the seeds both finished.", "", *paired_lines(pairs), ""]  # fmt: skip
+    return out + ([*paired_lines(paired(runs, "loss"), "nats; negative: planned lower"), ""] if loss else [])
+
+
 COST_HEADER = ["method", "arm", "class", "setting", "trained", "dropped"]
 COST_HEADER += ["peak GiB pred / mean / max", "s pred / meas", "MB up pred / meas"]
 

@@ -46,7 +46,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from class_table import CLASSES, COST_HEADER, LAST, accuracy, cell, class_of, paired, paired_lines, ratio, rows
+from class_table import CLASSES, COST_HEADER, LAST, accuracy, cell, class_of, paired, paired_section, ratio, rows
 
 from fedtune.config import load_config
 from fedtune.harness import (
@@ -239,11 +239,7 @@ def global_rank(method: str, arm: str, profiles: list[dict]) -> list[str]:
 
 
 def specs(
-    seeds: list[int],
-    quick: bool,
-    suite: Suite = AGNEWS,
-    extra: tuple[str, ...] = (),
-    methods: list[str] | None = None,
+    seeds: list[int], quick: bool, suite: Suite = AGNEWS, extra: tuple[str, ...] = (), methods: list[str] | None = None
 ) -> tuple[list[RunSpec], dict]:
     """Every run (seed, method, arm) of ``suite`` (``extra`` overrides on each; ``methods``: only
     theirs, None: all) and each method's settings by arm and class."""
@@ -357,12 +353,7 @@ def report(runs: list, settings: dict, out: Path, command: str, doc: str = __doc
         "",
         *table_lines(["method", "arm", *CLASSES, "accuracy (%)", *(["loss"] if loss else [])], acc_rows),
         "",
-        "Paired by seed: the planned arm's accuracy minus each other arm's (points), mean and standard error "
-        "over the seeds both finished.",
-        "",
-        *paired_lines(pairs),
-        "",
-        *([*paired_lines(paired(runs, "loss"), "nats; negative: planned lower"), ""] if loss else []),
+        *paired_section(runs, pairs, loss),
         "Per class, mean over seeds: client-rounds per run that trained (fit measured; kept, or then dropped "
         "over its memory) and that were dropped (any reason); over the trained client-rounds, the measured "
         "peak GiB (mean / max), compute seconds and MB up (mean), each after the plan's prediction for the "
