@@ -307,6 +307,7 @@ def run_experiment(
     strategy.initialize()  # loads the model: a bad model.name stops here, before any output
     histograms = {"label_names": server.task.label_names, "clients": server.histograms()}  # reads the data
     run_files = server.task.run_files()  # and partitions it: a bad file or partition stops here too
+    engine.prepare(server)  # the budgets the nodes report (Flower: discovers the nodes), before the plan is read
     server.check_plan()  # a budget plan that leaves no round able to aggregate stops here too
     private = config.privacy.mode != "none"
     digests = None
@@ -333,7 +334,8 @@ def run_experiment(
             create(run_dir, {"config.toml": _toml(config), RUN_CONFIG: json.dumps(config.model_dump(mode="json"))})
         if config.privacy.mode == "none":  # per-client label counts: not released by a DP run
             write_text(run_dir / "label_histograms.json", json.dumps(histograms))
-        if server.plan is not None:
+        if server.plan is not None and not (private and server.reports.node):
+            # under DP a plan from the nodes' own reports is not released: it names who reported what
             from fedtune.planning.planner import plan_json
 
             write_text(run_dir / "plan.json", plan_json(server.plan))

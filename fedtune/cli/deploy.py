@@ -109,9 +109,18 @@ def deploy_supernode(
         help="a warm fedtune executor next to the node answers every message in one process (else Flower "
         "starts a flwr-clientapp process per message, which loads the model each time)",
     ),
+    memory_gib: float | None = typer.Option(None, help="budget: memory for one client's local training (GiB)"),
+    bandwidth_mb: float | None = typer.Option(None, help="budget: MB a client may upload per round"),
+    deadline_s: float | None = typer.Option(None, help="budget: seconds a client may take per round"),
+    speed: float | None = typer.Option(None, help="relative compute speed (1: the planner's reference)"),
+    measure_memory: bool = typer.Option(False, "--measure-memory", help="state the memory available at start"),
+    measure_speed: bool = typer.Option(False, "--measure-speed", help="state the speed a short probe measures"),
     extra: list[str] = EXTRA,
 ) -> None:
-    """Start a Flower SuperNode playing fedtune clients, with its warm executor; Ctrl-C stops both."""
+    """Start a Flower SuperNode playing fedtune clients, with its warm executor; Ctrl-C stops both. Its
+    budget (the options below) is this node's own: it reports it to the server, which plans each of
+    its clients from it, and it refuses a setting that the budget cannot hold."""
+    import math
     import tempfile
 
     from fedtune.engines.flower.codec import parse_clients
@@ -132,6 +141,12 @@ def deploy_supernode(
     # the SuperNode runs in its own folder: paths as given here, made absolute
     root_certificates = root_certificates.resolve() if root_certificates is not None else None
     auth_key = auth_key.resolve() if auth_key is not None else None
+    stated = {"memory-gib": memory_gib, "bandwidth-mb": bandwidth_mb, "deadline-s": deadline_s, "speed": speed}
+    for key, value in stated.items():
+        if value is not None and not (math.isfinite(value) and value > 0):
+            fail(f"deploy supernode --{key}: expected a positive finite number (got {value:g})")
+    budget: dict[str, float | bool] = {k: v for k, v in stated.items() if v is not None}
+    budget.update({k: True for k, on in (("measure-memory", measure_memory), ("measure-speed", measure_speed)) if on})
     home = Path(tempfile.mkdtemp(prefix="fedtune-node-"))
     home.chmod(0o700)
     procs = Processes(home)
@@ -139,7 +154,7 @@ def deploy_supernode(
         secret = write_secret(home / "executor.secret") if executor else None
         node = procs.start(
             "supernode",
-            supernode_args(superlink, port, ids, root_certificates, auth_key, secret, threads, extra),
+            supernode_args(superlink, port, ids, root_certificates, auth_key, secret, threads, extra, budget),
             flower_env(),
         )
         if secret is not None:

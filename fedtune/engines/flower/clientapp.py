@@ -18,6 +18,7 @@ from flwr.clientapp import ClientApp
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 
 from fedtune.config import RunConfig
+from fedtune.engines.flower.budgets import report_entry, request_budget
 from fedtune.engines.flower.codec import (
     AS_WEIGHTS,
     ATTEMPT,
@@ -96,8 +97,10 @@ def handle_client_message(config: RunConfig | None, message: FlowerMessage, cont
     entered = time.time()
     kind = message.metadata.message_type.split(".")[0]
     clients = node_clients(context)
-    if kind == "query":  # the server's hello: which client ids does this node play?
-        return FlowerMessage(RecordDict({RECORD: ConfigRecord({CLIENTS: clients})}), reply_to=message)
+    if kind == "query":  # the server's hello: which client ids does this node play, on what budget?
+        return FlowerMessage(
+            RecordDict({RECORD: ConfigRecord({CLIENTS: clients, **report_entry(context)})}), reply_to=message
+        )
     if kind not in ("train", "evaluate"):
         raise ValueError(f"unexpected message type {message.metadata.message_type!r}")
     config = config if config is not None else config_from_run_config(context.run_config)
@@ -138,7 +141,9 @@ def _serve_one(
     state = from_array_record(cast(ArrayRecord | None, context.state.get(f"{STATE}-{cid}")))
     node_config: Mapping[str, Any] = context.node_config
     threads = node_config.get(NODE_THREADS)
-    reply, state, seconds = serve_request(config, kind, cid, request, state, rnd, attempt, threads and int(threads))
+    budget = request_budget(context, envelope)  # the node's own budget and the request's setting
+    threads = threads and int(threads)
+    reply, state, seconds = serve_request(config, kind, cid, request, state, rnd, attempt, threads, budget)
     context.state[f"{STATE}-{cid}"] = to_array_record(state)
     if envelope.get(AS_WEIGHTS):  # for Flower's clipping mods: received + update (the server subtracts)
         if list(reply.arrays) != list(request.arrays):

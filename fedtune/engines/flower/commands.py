@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fedtune.process import DeploymentError
 
@@ -120,18 +120,22 @@ def supernode_args(
     executor_secret: Path | None = None,
     threads: int | None = None,
     extra: Sequence[str] = (),
+    budget: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """``flower-supernode`` arguments for a node playing ``clients``, connecting to ``superlink``
     (its Runtime API on 127.0.0.1:``port``): TLS with ``root_certificates`` (the CA that signed the
     SuperLink's certificate) or ``--insecure``; ``private_key``: authenticate with it;
     ``executor_secret``: process isolation, its tasks claimed by the node's fedtune executor
     (:mod:`.executor`) with this secret (None: Flower's own SuperExec and a ``flwr-clientapp``
-    process per message); ``threads``: its torch threads; ``extra``: appended."""
+    process per message); ``threads``: its torch threads; ``extra``: appended; ``budget``: the node's
+    own resources as node-config entries (``{"memory-gib": 8, "measure-speed": True}``:
+    :mod:`fedtune.planning.node_report`)."""
     from fedtune.engines.flower.codec import NODE_CLIENTS, NODE_THREADS, format_clients
 
     node_config = [f'{NODE_CLIENTS}="{format_clients(clients)}"']
     if threads:
         node_config.append(f"{NODE_THREADS}={int(threads)}")
+    node_config += [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in (budget or {}).items()]
     args = [
         flower_command("flower-supernode"),
         "--superlink",

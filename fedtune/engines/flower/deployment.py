@@ -33,7 +33,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -167,7 +167,8 @@ class LoopbackDeployment:
     ``home``: the ``FLWR_HOME`` (None: a temporary folder, removed on exit); ``tls``, ``auth``: see
     the module docstring; ``threads``: each node's torch threads (None: the cores shared out);
     ``executors``: a fedtune executor per node (:mod:`.executor`; False: Flower's SuperExec and a
-    ``flwr-clientapp`` process per message); ``log_dir``: the processes' logs (None: in ``home``)."""
+    ``flwr-clientapp`` process per message); ``log_dir``: the processes' logs (None: in ``home``);
+    ``budgets``: each node's own resources, node-config entries (:func:`supernode_args`)."""
 
     def __init__(
         self,
@@ -178,10 +179,12 @@ class LoopbackDeployment:
         threads: int | None = None,
         executors: bool = True,
         log_dir: Path | None = None,
+        budgets: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         if auth and not tls:
             raise ValueError("SuperNode authentication needs TLS (Flower refuses it on an insecure connection)")
         self.groups = [list(g) for g in groups]
+        self.budgets = list(budgets) if budgets is not None else [{}] * len(self.groups)
         self.tls, self.auth, self.executors = tls, auth, executors
         self.threads = threads or max(1, (os.cpu_count() or 1) // max(1, len(self.groups)))
         self._own_home = home is None
@@ -235,7 +238,7 @@ class LoopbackDeployment:
         self.connection = write_flower_config(self.home, self.address, roots)
         for i, clients in enumerate(self.groups):
             key = self.register_node_key(f"node{i}") if self.auth else None
-            self.start_supernode(clients, name=f"supernode{i}", private_key=key)
+            self.start_supernode(clients, name=f"supernode{i}", private_key=key, budget=self.budgets[i])
 
     def register_node_key(self, name: str) -> Path:
         """A fresh key pair ``name`` for a SuperNode, its public key registered with the SuperLink; the
@@ -261,17 +264,18 @@ class LoopbackDeployment:
         insecure: bool = False,
         wait: bool = True,
         extra: Sequence[str] = (),
+        budget: Mapping[str, Any] | None = None,
     ) -> subprocess.Popen[Any]:
         """Start a SuperNode ``name`` playing ``clients`` and (unless ``executors=False``) its fedtune
         executor; ``private_key``: its authentication key; ``insecure``: connect without TLS even when
         the SuperLink has it (tests); ``wait``: until the SuperNode serves; ``extra``: more SuperNode
-        arguments."""
+        arguments; ``budget``: its own resources (:func:`supernode_args`)."""
         secret = write_secret(self.home / f"{name}.secret") if self.executors else None
         port = free_ports(1)[0]
         roots = None if insecure or self.certificates is None else self.certificates["ca"]
         node = self._started().start(
             name,
-            supernode_args(self.address, port, clients, roots, private_key, secret, self.threads, extra),
+            supernode_args(self.address, port, clients, roots, private_key, secret, self.threads, extra, budget),
             self.env(),
         )
         if wait:

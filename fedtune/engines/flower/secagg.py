@@ -250,7 +250,7 @@ class SecAggPlusTransport(GridTransport):
             srcs = [s for s in forward[nid][0] if s in state.keyed]
             ctxts = [c for s, c in zip(*forward[nid], strict=True) if s in state.keyed]
             config = {Key.STAGE: Stage.COLLECT_MASKED_VECTORS, Key.CIPHERTEXT_LIST: ctxts, Key.SOURCE_LIST: srcs}
-            scalars: dict[str, Any] = {ROUND: rnd, ATTEMPT: attempt}
+            scalars: dict[str, Any] = {ROUND: rnd, ATTEMPT: attempt, **self.setting(cid)}
             content, nbytes = pack(messages[cid], cid, **scalars)
             content[RECORD_KEY_CONFIGS] = ConfigRecord(config)
             contents[nid] = content

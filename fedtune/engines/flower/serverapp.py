@@ -13,6 +13,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.superlink.grid import HttpGrid
 
 from fedtune.config import RunConfig
+from fedtune.engines.flower.budgets import adopt_reports
 from fedtune.engines.flower.codec import CLIPPING_NORM, TIMING_FILE
 from fedtune.engines.flower.runconfig import config_from_run_config
 from fedtune.engines.flower.standby import Standby
@@ -45,12 +46,20 @@ class FlowerEngine(Engine):
         self.grid, self.timeout, self.request_config, self.resume = grid, timeout, request_config, resume
         self.standby = isinstance(grid, HttpGrid)  # a deployment's ServerApp (not the simulation's)
         self._transport: GridTransport | None = None
+        self._reports: dict[int, tuple[str, Any]] = {}  # client id -> (its node, the budget it reported)
+
+    def prepare(self, context: Any) -> None:
+        """Discover the nodes, plan ``context`` from the budgets they report (the other clients' from
+        the config) and send each node-budgeted client its planned setting with every request
+        (:func:`~fedtune.engines.flower.budgets.adopt_reports`)."""
+        transport = self.transport()
+        transport.settings = adopt_reports(context, self._reports)
 
     def transport(self) -> GridTransport:
         """The Grid transport (SecAgg+ under ``federation.secure_aggregation``), built on first use."""
         if self._transport is None:
             fed = self.config.federation
-            node_of = discover_nodes(self.grid, fed.num_clients, self.timeout)
+            node_of = discover_nodes(self.grid, fed.num_clients, self.timeout, self._reports)
             timing = self.run_dir / TIMING_FILE
             if not self.resume:
                 timing.unlink(missing_ok=True)

@@ -13,6 +13,7 @@ from flwr.app import ConfigRecord, RecordDict
 from flwr.app import Message as FlowerMessage
 from flwr.serverapp import Grid
 
+from fedtune.engines.flower.budgets import BUDGET, SETTING
 from fedtune.engines.flower.codec import (
     AS_WEIGHTS,
     ATTEMPT,
@@ -75,10 +76,13 @@ def exchange(
     return ids, replies
 
 
-def discover_nodes(grid: Grid, num_clients: int, timeout: float | None = None) -> dict[int, int]:
+def discover_nodes(
+    grid: Grid, num_clients: int, timeout: float | None = None, reports: dict[int, tuple[str, Any]] | None = None
+) -> dict[int, int]:
     """Client id -> Flower node id, from the client ids each connected node of ``grid`` reports;
     asks new nodes as they connect until every client id 0..N-1 (N: ``num_clients``) has one (or
-    ``timeout`` seconds)."""
+    ``timeout`` seconds). ``reports`` receives, for each client of a node that states a budget, (the
+    node's label, its report as received: :mod:`fedtune.engines.flower.budgets`)."""
     start = time.monotonic()
     asked: set[int] = set()
     node_of: dict[int, int] = {}
@@ -105,6 +109,8 @@ def discover_nodes(grid: Grid, num_clients: int, timeout: float | None = None) -
                     if pid in node_of:
                         raise RuntimeError(f"client {pid} is played by two Flower nodes ({node_of[pid]} and {nid})")
                     node_of[pid] = nid
+                    if reports is not None and BUDGET in played:  # checked by the plan, not here
+                        reports[pid] = (f"Flower node {nid}", played[BUDGET])
         if len(node_of) == num_clients:
             return node_of
         if timeout is not None and time.monotonic() - start > timeout:
@@ -145,6 +151,11 @@ class GridTransport:
         self.standby: Standby | None = None  # a deployment's (FlowerEngine sets it)
         if CLIPPING_NORM in self.request_config:
             self.request_config[AS_WEIGHTS] = True
+        self.settings: dict[int, str] = {}  # client id -> its planned setting, sent with each request (budgets.py)
+
+    def setting(self, cid: int) -> dict[str, str]:
+        """The transport scalar carrying client ``cid``'s planned setting, if its node states its budget."""
+        return {SETTING: self.settings[cid]} if cid in self.settings else {}
 
     def __call__(self, kind: str, rnd: int, messages: dict[int, Message], attempt: int = 0) -> dict[int, Delivery]:
         if not messages:
@@ -168,9 +179,8 @@ class GridTransport:
                     if id(message) not in records:  # a Message broadcast to many clients is converted once
                         records[id(message)] = pack_arrays(message.arrays)
                     suffix = f"-{cid}" if len(group) > 1 else ""
-                    _, down[cid] = pack(
-                        message, cid, records[id(message)], suffix, content, **{ROUND: rnd, ATTEMPT: attempt, **extra}
-                    )
+                    scalars = {ROUND: rnd, ATTEMPT: attempt, **extra, **self.setting(cid)}
+                    _, down[cid] = pack(message, cid, records[id(message)], suffix, content, **scalars)
                 if len(group) > 1:
                     content[BUNDLE] = ConfigRecord({CLIENTS: group})
                 out.append(FlowerMessage(content, dst_node_id=nid, message_type=wire, group_id=str(rnd)))

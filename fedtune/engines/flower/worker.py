@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fedtune.config import RunConfig
+from fedtune.engines.flower.budgets import node_client
 from fedtune.engines.rounds import answer
 from fedtune.process import setup_process
 from fedtune.protocol.messages import Message
@@ -45,13 +46,16 @@ def serve_request(
     rnd: int,
     attempt: int,
     threads: int | None = None,
+    budget: str | None = None,
 ) -> tuple[Message, State, float]:
     """Serve one ``kind`` request of round ``rnd`` (try ``attempt``) of the run ``config`` as client
     ``cid`` with its ``state``, in this process (``threads``: torch threads, a config's
     ``train.threads`` first): (reply, the client's new state, seconds of the Client call), through
     :func:`~fedtune.engines.rounds.answer` (fault injection, then ``fit`` or ``evaluate``), timed as
-    the embedded engine times it."""
-    client = _process_context(config, threads).client(cid, state)
+    the embedded engine times it. ``budget``: the node's own budget and the request's setting
+    (:func:`~fedtune.engines.flower.budgets.node_client`)."""
+    context = _process_context(config, threads)
+    client = context.client(cid, state) if budget is None else node_client(context, cid, state, budget)
     start = time.perf_counter()
     reply = answer(client, kind, request, config.seed, rnd, attempt)
     return reply, client.state, time.perf_counter() - start
