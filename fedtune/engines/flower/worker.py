@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fedtune.config import RunConfig
+from fedtune.engines.flower.codec import sends_compute_s
 from fedtune.engines.rounds import answer
 from fedtune.process import setup_process
 from fedtune.protocol.messages import Message
@@ -53,11 +54,25 @@ def serve_request(
     """Serve one ``kind`` request of round ``rnd`` (try ``attempt``) of the run ``config`` as client
     ``cid`` with its ``state``, in this process (``threads``: as :func:`run_worker`'s): (reply, the
     client's new state, seconds of the Client call), through :func:`~fedtune.engines.rounds.answer`
-    (fault injection, then ``fit`` or ``evaluate``), timed as the embedded engine times it."""
+    (fault injection, then ``fit`` or ``evaluate``), timed as the embedded engine times it. Where the
+    reply carries no seconds (local DP, SecAgg+), a call slower than the round's or the client's
+    deadline raises :class:`DeadlineMissed` instead (the client's state of that call is not kept)."""
     client = _process_context(config, threads).client(cid, state)
     start = time.perf_counter()
     reply = answer(client, kind, request, config.seed, rnd, attempt)
-    return reply, client.state, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if not sends_compute_s(config):  # the server cannot time this client (local DP, SecAgg+): the node does
+        limits = [s for s in (config.federation.round_timeout_s, client.profile.deadline_s) if s]
+        if limits and seconds > min(limits):
+            raise DeadlineMissed(f"missed its {min(limits):g} s deadline")  # the seconds stay on the node
+    return reply, client.state, seconds
+
+
+class DeadlineMissed(RuntimeError):
+    """A client slower than ``federation.round_timeout_s`` or its ``deadline_s``, found by its own
+    node where the reply carries no seconds (:func:`~fedtune.engines.flower.codec.sends_compute_s`):
+    the request fails, so the server drops the client as the embedded engine does, without learning
+    how long it took."""
 
 
 def _worker_key(address: str) -> bytes:
