@@ -25,12 +25,17 @@ def _embedded(run: ResolvedRun, overwrite: bool = False, **kw: Any) -> dict:
 
 
 def _claim_run_folder(run: ResolvedRun, resume: bool, overwrite: bool) -> None:
-    """Before any Flower process starts: a fresh run's folder is free, or its earlier run moved aside."""
-    if not resume:
-        if overwrite:
-            move_aside(run.run_dir)
-        else:
-            check_free(run.run_dir)
+    """Before any Flower process starts, in the order :func:`~fedtune.run.run_experiment` keeps
+    in-process: a fresh run's folder is free (a refusal costs nothing), every input is read and
+    checked (:func:`~fedtune.run.check_inputs`: a bad data file or resume stops in one line with
+    nothing written), and only then is an earlier run moved aside (``overwrite``)."""
+    from fedtune.run import check_inputs
+
+    if not (resume or overwrite):
+        check_free(run.run_dir)
+    check_inputs(run, resume)
+    if overwrite and not resume:
+        move_aside(run.run_dir)
 
 
 def _flower_simulation(run: ResolvedRun, overwrite: bool = False, **kw: Any) -> dict:
@@ -69,7 +74,7 @@ def launch(
 
     A fresh run never writes into a folder holding an earlier run: ``overwrite`` moves that run
     aside (:func:`~fedtune.run_folder.move_aside`), else the run stops with one line
-    (:class:`~fedtune.run_folder.RunFolderTaken`); in-process once every input is checked
-    (:func:`~fedtune.run.run_experiment`), on Flower before any process starts."""
+    (:class:`~fedtune.run_folder.RunFolderTaken`); every input is checked first, in-process by
+    :func:`~fedtune.run.run_experiment`, on Flower before any process starts."""
     run = as_resolved(config)
     return ENGINES[run.config.engine](run, on_round=on_round, on_start=on_start, resume=resume, overwrite=overwrite)

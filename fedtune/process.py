@@ -27,13 +27,18 @@ def quiet_libraries() -> None:
     """No third-party output the user did not ask for, unless :data:`VERBOSE_ENV` is set:
     bitsandbytes' log lines below errors (its "Failed to load CPU gemm_4bit_forward" at import on
     an AVX512-BF16 CPU), transformers' log lines below errors and the hub's progress bars (its
-    "Loading weights"), PEFT's UserWarnings. Processes started from here inherit the setting."""
+    "Loading weights"), PEFT's UserWarnings, Flower's log lines below errors (the simulation's
+    "DEPRECATED FEATURE: run_simulation") and the libraries' DeprecationWarnings (torch.jit's, when
+    Ray imports it): every engine prints the embedded engine's lines. Processes started from here
+    inherit the setting."""
     if os.environ.get(VERBOSE_ENV):
         return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    logging.getLogger("flwr").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=UserWarning, module="peft")
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
     if "transformers" in sys.modules:  # imported before the variables above were set
         from transformers.utils import logging as hf_logging
 

@@ -14,6 +14,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -137,8 +138,9 @@ def _totals(lines: list[dict], wall_s: float) -> dict:
     }
 
 
-def _restore(checkpoint: Path, strategy, engine: Engine, rounds: int) -> int:
-    """Load ``checkpoint`` into ``strategy`` and ``engine``; the round it holds. A checkpoint that
+def _restore(checkpoint: Path, strategy, engine: Engine | None, rounds: int) -> int:
+    """Load ``checkpoint`` into ``strategy`` and ``engine`` (None: the engine state is checked
+    only); the round it holds. A checkpoint that
     does not fit this run (another model or rank, an edited method option, a damaged ``_round``,
     a non-finite array, more rounds done than ``rounds``) stops with one line, before anything is
     written. Called on a freshly initialized strategy: its state is what this run would build."""
@@ -153,7 +155,8 @@ def _restore(checkpoint: Path, strategy, engine: Engine, rounds: int) -> int:
     _check_fits(strategy.state_dict(), state, where)
     _check_fits({}, engine_state, f"{where} {ENGINE_KEY}")
     try:
-        engine.load_state_dict(engine_state)
+        if engine is not None:
+            engine.load_state_dict(engine_state)
         strategy.load_state_dict(state)
     except (KeyError, ValueError, TypeError, IndexError) as exc:
         raise ConfigError(
@@ -214,6 +217,47 @@ def _metrics_lines(path: Path) -> list[dict]:
     return lines
 
 
+def _read_inputs(
+    run: ResolvedRun, server: RunContext, engine: Engine | None, resume: bool
+) -> tuple[Any, dict, dict[str, str], list[dict]]:
+    """Every input of ``run`` read and checked, nothing written: the initialized strategy (the
+    model loaded), the label histograms (the data read), the task's run files (the data
+    partitioned) and, on ``resume``, the metrics lines up to the checkpoint, whose state is loaded
+    into the strategy and ``engine`` (None: checked only). A bad input raises a one-line
+    :class:`~fedtune.config.ConfigError`."""
+    config, run_dir = run.config, run.run_dir
+    checkpoint, metrics_path = run_dir / "checkpoint.npz", run_dir / "metrics.jsonl"
+    if resume:
+        if not checkpoint.is_file():
+            raise ConfigError(
+                f"--resume {str(run_dir)!r}: no checkpoint.npz there (no round has completed; "
+                "run it again without --resume)"
+            )
+        check_unchanged(config, run_dir / RUN_CONFIG)
+    strategy = server.strategy()
+    strategy.initialize()  # loads the model: a bad model.name stops here, before any output
+    histograms = {"label_names": server.task.label_names, "clients": server.histograms()}  # reads the data
+    run_files = server.task.run_files()  # and partitions it: a bad file or partition stops here too
+    lines: list[dict] = []
+    if resume:
+        done = _restore(checkpoint, strategy, engine, config.rounds)
+        lines = [x for x in _metrics_lines(metrics_path) if x["round"] <= done]  # a round after it is redone
+        if [x["round"] for x in lines] != list(range(1, done + 1)):
+            raise ConfigError(
+                f"--resume: {str(metrics_path)!r} does not hold rounds 1-{done} once each, as the checkpoint does"
+            )
+    return strategy, histograms, run_files, lines
+
+
+def check_inputs(run: ResolvedRun, resume: bool = False) -> None:
+    """Read and check every input of ``run`` as :func:`run_experiment` does before it writes
+    anything (the data read and partitioned, the model loaded; on ``resume`` the config against
+    the run's, the checkpoint and ``metrics.jsonl``), and write nothing: for a launcher whose run
+    happens in another process (the Flower engines), so that a bad input stops in one line before
+    any process starts or the run folder is touched. The objects are dropped when it returns."""
+    _read_inputs(run, RunContext(run), None, resume)
+
+
 def run_experiment(
     run: RunConfig | ResolvedRun,
     on_round: Callable[[RoundRecord], None] | None = None,
@@ -248,29 +292,10 @@ def run_experiment(
     server = RunContext(run)
     checkpoint = run_dir / "checkpoint.npz"
     metrics_path = run_dir / "metrics.jsonl"
-    if resume:
-        if not checkpoint.is_file():
-            raise ConfigError(
-                f"--resume {str(run_dir)!r}: no checkpoint.npz there (no round has completed; "
-                "run it again without --resume)"
-            )
-        check_unchanged(config, run_dir / RUN_CONFIG)
     engine = engine or EmbeddedEngine(run, server)
-    strategy = server.strategy()
-    strategy.initialize()  # loads the model: a bad model.name stops here, before any output
-    histograms = {"label_names": server.task.label_names, "clients": server.histograms()}  # reads the data
-    run_files = server.task.run_files()  # and partitions it: a bad file or partition stops here too
-    lines: list[dict] = []
-    start_round = 1
-    if resume:
-        done = _restore(checkpoint, strategy, engine, config.rounds)
-        lines = [x for x in _metrics_lines(metrics_path) if x["round"] <= done]  # a round after it is redone
-        if [x["round"] for x in lines] != list(range(1, done + 1)):
-            raise ConfigError(
-                f"--resume: {str(metrics_path)!r} does not hold rounds 1-{done} once each, as the checkpoint does"
-            )
-        start_round = done + 1
-    else:  # every input is checked: the folder is touched from here on
+    strategy, histograms, run_files, lines = _read_inputs(run, server, engine, resume)
+    start_round = len(lines) + 1
+    if not resume:  # every input is checked: the folder is touched from here on
         if overwrite:
             move_aside(run_dir)
         else:
