@@ -10,11 +10,12 @@ The launchers import their engine when called, so that ``fedtune`` starts withou
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fedtune.config import RunConfig
-from fedtune.run_folder import check_free, move_aside
+from fedtune.run_folder import check_free, check_unlocked, claimed
 from fedtune.runtime import ResolvedRun, as_resolved
 
 
@@ -24,32 +25,37 @@ def _embedded(run: ResolvedRun, overwrite: bool = False, **kw: Any) -> dict:
     return run_experiment(run, overwrite=overwrite, **kw)  # claims the folder once every input is checked
 
 
-def _claim_run_folder(run: ResolvedRun, resume: bool, overwrite: bool) -> None:
+@contextmanager
+def _claimed_for_flower(run: ResolvedRun, resume: bool, overwrite: bool) -> Iterator[None]:
     """Before any Flower process starts, in the order :func:`~fedtune.run.run_experiment` keeps
-    in-process: a fresh run's folder is free (a refusal costs nothing), every input is read and
-    checked (:func:`~fedtune.run.check_inputs`: a bad data file or resume stops in one line with
-    nothing written), and only then is an earlier run moved aside (``overwrite``)."""
+    in-process: the folder is not in use and a fresh run's is free (a refusal costs nothing), every
+    input is read and checked (:func:`~fedtune.run.check_inputs`: the data, the model, the budget
+    plan, a resume's checkpoint: a bad one stops in one line with nothing written), then the run
+    folder is claimed (:func:`~fedtune.run_folder.claimed`: locked, an earlier run moved aside with
+    ``overwrite``) while the engine runs; the ServerApp (this process, or a process it starts) works
+    under that lock."""
     from fedtune.run import check_inputs
 
+    check_unlocked(run.run_dir)
     if not (resume or overwrite):
         check_free(run.run_dir)
     check_inputs(run, resume)
-    if overwrite and not resume:
-        move_aside(run.run_dir)
+    with claimed(run.run_dir, resume, overwrite):
+        yield
 
 
 def _flower_simulation(run: ResolvedRun, overwrite: bool = False, **kw: Any) -> dict:
     from fedtune.engines.flower.simulation import run_flower_simulation
 
-    _claim_run_folder(run, kw["resume"], overwrite)
-    return run_flower_simulation(run, **kw)
+    with _claimed_for_flower(run, kw["resume"], overwrite):
+        return run_flower_simulation(run, **kw)
 
 
 def _flower_deployment(run: ResolvedRun, overwrite: bool = False, **kw: Any) -> dict:
     from fedtune.engines.flower.deployment import run_flower_deployment
 
-    _claim_run_folder(run, kw["resume"], overwrite)
-    return run_flower_deployment(run, **kw)
+    with _claimed_for_flower(run, kw["resume"], overwrite):
+        return run_flower_deployment(run, **kw)
 
 
 #: ``config.engine`` -> its launcher: clients in this process; a Flower simulation (Ray); a loopback
@@ -73,8 +79,8 @@ def launch(
     ``on_start`` the server's :class:`~fedtune.runtime.RunContext`.
 
     A fresh run never writes into a folder holding an earlier run: ``overwrite`` moves that run
-    aside (:func:`~fedtune.run_folder.move_aside`), else the run stops with one line
-    (:class:`~fedtune.run_folder.RunFolderTaken`); every input is checked first, in-process by
-    :func:`~fedtune.run.run_experiment`, on Flower before any process starts."""
+    aside (:func:`~fedtune.run_folder.claimed`, which also locks it), else the run stops with one line
+    (:class:`~fedtune.run_folder.RunFolderTaken`); in-process once every input is checked
+    (:func:`~fedtune.run.run_experiment`), on Flower before any process starts."""
     run = as_resolved(config)
     return ENGINES[run.config.engine](run, on_round=on_round, on_start=on_start, resume=resume, overwrite=overwrite)
