@@ -293,8 +293,11 @@ def test_sigkill_then_resume_is_bit_identical_on_every_engine(engine, engine_run
     a, b = load_state(killed.run_dir / "checkpoint.npz"), load_state(straight.run_dir / "checkpoint.npz")
     flat_a, flat_b = flat_keys(a, "/"), flat_keys(b, "/")
     assert {k for k in flat_a if not k.startswith("_engine")} == {k for k in flat_b if not k.startswith("_engine")}
+    assert any(k.startswith("_inputs/") for k in flat_a)  # a DP checkpoint: its inputs' fingerprints
     for key in flat_a:
-        if not key.startswith("_engine"):  # the embedded engine's client states; Flower's are on the nodes
+        # not compared: _engine (the embedded engine's client states; Flower's are on the nodes) and
+        # _inputs (keyed fingerprints of the config, which here holds the slow client's profile)
+        if not key.startswith(("_engine", "_inputs")):
             assert np.array_equal(np.asarray(flat_a[key]), np.asarray(flat_b[key])), key
     adapters = [load_file(r.run_dir / "adapter" / "adapter_model.safetensors") for r in (killed, straight, other)]
     assert adapters[0].keys() == adapters[1].keys()
