@@ -42,7 +42,7 @@ POLL_S = 0.05  # seconds between two pulls of replies from the grid
 
 
 def sends_compute_s(config: RunConfig) -> bool:
-    """Whether a client's reply carries :data:`COMPUTE_S`, its seconds on the node: not under local
+    """Whether a client's reply in run ``config`` carries :data:`COMPUTE_S`, its seconds on the node: not under local
     DP or SecAgg+, where the server must learn nothing of a client but the mechanism's output (a
     client's compute time depends on its data); the node then enforces its own deadline
     (:func:`~fedtune.engines.flower.worker.serve_request`). Under central DP without SecAgg+ the
@@ -51,7 +51,7 @@ def sends_compute_s(config: RunConfig) -> bool:
 
 
 def keeps_timing(config: RunConfig) -> bool:
-    """Whether replies carry :data:`TIMES` and the server writes :data:`TIMING_FILE`: only without
+    """Whether replies of run ``config`` carry :data:`TIMES` and the server writes :data:`TIMING_FILE`: only without
     DP and without SecAgg+. Under DP the file would be a release outside the mechanism: its lines
     are keyed by the clients asked (the secret sample) and hold each one's data-dependent seconds,
     and even a round's total wall time depends on who was sampled, so no form of it is written."""
