@@ -10,7 +10,7 @@ records, one ArrayRecord and one ConfigRecord (the shape Flower's mods expect)::
         "layout": JSON [[name, dtype, shape], ...],             # the arrays in the Arrays (.packing)
         "cid": client id, "round": r,                           # who and when (both ways)
         "attempt": a,                                           # request: the round's attempt
-        "compute_s": s,                                         # reply: seconds of the Client call
+        "compute_s": s,                                         # reply: seconds of the Client call (not private)
         "clipping_norm": C, "update-as-weights": True,          # request, only with DP clipping
       }
     }
@@ -45,7 +45,10 @@ as one *bundle* (one Flower message: each client's two records with the keys suf
 another by one ClientApp process; a client failing inside a bundle is named in the reply's
 bundle record and dropped alone. Requests for Flower's clipping mod are never bundled (the mod
 wants one ArrayRecord per message). A reply carrying an error, or none within the deadline, is a
-drop. The ClientApp times each Client call and returns the seconds as ``compute_s``.
+drop. The ClientApp times each Client call and returns the seconds as ``compute_s``, except
+under local DP or SecAgg+, where a reply carries nothing of the client but the method's fields
+(:func:`.codec.sends_compute_s`: the node then enforces the deadlines itself); the timing file
+``flower_timing.jsonl`` is written only without DP and SecAgg+ (:func:`.codec.keeps_timing`).
 
 Deployment. Stock Flower starts a fresh ``flwr-clientapp`` process per message (importing torch,
 transformers and PEFT and loading the model there takes seconds). A fedtune SuperNode runs with

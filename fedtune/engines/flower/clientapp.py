@@ -38,8 +38,10 @@ from fedtune.engines.flower.codec import (
     TIMES,
     format_clients,
     from_array_record,
+    keeps_timing,
     pack,
     parse_clients,
+    sends_compute_s,
     to_array_record,
     unpack,
 )
@@ -93,7 +95,8 @@ def handle_client_message(config: RunConfig | None, message: FlowerMessage, cont
     (:func:`serve_request`: a node's executor, or a ``flwr-clientapp`` process). A failure propagates:
     Flower returns it to the server as an error reply (a drop); in a bundle, a failing client's
     reason is returned beside the others' replies. The reply carries the times of :data:`TIMES`
-    (for :data:`TIMING_FILE`)."""
+    (for :data:`TIMING_FILE`) only where the server keeps that file (:func:`keeps_timing`: not under
+    DP or SecAgg+)."""
     entered = time.time()
     kind = message.metadata.message_type.split(".")[0]
     clients = node_clients(context)
@@ -106,7 +109,7 @@ def handle_client_message(config: RunConfig | None, message: FlowerMessage, cont
     config = config if config is not None else config_from_run_config(context.run_config)
     if BUNDLE not in message.content:
         reply, extra = _serve_one(config, kind, message.content, "", clients, context)
-        times: dict[str, Any] = dict(zip(TIMES, (_process_start(), entered, time.time())))
+        times = _times(config, entered)
         record: Mapping[str, Any] = message.content[RECORD]
         secure = RECORD_KEY_CONFIGS in message.content.config_records  # SecAgg+: the update crosses masked
         content, _ = pack(reply, int(record[CID]), (ArrayRecord(), "[]") if secure else None, **extra, **times)
@@ -122,9 +125,14 @@ def handle_client_message(config: RunConfig | None, message: FlowerMessage, cont
             pack(reply, cid, suffix=f"-{cid}", into=content, **extra)
         except Exception as exc:  # noqa: BLE001 - this client is dropped, the others still answer
             errors[f"error-{cid}"] = f"{type(exc).__name__}: {exc}"
-    times = dict(zip(TIMES, (_process_start(), entered, time.time())))
-    content[BUNDLE] = ConfigRecord({CLIENTS: cids, **errors, **times})
+    content[BUNDLE] = ConfigRecord({CLIENTS: cids, **errors, **_times(config, entered)})
     return FlowerMessage(content, reply_to=message)
+
+
+def _times(config: RunConfig, entered: float) -> dict[str, Any]:
+    """A reply's :data:`TIMES` (this process's start, ``entered`` the handler, now), or none where the
+    server keeps no timing file (:func:`keeps_timing`)."""
+    return dict(zip(TIMES, (_process_start(), entered, time.time()))) if keeps_timing(config) else {}
 
 
 def _serve_one(
@@ -149,7 +157,7 @@ def _serve_one(
         if list(reply.arrays) != list(request.arrays):
             raise ValueError(f"{AS_WEIGHTS}: the reply's arrays {list(reply.arrays)[:3]} are not the request's")
         reply = Message({k: request.arrays[k] + v for k, v in reply.arrays.items()}, reply.meta)
-    return reply, {COMPUTE_S: seconds, ROUND: rnd}
+    return reply, ({COMPUTE_S: seconds} if sends_compute_s(config) else {}) | {ROUND: rnd}
 
 
 def _as_fit_res(content: RecordDict, request_meta: dict[str, Any], reply: Message) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
@@ -13,6 +13,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from fedtune.engines.flower.packing import pack_arrays, unpack_arrays
 from fedtune.errors import FedtuneError
 from fedtune.protocol.messages import Message
+
+if TYPE_CHECKING:
+    from fedtune.config import RunConfig
 
 RECORD = "fedtune"  # RecordDict key of the ConfigRecord: meta and transport scalars
 ARRAYS = "fedtune-arrays"  # RecordDict key of the ArrayRecord: the message's arrays
@@ -22,14 +25,14 @@ CID = "cid"  # ConfigRecord key: the fedtune client id the message is for / from
 ROUND = "round"  # ConfigRecord key: the round a message belongs to (request) or claims (reply)
 ATTEMPT = "attempt"  # ConfigRecord key of a request: the round's attempt (fault injection draws)
 PHASE = "phase"  # ConfigRecord key of a request: the Strategy phase it belongs to (sent as "train")
-COMPUTE_S = "compute_s"  # ConfigRecord key of a reply: seconds the Client call took on the node
+COMPUTE_S = "compute_s"  # ConfigRecord key of a reply: seconds the Client call took on the node (not private)
 CLIENTS = "clients"  # ConfigRecord key of a query reply: the client ids the node plays
 CLIPPING_NORM = "clipping_norm"  # ConfigRecord key read by Flower's clipping mods (KEY_CLIPPING_NORM)
 AS_WEIGHTS = "update-as-weights"  # ConfigRecord key of a request: reply with received + update
 STATE = "fedtune-state"  # context.state key prefix: f"{STATE}-{cid}" holds a client's state
 BUNDLE = "fedtune-bundle"  # ConfigRecord of a bundle: CLIENTS (request); CLIENTS, errors, TIMES (reply)
 TIMES = ("t-process", "t-enter", "t-exit")  # reply: ClientApp process start, handler entry and exit (epoch s)
-TIMING_FILE = "flower_timing.jsonl"  # run folder: where the Flower engine's time went, per exchange
+TIMING_FILE = "flower_timing.jsonl"  # run folder: where the Flower engine's time went, per exchange (not under DP)
 
 PARTITION_ID = "partition-id"  # node_config: the one client id a node plays (Flower's convention)
 NODE_CLIENTS = "fedtune-clients"  # node_config: the client ids a node plays, "0-9" or "0,3,5-7"
@@ -37,6 +40,23 @@ NODE_THREADS = "fedtune-threads"  # node_config: torch threads of the node's tra
 
 ENGINE_KEYS = ("resume", "timeout", "clipping-norm")  # Flower run config keys for the ServerApp
 POLL_S = 0.05  # seconds between two pulls of replies from the grid
+
+
+def sends_compute_s(config: RunConfig) -> bool:
+    """Whether a client's reply in run ``config`` carries :data:`COMPUTE_S`, its seconds on the node: not under local
+    DP or SecAgg+, where the server must learn nothing of a client but the mechanism's output (a
+    client's compute time depends on its data); the node then enforces its own deadline
+    (:func:`~fedtune.engines.flower.worker.serve_request`). Under central DP without SecAgg+ the
+    server is trusted with each update and uses it for the deadlines, but never writes or prints it."""
+    return config.privacy.mode != "local" and not config.federation.secure_aggregation
+
+
+def keeps_timing(config: RunConfig) -> bool:
+    """Whether replies of run ``config`` carry :data:`TIMES` and the server writes :data:`TIMING_FILE`: only without
+    DP and without SecAgg+. Under DP the file would be a release outside the mechanism: its lines
+    are keyed by the clients asked (the secret sample) and hold each one's data-dependent seconds,
+    and even a round's total wall time depends on who was sampled, so no form of it is written."""
+    return config.privacy.mode == "none" and not config.federation.secure_aggregation
 
 
 class FlowerClientError(FedtuneError, RuntimeError):

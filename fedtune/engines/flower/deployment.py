@@ -148,10 +148,10 @@ def run_app(
     poll()
     text = log.read_text(errors="replace") if log else ""
     summary = run_dir / "summary.json"
+    status = read_status(run_dir, started, remove=True) if local else None  # the run folder keeps no engine file
     if proc.returncode == 0 and summary.is_file() and summary.stat().st_mtime >= started - 1:
         done: dict[str, Any] = json.loads(summary.read_text())
         return done
-    status = read_status(run_dir, started) if local else None
     if status is not None and status["status"] == "interrupted":
         raise RunInterrupted(int(status.get("round", 0)))
     if status is not None and status["status"] == "round_failed":

@@ -14,7 +14,7 @@ from flwr.superlink.grid import HttpGrid
 
 from fedtune.config import RunConfig
 from fedtune.engines.flower.budgets import adopt_reports
-from fedtune.engines.flower.codec import CLIPPING_NORM, TIMING_FILE
+from fedtune.engines.flower.codec import CLIPPING_NORM, TIMING_FILE, keeps_timing
 from fedtune.engines.flower.runconfig import config_from_run_config
 from fedtune.engines.flower.standby import Standby
 from fedtune.engines.flower.transport import GridTransport, discover_nodes
@@ -28,8 +28,9 @@ class FlowerEngine(Engine):
     client state lives on the nodes (``context.state``), not in the server's checkpoint. ``run``: the
     resolved run; ``grid``: the ServerApp's; ``timeout``: the wait for nodes and, without
     ``federation.round_timeout_s``, for a round's replies; ``request_config``: sent with every
-    request; ``resume``: the run folder's timing file is kept. On a deployment (Flower's
-    ``HttpGrid``) idle nodes get standby messages between their requests (:mod:`.standby`)."""
+    request; ``resume``: the run folder's timing file is kept (:data:`TIMING_FILE`: written only
+    without DP and SecAgg+, :func:`~fedtune.engines.flower.codec.keeps_timing`). On a deployment
+    (Flower's ``HttpGrid``) idle nodes get standby messages between their requests (:mod:`.standby`)."""
 
     name = "flower"
 
@@ -60,8 +61,8 @@ class FlowerEngine(Engine):
         if self._transport is None:
             fed = self.config.federation
             node_of = discover_nodes(self.grid, fed.num_clients, self.timeout, self._reports)
-            timing = self.run_dir / TIMING_FILE
-            if not self.resume:
+            timing = self.run_dir / TIMING_FILE if keeps_timing(self.config) else None  # never under DP
+            if timing is not None and not self.resume:
                 timing.unlink(missing_ok=True)
             wait = fed.round_timeout_s or self.timeout
             if fed.secure_aggregation:  # SecAgg+: the server sees only the sum of the updates
@@ -113,15 +114,19 @@ STATUS_FILE = "server_status.json"  # run folder: how the ServerApp's run ended 
 def write_status(path: Path, status: str, **detail: Any) -> None:
     """The ServerApp's outcome ``status`` (``ok``, ``round_failed``, ``interrupted`` or ``error``, with
     its message or round: ``detail``) as JSON at ``path``, written atomically: what a deployment
-    reports, not log text."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    reports, not log text. Not written where the run folder (``path``'s) does not exist: a run that
+    stopped on its inputs writes nothing."""
+    if not path.parent.is_dir():
+        return
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"status": status, **detail}))
     tmp.replace(path)
 
 
-def read_status(run_dir: Path, since: float) -> dict[str, Any] | None:
-    """The status a ServerApp wrote in ``run_dir`` at or after ``since`` (epoch s), else None."""
+def read_status(run_dir: Path, since: float, remove: bool = False) -> dict[str, Any] | None:
+    """The status a ServerApp wrote in ``run_dir`` at or after ``since`` (epoch s), else None;
+    ``remove``: then delete the file (a launcher that read it: the run folder holds what the
+    embedded engine writes, nothing more)."""
     path = run_dir / STATUS_FILE
     try:
         if path.stat().st_mtime < since - 1:
@@ -129,6 +134,9 @@ def read_status(run_dir: Path, since: float) -> dict[str, Any] | None:
         status = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    finally:
+        if remove:
+            path.unlink(missing_ok=True)
     return status if isinstance(status, dict) and isinstance(status.get("status"), str) else None
 
 

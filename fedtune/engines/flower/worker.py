@@ -11,6 +11,7 @@ import numpy as np
 
 from fedtune.config import RunConfig
 from fedtune.engines.flower.budgets import node_client
+from fedtune.engines.flower.codec import sends_compute_s
 from fedtune.engines.rounds import answer
 from fedtune.process import setup_process
 from fedtune.protocol.messages import Message
@@ -53,9 +54,23 @@ def serve_request(
     ``train.threads`` first): (reply, the client's new state, seconds of the Client call), through
     :func:`~fedtune.engines.rounds.answer` (fault injection, then ``fit`` or ``evaluate``), timed as
     the embedded engine times it. ``budget``: the node's own budget and the request's setting
-    (:func:`~fedtune.engines.flower.budgets.node_client`)."""
+    (:func:`~fedtune.engines.flower.budgets.node_client`). Where the reply carries no seconds (local
+    DP, SecAgg+), a call slower than the round's or the client's deadline raises
+    :class:`DeadlineMissed` instead (the client's state of that call is not kept)."""
     context = _process_context(config, threads)
     client = context.client(cid, state) if budget is None else node_client(context, cid, state, budget)
     start = time.perf_counter()
     reply = answer(client, kind, request, config.seed, rnd, attempt)
-    return reply, client.state, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if not sends_compute_s(config):  # the server cannot time this client (local DP, SecAgg+): the node does
+        limits = [s for s in (config.federation.round_timeout_s, client.profile.deadline_s) if s]
+        if limits and seconds > min(limits):
+            raise DeadlineMissed(f"missed its {min(limits):g} s deadline")  # the seconds stay on the node
+    return reply, client.state, seconds
+
+
+class DeadlineMissed(RuntimeError):
+    """A client slower than ``federation.round_timeout_s`` or its ``deadline_s``, found by its own
+    node where the reply carries no seconds (:func:`~fedtune.engines.flower.codec.sends_compute_s`):
+    the request fails, so the server drops the client as the embedded engine does, without learning
+    how long it took."""
