@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -143,12 +144,13 @@ def _totals(lines: list[dict], wall_s: float) -> dict:
     }
 
 
-def _restore(checkpoint: Path, strategy, engine: Engine, rounds: int) -> tuple[int, dict | None]:
-    """Load ``checkpoint`` into ``strategy`` and ``engine``; the round it holds and its record of
-    the inputs' fingerprints (DP; None without). A checkpoint that does not fit this run (another
-    model or rank, an edited method option, a damaged ``_round``, a non-finite array, more rounds
-    done than ``rounds``, a DP release at another noise multiplier) stops with one line, before
-    anything is written. Called on a freshly initialized strategy: its state is what this run would build."""
+def _restore(checkpoint: Path, strategy, engine: Engine | None, rounds: int) -> tuple[int, dict | None]:
+    """Load ``checkpoint`` into ``strategy`` and ``engine`` (None: its state is checked only); the
+    round it holds and its record of the inputs' fingerprints (DP; None without). A checkpoint
+    that does not fit this run (another model or rank, an edited method option, a damaged
+    ``_round``, a non-finite array, more rounds done than ``rounds``, a DP release at another
+    noise multiplier) stops with one line, before anything is written. Called on a freshly
+    initialized strategy: its state is what this run would build."""
     state = load_state(checkpoint)
     where = f"--resume: {str(checkpoint)!r}"
     inputs = state.pop(INPUTS_KEY, None)
@@ -161,7 +163,8 @@ def _restore(checkpoint: Path, strategy, engine: Engine, rounds: int) -> tuple[i
     _check_fits(strategy.state_dict(), state, where)
     _check_fits({}, engine_state, f"{where} {ENGINE_KEY}")
     try:
-        engine.load_state_dict(engine_state)
+        if engine is not None:
+            engine.load_state_dict(engine_state)
         strategy.load_state_dict(state)
     except ConfigError:  # already the one line (a DP release at another z)
         raise
@@ -261,6 +264,61 @@ def read_metrics(path: Path, where: str = "--resume") -> list[dict]:
     return lines
 
 
+def _read_inputs(
+    run: ResolvedRun, server: RunContext, engine: Engine | None, resume: bool
+) -> tuple[Any, dict, dict[str, str], list[dict], dict | None]:
+    """Every input of ``run`` read and checked, nothing written: the initialized strategy (the
+    model loaded), the label histograms (the data read), the task's run files (the data
+    partitioned; the budget plan checked), on ``resume`` the metrics lines up to the checkpoint,
+    whose state is loaded into the strategy and ``engine`` (None: checked only), and under DP the
+    keyed fingerprints of the inputs (a resume's checked against its checkpoint's). A bad input
+    raises a one-line :class:`~fedtune.config.ConfigError`."""
+    config, run_dir = run.config, run.run_dir
+    checkpoint, metrics_path = run_dir / "checkpoint.npz", run_dir / "metrics.jsonl"
+    if resume:
+        if not checkpoint.is_file():
+            raise ConfigError(
+                f"--resume {str(run_dir)!r}: no round has completed there (no checkpoint.npz), so there is "
+                "nothing to resume: run it afresh without --resume and with --overwrite (moves this folder aside), "
+                "or under another name"
+            )
+        check_unchanged(config, run_dir / RUN_CONFIG)
+    strategy = server.strategy()
+    strategy.initialize()  # loads the model: a bad model.name stops here, before any output
+    histograms = {"label_names": server.task.label_names, "clients": server.histograms()}  # reads the data
+    run_files = server.task.run_files()  # and partitions it: a bad file or partition stops here too
+    if engine is not None:  # the budgets the nodes report (Flower: discovers the nodes), before the plan is read
+        engine.prepare(server)
+    server.check_plan()  # a budget plan that leaves no round able to aggregate stops here too
+    digests = None
+    if config.privacy.mode != "none":  # every input of a release, before a checkpoint's state replaces it
+        from fedtune.fingerprint import fresh_key, input_digests, keyed
+
+        digests = input_digests(server, strategy, _resumable_keys(config))
+    lines: list[dict] = []
+    reproducible = config.seed if config.privacy.insecure_reproducible_noise else None
+    inputs = None if digests is None else keyed(digests, fresh_key(reproducible))
+    if resume:
+        done, inputs = _restore(checkpoint, strategy, engine, config.rounds)
+        if digests is not None:
+            _check_inputs(checkpoint, inputs, digests)
+        lines = [x for x in read_metrics(metrics_path) if x["round"] <= done]  # a round after it is redone
+        if [x["round"] for x in lines] != list(range(1, done + 1)):
+            raise ConfigError(
+                f"--resume: {str(metrics_path)!r} does not hold rounds 1-{done} once each, as the checkpoint does"
+            )
+    return strategy, histograms, run_files, lines, inputs
+
+
+def check_inputs(run: ResolvedRun, resume: bool = False) -> None:
+    """Read and check every input of ``run`` as :func:`run_experiment` does before it writes
+    anything (the data read and partitioned, the model loaded, the budget plan; on ``resume`` the
+    config against the run's, the checkpoint, its DP fingerprints and ``metrics.jsonl``), and write
+    nothing: for a launcher whose run happens in another process (the Flower engines), so that a
+    bad input stops in one line before any process starts or the run folder is touched."""
+    _read_inputs(run, RunContext(run), None, resume)
+
+
 def run_experiment(
     run: RunConfig | ResolvedRun,
     on_round: Callable[[RoundRecord], None] | None = None,
@@ -299,47 +357,18 @@ def run_experiment(
     server = RunContext(run)
     checkpoint = run_dir / "checkpoint.npz"
     metrics_path = run_dir / "metrics.jsonl"
-    if resume:
-        if not checkpoint.is_file():
-            raise ConfigError(
-                f"--resume {str(run_dir)!r}: no round has completed there (no checkpoint.npz), so there is "
-                "nothing to resume: run it afresh without --resume and with --overwrite (moves this folder aside), "
-                "or under another name"
-            )
-        check_unchanged(config, run_dir / RUN_CONFIG)
     engine = engine or EmbeddedEngine(run, server)
-    strategy = server.strategy()
-    strategy.initialize()  # loads the model: a bad model.name stops here, before any output
-    histograms = {"label_names": server.task.label_names, "clients": server.histograms()}  # reads the data
-    run_files = server.task.run_files()  # and partitions it: a bad file or partition stops here too
-    server.check_plan()  # a budget plan that leaves no round able to aggregate stops here too
+    strategy, histograms, run_files, lines, inputs = _read_inputs(run, server, engine, resume)
+    start_round = len(lines) + 1
     private = config.privacy.mode != "none"
-    digests = None
-    if private:  # every input of a release, before the checkpoint's state replaces the initial one
-        from fedtune.fingerprint import fresh_key, input_digests, keyed
-
-        digests = input_digests(server, strategy, _resumable_keys(config))
-    lines: list[dict] = []
-    start_round = 1
-    reproducible = config.seed if config.privacy.insecure_reproducible_noise else None
-    inputs = None if digests is None else keyed(digests, fresh_key(reproducible))
-    if resume:
-        done, inputs = _restore(checkpoint, strategy, engine, config.rounds)
-        if digests is not None:
-            _check_inputs(checkpoint, inputs, digests)
-        lines = [x for x in read_metrics(metrics_path) if x["round"] <= done]  # a round after it is redone
-        if [x["round"] for x in lines] != list(range(1, done + 1)):
-            raise ConfigError(
-                f"--resume: {str(metrics_path)!r} does not hold rounds 1-{done} once each, as the checkpoint does"
-            )
-        start_round = done + 1
     with claimed(run_dir, resume, overwrite):  # locked while the run writes it
         if not resume:  # every input is checked: the folder is touched from here on
             create(run_dir, {"config.toml": _toml(config), RUN_CONFIG: json.dumps(config.model_dump(mode="json"))})
         if config.privacy.mode == "none":  # per-client label counts: not released by a DP run
             write_text(run_dir / "label_histograms.json", json.dumps(histograms))
         plan_text = None
-        if server.plan is not None:
+        if server.plan is not None and not (private and server.reports.node):
+            # under DP a plan from the nodes' own reports is not released: it names who reported what
             from fedtune.planning.planner import plan_json
 
             plan_text = plan_json(server.plan)

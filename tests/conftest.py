@@ -211,14 +211,44 @@ FLOWER_MODULES = frozenset(
 )
 
 
+#: The engines every guarantee test runs on (``config.engine``; tests/engines.py): a new engine goes here.
+ENGINES = ("embedded", "flower-sim", "flower")
+#: The engines whose cases carry the ``deployment`` marker (they start SuperLinks and SuperNodes).
+DEPLOYMENTS = ("flower",)
+
+
+@pytest.fixture(
+    params=[pytest.param(e, marks=[pytest.mark.deployment] if e in DEPLOYMENTS else [], id=e) for e in ENGINES]
+)
+def engine(request) -> str:
+    """Each engine of tests/engines.py's ``ENGINES`` in turn: a guarantee test that takes it runs on
+    every engine (the loopback deployment's cases marked ``deployment``)."""
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def engine_runs(tmp_path_factory):
+    """The session's runs of tests/engines.py's cases, each made once on its engine
+    (:class:`tests.engines.EngineRuns`; in ``$FEDTUNE_TEST_ENGINE_RUNS`` when set, reusing the runs
+    an earlier session finished there)."""
+    from tests.engines import KEEP_ENV, EngineRuns
+
+    kept = os.environ.get(KEEP_ENV)
+    return EngineRuns(Path(kept) if kept else tmp_path_factory.mktemp("engine-runs"))
+
+
 def pytest_collection_modifyitems(config, items):
-    """Flower's modules join one xdist group (:data:`FLOWER_MODULES`; ``--dist loadgroup``). Tests
-    marked ``gpu`` are deselected (not skipped) where CUDA is absent: a CPU run reports them as
-    deselected, never as passed or skipped."""
+    """Flower's modules and every test that runs on each engine (the ``engine`` fixture) join one
+    xdist group (:data:`FLOWER_MODULES`; ``--dist loadgroup``): one worker makes the session's
+    engine runs once. Tests marked ``gpu`` are deselected (not skipped) where CUDA is absent: a CPU
+    run reports them as deselected, never as passed or skipped."""
     import torch
 
     for item in items:
-        if getattr(item, "module", None) is not None and item.module.__name__.rpartition(".")[2] in FLOWER_MODULES:
+        module = getattr(item, "module", None)
+        if (module is not None and module.__name__.rpartition(".")[2] in FLOWER_MODULES) or "engine" in getattr(
+            item, "fixturenames", ()
+        ):
             item.add_marker(pytest.mark.xdist_group("flower"))
     if torch.cuda.is_available():
         return

@@ -236,6 +236,17 @@ class FederationConfig(Section):
         sample a round's clients, and so its shares, vary)."""
         return self.secagg_threshold or max(2, (shares or self.secagg_shares()) // 2 + 1)
 
+    def secagg_target(self, m: int) -> int:
+        """SecAgg+'s quantization range T of a round summing ``m`` clients: ``secagg_quantization_range``,
+        lowered to (M - 1) // m where m T would reach the modulus M (a DP round's Poisson sample may
+        exceed the expected one), so the sum never wraps around."""
+        return min(self.secagg_quantization_range, (self.secagg_modulus_range - 1) // m)
+
+    def secagg_step(self) -> float:
+        """The largest quantization step 2c/T any SecAgg+ round can use: T of a round that sums
+        every client (:meth:`secagg_target` of ``num_clients``), c = ``secagg_clipping_range``."""
+        return 2 * self.secagg_clipping_range / self.secagg_target(self.num_clients)
+
     def resolved_server_lr(self) -> float:
         """``server_lr``, or 1 (the plain sum of eq. (5) / FedAvg) when not given."""
         return 1.0 if self.server_lr is None else float(self.server_lr)

@@ -39,6 +39,9 @@ class ClientProfile(BaseModel):
     quantization: Literal["none", "8bit", "4bit"] | None = Field(
         None, description="its frozen base's quantization (default model.quantization): its own base in the process"
     )
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="its frozen base's dtype (default model.dtype): its own base in the process"
+    )
     failure_prob: float = Field(0.0, ge=0, le=1, description="fault injection: chance the client fails a request")
     delay_s: float = Field(0.0, ge=0, description="fault injection: seconds the client waits before answering")
     attack: Literal["sign-flip", "scale", "metadata"] | None = Field(
