@@ -265,10 +265,11 @@ def test_a_run_without_dp_prints_its_drops(tmp_path):
 def assert_nothing_of_a_client_but_its_upload(replies: list[dict]) -> int:
     """Every training reply in ``replies`` (tests/engines.py ``describe``, or the embedded engine's
     in-process record) carries the method's fixed metadata, ``num_examples`` 1, and, on Flower, a
-    fedtune envelope of who answered for which round only (no ``compute_s``, no timestamps); under
+    fedtune envelope of who answered for which round only (no ``compute_s``, no timestamps; the packed
+    arrays' layout, the same for every client); under
     SecAgg+ the mod's masked vector, empty array records and Flower's fixed FitRes fields, nothing
     else. Returns how many training replies were checked."""
-    checked = 0
+    checked, layouts = 0, set()
     for reply in replies:
         if reply.get("type") != "train" or reply.get("error"):
             continue
@@ -280,13 +281,16 @@ def assert_nothing_of_a_client_but_its_upload(replies: list[dict]) -> int:
         if "fedtune" not in config:  # a SecAgg+ key exchange: public keys, encrypted shares
             assert set(config) == {"secaggplus_configs"} and not any(arrays.values()), reply
             continue
-        assert set(config["fedtune"]) == ENVELOPE and config["fedtune"]["meta"] == {"num_examples": 1}, reply
+        envelope = dict(config["fedtune"])
+        layouts.add(envelope.pop("layout", None))  # the packed arrays' names, dtypes, shapes: the method's
+        assert set(envelope) == ENVELOPE and envelope["meta"] == {"num_examples": 1}, reply
         secure = {"fitres.metrics": {}, "fitres.status": {"code": 0, "message": "Success"}}
         assert {k: v for k, v in config.items() if k not in ("fedtune", "secaggplus_configs")} in ({}, secure), reply
         if "secaggplus_configs" in config:  # masked: no array crosses in the clear
             assert set(config["secaggplus_configs"]) == {"masked_params"} and not any(arrays.values()), reply
             assert reply["metrics"] == {"fitres.num_examples": {"num_examples": 1}}, reply
         checked += 1
+    assert len(layouts - {None, "[]"}) <= 1, layouts  # one layout for every client: it tells nothing of one
     return checked
 
 
