@@ -204,7 +204,7 @@ class RoundPrinter:
 
     def finish(self, summary: dict) -> None:
         self.working(None)
-        table = Table(title=f"run folder: {summary['run_dir']}")
+        table = Table()  # the folder on its own line: a title wraps at the table's width, cutting the path
         columns = {
             "final accuracy": _pct(summary["final_accuracy"]),
             summary.get("reference_name", "majority-class rate"): _pct(summary["majority_accuracy"]),
@@ -225,4 +225,6 @@ class RoundPrinter:
         for col in columns:
             table.add_column(col, justify="right")
         table.add_row(*columns.values())
-        Console().print(table)
+        out = Console()
+        out.print(f"run folder: {summary['run_dir']}", markup=False, highlight=False, soft_wrap=True)
+        out.print(table)

@@ -170,9 +170,9 @@ def _recording_main(grid: Grid, context: Context) -> None:
 @contextmanager
 def _recording(engine: str, monkeypatch: Any, sink: Path) -> Iterator[None]:
     """Record what the server of a launched ``engine`` run receives into ``sink``: the embedded
-    engine's in-process deliveries (meta and array names), the simulation's grid (the ServerApp runs
-    here), a deployment's grid in its ServerApp process (the app names :data:`recording_server_app`,
-    importable there through PYTHONPATH)."""
+    engine's in-process deliveries (meta and array names), the simulation's and the loopback
+    deployment's grid (their ServerApp runs here), or a deployment's grid in a ServerApp process of
+    its own (the app names :data:`recording_server_app`, importable there through PYTHONPATH)."""
     from fedtune.engines.flower import commands, deployment, serverapp
     from fedtune.engines.local import LocalTransport
 
@@ -187,10 +187,10 @@ def _recording(engine: str, monkeypatch: Any, sink: Path) -> Iterator[None]:
             return got
 
         monkeypatch.setattr(LocalTransport, "deliver", recorded)
-    elif engine == "flower-sim":
+    else:  # the simulation's ServerApp, and the loopback deployment's (inprocess.py), run here
         serve = serverapp.serve
         monkeypatch.setattr(serverapp, "serve", lambda grid, *a, **k: serve(RecordingGrid(grid, sink), *a, **k))
-    else:
+    if engine == "flower":  # a ServerApp in its own process (executors off) runs the recording app
         app = commands.APP_PYPROJECT.replace(
             "fedtune.engines.flower.serverapp:server_app", f"{__name__}:recording_server_app"
         )
@@ -220,9 +220,9 @@ class Ran:
 
 
 def fedtune(*args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
-    """``fedtune ARGS`` in a subprocess (the installed command, this Python's environment; 200
+    """``fedtune ARGS`` in a subprocess (the installed command, this Python's environment; 1000
     columns, so that no line wraps)."""
-    env = {**os.environ, "COLUMNS": "200"}
+    env = {**os.environ, "COLUMNS": "1000"}
     return subprocess.run(
         [str(Path(sys.executable).parent / "fedtune"), *args],
         env=env,
@@ -305,7 +305,7 @@ class EngineRuns:
             out = self._out("killed", engine, case)
             run_dir = out / case
             args = [*overrides(engine, case), f"output_dir={out}", f"name={case}", SLOW]
-            env = {**os.environ, "COLUMNS": "200"}
+            env = {**os.environ, "COLUMNS": "1000"}
             command = [str(Path(sys.executable).parent / "fedtune"), "run", *sets(args)]
             log = self.root / "logs" / f"killed-{engine}-{case}.log"
             log.parent.mkdir(parents=True, exist_ok=True)

@@ -268,11 +268,14 @@ class Descendants:
         return [cmd for t, cmd in self.seen.values() if start < t <= end]
 
     def alive(self) -> list[str]:
-        """The command lines of the processes below this one now."""
+        """The command lines of the processes below this one now, less those up before the watch
+        began (an earlier test's in this worker: multiprocessing's resource tracker)."""
         import psutil
 
         out = []
         for p in self.me.children(recursive=True):
+            if p.pid in self.before:
+                continue
             try:
                 out.append(" ".join(p.cmdline()))
             except psutil.Error:
