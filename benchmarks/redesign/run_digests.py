@@ -9,7 +9,9 @@ run (``privacy.insecure_reproducible_noise``: the noise is seeded, so it repeats
 a DP resume and an ``--overwrite`` that moves an earlier run aside. It then writes
 ``DIR/digests.json``: ``{"case/run/file": {"sha256": ..., "mode": "0644"}}`` for every file under
 ``DIR`` (a case that fails records its one-line error instead), and ``DIR/timings.json`` (seconds
-per case, not compared).
+per case, not compared). ``--redigest DIR`` digests an earlier ``--out DIR`` again (after a change
+to this script). Run it on a quiet machine: under heavy load a ``flower-sim`` case can fail
+("RuntimeError: An error was encountered"); rerun such a case alone with ``--only``.
 
 Normalised away before hashing, and nothing else:
 
@@ -17,6 +19,8 @@ Normalised away before hashing, and nothing else:
   ends in ``_s`` (``wall_s``, ``compute_s``, ``client_compute_s``, ``total_compute_s``) and the
   ``environment`` record of ``summary.json`` (the machine, not the code);
 - absolute paths: the text of ``DIR`` (as given and resolved) becomes ``<OUT>`` in every text file;
+- reply order in a timing file (a name with ``timing``: ``flower_timing.jsonl`` records each reply as
+  it arrived): its keys are sorted;
 - zip metadata of ``.npz`` files (numpy stamps each member with the time): an ``.npz`` is hashed as
   its members' names and bytes, in order.
 
@@ -42,6 +46,7 @@ from pathlib import Path
 
 TEXT_SUFFIXES = {".json", ".jsonl", ".toml", ".txt", ".md", ".csv", ".yaml", ".yml"}
 KIND = "text-classification"
+SHOWN = 30  # differing files --compare names
 #: the methods' own tiny settings (as tests/conftest.py's): distillation and finite differences kept short
 SHORT = {
     "fedpft": ("options.distill_steps=2", "options.distill_batch_size=8", "options.distill_samples=64"),
@@ -113,19 +118,20 @@ def _untimed(node, key: str = ""):
     return node
 
 
-def _json_text(text: str) -> str:
-    """JSON (or JSON lines) text with its timing normalised, written as it was (else as is)."""
+def _json_text(text: str, arrival: bool = False) -> str:
+    """JSON (or JSON lines) text with its timing normalised, written as it was (else as is);
+    ``arrival``: its mappings' order is the replies' arrival order (timing too): keys sorted."""
     try:
         if "\n" in text.rstrip("\n") and not text.lstrip().startswith(("{\n", "[\n")):  # JSON lines
             lines = [json.loads(line) for line in text.splitlines() if line.strip()]
             redone = "".join(json.dumps(x) + "\n" for x in lines)
-            return "".join(json.dumps(_untimed(x)) + "\n" for x in lines) if redone == text else text
+            return "".join(json.dumps(_untimed(x), sort_keys=arrival) + "\n" for x in lines) if redone == text else text
         node = json.loads(text)
     except ValueError:
         return text
     for indent in (None, 2):
         if json.dumps(node, indent=indent) == text.rstrip("\n"):
-            return json.dumps(_untimed(node), indent=indent) + text[len(text.rstrip("\n")) :]
+            return json.dumps(_untimed(node), indent=indent, sort_keys=arrival) + text[len(text.rstrip("\n")) :]
     return text
 
 
@@ -151,7 +157,7 @@ def file_digest(path: Path, roots: tuple[str, ...]) -> str:
         for root in roots:
             text = text.replace(root, "<OUT>")
         if path.suffix in (".json", ".jsonl"):
-            text = _json_text(text)
+            text = _json_text(text, arrival="timing" in path.name)
         raw = text.encode()
     return hashlib.sha256(raw).hexdigest()
 
@@ -177,9 +183,11 @@ def compare(a: Path, b: Path) -> int:
     names = sorted(left.keys() | right.keys())
     differing = [n for n in names if left.get(n) != right.get(n)]
     print(f"files compared: {len(names)}, identical: {len(names) - len(differing)}, differing: {len(differing)}")
-    for name in differing:
+    for name in differing[:SHOWN]:
         where = "only in A" if name not in right else "only in B" if name not in left else "differs"
         print(f"  {where}: {name}  A={left.get(name)}  B={right.get(name)}")
+    if len(differing) > SHOWN:
+        print(f"  ... and {len(differing) - SHOWN} more")
     return 1 if differing else 0
 
 
@@ -190,9 +198,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"), help="two digests.json (or folders)")
     parser.add_argument("--only", nargs="*", default=None, help="run only these cases (by name)")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
+    parser.add_argument("--redigest", type=Path, metavar="DIR", help="digest an earlier --out DIR's runs again")
     args = parser.parse_args(argv)
     if args.compare:
         return compare(*args.compare)
+    if args.redigest:  # the runs kept, digested by this version of the script; failed cases kept failed
+        before = json.loads((args.redigest / "digests.json").read_text())
+        errors = {k.removesuffix("/ERROR"): v["error"] for k, v in before.items() if k.endswith("/ERROR")}
+        (args.redigest / "digests.json").write_text(
+            json.dumps(digests(args.redigest, errors), indent=1, sort_keys=True)
+        )
+        return 0
     matrix = cases()
     if args.list:
         print("\n".join(f"{n}: {c[0]} on {c[1]} {' '.join(c[2])}" for n, c in matrix.items()))
