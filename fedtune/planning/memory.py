@@ -31,7 +31,7 @@ peak and the recomputed layer's do not coincide, so the logits have their own c_
 Time: ``(2 (2 + checkpointing) (N_base - V h) + 6 N_trainable) t + 4 V h t_V`` FLOPs a step (a
 4-bit weight counted unpacked; the LM head's V h over the logit positions only, not recomputed)
 over the speed-1 client's FLOP/s in the base's format (:mod:`fedtune.planning.speed`) times ``speed``.
-A method whose step does more (CoMMIT: :func:`fedtune.planning.workload.commit_workload`) states its
+A method whose step does more (CoMMIT: :func:`fedtune.methods.commit.plan.commit_workload`) states its
 passes and what it holds beside the step in its :class:`Workload`.
 """
 
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedtune.planning.speed import REFERENCE_FLOPS as REFERENCE_FLOPS  # float32's, for planning.capacity
+from fedtune.planning.speed import REFERENCE_FLOPS as REFERENCE_FLOPS  # float32's, for the sub-model methods' plan
 from fedtune.planning.speed import forward_flops, reference, train_flops
 from fedtune.process import _malloc_trim
 
