@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from fedtune.planning.speed import REFERENCE_FLOPS as REFERENCE_FLOPS  # float32's, for the sub-model methods' plan
-from fedtune.planning.speed import forward_flops, reference, train_flops
+from fedtune.planning.speed import base_format, forward_flops, reference, train_flops
 from fedtune.process import _malloc_trim
 
 #: Activation coefficients (c_h, c_i, c_a, c_v, c_r, k, c_v') per model family, fitted by
@@ -220,7 +220,7 @@ def predict(
         trainable=trainable,
         states=work.states,
         activations=activation_bytes(shape, work, feats) + dropout_bytes(shape, work, sum(i for i, _ in dims)),
-        seconds=flops / reference(base, shape.hidden, fmt, device).flops,
+        seconds=flops / reference(base, shape.hidden, fmt or base_format(base, heads), device).flops,
         features=feats,
         held=work.copies * 4 * trainable + work.held,
     )
