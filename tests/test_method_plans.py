@@ -23,7 +23,8 @@ def mib_per_rank(context) -> tuple[Knob, str]:
     """A cost model of the test's own: rank v costs v MiB and v seconds, uploads v values."""
 
     def cost(rank, checkpointing, fmt):
-        return Prediction(weights=rank * MIB, trainable=0, states=0, activations=0, seconds=float(rank), features=()), rank
+        prediction = Prediction(weights=rank * MIB, trainable=0, states=0, activations=0, seconds=rank, features=())
+        return prediction, rank
 
     return Knob([8, 4, 2, 1], lambda p: p.rank, cost, "rank {}".format), "priced by the method's own model"
 
