@@ -332,16 +332,25 @@ def test_the_mixin_rule_counts_concrete_bases_beside_another_and_not_interfaces(
     assert mixin_bases(type("Foreign", (Mixin, ABC), {})) == []  # ABC is not fedtune's
 
 
+#: registered method names that are also English words: in prose ("local steps") they name no method
+ENGLISH = {"local", "static"}
+
+
 def method_names_in(folder: Path) -> list[str]:
-    """Each registered method's name that a module under ``folder`` spells in its code, as ``grep -w``
-    finds it: a word of a string literal or an f-string's text, or a whole identifier (``file:line:
-    name``); docstrings and comments are prose and not searched."""
+    """Each registered method's name that a module under ``folder`` spells, as ``grep -wi`` finds
+    it (``file:line: name``): anywhere in the text, docstrings and comments included, and for the
+    names that are also English words (:data:`ENGLISH`) in the code only: a word of a string
+    literal or an f-string's text (not a docstring), or a whole identifier."""
     from fedtune.methods import list_methods
 
     names = {m.name for m in list_methods()}
     hits = []
     for path in sorted(folder.rglob("*.py")):
-        tree = ast.parse(path.read_text())
+        text = path.read_text()
+        for lineno, line in enumerate(text.splitlines(), 1):
+            words = {w.lower() for w in re.findall(r"[\w-]+", line)} | {w.lower() for w in re.findall(r"\w+", line)}
+            hits += [f"{path.name}:{lineno}: {w}" for w in sorted(words & (names - ENGLISH))]
+        tree = ast.parse(text)
         prose = {
             id(node.body[0].value)
             for node in ast.walk(tree)
@@ -358,7 +367,7 @@ def method_names_in(folder: Path) -> list[str]:
                 words = {str(w).lower() for w in spelled if w}
             else:
                 continue
-            hits += [f"{path.name}:{node.lineno}: {w}" for w in sorted(words & names)]
+            hits += [f"{path.name}:{node.lineno}: {w}" for w in sorted(words & ENGLISH)]
     return hits
 
 
@@ -371,11 +380,13 @@ def test_planning_names_no_method():
 
 def test_the_method_name_check_catches_a_name_put_back(tmp_path):
     """The control of :func:`test_planning_names_no_method`: a method's name put back into a copy of
-    the planner, as a literal, in an f-string and as a name, is found; prose and a longer word are not."""
+    the planner, as a literal, in an f-string, as a name or in prose, is found; "local" as a word of
+    prose and a longer word holding a name are not; "local" as a literal or a name is."""
     planner = (Path(fedtune.__file__).parent / "planning" / "planner.py").read_text()
     (tmp_path / "planner.py").write_text(planner)
     assert method_names_in(tmp_path) == []
-    put_back = '\nKNOBS = {"heterolora": "rank"}\nWHY = f"{1} needs fedpft"\n\n\ndef f(commit):\n    """fslora."""\n'
-    (tmp_path / "planner.py").write_text(planner + put_back + "    return commit.local_steps  # fedit\n")
-    found = [hit.rsplit(": ", 1)[1] for hit in method_names_in(tmp_path)]
-    assert sorted(found) == ["commit", "commit", "fedpft", "heterolora"]
+    put_back = '\nKNOBS = {"heterolora": "rank", "local": None}\nWHY = f"{1} needs FedPFT"\n\n\ndef f(commit):\n'
+    body = '    """FSLoRA\'s knob over local steps."""\n    return commit.local_steps + fedotherwise  # FedIT\n'
+    (tmp_path / "planner.py").write_text(planner + put_back + body)
+    found = sorted(hit.rsplit(": ", 1)[1] for hit in method_names_in(tmp_path))
+    assert found == ["commit", "commit", "fedit", "fedpft", "fslora", "heterolora", "local"]

@@ -20,7 +20,7 @@ def ladder(rank: int) -> list[int]:
 
 
 def rank_knob(r: int, knob: str | None, cost: Callable, **kwargs) -> Knob:
-    """The rank r, r/2, ..., 1 (``knob`` "sketch_ratio": FSLoRA's rank / r) priced by ``cost``."""
+    """The rank r, r/2, ..., 1 (``knob`` "sketch_ratio": rank / r) priced by ``cost``."""
     from fedtune.methods.base.lora import client_rank
 
     def stated(profile: ClientProfile):

@@ -1,9 +1,10 @@
-"""The LoRA methods' plan (:func:`lora_plan`): the rank on r, r/2, ..., 1 (or FSLoRA's sketch ratio
+"""The LoRA methods' plan (:func:`lora_plan`): the rank on r, r/2, ..., 1 (or the sketch ratio
 rank / r, or no knob), each priced by the memory model (:func:`~fedtune.planning.memory.predict`)
 on the run's skeleton in each base format the method lets a client hold, with and without gradient
 checkpointing; on a model with no transformer config (a CNN) measured per rank instead
-(:func:`~fedtune.planning.measured.measured_lora_knob`). A method whose step does more than
-FedIT's gives ``step``: the :class:`~fedtune.planning.memory.Workload` of its step from FedIT's."""
+(:func:`~fedtune.planning.measured.measured_lora_knob`). A method whose step does more than the
+plain LoRA step gives ``step``: the :class:`~fedtune.planning.memory.Workload` of its step from
+the plain one's."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from fedtune.planning.workload import lora_workload
 #: the option a client's planned gradient checkpointing stands for
 CHECKPOINTING = "train.gradient_checkpointing"
 
-#: a method's own step from FedIT's (context, FedIT's workload -> its workload)
+#: a method's own step from the plain LoRA step's (context, the plain workload -> its workload)
 Step = Callable[[Any, Any], Any]
 
 
@@ -37,8 +38,8 @@ def _priced(context, knob: str | None, step: Step | None) -> tuple[Knob, str]:
 
 
 def lora_knob(context, knob: str | None, step: Step | None = None) -> Knob:
-    """The LoRA methods' knob: the rank on r, r/2, ..., 1 (FSLoRA: the sketch ratio rank / r),
-    each priced on ``context``'s skeleton (``step``: the method's step from FedIT's; a method
+    """The LoRA methods' knob: the rank on r, r/2, ..., 1 (``knob`` "sketch_ratio": rank / r),
+    each priced on ``context``'s skeleton (``step``: the method's step from the plain one's; a method
     without one is measured on a model with no transformer config)."""
     from fedtune.models.precision import computes_natively, resolve_device
     from fedtune.planning.measured import has_shape, measured_lora_knob

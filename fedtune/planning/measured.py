@@ -22,7 +22,7 @@ def has_shape(base) -> bool:
 
 #: the activation term of a LoRA client on a model with no transformer config (a CNN): this factor x
 #: the bytes autograd saves over one forward (:func:`measured_lora_knob`), measured against the tensor
-#: bytes of real FedIT client fits (:func:`~fedtune.planning.planner.metered_fit`): MobileNetV2 on
+#: bytes of real plain LoRA client fits (:func:`~fedtune.planning.planner.metered_fit`): MobileNetV2 on
 #: Fashion-MNIST, 2 local steps, 1.017 at rank 8 / batch 32 and 1.055 at rank 2 / batch 16; with 1.04 the
 #: predicted peak is +1.8 % / -1.0 % of the measured there, and -3 % .. -14 % on the tests' small-cnn
 #: (whose fit holds ~90 KB more)
@@ -32,7 +32,7 @@ MEASURED_LORA_FACTOR = 1.04
 def measured_lora_knob(context, knob: str | None) -> Knob:
     """The LoRA methods' knob on a model the memory model cannot price (no transformer config):
     each rank of r, r/2, ..., 1 priced by measuring the run's workspace with that rank's adapter,
-    as :func:`~fedtune.methods.rabo.plan.predict_capacity` prices a sub-model: peak = the base's
+    as the sub-model methods' plan prices a sub-model: peak = the base's
     weights and the adapter's + trainable values x 4 x (1 gradient + optimizer states) +
     :data:`MEASURED_LORA_FACTOR` x the saved bytes of one forward; seconds = 3 x its FLOPs x the
     local steps at float32's ``REFERENCE_FLOPS``. The run's quantization and checkpointing only."""

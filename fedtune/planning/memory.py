@@ -31,7 +31,7 @@ peak and the recomputed layer's do not coincide, so the logits have their own c_
 Time: ``(2 (2 + checkpointing) (N_base - V h) + 6 N_trainable) t + 4 V h t_V`` FLOPs a step (a
 4-bit weight counted unpacked; the LM head's V h over the logit positions only, not recomputed)
 over the speed-1 client's FLOP/s in the base's format (:mod:`fedtune.planning.speed`) times ``speed``.
-A method whose step does more (CoMMIT: :func:`fedtune.methods.commit.plan.commit_workload`) states its
+A method whose step does more (its plan's ``step``, :func:`fedtune.planning.lora_plan.lora_plan`) states its
 passes and what it holds beside the step in its :class:`Workload`.
 """
 
@@ -101,10 +101,10 @@ class Workload:
     states: int  # optimizer states per trainable value
     steps: int = 1
     kbit: bool = False  # a quantized base (its activations are float32: :func:`features`)
-    passes: int = 1  # forward-backward passes a step (CoMMIT's regularizer adds two)
-    forwards: int = 0  # gradient-free forward passes a step (CoMMIT's kappa measurement)
+    passes: int = 1  # forward-backward passes a step (a regularizer's adds more)
+    forwards: int = 0  # gradient-free forward passes a step (a measurement after the step)
     copies: int = 0  # copies of the trainable values held beside them, their gradients and states
-    held: int = 0  # other bytes held at the peak beyond the LoRA step's (CoMMIT's answer logits)
+    held: int = 0  # other bytes held at the peak beyond the LoRA step's (a copy of the logits)
     logits: int | None = None  # positions per row whose LM-head logits the loss computes (None: every one)
     dropout: bool = False  # LoRA dropout (``model.lora_dropout`` > 0) on the adapted layers' inputs
 

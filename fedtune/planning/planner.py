@@ -76,7 +76,7 @@ class Plan:
     profiles: list[ClientProfile]  # with each client's planned knob
     excluded: dict[int, str] = field(default_factory=dict)
     speed_note: str = ""  # what the predicted seconds assume (:func:`fedtune.planning.speed.reference`)
-    note: str = ""  # what the plan leaves out of the profiles (FedMBO: their capacities)
+    note: str = ""  # what the plan leaves out of the profiles (capacities a full-model method ignores)
 
 
 def _violation(profile: ClientProfile, peak: int, seconds: float, upload_mb: float) -> str | None:
@@ -351,7 +351,7 @@ def planned_checkpointing(client):
 def metered_fit(client, message: Message, call: Callable[[Message], Message] | None = None) -> Message:
     """``client.fit(message)`` (or ``call(message)``: a phase of the round) with its measured peak
     (:class:`~fedtune.planning.memory.PeakMeter` on the run's device, plus the frozen base a LoRA
-    client holds; FedPFT / FedOT: the client's own ``peak_mem_bytes``,
+    client holds; a proxy client, its plan's ``peak`` "reported": the client's own ``peak_mem_bytes``,
     :func:`~fedtune.models.train_memory.training_peak_bytes`) in the reply's metadata, under the
     client's planned checkpointing. Under DP the peak is not sent: the client fails the request
     itself (a simulated out-of-memory) when it is over its ``memory_gib``."""
@@ -363,7 +363,7 @@ def metered_fit(client, message: Message, call: Callable[[Message], Message] | N
     plan = client.context.method.plan
     mode = "base" if plan is None else plan.peak
     if mode == "reported" and "peak_mem_bytes" in reply.meta:
-        # a proxy client (FedPFT / FedOT): the process cuts its skeleton from the full model, so its
+        # a proxy client: the process cuts its skeleton from the full model, so its
         # growth is not the client's; the client measures the model it trains on and its training
         peak = int(reply.meta["peak_mem_bytes"])
     elif meter.growth is None:

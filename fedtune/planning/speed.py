@@ -29,7 +29,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-#: float32 FLOP/s of a speed-1 client for the sub-model methods (:mod:`fedtune.methods.rabo.plan`):
+#: float32 FLOP/s of a speed-1 client for the sub-model methods (their plan's seconds):
 #: the wall seconds of small models on this shared CPU (fit_memory.py, before the fit below).
 REFERENCE_FLOPS = 1.16e10
 #: FLOP/s of a speed-1 client per (weights, compute dtype): ((hidden width, FLOP/s), ...), fitted by
