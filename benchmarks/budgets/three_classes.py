@@ -159,20 +159,13 @@ AGNEWS = Suite(
 )
 
 
-def knob_of(method: str) -> str | None:
-    """The profile field the planner sets for ``method`` (its registered plan's knob)."""
-    plan = get_method(method).plan
-    assert plan is not None, f"method {method!r} has no planner"
-    return plan.knob
-
-
 def budgets(largest, method: str, pinned: dict[str, tuple[float, float]] | None = None) -> dict[str, dict]:
     """Each class's profile fields: its ``pinned`` (memory GiB, upload MB), else the class's
     multiples of ``largest`` (the :class:`ClientPlan` of rank r or capacity 1, no budget). The LoRA
     methods' upload codec is pinned to dense float32, so the planner meets a bandwidth budget with
     the method's own knob (rank, sketch ratio), not with top-k or bfloat16 (which it tries first;
     the ``compressed`` arm unpins it)."""
-    lora = knob_of(method) != "capacity"
+    lora = get_method(method).plan.knob != "capacity"
     classes = CLASSES if lora else RABO_CLASSES
     if pinned is None:
         pinned = {
@@ -209,7 +202,7 @@ def arm_profiles(
     fields = budgets(largest, method, pinned)
     planned = [fields[class_of(c)] for c in range(n)]
     plan = plan_budgets(context(base, planned, recipe))
-    knob = knob_of(method)
+    knob = get_method(method).plan.knob
     top = max(getattr(p, knob) for p in plan.profiles)
     value = {class_of(c.cid): getattr(p, knob) for c, p in zip(plan.clients, plan.profiles)}
     setting = {class_of(c.cid): c.setting for c in plan.clients}
@@ -241,7 +234,7 @@ def global_rank(method: str, arm: str, profiles: list[dict]) -> list[str]:
     = "rank"`` would train each rank-4 client at alpha/4 and evaluate the global model at alpha/r:
     every update r/4 times weaker than it trained (the causal-LM runs before this measured that arm
     1.5 nats worse). The clients still train at alpha/4; the evaluated model now uses it too."""
-    if arm != "smallest" or knob_of(method) != "rank":
+    if arm != "smallest" or get_method(method).plan.knob != "rank":
         return []
     return [f"model.lora_rank={profiles[0]['rank']}"]
 
