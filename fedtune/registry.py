@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from fedtune.config import ConfigError, RunConfig
 from fedtune.errors import FedtuneError
+from fedtune.planning.spec import PlanSpec
 from fedtune.protocol.client import Client
 from fedtune.protocol.strategy import Strategy
 from fedtune.tasks import get_task_class, list_tasks
@@ -44,7 +45,9 @@ class MethodOptions(BaseModel):
 @dataclass(frozen=True)
 class MethodSpec:
     """A registered method: its Strategy, Client and options classes, a one-line description, the
-    task capabilities it requires, the module that registered it and the cross-method options it honours."""
+    task capabilities it requires, the module that registered it, the cross-method options it honours
+    and its plan (:class:`~fedtune.planning.spec.PlanSpec`: the knob client budgets set and its cost
+    model; None: client budgets are not planned for it)."""
 
     name: str
     strategy: type[Strategy]
@@ -54,6 +57,7 @@ class MethodSpec:
     requires: frozenset[str] = frozenset()
     module: str = ""  # the module that registered it
     honours: frozenset[str] = frozenset()  # the CROSS_METHOD_OPTIONS it supports
+    plan: PlanSpec | None = None
 
     def missing(self, capabilities: frozenset[str]) -> frozenset[str]:
         """What the method needs that ``capabilities`` lacks."""
@@ -150,12 +154,14 @@ def register(
     description: str = "",
     requires: tuple[str, ...] = (),
     supports: tuple[str, ...] = (),
+    plan: PlanSpec | None = None,
 ) -> MethodSpec:
     """Register a method under ``name``: its ``strategy``, ``client`` and ``options`` classes, a
     one-line ``description`` (default: the first line of the strategy's docstring); ``requires``: the
     task capabilities it needs (``("lora",)`` for a LoRA method); ``supports``: the
-    :data:`CROSS_METHOD_OPTIONS` it honours. A name that is
-    already registered raises :class:`DuplicateMethodError`."""
+    :data:`CROSS_METHOD_OPTIONS` it honours; ``plan``: its knob and cost model for client budgets
+    (:class:`~fedtune.planning.spec.PlanSpec`). A name that is already registered raises
+    :class:`DuplicateMethodError`."""
     unknown = set(supports) - set(CROSS_METHOD_OPTIONS)
     if unknown:
         raise ValueError(f"register({name!r}): unknown cross-method options {sorted(unknown)}")
@@ -163,6 +169,6 @@ def register(
     if name in _METHODS:
         raise DuplicateMethodError(f"method {name!r} is registered twice: by {_METHODS[name].module} and by {module}")
     doc = description or (strategy.__doc__ or "").strip().split("\n")[0]
-    spec = MethodSpec(name, strategy, client, options, doc, frozenset(requires), module, frozenset(supports))
+    spec = MethodSpec(name, strategy, client, options, doc, frozenset(requires), module, frozenset(supports), plan)
     _METHODS[name] = spec
     return spec

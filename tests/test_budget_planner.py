@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from fedtune.planning.capacity import CAPACITIES
+from fedtune.methods.rabo.plan import CAPACITIES
 from fedtune.planning.planner import GIB, MB, plan_budgets
 from fedtune.run import run_experiment
 from fedtune.runtime import RunContext, resolve_run
@@ -231,7 +231,7 @@ def test_the_planner_turns_checkpointing_on_where_memory_breaks_and_the_run_appl
 def test_capacity_seconds_are_the_fitted_line_of_the_methods_kind_over_flop_seconds(tmp_path, method):
     """seconds = a + b x flop_s with (a, b) of the method's seconds kind: at capacity 1/16 a round
     costs at least a (its episodes and masks; FLOPs alone put RABO's at milliseconds)."""
-    from fedtune.planning.capacity import SECONDS_KIND, SUBMODEL_SECONDS, predict_capacity
+    from fedtune.methods.rabo.plan import SECONDS_KIND, SUBMODEL_SECONDS, predict_capacity
 
     context = RunContext(resolve_run(few_shot(tmp_path, method)))
     a, b = SUBMODEL_SECONDS[SECONDS_KIND[method]]
@@ -246,7 +246,7 @@ def test_capacity_seconds_constants_reproduce_the_measured_cpu_seconds_they_were
     """benchmarks/results/budgets/capacity-fit.json: every measured client (Static, FedRolex, RABO,
     RAFBO fitted; FIARSE checked) within 0.7-1.25x of the committed constants' prediction; a
     constant edited without a refit, or the FLOP-count seconds alone (0.004-3.3x), falls outside."""
-    from fedtune.planning.capacity import SECONDS_KIND, SUBMODEL_SECONDS
+    from fedtune.methods.rabo.plan import SECONDS_KIND, SUBMODEL_SECONDS
 
     fit = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "budgets" / "capacity-fit.json"
     samples = json.loads(fit.read_text())["samples"]

@@ -61,7 +61,7 @@ def test_a_stated_trains_on_needs_a_proxy_method(tmp_path):
         None, [*base, "method=heterolora", f"output_dir={tmp_path}", 'federation.profiles=[{trains_on="full"}]']
     )
     assert one_line_config_error(lambda: resolve_run(cfg)) == (
-        "federation.profiles[0].trains_on: method 'heterolora' trains on no proxy (fedpft and fedot do)"
+        "federation.profiles[0].trains_on: method 'heterolora' trains on no proxy (fedot and fedpft do)"
     )
 
 

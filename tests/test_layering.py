@@ -11,12 +11,20 @@ inside functions are lazy and may point up, for example the registries discoveri
     data                sources, partitioners, batches (no model code)
     models              loading, LoRA workspace, training loop, networks
     tasks               Task ABC + one module per kind (data + model + loss + metrics)
-    registry            method name -> Strategy, Client, options, required capabilities
-    methods             one module per method, over protocol + the Task interface
+    registry, planning.spec
+                        method name -> Strategy, Client, options, required capabilities, its plan
+                        (the knob client budgets set and the method's cost model)
+    methods.base        what several methods share
+    planning.memory, speed, quantization, knob, workload, measured, lora_plan
+                        the generic pricing a method's plan is built from: the memory and time
+                        models, the LoRA methods' rank knob
+    methods             one module per method family, over protocol + the Task interface, each
+                        registering its plan next to its code
     catalog, config_reference
                         the methods' and task kinds' names and descriptions, read without them;
                         the config reference generated from the config classes (the docs)
-    planning            client budgets: the memory and time model, the planner, the peak meter
+    planning            client budgets: the planner (the search over any method's knob), node
+                        reports, the peak meter; names no method
     runtime             RunContext: one process's task, model and profiles
     engines.rounds, engines.delivery, engines.policy, engines.record, engines.local,
     engines.embedded, engines.device_pool
@@ -38,8 +46,8 @@ import ast
 import importlib
 import importlib.util
 import inspect
-import pkgutil
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -62,7 +70,17 @@ LAYERS = [
     ["fedtune.data"],
     ["fedtune.models"],
     ["fedtune.tasks"],
-    ["fedtune.registry"],
+    ["fedtune.registry", "fedtune.planning.spec"],
+    ["fedtune.methods.base"],
+    [
+        "fedtune.planning.memory",
+        "fedtune.planning.speed",
+        "fedtune.planning.quantization",
+        "fedtune.planning.knob",
+        "fedtune.planning.workload",
+        "fedtune.planning.measured",
+        "fedtune.planning.lora_plan",
+    ],
     ["fedtune.methods"],
     ["fedtune.catalog", "fedtune.config_reference"],
     ["fedtune.planning"],
@@ -84,10 +102,13 @@ LAYERS = [
 
 
 def all_modules() -> list[str]:
+    """fedtune's modules: the packages' and those of a folder without ``__init__.py`` (``methods/base``)."""
+    root = Path(fedtune.__file__).parent
     names = ["fedtune"]
-    for info in pkgutil.walk_packages(fedtune.__path__, "fedtune."):
-        names.append(info.name)
-    return sorted(names)
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return sorted(set(names))
 
 
 def layer_of(module: str) -> int:
@@ -378,3 +399,63 @@ def test_function_lengths_sees_methods_nested_functions_and_the_whole_span():
     source = f"{nested}def run_experiment():\n{body}\n"
     assert function_lengths(source, "f.py:") == {"f.py:A.m": 3, "f.py:A.m.inner": 2, "f.py:run_experiment": 41}
     assert function_lengths(source)["run_experiment"] > RUN_DRIVER_MAX
+
+
+#: registered method names that are also English words: in prose ("local steps") they name no method
+ENGLISH = {"local", "static"}
+
+
+def method_names_in(folder: Path) -> list[str]:
+    """Each registered method's name that a module under ``folder`` spells, as ``grep -wi`` finds
+    it (``file:line: name``): anywhere in the text, docstrings and comments included, and for the
+    names that are also English words (:data:`ENGLISH`) in the code only: a word of a string
+    literal or an f-string's text (not a docstring), or a whole identifier."""
+    from fedtune.methods import list_methods
+
+    names = {m.name for m in list_methods()}
+    hits = []
+    for path in sorted(folder.rglob("*.py")):
+        text = path.read_text()
+        for lineno, line in enumerate(text.splitlines(), 1):
+            words = {w.lower() for w in re.findall(r"[\w-]+", line)} | {w.lower() for w in re.findall(r"\w+", line)}
+            hits += [f"{path.name}:{lineno}: {w}" for w in sorted(words & (names - ENGLISH))]
+        tree = ast.parse(text)
+        prose = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
+                words = set(re.findall(r"[\w-]+", node.value))
+            elif isinstance(node, (ast.Name, ast.Attribute, ast.alias, ast.arg, ast.FunctionDef, ast.ClassDef)):
+                spelled = [getattr(node, k, None) for k in ("id", "attr", "name", "arg", "asname")]
+                words = {str(w).lower() for w in spelled if w}
+            else:
+                continue
+            hits += [f"{path.name}:{node.lineno}: {w}" for w in sorted(words & ENGLISH)]
+    return hits
+
+
+def test_planning_names_no_method():
+    """Each method carries its own plan (registered with it, issue 53 item 2): fedtune/planning/ is
+    the generic machinery and spells no registered method's name (the control: main's planner,
+    with its KNOBS table and CoMMIT / FedOT branches, is caught)."""
+    assert method_names_in(Path(fedtune.__file__).parent / "planning") == []
+
+
+def test_the_method_name_check_catches_a_name_put_back(tmp_path):
+    """The control of :func:`test_planning_names_no_method`: a method's name put back into a copy of
+    the planner, as a literal, in an f-string, as a name or in prose, is found; "local" as a word of
+    prose and a longer word holding a name are not; "local" as a literal or a name is."""
+    planner = (Path(fedtune.__file__).parent / "planning" / "planner.py").read_text()
+    (tmp_path / "planner.py").write_text(planner)
+    assert method_names_in(tmp_path) == []
+    put_back = '\nKNOBS = {"heterolora": "rank", "local": None}\nWHY = f"{1} needs FedPFT"\n\n\ndef f(commit):\n'
+    body = '    """FSLoRA\'s knob over local steps."""\n    return commit.local_steps + fedotherwise  # FedIT\n'
+    (tmp_path / "planner.py").write_text(planner + put_back + body)
+    found = sorted(hit.rsplit(": ", 1)[1] for hit in method_names_in(tmp_path))
+    assert found == ["commit", "commit", "fedit", "fedpft", "fslora", "heterolora", "local"]

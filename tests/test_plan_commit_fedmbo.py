@@ -1,5 +1,5 @@
 """Issue 41's planner for CoMMIT (FedIT's LoRA step with the trainer's extra passes and held
-tensors, :data:`fedtune.planning.workload.COMMIT_STEP`) and FedMBO (RABO's full-model baseline,
+tensors, :data:`fedtune.methods.commit.plan.COMMIT_STEP`) and FedMBO (RABO's full-model baseline,
 priced at capacity 1)."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from fedtune.config import ConfigError, load_config
-from fedtune.planning.capacity import predict_capacity
+from fedtune.methods.rabo.plan import predict_capacity
+from fedtune.planning.lora_plan import lora_knob
 from fedtune.planning.memory import Shape, frozen_values
-from fedtune.planning.planner import GIB, MB, _lora_knob, bytes_per_value, metered_fit, plan_budgets
+from fedtune.planning.planner import GIB, MB, bytes_per_value, metered_fit, plan_budgets
 from fedtune.planning.speed import forward_flops, reference
 from fedtune.run import run_experiment
 from fedtune.runtime import RunContext, resolve_run
@@ -65,7 +66,7 @@ def test_commit_seconds_are_fedits_step_times_the_trainers_passes(tmp_path):
     # measuring kappa (CoMMIT-CLR; constant LR by default): two gradient-free forwards after the step
     cfg = fedit_ctx.config
     base = fedit_ctx.workspace.base
-    trainable = _lora_knob(fedit_ctx, None).cost(4, False, None)[0].trainable
+    trainable = lora_knob(fedit_ctx, None).cost(4, False, None)[0].trainable
     length, logits = fedit_ctx.task.step_shape()
     shape = Shape.of(base)  # the LM head over the answer logits only
     head = (shape.vocab * shape.hidden, cfg.train.batch_size * logits)
@@ -147,7 +148,7 @@ def test_commit_holds_its_trainers_copies_and_answer_logits_beyond_fedits_peak(t
     commit = plan_budgets(ctx, always=True).clients[0]
     batch, positions = 4, ctx.task.step_shape()[1]
     vocab = Shape.of(ctx.skeleton).vocab
-    trainable = _lora_knob(ctx, None).cost(4, False, None)[0].trainable
+    trainable = lora_knob(ctx, None).cost(4, False, None)[0].trainable
     y_hat = 4 * batch * positions * vocab  # float32: the tiny model computes in float32
     held = copies * 4 * trainable + tensors * 4 * batch * (positions - 1) * vocab + y_hat
     assert commit.peak_bytes - fedit.peak_bytes == held

@@ -1,4 +1,4 @@
-"""Fit the sub-model methods' memory coefficients (fedtune.planning.capacity.SUBMODEL_FIT) from
+"""Fit the sub-model methods' memory coefficients (fedtune.methods.rabo.plan.SUBMODEL_FIT) from
 measured runs of their recipes (issue 41).
 
 Each recipe runs one round with five clients at RABO's capacities 1, 1/2, ..., 1/16 and a memory
@@ -34,7 +34,7 @@ import numpy as np
 
 import fedtune.engines.local as local
 from fedtune.config import load_config
-from fedtune.planning.capacity import CAPACITIES, SECONDS_KIND, predict_capacity
+from fedtune.methods.rabo.plan import CAPACITIES, SECONDS_KIND, predict_capacity
 from fedtune.run import run_experiment
 from fedtune.runtime import RunContext, resolve_run
 

@@ -66,7 +66,8 @@ from fedtune.harness import (
     table_lines,
     toml_value,
 )
-from fedtune.planning.planner import GIB, KNOBS, plan_budgets
+from fedtune.methods import get_method
+from fedtune.planning.planner import GIB, plan_budgets
 from fedtune.runtime import RunContext, resolve_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -164,7 +165,7 @@ def budgets(largest, method: str, pinned: dict[str, tuple[float, float]] | None 
     methods' upload codec is pinned to dense float32, so the planner meets a bandwidth budget with
     the method's own knob (rank, sketch ratio), not with top-k or bfloat16 (which it tries first;
     the ``compressed`` arm unpins it)."""
-    lora = KNOBS[method] != "capacity"
+    lora = get_method(method).plan.knob != "capacity"
     classes = CLASSES if lora else RABO_CLASSES
     if pinned is None:
         pinned = {
@@ -201,7 +202,7 @@ def arm_profiles(
     fields = budgets(largest, method, pinned)
     planned = [fields[class_of(c)] for c in range(n)]
     plan = plan_budgets(context(base, planned, recipe))
-    knob = KNOBS[method]
+    knob = get_method(method).plan.knob
     top = max(getattr(p, knob) for p in plan.profiles)
     value = {class_of(c.cid): getattr(p, knob) for c, p in zip(plan.clients, plan.profiles)}
     setting = {class_of(c.cid): c.setting for c in plan.clients}
@@ -233,7 +234,7 @@ def global_rank(method: str, arm: str, profiles: list[dict]) -> list[str]:
     = "rank"`` would train each rank-4 client at alpha/4 and evaluate the global model at alpha/r:
     every update r/4 times weaker than it trained (the causal-LM runs before this measured that arm
     1.5 nats worse). The clients still train at alpha/4; the evaluated model now uses it too."""
-    if arm != "smallest" or KNOBS[method] != "rank":
+    if arm != "smallest" or get_method(method).plan.knob != "rank":
         return []
     return [f"model.lora_rank={profiles[0]['rank']}"]
 

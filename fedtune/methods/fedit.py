@@ -16,6 +16,7 @@ from pydantic import Field
 from fedtune.methods.base.averaging import SECURE_AGGREGATION, WEIGHTED_SUM_OPTIONS, BroadcastAverage, Weighting
 from fedtune.methods.base.lora import LORA, SCALE_OPTIONS, SERVER_DEVIATIONS, GlobalAdapterStrategy, LoraClient
 from fedtune.methods.base.privacy import PRIVACY_OPTIONS
+from fedtune.planning.lora_plan import lora_plan
 from fedtune.protocol.messages import Message
 from fedtune.registry import MethodOptions, register
 
@@ -54,4 +55,5 @@ register(
     FedITOptions,
     requires=LORA,
     supports=(*WEIGHTED_SUM_OPTIONS, *SCALE_OPTIONS, *PRIVACY_OPTIONS, *SECURE_AGGREGATION),
+    plan=lora_plan(None),
 )

@@ -70,6 +70,7 @@ from fedtune.methods.base.lora_arrays import (
 )
 from fedtune.methods.base.ranked import merged_into_base
 from fedtune.methods.base.robust import weighted_average
+from fedtune.planning.lora_plan import lora_plan
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
 from fedtune.protocol.validation import ArraySpec, spec_like
@@ -245,4 +246,5 @@ register(
     FedStackLoRAOptions,
     requires=LORA,
     supports=(*SERVER_STEP_AND_UPLOAD_CODEC, *MERGING_SCALE_OPTIONS),
+    plan=lora_plan("rank"),
 )

@@ -63,6 +63,7 @@ from fedtune.methods.base.lora_arrays import (
 )
 from fedtune.methods.base.ranked import RankedAdapterClient, merged_into_base
 from fedtune.methods.base.robust import weighted_average
+from fedtune.planning.lora_plan import lora_plan
 from fedtune.protocol.messages import Message
 from fedtune.registry import MethodOptions, register
 
@@ -176,4 +177,5 @@ register(
     FlexLoRAOptions,
     requires=LORA,
     supports=(*SERVER_STEP_AND_UPLOAD_CODEC, *MERGING_SCALE_OPTIONS),
+    plan=lora_plan("rank"),
 )

@@ -105,6 +105,7 @@ from fedtune.methods.base.lora import (
 )
 from fedtune.methods.base.lora_arrays import add_ranks, lora_pairs, module_path, take_ranks
 from fedtune.methods.base.privacy import PRIVACY_OPTIONS
+from fedtune.planning.lora_plan import lora_plan
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import SecureSum, secure_layout_of
 from fedtune.protocol.validation import ArraySpec, spec_like
@@ -338,4 +339,5 @@ register(
     FSLoRAOptions,
     requires=LORA,
     supports=(*SERVER_STEP_AND_UPLOAD_CODEC, *SCALE_OPTIONS, *PRIVACY_OPTIONS, *SECURE_AGGREGATION),
+    plan=lora_plan("sketch_ratio"),
 )

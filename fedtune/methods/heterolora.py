@@ -119,6 +119,7 @@ from fedtune.methods.base.lora_arrays import (
 )
 from fedtune.methods.base.privacy import PRIVACY_OPTIONS
 from fedtune.methods.base.ranked import fit_at_sent_rank
+from fedtune.planning.lora_plan import lora_plan
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import SecureSum, secure_layout_of
 from fedtune.protocol.validation import ArraySpec, spec_like
@@ -374,4 +375,5 @@ register(
     HeteroLoRAOptions,
     requires=LORA,
     supports=(*SERVER_STEP_AND_UPLOAD_CODEC, *SCALE_OPTIONS, *PRIVACY_OPTIONS, *SECURE_AGGREGATION),
+    plan=lora_plan("rank"),
 )

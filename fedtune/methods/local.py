@@ -14,6 +14,7 @@ import numpy as np
 from fedtune.methods.base.averaging import mean_train_loss
 from fedtune.methods.base.lora import LORA, SCALE_OPTIONS, LoraClient
 from fedtune.methods.fedit import FedITStrategy
+from fedtune.planning.lora_plan import lora_plan
 from fedtune.protocol.messages import Message
 from fedtune.registry import register
 
@@ -92,4 +93,4 @@ class LocalClient(LoraClient):
         return Message({}, self.context.task.evaluate(ws.model, self.config.train.eval_batch_size))
 
 
-register("local", LocalStrategy, LocalClient, requires=LORA, supports=SCALE_OPTIONS)
+register("local", LocalStrategy, LocalClient, requires=LORA, supports=SCALE_OPTIONS, plan=lora_plan(None))

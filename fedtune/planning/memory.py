@@ -31,7 +31,7 @@ peak and the recomputed layer's do not coincide, so the logits have their own c_
 Time: ``(2 (2 + checkpointing) (N_base - V h) + 6 N_trainable) t + 4 V h t_V`` FLOPs a step (a
 4-bit weight counted unpacked; the LM head's V h over the logit positions only, not recomputed)
 over the speed-1 client's FLOP/s in the base's format (:mod:`fedtune.planning.speed`) times ``speed``.
-A method whose step does more (CoMMIT: :func:`fedtune.planning.workload.commit_workload`) states its
+A method whose step does more (its plan's ``step``, :func:`fedtune.planning.lora_plan.lora_plan`) states its
 passes and what it holds beside the step in its :class:`Workload`.
 """
 
@@ -43,8 +43,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedtune.planning.speed import REFERENCE_FLOPS as REFERENCE_FLOPS  # float32's, for planning.capacity
-from fedtune.planning.speed import forward_flops, reference, train_flops
+from fedtune.planning.speed import REFERENCE_FLOPS as REFERENCE_FLOPS  # float32's, for the sub-model methods' plan
+from fedtune.planning.speed import base_format, forward_flops, reference, train_flops
 from fedtune.process import _malloc_trim
 
 #: Activation coefficients (c_h, c_i, c_a, c_v, c_r, k, c_v') per model family, fitted by
@@ -101,10 +101,10 @@ class Workload:
     states: int  # optimizer states per trainable value
     steps: int = 1
     kbit: bool = False  # a quantized base (its activations are float32: :func:`features`)
-    passes: int = 1  # forward-backward passes a step (CoMMIT's regularizer adds two)
-    forwards: int = 0  # gradient-free forward passes a step (CoMMIT's kappa measurement)
+    passes: int = 1  # forward-backward passes a step (a regularizer's adds more)
+    forwards: int = 0  # gradient-free forward passes a step (a measurement after the step)
     copies: int = 0  # copies of the trainable values held beside them, their gradients and states
-    held: int = 0  # other bytes held at the peak beyond the LoRA step's (CoMMIT's answer logits)
+    held: int = 0  # other bytes held at the peak beyond the LoRA step's (a copy of the logits)
     logits: int | None = None  # positions per row whose LM-head logits the loss computes (None: every one)
     dropout: bool = False  # LoRA dropout (``model.lora_dropout`` > 0) on the adapted layers' inputs
 
@@ -220,7 +220,7 @@ def predict(
         trainable=trainable,
         states=work.states,
         activations=activation_bytes(shape, work, feats) + dropout_bytes(shape, work, sum(i for i, _ in dims)),
-        seconds=flops / reference(base, shape.hidden, fmt, device).flops,
+        seconds=flops / reference(base, shape.hidden, fmt or base_format(base, heads), device).flops,
         features=feats,
         held=work.copies * 4 * trainable + work.held,
     )

@@ -1,73 +1,56 @@
 """Each client's setting from its budget, before anything trains; and the measured peak of its fit.
 
 A client has a budget when its profile states ``memory_gib``, ``bandwidth_mb`` or ``deadline_s``
-(``speed`` scales its predicted seconds). For the LoRA methods the planner predicts
-(:mod:`fedtune.planning.memory`; on a model with no transformer config, a CNN, measured per rank:
-:func:`~fedtune.planning.measured.measured_lora_knob`) the peak memory, the seconds of a round's local steps at the
-client's speed and the MB it uploads, and picks, simplest first, the knob its method lets a
-client vary: the rank for HeteroLoRA / FlexLoRA / FedStackLoRA, the sketch ratio (rank / r) for
-FSLoRA, each client's largest of r, r/2, r/4, ..., 1 that fits every budget it states; FedIT has
-no knob (rank r or nothing), nor has CoMMIT (FedIT's step with its trainer's extra passes and
-held tensors: :func:`commit_workload`). The sub-model methods (RABO / RAFBO, Static, FedRolex,
-FIARSE) vary the capacity, the largest of RABO's 1, 1/2, ..., 1/16 that fits, priced on the sliced
-model (:mod:`fedtune.planning.capacity`); FedMBO trains the full model: capacity 1 or nothing.
-FedPFT and FedOT choose the model a client trains the adapter on, the full model or else the
-proxy (:mod:`fedtune.planning.proxy`). A client that states its knob (``rank``,
-``sketch_ratio``, ``capacity``, ``trains_on``) keeps it and the run measures it. A client that
-no setting fits is excluded, with the reason of the smallest setting, and every round drops it
-with that reason.
+(``speed`` scales its predicted seconds). Each method carries its own plan
+(:class:`~fedtune.planning.spec.PlanSpec`, registered with the method): the profile field a client
+varies (its knob: a LoRA method's rank or sketch ratio, :mod:`fedtune.planning.lora_plan`; a
+sub-model method's capacity; a proxy method's ``trains_on``; or none: one setting or nothing) and
+its cost model, which prices each setting's peak memory, the seconds of a round's local steps at
+the client's speed and the values it uploads. The planner names no method: it searches any
+method's knob the same way, largest value first, and gives each client the first setting that
+fits every budget it states. A client that states its knob (``rank``, ``sketch_ratio``,
+``capacity``, ``trains_on``) keeps it and the run measures it. A client that no setting fits is
+excluded, with the reason of the smallest setting, and every round drops it with that reason; a
+method that registers no plan gets one line (ConfigError) when a client states a budget.
 
-At each value of the knob, largest first, a LoRA client over its memory budget is tried with
-gradient checkpointing (it costs time, about a third more compute, and no accuracy), then on an
-8-bit and a 4-bit base (``federation.profiles[i].quantization``; where the method honours
-``model.quantization`` and bitsandbytes is installed; a profile that states it keeps it), each
-without and with checkpointing, and only then at the next smaller value: quantization changes the
-model the client trains on, but the base's weights are most of a client's peak, while a smaller
-rank saves only the adapter's share (a few percent) and shrinks what the client contributes.
+At each value of the knob, largest first, a client over its memory budget is tried with gradient
+checkpointing (it costs time, about a third more compute, and no accuracy), then on an 8-bit and a
+4-bit base (``federation.profiles[i].quantization``; where the knob prices base formats: the
+method honours ``model.quantization`` and bitsandbytes is installed; a profile that states it keeps
+it), each without and with checkpointing, and only then at the next smaller value: quantization
+changes the model the client trains on, but the base's weights are most of a client's peak, while a
+smaller rank saves only the adapter's share (a few percent) and shrinks what the client contributes.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
+from functools import cache
 
 import torch
 
 from fedtune.config import ConfigError
 from fedtune.models.precision import DTYPES
-from fedtune.planning.knob import Knob, rank_knob
-from fedtune.planning.workload import commit_workload, lora_workload
+from fedtune.planning.lora_plan import CHECKPOINTING
+from fedtune.planning.spec import Knob, PlanSpec
 from fedtune.protocol.messages import Message
 from fedtune.protocol.profiles import ClientProfile
 from fedtune.steps import track
 
-#: method -> the profile field the planner sets (None: the method has no per-client knob)
-KNOBS: dict[str, str | None] = {
-    "heterolora": "rank",
-    "flexlora": "rank",
-    "fedstacklora": "rank",
-    "fslora": "sketch_ratio",
-    "fedit": None,
-    "commit": None,
-    "fedpetuning": None,
-    "local": None,
-    **dict.fromkeys(("rabo", "rafbo", "static", "fedrolex", "fiarse"), "capacity"),
-    "fedmbo": None,  # the full model: capacity 1 (planning.capacity.FULL_MODEL_METHODS)
-    **dict.fromkeys(("fedpft", "fedot"), "trains_on"),
-}
 #: the key of a training reply's metadata with the client's measured peak bytes
 PEAK_BYTES = "peak_bytes"
 MB = 1e6  # MB per round: 10^6 bytes
 GIB = 2**30
 
 
-def _capacity_planned(method: str) -> bool:
-    """Whether ``method``'s clients are priced on the sliced model (:mod:`fedtune.planning.capacity`)."""
-    from fedtune.planning.capacity import FULL_MODEL_METHODS
+def planned_methods() -> list[str]:
+    """The registered methods that carry a plan (``register(..., plan=...)``), by name."""
+    from fedtune.methods import list_methods
 
-    return KNOBS.get(method) == "capacity" or method in FULL_MODEL_METHODS
+    return [m.name for m in list_methods() if m.plan is not None]
 
 
 def has_budget(profile: ClientProfile) -> bool:
@@ -93,7 +76,7 @@ class Plan:
     profiles: list[ClientProfile]  # with each client's planned knob
     excluded: dict[int, str] = field(default_factory=dict)
     speed_note: str = ""  # what the predicted seconds assume (:func:`fedtune.planning.speed.reference`)
-    note: str = ""  # what the plan leaves out of the profiles (FedMBO: their capacities)
+    note: str = ""  # what the plan leaves out of the profiles (capacities a full-model method ignores)
 
 
 def _violation(profile: ClientProfile, peak: int, seconds: float, upload_mb: float) -> str | None:
@@ -107,19 +90,21 @@ def _violation(profile: ClientProfile, peak: int, seconds: float, upload_mb: flo
     return None
 
 
-def _check_planner(method: str) -> None:
-    """ConfigError when ``method`` has no planner."""
-    if method not in KNOBS:
+def _plan_of(method) -> PlanSpec:
+    """``method``'s plan (a :class:`~fedtune.registry.MethodSpec`); ConfigError when it registers none."""
+    if method.plan is None:
         raise ConfigError(
-            f"federation: client budgets are planned for {', '.join(KNOBS)}; method {method!r} has no planner"
+            f"federation: client budgets are planned for {', '.join(planned_methods())}; "
+            f"method {method.name!r} has no planner"
         )
+    return method.plan
 
 
 def check_plannable(run) -> None:
     """At resolve time (before anything is read or written): client budgets only for a method the
     planner covers (ConfigError otherwise); ``run``: a :class:`~fedtune.runtime.ResolvedRun`."""
     if any(has_budget(p) for p in run.profiles):
-        _check_planner(run.config.method)
+        _plan_of(run.method)
 
 
 def unrunnable(plan: Plan | None, min_replies: int) -> str | None:
@@ -141,120 +126,132 @@ def unrunnable(plan: Plan | None, min_replies: int) -> str | None:
 
 def pricing(context) -> tuple[str | None, Knob, str]:
     """The run's knob (the profile field the plan sets; None: none), its :class:`Knob` (ladder and
-    prices) and the plan's note, built once per ``context``; ConfigError for a method the planner does
-    not cover."""
+    prices, by the method's own cost model: its :class:`~fedtune.planning.spec.PlanSpec`) and the
+    plan's note, built once per ``context``; ConfigError for a method that registers no plan."""
     cached = context.__dict__.get("_pricing")
     if cached is not None:
         return cached
-    config = context.config
-    _check_planner(config.method)
-    knob = KNOBS[config.method]
-    note = ""
-    if _capacity_planned(config.method):
-        from fedtune.planning.capacity import CAPACITIES, predict_capacity
-
-        def price(v, *_):
-            return predict_capacity(context, v)
-
-        if knob == "capacity":
-            knobs = Knob(list(CAPACITIES), lambda p: p.capacity, price, "capacity {:g}".format)
-        else:  # FedMBO: the full model, whatever capacity a profile states (the method ignores it)
-            knobs = Knob([1.0], lambda p: None, price, lambda v: "full model")
-            ignored = [str(cid) for cid, p in enumerate(context.run.profiles) if p.capacity not in (None, 1.0)]
-            if ignored:
-                note = (
-                    f"{config.method} trains the full model: the capacities of clients {', '.join(ignored)} are ignored"
-                )
-    elif knob == "trains_on":
-        from fedtune.planning.proxy import SETTINGS, predict_settings
-
-        settings = predict_settings(context, lora_workload(context, context.skeleton))
-        label = {"full": "full model", "proxy": "proxy"}.__getitem__
-        knobs = Knob(list(SETTINGS), lambda p: p.trains_on, lambda v, *_: settings[v], label)
-    else:
-        knobs = _lora_knob(context, knob)
-    context.__dict__["_pricing"] = (knob, knobs, note)
-    return knob, knobs, note
+    spec = _plan_of(context.method)
+    knobs, note = spec.price(context)
+    context.__dict__["_pricing"] = (spec.knob, knobs, note)
+    return spec.knob, knobs, note
 
 
 def plan_budgets(context, always: bool = False) -> Plan | None:
     """The plan of ``context``'s run (a :class:`~fedtune.runtime.RunContext`; each client's budget as
     its node reports it, :attr:`~fedtune.runtime.RunContext.budgeted_profiles`), or None when no
     client states a budget and no node's report was dropped (``always``: the predictions all the
-    same); ConfigError for a method the planner does not cover."""
+    same); ConfigError for a method that registers no plan."""
     profiles = context.budgeted_profiles if hasattr(context, "budgeted_profiles") else list(context.run.profiles)
     dropped = dict(context.reports.dropped) if hasattr(context, "reports") else {}
     if not always and not dropped and not any(has_budget(p) for p in profiles):
         return None
     knob, knobs, note = pricing(context)
-    costs: dict = {}
-    clients, planned, excluded = [], [], {}
-    for cid, profile in track(enumerate(profiles), f"planning {len(profiles)} clients", len(profiles), "clients"):
-        if cid in dropped:  # its node's report failed the check: excluded, nothing priced
-            excluded[cid] = f"excluded: {dropped[cid]}"
-            clients.append(ClientPlan(cid, profile.device_class, "-", 0, 0.0, 0.0, excluded[cid]))
-            planned.append(profile)
-            continue
-        own = knobs.stated(profile)
-        stated = knob is not None and own is not None
-        values = [own] if own is not None else knobs.ladder if knob is not None else knobs.ladder[:1]
-        codecs = _codecs(context, profile)
-        formats = knobs.formats
-        if formats[0] is not None and (profile.quantization is not None or profile.dtype is not None):
-            formats = (context.base_format(profile),)
-        for value in values:
-            for fmt, checkpointing in ((f, c) for f in formats for c in knobs.variants):
-                if (value, checkpointing, fmt) not in costs:
-                    costs[value, checkpointing, fmt] = knobs.cost(value, checkpointing, fmt)
-                p, upload_values = costs[value, checkpointing, fmt]
-                seconds = p.seconds / profile.speed
-                # a lighter codec only where the upload is what breaks the budget
-                fits = not has_budget(profile) or _violation(profile, p.peak, seconds, 0.0) is None
-                for codec in codecs if fits else codecs[:1]:
-                    upload = upload_values * bytes_per_value(*codec) / MB
-                    reason = _violation(profile, p.peak, seconds, upload) if has_budget(profile) else None
-                    if reason is None:
-                        break
-                # checkpointing only where the memory is what breaks it
-                if reason is None or profile.memory_gib is None or p.peak <= profile.memory_gib * GIB:
-                    break
-            if reason is None:
-                break
-        setting = knobs.label(value)
-        if checkpointing != knobs.variants[0]:
-            setting += ", checkpointing"
-            profile = profile.model_copy(update={"gradient_checkpointing": True})
-        if fmt is not None and fmt != knobs.formats[0]:
-            setting += f", {fmt[0] if fmt[0] != 'none' else fmt[1]} base"
-        if codec != codecs[0]:
-            setting += f", upload {codec[1]}" + ("" if codec[0] is None else f" top-k {codec[0]:g}")
-        if reason is not None and not stated:
-            excluded[cid] = f"excluded by the plan: no setting fits its budget ({setting}: {reason})"
-        if knob is not None and not stated:
-            profile = profile.model_copy(update={knob: knobs.value(value)})
-        run_format = knobs.formats[0]
-        own_base = fmt is not None and run_format is not None and fmt != run_format
-        if own_base and formats is knobs.formats and cid not in excluded:
-            assert fmt is not None and run_format is not None  # for mypy: own_base says so
-            own_format = {k: v for k, v, r in zip(("quantization", "dtype"), fmt, run_format) if v != r}
-            profile = profile.model_copy(update=own_format)
-        if codec != codecs[0]:
-            profile = profile.model_copy(update={"upload_topk": codec[0], "wire_dtype": codec[1]})
-        clients.append(
-            ClientPlan(
-                cid,
-                profile.device_class,
-                setting,
-                p.peak,
-                seconds,
-                upload,
-                excluded.get(cid),
-                stated,
-                reason if stated else None,
-            )  # fmt: skip
-        )
-        planned.append(profile)
-    return Plan(clients, planned, excluded, knobs.speed_note, note)
+    price = cache(knobs.cost)  # each (value, checkpointing, format) priced once for all clients
+    rows = [
+        _dropped(cid, p, dropped[cid]) if cid in dropped else _plan_client(context, knob, knobs, price, cid, p)
+        for cid, p in track(enumerate(profiles), f"planning {len(profiles)} clients", len(profiles), "clients")
+    ]
+    clients = [c for c, _ in rows]
+    excluded = {c.cid: c.excluded for c in clients if c.excluded is not None}
+    return Plan(clients, [p for _, p in rows], excluded, knobs.speed_note, note)
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """One setting the search tries: the knob's value, checkpointing, base format and upload codec,
+    its prediction, seconds at the client's speed and upload MB, and the budget it breaks (None: fits)."""
+
+    value: object
+    checkpointing: bool
+    fmt: tuple[str, str] | None
+    codec: tuple[float | None, str]
+    peak: int
+    seconds: float
+    upload: float
+    reason: str | None
+
+
+def _dropped(cid: int, profile: ClientProfile, why: str) -> tuple[ClientPlan, ClientProfile]:
+    """A client whose node's report failed the check: excluded, nothing priced."""
+    return ClientPlan(cid, profile.device_class, "-", 0, 0.0, 0.0, f"excluded: {why}"), profile
+
+
+def _plan_client(
+    context, knob: str | None, knobs: Knob, price: Callable, cid: int, profile: ClientProfile
+) -> tuple[ClientPlan, ClientProfile]:
+    """Client ``cid``'s row of the plan and its planned profile: the first setting of the search
+    (:func:`_candidates`) that fits its budget, else (excluded, or measured when it states its knob)
+    the last one tried."""
+    own = knobs.stated(profile)
+    stated = knob is not None and own is not None
+    values = [own] if own is not None else knobs.ladder if knob is not None else knobs.ladder[:1]
+    codecs = _codecs(context, profile)
+    formats = knobs.formats
+    if formats[0] is not None and (profile.quantization is not None or profile.dtype is not None):
+        formats = (context.base_format(profile),)  # a profile that states its base's format keeps it
+    *_, chosen = _candidates(knobs, price, profile, values, formats, codecs)
+    setting = _label(knobs, codecs, chosen)
+    excluded = None
+    if chosen.reason is not None and not stated:
+        excluded = f"excluded by the plan: no setting fits its budget ({setting}: {chosen.reason})"
+    own_base = formats is knobs.formats and not excluded
+    planned = _planned_profile(knob if not stated else None, knobs, codecs, chosen, profile, own_base)
+    over = chosen.reason if stated else None
+    c = chosen
+    return ClientPlan(cid, planned.device_class, setting, c.peak, c.seconds, c.upload, excluded, stated, over), planned
+
+
+def _candidates(knobs: Knob, price: Callable, profile: ClientProfile, values, formats, codecs) -> Iterator[_Candidate]:
+    """The settings tried for ``profile``, in order, ending at the first that fits: at each value
+    (largest first) each base format and checkpointing variant, and, where only the upload breaks
+    the budget, each lighter codec; the next variant only where the memory breaks it."""
+    budgeted = has_budget(profile)
+    for value in values:
+        for fmt, checkpointing in ((f, c) for f in formats for c in knobs.variants):
+            p, upload_values = price(value, checkpointing, fmt)
+            seconds = p.seconds / profile.speed
+            # a lighter codec only where the upload is what breaks the budget
+            fits = not budgeted or _violation(profile, p.peak, seconds, 0.0) is None
+            for codec in codecs if fits else codecs[:1]:
+                upload = upload_values * bytes_per_value(*codec) / MB
+                reason = _violation(profile, p.peak, seconds, upload) if budgeted else None
+                yield _Candidate(value, checkpointing, fmt, codec, p.peak, seconds, upload, reason)
+                if reason is None:
+                    return
+            if profile.memory_gib is None or p.peak <= profile.memory_gib * GIB:
+                break  # checkpointing and a lighter base only where the memory is what breaks it
+
+
+def _label(knobs: Knob, codecs: list, c: _Candidate) -> str:
+    """The setting as the plan prints it ("rank 4, checkpointing, 4bit base, upload bfloat16 top-k 0.1")."""
+    setting = knobs.label(c.value)
+    if c.checkpointing != knobs.variants[0]:
+        setting += ", checkpointing"
+    if c.fmt is not None and c.fmt != knobs.formats[0]:
+        setting += f", {c.fmt[0] if c.fmt[0] != 'none' else c.fmt[1]} base"
+    if c.codec != codecs[0]:
+        setting += f", upload {c.codec[1]}" + ("" if c.codec[0] is None else f" top-k {c.codec[0]:g}")
+    return setting
+
+
+def _planned_profile(
+    knob: str | None, knobs: Knob, codecs: list, c: _Candidate, profile: ClientProfile, own_base: bool
+) -> ClientProfile:
+    """``profile`` with what the plan chose: its checkpointing, ``knob``'s value (None: the method
+    has none, or the profile states it), its base's format where the search gave it another
+    (``own_base``: the search chose the format and the client is not excluded) and its codec."""
+    update: dict = {}
+    if c.checkpointing != knobs.variants[0]:
+        update["gradient_checkpointing"] = True
+    if knob is not None:
+        update[knob] = knobs.value(c.value)
+    run_format = knobs.formats[0]
+    if own_base and c.fmt is not None and run_format is not None and c.fmt != run_format:
+        update |= {k: v for k, v, r in zip(("quantization", "dtype"), c.fmt, run_format) if v != r}
+    if c.codec != codecs[0]:
+        update |= {"upload_topk": c.codec[0], "wire_dtype": c.codec[1]}
+    return profile.model_copy(update=update) if update else profile
 
 
 def refusal(context, profile: ClientProfile) -> str | None:
@@ -265,8 +262,8 @@ def refusal(context, profile: ClientProfile) -> str | None:
         return None
     knob, knobs, _ = pricing(context)
     value = knobs.stated(profile) if knob is not None else None
-    if value is None:  # unstated: what the client trains on (FedPFT / FedOT: the proxy)
-        value = "proxy" if knob == "trains_on" else knobs.ladder[0]
+    if value is None:  # unstated: what the client trains on (the ladder's first, unless the knob says)
+        value = knobs.unstated if knobs.unstated is not None else knobs.ladder[0]
     fed = context.config.federation
     checkpointing = bool(profile.gradient_checkpointing or context.config.train.gradient_checkpointing)
     fmt = None if knobs.formats[0] is None else context.base_format(profile)
@@ -279,7 +276,6 @@ def refusal(context, profile: ClientProfile) -> str | None:
 CODECS = ((None, "float32"), (None, "bfloat16"), (0.25, "bfloat16"), (0.1, "bfloat16"), (0.05, "bfloat16"))
 #: the cross-method options of a method whose clients upload through the codec
 CODEC_OPTIONS = ("federation.upload_topk", "federation.wire_dtype")
-CHECKPOINTING = "train.gradient_checkpointing"
 
 
 def bytes_per_value(topk: float | None, wire_dtype: str) -> float:
@@ -307,12 +303,15 @@ def check_profile_codecs(run) -> None:
     """A profile that states an upload codec needs a method whose uploads go through it, one that
     states gradient checkpointing a method that honours it, one that states ``trains_on`` a proxy
     method (ConfigError naming the first such profile); ``run``: a :class:`~fedtune.runtime.ResolvedRun`."""
+    from fedtune.methods import list_methods
+
     fed = run.config.federation
     for cid, p in enumerate(run.profiles):
-        if p.trains_on is not None and KNOBS.get(run.config.method) != "trains_on":
+        if p.trains_on is not None and (run.method.plan is None or run.method.plan.knob != "trains_on"):
+            proxies = [m.name for m in list_methods() if m.plan is not None and m.plan.knob == "trains_on"]
             raise ConfigError(
                 f"federation.profiles[{cid}].trains_on: method {run.config.method!r} trains on no proxy "
-                "(fedpft and fedot do)"
+                f"({' and '.join(proxies)} do)"
             )
         if p.gradient_checkpointing and CHECKPOINTING not in run.method.honours:
             raise ConfigError(
@@ -327,54 +326,6 @@ def check_profile_codecs(run) -> None:
             )
         if fed.secure_aggregation:
             raise ConfigError(f"federation.profiles[{cid}].{field_}: not with federation.secure_aggregation")
-
-
-def _lora_knob(context, knob: str | None) -> Knob:
-    """The LoRA methods' knob: the rank on r, r/2, ..., 1 (FSLoRA: the sketch ratio rank / r)."""
-    from fedtune.models.precision import computes_natively, resolve_device
-    from fedtune.planning.memory import Shape, predict
-    from fedtune.planning.quantization import base_formats, weight_bytes
-    from fedtune.planning.speed import planned_format, reference
-
-    config = context.config
-    cfg, train, task = config.model, config.train, context.task
-    targets = list(cfg.target_modules) if cfg.target_modules is not None else task.lora_targets()
-    base = context.skeleton  # shapes only: each base's weights and format are predicted
-    from fedtune.planning.measured import has_shape, measured_lora_knob
-
-    if config.method != "commit" and not has_shape(base):
-        return measured_lora_knob(context, knob)
-    work = lora_workload(context, base)
-    dtype, device = DTYPES[cfg.dtype], resolve_device(config.device)
-
-    def cost(rank: int, checkpointing: bool, base_format: tuple[str, str] | None) -> tuple:
-        quantization, dtype = base_format or (cfg.quantization, cfg.dtype)
-        compute = DTYPES[dtype] if computes_natively(device, DTYPES[dtype]) else torch.float32
-        weights = weight_bytes(base, quantization, tuple(task.head_modules()), DTYPES[dtype].itemsize)
-        fmt = planned_format(quantization, DTYPES[dtype], device)
-        kbit = quantization != "none"  # a quantized base's activations are float32
-        act = torch.finfo(compute).bits // 8
-        client = replace(work, checkpointing=checkpointing, kbit=kbit, act_bytes=act)
-        if config.method == "commit":
-            client = commit_workload(context, client)
-        p = predict(base, targets, task.head_modules(), rank, client, weights=weights, fmt=fmt, device=device)
-        return p, p.trainable
-
-    variants: tuple[bool, ...] = (train.gradient_checkpointing,)
-    if not train.gradient_checkpointing and _checkpointable(context, base):
-        variants = (False, True)
-
-    formats = tuple(base_formats(context.method, cfg.quantization, cfg.dtype))
-    note = reference(base, Shape.of(base).hidden, planned_format(cfg.quantization, dtype, device), device).note
-    return rank_knob(cfg.lora_rank, knob, cost, variants=variants, formats=formats, speed_note=note)
-
-
-def _checkpointable(context, base) -> bool:
-    """Whether the planner may turn gradient checkpointing on for a client: the method honours
-    ``train.gradient_checkpointing`` and the model supports it."""
-    return CHECKPOINTING in context.method.honours and any(
-        getattr(m, "supports_gradient_checkpointing", False) for m in base.modules()
-    )
 
 
 @contextmanager
@@ -400,7 +351,7 @@ def planned_checkpointing(client):
 def metered_fit(client, message: Message, call: Callable[[Message], Message] | None = None) -> Message:
     """``client.fit(message)`` (or ``call(message)``: a phase of the round) with its measured peak
     (:class:`~fedtune.planning.memory.PeakMeter` on the run's device, plus the frozen base a LoRA
-    client holds; FedPFT / FedOT: the client's own ``peak_mem_bytes``,
+    client holds; a proxy client, its plan's ``peak`` "reported": the client's own ``peak_mem_bytes``,
     :func:`~fedtune.models.train_memory.training_peak_bytes`) in the reply's metadata, under the
     client's planned checkpointing. Under DP the peak is not sent: the client fails the request
     itself (a simulated out-of-memory) when it is over its ``memory_gib``."""
@@ -409,14 +360,16 @@ def metered_fit(client, message: Message, call: Callable[[Message], Message] | N
 
     with planned_checkpointing(client), PeakMeter(resolve_device(client.config.device)) as meter:
         reply = (call or client.fit)(message)
-    if KNOBS.get(client.config.method) == "trains_on" and "peak_mem_bytes" in reply.meta:
-        # FedPFT / FedOT: the process cuts a proxy client's skeleton from the full model, so its
+    plan = client.context.method.plan
+    mode = "base" if plan is None else plan.peak
+    if mode == "reported" and "peak_mem_bytes" in reply.meta:
+        # a proxy client: the process cuts its skeleton from the full model, so its
         # growth is not the client's; the client measures the model it trains on and its training
         peak = int(reply.meta["peak_mem_bytes"])
     elif meter.growth is None:
         return reply
     else:  # a LoRA client holds the frozen base; a sub-model client builds its sub-model inside its fit
-        held = 0 if _capacity_planned(client.config.method) else base_weight_bytes(client.context.workspace.base)
+        held = 0 if mode == "growth" else base_weight_bytes(client.context.workspace.base)
         peak = held + meter.growth
     budget = client.profile.memory_gib
     if client.config.privacy.mode != "none":  # under DP the measured peak stays on the client, which enforces it

@@ -39,8 +39,8 @@ def can_quantize(method: Any) -> bool:
 
 def own_bases(method: Any) -> bool:
     """Whether the clients of ``method`` may each train on a base of their own format: it honours
-    ``model.quantization`` and ``model.dtype`` (a method that merges into the base's weights, FlexLoRA
-    or FedStackLoRA, keeps one base)."""
+    ``model.quantization`` and ``model.dtype`` (a method that merges into the base's weights keeps one
+    base)."""
     return {OPTION, DTYPE_OPTION} <= method.honours
 
 

@@ -1,11 +1,9 @@
 """A LoRA client's step as the planner prices it (:class:`~fedtune.planning.memory.Workload`): the
 run's batch, the task's rows and logit positions (:meth:`~fedtune.tasks.base.Task.step_shape`),
-its dtype, checkpointing, optimizer and dropout (:func:`lora_workload`), and CoMMIT's step beyond
-FedIT's (:func:`commit_workload`)."""
+its dtype, checkpointing, optimizer and dropout (:func:`lora_workload`). A method whose step does
+more states it in its own plan (:func:`fedtune.planning.lora_plan.lora_plan`'s ``step``)."""
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 
@@ -50,40 +48,3 @@ def lora_workload(context, base):
             f"{', '.join(COEFFICIENTS)} (benchmarks/budgets/fit_memory.py)"
         )
     return work
-
-
-#: CoMMIT's local step (:func:`fedtune.methods.commit.balance.train_coordinated`) beyond FedIT's, per
-#: path of the trainer: (forward-backward passes, gradient-free forward passes, copies of the
-#: trainable values held, float32 tensors of the answer logits' shape held beyond the loss pass's)
-COMMIT_STEP: dict[str, tuple[int, int, int, int]] = {
-    # the loss pass, then D^T's and D^S's (each a forward and autograd.grad through the LM); the
-    # provisional values and the swapped-out component's own; answer_distance holds log q, log p,
-    # q, q - p and |q - p| where the cross-entropy holds its float copy and log-softmax
-    "regularized": (3, 0, 2, 3),
-    "measured": (1, 2, 1, 0),  # d_T and d_S: two no-grad forwards after the step; the values before it
-    "cd": (1, 0, 1, 0),  # the first component's values at the window's start
-    "plain": (1, 0, 0, 0),
-}
-
-
-def commit_workload(context, work):
-    """``work`` (FedIT's step on the same base) as a CoMMIT client's (:data:`COMMIT_STEP` for its
-    ``options.trainer``), with y_hat held too: the loss pass's logits over the A + 1 positions the
-    LM head computes (``work.logits``: A, the task's longest answer, + 1), kept through the step.
-    Without checkpointing (CoMMIT does not honour it: its trainer runs the model in evaluation mode)."""
-    from fedtune.methods.commit.balance import CD_ORDER
-    from fedtune.methods.commit.commit import coordination
-    from fedtune.planning.memory import Shape
-
-    coord = coordination(context.options, context.config)
-    path = (
-        "regularized" if coord.regularized
-        else "measured" if coord.measures
-        else "cd" if coord.trainer in CD_ORDER
-        else "plain"
-    )  # fmt: skip
-    passes, forwards, copies, tensors = COMMIT_STEP[path]
-    positions, vocab = work.logit_positions, Shape.of(context.skeleton).vocab
-    logits = (4 if work.kbit else work.act_bytes) * work.batch * positions * vocab
-    held = tensors * 4 * work.batch * (positions - 1) * vocab + logits
-    return replace(work, checkpointing=False, passes=passes, forwards=forwards, copies=copies, held=held)

@@ -50,8 +50,10 @@ from fedtune.config import ConfigError
 from fedtune.methods.base.averaging import SERVER_STEP_AND_UPLOAD_CODEC, BroadcastAverage, Weighting, client_weights
 from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, GlobalAdapterStrategy, LoraClient
 from fedtune.methods.commit.balance import TRAINERS, Coordination, S, Schedule, T, train_coordinated
+from fedtune.methods.commit.plan import commit_workload
 from fedtune.models.tensors import to_numpy
 from fedtune.models.training import FitResult, make_optimizer, optimizer_arrays, restore_optimizer
+from fedtune.planning.lora_plan import lora_plan
 from fedtune.protocol.messages import Message
 from fedtune.protocol.validation import MetaField
 from fedtune.registry import MethodOptions, register
@@ -228,6 +230,12 @@ class CommitClient(LoraClient):
         )
 
 
+def planned_step(context, work):
+    """A CoMMIT client's step as the planner prices it: FedIT's ``work`` with the run's trainer's
+    passes and held tensors (:func:`~fedtune.methods.commit.plan.commit_workload`)."""
+    return commit_workload(context, work, coordination(context.options, context.config))
+
+
 register(
     "commit",
     CommitStrategy,
@@ -240,4 +248,5 @@ register(
     # Hugging Face layers do not checkpoint (measured: 22.3 MB peak with it, 21.5 MB without)
     supports=(*SERVER_STEP_AND_UPLOAD_CODEC, "model.quantization", "device"),
     description="CoMMIT and baselines (options.trainer: " + ", ".join(TRAINERS) + "); FedAvg of S and T",
+    plan=lora_plan(None, step=planned_step),  # no knob: rank r or nothing
 )

@@ -36,6 +36,7 @@ from fedtune.methods.fedpft.alignment import ProxyAligner
 from fedtune.methods.fedpft.construction import ProxyBuilder
 from fedtune.methods.fedpft.distill import DistillPairs
 from fedtune.methods.fedpft.ffn_proxy import ProxyShape, find_stack, keep_layers, uniform_choose
+from fedtune.methods.fedpft.plan import ProxyCut, proxy_plan
 from fedtune.methods.fedpft.proxy import ProxyClient, ProxyOptions, ProxyStrategy, rename_layers
 from fedtune.methods.fedpft.support import ModelTask, load_tensors, lora_target_modules, state_tensors, task_model
 from fedtune.models.lora import LoraWorkspace
@@ -218,6 +219,18 @@ class FedOTClient(ProxyClient):
         return adapter_targets(self.context.task, model, find_stack(model).path, positions)
 
 
+def proxy_cut(context, base, stack) -> ProxyCut:
+    """FedOT's proxy as the planner prices it: the emulator's kept layers, the adapter layers whole at
+    their proxy positions (the full model's layers ``keep[p]``) (:mod:`fedtune.methods.fedpft.plan`)."""
+    o, task, n = context.options, context.task, len(stack)
+    keep = layer_plan(n, o.adapter_bottom, o.adapter_top, o.emulator_layers)
+    positions = adapter_positions(len(keep), o.adapter_bottom, o.adapter_top)
+    rank = adapter_budget(o, context.config.model, n)[0]
+    full = adapter_targets(task, base, stack.path, [keep[p] for p in positions])
+    shape = ProxyShape(layers=tuple(keep))
+    return ProxyCut(rank, shape, full, lambda model, stack: adapter_targets(task, model, stack.path, positions))
+
+
 register(
     "fedot",
     FedOTStrategy,
@@ -225,4 +238,5 @@ register(
     FedOTOptions,
     requires=(*LORA, "transformer"),
     supports=(*WEIGHTED_SUM_OPTIONS, *SECURE_AGGREGATION, "device"),
+    plan=proxy_plan(proxy_cut),
 )

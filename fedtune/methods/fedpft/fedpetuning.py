@@ -14,6 +14,7 @@ from fedtune.methods.base.averaging import SECURE_AGGREGATION, WEIGHTED_SUM_OPTI
 from fedtune.methods.base.lora import LORA
 from fedtune.methods.fedit import FedITOptions, FedITStrategy
 from fedtune.methods.fedpft.support import base_params, memory_metrics, size_metrics, train_lora
+from fedtune.planning.lora_plan import lora_plan
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import SecureSum
 from fedtune.registry import register
@@ -57,4 +58,5 @@ register(
     FedITOptions,
     requires=LORA,
     supports=(*WEIGHTED_SUM_OPTIONS, *SECURE_AGGREGATION, "device"),
+    plan=lora_plan(None),
 )

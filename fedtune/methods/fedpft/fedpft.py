@@ -77,9 +77,11 @@ from fedtune.methods.fedpft.ffn_proxy import (
     Stack,
     compress_ffns,
     find_stack,
+    kept_width,
     shrink_ffn,
     weight_product,
 )
+from fedtune.methods.fedpft.plan import ProxyCut, proxy_plan
 from fedtune.methods.fedpft.proxy import (
     GlobalAdapter,
     ProxyClient,
@@ -472,6 +474,16 @@ class FedPFTClient(ProxyClient):
         return out
 
 
+def proxy_cut(context, base, stack) -> ProxyCut:
+    """FedPFT's proxy as the planner prices it: the compressed layers' FFNs cut to ``keep_ratio``,
+    the adapter on every layer at rank r (:mod:`fedtune.methods.fedpft.plan`)."""
+    o, task = context.options, context.task
+    cut = compressed_layers(len(stack), o.retained_layers)
+    shape = ProxyShape(widths=tuple((i, kept_width(stack.ffn(i).width, o.keep_ratio)) for i in cut))
+    full = lora_target_modules(task, base)
+    return ProxyCut(context.config.model.lora_rank, shape, full, lambda model, _: lora_target_modules(task, model))
+
+
 register(
     "fedpft",
     FedPFTStrategy,
@@ -479,4 +491,5 @@ register(
     FedPFTOptions,
     requires=(*LORA, "transformer"),
     supports=(*WEIGHTED_SUM_OPTIONS, *SECURE_AGGREGATION, "device"),
+    plan=proxy_plan(proxy_cut),
 )

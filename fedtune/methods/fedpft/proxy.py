@@ -34,7 +34,7 @@ received :class:`~fedtune.methods.fedpft.ffn_proxy.ProxyShape`), loads *every* t
 into it (nothing of the locally built weights survives), trains the received adapter on it for
 ``train.local_steps`` and uploads the update (trained minus received, through the upload codec).
 A client whose profile says ``trains_on = "full"`` (the budget planner's choice, or stated:
-:mod:`fedtune.planning.proxy`) gets no proxy: it trains the same adapter on the full model it
+:mod:`fedtune.methods.fedpft.plan`) gets no proxy: it trains the same adapter on the full model it
 holds, the adapter's arrays renamed from the proxy's layer positions to the full model's layers
 (FedPFT keeps every layer: the names are the same; FedOT's position p is layer ``keep[p]``, sent
 as ``meta["proxy_shape"]``) and its update renamed back, so the server averages every client's

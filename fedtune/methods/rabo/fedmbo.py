@@ -15,6 +15,7 @@ the comparison of Fig. 4 isolates the pruning.
 
 from __future__ import annotations
 
+from fedtune.methods.rabo.plan import FULL_MODEL_PLAN
 from fedtune.methods.rabo.rabo import BILEVEL, BilevelClient, BilevelStrategy, ImplicitOptions
 from fedtune.registry import register
 
@@ -25,4 +26,7 @@ class FedMBOStrategy(BilevelStrategy):
     masked = False
 
 
-register("fedmbo", FedMBOStrategy, BilevelClient, ImplicitOptions, requires=BILEVEL, supports=("device",))
+register(
+    "fedmbo", FedMBOStrategy, BilevelClient, ImplicitOptions, requires=BILEVEL, supports=("device",),
+    plan=FULL_MODEL_PLAN,
+)  # fmt: skip

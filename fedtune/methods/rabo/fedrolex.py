@@ -14,6 +14,7 @@ reference code builds the window with ``torch.roll(arange(n), j)``, which starts
 
 from __future__ import annotations
 
+from fedtune.methods.rabo.plan import CAPACITY_PLAN
 from fedtune.methods.rabo.submodel import SubmodelClient, SubmodelOptions, SubmodelStrategy
 from fedtune.registry import register
 
@@ -24,4 +25,4 @@ class FedRolexStrategy(SubmodelStrategy):
     policy = "rolling"
 
 
-register("fedrolex", FedRolexStrategy, SubmodelClient, SubmodelOptions, supports=("device",))
+register("fedrolex", FedRolexStrategy, SubmodelClient, SubmodelOptions, supports=("device",), plan=CAPACITY_PLAN)

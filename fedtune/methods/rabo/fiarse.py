@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from fedtune.methods.rabo.masks import SubModel, choose_units, magnitude_masks, submodel_of
+from fedtune.methods.rabo.plan import CAPACITY_PLAN
 from fedtune.methods.rabo.submodel import SubmodelClient, SubmodelOptions, SubmodelStrategy
 from fedtune.models.precision import model_device
 from fedtune.protocol.messages import Message
@@ -131,4 +132,4 @@ class FiarseClient(SubmodelClient):
             parametrize.remove_parametrizations(model.get_submodule(owner), leaf, leave_parametrized=False)
 
 
-register("fiarse", FiarseStrategy, FiarseClient, SubmodelOptions, supports=("device",))
+register("fiarse", FiarseStrategy, FiarseClient, SubmodelOptions, supports=("device",), plan=CAPACITY_PLAN)

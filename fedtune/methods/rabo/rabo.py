@@ -65,6 +65,7 @@ from fedtune.methods.rabo.masks import (
     submodel_of,
     take,
 )
+from fedtune.methods.rabo.plan import CAPACITY_PLAN
 from fedtune.models.bilevel import BilevelProblem
 from fedtune.models.training import seed_for
 from fedtune.protocol.client import Client
@@ -440,5 +441,8 @@ class RafboStrategy(BilevelStrategy):
     """RAFBO: RABO with the second-order-free coordinate finite-difference hypergradient (Alg. 2)."""
 
 
-register("rabo", RaboStrategy, BilevelClient, RaboOptions, requires=BILEVEL, supports=("device",))
-register("rafbo", RafboStrategy, FiniteDifferenceClient, RafboOptions, requires=BILEVEL, supports=("device",))
+register("rabo", RaboStrategy, BilevelClient, RaboOptions, requires=BILEVEL, supports=("device",), plan=CAPACITY_PLAN)
+register(
+    "rafbo", RafboStrategy, FiniteDifferenceClient, RafboOptions, requires=BILEVEL, supports=("device",),
+    plan=CAPACITY_PLAN,
+)  # fmt: skip

@@ -11,6 +11,7 @@ theta^k <- theta^k + (1 / C^k) sum_{i covering k} Delta_i^k (:mod:`fedtune.metho
 
 from __future__ import annotations
 
+from fedtune.methods.rabo.plan import CAPACITY_PLAN
 from fedtune.methods.rabo.submodel import SubmodelClient, SubmodelOptions, SubmodelStrategy
 from fedtune.registry import register
 
@@ -21,4 +22,4 @@ class StaticStrategy(SubmodelStrategy):
     policy = "static"
 
 
-register("static", StaticStrategy, SubmodelClient, SubmodelOptions, supports=("device",))
+register("static", StaticStrategy, SubmodelClient, SubmodelOptions, supports=("device",), plan=CAPACITY_PLAN)

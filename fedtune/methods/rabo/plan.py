@@ -36,14 +36,13 @@ not in the prediction, so a run measures the training phase of each client again
 
 from __future__ import annotations
 
-import numpy as np
-
+from fedtune.methods.rabo.masks import SubModel, choose_units, expand, materialize, submodel_of, take
+from fedtune.methods.rabo.submodel import model_structure
+from fedtune.planning.measured import measure_forward
 from fedtune.planning.memory import REFERENCE_FLOPS, Prediction
+from fedtune.planning.spec import Knob, PlanSpec
 
-#: the sub-model methods (their knob: ``profile.capacity``)
-CAPACITY_METHODS = ("rabo", "rafbo", "static", "fedrolex", "fiarse")
-#: RABO's full-model baseline: every client trains the whole model, planned at capacity 1 only
-FULL_MODEL_METHODS = ("fedmbo",)
+#: the bilevel methods (T plain inner steps, no optimizer states)
 BILEVEL_METHODS = ("rabo", "rafbo", "fedmbo")
 #: RABO Sec. V-A's capacities, largest first
 CAPACITIES = (1.0, 0.5, 0.25, 0.125, 0.0625)
@@ -70,8 +69,6 @@ def predict_capacity(context, capacity: float, fitted: bool = True) -> tuple[Pre
     """The predicted cost of one client of ``context``'s run training at ``capacity``, and the
     values it uploads (its sub-model's, at the mask); ``fitted=False``: the activation term is
     the saved bytes themselves and the seconds flop_s (what the fits start from)."""
-    from fedtune.methods.rabo.masks import SubModel, choose_units, expand, materialize, submodel_of, take
-    from fedtune.methods.rabo.submodel import model_structure
     from fedtune.models.precision import model_device
     from fedtune.models.tensors import trainable_tensors
     from fedtune.models.train_memory import optimizer_states, weight_bytes
@@ -106,18 +103,31 @@ def predict_capacity(context, capacity: float, fitted: bool = True) -> tuple[Pre
     return prediction, sum(sub.kept(n) for n in full)
 
 
-def measure_forward(context, model) -> tuple[int, int]:
-    """(the bytes autograd saves at most, the FLOPs) of one forward of ``context``'s task loss of
-    ``model`` (put in training mode) on one batch of client 0's data
-    (:class:`~fedtune.models.train_memory.ActivationMeter`, torch's FLOP counter)."""
-    from torch.utils.flop_counter import FlopCounterMode
+def capacity_knob(context) -> tuple[Knob, str]:
+    """The sub-model methods' knob: the capacity on :data:`CAPACITIES`, each priced by
+    :func:`predict_capacity` (the planner's ``price``)."""
 
-    from fedtune.models.train_memory import ActivationMeter
+    def price(v, *_):
+        return predict_capacity(context, v)
 
-    config = context.config
-    model.train()
-    rng = np.random.default_rng(config.seed)
-    batch = next(iter(context.task.train_batches(context.partitions[0], config.train.batch_size, 1, rng)))
-    with ActivationMeter(model) as meter, FlopCounterMode(display=False) as flops:
-        context.task.loss(model, batch)
-    return meter.peak, flops.get_total_flops()
+    return Knob(list(CAPACITIES), lambda p: p.capacity, price, "capacity {:g}".format), ""
+
+
+def full_model_knob(context) -> tuple[Knob, str]:
+    """FedMBO's: the full model (capacity 1) whatever capacity a profile states (the method ignores
+    it; the plan's note names the clients whose capacity is ignored)."""
+
+    def price(v, *_):
+        return predict_capacity(context, v)
+
+    ignored = [str(cid) for cid, p in enumerate(context.run.profiles) if p.capacity not in (None, 1.0)]
+    method, clients = context.config.method, ", ".join(ignored)
+    note = f"{method} trains the full model: the capacities of clients {clients} are ignored" if ignored else ""
+    return Knob([1.0], lambda p: None, price, lambda v: "full model"), note
+
+
+#: the plan of a sub-model method (its knob: ``profile.capacity``): a client builds its sub-model
+#: inside its fit, so its measured peak is its fit's growth
+CAPACITY_PLAN = PlanSpec("capacity", capacity_knob, peak="growth")
+#: RABO's full-model baseline (FedMBO): every client trains the whole model, planned at capacity 1 only
+FULL_MODEL_PLAN = PlanSpec(None, full_model_knob, peak="growth")
