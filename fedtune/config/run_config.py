@@ -96,6 +96,9 @@ class MethodRefusals(Protocol):
     def secure_refusal(self) -> str | None:
         """Why these options refuse secure aggregation, or None."""
 
+    def config_refusal(self, config: RunConfig) -> str | None:
+        """Why the method refuses ``config`` (from the config alone), or None."""
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -122,6 +125,10 @@ def _privacy_refusal(config: RunConfig, options: MethodRefusals | None) -> str |
 
 def _secure_refusal(config: RunConfig, options: MethodRefusals | None) -> str | None:
     return None if options is None else options.secure_refusal()
+
+
+def _config_refusal(config: RunConfig, options: MethodRefusals | None) -> str | None:
+    return None if options is None else options.config_refusal(config)
 
 
 def _dp_not_with(key: str, broken: Callable[[FederationConfig], object]) -> Rule:
@@ -216,6 +223,7 @@ RULES: tuple[Rule, ...] = (
         lambda c, o: _secure_refusal(c, o) or "",
         stage="method",
     ),
+    Rule(("options",), _config_refusal, lambda c, o: _config_refusal(c, o) or "", stage="method"),
 )
 
 
