@@ -270,7 +270,11 @@ class SecAggPlusTransport(GridTransport):
             sources, ciphertexts = state.forward[nid]
             srcs = [s for s in sources if s in state.keyed]
             ctxts = [c for s, c in zip(sources, ciphertexts, strict=True) if s in state.keyed]
-            config = {Key.STAGE: Stage.COLLECT_MASKED_VECTORS, Key.CIPHERTEXT_LIST: ctxts, Key.SOURCE_LIST: srcs}
+            config: dict[str, Any] = {
+                Key.STAGE: Stage.COLLECT_MASKED_VECTORS,
+                Key.CIPHERTEXT_LIST: ctxts,
+                Key.SOURCE_LIST: srcs,
+            }
             scalars: dict[str, Any] = {ROUND: state.rnd, ATTEMPT: state.attempt, **self.setting(cid)}
             content, nbytes = pack(messages[cid], cid, **scalars)
             content[RECORD_KEY_CONFIGS] = ConfigRecord(config)
