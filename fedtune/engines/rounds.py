@@ -1,7 +1,12 @@
 """The round loop every engine runs (:func:`drive_rounds`): seeded client sampling, a
 Strategy's configure / aggregate calls, reply validation, drops and retries, and per-round
 records with the bytes that crossed. An engine supplies only a :data:`Transport` that delivers a
-round's Messages to clients and brings back one :class:`Delivery` per client.
+round's Messages to clients and brings back one :class:`Delivery` per client. The loop knows no
+privacy mechanism or secure aggregation: who is sampled, how many valid replies a round needs,
+whether a short round is retried, whether the clients evaluate, whether the record releases
+per-client numbers and whether the updates cross masked (the transport's unmask stage then gives
+their sum) are the strategy's answers (:meth:`Strategy.round_rules`, a
+:class:`~fedtune.protocol.strategy.RoundRules` per attempt).
 
 Faults (both engines). A client that raises, misses the round's deadline
 (``federation.round_timeout_s``) or never answers is *dropped* for that round, and so is a
