@@ -223,7 +223,12 @@ RULES: tuple[Rule, ...] = (
         lambda c, o: _secure_refusal(c, o) or "",
         stage="method",
     ),
-    Rule(("options",), _config_refusal, lambda c, o: _config_refusal(c, o) or "", stage="method"),
+    Rule(  # a method's own rule on its options and the config (MethodOptions.config_refusal)
+        ("options", "model", "federation"),
+        _config_refusal,
+        lambda c, o: _config_refusal(c, o) or "",
+        stage="method",
+    ),
 )
 
 
