@@ -41,6 +41,12 @@ class MethodOptions(BaseModel):
         :data:`fedtune.config.RULES`), else None."""
         return None
 
+    def config_refusal(self, config: RunConfig) -> str | None:
+        """One line naming the setting of ``config`` (or of these options) the method cannot run
+        with, from the config alone, else None: a rule of :data:`fedtune.config.RULES`, refused at
+        resolve, before any model loads."""
+        return None
+
 
 @dataclass(frozen=True)
 class MethodSpec:

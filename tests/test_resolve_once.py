@@ -124,6 +124,10 @@ RULE_CASES = [
         "federation.secure_aggregation=true;engine=flower-sim;method=heterolora;options.weighting=sparsity",
         "options.weighting: 'sparsity' is not with federation.secure_aggregation",
     ),
+    (
+        "method=fedstacklora;options.transport=stacks;federation.server_lr=0.5",
+        "options.transport: 'stacks' ships B_stack A_stack exactly",
+    ),
 ]
 DP = "privacy.mode=central;privacy.clip=1;privacy.noise_multiplier=1"
 

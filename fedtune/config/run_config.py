@@ -96,6 +96,9 @@ class MethodRefusals(Protocol):
     def secure_refusal(self) -> str | None:
         """Why these options refuse secure aggregation, or None."""
 
+    def config_refusal(self, config: RunConfig) -> str | None:
+        """Why the method refuses ``config`` (from the config alone), or None."""
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -122,6 +125,10 @@ def _privacy_refusal(config: RunConfig, options: MethodRefusals | None) -> str |
 
 def _secure_refusal(config: RunConfig, options: MethodRefusals | None) -> str | None:
     return None if options is None else options.secure_refusal()
+
+
+def _config_refusal(config: RunConfig, options: MethodRefusals | None) -> str | None:
+    return None if options is None else options.config_refusal(config)
 
 
 def _dp_not_with(key: str, broken: Callable[[FederationConfig], object]) -> Rule:
@@ -214,6 +221,12 @@ RULES: tuple[Rule, ...] = (
         ("federation.secure_aggregation", "options"),
         lambda c, o: c.federation.secure_aggregation and _secure_refusal(c, o),
         lambda c, o: _secure_refusal(c, o) or "",
+        stage="method",
+    ),
+    Rule(  # a method's own rule on its options and the config (MethodOptions.config_refusal)
+        ("options", "model", "federation"),
+        _config_refusal,
+        lambda c, o: _config_refusal(c, o) or "",
         stage="method",
     ),
 )

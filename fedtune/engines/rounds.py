@@ -1,7 +1,12 @@
 """The round loop every engine runs (:func:`drive_rounds`): seeded client sampling, a
 Strategy's configure / aggregate calls, reply validation, drops and retries, and per-round
 records with the bytes that crossed. An engine supplies only a :data:`Transport` that delivers a
-round's Messages to clients and brings back one :class:`Delivery` per client.
+round's Messages to clients and brings back one :class:`Delivery` per client. The loop knows no
+privacy mechanism or secure aggregation: who is sampled, how many valid replies a round needs,
+whether a short round is retried, whether the clients evaluate, whether the record releases
+per-client numbers and whether the updates cross masked (the transport's unmask stage then gives
+their sum) are the strategy's answers (:meth:`Strategy.round_rules`, a
+:class:`~fedtune.protocol.strategy.RoundRules` per attempt).
 
 Faults (both engines). A client that raises, misses the round's deadline
 (``federation.round_timeout_s``) or never answers is *dropped* for that round, and so is a
@@ -56,7 +61,7 @@ from fedtune.engines.policy import RoundPolicy, measured_peak
 from fedtune.engines.record import RoundRecord
 from fedtune.errors import FedtuneError
 from fedtune.protocol.messages import Message
-from fedtune.protocol.strategy import SecureSum, Strategy
+from fedtune.protocol.strategy import RoundRules, SecureSum, Strategy
 
 __all__ = [
     "EVALUATE",
@@ -164,23 +169,132 @@ def _aggregated(
 
 
 def _unmasked(
-    unmask: Callable[..., tuple[SecureSum | None, dict[int, Delivery]]],
-    record: RoundRecord,
-    rnd: int,
-    attempt: int,
-    replies: dict[int, Message],
-    sent: dict[int, Message],
+    transport: Transport, record: RoundRecord, attempt: int, replies: dict[int, Message], sent: dict[int, Message]
 ) -> SecureSum | None:
-    """Secure aggregation's last exchange: the sum of the masked updates of ``replies`` (the
-    valid ones; every other client's masks are removed), or None when it cannot be rebuilt (the
-    round is retried). Its bytes and drops go to ``record``."""
-    total, deliveries = unmask(rnd, attempt, sorted(replies), sent)
+    """The transport's unmask stage: the sum of the masked updates of ``replies`` (the valid ones;
+    every other client's masks are removed), or None when it cannot be rebuilt. Its bytes and
+    drops go to ``record``."""
+    if not isinstance(transport, SecureTransport):
+        raise RuntimeError("the strategy's round rules say the updates cross masked; the transport has no unmask stage")
+    total, deliveries = transport.unmask(record.round, attempt, sorted(replies), sent)
     for cid, got in deliveries.items():
         record.client_bytes_down[cid] = record.client_bytes_down.get(cid, 0) + got.down
         record.client_bytes_up[cid] = record.client_bytes_up.get(cid, 0) + got.up
         if got.error is not None:
             record.dropped[cid] = (f"attempt {attempt + 1}: " if attempt else "") + f"unmask: {got.error}"
     return total
+
+
+Fit = Callable[[int, dict[int, Message]], dict[str, float]]  # a strategy's aggregation of a round's training replies
+
+
+def _gathered(
+    strategy: Strategy,
+    transport: Transport,
+    policy: RoundPolicy,
+    record: RoundRecord,
+    rules: RoundRules,
+    attempt: int,
+    replies: dict[int, Message],
+    sent: dict[int, Message],
+) -> tuple[dict[int, Message], Fit] | None:
+    """What the round aggregates after a training exchange, as ``rules`` say: the replies (screened
+    for outsized updates unless masked) and the strategy's aggregation of them (of masked ones: of
+    the sum the transport's unmask stage rebuilds, :meth:`Strategy.aggregate_secure_fit`); None
+    when fewer than ``rules.need`` (default ``policy.min_replies``) remain."""
+    need = policy.min_replies if rules.need is None else rules.need
+    if not rules.masked:  # masked replies carry no arrays to measure
+        replies = policy.screened(record, replies, sent, attempt)
+    if len(replies) < need:
+        return None
+    if not rules.masked or not sent:
+        return replies, strategy.aggregate_fit
+    total = _unmasked(transport, record, attempt, replies, sent)
+    if total is None or len(total.clients) < need:
+        return None
+    return {cid: replies[cid] for cid in total.clients}, partial(strategy.aggregate_secure_fit, total=total)
+
+
+def _trained(
+    strategy: Strategy, transport: Transport, policy: RoundPolicy, record: RoundRecord, draw: Callable[[int], list[int]]
+) -> tuple[dict[int, Message], Fit, RoundRules]:
+    """Round ``record.round``'s training exchange, attempt after attempt, each run by the
+    strategy's :meth:`~Strategy.round_rules`: its clients (the rules' sample, else ``draw(attempt)``,
+    less the plan's excluded), the exchange, and what it gathers (:func:`_gathered`). A short attempt
+    is retried up to ``policy.max_retries`` times when the rules allow it (else the round aggregates
+    no reply); then :class:`RoundFailed`. Returns the replies, their aggregation and the last rules."""
+    rnd = record.round
+    for attempt in range(policy.max_retries + 1):
+        record.attempts = attempt + 1
+        rules = strategy.round_rules(rnd, attempt)
+        record.private = rules.private
+        clients = rules.sample if rules.sample is not None else draw(attempt)
+        record.dropped.update({c: policy.excluded[c] for c in clients if c in policy.excluded})
+        clients = [c for c in clients if c not in policy.excluded]
+        clients = clients if len(clients) >= rules.fewest else []
+        record.clients = sorted(set(record.clients) | set(clients))
+        sent = strategy.configure_fit(rnd, clients)
+        replies = _exchange(strategy, transport, policy, record, TRAIN, sent, rnd, attempt)
+        gathered = _gathered(strategy, transport, policy, record, rules, attempt, replies, sent)
+        if gathered is not None:
+            return (*gathered, rules)
+        if not rules.may_retry:
+            return {}, strategy.aggregate_fit, rules
+    raise RoundFailed(
+        f"round {rnd}: fewer than federation.min_replies = {policy.min_replies} valid replies after "
+        f"{policy.max_retries + 1} attempts; drops: {record.dropped}"
+    )
+
+
+def _phases(
+    strategy: Strategy, transport: Transport, policy: RoundPolicy, record: RoundRecord, replies: dict[int, Message]
+) -> None:
+    """The round's further exchanges (:meth:`Strategy.phases`), each with the clients still
+    answering; a phase short of ``policy.min_replies`` stops the run (:class:`RoundFailed`)."""
+    rnd = record.round
+    for phase in strategy.phases(rnd):
+        sent = strategy.configure_phase(phase, rnd, sorted(replies))
+        replies = _exchange(strategy, transport, policy, record, phase, sent, rnd, 0)
+        if len(replies) < policy.min_replies:
+            raise RoundFailed(
+                f"round {rnd}, phase {phase!r}: fewer than federation.min_replies = {policy.min_replies} "
+                f"valid replies; drops: {record.dropped}"
+            )
+        record.metrics.update(_aggregated(rnd, phase, strategy.aggregate_phase, replies, phase))
+
+
+def _check_state(strategy: Strategy, rnd: int) -> None:
+    """:class:`RoundFailed` when the aggregated global state holds a non-finite number."""
+    where = first_nonfinite(strategy.state_dict())
+    if where is not None:
+        raise RoundFailed(
+            f"round {rnd}: the aggregated global state is not finite ({where}); nothing of this round is kept"
+        )
+
+
+def _evaluate(
+    strategy: Strategy, transport: Transport, policy: RoundPolicy, record: RoundRecord, rules: RoundRules, n: int
+) -> None:
+    """The round's centralized evaluation (a non-finite loss stops the run), then, when ``rules``
+    allow it, the federated one by the ``n`` clients; metrics, bytes and drops go to ``record``."""
+    rnd = record.round
+    record.metrics.update(strategy.evaluate(rnd))
+    if not np.isfinite(record.metrics.get("loss", 0.0)):  # every client would fail on this state
+        raise RoundFailed(
+            f"round {rnd}: the aggregated global state evaluates to a non-finite loss; nothing of this round is kept"
+        )
+    eval_messages = strategy.configure_evaluate(rnd, list(range(n))) if rules.evaluate_federated else {}
+    eval_replies: dict[int, Message] = {}
+    for cid, got in transport(EVALUATE, rnd, eval_messages, 0).items():
+        record.eval_bytes += got.down + got.up
+        reason = policy.rejection(strategy, EVALUATE, rnd, cid, None, got)
+        if reason is None:
+            assert got.reply is not None  # rejection() names a missing reply
+            eval_replies[cid] = got.reply
+        else:
+            record.dropped.setdefault(cid, f"evaluation: {reason}")
+    if eval_replies:
+        record.metrics.update(_aggregated(rnd, EVALUATE, strategy.aggregate_evaluate, eval_replies))
 
 
 def drive_rounds(
@@ -200,88 +314,23 @@ def drive_rounds(
     embedded engine's in-process clients, or Flower's grid): one loop for every engine.
     ``on_round`` sees each record as its round ends (the caller writes metrics and the
     checkpoint there); ``should_stop()`` is asked after each round (Ctrl-C). Each round samples
-    ``sample_size`` of the ``num_clients`` clients (:func:`sample_clients` with ``seed``, or the
-    strategy's private sample), evaluates every ``eval_every`` rounds, and drops and retries as
-    ``policy`` (:class:`RoundPolicy`) says."""
+    ``sample_size`` of the ``num_clients`` clients (:func:`sample_clients` with ``seed``) unless the
+    strategy's round rules draw them, evaluates every ``eval_every`` rounds, and drops and retries
+    as ``policy`` (:class:`RoundPolicy`) and the rules (:meth:`Strategy.round_rules`) say."""
     history = []
-    unmask = transport.unmask if isinstance(transport, SecureTransport) else None
     for rnd in range(start_round, rounds + 1):
         reason = strategy.halt_before(rnd)
         if reason is not None:
             raise RunHalted(reason, rnd - 1)
         start = time.perf_counter()
         record = RoundRecord(rnd, [])
-        total = None
-        for attempt in range(policy.max_retries + 1):
-            record.attempts = attempt + 1
-            secret = strategy.private_sample(rnd, attempt)
-            record.private = secret is not None
-            clients = secret if secret is not None else sample_clients(num_clients, sample_size, seed, rnd, attempt)
-            secure = unmask is not None
-            record.dropped.update({c: policy.excluded[c] for c in clients if c in policy.excluded})
-            clients = [c for c in clients if c not in policy.excluded]
-            if record.private and secure and len(clients) < 2:
-                clients = []  # a sum of one update is that update: the round releases noise alone
-            record.clients = sorted(set(record.clients) | set(clients))
-            sent = strategy.configure_fit(rnd, clients)
-            replies = _exchange(strategy, transport, policy, record, TRAIN, sent, rnd, attempt)
-            if not secure:  # masked replies carry no arrays to measure
-                replies = policy.screened(record, replies, sent, attempt)
-            need = 0 if record.private else policy.min_replies  # DP: missing replies are zero updates
-            if len(replies) >= need:
-                if unmask is None or not clients:
-                    break
-                total = _unmasked(unmask, record, rnd, attempt, replies, sent)
-                if total is not None and len(total.clients) >= need:
-                    replies = {cid: replies[cid] for cid in total.clients}
-                    break
-            if record.private:  # never retried: a fresh sample would condition the first on failing
-                replies = {}
-                break
-        else:
-            raise RoundFailed(
-                f"round {rnd}: fewer than federation.min_replies = {policy.min_replies} valid replies after "
-                f"{policy.max_retries + 1} attempts; drops: {record.dropped}"
-            )
-        if total is None:
-            record.metrics.update(_aggregated(rnd, TRAIN, strategy.aggregate_fit, replies))
-        else:
-            secure_fit = partial(strategy.aggregate_secure_fit, total=total)
-            record.metrics.update(_aggregated(rnd, TRAIN, secure_fit, replies))
-        for phase in strategy.phases(rnd):  # further exchanges, with the clients still answering
-            sent = strategy.configure_phase(phase, rnd, sorted(replies))
-            replies = _exchange(strategy, transport, policy, record, phase, sent, rnd, 0)
-            if len(replies) < policy.min_replies:
-                raise RoundFailed(
-                    f"round {rnd}, phase {phase!r}: fewer than federation.min_replies = {policy.min_replies} "
-                    f"valid replies; drops: {record.dropped}"
-                )
-            record.metrics.update(_aggregated(rnd, phase, strategy.aggregate_phase, replies, phase))
-        where = first_nonfinite(strategy.state_dict())
-        if where is not None:
-            raise RoundFailed(
-                f"round {rnd}: the aggregated global state is not finite ({where}); nothing of this round is kept"
-            )
+        draw = partial(sample_clients, num_clients, sample_size, seed, rnd)
+        replies, fit, rules = _trained(strategy, transport, policy, record, draw)
+        record.metrics.update(_aggregated(rnd, TRAIN, fit, replies))
+        _phases(strategy, transport, policy, record, replies)
+        _check_state(strategy, rnd)
         if rnd % eval_every == 0 or rnd == rounds:
-            record.metrics.update(strategy.evaluate(rnd))
-            if not np.isfinite(record.metrics.get("loss", 0.0)):  # every client would fail on this state
-                raise RoundFailed(
-                    f"round {rnd}: the aggregated global state evaluates to a non-finite loss; nothing of this "
-                    "round is kept"
-                )
-            # federated evaluation reports on the clients' data, outside what DP accounts for
-            eval_messages = {} if record.private else strategy.configure_evaluate(rnd, list(range(num_clients)))
-            eval_replies: dict[int, Message] = {}
-            for cid, got in transport(EVALUATE, rnd, eval_messages, 0).items():
-                record.eval_bytes += got.down + got.up
-                reason = policy.rejection(strategy, EVALUATE, rnd, cid, None, got)
-                if reason is None:
-                    assert got.reply is not None  # rejection() names a missing reply
-                    eval_replies[cid] = got.reply
-                else:
-                    record.dropped.setdefault(cid, f"evaluation: {reason}")
-            if eval_replies:
-                record.metrics.update(_aggregated(rnd, EVALUATE, strategy.aggregate_evaluate, eval_replies))
+            _evaluate(strategy, transport, policy, record, rules, num_clients)
         record.wall_s = time.perf_counter() - start
         history.append(record)
         if on_round is not None:

@@ -45,7 +45,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 from pydantic import Field
 
-from fedtune.config import ConfigError
+from fedtune.config import RunConfig
 from fedtune.methods.base.aggregation import Aggregation
 from fedtune.methods.base.averaging import (
     SERVER_STEP_AND_UPLOAD_CODEC,
@@ -70,6 +70,7 @@ from fedtune.methods.base.lora_arrays import (
 )
 from fedtune.methods.base.ranked import merged_into_base
 from fedtune.methods.base.robust import weighted_average
+from fedtune.methods.base.server_optimizer import ServerOptimizer, ServerStep
 from fedtune.planning.lora_plan import lora_plan
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
@@ -90,6 +91,15 @@ class FedStackLoRAOptions(MethodOptions):
         **SERVER_DEVIATIONS,
         "options.weighting": "'uniform' departs from FLoRA's data-size weights",
     }
+
+    def config_refusal(self, config: RunConfig) -> str | None:
+        """``transport = "stacks"`` with a server step other than x + Delta (which it cannot keep)."""
+        if self.transport == "stacks" and not ServerOptimizer(ServerStep.of(config.federation)).is_identity:
+            return (
+                "options.transport: 'stacks' ships B_stack A_stack exactly, which a server optimizer other than "
+                "sgd at server_lr 1 does not keep; use transport='dense'"
+            )
+        return None
 
 
 def split_downlink(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -122,11 +132,6 @@ class FedStackLoRAStrategy(Strategy):
         self.aggregation = Aggregation(context.run.aggregation)
 
     def initialize(self) -> None:
-        if self.options.transport == "stacks" and not self.aggregation.server_opt.is_identity:
-            raise ConfigError(
-                "options.transport: 'stacks' ships B_stack A_stack exactly, which a server optimizer other than "
-                "sgd at server_lr 1 does not keep; use transport='dense'"
-            )
         self.rank = self.config.model.lora_rank
         init = self.context.workspace.state(self.rank)
         self.head = head_arrays(init)

@@ -90,10 +90,10 @@ from fedtune.methods.base.aggregation import layout_of
 from fedtune.methods.base.averaging import (
     SECURE_AGGREGATION,
     SERVER_STEP_AND_UPLOAD_CODEC,
+    BroadcastAverage,
     Weighting,
     client_weights,
     decode_update,
-    mean_train_loss,
 )
 from fedtune.methods.base.lora import (
     LORA,
@@ -107,7 +107,7 @@ from fedtune.methods.base.lora_arrays import add_ranks, lora_pairs, module_path,
 from fedtune.methods.base.privacy import PRIVACY_OPTIONS
 from fedtune.planning.lora_plan import lora_plan
 from fedtune.protocol.messages import Message
-from fedtune.protocol.strategy import SecureSum, secure_layout_of
+from fedtune.protocol.strategy import secure_layout_of
 from fedtune.protocol.validation import ArraySpec, spec_like
 from fedtune.registry import MethodOptions, register
 
@@ -203,7 +203,7 @@ def slice_adapter(arrays: Mapping[str, np.ndarray], indices: Mapping[str, np.nda
 # -- server -------------------------------------------------------------------------------
 
 
-class FSLoRAStrategy(GlobalAdapterStrategy):
+class FSLoRAStrategy(BroadcastAverage, GlobalAdapterStrategy):
     """FSLoRA: sketched rank-k updates of a rank-r global LoRA pair (Fang et al. 2025)."""
 
     def initialize(self) -> None:
@@ -256,26 +256,19 @@ class FSLoRAStrategy(GlobalAdapterStrategy):
             raise ValueError(f"fslora: client {cid} replied with a sketch other than the one it was sent")
         return indices
 
-    def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
-        """Rebuild each sparse update (zeros outside I_i) and apply eq. (5); under ``privacy.mode``
-        the DP form of the module docstring: (sum_i P_i clip(U_i) + xi) / m."""
-        if self.aggregation.privacy is not None:  # a round releases its noised aggregate even when nobody replied
-            updates = [self.scatter(rnd, c, r, self.zeros(np.float64)) for c, r in replies.items()]
-            self.global_arrays, metrics = self.aggregation.private_step(rnd, self.global_arrays, updates)
-            return metrics
-        if not replies:
-            return {}
+    def private_updates(self, rnd: int, replies: dict[int, Message]) -> list[dict[str, np.ndarray]]:
+        """Under ``privacy.mode``: each P_i U_i (zeros outside I_i), for the DP form of the module
+        docstring, (sum_i P_i clip(U_i) + xi) / m."""
+        return [self.scatter(rnd, c, r, self.zeros(np.float64)) for c, r in replies.items()]
+
+    def averaged(self, rnd: int, replies: dict[int, Message]) -> dict[str, np.ndarray]:
+        """eq. (5): theta + sum_i p_i P_i U_i, each sparse update rebuilt (zeros outside I_i),
+        through the server optimizer."""
         w = np.asarray(client_weights(replies, self.options.weighting), dtype=np.float64)
         total = self.zeros()
         for p_i, (cid, reply) in zip(w / w.sum(), replies.items()):
             self.scatter(rnd, cid, reply, total, float(p_i))
-        self.global_arrays = self.aggregation.server_opt.step(self.global_arrays, total)
-        return mean_train_loss(replies)
-
-    def aggregate_secure_fit(self, rnd: int, replies: dict[int, Message], total: SecureSum) -> dict[str, float]:
-        """eq. (5) from the secure sum of the clients' P_i U_i (:meth:`FSLoRAClient.secure_vector`)."""
-        self.global_arrays, metrics = self.aggregation.secure_step(rnd, total, self.global_arrays, replies)
-        return metrics
+        return self.aggregation.server_opt.step(self.global_arrays, total)
 
     def zeros(self, dtype=None) -> dict[str, np.ndarray]:
         return {k: np.zeros(v.shape, dtype=dtype or v.dtype) for k, v in self.global_arrays.items()}

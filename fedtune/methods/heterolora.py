@@ -91,9 +91,9 @@ from fedtune.methods.base.aggregation import layout_of
 from fedtune.methods.base.averaging import (
     SECURE_AGGREGATION,
     SERVER_STEP_AND_UPLOAD_CODEC,
+    BroadcastAverage,
     client_weights,
     decode_update,
-    mean_train_loss,
     update_of,
 )
 from fedtune.methods.base.lora import (
@@ -213,7 +213,7 @@ def per_rank(name: str, values: np.ndarray, ndim: int) -> np.ndarray:
     raise ValueError(f"{name} is not a LoRA factor")
 
 
-class HeteroLoRAStrategy(GlobalAdapterStrategy):
+class HeteroLoRAStrategy(BroadcastAverage, GlobalAdapterStrategy):
     """HeteroLoRA: truncation down, zero-padded update average up (FSLoRA's baseline); HetLoRA
     (Cho et al. 2024) by options."""
 
@@ -266,14 +266,17 @@ class HeteroLoRAStrategy(GlobalAdapterStrategy):
         norms = [sparsity_norm(t, self.client_scale(self.client_rank(cid))) for cid, t in zip(replies, trained)]
         return norms if sum(norms) > 0 else [1.0] * len(norms)
 
-    def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
+    def private_updates(self, rnd: int, replies: dict[int, Message]) -> list[dict[str, np.ndarray]]:
+        """Under ``privacy.mode``: each update zero-padded to the global rank r, for
+        (sum_i pad_r(clip(Delta_i)) + xi) / m (the module docstring)."""
         updates = [decode_update(m.arrays) for m in replies.values()]
-        if self.aggregation.privacy is not None:  # (sum_i pad_r(clip(Delta_i)) + xi) / m: see the module docstring
-            padded = [{k: pad_rank(k, v, self.rank) for k, v in u.items()} for u in updates]
-            self.global_arrays, metrics = self.aggregation.private_step(rnd, self.global_arrays, padded)
-            return metrics
-        if not replies:
-            return {}
+        return [{k: pad_rank(k, v, self.rank) for k, v in u.items()} for u in updates]
+
+    def averaged(self, rnd: int, replies: dict[int, Message]) -> dict[str, np.ndarray]:
+        """The zero-padded average of the updates (or, with ``aggregate = "modules"``, of the
+        trained modules), weighted by ``options.weighting``, through the server optimizer; a
+        client that replied below its rank has self-pruned (``self.pruned``)."""
+        updates = [decode_update(m.arrays) for m in replies.values()]
         trained: list[dict[str, np.ndarray]] = []
         if self.options.weighting == "sparsity" or self.options.aggregate == "modules":
             # B_i, A_i as trained: the truncation sent (to the rank the reply carries) plus the update
@@ -284,14 +287,14 @@ class HeteroLoRAStrategy(GlobalAdapterStrategy):
         coverage = self.options.padding == "coverage"
         if self.options.aggregate == "modules":
             target = zero_pad_average(trained, weights, self.rank, coverage=coverage)
-            self.global_arrays = self.aggregation.server_opt.move_to(self.global_arrays, target)
+            moved = self.aggregation.server_opt.move_to(self.global_arrays, target)
         else:
             mean = zero_pad_average(updates, weights, self.rank, coverage=coverage)
-            self.global_arrays = self.aggregation.server_opt.step(self.global_arrays, mean)
+            moved = self.aggregation.server_opt.step(self.global_arrays, mean)
         for cid, u in zip(replies, updates):
             if array_rank(u) < self.client_rank(cid):
                 self.pruned[cid] = array_rank(u)
-        return mean_train_loss(replies)
+        return moved
 
     def secure_layout(self) -> dict[str, tuple[int, ...]]:
         """Every client's vector is padded to the global rank r; with ``padding = "coverage"``

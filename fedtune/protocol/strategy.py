@@ -54,13 +54,36 @@ class SecureSum:
     error: float = 0.0
 
 
+@dataclass(frozen=True)
+class RoundRules:
+    """What the round loop asks of a strategy for one attempt of a round's training exchange
+    (:meth:`Strategy.round_rules`); the loop follows the answer and knows no mechanism behind it.
+
+    ``sample``: the round's clients when the strategy draws them itself (client-level DP: from the
+    mechanism's secret), None for the engine's seeded uniform draw; ``fewest``: a sample smaller
+    than this is asked nothing (a secure sum of one update is that update); ``need``: the valid
+    replies the round aggregates with (None: ``federation.min_replies``); ``may_retry``: a round
+    short of ``need`` is retried with a fresh sample (else it aggregates no reply);
+    ``evaluate_federated``: the clients evaluate the new state on their data; ``private``: the
+    round's record releases no per-client number (:class:`fedtune.engines.record.RoundRecord`);
+    ``masked``: the updates cross masked, so no reply's arrays are screened and the transport's
+    unmask stage gives their sum (:meth:`Strategy.aggregate_secure_fit`)."""
+
+    sample: list[int] | None = None
+    fewest: int = 0
+    need: int | None = None
+    may_retry: bool = True
+    evaluate_federated: bool = True
+    private: bool = False
+    masked: bool = False
+
+
 class ServerAggregation(Protocol):
     """What the round loop and the run folder ask of a strategy's aggregation
     (:class:`fedtune.methods.base.aggregation.Aggregation`: combiner, privacy mechanism, server optimizer)."""
 
-    def sample(self, rnd: int, attempt: int) -> list[int] | None:
-        """Round ``rnd``'s clients at its ``attempt`` (0 first), drawn from the privacy mechanism's
-        secret, or None."""
+    def rules(self, rnd: int, attempt: int) -> RoundRules:
+        """How the round loop runs round ``rnd``'s ``attempt`` (0 first): :class:`RoundRules`."""
         ...
 
     def halt_before(self, rnd: int) -> str | None:
@@ -75,7 +98,7 @@ class ServerAggregation(Protocol):
 class Strategy(ABC):
     """Server-side logic of one method. Holds the global state; never touches client objects.
     A strategy that aggregates through an :class:`ServerAggregation` holds it as ``aggregation``
-    (the defaults of :meth:`halt_before`, :meth:`private_sample` and :meth:`summary` ask it)."""
+    (the defaults of :meth:`halt_before`, :meth:`round_rules` and :meth:`summary` ask it)."""
 
     aggregation: ServerAggregation | None = None
 
@@ -167,12 +190,11 @@ class Strategy(ABC):
         """One line when the run must stop before round ``rnd`` (a spent privacy budget), else None."""
         return None if self.aggregation is None else self.aggregation.halt_before(rnd)
 
-    def private_sample(self, rnd: int, attempt: int) -> list[int] | None:
-        """Under client-level DP, the clients of round ``rnd`` drawn from the privacy mechanism's
-        secret (:mod:`fedtune.methods.base.privacy`), at the round's ``attempt`` (0 first): the
-        engine then keeps the sample and every per-client number out of what the run releases, and
-        never retries the round. None (the default): the engine's seeded uniform draw."""
-        return None if self.aggregation is None else self.aggregation.sample(rnd, attempt)
+    def round_rules(self, rnd: int, attempt: int) -> RoundRules:
+        """How the round loop runs round ``rnd``'s ``attempt`` (0 first): its aggregation's
+        :meth:`~ServerAggregation.rules` (under client-level DP the secret sample, no retry, no
+        federated evaluation; under secure aggregation the unmask stage), else the defaults."""
+        return RoundRules() if self.aggregation is None else self.aggregation.rules(rnd, attempt)
 
     def summary(self) -> dict[str, Any]:
         """What the strategy adds to ``summary.json`` (default: its aggregation's)."""

@@ -55,6 +55,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, cast
 
 import numpy as np
@@ -97,7 +98,8 @@ def secagg_nbytes(record: Mapping[str, Any]) -> int:
 
 @dataclass
 class _Round:
-    """One training exchange's protocol state, kept for its unmask stage."""
+    """One training exchange's protocol state, passed from stage to stage (setup, share keys,
+    collect) and kept, under its (round, attempt), for its unmask stage."""
 
     rnd: int
     attempt: int
@@ -110,6 +112,10 @@ class _Round:
     masked: dict[int, list[np.ndarray]] = field(default_factory=dict)  # node id -> masked vector
     max_weight: float = 1.0
     layout: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # the summed vector's names, shapes
+    forward: dict[int, tuple[list[int], list[bytes]]] = field(default_factory=dict)  # node -> (sources, shares)
+    down: dict[int, int] = field(default_factory=dict)  # node id -> SecAgg+ and fedtune bytes sent to it
+    up: dict[int, int] = field(default_factory=dict)  # node id -> SecAgg+ bytes it sent
+    errors: dict[int, str] = field(default_factory=dict)  # node id -> why it dropped (its first failed stage)
 
 
 Parse = Callable[[int, FlowerMessage, ConfigRecord], None]  # a stage's reading of one node's reply
@@ -119,7 +125,11 @@ class SecAggPlusTransport(GridTransport):
     """:class:`GridTransport` whose training exchange runs SecAgg+ (see the module docstring);
     every other exchange (evaluation) is :class:`GridTransport`'s. ``grid``, ``node_of`` (client id ->
     node id, one client per node), ``timeout``, ``request_config``: as :class:`GridTransport`'s;
-    ``fed``: the run's ``[federation]`` (its ``secagg_*`` parameters); ``seed``: the run's (the ring)."""
+    ``fed``: the run's ``[federation]`` (its ``secagg_*`` parameters); ``seed``: the run's (the ring).
+
+    Each stage is a method that takes the exchange's :class:`_Round` and returns what the next
+    needs; the training exchange's state waits for :meth:`unmask` under its (round, attempt), the
+    only one kept (a later exchange replaces it)."""
 
     def __init__(
         self,
@@ -140,7 +150,7 @@ class SecAggPlusTransport(GridTransport):
             )
         self.fed, self.seed = fed, seed
         self.clip, self.M = float(fed.secagg_clipping_range), fed.secagg_modulus_range
-        self._round: _Round | None = None
+        self._pending: dict[tuple[int, int], _Round] = {}
 
     def _send(self, stage_of: dict[int, RecordDict], rnd: int) -> dict[int, FlowerMessage]:
         """Push one content per node (as "train") and pull the replies: node id -> reply."""
@@ -170,8 +180,23 @@ class SecAggPlusTransport(GridTransport):
     def __call__(self, kind: str, rnd: int, messages: dict[int, Message], attempt: int = 0) -> dict[int, Delivery]:
         if kind != TRAIN or not messages:
             return super().__call__(kind, rnd, messages, attempt)
+        state = self._open(rnd, attempt, messages)
+        self._pending = {(rnd, attempt): state}
+        self._setup(state)
+        self._share_keys(state)
+        deliveries = self._collect(state, messages)
+        out = {}
+        for cid in messages:
+            nid = self.node_of[cid]
+            got = deliveries.get(cid) or Delivery(None, 0, error=state.errors.get(nid, "no reply"))
+            got.down, got.up = state.down[nid], state.up[nid] + got.up
+            out[cid] = got
+        return out
+
+    def _open(self, rnd: int, attempt: int, messages: dict[int, Message]) -> _Round:
+        """The state of training exchange ``rnd`` (try ``attempt``) of ``messages``' clients: the
+        ring of neighbours (seeded by (seed, round, attempt)), the threshold, the quantization range."""
         order = [self.node_of[cid] for cid in messages]
-        cid_of = {self.node_of[cid]: cid for cid in messages}
         m = len(order)
         ring = [order[i] for i in np.random.default_rng([self.seed, rnd, attempt, 0x5EC]).permutation(m)]
         half = self.fed.secagg_shares() >> 1
@@ -180,102 +205,106 @@ class SecAggPlusTransport(GridTransport):
         threshold = self.fed.secagg_reconstruction_threshold(shares)  # of this round's shares
         max_weight, layout = _secure_request(messages)
         target = self.fed.secagg_target(m)  # a DP round's Poisson sample may exceed the expected m
+        cid_of = {self.node_of[cid]: cid for cid in messages}
         state = _Round(rnd, attempt, cid_of, neighbours, threshold, target, max_weight=max_weight, layout=layout)
-        self._round = state
-        down, up = dict.fromkeys(order, 0), dict.fromkeys(order, 0)
-        errors: dict[int, str] = {}
+        state.down, state.up = dict.fromkeys(order, 0), dict.fromkeys(order, 0)
+        return state
 
-        def answered(replies: dict[int, FlowerMessage], stage: str, expected: set[int], parse: Parse) -> None:
-            """``parse(nid, reply, record)`` for each expected node's reply; a missing, failed or
-            malformed one (untrusted: anything ``parse`` rejects) is that client's drop."""
-            for nid in sorted(expected):
-                reply = replies.get(nid)
-                if reply is None:
-                    errors.setdefault(nid, f"{stage}: no reply within {self.timeout} s")
-                elif reply.has_error():
-                    errors.setdefault(nid, f"{stage}: client error: {reply.error.reason}")
-                elif RECORD_KEY_CONFIGS not in reply.content.config_records:
-                    errors.setdefault(nid, f"{stage}: no {RECORD_KEY_CONFIGS!r} record in the reply")
-                else:
-                    record = reply.content.config_records[RECORD_KEY_CONFIGS]
-                    up[nid] += secagg_nbytes(record)
-                    try:
-                        parse(nid, reply, record)
-                    except MALFORMED as exc:
-                        errors.setdefault(nid, f"{stage}: malformed reply ({type(exc).__name__}: {exc})")
+    def _answered(
+        self, state: _Round, replies: dict[int, FlowerMessage], stage: str, expected: set[int], parse: Parse
+    ) -> None:
+        """``parse(nid, reply, record)`` for each expected node's reply; a missing, failed or
+        malformed one (untrusted: anything ``parse`` rejects) is that client's drop (``state.errors``)."""
+        for nid in sorted(expected):
+            reply = replies.get(nid)
+            if reply is None:
+                state.errors.setdefault(nid, f"{stage}: no reply within {self.timeout} s")
+            elif reply.has_error():
+                state.errors.setdefault(nid, f"{stage}: client error: {reply.error.reason}")
+            elif RECORD_KEY_CONFIGS not in reply.content.config_records:
+                state.errors.setdefault(nid, f"{stage}: no {RECORD_KEY_CONFIGS!r} record in the reply")
+            else:
+                record = reply.content.config_records[RECORD_KEY_CONFIGS]
+                state.up[nid] += secagg_nbytes(record)
+                try:
+                    parse(nid, reply, record)
+                except MALFORMED as exc:
+                    state.errors.setdefault(nid, f"{stage}: malformed reply ({type(exc).__name__}: {exc})")
 
-        # 0. setup -> public keys
+    def _setup(self, state: _Round) -> None:
+        """Stage 0: the protocol's parameters to every node; each answers two public keys
+        (``state.public_keys``)."""
+        order = list(state.down)
         setup = {
             Key.STAGE: Stage.SETUP,
-            Key.SAMPLE_NUMBER: m,
-            Key.SHARE_NUMBER: shares,
-            Key.THRESHOLD: threshold,
+            Key.SAMPLE_NUMBER: len(order),
+            Key.SHARE_NUMBER: max(len(v) for v in state.neighbours.values()),
+            Key.THRESHOLD: state.threshold,
             Key.CLIPPING_RANGE: self.clip,
             Key.TARGET_RANGE: state.target,
             Key.MOD_RANGE: self.M,
             Key.MAX_WEIGHT: state.max_weight,
         }
+        replies = self._stage(state, dict.fromkeys(order, setup), state.down)
+        self._answered(state, replies, "setup", set(order), partial(_read_public_keys, state))
 
-        def public_keys(nid: int, reply: FlowerMessage, record: ConfigRecord) -> None:
-            first, second = _byte_strings([record[Key.PUBLIC_KEY_1], record[Key.PUBLIC_KEY_2]])
-            state.public_keys[nid] = (first, second)
-
-        answered(self._stage(state, dict.fromkeys(order, setup), down), "setup", set(order), public_keys)
+    def _share_keys(self, state: _Round) -> None:
+        """Stage 1: each node that sent its keys gets its neighbours' and answers its encrypted
+        shares, kept for forwarding in stage 2 (``state.forward``; the senders in ``state.keyed``)."""
         active = set(state.public_keys)
-
-        # 1. share keys -> encrypted shares, forwarded in stage 2
         configs: dict[int, dict[str, Any]] = {}
         for nid in active:
-            config: dict[str, Any] = {str(n): list(state.public_keys[n]) for n in neighbours[nid] & active}
+            config: dict[str, Any] = {str(n): list(state.public_keys[n]) for n in state.neighbours[nid] & active}
             configs[nid] = {**config, Key.STAGE: Stage.SHARE_KEYS}
-        forward: dict[int, tuple[list[int], list[bytes]]] = {nid: ([], []) for nid in active}
+        state.forward = {nid: ([], []) for nid in active}
+        replies = self._stage(state, configs, state.down)
+        self._answered(state, replies, "share keys", active, partial(_read_key_shares, state))
 
-        def key_shares(nid: int, reply: FlowerMessage, record: ConfigRecord) -> None:
-            destinations = cast(list[int], record[Key.DESTINATION_LIST])  # for the checker: still untrusted
-            pairs = list(zip(destinations, _byte_strings(record[Key.CIPHERTEXT_LIST]), strict=True))
-            if any(dst not in neighbours[nid] for dst, _ in pairs):
-                raise ValueError("shares for a node that is not its neighbour")
-            state.keyed.add(nid)
-            for dst, ciphertext in pairs:
-                if dst in forward:
-                    forward[dst][0].append(nid)
-                    forward[dst][1].append(ciphertext)
-
-        answered(self._stage(state, configs, down), "share keys", active, key_shares)
-
-        # 2. collect: the fedtune request plus the forwarded shares -> the masked vector and the reply's meta
+    def _collect(self, state: _Round, messages: dict[int, Message]) -> dict[int, Delivery]:
+        """Stage 2: each keyed node gets its fedtune request plus the shares forwarded to it and
+        answers the masked vector (``state.masked``) with the reply's metadata: client id -> its
+        delivery (the arrays left out)."""
         contents = {}
         for nid in state.keyed:
-            cid = cid_of[nid]
-            srcs = [s for s in forward[nid][0] if s in state.keyed]
-            ctxts = [c for s, c in zip(*forward[nid], strict=True) if s in state.keyed]
-            config = {Key.STAGE: Stage.COLLECT_MASKED_VECTORS, Key.CIPHERTEXT_LIST: ctxts, Key.SOURCE_LIST: srcs}
-            scalars: dict[str, Any] = {ROUND: rnd, ATTEMPT: attempt, **self.setting(cid)}
+            cid = state.cid_of[nid]
+            sources, ciphertexts = state.forward[nid]
+            srcs = [s for s in sources if s in state.keyed]
+            ctxts = [c for s, c in zip(sources, ciphertexts, strict=True) if s in state.keyed]
+            config: dict[str, Any] = {
+                Key.STAGE: Stage.COLLECT_MASKED_VECTORS,
+                Key.CIPHERTEXT_LIST: ctxts,
+                Key.SOURCE_LIST: srcs,
+            }
+            scalars: dict[str, Any] = {ROUND: state.rnd, ATTEMPT: state.attempt, **self.setting(cid)}
             content, nbytes = pack(messages[cid], cid, **scalars)
             content[RECORD_KEY_CONFIGS] = ConfigRecord(config)
             contents[nid] = content
-            down[nid] += nbytes + secagg_nbytes(config)
-        shapes = [(1,), *(shape for _, shape in layout)]
+            state.down[nid] += nbytes + secagg_nbytes(config)
         deliveries: dict[int, Delivery] = {}
+        read = partial(self._read_masked, state, messages, deliveries)
+        self._answered(state, self._send(contents, state.rnd), "collect", set(contents), read)
+        return deliveries
 
-        def masked_vector(nid: int, reply: FlowerMessage, record: ConfigRecord) -> None:
-            got = self._delivery(reply, cid_of[nid], "", messages[cid_of[nid]], 0, {})
-            if got.reply is not None:
-                vector = [bytes_to_ndarray(b) for b in _byte_strings(record[Key.MASKED_PARAMETERS])]
-                if [np.shape(v) for v in vector] != shapes or any(v.dtype.kind not in "iu" for v in vector):
-                    raise ValueError("the masked vector is not integers shaped as the request's secure_layout")
-                state.masked[nid] = vector
-                got.masked = True
-            deliveries[cid_of[nid]] = got
-
-        answered(self._send(contents, rnd), "collect", set(contents), masked_vector)
-        out = {}
-        for cid in messages:
-            nid = self.node_of[cid]
-            got = deliveries.get(cid) or Delivery(None, 0, error=errors.get(nid, "no reply"))
-            got.down, got.up = down[nid], up[nid] + got.up
-            out[cid] = got
-        return out
+    def _read_masked(
+        self,
+        state: _Round,
+        messages: dict[int, Message],
+        deliveries: dict[int, Delivery],
+        nid: int,
+        reply: FlowerMessage,
+        record: ConfigRecord,
+    ) -> None:
+        """Node ``nid``'s collect reply: its delivery (metadata) into ``deliveries`` and, when it
+        has a reply, its masked vector into ``state.masked`` (integers shaped as the layout)."""
+        shapes = [(1,), *(shape for _, shape in state.layout)]
+        got = self._delivery(reply, state.cid_of[nid], "", messages[state.cid_of[nid]], 0, {})
+        if got.reply is not None:
+            vector = [bytes_to_ndarray(b) for b in _byte_strings(record[Key.MASKED_PARAMETERS])]
+            if [np.shape(v) for v in vector] != shapes or any(v.dtype.kind not in "iu" for v in vector):
+                raise ValueError("the masked vector is not integers shaped as the request's secure_layout")
+            state.masked[nid] = vector
+            got.masked = True
+        deliveries[state.cid_of[nid]] = got
 
     def unmask(
         self, rnd: int, attempt: int, client_ids: list[int], sent: dict[int, Message]
@@ -283,12 +312,32 @@ class SecAggPlusTransport(GridTransport):
         """Stage 3: the sum of the masked updates of ``client_ids`` (the valid replies of this
         round's training exchange ``rnd``, try ``attempt``, whose requests were ``sent``), every other
         mask removed; None when a secret cannot be rebuilt (fewer than the round's threshold of shares)."""
-        state = self._round
-        if state is None or (state.rnd, state.attempt) != (rnd, attempt):
+        state = self._pending.pop((rnd, attempt), None)
+        if state is None:
             raise RuntimeError(f"unmask of round {rnd} (attempt {attempt}) without its training exchange")
         summed = {self.node_of[cid] for cid in client_ids if self.node_of[cid] in state.masked}
         dead = state.keyed - summed  # their pairwise masks are in the summed vectors: rebuilt from their key
         down, up = dict.fromkeys(summed, 0), dict.fromkeys(summed, 0)
+        collected, errors = self._unmask_shares(state, summed, dead, down, up)
+        short = sorted(state.cid_of[n] for n, shares in collected.items() if len(shares) < state.threshold)
+        total, why = None, f"secure aggregation: fewer than {state.threshold} shares for clients {short}"
+        if summed and not short:
+            try:
+                total = self._sum(state, summed, collected, [name for name, _ in state.layout])
+            except (*MALFORMED, AssertionError) as exc:  # a share that rebuilds no key or seed
+                why = f"secure aggregation: a secret did not rebuild from its shares ({type(exc).__name__})"
+        deliveries = {}
+        for nid in summed:  # a failed unmask reply drops nobody when the others' shares sufficed
+            error = None if total is not None else errors.get(nid, why)
+            deliveries[state.cid_of[nid]] = Delivery(None, down[nid], up[nid], error=error)
+        return total, deliveries
+
+    def _unmask_shares(
+        self, state: _Round, summed: set[int], dead: set[int], down: dict[int, int], up: dict[int, int]
+    ) -> tuple[dict[int, list[bytes]], dict[int, str]]:
+        """Ask each ``summed`` node for its shares of its summed neighbours' b_i and of its
+        ``dead`` neighbours' secret keys: owner node -> the shares collected (from its neighbours
+        only), and node -> why its reply was unusable. Bytes go to ``down`` / ``up``."""
         configs = {
             nid: {
                 Key.STAGE: Stage.UNMASK,
@@ -315,19 +364,7 @@ class SecAggPlusTransport(GridTransport):
             for owner, share in pairs:
                 if owner in collected and owner in state.neighbours[nid]:
                     collected[owner].append(share)
-        self._round = None
-        short = sorted(state.cid_of[n] for n, shares in collected.items() if len(shares) < state.threshold)
-        total, why = None, f"secure aggregation: fewer than {state.threshold} shares for clients {short}"
-        if summed and not short:
-            try:
-                total = self._sum(state, summed, collected, [name for name, _ in state.layout])
-            except (*MALFORMED, AssertionError) as exc:  # a share that rebuilds no key or seed
-                why = f"secure aggregation: a secret did not rebuild from its shares ({type(exc).__name__})"
-        deliveries = {}
-        for nid in summed:  # a failed unmask reply drops nobody when the others' shares sufficed
-            error = None if total is not None else errors.get(nid, why)
-            deliveries[state.cid_of[nid]] = Delivery(None, down[nid], up[nid], error=error)
-        return total, deliveries
+        return collected, errors
 
     def _sum(self, state: _Round, summed: set[int], collected: dict[int, list[bytes]], names: list[str]) -> SecureSum:
         """The masks removed from the summed vectors (Flower's ``SecAggPlusWorkflow.unmask_stage``
@@ -355,6 +392,26 @@ class SecAggPlusTransport(GridTransport):
             clients=sorted(state.cid_of[n] for n in summed),
             error=k * 2 * self.clip / state.target * state.max_weight,
         )
+
+
+def _read_public_keys(state: _Round, nid: int, reply: FlowerMessage, record: ConfigRecord) -> None:
+    """Node ``nid``'s setup reply: its two public keys into ``state.public_keys``."""
+    first, second = _byte_strings([record[Key.PUBLIC_KEY_1], record[Key.PUBLIC_KEY_2]])
+    state.public_keys[nid] = (first, second)
+
+
+def _read_key_shares(state: _Round, nid: int, reply: FlowerMessage, record: ConfigRecord) -> None:
+    """Node ``nid``'s share-keys reply: its encrypted shares, each for one of its neighbours,
+    queued in ``state.forward`` for that neighbour; ``nid`` joins ``state.keyed``."""
+    destinations = cast(list[int], record[Key.DESTINATION_LIST])  # for the checker: still untrusted
+    pairs = list(zip(destinations, _byte_strings(record[Key.CIPHERTEXT_LIST]), strict=True))
+    if any(dst not in state.neighbours[nid] for dst, _ in pairs):
+        raise ValueError("shares for a node that is not its neighbour")
+    state.keyed.add(nid)
+    for dst, ciphertext in pairs:
+        if dst in state.forward:
+            state.forward[dst][0].append(nid)
+            state.forward[dst][1].append(ciphertext)
 
 
 def _byte_strings(values: Any) -> list[bytes]:

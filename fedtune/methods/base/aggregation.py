@@ -32,7 +32,7 @@ from fedtune.methods.base.privacy import Mechanism, PrivacyParams, privacy_param
 from fedtune.methods.base.robust import Combiner, combiner
 from fedtune.methods.base.server_optimizer import ServerOptimizer, ServerStep
 from fedtune.protocol.messages import Message
-from fedtune.protocol.strategy import SECURE_LAYOUT, SECURE_MAX_WEIGHT, SECURE_WEIGHT, SecureSum
+from fedtune.protocol.strategy import SECURE_LAYOUT, SECURE_MAX_WEIGHT, SECURE_WEIGHT, RoundRules, SecureSum
 
 Layout = dict[str, tuple[int, ...]]
 
@@ -75,9 +75,18 @@ class Aggregation:
         self.server_opt = ServerOptimizer(plan.server)
 
     # -- the round loop's questions ------------------------------------------------------------
-    def sample(self, rnd: int, attempt: int) -> list[int] | None:
-        """Under DP, round ``rnd``'s secret sample; else None (the engine's seeded draw)."""
-        return None if self.privacy is None else self.privacy.sample(rnd, attempt)
+    def rules(self, rnd: int, attempt: int) -> RoundRules:
+        """How round ``rnd``'s ``attempt`` runs. Without DP: the engine's seeded draw, retries,
+        federated evaluation. Under DP: the mechanism's secret sample, need 0 (a missing reply is a
+        zero update), never retried (a fresh sample would condition the first on failing), no
+        federated evaluation (outside what the accountant counts) and a record that releases no
+        per-client number; with secure aggregation also no sample of one. Under secure aggregation
+        the updates cross masked."""
+        masked = self.plan.secure
+        if self.privacy is None:
+            return RoundRules(masked=masked)
+        sample = self.privacy.sample(rnd, attempt)
+        return RoundRules(sample, 2 if masked else 0, 0, False, False, True, masked)
 
     def halt_before(self, rnd: int) -> str | None:
         """The one line that stops the run before round ``rnd`` (a spent privacy budget), else None."""

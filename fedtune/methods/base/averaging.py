@@ -92,15 +92,51 @@ class UpdateClient(Client):
 
 
 class BroadcastAverage(Strategy):
-    """FedAvg's round over ``self.global_arrays``: every sampled client gets the same arrays
-    (and :meth:`fit_meta`); the server adds the weighted mean of the clients' updates,
-    theta^{t+1} = theta^t + sum_i p_i Delta_i (``options.weighting``), through its
-    :class:`~fedtune.methods.base.aggregation.Aggregation` (the server optimizer, default exactly
-    this sum; ``federation``'s robust combiners; under ``privacy.mode`` the mechanism; under
-    secure aggregation the sum SecAgg+ gives). The concrete strategy builds ``aggregation``."""
+    """FedAvg's round over ``self.global_arrays``, and the averaging skeleton FedIT, FSLoRA and
+    HeteroLoRA fill in. By default every sampled client gets the same arrays (and :meth:`fit_meta`)
+    and the server adds the weighted mean of the clients' updates, theta^{t+1} = theta^t + sum_i
+    p_i Delta_i (``options.weighting``). A round moves ``self.global_arrays`` through the strategy's
+    :class:`~fedtune.methods.base.aggregation.Aggregation`: under ``privacy.mode`` by the
+    mechanism's noised aggregate of the clients' updates in the global shapes
+    (:meth:`private_updates`), released even when nobody replied; otherwise, when some client
+    replied, to :meth:`averaged` (default: the sum above through ``federation``'s combiner and the
+    server optimizer); under secure aggregation from the sum SecAgg+ gives
+    (:meth:`aggregate_secure_fit`). A method that sends other requests (FSLoRA's sketches,
+    HeteroLoRA's truncations) overrides :meth:`configure_fit` and :meth:`reply_spec` too. The
+    concrete strategy builds ``aggregation``."""
 
     global_arrays: dict[str, np.ndarray]
     aggregation: Aggregation
+
+    def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
+        """The round's step (class docstring); its metrics: the mean training loss, or under DP
+        only what the mechanism releases."""
+        if self.aggregation.privacy is not None:  # a round releases its noised aggregate even when nobody replied
+            updates = self.private_updates(rnd, replies)
+            self.global_arrays, metrics = self.aggregation.private_step(rnd, self.global_arrays, updates)
+            return metrics
+        if not replies:
+            return {}
+        self.global_arrays = self.averaged(rnd, replies)
+        return mean_train_loss(replies)
+
+    def private_updates(self, rnd: int, replies: dict[int, Message]) -> list[dict[str, np.ndarray]]:
+        """Each reply's update in the shapes of ``self.global_arrays``, for the DP mechanism to
+        clip and sum (default: the decoded upload, already in those shapes)."""
+        return [decode_update(m.arrays) for m in replies.values()]
+
+    def averaged(self, rnd: int, replies: dict[int, Message]) -> dict[str, np.ndarray]:
+        """The global arrays after round ``rnd`` without DP (default: theta + the combiner's
+        ``options.weighting``-weighted mean of the decoded updates, through the server optimizer)."""
+        updates = [decode_update(m.arrays) for m in replies.values()]
+        return self.aggregation.step(self.global_arrays, updates, client_weights(replies, self.options.weighting))
+
+    def aggregate_secure_fit(self, rnd: int, replies: dict[int, Message], total: SecureSum) -> dict[str, float]:
+        """FedAvg's round from the sum alone: theta + sum_i w_i v_i / sum_i w_i (v_i: what the
+        client summed, its update unless the method says otherwise), or, under DP, the mechanism's
+        noised sum over the fixed m, through the server optimizer."""
+        self.global_arrays, metrics = self.aggregation.secure_step(rnd, total, self.global_arrays, replies)
+        return metrics
 
     def fit_meta(self, rnd: int) -> dict:
         return {"round": rnd}
@@ -114,20 +150,3 @@ class BroadcastAverage(Strategy):
 
     def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec]:
         return update_of(sent)
-
-    def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
-        updates = [decode_update(m.arrays) for m in replies.values()]
-        if self.aggregation.privacy is not None:  # a round releases its noised aggregate even when nobody replied
-            self.global_arrays, metrics = self.aggregation.private_step(rnd, self.global_arrays, updates)
-            return metrics
-        if not replies:
-            return {}
-        weights = client_weights(replies, self.options.weighting)
-        self.global_arrays = self.aggregation.step(self.global_arrays, updates, weights)
-        return mean_train_loss(replies)
-
-    def aggregate_secure_fit(self, rnd: int, replies: dict[int, Message], total: SecureSum) -> dict[str, float]:
-        """FedAvg's round from the sum alone: theta + sum_i w_i Delta_i / sum_i w_i, or, under DP,
-        the mechanism's noised sum over the fixed m, through the server optimizer."""
-        self.global_arrays, metrics = self.aggregation.secure_step(rnd, total, self.global_arrays, replies)
-        return metrics

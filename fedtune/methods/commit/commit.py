@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from fedtune.config import ConfigError
+from fedtune.config import ConfigError, RunConfig
 from fedtune.methods.base.averaging import SERVER_STEP_AND_UPLOAD_CODEC, BroadcastAverage, Weighting, client_weights
 from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, GlobalAdapterStrategy, LoraClient
 from fedtune.methods.commit.balance import TRAINERS, Coordination, S, Schedule, T, train_coordinated
@@ -100,6 +100,18 @@ class CommitOptions(MethodOptions):
         "options.metric": "'kl' is not a metric, as eqs. (1)-(2) assume of d",
     }
 
+    def config_refusal(self, config: RunConfig) -> str | None:
+        """Dropout (the kappa of eq. (3) compares deterministic predictions); ``carry_optimizer``
+        with more than one client."""
+        if config.model.lora_dropout:
+            return "model.lora_dropout: method 'commit' compares deterministic predictions; set it to 0"
+        if self.carry_optimizer and config.federation.num_clients != 1:
+            return (
+                f"options.carry_optimizer: centralized mode only (federation.num_clients = 1), got "
+                f"{config.federation.num_clients} clients"
+            )
+        return None
+
 
 def coordination(options: CommitOptions, config) -> Coordination:
     """The trainer's settings from the method's options and the run's ``train.lr``."""
@@ -152,13 +164,6 @@ class CommitStrategy(BroadcastAverage, GlobalAdapterStrategy):
         return self.meta_with(kind, cid, "train", schedule=mapping, curves=mapping)
 
     def initialize(self) -> None:
-        if self.config.model.lora_dropout:
-            raise ConfigError("model.lora_dropout: method 'commit' compares deterministic predictions; set it to 0")
-        if self.options.carry_optimizer and self.config.federation.num_clients != 1:
-            raise ConfigError(
-                f"options.carry_optimizer: centralized mode only (federation.num_clients = 1), got "
-                f"{self.config.federation.num_clients} clients"
-            )
         self.rank = self.config.model.lora_rank
         ws = self.context.workspace
         component_params(self.context.task, ws.activate(self.rank))

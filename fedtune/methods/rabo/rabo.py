@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from fedtune.config import ConfigError
+from fedtune.config import RunConfig
 from fedtune.methods.rabo.hypergrad import finite_difference_hypergradient, implicit_hypergradient, second_order_kernels
 from fedtune.methods.rabo.masks import (
     Policy,
@@ -101,6 +101,13 @@ class MaskOptions(MethodOptions):
         None, description="masks = 'segment': the segment of each client, one per client (default its id)"
     )
 
+    def config_refusal(self, config: RunConfig) -> str | None:
+        """``segments`` of a length other than ``federation.num_clients``."""
+        clients = config.federation.num_clients
+        if self.segments is not None and len(self.segments) != clients:
+            return f"options.segments: one segment per client expected ({clients} clients), got {len(self.segments)}"
+        return None
+
 
 class RaboOptions(ImplicitOptions, MaskOptions):
     pass
@@ -138,11 +145,6 @@ class BilevelStrategy(Strategy):
         return spec
 
     def initialize(self) -> None:
-        segments, clients = getattr(self.options, "segments", None), self.config.federation.num_clients
-        if segments is not None and len(segments) != clients:
-            raise ConfigError(
-                f"options.segments: one segment per client expected ({clients} clients), got {len(segments)}"
-            )
         self.problem: BilevelProblem = self.context.task.bilevel_problem(self.context, self.options)
         self.structure = self.problem.structure()
         self.x, self.y = self.problem.initial()
