@@ -329,6 +329,7 @@ def test_a_deployment_starts_no_process_per_message_and_gives_the_embedded_run(t
     kinds = sorted(next((k for k in names if k in c), c) for c in alive[2])
     assert kinds == [names[0], names[1], names[1], names[2]], alive[2]
     assert shared and all(server is not None and context.shares_base is server for context, server in shared)
+    assert all(context.task is server.task for context, server in shared)  # and one copy of the data
     assert worker.SHARED.server is None  # released with the run
 
     # the embedded engine's run, round by round and to the last weight

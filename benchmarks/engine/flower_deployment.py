@@ -28,6 +28,12 @@ Scale (``--part scale``): a loopback deployment of 1, 2, 4, 8 and 16 nodes (proc
 FedIT on the tiny test model (``tiny-bert``, tweets), 16 clients all sampled, 1 local step, 4
 rounds: the fixed cost per round against nodes.
 
+Memory (``--part memory --tag T``, run alone): the peak RSS of each process of the tree by its role
+(the job's own process: the ServerApp and, on a deployment, the node it serves in place; the
+SuperLink; the SuperNodes; the executor processes), embedded and 1- and 2-node deployments, on
+tiny-bert and MiniLM, 2 clients a round, 1 local step, 3 rounds; a table per tag (``before`` from
+the code before a change, ``after``) in benchmarks/results/flower_memory.{md,json}.
+
 Each job runs in a subprocess (``--job``); the machine's load average is recorded before and after
 each. Writes benchmarks/results/flower_deployment.{md,json}. About 25 minutes on 2 cores;
 ``--quick`` is a smoke run (2 clients, 1 and 2 nodes, no simulation; 3 rounds, 1 local step and
@@ -35,6 +41,7 @@ scale to 4 nodes unless ``--rounds`` / ``--steps`` / ``--scale-nodes`` say other
 ``flower_deployment_quick.*``, with ``--steps S`` in ``flower_deployment_quick_Ssteps.*``).
 
     python benchmarks/engine/flower_deployment.py [--part engines,scale] [--rounds 4] [--steps 1,10,50] [--quick]
+    python benchmarks/engine/flower_deployment.py --part memory --tag after
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from pathlib import Path
 
 #: the component of fedtune's ClientApp in a FAB (``[tool.flwr.app.components] clientapp``)
 CLIENT_APP_REF = "fedtune.engines.flower.clientapp:client_app"
-STOP_WAIT_S = 60.0  # how long a node served in place may finish its task when the deployment stops
+STOP_WAIT_S = 5.0  # how long a node served in place may finish its task when the deployment stops
 
 
 def write_secret(path: Path) -> Path:
@@ -147,10 +147,15 @@ class NodeThread:
         from fedtune.engines.flower.worker import serving_in_place
 
         with serving_in_place():
-            serve_tasks(self.address, self.secret, idle=lambda: not self.done.is_set(), identify=False)
+            try:
+                serve_tasks(self.address, self.secret, idle=lambda: not self.done.is_set(), identify=False)
+            except Exception:
+                if not self.done.is_set():  # the SuperNode went away while the deployment runs: say so
+                    raise
 
     def stop(self, timeout: float = STOP_WAIT_S) -> None:
-        """Stop claiming tasks and wait up to ``timeout`` s for the one in progress."""
+        """Stop claiming tasks and wait up to ``timeout`` s for the one in progress (a straggler's, past
+        its round's timeout: it ends on its own, its reply refused by the stopped SuperNode)."""
         self.done.set()
         if self.thread is not None:
             self.thread.join(timeout)

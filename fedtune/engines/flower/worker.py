@@ -89,15 +89,17 @@ def serving_in_place() -> Iterator[None]:
 def _in_place_context(config: RunConfig, contexts: dict[str, RunContext]) -> RunContext:
     """The context of a thread serving a node in place for ``config``: built once, sharing the
     server's base (:attr:`SharedBase.server`) when the server runs the same resolved run, as the
-    embedded engine's clients do; torch threads as the server's (the process's)."""
+    embedded engine's clients do, and its task (the data, loaded once); torch threads as the
+    server's (the process's)."""
     from fedtune.runtime import RunContext, resolve_run
 
     key = config.model_dump_json()
     if key not in contexts:
         run, server = resolve_run(config), SHARED.server
-        contexts[key] = RunContext(
-            run, shares_base=server if server is not None and server.config == run.config else None
-        )
+        shares = server if server is not None and server.config == run.config else None
+        contexts[key] = RunContext(run, shares_base=shares)
+        if shares is not None:  # and the server's task: one copy of the data, used in turn
+            contexts[key].task = shares.task
     return contexts[key]
 
 
