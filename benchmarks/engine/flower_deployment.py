@@ -47,6 +47,7 @@ scale to 4 nodes unless ``--rounds`` / ``--steps`` / ``--scale-nodes`` say other
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -107,9 +108,14 @@ def part_scale(args, out: Path) -> dict:
 def part_memory(args, out: Path) -> dict:
     """Peak memory per process of embedded and 1- and 2-node deployments, tiny-bert and MiniLM (2 clients
     a round, 1 local step, 3 rounds: memory, not speed)."""
+    wanted = set(args.rows.split(",")) if args.rows else None  # model-kind-nodes; the others kept as they were
     rows = []
     for model, overrides in (("tiny-bert", TINY), ("minilm", MINILM)):
         for kind, nodes in (("embedded", 0), ("flower", 1), ("flower", 2)):
+            kept = [r for r in args.previous if (r["model"], r["kind"], r["nodes"]) == (model, kind, nodes)]
+            if wanted is not None and f"{model}-{kind}-{nodes}" not in wanted:
+                rows += kept
+                continue
             print(f"[memory] {model}: {label(kind, nodes)} ...", flush=True)
             settings = [*overrides, "federation.num_clients=2", "federation.clients_per_round=2", "rounds=3"]
             settings += ["eval_every=3", "train.local_steps=1", f"name=memory-{model}-{kind}-{nodes}"]
@@ -230,6 +236,7 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--set", action="append", default=[])
     parser.add_argument("--tag", default="after", help="--part memory: the label of its table (before, after)")
+    parser.add_argument("--rows", help="--part memory: only these rows (model-kind-nodes, e.g. minilm-flower-1)")
     args = parser.parse_args()
     if args.job:
         return job(args.job, args.nodes, args.set)
@@ -246,6 +253,9 @@ def main() -> None:
     parts = {"engines": part_engines, "scale": part_scale}
     if args.part == "memory":  # its own results file, a table per --tag
         stem, args.part, parts = "flower_memory", f"memory-{args.tag}", {f"memory-{args.tag}": part_memory}
+        done = Path(__file__).parents[1] / "results" / f"{stem}.json"
+        earlier = json.loads(done.read_text()).get(args.part, {}) if done.is_file() else {}
+        args.previous = earlier.get("rows", [])
     run_parts(parts, args, stem, markdown, Path(__file__).name)
 
 

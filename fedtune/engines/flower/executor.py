@@ -33,7 +33,7 @@ from pathlib import Path
 
 #: the component of fedtune's ClientApp in a FAB (``[tool.flwr.app.components] clientapp``)
 CLIENT_APP_REF = "fedtune.engines.flower.clientapp:client_app"
-STOP_WAIT_S = 5.0  # how long a node served in place may finish its task when the deployment stops
+STOP_WAIT_S = 60.0  # how long a node served in place may finish its task when the deployment stops
 
 
 def write_secret(path: Path) -> Path:
