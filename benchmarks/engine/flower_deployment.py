@@ -124,8 +124,9 @@ def part_memory(args, out: Path) -> dict:
     return {"rows": rows, "tag": args.tag, "uptime": os.popen("uptime").read().strip()}
 
 
-def memory_markdown(name: str, part: dict) -> list[str]:
-    """The memory table of ``part`` (:func:`part_memory`): the tree's peak and each role's."""
+def memory_markdown(part: dict, embedded: dict[str, float]) -> list[str]:
+    """The memory table of ``part`` (:func:`part_memory`): the tree's peak and each role's; ``embedded``:
+    the embedded engine's peak RSS by model, for a part that did not rerun it (its code unchanged)."""
     lines = [f"## Peak memory per process ({part['tag']}): 2 clients a round, 1 local step, 3 rounds", ""]
     lines += [f"`{part['command']}`; {part['machine']}; `uptime` at the end: {part['uptime']}.", ""]
     lines += [
@@ -136,7 +137,7 @@ def memory_markdown(name: str, part: dict) -> list[str]:
         "| model | engine | tree RSS | x embedded | tree PSS | fedtune process | superlink | supernodes | executors |"
     ]
     lines += ["|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    emb = {r["model"]: r["peak_rss_mb"] for r in part["rows"] if r["kind"] == "embedded"}
+    emb = {**embedded, **{r["model"]: r["peak_rss_mb"] for r in part["rows"] if r["kind"] == "embedded"}}
 
     def cell(r: dict, key: str) -> str:
         x = r["roles"].get(key)
@@ -220,8 +221,10 @@ def markdown(result: dict) -> str:
                 f"{r['peak_rss_mb']:.0f} | {r['peak_pss_mb']:.0f} | {r['load'][0]:.1f}-{r['load'][1]:.1f} |"
             )
         lines.append("")
-    for name in sorted(k for k in result if k.startswith("memory")):
-        lines += memory_markdown(name, result[name])
+    memory = sorted(k for k in result if k.startswith("memory"))
+    embedded = {r["model"]: r["peak_rss_mb"] for k in memory for r in result[k]["rows"] if r["kind"] == "embedded"}
+    for name in memory:
+        lines += memory_markdown(result[name], embedded)
     return "\n".join(lines)
 
 
