@@ -176,7 +176,7 @@ def _serve_with(monkeypatch, app_ref: str, app, message_type: str = "train"):
     given = (message, context, None, type("Fab", (), {"content": fab.getvalue()}))
     monkeypatch.setattr(runtime_api, "runtime_client", lambda *a, **k: Closable())
     monkeypatch.setattr(runtime_api, "task_heartbeat", lambda client: Closable())
-    monkeypatch.setattr(runtime_api, "pull_task_input", lambda client: given)
+    monkeypatch.setattr(runtime_api, "pull_task_input", lambda client, identify=True: given)
     monkeypatch.setattr(run_clientapp, "push_message", lambda client, reply, ctx: pushed.append(reply))
     monkeypatch.setattr(run_clientapp, "push_task_output", lambda client, ctx, st, details: outputs.append((st, ctx)))
     monkeypatch.setattr(clientapp, "client_app", app)
@@ -220,12 +220,12 @@ def test_the_executor_serves_the_next_task_after_one_it_could_not_complete(monke
 
     served = []
 
-    def serve(address, token):
+    def serve(address, token, identify=True):
         served.append(token)
         if token == "t1":
             raise RuntimeError("task t1 is gone")
 
-    monkeypatch.setattr(runtime_api, "claim_tasks", lambda client, task_type: iter(["t1", "t2"]))
+    monkeypatch.setattr(runtime_api, "claim_tasks", lambda client, task_type, idle: iter(["t1", "t2"]))
     monkeypatch.setattr(runtime_api, "runtime_client", lambda *a, **k: object())
     monkeypatch.setattr(executor, "serve_task", serve)
     executor.run_executor("127.0.0.1:1", b"secret")
@@ -283,9 +283,12 @@ class Descendants:
         return out
 
 
-def _deployment_run(tmp_path: Path, executors: bool) -> tuple[Descendants, list[float], list[list[str]], dict]:
-    """A 3-round tiny FedIT run on a 2-node loopback deployment, its processes watched: (the
-    watch, each round's end, the processes alive then, the summary)."""
+def _deployment_run(
+    tmp_path: Path, executors: bool, in_place: bool = False
+) -> tuple[Descendants, list[float], list[list[str]], dict]:
+    """A 3-round tiny FedIT run on a 2-node loopback deployment (``in_place``: its first node served
+    by a thread of this process), its processes watched: (the watch, each round's end, the processes
+    alive then, the summary)."""
     from fedtune.engines.flower.commands import client_groups
     from fedtune.engines.flower.deployment import LoopbackDeployment
 
@@ -298,23 +301,36 @@ def _deployment_run(tmp_path: Path, executors: bool) -> tuple[Descendants, list[
         ends.append(time.time())
         alive.append(watch.alive())
 
-    with Descendants() as watch, LoopbackDeployment(groups, threads=1, executors=executors) as d:
+    with Descendants() as watch, LoopbackDeployment(groups, threads=1, executors=executors, in_place=in_place) as d:
         summary = d.run(config, on_round=on_round, timeout=600)
     return watch, ends, alive, summary
 
 
-def test_a_deployment_starts_no_process_per_message_and_gives_the_embedded_run(tmp_path):
-    watch, ends, alive, summary = _deployment_run(tmp_path, executors=True)
+def test_a_deployment_starts_no_process_per_message_and_gives_the_embedded_run(tmp_path, monkeypatch):
+    from fedtune.engines.flower import worker
+
+    shared = []  # (the context a node in place trains on, the server's context then)
+    own = worker._in_place_context
+    monkeypatch.setattr(
+        worker,
+        "_in_place_context",
+        lambda config, contexts: shared.append((own(config, contexts), worker.SHARED.server)) or shared[-1][0],
+    )
+    watch, ends, alive, summary = _deployment_run(tmp_path, executors=True, in_place=True)
 
     # rounds 2 and 3 started no process: every message was answered by a process already up (the
     # summary's platform probe, after the last round, may start one)
     assert len(ends) == 3 and watch.started_between(ends[0], ends[2]) == []
     seen = [cmd for _, cmd in watch.seen.values()]
     assert not [c for c in seen if "flwr-clientapp" in c or "flwr-serverapp" in c or "flower-superexec" in c]
-    # what runs the rounds: the SuperLink, and per node its SuperNode and executor
+    # what runs the rounds: the SuperLink, per node its SuperNode, and the second node's executor (the
+    # first node's is a thread of this process, training on the server's base: one base, not two)
     names = ("flower-superlink", "flower-supernode", "flower.executor")
     kinds = sorted(next((k for k in names if k in c), c) for c in alive[2])
-    assert kinds == [names[0], names[1], names[1], names[2], names[2]], alive[2]
+    assert kinds == [names[0], names[1], names[1], names[2]], alive[2]
+    assert shared and all(server is not None and context.shares_base is server for context, server in shared)
+    assert all(context.task is server.task for context, server in shared)  # and one copy of the data
+    assert worker.SHARED.server is None  # released with the run
 
     # the embedded engine's run, round by round and to the last weight
     embedded = run_experiment(tiny(tmp_path / "embedded", "fedit", KIND, "seed=5", "rounds=3"))

@@ -86,18 +86,25 @@ def run_job(script: Path, kind: str, nodes: int, overrides: list[str], out: Path
     start = time.perf_counter()
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     root, rss, pss = psutil.Process(proc.pid), 0, 0
+    peaks: dict[str, list[float]] = {}  # role -> [peak summed RSS, most processes at once, peak RSS of one]
     while proc.poll() is None:
         total_rss = total_pss = 0
+        now: dict[str, list[float]] = {}
         try:
             for p in [root, *root.children(recursive=True)]:
                 try:
-                    m = p.memory_full_info()
+                    m, name = p.memory_full_info(), role(p, root)
                     total_rss, total_pss = total_rss + m.rss, total_pss + m.pss
+                    held = now.setdefault(name, [0, 0, 0])
+                    held[0], held[1], held[2] = held[0] + m.rss, held[1] + 1, max(held[2], m.rss)
                 except psutil.Error:
                     pass
         except psutil.Error:
             pass
         rss, pss = max(rss, total_rss), max(pss, total_pss)
+        for name, (summed, count, one) in now.items():
+            peak = peaks.setdefault(name, [0, 0, 0])
+            peak[:] = [max(peak[0], summed), max(peak[1], count), max(peak[2], one)]
         time.sleep(0.5)
     text = proc.stdout.read() if proc.stdout else ""
     lines = [x for x in text.splitlines() if x.startswith("RESULT ")]
@@ -115,9 +122,34 @@ def run_job(script: Path, kind: str, nodes: int, overrides: list[str], out: Path
         "nodes": nodes,
         "peak_rss_mb": rss / 2**20,
         "peak_pss_mb": pss / 2**20,
+        "roles": {
+            k: {"peak_rss_mb": v[0] / 2**20, "processes": int(v[1]), "one_mb": v[2] / 2**20} for k, v in peaks.items()
+        },
         "job_wall_s": time.perf_counter() - start,
         "load": [load_before, os.getloadavg()[0]],
     }
+
+
+#: a process of a job's tree by its command line: (what the command line holds, the role it plays)
+ROLES = (
+    ("flower-superlink", "superlink"),
+    ("flower-supernode", "supernode"),
+    ("flower.executor", "executor"),
+    ("flower-superexec", "superexec"),
+    ("flwr-clientapp", "clientapp"),
+    ("flwr-serverapp", "serverapp"),
+    ("ray", "ray"),
+    ("flwr", "flwr run"),
+)
+
+
+def role(proc, root) -> str:
+    """What ``proc`` of ``root``'s tree plays: ``job`` (root: the fedtune process, server and any node it
+    runs in place), else the first of :data:`ROLES` its command line names, else ``other``."""
+    if proc.pid == root.pid:
+        return "job"
+    text = " ".join(proc.cmdline())
+    return next((name for key, name in ROLES if key in text), "other")
 
 
 def _median_later(values: list[float]) -> float:

@@ -28,6 +28,12 @@ Scale (``--part scale``): a loopback deployment of 1, 2, 4, 8 and 16 nodes (proc
 FedIT on the tiny test model (``tiny-bert``, tweets), 16 clients all sampled, 1 local step, 4
 rounds: the fixed cost per round against nodes.
 
+Memory (``--part memory --tag T``, run alone): the peak RSS of each process of the tree by its role
+(the job's own process: the ServerApp and, on a deployment, the node it serves in place; the
+SuperLink; the SuperNodes; the executor processes), embedded and 1- and 2-node deployments, on
+tiny-bert and MiniLM, 2 clients a round, 1 local step, 3 rounds; a table per tag (``before`` from
+the code before a change, ``after``) in benchmarks/results/flower_memory.{md,json}.
+
 Each job runs in a subprocess (``--job``); the machine's load average is recorded before and after
 each. Writes benchmarks/results/flower_deployment.{md,json}. About 25 minutes on 2 cores;
 ``--quick`` is a smoke run (2 clients, 1 and 2 nodes, no simulation; 3 rounds, 1 local step and
@@ -35,11 +41,14 @@ scale to 4 nodes unless ``--rounds`` / ``--steps`` / ``--scale-nodes`` say other
 ``flower_deployment_quick.*``, with ``--steps S`` in ``flower_deployment_quick_Ssteps.*``).
 
     python benchmarks/engine/flower_deployment.py [--part engines,scale] [--rounds 4] [--steps 1,10,50] [--quick]
+    python benchmarks/engine/flower_deployment.py --part memory --tag after
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from pathlib import Path
 
 from deployment_jobs import job, run_job, run_parts
@@ -94,6 +103,55 @@ def part_scale(args, out: Path) -> dict:
         rows.append(run_job(Path(__file__), "flower", nodes, overrides, out))
         print(f"  fixed {rows[-1]['fixed_s']:.2f} s/round, {rows[-1]['round_s']:.2f} s/round", flush=True)
     return {"rows": rows}
+
+
+def part_memory(args, out: Path) -> dict:
+    """Peak memory per process of embedded and 1- and 2-node deployments, tiny-bert and MiniLM (2 clients
+    a round, 1 local step, 3 rounds: memory, not speed)."""
+    wanted = set(args.rows.split(",")) if args.rows else None  # model-kind-nodes; the others kept as they were
+    rows = []
+    for model, overrides in (("tiny-bert", TINY), ("minilm", MINILM)):
+        for kind, nodes in (("embedded", 0), ("flower", 1), ("flower", 2)):
+            kept = [r for r in args.previous if (r["model"], r["kind"], r["nodes"]) == (model, kind, nodes)]
+            if wanted is not None and f"{model}-{kind}-{nodes}" not in wanted:
+                rows += kept
+                continue
+            print(f"[memory] {model}: {label(kind, nodes)} ...", flush=True)
+            settings = [*overrides, "federation.num_clients=2", "federation.clients_per_round=2", "rounds=3"]
+            settings += ["eval_every=3", "train.local_steps=1", f"name=memory-{model}-{kind}-{nodes}"]
+            rows.append({"model": model, **run_job(Path(__file__), kind, nodes, settings, out)})
+            print(f"  peak {rows[-1]['peak_rss_mb']:.0f} MB RSS: {rows[-1]['roles']}", flush=True)
+    return {"rows": rows, "tag": args.tag, "uptime": os.popen("uptime").read().strip()}
+
+
+def memory_markdown(part: dict, embedded: dict[str, float]) -> list[str]:
+    """The memory table of ``part`` (:func:`part_memory`): the tree's peak and each role's; ``embedded``:
+    the embedded engine's peak RSS by model, for a part that did not rerun it (its code unchanged)."""
+    lines = [f"## Peak memory per process ({part['tag']}): 2 clients a round, 1 local step, 3 rounds", ""]
+    lines += [f"`{part['command']}`; {part['machine']}; `uptime` at the end: {part['uptime']}.", ""]
+    lines += [
+        "RSS MB, each role's peak (several processes of a role: their sum at the peak, n processes, one's most).",
+        "",
+    ]
+    lines += [
+        "| model | engine | tree RSS | x embedded | tree PSS | fedtune process | superlink | supernodes | executors |"
+    ]
+    lines += ["|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    emb = {**embedded, **{r["model"]: r["peak_rss_mb"] for r in part["rows"] if r["kind"] == "embedded"}}
+
+    def cell(r: dict, key: str) -> str:
+        x = r["roles"].get(key)
+        if x is None:
+            return "-"
+        return f"{x['peak_rss_mb']:.0f}" + (f" ({x['processes']} x <= {x['one_mb']:.0f})" if x["processes"] > 1 else "")
+
+    for r in part["rows"]:
+        lines.append(
+            f"| {r['model']} | {label(r['kind'], r['nodes'])} | {r['peak_rss_mb']:.0f} | "
+            f"{r['peak_rss_mb'] / emb[r['model']]:.2f} | {r['peak_pss_mb']:.0f} | {cell(r, 'job')} | "
+            f"{cell(r, 'superlink')} | {cell(r, 'supernode')} | {cell(r, 'executor')} |"
+        )
+    return [*lines, ""]
 
 
 def goals(engines: dict) -> list[str]:
@@ -163,6 +221,10 @@ def markdown(result: dict) -> str:
                 f"{r['peak_rss_mb']:.0f} | {r['peak_pss_mb']:.0f} | {r['load'][0]:.1f}-{r['load'][1]:.1f} |"
             )
         lines.append("")
+    memory = sorted(k for k in result if k.startswith("memory"))
+    embedded = {r["model"]: r["peak_rss_mb"] for k in memory for r in result[k]["rows"] if r["kind"] == "embedded"}
+    for name in memory:
+        lines += memory_markdown(result[name], embedded)
     return "\n".join(lines)
 
 
@@ -176,6 +238,8 @@ def main() -> None:
     parser.add_argument("--job", choices=["embedded", "sim", "flower", "plain"])
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--set", action="append", default=[])
+    parser.add_argument("--tag", default="after", help="--part memory: the label of its table (before, after)")
+    parser.add_argument("--rows", help="--part memory: only these rows (model-kind-nodes, e.g. minilm-flower-1)")
     args = parser.parse_args()
     if args.job:
         return job(args.job, args.nodes, args.set)
@@ -189,7 +253,13 @@ def main() -> None:
     args.rounds = args.rounds or (3 if args.quick else 4)
     if args.quick:  # 2 clients, 1 and 2 nodes, no simulation
         args.clients, args.nodes_list = 2, [1, 2]
-    run_parts({"engines": part_engines, "scale": part_scale}, args, stem, markdown, Path(__file__).name)
+    parts = {"engines": part_engines, "scale": part_scale}
+    if args.part == "memory":  # its own results file, a table per --tag
+        stem, args.part, parts = "flower_memory", f"memory-{args.tag}", {f"memory-{args.tag}": part_memory}
+        done = Path(__file__).parents[1] / "results" / f"{stem}.json"
+        earlier = json.loads(done.read_text()).get(args.part, {}) if done.is_file() else {}
+        args.previous = earlier.get("rows", [])
+    run_parts(parts, args, stem, markdown, Path(__file__).name)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ from fedtune.engines.flower.commands import (
     write_app,
     write_flower_config,
 )
-from fedtune.engines.flower.executor import write_secret
+from fedtune.engines.flower.executor import NodeThread, write_secret
 from fedtune.engines.flower.inprocess import serve_run
 from fedtune.engines.flower.serverapp import read_status
 from fedtune.engines.rounds import RoundFailed, RoundRecord, RunInterrupted
@@ -167,8 +167,10 @@ class LoopbackDeployment:
     ``home``: the ``FLWR_HOME`` (None: a temporary folder, removed on exit); ``tls``, ``auth``: see
     the module docstring; ``threads``: each node's torch threads (None: the cores shared out);
     ``executors``: a fedtune executor per node (:mod:`.executor`; False: Flower's SuperExec and a
-    ``flwr-clientapp`` process per message); ``log_dir``: the processes' logs (None: in ``home``);
-    ``budgets``: each node's own resources, node-config entries (:func:`supernode_args`)."""
+    ``flwr-clientapp`` process per message); ``in_place``: the first node's executor is a thread of
+    this process training on the server's base (:class:`.executor.NodeThread`), not a process of its
+    own; ``log_dir``: the processes' logs (None: in ``home``); ``budgets``: each node's own
+    resources, node-config entries (:func:`supernode_args`)."""
 
     def __init__(
         self,
@@ -180,12 +182,14 @@ class LoopbackDeployment:
         executors: bool = True,
         log_dir: Path | None = None,
         budgets: Sequence[Mapping[str, Any]] | None = None,
+        in_place: bool = False,
     ) -> None:
         if auth and not tls:
             raise ValueError("SuperNode authentication needs TLS (Flower refuses it on an insecure connection)")
         self.groups = [list(g) for g in groups]
         self.budgets = list(budgets) if budgets is not None else [{}] * len(self.groups)
-        self.tls, self.auth, self.executors = tls, auth, executors
+        self.tls, self.auth, self.executors, self.in_place = tls, auth, executors, in_place and executors
+        self.node_thread: NodeThread | None = None  # the first node's executor, in place
         self.threads = threads or max(1, (os.cpu_count() or 1) // max(1, len(self.groups)))
         self._own_home = home is None
         self.home = Path(tempfile.mkdtemp(prefix="fedtune-flwr-")) if home is None else Path(home)
@@ -238,7 +242,8 @@ class LoopbackDeployment:
         self.connection = write_flower_config(self.home, self.address, roots)
         for i, clients in enumerate(self.groups):
             key = self.register_node_key(f"node{i}") if self.auth else None
-            self.start_supernode(clients, name=f"supernode{i}", private_key=key, budget=self.budgets[i])
+            in_place = self.in_place and i == 0
+            self.start_supernode(clients, f"supernode{i}", key, budget=self.budgets[i], in_place=in_place)
 
     def register_node_key(self, name: str) -> Path:
         """A fresh key pair ``name`` for a SuperNode, its public key registered with the SuperLink; the
@@ -265,11 +270,13 @@ class LoopbackDeployment:
         wait: bool = True,
         extra: Sequence[str] = (),
         budget: Mapping[str, Any] | None = None,
+        in_place: bool = False,
     ) -> subprocess.Popen[Any]:
         """Start a SuperNode ``name`` playing ``clients`` and (unless ``executors=False``) its fedtune
         executor; ``private_key``: its authentication key; ``insecure``: connect without TLS even when
         the SuperLink has it (tests); ``wait``: until the SuperNode serves; ``extra``: more SuperNode
-        arguments; ``budget``: its own resources (:func:`supernode_args`)."""
+        arguments; ``budget``: its own resources (:func:`supernode_args`); ``in_place``: its executor a
+        thread of this process (:class:`.executor.NodeThread`; one node at most)."""
         secret = write_secret(self.home / f"{name}.secret") if self.executors else None
         port = free_ports(1)[0]
         roots = None if insecure or self.certificates is None else self.certificates["ca"]
@@ -280,7 +287,9 @@ class LoopbackDeployment:
         )
         if wait:
             wait_for_port(port, node, log=self._started().log_of(node))
-        if secret is not None:
+        if secret is not None and in_place and self.node_thread is None:
+            self.node_thread = NodeThread(f"127.0.0.1:{port}", secret.read_bytes()).start()
+        elif secret is not None:
             self._started().start(f"{name}-executor", executor_args(port, secret, self.threads), self.env())
         self.nodes.append(node)
         return node
@@ -316,7 +325,10 @@ class LoopbackDeployment:
             raise DeploymentError(f"flwr run exited with code {sub.returncode}: {(sub.stdout + sub.stderr)[-800:]}")
         roots = None if self.certificates is None else self.certificates["ca"].read_bytes()
         request = {CLIPPING_NORM: float(clipping_norm)} if clipping_norm else None
-        return serve_run(self.address, self.secret.read_bytes(), roots, resolved, on_round, resume, timeout, request)
+        shares = self.node_thread is not None  # the first node trains on the ServerApp's base
+        return serve_run(
+            self.address, self.secret.read_bytes(), roots, resolved, on_round, resume, timeout, request, shares
+        )
 
     def interrupt_server(self) -> None:
         """Send SIGINT to the ServerApp process (``flwr-serverapp``, ``executors=False``): it stops
@@ -332,6 +344,9 @@ class LoopbackDeployment:
                 pass
 
     def __exit__(self, *exc: object) -> None:
+        if self.node_thread is not None:
+            self.node_thread.stop()
+            self.node_thread = None
         if self.processes is not None:
             self.processes.stop()
         if self._own_home:
@@ -361,7 +376,7 @@ def run_flower_deployment(
     if on_start is not None:
         on_start(context)
     groups = client_groups(config.federation.num_clients, default_nodes(config))
-    with LoopbackDeployment(groups, tls=tls, auth=auth, threads=config.train.threads) as deployment:
+    with LoopbackDeployment(groups, tls=tls, auth=auth, threads=config.train.threads, in_place=True) as deployment:
         try:
             return deployment.run(run, on_round, resume, timeout)
         finally:

@@ -26,11 +26,14 @@ import argparse
 import os
 import secrets
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 #: the component of fedtune's ClientApp in a FAB (``[tool.flwr.app.components] clientapp``)
 CLIENT_APP_REF = "fedtune.engines.flower.clientapp:client_app"
+STOP_WAIT_S = 60.0  # how long a node served in place may finish its task when the deployment stops
 
 
 def write_secret(path: Path) -> Path:
@@ -43,12 +46,13 @@ def write_secret(path: Path) -> Path:
     return path
 
 
-def serve_task(address: str, token: str) -> None:
+def serve_task(address: str, token: str, identify: bool = True) -> None:
     """Run one claimed task (``token``) of the SuperNode at ``address``: pull the Context, run and
     message, answer it with fedtune's ClientApp in this process, push the reply and the Context
     back and mark the task completed (failed, with an error reply, when the app raised or the FAB
     names another ClientApp), as ``flwr-clientapp`` does. A standby (:mod:`.standby`) leaves the
-    Context as it was (not pushed back)."""
+    Context as it was (not pushed back). ``identify``: set Flower's process-wide task identity to
+    the task's (False in the server's process: :class:`NodeThread`)."""
     from flwr.app import Error
     from flwr.app import Message as FlowerMessage
     from flwr.common.config import get_fab_config
@@ -64,7 +68,7 @@ def serve_task(address: str, token: str) -> None:
     message = context = reply = None
     status, details = SubStatus.FAILED, "ClientApp task failed"
     try:
-        message, context, _, fab = pull_task_input(client)
+        message, context, _, fab = pull_task_input(client, identify)
         ref = get_fab_config(fab.content)["tool"]["flwr"]["app"]["components"]["clientapp"]
         if ref != CLIENT_APP_REF:
             raise RuntimeError(f"this node's fedtune executor runs {CLIENT_APP_REF} only; the run's app names {ref}")
@@ -85,14 +89,29 @@ def serve_task(address: str, token: str) -> None:
             client.close()
 
 
-def run_executor(address: str, secret: bytes, threads: int | None = None) -> None:
+def serve_tasks(address: str, secret: bytes, idle: Callable[[], bool] = lambda: True, identify: bool = True) -> None:
     """Claim and serve the ClientApp tasks of the SuperNode at ``address`` (signed with ``secret``),
-    one at a time, until the SuperNode goes away: every message of the node in this one process
-    (:func:`serve_task`; a task that fails on the way, its reply or output refused, is reported on
-    stderr and the next one served). ``threads``: torch threads (a run's ``train.threads`` first)."""
+    one at a time, until the SuperNode goes away or ``idle()``, asked while none is waiting, says
+    False: every message of the node in this process (:func:`serve_task`; a task that fails on the
+    way, its reply or output refused, is reported on stderr and the next one served). ``identify``:
+    as :func:`serve_task`'s."""
     from flwr.supercore.constant import TaskType
 
     from fedtune.engines.flower.runtime_api import claim_tasks, runtime_client, task_claimed_at
+
+    for token in claim_tasks(runtime_client(address, secret=secret), TaskType.CLIENT_APP, idle):
+        task_claimed_at[0] = time.time()
+        try:
+            serve_task(address, token, identify)
+        except Exception as exc:  # noqa: BLE001 - a task the SuperNode dropped meanwhile: serve the next
+            print(f"fedtune executor: task not completed ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+        finally:
+            task_claimed_at[0] = None
+
+
+def run_executor(address: str, secret: bytes, threads: int | None = None) -> None:
+    """A node's executor process: :func:`serve_tasks` of the SuperNode at ``address`` (signed with
+    ``secret``) until it goes away. ``threads``: torch threads (a run's ``train.threads`` first)."""
     from fedtune.process import setup_process
 
     setup_process(threads)
@@ -101,14 +120,46 @@ def run_executor(address: str, secret: bytes, threads: int | None = None) -> Non
     import fedtune.engines.flower.clientapp  # noqa: F401
     import fedtune.runtime  # noqa: F401 - torch, transformers, PEFT: imported before the first message
 
-    for token in claim_tasks(runtime_client(address, secret=secret), TaskType.CLIENT_APP):
-        task_claimed_at[0] = time.time()
-        try:
-            serve_task(address, token)
-        except Exception as exc:  # noqa: BLE001 - a task the SuperNode dropped meanwhile: serve the next
-            print(f"fedtune executor: task not completed ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
-        finally:
-            task_claimed_at[0] = None
+    serve_tasks(address, secret)
+
+
+class NodeThread:
+    """A node's executor as a thread of the server's process (the loopback deployment's first node):
+    :func:`serve_tasks` of the SuperNode at ``address`` (``secret``) between :meth:`start` and
+    :meth:`stop`, its requests trained on the server's base in turn with the server
+    (:func:`~fedtune.engines.flower.worker.serving_in_place`): one process and one base fewer than an
+    executor process, the embedded engine's memory plus the SuperLink's and SuperNodes'. It leaves
+    Flower's process-wide task identity to the server (the instruction messages it pushes)."""
+
+    def __init__(self, address: str, secret: bytes) -> None:
+        self.address, self.secret = address, secret
+        self.done = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> NodeThread:
+        """Start serving (idempotent)."""
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._serve, daemon=True, name="fedtune-node-in-place")
+            self.thread.start()
+        return self
+
+    def _serve(self) -> None:
+        from fedtune.engines.flower.worker import serving_in_place
+
+        with serving_in_place():
+            try:
+                serve_tasks(self.address, self.secret, idle=lambda: not self.done.is_set(), identify=False)
+            except Exception:
+                if not self.done.is_set():  # the SuperNode went away while the deployment runs: say so
+                    raise
+
+    def stop(self, timeout: float = STOP_WAIT_S) -> None:
+        """Stop claiming tasks and wait up to ``timeout`` s for the one in progress (a straggler's, past
+        its round's timeout: it ends on its own, its reply refused by the stopped SuperNode)."""
+        self.done.set()
+        if self.thread is not None:
+            self.thread.join(timeout)
+            self.thread = None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,12 +33,13 @@ def serve_run(
     resume: bool = False,
     timeout: float | None = None,
     request_config: Mapping[str, Any] | None = None,
+    shares_base: bool = False,
 ) -> dict[str, Any]:
     """Claim the ServerApp task of the run just submitted to the SuperLink at ``address`` (its
     Runtime API; TLS with ``root_certificates``, PEM bytes) with its SuperExec ``secret``, serve
     ``run`` on it in this process and mark the task completed (failed when the run raised);
-    the summary. ``on_round``, ``resume``, ``timeout``, ``request_config``: as
-    :func:`~fedtune.engines.flower.serverapp.serve`'s."""
+    the summary. ``on_round``, ``resume``, ``timeout``, ``request_config``,
+    ``shares_base``: as :func:`~fedtune.engines.flower.serverapp.serve`'s."""
     from flwr.common.constant import SubStatus
     from flwr.common.serde import context_from_proto, run_from_proto
     from flwr.proto.runtime_pb2 import PullTaskInputRequest, PushTaskOutputRequest
@@ -69,7 +70,7 @@ def serve_run(
             context_from_proto(given.context).node_id,
         )
         grid.set_run(run_from_proto(given.run))
-        summary = serve(grid, run, timeout, on_round, resume=resume, request_config=request_config)
+        summary = serve(grid, run, timeout, on_round, None, resume, request_config, shares_base)
         status, details = SubStatus.COMPLETED, ""
         return summary
     except BaseException as exc:

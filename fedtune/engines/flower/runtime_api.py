@@ -97,9 +97,11 @@ def task_heartbeat(client: Any) -> Any:
     return sender
 
 
-def pull_task_input(client: Any) -> tuple[Any, Any, Any, Any]:
+def pull_task_input(client: Any, identify: bool = True) -> tuple[Any, Any, Any, Any]:
     """Flower's ``pull_task_input`` of ``flwr-clientapp`` (the claimed task's message, Context, run and
-    FAB from the SuperNode's Runtime ``client``), its objects retried after :data:`BACKOFF_S` s."""
+    FAB from the SuperNode's Runtime ``client``), its objects retried after :data:`BACKOFF_S` s;
+    ``identify``: Flower's process-wide ``TaskIdentity`` set to the task's, as there (False: left
+    as it is, in a process whose server pushes instruction messages under its own)."""
     from flwr.app import Message
     from flwr.common.serde import context_from_proto, fab_from_proto, run_from_proto
     from flwr.proto.node_pb2 import Node
@@ -112,7 +114,9 @@ def pull_task_input(client: Any) -> tuple[Any, Any, Any, Any]:
     from flwr.supercore.task_identity import TaskIdentity
 
     res = client.PullTaskInput(PullTaskInputRequest())
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = res.task_id, res.run.run_id, res.context.node_id
+    if identify:
+        TaskIdentity.task_id, TaskIdentity.run_id = res.task_id, res.run.run_id
+        TaskIdentity.node_id = res.context.node_id
     context, run, fab = context_from_proto(res.context), run_from_proto(res.run), fab_from_proto(res.fab)
     pulled = client.PullMessages(PullAppMessagesRequest())
     if not pulled.messages_list:

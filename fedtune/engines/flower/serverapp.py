@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from fedtune.engines.flower.codec import CLIPPING_NORM, TIMING_FILE, keeps_timin
 from fedtune.engines.flower.runconfig import config_from_run_config
 from fedtune.engines.flower.standby import Standby
 from fedtune.engines.flower.transport import GridTransport, discover_nodes
+from fedtune.engines.flower.worker import SHARED
 from fedtune.engines.rounds import Engine, RoundFailed, RoundRecord, RunInterrupted
 from fedtune.process import setup_process
 from fedtune.runtime import ResolvedRun, as_resolved, resolve_run
@@ -30,7 +32,9 @@ class FlowerEngine(Engine):
     ``federation.round_timeout_s``, for a round's replies; ``request_config``: sent with every
     request; ``resume``: the run folder's timing file is kept (:data:`TIMING_FILE`: written only
     without DP and SecAgg+, :func:`~fedtune.engines.flower.codec.keeps_timing`). On a deployment
-    (Flower's ``HttpGrid``) idle nodes get standby messages between their requests (:mod:`.standby`)."""
+    (Flower's ``HttpGrid``) idle nodes get standby messages between their requests (:mod:`.standby`).
+    ``shares_base``: a node served in this process trains on the server's base (:data:`.worker.SHARED`
+    gets the server's context)."""
 
     name = "flower"
 
@@ -41,8 +45,10 @@ class FlowerEngine(Engine):
         timeout: float | None = None,
         request_config: Mapping[str, Any] | None = None,
         resume: bool = False,
+        shares_base: bool = False,
     ) -> None:
         super().__init__(run.config)
+        self.shares_base = shares_base
         self.run_dir = run.run_dir
         self.grid, self.timeout, self.request_config, self.resume = grid, timeout, request_config, resume
         self.standby = isinstance(grid, HttpGrid)  # a deployment's ServerApp (not the simulation's)
@@ -53,6 +59,8 @@ class FlowerEngine(Engine):
         """Discover the nodes, plan ``context`` from the budgets they report (the other clients' from
         the config) and send each node-budgeted client its planned setting with every request
         (:func:`~fedtune.engines.flower.budgets.adopt_reports`)."""
+        if self.shares_base:
+            SHARED.server = context
         transport = self.transport()
         transport.settings = adopt_reports(context, self._reports)
 
@@ -95,17 +103,24 @@ def serve(
     on_start: Callable[[Any], None] | None = None,
     resume: bool = False,
     request_config: Mapping[str, Any] | None = None,
+    shares_base: bool = False,
 ) -> dict[str, Any]:
     """Run ``run``'s method (a resolved run, or a config resolved here) over ``grid`` and write the
     run folder exactly as the embedded engine does (:func:`fedtune.run.run_experiment`, summary
-    marked ``"engine": "flower"``); ``on_round``, ``on_start``, ``resume`` as there; ``timeout`` and
-    ``request_config`` as :class:`FlowerEngine`'s."""
+    marked ``"engine": "flower"``); ``on_round``, ``on_start``, ``resume`` as there; ``timeout``,
+    ``request_config`` and ``shares_base`` as :class:`FlowerEngine`'s: with ``shares_base`` the run
+    holds the base's turn but while it waits for replies (:class:`.worker.SharedBase`)."""
     from fedtune.run import run_experiment
 
     run = as_resolved(run)
     setup_process(run.config.train.threads)
-    engine = FlowerEngine(run, grid, timeout, request_config, resume)
-    return run_experiment(run, on_round, on_start, engine=engine, resume=resume)
+    engine = FlowerEngine(run, grid, timeout, request_config, resume, shares_base)
+    with SHARED.turn() if shares_base else nullcontext():
+        try:
+            return run_experiment(run, on_round, on_start, engine=engine, resume=resume)
+        finally:
+            if shares_base:
+                SHARED.server = None
 
 
 STATUS_FILE = "server_status.json"  # run folder: how the ServerApp's run ended (read by a deployment)

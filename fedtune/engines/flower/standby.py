@@ -14,6 +14,16 @@ by the node's ClientApp) queued for every node whose next request is not there y
   standby is pushed :data:`LEAD_S` s after the previous reply reached the server, while the node
   is still busy with the one before, unless the node's next request went out first.
 
+The lead is a margin (0.5 - 0.3 s) that a loaded machine can eat: a server whose pull of the reply
+and push of the next standby take longer leaves the node an empty queue. So it is measured, not
+trusted: a standby pushed to an idle node whose reply comes back later than its queue ahead of it
+and a hold allow (:func:`slept`) shows the node slept; the lead then shrinks by :data:`LEAD_STEP_S`,
+down to 0 (the next standby goes out as soon as the reply before it arrives), and after that every
+node kept awake gets one spare standby more queued, behind its requests too (up to
+:data:`MOST_QUEUED` outstanding per node), so a reply the server pulls up to a hold late still
+leaves one in the queue. Standby replies are pulled by their own message ids only,
+so however late they come no request's reply is taken or duplicated.
+
 A request so waits at most for the standby in progress (0.5 s), not 3 s. The cost is the standby
 traffic of an idle node (about 2 small messages a second) while the server works between rounds
 or waits for other nodes; only the nodes of the latest exchange are kept awake (with partial
@@ -35,6 +45,17 @@ from fedtune.engines.flower.runtime_api import pull_replies
 STANDBY = "query.standby"  # the message type of a standby (a query: every ClientApp routes it)
 LEAD_S = 0.3  # a standby is pushed this long after the reply of the one before it (< the 0.5 s hold)
 PERIOD_S = 0.05  # seconds between two pulls of standby replies
+HOLD_S = 0.5  # how long a SuperNode holds a message it answered (Flower 1.41's reply poll)
+LEAD_STEP_S = 0.1  # how much the lead shrinks on each sign that a node slept
+MOST_QUEUED = 3  # the most standbys outstanding for one node (held and queued)
+
+
+def slept(waited: float, outstanding: int) -> bool:
+    """Whether a standby whose reply came ``waited`` s after its push, pushed with ``outstanding``
+    standbys (itself included) outstanding for an idle node, shows that the node found its queue
+    empty and slept: longer than the holds of those ahead of it and its own, plus one hold of slack
+    (Flower's idle sleep is 3 s)."""
+    return waited > HOLD_S * (outstanding + 1)
 
 
 class Standby:
@@ -47,6 +68,9 @@ class Standby:
         self.grid, self.lead_s, self.period_s = grid, lead_s, period_s
         self.lock = threading.Lock()
         self.queued: dict[str, int] = {}  # standby message id -> its node
+        self.idle_pushes: dict[str, tuple[float, int]] = {}  # one pushed to an idle node -> (when, outstanding)
+        self.slept = 0  # standby replies that showed a node had slept (:func:`slept`)
+        self.spares = 0  # standbys queued per node beyond the usual one (raised when lead 0 is not enough)
         self.busy: dict[int, int] = {}  # node -> its requests outstanding
         self.due: dict[int, float] = {}  # node -> when its next standby goes out (monotonic s)
         self.followed: set[int] = set()  # the nodes of the latest exchange: the ones kept awake
@@ -68,8 +92,9 @@ class Standby:
             self.thread.join()
             self.thread = None
 
-    def _push(self, nodes: Iterable[int]) -> None:
-        """Push one standby to each of ``nodes`` (caller holds the lock)."""
+    def _push(self, nodes: Iterable[int], idle_at: float | None = None) -> None:
+        """Push one standby to each of ``nodes`` (caller holds the lock); ``idle_at``: the nodes are
+        idle, and this is when (monotonic s): their replies are measured (:func:`slept`)."""
         nodes = list(nodes)
         if not nodes:
             return
@@ -78,6 +103,21 @@ class Standby:
             if msg_id:
                 self.queued[msg_id] = node
                 self.pushed += 1
+                if idle_at is not None:
+                    self.idle_pushes[msg_id] = (idle_at, sum(1 for n in self.queued.values() if n == node))
+
+    def _measured(self, msg_id: str, node: int, now: float) -> None:
+        """Adapt to the reply of standby ``msg_id`` of ``node`` arriving at ``now``: when it shows the
+        node slept, shrink the lead, or at lead 0 queue one spare standby more (caller holds the lock)."""
+        pushed = self.idle_pushes.pop(msg_id, None)
+        if pushed is None or not slept(now - pushed[0], pushed[1]):
+            return
+        self.slept += 1
+        if self.lead_s > 0:
+            self.lead_s = max(0.0, self.lead_s - LEAD_STEP_S)
+        elif self.spares < MOST_QUEUED - 2:
+            self.spares += 1
+            self._push([node], now)
 
     def sent(self, nodes: Iterable[int]) -> None:
         """Requests went out to ``nodes`` (a node once per request), the nodes now kept awake: queue
@@ -89,7 +129,8 @@ class Standby:
             for node in nodes:
                 self.busy[node] = self.busy.get(node, 0) + 1
                 self.due.pop(node, None)
-            self._push(sorted(self.followed))
+            self.idle_pushes = {m: v for m, v in self.idle_pushes.items() if self.queued.get(m) not in self.busy}
+            self._push(sorted(self.followed) * (1 + self.spares))
 
     def replied(self, node: int, now: float | None = None) -> None:
         """``node`` answered a request (at ``now``, monotonic s); having answered them all it holds
@@ -115,13 +156,17 @@ class Standby:
                 node = self.queued.pop(reply.metadata.reply_to_message_id, None)
                 if node is not None and node in self.followed and node not in self.busy:
                     waiting = sum(1 for n in self.queued.values() if n == node)
-                    self.due[node] = now + self.lead_s if waiting else now
+                    self.due[node] = now + self.lead_s if waiting > self.spares else now
+                    if not self.done.is_set():
+                        self._measured(reply.metadata.reply_to_message_id, node, now)
+                else:
+                    self.idle_pushes.pop(reply.metadata.reply_to_message_id, None)
             if self.done.is_set():
                 return
             ready = [n for n, t in self.due.items() if t <= now and n not in self.busy]
             for node in ready:
                 del self.due[node]
-            self._push(ready)
+            self._push(ready, now)
 
     def _loop(self) -> None:
         while not self.done.wait(self.period_s):

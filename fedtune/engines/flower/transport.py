@@ -34,6 +34,7 @@ from fedtune.engines.flower.codec import (
 from fedtune.engines.flower.packing import pack_arrays
 from fedtune.engines.flower.runtime_api import pull_replies
 from fedtune.engines.flower.standby import Standby
+from fedtune.engines.flower.worker import SHARED
 from fedtune.engines.rounds import Delivery
 from fedtune.protocol.messages import Message
 
@@ -52,7 +53,20 @@ def exchange(
     Flower's ``send_and_receive`` waits 3 s between pulls). Returns the pushed message ids (in
     order) and the replies; ``pulled_at`` receives each reply's arrival time (epoch s) by the id of
     the message it answers; ``standby`` (a deployment's) is told which nodes got requests and which
-    answered them (:class:`.standby.Standby`)."""
+    answered them (:class:`.standby.Standby`). A server that shares its base with a node it serves in
+    place lends it the base's turn meanwhile (:data:`.worker.SHARED`)."""
+    with SHARED.lent():
+        return _exchange(grid, messages, timeout, poll_s, pulled_at, standby)
+
+
+def _exchange(
+    grid: Grid,
+    messages: list[FlowerMessage],
+    timeout: float | None,
+    poll_s: float,
+    pulled_at: dict[str, float] | None,
+    standby: Standby | None,
+) -> tuple[list[str], list[FlowerMessage]]:
     ids = list(grid.push_messages(messages))
     node_of = {i: m.metadata.dst_node_id for i, m in zip(ids, messages)}
     if standby is not None:
