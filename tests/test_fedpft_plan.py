@@ -11,6 +11,7 @@ import pytest
 
 import fedtune.methods.fedpft.proxy as proxy_module
 from fedtune.config import load_config
+from fedtune.launch import launch
 from fedtune.methods.fedpft.ffn_proxy import find_stack, kept_width
 from fedtune.methods.fedpft.proxy import PROXY
 from fedtune.planning.planner import GIB, MB, plan_budgets
@@ -151,7 +152,7 @@ def test_a_mixed_fedot_federation_runs_under_secure_aggregation(tmp_path):
     masked, so SecAgg+ sums every client's in one layout (flower-sim)."""
     profiles = 'federation.profiles=[{trains_on="full"}, {}, {trains_on="full"}]'
     secure = ("engine=flower-sim", "federation.secure_aggregation=true", "federation.clients_per_round=3")
-    summary = run_experiment(config(tmp_path, "fedot", profiles, *secure, "rounds=1"))
+    summary = launch(config(tmp_path, "fedot", profiles, *secure, "rounds=1"))  # on flower-sim, masked
     (line,) = (json.loads(x) for x in Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines())
     assert line["dropped"] == {} and line["proxy_downloads"] == 1  # client 1 alone holds the proxy
 

@@ -13,7 +13,8 @@ import pytest
 
 from fedtune.config import load_config
 from fedtune.planning.memory import COEFFICIENTS, Shape, predict
-from fedtune.planning.planner import lora_workload, metered_fit, plan_budgets
+from fedtune.planning.planner import metered_fit, plan_budgets
+from fedtune.planning.workload import lora_workload
 from fedtune.runtime import RunContext, resolve_run
 from fedtune.tasks import get_task_class
 

@@ -11,8 +11,9 @@ import pytest
 
 from fedtune.config import load_config
 from fedtune.planning.memory import Shape, frozen_values, predict
-from fedtune.planning.planner import lora_workload, plan_budgets
+from fedtune.planning.planner import plan_budgets
 from fedtune.planning.speed import reference
+from fedtune.planning.workload import lora_workload
 from fedtune.runtime import RunContext, resolve_run
 from fedtune.tasks.base import Task
 from tests.test_plan_step_shape import TOLERANCE, context, planned_and_measured
