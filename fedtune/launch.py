@@ -10,12 +10,13 @@ The launchers import their engine when called, so that ``fedtune`` starts withou
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fedtune.config import RunConfig
-from fedtune.run_folder import check_free, move_aside
-from fedtune.runtime import ResolvedRun, as_resolved
+from fedtune.run_folder import check_free, check_unlocked, claimed
+from fedtune.runtime import ResolvedRun, RunContext, as_resolved
 
 
 def _embedded(run: ResolvedRun, overwrite: bool = False, **kw: Any) -> dict:
@@ -24,27 +25,32 @@ def _embedded(run: ResolvedRun, overwrite: bool = False, **kw: Any) -> dict:
     return run_experiment(run, overwrite=overwrite, **kw)  # claims the folder once every input is checked
 
 
-def _claim_run_folder(run: ResolvedRun, resume: bool, overwrite: bool) -> None:
-    """Before any Flower process starts: a fresh run's folder is free, or its earlier run moved aside."""
-    if not resume:
-        if overwrite:
-            move_aside(run.run_dir)
-        else:
-            check_free(run.run_dir)
+@contextmanager
+def _claimed_for_flower(run: ResolvedRun, resume: bool, overwrite: bool) -> Iterator[None]:
+    """Before any Flower process starts: the budget plan leaves rounds able to aggregate
+    (:meth:`~fedtune.runtime.RunContext.check_plan`), then the run folder is claimed
+    (:func:`~fedtune.run_folder.claimed`: locked, a fresh run's free or its earlier run moved aside)
+    while the engine runs; the ServerApp (this process, or a process it starts) works under that lock."""
+    check_unlocked(run.run_dir)
+    if not (resume or overwrite):
+        check_free(run.run_dir)
+    RunContext(run).check_plan()
+    with claimed(run.run_dir, resume, overwrite):
+        yield
 
 
 def _flower_simulation(run: ResolvedRun, overwrite: bool = False, **kw: Any) -> dict:
     from fedtune.engines.flower.simulation import run_flower_simulation
 
-    _claim_run_folder(run, kw["resume"], overwrite)
-    return run_flower_simulation(run, **kw)
+    with _claimed_for_flower(run, kw["resume"], overwrite):
+        return run_flower_simulation(run, **kw)
 
 
 def _flower_deployment(run: ResolvedRun, overwrite: bool = False, **kw: Any) -> dict:
     from fedtune.engines.flower.deployment import run_flower_deployment
 
-    _claim_run_folder(run, kw["resume"], overwrite)
-    return run_flower_deployment(run, **kw)
+    with _claimed_for_flower(run, kw["resume"], overwrite):
+        return run_flower_deployment(run, **kw)
 
 
 #: ``config.engine`` -> its launcher: clients in this process; a Flower simulation (Ray); a loopback
@@ -68,7 +74,7 @@ def launch(
     ``on_start`` the server's :class:`~fedtune.runtime.RunContext`.
 
     A fresh run never writes into a folder holding an earlier run: ``overwrite`` moves that run
-    aside (:func:`~fedtune.run_folder.move_aside`), else the run stops with one line
+    aside (:func:`~fedtune.run_folder.claimed`, which also locks it), else the run stops with one line
     (:class:`~fedtune.run_folder.RunFolderTaken`); in-process once every input is checked
     (:func:`~fedtune.run.run_experiment`), on Flower before any process starts."""
     run = as_resolved(config)

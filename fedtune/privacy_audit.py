@@ -166,7 +166,7 @@ def audit(config: Any, trials: int, dim: int = 1000, attack: str = "released", a
 
     positive, negative = audit_scores(config, trials, dim, attack)
     private = mechanism(config)
-    private.releases[:] = config.rounds
+    private.ledger.record(private.z, private.rate, range(len(private.releases)), times=config.rounds)
     claimed = accounting.epsilon(
         private.accountant, private.adjacency, private.rate, private.z, config.rounds, private.delta
     )

@@ -41,14 +41,61 @@ def quiet_libraries() -> None:
         hf_logging.disable_progress_bar()
 
 
+#: set by :func:`offline_without_network` to the hub host that did not resolve
+NO_NETWORK_ENV = "FEDTUNE_HUB_UNREACHABLE"
+PROXY_ENV = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def _resolves(host: str, timeout: float) -> bool:
+    """Whether ``host`` resolves (DNS) within ``timeout`` seconds."""
+    found: list[object] = []
+
+    def look_up() -> None:
+        try:
+            found.append(socket.getaddrinfo(host, 443))
+        except OSError:
+            pass
+
+    worker = threading.Thread(target=look_up, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    return bool(found)
+
+
+def offline_without_network(timeout: float = 3.0) -> None:
+    """Fail fast without a network: when the hub's host (``HF_ENDPOINT``, default huggingface.co)
+    does not resolve and no proxy is set, set ``HF_HUB_OFFLINE=1`` for this process and those it
+    starts (the hub libraries then read their caches and fail at once, where the hub client would
+    retry each file 5 times over 23 s, logging 11 lines). Nothing when ``HF_HUB_OFFLINE`` is set."""
+    if "HF_HUB_OFFLINE" in os.environ or any(os.environ.get(k) for k in PROXY_ENV):
+        return
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+    if _resolves(host, timeout):
+        return
+    os.environ.update({"HF_HUB_OFFLINE": "1", NO_NETWORK_ENV: host})
+    for module, name in (("huggingface_hub.constants", "HF_HUB_OFFLINE"), ("datasets.config", "HF_HUB_OFFLINE")):
+        if module in sys.modules:  # imported before: they read the variable at import
+            setattr(sys.modules[module], name, True)
+
+
+def offline_hint() -> str:
+    """What a one-line error about a model or data set the hub could not give adds when offline."""
+    if os.environ.get(NO_NETWORK_ENV):
+        return f" (offline: {os.environ[NO_NETWORK_ENV]} does not resolve, so HF_HUB_OFFLINE=1)"
+    return " (offline: HF_HUB_OFFLINE=1)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
+
+
 def setup_process(threads: int | None = None) -> None:
     """Prepare this process for fedtune work: no tokenizer thread pool (it deadlocks after fork
     and fights torch for the cores), quiet deprecation noise and other output from the libraries
-    (:func:`quiet_libraries`), and ``threads`` torch threads when given (``train.threads``; None
-    leaves torch's choice)."""
+    (:func:`quiet_libraries`), offline at once without a network (:func:`offline_without_network`),
+    and ``threads`` torch threads when given (``train.threads``; None leaves torch's choice)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=FutureWarning)
     quiet_libraries()
+    offline_without_network()
     if threads:
         import torch
 

@@ -11,6 +11,7 @@ after every round: the round, the strategy's state and the engine's), the method
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +23,7 @@ from fedtune.config import ConfigError, RunConfig, flat_keys
 from fedtune.engines.embedded import EmbeddedEngine
 from fedtune.engines.rounds import Engine, RoundRecord, RunHalted
 from fedtune.process import setup_process
-from fedtune.run_folder import check_free, create, move_aside, write_text, writing
+from fedtune.run_folder import check_free, check_unlocked, claimed, create, write_text, writing
 from fedtune.runtime import ResolvedRun, RunContext, as_resolved
 
 
@@ -33,6 +34,7 @@ def _toml(config: RunConfig) -> str:
 
 
 ROUND_KEY, ENGINE_KEY = "_round", "_engine"  # checkpoint.npz: the strategy's state plus these two
+INPUTS_KEY = "_inputs"  # and, under DP, the keyed fingerprints of its inputs (fedtune.fingerprint)
 RUN_CONFIG = "run_config.json"  # the config the run started with, as fedtune read it (resume compares)
 MAY_CHANGE_ON_RESUME = {"rounds", "output_dir", "name", "train.threads"}
 
@@ -48,7 +50,7 @@ def check_unchanged(config: RunConfig, started_with: Path) -> None:
         )
     try:
         before = flat_keys(json.loads(started_with.read_text()))
-    except (OSError, ValueError, AttributeError) as exc:
+    except (OSError, ValueError, AttributeError, RecursionError) as exc:
         raise ConfigError(f"--resume: {str(started_with)!r} cannot be read ({exc})") from None
     now = flat_keys(config.model_dump(mode="json"))
     changed = sorted(
@@ -137,13 +139,15 @@ def _totals(lines: list[dict], wall_s: float) -> dict:
     }
 
 
-def _restore(checkpoint: Path, strategy, engine: Engine, rounds: int) -> int:
-    """Load ``checkpoint`` into ``strategy`` and ``engine``; the round it holds. A checkpoint that
-    does not fit this run (another model or rank, an edited method option, a damaged ``_round``,
-    a non-finite array, more rounds done than ``rounds``) stops with one line, before anything is
-    written. Called on a freshly initialized strategy: its state is what this run would build."""
+def _restore(checkpoint: Path, strategy, engine: Engine, rounds: int) -> tuple[int, dict | None]:
+    """Load ``checkpoint`` into ``strategy`` and ``engine``; the round it holds and its record of
+    the inputs' fingerprints (DP; None without). A checkpoint that does not fit this run (another
+    model or rank, an edited method option, a damaged ``_round``, a non-finite array, more rounds
+    done than ``rounds``, a DP release at another noise multiplier) stops with one line, before
+    anything is written. Called on a freshly initialized strategy: its state is what this run would build."""
     state = load_state(checkpoint)
     where = f"--resume: {str(checkpoint)!r}"
+    inputs = state.pop(INPUTS_KEY, None)
     done = state.pop(ROUND_KEY, None)
     if type(done) is not int or done < 1:
         raise ConfigError(f"{where}: {ROUND_KEY} = {done!r}, expected the last completed round (1 or more)")
@@ -155,12 +159,47 @@ def _restore(checkpoint: Path, strategy, engine: Engine, rounds: int) -> int:
     try:
         engine.load_state_dict(engine_state)
         strategy.load_state_dict(state)
+    except ConfigError:  # already the one line (a DP release at another z)
+        raise
     except (KeyError, ValueError, TypeError, IndexError) as exc:
         raise ConfigError(
             f"--resume: {str(checkpoint)!r} does not fit this run's config.toml (was it edited? "
             f"{type(exc).__name__}: {exc})"
         ) from None
-    return done
+    return done, inputs if isinstance(inputs, dict) else None
+
+
+def _check_inputs(checkpoint: Path, recorded: dict | None, digests: dict) -> None:
+    """A DP resume sees the inputs its checkpoint fingerprinted (:mod:`fedtune.fingerprint`), else
+    one line naming what changed: resuming would replay the run's secret noise on other inputs."""
+    from fedtune.fingerprint import changed_inputs
+
+    where = f"--resume: {str(checkpoint)!r}"
+    if recorded is None:
+        raise ConfigError(
+            f"{where} is a DP checkpoint without a fingerprint of its inputs (written before fedtune checked them), "
+            "so a resume could replay its secret noise on other data: start a new run"
+        )
+    try:
+        changed = changed_inputs(recorded, digests)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {INPUTS_KEY} is damaged ({exc})") from None
+    if changed:
+        raise ConfigError(
+            f"--resume: this DP run's inputs changed since its checkpoint: {'; '.join(changed)}. Resuming would "
+            "replay its secret noise on other inputs (the two releases' difference is noise-free): start a new run"
+        )
+
+
+def _resumable_keys(config: RunConfig) -> dict:
+    """The resolved config's flat keys that a resume may not change (a DP run fingerprints them)."""
+    return {k: v for k, v in flat_keys(config.model_dump(mode="json")).items() if k not in MAY_CHANGE_ON_RESUME}
+
+
+def _operator(note: str) -> None:
+    """A line for the operator's console (stderr), never the run folder: what a DP run may not
+    write but its operator must know."""
+    print(f"warning: {note}", file=sys.stderr, flush=True)
 
 
 def _check_fits(built: dict, stored: dict, where: str, path: str = "") -> None:
@@ -192,14 +231,15 @@ def _check_fits(built: dict, stored: dict, where: str, path: str = "") -> None:
             _check_fits(built.get(key) if isinstance(built.get(key), dict) else {}, value, where, f"{path}{key}/")
 
 
-def _metrics_lines(path: Path) -> list[dict]:
-    """The rounds of ``metrics.jsonl`` (resume); a missing or damaged file stops with one line naming it.
-    A last line without its newline is a line whose write was cut short (a full disk, a kill): its
-    round comes after the checkpoint's and is left out."""
+def read_metrics(path: Path, where: str = "--resume") -> list[dict]:
+    """The rounds of ``metrics.jsonl`` (resume, export's model card); a missing or damaged file stops
+    with one line naming it (``where``: what read it). A last line without its newline is a line
+    whose write was cut short (a full disk, a kill): its round comes after the checkpoint's and is
+    left out."""
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--resume: {str(path)!r} cannot be read ({exc})") from None
+        raise ConfigError(f"{where}: {str(path)!r} cannot be read ({exc})") from None
     lines = []
     complete = text[: text.rfind("\n") + 1]
     for n, raw in enumerate(complete.splitlines(), 1):
@@ -208,8 +248,11 @@ def _metrics_lines(path: Path) -> list[dict]:
         try:
             line = json.loads(raw)
             int(line["round"])
-        except (ValueError, KeyError, TypeError):
-            raise ConfigError(f"--resume: {str(path)!r} line {n} is not a round's metrics line") from None
+        except (ValueError, KeyError, TypeError, RecursionError):
+            raise ConfigError(
+                f"{where}: {str(path)!r} line {n} is not a round's metrics line (the file is damaged: restore it, "
+                "or remove that line)"
+            ) from None
         lines.append(line)
     return lines
 
@@ -234,16 +277,19 @@ def run_experiment(
     round, client) alone, so a resumed run ends bit-identical to an uninterrupted one. Ctrl-C
     stops after the current round's checkpoint (:class:`~fedtune.engines.rounds.RunInterrupted`).
 
-    Every input is read and checked before the run folder is touched; a fresh run never writes
+    Every input is read and checked before the run folder is touched (the data, the model, the
+    budget plan; a privacy budget below one round's epsilon at resolve time); a fresh run never writes
     into a folder holding an earlier run (:class:`~fedtune.run_folder.RunFolderTaken`, raised
-    before any data or model is read), unless
-    ``overwrite``, which moves that run aside (:func:`~fedtune.run_folder.move_aside`)."""
+    before any data or model is read), unless ``overwrite``, which moves that run aside; the folder
+    is locked while the run writes it (:func:`~fedtune.run_folder.claimed`: a second process is
+    refused, :class:`~fedtune.run_folder.RunFolderInUse`)."""
     start = time.perf_counter()
     run = as_resolved(run)
     config = run.config  # resolved: the task's defaults filled in
     setup_process(config.train.threads)
     run_dir = run.run_dir
-    if not (resume or overwrite):  # before any data or model is read: a refusal costs nothing
+    check_unlocked(run_dir)  # before any data or model is read: a refusal costs nothing
+    if not (resume or overwrite):
         check_free(run_dir)
     server = RunContext(run)
     checkpoint = run_dir / "checkpoint.npz"
@@ -251,8 +297,9 @@ def run_experiment(
     if resume:
         if not checkpoint.is_file():
             raise ConfigError(
-                f"--resume {str(run_dir)!r}: no checkpoint.npz there (no round has completed; "
-                "run it again without --resume)"
+                f"--resume {str(run_dir)!r}: no round has completed there (no checkpoint.npz), so there is "
+                "nothing to resume: run it afresh without --resume and with --overwrite (moves this folder aside), "
+                "or under another name"
             )
         check_unchanged(config, run_dir / RUN_CONFIG)
     engine = engine or EmbeddedEngine(run, server)
@@ -260,77 +307,99 @@ def run_experiment(
     strategy.initialize()  # loads the model: a bad model.name stops here, before any output
     histograms = {"label_names": server.task.label_names, "clients": server.histograms()}  # reads the data
     run_files = server.task.run_files()  # and partitions it: a bad file or partition stops here too
+    server.check_plan()  # a budget plan that leaves no round able to aggregate stops here too
+    private = config.privacy.mode != "none"
+    digests = None
+    if private:  # every input of a release, before the checkpoint's state replaces the initial one
+        from fedtune.fingerprint import fresh_key, input_digests, keyed
+
+        digests = input_digests(server, strategy, _resumable_keys(config))
     lines: list[dict] = []
     start_round = 1
+    reproducible = config.seed if config.privacy.insecure_reproducible_noise else None
+    inputs = None if digests is None else keyed(digests, fresh_key(reproducible))
     if resume:
-        done = _restore(checkpoint, strategy, engine, config.rounds)
-        lines = [x for x in _metrics_lines(metrics_path) if x["round"] <= done]  # a round after it is redone
+        done, inputs = _restore(checkpoint, strategy, engine, config.rounds)
+        if digests is not None:
+            _check_inputs(checkpoint, inputs, digests)
+        lines = [x for x in read_metrics(metrics_path) if x["round"] <= done]  # a round after it is redone
         if [x["round"] for x in lines] != list(range(1, done + 1)):
             raise ConfigError(
                 f"--resume: {str(metrics_path)!r} does not hold rounds 1-{done} once each, as the checkpoint does"
             )
         start_round = done + 1
-    else:  # every input is checked: the folder is touched from here on
-        if overwrite:
-            move_aside(run_dir)
-        else:
-            check_free(run_dir)
-        create(run_dir, {"config.toml": _toml(config), RUN_CONFIG: json.dumps(config.model_dump(mode="json"))})
-    if config.privacy.mode == "none":  # per-client label counts: not released by a DP run
-        write_text(run_dir / "label_histograms.json", json.dumps(histograms))
-    if server.plan is not None:
-        from fedtune.planning.planner import plan_json
+    with claimed(run_dir, resume, overwrite):  # locked while the run writes it
+        if not resume:  # every input is checked: the folder is touched from here on
+            create(run_dir, {"config.toml": _toml(config), RUN_CONFIG: json.dumps(config.model_dump(mode="json"))})
+        if config.privacy.mode == "none":  # per-client label counts: not released by a DP run
+            write_text(run_dir / "label_histograms.json", json.dumps(histograms))
+        if server.plan is not None:
+            from fedtune.planning.planner import plan_json
 
-        write_text(run_dir / "plan.json", plan_json(server.plan))
-    for name, text in run_files.items():
-        write_text(run_dir / name, text)
-    if on_start is not None:
-        on_start(server)
+            write_text(run_dir / "plan.json", plan_json(server.plan))
+        for name, text in run_files.items():
+            write_text(run_dir / name, text)
+        if on_start is not None:
+            on_start(server)
 
-    def kept(rnd: int) -> str:  # what a failed write leaves, and the way on
-        if rnd < 1:
-            return "; no round completed"
-        return f"; rounds 1-{rnd} are checkpointed: free space or fix the folder, then fedtune run --resume {run_dir}"
+        def kept(rnd: int) -> str:  # what a failed write leaves, and the way on
+            if rnd < 1:
+                return "; no round completed"
+            return (
+                f"; rounds 1-{rnd} are checkpointed: free space or fix the folder, then fedtune run --resume {run_dir}"
+            )
 
-    stopped = None
-    stop_requested, restore = _interrupt_flag()
-    try:
-        if resume:  # the lines up to the checkpoint, written atomically, then appended to
-            tmp = metrics_path.with_suffix(".jsonl.tmp")
-            with writing(tmp, kept(start_round - 1)):
-                tmp.write_text("".join(json.dumps(x) + "\n" for x in lines))
-                tmp.replace(metrics_path)
-        with writing(metrics_path, kept(start_round - 1)):
-            sink = metrics_path.open("a" if resume else "w")
-        with sink:
+        stopped = None
+        contributed = [0, 0]  # rounds this process ran, and of them those some client's update reached
+        stop_requested, restore = _interrupt_flag()
+        try:
+            if resume:  # the lines up to the checkpoint, written atomically, then appended to
+                tmp = metrics_path.with_suffix(".jsonl.tmp")
+                with writing(tmp, kept(start_round - 1)):
+                    tmp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+                    tmp.replace(metrics_path)
+            with writing(metrics_path, kept(start_round - 1)):
+                sink = metrics_path.open("a" if resume else "w")
+            with sink:
 
-            def record(rec: RoundRecord) -> None:
-                line = rec.to_json()
-                lines.append(line)
-                with writing(metrics_path, kept(rec.round - 1)):
-                    sink.write(json.dumps(line) + "\n")
-                    sink.flush()
-                state = {**strategy.state_dict(), ROUND_KEY: rec.round, ENGINE_KEY: engine.state_dict()}
-                with writing(checkpoint, kept(rec.round - 1)):
-                    save_state(checkpoint, state, private=config.privacy.mode != "none")  # DP: holds secrets
-                if on_round is not None:
-                    on_round(rec)
+                def record(rec: RoundRecord) -> None:
+                    line = rec.to_json()
+                    lines.append(line)
+                    for note in rec.notes:  # a private round's drops: the operator's console only
+                        _operator(f"round {rec.round}: {note}")
+                    contributed[0] += 1
+                    contributed[1] += bool(set(rec.clients) - set(rec.dropped))
+                    with writing(metrics_path, kept(rec.round - 1)):
+                        sink.write(json.dumps(line) + "\n")
+                        sink.flush()
+                    state = {**strategy.state_dict(), ROUND_KEY: rec.round, ENGINE_KEY: engine.state_dict()}
+                    if inputs is not None:
+                        state[INPUTS_KEY] = inputs
+                    with writing(checkpoint, kept(rec.round - 1)):
+                        save_state(checkpoint, state, private=config.privacy.mode != "none")  # DP: holds secrets
+                    if on_round is not None:
+                        on_round(rec)
 
-            try:
-                engine.run(strategy, record, start_round, stop_requested)
-            except RunHalted as halt:
-                if not lines:
-                    raise ConfigError(str(halt)) from None
-                stopped = str(halt)
-    finally:
-        restore()
-    last = lines[-1]["round"] if lines else 0
-    with writing(run_dir, kept(last)):
-        strategy.save(run_dir)
-    summary = _summary(config, lines, server, run_dir, time.perf_counter() - start, engine.name)
-    summary.update(strategy.summary())
-    if stopped is not None:
-        summary["stopped"] = stopped
-    with writing(run_dir / "summary.json", kept(last)):
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+                try:
+                    engine.run(strategy, record, start_round, stop_requested)
+                except RunHalted as halt:
+                    if not lines:
+                        raise ConfigError(str(halt)) from None
+                    stopped = str(halt)
+        finally:
+            restore()
+            if private and contributed[0] and not contributed[1]:
+                _operator(
+                    f"no client's update reached this DP run's aggregate in its {contributed[0]} round(s) here: every "
+                    "release was noise alone (every client failed or was dropped, or none was sampled)"
+                )
+        last = lines[-1]["round"] if lines else 0
+        with writing(run_dir, kept(last)):
+            strategy.save(run_dir)
+        summary = _summary(config, lines, server, run_dir, time.perf_counter() - start, engine.name)
+        summary.update(strategy.summary())
+        if stopped is not None:
+            summary["stopped"] = stopped
+        with writing(run_dir / "summary.json", kept(last)):
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary

@@ -38,7 +38,7 @@ from fedtune.config import ConfigError, RunConfig, check_rules, validate_options
 from fedtune.data.partition import label_histograms
 from fedtune.methods import get_method
 from fedtune.methods.base.aggregation import AggregationPlan, plan_aggregation
-from fedtune.planning.planner import Plan, check_profile_codecs
+from fedtune.planning.planner import Plan, check_plannable, check_profile_codecs, unrunnable
 from fedtune.planning.quantization import check_profile_quantization
 from fedtune.protocol.client import Client
 from fedtune.protocol.profiles import ClientProfile, build_profiles
@@ -90,6 +90,7 @@ def resolve_run(config: RunConfig) -> ResolvedRun:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     run = ResolvedRun(config, method, task_class, task_options, options, tuple(profiles), aggregation)
+    check_plannable(run)
     check_profile_codecs(run)
     check_profile_quantization(run)
     return run
@@ -122,6 +123,13 @@ class RunContext:
         from fedtune.planning.planner import plan_budgets
 
         return plan_budgets(self)
+
+    def check_plan(self) -> None:
+        """ConfigError when the budget plan leaves no round able to aggregate
+        (:func:`~fedtune.planning.planner.unrunnable`): asked before the run folder is claimed."""
+        reason = unrunnable(self.plan, self.config.federation.min_replies)
+        if reason is not None:
+            raise ConfigError(reason)
 
     @cached_property
     def profiles(self) -> list[ClientProfile]:
@@ -194,6 +202,15 @@ class RunContext:
 
             self._bases[quantization] = LoraWorkspace(self.task, self.config.seed, quantization)
         return self._bases[quantization]
+
+    def loaded_bases(self) -> list[torch.nn.Module]:
+        """The base models this context has loaded so far (:attr:`model`, :attr:`workspace`'s and
+        each :meth:`base_for`'s), none built here: what a DP run fingerprints (:mod:`fedtune.fingerprint`)."""
+        held = vars(self)
+        modules = [held["model"]] if "model" in held else []
+        if "workspace" in held:
+            modules.append(held["workspace"].base)
+        return modules + [ws.base for _, ws in sorted(self._bases.items())]
 
     def client(self, cid: int, state: dict[str, np.ndarray] | None = None) -> Client:
         """A fresh client object for ``cid`` (cheap: it shares this context's model and data), given

@@ -349,6 +349,20 @@ RESUME_CASES = {
         "float64",
     ),
     "a NaN in an array": (lambda run: _edit_checkpoint(run, arrays=lambda a: a * np.nan), [], "holds NaN or inf"),
+    "an inf in an array": (
+        lambda run: _edit_checkpoint(run, arrays=lambda a: np.full_like(a, np.inf)),
+        [],
+        "holds NaN or inf",
+    ),
+    "round 1 twice where rounds 1-2 are done": (
+        lambda run: (
+            _raise_rounds(run, 3)
+            or _edit_checkpoint(run, _round=2)
+            or (run / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text() * 2)
+        ),
+        [],
+        "does not hold rounds 1-2 once each",
+    ),
     "an array renamed": (lambda run: _edit_checkpoint(run, rename=True), [], "differ from this run's"),
     "missing run_config.json": (lambda run: (run / "run_config.json").unlink(), [], "run_config.json' is missing"),
 }
@@ -399,6 +413,39 @@ def test_resuming_a_damaged_or_edited_run_folder_is_one_line(finished_run, tmp_p
     assert expected in lines[0], lines[0]
     assert digest(neighbour) == before  # nothing outside the resumed folder changed
     assert digest(run) == damaged  # nor inside it (metrics.jsonl kept: no data loss)
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    """A finished one-round run of method "local": each client keeps its adapter in its persistent
+    state, which the checkpoint holds under _engine."""
+    out = tmp_path_factory.mktemp("local")
+    result = runner.invoke(app, ["run", *tiny_args("rounds=1", "method=local", f"output_dir={out}", "name=local")])
+    assert result.exit_code == 0, result.output
+    return out / "local"
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_resuming_with_a_non_finite_client_state_is_one_line(local_run, tmp_path, bad):
+    """The engine's state (client 2's own adapter) is checked as the strategy's is: one non-finite
+    value in it stops the resume with one line naming the array, the folder byte for byte as
+    before (loaded unchecked, client 2 would train from a NaN adapter)."""
+    from fedtune.checkpoint import load_state, save_state
+
+    run = shutil.copytree(local_run, tmp_path / "local")
+    state = load_state(run / "checkpoint.npz")
+    client = state["_engine"]["2"]
+    name = sorted(client)[0]
+    assert client[name].dtype == np.float32 and np.isfinite(client[name]).all()
+    client[name] = client[name].copy()
+    client[name].flat[3] = bad
+    save_state(run / "checkpoint.npz", state)
+    before = digest(run)
+    result = runner.invoke(app, ["run", "--resume", str(run)])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert f"_engine: 2/{name} holds NaN or inf" in lines[0], lines[0]
+    assert digest(run) == before
 
 
 def test_rounds_may_be_raised_on_resume(finished_run, tmp_path):

@@ -3,6 +3,7 @@
 import json
 import os
 
+import pytest
 from typer.testing import CliRunner
 
 from fedtune.cli import app
@@ -114,3 +115,94 @@ def test_a_one_line_error_redacts_tokens_too(monkeypatch):
     assert result.exit_code == 2
     assert result.output.strip() == "error: --push-to-hub me/x: 401 for [redacted] and [redacted]", result.output
     assert redact("pip install hf_transfer") == "pip install hf_transfer"
+
+
+def test_a_short_secret_is_redacted_where_it_stands_alone(monkeypatch):
+    """``API_KEY=k3y55`` (under 6 characters: printed before) is redacted where it stands alone,
+    not inside a longer word or number; a switch (``USE_AUTH_TOKEN=true``) and a value of two
+    characters are not secrets, so "true" and "42" stay readable."""
+    from fedtune.cli import redact
+
+    monkeypatch.setenv("API_KEY", "k3y55")
+    monkeypatch.setenv("USE_AUTH_TOKEN", "true")
+    monkeypatch.setenv("DB_PASSWORD", "42")
+    text = "refused k3y55 at /srv/k3y55/x (round 42: true); kept: ak3y55 k3y556"
+    assert redact(text) == "refused [redacted] at /srv/[redacted]/x (round 42: true); kept: ak3y55 k3y556"
+
+
+def test_plan_shows_no_library_bars_or_warnings(tmp_path, monkeypatch):
+    """``fedtune plan`` of FedOT (it loads the base, a packaged pretrained model): fedtune's table
+    alone, no "Loading weights" bar (before: one per load) unless --verbose."""
+    from transformers.utils import logging as hf_logging
+
+    from fedtune.process import VERBOSE_ENV
+
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_VERBOSITY", raising=False)
+    hf_logging.enable_progress_bar()  # as in a fresh process (another test may have quieted this one)
+    hf_logging.set_verbosity_warning()
+    try:
+        sets = ["method=fedot", "data.max_train_samples=200", "data.max_test_samples=50", "federation.num_clients=2"]
+        sets += ["federation.clients_per_round=2"]
+        sets += ["federation.profiles=[{memory_gib=4}]", "options.distill_steps=1", "options.distill_samples=8"]
+        result = runner.invoke(app, ["plan", "configs/fedot.toml", *[a for s in sets for a in ("--set", s)]])
+        assert result.exit_code == 0, result.output
+        assert "Loading weights" not in result.output and "it/s" not in result.output, result.output
+        assert result.output.splitlines()[0].split()[:2] == ["client", "class"], result.output
+    finally:
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+
+
+def test_without_a_network_the_hub_fails_at_once_without_retry_lines(tmp_path):
+    """A hub model name with no network (the hub's host does not resolve) and no HF_HUB_OFFLINE:
+    fedtune's process set-up turns the hub libraries offline, so the load fails in a second with
+    no retry lines (before: 5 retries over 23 s, 11 log lines, then the error)."""
+    import subprocess
+    import sys
+
+    script = """
+import time
+from fedtune.process import setup_process
+setup_process()
+from fedtune.config import ConfigError
+from fedtune.models.loading import load_classifier
+from transformers import AutoConfig, AutoModelForSequenceClassification  # imported before the clock starts
+start = time.perf_counter()
+try:
+    load_classifier("fedtune-tests/no-such-model", 2, 0)
+except ConfigError as exc:
+    print(f"{time.perf_counter() - start:.2f}", exc)
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_ENDPOINT="https://hub.invalid", HF_HOME=str(tmp_path / "hf"))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    seconds, line = done.stdout.strip().split(" ", 1)
+    assert done.returncode == 0 and "Retrying" not in done.stderr, done.stderr
+    assert line.startswith("model.name: cannot load 'fedtune-tests/no-such-model' (offline: hub.invalid does not"), line
+    assert float(seconds) < 5, seconds  # the retries alone took 23 s
+
+
+@pytest.mark.parametrize(
+    ("name", "secret"),
+    [("MY_API_KEY", True), ("OPENAI_KEY", True), ("hf_token", True), ("my_api_key", True), ("Db_Password", True),
+     ("aws_secret_access_key", True), ("RUN_LABEL", False)],
+)  # fmt: skip
+def test_secret_named_variables_are_redacted_whatever_their_case(monkeypatch, name, secret):
+    """A one-line error quoting the value of a variable named like a secret (``*KEY*``, ``*TOKEN*``,
+    ``*SECRET*``, ``*PASSWORD*``, in any case: shells and .env files use lower case too) prints it
+    redacted; an ordinary variable's value is printed as it is."""
+    from fedtune.config import ConfigError
+
+    value = "v4lue-0f-" + name.lower()
+    monkeypatch.setenv(name, value)
+
+    def open_run(path):
+        raise ConfigError(f"--push-to-hub me/x: refused with {value}")
+
+    monkeypatch.setattr("fedtune.trained.loader.open_run", open_run)
+    result = runner.invoke(app, ["export", "somewhere"])
+    assert result.exit_code == 2
+    shown = "[redacted]" if secret else value
+    assert result.output.strip() == f"error: --push-to-hub me/x: refused with {shown}", result.output

@@ -118,11 +118,10 @@ def test_weights_predicted_at_a_quantization_not_loaded_are_the_bytes_of_that_ba
     assert weight_bytes(packed, "none", ()) == base_weight_bytes(plain)
 
 
-def test_the_planner_gives_a_4bit_base_before_a_smaller_rank_and_excludes_the_client_nothing_fits(
-    tmp_path, monkeypatch
-):
-    """On a tiny Llama of width 256 (at width 32 a 4-bit layer's block scales and maps outweigh what
-    packing saves over 8 bits: the planner tries both)."""
+@pytest.fixture
+def wide_llama(monkeypatch):
+    """The task's tiny Llama at width 256 (at width 32 a 4-bit layer's block scales and maps
+    outweigh what packing saves over 8 bits)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fedtune.models import prefix_lm
@@ -135,6 +134,12 @@ def test_the_planner_gives_a_4bit_base_before_a_smaller_rank_and_excludes_the_cl
         return LlamaForCausalLM(shape).eval()
 
     monkeypatch.setattr(prefix_lm, "tiny_llama", wider)
+
+
+def test_the_planner_gives_a_4bit_base_before_a_smaller_rank_and_excludes_the_client_nothing_fits(
+    tmp_path, monkeypatch, wide_llama
+):
+    """On a tiny Llama of width 256 (the planner tries both 8 and 4 bits)."""
 
     def plan(profiles: str):
         cfg = config(tmp_path, f"federation.profiles={profiles}", "train.gradient_checkpointing=true")
@@ -154,6 +159,27 @@ def test_the_planner_gives_a_4bit_base_before_a_smaller_rank_and_excludes_the_cl
     assert list(planned.excluded) == [1] and planned.profiles[1].quantization is None  # no base built for it
     assert planned.excluded[1].startswith("excluded by the plan: no setting fits its budget (rank 1, 4bit base:")
     assert "rank 4, 4bit base" in format_plan(planned)  # what `fedtune plan` prints
+
+
+def test_checkpointing_the_unquantized_base_comes_before_a_quantized_one(tmp_path, wide_llama):
+    """A budget that checkpointing alone meets, and an 8-bit base without checkpointing would too:
+    the plan keeps the run's float32 base and checkpoints it (exact, only slower), and quantizes only
+    where checkpointing does not fit (a budget just under the checkpointed float32 peak: the 8-bit
+    base, checkpointed). Peaks here: float32 26.2 MB, checkpointed 20.7 MB, 8-bit 22.7 MB."""
+
+    def plan(*extra: str):
+        return plan_budgets(RunContext(resolve_run(config(tmp_path, *extra))), always=True)
+
+    plain, ckpt = (plan(f"train.gradient_checkpointing={on}").clients[0].peak_bytes for on in ("false", "true"))
+    eight = plan("federation.profiles=[{rank=4, quantization='8bit'}, {}]").clients[0].peak_bytes
+    assert ckpt < plain and eight < plain  # either way fits a budget between them and the plain peak
+    budget = max(ckpt, eight) * 1.001
+    assert budget < plain
+    chosen = plan(f"federation.profiles=[{{memory_gib={budget / GIB}}}, {{}}]")
+    assert chosen.clients[0].setting == "rank 4, checkpointing" and chosen.clients[0].peak_bytes == ckpt
+    assert chosen.profiles[0].gradient_checkpointing and chosen.profiles[0].quantization is None
+    tight = plan(f"federation.profiles=[{{memory_gib={ckpt * 0.99 / GIB}}}, {{}}]").clients[0]
+    assert (tight.setting, tight.peak_bytes < ckpt) == ("rank 4, checkpointing, 8bit base", True)
 
 
 @pytest.mark.parametrize(

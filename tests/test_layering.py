@@ -20,8 +20,9 @@ inside functions are lazy and may point up, for example the registries discoveri
     engines.embedded, engines.device_pool
                         the round loop (its transport protocol, reply checks and round record),
                         in-process delivery, the engine, its device workers
-    run, progress, privacy_audit
-                        one run end to end, the run folder; the empirical DP audit
+    run, progress, privacy_audit, fingerprint
+                        one run end to end, the run folder; the empirical DP audit; a DP run's
+                        input fingerprints (resume)
     trained             a finished run's model: reloaded, exported, evaluated
     engines.flower      the same Strategy/Client objects on Flower (codec, runconfig, worker,
                         clientapp, transport, serverapp, simulation, commands, deployment)
@@ -63,7 +64,7 @@ LAYERS = [
     ["fedtune.planning"],
     ["fedtune.runtime"],
     ["fedtune.engines", "fedtune.engines.rounds", "fedtune.engines.embedded"],
-    ["fedtune.run", "fedtune.progress", "fedtune.trained", "fedtune.privacy_audit"],
+    ["fedtune.run", "fedtune.progress", "fedtune.trained", "fedtune.privacy_audit", "fedtune.fingerprint"],
     ["fedtune.engines.flower"],
     ["fedtune.launch"],
     ["fedtune.cli", "fedtune.report", "fedtune.harness"],

@@ -130,3 +130,42 @@ def test_the_table_shows_lm_evals_other_metrics_with_their_errors():
     )
     text = console.export_text()
     assert "exact_match" in text and "0.3000 ± 0.1500" in text and "50.0 ± 16.0" in text
+
+
+def test_a_task_whose_data_cannot_be_read_is_one_line_naming_it(tmp_path, monkeypatch):
+    """Under --include-path: a malformed task YAML is named (lm-eval's index skipped it without a
+    word, and the task then "did not exist"); a task YAML whose data file is missing, and a task
+    whose hub data set is not available offline (HF_HUB_OFFLINE=1), are one line saying what to do
+    (before: "unexpected FileNotFoundError" / "ConnectionError", a fedtune bug). lm-eval's own task
+    index is left out here (seconds to build on a shared machine): the custom tasks are enough."""
+    import functools
+
+    import lm_eval.tasks
+
+    monkeypatch.setattr(
+        lm_eval.tasks, "TaskManager", functools.partial(lm_eval.tasks.TaskManager, include_defaults=False)
+    )
+    arc = Path(lm_eval.tasks.__file__).parent / "arc" / "arc_easy.yaml"
+    out = ["--out", str(tmp_path / "e.json"), "--limit", "2"]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "broken.yaml").write_text("task: broken\ndataset_path: [json\n")
+    _one_line(
+        ["tiny-llama", "--backend", "lm-eval", "--tasks", "broken", "--include-path", str(bad), *out], "broken.yaml"
+    )
+    missing = tmp_path / "missing"
+    missing.mkdir()
+    (missing / "local.yaml").write_text(
+        f"include: {arc}\ntask: arc_local\ntag: []\ndataset_path: json\ndataset_name: null\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'absent.jsonl'}\ntraining_split: null\n"
+        "validation_split: null\ntest_split: test\n"
+    )
+    args = ["tiny-llama", "--backend", "lm-eval", "--tasks", "arc_local", "--include-path", str(missing), *out]
+    _one_line(args, "data file is missing", "absent.jsonl", "data_files")
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    (hub / "hub.yaml").write_text(f"include: {arc}\ntask: arc_hub\ntag: []\n")  # allenai/ai2_arc from the hub
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = ["tiny-llama", "--backend", "lm-eval", "--tasks", "arc_hub", "--include-path", str(hub), *out]
+    _one_line(args, "data set is not available", "HF_HUB_OFFLINE is set", "--include-path")
+    assert not (tmp_path / "e.json").exists()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fedtune.config import ConfigError
@@ -148,3 +149,96 @@ def test_the_mmlu_row_script_scores_in_resumable_passes_and_tabulates_complete_r
     assert {k: v["n"] for k, v in summary["groups"].items()} == {
         "STEM": 1, "humanities": 1, "other": 1, "MMLU": 3
     }  # fmt: skip
+
+
+def _two_subject_folder(tmp_path: Path, sizes: dict[str, tuple[int, int]]) -> dict[str, dict[str, Path]]:
+    """An MMLU folder under ``tmp_path / "data"`` whose subjects have (dev, test) rows of their own
+    text (``sizes``), and each subject's split alone as lm-eval's task reads it: subject -> split -> file."""
+    files: dict[str, dict[str, Path]] = {}
+    for split, at in (("dev", 0), ("test", 1)):
+        lines = []
+        for subject, counts in sizes.items():
+            rows = [
+                {"subject": subject, "question": f"{split} {subject} {j}?", "answer": j % 4,
+                 "choices": [f"{subject}{j}{c}" for c in "wxyz"]}
+                for j in range(counts[at])
+            ]  # fmt: skip
+            lines += rows
+            _write(tmp_path / f"{subject}-{split}.jsonl", rows)
+            files.setdefault(subject, {})[split] = tmp_path / f"{subject}-{split}.jsonl"
+        _write(tmp_path / "data" / "mmlu" / f"{split}.jsonl", lines)
+    return files
+
+
+def _lm_eval_yaml(name: str) -> dict:
+    """lm-eval's own MMLU task or group config ``name`` (its includes resolved)."""
+    import lm_eval.tasks
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    return load_yaml(Path(lm_eval.tasks.__file__).parent / "mmlu" / "default" / name)
+
+
+def _lm_eval_contexts(subject: str, files: dict[str, Path], k: int) -> dict[str, list[tuple[str, str]]]:
+    """question -> the (context, continuation) of each option that lm-eval's own MMLU subject task
+    (its YAML: description, format, dev-split first-n shots, its fewshot delimiter) builds with ``k``
+    shots; no model: lm-eval's request building alone."""
+    from lm_eval.api.task import ConfigurableTask
+
+    cfg = _lm_eval_yaml(f"mmlu_{subject}.yaml")
+    cfg.pop("tag", None)
+    data = {"data_files": {split: str(path) for split, path in files.items()}}
+    cfg.update(dataset_path="json", dataset_name=None, dataset_kwargs=data, num_fewshot=k)
+    task = ConfigurableTask(config=cfg)
+    task.build_all_requests(limit=None)
+    out: dict[str, list[tuple[str, str]]] = {}
+    for request in sorted(task.instances, key=lambda r: (r.doc_id, r.idx)):
+        out.setdefault(request.doc["question"], []).append(tuple(request.arguments))
+    return out
+
+
+def test_mmlu_shots_are_lm_evals_own_context_token_for_token(tmp_path, monkeypatch):
+    """The few-shot context fedtune scores each MMLU option after (the real CausalLM.choice_pairs
+    under the lm-eval protocol, decoded) is exactly the one lm-eval's own task builds: its subject
+    line, the first 2 dev rows of the question's own subject, each solved and followed by a blank
+    line, then the question. Two subjects with their own dev and test rows: shots from the test
+    split, from the other subject's dev rows or joined by one newline all differ."""
+    from fedtune.trained.evaluate import LM_EVAL, target_of, unit_config
+    from fedtune.trained.loader import evaluation_task
+
+    files = _two_subject_folder(tmp_path, {"anatomy": (3, 2), "philosophy": (3, 2)})
+    monkeypatch.setenv("FEDTUNE_DATA_DIR", str(tmp_path / "data"))
+    task = evaluation_task(unit_config(target_of("tiny-llama").config, "mmlu", False, LM_EVAL, num_fewshot=2))
+    theirs = {q: pairs for subject, split in files.items() for q, pairs in _lm_eval_contexts(subject, split, 2).items()}
+    ds = task.test
+    assert sorted(ds.questions) == sorted(theirs) and len(ds) == 4
+    for i, question in enumerate(ds.questions):
+        mine = [
+            (task.tokenizer.decode(list(c)), task.tokenizer.decode(list(t))) for c, t, _ in task.choice_pairs(ds, i)
+        ]
+        assert mine == theirs[question], (question, mine[0][0], theirs[question][0][0])
+
+
+def test_mmlu_groups_and_the_whole_are_lm_evals_size_weighted_means(tmp_path, monkeypatch):
+    """STEM of anatomy (3 questions, all right) and astronomy (1, wrong), humanities of philosophy
+    (1, wrong): the real set_rows gives each group and the whole as lm-eval aggregates its groups
+    (aggregate_subtask_metrics, weighted by size as its _mmlu_stem.yaml says): STEM 3/4, the whole
+    3/5; the mean of the subjects' means (1/2, 1/3) would differ."""
+    from lm_eval.api.metrics import aggregate_subtask_metrics
+
+    from fedtune.trained.evaluate import LM_EVAL, set_rows, target_of, unit_config
+    from fedtune.trained.loader import evaluation_task
+
+    _two_subject_folder(tmp_path, {"anatomy": (0, 3), "astronomy": (0, 1), "philosophy": (0, 1)})
+    monkeypatch.setenv("FEDTUNE_DATA_DIR", str(tmp_path / "data"))
+    task = evaluation_task(unit_config(target_of("tiny-llama").config, "mmlu", False, LM_EVAL))
+    subject = [task.test.label_names[s] for s in task.test.labels]
+    assert subject == ["anatomy"] * 3 + ["astronomy", "philosophy"]
+    acc = np.array([1.0, 1.0, 1.0, 0.0, 0.0])
+    rows = set_rows(task, {"acc": acc}, "mmlu")
+    by_subject = {s: (float(np.mean(acc[[x == s for x in subject]])), subject.count(s)) for s in dict.fromkeys(subject)}
+    for group, members in (("mmlu_stem", ["anatomy", "astronomy"]), ("mmlu", list(by_subject))):
+        weighted = _lm_eval_yaml(f"_{group}.yaml")["aggregate_metric_list"][0]["weight_by_size"]
+        metrics, sizes = zip(*(by_subject[s] for s in members))
+        expected = aggregate_subtask_metrics(list(metrics), list(sizes), weight_by_size=weighted)
+        assert rows[group]["n"] == sum(sizes) and rows[group]["acc"] == pytest.approx(expected), group
+    assert rows["mmlu_stem"]["acc"] == pytest.approx(0.75) and rows["mmlu"]["acc"] == pytest.approx(0.6)

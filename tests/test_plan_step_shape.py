@@ -5,6 +5,7 @@ head's logits over the answer span only, not ``data.max_length`` x every positio
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 import numpy as np
@@ -108,3 +109,52 @@ def planned_and_measured(ctx: RunContext) -> tuple[int, int]:
     measured = metered_fit(ctx.client(0), strategy.configure_fit(1, [0])[0]).meta["peak_bytes"]
     assert abs(planned / measured - 1) < TOLERANCE, (planned, measured)
     return planned, measured
+
+
+@pytest.mark.parametrize(("optimizer", "momentum", "states"), [("sgd", 0.0, 0), ("sgd", 0.9, 1), ("adamw", 0.0, 2)])
+def test_the_planner_counts_the_optimizer_states_torch_keeps(tiny_config, optimizer, momentum, states):
+    """The states per trainable value the planner prices (its workload for the run's optimizer) are
+    the tensors of a trainable's shape that torch's optimizer, built as a client builds it, holds
+    after a step: plain SGD none, heavy-ball SGD its momentum buffer, AdamW its two moments."""
+    import torch
+
+    from fedtune.models.training import make_optimizer
+
+    config = tiny_config("method=fedit", f'train.optimizer="{optimizer}"', f"train.momentum={momentum}")
+    ctx = RunContext(resolve_run(config))
+    weight = torch.nn.Parameter(torch.randn(5, 3))
+    step = make_optimizer([weight], config.train)
+    weight.square().sum().backward()
+    step.step()
+    held = [v for v in step.state[weight].values() if torch.is_tensor(v) and v.shape == weight.shape]
+    assert len(held) == states
+    assert lora_workload(ctx, ctx.workspace.base).states == states
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_lora_dropout_is_priced_for_one_layer_under_checkpointing(tiny_config, checkpointing):
+    """The planned peak with ``model.lora_dropout`` 0.1 exceeds the one without by the dropped
+    inputs (float32: 4 bytes) and their masks (1 byte) of the adapted layers that are held at once:
+    every transformer layer's without checkpointing, one layer's with it (the others' are recomputed
+    in the backward). Counted here from the model: tiny-bert's layer 0 adapts query and value, 32
+    inputs each, and it has 2 layers."""
+    from fedtune.planning.planner import plan_budgets
+
+    peaks = []
+    for dropout in (0.0, 0.1):
+        config = tiny_config(
+            "method=fedit",
+            f"model.lora_dropout={dropout}",
+            f"train.gradient_checkpointing={str(checkpointing).lower()}",
+        )
+        ctx = RunContext(resolve_run(config))
+        peaks.append(plan_budgets(ctx, always=True).clients[0].peak_bytes)
+    base, targets = ctx.workspace.base, ctx.task.lora_targets()
+    layer_inputs: Counter[str] = Counter()  # transformer layer -> its adapted modules' inputs
+    for name, module in base.named_modules():
+        if name.split(".")[-1] in targets:
+            layer_inputs[name.split(".layer.")[1].split(".")[0]] += module.in_features
+    assert layer_inputs == {"0": 64, "1": 64}
+    held = sum(layer_inputs.values()) if not checkpointing else layer_inputs["0"]
+    batch, length = config.train.batch_size, config.data.max_length
+    assert peaks[1] - peaks[0] == (4 + 1) * batch * length * held

@@ -22,6 +22,7 @@ from fedtune.protocol.messages import Message
 from fedtune.run import run_experiment
 from fedtune.runtime import RunContext, resolve_run
 from tests.conftest import TINY, tiny
+from tests.dp_reference import gaussian_epsilon
 
 KIND = "text-classification"
 C, Z = 0.5, 1.3
@@ -75,6 +76,32 @@ def test_central_aggregate_is_the_clipped_sum_plus_one_noise_draw_over_the_fixed
     )
     assert clipped_norm == pytest.approx(C, rel=1e-3)  # the 10C update entered with norm C
     assert metrics == {"epsilon": pytest.approx(strategy.aggregation.privacy.epsilon(1))} and metrics["epsilon"] > 0
+
+
+@pytest.mark.parametrize("server", ["sgd", "adam"])
+def test_the_noised_mean_goes_through_the_server_optimizer(tmp_path, server):
+    """DP-FedAvg with a server step (McMahan et al.'s server learning rate; FedAdam): the real
+    aggregate_fit's new state is the server optimizer applied to Delta = (clip(u1) + u2 + xi) / m,
+    by hand: SGD at lr 0.5 gives theta + 0.5 Delta; FedAdam's first step (bias-corrected moments
+    Delta and Delta^2, no weight decay) gives theta + 0.5 Delta / (|Delta| + 1e-8).
+    Adding the noised mean as it is (the server step skipped) is off by a half of Delta."""
+    extra = ["federation.server_lr=0.5", f'federation.server_optimizer="{server}"']
+    strategy = RunContext(resolve_run(_config(tmp_path, *CENTRAL, *extra))).strategy()
+    strategy.initialize()
+    before = {k: v.astype(np.float64) for k, v in strategy.global_arrays.items()}
+    strategy.configure_fit(1, [0, 1, 3])
+    u1, u2 = _updates(strategy.global_arrays)
+    strategy.aggregate_fit(1, {0: Message(u1, {"num_examples": 9}), 3: Message(u2, {"num_examples": 1})})
+    norm1 = np.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in u1.values()))
+    rng = generator(strategy.aggregation.privacy.secret, NOISE, 1)
+    noise = {k: rng.normal(0.0, Z * C, size=before[k].shape) for k in sorted(before)}
+    for k in before:
+        delta = (u1[k].astype(np.float64) * (C / norm1) + u2[k] + noise[k]) / 3
+        if server == "sgd":
+            expected = before[k] + 0.5 * delta
+        else:
+            expected = before[k] + 0.5 * delta / (np.abs(delta) + 1e-8)
+        np.testing.assert_allclose(strategy.global_arrays[k], expected, rtol=1e-5, atol=1e-6)
 
 
 def test_a_round_nobody_replied_to_still_releases_its_noise_and_counts(tmp_path):
@@ -131,13 +158,15 @@ def test_per_layer_clipping_bounds_each_array_by_C_over_sqrt_L(tmp_path):
     assert np.linalg.norm(out["a"]) == pytest.approx(1 / np.sqrt(2)) and np.allclose(out["b"], 0.01)
 
 
-def test_the_sample_is_a_secret_poisson_draw_of_rate_m_over_n(tmp_path):
+@pytest.mark.parametrize("mode", [CENTRAL, LOCAL], ids=["central", "local"])
+def test_the_sample_is_a_secret_poisson_draw_of_rate_m_over_n(tmp_path, mode):
     """Each client joins with probability q = m/N independently (sizes vary around m), the draw
     depends on the server's secret, not on the seed: two mechanisms of one config sample differently,
-    and the engine's seeded draw is not what a DP round uses."""
+    and the engine's seeded draw is not what a DP round uses. Local DP too: its accountant's rate is
+    1 (no amplification), but the server still asks about m clients a round, not all N."""
     from fedtune.engines.rounds import sample_clients
 
-    config = _config(tmp_path, *CENTRAL, "federation.num_clients=40", "federation.clients_per_round=10")
+    config = _config(tmp_path, *mode, "federation.num_clients=40", "federation.clients_per_round=10")
     one, two = mechanism(config), mechanism(config)
     samples = [one.sample(r) for r in range(1, 401)]
     sizes = np.array([len(s) for s in samples])
@@ -186,6 +215,24 @@ def test_local_dp_gets_no_amplification_by_sampling_even_at_m_much_below_n(tmp_p
     ref.compose(dp_accounting.GaussianDpEvent(Z / 2), 20)
     assert local.rate == 1.0 and local.epsilon(20) == pytest.approx(ref.get_epsilon(local.delta), rel=1e-3)
     assert local.epsilon(20) > 2 * accounting.epsilon("pld", "replace-one", 0.1, Z, 20, local.delta)
+
+
+def test_a_local_epsilon_target_calibrates_z_for_a_gaussian_per_upload_not_for_sampling(tmp_path):
+    """``privacy.epsilon`` in local mode: every upload is a Gaussian (q = 1) whose sum moves by 2C
+    between neighbours (replace-one), so after ``rounds`` uploads of one client the mechanism is
+    a Gaussian of shift 2 sqrt(rounds) / z standard deviations. Its exact epsilon (Balle and Wang's
+    formula) at the calibrated z is within the target, and 1 % less noise exceeds it. Calibrating
+    at the central rate q = m/N = 0.1 (amplification the server, who knows whom it asked, does not
+    give) yields a z about 5x too small: an exact epsilon far above the target."""
+    rounds, target = 5, 4.0
+    extra = ["federation.num_clients=100", "federation.clients_per_round=10", f"rounds={rounds}"]
+    params = privacy_params(
+        _config(tmp_path, 'privacy.mode="local"', f"privacy.clip={C}", f"privacy.epsilon={target}", *extra)
+    )
+    assert params is not None and params.sample_size == 10
+    exact = gaussian_epsilon(2 * np.sqrt(rounds) / params.z, params.delta)
+    assert target * 0.97 <= exact <= target, (params.z, exact)
+    assert gaussian_epsilon(2 * np.sqrt(rounds) / (0.99 * params.z), params.delta) > target
 
 
 def test_calibration_lands_at_or_below_the_target_and_less_noise_exceeds_it():

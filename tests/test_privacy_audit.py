@@ -65,6 +65,25 @@ def test_the_bound_is_the_clopper_pearson_form_of_fpr_plus_exp_eps_fnr():
     assert mixed["epsilon_lower_bound"] == 0.0
 
 
+def test_the_bound_takes_the_better_of_the_test_and_its_swap_when_the_errors_are_one_sided():
+    """Half the runs with the canary score above 0, none without it: FNR is high and FPR is 0, so
+    the evidence is P(no positive score | without) against P(no positive score | with), the bound
+    log((1 - delta - FNR) / FPR) (about 2.4 here), not log((1 - delta - FPR) / FNR) (about 0.5).
+    The Clopper-Pearson upper rates come from inverting the binomial CDF (scipy's binom, not the
+    beta quantile the audit uses): 0 of 100 at 0.975 is 1 - 0.025^(1/100)."""
+    from scipy import optimize
+    from scipy.stats import binom
+
+    n, delta = 100, 1e-5
+    positive = np.r_[np.ones(50), -np.ones(50)]
+    result = epsilon_lower_bound(positive, -np.ones(n), delta=delta)
+    fnr = optimize.brentq(lambda p: binom.cdf(50, n, p) - 0.025, 0.5, 1.0, xtol=1e-14)
+    fpr = 1 - 0.025 ** (1 / n)
+    assert (result["false_negatives"], result["false_positives"]) == (50, 0)
+    assert result["fnr_upper"] == pytest.approx(fnr, rel=1e-6) and result["fpr_upper"] == pytest.approx(fpr, rel=1e-9)
+    assert result["epsilon_lower_bound"] == pytest.approx(np.log((1 - delta - fnr) / fpr), rel=1e-6)
+
+
 def test_with_a_sampled_federation_the_outsider_abstains_where_the_seeds_sample_lacks_the_canary():
     """q = 1/4, 2 rounds: under reproducible noise the outsider also regenerates each run's sample,
     leaves out the runs whose sample never held client 0 (about (3/4)^2 of them) and tells the rest

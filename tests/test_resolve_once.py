@@ -115,6 +115,7 @@ RULE_CASES = [
     ("DP;federation.aggregation=median", "federation.aggregation: not with privacy.mode"),
     ("DP;federation.clip_update_norm=1", "federation.clip_update_norm: not with privacy.mode"),
     ("DP;federation.max_client_weight=0.5", "federation.max_client_weight: not with privacy.mode"),
+    ("DP;federation.max_update_ratio=10", "federation.max_update_ratio: not with privacy.mode"),
     ("DP;federation.min_replies=2", "federation.min_replies: not with privacy.mode"),
     ("DP;federation.max_retries=0", "federation.max_retries: not with privacy.mode"),
     ("DP;method=heterolora;options.weighting=sparsity", "options.weighting: not with privacy.mode ('sparsity'"),

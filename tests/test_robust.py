@@ -109,6 +109,47 @@ def test_aggregate_fit_applies_clip_bound_and_trim(method):
             assert norm > 1.0  # the attacker's 100x update with its claimed weight dominates the plain mean
 
 
+def _coordinate_median(stacked: np.ndarray) -> np.ndarray:
+    """Python's statistics.median of each coordinate (an even count: the mean of the two middle values)."""
+    import statistics
+
+    return np.apply_along_axis(statistics.median, 0, stacked.astype(np.float64))
+
+
+def _trim_mean_30(stacked: np.ndarray) -> np.ndarray:
+    """scipy's trimmed mean at 0.3 (it cuts floor(0.3 n) a side: "slices off less if proportion
+    results in a non-integer slice index")."""
+    from scipy.stats import trim_mean
+
+    return trim_mean(stacked.astype(np.float64), 0.3, axis=0)
+
+
+@pytest.mark.parametrize(
+    ("extra", "replies", "reference"),
+    [
+        (['federation.aggregation="trimmed-mean"', "federation.trim_fraction=0.3"], 5, _trim_mean_30),
+        (['federation.aggregation="median"'], 4, _coordinate_median),
+    ],
+    ids=["trim-0.3-of-5", "median-of-4"],
+)
+def test_robust_combiners_where_rounding_and_parity_matter(extra, replies, reference):
+    """The real aggregate_fit against independent references on the inputs where a plausible slip
+    shows: 0.3 of 5 replies is 1.5 (floor cuts 1 a side and averages 3 values; ceil would cut 2,
+    the median) and 4 replies have two middle values (their mean, not the upper one)."""
+    rng = np.random.default_rng(3)
+    strategy = _strategy("fedit", *extra)
+    before = {k: v.astype(np.float64) for k, v in strategy.global_arrays.items()}
+    sent = strategy.configure_fit(1, list(range(replies)))[0]
+    updates = [
+        {k: rng.normal(scale=0.01, size=v.shape).astype(v.dtype) for k, v in sent.arrays.items()}
+        for _ in range(replies)
+    ]
+    strategy.aggregate_fit(1, {c: Message(updates[c], {"num_examples": 10 + c}) for c in range(replies)})
+    for k in before:
+        expected = reference(np.stack([u[k] for u in updates]))
+        np.testing.assert_allclose(strategy.global_arrays[k] - before[k], expected, rtol=1e-4, atol=1e-7, err_msg=k)
+
+
 def test_a_hostile_profile_sign_flips_or_scales_its_update():
     config = load_config(
         None, [*TINY, "federation.num_clients=3", 'federation.profiles=[{}, {attack="sign-flip"}, {attack="scale"}]']
@@ -196,6 +237,22 @@ def test_outsized_updates_are_those_above_the_ratio_times_the_others_lower_media
     assert sorted(outsized_updates(two_hostile, {c: msg(0.0) for c in range(5)}, 1000)) == [3, 4]
 
 
+def test_an_even_count_of_other_replies_takes_the_lower_of_the_two_middle_norms():
+    """Five replies, two colluding at norm 3000 beside honest norms 1, 1 and 4 (ratio 1000): each
+    colluder's other four norms are 1, 1, 4, 3000, whose lower middle value 1 bounds it at 1000
+    (dropped); the upper one, 4, would let both through at 4000. The honest replies' references
+    (lower middles of 1, 4, 3000, 3000 and of 1, 1, 3000, 3000) stay 4 and 1."""
+    from fedtune.protocol.validation import outsized_updates
+
+    def msg(norm):
+        return Message({"a": np.array([0.6 * norm, 0.8 * norm], dtype=np.float32)}, {})
+
+    replies = {0: msg(1.0), 1: msg(1.0), 2: msg(4.0), 3: msg(3000.0), 4: msg(3000.0)}
+    out = outsized_updates(replies, {c: msg(0.0) for c in replies}, 1000)
+    assert sorted(out) == [3, 4], out
+    assert out[3] == "update norm 3e+03 exceeds federation.max_update_ratio = 1000 times its reference 1"
+
+
 def test_a_huge_finite_update_is_dropped_by_default_and_the_run_goes_on(tiny_config):
     """One client times 1e30 (finite): under the default config it is dropped in every round with its
     reason, and the model stays usable (before, round 2's losses were all NaN and the run stopped).
@@ -217,6 +274,24 @@ def test_a_huge_finite_update_is_dropped_by_default_and_the_run_goes_on(tiny_con
     assert RoundPolicy.of(tiny_config().federation, private=True).max_update_ratio is None
     with pytest.raises(ConfigError, match="max_update_ratio"):
         tiny_config("federation.max_update_ratio=0.5")
+
+
+def test_under_dp_the_round_loop_screens_nothing_and_clipping_bounds_the_huge_update(tiny_config):
+    """The same client times 1e30 in a central-DP run (every client sampled: q = 1): the real round
+    loop drops nobody, since whether a reply is outsized depends on the other clients' updates (a
+    drop decided by others' data is not accounted), and the mechanism's clip (C = 0.5) bounds it:
+    the state moves by a finite amount. A policy built as non-private drops client 0 each round."""
+    from fedtune.run import run_experiment
+
+    hostile = 'federation.profiles=[{attack="scale", attack_scale=1e30}, {}, {}, {}]'
+    dp = ['privacy.mode="central"', "privacy.clip=0.5", "privacy.noise_multiplier=0.1"]
+    records = []
+    summary = run_experiment(
+        tiny_config(hostile, *dp, "federation.clients_per_round=4"), on_round=lambda rec: records.append(rec)
+    )
+    assert [r.round for r in records] == [1, 2] and all(0 in r.clients for r in records)
+    assert [dict(r.dropped) for r in records] == [{}, {}]
+    assert np.isfinite(summary["final_loss"])
 
 
 def test_the_screen_costs_an_honest_run_nothing(tiny_config):

@@ -330,6 +330,7 @@ def test_bad_input_gives_one_line_naming_the_path(run_dir, tmp_path, monkeypatch
     )
     _one_line_error(["eval", "tiny-llama", "--tasks", "arc_easy", "--generate"], "--generate", "--protocol run")
     # --push-to-hub: never the network here; no token -> one line
+    monkeypatch.setattr("fedtune.process._resolves", lambda host, timeout: True)  # as if online: to the token check
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
@@ -434,6 +435,49 @@ def test_a_failed_export_leaves_nothing_half_written(run_dir, tmp_path, monkeypa
     monkeypatch.setattr(Path, "mkdir", read_only)
     _one_line_error(["export", str(run_dir), "-o", str(tmp_path / "ro" / "out")], "ro", "Read-only file system")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_final_rename_puts_the_folder_moved_aside_back(run_dir, tmp_path, monkeypatch):
+    """--overwrite of a user's non-empty folder whose last step, renaming the finished export onto
+    it, fails (another process took the name; a file system that refuses): one line, and the
+    user's folder is back at its own name byte for byte, with no <name>.old-<n> and no temporary
+    folder left beside it."""
+    import errno
+    import os
+
+    user = tmp_path / "my-model"
+    user.mkdir()
+    (user / "weights.bin").write_bytes(b"mine")
+    before = _tree(user)
+    rename = os.rename
+
+    def refuse_the_export(src, dst, *args, **kwargs):
+        if ".export-" in os.fspath(src):  # the finished export onto the target: refused
+            raise OSError(errno.EACCES, "Permission denied")
+        return rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", refuse_the_export)
+    _one_line_error(["export", str(run_dir), "-o", str(user), "--overwrite"], str(user), "Permission denied")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my-model"]
+    assert _tree(user) == before
+
+
+@pytest.mark.parametrize("bits", ["8bit", "4bit"])
+def test_merged_refuses_every_quantized_base(run_dir, tmp_path, bits):
+    """--merged of a run trained on an 8-bit or a 4-bit base: merging into k-bit weights rounds the
+    update away (an 8-bit step is about 1/127 of a row's largest weight, far above a LoRA update),
+    so either is refused in one line and nothing is written."""
+    run = shutil.copytree(run_dir, tmp_path / "q")
+    config = (run / "config.toml").read_text()
+    assert config.count('quantization = "none"') == 1
+    (run / "config.toml").write_text(config.replace('quantization = "none"', f'quantization = "{bits}"'))
+    started = json.loads((run / "run_config.json").read_text())
+    started["model"]["quantization"] = bits
+    (run / "run_config.json").write_text(json.dumps(started))
+    out = tmp_path / "merged"
+    _one_line_error(["export", str(run), "--merged", "-o", str(out)], f"model.quantization = '{bits}'")
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["q"]
 
 
 def test_a_damaged_or_non_finite_adapter_and_a_missing_folder_are_one_line(run_dir, tmp_path, monkeypatch):
@@ -545,3 +589,48 @@ def test_the_average_over_sets_has_the_standard_error_of_a_mean_of_independent_e
     assert out["sets"] == 2
     assert out["acc"] == pytest.approx(0.6) and out["acc_se"] == pytest.approx(0.025)  # sqrt(.03^2 + .04^2) / 2
     assert out["acc_norm"] == pytest.approx(0.5) and out["acc_norm_se"] == pytest.approx(5**0.5 / 200)
+
+
+def test_export_targets_that_would_move_the_wrong_folder_are_one_line_and_a_link_is_followed(
+    run_dir, tmp_path, monkeypatch
+):
+    """``-o .`` (with or without --overwrite: it would rename the working folder), and ``-o DIR
+    --overwrite`` where DIR holds another run folder, are refused, nothing moved; ``-o`` a symbolic
+    link to an empty folder writes into that folder (before: "Not a directory")."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    _one_line_error(["export", str(run_dir), "-o", "."], "'.'", "the current folder")
+    (work / "notes.txt").write_text("mine")
+    _one_line_error(["export", str(run_dir), "-o", ".", "--overwrite"], "'.'", "the current folder")
+    runs = tmp_path / "runs"
+    shutil.copytree(run_dir, runs / "a" / "other", ignore=shutil.ignore_patterns("export*"))
+    before = _tree(tmp_path)
+    _one_line_error(["export", str(run_dir), "-o", str(runs), "--overwrite"], "holds the run folder", "other")
+    assert _tree(tmp_path) == before and not list(tmp_path.glob("*.old-*"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (tmp_path / "link").symlink_to(empty, target_is_directory=True)
+    result = runner.invoke(app, ["export", str(run_dir), "-o", str(tmp_path / "link")])
+    assert result.exit_code == 0, result.output
+    assert (empty / ADAPTER_CONFIG).is_file() and (tmp_path / "link").is_symlink()
+
+
+def test_export_of_a_run_with_a_damaged_metrics_or_eval_file_is_one_line_before_anything_is_written(run_dir, tmp_path):
+    """The model card reads metrics.jsonl, eval.json and prompt_template.json: a garbage line, a
+    non-number accuracy, a non-object are one line naming the file and what to do, exit 2, and no
+    export folder is left (before: JSONDecodeError, "Unknown format code 'f'", a fedtune bug)."""
+    damage = {
+        "metrics.jsonl": (lambda text: text + "{garbage\n", "line 3 is not a round's metrics line"),
+        "eval.json": (lambda text: json.dumps({"sets": {"arc_easy": {"n": 5, "acc": "high"}}}), "sets.arc_easy.acc"),
+        "prompt_template.json": (lambda text: "[1, 2]", "holds a list, not a JSON object"),
+    }
+    for name, (damaged, expected) in damage.items():
+        run = shutil.copytree(run_dir, tmp_path / f"run-{name[:4]}", ignore=shutil.ignore_patterns("export*"))
+        path = run / name
+        path.write_text(damaged(path.read_text() if path.is_file() else ""))
+        result = runner.invoke(app, ["export", str(run), "-o", str(tmp_path / f"out-{name[:4]}")])
+        line = result.output.strip()
+        assert result.exit_code == 2 and "\n" not in line, result.output
+        assert name in line and expected in line and ("restore" in line or "move it away" in line), line
+        assert not (tmp_path / f"out-{name[:4]}").exists() and not list(tmp_path.glob(".*export-*"))

@@ -163,8 +163,10 @@ def plan(
     from fedtune.planning import speed
     from fedtune.planning.memory import Shape
     from fedtune.planning.planner import format_plan, plan_budgets
+    from fedtune.process import setup_process
     from fedtune.runtime import RunContext, resolve_run
 
+    setup_process()  # the libraries quiet (FedPFT / FedOT load the base: its "Loading weights" bar)
     try:
         context = RunContext(resolve_run(load_config(recipe, set_)))
         ratios = {}

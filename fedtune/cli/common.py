@@ -15,12 +15,23 @@ HF_TOKEN = re.compile(r"hf_[A-Za-z0-9]{30,}")  # a token: 34 letters and digits 
 SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|KEY", re.IGNORECASE)
 
 
+#: values of secret-named variables that are switches, not secrets (``USE_AUTH_TOKEN=true``)
+SWITCHES = {"true", "false", "yes", "no", "on", "off", "none", "null"}
+
+
 def redact(text: str) -> str:
     """``text`` with Hugging Face tokens (``hf_...``) and the values of secret-named environment
-    variables (``*TOKEN*``, ``*SECRET*``, ``*PASSWORD*``, ``*KEY*``) replaced by ``[redacted]``."""
-    for name, value in os.environ.items():
-        if len(value) >= 6 and SECRET_NAME.search(name):
+    variables (``*TOKEN*``, ``*SECRET*``, ``*PASSWORD*``, ``*KEY*``) replaced by ``[redacted]``: a
+    value of 6 characters or more wherever it occurs, a shorter one of 3 or more (``k3y55``) where it
+    stands alone (not inside a longer word or number: a short value is found inside unrelated text),
+    but a switch (:data:`SWITCHES`). Values of 1-2 characters are not secrets anyone could keep."""
+    for name, value in sorted(os.environ.items(), key=lambda item: -len(item[1])):  # longest first
+        if not SECRET_NAME.search(name) or len(value) < 3 or value.lower() in SWITCHES:
+            continue
+        if len(value) >= 6:
             text = text.replace(value, "[redacted]")
+        else:
+            text = re.sub(rf"(?<![A-Za-z0-9]){re.escape(value)}(?![A-Za-z0-9])", "[redacted]", text)
     return HF_TOKEN.sub("[redacted]", text)
 
 

@@ -13,7 +13,15 @@ One module per part: :mod:`~fedtune.config.base` (the error, what sections share
 
 from fedtune.config.base import DEVICE, RUN_NAME, ConfigError, Section
 from fedtune.config.federation import SECAGG_PARAMETERS, FederationConfig
-from fedtune.config.loading import SHORTHAND, apply_override, flat_keys, load_config, parse_value, validate_options
+from fedtune.config.loading import (
+    SHORTHAND,
+    apply_override,
+    flat_keys,
+    load_config,
+    parse_value,
+    validate_options,
+    validated,
+)
 from fedtune.config.privacy import ADAPTIVE_CLIP_KEYS, PrivacyConfig
 from fedtune.config.run_config import RULES, MethodRefusals, Rule, RunConfig, check_rules
 from fedtune.config.sections import DataConfig, ModelConfig, TaskConfig, TrainConfig
@@ -42,4 +50,5 @@ __all__ = [
     "load_config",
     "parse_value",
     "validate_options",
+    "validated",
 ]

@@ -39,7 +39,7 @@ class FederationConfig(Section):
         "sgd", description="server step on the aggregated update: sgd (lr 1: the method's own rule) or adam (FedAdam)"
     )
     server_lr: float | None = Field(None, gt=0, description="server learning rate (sgd: default 1; adam: required)")
-    server_betas: tuple[float, float] = Field((0.9, 0.999), description="FedAdam's (beta1, beta2)")
+    server_betas: list[float] = Field([0.9, 0.999], min_length=2, max_length=2, description="FedAdam's (beta1, beta2)")
     server_eps: float = Field(1e-8, gt=0, description="FedAdam's epsilon (Reddi et al.'s tau)")
     server_weight_decay: float = Field(0.0, ge=0, description="FedAdam's decoupled weight decay (torch AdamW: 0.01)")
     server_bias_correction: bool = Field(
@@ -64,7 +64,7 @@ class FederationConfig(Section):
         ge=0,
         description="a training reply whose L2 norm exceeds this many times the round's reference (the replies' "
         "lower median norm, or the norm of what the client was sent, the larger) is dropped; 0: no screen; "
-        "not under DP (its clipping bounds updates)",
+        "refused under DP (central DP clips every update, local DP bounds each upload itself)",
     )
     gpus_per_client: float = Field(
         0.0, ge=0, le=1, description="engine 'flower-sim': the GPU fraction Ray gives each ClientApp (device cuda)"

@@ -35,6 +35,8 @@ def parse_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+    except RecursionError:  # tomllib recurses per nesting level
+        raise ConfigError(f"--set value {text[:40]!r}...: nested too deeply") from None
 
 
 def apply_override(tree: dict[str, Any], assignment: str) -> None:
@@ -76,22 +78,29 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
             tree = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"recipe {str(path)!r}: invalid TOML ({exc})") from None
+        except RecursionError:
+            raise ConfigError(f"recipe {str(path)!r}: invalid TOML (nested too deeply)") from None
         except UnicodeDecodeError:
             raise ConfigError(f"recipe {str(path)!r}: invalid TOML (not UTF-8 text)") from None
         except OSError as exc:
             raise ConfigError(f"recipe {str(path)!r}: cannot be read ({exc.strerror})") from None
     for assignment in overrides or []:
         apply_override(tree, assignment)
+    return validated(RunConfig, tree)
+
+
+def validated(cls: type[Options], values: Any, prefix: str = "") -> Options:
+    """``values`` (a config tree as read) validated as ``cls``, strictly: a bool or a string where a
+    number is expected is refused (``true`` is not 1 GiB, ``"1"`` is not 1), an int where a float
+    is expected accepted; the one place every config value is validated (the run's config, a
+    method's ``[options]``, a task's). ConfigError: one line, prefixed with ``prefix``."""
     try:
-        return RunConfig.model_validate(tree)
+        return cls.model_validate(values, strict=True)
     except ValidationError as exc:
-        raise ConfigError(_format_error(exc)) from None
+        raise ConfigError(prefix + _format_error(exc)) from None
 
 
 def validate_options(values: dict[str, Any], options_cls: type[Options], prefix: str = "options") -> Options:
-    """``values`` validated as ``options_cls``: typed options (a method's ``[options]``, a task's
-    ``[task]``); errors prefixed with ``prefix.``."""
-    try:
-        return options_cls.model_validate(values)
-    except ValidationError as exc:
-        raise ConfigError(f"{prefix}." + _format_error(exc)) from None
+    """``values`` validated as ``options_cls`` (:func:`validated`): typed options (a method's
+    ``[options]``, a task's ``[task]``); errors prefixed with ``prefix.``."""
+    return validated(options_cls, values, f"{prefix}.")

@@ -8,6 +8,11 @@ from pydantic import Field, model_validator
 
 from fedtune.config.base import Section
 
+#: the smallest noise multiplier a run takes: dp-accounting's PLD epsilon of z = 0.01 takes seconds
+#: (10 rounds, q = 1: 4 s on the shared CPU; z = 0.001: 6 minutes; z = 1e-12 fails inside it), and
+#: :func:`fedtune.methods.base.accounting.calibrate` searches z from here up
+MIN_NOISE_MULTIPLIER = 0.01
+
 
 class PrivacyConfig(Section):
     """Client-level differential privacy (DP-FedAvg, McMahan et al. 2018): see
@@ -19,7 +24,11 @@ class PrivacyConfig(Section):
     clip: float | None = Field(None, gt=0, description="C: each client's update clipped to this L2 norm")
     per_layer: bool = Field(False, description="clip each of the L arrays to C/sqrt(L) instead of the whole update")
     noise_multiplier: float | None = Field(
-        None, gt=0, le=1e6, description="z: noise std z*C (or calibrate it: epsilon)"
+        None,
+        ge=MIN_NOISE_MULTIPLIER,
+        le=1e6,
+        description="z: noise std z*C (or calibrate it: epsilon); at least 0.01, whose epsilon the accountant "
+        "computes in seconds (0.001: minutes; far below: it fails)",
     )
     epsilon: float | None = Field(None, gt=0, description="target epsilon after `rounds`: z calibrated to it")
     delta: float | None = Field(None, gt=0, lt=1, description="delta (default min(1/num_clients^2, 1e-5))")

@@ -31,7 +31,9 @@ class RunConfig(BaseModel):
     name: str | None = Field(None, description="run folder name under output_dir (default: method-data-seed)")
     method: str = "fedit"
     seed: int = Field(0, ge=0, lt=2**32)
-    rounds: int = Field(10, gt=0)
+    rounds: int = Field(
+        10, gt=0, le=10**6, description="rounds of the run (at most 10^6: a count the checkpoint holds)"
+    )
     eval_every: int = Field(1, gt=0, description="evaluate every this many rounds (and the last)")
     output_dir: str = "runs"
     engine: Literal["embedded", "flower-sim", "flower"] = Field(
@@ -181,6 +183,13 @@ RULES: tuple[Rule, ...] = (
     _dp_not_with("aggregation", lambda fed: fed.aggregation != "mean"),
     _dp_not_with("clip_update_norm", lambda fed: fed.clip_update_norm),
     _dp_not_with("max_client_weight", lambda fed: fed.max_client_weight),
+    Rule(
+        ("privacy.mode", "federation.max_update_ratio"),
+        lambda c, o: _dp(c) and c.federation.max_update_ratio != _default(c.federation, "max_update_ratio"),
+        "federation.max_update_ratio: not with privacy.mode (its reference, the other replies' norms, would make "
+        "a drop depend on other clients' data; central DP clips every update, local DP drops an upload beyond "
+        "what a clipped and noised one can be)",
+    ),
     _dp_no_retry("min_replies"),
     _dp_no_retry("max_retries"),
     Rule(

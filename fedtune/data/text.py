@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from fedtune.config import ConfigError, DataConfig
+from fedtune.process import offline_hint
 
 DATA_DIR_ENV = "FEDTUNE_DATA_DIR"
 AGNEWS_CLASSES = ["World", "Sports", "Business", "Sci/Tech"]
@@ -260,7 +261,7 @@ def load_text_dataset(cfg: DataConfig) -> tuple[TextDataset, TextDataset]:
                 f"(set data.data_dir or {DATA_DIR_ENV}); the hub dataset would be '{spec.hub_name}'"
             )
             if os.environ.get("HF_HUB_OFFLINE") == "1":
-                raise ConfigError(f"{missing}, but HF_HUB_OFFLINE=1")
+                raise ConfigError(f"{missing}; the hub is not asked{offline_hint()}")
             try:
                 return _load_hub(spec.hub_name, cfg, spec.hub_test_split, spec.classes)
             except ConfigError as exc:

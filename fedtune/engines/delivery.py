@@ -6,7 +6,8 @@ Fault injection for tests and benchmarks: profile fields ``failure_prob`` (a cli
 request with that probability, drawn from (seed, round, client, attempt)), ``delay_s`` (it
 waits that long before answering) and ``attack`` (a hostile client: every floating array of its
 training reply sign-flipped, or scaled by ``attack_scale``; clients reply with updates, so this
-is the update), applied on the client side by :func:`answer`.
+is the update; or, ``"metadata"``, the metadata of every reply replaced by ``attack_metadata``,
+whatever it is), applied on the client side by :func:`answer`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -50,20 +51,27 @@ def answer(client: Client, kind: str, message: Message, seed: int, rnd: int, att
             reply = metered_fit(client, message)
         else:
             reply = client.fit(message)
-        reply = attacked(reply, profile.attack, profile.attack_scale) if profile.attack else reply
+        reply = (
+            attacked(reply, profile.attack, profile.attack_scale, profile.attack_metadata) if profile.attack else reply
+        )
         return client.secure_reply(message, reply) if SECURE_LAYOUT in message.meta else reply
     if kind == EVALUATE:
-        return client.evaluate(message)
-    if profile.memory_gib is not None:  # a phase of the round's training (RABO's hypergradient): measured too
+        reply = client.evaluate(message)
+    elif profile.memory_gib is not None:  # a phase of the round's training (RABO's hypergradient): measured too
         from fedtune.planning.planner import metered_fit
 
-        return metered_fit(client, message, partial(client.phase, kind))
-    return client.phase(kind, message)
+        reply = metered_fit(client, message, partial(client.phase, kind))
+    else:
+        reply = client.phase(kind, message)
+    return attacked(reply, "metadata", 0.0, profile.attack_metadata) if profile.attack == "metadata" else reply
 
 
-def attacked(reply: Message, attack: str, scale: float) -> Message:
+def attacked(reply: Message, attack: str, scale: float, metadata: Any = None) -> Message:
     """``reply`` with every floating array sign-flipped (``attack`` ``"sign-flip"``) or times
-    ``scale`` (``"scale"``); integer arrays (top-k indices) and the metadata as they are."""
+    ``scale`` (``"scale"``), integer arrays (top-k indices) and the metadata as they are; or
+    (``"metadata"``) its arrays as they are and ``metadata`` as its metadata."""
+    if attack == "metadata":
+        return Message(reply.arrays, metadata)  # hostile: any value, a mapping or not
     factor = -1.0 if attack == "sign-flip" else scale
     arrays = {
         k: (v * factor).astype(v.dtype) if np.issubdtype(v.dtype, np.floating) else v for k, v in reply.arrays.items()

@@ -1,9 +1,11 @@
-"""How a round treats faults (:class:`RoundPolicy`, from ``federation.*`` and the run's budgets):
-why a client's reply may not be aggregated (errors, deadlines, size, metadata, memory, arrays) and
-the screen of outsized training updates."""
+"""How a round treats faults (:class:`RoundPolicy`, from ``federation.*``, the run's budgets and its
+DP mechanism): why a client's reply may not be aggregated (errors, deadlines, size, metadata,
+memory, arrays) and the screen of outsized training updates (without DP: against the others'
+norms; under local DP: against what a clipped and noised upload can be)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +13,15 @@ from fedtune.engines.delivery import Delivery
 from fedtune.engines.record import RoundRecord
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
-from fedtune.protocol.validation import check_arrays, check_meta, outsized_updates
+from fedtune.protocol.validation import beyond_bound, check_arrays, check_meta, outsized_updates
+
+
+def measured_peak(got: Delivery) -> int | None:
+    """The peak memory ``got``'s reply reports (its metadata's ``peak_bytes``): None unless the
+    metadata is a mapping and the value an int of at least 0 (an untrusted reply may hold anything)."""
+    meta = got.reply.meta if got.reply is not None else None
+    peak = meta.get("peak_bytes") if isinstance(meta, Mapping) else None
+    return peak if isinstance(peak, int) and not isinstance(peak, bool) and peak >= 0 else None
 
 
 @dataclass(frozen=True)
@@ -26,27 +36,39 @@ class RoundPolicy:
     memory_bytes: dict[int, int] = field(default_factory=dict)  # client -> its memory budget
     deadlines: dict[int, float] = field(default_factory=dict)  # client -> its deadline_s
     excluded: dict[int, str] = field(default_factory=dict)  # client -> why the plan excluded it
+    privacy: Any = None  # the run's PrivacyParams under DP: its mechanism's bound on each upload
 
     @classmethod
     def of(cls, fed: Any, private: bool = False, context: Any = None) -> RoundPolicy:
         """The policy of ``fed`` (``federation.*``) and the budgets of ``context`` (a RunContext's
         ``round_limits``); ``private`` (DP): no outsized-update screen, whose reference would
-        depend on the other clients' updates (DP clipping bounds them)."""
+        depend on the other clients' updates, but the mechanism's own bound on an upload
+        (``upload_bound``: local DP's clipped and noised norm; the context's run's privacy parameters)."""
         ratio = None if private or not fed.max_update_ratio else fed.max_update_ratio
         limits = context.round_limits() if hasattr(context, "round_limits") else {}
-        return cls(fed.min_replies, fed.max_retries, fed.round_timeout_s, fed.max_reply_bytes, ratio, **limits)
+        params = context.run.aggregation.privacy if private and hasattr(context, "run") else None
+        policy = (fed.min_replies, fed.max_retries, fed.round_timeout_s, fed.max_reply_bytes, ratio)
+        return cls(*policy, **limits, privacy=params)
 
     def screened(
         self, record: RoundRecord, replies: dict[int, Message], sent: dict[int, Message], attempt: int
     ) -> dict[int, Message]:
-        """``replies`` less the outsized ones against the states ``sent``
-        (:func:`~fedtune.protocol.validation.outsized_updates`), each dropped in ``record`` with its
-        reason (prefixed with the ``attempt`` after the first)."""
-        if self.max_update_ratio is None:
+        """``replies`` less the outsized ones: beyond the DP mechanism's bound on an upload
+        (:func:`~fedtune.protocol.validation.beyond_bound`), or, without DP, against the states
+        ``sent`` (:func:`~fedtune.protocol.validation.outsized_updates`); each dropped in ``record``
+        with its reason (prefixed with the ``attempt`` after the first). A private round's drops are
+        private; the operator's console gets a note (:attr:`RoundRecord.notes`) of each."""
+        if self.privacy is not None:
+            params = self.privacy
+            outsized = beyond_bound(replies, lambda d: params.kind.upload_bound(params, d))
+        elif self.max_update_ratio is not None:
+            outsized = outsized_updates(replies, sent, self.max_update_ratio)
+        else:
             return replies
-        outsized = outsized_updates(replies, sent, self.max_update_ratio)
         for cid, reason in outsized.items():
             record.dropped[cid] = (f"attempt {attempt + 1}: " if attempt else "") + reason
+            if record.private:
+                record.notes.append(f"client {cid}'s upload dropped: {reason}")
         return {cid: reply for cid, reply in replies.items() if cid not in outsized}
 
     def rejection(
@@ -68,9 +90,9 @@ class RoundPolicy:
             return f"missed its deadline_s = {self.deadlines[cid]:g} ({got.seconds:.2f} s)"
         if got.up > self.max_reply_bytes:
             return f"reply of {got.up} bytes exceeds federation.max_reply_bytes = {self.max_reply_bytes}"
-        reason = check_meta(got.reply.meta, strategy.reply_meta_spec(kind, cid))
-        peak = got.reply.meta.get("peak_bytes")
-        if reason is None and peak is not None and peak > self.memory_bytes.get(cid, peak):
+        reason = check_meta(got.reply.meta, strategy.reply_meta_spec(kind, cid))  # the shape first, then read
+        peak = measured_peak(got) if reason is None else None
+        if peak is not None and peak > self.memory_bytes.get(cid, peak):
             reason = (
                 f"simulated out-of-memory: measured peak {peak / 2**30:.3g} GiB over its memory_gib "
                 f"{self.memory_bytes[cid] / 2**30:.3g}"

@@ -26,6 +26,7 @@ class RoundRecord:
     private: bool = False  # a round under client-level DP: its line releases no per-client number
     client_peak_bytes: dict[int, int] = field(default_factory=dict)  # measured (clients with a memory budget)
     client_memory_budget_bytes: dict[int, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # for the operator's console only: never in metrics.jsonl
 
     def to_json(self) -> dict[str, Any]:
         """The ``metrics.jsonl`` line for this round: the record's own fields, and the metrics

@@ -10,7 +10,8 @@ reply that fails validation: the wrong client id or round, larger than
 (types, ranges, finite numbers: a client's ``num_examples`` is at most what the server knows of
 it), or arrays other than :meth:`Strategy.reply_spec` expects (names, shapes, dtypes, finite
 values; :mod:`fedtune.protocol.validation`), and so is a training reply whose norm exceeds
-``federation.max_update_ratio`` times the round's reference (not under DP). Dropped replies never
+``federation.max_update_ratio`` times the round's reference (not under DP; under local DP, one
+beyond what a clipped and noised upload can be). Dropped replies never
 reach ``aggregate_fit``. A round may hold further exchanges after the training one
 (:meth:`Strategy.phases`: RABO's two phases, BoMM's party / cloud exchanges), each with the
 clients still answering, each validated, byte-accounted and recorded the same way; a phase short
@@ -51,7 +52,7 @@ from fedtune.engines.delivery import (
     answer,
     attacked,
 )
-from fedtune.engines.policy import RoundPolicy
+from fedtune.engines.policy import RoundPolicy, measured_peak
 from fedtune.engines.record import RoundRecord
 from fedtune.errors import FedtuneError
 from fedtune.protocol.messages import Message
@@ -112,8 +113,8 @@ def _exchange(
         record.client_bytes_up[cid] = record.client_bytes_up.get(cid, 0) + got.up
         record.client_compute_s[cid] = record.client_compute_s.get(cid, 0.0) + got.seconds
         reason = policy.rejection(strategy, kind, rnd, cid, sent[cid], got)
-        peak = got.reply.meta.get("peak_bytes") if got.reply is not None else None
-        if isinstance(peak, int) and cid in policy.memory_bytes:
+        peak = measured_peak(got)  # kept for a reply dropped over its budget too
+        if peak is not None and cid in policy.memory_bytes:
             record.client_peak_bytes[cid] = max(peak, record.client_peak_bytes.get(cid, 0))
             record.client_memory_budget_bytes[cid] = policy.memory_bytes[cid]
         if reason is None:

@@ -18,7 +18,6 @@ process that builds a model from the same seed gets the same weights.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from fedtune.config import ConfigError
+from fedtune.process import offline_hint
 
 SMALL_NET = "audio-cnn"
 TINY_WAV2VEC2 = "tiny-wav2vec2"
@@ -157,12 +157,8 @@ def load_audio_extractor(name: str):
         return AutoFeatureExtractor.from_pretrained(_model_path(name))
     except OSError as exc:
         raise ConfigError(
-            f"model.name: cannot load the feature extractor of {name!r}{_offline_hint()} ({str(exc).splitlines()[0]})"
+            f"model.name: cannot load the feature extractor of {name!r}{offline_hint()} ({str(exc).splitlines()[0]})"
         ) from None
-
-
-def _offline_hint() -> str:
-    return " (offline: HF_HUB_OFFLINE=1)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
 
 
 def _model_path(name: str) -> str:
@@ -190,7 +186,7 @@ def load_audio_classifier(name: str, num_labels: int, seed: int) -> nn.Module:
         )
     except (OSError, ValueError) as exc:
         raise ConfigError(
-            f"model.name: cannot load audio classifier {name!r}{_offline_hint()} ({str(exc).splitlines()[0]})"
+            f"model.name: cannot load audio classifier {name!r}{offline_hint()} ({str(exc).splitlines()[0]})"
         ) from None
     finally:
         hf_logging.set_verbosity(verbosity)
@@ -263,7 +259,7 @@ def audio_model_names(name: str, num_labels: int) -> tuple[list[str], list[str]]
                     model = AutoModelForAudioClassification.from_config(config)
                 except (OSError, ValueError) as exc:
                     raise ConfigError(
-                        f"model.name: cannot load audio classifier {name!r}{_offline_hint()} "
+                        f"model.name: cannot load audio classifier {name!r}{offline_hint()} "
                         f"({str(exc).splitlines()[0]})"
                     ) from None
     return audio_lora_targets(model), audio_head_modules(model)

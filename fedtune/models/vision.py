@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from fedtune.config import ConfigError
+from fedtune.process import offline_hint
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -336,7 +337,6 @@ def build_image_model(
 
 
 def _build_hf(spec: ImageModelSpec, num_labels: int, image_size: tuple[int, int]) -> nn.Module:
-    import os
 
     from transformers import AutoModelForImageClassification
     from transformers.utils import logging as hf_logging
@@ -350,8 +350,9 @@ def _build_hf(spec: ImageModelSpec, num_labels: int, image_size: tuple[int, int]
             AutoModelForImageClassification, _hf_path(spec.name), num_labels=num_labels, ignore_mismatched_sizes=True
         )
     except (OSError, ValueError) as exc:
-        hint = " (offline: HF_HUB_OFFLINE=1)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
-        raise ConfigError(f"model.name: cannot load {spec.name!r}{hint} ({str(exc).splitlines()[0]})") from None
+        raise ConfigError(
+            f"model.name: cannot load {spec.name!r}{offline_hint()} ({str(exc).splitlines()[0]})"
+        ) from None
     finally:
         hf_logging.set_verbosity(verbosity)
     if not hasattr(model, "classifier"):

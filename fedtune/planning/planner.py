@@ -106,6 +106,38 @@ def _violation(profile: ClientProfile, peak: int, seconds: float, upload_mb: flo
     return None
 
 
+def _check_planner(method: str) -> None:
+    """ConfigError when ``method`` has no planner."""
+    if method not in KNOBS:
+        raise ConfigError(
+            f"federation: client budgets are planned for {', '.join(KNOBS)}; method {method!r} has no planner"
+        )
+
+
+def check_plannable(run) -> None:
+    """At resolve time (before anything is read or written): client budgets only for a method the
+    planner covers (ConfigError otherwise); ``run``: a :class:`~fedtune.runtime.ResolvedRun`."""
+    if any(has_budget(p) for p in run.profiles):
+        _check_planner(run.config.method)
+
+
+def unrunnable(plan: Plan | None, min_replies: int) -> str | None:
+    """Why no round of a run planned as ``plan`` can aggregate (every client excluded, or fewer
+    left than ``min_replies``, ``federation.min_replies``), or None; decided before the run folder
+    is claimed."""
+    if plan is None or not plan.excluded:
+        return None
+    left = len(plan.profiles) - len(plan.excluded)
+    if left >= max(1, min_replies):
+        return None
+    cid, why = next(iter(plan.excluded.items()))
+    return (
+        f"federation: the budget plan excludes {len(plan.excluded)} of {len(plan.profiles)} clients, leaving "
+        f"{left} (federation.min_replies = {min_replies}); client {cid} {why}: raise the budgets "
+        "(fedtune plan shows what each client needs)"
+    )
+
+
 def plan_budgets(context, always: bool = False) -> Plan | None:
     """The plan of ``context``'s run (a :class:`~fedtune.runtime.RunContext`), or None when no
     client states a budget (``always``: the predictions all the same); ConfigError for a method
@@ -114,10 +146,7 @@ def plan_budgets(context, always: bool = False) -> Plan | None:
     if not always and not any(has_budget(p) for p in profiles):
         return None
     config = context.config
-    if config.method not in KNOBS:
-        raise ConfigError(
-            f"federation: client budgets are planned for {', '.join(KNOBS)}; method {config.method!r} has no planner"
-        )
+    _check_planner(config.method)
     knob = KNOBS[config.method]
     note = ""
     if _capacity_planned(config.method):

@@ -16,7 +16,8 @@ from fedtune.models.precision import DTYPES
 def lora_workload(context, base):
     """A client's LoRA training on ``base`` as the run states it (a
     :class:`~fedtune.planning.memory.Workload`), its rows and logit positions the task's
-    (:meth:`~fedtune.tasks.base.Task.step_shape`); ConfigError for a model the memory model does not cover."""
+    (:meth:`~fedtune.tasks.base.Task.step_shape`; under DP :meth:`~fedtune.tasks.base.Task.public_step_shape`,
+    so that the public plan depends on no client's data); ConfigError for a model the memory model does not cover."""
     from fedtune.models.precision import computes_natively, resolve_device
     from fedtune.models.train_memory import optimizer_states
     from fedtune.planning.memory import COEFFICIENTS, Shape, Workload
@@ -25,7 +26,9 @@ def lora_workload(context, base):
     cfg, train = config.model, config.train
     dtype = DTYPES[cfg.dtype]
     compute = dtype if computes_natively(resolve_device(config.device), dtype) else torch.float32
-    length, logits = context.task.step_shape()
+    # under DP the plan (plan.json) is public: priced from public shapes, never the longest training row
+    private = config.privacy.mode != "none"
+    length, logits = context.task.public_step_shape() if private else context.task.step_shape()
     work = Workload(
         train.batch_size,
         length,

@@ -41,10 +41,15 @@ class ClientProfile(BaseModel):
     )
     failure_prob: float = Field(0.0, ge=0, le=1, description="fault injection: chance the client fails a request")
     delay_s: float = Field(0.0, ge=0, description="fault injection: seconds the client waits before answering")
-    attack: Literal["sign-flip", "scale"] | None = Field(
-        None, description="fault injection: a hostile client's reply (its update sign-flipped, or times attack_scale)"
+    attack: Literal["sign-flip", "scale", "metadata"] | None = Field(
+        None,
+        description="fault injection: a hostile client's reply (its update sign-flipped, or times attack_scale; "
+        "or its metadata replaced by attack_metadata)",
     )
     attack_scale: float = Field(100.0, gt=0, description="fault injection: the factor of attack = 'scale'")
+    attack_metadata: Any = Field(
+        None, description="fault injection: what attack = 'metadata' sends as its replies' metadata (any value)"
+    )
 
     def upload_codec(self, topk: float | None, wire_dtype: str) -> tuple[float | None, str]:
         """(top-k fraction, wire dtype) of its uploads: its own where it states them, else the
@@ -53,8 +58,8 @@ class ClientProfile(BaseModel):
 
 
 def _profile(fields: dict[str, Any], where: str) -> ClientProfile:
-    try:
-        return ClientProfile(**fields)
+    try:  # strict: a bool or a string is not a number (as every config value, fedtune.config.loading)
+        return ClientProfile.model_validate(fields, strict=True)
     except ValidationError as exc:
         err = exc.errors()[0]
         raise ValueError(f"{where}.{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err.get('input')!r})") from None

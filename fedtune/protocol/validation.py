@@ -23,7 +23,7 @@ one client's huge but finite update (1e30) that honest rounds never reach.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import TypeGuard
@@ -189,12 +189,38 @@ def check_meta(meta: object, spec: Mapping[str, MetaField]) -> str | None:
 
 def _norm(arrays: Mapping[str, np.ndarray]) -> float:
     """The L2 norm over every float array of ``arrays`` (wire-encoded ones decoded), in float64."""
-    total = 0.0
-    for a in wire_decode(arrays).values():
+    return _norm_and_size(arrays)[0]
+
+
+def _norm_and_size(arrays: Mapping[str, np.ndarray]) -> tuple[float, int]:
+    """(the L2 norm in float64, the number of values) over every float array of ``arrays``
+    (wire-encoded ones decoded; a top-k array counts its dense size, its ``.topk_shape``, which
+    :func:`check_arrays` holds to the expected shape)."""
+    total, size = 0.0, 0
+    decoded = wire_decode(arrays)
+    for name, a in decoded.items():
         a = np.asarray(a)
         if a.dtype.kind == "f":
             total += float(np.sum(np.square(a, dtype=np.float64)))
-    return math.sqrt(total)
+            shape = decoded.get(name.removesuffix(VAL) + SHAPE) if name.endswith(VAL) else None
+            size += a.size if shape is None else int(np.prod(shape, dtype=np.int64))
+    return math.sqrt(total), size
+
+
+def beyond_bound(replies: Mapping[int, Message], bound: Callable[[int], float]) -> dict[int, str]:
+    """Client id -> reason for each training reply of ``replies`` whose L2 norm exceeds ``bound(d)``,
+    d the number of float values it holds (its arrays already checked against what the server
+    expects): the local-DP screen of uploads beyond what a clipped and noised one can be."""
+    out = {}
+    for cid, reply in replies.items():
+        norm, size = _norm_and_size(reply.arrays)
+        limit = bound(size)
+        if norm > limit:
+            out[cid] = (
+                f"update norm {norm:.3g} exceeds {limit:.4g}, the most a clipped and noised upload of {size} values "
+                "reaches (local DP)"
+            )
+    return out
 
 
 def outsized_updates(replies: Mapping[int, Message], sent: Mapping[int, Message], ratio: float) -> dict[int, str]:

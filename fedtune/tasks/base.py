@@ -189,6 +189,14 @@ class Task(ABC):
         (``data.max_length``, None)."""
         return self.config.data.max_length, None
 
+    def public_step_shape(self) -> tuple[int, int | None]:
+        """A bound on :meth:`step_shape` from public information alone (the config and the task's
+        label or answer vocabulary, public as a classifier's label set is; never the training
+        rows): what the planner prices under DP,
+        whose ``plan.json`` must not depend on one client's data. Default: (``data.max_length``,
+        None), the cut every tokenized row gets."""
+        return self.config.data.max_length, None
+
     @abstractmethod
     def evaluate(self, model: torch.nn.Module, batch_size: int) -> dict[str, float]:
         """Metrics of ``model`` on the test set; always ``accuracy`` and ``loss``."""

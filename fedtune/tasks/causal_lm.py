@@ -263,6 +263,10 @@ class CausalLM(Task):
         longest = longest_row(rows)
         return longest, min(longest, max(len(r) - k for r, k in zip(rows, prompt_lengths)) + 1)
 
+    def public_step_shape(self) -> tuple[int, int]:
+        """(``data.max_length``, the same): every row is cut to it, a response at most fills it."""
+        return self.config.data.max_length, self.config.data.max_length
+
     # -- evaluation --------------------------------------------------------------------------
     def generation_budget(self, ds: llm_text.PromptSet) -> int:
         """``task.max_new_tokens``, else the longest reference response in tokens (multiple

@@ -292,6 +292,13 @@ class Instruction(Task):
         rows = np.array([len(p) for p in prompts.prompts])[ds.question] + answers
         return int(rows.max()), int(answers.max()) + 1
 
+    def public_step_shape(self) -> tuple[int, int]:
+        """:meth:`step_shape` over every prompt and answer the task can form (its question
+        templates and its answer vocabulary, public as a classifier's labels are), not over the
+        training rows."""
+        answer = self.prompts.max_answer_tokens
+        return max(len(p) for p in self.prompts.prompts) + answer, answer + 1
+
     def generate(self, model: torch.nn.Module, ds: idata.InstructionSet, idx: np.ndarray) -> list[str]:
         """Greedy answers of ``model`` to the examples ``idx`` of ``ds`` (decoded text)."""
         budget = self.options.max_new_tokens or self.prompts.max_answer_tokens

@@ -428,7 +428,7 @@ def is_eval_result(path: Path) -> bool:
 
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return False
     return isinstance(value, dict) and {"target", "sets", "average", "metrics"} <= value.keys()
 

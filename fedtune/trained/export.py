@@ -18,8 +18,10 @@ folder that plain transformers / PEFT code loads, and optionally pushed to the h
 - **Where**: the export never deletes or overwrites what it did not write in this call. An existing
   non-empty ``out`` is refused, or with ``overwrite`` moved aside to ``<name>.old-<n>`` (the run
   folder's ``--overwrite`` rule); a target that is, holds or lies inside a run folder is refused (but
-  the run's own default, ``RUN/export[-merged]``). Everything is written into a temporary folder beside
-  ``out`` and renamed to ``out`` at the end: a failure leaves nothing half-written.
+  the run's own default, ``RUN/export[-merged]``), and so is the current folder or one holding it;
+  a symbolic link is followed to the folder it names. Everything is written into a temporary folder
+  beside ``out`` and renamed to ``out`` at the end: a failure leaves nothing half-written. A damaged
+  run file the model card reads (``metrics.jsonl``, ``eval.json``) is one line, before anything loads.
 - **Hub** (``push_to_hub``): uploads the folder to that repository, only with a token
   (``HF_TOKEN`` or ``huggingface-cli login``) and a network, and only with a base another
   machine can resolve.
@@ -36,7 +38,8 @@ from pathlib import Path
 from fedtune.config import ConfigError
 from fedtune.models import prefix_lm as plm
 from fedtune.models.hub_ids import BUILT_IN_CODE, hub_id, is_portable
-from fedtune.run_folder import rename_aside, run_folder_around
+from fedtune.process import offline_hint
+from fedtune.run_folder import holds_run, rename_aside, run_folder_around
 from fedtune.trained.loader import ADAPTER_CONFIG, TrainedRun
 
 RUN_FILES = ("prompt_template.json",)  # run files a user of the export needs beside the weights
@@ -84,10 +87,53 @@ def _export_merged(task, run: TrainedRun, out: Path) -> None:
 
 
 def _final_metrics(run: TrainedRun) -> dict:
-    """The last evaluated round's metrics of the run (``metrics.jsonl``), or {}."""
+    """The last round's metrics of the run (``metrics.jsonl``), or {}; a damaged file is one line."""
+    from fedtune.run import read_metrics
+
     path = run.run_dir / "metrics.jsonl"
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+    rows = read_metrics(path, "export") if path.is_file() else []
     return rows[-1] if rows else {}
+
+
+def _json_of(path: Path) -> dict:
+    """The JSON object in the run's ``path`` (``eval.json``, ``prompt_template.json``); one line
+    when it is not one."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ConfigError(f"export: {str(path)!r} is not readable JSON ({exc}): restore it, or move it away") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"export: {str(path)!r} holds a {type(value).__name__}, not a JSON object: move it away")
+    return value
+
+
+def _eval_rows(path: Path) -> tuple[str, str]:
+    """(protocol name, "set acc a (n=n), ...") of a ``fedtune eval`` result at ``path``; one line
+    naming the first value that is not what ``fedtune eval`` writes."""
+    result = _json_of(path)
+    protocol, sets = result.get("protocol", {}), result.get("sets", {})
+    name = protocol.get("name", "run") if isinstance(protocol, dict) else protocol
+    bad = None if isinstance(name, str) else "protocol.name"
+    if not isinstance(sets, dict):
+        bad = bad or "sets"
+        sets = {}
+    rows = []
+    for key, row in sets.items():
+        if not isinstance(row, dict):
+            bad = bad or f"sets.{key}"
+        elif "acc" in row:
+            acc, n = row["acc"], row.get("n")
+            if isinstance(acc, bool) or not isinstance(acc, int | float):
+                bad = bad or f"sets.{key}.acc = {acc!r:.30}"
+            elif isinstance(n, bool) or not isinstance(n, int):
+                bad = bad or f"sets.{key}.n = {n!r:.30}"
+            else:
+                rows.append(f"{key} acc {acc:.4f} (n={n})")
+    if bad is not None:
+        raise ConfigError(
+            f"export: {str(path)!r} is not a fedtune eval result ({bad}): run fedtune eval again, or move it away"
+        )
+    return str(name), ", ".join(rows)
 
 
 def model_card(run: TrainedRun, merged: bool) -> str:
@@ -120,7 +166,7 @@ def model_card(run: TrainedRun, merged: bool) -> str:
     lines += [f"- data: {cfg.data.name}{chosen}; partition {cfg.data.partition}"]
     template = run.run_dir / "prompt_template.json"
     if template.is_file():
-        info = json.loads(template.read_text())
+        info = _json_of(template)
         lines += [
             f"- prompt template: {info.get('template')} (`prompt_template.json`), max_length {info.get('max_length')}"
         ]
@@ -131,11 +177,7 @@ def model_card(run: TrainedRun, merged: bool) -> str:
         lines += [f"- last round, the run's own test set and protocol (`metrics.jsonl`): {shown}"]
     saved = run.run_dir / "eval.json"
     if saved.is_file():
-        result = json.loads(saved.read_text())
-        protocol = result.get("protocol", {}).get("name", "run")
-        rows = ", ".join(
-            f"{k} acc {v['acc']:.4f} (n={v['n']})" for k, v in result.get("sets", {}).items() if "acc" in v
-        )
+        protocol, rows = _eval_rows(saved)
         lines += [f"- `fedtune eval` (`eval.json`, protocol {protocol}): {rows or 'see the file'}"]
     if not final and not saved.is_file():
         lines += ["- none recorded in the run folder"]
@@ -147,13 +189,25 @@ def default_folder(run_dir: Path, merged: bool) -> Path:
     return run_dir / ("export-merged" if merged else "export")
 
 
-def check_target(run: TrainedRun, out: Path, merged: bool, overwrite: bool) -> None:
-    """One line when writing ``out`` could delete or change what the export did not write."""
+def _run_inside(folder: Path) -> Path | None:
+    """A run folder inside ``folder`` (symbolic links not followed), or None."""
+    for root, dirs, _ in os.walk(folder):
+        for name in dirs:
+            if holds_run(Path(root, name)):
+                return Path(root, name)
+    return None
+
+
+def check_target(run: TrainedRun, out: Path, merged: bool, overwrite: bool) -> Path:
+    """The folder to write for ``--out out`` (a symbolic link: the folder it names), or one line
+    when writing it could delete or change what the export did not write."""
     where = f"--out {str(out)!r}"
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{where}: exists and is not a folder; choose a folder")
     target, default = out.resolve(), default_folder(run.run_dir, merged).resolve()
-    holder = run_folder_around(out)
+    if target == Path.cwd().resolve() or target in Path.cwd().resolve().parents:
+        raise ConfigError(f"{where}: the current folder or one holding it; choose a new folder (e.g. --out ./export)")
+    holder = run_folder_around(target)
     if holder is not None and target != default:
         raise ConfigError(
             f"{where}: inside the run folder {str(holder)!r}; export there only to its default "
@@ -161,15 +215,25 @@ def check_target(run: TrainedRun, out: Path, merged: bool, overwrite: bool) -> N
         )
     if target in run.run_dir.resolve().parents:
         raise ConfigError(f"{where}: holds the run being exported; choose a folder outside it")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ConfigError(
-            f"{where}: not empty; choose another folder, or pass --overwrite to move it aside to {out.name}.old-<n>"
-        )
+    if target.is_dir() and any(target.iterdir()):
+        if not overwrite:
+            raise ConfigError(
+                f"{where}: not empty; choose another folder, or pass --overwrite to move it aside to "
+                f"{target.name}.old-<n>"
+            )
+        inside = _run_inside(target)
+        if inside is not None:
+            raise ConfigError(
+                f"{where}: holds the run folder {str(inside)!r}; --overwrite moves no run: choose another"
+            )
+    return target
 
 
 def export_run(run: TrainedRun, out: Path, merged: bool = False, overwrite: bool = False) -> list[str]:
-    """Write the export of ``run`` into ``out`` (see the module's **Where**); notes for the user."""
-    check_target(run, out, merged, overwrite)
+    """Write the export of ``run`` into ``out`` (see the module's **Where**); notes for the user.
+    Every check (the target, the run's files the model card reads) comes before the model loads."""
+    out = check_target(run, out, merged, overwrite)
+    card = model_card(run, merged)
     task = run.task()
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -178,7 +242,7 @@ def export_run(run: TrainedRun, out: Path, merged: bool = False, overwrite: bool
     except OSError as exc:
         raise ConfigError(f"--out {str(out)!r}: cannot be written ({exc.strerror or exc})") from None
     try:
-        notes = _write(run, task, tmp, out, merged)
+        notes = _write(run, task, tmp, out, merged, card)
         aside = rename_aside(out) if out.is_dir() and any(out.iterdir()) else None
         try:
             os.rename(tmp, out)  # onto nothing, or onto an empty folder
@@ -196,8 +260,8 @@ def export_run(run: TrainedRun, out: Path, merged: bool = False, overwrite: bool
     return notes
 
 
-def _write(run: TrainedRun, task, tmp: Path, out: Path, merged: bool) -> list[str]:
-    """The export's files in ``tmp`` (to become ``out``)."""
+def _write(run: TrainedRun, task, tmp: Path, out: Path, merged: bool, card: str) -> list[str]:
+    """The export's files in ``tmp`` (to become ``out``), ``card`` its README.md."""
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
@@ -210,7 +274,7 @@ def _write(run: TrainedRun, task, tmp: Path, out: Path, merged: bool) -> list[st
         if bars:
             hf_logging.enable_progress_bar()
     _save_tokenizer(task, tmp)
-    (tmp / "README.md").write_text(model_card(run, merged))
+    (tmp / "README.md").write_text(card)
     for name in RUN_FILES:
         if (run.run_dir / name).is_file():
             shutil.copy2(run.run_dir / name, tmp / name)
@@ -227,7 +291,7 @@ def hub_token(repo: str, base: str | None) -> str:
     if base is not None and not is_portable(base):
         raise ConfigError(f"--push-to-hub {repo}: the base {base!r} exists only on this machine; nobody could load it")
     if os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise ConfigError(f"--push-to-hub {repo}: HF_HUB_OFFLINE=1 is set; pushing needs the network")
+        raise ConfigError(f"--push-to-hub {repo}: pushing needs the network{offline_hint()}")
     token = get_token()
     if not token:
         raise ConfigError(f"--push-to-hub {repo}: no Hugging Face token (set HF_TOKEN or run `huggingface-cli login`)")

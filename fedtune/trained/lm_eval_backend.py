@@ -16,6 +16,8 @@ per-question paired differences.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,13 +48,49 @@ def check_backend_options(lm_eval: bool, tasks: str | None, protocol, generate: 
 
 
 def task_manager(include_path: str | None = None):
-    """lm-eval's task index (its own tasks, and ``include_path``'s YAMLs); one line when lm-eval
-    is not installed."""
+    """lm-eval's task index (its own tasks, and ``include_path``'s YAMLs, each checked first:
+    :func:`check_include_path`); one line when lm-eval is not installed."""
     try:
         from lm_eval.tasks import TaskManager
     except ImportError:
         raise ConfigError(f"--backend lm-eval: lm-eval is not installed ({INSTALL})") from None
+    if include_path is not None:
+        check_include_path(Path(include_path))
     return TaskManager(include_path=include_path)
+
+
+def check_include_path(folder: Path) -> None:
+    """One line naming the first task YAML under ``folder`` that lm-eval cannot read (lm-eval's
+    index skips such a file without a word, and the task then seems not to exist)."""
+    from lm_eval.tasks._yaml_loader import load_yaml  # the loader lm-eval's index reads them with
+
+    for path in sorted(folder.glob("**/*.yaml")):
+        try:
+            config = load_yaml(path, resolve_func=False, recursive=True)
+        except Exception as exc:  # noqa: BLE001 - whatever the YAML holds: one line naming it
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise ConfigError(
+                f"--include-path: {str(path)!r} is not a task YAML lm-eval can read ({type(exc).__name__}: "
+                f"{first}): fix it, or move it out of the folder"
+            ) from None
+        if not isinstance(config, dict):
+            raise ConfigError(f"--include-path: {str(path)!r} holds no YAML mapping (a task's keys): fix it")
+
+
+def _data_error(exc: Exception) -> ConfigError:
+    """The one line for a task whose data set lm-eval cannot get (``exc``: datasets' error)."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    if isinstance(exc, FileNotFoundError):
+        return ConfigError(
+            f"--backend lm-eval: a task's data file is missing ({first}): fix the data_files of its task YAML "
+            "(--include-path)"
+        )
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    why = "HF_HUB_OFFLINE is set and it is not in the datasets cache" if offline else "the hub cannot be reached"
+    return ConfigError(
+        f"--backend lm-eval: a task's data set is not available ({first}): {why}; download it once online, or "
+        "give a task YAML that reads local files (dataset_path: json, dataset_kwargs.data_files) with --include-path"
+    )
 
 
 def check_tasks(manager, names: list[str]) -> None:
@@ -95,9 +133,12 @@ def _examples(samples: list[dict]) -> dict[str, list]:
 def _score(lm, tasks: list[str], manager, limit: int | None, num_fewshot: int | None) -> dict:
     from lm_eval.evaluator import simple_evaluate
 
-    out = simple_evaluate(
-        model=lm, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot, log_samples=True
-    )
+    try:
+        out = simple_evaluate(
+            model=lm, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot, log_samples=True
+        )
+    except (ConnectionError, FileNotFoundError) as exc:  # datasets': a hub set offline, a missing data file
+        raise _data_error(exc) from None
     n = {name: v.get("effective", v.get("original")) for name, v in out.get("n-samples", {}).items()}
     examples = {name: _examples(s) for name, s in out["samples"].items() if s}
     for group, members in out.get("group_subtasks", {}).items():

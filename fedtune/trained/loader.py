@@ -99,7 +99,7 @@ def open_run(run_dir: Path) -> TrainedRun:
         info = json.loads(adapter_config.read_text())
         if not isinstance(info, dict):
             raise ValueError("not a JSON object")
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ConfigError(f"{str(adapter_config)!r}: cannot be read ({exc})") from None
     check_weights(adapter_dir / ADAPTER_WEIGHTS)
     return TrainedRun(run_dir, config, adapter_dir, info)

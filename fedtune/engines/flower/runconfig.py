@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
-from fedtune.config import ConfigError, RunConfig, apply_override, load_config
+from fedtune.config import ConfigError, RunConfig, apply_override, load_config, validated
 from fedtune.engines.flower.codec import ENGINE_KEYS
 
 
@@ -43,5 +43,5 @@ def parse_run_config(run_config: Mapping[str, Any]) -> RunConfig:
         tree = json.loads(run_config["config"])
         for assignment in overrides:
             apply_override(tree, assignment)
-        return RunConfig.model_validate(tree)
+        return validated(RunConfig, tree)
     return load_config(run_config.get("recipe") or None, overrides)

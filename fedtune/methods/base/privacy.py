@@ -52,9 +52,12 @@ Dropouts: a dropped client's update is absent from the sum, the same as a zero u
 with the denominator still m, so the guarantee holds as long as whether a client drops does not
 depend on other clients' data.
 
-Delta defaults to min(1/N^2, 1e-5). ``privacy.epsilon`` calibrates z so that epsilon after
-``rounds`` releases is at most the target; ``privacy.epsilon_budget`` stops the run before a round
-whose epsilon would exceed it.
+Delta defaults to min(1/N^2, 1e-5) and must be below 1/N. ``privacy.epsilon`` calibrates z so that
+epsilon after ``rounds`` releases is at most the target; ``privacy.epsilon_budget`` (and the target)
+stop the run before a round whose epsilon would exceed it. Epsilon is the composition of the
+:class:`~fedtune.methods.base.accounting.Ledger` (each release at its own z and q, in the
+checkpoint), and a resume never changes z. Under local DP the server drops an upload beyond what a
+clipped and noised one can be (:meth:`LocalGaussian.upload_bound`).
 """
 
 from __future__ import annotations
@@ -78,6 +81,10 @@ PRIVACY_OPTIONS = ("privacy.mode",)
 SAMPLE, NOISE, COUNT, UPLOAD = 1, 2, 3, 4  # the streams drawn from a secret
 SECRET, UPLOADS = "dp_secret", "dp_uploads"  # a local-DP client's persistent state (uploads: [round, n])
 NOT_PRIVATE = "privacy.insecure_reproducible_noise: noise and sample derive from the seed (tests only)"
+#: local DP: the probability that the server drops an honest upload as beyond what a clipped and
+#: noised one can be (:meth:`LocalGaussian.upload_bound`), and the relative rounding of the wire's
+#: coarsest float (bfloat16's machine epsilon; float32's is 2^-23) the bound allows for
+FALSE_DROP, WIRE_ROUNDING = 1e-9, 2.0**-7
 
 
 def fresh_secret() -> np.ndarray:
@@ -131,8 +138,9 @@ class Mechanism:
         self.N, self.m = params.num_clients, params.sample_size
         self.accountant, self.adjacency, self.delta = params.accountant, params.adjacency, params.delta
         self.budget, self.reproducible, self.seed, self.z = params.budget, params.reproducible, params.seed, params.z
+        self.target, self.calibrated_for = params.target, params.calibrated_for
         self.secret = np.array([self.seed], dtype=np.uint32) if self.reproducible else fresh_secret()
-        self.releases = np.zeros(self.N if self.noises_on_client else 1, dtype=np.int64)
+        self.ledger = accounting.Ledger(self.N if self.noises_on_client else 1)  # what was released, at which z, q
 
     # -- accounting -------------------------------------------------------------------------------
     @property
@@ -140,37 +148,53 @@ class Mechanism:
         """The sampling rate the accountant amplifies by: q = m/N (local: 1)."""
         return 1.0 if self.noises_on_client else self.m / self.N
 
+    @property
+    def releases(self) -> np.ndarray:
+        """(slots,) int64: the releases so far of the round's aggregate (central: one slot) or of
+        each client's uploads (local), whatever z they were made at (read-only: :attr:`ledger`)."""
+        return self.ledger.counts
+
     def epsilon(self, steps: int) -> float:
-        """Epsilon after ``steps`` releases (rounds, or one client's uploads)."""
+        """Epsilon after ``steps`` releases (rounds, or one client's uploads) at this run's z and q."""
         if self.reproducible and steps > 0:
             return math.inf
         return accounting.epsilon(self.accountant, self.adjacency, self.rate, self.z, int(steps), self.delta)
 
+    def _composed(self, then: tuple[float, float] | None = None) -> float:
+        """Epsilon of what the ledger holds (each release at its own z and q), plus ``then``."""
+        if self.reproducible and (then is not None or self.releases.any()):
+            return math.inf
+        return self.ledger.epsilon(self.accountant, self.adjacency, self.delta, then)
+
     def spent(self) -> float:
-        """Epsilon so far."""
-        return self.epsilon(int(self.releases.max()))
+        """Epsilon so far: the composition of what was released (:attr:`ledger`)."""
+        return self._composed()
 
     def halt_before(self, rnd: int) -> str | None:
-        """The one line that stops the run before round ``rnd`` would exceed ``privacy.epsilon_budget``."""
-        if self.budget is None:
+        """The one line that stops the run before round ``rnd``'s release would take epsilon past
+        ``privacy.epsilon_budget`` or the target ``privacy.epsilon`` (the ledger's releases and one
+        more at this z: also across resumes)."""
+        ceilings = [(k, v) for k, v in (("epsilon_budget", self.budget), ("epsilon", self.target)) if v is not None]
+        if not ceilings:
             return None
-        after = self.epsilon(int(self.releases.max()) + 1)
-        if after <= self.budget:
+        after = self._composed((self.z, self.rate))
+        key, ceiling = min(ceilings, key=lambda kv: kv[1])
+        if after <= ceiling:
             return None
         return (
-            f"privacy.epsilon_budget: stopped before round {rnd}, whose epsilon would be {after:.4g} > "
-            f"{self.budget:g} (spent: {self.spent():.4g} at delta {self.delta:.3g})"
+            f"privacy.{key}: stopped before round {rnd}, whose epsilon would be {after:.4g} > "
+            f"{ceiling:g} (spent: {self.spent():.4g} at delta {self.delta:.3g})"
         )
 
     def asked(self, client_ids: list[int]) -> None:
         """Local DP: each client asked uploads once more (a fresh noise draw each time)."""
         if self.noises_on_client:
-            self.releases[client_ids] += 1
+            self.ledger.record(self.z, self.rate, client_ids)
 
     def aggregated(self) -> None:
         """Central DP: the round's aggregate is one release."""
         if not self.noises_on_client:
-            self.releases[0] += 1
+            self.ledger.record(self.z, self.rate, [0])
 
     # -- the round ----------------------------------------------------------------------------------
     def sample(self, rnd: int, attempt: int = 0) -> list[int]:
@@ -185,6 +209,12 @@ class Mechanism:
         ``params``: its update as it is (the trusted server clips it). Static: a client holds no
         mechanism, only the run's parameters."""
         return dict(update)
+
+    @staticmethod
+    def upload_bound(params: PrivacyParams, d: int) -> float:
+        """The largest L2 norm the server accepts in a training upload of ``d`` values under
+        ``params``: any (a trusted server clips every update itself; under SecAgg+ it sees only the sum)."""
+        return math.inf
 
     def server_clip(self, update: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """An update as the server sums it: clipped to C."""
@@ -215,14 +245,41 @@ class Mechanism:
 
     # -- state and report --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, np.ndarray]:
-        """The server's private state: its secret and the release counts."""
-        return {"privacy_secret": self.secret.copy(), "privacy_releases": self.releases.copy()}
+        """The server's private state: its secret, the ledger of releases and (for readers) their counts."""
+        return {
+            "privacy_secret": self.secret.copy(),
+            "privacy_ledger": self.ledger.rows.copy(),
+            "privacy_releases": self.releases.copy(),
+        }
 
     def load_state_dict(self, state: Mapping) -> None:
+        """Restore :meth:`state_dict` (resume); ConfigError, one line, for a ledger that is damaged
+        or whose releases used another z or q than this run's (``privacy.epsilon`` recalibrated
+        for changed ``rounds``): a DP run never changes z on resume."""
         if "privacy_secret" in state:
             self.secret = np.asarray(state["privacy_secret"], dtype=np.uint32).copy()
-        if "privacy_releases" in state:
-            self.releases = np.asarray(state["privacy_releases"], dtype=np.int64).copy()
+        if "privacy_ledger" not in state:
+            return
+        try:
+            self.ledger.load(state["privacy_ledger"])
+        except ValueError as exc:
+            raise ConfigError(f"--resume: the checkpoint's privacy_ledger is damaged ({exc})") from None
+        if not np.array_equal(np.asarray(state.get("privacy_releases", self.releases)), self.releases):
+            raise ConfigError("--resume: the checkpoint's privacy_releases disagree with its privacy_ledger")
+        for z, q, n in self.ledger.released_at():
+            if (z, q) != (self.z, self.rate):
+                raise ConfigError(self._changed_z(z, q, n))
+
+    def _changed_z(self, z: float, q: float, n: int) -> str:
+        """The one line refusing a resume whose config gives another z (or q) than the releases'."""
+        later = (self.calibrated_for or n) - n  # privacy.epsilon: the rounds today's z is calibrated for
+        events = ((q, z, n), (self.rate, self.z, later))
+        would = accounting.composed(self.accountant, self.adjacency, events, self.delta)
+        return (
+            f"--resume: this DP run released {n} times at noise multiplier z = {z:.4g} (rate {q:.4g}); the config "
+            f"now gives z = {self.z:.4g} (rate {self.rate:.4g}; privacy.epsilon recalibrates z when rounds change) "
+            f"and its releases would compose to epsilon {would:.4g}: a DP run keeps its z on resume, start a new run"
+        )
 
     def report(self) -> dict[str, Any]:
         """``summary.json``'s ``privacy``."""
@@ -283,6 +340,18 @@ class LocalGaussian(Mechanism):
         clipped = clip(update, params.clip, params.per_layer)
         noise = gaussian_like(clipped, params.z * params.clip, generator(state[SECRET], UPLOAD, rnd, made))
         return {k: (clipped[k] + noise[k]).astype(np.float32) for k in update}
+
+    @staticmethod
+    def upload_bound(params: PrivacyParams, d: int) -> float:
+        """(C + zC (sqrt(d) + t)) (1 + :data:`WIRE_ROUNDING`), t = sqrt(2 ln(1 / :data:`FALSE_DROP`)):
+        an honest upload clip(Delta) + xi has norm at most C + ||xi||, and ||xi|| / (zC), a
+        1-Lipschitz function of a standard Gaussian with mean at most sqrt(d), exceeds sqrt(d) + t
+        with probability at most exp(-t^2 / 2) = FALSE_DROP (Gaussian concentration; Boucheron,
+        Lugosi, Massart 2013, Theorem 5.6); the wire's rounding raises a norm by at most its
+        relative error. Beyond it the upload is a hostile (or broken) client's: the server drops it
+        (the server does not clip in local mode)."""
+        t = math.sqrt(2 * math.log(1 / FALSE_DROP))
+        return (params.clip + params.z * params.clip * (math.sqrt(d) + t)) * (1 + WIRE_ROUNDING)
 
     def server_clip(self, update: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {k: np.asarray(v, np.float64) for k, v in update.items()}
@@ -351,6 +420,8 @@ class PrivacyParams:
     reproducible: bool
     seed: int
     z: float
+    target: float | None = None  # privacy.epsilon: z calibrated so that `calibrated_for` rounds reach it
+    calibrated_for: int | None = None
     target_quantile: float = 0.5  # adaptive clipping (AdaptiveClipGaussian) only, from here on
     clip_learning_rate: float = 0.2
     sigma_b: float = 0.0
@@ -378,6 +449,11 @@ def privacy_params(config: RunConfig) -> PrivacyParams | None:
     n, m = fed.num_clients, fed.sample_size()
     rate = 1.0 if kind.noises_on_client else m / n
     delta = p.delta if p.delta is not None else accounting.default_delta(n)
+    if not delta < 1 / n:
+        raise ConfigError(
+            f"privacy.delta: {delta:g} is not below 1/num_clients = {1 / n:.3g} (publishing one random client's "
+            "data whole is (0, 1/N)-DP: such a delta guarantees nothing)"
+        )
     if p.noise_multiplier is not None:
         z = float(p.noise_multiplier)
     else:
@@ -402,7 +478,8 @@ def privacy_params(config: RunConfig) -> PrivacyParams | None:
             )
         adaptive = dict(target_quantile=p.target_quantile, clip_learning_rate=p.clip_learning_rate, sigma_b=sigma_b)
     common = (float(p.clip), p.per_layer, n, m, p.accountant, p.adjacency, delta, p.epsilon_budget)
-    return PrivacyParams(kind, *common, p.insecure_reproducible_noise, config.seed, z, **adaptive)
+    target = {} if p.epsilon is None else {"target": p.epsilon, "calibrated_for": config.rounds}
+    return PrivacyParams(kind, *common, p.insecure_reproducible_noise, config.seed, z, **target, **adaptive)
 
 
 def mechanism(config: RunConfig) -> Mechanism | None:
