@@ -22,7 +22,7 @@ def finish_sweep(suite, plan, best: dict[float, float]) -> None:
     """Every sweep run finished; each arm's best rate ``best[epsilon]`` scores 0.7, the others 0.6."""
     for spec in plan["sweep"]:
         acc = 0.7 if spec.labels["lr"] == best[spec.labels["epsilon"]] else 0.6
-        finish(spec, [0.5, acc, acc], rounds_evaluated=[12, 16, 20])
+        finish(spec, [0.5, acc, acc], rounds_evaluated=[4, 8, 12])  # the sweep stops at round 12
 
 
 def planned(suite, tmp_path, epsilon: float, lr: float, quick: bool, *extra: str):
@@ -59,7 +59,8 @@ def test_the_sweep_runs_first_then_each_arm_at_its_own_rate_and_the_low_epsilons
         )
         assert (c.federation.num_clients, c.federation.sample_size(), c.options["weighting"]) == (1000, 100, "uniform")
         assert (c.data.max_train_samples, c.data.max_test_samples) == (20000, None)  # the full test set
-        assert (c.rounds, c.eval_every, c.train.local_steps, c.train.batch_size) == (20, 4, 1, 8)
+        rounds = suite.SWEEP_ROUNDS if spec in plan["sweep"] else 20  # the sweep stops at round 12
+        assert (c.rounds, c.eval_every, c.train.local_steps, c.train.batch_size) == (rounds, 4, 1, 8)
         assert (c.train.optimizer, c.train.weight_decay, c.train.lr) == ("adamw", 0.0, spec.labels["lr"])
         if math.isinf(spec.labels["epsilon"]):
             assert c.privacy.mode == "none"
@@ -152,7 +153,9 @@ def test_the_report_pairs_each_seed_with_no_dp_and_shows_each_arms_chosen_rate(s
     assert rows[8.0]["clip"] == pytest.approx(0.03 * math.sqrt(770)) and rows[None]["clip"] is None
     assert rows[None]["curve"] == {"12": 50.0, "16": pytest.approx(74.0), "20": pytest.approx(76.0)}
     assert result["sweep"]["8"] == {
-        "scores": {"0.003": 60.0, "0.01": 60.0, "0.03": pytest.approx(70.0), "0.1": 60.0},
+        "rounds": 12,
+        "noise_multiplier": None,  # the hand-written sweep runs have no privacy summary
+        "scores": {"0.03": pytest.approx(70.0), "0.1": 60.0},
         "chosen_lr": 0.03,
     }
     text = (tmp_path / "README.md").read_text()
@@ -160,4 +163,7 @@ def test_the_report_pairs_each_seed_with_no_dp_and_shows_each_arms_chosen_rate(s
         "| 8 | 1e-06 | 2.000 | 0.03 | 0.832 | 0.55 | 74.17 ± 4.75 (n=3) | -0.83 ± 0.29 | -1.00, -0.50, -1.00 |" in text
     )
     assert "| 1 | – | – | 0.03 | 0.832 | – | pending | pending | – |" in text
-    assert "| ∞ (no DP) | 60.00 | 60.00 | 60.00 | 70.00 | lr 0.1 by 10.00 points over lr 0.003" in text
+    # 4 sweep runs, 3 + 3 + 2 of the 12 table runs; the table's runs are 20 rounds, the sweep's 12
+    assert "Status: 12 of 16 planned runs finished; an unfinished row says pending" in text
+    assert "20 rounds (the sweep's 12) of 1 AdamW step" in text
+    assert "| ∞ (no DP) | – | 60.00 | 70.00 | lr 0.1 by 10.00 points over lr 0.03" in text

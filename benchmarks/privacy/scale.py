@@ -19,10 +19,17 @@ coordinate is 0. The clip is that bound, C = lr sqrt(d) (:func:`clip_for`): it n
 update is shortened) and is no larger than an update, so no noise is spent on room the updates do
 not use. No adaptive clipping: it would spend part of the budget on the norm count.
 
-Learning rate, each arm its own: no DP and epsilon 8 each run every rate of :data:`LR_GRID` on
-the sweep seed 0 (not a reported seed), with C following the rate; each arm's rate is the argmax of
-a run's mean of its last :data:`LAST` evaluations (ties: the smaller). Epsilon 3 and 1 run at
-epsilon 8's rate, unswept. The sweep scores on the same test set and draws its federation from the
+Learning rate, each arm its own: no DP and epsilon 8 each run both rates of :data:`LR_GRID` (0.03
+and 0.1) on the sweep seed 0 (not a reported seed), with C following the rate, for
+:data:`SWEEP_ROUNDS` = 12 rounds (evaluated at rounds 4, 8 and 12), at epsilon 8 with z calibrated
+over those 12 rounds (0.717: noise / C 0.20, against the 20-round runs' 0.792 and 0.22); each arm's
+rate is the argmax of a run's mean of its last :data:`LAST` evaluations (rounds 8 and 12; ties: the
+smaller). Two rates and 12 rounds are what the shared machine allowed (Scale): a rate at an end of
+the grid is flagged in the sweep table, and a 12-round score can favour a larger rate than 20
+rounds would. A first grid, 0.01 and 0.03, was stopped at round 4: its four runs all stood at the
+majority rate (50.92 %) and, without DP, 0.01's training loss fell half as fast as 0.03's (0.6932 to
+0.6900 and 0.6862 after one update), so 0.01 gave way to 0.1. Epsilon 3 and 1 run at epsilon 8's
+rate, unswept. The sweep scores on the same test set and draws its federation from the
 same training pool as the reported runs (another partition, sample and noise); its privacy cost
 is not accounted (README, Privacy: Limits).
 
@@ -32,6 +39,13 @@ difference to no DP (the same seed's federation: partition, initial head), with 
 seeds. delta is the default, min(1/N^2, 1e-5) = 1e-6; dp-accounting's PLD accountant of a secret
 Poisson sample of rate q = 0.1, replace-one adjacency (one client's data replaced; the sum moves by
 2C); z calibrated so that epsilon after the 20 rounds is at most the target.
+
+Scale, measured (2026-11-28, 2 cores shared by 6 to 8 people, load 13 to 23): a round of 100
+clients costs about 9.5 s of one core, an evaluation of the 872 test sentences about 7 s, a start
+(imports, the federation) about 12 s, so a 20-round run with 5 evaluations about 240 s of one core
+(:data:`RUN_S`) and a 12-round sweep run about 150 s; the suite, 4 sweep and 12 table runs, about 58
+minutes of one free core. At nice 10 on the loaded machine a run got 4 to 7 % of a core (a round
+took 145 to 360 s of wall time), which is why the sweep has 2 rates and 12 rounds.
 
     HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR=../shared/data .venv/bin/python benchmarks/privacy/scale.py --plan
     ... --workers 2 | --only sweep,main | --report-only | --quick (tiny-bert, 2 rounds, a scratch folder)
@@ -47,6 +61,7 @@ from pathlib import Path
 from privacy_experiments import noise_to_clip
 
 from fedtune import harness
+from fedtune.config import load_config
 from fedtune.harness.report import run_accuracy
 from fedtune.harness.runs import load_rounds, load_summary
 from fedtune.harness.stats import mean_std
@@ -56,14 +71,15 @@ RECIPE, _, RESULTS, QUICK_RESULTS = harness.suite_files(REPO, "privacy-scale", "
 EXPERIMENTS = ["sweep", "main", "low"]
 ARMS = (math.inf, 8.0)  # the pair the goal compares; each at its own swept rate (infinity: no DP)
 LOW = (3.0, 1.0)  # at epsilon 8's rate
-LR_GRID = (0.003, 0.01, 0.03, 0.1)
+LR_GRID = (0.03, 0.1)  # two rates: what the shared machine allowed (module docstring: Learning rate, Scale)
 SWEEP_SEED = 0
+SWEEP_ROUNDS = 12  # the sweep's runs stop at round 12 (evaluated at 4, 8, 12): 60 % of a run's cost
 #: d: the head's coordinates, the whole update and what the noise covers (num_labels x hidden + bias;
 #: tests/test_privacy_scale_suite.py checks it against the strategy each model's config builds)
 HEAD_D = {"minilm": 2 * 384 + 2, "tiny-bert": 2 * 32 + 2}
 LAST = 2  # a run's figure: the mean of its last 2 evaluations (rounds 16 and 20)
 GOAL_POINTS = 2.0  # the goal: epsilon <= 8 within this many points of no DP
-RUN_S, QUICK_RUN_S = 230.0, 15.0  # one run's CPU seconds, measured (module docstring: Scale)
+RUN_S, QUICK_RUN_S = 240.0, 15.0  # one run's CPU seconds, measured (module docstring: Scale)
 QUICK = ["model.name=tiny-bert", "rounds=2", "eval_every=1", "federation.num_clients=40"]
 QUICK += ["federation.clients_per_round=4", "data.max_train_samples=800", "data.max_test_samples=64"]
 
@@ -74,16 +90,20 @@ def clip_for(lr: float, model: str) -> float:
     return lr * math.sqrt(HEAD_D[model])
 
 
-def spec(epsilon: float, lr: float, seed: int, quick: bool) -> harness.RunSpec:
-    """One run ``eps<e>-lr<lr>-s<seed>``: the recipe at rate ``lr`` and, for a finite epsilon, central
-    DP with the clip :func:`clip_for` gives that rate."""
+def spec(epsilon: float, lr: float, seed: int, quick: bool, rounds: int | None = None) -> harness.RunSpec:
+    """One run ``eps<e>-lr<lr>-s<seed>``: the recipe at rate ``lr`` (over ``rounds`` rounds when given,
+    not under ``quick``) and, for a finite epsilon, central DP with the clip :func:`clip_for` gives that
+    rate, z calibrated to ``epsilon`` over the run's rounds."""
     eps = "inf" if math.isinf(epsilon) else f"{epsilon:g}"
     model = "tiny-bert" if quick else "minilm"
     dp = [] if math.isinf(epsilon) else ['privacy.mode="central"', f"privacy.epsilon={epsilon}"]
     dp += [] if math.isinf(epsilon) else [f"privacy.clip={clip_for(lr, model)!r}"]
     labels = {"epsilon": epsilon, "lr": lr, "seed": seed}
+    rounds_set = [] if quick or rounds is None else [f"rounds={rounds}"]
     return harness.RunSpec(
-        f"eps{eps}-lr{lr:g}-s{seed}", [*(QUICK if quick else []), f"train.lr={lr}", *dp, f"seed={seed}"], labels
+        f"eps{eps}-lr{lr:g}-s{seed}",
+        [*(QUICK if quick else []), *rounds_set, f"train.lr={lr}", *dp, f"seed={seed}"],
+        labels,
     )
 
 
@@ -102,7 +122,7 @@ def build(seeds: list[int], quick: bool, out: Path):
     """The plan and each arm's choice: ``sweep`` (both arms at every rate on :data:`SWEEP_SEED`),
     then, once an arm's sweep is finished, ``main`` (no DP and epsilon 8 at their rates, seed by
     seed) and ``low`` (epsilon 3 and 1 at epsilon 8's rate)."""
-    sweep = [spec(e, lr, SWEEP_SEED, quick) for e in ARMS for lr in LR_GRID]
+    sweep = [spec(e, lr, SWEEP_SEED, quick, SWEEP_ROUNDS) for e in ARMS for lr in LR_GRID]
     chosen = choices(harness.build_plan({"sweep": sweep}, RECIPE, out)["sweep"])
     lr = {e: c.setting["lr"] for e, c in chosen.items() if c}
     main = [spec(e, lr[e], s, quick) for s in seeds for e in ARMS if e in lr]
@@ -165,10 +185,28 @@ def curve(runs: list[harness.RunSpec]) -> dict[int, float]:
     return {k: sum(v) / len(v) for k, v in sorted(by_round.items())}
 
 
+def table_rounds(plan) -> int:
+    """The rounds of the table's runs (``main``, ``low``; the sweep's stop at :data:`SWEEP_ROUNDS`)."""
+    if plan["main"]:
+        return plan["main"][0].config.rounds
+    quick = plan["sweep"][0].config.model.name == "tiny-bert"
+    return load_config(RECIPE, spec(math.inf, LR_GRID[0], 1, quick).overrides).rounds
+
+
 def sweep_rows(plan, chosen) -> dict[str, dict]:
-    """results.json's sweep: each arm's score (%) at every rate (None: unfinished) and its choice."""
+    """results.json's sweep: each arm's rounds, z (finite epsilon: calibrated over the sweep's rounds;
+    None before a run finished), score (%) at every rate (None: unfinished) and its choice."""
     return {
         "inf" if math.isinf(e) else f"{e:g}": {
+            "rounds": plan["sweep"][0].config.rounds,
+            "noise_multiplier": next(
+                (
+                    x["privacy"]["noise_multiplier"]
+                    for s in harness.with_labels(plan["sweep"], epsilon=e)
+                    if (x := load_summary(s)) and "privacy" in x
+                ),
+                None,
+            ),
             "scores": {
                 f"{s.labels['lr']:g}": None if (v := score(s)) is None else 100 * v
                 for s in harness.with_labels(plan["sweep"], epsilon=e)
@@ -196,13 +234,14 @@ def report(plan, chosen, out: Path, command: str) -> list[Path]:
     """README.md and results.json from the finished runs."""
     out.mkdir(parents=True, exist_ok=True)
     table, sweep = rows(plan), sweep_rows(plan, chosen)
-    summaries = [x for s in harness.distinct_runs(plan, EXPERIMENTS) if (x := load_summary(s))]
+    summaries = [x for s in harness.distinct_runs(plan, EXPERIMENTS) if (x := load_summary(s))]  # finished
     majority = next((100 * x["majority_accuracy"] for x in summaries if "majority_accuracy" in x), None)
     result = {"last_evaluations": LAST, "majority_rate": majority, "lr_grid": list(LR_GRID), "sweep": sweep}
     (out / "results.json").write_text(json.dumps({**result, "rows": table}, indent=2) + "\n")
     c = plan["sweep"][0].config
     fed, m = c.federation, c.federation.sample_size()
     test = "every" if c.data.max_test_samples is None else f"{c.data.max_test_samples}"
+    runs = harness.distinct_runs(plan, EXPERIMENTS)
     body = [
         [
             epsilon_text(r["epsilon"]),
@@ -227,9 +266,13 @@ def report(plan, chosen, out: Path, command: str) -> list[Path]:
         *(" ".join(p.split()) + "\n" for p in __doc__.split("\n\n")[1:-1]),
         *harness.produced_by(command),
         f"These runs: model {c.model.name} (head only, d = {HEAD_D[c.model.name]:,}), {fed.num_clients:,} clients, "
-        f"{m} per round (q = {m / fed.num_clients:g}), {c.rounds} rounds of {c.train.local_steps} AdamW step of batch "
-        f"{c.train.batch_size}, evaluated every {c.eval_every} rounds on {test} test example(s); majority-class rate "
-        f"{cell(majority)} %; PLD accountant, replace-one adjacency, the default delta.",
+        f"{m} per round (q = {m / fed.num_clients:g}), {table_rounds(plan)} rounds (the sweep's {c.rounds}) of "
+        f"{c.train.local_steps} AdamW step of batch {c.train.batch_size}, evaluated every {c.eval_every} rounds on "
+        f"{test} test example(s); majority-class rate "
+        f"{cell(majority)} %; PLD accountant, replace-one adjacency, the default delta. Status: {len(summaries)} of "
+        f"{len(runs)} planned runs finished"
+        + ("" if all(chosen.values()) else " (the table's runs are planned once the sweep has finished)")
+        + "; an unfinished row says pending, and n counts its finished seeds.",
         "",
         f"Accuracy (%): each run's mean of its last {LAST} evaluations, mean ± sample std over the seeds (n: runs "
         "finished). minus no DP: each seed's run minus no DP's run of that seed, mean ± sample std over the seeds; "
@@ -237,13 +280,14 @@ def report(plan, chosen, out: Path, command: str) -> list[Path]:
         "",
         *harness.table_lines(header, body),
         "",
-        f"## Learning-rate sweep (seed {SWEEP_SEED}; C = lr sqrt(d) at each rate)",
+        f"## Learning-rate sweep (seed {SWEEP_SEED}, {c.rounds} rounds; C = lr sqrt(d) at each rate)",
         "",
         *harness.table_lines(
-            ["epsilon", *(f"lr {lr:g}" for lr in LR_GRID), "chosen"],
+            ["epsilon", "z", *(f"lr {lr:g}" for lr in LR_GRID), "chosen"],
             [
                 [
                     epsilon_text(None if math.isinf(e) else e),
+                    cell(sweep[k]["noise_multiplier"], ".3f"),
                     *(cell(sweep[k]["scores"].get(f"{lr:g}")) for lr in LR_GRID),
                     harness.choice_text(chosen[e], None if majority is None else majority / 100),
                 ]
@@ -259,9 +303,7 @@ def report(plan, chosen, out: Path, command: str) -> list[Path]:
         ),
         "",
     ]
-    (out / "README.md").write_text(
-        "\n".join(lines) + "\n" + harness.runs_section(harness.distinct_runs(plan, EXPERIMENTS), out)
-    )
+    (out / "README.md").write_text("\n".join(lines) + "\n" + harness.runs_section(runs, out))
     return [out / "README.md", out / "results.json"]
 
 
