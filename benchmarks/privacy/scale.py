@@ -10,7 +10,8 @@ signal is at most C (noise / C = z sqrt(d) / m, privacy_experiments.py's ``noise
 head alone has d = 770 coordinates (classifier.weight 2 x 384 and its bias; the encoder is frozen,
 ``model.finetune = "head"``), and m = 100, so noise / C is 0.22 at epsilon 8 (z = 0.792), 0.41 at
 3 and 1.06 at 1; the rank-1 LoRA run this benchmark replaces (d = 9,986, m = 50, 16 rounds) had
-1.21 at epsilon 8 and cost 13.6 points.
+1.21 at epsilon 8 and cost 13.6 points (its results: ``git show
+ea69bcc:benchmarks/results/privacy/scale/README.md``).
 
 Clip from public information, not tuned: each client takes one AdamW step, whose first step moves
 every coordinate by lr g_j / (|g_j| + 1e-8), at most lr (Kingma and Ba 2015, sec. 2.1; no weight
