@@ -28,7 +28,7 @@ define install
 	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 	$(1)/bin/pip install -q $(2) --upgrade pip
 	$(1)/bin/pip install -q $(2) torch==2.13.0
-	$(1)/bin/pip install -q $(2) -e ".[test]"
+	$(1)/bin/pip install -q $(2) -e ".[test,tracking,docs]"
 	$(1)/bin/pip install -q $(2) --no-deps $(NODEPS)
 endef
 
@@ -62,11 +62,13 @@ datasets:
 run: venv
 	$(BIN)/fedtune run configs/default.toml --overwrite
 
-# mypy: fedtune/ as [tool.mypy] in pyproject.toml sets it (strict on protocol/, registry, runtime, config/, engines/)
+# mypy: fedtune/ as [tool.mypy] in pyproject.toml sets it (strict on protocol/, registry, runtime, config/, engines/);
+# mkdocs: the docs site (mkdocs.yml), every warning an error, the config reference generated from the config classes
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 test: venv
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadgroup --durations=15
@@ -78,4 +80,4 @@ bench: venv
 	$(BIN)/python benchmarks/engine/engine_overhead.py
 
 clean:
-	rm -rf $(VENV) .venv-lock runs .mypy_cache
+	rm -rf $(VENV) .venv-lock runs .mypy_cache site

@@ -22,9 +22,13 @@ def build() -> dict:
     from fedtune.methods import list_methods
     from fedtune.tasks import list_tasks
 
-    return {
-        "methods": [[spec.name, spec.description] for spec in list_methods()],
-        "tasks": [[task.kind, task.description, dict(task.defaults)] for task in list_tasks()],
+    return {  # fedtune's own: a user's package (fedtune.plugins) may have registered more in this process
+        "methods": [[spec.name, spec.description] for spec in list_methods() if spec.module.startswith("fedtune.")],
+        "tasks": [
+            [task.kind, task.description, dict(task.defaults)]
+            for task in list_tasks()
+            if task.__module__.startswith("fedtune.")
+        ],
     }
 
 

@@ -16,7 +16,8 @@ from typing import Any
 
 from fedtune.config import RunConfig
 from fedtune.run_folder import check_free, check_unlocked, claimed
-from fedtune.runtime import ResolvedRun, RunContext, as_resolved
+from fedtune.runtime import ResolvedRun, as_resolved
+from fedtune.tracking import check_installed
 
 
 def _embedded(run: ResolvedRun, overwrite: bool = False, **kw: Any) -> dict:
@@ -27,14 +28,19 @@ def _embedded(run: ResolvedRun, overwrite: bool = False, **kw: Any) -> dict:
 
 @contextmanager
 def _claimed_for_flower(run: ResolvedRun, resume: bool, overwrite: bool) -> Iterator[None]:
-    """Before any Flower process starts: the budget plan leaves rounds able to aggregate
-    (:meth:`~fedtune.runtime.RunContext.check_plan`), then the run folder is claimed
-    (:func:`~fedtune.run_folder.claimed`: locked, a fresh run's free or its earlier run moved aside)
-    while the engine runs; the ServerApp (this process, or a process it starts) works under that lock."""
+    """Before any Flower process starts, in the order :func:`~fedtune.run.run_experiment` keeps
+    in-process: the folder is not in use and a fresh run's is free (a refusal costs nothing), every
+    input is read and checked (:func:`~fedtune.run.check_inputs`: the data, the model, the budget
+    plan, a resume's checkpoint: a bad one stops in one line with nothing written), then the run
+    folder is claimed (:func:`~fedtune.run_folder.claimed`: locked, an earlier run moved aside with
+    ``overwrite``) while the engine runs; the ServerApp (this process, or a process it starts) works
+    under that lock."""
+    from fedtune.run import check_inputs
+
     check_unlocked(run.run_dir)
     if not (resume or overwrite):
         check_free(run.run_dir)
-    RunContext(run).check_plan()
+    check_inputs(run, resume)
     with claimed(run.run_dir, resume, overwrite):
         yield
 
@@ -78,4 +84,5 @@ def launch(
     (:class:`~fedtune.run_folder.RunFolderTaken`); in-process once every input is checked
     (:func:`~fedtune.run.run_experiment`), on Flower before any process starts."""
     run = as_resolved(config)
+    check_installed(run.config)  # a tracker's package, before any engine process starts
     return ENGINES[run.config.engine](run, on_round=on_round, on_start=on_start, resume=resume, overwrite=overwrite)

@@ -23,17 +23,32 @@ from fedtune.errors import FedtuneError
 VERBOSE_ENV = "FEDTUNE_VERBOSE"
 
 
+def _critical_only(record: logging.LogRecord) -> bool:
+    """A logging filter that keeps only ``record``s at CRITICAL (Flower's logger, unless verbose)."""
+    return record.levelno >= logging.CRITICAL
+
+
+_critical_only.fedtune = True  # type: ignore[attr-defined]
+
+
 def quiet_libraries() -> None:
     """No third-party output the user did not ask for, unless :data:`VERBOSE_ENV` is set:
     bitsandbytes' log lines below errors (its "Failed to load CPU gemm_4bit_forward" at import on
     an AVX512-BF16 CPU), transformers' log lines below errors and the hub's progress bars (its
-    "Loading weights"), PEFT's UserWarnings. Processes started from here inherit the setting."""
+    "Loading weights"), PEFT's UserWarnings, Flower's log lines below critical (the simulation's
+    "DEPRECATED FEATURE: run_simulation"; the ERROR line and traceback of a failing client's
+    exception) and the libraries' DeprecationWarnings (torch.jit's, when Ray imports it): every
+    engine prints the embedded engine's lines. Processes started from here inherit the setting."""
     if os.environ.get(VERBOSE_ENV):
         return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    flwr = logging.getLogger("flwr")  # a filter, not a level: importing flwr resets its level to DEBUG
+    if not any(getattr(f, "fedtune", False) for f in flwr.filters):  # its ERROR lines name a failing client
+        flwr.addFilter(_critical_only)
     warnings.filterwarnings("ignore", category=UserWarning, module="peft")
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
     if "transformers" in sys.modules:  # imported before the variables above were set
         from transformers.utils import logging as hf_logging
 

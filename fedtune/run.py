@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from fedtune.engines.rounds import Engine, RoundRecord, RunHalted
 from fedtune.process import setup_process
 from fedtune.run_folder import check_free, check_unlocked, claimed, create, write_text, writing
 from fedtune.runtime import ResolvedRun, RunContext, as_resolved
+from fedtune.tracking import Trackers, check_installed
 
 
 def _toml(config: RunConfig) -> str:
@@ -37,12 +39,13 @@ ROUND_KEY, ENGINE_KEY = "_round", "_engine"  # checkpoint.npz: the strategy's st
 INPUTS_KEY = "_inputs"  # and, under DP, the keyed fingerprints of its inputs (fedtune.fingerprint)
 RUN_CONFIG = "run_config.json"  # the config the run started with, as fedtune read it (resume compares)
 MAY_CHANGE_ON_RESUME = {"rounds", "output_dir", "name", "train.threads"}
+MAY_CHANGE_PREFIXES = ("logging.",)  # where the metrics also go: a tracker added on resume gets every round
 
 
 def check_unchanged(config: RunConfig, started_with: Path) -> None:
     """Refuse to resume with a config other than the one the run started with (config.toml edited,
     or a --set), naming the keys that differ, or without ``run_config.json`` to compare with;
-    ``rounds`` may be raised (and the folder moved)."""
+    ``rounds`` may be raised (and the folder moved), and the trackers (``logging``) changed."""
     if not started_with.is_file():
         raise ConfigError(
             f"--resume: {str(started_with)!r} is missing, so the config cannot be checked against the one "
@@ -54,7 +57,9 @@ def check_unchanged(config: RunConfig, started_with: Path) -> None:
         raise ConfigError(f"--resume: {str(started_with)!r} cannot be read ({exc})") from None
     now = flat_keys(config.model_dump(mode="json"))
     changed = sorted(
-        k for k in before.keys() | now.keys() if before.get(k) != now.get(k) and k not in MAY_CHANGE_ON_RESUME
+        k
+        for k in before.keys() | now.keys()
+        if before.get(k) != now.get(k) and k not in MAY_CHANGE_ON_RESUME and not k.startswith(MAY_CHANGE_PREFIXES)
     )
     if changed:
         raise ConfigError(
@@ -139,12 +144,13 @@ def _totals(lines: list[dict], wall_s: float) -> dict:
     }
 
 
-def _restore(checkpoint: Path, strategy, engine: Engine, rounds: int) -> tuple[int, dict | None]:
-    """Load ``checkpoint`` into ``strategy`` and ``engine``; the round it holds and its record of
-    the inputs' fingerprints (DP; None without). A checkpoint that does not fit this run (another
-    model or rank, an edited method option, a damaged ``_round``, a non-finite array, more rounds
-    done than ``rounds``, a DP release at another noise multiplier) stops with one line, before
-    anything is written. Called on a freshly initialized strategy: its state is what this run would build."""
+def _restore(checkpoint: Path, strategy, engine: Engine | None, rounds: int) -> tuple[int, dict | None]:
+    """Load ``checkpoint`` into ``strategy`` and ``engine`` (None: its state is checked only); the
+    round it holds and its record of the inputs' fingerprints (DP; None without). A checkpoint
+    that does not fit this run (another model or rank, an edited method option, a damaged
+    ``_round``, a non-finite array, more rounds done than ``rounds``, a DP release at another
+    noise multiplier) stops with one line, before anything is written. Called on a freshly
+    initialized strategy: its state is what this run would build."""
     state = load_state(checkpoint)
     where = f"--resume: {str(checkpoint)!r}"
     inputs = state.pop(INPUTS_KEY, None)
@@ -157,7 +163,8 @@ def _restore(checkpoint: Path, strategy, engine: Engine, rounds: int) -> tuple[i
     _check_fits(strategy.state_dict(), state, where)
     _check_fits({}, engine_state, f"{where} {ENGINE_KEY}")
     try:
-        engine.load_state_dict(engine_state)
+        if engine is not None:
+            engine.load_state_dict(engine_state)
         strategy.load_state_dict(state)
     except ConfigError:  # already the one line (a DP release at another z)
         raise
@@ -257,6 +264,61 @@ def read_metrics(path: Path, where: str = "--resume") -> list[dict]:
     return lines
 
 
+def _read_inputs(
+    run: ResolvedRun, server: RunContext, engine: Engine | None, resume: bool
+) -> tuple[Any, dict, dict[str, str], list[dict], dict | None]:
+    """Every input of ``run`` read and checked, nothing written: the initialized strategy (the
+    model loaded), the label histograms (the data read), the task's run files (the data
+    partitioned; the budget plan checked), on ``resume`` the metrics lines up to the checkpoint,
+    whose state is loaded into the strategy and ``engine`` (None: checked only), and under DP the
+    keyed fingerprints of the inputs (a resume's checked against its checkpoint's). A bad input
+    raises a one-line :class:`~fedtune.config.ConfigError`."""
+    config, run_dir = run.config, run.run_dir
+    checkpoint, metrics_path = run_dir / "checkpoint.npz", run_dir / "metrics.jsonl"
+    if resume:
+        if not checkpoint.is_file():
+            raise ConfigError(
+                f"--resume {str(run_dir)!r}: no round has completed there (no checkpoint.npz), so there is "
+                "nothing to resume: run it afresh without --resume and with --overwrite (moves this folder aside), "
+                "or under another name"
+            )
+        check_unchanged(config, run_dir / RUN_CONFIG)
+    strategy = server.strategy()
+    strategy.initialize()  # loads the model: a bad model.name stops here, before any output
+    histograms = {"label_names": server.task.label_names, "clients": server.histograms()}  # reads the data
+    run_files = server.task.run_files()  # and partitions it: a bad file or partition stops here too
+    if engine is not None:  # the budgets the nodes report (Flower: discovers the nodes), before the plan is read
+        engine.prepare(server)
+    server.check_plan()  # a budget plan that leaves no round able to aggregate stops here too
+    digests = None
+    if config.privacy.mode != "none":  # every input of a release, before a checkpoint's state replaces it
+        from fedtune.fingerprint import fresh_key, input_digests, keyed
+
+        digests = input_digests(server, strategy, _resumable_keys(config))
+    lines: list[dict] = []
+    reproducible = config.seed if config.privacy.insecure_reproducible_noise else None
+    inputs = None if digests is None else keyed(digests, fresh_key(reproducible))
+    if resume:
+        done, inputs = _restore(checkpoint, strategy, engine, config.rounds)
+        if digests is not None:
+            _check_inputs(checkpoint, inputs, digests)
+        lines = [x for x in read_metrics(metrics_path) if x["round"] <= done]  # a round after it is redone
+        if [x["round"] for x in lines] != list(range(1, done + 1)):
+            raise ConfigError(
+                f"--resume: {str(metrics_path)!r} does not hold rounds 1-{done} once each, as the checkpoint does"
+            )
+    return strategy, histograms, run_files, lines, inputs
+
+
+def check_inputs(run: ResolvedRun, resume: bool = False) -> None:
+    """Read and check every input of ``run`` as :func:`run_experiment` does before it writes
+    anything (the data read and partitioned, the model loaded, the budget plan; on ``resume`` the
+    config against the run's, the checkpoint, its DP fingerprints and ``metrics.jsonl``), and write
+    nothing: for a launcher whose run happens in another process (the Flower engines), so that a
+    bad input stops in one line before any process starts or the run folder is touched."""
+    _read_inputs(run, RunContext(run), None, resume)
+
+
 def run_experiment(
     run: RunConfig | ResolvedRun,
     on_round: Callable[[RoundRecord], None] | None = None,
@@ -287,6 +349,7 @@ def run_experiment(
     run = as_resolved(run)
     config = run.config  # resolved: the task's defaults filled in
     setup_process(config.train.threads)
+    check_installed(config)  # a tracker's package: before anything is read or written
     run_dir = run.run_dir
     check_unlocked(run_dir)  # before any data or model is read: a refusal costs nothing
     if not (resume or overwrite):
@@ -294,49 +357,22 @@ def run_experiment(
     server = RunContext(run)
     checkpoint = run_dir / "checkpoint.npz"
     metrics_path = run_dir / "metrics.jsonl"
-    if resume:
-        if not checkpoint.is_file():
-            raise ConfigError(
-                f"--resume {str(run_dir)!r}: no round has completed there (no checkpoint.npz), so there is "
-                "nothing to resume: run it afresh without --resume and with --overwrite (moves this folder aside), "
-                "or under another name"
-            )
-        check_unchanged(config, run_dir / RUN_CONFIG)
     engine = engine or EmbeddedEngine(run, server)
-    strategy = server.strategy()
-    strategy.initialize()  # loads the model: a bad model.name stops here, before any output
-    histograms = {"label_names": server.task.label_names, "clients": server.histograms()}  # reads the data
-    run_files = server.task.run_files()  # and partitions it: a bad file or partition stops here too
-    server.check_plan()  # a budget plan that leaves no round able to aggregate stops here too
+    strategy, histograms, run_files, lines, inputs = _read_inputs(run, server, engine, resume)
+    start_round = len(lines) + 1
     private = config.privacy.mode != "none"
-    digests = None
-    if private:  # every input of a release, before the checkpoint's state replaces the initial one
-        from fedtune.fingerprint import fresh_key, input_digests, keyed
-
-        digests = input_digests(server, strategy, _resumable_keys(config))
-    lines: list[dict] = []
-    start_round = 1
-    reproducible = config.seed if config.privacy.insecure_reproducible_noise else None
-    inputs = None if digests is None else keyed(digests, fresh_key(reproducible))
-    if resume:
-        done, inputs = _restore(checkpoint, strategy, engine, config.rounds)
-        if digests is not None:
-            _check_inputs(checkpoint, inputs, digests)
-        lines = [x for x in read_metrics(metrics_path) if x["round"] <= done]  # a round after it is redone
-        if [x["round"] for x in lines] != list(range(1, done + 1)):
-            raise ConfigError(
-                f"--resume: {str(metrics_path)!r} does not hold rounds 1-{done} once each, as the checkpoint does"
-            )
-        start_round = done + 1
     with claimed(run_dir, resume, overwrite):  # locked while the run writes it
         if not resume:  # every input is checked: the folder is touched from here on
             create(run_dir, {"config.toml": _toml(config), RUN_CONFIG: json.dumps(config.model_dump(mode="json"))})
         if config.privacy.mode == "none":  # per-client label counts: not released by a DP run
             write_text(run_dir / "label_histograms.json", json.dumps(histograms))
-        if server.plan is not None:
+        plan_text = None
+        if server.plan is not None and not (private and server.reports.node):
+            # under DP a plan from the nodes' own reports is not released: it names who reported what
             from fedtune.planning.planner import plan_json
 
-            write_text(run_dir / "plan.json", plan_json(server.plan))
+            plan_text = plan_json(server.plan)
+            write_text(run_dir / "plan.json", plan_text)
         for name, text in run_files.items():
             write_text(run_dir / name, text)
         if on_start is not None:
@@ -349,6 +385,8 @@ def run_experiment(
                 f"; rounds 1-{rnd} are checkpointed: free space or fix the folder, then fedtune run --resume {run_dir}"
             )
 
+        trackers = Trackers(config, run_dir, resume)  # logging.to: they get what the run folder gets
+        trackers.start(config, _toml(config), plan_text, lines)
         stopped = None
         contributed = [0, 0]  # rounds this process ran, and of them those some client's update reached
         stop_requested, restore = _interrupt_flag()
@@ -377,6 +415,7 @@ def run_experiment(
                         state[INPUTS_KEY] = inputs
                     with writing(checkpoint, kept(rec.round - 1)):
                         save_state(checkpoint, state, private=config.privacy.mode != "none")  # DP: holds secrets
+                    trackers.round(line)  # the line just written (under DP: the mechanism's release), checkpointed
                     if on_round is not None:
                         on_round(rec)
 
@@ -386,6 +425,20 @@ def run_experiment(
                     if not lines:
                         raise ConfigError(str(halt)) from None
                     stopped = str(halt)
+            restore()  # Ctrl-C as before the run from here on
+            last = lines[-1]["round"] if lines else 0
+            with writing(run_dir, kept(last)):
+                strategy.save(run_dir)
+            summary = _summary(config, lines, server, run_dir, time.perf_counter() - start, engine.name)
+            summary.update(strategy.summary())
+            if stopped is not None:
+                summary["stopped"] = stopped
+            with writing(run_dir / "summary.json", kept(last)):
+                (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            trackers.finish(summary)
+        except BaseException:
+            trackers.close(ok=False)
+            raise
         finally:
             restore()
             if private and contributed[0] and not contributed[1]:
@@ -393,13 +446,5 @@ def run_experiment(
                     f"no client's update reached this DP run's aggregate in its {contributed[0]} round(s) here: every "
                     "release was noise alone (every client failed or was dropped, or none was sampled)"
                 )
-        last = lines[-1]["round"] if lines else 0
-        with writing(run_dir, kept(last)):
-            strategy.save(run_dir)
-        summary = _summary(config, lines, server, run_dir, time.perf_counter() - start, engine.name)
-        summary.update(strategy.summary())
-        if stopped is not None:
-            summary["stopped"] = stopped
-        with writing(run_dir / "summary.json", kept(last)):
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        trackers.close(ok=True)
         return summary

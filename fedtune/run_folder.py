@@ -240,11 +240,6 @@ def write_text(path: Path, text: str) -> None:
 def create(run_dir: Path, files: dict[str, str]) -> None:
     """Make ``run_dir`` (and its parents: a bad ``output_dir`` is a :class:`ConfigError`) and write
     its first ``files`` (name -> text)."""
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(
-            f"output_dir {str(run_dir.parent)!r}: cannot create the run folder ({exc.strerror or exc})"
-        ) from None
+    _made_folders(run_dir)
     for name, text in files.items():
         write_text(run_dir / name, text)

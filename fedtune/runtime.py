@@ -17,11 +17,13 @@ adapters. All clients of a process share one context; none of them holds a model
 engine gives the server a context of its own, whose LoRA workspace it shares (``shares_base``): one
 frozen base per process, however many clients; every user of a workspace loads the adapter arrays it
 needs (from a Message, or the server's state) before each use, so the two sides still exchange
-nothing but Messages. A client whose profile states another base quantization
-(``federation.profiles[i].quantization``) trains on the process's base of that quantization, built
-on first use (:meth:`RunContext.base_for`): one base per quantization in use. The budget planner
-reads the model's meta-device skeleton (:attr:`RunContext.skeleton`), not a loaded base, so a
-client process builds the run's base only when one of its clients trains on it.
+nothing but Messages. A client whose profile states another base format (its own
+``federation.profiles[i].quantization`` or ``dtype``) trains on the process's base of that format,
+built on first use (:meth:`RunContext.base_for`): one base per format in use, shared by the
+clients of that format. The budget planner reads the model's meta-device skeleton
+(:attr:`RunContext.skeleton`), not a loaded base, so a client process builds the run's base only
+when one of its clients trains on it. The plan reads each client's budget from its node's report
+(:meth:`RunContext.adopt`; :mod:`fedtune.planning.node_report`), by default the config's simulated nodes.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from fedtune.config import ConfigError, RunConfig, check_rules, validate_options
 from fedtune.data.partition import label_histograms
 from fedtune.methods import get_method
 from fedtune.methods.base.aggregation import AggregationPlan, plan_aggregation
+from fedtune.planning.node_report import Reports, apply_reports, collect_reports, simulated_reports
 from fedtune.planning.planner import Plan, check_plannable, check_profile_codecs, unrunnable
 from fedtune.planning.quantization import check_profile_quantization
 from fedtune.protocol.client import Client
@@ -115,7 +118,20 @@ class RunContext:
         self.method = self.run.method
         self.task: Task = self.run.task_class(self.config, self.run.task_options)
         self.options = self.run.options
-        self._bases: dict[str, LoraWorkspace] = {}  # quantization -> a client's own base (base_for)
+        self._bases: dict[tuple[str, str], LoraWorkspace] = {}  # (quantization, dtype) -> a base (base_for)
+        self.reports: Reports = collect_reports(simulated_reports(run.profiles))  # the config's simulated nodes
+
+    def adopt(self, reports: Reports) -> None:
+        """Plan from the nodes' ``reports`` (:mod:`fedtune.planning.node_report`) from now on: the
+        plan and the profiles are made again on next use."""
+        self.reports = reports
+        for name in ("plan", "profiles"):
+            self.__dict__.pop(name, None)
+
+    @property
+    def budgeted_profiles(self) -> list[ClientProfile]:
+        """The config's profiles with each client's budget as its node reports it (:meth:`adopt`)."""
+        return apply_reports(self.run.profiles, self.reports)
 
     @cached_property
     def plan(self) -> Plan | None:
@@ -189,19 +205,27 @@ class RunContext:
             return self.shares_base.workspace
         return LoraWorkspace(self.task, self.config.seed)
 
-    def base_for(self, quantization: str | None) -> LoraWorkspace:
-        """The LoRA workspace whose base is quantized as ``quantization`` (a client profile's; None
-        or ``model.quantization``: :attr:`workspace`), built on first use by the context that holds
-        the process's bases (``shares_base``'s)."""
-        if quantization is None or quantization == self.config.model.quantization:
+    def base_format(self, profile: ClientProfile) -> tuple[str, str]:
+        """(quantization, dtype) of the base ``profile``'s client trains on: its own, else the run's."""
+        cfg = self.config.model
+        return profile.quantization or cfg.quantization, profile.dtype or cfg.dtype
+
+    def base_for(self, quantization: str | None, dtype: str | None = None) -> LoraWorkspace:
+        """The LoRA workspace whose base is quantized as ``quantization`` and stored in ``dtype`` (a
+        client profile's; None: the run's ``model.quantization`` / ``model.dtype``; both the run's:
+        :attr:`workspace`), built on first use by the context that holds the process's bases
+        (``shares_base``'s): one base per format, shared by the clients of that format."""
+        cfg = self.config.model
+        key = (quantization or cfg.quantization, dtype or cfg.dtype)
+        if key == (cfg.quantization, cfg.dtype):
             return self.workspace
         if self.shares_base is not None:
-            return self.shares_base.base_for(quantization)
-        if quantization not in self._bases:
+            return self.shares_base.base_for(*key)
+        if key not in self._bases:
             from fedtune.models.lora import LoraWorkspace
 
-            self._bases[quantization] = LoraWorkspace(self.task, self.config.seed, quantization)
-        return self._bases[quantization]
+            self._bases[key] = LoraWorkspace(self.task, self.config.seed, *key)
+        return self._bases[key]
 
     def loaded_bases(self) -> list[torch.nn.Module]:
         """The base models this context has loaded so far (:attr:`model`, :attr:`workspace`'s and
@@ -212,14 +236,16 @@ class RunContext:
             modules.append(held["workspace"].base)
         return modules + [ws.base for _, ws in sorted(self._bases.items())]
 
-    def client(self, cid: int, state: dict[str, np.ndarray] | None = None) -> Client:
+    def client(
+        self, cid: int, state: dict[str, np.ndarray] | None = None, profile: ClientProfile | None = None
+    ) -> Client:
         """A fresh client object for ``cid`` (cheap: it shares this context's model and data), given
-        its carried ``state`` (None: a new client); one whose profile states its own base
-        quantization sees this context with that base as its workspace."""
-        profile = self.profiles[cid]
+        its carried ``state`` (None: a new client) and ``profile`` (None: its planned one); one whose
+        profile states its own base format sees this context with that base as its workspace."""
+        profile = self.profiles[cid] if profile is None else profile
         context: Any = self
-        if profile.quantization not in (None, self.config.model.quantization):
-            context = OwnBase(self, self.base_for(profile.quantization))
+        if self.base_format(profile) != (self.config.model.quantization, self.config.model.dtype):
+            context = OwnBase(self, self.base_for(*self.base_format(profile)))
         return self.method.client(cid, profile, context, state)
 
     def strategy(self) -> Strategy:

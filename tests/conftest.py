@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -72,33 +73,12 @@ METHOD_TINY = {
 
 
 def tiny(tmp_path, method: str, kind: str, *extra: str, variant: str = ""):
-    """A seconds-long config of ``method`` on task ``kind`` (its ``test_overrides`` and the named
-    variant, the method's ``METHOD_TINY``): 3 clients, 2 per round, 2 rounds, heterogeneous ranks,
-    writing under ``tmp_path``."""
-    from fedtune.config import load_config
-    from fedtune.tasks import get_task_class
+    """A seconds-long config of ``method`` on task ``kind`` (:func:`fedtune.testing.tiny_config`: its
+    ``test_overrides`` and the named variant, 3 clients, 2 per round, 2 rounds, heterogeneous ranks)
+    with the method's ``METHOD_TINY``, writing under ``tmp_path``."""
+    from fedtune.testing import tiny_config
 
-    task = get_task_class(kind)
-    return load_config(
-        None,
-        [
-            f"method={method}",
-            f"task.kind={kind}",
-            *task.test_overrides,
-            *task.test_variants.get(variant, ()),
-            *METHOD_TINY.get(method, ()),
-            "federation.num_clients=3",
-            "federation.clients_per_round=2",
-            "rounds=2",
-            "train.local_steps=2",
-            "train.batch_size=4",
-            "model.lora_rank=4",
-            "federation.profile_choices={rank=[2,4], sketch_ratio=[0.5,1.0]}",  # heterogeneous ranks
-            "train.eval_batch_size=16",
-            f"output_dir={tmp_path}",
-            *extra,
-        ],
-    )
+    return tiny_config(method, kind, tmp_path, *METHOD_TINY.get(method, ()), *extra, variant=variant)
 
 
 def random_global(strategy, seed: int) -> dict:
@@ -122,6 +102,15 @@ def one_line_config_error(call) -> str:
         call()
     assert "\n" not in str(info.value)
     return str(info.value)
+
+
+STEP_LINE = re.compile(r"^.+: done(, [\d,.]+ \S+)? in \d+\.\d s$")
+
+
+def output_lines(output: str) -> list[str]:
+    """A command's output less the closing lines of :mod:`fedtune.steps` shown off a terminal ("loading
+    X: done in 0.1 s"): what a one-line error test counts. Nothing else is removed."""
+    return [line for line in output.strip().splitlines() if not STEP_LINE.match(line)]
 
 
 def load_script(path: Path, name: str):
@@ -209,18 +198,57 @@ def assert_every_planned_run_resolves(plan) -> int:
 #: (``make test``) they share one xdist group, so one worker runs them one after another and two
 #: Flower runs never compete for ports, Ray's session folder or the two cores.
 FLOWER_MODULES = frozenset(
-    {"test_flower", "test_flower_contract", "test_flower_deploy", "test_flower_privacy", "test_scale", "test_secagg"}
+    {
+        "test_flower",
+        "test_flower_contract",
+        "test_flower_deploy",
+        "test_flower_privacy",
+        "test_scale",
+        "test_secagg",
+        "test_tracking_engines",
+        "test_plugins",
+    }
 )
 
 
+#: The engines every guarantee test runs on (``config.engine``; tests/engines.py): a new engine goes here.
+ENGINES = ("embedded", "flower-sim", "flower")
+#: The engines whose cases carry the ``deployment`` marker (they start SuperLinks and SuperNodes).
+DEPLOYMENTS = ("flower",)
+
+
+@pytest.fixture(
+    params=[pytest.param(e, marks=[pytest.mark.deployment] if e in DEPLOYMENTS else [], id=e) for e in ENGINES]
+)
+def engine(request) -> str:
+    """Each engine of tests/engines.py's ``ENGINES`` in turn: a guarantee test that takes it runs on
+    every engine (the loopback deployment's cases marked ``deployment``)."""
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def engine_runs(tmp_path_factory):
+    """The session's runs of tests/engines.py's cases, each made once on its engine
+    (:class:`tests.engines.EngineRuns`; in ``$FEDTUNE_TEST_ENGINE_RUNS`` when set, reusing the runs
+    an earlier session finished there)."""
+    from tests.engines import KEEP_ENV, EngineRuns
+
+    kept = os.environ.get(KEEP_ENV)
+    return EngineRuns(Path(kept) if kept else tmp_path_factory.mktemp("engine-runs"))
+
+
 def pytest_collection_modifyitems(config, items):
-    """Flower's modules join one xdist group (:data:`FLOWER_MODULES`; ``--dist loadgroup``). Tests
-    marked ``gpu`` are deselected (not skipped) where CUDA is absent: a CPU run reports them as
-    deselected, never as passed or skipped."""
+    """Flower's modules and every test that runs on each engine (the ``engine`` fixture) join one
+    xdist group (:data:`FLOWER_MODULES`; ``--dist loadgroup``): one worker makes the session's
+    engine runs once. Tests marked ``gpu`` are deselected (not skipped) where CUDA is absent: a CPU
+    run reports them as deselected, never as passed or skipped."""
     import torch
 
     for item in items:
-        if getattr(item, "module", None) is not None and item.module.__name__.rpartition(".")[2] in FLOWER_MODULES:
+        module = getattr(item, "module", None)
+        if (module is not None and module.__name__.rpartition(".")[2] in FLOWER_MODULES) or "engine" in getattr(
+            item, "fixturenames", ()
+        ):
             item.add_marker(pytest.mark.xdist_group("flower"))
     if torch.cuda.is_available():
         return

@@ -458,6 +458,43 @@ def test_rounds_may_be_raised_on_resume(finished_run, tmp_path):
     assert [json.loads(x)["round"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
+def test_bad_input_stops_every_engine_in_one_line_with_nothing_written(engine, engine_runs, tmp_path):
+    """Every engine (tests/engines.py), through ``fedtune run``: a data file that does not exist, a
+    fresh run into a folder holding an earlier run, and a resume of a copy of that engine's DP run
+    with a damaged checkpoint, a NaN in it or another key set each stop with exit 2 and one line
+    naming it, before any engine process is left running, and change nothing (the earlier run and
+    the damaged copy byte for byte; no new folder). A launcher that starts Flower before reading
+    the data fails here (the deployment's error was a traceback, exit 1, and a folder)."""
+    import psutil
+
+    from tests.engines import BASE, sets
+
+    done = shutil.copytree(engine_runs.killed(engine).run_dir, tmp_path / "runs" / "done")
+    fresh = sets([*BASE, f'engine="{engine}"', f"output_dir={tmp_path / 'runs'}"])
+    damaged = shutil.copytree(done, tmp_path / "runs" / "damaged")
+    cases = [
+        ([*fresh, "--set", f"data.name={tmp_path / 'missing.csv'}", "--set", "name=new"], "is not a named set"),
+        ([*fresh, "--set", "name=done"], "holds an earlier run: pick another name"),
+        (["--resume", str(damaged), "--set", "train.lr=0.5"], "in train.lr;"),
+        (["--resume", str(damaged)], "checkpoint"),
+        (["--resume", str(damaged)], "holds NaN or inf"),
+    ]
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    for i, (args, expected) in enumerate(cases):
+        if i == 3:
+            (damaged / "checkpoint.npz").write_bytes((damaged / "checkpoint.npz").read_bytes()[:200])
+        if i == 4:
+            shutil.copy(done / "checkpoint.npz", damaged / "checkpoint.npz")
+            _edit_checkpoint(damaged, arrays=lambda a: a * np.nan)
+        before = {folder: digest(folder) for folder in (done, damaged)}
+        result = runner.invoke(app, ["run", *args])
+        lines = result.output.strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1 and expected in lines[0], (engine, expected, result.output)
+        assert {folder: digest(folder) for folder in (done, damaged)} == before
+        assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["damaged", "done"]
+        assert {p.pid for p in psutil.Process().children(recursive=True)} <= children, "a process was left running"
+
+
 # -- report inputs -----------------------------------------------------------------------------------
 REPORT_CASES = {
     "no such folder": (lambda run: shutil.rmtree(run), "folder not found"),

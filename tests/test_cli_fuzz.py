@@ -26,7 +26,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fedtune.cli import app
-from tests.conftest import TINY
+from tests.conftest import TINY, output_lines
 from tests.test_bad_input import numeric_keys
 
 runner = CliRunner()
@@ -299,7 +299,7 @@ def _fuzz(done: Path, tmp_path: Path, monkeypatch) -> None:
         assert result.exception is None or isinstance(result.exception, SystemExit), where
         assert result.exit_code in (0, 2) and "a fedtune bug" not in result.output, where
         if result.exit_code == 2:
-            lines = result.output.strip().splitlines()
+            lines = output_lines(result.output)
             assert len(lines) == 1 and lines[0].startswith("error: "), where
             assert tree(root) == before, where  # a refusal creates, changes and moves nothing
         outcomes.setdefault(command, set()).add(result.exit_code)

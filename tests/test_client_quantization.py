@@ -16,7 +16,7 @@ from torch import nn
 from fedtune.config import ConfigError, load_config
 from fedtune.models import precision
 from fedtune.models.lora import LoraWorkspace
-from fedtune.planning import speed
+from fedtune.planning import quantization, speed
 from fedtune.planning.memory import base_weight_bytes
 from fedtune.planning.planner import GIB, format_plan, plan_budgets
 from fedtune.planning.quantization import weight_bytes
@@ -56,8 +56,8 @@ def built(monkeypatch):
     out: list[tuple[str | None, LoraWorkspace]] = []
     init = LoraWorkspace.__init__
 
-    def record(self, task, seed, quantization=None):
-        init(self, task, seed, quantization)
+    def record(self, task, seed, quantization=None, dtype=None):
+        init(self, task, seed, quantization, dtype)
         out.append((quantization, self))
 
     monkeypatch.setattr(LoraWorkspace, "__init__", record)
@@ -94,8 +94,8 @@ def test_a_flower_run_trains_each_client_on_the_base_its_profile_states(tmp_path
     try:
         summary = serve(LoopbackGrid(make_client_app(cfg), 2), cfg, timeout=120)
         node = worker._CONTEXTS[cfg.model_dump_json()]  # the nodes' context (one process here)
-        assert list(node._bases) == ["8bit"]  # built by client 1's requests
-        assert quantized(node._bases["8bit"].base) == {"8bit"} and quantized(node.workspace.base) == {"none"}
+        assert list(node._bases) == [("8bit", "float32")]  # built by client 1's requests
+        assert quantized(node._bases["8bit", "float32"].base) == {"8bit"} and quantized(node.workspace.base) == {"none"}
     finally:
         worker._CONTEXTS.pop(cfg.model_dump_json(), None)
     assert sorted(str(q) for q, _ in built) == ["8bit", "None", "None"]  # the server's base, the nodes' two
@@ -147,6 +147,10 @@ def test_the_planner_gives_a_4bit_base_before_a_smaller_rank_and_excludes_the_cl
 
     # a 4-bit step 4x slower than float32's (8-bit: no entry, float32's): each client timed at its own base's
     monkeypatch.setattr(speed, "FLOPS", {("float32", "float32"): ((256, 1e9),), ("4bit", "float32"): ((256, 0.25e9),)})
+    # the quantized rungs only: on this tiny model the bfloat16 rung (tests/test_node_budgets.py) is
+    # lighter than 4-bit (k-bit preparation keeps the embedding float32), so it would fit first
+    ladder = quantization.base_formats
+    monkeypatch.setattr(quantization, "base_formats", lambda *a: [f for f in ladder(*a) if f[1] == "float32"])
     stated = plan("[{rank=4, quantization='8bit'}, {rank=4, quantization='4bit'}]")
     eight, packed = (c.peak_bytes for c in stated.clients)
     assert packed < eight
@@ -161,7 +165,7 @@ def test_the_planner_gives_a_4bit_base_before_a_smaller_rank_and_excludes_the_cl
     assert "rank 4, 4bit base" in format_plan(planned)  # what `fedtune plan` prints
 
 
-def test_checkpointing_the_unquantized_base_comes_before_a_quantized_one(tmp_path, wide_llama):
+def test_checkpointing_the_unquantized_base_comes_before_a_quantized_one(tmp_path, wide_llama, monkeypatch):
     """A budget that checkpointing alone meets, and an 8-bit base without checkpointing would too:
     the plan keeps the run's float32 base and checkpoints it (exact, only slower), and quantizes only
     where checkpointing does not fit (a budget just under the checkpointed float32 peak: the 8-bit
@@ -170,6 +174,9 @@ def test_checkpointing_the_unquantized_base_comes_before_a_quantized_one(tmp_pat
     def plan(*extra: str):
         return plan_budgets(RunContext(resolve_run(config(tmp_path, *extra))), always=True)
 
+    # the quantized rungs only (the bfloat16 rung comes before 8-bit: the test below)
+    ladder = quantization.base_formats
+    monkeypatch.setattr(quantization, "base_formats", lambda *a: [f for f in ladder(*a) if f[1] == "float32"])
     plain, ckpt = (plan(f"train.gradient_checkpointing={on}").clients[0].peak_bytes for on in ("false", "true"))
     eight = plan("federation.profiles=[{rank=4, quantization='8bit'}, {}]").clients[0].peak_bytes
     assert ckpt < plain and eight < plain  # either way fits a budget between them and the plain peak
@@ -207,3 +214,65 @@ def test_a_client_quantization_without_bitsandbytes_is_refused(tmp_path, monkeyp
     monkeypatch.setattr(quantization, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match=r"^federation.profiles\[0\].quantization: '8bit' needs the bitsandbytes"):
         resolve_run(config(tmp_path, "federation.profiles=[{quantization='8bit'}]"))
+
+
+def test_a_simulation_with_4bit_and_bfloat16_clients_holds_two_bases_one_per_format(tmp_path, monkeypatch):
+    """Issue 52, item 3: clients 0 and 2 at 4-bit, 1 and 3 at bfloat16 (the run's base: float32) in one
+    simulated process. The server's context holds the run's base (it evaluates) and one base per
+    other format, built once and shared by that format's clients (object identity); each measured in
+    bytes is the format's (4-bit packs the projections, bfloat16 halves the float32 weights but the kept
+    heads')."""
+    contexts: list[RunContext] = []
+    init = RunContext.__init__
+
+    def keep(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        contexts.append(self)
+
+    monkeypatch.setattr(RunContext, "__init__", keep)
+    seen: dict[int, int] = {}  # client id -> id() of the base it trained on
+    client = RunContext.client
+
+    def record(self, cid, state=None, profile=None):
+        made = client(self, cid, state, profile)
+        seen.setdefault(cid, id(made.context.workspace.base))
+        return made
+
+    monkeypatch.setattr(RunContext, "client", record)
+    profiles = "[{quantization='4bit'}, {dtype='bfloat16'}, {quantization='4bit'}, {dtype='bfloat16'}]"
+    cfg = config(tmp_path, f"federation.profiles={profiles}", "federation.num_clients=4")
+    summary = run_experiment(cfg)
+    (server,) = [c for c in contexts if c._bases]
+    assert sorted(server._bases) == [("4bit", "float32"), ("none", "bfloat16")]  # two bases beside the run's
+    packed, half = server._bases["4bit", "float32"].base, server._bases["none", "bfloat16"].base
+    assert seen[0] == seen[2] == id(packed) and seen[1] == seen[3] == id(half)  # shared by the format's clients
+    assert quantized(packed) == {"4bit"} and quantized(half) == {"none"}
+    assert {p.dtype for n, p in half.named_parameters() if "q_proj" in n and "lora_" not in n} == {torch.bfloat16}
+    plain = base_weight_bytes(server.workspace.base)
+    # measured: float32 9.31 MB, 4-bit 9.26 MB (at width 32 packing saves little), bfloat16 4.88 MB (the
+    # image encoder, a kept head, stays float32)
+    assert base_weight_bytes(packed) < plain and plain / 2 < base_weight_bytes(half) < 0.55 * plain
+    line = json.loads(Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines()[-1])
+    assert sorted(line["clients"]) == [0, 1, 2, 3] and not line.get("dropped")
+
+
+def test_the_planner_gives_a_float32_runs_client_a_bfloat16_base_before_a_4bit_one(tmp_path, wide_llama):
+    """The format ladder (quantization.base_formats): float32, its bfloat16 copy, 8-bit, 4-bit. A memory
+    budget under the float32 peak (checkpointed too) and over the bfloat16 one gets the bfloat16 base; a method that
+    keeps one base (FlexLoRA merges into it) is never given one."""
+
+    def plan(*extra: str):
+        return plan_budgets(RunContext(resolve_run(config(tmp_path, *extra))), always=True)
+
+    plain = plan().clients[0].peak_bytes
+    half = plan("federation.profiles=[{rank=4, dtype='bfloat16'}, {}]").clients[0]
+    assert half.peak_bytes < plain and half.setting == "rank 4, bfloat16 base"
+    ckpt = plan("train.gradient_checkpointing=true").clients[0].peak_bytes  # exact, so tried before a format
+    assert half.peak_bytes * 1.001 < ckpt
+    budget = f"memory_gib={half.peak_bytes * 1.001 / GIB}"
+    chosen = plan(f"federation.profiles=[{{{budget}}}, {{}}]")
+    assert chosen.clients[0].setting == "rank 4, bfloat16 base" and chosen.profiles[0].dtype == "bfloat16"
+    assert chosen.profiles[0].quantization in (None, "none") and chosen.profiles[1].dtype is None
+    assert quantization.base_formats(resolve_run(config(tmp_path, "method=flexlora")).method, "none", "float32") == [
+        ("none", "float32")
+    ]

@@ -23,7 +23,7 @@ from flwr.serverapp import Grid
 
 from fedtune.checkpoint import load_state
 from fedtune.config import load_config
-from fedtune.engines.flower import clientapp, codec, deployment, serverapp, simulation, worker
+from fedtune.engines.flower import clientapp, codec, deployment, serverapp, simulation
 from fedtune.engines.flower.clientapp import make_client_app
 from fedtune.engines.flower.codec import pack, state_from_record, state_to_record, unpack
 from fedtune.engines.flower.runconfig import config_from_run_config
@@ -168,9 +168,11 @@ def test_pack_unpack_round_trip_through_flower_serialization():
     proto.ParseFromString(wire)
     cid, back, nbytes_back = unpack(recorddict_from_proto(proto))
 
-    # Assert: Flower-native records (one ArrayRecord, one ConfigRecord), the fedtune bytes counted
+    # Assert: Flower-native records (one ArrayRecord of one Array per dtype, one ConfigRecord), the
+    # fedtune bytes counted
     assert list(content.array_records) == [codec.ARRAYS] and list(content.config_records) == [codec.RECORD]
-    assert list(content[codec.ARRAYS]) == list(arrays)
+    assert list(content[codec.ARRAYS]) == ["<f4", "<f2", "<i8", "<f8"]  # the dtypes, in order of appearance
+    assert content[codec.ARRAYS]["<f4"].numpy().shape == (12,)  # lora_B and empty, flattened and concatenated
     assert cid == 17 and nbytes == nbytes_back == len(message.encode()) == message.nbytes
     assert list(back.arrays) == list(arrays) and back.meta == message.meta
     for key, value in message.arrays.items():
@@ -485,56 +487,6 @@ def test_fixedclipping_mod_needs_one_array_record_and_the_norm_from_the_server(t
     )
     (reply,) = grid.pull_messages(grid.push_messages([query]))
     assert reply.has_error() and "ArrayRecord" in reply.error.reason
-
-
-# -- a node's worker ------------------------------------------------------------------------------------
-def test_worker_serves_the_node_and_reports_client_failures(task_identity, tmp_path, embedded, monkeypatch):
-    import threading
-
-    from fedtune.methods.fedit import FedITClient
-
-    # Prepare: a worker thread on a Unix socket; nodes whose node_config names it
-    address = str(tmp_path / "w.sock")
-    threading.Thread(target=worker.run_worker, args=(address, 1), daemon=True).start()
-    deadline = __import__("time").monotonic() + 120
-    while not Path(f"{address}.key").exists():
-        assert __import__("time").monotonic() < deadline, "worker not ready"
-        __import__("time").sleep(0.05)
-    config = _config(tmp_path / "flower")
-    grid = LoopbackGrid(make_client_app(config), 2)
-    for context in grid.contexts.values():
-        context.node_config[codec.NODE_WORKER] = address
-    history = []
-    calls, call_worker = [], worker.call_worker
-    monkeypatch.setattr(clientapp, "call_worker", lambda *a: calls.append(a[3]) or call_worker(*a))
-
-    # Execute
-    summary = serve(grid, config, timeout=60, on_round=history.append)
-
-    # Assert: the embedded engine's run, computed by the worker
-    _assert_same_run(load_state(f"{summary['run_dir']}/checkpoint.npz"), history, embedded)
-    assert sorted(calls) == [0, 0, 1, 1]  # every train request of the 2 rounds went to the worker
-
-    # a client failing in the worker is a drop naming the worker's reason
-    monkeypatch.setattr(clientapp, "call_worker", call_worker)
-    original = FedITClient.fit
-    monkeypatch.setattr(
-        FedITClient,
-        "fit",
-        lambda self, m: (_ for _ in ()).throw(ValueError("bad luck")) if self.cid == 0 else original(self, m),
-    )
-    config = _config(tmp_path / "failing", "rounds=1")
-    grid = LoopbackGrid(make_client_app(config), 2)
-    for context in grid.contexts.values():
-        context.node_config[codec.NODE_WORKER] = address
-    summary = serve(grid, config, timeout=60)
-    line = json.loads(Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines()[0])
-    assert list(line["dropped"]) == ["0"] and "ValueError: bad luck" in line["dropped"]["0"]
-    # an unreachable worker is a drop too, not a hang
-    for context in grid.contexts.values():
-        context.node_config[codec.NODE_WORKER] = str(tmp_path / "nobody.sock")
-    with pytest.raises(RoundFailed, match="unreachable"):
-        serve(grid, _config(tmp_path / "gone", "rounds=1", "federation.max_retries=0"), timeout=60)
 
 
 def test_client_ids_parse_and_format():

@@ -86,10 +86,16 @@ def test_deployment_pieces(tmp_path):
     config = load_config(None, [*TINY, "federation.num_clients=1000", "federation.clients_per_round=10"])
     assert commands.default_nodes(config) == min(10, os.cpu_count() or 1)
     assert commands.default_nodes(load_config(None, [*TINY, "federation.nodes=5"])) == 2  # at most one per client
-    args = commands.supernode_args("h:1", 5, [0, 1, 2, 7], Path("ca.crt"), Path("k"), "/s.sock", 3)
+    args = commands.supernode_args("h:1", 5, [0, 1, 2, 7], Path("ca.crt"), Path("k"), Path("/s.secret"), 3)
     node_config = args[args.index("--node-config") + 1]
-    assert node_config == 'fedtune-clients="0-2,7" fedtune-worker="/s.sock" fedtune-threads=3'
-    assert args[-4:] == ["--root-certificates", "ca.crt", "--auth-supernode-private-key", "k"]
+    assert node_config == 'fedtune-clients="0-2,7" fedtune-threads=3'
+    assert args[-8:] == ["--root-certificates", "ca.crt", "--auth-supernode-private-key", "k"] + [
+        "--isolation",
+        "process",
+        "--superexec-auth-secret-file",
+        "/s.secret",
+    ]
+    assert "--isolation" not in commands.supernode_args("h:1", 5, [0], executor_secret=None)  # stock Flower
     assert "--insecure" in commands.superlink_args("0.0.0.0", 1)
     assert "--enable-supernode-auth" in commands.superlink_args("0.0.0.0", 1, {"ca": 1, "cert": 2, "key": 3}, True)
     with pytest.raises(ValueError, match="needs TLS"):
@@ -282,3 +288,40 @@ def test_superlink_listens_on_loopback_only_by_default(tmp_path):
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
     _wait_for(lambda: _flower_processes() <= before, 30, "the SuperLink's processes to stop")
+
+
+def test_deploy_supernode_hands_flower_absolute_paths_and_its_executor_the_secret(tmp_path, monkeypatch):
+    """`fedtune deploy supernode` runs the SuperNode in a folder of its own: the certificate and key
+    paths given relative to where the command runs reach Flower absolute (docs/flower.md gives them
+    relative), and the SuperNode runs in process isolation with a 0600 secret its executor shares."""
+    from typer.testing import CliRunner
+
+    from fedtune.cli import app
+    from fedtune.process import Processes
+
+    (tmp_path / "ca.crt").write_text("-")
+    (tmp_path / "keys").mkdir()
+    (tmp_path / "keys" / "node0").write_text("-")
+    started = []
+
+    class Exited:
+        returncode, args = 1, ["flower-supernode"]
+
+        def poll(self):
+            return 1
+
+    def start(self, name, args, env, cwd=None):
+        started.append((name, [str(a) for a in args]))
+        return Exited()
+
+    monkeypatch.setattr(Processes, "start", start)
+    monkeypatch.chdir(tmp_path)
+    args = ["deploy", "supernode", "--superlink", "10.0.0.1:9092", "--root-certificates", "ca.crt"]
+    result = CliRunner().invoke(app, [*args, "--auth-key", "keys/node0", "--clients", "0-4", "--port", "9094"])
+    (name, command), *_ = started
+    assert name == "supernode" and result.exit_code == 2  # the fake SuperNode "exited": one line, exit 2
+    assert command[command.index("--root-certificates") + 1] == str(tmp_path / "ca.crt")
+    assert command[command.index("--auth-supernode-private-key") + 1] == str(tmp_path / "keys" / "node0")
+    assert command[command.index("--isolation") + 1] == "process"
+    secret = Path(command[command.index("--superexec-auth-secret-file") + 1])
+    assert secret.is_absolute() and oct(secret.stat().st_mode & 0o777) == "0o600"

@@ -8,6 +8,7 @@ privacy mode (slow tests)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -99,3 +100,75 @@ def test_a_resumed_flower_run_keeps_its_release_counts(task_identity, tmp_path):
     assert [x["round"] for x in f_lines] == [1, 2, 3]
     assert_same_state(f_state, e_state)
     assert flower["privacy"] == embedded["privacy"]
+
+
+def _recorded(tmp_path: Path, name: str, *extra: str, on_round=None) -> list[dict]:
+    """Every reply the server pulled from its grid in a 2-round tiny run of tests/engines.py's
+    BASE with ``extra`` over Flower's apps (the in-process Grid)."""
+    from fedtune.config import load_config
+    from tests.engines import BASE, RecordingGrid
+
+    config = load_config(None, [*BASE, *extra, f"output_dir={tmp_path}", f"name={name}"])
+    sink = tmp_path / f"{name}.replies.jsonl"
+    grid = LoopbackGrid(make_client_app(config), config.federation.num_clients)
+    serve(RecordingGrid(grid, sink), config, timeout=60, on_round=on_round)
+    return [json.loads(x) for x in sink.read_text().splitlines()]
+
+
+def _envelopes(replies: list[dict]) -> list[dict]:
+    return [r["config"]["fedtune"] for r in replies if r["type"] == "train" and "fedtune" in r.get("config", {})]
+
+
+@pytest.mark.parametrize("mode", ["local", "secure"])
+def test_under_local_dp_or_secagg_a_reply_carries_nothing_of_a_client_but_its_upload(task_identity, tmp_path, mode):  # noqa: F811
+    """Over Flower's apps (seconds; the real runtimes: tests/test_privacy_adversary.py on every
+    engine): every training reply the server receives carries the fixed metadata and who answered
+    for which round, no seconds or timestamps (tests/test_privacy_adversary.py's check)."""
+    from tests.engines import CENTRAL, LOCAL, SECURE
+    from tests.test_privacy_adversary import assert_nothing_of_a_client_but_its_upload
+
+    extra = LOCAL if mode == "local" else [*CENTRAL, *SECURE, 'engine="flower-sim"']
+    replies = _recorded(tmp_path, mode, *extra)
+    assert assert_nothing_of_a_client_but_its_upload(replies) == (8 if mode == "local" else 4)
+
+
+def test_a_reply_without_dp_carries_a_clients_numbers(task_identity, tmp_path):  # noqa: F811
+    """Control of the check above: without DP a reply carries the client's loss, steps, seconds and
+    timestamps (the timing file's), which the check refuses; under central DP without SecAgg+ (the
+    server trusted with each update) the seconds still cross, for the deadlines, but no timestamp:
+    the timing file is not written under DP."""
+    from tests.engines import CENTRAL
+    from tests.test_privacy_adversary import assert_nothing_of_a_client_but_its_upload
+
+    plain = _recorded(tmp_path, "plain")
+    assert all({"compute_s", "t-process", "t-enter", "t-exit"} <= set(e) for e in _envelopes(plain))
+    assert all({"train_loss", "steps"} <= set(e["meta"]) for e in _envelopes(plain))
+    with pytest.raises(AssertionError):
+        assert_nothing_of_a_client_but_its_upload(plain)
+    central = _envelopes(_recorded(tmp_path, "central", *CENTRAL))
+    assert central and all(set(e) - {"layout"} == {"meta", "cid", "round", "compute_s"} for e in central)
+
+
+@pytest.mark.parametrize("mode", ["local", "central"])
+def test_the_deadline_holds_without_the_seconds_crossing(task_identity, tmp_path, mode):  # noqa: F811
+    """A client slower than ``federation.round_timeout_s`` (its profile's ``delay_s``) is dropped,
+    the others aggregated. Under local DP its reply carries no seconds, so its node finds it late
+    and fails the request with a reason that holds no time; under central DP (control: the seconds
+    cross) the server drops it, naming them."""
+    from tests.engines import CENTRAL, LOCAL
+
+    records = []
+    extra = [
+        *(LOCAL if mode == "local" else CENTRAL),
+        "rounds=1",
+        "federation.round_timeout_s=4",
+        "federation.profiles=[{delay_s=5},{},{},{}]",
+    ]
+    replies = _recorded(tmp_path, mode, *extra, on_round=records.append)
+    (record,) = records
+    assert list(record.dropped) == [0]
+    if mode == "local":
+        assert "missed its 4 s deadline" in record.dropped[0] and not re.search(r"\d\.\d+ s", record.dropped[0])
+        assert all("compute_s" not in e for e in _envelopes(replies))
+    else:
+        assert re.fullmatch(r"missed the 4 s deadline \(\d+\.\d+ s\)", record.dropped[0]), record.dropped

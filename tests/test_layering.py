@@ -7,27 +7,29 @@ inside functions are lazy and may point up, for example the registries discoveri
 
     errors              FedtuneError, the one exception base
     protocol            messages, Strategy/Client ABCs, profiles, top-k codec
-    config, process, certificates, checkpoint, run_folder, output_files
+    config, process, certificates, checkpoint, run_folder, output_files, steps, plugins
     data                sources, partitioners, batches (no model code)
     models              loading, LoRA workspace, training loop, networks
     tasks               Task ABC + one module per kind (data + model + loss + metrics)
     registry            method name -> Strategy, Client, options, required capabilities
     methods             one module per method, over protocol + the Task interface
-    catalog             the methods' and task kinds' names and descriptions, read without them
+    catalog, config_reference
+                        the methods' and task kinds' names and descriptions, read without them;
+                        the config reference generated from the config classes (the docs)
     planning            client budgets: the memory and time model, the planner, the peak meter
     runtime             RunContext: one process's task, model and profiles
     engines.rounds, engines.delivery, engines.policy, engines.record, engines.local,
     engines.embedded, engines.device_pool
                         the round loop (its transport protocol, reply checks and round record),
                         in-process delivery, the engine, its device workers
-    run, progress, privacy_audit, fingerprint
-                        one run end to end, the run folder; the empirical DP audit; a DP run's
-                        input fingerprints (resume)
+    run, progress, privacy_audit, tracking, fingerprint
+                        one run end to end, the run folder; the empirical DP audit; experiment trackers; a DP
+                        run's input fingerprints (resume)
     trained             a finished run's model: reloaded, exported, evaluated
     engines.flower      the same Strategy/Client objects on Flower (codec, runconfig, worker,
                         clientapp, transport, serverapp, simulation, commands, deployment)
     launch              config.engine -> its launcher (the one entry point)
-    cli, report, harness
+    cli, report, harness, testing
 """
 
 from __future__ import annotations
@@ -54,20 +56,29 @@ LAYERS = [
         "fedtune.checkpoint",
         "fedtune.run_folder",
         "fedtune.output_files",
+        "fedtune.steps",
+        "fedtune.plugins",
     ],
     ["fedtune.data"],
     ["fedtune.models"],
     ["fedtune.tasks"],
     ["fedtune.registry"],
     ["fedtune.methods"],
-    ["fedtune.catalog"],
+    ["fedtune.catalog", "fedtune.config_reference"],
     ["fedtune.planning"],
     ["fedtune.runtime"],
     ["fedtune.engines", "fedtune.engines.rounds", "fedtune.engines.embedded"],
-    ["fedtune.run", "fedtune.progress", "fedtune.trained", "fedtune.privacy_audit", "fedtune.fingerprint"],
+    [
+        "fedtune.run",
+        "fedtune.progress",
+        "fedtune.trained",
+        "fedtune.privacy_audit",
+        "fedtune.tracking",
+        "fedtune.fingerprint",
+    ],
     ["fedtune.engines.flower"],
     ["fedtune.launch"],
-    ["fedtune.cli", "fedtune.report", "fedtune.harness"],
+    ["fedtune.cli", "fedtune.report", "fedtune.harness", "fedtune.testing"],
 ]
 
 

@@ -74,15 +74,16 @@ def locked() -> dict[str, str]:
 
 
 def test_the_lock_pins_every_package_the_makefile_and_pyproject_name():
-    """Every dependency of pyproject.toml (the test extra too) and every package the Makefile
-    installs without its dependencies has one version in the lock, within what they allow; torch
-    is its CPU build and flwr 1.41.0."""
+    """Every dependency of pyproject.toml (and of the extras the Makefile installs: test, tracking,
+    docs) and every package the Makefile installs without its dependencies has one version in the
+    lock, within what they allow; torch is its CPU build and flwr 1.41.0."""
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     makefile = (ROOT / "Makefile").read_text()
     nodeps = re.search(r"^NODEPS := (.*?[^\\])\n", makefile, re.S | re.M).group(1).replace("\\\n", " ").split()
     pins = locked()
-    for line in [*project["dependencies"], *project["optional-dependencies"]["test"], *nodeps]:
+    extras = [x for extra in ("test", "tracking", "docs") for x in project["optional-dependencies"][extra]]
+    for line in [*project["dependencies"], *extras, *nodeps]:
         requirement = Requirement(line)
         name = canonicalize_name(requirement.name)
         assert name in pins, f"requirements.lock has no {name}"
@@ -115,6 +116,9 @@ def test_the_install_passes_the_lock_to_every_pip_install_and_checks_the_venv_ag
 
 def test_make_lint_type_checks_after_ruff_and_ci_runs_it():
     """``make lint`` runs mypy (configured by pyproject.toml's ``[tool.mypy]``) after ruff's two
-    checks, and CI's script runs ``make lint``."""
-    assert [Path(command[0]).name for command in make_dry_run("lint")] == ["ruff", "ruff", "mypy"]
+    checks, then builds the docs site with every warning an error, and CI's script runs ``make lint``."""
+    commands = make_dry_run("lint")
+    assert [Path(command[0]).name for command in commands[:3]] == ["ruff", "ruff", "mypy"]
+    assert commands[3][0] == "NO_MKDOCS_2_WARNING=1" and Path(commands[3][1]).name == "mkdocs"
+    assert commands[3][2:4] == ["build", "--strict"]
     assert "make lint" in (ROOT / ".ci" / "run").read_text().splitlines()

@@ -1,7 +1,9 @@
 """Client-level DP played as its adversary (fedtune.methods.base.privacy): whoever reads a DP
 run's public files (everything in the run folder but the owner-only checkpoint) cannot regenerate
 the noise, learn the sample, or read a client's data from a field outside the mechanism; in local
-mode the server sees no client's numbers. Each test has a control that shows it can fail: the
+mode the server sees no client's numbers. The files, the neighbouring federations, what a run
+prints and what the server receives are checked on every engine (embedded, Flower's simulation,
+a loopback deployment: tests/engines.py). Each test has a control that shows it can fail: the
 test-only reproducible noise, or the same run without DP."""
 
 from __future__ import annotations
@@ -18,6 +20,17 @@ from fedtune.methods.base.privacy import NOISE, generator
 from fedtune.run import run_experiment
 from fedtune.runtime import RunContext, resolve_run
 from tests.conftest import tiny
+from tests.engines import (
+    DP_FILES,
+    ENVELOPE,
+    FAILING,
+    LINE_KEYS,
+    MECHANISM_OUTPUTS,
+    SAME_NOISE,
+    SUMMARY_KEYS,
+    console,
+    public_files,
+)
 
 KIND = "text-classification"
 C, Z = 0.05, 0.8
@@ -25,17 +38,7 @@ DP = {
     "central": ['privacy.mode="central"', f"privacy.clip={C}", f"privacy.noise_multiplier={Z}"],
     "local": ['privacy.mode="local"', f"privacy.clip={C}", f"privacy.noise_multiplier={Z}"],
 }
-SAME_NOISE = "privacy.insecure_reproducible_noise=true"
-#: What a DP run may release: the mechanism's outputs (the state, its evaluation on the server's test
-#: set, epsilon) and what the config and the server's own data say.
-LINE_KEYS = {"round", "accuracy", "loss", "epsilon", "private"}
-SUMMARY_KEYS = {
-    "name", "method", "task", "data", "rounds", "seed", "final_accuracy", "best_accuracy", "final_loss",
-    "majority_accuracy", "reference_name", "test_examples", "run_dir", "engine", "environment", "privacy",
-}  # fmt: skip
-FAILING = "federation.profiles=[{failure_prob=1.0},{},{},{}]"  # client 0 fails every request
 ALL = "federation.clients_per_round=4"  # client 0 is asked every round
-MECHANISM_OUTPUTS = {"accuracy", "loss", "final_accuracy", "best_accuracy", "final_loss"}
 
 
 def _run(tmp_path: Path, name: str, *extra: str) -> Path:
@@ -168,16 +171,13 @@ def test_two_dp_runs_of_one_config_draw_different_noise_and_a_resume_replays_its
     assert resumed["privacy_releases"].tolist() == [3]
 
 
-@pytest.mark.parametrize("mode", ["central", "local"])
-def test_a_dp_run_writes_only_what_its_mechanism_releases(tmp_path, mode):
-    """Every file and field of a DP run folder: no label histograms, no per-client map, no sample,
-    bytes, timings, losses or drops on any line or in the summary; the checkpoint (the server's
-    secret) readable by its owner only. Control: the same run without DP writes each of them."""
-    run_dir = _run(tmp_path, "dp", *DP[mode])
+def _assert_dp_folder(run_dir: Path) -> None:
+    """A DP run folder holds the embedded engine's files and no field outside the mechanism's
+    outputs: no label histograms, timing file or per-client map, no sample, bytes, timings, losses
+    or drops on any line or in the summary; the checkpoint (the server's secret) readable by its
+    owner only."""
     files = {str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file()}
-    assert {f for f in files if not f.startswith("adapter/")} == {
-        "config.toml", "run_config.json", "metrics.jsonl", "checkpoint.npz", "summary.json",
-    }  # fmt: skip
+    assert {f for f in files if not f.startswith("adapter/")} == DP_FILES
     assert stat.S_IMODE((run_dir / "checkpoint.npz").stat().st_mode) == 0o600
     for line in _lines(run_dir):
         assert set(line) <= LINE_KEYS and line["private"] is True
@@ -185,10 +185,123 @@ def test_a_dp_run_writes_only_what_its_mechanism_releases(tmp_path, mode):
     assert set(summary) <= SUMMARY_KEYS
     assert set(summary["privacy"]) >= {"epsilon", "delta", "adjacency", "accountant", "releases"}
 
-    plain = _run(tmp_path, "plain")  # control: a run without DP releases all of it
+
+@pytest.mark.parametrize("case", ["honest", "private"])
+def test_a_dp_run_writes_only_what_its_mechanism_releases_on_every_engine(engine, engine_runs, case):
+    """Every file and field of a DP run folder, on every engine (tests/engines.py): ``honest``
+    (central DP through ``fedtune run``, killed after round 1 and resumed) and ``private`` (local
+    DP, with SecAgg+ on Flower, through ``launch``). A Flower engine that writes its timing file
+    under DP (the secret sample and each client's seconds) fails here. The control (a run without
+    DP writes each of them) is :func:`test_a_run_without_dp_writes_what_a_dp_run_must_not`."""
+    ran = engine_runs.killed(engine) if case == "honest" else engine_runs.launched(engine, case)
+    _assert_dp_folder(ran.run_dir)
+    assert json.loads((ran.run_dir / "summary.json").read_text())["privacy"]["releases"] > 0
+
+
+@pytest.mark.parametrize("mode", ["central", "local"])
+def test_a_dp_run_writes_only_what_its_mechanism_releases(tmp_path, mode):
+    """The same with the secret noise of a real DP run (embedded engine), in both modes."""
+    _assert_dp_folder(_run(tmp_path, "dp", *DP[mode]))
+
+
+def test_a_run_without_dp_writes_what_a_dp_run_must_not(tmp_path):
+    """Control of the tests above: the same run without DP writes label histograms, per-client
+    maps, bytes, timings and drops, and an ordinary checkpoint."""
+    plain = _run(tmp_path, "plain")
     assert (plain / "label_histograms.json").is_file()
     assert {"clients", "train_loss", "client_bytes_up", "client_compute_s", "dropped"} <= set(_lines(plain)[0])
     assert stat.S_IMODE((plain / "checkpoint.npz").stat().st_mode) != 0o600
+    with pytest.raises(AssertionError):
+        _assert_dp_folder(plain)
+
+
+def test_no_released_field_depends_on_one_clients_participation_on_any_engine(engine, engine_runs):
+    """Neighbouring federations on every engine: client 0 trains and replies (``honest``), or fails
+    every request (``failing``); with the same (reproducible) noise every public file but the state's
+    evaluation is equal, every field of it (tests/engines.py ``public_files``: any file an engine
+    adds is compared byte for byte), and so is every line the run prints (``console``: its decimal
+    numbers, the mechanism's outputs, masked; the failing run against the embedded one, whose two
+    neighbours print alike). Controls: without DP the pair differs in its lines
+    (:func:`test_no_released_field_depends_on_one_clients_participation_outside_the_mechanism`) and
+    in what it prints (:func:`test_a_run_without_dp_prints_its_drops`)."""
+    honest, failing = engine_runs.killed(engine), engine_runs.cli(engine, "failing")
+    assert public_files(honest.run_dir) == public_files(failing.run_dir)
+    assert console(failing) == console(engine_runs.cli("embedded", "failing"))
+    assert console(engine_runs.cli("embedded", "failing")) == console(engine_runs.cli("embedded", "honest"))
+
+
+@pytest.mark.parametrize("case", ["honest", "failing"])
+def test_a_dp_run_prints_and_writes_what_the_embedded_run_does(engine, engine_runs, case):
+    """A DP run on another engine, through ``fedtune run`` (``honest``: killed after round 1, then
+    resumed), prints the embedded run's lines (stderr and stdout, every decimal number masked: the
+    state's evaluation and epsilon): no engine start-up line, library warning or client's number;
+    and writes the same public files apart from the engine's name, and nothing beside its folder.
+    Control: :func:`test_a_run_without_dp_prints_its_drops` (a printed difference is seen)."""
+    runs = engine_runs.killed if case == "honest" else (lambda e: engine_runs.cli(e, case))
+    ran, embedded = runs(engine), runs("embedded")
+    assert console(ran) == console(embedded) and len(console(ran)) >= 3
+    assert public_files(ran.run_dir) == public_files(embedded.run_dir)
+    summary = json.loads((ran.run_dir / "summary.json").read_text())
+    assert summary["engine"] == ("embedded" if engine == "embedded" else "flower")
+    assert sorted(p.name for p in ran.run_dir.parent.iterdir()) == [ran.run_dir.name]  # nothing beside it
+
+
+def test_a_run_without_dp_prints_its_drops(tmp_path):
+    """Control of the console comparisons: the neighbouring pair without DP prints differently (the
+    round line names the dropped client and counts the clients that answered)."""
+    from typer.testing import CliRunner
+
+    from fedtune.cli import app
+    from tests.engines import BASE, FAILING, Ran, sets
+
+    printed = []
+    for name, extra in (("plain-honest", []), ("plain-failing", [FAILING])):
+        result = CliRunner().invoke(app, ["run", *sets([*BASE, *extra, f"output_dir={tmp_path}", f"name={name}"])])
+        assert result.exit_code == 0, result.output
+        printed.append(console(Ran("embedded", name, tmp_path / name, stdout=result.output)))
+    assert printed[0] != printed[1] and any("dropped 1 (client 0" in line for line in printed[1])
+
+
+def assert_nothing_of_a_client_but_its_upload(replies: list[dict]) -> int:
+    """Every training reply in ``replies`` (tests/engines.py ``describe``, or the embedded engine's
+    in-process record) carries the method's fixed metadata, ``num_examples`` 1, and, on Flower, a
+    fedtune envelope of who answered for which round only (no ``compute_s``, no timestamps; the packed
+    arrays' layout, the same for every client); under
+    SecAgg+ the mod's masked vector, empty array records and Flower's fixed FitRes fields, nothing
+    else. Returns how many training replies were checked."""
+    checked, layouts = 0, set()
+    for reply in replies:
+        if reply.get("type") != "train" or reply.get("error"):
+            continue
+        if "config" not in reply:  # the embedded engine: no envelope, the in-process Message
+            assert reply["meta"] == {"num_examples": 1}, reply
+            checked += 1
+            continue
+        config, arrays = reply["config"], reply["arrays"]
+        if "fedtune" not in config:  # a SecAgg+ key exchange: public keys, encrypted shares
+            assert set(config) == {"secaggplus_configs"} and not any(arrays.values()), reply
+            continue
+        envelope = dict(config["fedtune"])
+        layouts.add(envelope.pop("layout", None))  # the packed arrays' names, dtypes, shapes: the method's
+        assert set(envelope) == ENVELOPE and envelope["meta"] == {"num_examples": 1}, reply
+        secure = {"fitres.metrics": {}, "fitres.status": {"code": 0, "message": "Success"}}
+        assert {k: v for k, v in config.items() if k not in ("fedtune", "secaggplus_configs")} in ({}, secure), reply
+        if "secaggplus_configs" in config:  # masked: no array crosses in the clear
+            assert set(config["secaggplus_configs"]) == {"masked_params"} and not any(arrays.values()), reply
+            assert reply["metrics"] == {"fitres.num_examples": {"num_examples": 1}}, reply
+        checked += 1
+    assert len(layouts - {None, "[]"}) <= 1, layouts  # one layout for every client: it tells nothing of one
+    return checked
+
+
+def test_where_the_server_must_not_see_a_clients_numbers_it_receives_none_on_any_engine(engine, engine_runs):
+    """Local DP (with SecAgg+ on Flower): every reply the server receives on every engine, as it
+    pulls it from its grid (a deployment's ServerApp process records them), carries nothing of a
+    client but its upload: no seconds or timestamps (a client's compute time depends on its data),
+    no loss or steps. Control: :func:`test_a_reply_without_dp_carries_a_clients_numbers`."""
+    ran = engine_runs.launched(engine, "private")
+    expected = 2 * 2 if engine != "embedded" else 2 * 4  # rounds x clients (Flower: SecAgg+ on 2 nodes)
+    assert assert_nothing_of_a_client_but_its_upload(list(ran.replies)) == expected
 
 
 def _public(run_dir: Path) -> dict:
@@ -201,7 +314,7 @@ def _public(run_dir: Path) -> dict:
     return {"lines": lines, "summary": summary}
 
 
-@pytest.mark.parametrize("mode", ["central", "local"])
+@pytest.mark.parametrize("mode", ["local"])  # central: on every engine, above
 def test_no_released_field_depends_on_one_clients_participation_outside_the_mechanism(tmp_path, mode):
     """Neighbouring federations: client 0 trains and replies, or fails every request. With the
     same (reproducible) noise, every public field but the state's evaluation must be equal.

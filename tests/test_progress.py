@@ -39,3 +39,19 @@ def test_off_a_terminal_there_is_no_spinner_only_the_lines(tiny_config):
     assert printer.status is None
     lines = out.getvalue().splitlines()
     assert len(lines) == 2 and lines[1].startswith("round   1/2")
+
+
+def test_a_round_line_says_the_eta_of_the_whole_run_but_not_under_dp(tiny_config):
+    """The ETA is the mean round this process ran times the rounds left; a DP round's line
+    releases no timing, so it has none. Control: the same record without DP shows it."""
+    out = io.StringIO()
+    printer = RoundPrinter(Console(file=out, width=200), tiny_config("rounds=4"))
+    printer(RoundRecord(1, [0], {"accuracy": 0.5}, wall_s=10.0))
+    printer(RoundRecord(2, [0], {"accuracy": 0.5}, wall_s=30.0))
+    printer(RoundRecord(4, [0], {"accuracy": 0.5}, wall_s=30.0))
+    private = RoundRecord(3, [0], {"accuracy": 0.5, "epsilon": 1.0}, wall_s=10.0, private=True)
+    printer(private)
+    lines = out.getvalue().splitlines()
+    assert lines[0].endswith("ETA 30s") and lines[1].endswith("ETA 40s")  # 3 x 10 s; 2 x mean(10, 30)
+    assert "ETA" not in lines[2]  # the last round
+    assert "ETA" not in lines[3] and "epsilon 1" in lines[3]

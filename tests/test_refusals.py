@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from fedtune.cli import app
 from fedtune.config import ConfigError, RunConfig, load_config
 from fedtune.launch import launch
-from tests.conftest import TINY
+from tests.conftest import TINY, output_lines
 
 runner = CliRunner()
 
@@ -49,7 +49,7 @@ def test_a_run_that_cannot_train_is_refused_before_its_folder_exists(tmp_path, c
     out = tmp_path / "runs"
     args = [a for s in [*TINY, f"output_dir={out}", "rounds=1", *sets] for a in ("--set", s)]
     result = runner.invoke(app, ["run", *args])
-    lines = result.output.strip().splitlines()
+    lines = output_lines(result.output)
     assert result.exit_code == 2 and len(lines) == 1 and expected in lines[-1], result.output
     assert not out.exists()  # no folder: the corrected command is not "an earlier run"
 

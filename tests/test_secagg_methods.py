@@ -24,6 +24,7 @@ from fedtune.config import ConfigError, load_config
 from fedtune.engines.flower.clientapp import make_client_app
 from fedtune.engines.flower.serverapp import serve
 from fedtune.methods import get_method
+from fedtune.methods.base.privacy import quantization_margin
 from fedtune.protocol.client import Client
 from fedtune.protocol.strategy import SECURE_WEIGHT
 from fedtune.run import run_experiment
@@ -128,7 +129,8 @@ def test_secure_aggregation_gives_the_plain_aggregate_within_the_quantization_er
     """(1) The secure sum is sum_i w_i v_i of the vectors the clients masked, coordinate by
     coordinate within its stated error k (2C/T) W (w_i as the mod quantizes it); (2) the global
     state after the round is the plain run's (the method's own aggregate_fit on the clients'
-    updates) within error / (smallest denominator) -- with ``padding = "coverage"`` also the
+    updates) within error / (smallest denominator) -- under central DP also SecAgg+'s clip margin mu
+    (the secure run's clients clip to C - mu, the plain run's server to C) -- with ``padding = "coverage"`` also the
     coverage weights' error, E/C, over it; (3) that bound is far below the round's change, so a
     wrong divisor, a lost padding weight or a misplaced rank would be outside."""
     method, *extra = CASES[case]
@@ -158,6 +160,8 @@ def test_secure_aggregation_gives_the_plain_aggregate_within_the_quantization_er
     got = _global(summary)
     denominator = 3 if "privacy.mode" in " ".join(extra) else total.weight  # local DP: the fixed m
     bound = total.error / denominator
+    if 'privacy.mode="central"' in extra:  # the secure run's clients clip to C - mu (SecAgg+'s margin), the plain to C
+        bound += quantization_margin(config.federation.secagg_step(), sum(np.size(v) for v in want.values()), 0.05)
     if 'options.padding="coverage"' in extra:  # rank index 3 is covered by one client of weight 1
         biggest = max(float(np.max(np.abs(v))) for v in want.values())
         bound = (total.error + biggest * total.error / C) / (1 - total.error / C)

@@ -416,6 +416,26 @@ def test_export_never_deletes_or_overwrites_what_it_did_not_write(run_dir, tmp_p
     shutil.rmtree(default)  # this test's own export
 
 
+def test_a_run_of_every_engine_exports_as_the_embedded_ones_and_is_left_as_it_was(engine, engine_runs, tmp_path):
+    """Export and run-folder safety on every engine (tests/engines.py): a DP run made on it exports
+    the embedded run's files, its model card the same but for the mechanism's numbers (every
+    decimal masked); a target inside the run folder is refused in one line; the run folder is byte
+    for byte as before."""
+    import re
+
+    ran, embedded = engine_runs.killed(engine), engine_runs.killed("embedded")
+    before = _tree(ran.run_dir)
+    _one_line_error(["export", str(ran.run_dir), "-o", str(ran.run_dir / "adapter")], "inside the run folder")
+    exported = {}
+    for name, run in (("engine", ran), ("embedded", embedded)):
+        result = runner.invoke(app, ["export", str(run.run_dir), "-o", str(tmp_path / name)])
+        assert result.exit_code == 0, result.output
+        card = re.sub(r"\d+\.\d+", "#", (tmp_path / name / "README.md").read_text())
+        exported[name] = (sorted(_tree(tmp_path / name)), card)
+    assert exported["engine"] == exported["embedded"] and "accuracy #" in exported["engine"][1]
+    assert _tree(ran.run_dir) == before
+
+
 def test_a_failed_export_leaves_nothing_half_written(run_dir, tmp_path, monkeypatch):
     """A write that fails part-way (a full disk) or a read-only file system: one line, and no
     folder is left (neither the target nor the temporary one beside it)."""

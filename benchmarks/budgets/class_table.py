@@ -4,6 +4,7 @@ client-rounds and plan.json prediction by device class, averaged over seeds per 
 from __future__ import annotations
 
 from fedtune.harness import RunSpec, final_accuracy, load_rounds, load_summary
+from fedtune.harness.report import run_accuracy
 from fedtune.harness.stats import mean, mean_of_last, mean_std
 from fedtune.planning.planner import GIB
 from fedtune.report import client_rows
@@ -81,6 +82,51 @@ def rows(runs: list[RunSpec], settings: dict) -> list[dict]:
             out.append({"method": method, "arm": arm, "accuracy_mean": m, "accuracy_std": sd, "finished": n,
                         "loss_mean": loss[0], "loss_std": loss[1], "classes": per_class})  # fmt: skip
     return out
+
+
+def paired(runs: list[RunSpec], field: str = "accuracy") -> list[dict]:
+    """Per method, the planned arm minus each other arm, paired by seed (the seeds both finished): the
+    mean difference of each run's mean of its last :data:`LAST` evaluations (accuracy in points;
+    ``field="loss"``: nats), its standard error (sample std / sqrt(n)) and n. A difference is resolved
+    where it is over twice its SE."""
+
+    def value(s: RunSpec) -> float | None:
+        if field == "accuracy":
+            a = run_accuracy(s, LAST)
+            return None if a is None else 100 * a
+        return mean_of_last(load_rounds(s), LAST, field) if load_summary(s) else None
+
+    by = {(s.labels["method"], s.labels["arm"], s.labels["seed"]): value(s) for s in runs}
+    out = []
+    for method, arm in dict.fromkeys((m, a) for m, a, _ in by if a != "planned"):
+        diffs = []
+        for (m, a, seed), v in by.items():
+            planned = by.get((m, "planned", seed))
+            if (m, a) == (method, arm) and v is not None and planned is not None:
+                diffs.append(planned - v)
+        mu, sd = mean_std(diffs)
+        se = None if sd is None or len(diffs) < 2 else sd / len(diffs) ** 0.5
+        out.append({"method": method, "versus": arm, "diff_mean": mu, "diff_se": se, "n": len(diffs)})
+    return out
+
+
+def paired_lines(table: list[dict], unit: str = "points") -> list[str]:
+    """:func:`paired`'s rows as a markdown table, with whether each difference is over 2 SE."""
+    header = ["method", "planned minus", f"mean ({unit})", "SE", "n", "resolved (mean beyond 2 SE)"]
+    body = [
+        [r["method"], r["versus"], cell(r["diff_mean"], "+.2f"), cell(r["diff_se"], ".2f"), str(r["n"]),
+         "–" if r["diff_se"] is None else ("yes" if abs(r["diff_mean"]) > 2 * r["diff_se"] else "no")]
+        for r in table
+    ]  # fmt: skip
+    return [f"| {' | '.join(header)} |", "|" + "---|" * len(header), *(f"| {' | '.join(row)} |" for row in body)]
+
+
+def paired_section(runs: list[RunSpec], pairs: list[dict], loss: bool) -> list[str]:
+    """The README's paired differences: ``pairs`` (:func:`paired` of ``runs``' accuracy), and with
+    ``loss`` the held-out loss's too."""
+    out = ["Paired by seed: the planned arm's accuracy minus each other arm's (points), mean and standard error "
+           "over the seeds both finished.", "", *paired_lines(pairs), ""]  # fmt: skip
+    return out + ([*paired_lines(paired(runs, "loss"), "nats; negative: planned lower"), ""] if loss else [])
 
 
 COST_HEADER = ["method", "arm", "class", "setting", "trained", "dropped"]

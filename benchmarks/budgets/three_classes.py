@@ -46,7 +46,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from class_table import CLASSES, COST_HEADER, LAST, accuracy, cell, class_of, ratio, rows
+from class_table import CLASSES, COST_HEADER, LAST, accuracy, cell, class_of, paired, paired_section, ratio, rows
 
 from fedtune.config import load_config
 from fedtune.harness import (
@@ -88,7 +88,7 @@ ARMS = ("planned", "smallest", "drop", "compressed")
 #: method -> its arms (RABO: no upload codec to plan)
 METHOD_ARMS = {"heterolora": ARMS, "fslora": ARMS, "rabo": ARMS[:3]}
 #: experiment -> one run's CPU seconds, full and --quick (the timing runs: README)
-RUN_S = {"agnews": (110.0, 15.0), "omniglot": (380.0, 15.0)}
+RUN_S = {"agnews": (215.0, 15.0), "omniglot": (380.0, 15.0)}
 QUICK = ["model.name=tiny-bert", "model.lora_rank=32", "rounds=2", "eval_every=1", "data.max_train_samples=300"]
 QUICK += ["data.max_test_samples=64", "train.local_steps=1"]
 QUICK_RABO = ["rounds=2", "eval_every=1", "task.eval_episodes=20"]
@@ -121,10 +121,12 @@ class Suite:
     def names(self) -> list[str]:
         return list(self.recipes)
 
-    def plan(self, seeds: list[int], quick: bool, out: Path, extra: tuple[str, ...] = ()) -> tuple[dict, dict]:
-        """The suite's plan (:func:`specs` by experiment, ``extra`` overrides on every run) and each
-        method's settings by arm and class."""
-        runs, settings = specs(seeds, quick, self, extra)
+    def plan(
+        self, seeds: list[int], quick: bool, out: Path, extra: tuple[str, ...] = (), methods: list[str] | None = None
+    ) -> tuple[dict, dict]:
+        """The suite's plan (:func:`specs` by experiment, ``extra`` overrides on every run; ``methods``:
+        only theirs) and each method's settings by arm and class."""
+        runs, settings = specs(seeds, quick, self, extra, methods)
         plan = {}
         for e, recipe in self.recipes.items():
             plan |= build_plan({e: [s for s in runs if self.experiment[s.labels["method"]] == e]}, recipe, out)
@@ -237,12 +239,14 @@ def global_rank(method: str, arm: str, profiles: list[dict]) -> list[str]:
 
 
 def specs(
-    seeds: list[int], quick: bool, suite: Suite = AGNEWS, extra: tuple[str, ...] = ()
+    seeds: list[int], quick: bool, suite: Suite = AGNEWS, extra: tuple[str, ...] = (), methods: list[str] | None = None
 ) -> tuple[list[RunSpec], dict]:
-    """Every run (seed, method, arm) of ``suite`` (``extra`` overrides on each) and each method's
-    settings by arm and class."""
+    """Every run (seed, method, arm) of ``suite`` (``extra`` overrides on each; ``methods``: only
+    theirs, None: all) and each method's settings by arm and class."""
     out, settings = [], {}
     for method, experiment in suite.experiment.items():
+        if methods is not None and method not in methods:
+            continue
         base = [*METHODS[method], *(suite.quick[experiment] if quick else []), *extra]
         profiles, settings[method] = arm_profiles(method, base, suite, pin=not quick)
         for seed in seeds:
@@ -301,7 +305,8 @@ def report(runs: list, settings: dict, out: Path, command: str, doc: str = __doc
         first.setdefault(s.config.data.name, s.config)
     dumps = {e: [p.model_dump(exclude_defaults=True) for p in c.federation.profiles] for e, c in first.items()}
     classes = {e: {k: d[i] for i, k in enumerate(CLASSES)} for e, d in dumps.items()}
-    result = {"last_evaluations": LAST, "majority_rate": majority, "classes": classes, "rows": table}
+    pairs = paired(runs)
+    result = {"last_evaluations": LAST, "majority_rate": majority, "classes": classes, "rows": table, "paired": pairs}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     acc_rows = [
         [r["method"], r["arm"], *(r["classes"][k]["setting"] for k in CLASSES), accuracy(r)]
@@ -348,6 +353,7 @@ def report(runs: list, settings: dict, out: Path, command: str, doc: str = __doc
         "",
         *table_lines(["method", "arm", *CLASSES, "accuracy (%)", *(["loss"] if loss else [])], acc_rows),
         "",
+        *paired_section(runs, pairs, loss),
         "Per class, mean over seeds: client-rounds per run that trained (fit measured; kept, or then dropped "
         "over its memory) and that were dropped (any reason); over the trained client-rounds, the measured "
         "peak GiB (mean / max), compute seconds and MB up (mean), each after the plan's prediction for the "
@@ -368,14 +374,20 @@ def report(runs: list, settings: dict, out: Path, command: str, doc: str = __doc
 
 def main(argv: list[str] | None = None, suite: Suite = AGNEWS) -> int:
     names = suite.names()
-    p = suite_parser(suite.doc.split("\n\n")[0], names, seeds="0,1,2", workers=2, budget_minutes=70.0)
+    p = suite_parser(suite.doc.split("\n\n")[0], names, seeds="0,1,2,3,4", workers=2, budget_minutes=240.0)
     p.add_argument("--lr", type=float, help="train.lr of every run (a sweep: give each rate its own --out)")
+    p.add_argument("--methods", help=f"comma-separated subset of {','.join(suite.experiment)} (default: all)")
     args = p.parse_args(argv)
+    methods = None if args.methods is None else [m.strip() for m in args.methods.split(",") if m.strip()]
+    if methods is not None and not set(methods) <= set(suite.experiment):
+        print(f"--methods: expected some of {', '.join(suite.experiment)}, got {args.methods!r}")
+        return 2
     selected, seeds = parse_selection(args, names)
     out = output_dir(args, suite.results, suite.quick_results)
     offline_data(suite.reads)
     command = suite_command(suite.script, argv)
-    plan, settings = suite.plan(seeds, args.quick, out, () if args.lr is None else (f"train.lr={args.lr}",))
+    lr = () if args.lr is None else (f"train.lr={args.lr}",)
+    plan, settings = suite.plan(seeds, args.quick, out, lr, methods)
     costs = {s.key: suite.run_s[s.experiment][args.quick] for s in distinct_runs(plan, names)}
     every = [s for e in names for s in plan[e]]
     write = lambda: report(every, settings, out, command, suite.doc, suite.loss)  # noqa: E731

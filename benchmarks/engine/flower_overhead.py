@@ -6,7 +6,7 @@ sampled per round, 1 torch thread per client (``train.threads = 1``), for a shor
 (``--short-steps`` local steps, the issue's 10) and a long one (``--long-steps``, chosen so the
 embedded round takes 30 s or more). Each setting runs on the embedded engine (one process, the
 clients one after the other) and on the loopback deployment (``engine = "flower"``: a SuperLink,
-SuperNodes each with a warm worker, ``flwr run``) with 1 node (both clients in one worker, one after
+SuperNodes each with a warm executor, ``flwr run``) with 1 node (both clients in one executor, one after
 the other: the same compute as embedded, so the difference is Flower's cost) and with 2 nodes (the
 default on 2 cores: the clients train in parallel), jobs one after another. The global model is
 evaluated only after the last round (``eval_every = rounds``), so rounds 2..R-1 are training alone
@@ -22,7 +22,7 @@ time).
 Memory (``--part memory``): FedIT on MiniLM / SST-2, ``data.partition = dirichlet-client``, 10
 clients sampled per round, with 10 vs 1,000 registered clients, on both engines; the peak of the
 summed resident memory (RSS) of the job's whole process tree (the deployment: SuperLink,
-SuperNodes, workers, ServerApp, ClientApps), sampled every 0.2 s.
+SuperNodes, executors), sampled every 0.2 s.
 
 Each job runs in a subprocess of this script (``--job``). The machine's load average is
 recorded before and after each job (a shared machine: compare ratios measured in one run).
@@ -40,9 +40,10 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from deployment_jobs import run_parts
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 BASE = [
@@ -248,7 +249,7 @@ def markdown(result: dict) -> str:
             "Median over rounds 2..R-1 (training only; the last round also evaluates); round 1 also loads "
             "the model and data. Every job runs its clients with 1 torch thread (`train.threads=1`): the embedded "
             "engine trains the 2 clients one after the other in one process; the deployment with 1 node does the "
-            "same in one worker (the 2 clients in one bundle per round), so its excess over embedded is Flower's "
+            "same in one executor (the 2 clients in one bundle per round), so its excess over embedded is Flower's "
             "cost; with 2 nodes the clients train in parallel, one per node.",
             "",
             "## Flower's fixed cost (deployment, rounds 2..R-1)",
@@ -310,27 +311,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.job:
         return job(args.job, args.set)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("FEDTUNE_DATA_DIR", str(Path(__file__).resolve().parents[3] / "shared" / "data"))
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "flower_overhead.json"
-    result = json.loads(path.read_text()) if path.is_file() else {}  # a part run alone keeps the other's
-    command = "python benchmarks/engine/flower_overhead.py " + " ".join(sys.argv[1:])
-    with tempfile.TemporaryDirectory(prefix="fedtune-bench-") as tmp:
-        for part, run in (("rounds", part_rounds), ("memory", part_memory)):
-            if part not in args.part.split(","):
-                continue
-            start_load = os.getloadavg()[0]
-            result[part] = run(args, Path(tmp))
-            result[part]["machine"] = (
-                f"{os.cpu_count()} cores, load average {start_load:.1f} at the start and "
-                f"{os.getloadavg()[0]:.1f} at the end of the part"
-            )
-            result[part]["command"] = command
-            path.write_text(json.dumps(result, indent=1))
-            (RESULTS / "flower_overhead.md").write_text(markdown(result))
-    print(markdown(result))
+    run_parts({"rounds": part_rounds, "memory": part_memory}, args, "flower_overhead", markdown, Path(__file__).name)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The ``fedtune`` command line: run, methods, tasks, report, plan, export, eval; deploy
-(:mod:`fedtune.cli.deploy`); what they share in :mod:`fedtune.cli.common`."""
+(:mod:`fedtune.cli.deploy`); new (:mod:`fedtune.cli.new`); what they share in :mod:`fedtune.cli.common`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 import typer
 from rich.console import Console
 
-from fedtune.cli.common import app, console, fail, redact
+from fedtune.cli.common import app, console, fail, redact, steps_shown
 from fedtune.cli.deploy import deploy_app
+from fedtune.cli.new import new_app
 from fedtune.errors import FedtuneError
 
 if TYPE_CHECKING:
@@ -60,10 +61,11 @@ def run(
 
         printer.begin()
         try:
-            run = resolve_run(config)  # this process's one resolution: launch and the engine take it
-            summary = launch(
-                run, on_round=printer, on_start=printer.start, resume=resume is not None, overwrite=overwrite
-            )
+            with steps_shown(before_live=lambda: printer.working(None)):
+                run = resolve_run(config)  # this process's one resolution: launch and the engine take it
+                summary = launch(
+                    run, on_round=printer, on_start=printer.start, resume=resume is not None, overwrite=overwrite
+                )
         finally:
             printer.working(None)
     except FedtuneError as exc:
@@ -101,17 +103,28 @@ def methods(
         help="also each method's task kinds, options, and the settings that depart from its paper",
     ),
 ) -> None:
-    """List the registered methods."""
+    """List the registered methods: fedtune's own, then those installed packages declare (entry
+    point group fedtune.methods); -v imports them all and names each one's source."""
     from fedtune import catalog
+    from fedtune.plugins import METHODS, declared, source
 
     pad = " " * 15
-    for method, description in catalog.read()["methods"]:  # without importing the methods (torch)
-        typer.echo(f"{method:<14} {description}")
-        if not verbose:
-            continue
-        from fedtune.methods import get_method
+    if not verbose:  # without importing the methods (torch)
+        for method, description in catalog.read()["methods"]:
+            typer.echo(f"{method:<14} {description}")
+        for ep in declared(METHODS):
+            typer.echo(f"{ep.name:<14} (from {source(ep)})")
+        return
+    from fedtune.methods import list_methods
 
-        spec = get_method(method)
+    try:
+        specs = list_methods(plugins=True)
+    except FedtuneError as exc:
+        fail(str(exc), code=exc.exit_code)
+    for spec in specs:
+        typer.echo(f"{spec.name:<14} {spec.description}")
+        own = spec.module.startswith("fedtune.")
+        typer.echo(f"{pad}source: {'fedtune' if own else spec.module + ' (your package)'}")
         typer.echo(f"{pad}tasks: {', '.join(spec.supported_tasks())}")
         for name, field in spec.options.model_fields.items():
             about = f"  ({field.description})" if field.description else ""
@@ -124,10 +137,28 @@ def methods(
 def tasks() -> None:
     """List the task kinds (``task.kind``) with their default data set and model."""
     from fedtune import catalog
+    from fedtune.plugins import TASKS, declared, source
 
     for kind, description, defaults in catalog.read()["tasks"]:  # without importing the tasks (torch)
         shown = ", ".join(f"{k} {v}" for k, v in defaults.items())
         typer.echo(f"{kind:<22} {description} [{shown}]")
+    for ep in declared(TASKS):  # a package's own (entry point group fedtune.tasks)
+        typer.echo(f"{ep.name:<22} (from {source(ep)})")
+
+
+@app.command()
+def combiners() -> None:
+    """List the combiners (``federation.aggregation``): fedtune's own, then those installed packages
+    declare (entry point group fedtune.combiners), each with its source."""
+    from fedtune.methods.base.robust import list_combiners
+
+    try:
+        specs = list_combiners(plugins=True)
+    except FedtuneError as exc:
+        fail(str(exc), code=exc.exit_code)
+    for spec in specs:
+        own = spec.module.startswith("fedtune.")
+        typer.echo(f"{spec.name:<14} {spec.description} (source: {'fedtune' if own else spec.module})")
 
 
 @app.command()
@@ -168,12 +199,13 @@ def plan(
 
     setup_process()  # the libraries quiet (FedPFT / FedOT load the base: its "Loading weights" bar)
     try:
-        context = RunContext(resolve_run(load_config(recipe, set_)))
+        with steps_shown():
+            context = RunContext(resolve_run(load_config(recipe, set_)))
         ratios = {}
         if calibrate_speed:
             model = context.config.model
             ratios = speed.calibrate(Shape.of(context.skeleton), model.dtype, model.quantization)
-        with speed.calibrated(ratios):
+        with speed.calibrated(ratios), steps_shown():
             text = format_plan(plan_budgets(context, always=True))
     except FedtuneError as exc:
         fail(str(exc), code=exc.exit_code)
@@ -207,7 +239,9 @@ def export(
         base = None if merged else run.adapter_config.get("base_model_name_or_path")
         token = None if push_to_hub is None else hub_token(push_to_hub, base)
         folder = out or default_folder(run_dir, merged)
-        for note in export_run(run, folder, merged, overwrite):
+        with steps_shown():
+            notes = export_run(run, folder, merged, overwrite)
+        for note in notes:
             console.print(note, markup=False, highlight=False, soft_wrap=True)
         console.print(f"wrote {folder}")
         if push_to_hub is not None:
@@ -269,8 +303,6 @@ def eval_(
     import json
     import warnings
 
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
     from fedtune.config import ConfigError
     from fedtune.output_files import check_free, write_output
     from fedtune.process import setup_process
@@ -288,21 +320,13 @@ def eval_(
         scored = target_of(target)
         path = out or (scored.run_dir / "eval.json" if scored.run_dir is not None else Path("eval.json"))
         check_free(path, is_eval_result, "--out")  # before the evaluation, which takes a while
-        columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-        with Progress(*columns, console=console, transient=True) as bar, warnings.catch_warnings():
+        with steps_shown(), warnings.catch_warnings():  # loading, tokenizing, scoring: questions, rate, ETA
             warnings.simplefilter("ignore", UserWarning)  # the result's warnings are printed below
-            shown = bar.add_task("loading the model", total=None)
-
-            def advance(unit: str, passes: int) -> None:
-                bar.update(shown, description=f"{unit}: {passes} forward passes")
-
             if lm_eval:
                 folder = None if include_path is None else str(include_path)
                 result = evaluate_lm_eval(scored, sets, limit, batch_size, num_fewshot, baseline, folder)
             else:
-                result = evaluate(
-                    scored, sets, limit, batch_size, generate, advance, protocol, num_fewshot or 0, baseline
-                )
+                result = evaluate(scored, sets, limit, batch_size, generate, None, protocol, num_fewshot or 0, baseline)
         write_output(path, json.dumps(result, indent=1).encode(), is_eval_result, "--out")
     except FedtuneError as exc:
         fail(str(exc), code=exc.exit_code)
@@ -316,6 +340,7 @@ def eval_(
 
 
 app.add_typer(deploy_app, name="deploy")
+app.add_typer(new_app, name="new")
 
 
 def main() -> None:  # pragma: no cover

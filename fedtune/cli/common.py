@@ -7,6 +7,8 @@ import os
 import re
 import sys
 import traceback
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import typer
 from rich.console import Console
@@ -69,13 +71,27 @@ def _options(
     verbose: bool = typer.Option(
         False, "--verbose", help="also the libraries' warnings, log lines and progress bars (fedtune --verbose run ...)"
     ),
+    quiet: bool = typer.Option(
+        False, "--quiet", "-q", help="no progress display (bars, spinners, progress lines); results still print"
+    ),
 ) -> None:
     if verbose:
-        import os
-
         from fedtune.process import VERBOSE_ENV
 
         os.environ[VERBOSE_ENV] = "1"
+    if quiet:
+        from fedtune.progress import QUIET_ENV
+
+        os.environ[QUIET_ENV] = "1"
+
+
+def steps_shown(before_live: Callable[[], None] = lambda: None) -> AbstractContextManager[None]:
+    """Show the long steps of :mod:`fedtune.steps` on the console (bars on a terminal, plain lines
+    elsewhere, nothing with ``--quiet``: :class:`fedtune.progress.StepDisplay`) while the context lasts."""
+    from fedtune.progress import StepDisplay, quiet
+    from fedtune.steps import showing
+
+    return showing(None if quiet() else StepDisplay(console, before_live))
 
 
 def fail(message: str, code: int = 2) -> None:

@@ -104,17 +104,29 @@ def deploy_supernode(
     insecure: bool = typer.Option(False, "--insecure", help="no TLS (trusted networks only)"),
     auth_key: Path | None = typer.Option(None, help="this node's private key (OpenSSH EC; its .pub registered)"),
     threads: int | None = typer.Option(None, min=1, help="torch threads (default: all cores)"),
-    worker: bool = typer.Option(
-        True, help="a warm fedtune worker next to the node (else each message loads the model)"
+    executor: bool = typer.Option(
+        True,
+        help="a warm fedtune executor next to the node answers every message in one process (else Flower "
+        "starts a flwr-clientapp process per message, which loads the model each time)",
     ),
+    memory_gib: float | None = typer.Option(None, help="budget: memory for one client's local training (GiB)"),
+    bandwidth_mb: float | None = typer.Option(None, help="budget: MB a client may upload per round"),
+    deadline_s: float | None = typer.Option(None, help="budget: seconds a client may take per round"),
+    speed: float | None = typer.Option(None, help="relative compute speed (1: the planner's reference)"),
+    measure_memory: bool = typer.Option(False, "--measure-memory", help="state the memory available at start"),
+    measure_speed: bool = typer.Option(False, "--measure-speed", help="state the speed a short probe measures"),
     extra: list[str] = EXTRA,
 ) -> None:
-    """Start a Flower SuperNode playing fedtune clients, with its warm worker; Ctrl-C stops both."""
+    """Start a Flower SuperNode playing fedtune clients, with its warm executor; Ctrl-C stops both. Its
+    budget (the options below) is this node's own: it reports it to the server, which plans each of
+    its clients from it, and it refuses a setting that the budget cannot hold."""
+    import math
     import tempfile
 
     from fedtune.engines.flower.codec import parse_clients
-    from fedtune.engines.flower.commands import flower_env, supernode_args, wait_for_worker, worker_args
-    from fedtune.process import Processes
+    from fedtune.engines.flower.commands import executor_args, flower_env, supernode_args
+    from fedtune.engines.flower.executor import write_secret
+    from fedtune.process import Processes, wait_for_port
 
     _check_port(port, "supernode")
     _security(insecure, root_certificates, "supernode")
@@ -126,19 +138,31 @@ def deploy_supernode(
         ids = []
     if not ids:
         fail(f"deploy supernode --clients: expected ids like 3, 0-4 or 0,2,5-7 (got {clients!r})")
+    # the SuperNode runs in its own folder: paths as given here, made absolute
+    root_certificates = root_certificates.resolve() if root_certificates is not None else None
+    auth_key = auth_key.resolve() if auth_key is not None else None
+    stated = {"memory-gib": memory_gib, "bandwidth-mb": bandwidth_mb, "deadline-s": deadline_s, "speed": speed}
+    for key, value in stated.items():
+        if value is not None and not (math.isfinite(value) and value > 0):
+            fail(f"deploy supernode --{key}: expected a positive finite number (got {value:g})")
+    budget: dict[str, float | bool] = {k: v for k, v in stated.items() if v is not None}
+    budget.update({k: True for k, on in (("measure-memory", measure_memory), ("measure-speed", measure_speed)) if on})
     home = Path(tempfile.mkdtemp(prefix="fedtune-node-"))
+    home.chmod(0o700)
     procs = Processes(home)
     try:
-        sock = None
-        if worker:
-            sock = str(home / "worker.sock")
-            proc = procs.start("worker", worker_args(sock, threads), flower_env())
-            wait_for_worker(sock, proc, procs.log_of(proc))
-        procs.start(
+        secret = write_secret(home / "executor.secret") if executor else None
+        node = procs.start(
             "supernode",
-            supernode_args(superlink, port, ids, root_certificates, auth_key, sock, threads, extra),
+            supernode_args(superlink, port, ids, root_certificates, auth_key, secret, threads, extra, budget),
             flower_env(),
         )
+        if secret is not None:
+            try:
+                wait_for_port(port, node, log=procs.log_of(node))
+            except FedtuneError as exc:
+                fail(f"deploy supernode: {exc}")
+            procs.start("executor", executor_args(port, secret, threads), flower_env())
         console.print(f"SuperNode for clients {clients} -> {superlink} (logs: {home}); Ctrl-C stops it")
         code = _wait([p for _, p, _ in procs.started])
     finally:

@@ -6,7 +6,8 @@ string means its ``name`` (``data = "sst2"`` is ``[data] name = "sst2"``), so
 
 One module per part: :mod:`~fedtune.config.base` (the error, what sections share),
 :mod:`~fedtune.config.sections` (task, data, model, train), :mod:`~fedtune.config.federation`,
-:mod:`~fedtune.config.privacy`, :mod:`~fedtune.config.run_config` (the whole run and
+:mod:`~fedtune.config.privacy`, :mod:`~fedtune.config.tracking` (``[logging]``),
+:mod:`~fedtune.config.run_config` (the whole run and
 :data:`~fedtune.config.run_config.RULES`, the rules across sections) and
 :mod:`~fedtune.config.loading` (recipes and overrides).
 """
@@ -25,6 +26,7 @@ from fedtune.config.loading import (
 from fedtune.config.privacy import ADAPTIVE_CLIP_KEYS, PrivacyConfig
 from fedtune.config.run_config import RULES, MethodRefusals, Rule, RunConfig, check_rules
 from fedtune.config.sections import DataConfig, ModelConfig, TaskConfig, TrainConfig
+from fedtune.config.tracking import LoggingConfig
 
 __all__ = [
     "ADAPTIVE_CLIP_KEYS",
@@ -36,6 +38,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "FederationConfig",
+    "LoggingConfig",
     "MethodRefusals",
     "ModelConfig",
     "PrivacyConfig",

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from fedtune.config.base import DEVICE, Section
 from fedtune.protocol.profiles import ClientProfile, DeviceClass, check_device_classes, check_profile_choices
+
+BUILTIN_AGGREGATIONS = ("mean", "trimmed-mean", "median")  # fedtune's own combiners (methods.base.robust)
+AGGREGATION_NAME = re.compile(r"[\w.-]+(:[\w.-]+)?")  # a combiner's name, or module:NAME (resolved at resolve)
 
 SECAGG_PARAMETERS = (
     "secagg_clipping_range",
@@ -21,7 +25,7 @@ SECAGG_PARAMETERS = (
 class FederationConfig(Section):
     """``[federation]``: the clients, their sampling and profiles, the wire, the server's aggregation."""
 
-    num_clients: int = Field(10, gt=0)
+    num_clients: int = Field(10, gt=0, description="clients in the federation (N)")
     clients_per_round: int | None = Field(None, gt=0, description="clients sampled per round")
     fraction: float | None = Field(None, gt=0, le=1, description="fraction sampled per round")
     profiles: list[ClientProfile] | None = Field(None, description="one resource profile per client (or one for all)")
@@ -45,8 +49,12 @@ class FederationConfig(Section):
     server_bias_correction: bool = Field(
         True, description="FedAdam with Adam's bias correction (torch) or without (Reddi et al.)"
     )
-    aggregation: Literal["mean", "trimmed-mean", "median"] = Field(
-        "mean", description="combine the updates by their weighted mean, or per coordinate by a trimmed mean or median"
+    aggregation: str = Field(
+        "mean",
+        description='combine the updates by their weighted mean ("mean"), or per coordinate by a trimmed mean '
+        '("trimmed-mean") or median ("median"), or by your own combiner (fedtune combiners): a name an installed '
+        'package declares (entry point group fedtune.combiners) or "my_pkg.module:NAME"; like the robust ones it '
+        "is refused under DP, SecAgg+ and by the methods that do not honour it",
     )
     trim_fraction: float = Field(0.1, ge=0, lt=0.5, description="trimmed-mean: the fraction cut at each end")
     clip_update_norm: float | None = Field(
@@ -104,6 +112,16 @@ class FederationConfig(Section):
     secagg_threshold: int | None = Field(
         None, ge=2, description="SecAgg+: shares that rebuild a secret (default: a majority of the round's shares)"
     )
+
+    @field_validator("aggregation")
+    @classmethod
+    def _aggregation_name(cls, name: str) -> str:
+        if not AGGREGATION_NAME.fullmatch(name):
+            raise ValueError(
+                f"expected {', '.join(BUILTIN_AGGREGATIONS)}, a combiner an installed package declares, or "
+                "my_pkg.module:NAME"
+            )
+        return name
 
     @field_validator("max_update_ratio")
     @classmethod
@@ -217,6 +235,17 @@ class FederationConfig(Section):
         ``shares``, a round's shares per secret (default :meth:`secagg_shares`; under DP's Poisson
         sample a round's clients, and so its shares, vary)."""
         return self.secagg_threshold or max(2, (shares or self.secagg_shares()) // 2 + 1)
+
+    def secagg_target(self, m: int) -> int:
+        """SecAgg+'s quantization range T of a round summing ``m`` clients: ``secagg_quantization_range``,
+        lowered to (M - 1) // m where m T would reach the modulus M (a DP round's Poisson sample may
+        exceed the expected one), so the sum never wraps around."""
+        return min(self.secagg_quantization_range, (self.secagg_modulus_range - 1) // m)
+
+    def secagg_step(self) -> float:
+        """The largest quantization step 2c/T any SecAgg+ round can use: T of a round that sums
+        every client (:meth:`secagg_target` of ``num_clients``), c = ``secagg_clipping_range``."""
+        return 2 * self.secagg_clipping_range / self.secagg_target(self.num_clients)
 
     def resolved_server_lr(self) -> float:
         """``server_lr``, or 1 (the plain sum of eq. (5) / FedAvg) when not given."""

@@ -21,6 +21,7 @@ from fedtune.config.base import DEVICE, RUN_NAME, ConfigError
 from fedtune.config.federation import FederationConfig
 from fedtune.config.privacy import PrivacyConfig
 from fedtune.config.sections import DataConfig, ModelConfig, TaskConfig, TrainConfig
+from fedtune.config.tracking import LoggingConfig
 
 
 class RunConfig(BaseModel):
@@ -29,13 +30,13 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # every number finite
 
     name: str | None = Field(None, description="run folder name under output_dir (default: method-data-seed)")
-    method: str = "fedit"
-    seed: int = Field(0, ge=0, lt=2**32)
-    rounds: int = Field(
-        10, gt=0, le=10**6, description="rounds of the run (at most 10^6: a count the checkpoint holds)"
+    method: str = Field(
+        "fedit", description="the method (fedtune methods), or my_pkg.module:NAME from your own package"
     )
+    seed: int = Field(0, ge=0, lt=2**32, description="fixes sampling, partitions, sketches, masks and data order")
+    rounds: int = Field(10, gt=0, le=10**6, description="federated rounds (at most 10^6: a count the checkpoint holds)")
     eval_every: int = Field(1, gt=0, description="evaluate every this many rounds (and the last)")
-    output_dir: str = "runs"
+    output_dir: str = Field("runs", description="where run folders go (output_dir/name)")
     engine: Literal["embedded", "flower-sim", "flower"] = Field(
         "embedded",
         description="embedded (in-process), flower-sim (Flower's simulation) or flower (a loopback deployment)",
@@ -43,12 +44,15 @@ class RunConfig(BaseModel):
     device: str = Field(
         "cpu", description="where models compute: cpu, cuda, cuda:N, mps, or auto (CUDA when available, else cpu)"
     )
-    task: TaskConfig = Field(default_factory=TaskConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    federation: FederationConfig = Field(default_factory=FederationConfig)
-    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig, description="[task]: what the run learns")
+    data: DataConfig = Field(default_factory=DataConfig, description="[data]: the data set and its split")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="[model]: the base, LoRA, dtype")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="[train]: each client's local training")
+    federation: FederationConfig = Field(
+        default_factory=FederationConfig, description="[federation]: clients, sampling, aggregation"
+    )
+    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig, description="[privacy]: client-level DP")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="[logging]: experiment trackers")
     options: dict[str, Any] = Field(default_factory=dict, description="the method's own options")
 
     @model_validator(mode="after")
@@ -78,7 +82,8 @@ class RunConfig(BaseModel):
         if self.name:
             return self.name
         data = re.sub(r"[^A-Za-z0-9._+=-]", "_", Path(self.data.name).stem) if self.data.name else self.task.kind
-        return f"{self.method}-{data}-s{self.seed}"[:128]
+        method = self.method.rpartition(":")[2]  # "my_pkg.module:NAME": NAME
+        return f"{method}-{data}-s{self.seed}"[:128]
 
 
 class MethodRefusals(Protocol):

@@ -38,8 +38,8 @@ class DataConfig(Section):
     text_column: str | None = Field(None, description="text column (local files and hub sets)")
     label_column: str | None = Field(None, description="label column (local files and hub sets)")
     hub_config: str | None = Field(None, description="hub dataset configuration name")
-    train_split: str = "train"
-    test_split: str = "test"
+    train_split: str = Field("train", description="hub sets: the split clients train on")
+    test_split: str = Field("test", description="hub sets: the split the server evaluates on")
     partition: Literal["iid", "dirichlet", "dirichlet-client", "shards", "column"] = Field(
         "dirichlet",
         description="iid; Dirichlet label skew per class or per client (Hsu et al. 2019); label shards; "
@@ -59,9 +59,9 @@ class ModelConfig(Section):
     """``[model]``: the model, its LoRA adapters, what full fine-tuning trains, base dtype and quantization."""
 
     name: str | None = Field(None, description="model (default: the task's; text: minilm), a hub name, or a local path")
-    lora_rank: int = Field(8, gt=0)
-    lora_alpha: float = Field(16.0, gt=0)
-    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    lora_rank: int = Field(8, gt=0, description="r: the LoRA rank (the largest, where clients' ranks differ)")
+    lora_alpha: float = Field(16.0, gt=0, description="alpha: LoRA's scale is alpha / r")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on LoRA's input")
     target_modules: list[str] | None = Field(
         None, description="LoRA target modules (default: the task's for its model)"
     )
@@ -80,16 +80,16 @@ class TrainConfig(Section):
     """``[train]``: each client's local training per round (steps, batches, optimizer) and evaluation batches."""
 
     local_steps: int = Field(10, gt=0, description="optimizer steps per client per round (H)")
-    batch_size: int = Field(16, gt=0)
-    lr: float = Field(5e-4, gt=0)
+    batch_size: int = Field(16, gt=0, description="examples per local step")
+    lr: float = Field(5e-4, gt=0, description="local learning rate")
     optimizer: Literal["adamw", "sgd"] = Field(
         "adamw", description="local optimizer; FSLoRA's Algorithm 1 takes plain SGD steps (eq. (4))"
     )
     momentum: float = Field(
         0.0, ge=0, lt=1, description="heavy-ball momentum of optimizer='sgd' (the published FSLoRA GLUE clients: 0.9)"
     )
-    weight_decay: float = Field(0.0, ge=0)
-    eval_batch_size: int = Field(128, gt=0)
+    weight_decay: float = Field(0.0, ge=0, description="the local optimizer's weight decay")
+    eval_batch_size: int = Field(128, gt=0, description="examples per evaluation batch")
     group_by_length: bool = Field(True, description="batch examples of similar length (less padding)")
     threads: int | None = Field(None, gt=0, description="torch threads (default: torch's choice)")
     gradient_checkpointing: bool = Field(

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedtune.steps import in_chunks
+
 GROUP_CHUNK = 8  # batches per length-sorted chunk when grouping by length
 
 
@@ -70,7 +72,10 @@ class TokenizedSet:
 
     @classmethod
     def from_texts(cls, tokenizer, texts: list[str], labels: np.ndarray, max_length: int) -> TokenizedSet:
-        enc = tokenizer(list(texts), truncation=True, max_length=max_length)["input_ids"]
+        def call(part):
+            return tokenizer(list(part), truncation=True, max_length=max_length)["input_ids"]
+
+        enc = in_chunks(list(texts), call, f"tokenizing {len(texts):,} texts", "texts")
         return cls(
             [np.asarray(e, dtype=np.int64) for e in enc], np.asarray(labels, dtype=np.int64), tokenizer.pad_token_id
         )

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedtune.steps import in_chunks
+
 ALPACA = (
     "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
     "### Instruction:\n{instruction}\n\n### Response:\n"
@@ -94,7 +96,12 @@ def encode(tokenizer, texts: list[str]) -> list[np.ndarray]:
     """Token ids of each text, no special tokens added (the templates carry their own)."""
     if not texts:
         return []
-    ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    ids = in_chunks(
+        list(texts),
+        lambda part: tokenizer(list(part), add_special_tokens=False)["input_ids"],
+        f"tokenizing {len(texts):,} texts",
+        "texts",
+    )
     return [np.asarray(x, dtype=np.int64) for x in ids]
 
 

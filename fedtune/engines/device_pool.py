@@ -87,8 +87,8 @@ def client_context(config: RunConfig) -> RunContext:
     context.partitions  # noqa: B018 - loads the task's data
     if "lora" in context.method.requires:
         excluded = context.plan.excluded if context.plan is not None else {}
-        for quantization in dict.fromkeys(p.quantization for c, p in enumerate(context.profiles) if c not in excluded):
-            context.base_for(quantization)  # builds the base on the device
+        for fmt in dict.fromkeys(context.base_format(p) for c, p in enumerate(context.profiles) if c not in excluded):
+            context.base_for(*fmt)  # builds the base on the device
         import peft  # noqa: F401 - imported by the first adapter's activation (seconds), else inside a fit
     return context
 

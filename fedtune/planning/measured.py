@@ -68,6 +68,6 @@ def measured_lora_knob(context, knob: str | None) -> Knob:
         f"at float32's {REFERENCE_FLOPS:.3g} FLOP/s"
     )
     return rank_knob(
-        cfg.lora_rank, knob, cost, variants=(train.gradient_checkpointing,), quantizations=(cfg.quantization,),
+        cfg.lora_rank, knob, cost, variants=(train.gradient_checkpointing,), formats=((cfg.quantization, cfg.dtype),),
         speed_note=note,
     )  # fmt: skip

@@ -41,6 +41,7 @@ from fedtune.planning.knob import Knob, rank_knob
 from fedtune.planning.workload import commit_workload, lora_workload
 from fedtune.protocol.messages import Message
 from fedtune.protocol.profiles import ClientProfile
+from fedtune.steps import track
 
 #: method -> the profile field the planner sets (None: the method has no per-client knob)
 KNOBS: dict[str, str | None] = {
@@ -138,13 +139,13 @@ def unrunnable(plan: Plan | None, min_replies: int) -> str | None:
     )
 
 
-def plan_budgets(context, always: bool = False) -> Plan | None:
-    """The plan of ``context``'s run (a :class:`~fedtune.runtime.RunContext`), or None when no
-    client states a budget (``always``: the predictions all the same); ConfigError for a method
-    the planner does not cover."""
-    profiles = list(context.run.profiles)
-    if not always and not any(has_budget(p) for p in profiles):
-        return None
+def pricing(context) -> tuple[str | None, Knob, str]:
+    """The run's knob (the profile field the plan sets; None: none), its :class:`Knob` (ladder and
+    prices) and the plan's note, built once per ``context``; ConfigError for a method the planner does
+    not cover."""
+    cached = context.__dict__.get("_pricing")
+    if cached is not None:
+        return cached
     config = context.config
     _check_planner(config.method)
     knob = KNOBS[config.method]
@@ -159,7 +160,7 @@ def plan_budgets(context, always: bool = False) -> Plan | None:
             knobs = Knob(list(CAPACITIES), lambda p: p.capacity, price, "capacity {:g}".format)
         else:  # FedMBO: the full model, whatever capacity a profile states (the method ignores it)
             knobs = Knob([1.0], lambda p: None, price, lambda v: "full model")
-            ignored = [str(cid) for cid, p in enumerate(profiles) if p.capacity not in (None, 1.0)]
+            ignored = [str(cid) for cid, p in enumerate(context.run.profiles) if p.capacity not in (None, 1.0)]
             if ignored:
                 note = (
                     f"{config.method} trains the full model: the capacities of clients {', '.join(ignored)} are ignored"
@@ -172,19 +173,40 @@ def plan_budgets(context, always: bool = False) -> Plan | None:
         knobs = Knob(list(SETTINGS), lambda p: p.trains_on, lambda v, *_: settings[v], label)
     else:
         knobs = _lora_knob(context, knob)
-    costs = {}
+    context.__dict__["_pricing"] = (knob, knobs, note)
+    return knob, knobs, note
+
+
+def plan_budgets(context, always: bool = False) -> Plan | None:
+    """The plan of ``context``'s run (a :class:`~fedtune.runtime.RunContext`; each client's budget as
+    its node reports it, :attr:`~fedtune.runtime.RunContext.budgeted_profiles`), or None when no
+    client states a budget and no node's report was dropped (``always``: the predictions all the
+    same); ConfigError for a method the planner does not cover."""
+    profiles = context.budgeted_profiles if hasattr(context, "budgeted_profiles") else list(context.run.profiles)
+    dropped = dict(context.reports.dropped) if hasattr(context, "reports") else {}
+    if not always and not dropped and not any(has_budget(p) for p in profiles):
+        return None
+    knob, knobs, note = pricing(context)
+    costs: dict = {}
     clients, planned, excluded = [], [], {}
-    for cid, profile in enumerate(profiles):
+    for cid, profile in track(enumerate(profiles), f"planning {len(profiles)} clients", len(profiles), "clients"):
+        if cid in dropped:  # its node's report failed the check: excluded, nothing priced
+            excluded[cid] = f"excluded: {dropped[cid]}"
+            clients.append(ClientPlan(cid, profile.device_class, "-", 0, 0.0, 0.0, excluded[cid]))
+            planned.append(profile)
+            continue
         own = knobs.stated(profile)
         stated = knob is not None and own is not None
         values = [own] if own is not None else knobs.ladder if knob is not None else knobs.ladder[:1]
         codecs = _codecs(context, profile)
-        quants = knobs.quantizations if profile.quantization is None else (profile.quantization,)
+        formats = knobs.formats
+        if formats[0] is not None and (profile.quantization is not None or profile.dtype is not None):
+            formats = (context.base_format(profile),)
         for value in values:
-            for quantization, checkpointing in ((q, c) for q in quants for c in knobs.variants):
-                if (value, checkpointing, quantization) not in costs:
-                    costs[value, checkpointing, quantization] = knobs.cost(value, checkpointing, quantization)
-                p, upload_values = costs[value, checkpointing, quantization]
+            for fmt, checkpointing in ((f, c) for f in formats for c in knobs.variants):
+                if (value, checkpointing, fmt) not in costs:
+                    costs[value, checkpointing, fmt] = knobs.cost(value, checkpointing, fmt)
+                p, upload_values = costs[value, checkpointing, fmt]
                 seconds = p.seconds / profile.speed
                 # a lighter codec only where the upload is what breaks the budget
                 fits = not has_budget(profile) or _violation(profile, p.peak, seconds, 0.0) is None
@@ -202,16 +224,20 @@ def plan_budgets(context, always: bool = False) -> Plan | None:
         if checkpointing != knobs.variants[0]:
             setting += ", checkpointing"
             profile = profile.model_copy(update={"gradient_checkpointing": True})
-        if quantization not in (None, config.model.quantization):
-            setting += f", {quantization} base"
+        if fmt is not None and fmt != knobs.formats[0]:
+            setting += f", {fmt[0] if fmt[0] != 'none' else fmt[1]} base"
         if codec != codecs[0]:
             setting += f", upload {codec[1]}" + ("" if codec[0] is None else f" top-k {codec[0]:g}")
         if reason is not None and not stated:
             excluded[cid] = f"excluded by the plan: no setting fits its budget ({setting}: {reason})"
         if knob is not None and not stated:
             profile = profile.model_copy(update={knob: knobs.value(value)})
-        if quantization != knobs.quantizations[0] and profile.quantization is None and cid not in excluded:
-            profile = profile.model_copy(update={"quantization": quantization})
+        run_format = knobs.formats[0]
+        own_base = fmt is not None and run_format is not None and fmt != run_format
+        if own_base and formats is knobs.formats and cid not in excluded:
+            assert fmt is not None and run_format is not None  # for mypy: own_base says so
+            own_format = {k: v for k, v, r in zip(("quantization", "dtype"), fmt, run_format) if v != r}
+            profile = profile.model_copy(update=own_format)
         if codec != codecs[0]:
             profile = profile.model_copy(update={"upload_topk": codec[0], "wire_dtype": codec[1]})
         clients.append(
@@ -229,6 +255,24 @@ def plan_budgets(context, always: bool = False) -> Plan | None:
         )
         planned.append(profile)
     return Plan(clients, planned, excluded, knobs.speed_note, note)
+
+
+def refusal(context, profile: ClientProfile) -> str | None:
+    """Why ``profile``'s own setting (its knob, base format, checkpointing and upload codec as it
+    states them, else the run's) breaks a budget it states, as the plan says it (a node refuses such
+    a setting before it loads anything); None when it holds or no budget is stated."""
+    if not has_budget(profile):
+        return None
+    knob, knobs, _ = pricing(context)
+    value = knobs.stated(profile) if knob is not None else None
+    if value is None:  # unstated: what the client trains on (FedPFT / FedOT: the proxy)
+        value = "proxy" if knob == "trains_on" else knobs.ladder[0]
+    fed = context.config.federation
+    checkpointing = bool(profile.gradient_checkpointing or context.config.train.gradient_checkpointing)
+    fmt = None if knobs.formats[0] is None else context.base_format(profile)
+    p, upload_values = knobs.cost(value, checkpointing, fmt)
+    upload = upload_values * bytes_per_value(*profile.upload_codec(fed.upload_topk, fed.wire_dtype)) / MB
+    return _violation(profile, p.peak, p.seconds / profile.speed, upload)
 
 
 #: the upload codecs (top-k fraction, wire dtype) the planner may give a client, heaviest first
@@ -287,9 +331,9 @@ def check_profile_codecs(run) -> None:
 
 def _lora_knob(context, knob: str | None) -> Knob:
     """The LoRA methods' knob: the rank on r, r/2, ..., 1 (FSLoRA: the sketch ratio rank / r)."""
-    from fedtune.models.precision import resolve_device
+    from fedtune.models.precision import computes_natively, resolve_device
     from fedtune.planning.memory import Shape, predict
-    from fedtune.planning.quantization import can_quantize, cheaper, weight_bytes
+    from fedtune.planning.quantization import base_formats, weight_bytes
     from fedtune.planning.speed import planned_format, reference
 
     config = context.config
@@ -303,12 +347,14 @@ def _lora_knob(context, knob: str | None) -> Knob:
     work = lora_workload(context, base)
     dtype, device = DTYPES[cfg.dtype], resolve_device(config.device)
 
-    def cost(rank: int, checkpointing: bool, quantization: str | None) -> tuple:
-        quantization = quantization or cfg.quantization
-        weights = weight_bytes(base, quantization, tuple(task.head_modules()), dtype.itemsize)
-        fmt = planned_format(quantization, dtype, device)
+    def cost(rank: int, checkpointing: bool, base_format: tuple[str, str] | None) -> tuple:
+        quantization, dtype = base_format or (cfg.quantization, cfg.dtype)
+        compute = DTYPES[dtype] if computes_natively(device, DTYPES[dtype]) else torch.float32
+        weights = weight_bytes(base, quantization, tuple(task.head_modules()), DTYPES[dtype].itemsize)
+        fmt = planned_format(quantization, DTYPES[dtype], device)
         kbit = quantization != "none"  # a quantized base's activations are float32
-        client = replace(work, checkpointing=checkpointing, kbit=kbit)
+        act = torch.finfo(compute).bits // 8
+        client = replace(work, checkpointing=checkpointing, kbit=kbit, act_bytes=act)
         if config.method == "commit":
             client = commit_workload(context, client)
         p = predict(base, targets, task.head_modules(), rank, client, weights=weights, fmt=fmt, device=device)
@@ -318,9 +364,9 @@ def _lora_knob(context, knob: str | None) -> Knob:
     if not train.gradient_checkpointing and _checkpointable(context, base):
         variants = (False, True)
 
-    quantizations = tuple(cheaper(cfg.quantization) if can_quantize(context.method) else [cfg.quantization])
+    formats = tuple(base_formats(context.method, cfg.quantization, cfg.dtype))
     note = reference(base, Shape.of(base).hidden, planned_format(cfg.quantization, dtype, device), device).note
-    return rank_knob(cfg.lora_rank, knob, cost, variants=variants, quantizations=quantizations, speed_note=note)
+    return rank_knob(cfg.lora_rank, knob, cost, variants=variants, formats=formats, speed_note=note)
 
 
 def _checkpointable(context, base) -> bool:
@@ -356,7 +402,8 @@ def metered_fit(client, message: Message, call: Callable[[Message], Message] | N
     (:class:`~fedtune.planning.memory.PeakMeter` on the run's device, plus the frozen base a LoRA
     client holds; FedPFT / FedOT: the client's own ``peak_mem_bytes``,
     :func:`~fedtune.models.train_memory.training_peak_bytes`) in the reply's metadata, under the
-    client's planned checkpointing."""
+    client's planned checkpointing. Under DP the peak is not sent: the client fails the request
+    itself (a simulated out-of-memory) when it is over its ``memory_gib``."""
     from fedtune.models.precision import resolve_device
     from fedtune.planning.memory import PeakMeter, base_weight_bytes
 
@@ -365,12 +412,18 @@ def metered_fit(client, message: Message, call: Callable[[Message], Message] | N
     if KNOBS.get(client.config.method) == "trains_on" and "peak_mem_bytes" in reply.meta:
         # FedPFT / FedOT: the process cuts a proxy client's skeleton from the full model, so its
         # growth is not the client's; the client measures the model it trains on and its training
-        return Message(reply.arrays, {**reply.meta, PEAK_BYTES: int(reply.meta["peak_mem_bytes"])})
-    if meter.growth is None:
+        peak = int(reply.meta["peak_mem_bytes"])
+    elif meter.growth is None:
         return reply
-    # a LoRA client holds the frozen base; a sub-model client builds its sub-model inside its fit
-    held = 0 if _capacity_planned(client.config.method) else base_weight_bytes(client.context.workspace.base)
-    return Message(reply.arrays, {**reply.meta, PEAK_BYTES: held + meter.growth})
+    else:  # a LoRA client holds the frozen base; a sub-model client builds its sub-model inside its fit
+        held = 0 if _capacity_planned(client.config.method) else base_weight_bytes(client.context.workspace.base)
+        peak = held + meter.growth
+    budget = client.profile.memory_gib
+    if client.config.privacy.mode != "none":  # under DP the measured peak stays on the client, which enforces it
+        if budget is not None and peak > budget * GIB:
+            raise MemoryError(f"simulated out-of-memory: measured peak {peak / GIB:.3g} GiB over memory_gib {budget:g}")
+        return reply
+    return Message(reply.arrays, {**reply.meta, PEAK_BYTES: peak})
 
 
 def format_plan(plan: Plan) -> str:

@@ -1,11 +1,13 @@
-"""A client's own base quantization (``federation.profiles[i].quantization``): checked once, and the
-weight bytes of a base at a quantization the process has not loaded, for the planner.
+"""A client's own base format (``federation.profiles[i].quantization`` and ``dtype``): checked once,
+the planner's ladder of formats, and the weight bytes of a base in a format the process has not
+loaded.
 
-A profile that states a quantization other than ``model.quantization`` gets a base of its own in
-its process (:meth:`fedtune.runtime.RunContext.base_for`); its adapter, what it uploads and what
-the server averages stay float32, as every LoRA client's. The planner gives a client over its
-memory budget the next cheaper base (:data:`QUANTIZATIONS`: none, 8-bit, 4-bit) before a smaller
-rank (:mod:`fedtune.planning.planner`).
+A profile that states a quantization or dtype other than ``model.quantization`` / ``model.dtype``
+gets a base of its own in its process (:meth:`fedtune.runtime.RunContext.base_for`, one per format
+in use); its adapter, what it uploads and what the server averages stay float32, as every LoRA
+client's. The planner gives a client over its memory budget the next cheaper base before a smaller
+rank (:func:`base_formats`: a float32 base's bfloat16 copy, then 8-bit and 4-bit;
+:mod:`fedtune.planning.planner`).
 """
 
 from __future__ import annotations
@@ -25,17 +27,49 @@ OPTION = "model.quantization"
 BNB_HINT = "pip install --no-deps bitsandbytes==0.50.2"
 
 
+#: the cross-method option a method honours when its clients may train on a base of another dtype
+DTYPE_OPTION = "model.dtype"
+
+
 def can_quantize(method: Any) -> bool:
     """Whether the clients of ``method`` (a registry MethodSpec) may train on a quantized base here:
     it honours ``model.quantization`` and bitsandbytes is installed."""
     return OPTION in method.honours and find_spec("bitsandbytes") is not None
 
 
+def own_bases(method: Any) -> bool:
+    """Whether the clients of ``method`` may each train on a base of their own format: it honours
+    ``model.quantization`` and ``model.dtype`` (a method that merges into the base's weights, FlexLoRA
+    or FedStackLoRA, keeps one base)."""
+    return {OPTION, DTYPE_OPTION} <= method.honours
+
+
+def base_formats(method: Any, quantization: str, dtype: str) -> list[tuple[str, str]]:
+    """The base formats (quantization, dtype) the planner may give a client of ``method`` in a run of
+    ``quantization`` and ``dtype``, heaviest first: the run's; where clients may hold their own
+    base (:func:`own_bases`), a float32 base's bfloat16 copy, then each cheaper quantization in the
+    run's dtype (with bitsandbytes)."""
+    formats = [(quantization, dtype)]
+    if not own_bases(method):
+        return formats
+    if quantization == "none" and dtype == "float32":
+        formats.append(("none", "bfloat16"))
+    if can_quantize(method):
+        formats += [(q, dtype) for q in cheaper(quantization)[1:]]
+    return formats
+
+
 def check_profile_quantization(run: Any) -> None:
     """A profile stating a base quantization other than the run's needs a method that honours
-    ``model.quantization`` and bitsandbytes (ConfigError naming the first such profile);
-    ``run``: a :class:`~fedtune.runtime.ResolvedRun`."""
+    ``model.quantization`` and bitsandbytes, one stating another dtype a method whose clients may
+    hold their own base (:func:`own_bases`) (ConfigError naming the first such profile); ``run``: a
+    :class:`~fedtune.runtime.ResolvedRun`."""
     for cid, p in enumerate(run.profiles):
+        if p.dtype not in (None, run.config.model.dtype) and not own_bases(run.method):
+            raise ConfigError(
+                f"federation.profiles[{cid}].dtype: method {run.config.method!r} keeps one base "
+                f"(model.dtype {run.config.model.dtype!r} for every client)"
+            )
         if p.quantization in (None, run.config.model.quantization):
             continue
         where = f"federation.profiles[{cid}].quantization"

@@ -56,7 +56,8 @@ class Client(ABC):
 
     def secure_reply(self, message: Message, reply: Message) -> Message:
         """``reply`` with its arrays replaced by :meth:`secure_vector`, checked against (and in the
-        order of) the ``secure_layout`` of the request ``message``: what Flower's SecAgg+ mod masks."""
+        order of) the ``secure_layout`` of the request ``message``, bounded by :meth:`bound_secure_vector`:
+        what Flower's SecAgg+ mod quantizes and masks."""
         layout = secure_layout_of(message.meta)
         vector = self.secure_vector(message, reply)
         if vector.keys() != layout.keys() or any(np.shape(vector[k]) != shape for k, shape in layout.items()):
@@ -64,7 +65,13 @@ class Client(ABC):
                 f"secure aggregation: client {self.cid}'s vector {sorted(vector)[:3]} does not match the "
                 f"request's secure_layout {list(layout)[:3]}"
             )
-        return Message({k: np.asarray(vector[k]) for k in layout}, reply.meta)
+        return Message(self.bound_secure_vector({k: np.asarray(vector[k]) for k in layout}), reply.meta)
+
+    def bound_secure_vector(self, vector: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The :meth:`secure_vector` ``vector`` as the SecAgg+ mod gets it to quantize and mask:
+        default as it is; a client under a privacy mechanism bounds it here (``UpdateClient``:
+        clipped so that its quantized form stays within the clip)."""
+        return vector
 
     def phase(self, name: str, message: Message) -> Message:
         """Answer ``message`` of the round's further exchange ``name`` (:meth:`Strategy.phases`); default: none."""

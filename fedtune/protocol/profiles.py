@@ -39,6 +39,9 @@ class ClientProfile(BaseModel):
     quantization: Literal["none", "8bit", "4bit"] | None = Field(
         None, description="its frozen base's quantization (default model.quantization): its own base in the process"
     )
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="its frozen base's dtype (default model.dtype): its own base in the process"
+    )
     failure_prob: float = Field(0.0, ge=0, le=1, description="fault injection: chance the client fails a request")
     delay_s: float = Field(0.0, ge=0, description="fault injection: seconds the client waits before answering")
     attack: Literal["sign-flip", "scale", "metadata"] | None = Field(
@@ -77,10 +80,10 @@ class DeviceClass(BaseModel):
 
     name: str = Field(min_length=1, description="the class's name (phone, laptop, ...)")
     share: float = Field(gt=0, le=1, description="chance that a client is of this class")
-    memory_gib: float | None = Field(None, gt=0)
-    speed: float = Field(1.0, gt=0)
-    bandwidth_mb: float | None = Field(None, gt=0)
-    deadline_s: float | None = Field(None, gt=0)
+    memory_gib: float | None = Field(None, gt=0, description="the class's memory budget for local training (GiB)")
+    speed: float = Field(1.0, gt=0, description="the class's relative compute speed (1: the reference)")
+    bandwidth_mb: float | None = Field(None, gt=0, description="the class's upload budget (MB per round)")
+    deadline_s: float | None = Field(None, gt=0, description="the class's deadline (seconds per round)")
 
 
 def check_device_classes(classes: list[DeviceClass]) -> None:

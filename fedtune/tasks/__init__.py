@@ -11,6 +11,7 @@ import importlib
 import pkgutil
 
 from fedtune.config import ConfigError, RunConfig, validate_options
+from fedtune.plugins import TASKS, load_declared, resolve_reference
 from fedtune.tasks.base import _TASKS, Task, TaskOptions, register_task
 
 
@@ -21,14 +22,22 @@ def _load_builtin_tasks() -> None:
 
 
 def get_task_class(kind: str) -> type[Task]:
+    """The task kind ``kind``: fedtune's own, one an installed package declares (entry point group
+    ``fedtune.tasks``), or ``"my_pkg.module:KIND"`` (:mod:`fedtune.plugins`)."""
     _load_builtin_tasks()
-    if kind not in _TASKS:
+    key = resolve_reference(kind, "task.kind")
+    if key not in _TASKS:
+        load_declared(TASKS)
+    if key not in _TASKS:
         raise ConfigError(f"task.kind: unknown task {kind!r}; expected one of {', '.join(sorted(_TASKS))}")
-    return _TASKS[kind]
+    return _TASKS[key]
 
 
-def list_tasks() -> list[type[Task]]:
+def list_tasks(plugins: bool = False) -> list[type[Task]]:
+    """fedtune's own task kinds (``plugins``: and those the installed packages declare), by kind."""
     _load_builtin_tasks()
+    if plugins:
+        load_declared(TASKS)
     return [_TASKS[k] for k in sorted(_TASKS)]
 
 

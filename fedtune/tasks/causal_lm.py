@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import json
 from functools import cached_property
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -75,6 +76,7 @@ from fedtune.models import lm_scoring
 from fedtune.models import prefix_lm as plm
 from fedtune.models.generation import greedy_generate
 from fedtune.models.precision import load_dtype
+from fedtune.steps import advance, step
 from fedtune.tasks.base import Task, majority_rate, register_task
 from fedtune.tasks.causal_lm_options import (
     BY_LABEL,
@@ -398,6 +400,7 @@ class CausalLM(Task):
         for chunk in _length_chunks([len(r) for r in rows], batch_size):
             lp, loss = lm_scoring.response_logprobs(model, self.batch((rows, prompt_lengths), chunk))
             logp[chunk], losses[chunk] = lp.float().cpu().numpy(), loss.float().cpu().numpy()
+            advance(len(chunk))  # the scoring step's rows
         return logp, losses
 
     @staticmethod
@@ -434,9 +437,12 @@ class CausalLM(Task):
         rows = ([], []) if lm_eval and mc.all() else self.test_rows
         items = self.choice_items(ds) if mc.any() else []
         m = len(rows[0])
-        logp, losses = self.score_rows(
-            model, [*rows[0], *(x[1] for x in items)], [*rows[1], *(x[2] for x in items)], batch_size, shared
-        )
+        scored = m + len(items)  # rows: each question's answer row and its options'
+        what = ", ".join(self.options.sets or []) or Path(str(self.config.data.name)).name  # arc_easy; dolly
+        with step(f"scoring {what}", total=n, unit="questions", scale=n / max(scored, 1)):
+            logp, losses = self.score_rows(
+                model, [*rows[0], *(x[1] for x in items)], [*rows[1], *(x[2] for x in items)], batch_size, shared
+            )
         per: dict[str, np.ndarray] = {"loss": losses[:n] if m else np.full(n, np.nan)}
         if self.options.generate:
             texts = self.answers(model, ds, batch_size)

@@ -62,11 +62,13 @@ class InstructionOptions(TaskOptions):
         None, ge=4, description="image encoder input side (default: the encoder's, 64 for conv nets)"
     )
     projector_width: int = Field(512, ge=0, description="projector hidden width (0: one linear layer)")
-    n_mels: int = Field(40, ge=8, le=256)
+    n_mels: int = Field(40, ge=8, le=256, description="audio inputs: mel bands of the log-mel features")
     frames: int = Field(64, ge=8, le=1024, description="log-mel frames per recording (hop 10 ms at 8 kHz)")
     audio_seconds: float = Field(1.0, gt=0, le=10, description="recording length a Hugging Face audio encoder gets")
     system_prompt: str | None = Field("Answer briefly.", description="system turn (None: the chat template's default)")
-    partition_by: Literal["answer", "question"] = "answer"
+    partition_by: Literal["answer", "question"] = Field(
+        "answer", description="the label the partitioner skews: each example's answer or its question"
+    )
     max_new_tokens: int | None = Field(None, ge=1, description="generation budget (default: the longest answer)")
 
 

@@ -40,6 +40,7 @@ from fedtune.models import prefix_lm as plm
 from fedtune.models.hub_ids import BUILT_IN_CODE, hub_id, is_portable
 from fedtune.process import offline_hint
 from fedtune.run_folder import holds_run, rename_aside, run_folder_around
+from fedtune.steps import step
 from fedtune.trained.loader import ADAPTER_CONFIG, TrainedRun
 
 RUN_FILES = ("prompt_template.json",)  # run files a user of the export needs beside the weights
@@ -267,9 +268,10 @@ def _write(run: TrainedRun, task, tmp: Path, out: Path, merged: bool, card: str)
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # "Writing model shards": the command says what it wrote
     try:
-        notes = [] if merged else _export_adapter(run, task, tmp, out)
-        if merged:
-            _export_merged(task, run, tmp)
+        with step("merging the adapter into the base and saving it" if merged else "saving the adapter"):
+            notes = [] if merged else _export_adapter(run, task, tmp, out)
+            if merged:
+                _export_merged(task, run, tmp)
     finally:
         if bars:
             hf_logging.enable_progress_bar()

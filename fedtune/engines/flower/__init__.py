@@ -4,19 +4,21 @@ What crosses. A fedtune :class:`~fedtune.protocol.messages.Message` travels as F
 records, one ArrayRecord and one ConfigRecord (the shape Flower's mods expect)::
 
     RecordDict {
-      "fedtune-arrays": ArrayRecord {name: Array(array), ...}   # Message.arrays, in order
+      "fedtune-arrays": ArrayRecord {dtype: Array(...), ...}    # Message.arrays, one Array per dtype
       "fedtune": ConfigRecord {
         "meta": JSON of Message.meta,                           # the fedtune metadata
+        "layout": JSON [[name, dtype, shape], ...],             # the arrays in the Arrays (.packing)
         "cid": client id, "round": r,                           # who and when (both ways)
         "attempt": a,                                           # request: the round's attempt
-        "compute_s": s,                                         # reply: seconds of the Client call
+        "compute_s": s,                                         # reply: seconds of the Client call (not private)
         "clipping_norm": C, "update-as-weights": True,          # request, only with DP clipping
       }
     }
 
-Each Array keeps its name, dtype and shape; ``Message(arrays, json.loads(meta))`` on the other
+The arrays keep their names, dtypes and shapes; ``Message(arrays, json.loads(meta))`` on the other
 side is the message that was sent (tests/test_flower.py round-trips it through Flower's
-protobuf serialization).
+protobuf serialization). One Array per dtype, not per tensor: Flower moves each Array as objects
+of its own, one request per hop.
 
 How bytes are counted. The bytes a run reports are ``Message.nbytes`` of each message, the
 length of fedtune's own encoding of the same arrays and meta (magic, JSON header, raw array
@@ -43,17 +45,19 @@ as one *bundle* (one Flower message: each client's two records with the keys suf
 another by one ClientApp process; a client failing inside a bundle is named in the reply's
 bundle record and dropped alone. Requests for Flower's clipping mod are never bundled (the mod
 wants one ArrayRecord per message). A reply carrying an error, or none within the deadline, is a
-drop. The ClientApp times each Client call and returns the seconds as ``compute_s``.
+drop. The ClientApp times each Client call and returns the seconds as ``compute_s``, except
+under local DP or SecAgg+, where a reply carries nothing of the client but the method's fields
+(:func:`.codec.sends_compute_s`: the node then enforces the deadlines itself); the timing file
+``flower_timing.jsonl`` is written only without DP and SecAgg+ (:func:`.codec.keeps_timing`).
 
-Deployment. Stock Flower starts a fresh ``flwr-clientapp`` process per message. Importing torch,
-transformers and PEFT there takes seconds, so a node may name a long-lived fedtune worker
-(``node_config["fedtune-worker"]``, a Unix socket; :func:`.worker.run_worker`, started next to the
-SuperNode by :mod:`.deployment` or ``fedtune deploy supernode``): the ClientApp
-then imports only Flower and this module, hands the request and the client's state to the
-worker, and returns its reply; the worker keeps the task's model and data warm. Nothing of
-Flower's internals is involved: the worker is fedtune's own process, reached through a public
-ClientApp. Without a worker the ClientApp trains in its own process (the simulation, or a
-SuperNode started by hand); the tokenized data then comes from the on-disk cache
+Deployment. Stock Flower starts a fresh ``flwr-clientapp`` process per message (importing torch,
+transformers and PEFT and loading the model there takes seconds). A fedtune SuperNode runs with
+``--isolation process`` instead and its long-lived executor (:mod:`.executor`) claims each message's
+task from the SuperNode's Runtime API and runs this module's ClientApp in place, the task's model
+and data kept warm; the loopback deployment's ServerApp runs in the ``fedtune run`` process
+(:mod:`.inprocess`), and standby messages keep idle SuperNodes from Flower's 3 s idle sleep
+(:mod:`.standby`). Without an executor (the simulation, a SuperNode started by hand) the ClientApp
+trains in its own process; the tokenized data then comes from the on-disk cache
 (:mod:`fedtune.data.cache`). ``node_config["fedtune-threads"]`` sets the torch threads of a
 node's training (default of the deployments: cores / nodes).
 

@@ -1,5 +1,6 @@
 """The client side on Flower: the ClientApp that answers a request as the fedtune client it names
-(in this process or in the node's worker), and the node's clients."""
+(in this process: a node's executor, or a process Flower started for the message), and the node's
+clients."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 
 from fedtune.config import RunConfig
+from fedtune.engines.flower.budgets import report_entry, request_budget
 from fedtune.engines.flower.codec import (
-    ARRAYS,
     AS_WEIGHTS,
     ATTEMPT,
     BUNDLE,
@@ -29,7 +30,6 @@ from fedtune.engines.flower.codec import (
     META,
     NODE_CLIENTS,
     NODE_THREADS,
-    NODE_WORKER,
     PARTITION_ID,
     PHASE,
     RECORD,
@@ -38,13 +38,16 @@ from fedtune.engines.flower.codec import (
     TIMES,
     format_clients,
     from_array_record,
+    keeps_timing,
     pack,
     parse_clients,
+    sends_compute_s,
     to_array_record,
     unpack,
 )
 from fedtune.engines.flower.runconfig import config_from_run_config
-from fedtune.engines.flower.worker import call_worker, serve_request
+from fedtune.engines.flower.worker import serve_request
+from fedtune.methods.base.privacy import fresh_secret
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import SECURE_WEIGHT
 
@@ -67,7 +70,13 @@ def node_clients(context: Context) -> list[int]:
 
 
 def _process_start() -> float:
-    """This process's start (epoch s), to 10 ms on Linux (psutil rounds the boot time to 1 s)."""
+    """When this process took the message (epoch s): a node executor's claim of its task
+    (:mod:`.executor`), else this process's start (a ``flwr-clientapp`` process per message), to
+    10 ms on Linux (psutil rounds the boot time to 1 s)."""
+    from fedtune.engines.flower.runtime_api import task_claimed_at
+
+    if task_claimed_at[0] is not None:
+        return task_claimed_at[0]
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
         uptime = float(Path("/proc/uptime").read_text().split()[0])
@@ -83,24 +92,28 @@ def handle_client_message(config: RunConfig | None, message: FlowerMessage, cont
     """Answer one Flower ``message`` as the client it names (or, for a bundle, as each client it
     names, one after another) of the run ``config`` (None: the one in Flower's run config), from the
     node's persistent state for that client (in ``context``), in this process
-    (:func:`serve_request`) or in the node's worker (:func:`call_worker`). A failure propagates:
+    (:func:`serve_request`: a node's executor, or a ``flwr-clientapp`` process). A failure propagates:
     Flower returns it to the server as an error reply (a drop); in a bundle, a failing client's
     reason is returned beside the others' replies. The reply carries the times of :data:`TIMES`
-    (for :data:`TIMING_FILE`)."""
+    (for :data:`TIMING_FILE`) only where the server keeps that file (:func:`keeps_timing`: not under
+    DP or SecAgg+)."""
     entered = time.time()
     kind = message.metadata.message_type.split(".")[0]
     clients = node_clients(context)
-    if kind == "query":  # the server's hello: which client ids does this node play?
-        return FlowerMessage(RecordDict({RECORD: ConfigRecord({CLIENTS: clients})}), reply_to=message)
+    if kind == "query":  # the server's hello: which client ids does this node play, on what budget?
+        return FlowerMessage(
+            RecordDict({RECORD: ConfigRecord({CLIENTS: clients, **report_entry(context)})}), reply_to=message
+        )
     if kind not in ("train", "evaluate"):
         raise ValueError(f"unexpected message type {message.metadata.message_type!r}")
     config = config if config is not None else config_from_run_config(context.run_config)
     if BUNDLE not in message.content:
         reply, extra = _serve_one(config, kind, message.content, "", clients, context)
-        times: dict[str, Any] = dict(zip(TIMES, (_process_start(), entered, time.time())))
+        times = _times(config, entered)
         record: Mapping[str, Any] = message.content[RECORD]
-        content, _ = pack(reply, int(record[CID]), **extra, **times)
-        if RECORD_KEY_CONFIGS in message.content.config_records:  # SecAgg+: the mod masks it
+        secure = RECORD_KEY_CONFIGS in message.content.config_records  # SecAgg+: the update crosses masked
+        content, _ = pack(reply, int(record[CID]), (ArrayRecord(), "[]") if secure else None, **extra, **times)
+        if secure:  # the mod masks fitres.parameters and clears every ArrayRecord
             _as_fit_res(content, json.loads(record[META]), reply)
         return FlowerMessage(content, reply_to=message)
     bundle: Mapping[str, Any] = message.content[BUNDLE]
@@ -112,9 +125,14 @@ def handle_client_message(config: RunConfig | None, message: FlowerMessage, cont
             pack(reply, cid, suffix=f"-{cid}", into=content, **extra)
         except Exception as exc:  # noqa: BLE001 - this client is dropped, the others still answer
             errors[f"error-{cid}"] = f"{type(exc).__name__}: {exc}"
-    times = dict(zip(TIMES, (_process_start(), entered, time.time())))
-    content[BUNDLE] = ConfigRecord({CLIENTS: cids, **errors, **times})
+    content[BUNDLE] = ConfigRecord({CLIENTS: cids, **errors, **_times(config, entered)})
     return FlowerMessage(content, reply_to=message)
+
+
+def _times(config: RunConfig, entered: float) -> dict[str, Any]:
+    """A reply's :data:`TIMES` (this process's start, ``entered`` the handler, now), or none where the
+    server keeps no timing file (:func:`keeps_timing`)."""
+    return dict(zip(TIMES, (_process_start(), entered, time.time()))) if keeps_timing(config) else {}
 
 
 def _serve_one(
@@ -131,17 +149,15 @@ def _serve_one(
     state = from_array_record(cast(ArrayRecord | None, context.state.get(f"{STATE}-{cid}")))
     node_config: Mapping[str, Any] = context.node_config
     threads = node_config.get(NODE_THREADS)
-    worker = node_config.get(NODE_WORKER)
-    if worker:
-        reply, state, seconds = call_worker(str(worker), config, kind, cid, request, state, rnd, attempt)
-    else:
-        reply, state, seconds = serve_request(config, kind, cid, request, state, rnd, attempt, threads and int(threads))
+    budget = request_budget(context, envelope)  # the node's own budget and the request's setting
+    threads = threads and int(threads)
+    reply, state, seconds = serve_request(config, kind, cid, request, state, rnd, attempt, threads, budget)
     context.state[f"{STATE}-{cid}"] = to_array_record(state)
     if envelope.get(AS_WEIGHTS):  # for Flower's clipping mods: received + update (the server subtracts)
         if list(reply.arrays) != list(request.arrays):
             raise ValueError(f"{AS_WEIGHTS}: the reply's arrays {list(reply.arrays)[:3]} are not the request's")
         reply = Message({k: request.arrays[k] + v for k, v in reply.arrays.items()}, reply.meta)
-    return reply, {COMPUTE_S: seconds, ROUND: rnd}
+    return reply, ({COMPUTE_S: seconds} if sends_compute_s(config) else {}) | {ROUND: rnd}
 
 
 def _as_fit_res(content: RecordDict, request_meta: dict[str, Any], reply: Message) -> None:
@@ -150,7 +166,7 @@ def _as_fit_res(content: RecordDict, request_meta: dict[str, Any], reply: Messag
     as ``num_examples``, the weight the strategy asked for (``secure_weight``: the client's
     ``num_examples``, or 1)."""
     weight = int(reply.meta["num_examples"]) if request_meta.get(SECURE_WEIGHT) == "examples" else 1
-    content["fitres.parameters"] = content[ARRAYS]
+    content["fitres.parameters"] = to_array_record(reply.arrays)  # one Array each, as secure_layout
     content["fitres.num_examples"] = MetricRecord({"num_examples": weight})
     content["fitres.metrics"] = ConfigRecord({})
     content["fitres.status"] = ConfigRecord({"code": 0, "message": "Success"})
@@ -158,9 +174,10 @@ def _as_fit_res(content: RecordDict, request_meta: dict[str, Any], reply: Messag
 
 def only_when_secure(mod: Mod, config: RunConfig | None = None) -> Mod:
     """Flower ``mod`` (``secaggplus_mod``) applied only to requests that carry SecAgg+'s config
-    record, with numpy's global generator (the mod's stochastic rounding draws from it) seeded
-    from (run seed, round, client, attempt) and restored afterwards, so a run is reproducible;
-    every other message passes untouched."""
+    record; every other message passes untouched. The mod's stochastic rounding draws from numpy's
+    global generator: seeded here for the call (and restored afterwards) by :func:`rounding_seed`.
+    A setup stage whose quantization is coarser than the run's worst round is refused
+    (:func:`check_setup`): the client's clip margin was computed for that step."""
 
     def wrapped(message: FlowerMessage, context: Context, call_next: CallNext) -> FlowerMessage:
         if not message.has_content() or RECORD_KEY_CONFIGS not in message.content.config_records:
@@ -169,9 +186,9 @@ def only_when_secure(mod: Mod, config: RunConfig | None = None) -> Mod:
         if envelope is not None and int(envelope[CID]) not in node_clients(context):
             raise RuntimeError(f"SecAgg+ message for client {envelope[CID]} reached a node that does not play it")
         run = config if config is not None else config_from_run_config(context.run_config)
-        words = [run.seed, *(int(envelope.get(k, 0)) for k in (ROUND, CID, ATTEMPT))] if envelope else [run.seed]
+        check_setup(run, message.content.config_records[RECORD_KEY_CONFIGS])
         saved = np.random.get_state()
-        np.random.seed(np.random.SeedSequence([*words, 0x5EC]).generate_state(1)[0])
+        np.random.seed(rounding_seed(run, envelope))
         try:
             return mod(message, context, call_next)
         finally:
@@ -179,6 +196,33 @@ def only_when_secure(mod: Mod, config: RunConfig | None = None) -> Mod:
 
     wrapped.__name__ = f"only_when_secure({getattr(mod, '__name__', mod)})"
     return wrapped
+
+
+def rounding_seed(run: RunConfig, envelope: Mapping[str, Any] | None) -> int | np.ndarray:
+    """The seed of one SecAgg+ message's stochastic rounding (``envelope``: its fedtune envelope,
+    naming round, client and attempt) for ``run``. Under ``privacy.mode``: 128 bits of
+    fresh OS entropy (:func:`~fedtune.methods.base.privacy.fresh_secret`), so nobody can know or
+    repeat a client's rounding and two runs of one config round differently (its error is then
+    independent of everything public); with ``privacy.insecure_reproducible_noise`` (tests only)
+    and without DP: one word from (run seed, round, client, attempt), so a run is reproducible."""
+    if run.privacy.mode != "none" and not run.privacy.insecure_reproducible_noise:
+        return fresh_secret()
+    words = [run.seed, *(int(envelope.get(k, 0)) for k in (ROUND, CID, ATTEMPT))] if envelope else [run.seed]
+    return int(np.random.SeedSequence([*words, 0x5EC]).generate_state(1)[0])
+
+
+def check_setup(run: RunConfig, record: Mapping[str, Any]) -> None:
+    """Refuse (ValueError) a SecAgg+ setup ``record`` whose quantization step 2c/T exceeds the
+    run's worst (:meth:`~fedtune.config.FederationConfig.secagg_step`); other stages pass."""
+    if record.get(Key.STAGE) != Stage.SETUP:
+        return
+    step = 2 * float(record[Key.CLIPPING_RANGE]) / int(record[Key.TARGET_RANGE])
+    worst = run.federation.secagg_step()
+    if not step <= worst * (1 + 1e-12):
+        raise ValueError(
+            f"SecAgg+ setup: quantization step {step:.3g} is coarser than this run's worst {worst:.3g} "
+            "(federation.secagg_clipping_range / secagg_quantization_range)"
+        )
 
 
 def only_when_clipping(mod: Mod) -> Mod:
@@ -217,6 +261,10 @@ def make_client_app(config: RunConfig | None = None, mods: Iterable[Mod] = ()) -
     @app.query()
     def query(message: FlowerMessage, context: Context) -> FlowerMessage:
         return handle_client_message(config, message, context)
+
+    @app.query("standby")
+    def standby(message: FlowerMessage, context: Context) -> FlowerMessage:
+        return FlowerMessage(RecordDict(), reply_to=message)  # keeps the SuperNode awake (.standby)
 
     return app
 

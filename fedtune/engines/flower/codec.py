@@ -5,37 +5,58 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
+from fedtune.engines.flower.packing import pack_arrays, unpack_arrays
 from fedtune.errors import FedtuneError
 from fedtune.protocol.messages import Message
+
+if TYPE_CHECKING:
+    from fedtune.config import RunConfig
 
 RECORD = "fedtune"  # RecordDict key of the ConfigRecord: meta and transport scalars
 ARRAYS = "fedtune-arrays"  # RecordDict key of the ArrayRecord: the message's arrays
 META = "meta"  # ConfigRecord key: JSON of Message.meta
+LAYOUT = "layout"  # ConfigRecord key: JSON of the packed arrays' names, dtypes, shapes (.packing)
 CID = "cid"  # ConfigRecord key: the fedtune client id the message is for / from
 ROUND = "round"  # ConfigRecord key: the round a message belongs to (request) or claims (reply)
 ATTEMPT = "attempt"  # ConfigRecord key of a request: the round's attempt (fault injection draws)
 PHASE = "phase"  # ConfigRecord key of a request: the Strategy phase it belongs to (sent as "train")
-COMPUTE_S = "compute_s"  # ConfigRecord key of a reply: seconds the Client call took on the node
+COMPUTE_S = "compute_s"  # ConfigRecord key of a reply: seconds the Client call took on the node (not private)
 CLIENTS = "clients"  # ConfigRecord key of a query reply: the client ids the node plays
 CLIPPING_NORM = "clipping_norm"  # ConfigRecord key read by Flower's clipping mods (KEY_CLIPPING_NORM)
 AS_WEIGHTS = "update-as-weights"  # ConfigRecord key of a request: reply with received + update
 STATE = "fedtune-state"  # context.state key prefix: f"{STATE}-{cid}" holds a client's state
 BUNDLE = "fedtune-bundle"  # ConfigRecord of a bundle: CLIENTS (request); CLIENTS, errors, TIMES (reply)
 TIMES = ("t-process", "t-enter", "t-exit")  # reply: ClientApp process start, handler entry and exit (epoch s)
-TIMING_FILE = "flower_timing.jsonl"  # run folder: where the Flower engine's time went, per exchange
+TIMING_FILE = "flower_timing.jsonl"  # run folder: where the Flower engine's time went, per exchange (not under DP)
 
 PARTITION_ID = "partition-id"  # node_config: the one client id a node plays (Flower's convention)
 NODE_CLIENTS = "fedtune-clients"  # node_config: the client ids a node plays, "0-9" or "0,3,5-7"
-NODE_WORKER = "fedtune-worker"  # node_config: Unix socket of the node's fedtune worker
 NODE_THREADS = "fedtune-threads"  # node_config: torch threads of the node's training
 
 ENGINE_KEYS = ("resume", "timeout", "clipping-norm")  # Flower run config keys for the ServerApp
 POLL_S = 0.05  # seconds between two pulls of replies from the grid
+
+
+def sends_compute_s(config: RunConfig) -> bool:
+    """Whether a client's reply in run ``config`` carries :data:`COMPUTE_S`, its seconds on the node: not under local
+    DP or SecAgg+, where the server must learn nothing of a client but the mechanism's output (a
+    client's compute time depends on its data); the node then enforces its own deadline
+    (:func:`~fedtune.engines.flower.worker.serve_request`). Under central DP without SecAgg+ the
+    server is trusted with each update and uses it for the deadlines, but never writes or prints it."""
+    return config.privacy.mode != "local" and not config.federation.secure_aggregation
+
+
+def keeps_timing(config: RunConfig) -> bool:
+    """Whether replies of run ``config`` carry :data:`TIMES` and the server writes :data:`TIMING_FILE`: only without
+    DP and without SecAgg+. Under DP the file would be a release outside the mechanism: its lines
+    are keyed by the clients asked (the secret sample) and hold each one's data-dependent seconds,
+    and even a round's total wall time depends on who was sampled, so no form of it is written."""
+    return config.privacy.mode == "none" and not config.federation.secure_aggregation
 
 
 class FlowerClientError(FedtuneError, RuntimeError):
@@ -67,19 +88,23 @@ state_to_record, state_from_record = to_array_record, from_array_record  # a cli
 def pack(
     message: Message,
     cid: int,
-    arrays: ArrayRecord | None = None,
+    arrays: tuple[ArrayRecord, str] | None = None,
     suffix: str = "",
     into: RecordDict | None = None,
     **extra: Any,
 ) -> tuple[RecordDict, int]:
     """Flower content carrying ``message`` for/from client ``cid`` (plus transport scalars such
     as ``compute_s``, not part of the accounted bytes) and the accounted bytes,
-    ``message.nbytes``. ``arrays``: the message's ArrayRecord when already built (a broadcast);
-    ``suffix``/``into``: add the records, their keys suffixed, to a bundle's content; ``extra``: the
-    transport scalars."""
-    record = ConfigRecord({META: json.dumps(message.meta, separators=(",", ":")), CID: int(cid), **extra})
+    ``message.nbytes``. The arrays travel packed, one Array per dtype, their layout in the
+    ConfigRecord (:func:`.packing.pack_arrays`); ``arrays``: that packing when already built (a
+    broadcast); ``suffix``/``into``: add the records, their keys suffixed, to a bundle's content;
+    ``extra``: the transport scalars."""
+    packed, layout = pack_arrays(message.arrays) if arrays is None else arrays
+    record = ConfigRecord(
+        {META: json.dumps(message.meta, separators=(",", ":")), LAYOUT: layout, CID: int(cid), **extra}
+    )
     content = RecordDict() if into is None else into
-    content[ARRAYS + suffix] = to_array_record(message.arrays) if arrays is None else arrays
+    content[ARRAYS + suffix] = packed
     content[RECORD + suffix] = record
     return content, message.nbytes
 
@@ -92,8 +117,8 @@ def unpack(content: RecordDict, suffix: str = "") -> tuple[int, Message, int]:
             f"Flower message carries no {RECORD + suffix!r} / {ARRAYS + suffix!r} records (keys: {sorted(content)})"
         )
     record = cast(ConfigRecord, content[RECORD + suffix])
-    arrays = cast(ArrayRecord, content[ARRAYS + suffix])
-    message = Message(from_array_record(arrays), json.loads(cast(str, record[META])))
+    arrays = unpack_arrays(cast(ArrayRecord, content[ARRAYS + suffix]), cast(str, record[LAYOUT]))
+    message = Message(arrays, json.loads(cast(str, record[META])))
     return int(cast(int, record[CID])), message, message.nbytes
 
 

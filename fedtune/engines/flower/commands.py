@@ -1,24 +1,22 @@
 """Flower's command lines and files, shared by the loopback deployment and ``fedtune deploy``: the
-commands and their environment, SuperLink / SuperNode / worker arguments, the Flower config and
+commands and their environment, SuperLink / SuperNode / executor arguments, the Flower config and
 the fedtune Flower App."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
-import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedtune.process import DeploymentError, log_tail
+from fedtune.process import DeploymentError
 
 if TYPE_CHECKING:
     from fedtune.config import RunConfig
 
-TASK_POLL_S = 0.05  # FLWR_SUPEREXEC_TASK_POLL_INTERVAL of the loopback SuperNodes (Flower: 1 s)
+TASK_POLL_S = 0.2  # FLWR_SUPEREXEC_TASK_POLL_INTERVAL of the loopback SuperLink: a run's ServerApp start (Flower: 1 s)
 APP_CONFIG_KEYS = ("recipe", "config", "overrides", "resume", "timeout", "clipping-norm")
 
 APP_PYPROJECT = """\
@@ -75,10 +73,18 @@ def flower_env(home: Path | None = None, **extra: str) -> dict[str, str]:
 
 # -- command lines (shared by the loopback deployment and `fedtune deploy`) ----------------------
 def superlink_args(
-    host: str, port: int, certificates: dict[str, Path] | None = None, auth: bool = False, extra: Sequence[str] = ()
+    host: str,
+    port: int,
+    certificates: dict[str, Path] | None = None,
+    auth: bool = False,
+    extra: Sequence[str] = (),
+    executor_secret: Path | None = None,
 ) -> list[str]:
     """``flower-superlink`` arguments, listening on ``host``:``port``: TLS from ``certificates``
-    (``ca``, ``cert``, ``key``) or ``--insecure``; ``auth``: admit only registered SuperNodes; ``extra``: appended."""
+    (``ca``, ``cert``, ``key``) or ``--insecure``; ``auth``: admit only registered SuperNodes;
+    ``executor_secret``: process isolation, each run's ServerApp task claimed with this secret
+    (:mod:`.inprocess`; None: Flower's SuperExec starts a ``flwr-serverapp`` process per run);
+    ``extra``: appended."""
     args = [
         flower_command("flower-superlink"),
         "--disable-runtime-dependency-installation",
@@ -100,6 +106,8 @@ def superlink_args(
         ]
     if auth:
         args.append("--enable-supernode-auth")
+    if executor_secret is not None:
+        args += ["--isolation", "process", "--superexec-auth-secret-file", str(executor_secret)]
     return args + list(extra)
 
 
@@ -109,22 +117,25 @@ def supernode_args(
     clients: Sequence[int],
     root_certificates: Path | None = None,
     private_key: Path | None = None,
-    worker: str | None = None,
+    executor_secret: Path | None = None,
     threads: int | None = None,
     extra: Sequence[str] = (),
+    budget: Mapping[str, Any] | None = None,
 ) -> list[str]:
-    """``flower-supernode`` arguments for a node playing ``clients``, connecting to ``superlink`` (its
-    fleet ``port``): TLS with
-    ``root_certificates`` (the CA that signed the SuperLink's certificate) or ``--insecure``;
-    ``private_key``: authenticate with it; ``worker``: the node's fedtune worker socket; ``threads``:
-    its torch threads; ``extra``: appended."""
-    from fedtune.engines.flower.codec import NODE_CLIENTS, NODE_THREADS, NODE_WORKER, format_clients
+    """``flower-supernode`` arguments for a node playing ``clients``, connecting to ``superlink``
+    (its Runtime API on 127.0.0.1:``port``): TLS with ``root_certificates`` (the CA that signed the
+    SuperLink's certificate) or ``--insecure``; ``private_key``: authenticate with it;
+    ``executor_secret``: process isolation, its tasks claimed by the node's fedtune executor
+    (:mod:`.executor`) with this secret (None: Flower's own SuperExec and a ``flwr-clientapp``
+    process per message); ``threads``: its torch threads; ``extra``: appended; ``budget``: the node's
+    own resources as node-config entries (``{"memory-gib": 8, "measure-speed": True}``:
+    :mod:`fedtune.planning.node_report`)."""
+    from fedtune.engines.flower.codec import NODE_CLIENTS, NODE_THREADS, format_clients
 
     node_config = [f'{NODE_CLIENTS}="{format_clients(clients)}"']
-    if worker:
-        node_config.append(f'{NODE_WORKER}="{worker}"')
     if threads:
         node_config.append(f"{NODE_THREADS}={int(threads)}")
+    node_config += [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in (budget or {}).items()]
     args = [
         flower_command("flower-supernode"),
         "--superlink",
@@ -137,29 +148,26 @@ def supernode_args(
     args += ["--insecure"] if root_certificates is None else ["--root-certificates", str(root_certificates)]
     if private_key is not None:
         args += ["--auth-supernode-private-key", str(private_key)]
+    if executor_secret is not None:
+        args += ["--isolation", "process", "--superexec-auth-secret-file", str(executor_secret)]
     return args + list(extra)
 
 
-def worker_args(socket_path: str, threads: int | None) -> list[str]:
-    """The command of a node's fedtune worker (:func:`fedtune.engines.flower.worker.run_worker`) on
-    ``socket_path`` with ``threads`` torch threads (None: torch's choice)."""
-    code = (
-        "import sys; from fedtune.engines.flower.worker import run_worker; "
-        "run_worker(sys.argv[1], int(sys.argv[2]) or None)"
-    )
-    return [sys.executable, "-c", code, socket_path, str(int(threads or 0))]
-
-
-def wait_for_worker(socket_path: str, proc: subprocess.Popen[Any], log: Path | None, timeout: float = 120) -> None:
-    """Wait until the worker process ``proc`` serves ``socket_path`` (its socket and key exist); a
-    DeploymentError, with the tail of its ``log``, when it exits or ``timeout`` seconds pass first."""
-    deadline = time.monotonic() + timeout
-    while not (Path(socket_path).exists() and Path(f"{socket_path}.key").exists()):
-        if proc.poll() is not None:
-            raise DeploymentError(f"fedtune worker exited with code {proc.returncode}{log_tail(log)}")
-        if time.monotonic() > deadline:
-            raise DeploymentError(f"fedtune worker {socket_path} not ready after {timeout:.0f} s{log_tail(log)}")
-        time.sleep(0.05)
+def executor_args(port: int, secret: Path, threads: int | None) -> list[str]:
+    """The command of a node's fedtune executor (:func:`fedtune.engines.flower.executor.run_executor`)
+    for the SuperNode whose Runtime API is on 127.0.0.1:``port``, claiming tasks with ``secret``,
+    with ``threads`` torch threads (None: torch's choice)."""
+    return [
+        sys.executable,
+        "-m",
+        "fedtune.engines.flower.executor",
+        "--runtime-api-address",
+        f"127.0.0.1:{port}",
+        "--secret-file",
+        str(secret),
+        "--threads",
+        str(int(threads or 0)),
+    ]
 
 
 def write_flower_config(home: Path, address: str, root_certificates: Path | None = None, name: str = "fedtune") -> str:

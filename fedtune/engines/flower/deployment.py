@@ -2,25 +2,26 @@
 keys, and the loopback deployment behind ``fedtune run RECIPE --set engine=flower``.
 
 :class:`LoopbackDeployment` starts, on 127.0.0.1 and in a private ``FLWR_HOME`` (a temporary
-folder, mode 0700): one SuperLink, one fedtune worker plus one SuperNode per node (a node plays
+folder, mode 0700): one SuperLink and, per node, a SuperNode and its fedtune executor (a node plays
 one client or a group of clients, ``federation.nodes``; default ``min(clients per round,
-cores)``), then ``flwr run`` submits the fedtune app (:func:`write_app`). Every process it
-starts, and every process those start (SuperExec, ServerApp, ClientApps), is stopped by PID on
-exit: after the run, on an error, and on Ctrl-C. Options: TLS (``tls=True``: a fresh CA and
-server certificate for 127.0.0.1, :func:`generate_certificates`) and SuperNode authentication
-(``auth=True``: the SuperLink admits only SuperNodes whose public keys were registered with
-``flwr supernode register``, :func:`generate_node_key`; Flower requires TLS for it).
+cores)``); :meth:`LoopbackDeployment.run` submits the fedtune app with ``flwr run`` (:func:`write_app`)
+and serves the run's ServerApp in this process. Every process it starts, and every process those
+start, is stopped by PID on exit: after the run, on an error, and on Ctrl-C. Options: TLS
+(``tls=True``: a fresh CA and server certificate for 127.0.0.1, :func:`generate_certificates`) and
+SuperNode authentication (``auth=True``: the SuperLink admits only SuperNodes whose public keys
+were registered with ``flwr supernode register``, :func:`generate_node_key`; Flower requires TLS
+for it); ``executors=False``: stock Flower processes (a SuperExec per SuperNode starting a
+``flwr-clientapp`` per message, a ``flwr-serverapp`` per run), for comparison.
 
-Per-round cost in a deployment: Flower starts a ``flwr-clientapp`` process per message; with a
-worker (the default here) that process imports only Flower and fedtune's Flower module and hands
-the work to the node's warm worker (:func:`fedtune.engines.flower.worker.run_worker`). Flower's own
-latencies remain: a SuperNode that found no message sleeps 3 s before asking again, and its
-SuperExec polls for new tasks every ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` seconds (set here to
-:data:`TASK_POLL_S`); the server pulls replies every :data:`~fedtune.engines.flower.POLL_S` s.
+Per-round cost: both the SuperLink and the SuperNodes run with ``--isolation process`` and a
+SuperExec secret. A node's executor (:mod:`.executor`) answers every message of the node in one
+process, the model and data kept warm; the ServerApp runs here (:mod:`.inprocess`); standby
+messages (:mod:`.standby`) keep idle SuperNodes from Flower's 3 s idle sleep; objects are pulled
+without Flower's 1 s back-off (:mod:`.runtime_api`) and packed one Array per dtype (:mod:`.packing`).
 
 :func:`run_flower_deployment` is what ``engine = "flower"`` runs: it writes the same run folder
-as the embedded engine (the ServerApp process runs :func:`fedtune.run.run_experiment`) and calls
-``on_round`` with each round's record as its line appears in ``metrics.jsonl``.
+as the embedded engine (:func:`fedtune.run.run_experiment`) and calls ``on_round`` with each
+round's record as it ends.
 """
 
 from __future__ import annotations
@@ -32,25 +33,27 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 from fedtune.certificates import generate_certificates, generate_node_key
 from fedtune.config import RunConfig
+from fedtune.engines.flower.codec import CLIPPING_NORM
 from fedtune.engines.flower.commands import (
     TASK_POLL_S,
     client_groups,
     default_nodes,
+    executor_args,
     flower_command,
     flower_env,
     superlink_args,
     supernode_args,
-    wait_for_worker,
-    worker_args,
     write_app,
     write_flower_config,
 )
+from fedtune.engines.flower.executor import write_secret
+from fedtune.engines.flower.inprocess import serve_run
 from fedtune.engines.flower.serverapp import read_status
 from fedtune.engines.rounds import RoundFailed, RoundRecord, RunInterrupted
 from fedtune.process import DeploymentError, Processes, free_ports, log_tail, wait_for_port
@@ -58,6 +61,28 @@ from fedtune.runtime import ResolvedRun, RunContext, as_resolved
 
 
 # -- running the app -----------------------------------------------------------------------------
+def submission(
+    config: RunConfig, home: Path, resume: bool, timeout: float | None, clipping_norm: float | None
+) -> tuple[Path, Path]:
+    """The fedtune Flower App (:func:`write_app`) and the Flower run config that submits ``config``
+    (as JSON: resolved once, by the ServerApp) with ``resume``, ``timeout`` and ``clipping_norm``
+    (as :func:`run_app`'s), both in ``home``: (app folder, run config file)."""
+    import tomli_w
+
+    run_config = home / "run-config.toml"
+    run_config.write_text(
+        tomli_w.dumps(
+            {
+                "config": config.model_dump_json(exclude_none=True),
+                "resume": bool(resume),
+                "timeout": float(timeout or 0),
+                "clipping-norm": float(clipping_norm or 0),
+            }
+        )
+    )
+    return write_app(home / "app"), run_config
+
+
 def run_app(
     config: RunConfig,
     home: Path,
@@ -81,22 +106,9 @@ def run_app(
     remote SuperLink) None. ``on_output`` gets Flower's streamed output as it comes. Raises
     :class:`~fedtune.engines.rounds.RoundFailed`, :class:`~fedtune.engines.rounds.RunInterrupted`
     or :class:`DeploymentError` as the run ended."""
-    import tomli_w
-
     local = run_dir is not None
     run_dir = run_dir if run_dir is not None else Path(config.output_dir) / config.run_name  # remote: not read
-    run_config = home / "run-config.toml"
-    run_config.write_text(
-        tomli_w.dumps(
-            {
-                "config": config.model_dump_json(exclude_none=True),
-                "resume": bool(resume),
-                "timeout": float(timeout or 0),
-                "clipping-norm": float(clipping_norm or 0),
-            }
-        )
-    )
-    app = write_app(home / "app")
+    app, run_config = submission(config, home, resume, timeout, clipping_norm)
     metrics = run_dir / "metrics.jsonl"
     seen = metrics.read_text().count("\n") if resume and metrics.is_file() else 0
     started = time.time()
@@ -136,10 +148,10 @@ def run_app(
     poll()
     text = log.read_text(errors="replace") if log else ""
     summary = run_dir / "summary.json"
+    status = read_status(run_dir, started, remove=True) if local else None  # the run folder keeps no engine file
     if proc.returncode == 0 and summary.is_file() and summary.stat().st_mtime >= started - 1:
         done: dict[str, Any] = json.loads(summary.read_text())
         return done
-    status = read_status(run_dir, started) if local else None
     if status is not None and status["status"] == "interrupted":
         raise RunInterrupted(int(status.get("round", 0)))
     if status is not None and status["status"] == "round_failed":
@@ -150,11 +162,13 @@ def run_app(
 
 
 class LoopbackDeployment:
-    """A SuperLink, workers and SuperNodes on 127.0.0.1 in a private ``FLWR_HOME``; a context
+    """A SuperLink, SuperNodes and their executors on 127.0.0.1 in a private ``FLWR_HOME``; a context
     manager (everything is stopped by PID on exit). ``groups``: the client ids of each node;
     ``home``: the ``FLWR_HOME`` (None: a temporary folder, removed on exit); ``tls``, ``auth``: see
     the module docstring; ``threads``: each node's torch threads (None: the cores shared out);
-    ``workers``: a fedtune worker per node; ``log_dir``: the processes' logs (None: in ``home``)."""
+    ``executors``: a fedtune executor per node (:mod:`.executor`; False: Flower's SuperExec and a
+    ``flwr-clientapp`` process per message); ``log_dir``: the processes' logs (None: in ``home``);
+    ``budgets``: each node's own resources, node-config entries (:func:`supernode_args`)."""
 
     def __init__(
         self,
@@ -163,13 +177,15 @@ class LoopbackDeployment:
         tls: bool = False,
         auth: bool = False,
         threads: int | None = None,
-        workers: bool = True,
+        executors: bool = True,
         log_dir: Path | None = None,
+        budgets: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         if auth and not tls:
             raise ValueError("SuperNode authentication needs TLS (Flower refuses it on an insecure connection)")
         self.groups = [list(g) for g in groups]
-        self.tls, self.auth, self.workers = tls, auth, workers
+        self.budgets = list(budgets) if budgets is not None else [{}] * len(self.groups)
+        self.tls, self.auth, self.executors = tls, auth, executors
         self.threads = threads or max(1, (os.cpu_count() or 1) // max(1, len(self.groups)))
         self._own_home = home is None
         self.home = Path(tempfile.mkdtemp(prefix="fedtune-flwr-")) if home is None else Path(home)
@@ -178,6 +194,7 @@ class LoopbackDeployment:
         self.log_dir = Path(log_dir) if log_dir else self.home / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.certificates: dict[str, Path] | None = None
+        self.secret: Path | None = None  # the SuperLink's SuperExec secret (process isolation)
         self.processes: Processes | None = None
         self.port = 0
         self.nodes: list[subprocess.Popen[Any]] = []
@@ -210,15 +227,18 @@ class LoopbackDeployment:
         if self.tls:
             self.certificates = generate_certificates(self.home / "certificates")
         self.port = free_ports(1)[0]
+        self.secret = write_secret(self.home / "superlink.secret") if self.executors else None
         link = self._started().start(
-            "superlink", superlink_args("127.0.0.1", self.port, self.certificates, self.auth), self.env()
+            "superlink",
+            superlink_args("127.0.0.1", self.port, self.certificates, self.auth, executor_secret=self.secret),
+            self.env(),
         )
         wait_for_port(self.port, link, log=self._started().log_of(link))
         roots = None if self.certificates is None else self.certificates["ca"]
         self.connection = write_flower_config(self.home, self.address, roots)
         for i, clients in enumerate(self.groups):
             key = self.register_node_key(f"node{i}") if self.auth else None
-            self.start_supernode(clients, name=f"supernode{i}", private_key=key)
+            self.start_supernode(clients, name=f"supernode{i}", private_key=key, budget=self.budgets[i])
 
     def register_node_key(self, name: str) -> Path:
         """A fresh key pair ``name`` for a SuperNode, its public key registered with the SuperLink; the
@@ -244,25 +264,24 @@ class LoopbackDeployment:
         insecure: bool = False,
         wait: bool = True,
         extra: Sequence[str] = (),
+        budget: Mapping[str, Any] | None = None,
     ) -> subprocess.Popen[Any]:
-        """Start a worker (unless ``workers=False``) and a SuperNode ``name`` playing ``clients``;
-        ``private_key``: its authentication key; ``insecure``: connect without TLS even when the
-        SuperLink has it (tests); ``wait``: until both serve; ``extra``: more SuperNode arguments."""
-        worker = None
-        if self.workers:
-            worker = str(self.home / f"{name}.sock")
-            proc = self._started().start(f"{name}-worker", worker_args(worker, self.threads), self.env())
-            if wait:
-                wait_for_worker(worker, proc, self._started().log_of(proc))
+        """Start a SuperNode ``name`` playing ``clients`` and (unless ``executors=False``) its fedtune
+        executor; ``private_key``: its authentication key; ``insecure``: connect without TLS even when
+        the SuperLink has it (tests); ``wait``: until the SuperNode serves; ``extra``: more SuperNode
+        arguments; ``budget``: its own resources (:func:`supernode_args`)."""
+        secret = write_secret(self.home / f"{name}.secret") if self.executors else None
         port = free_ports(1)[0]
         roots = None if insecure or self.certificates is None else self.certificates["ca"]
         node = self._started().start(
             name,
-            supernode_args(self.address, port, clients, roots, private_key, worker, self.threads, extra),
+            supernode_args(self.address, port, clients, roots, private_key, secret, self.threads, extra, budget),
             self.env(),
         )
         if wait:
             wait_for_port(port, node, log=self._started().log_of(node))
+        if secret is not None:
+            self._started().start(f"{name}-executor", executor_args(port, secret, self.threads), self.env())
         self.nodes.append(node)
         return node
 
@@ -274,28 +293,34 @@ class LoopbackDeployment:
         timeout: float | None = 600,
         clipping_norm: float | None = None,
     ) -> dict[str, Any]:
-        """Run ``run`` (a resolved run, or a config resolved here) on this deployment
-        (:func:`run_app`, ``output_dir`` made absolute: the ServerApp's working directory is not
-        ours; ``on_round``, ``resume``, ``timeout``, ``clipping_norm`` as there); Ctrl-C asks the
-        ServerApp to stop after the current round's checkpoint."""
+        """Run ``run`` (a resolved run, or a config resolved here) on this deployment, ``output_dir``
+        made absolute, and return its summary: submitted with ``flwr run``, its ServerApp served in
+        this process (:func:`.inprocess.serve_run`; ``executors=False``: by Flower's ``flwr-serverapp``
+        process, followed through the run folder, :func:`run_app`). ``on_round`` gets each round as
+        it ends; ``resume``: continue the run folder; ``timeout``: the wait for nodes and replies;
+        ``clipping_norm``: asked of the nodes' clipping mods. Ctrl-C stops the run after the current
+        round's checkpoint."""
         resolved = as_resolved(run)
         resolved = resolved.relocated(str(Path(resolved.config.output_dir).resolve()))
-        summary = run_app(
-            resolved.config,
-            self.home,
-            self.connection,
-            self._started(),
-            on_round,
-            resume,
-            timeout,
-            clipping_norm,
-            interrupt=self.interrupt_server,
-            run_dir=resolved.run_dir,
-        )
-        return cast(dict[str, Any], summary)  # run_dir given: the summary, or run_app raised
+        config = resolved.config
+        if self.secret is None:
+            done = run_app(
+                config, self.home, self.connection, self._started(), on_round, resume, timeout, clipping_norm,
+                interrupt=self.interrupt_server, run_dir=resolved.run_dir,
+            )  # fmt: skip
+            return cast(dict[str, Any], done)  # run_dir given: the summary, or run_app raised
+        app, run_config = submission(config, self.home, resume, timeout, clipping_norm)
+        flwr = [flower_command("flwr"), "run", str(app), self.connection, "--run-config", str(run_config)]
+        sub = subprocess.run(flwr, env=self.env(), cwd=self.home, capture_output=True, text=True, timeout=300)
+        if sub.returncode != 0:
+            raise DeploymentError(f"flwr run exited with code {sub.returncode}: {(sub.stdout + sub.stderr)[-800:]}")
+        roots = None if self.certificates is None else self.certificates["ca"].read_bytes()
+        request = {CLIPPING_NORM: float(clipping_norm)} if clipping_norm else None
+        return serve_run(self.address, self.secret.read_bytes(), roots, resolved, on_round, resume, timeout, request)
 
     def interrupt_server(self) -> None:
-        """Send SIGINT to the ServerApp process (``flwr-serverapp``): it stops after its round's checkpoint."""
+        """Send SIGINT to the ServerApp process (``flwr-serverapp``, ``executors=False``): it stops
+        after its round's checkpoint."""
         import psutil
 
         self._started().reaper.poll()

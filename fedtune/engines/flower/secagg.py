@@ -35,6 +35,10 @@ Quantization error: stochastic rounding moves each client's coordinate by less t
 summed clients; ``SecureSum.error``), provided |w_i/W Delta_i| <= c (larger values are clipped
 to c by the mod). m T must stay below M (checked by the config for the expected m; a round
 whose DP Poisson sample is larger quantizes with T = (M - 1) // m instead, its error so stated).
+Under DP the rounding draws from secret OS entropy (:func:`.clientapp.rounding_seed`) and a client
+clips its vector to C minus the rounding's worst lift s sqrt(d), s the coarsest step of any round
+(:meth:`fedtune.methods.base.privacy.SecureCentralGaussian.secure_release`), so its quantized
+vector stays within C and the sum's sensitivity is the 2C the accountant assumes.
 
 Bytes: the accounted bytes of a client are its fedtune messages' ``Message.nbytes`` (the request's
 arrays down; the reply's metadata up: its arrays do not cross) plus the SecAgg+ payload both ways
@@ -66,7 +70,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
 from fedtune.config import ConfigError
-from fedtune.engines.flower.codec import ATTEMPT, CID, RECORD, ROUND, format_clients, pack, to_array_record
+from fedtune.engines.flower.codec import ATTEMPT, CID, RECORD, ROUND, format_clients, pack
 from fedtune.engines.flower.transport import GridTransport, exchange
 from fedtune.engines.rounds import TRAIN, Delivery
 from fedtune.protocol.messages import Message
@@ -135,11 +139,7 @@ class SecAggPlusTransport(GridTransport):
                 "one client per node (its keys and state are a node's)"
             )
         self.fed, self.seed = fed, seed
-        self.clip, self.T, self.M = (
-            float(fed.secagg_clipping_range),
-            fed.secagg_quantization_range,
-            fed.secagg_modulus_range,
-        )
+        self.clip, self.M = float(fed.secagg_clipping_range), fed.secagg_modulus_range
         self._round: _Round | None = None
 
     def _send(self, stage_of: dict[int, RecordDict], rnd: int) -> dict[int, FlowerMessage]:
@@ -147,7 +147,7 @@ class SecAggPlusTransport(GridTransport):
         out = [
             FlowerMessage(c, dst_node_id=nid, message_type="train", group_id=str(rnd)) for nid, c in stage_of.items()
         ]
-        ids, replies = exchange(self.grid, out, self.timeout)
+        ids, replies = exchange(self.grid, out, self.timeout, standby=self.standby)
         node_of_id = dict(zip(ids, stage_of))
         return {
             node_of_id[r.metadata.reply_to_message_id]: r
@@ -179,7 +179,7 @@ class SecAggPlusTransport(GridTransport):
         shares = max(len(v) for v in neighbours.values())
         threshold = self.fed.secagg_reconstruction_threshold(shares)  # of this round's shares
         max_weight, layout = _secure_request(messages)
-        target = min(self.T, (self.M - 1) // m)  # a DP round's Poisson sample may exceed the expected m
+        target = self.fed.secagg_target(m)  # a DP round's Poisson sample may exceed the expected m
         state = _Round(rnd, attempt, cid_of, neighbours, threshold, target, max_weight=max_weight, layout=layout)
         self._round = state
         down, up = dict.fromkeys(order, 0), dict.fromkeys(order, 0)
@@ -250,8 +250,8 @@ class SecAggPlusTransport(GridTransport):
             srcs = [s for s in forward[nid][0] if s in state.keyed]
             ctxts = [c for s, c in zip(*forward[nid], strict=True) if s in state.keyed]
             config = {Key.STAGE: Stage.COLLECT_MASKED_VECTORS, Key.CIPHERTEXT_LIST: ctxts, Key.SOURCE_LIST: srcs}
-            scalars: dict[str, Any] = {ROUND: rnd, ATTEMPT: attempt}
-            content, nbytes = pack(messages[cid], cid, to_array_record(messages[cid].arrays), **scalars)
+            scalars: dict[str, Any] = {ROUND: rnd, ATTEMPT: attempt, **self.setting(cid)}
+            content, nbytes = pack(messages[cid], cid, **scalars)
             content[RECORD_KEY_CONFIGS] = ConfigRecord(config)
             contents[nid] = content
             down[nid] += nbytes + secagg_nbytes(config)

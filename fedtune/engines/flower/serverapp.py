@@ -10,10 +10,13 @@ from typing import Any
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
+from flwr.superlink.grid import HttpGrid
 
 from fedtune.config import RunConfig
-from fedtune.engines.flower.codec import CLIPPING_NORM, TIMING_FILE
+from fedtune.engines.flower.budgets import adopt_reports
+from fedtune.engines.flower.codec import CLIPPING_NORM, TIMING_FILE, keeps_timing
 from fedtune.engines.flower.runconfig import config_from_run_config
+from fedtune.engines.flower.standby import Standby
 from fedtune.engines.flower.transport import GridTransport, discover_nodes
 from fedtune.engines.rounds import Engine, RoundFailed, RoundRecord, RunInterrupted
 from fedtune.process import setup_process
@@ -25,7 +28,9 @@ class FlowerEngine(Engine):
     client state lives on the nodes (``context.state``), not in the server's checkpoint. ``run``: the
     resolved run; ``grid``: the ServerApp's; ``timeout``: the wait for nodes and, without
     ``federation.round_timeout_s``, for a round's replies; ``request_config``: sent with every
-    request; ``resume``: the run folder's timing file is kept."""
+    request; ``resume``: the run folder's timing file is kept (:data:`TIMING_FILE`: written only
+    without DP and SecAgg+, :func:`~fedtune.engines.flower.codec.keeps_timing`). On a deployment
+    (Flower's ``HttpGrid``) idle nodes get standby messages between their requests (:mod:`.standby`)."""
 
     name = "flower"
 
@@ -40,15 +45,24 @@ class FlowerEngine(Engine):
         super().__init__(run.config)
         self.run_dir = run.run_dir
         self.grid, self.timeout, self.request_config, self.resume = grid, timeout, request_config, resume
+        self.standby = isinstance(grid, HttpGrid)  # a deployment's ServerApp (not the simulation's)
         self._transport: GridTransport | None = None
+        self._reports: dict[int, tuple[str, Any]] = {}  # client id -> (its node, the budget it reported)
+
+    def prepare(self, context: Any) -> None:
+        """Discover the nodes, plan ``context`` from the budgets they report (the other clients' from
+        the config) and send each node-budgeted client its planned setting with every request
+        (:func:`~fedtune.engines.flower.budgets.adopt_reports`)."""
+        transport = self.transport()
+        transport.settings = adopt_reports(context, self._reports)
 
     def transport(self) -> GridTransport:
         """The Grid transport (SecAgg+ under ``federation.secure_aggregation``), built on first use."""
         if self._transport is None:
             fed = self.config.federation
-            node_of = discover_nodes(self.grid, fed.num_clients, self.timeout)
-            timing = self.run_dir / TIMING_FILE
-            if not self.resume:
+            node_of = discover_nodes(self.grid, fed.num_clients, self.timeout, self._reports)
+            timing = self.run_dir / TIMING_FILE if keeps_timing(self.config) else None  # never under DP
+            if timing is not None and not self.resume:
                 timing.unlink(missing_ok=True)
             wait = fed.round_timeout_s or self.timeout
             if fed.secure_aggregation:  # SecAgg+: the server sees only the sum of the updates
@@ -59,7 +73,18 @@ class FlowerEngine(Engine):
                 )
             else:
                 self._transport = GridTransport(self.grid, node_of, wait, self.request_config, timing)
+            if self.standby:  # a deployment: keep its SuperNodes from Flower's 3 s idle sleep
+                self._transport.standby = Standby(self.grid).start()
         return self._transport
+
+    def run(self, strategy: Any, *args: Any, **kwargs: Any) -> list[RoundRecord]:
+        """The rounds of ``strategy`` (:meth:`Engine.run`, with its ``args`` and ``kwargs``); a
+        deployment's standby messages stop with them."""
+        try:
+            return super().run(strategy, *args, **kwargs)
+        finally:
+            if self._transport is not None and self._transport.standby is not None:
+                self._transport.standby.stop()
 
 
 def serve(
@@ -89,15 +114,19 @@ STATUS_FILE = "server_status.json"  # run folder: how the ServerApp's run ended 
 def write_status(path: Path, status: str, **detail: Any) -> None:
     """The ServerApp's outcome ``status`` (``ok``, ``round_failed``, ``interrupted`` or ``error``, with
     its message or round: ``detail``) as JSON at ``path``, written atomically: what a deployment
-    reports, not log text."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    reports, not log text. Not written where the run folder (``path``'s) does not exist: a run that
+    stopped on its inputs writes nothing."""
+    if not path.parent.is_dir():
+        return
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"status": status, **detail}))
     tmp.replace(path)
 
 
-def read_status(run_dir: Path, since: float) -> dict[str, Any] | None:
-    """The status a ServerApp wrote in ``run_dir`` at or after ``since`` (epoch s), else None."""
+def read_status(run_dir: Path, since: float, remove: bool = False) -> dict[str, Any] | None:
+    """The status a ServerApp wrote in ``run_dir`` at or after ``since`` (epoch s), else None;
+    ``remove``: then delete the file (a launcher that read it: the run folder holds what the
+    embedded engine writes, nothing more)."""
     path = run_dir / STATUS_FILE
     try:
         if path.stat().st_mtime < since - 1:
@@ -105,6 +134,9 @@ def read_status(run_dir: Path, since: float) -> dict[str, Any] | None:
         status = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    finally:
+        if remove:
+            path.unlink(missing_ok=True)
     return status if isinstance(status, dict) and isinstance(status.get("status"), str) else None
 
 

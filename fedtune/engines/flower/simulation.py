@@ -9,7 +9,7 @@ from typing import Any
 
 from fedtune.config import ConfigError, RunConfig
 from fedtune.engines.flower.clientapp import make_client_app
-from fedtune.engines.flower.serverapp import make_server_app
+from fedtune.engines.flower.serverapp import STATUS_FILE, make_server_app
 from fedtune.engines.rounds import RoundRecord
 from fedtune.process import ReapDescendants, setup_process
 from fedtune.runtime import ResolvedRun, as_resolved
@@ -87,6 +87,7 @@ def run_flower_simulation(
                 verbose_logging=verbose,
             )
         finally:
+            (run.run_dir / STATUS_FILE).unlink(missing_ok=True)  # for deployments; here exceptions propagate
             if ray.is_initialized():  # the backend shuts Ray down itself unless it failed early
                 ray.shutdown()
             if pythonpath is None:

@@ -13,6 +13,7 @@ from flwr.app import ConfigRecord, RecordDict
 from flwr.app import Message as FlowerMessage
 from flwr.serverapp import Grid
 
+from fedtune.engines.flower.budgets import BUDGET, SETTING
 from fedtune.engines.flower.codec import (
     AS_WEIGHTS,
     ATTEMPT,
@@ -28,9 +29,11 @@ from fedtune.engines.flower.codec import (
     FlowerClientError,
     format_clients,
     pack,
-    to_array_record,
     unpack,
 )
+from fedtune.engines.flower.packing import pack_arrays
+from fedtune.engines.flower.runtime_api import pull_replies
+from fedtune.engines.flower.standby import Standby
 from fedtune.engines.rounds import Delivery
 from fedtune.protocol.messages import Message
 
@@ -42,20 +45,29 @@ def exchange(
     timeout: float | None,
     poll_s: float = POLL_S,
     pulled_at: dict[str, float] | None = None,
+    standby: Standby | None = None,
 ) -> tuple[list[str], list[FlowerMessage]]:
-    """Push ``messages`` through ``grid`` and pull their replies every ``poll_s`` seconds until all arrived or
-    ``timeout`` seconds passed (Grid's public push/pull; its ``send_and_receive`` waits 3 s
-    between pulls). Returns the pushed message ids (in order) and the replies; ``pulled_at``
-    receives each reply's arrival time (epoch s) by the id of the message it answers."""
+    """Push ``messages`` through ``grid`` and pull their replies every ``poll_s`` seconds until all
+    arrived or ``timeout`` seconds passed (Grid's public push, :func:`.runtime_api.pull_replies`;
+    Flower's ``send_and_receive`` waits 3 s between pulls). Returns the pushed message ids (in
+    order) and the replies; ``pulled_at`` receives each reply's arrival time (epoch s) by the id of
+    the message it answers; ``standby`` (a deployment's) is told which nodes got requests and which
+    answered them (:class:`.standby.Standby`)."""
     ids = list(grid.push_messages(messages))
+    node_of = {i: m.metadata.dst_node_id for i, m in zip(ids, messages)}
+    if standby is not None:
+        standby.sent(node_of[i] for i in ids if i)
     pending = set(ids)
     deadline = None if timeout is None else time.monotonic() + timeout
     replies: list[FlowerMessage] = []
     while pending:
-        got = list(grid.pull_messages(list(pending)))
+        got = pull_replies(grid, pending)
         if pulled_at is not None:
             now = time.time()
             pulled_at.update((reply.metadata.reply_to_message_id, now) for reply in got)
+        if standby is not None:
+            for reply in got:
+                standby.replied(node_of[reply.metadata.reply_to_message_id])
         replies.extend(got)
         pending.difference_update(reply.metadata.reply_to_message_id for reply in got)
         if not pending or (deadline is not None and time.monotonic() >= deadline):
@@ -64,10 +76,13 @@ def exchange(
     return ids, replies
 
 
-def discover_nodes(grid: Grid, num_clients: int, timeout: float | None = None) -> dict[int, int]:
+def discover_nodes(
+    grid: Grid, num_clients: int, timeout: float | None = None, reports: dict[int, tuple[str, Any]] | None = None
+) -> dict[int, int]:
     """Client id -> Flower node id, from the client ids each connected node of ``grid`` reports;
     asks new nodes as they connect until every client id 0..N-1 (N: ``num_clients``) has one (or
-    ``timeout`` seconds)."""
+    ``timeout`` seconds). ``reports`` receives, for each client of a node that states a budget, (the
+    node's label, its report as received: :mod:`fedtune.engines.flower.budgets`)."""
     start = time.monotonic()
     asked: set[int] = set()
     node_of: dict[int, int] = {}
@@ -94,6 +109,8 @@ def discover_nodes(grid: Grid, num_clients: int, timeout: float | None = None) -
                     if pid in node_of:
                         raise RuntimeError(f"client {pid} is played by two Flower nodes ({node_of[pid]} and {nid})")
                     node_of[pid] = nid
+                    if reports is not None and BUDGET in played:  # checked by the plan, not here
+                        reports[pid] = (f"Flower node {nid}", played[BUDGET])
         if len(node_of) == num_clients:
             return node_of
         if timeout is not None and time.monotonic() - start > timeout:
@@ -131,8 +148,14 @@ class GridTransport:
             bundle,
         )
         self.request_config = dict(request_config or {})
+        self.standby: Standby | None = None  # a deployment's (FlowerEngine sets it)
         if CLIPPING_NORM in self.request_config:
             self.request_config[AS_WEIGHTS] = True
+        self.settings: dict[int, str] = {}  # client id -> its planned setting, sent with each request (budgets.py)
+
+    def setting(self, cid: int) -> dict[str, str]:
+        """The transport scalar carrying client ``cid``'s planned setting, if its node states its budget."""
+        return {SETTING: self.settings[cid]} if cid in self.settings else {}
 
     def __call__(self, kind: str, rnd: int, messages: dict[int, Message], attempt: int = 0) -> dict[int, Delivery]:
         if not messages:
@@ -154,18 +177,17 @@ class GridTransport:
                 for cid in group:
                     message = messages[cid]
                     if id(message) not in records:  # a Message broadcast to many clients is converted once
-                        records[id(message)] = to_array_record(message.arrays)
+                        records[id(message)] = pack_arrays(message.arrays)
                     suffix = f"-{cid}" if len(group) > 1 else ""
-                    _, down[cid] = pack(
-                        message, cid, records[id(message)], suffix, content, **{ROUND: rnd, ATTEMPT: attempt, **extra}
-                    )
+                    scalars = {ROUND: rnd, ATTEMPT: attempt, **extra, **self.setting(cid)}
+                    _, down[cid] = pack(message, cid, records[id(message)], suffix, content, **scalars)
                 if len(group) > 1:
                     content[BUNDLE] = ConfigRecord({CLIENTS: group})
                 out.append(FlowerMessage(content, dst_node_id=nid, message_type=wire, group_id=str(rnd)))
                 targets.append(group)
         pushed = time.time()
         pulled_at: dict[str, float] = {}
-        ids, replies = exchange(self.grid, out, self.timeout, pulled_at=pulled_at)
+        ids, replies = exchange(self.grid, out, self.timeout, pulled_at=pulled_at, standby=self.standby)
         target_of = dict(zip(ids, targets))  # request id -> the client ids it carried
         self._log_timing(kind, rnd, attempt, pushed, replies, target_of, pulled_at)
         received: dict[int, Delivery] = {}

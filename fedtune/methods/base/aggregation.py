@@ -20,13 +20,14 @@ strategy's checkpoint) and delegates to it:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from fedtune.config import RunConfig
+from fedtune.config import ConfigError, RunConfig
 from fedtune.methods.base.privacy import Mechanism, PrivacyParams, privacy_params
 from fedtune.methods.base.robust import Combiner, combiner
 from fedtune.methods.base.server_optimizer import ServerOptimizer, ServerStep
@@ -116,6 +117,11 @@ class Aggregation:
         round's largest weight W, and ``layout``, the names and shapes of v_i."""
         if not self.plan.secure:
             return {}
+        if self.plan.privacy is not None:  # the clients' clip bound must exist: else one line, at the first request
+            try:
+                self.plan.privacy.kind.secure_bound(self.plan.privacy, sum(math.prod(s) for s in layout.values()))
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         if self.privacy is None and weighting == "examples":
             weights: dict[str, Any] = {SECURE_WEIGHT: "examples", SECURE_MAX_WEIGHT: float(max(bounds, default=0))}
         else:

@@ -80,6 +80,12 @@ class UpdateClient(Client):
             reported = {"num_examples": 1, **meta} if hidden else {**result.meta(), **meta}
         return Message(encode_update(update, *self.profile.upload_codec(fed.upload_topk, fed.wire_dtype)), reported)
 
+    def bound_secure_vector(self, vector: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Under ``privacy.mode``: the mechanism's :meth:`~fedtune.methods.base.privacy.Mechanism.secure_release`
+        of ``vector`` (central DP: clipped below C by SecAgg+'s rounding margin)."""
+        private = self.context.run.aggregation.privacy
+        return vector if private is None else private.kind.secure_release(private, vector)
+
     def train_seed(self, rnd: int) -> int:
         """Data order and dropout of this client in round ``rnd``: from (run seed, round, client) alone."""
         return seed_for(self.config.seed, rnd, self.cid)

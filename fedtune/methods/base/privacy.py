@@ -28,13 +28,15 @@ q = m/N (m = ``federation.sample_size()``):
 * :class:`SecureCentralGaussian` (``federation.secure_aggregation`` with ``mode = "central"``):
   each client clips its own update before SecAgg+ masks it, the server adds xi to the secure sum.
   The server is trusted to add the noise, not with any individual update; the clients are trusted
-  to clip (the masked sum cannot show a skipped clip);
+  to clip (the masked sum cannot show a skipped clip). The clip is C minus SecAgg+'s rounding
+  margin (:func:`quantization_margin`), so the quantized update stays within C;
 * :class:`LocalGaussian` (untrusted server): each client clips its update and adds its own
   N(0, (zC)^2 I) before upload; the server sums the uploads over m. The server knows whom it
   asked, so each upload is accounted as a Gaussian of its own (q = 1) and the reported epsilon is
   the largest over clients. Its replies carry fixed metadata (``num_examples`` 1, no loss).
 
-Secret randomness. Every draw comes from OS entropy (:func:`fresh_secret`), never from the config,
+Secret randomness. Every draw comes from OS entropy (:func:`fresh_secret`; under SecAgg+ the mod's
+stochastic rounding too, :func:`fedtune.engines.flower.clientapp.rounding_seed`), never from the config,
 the run name or a message: the server's secret (sampling, central noise) lives in its checkpoint,
 which is therefore private state to be kept like a key (resume stays bit-identical); a local-DP
 client makes its own, kept in its persistent state (Flower: the node's memory; the embedded
@@ -63,7 +65,6 @@ clipped and noised one can be (:meth:`LocalGaussian.upload_bound`).
 from __future__ import annotations
 
 import math
-import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +73,15 @@ import numpy as np
 
 from fedtune.config import ConfigError, RunConfig
 from fedtune.methods.base import accounting
+from fedtune.methods.base.dp_primitives import (  # noqa: F401 - re-exported: clients and tests import them here
+    clip,
+    fresh_secret,
+    gaussian_like,
+    generator,
+    l2_norm,
+    poisson_sample,
+    quantization_margin,
+)
 
 #: The cross-method option (fedtune.registry.CROSS_METHOD_OPTIONS) a method honours when its server
 #: aggregates through BroadcastAverage (or, like FSLoRA and HeteroLoRA, puts each update in the
@@ -85,43 +95,6 @@ NOT_PRIVATE = "privacy.insecure_reproducible_noise: noise and sample derive from
 #: noised one can be (:meth:`LocalGaussian.upload_bound`), and the relative rounding of the wire's
 #: coarsest float (bfloat16's machine epsilon; float32's is 2^-23) the bound allows for
 FALSE_DROP, WIRE_ROUNDING = 1e-9, 2.0**-7
-
-
-def fresh_secret() -> np.ndarray:
-    """128 bits of OS entropy, as 4 uint32 words."""
-    return np.frombuffer(secrets.token_bytes(16), dtype=np.uint32).copy()
-
-
-def generator(secret: Sequence[int], *stream: int) -> np.random.Generator:
-    """The generator of ``stream`` (a tuple of non-negative ints) under ``secret``."""
-    return np.random.default_rng(np.random.SeedSequence([int(w) for w in secret], spawn_key=stream))
-
-
-def clip(update: Mapping[str, np.ndarray], bound: float, per_layer: bool = False) -> dict[str, np.ndarray]:
-    """``update`` (float64) scaled to L2 norm at most ``bound`` over all its arrays, or, with
-    ``per_layer``, each of its L arrays to ``bound``/sqrt(L)."""
-    arrays = {k: np.asarray(v, dtype=np.float64) for k, v in update.items()}
-    if per_layer:
-        each = bound / math.sqrt(len(arrays))
-        return {k: v * min(1.0, each / max(float(np.linalg.norm(v)), 1e-300)) for k, v in arrays.items()}
-    norm = l2_norm(arrays)
-    scale = min(1.0, bound / norm) if norm > 0 else 1.0
-    return {k: v * scale for k, v in arrays.items()}
-
-
-def l2_norm(update: Mapping[str, np.ndarray]) -> float:
-    """The L2 norm over all the arrays of ``update``."""
-    return math.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in update.values()))
-
-
-def gaussian_like(arrays: Mapping[str, np.ndarray], std: float, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """N(0, std^2) noise (float64) shaped like ``arrays``, drawn in sorted name order."""
-    return {k: rng.normal(0.0, std, size=np.shape(arrays[k])) for k in sorted(arrays)}
-
-
-def poisson_sample(num_clients: int, rate: float, rng: np.random.Generator) -> list[int]:
-    """Each of ``num_clients`` independently with probability ``rate``."""
-    return [int(c) for c in np.flatnonzero(rng.random(num_clients) < rate)]
 
 
 class Mechanism:
@@ -215,6 +188,20 @@ class Mechanism:
         """The largest L2 norm the server accepts in a training upload of ``d`` values under
         ``params``: any (a trusted server clips every update itself; under SecAgg+ it sees only the sum)."""
         return math.inf
+
+    @staticmethod
+    def secure_bound(params: PrivacyParams, size: int) -> float | None:
+        """Under SecAgg+: the L2 bound a client clips its vector of ``size`` coordinates to before the
+        mod quantizes it (None: none); ValueError where no bound can hold (one line)."""
+        return None
+
+    @classmethod
+    def secure_release(cls, params: PrivacyParams, vector: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Under SecAgg+: the vector a client hands the mod to quantize and mask, from the one its
+        method sums (:meth:`fedtune.protocol.client.Client.bound_secure_vector`): clipped to
+        :meth:`secure_bound` (float64), or as it is."""
+        bound = cls.secure_bound(params, sum(int(np.size(v)) for v in vector.values()))
+        return dict(vector) if bound is None else clip(vector, bound, params.per_layer)
 
     def server_clip(self, update: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """An update as the server sums it: clipped to C."""
@@ -313,6 +300,23 @@ class SecureCentralGaussian(Mechanism):
         params: PrivacyParams, update: Mapping[str, np.ndarray], state: dict, cid: int, rnd: int
     ) -> dict[str, np.ndarray]:
         return {k: v.astype(np.float32) for k, v in clip(update, params.clip, params.per_layer).items()}
+
+    @staticmethod
+    def secure_bound(params: PrivacyParams, size: int) -> float | None:
+        """C - mu, mu the rounding margin (:func:`quantization_margin`) of ``size`` coordinates at the
+        worst step of any round (``params.quantization_step``): a vector clipped to it (in float64,
+        so the mod rounds without float32 error) quantizes to norm at most C, and the secure sum
+        moves by at most 2C when one client's data is replaced, as the accountant assumes. (A
+        method's vector is its update placed in the global shape, norm kept: clipping it is
+        clipping the update.) ValueError where the margin leaves no room (mu >= C)."""
+        margin = quantization_margin(params.quantization_step, size, params.clip)
+        if not margin < params.clip:
+            raise ValueError(
+                f"privacy.clip: C = {params.clip:g} is within SecAgg+'s rounding margin {margin:.3g} for "
+                f"{size} coordinates (step {params.quantization_step:.3g}): raise "
+                "federation.secagg_quantization_range or lower federation.secagg_clipping_range"
+            )
+        return params.clip - margin
 
     def server_clip(self, update: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {k: np.asarray(v, np.float64) for k, v in update.items()}
@@ -422,9 +426,10 @@ class PrivacyParams:
     z: float
     target: float | None = None  # privacy.epsilon: z calibrated so that `calibrated_for` rounds reach it
     calibrated_for: int | None = None
-    target_quantile: float = 0.5  # adaptive clipping (AdaptiveClipGaussian) only, from here on
+    target_quantile: float = 0.5  # adaptive clipping (AdaptiveClipGaussian) only, these three
     clip_learning_rate: float = 0.2
     sigma_b: float = 0.0
+    quantization_step: float = 0.0  # SecAgg+ with central DP (SecureCentralGaussian): the worst rounding step 2c/T
 
 
 def mechanism_kind(config: RunConfig) -> type[Mechanism]:
@@ -467,7 +472,7 @@ def privacy_params(config: RunConfig) -> PrivacyParams | None:
             raise ConfigError(
                 f"privacy.epsilon_budget: {p.epsilon_budget:g} is below the epsilon of one round ({one:.4g})"
             )
-    adaptive = {}
+    extra: dict[str, float] = {}  # the kind's own numbers
     if kind is AdaptiveClipGaussian:
         # Andrew et al.'s m/20, at least z (the update's noise then grows by at most 1/sqrt(3/4) = 1.15x)
         sigma_b = p.clipped_count_stddev if p.clipped_count_stddev is not None else max(m / 20, z)
@@ -476,10 +481,12 @@ def privacy_params(config: RunConfig) -> PrivacyParams | None:
                 f"privacy.clipped_count_stddev: sigma_b = {sigma_b:g} must exceed z / 2 = {z / 2:g} "
                 "(the count query takes that share of the noise; Andrew et al. 2021, Theorem 1)"
             )
-        adaptive = dict(target_quantile=p.target_quantile, clip_learning_rate=p.clip_learning_rate, sigma_b=sigma_b)
+        extra = dict(target_quantile=p.target_quantile, clip_learning_rate=p.clip_learning_rate, sigma_b=sigma_b)
+    if kind is SecureCentralGaussian:
+        extra = dict(quantization_step=fed.secagg_step())
     common = (float(p.clip), p.per_layer, n, m, p.accountant, p.adjacency, delta, p.epsilon_budget)
     target = {} if p.epsilon is None else {"target": p.epsilon, "calibrated_for": config.rounds}
-    return PrivacyParams(kind, *common, p.insecure_reproducible_noise, config.seed, z, **target, **adaptive)
+    return PrivacyParams(kind, *common, p.insecure_reproducible_noise, config.seed, z, **target, **extra)
 
 
 def mechanism(config: RunConfig) -> Mechanism | None:

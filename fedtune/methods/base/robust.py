@@ -12,7 +12,11 @@ The defences a user with untrusted parties reaches for, applied in this order:
 3. the combination: the weighted mean sum_i p_i Delta_i (``"mean"``, FedAvg), or, per coordinate,
    the trimmed mean (the ``trim_fraction`` largest and smallest values dropped, the rest averaged
    unweighted; Yin et al., "Byzantine-robust distributed learning", ICML 2018) or the median
-   (unweighted: the robust estimators ignore the weights, which a client reports itself).
+   (unweighted: the robust estimators ignore the weights, which a client reports itself), or a
+   combiner of the user's own package (:func:`register_combiner`, found as :mod:`fedtune.plugins`
+   finds methods: entry point group ``fedtune.combiners`` or ``"my_pkg.module:NAME"``), refused
+   wherever the robust ones are (a method that does not honour ``federation.aggregation``, DP,
+   SecAgg+).
 
 A bound only limits the damage: with clipping, f attackers among n can still move the mean by up
 to f C / n in any direction they choose; a trimmed mean tolerates fewer attackers per coordinate
@@ -21,13 +25,17 @@ than it trims at each end.
 
 from __future__ import annotations
 
+import inspect
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from fedtune.config import FederationConfig
+from fedtune.config import ConfigError, FederationConfig
+from fedtune.plugins import COMBINERS as COMBINER_GROUP
+from fedtune.plugins import load_declared, resolve_reference
 
 #: The cross-method options (fedtune.registry.CROSS_METHOD_OPTIONS) a method honours when its server
 #: combines updates with its :func:`combiner`.
@@ -137,16 +145,95 @@ class NormClipped:
         return self.combiner([clip_update(u, self.bound) for u in updates], weights)
 
 
-#: ``federation.aggregation`` -> its combiner, from the ``[federation]`` section: where a new one is added.
-COMBINERS: dict[str, Callable[[FederationConfig], Combiner]] = {
-    "mean": lambda fed: WeightedMean(fed.max_client_weight),
-    "trimmed-mean": lambda fed: TrimmedMean(fed.trim_fraction),
-    "median": lambda fed: CoordinateMedian(),
-}
+CombinerFactory = Callable[[FederationConfig], Combiner]
+
+
+@dataclass(frozen=True)
+class CombinerSpec:
+    """A registered combiner: its ``factory`` (the ``[federation]`` section -> a :class:`Combiner`),
+    a one-line ``description`` and the ``module`` that registered it."""
+
+    name: str
+    factory: CombinerFactory
+    description: str
+    module: str
+
+
+def _takes(function: Callable, count: int) -> bool:
+    """Whether ``function`` can be called with ``count`` positional arguments."""
+    try:
+        inspect.signature(function).bind(*range(count))
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a builtin): let the call decide
+        return True
+    return True
+
+
+#: ``federation.aggregation`` -> its combiner: fedtune's own here, a user's package's added by
+#: :func:`register_combiner`.
+COMBINERS: dict[str, CombinerSpec] = {}
+
+
+def register_combiner(name: str, factory: CombinerFactory, description: str = "") -> CombinerSpec:
+    """Register ``factory`` (called with the ``[federation]`` section, it returns a :class:`Combiner`:
+    ``(updates, weights) -> update``) as ``federation.aggregation = name``; ``description``: one
+    line (default: the first line of the factory's docstring). A name registered twice, or a
+    ``factory`` that cannot take the section, raises."""
+    module = sys._getframe(1).f_globals.get("__name__", "?")
+    if not callable(factory) or not _takes(factory, 1):
+        raise TypeError(
+            f"register_combiner({name!r}): expected a factory taking the [federation] section and returning a "
+            f"combiner (updates, weights) -> update, got {factory!r}"
+        )
+    if name in COMBINERS:
+        raise ValueError(f"combiner {name!r} is registered twice: by {COMBINERS[name].module} and by {module}")
+    doc = description or (factory.__doc__ or "").strip().split("\n")[0]
+    COMBINERS[name] = spec = CombinerSpec(name, factory, doc, module)
+    return spec
+
+
+register_combiner("mean", lambda fed: WeightedMean(fed.max_client_weight), "the weighted mean (FedAvg)")
+register_combiner("trimmed-mean", lambda fed: TrimmedMean(fed.trim_fraction), "per coordinate, the trimmed mean")
+register_combiner("median", lambda fed: CoordinateMedian(), "per coordinate, the median")
+
+
+def get_combiner(name: str) -> CombinerSpec:
+    """The combiner ``federation.aggregation = name`` names: fedtune's own, one an installed package
+    declares (entry point group ``fedtune.combiners``), or ``"my_pkg.module:NAME"``; one line naming
+    ``federation.aggregation`` when it is none of them."""
+    key = resolve_reference(name, "federation.aggregation")
+    if key not in COMBINERS:
+        load_declared(COMBINER_GROUP, "federation.aggregation")
+    if key not in COMBINERS:
+        raise ConfigError(
+            f"federation.aggregation: unknown combiner {name!r}; expected one of {', '.join(sorted(COMBINERS))}, "
+            "or my_pkg.module:NAME"
+        )
+    return COMBINERS[key]
+
+
+def list_combiners(plugins: bool = False) -> list[CombinerSpec]:
+    """fedtune's combiners (``plugins``: and those the installed packages declare), by name."""
+    if plugins:
+        load_declared(COMBINER_GROUP)
+    return [COMBINERS[k] for k in sorted(COMBINERS)]
 
 
 def combiner(federation: FederationConfig) -> Combiner:
     """The round's combiner under ``federation``'s robust-aggregation options (see the module
-    docstring); with none set, exactly :func:`weighted_average`."""
-    chosen = COMBINERS[federation.aggregation](federation)
+    docstring); with none set, exactly :func:`weighted_average`. A user's factory that fails, or
+    makes something that is not a combiner, stops with one line naming ``federation.aggregation``."""
+    name = federation.aggregation
+    try:
+        chosen = get_combiner(name).factory(federation)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's factory: any failure is one line
+        raise ConfigError(f"federation.aggregation: {name!r} failed ({type(exc).__name__}: {exc})") from None
+    if not callable(chosen) or not _takes(chosen, 2):
+        raise ConfigError(
+            f"federation.aggregation: {name!r} made {type(chosen).__name__}, "
+            "not a combiner (updates, weights) -> update"
+        )
     return chosen if federation.clip_update_norm is None else NormClipped(federation.clip_update_norm, chosen)

@@ -97,7 +97,7 @@ class ProxyOptions(MethodOptions):
     )
     distill_samples: int = Field(4000, gt=0, description="examples of the public set loaded")
     distill_steps: int = Field(200, ge=0, description="distillation steps before FL")
-    distill_batch_size: int = Field(32, gt=0)
+    distill_batch_size: int = Field(32, gt=0, description="examples per distillation step")
     distill_lr: float = Field(6e-4, gt=0, description="AdamW lr, linear warm-up 6 % then decay (paper C.2: 6e-4)")
     distill_weight_decay: float = Field(0.01, ge=0, description="paper C.2: 0.01")
     distill_seed: int | None = Field(

@@ -1,0 +1,195 @@
+"""The jobs of flower_deployment.py, each run in a subprocess of it (``--job``), and what is read back:
+per-round wall time, the slowest node's compute per round (for Flower's fixed cost), and the peak
+memory of the job's whole process tree (summed RSS, and summed PSS: shared pages counted once)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ENGINE = Path(__file__).resolve().parent
+PLAIN_APP = ENGINE / "plain_flower_app"
+
+
+def job(kind: str, nodes: int, overrides: list[str]) -> None:
+    """Run one job in this process and print ``RESULT`` + JSON: the run folder or the times file."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from fedtune.config import load_config
+
+    def stop(signum, frame):  # a deployment stops its processes on the way out
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    if kind == "plain":
+        return print("RESULT " + json.dumps(plain_job(nodes, overrides)), flush=True)
+    engine = {"embedded": "embedded", "sim": "flower-sim", "flower": "flower"}[kind]
+    extra = [f"federation.nodes={nodes}"] if kind == "flower" else []
+    config = load_config(None, [*overrides, f"engine={engine}", *extra])
+    if kind == "flower":
+        from fedtune.engines.flower.deployment import run_flower_deployment
+
+        summary = run_flower_deployment(config, timeout=1800)
+    elif kind == "sim":
+        from fedtune.engines.flower.simulation import run_flower_simulation
+
+        summary = run_flower_simulation(config, timeout=1800)
+    else:
+        from fedtune.run import run_experiment
+
+        summary = run_experiment(config)
+    print("RESULT " + json.dumps({"run_dir": summary["run_dir"]}), flush=True)
+
+
+def plain_job(nodes: int, overrides: list[str]) -> dict:
+    """The plain Flower App (plain_flower_app/) on a stock loopback deployment of ``nodes``
+    SuperNodes (partition-id i of ``nodes``), one torch thread per process, as fedtune's jobs."""
+    from fedtune.engines.flower.commands import flower_command
+    from fedtune.engines.flower.deployment import LoopbackDeployment
+
+    os.environ["OMP_NUM_THREADS"] = "1"  # every ClientApp process: 1 torch thread (train.threads=1)
+    given = dict(x.split("=", 1) for x in overrides)
+    times = Path(tempfile.mkdtemp(prefix="plain-")) / "times.jsonl"
+    config = {
+        "num-server-rounds": int(given["rounds"]),
+        "num-nodes": nodes,
+        "local-steps": int(given["train.local_steps"]),
+        "batch-size": int(given["train.batch_size"]),
+        "learning-rate": float(given["train.lr"]),
+        "train-samples": int(given["data.max_train_samples"]),
+        "times-file": str(times),
+    }
+    text = " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())
+    with LoopbackDeployment([], executors=False) as d:
+        for i in range(nodes):
+            d.start_supernode([i], f"supernode{i}", extra=["--node-config", f"partition-id={i} num-partitions={nodes}"])
+        args = [flower_command("flwr"), "run", str(PLAIN_APP), d.connection, "--stream", "--run-config", text]
+        done = subprocess.run(args, env=d.env(), cwd=d.home, capture_output=True, text=True, timeout=3600)
+        if done.returncode != 0 or not times.is_file() or '"done"' not in times.read_text():
+            raise RuntimeError(f"plain app failed ({done.returncode}): {(done.stdout + done.stderr)[-3000:]}")
+    return {"times": str(times)}
+
+
+def run_job(script: Path, kind: str, nodes: int, overrides: list[str], out: Path) -> dict:
+    """``job`` in a subprocess of ``script``: its result, peak tree memory (RSS and PSS sums) and load."""
+    import psutil
+
+    load_before = os.getloadavg()[0]
+    args = [sys.executable, str(script), "--job", kind, "--nodes", str(nodes)]
+    args += [f"--set={x}" for x in [*overrides, f"output_dir={out}"]]
+    start = time.perf_counter()
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    root, rss, pss = psutil.Process(proc.pid), 0, 0
+    while proc.poll() is None:
+        total_rss = total_pss = 0
+        try:
+            for p in [root, *root.children(recursive=True)]:
+                try:
+                    m = p.memory_full_info()
+                    total_rss, total_pss = total_rss + m.rss, total_pss + m.pss
+                except psutil.Error:
+                    pass
+        except psutil.Error:
+            pass
+        rss, pss = max(rss, total_rss), max(pss, total_pss)
+        time.sleep(0.5)
+    text = proc.stdout.read() if proc.stdout else ""
+    lines = [x for x in text.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{kind} job failed ({proc.returncode}):\n{text[-3000:]}")
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    clients = int(dict(x.split("=", 1) for x in overrides)["federation.num_clients"])
+    if kind == "plain":
+        stats = plain_stats(Path(result["times"]))
+    else:
+        stats = run_stats(Path(result["run_dir"]), kind, nodes, clients)
+    return {
+        **stats,
+        "kind": kind,
+        "nodes": nodes,
+        "peak_rss_mb": rss / 2**20,
+        "peak_pss_mb": pss / 2**20,
+        "job_wall_s": time.perf_counter() - start,
+        "load": [load_before, os.getloadavg()[0]],
+    }
+
+
+def _median_later(values: list[float]) -> float:
+    """The median of rounds 2..R-1 (round 1 also loads the model and data; round R evaluates)."""
+    return statistics.median(values[1:-1] or values)
+
+
+def run_stats(run_dir: Path, kind: str, nodes: int, clients: int) -> dict:
+    """Per-round wall time and fixed cost of a fedtune run folder: the round's wall time minus its
+    compute on the critical path (a deployment: the node whose clients took longest, their Client
+    calls one after another; embedded: every client, one after another; simulation: none given)."""
+    from fedtune.engines.flower.commands import client_groups
+
+    rounds = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    walls = [r["wall_s"] for r in rounds]
+    fixed = []
+    for r in rounds:
+        compute = {int(c): s for c, s in r["client_compute_s"].items()}
+        if kind == "flower":
+            path = max(sum(compute.get(c, 0.0) for c in g) for g in client_groups(clients, nodes))
+        else:
+            path = sum(compute.values())
+        fixed.append(r["wall_s"] - path)
+    return {
+        "rounds_s": walls,
+        "round_s": _median_later(walls),
+        "first_round_s": walls[0],
+        "fixed_s": None if kind == "sim" else _median_later(fixed),
+    }
+
+
+def plain_stats(times: Path) -> dict:
+    """The same of the plain app: its rounds' ends and each round's slowest client (training only)."""
+    lines = [json.loads(x) for x in times.read_text().splitlines()]
+    ends = {x["round"]: x["t"] for x in lines if "round" in x}
+    metrics = next(x["train_metrics"] for x in lines if x.get("done"))
+    walls = [ends[r] - ends[r - 1] for r in sorted(ends) if r > 0]
+    fixed = [w - float(metrics[str(r)]["compute_s"]) for r, w in enumerate(walls, start=1)]
+    handler = [float(metrics[str(r)]["handler_s"]) for r in range(1, len(walls) + 1)]
+    return {
+        "rounds_s": walls,
+        "round_s": _median_later(walls),
+        "first_round_s": walls[0],
+        "fixed_s": _median_later(fixed),
+        "handler_s": _median_later(handler),
+    }
+
+
+def run_parts(parts: dict, args, stem: str, markdown, script: str) -> None:
+    """Run the ``parts`` (name -> function of ``args`` and a scratch folder) that ``args.part``
+    names, each stamped with the command and the machine's load at its start and end, writing
+    benchmarks/results/``stem``.{json,md} (``markdown``: the results as Markdown) after each; a
+    part run alone keeps the others' earlier results."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("FEDTUNE_DATA_DIR", str(ENGINE.parents[2] / "shared" / "data"))
+    results = ENGINE.parent / "results"
+    results.mkdir(exist_ok=True)
+    path = results / f"{stem}.json"
+    result = json.loads(path.read_text()) if path.is_file() else {}
+    command = f"python benchmarks/engine/{script} " + " ".join(sys.argv[1:])
+    with tempfile.TemporaryDirectory(prefix="fedtune-bench-") as tmp:
+        for part, run in parts.items():
+            if part not in args.part.split(","):
+                continue
+            start_load = os.getloadavg()[0]
+            result[part] = run(args, Path(tmp))
+            result[part]["machine"] = (
+                f"{os.cpu_count()} cores, load average {start_load:.1f} at the start and "
+                f"{os.getloadavg()[0]:.1f} at the end of the part"
+            )
+            result[part]["command"] = command
+            path.write_text(json.dumps(result, indent=1))
+            (results / f"{stem}.md").write_text(markdown(result))
+    print(markdown(result))

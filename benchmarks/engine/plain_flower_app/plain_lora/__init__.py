@@ -1,0 +1,1 @@
+"""FedAvg-LoRA on MiniLM / SST-2 as a plain Flower App (see ../pyproject.toml)."""
