@@ -41,12 +41,12 @@ def test_the_sweep_runs_first_then_each_arm_at_its_own_rate_and_the_low_epsilons
     plan, chosen = suite.build([1, 2, 3], False, tmp_path)
     assert len(plan["sweep"]) == 2 * len(suite.LR_GRID) and plan["main"] == plan["low"] == []
     assert chosen == {math.inf: None, 8.0: None} and {s.labels["seed"] for s in plan["sweep"]} == {0}
-    finish_sweep(suite, plan, {math.inf: 0.1, 8.0: 0.03})
+    finish_sweep(suite, plan, {math.inf: 0.05, 8.0: 0.03})
     plan, chosen = suite.build([1, 2, 3], False, tmp_path)
-    assert {e: c.setting["lr"] for e, c in chosen.items()} == {math.inf: 0.1, 8.0: 0.03}
+    assert {e: c.setting["lr"] for e, c in chosen.items()} == {math.inf: 0.05, 8.0: 0.03}
     assert assert_every_planned_run_resolves(plan) == 2 * len(suite.LR_GRID) + 12
     # seed by seed: no DP and epsilon 8 pair up; then epsilon 3 and 1 at epsilon 8's rate
-    assert [s.name for s in plan["main"]][:2] == ["epsinf-lr0.1-s1", "eps8-lr0.03-s1"]
+    assert [s.name for s in plan["main"]][:2] == ["epsinf-lr0.05-s1", "eps8-lr0.03-s1"]
     assert {(s.labels["epsilon"], s.labels["lr"]) for s in plan["low"]} == {(3.0, 0.03), (1.0, 0.03)}
     for spec in plan["sweep"] + plan["main"] + plan["low"]:
         c = spec.config
@@ -117,7 +117,7 @@ def test_the_clip_is_the_norm_of_a_real_clients_one_adamw_step_so_the_server_cli
 
 def test_the_report_pairs_each_seed_with_no_dp_and_shows_each_arms_chosen_rate(suite, tmp_path):
     plan, _ = suite.build([1, 2, 3], False, tmp_path)
-    finish_sweep(suite, plan, {math.inf: 0.1, 8.0: 0.03})
+    finish_sweep(suite, plan, {math.inf: 0.05, 8.0: 0.03})
     plan, chosen = suite.build([1, 2, 3], False, tmp_path)
     # last-2 means: no DP 80, 70, 75; epsilon 8 79, 69.5, 74 (paired -1, -0.5, -1: std 0.29, while the
     # unpaired stds are 5); epsilon 3 seeds 1 and 3 only; epsilon 1 pending
@@ -147,7 +147,7 @@ def test_the_report_pairs_each_seed_with_no_dp_and_shows_each_arms_chosen_rate(s
     assert rows[8.0]["minus_no_dp_std"] == pytest.approx(np.std([-1, -0.5, -1], ddof=1))
     assert rows[3.0]["minus_no_dp_per_seed"] == {"1": pytest.approx(-20), "3": pytest.approx(-10)}
     assert (rows[3.0]["finished"], rows[1.0]["finished"], rows[1.0]["accuracy_mean"]) == (2, 0, None)
-    assert (rows[8.0]["lr"], rows[None]["lr"], rows[3.0]["lr"]) == (0.03, 0.1, 0.03)
+    assert (rows[8.0]["lr"], rows[None]["lr"], rows[3.0]["lr"]) == (0.03, 0.05, 0.03)
     # noise / C = z sqrt(d) / m = 2 sqrt(770) / 100
     assert rows[8.0]["noise_to_clip"] == pytest.approx(2 * math.sqrt(770) / 100)
     assert rows[8.0]["clip"] == pytest.approx(0.03 * math.sqrt(770)) and rows[None]["clip"] is None
@@ -155,7 +155,7 @@ def test_the_report_pairs_each_seed_with_no_dp_and_shows_each_arms_chosen_rate(s
     assert result["sweep"]["8"] == {
         "rounds": 12,
         "noise_multiplier": None,  # the hand-written sweep runs have no privacy summary
-        "scores": {"0.03": pytest.approx(70.0), "0.1": 60.0},
+        "scores": {"0.03": pytest.approx(70.0), "0.05": 60.0},
         "chosen_lr": 0.03,
     }
     text = (tmp_path / "README.md").read_text()
@@ -166,4 +166,4 @@ def test_the_report_pairs_each_seed_with_no_dp_and_shows_each_arms_chosen_rate(s
     # 4 sweep runs, 3 + 3 + 2 of the 12 table runs; the table's runs are 20 rounds, the sweep's 12
     assert "Status: 12 of 16 planned runs finished; an unfinished row says pending" in text
     assert "20 rounds (the sweep's 12) of 1 AdamW step" in text
-    assert "| ∞ (no DP) | – | 60.00 | 70.00 | lr 0.1 by 10.00 points over lr 0.03" in text
+    assert "| ∞ (no DP) | – | 60.00 | 70.00 | lr 0.05 by 10.00 points over lr 0.03" in text

@@ -21,18 +21,28 @@ update is shortened) and is no larger than an update, so no noise is spent on ro
 not use. No adaptive clipping: it would spend part of the budget on the norm count.
 
 Learning rate, each arm its own: no DP and epsilon 8 each run both rates of :data:`LR_GRID` (0.03
-and 0.1) on the sweep seed 0 (not a reported seed), with C following the rate, for
+and 0.05) on the sweep seed 0 (not a reported seed), with C following the rate, for
 :data:`SWEEP_ROUNDS` = 12 rounds (evaluated at rounds 4, 8 and 12), at epsilon 8 with z calibrated
-over those 12 rounds (0.717: noise / C 0.20, against the 20-round runs' 0.792 and 0.22); each arm's
-rate is the argmax of a run's mean of its last :data:`LAST` evaluations (rounds 8 and 12; ties: the
-smaller). Two rates and 12 rounds are what the shared machine allowed (Scale): a rate at an end of
-the grid is flagged in the sweep table, and a 12-round score can favour a larger rate than 20
-rounds would. A first grid, 0.01 and 0.03, was stopped at round 4: its four runs all stood at the
-majority rate (50.92 %) and, without DP, 0.01's training loss fell half as fast as 0.03's (0.6932 to
-0.6900 and 0.6862 after one update), so 0.01 gave way to 0.1. Epsilon 3 and 1 run at epsilon 8's
-rate, unswept. The sweep scores on the same test set and draws its federation from the
-same training pool as the reported runs (another partition, sample and noise); its privacy cost
-is not accounted (README, Privacy: Limits).
+over those 12 rounds (0.717); each arm's rate is the argmax of a run's mean of its last :data:`LAST`
+evaluations (rounds 8 and 12; ties: the smaller). The grid came from a simulation of this federation
+on MiniLM's pooled features computed once (the head trained on them in plain torch, 1,000 iid
+clients, 1 AdamW step, 20 rounds; not committed: a guide, not a result), where 0.02 learned slower
+and 0.03 and 0.05 alike. Epsilon 3 and 1 run at epsilon 8's rate, unswept. The sweep scores on the
+same test set and draws its federation from the same training pool as the reported runs (another
+partition, sample and noise); its privacy cost is not accounted (README, Privacy: Limits).
+
+Partition: iid (``data.partition``). The label-skewed federation (Dirichlet 0.5) of the first
+version stayed within 3 points of the majority rate at 12 rounds with or without DP (lr 0.03 and
+0.1: ``git show 089480d:benchmarks/results/privacy/scale/README.md``); iid removes that confound from
+a row that is about DP's cost.
+
+Measured (2026-11-28): at 20 rounds neither arm learns far: no DP 56.04 +- 2.08 %, epsilon 8
+55.10 +- 1.71 % (paired -0.94 +- 3.79 points; majority 50.92 %), so the goal "within 2 points" holds
+on the mean but is not established: both arms are 4-5 points over the majority rate and the paired
+spread is larger than the goal. The simulation on features computed in eval mode reached about 70 %
+by round 20; the real client trains the head on features from the frozen encoder in train mode
+(dropout 0.1 in every layer: the features of one sentence in two passes have a centred cosine of
+0.68, against 0.82 to the eval-mode features), the lead to follow next.
 
 Reported: each run's mean of its last :data:`LAST` evaluations (rounds 16 and 20) on the full
 test set (872 sentences, the GLUE dev set), the mean +- sample std over seeds 1-3, and the paired
@@ -72,7 +82,7 @@ RECIPE, _, RESULTS, QUICK_RESULTS = harness.suite_files(REPO, "privacy-scale", "
 EXPERIMENTS = ["sweep", "main", "low"]
 ARMS = (math.inf, 8.0)  # the pair the goal compares; each at its own swept rate (infinity: no DP)
 LOW = (3.0, 1.0)  # at epsilon 8's rate
-LR_GRID = (0.03, 0.1)  # two rates: what the shared machine allowed (module docstring: Learning rate, Scale)
+LR_GRID = (0.03, 0.05)  # two rates around the simulation sweep's best (module docstring: Learning rate, Scale)
 SWEEP_SEED = 0
 SWEEP_ROUNDS = 12  # the sweep's runs stop at round 12 (evaluated at 4, 8, 12): 60 % of a run's cost
 #: d: the head's coordinates, the whole update and what the noise covers (num_labels x hidden + bias;
