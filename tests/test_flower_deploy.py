@@ -27,19 +27,31 @@ from tests import test_flower
 TINY = [x for x in test_flower.TINY if not x.startswith("rounds=")]  # the deployment's own default rounds
 
 
-def _flower_processes() -> set[int]:
-    """PIDs of this user's Flower and fedtune-worker processes now."""
+@pytest.fixture
+def started_here(monkeypatch):
+    """A function giving the PIDs of the processes this test started that still run (not those of
+    another xdist worker: each test's processes inherit a tag of its own in their environment,
+    found even after they are re-parented)."""
+    import uuid
+
     import psutil
 
-    out = set()
-    for proc in psutil.process_iter(["pid", "uids", "cmdline"]):
-        try:
-            cmd = " ".join(proc.info["cmdline"] or [])
-            if proc.info["uids"].real == os.getuid() and ("flwr" in cmd or "flower-" in cmd or "run_worker" in cmd):
-                out.add(proc.pid)
-        except (psutil.Error, TypeError):
-            pass
-    return out
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv("FEDTUNE_TEST_PROCESS_TAG", tag)
+
+    def alive() -> set[int]:
+        out = set()
+        for proc in psutil.process_iter(["pid", "uids"]):
+            try:
+                if proc.info["uids"].real != os.getuid() or proc.pid == os.getpid():
+                    continue
+                if proc.environ().get("FEDTUNE_TEST_PROCESS_TAG") == tag and proc.status() != psutil.STATUS_ZOMBIE:
+                    out.add(proc.pid)
+            except (psutil.Error, TypeError):
+                pass
+        return out
+
+    return alive
 
 
 def _online_nodes(d: LoopbackDeployment) -> list[str]:
@@ -122,10 +134,9 @@ def test_the_written_app_matches_flower_app(tmp_path):
 
 # -- TLS and authentication ------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_tls_and_authentication_admit_registered_nodes_only(tmp_path):
+def test_tls_and_authentication_admit_registered_nodes_only(tmp_path, started_here):
     import httpx
 
-    before = _flower_processes()
     config = load_config(None, [*TINY, "rounds=1", f"output_dir={tmp_path / 'runs'}"])
     with LoopbackDeployment([[0], [1]], tls=True, auth=True, log_dir=tmp_path / "logs") as d:
         # the registered nodes connect over TLS and a run works
@@ -154,13 +165,12 @@ def test_tls_and_authentication_admit_registered_nodes_only(tmp_path):
         with pytest.raises(httpx.TransportError):
             httpx.get(f"http://{d.address}/", timeout=10)
         assert httpx.get(f"https://{d.address}/", verify=str(d.certificates["ca"]), timeout=10).status_code > 0
-    assert not (_flower_processes() - before), "a deployment process outlived the deployment"
+    assert not started_here(), "a deployment process outlived the deployment"
 
 
 # -- Ctrl-C ------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_ctrl_c_stops_after_the_round_checkpoint_and_every_process(tmp_path):
-    before = _flower_processes()
+def test_ctrl_c_stops_after_the_round_checkpoint_and_every_process(tmp_path, started_here):
     out = tmp_path / "runs"
     args = [
         sys.executable,
@@ -186,7 +196,7 @@ def test_ctrl_c_stops_after_the_round_checkpoint_and_every_process(tmp_path):
     assert "fedtune run --resume" in text
     done = [json.loads(x)["round"] for x in metrics.read_text().splitlines()]
     assert 1 <= len(done) < 4 and done == list(range(1, len(done) + 1))
-    _wait_for(lambda: not (_flower_processes() - before), 30, "a deployment process outlived Ctrl-C")
+    _wait_for(lambda: not started_here(), 30, "a deployment process outlived Ctrl-C")
 
     # resume on the same engine finishes the run
     again = subprocess.run(
@@ -199,7 +209,7 @@ def test_ctrl_c_stops_after_the_round_checkpoint_and_every_process(tmp_path):
     assert again.returncode == 0, (again.stdout + again.stderr)[-2000:]
     assert [json.loads(x)["round"] for x in metrics.read_text().splitlines()] == [1, 2, 3, 4]
     assert json.loads((metrics.parent / "summary.json").read_text())["engine"] == "flower"
-    assert not (_flower_processes() - before)
+    assert not started_here()
 
 
 # -- who can reach a SuperLink, and the keys ---------------------------------------------------------
@@ -237,12 +247,12 @@ def test_key_files_are_private_from_creation_and_never_overwritten(tmp_path, mon
         generate_certificates(tmp_path / "file")
 
 
-def test_deploy_commands_refuse_an_exposed_superlink_and_existing_keys_in_one_line(tmp_path):
+def test_deploy_commands_refuse_an_exposed_superlink_and_existing_keys_in_one_line(tmp_path, started_here):
     from typer.testing import CliRunner
 
     from fedtune.cli import app
 
-    runner, before = CliRunner(), _flower_processes()
+    runner = CliRunner()
     for args, expected in [
         (["superlink", "--host", "0.0.0.0"], "deploy superlink --host 0.0.0.0: not a loopback address"),
         (["superlink", "--host", "10.1.2.3", "--port", "1"], "--host 10.1.2.3: not a loopback address"),
@@ -256,10 +266,10 @@ def test_deploy_commands_refuse_an_exposed_superlink_and_existing_keys_in_one_li
         result = runner.invoke(app, ["deploy", *args])
         assert result.exit_code == 2, (args, result.output)
         assert len(result.output.strip().splitlines()) == 1 and expected in result.output, (args, result.output)
-    assert _flower_processes() <= before  # nothing was started
+    assert not started_here()  # nothing was started
 
 
-def test_superlink_listens_on_loopback_only_by_default(tmp_path):
+def test_superlink_listens_on_loopback_only_by_default(tmp_path, started_here):
     """`fedtune deploy superlink` with no --host (and no TLS: allowed on loopback) binds every
     listening socket of its process tree to a loopback address; it stops by its PID."""
     import ipaddress
@@ -268,7 +278,7 @@ def test_superlink_listens_on_loopback_only_by_default(tmp_path):
 
     from fedtune.process import free_ports, wait_for_port
 
-    (port,), before = free_ports(1), _flower_processes()
+    (port,) = free_ports(1)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "fedtune.cli", "deploy", "superlink", "--port", str(port)],
@@ -287,7 +297,7 @@ def test_superlink_listens_on_loopback_only_by_default(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
-    _wait_for(lambda: _flower_processes() <= before, 30, "the SuperLink's processes to stop")
+    _wait_for(lambda: not started_here(), 30, "the SuperLink's processes to stop")
 
 
 def test_deploy_supernode_hands_flower_absolute_paths_and_its_executor_the_secret(tmp_path, monkeypatch):
