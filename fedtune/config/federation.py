@@ -43,6 +43,12 @@ class FederationConfig(Section):
         "sgd", description="server step on the aggregated update: sgd (lr 1: the method's own rule) or adam (FedAdam)"
     )
     server_lr: float | None = Field(None, gt=0, description="server learning rate (sgd: default 1; adam: required)")
+    server_momentum: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="sgd: heavy-ball momentum on the aggregated update (FedAvgM, Hsu et al. 2019; 0: none)",
+    )
     server_betas: list[float] = Field([0.9, 0.999], min_length=2, max_length=2, description="FedAdam's (beta1, beta2)")
     server_eps: float = Field(1e-8, gt=0, description="FedAdam's epsilon (Reddi et al.'s tau)")
     server_weight_decay: float = Field(0.0, ge=0, description="FedAdam's decoupled weight decay (torch AdamW: 0.01)")
@@ -163,6 +169,8 @@ class FederationConfig(Section):
         ]
         if self.server_optimizer == "sgd" and adam_only:
             raise ValueError(f"federation.{adam_only[0]}: applies to federation.server_optimizer='adam'")
+        if self.server_optimizer == "adam" and self.server_momentum != 0:
+            raise ValueError("federation.server_momentum: applies to server_optimizer='sgd' (adam: server_betas)")
         if self.server_optimizer == "adam" and self.server_lr is None:
             raise ValueError(
                 "federation.server_lr: required with server_optimizer='adam' (the published FSLoRA code uses 5e-4)"
@@ -252,8 +260,9 @@ class FederationConfig(Section):
         return 1.0 if self.server_lr is None else float(self.server_lr)
 
     def plain_server_step(self) -> bool:
-        """Whether the server adds the aggregated update as it is (SGD at lr 1: each paper's rule)."""
-        return self.server_optimizer == "sgd" and self.resolved_server_lr() == 1.0
+        """Whether the server adds the aggregated update as it is (SGD at lr 1 without momentum: each
+        paper's rule)."""
+        return self.server_optimizer == "sgd" and self.resolved_server_lr() == 1.0 and self.server_momentum == 0
 
     def sample_size(self) -> int:
         """Clients sampled per round: ``clients_per_round``, else ``fraction`` of them (at least 1), else all."""

@@ -32,6 +32,8 @@ SERVER_DEVIATIONS = {
     "federation.server_optimizer": "'adam' (FedAdam on the averaged update, Reddi et al. 2021; what the published "
     "FSLoRA code runs) departs from the method's plain (weighted) average",
     "federation.server_lr": "a value other than 1 scales the averaged update: departs from the method's average",
+    "federation.server_momentum": "a value above 0 (FedAvgM, Hsu et al. 2019) carries earlier rounds' updates into "
+    "each step: departs from the method's average",
 }
 
 
