@@ -22,7 +22,7 @@ def finish_sweep(suite, plan, best: dict[float, float]) -> None:
     """Every sweep run finished; each arm's best rate ``best[epsilon]`` scores 0.7, the others 0.6."""
     for spec in plan["sweep"]:
         acc = 0.7 if spec.labels["lr"] == best[spec.labels["epsilon"]] else 0.6
-        finish(spec, [0.5, acc, acc], rounds_evaluated=[4, 8, 12])  # the sweep stops at round 12
+        finish(spec, [0.5, acc, acc, acc], rounds_evaluated=[6, 8, 10, 12])  # the sweep stops at round 12
 
 
 def planned(suite, tmp_path, epsilon: float, lr: float, quick: bool, *extra: str):
@@ -60,7 +60,12 @@ def test_the_sweep_runs_first_then_each_arm_at_its_own_rate_and_the_low_epsilons
         assert (c.federation.num_clients, c.federation.sample_size(), c.options["weighting"]) == (1000, 100, "uniform")
         assert (c.data.max_train_samples, c.data.max_test_samples) == (20000, None)  # the full test set
         rounds = suite.SWEEP_ROUNDS if spec in plan["sweep"] else 20  # the sweep stops at round 12
-        assert (c.rounds, c.eval_every, c.train.local_steps, c.train.batch_size) == (rounds, 4, 1, 8)
+        assert (c.rounds, c.eval_every, c.train.local_steps, c.train.batch_size) == (rounds, 2, 1, 8)
+        assert (c.federation.server_optimizer, c.federation.resolved_server_lr(), c.federation.server_momentum) == (
+            "sgd",
+            1.0,
+            0.9,
+        )
         assert (c.train.optimizer, c.train.weight_decay, c.train.lr) == ("adamw", 0.0, spec.labels["lr"])
         if math.isinf(spec.labels["epsilon"]):
             assert c.privacy.mode == "none"
@@ -119,14 +124,14 @@ def test_the_report_pairs_each_seed_with_no_dp_and_shows_each_arms_chosen_rate(s
     plan, _ = suite.build([1, 2, 3], False, tmp_path)
     finish_sweep(suite, plan, {math.inf: 0.05, 8.0: 0.03})
     plan, chosen = suite.build([1, 2, 3], False, tmp_path)
-    # last-2 means: no DP 80, 70, 75; epsilon 8 79, 69.5, 74 (paired -1, -0.5, -1: std 0.29, while the
+    # last-3 means: no DP 80, 70, 75; epsilon 8 79, 69.5, 74 (paired -1, -0.5, -1: std 0.29, while the
     # unpaired stds are 5); epsilon 3 seeds 1 and 3 only; epsilon 1 pending
     acc = {math.inf: {1: 0.80, 2: 0.70, 3: 0.75}, 8.0: {1: 0.79, 2: 0.695, 3: 0.74}, 3.0: {1: 0.6, 3: 0.65}}
     for spec in plan["main"] + plan["low"]:
         a = acc.get(spec.labels["epsilon"], {}).get(spec.labels["seed"])
         if a is None:
             continue
-        finish(spec, [0.5, a - 0.01, a + 0.01], rounds_evaluated=[12, 16, 20])
+        finish(spec, [0.5, a - 0.01, a, a + 0.01], rounds_evaluated=[14, 16, 18, 20])
         summary = json.loads((spec.run_dir / "summary.json").read_text())
         summary["majority_accuracy"] = 0.5092
         if not math.isinf(spec.labels["epsilon"]):
@@ -151,7 +156,12 @@ def test_the_report_pairs_each_seed_with_no_dp_and_shows_each_arms_chosen_rate(s
     # noise / C = z sqrt(d) / m = 2 sqrt(770) / 100
     assert rows[8.0]["noise_to_clip"] == pytest.approx(2 * math.sqrt(770) / 100)
     assert rows[8.0]["clip"] == pytest.approx(0.03 * math.sqrt(770)) and rows[None]["clip"] is None
-    assert rows[None]["curve"] == {"12": 50.0, "16": pytest.approx(74.0), "20": pytest.approx(76.0)}
+    assert rows[None]["curve"] == {
+        "14": 50.0,
+        "16": pytest.approx(74.0),
+        "18": pytest.approx(75.0),
+        "20": pytest.approx(76.0),
+    }
     assert result["sweep"]["8"] == {
         "rounds": 12,
         "noise_multiplier": None,  # the hand-written sweep runs have no privacy summary
