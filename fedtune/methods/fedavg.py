@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from fedtune.methods.base.aggregation import Aggregation
+from fedtune.methods.base.aggregation import Aggregation, planned
 from fedtune.methods.base.averaging import (
     SECURE_AGGREGATION,
     WEIGHTED_SUM_OPTIONS,
@@ -43,9 +43,11 @@ class FedAvgOptions(MethodOptions):
 class FedAvgStrategy(BroadcastAverage, ModelStateStrategy):
     """FedAvg: average the model's trainable tensors (no LoRA; McMahan et al. 2017)."""
 
+    options: FedAvgOptions  # the method's registered options class (resolve_run validated them)
+
     def __init__(self, context: Any) -> None:
         super().__init__(context)
-        self.aggregation = Aggregation(context.run.aggregation)
+        self.aggregation = Aggregation(planned(context))
 
     def state_dict(self) -> dict:
         return {**ModelStateStrategy.state_dict(self), **self.aggregation.state_dict()}

@@ -46,7 +46,7 @@ import numpy as np
 from pydantic import Field
 
 from fedtune.config import RunConfig
-from fedtune.methods.base.aggregation import Aggregation
+from fedtune.methods.base.aggregation import Aggregation, planned
 from fedtune.methods.base.averaging import (
     SERVER_STEP_AND_UPLOAD_CODEC,
     Weighting,
@@ -127,9 +127,11 @@ def fresh_adapter(shapes: Mapping[str, tuple[int, ...]], seed: int, rnd: int, ci
 class FedStackLoRAStrategy(Strategy):
     """FedStackLoRA (FLoRA): stack B_i and p_i A_i, merge into the base (Wang et al. 2024)."""
 
+    options: FedStackLoRAOptions  # the method's registered options class (resolve_run validated them)
+
     def __init__(self, context: Any) -> None:
         super().__init__(context)
-        self.aggregation = Aggregation(context.run.aggregation)
+        self.aggregation = Aggregation(planned(context))
 
     def initialize(self) -> None:
         self.rank = self.config.model.lora_rank

@@ -46,7 +46,7 @@ def weighted_average(updates: list[Mapping[str, np.ndarray]], weights: Iterable[
     """sum_i p_i u_i with p_i = w_i / sum_j w_j, key by key."""
     w = np.asarray(list(weights), dtype=np.float64)
     w = w / w.sum()
-    return {k: sum(float(p) * u[k] for p, u in zip(w, updates)).astype(np.float32) for k in updates[0]}
+    return {k: np.asarray(sum(float(p) * u[k] for p, u in zip(w, updates))).astype(np.float32) for k in updates[0]}
 
 
 def clip_update(update: Mapping[str, np.ndarray], bound: float) -> dict[str, np.ndarray]:

@@ -156,6 +156,8 @@ def _finite(values) -> list[float]:
 class CommitStrategy(BroadcastAverage, GlobalAdapterStrategy):
     """CoMMIT and its baselines (options.trainer): coordinated encoder / LM tuning, FedAvg of S and T."""
 
+    options: CommitOptions  # the method's registered options class (resolve_run validated them)
+
     def reply_meta_spec(self, kind: str, cid: int) -> dict[str, MetaField]:
         """Aggregation reads each training reply's ``schedule`` and ``curves``: required mappings (a
         kappa may be inf by eq. (3) when a component's step moved nothing, so their numbers are not
@@ -201,6 +203,8 @@ class CommitStrategy(BroadcastAverage, GlobalAdapterStrategy):
 
 
 class CommitClient(LoraClient):
+    options: CommitOptions  # the method's registered options class (resolve_run validated them)
+
     def fit(self, message: Message) -> Message:
         start = time.perf_counter()
         received, cfg = message.arrays, self.config.train

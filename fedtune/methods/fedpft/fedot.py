@@ -213,6 +213,8 @@ class FedOTStrategy(ProxyStrategy):
 
 
 class FedOTClient(ProxyClient):
+    options: FedOTOptions  # the method's registered options class (resolve_run validated them)
+
     def proxy_targets(self, model: torch.nn.Module) -> list[str]:
         o = self.options
         positions = adapter_positions(len(self.store["shape"].layers), o.adapter_bottom, o.adapter_top)

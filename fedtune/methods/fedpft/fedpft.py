@@ -433,6 +433,8 @@ class FedPFTStrategy(ProxyStrategy):
 
 
 class FedPFTClient(ProxyClient):
+    options: FedPFTOptions  # the method's registered options class (resolve_run validated them)
+
     def skeleton_stack(self) -> Stack:
         store = self.store
         if store.get("skeleton") is None:

@@ -62,7 +62,7 @@ from fedtune.methods.base.averaging import (
     decode_update,
     mean_train_loss,
 )
-from fedtune.methods.base.lora import GlobalAdapterStrategy
+from fedtune.methods.base.lora import GlobalAdapterStrategy, adapted
 from fedtune.methods.fedpft.construction import ProxyBuilder
 from fedtune.methods.fedpft.ffn_proxy import ProxyShape, SubmodelError, apply_shape, find_stack
 from fedtune.methods.fedpft.support import (
@@ -155,6 +155,8 @@ class ProxyStrategy(GlobalAdapterStrategy):
     composition, how the proxy is built (``builder``: a :class:`ProxyBuilder`, which also holds the
     proxy) and aligned during FL (``alignment``: a :class:`RoundAlignment`, none by default), and
     which adapter the clients train (:meth:`adapter_budget`, :meth:`initial_adapter`)."""
+
+    options: ProxyOptions  # the method's registered options class (resolve_run validated them)
 
     method_name: ClassVar[str]
 
@@ -287,7 +289,7 @@ class ProxyStrategy(GlobalAdapterStrategy):
         if self.options.eval_proxy:
             ws = self.builder.workspace
             ws.load(self.global_arrays, self.rank, self.alpha)
-            proxy = self.context.task.evaluate(ws.model, self.config.train.eval_batch_size)
+            proxy = self.context.task.evaluate(adapted(ws), self.config.train.eval_batch_size)
             metrics.update({f"proxy_{k}": v for k, v in proxy.items()})
         return metrics
 

@@ -132,6 +132,8 @@ def _counting(enabled: bool):
 class BilevelStrategy(Strategy):
     """RABO (Algorithm 1) on the server: masks, eq. (6) on y, eq. (8) on x, coverage metrics."""
 
+    options: BilevelOptions  # the method's registered options class (resolve_run validated them)
+
     masked = True
 
     def reply_meta_spec(self, kind: str, cid: int) -> dict[str, MetaField]:
@@ -163,11 +165,17 @@ class BilevelStrategy(Strategy):
 
     def submodel(self, rnd: int, cid: int) -> SubModel:
         """m_{q,x}^i, m_{q,y}^i = M(x_q, R_i) (eq. (3)) as one sub-model over x and y."""
-        policy = getattr(self.options, "masks", "full") if self.masked else "full"
+        policy = self.options.masks if self.masked and isinstance(self.options, MaskOptions) else "full"
         weights = {n: a for part in (self.x, self.y) for n, a in part.items() if n not in self.problem.buffers}
         units = {
             g.name: choose_units(
-                policy, g, self.capacity(cid), rnd, cid, weights, getattr(self.options, "segments", None)
+                policy,
+                g,
+                self.capacity(cid),
+                rnd,
+                cid,
+                weights,
+                self.options.segments if isinstance(self.options, MaskOptions) else None,
             )
             for g in self.structure.groups
         }
@@ -283,6 +291,8 @@ class BilevelStrategy(Strategy):
 class BilevelClient(Client):
     """A client of Algorithm 1: the inner steps (phase 1) and its local hypergradient (phase 2)."""
 
+    options: BilevelOptions  # the method's registered options class (resolve_run validated them)
+
     estimator = "implicit"
 
     def _setup(self, units: dict[str, np.ndarray]) -> tuple[BilevelProblem, SubModel, bool]:
@@ -393,6 +403,8 @@ class BilevelClient(Client):
 
 class FiniteDifferenceClient(BilevelClient):
     """RAFBO's client: the hypergradient of Algorithm 2 (second-order free)."""
+
+    options: RafboOptions  # the method's registered options class (resolve_run validated them)
 
     def coordinates(self, problem, x, sub, physical, names, rnd) -> list[tuple[int, int]]:
         """P_q^i: ``fd_coordinates`` entries of the x sub-model, drawn without replacement (seeded)."""

@@ -61,6 +61,8 @@ def model_structure(context):
 class SubmodelStrategy(ModelStateStrategy):
     """Partial training: per-client sub-models, parameter-wise aggregation over coverers."""
 
+    options: SubmodelOptions  # the method's registered options class (resolve_run validated them)
+
     policy: Policy = "static"
 
     def reply_meta_spec(self, kind: str, cid: int) -> dict[str, MetaField]:
