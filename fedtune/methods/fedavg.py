@@ -16,8 +16,6 @@ scratch and as the full-model baseline. The final global model is saved as ``mod
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from pydantic import Field
 
@@ -32,6 +30,7 @@ from fedtune.methods.base.averaging import (
 from fedtune.methods.base.full_model import ModelStateStrategy, load_tensors, tensor_arrays
 from fedtune.methods.base.privacy import PRIVACY_OPTIONS
 from fedtune.models.training import train_local
+from fedtune.protocol.context import ServerContext
 from fedtune.protocol.messages import Message
 from fedtune.registry import MethodOptions, register
 
@@ -45,7 +44,7 @@ class FedAvgStrategy(BroadcastAverage, ModelStateStrategy):
 
     options: FedAvgOptions  # the method's registered options class (resolve_run validated them)
 
-    def __init__(self, context: Any) -> None:
+    def __init__(self, context: ServerContext) -> None:
         super().__init__(context)
         self.aggregation = Aggregation(planned(context))
 

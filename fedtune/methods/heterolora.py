@@ -217,7 +217,9 @@ class HeteroLoRAStrategy(BroadcastAverage, GlobalAdapterStrategy):
     """HeteroLoRA: truncation down, zero-padded update average up (FSLoRA's baseline); HetLoRA
     (Cho et al. 2024) by options."""
 
-    options: HeteroLoRAOptions  # the method's registered options class (resolve_run validated them)
+    # HeteroLoRAOptions.weighting adds "sparsity" to Weighted's two: this class overrides both steps of
+    # BroadcastAverage that read options.weighting (configure_fit, averaged), so none sees it
+    options: HeteroLoRAOptions  # type: ignore[assignment]
 
     def initialize(self) -> None:
         self.rank = self.config.model.lora_rank

@@ -7,13 +7,14 @@ and a reader can see all it may touch. :class:`ClientContext` is what a client r
 config and resolved parts, the task, the shared LoRA workspace, the base model, the seeded
 partition); :class:`ServerContext` adds what only the server knows of every client (the planned
 profiles, the bound on a reply's ``num_examples``). The budget planner's own, wider view
-(:class:`fedtune.planning.spec.PlanningContext`) extends :class:`ServerContext`.
+(:class:`fedtune.planning.spec.PlanningContext`: the model's skeleton, the nodes' reports, the
+priced knob) extends :class:`ServerContext`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 from pydantic import BaseModel
@@ -48,6 +49,34 @@ class ResolvedView(Protocol):
         ...
 
 
+class PlanView(Protocol):
+    """What a client's measured fit reads of its method's plan (:class:`fedtune.planning.spec.PlanSpec`)."""
+
+    @property
+    def peak(self) -> str:
+        """How the client's measured peak is made (:data:`fedtune.planning.spec.PeakMode`)."""
+        ...
+
+
+class MethodView(Protocol):
+    """What a process reads of its run's method (:class:`fedtune.registry.MethodSpec`)."""
+
+    @property
+    def name(self) -> str:
+        """The method's registered name."""
+        ...
+
+    @property
+    def honours(self) -> frozenset[str]:
+        """The cross-method options it honours (:data:`fedtune.registry.CROSS_METHOD_OPTIONS`)."""
+        ...
+
+    @property
+    def plan(self) -> PlanView | None:
+        """Its budget plan (None: client budgets are not planned for it)."""
+        ...
+
+
 class ClientContext(Protocol):
     """What a client reads of its process's run context (:class:`fedtune.runtime.RunContext`, or the
     same seen with a base of the client's own format)."""
@@ -66,6 +95,11 @@ class ClientContext(Protocol):
     @property
     def run(self) -> ResolvedView:
         """The resolved run."""
+        ...
+
+    @property
+    def method(self) -> MethodView:
+        """The run's method."""
         ...
 
     @property
@@ -102,3 +136,15 @@ class ServerContext(ClientContext, Protocol):
         """The most examples client ``cid`` can stand for in a reply of ``kind`` ("train",
         "evaluate" or a phase)."""
         ...
+
+
+OptionsT = TypeVar("OptionsT", bound=BaseModel)
+
+
+def options_as(context: ClientContext, cls: type[OptionsT]) -> OptionsT:
+    """``context``'s method options as ``cls``, the class the method registered (what a helper
+    object of the method reads them as); TypeError when they are another class's."""
+    options = context.options
+    if not isinstance(options, cls):
+        raise TypeError(f"the run's method options are {type(options).__name__}, not {cls.__name__}")
+    return options

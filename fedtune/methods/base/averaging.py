@@ -163,5 +163,5 @@ class BroadcastAverage(Strategy):
         self.aggregation.asked(client_ids)
         return {cid: message for cid in client_ids}
 
-    def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec]:
+    def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec] | list[dict[str, ArraySpec]]:
         return update_of(sent)

@@ -102,7 +102,7 @@ class GlobalAdapterStrategy(Strategy):
         super().__init__(context)
         self.aggregation: Aggregation = Aggregation(planned(context))
 
-    def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec]:
+    def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec] | list[dict[str, ArraySpec]]:
         return update_of(sent)
 
     def evaluate(self, rnd: int) -> dict[str, float]:

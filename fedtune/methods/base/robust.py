@@ -42,7 +42,7 @@ from fedtune.plugins import load_declared, resolve_reference
 ROBUST_AGGREGATION = ("federation.aggregation", "federation.clip_update_norm", "federation.max_client_weight")
 
 
-def weighted_average(updates: list[Mapping[str, np.ndarray]], weights: Iterable[float]) -> dict[str, np.ndarray]:
+def weighted_average(updates: Sequence[Mapping[str, np.ndarray]], weights: Iterable[float]) -> dict[str, np.ndarray]:
     """sum_i p_i u_i with p_i = w_i / sum_j w_j, key by key."""
     w = np.asarray(list(weights), dtype=np.float64)
     w = w / w.sum()
