@@ -66,3 +66,32 @@ def test_the_context_protocols_name_each_member_with_a_type_not_any():
         function = member.fget if isinstance(member, property) else member
         returned = function.__annotations__.get("return")  # the source's spelling (postponed annotations)
         assert returned not in (None, "Any", typing.Any), f"{name} -> {returned}"
+
+
+def test_options_as_gives_the_methods_options_and_refuses_another_class():
+    """A helper object reads the method's options checked: its own class passes, another class's
+    options (a context of another method) raise, naming both."""
+    from types import SimpleNamespace
+
+    from fedtune.methods.fedpft.fedpft import FedPFTOptions
+    from fedtune.methods.fedpft.options import ProxyOptions
+    from fedtune.methods.rabo.options import RaboOptions
+    from fedtune.protocol.context import options_as
+
+    own = FedPFTOptions()
+    assert options_as(SimpleNamespace(options=own), ProxyOptions) is own  # a subclass is one
+    with pytest.raises(TypeError, match="RaboOptions, not ProxyOptions"):
+        options_as(SimpleNamespace(options=RaboOptions()), ProxyOptions)
+
+
+def test_planned_reads_the_runs_aggregation_plan_typed_and_refuses_anything_else():
+    from types import SimpleNamespace
+
+    from fedtune.config import load_config
+    from fedtune.methods.base.aggregation import AggregationPlan, plan_aggregation, planned
+
+    plan = plan_aggregation(load_config(None, []))
+    assert isinstance(plan, AggregationPlan)
+    assert planned(SimpleNamespace(run=SimpleNamespace(aggregation=plan))) is plan
+    with pytest.raises(TypeError, match="dict, not an AggregationPlan"):
+        planned(SimpleNamespace(run=SimpleNamespace(aggregation={"combiner": "mean"})))
