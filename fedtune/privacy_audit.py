@@ -42,19 +42,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 from scipy.stats import beta, binom
 
 from fedtune.engines.embedded import run_rounds
-from fedtune.methods.base.aggregation import Aggregation
+from fedtune.methods.base.aggregation import Aggregation, planned
 from fedtune.methods.base.averaging import BroadcastAverage, UpdateClient
 from fedtune.methods.base.privacy import NOISE, SAMPLE, gaussian_like, generator, poisson_sample
+from fedtune.models.training import FitResult
+from fedtune.protocol.context import ClientContext, ServerContext
 from fedtune.protocol.messages import Message
 from fedtune.protocol.profiles import ClientProfile
 from fedtune.runtime import RunContext, resolve_run
+
+if TYPE_CHECKING:
+    from fedtune.config import RunConfig
 
 AUDIT_STREAM = 0xA0D1  # the synthetic federation's randomness (public: it is the auditor's)
 
@@ -70,9 +74,9 @@ class AuditStrategy(BroadcastAverage):
     """FedAvg over one vector ``w`` (d,), the run's DP mechanism aggregating; ``moves`` keeps each
     round's released step theta_t - theta_{t-1} (float64)."""
 
-    def __init__(self, context: Any, dim: int) -> None:
+    def __init__(self, context: ServerContext, dim: int) -> None:
         super().__init__(context)
-        self.aggregation = Aggregation(context.run.aggregation)
+        self.aggregation = Aggregation(planned(context))
         self.dim = dim
         self.moves: list[np.ndarray] = []
 
@@ -92,27 +96,23 @@ class AuditStrategy(BroadcastAverage):
         self.global_arrays = dict(state["global"])
 
 
-@dataclass(frozen=True)
-class Fit:
-    """The fit metrics an audit client reports (it does not train)."""
-
-    def meta(self) -> dict[str, float]:
-        return {"num_examples": 1, "steps": 1, "train_loss": 0.0}
+#: the fit an audit client reports (it does not train): one example, one step, loss 0
+NO_FIT = FitResult(loss=0.0, steps=1, num_examples=1, compute_s=0.0)
 
 
 class AuditClient(UpdateClient):
     """Uploads ``update(rnd)`` (d,) in round ``rnd`` through the real upload path; it does not train."""
 
-    def __init__(self, cid: int, context: Any, state: dict, update: Callable[[int], np.ndarray]) -> None:
+    def __init__(self, cid: int, context: ClientContext, state: dict, update: Callable[[int], np.ndarray]) -> None:
         super().__init__(cid, ClientProfile(), context, state)
         self.update = update
 
     def fit(self, message: Message) -> Message:
         rnd = int(message.meta["round"])
-        return self.upload({"w": self.update(rnd).astype(np.float32)}, Fit(), rnd=rnd)
+        return self.upload({"w": self.update(rnd).astype(np.float32)}, NO_FIT, rnd=rnd)
 
 
-def _run(run: Any, dim: int, update_of: Callable[[int], Callable[[int], np.ndarray]]) -> AuditStrategy:
+def _run(run: RunConfig, dim: int, update_of: Callable[[int], Callable[[int], np.ndarray]]) -> AuditStrategy:
     """One run of ``run`` (a config) through the round loop, client ``cid`` uploading ``update_of(cid)``."""
     if run.privacy.mode != "central" or run.privacy.adjacency != "replace-one":
         raise ValueError(
@@ -145,12 +145,14 @@ def likelihood_ratio(projections: np.ndarray, rate: float, sigma: float) -> np.n
     return np.sum(log_density(1.0) - log_density(-1.0), axis=-1)
 
 
-def audit_scores(config: Any, trials: int, dim: int = 1000, attack: str = "released", start: int = 0):
+def audit_scores(config: RunConfig, trials: int, dim: int = 1000, attack: str = "released", start: int = 0):
     """Scores (:func:`likelihood_ratio`) of ``trials`` runs of D (canary +C u) and of D' (-C u)
     under ``config``'s ``[privacy]`` and ``[federation]``, trial t with the public seed
     ``config.seed + t`` (many runs, as an auditor repeats them): two arrays, without the trials the
     attack abstains on (see the module docstring)."""
     clip = config.privacy.clip
+    if clip is None:
+        raise ValueError("the audit's canaries upload +-C u: needs privacy.clip")
     canary = np.random.default_rng([AUDIT_STREAM]).normal(size=dim)
     canary /= np.linalg.norm(canary)
     scores: dict[float, list[float]] = {1.0: [], -1.0: []}
@@ -186,7 +188,7 @@ def other_update(trial: int, rnd: int, cid: int, dim: int, clip: float) -> np.nd
     return 0.5 * clip * v / np.linalg.norm(v)
 
 
-def seed_sample_holds_canary(run: Any) -> bool:
+def seed_sample_holds_canary(run: RunConfig) -> bool:
     """Whether client 0 is in some round's sample as the run's public seed would draw it (the
     reproducible rule; under secret sampling an unrelated draw)."""
     fed = run.federation
@@ -202,7 +204,9 @@ def upper(failures: np.ndarray | int, n: int, alpha: float) -> np.ndarray:
     return np.where(k >= n, 1.0, beta.ppf(1 - alpha, k + 1, np.maximum(n - k, 1)))
 
 
-def _bounds(positive: np.ndarray, negative: np.ndarray, thresholds: np.ndarray, delta: float, alpha: float):
+def _bounds(
+    positive: np.ndarray, negative: np.ndarray, thresholds: np.ndarray | list[float], delta: float, alpha: float
+):
     """For each threshold t of the test "D when s > t": (bound, FN, FP, FNR upper, FPR upper), the
     bound max(0, log((1 - delta - FNR) / FPR), log((1 - delta - FPR) / FNR)) of the rates' upper
     bounds at confidence 1 - alpha/2 each."""
@@ -250,7 +254,7 @@ def heldout_lower_bound(positive: np.ndarray, negative: np.ndarray, delta: float
     return {**result, "selection_trials": half_p}
 
 
-def claimed(config: Any) -> dict:
+def claimed(config: RunConfig) -> dict:
     """What the run of ``config`` reports after its rounds (``reported_epsilon``; inf under
     ``insecure_reproducible_noise``), what the accountant gives its noise multiplier
     (``accountant_epsilon``), z and delta."""
@@ -270,7 +274,7 @@ def claimed(config: Any) -> dict:
     }
 
 
-def audit(config: Any, trials: int, dim: int = 1000, attack: str = "released", alpha: float = 0.05) -> dict:
+def audit(config: RunConfig, trials: int, dim: int = 1000, attack: str = "released", alpha: float = 0.05) -> dict:
     """Run the many-run audit of ``config``: its held-out lower bound (:func:`heldout_lower_bound`)
     beside :func:`claimed`, and the threshold-0 bound on all the trials (``threshold_zero_bound``)."""
     positive, negative = audit_scores(config, trials, dim, attack)
@@ -281,7 +285,7 @@ def audit(config: Any, trials: int, dim: int = 1000, attack: str = "released", a
 
 
 # -- one run (Steinke, Nasr, Jagielski 2023) ----------------------------------------------------------
-def one_run_scores(config: Any, canaries: int = 1000) -> tuple[np.ndarray, np.ndarray]:
+def one_run_scores(config: RunConfig, canaries: int = 1000) -> tuple[np.ndarray, np.ndarray]:
     """One run of a federation of ``canaries`` clients at ``config``'s sampling rate q (m = qK) and
     ``[privacy]`` (its delta kept), on a K-dimensional model, client k uploading S_k C e_k every
     round (S_k = +-1 at random, the auditor's public draw; e_k the k-th unit vector: the canaries'
@@ -339,7 +343,7 @@ def one_run_lower_bound(signs: np.ndarray, scores: np.ndarray, guesses: int, del
     return {"epsilon_lower_bound": low, "guesses": r, "correct": v, "canaries": k, "confidence": 1 - alpha}
 
 
-def one_run_audit(config: Any, canaries: int = 1000, guesses: int = 200, alpha: float = 0.05) -> dict:
+def one_run_audit(config: RunConfig, canaries: int = 1000, guesses: int = 200, alpha: float = 0.05) -> dict:
     """The one-run audit of ``config`` (:func:`one_run_scores`, :func:`one_run_lower_bound`) beside
     :func:`claimed` (the claim of ``config`` itself: the same q, z, rounds and delta)."""
     signs, scores = one_run_scores(config, canaries)

@@ -43,7 +43,9 @@ from fedtune.methods.base.aggregation import AggregationPlan, plan_aggregation
 from fedtune.planning.node_report import Reports, apply_reports, collect_reports, simulated_reports
 from fedtune.planning.planner import Plan, check_plannable, check_profile_codecs, unrunnable
 from fedtune.planning.quantization import check_profile_quantization
+from fedtune.planning.spec import Knob
 from fedtune.protocol.client import Client
+from fedtune.protocol.context import ClientContext
 from fedtune.protocol.profiles import ClientProfile, build_profiles
 from fedtune.protocol.strategy import Strategy
 from fedtune.registry import MethodOptions, MethodSpec
@@ -139,6 +141,14 @@ class RunContext:
         from fedtune.planning.planner import plan_budgets
 
         return plan_budgets(self)
+
+    @cached_property
+    def pricing(self) -> tuple[str | None, Knob, str]:
+        """The run's knob, its priced :class:`~fedtune.planning.spec.Knob` and the plan's note
+        (:func:`~fedtune.planning.planner.price_run`), built once (the plan and a node's refusal read it)."""
+        from fedtune.planning.planner import price_run
+
+        return price_run(self)
 
     def check_plan(self) -> None:
         """ConfigError when the budget plan leaves no round able to aggregate
@@ -243,7 +253,7 @@ class RunContext:
         its carried ``state`` (None: a new client) and ``profile`` (None: its planned one); one whose
         profile states its own base format sees this context with that base as its workspace."""
         profile = self.profiles[cid] if profile is None else profile
-        context: Any = self
+        context: ClientContext = self
         if self.base_format(profile) != (self.config.model.quantization, self.config.model.dtype):
             context = OwnBase(self, self.base_for(*self.base_format(profile)))
         return self.method.client(cid, profile, context, state)

@@ -8,11 +8,14 @@ Bottom to top (a module may import, at module level, only from its own layer or 
 inside functions are lazy and may point up, for example the registries discovering plugins)::
 
     errors              FedtuneError, the one exception base
-    protocol            messages, Strategy/Client ABCs, profiles, top-k codec
+    protocol            messages, profiles, reply validation, top-k codec
     config, process, certificates, checkpoint, run_folder, output_files, steps, plugins
     data                sources, partitioners, batches (no model code)
     models              loading, LoRA workspace, training loop, networks
     tasks               Task ABC + one module per kind (data + model + loss + metrics)
+    protocol.context, protocol.strategy, protocol.client
+                        the Strategy/Client ABCs and the typed context they are built on (its
+                        config, task and LoRA workspace)
     registry, planning.spec
                         method name -> Strategy, Client, options, required capabilities, its plan
                         (the knob client budgets set and the method's cost model)
@@ -73,6 +76,7 @@ LAYERS = [
     ["fedtune.data"],
     ["fedtune.models"],
     ["fedtune.tasks"],
+    ["fedtune.protocol.context", "fedtune.protocol.strategy", "fedtune.protocol.client"],
     ["fedtune.registry", "fedtune.planning.spec"],
     ["fedtune.methods.base"],
     [

@@ -119,6 +119,7 @@ def quadratic_context(capacities, **options):
         partitions=[np.arange(1)] * len(capacities),
         model=torch.nn.Module(),
     )
+    ctx.example_bound = lambda kind, cid: len(ctx.partitions[cid])  # a reply's examples: its partition's, as RunContext
     ctx.task = SimpleNamespace(kind="quadratic", bilevel_problem=lambda c, o: Quadratic(c, o))
     return ctx
 

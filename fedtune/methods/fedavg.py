@@ -16,12 +16,10 @@ scratch and as the full-model baseline. The final global model is saved as ``mod
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from pydantic import Field
 
-from fedtune.methods.base.aggregation import Aggregation
+from fedtune.methods.base.aggregation import Aggregation, planned
 from fedtune.methods.base.averaging import (
     SECURE_AGGREGATION,
     WEIGHTED_SUM_OPTIONS,
@@ -32,6 +30,7 @@ from fedtune.methods.base.averaging import (
 from fedtune.methods.base.full_model import ModelStateStrategy, load_tensors, tensor_arrays
 from fedtune.methods.base.privacy import PRIVACY_OPTIONS
 from fedtune.models.training import train_local
+from fedtune.protocol.context import ServerContext
 from fedtune.protocol.messages import Message
 from fedtune.registry import MethodOptions, register
 
@@ -43,9 +42,11 @@ class FedAvgOptions(MethodOptions):
 class FedAvgStrategy(BroadcastAverage, ModelStateStrategy):
     """FedAvg: average the model's trainable tensors (no LoRA; McMahan et al. 2017)."""
 
-    def __init__(self, context: Any) -> None:
+    options: FedAvgOptions  # the method's registered options class (resolve_run validated them)
+
+    def __init__(self, context: ServerContext) -> None:
         super().__init__(context)
-        self.aggregation = Aggregation(context.run.aggregation)
+        self.aggregation = Aggregation(planned(context))
 
     def state_dict(self) -> dict:
         return {**ModelStateStrategy.state_dict(self), **self.aggregation.state_dict()}

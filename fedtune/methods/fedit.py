@@ -33,6 +33,8 @@ class FedITOptions(MethodOptions):
 class FedITStrategy(BroadcastAverage, GlobalAdapterStrategy):
     """FedIT: FedAvg of LoRA adapters with a uniform rank (Zhang et al. 2024)."""
 
+    options: FedITOptions  # the method's registered options class (resolve_run validated them)
+
     def initialize(self) -> None:
         self.rank = self.config.model.lora_rank
         self.global_arrays = self.context.workspace.state(self.rank)

@@ -40,13 +40,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 from pydantic import Field
 
 from fedtune.config import RunConfig
-from fedtune.methods.base.aggregation import Aggregation
+from fedtune.methods.base.aggregation import Aggregation, planned
 from fedtune.methods.base.averaging import (
     SERVER_STEP_AND_UPLOAD_CODEC,
     Weighting,
@@ -54,7 +54,7 @@ from fedtune.methods.base.averaging import (
     decode_update,
     mean_train_loss,
 )
-from fedtune.methods.base.lora import LORA, MERGING_SCALE_OPTIONS, SERVER_DEVIATIONS, LoraClient, client_rank
+from fedtune.methods.base.lora import LORA, MERGING_SCALE_OPTIONS, SERVER_DEVIATIONS, LoraClient, adapted, client_rank
 from fedtune.methods.base.lora_arrays import (
     a_name,
     array_rank,
@@ -72,6 +72,7 @@ from fedtune.methods.base.ranked import merged_into_base
 from fedtune.methods.base.robust import weighted_average
 from fedtune.methods.base.server_optimizer import ServerOptimizer, ServerStep
 from fedtune.planning.lora_plan import lora_plan
+from fedtune.protocol.context import ServerContext
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
 from fedtune.protocol.validation import ArraySpec, spec_like
@@ -127,9 +128,11 @@ def fresh_adapter(shapes: Mapping[str, tuple[int, ...]], seed: int, rnd: int, ci
 class FedStackLoRAStrategy(Strategy):
     """FedStackLoRA (FLoRA): stack B_i and p_i A_i, merge into the base (Wang et al. 2024)."""
 
-    def __init__(self, context: Any) -> None:
+    options: FedStackLoRAOptions  # the method's registered options class (resolve_run validated them)
+
+    def __init__(self, context: ServerContext) -> None:
         super().__init__(context)
-        self.aggregation = Aggregation(context.run.aggregation)
+        self.aggregation: Aggregation = Aggregation(planned(context))
 
     def initialize(self) -> None:
         self.rank = self.config.model.lora_rank
@@ -197,7 +200,7 @@ class FedStackLoRAStrategy(Strategy):
         arrays = {k: np.zeros(tuple(p.shape), dtype=np.float32) for k, p in params.items()}
         ws.load({**arrays, **self.head}, self.rank)
         with merged_into_base(ws, self.merged):
-            return self.context.task.evaluate(ws.model, self.config.train.eval_batch_size)
+            return self.context.task.evaluate(adapted(ws), self.config.train.eval_batch_size)
 
     def state_dict(self) -> dict:
         return {

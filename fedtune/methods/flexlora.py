@@ -46,7 +46,14 @@ from fedtune.methods.base.averaging import (
     decode_update,
     mean_train_loss,
 )
-from fedtune.methods.base.lora import LORA, MERGING_SCALE_OPTIONS, SERVER_DEVIATIONS, GlobalAdapterStrategy, client_rank
+from fedtune.methods.base.lora import (
+    LORA,
+    MERGING_SCALE_OPTIONS,
+    SERVER_DEVIATIONS,
+    GlobalAdapterStrategy,
+    adapted,
+    client_rank,
+)
 from fedtune.methods.base.lora_arrays import (
     a_name,
     array_rank,
@@ -82,6 +89,8 @@ class FlexLoRAOptions(MethodOptions):
 
 class FlexLoRAStrategy(GlobalAdapterStrategy):
     """FlexLoRA: average full-size B_i A_i, redistribute by truncated SVD (Bai et al. 2024)."""
+
+    options: FlexLoRAOptions  # the method's registered options class (resolve_run validated them)
 
     def initialize(self) -> None:
         self.rank = self.config.model.lora_rank
@@ -155,7 +164,7 @@ class FlexLoRAStrategy(GlobalAdapterStrategy):
         zero_b = {k: (np.zeros_like(v) if is_lora_b(k) else v) for k, v in self.global_arrays.items()}
         ws.load(zero_b, self.rank)
         with merged_into_base(ws, self.delta):
-            return self.context.task.evaluate(ws.model, self.config.train.eval_batch_size)
+            return self.context.task.evaluate(adapted(ws), self.config.train.eval_batch_size)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "init": dict(self.init_arrays), "delta": dict(self.delta)}

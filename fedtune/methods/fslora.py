@@ -206,6 +206,8 @@ def slice_adapter(arrays: Mapping[str, np.ndarray], indices: Mapping[str, np.nda
 class FSLoRAStrategy(BroadcastAverage, GlobalAdapterStrategy):
     """FSLoRA: sketched rank-k updates of a rank-r global LoRA pair (Fang et al. 2025)."""
 
+    options: FSLoRAOptions  # the method's registered options class (resolve_run validated them)
+
     def initialize(self) -> None:
         self.rank = self.config.model.lora_rank
         self.global_arrays = self.context.workspace.state(self.rank)

@@ -217,6 +217,10 @@ class HeteroLoRAStrategy(BroadcastAverage, GlobalAdapterStrategy):
     """HeteroLoRA: truncation down, zero-padded update average up (FSLoRA's baseline); HetLoRA
     (Cho et al. 2024) by options."""
 
+    # HeteroLoRAOptions.weighting adds "sparsity" to Weighted's two: this class overrides both steps of
+    # BroadcastAverage that read options.weighting (configure_fit, averaged), so none sees it
+    options: HeteroLoRAOptions  # type: ignore[assignment]
+
     def initialize(self) -> None:
         self.rank = self.config.model.lora_rank
         self.global_arrays = self.context.workspace.state(self.rank)
@@ -338,6 +342,8 @@ class HeteroLoRAStrategy(BroadcastAverage, GlobalAdapterStrategy):
 class HeteroLoRAClient(LoraClient):
     """Trains the truncation it receives; with ``self_pruning``, adds HetLoRA's tail penalty and
     drops the tail ranks from its upload when their norm product shrank."""
+
+    options: HeteroLoRAOptions  # the method's registered options class (resolve_run validated them)
 
     def secure_vector(self, message: Message, reply: Message) -> dict[str, np.ndarray]:
         """What the server's zero-padded mean sums: pad_r(Delta_i), or, with ``aggregate =

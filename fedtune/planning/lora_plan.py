@@ -11,20 +11,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
-from typing import Any
 
 import torch
 
 from fedtune.models.precision import DTYPES
 from fedtune.planning.knob import Knob, rank_knob
-from fedtune.planning.spec import PlanSpec
+from fedtune.planning.memory import Workload
+from fedtune.planning.spec import PlanningContext, PlanSpec
 from fedtune.planning.workload import lora_workload
 
 #: the option a client's planned gradient checkpointing stands for
 CHECKPOINTING = "train.gradient_checkpointing"
 
 #: a method's own step from the plain LoRA step's (context, the plain workload -> its workload)
-Step = Callable[[Any, Any], Any]
+Step = Callable[[PlanningContext, Workload], Workload]
 
 
 def lora_plan(knob: str | None, step: Step | None = None) -> PlanSpec:
@@ -33,11 +33,11 @@ def lora_plan(knob: str | None, step: Step | None = None) -> PlanSpec:
     return PlanSpec(knob, partial(_priced, knob=knob, step=step))
 
 
-def _priced(context, knob: str | None, step: Step | None) -> tuple[Knob, str]:
+def _priced(context: PlanningContext, knob: str | None, step: Step | None) -> tuple[Knob, str]:
     return lora_knob(context, knob, step), ""
 
 
-def lora_knob(context, knob: str | None, step: Step | None = None) -> Knob:
+def lora_knob(context: PlanningContext, knob: str | None, step: Step | None = None) -> Knob:
     """The LoRA methods' knob: the rank on r, r/2, ..., 1 (``knob`` "sketch_ratio": rank / r),
     each priced on ``context``'s skeleton (``step``: the method's step from the plain one's; a method
     without one is measured on a model with no transformer config)."""
@@ -78,7 +78,7 @@ def lora_knob(context, knob: str | None, step: Step | None = None) -> Knob:
     return rank_knob(cfg.lora_rank, knob, cost, variants=variants, formats=formats, speed_note=note)
 
 
-def checkpointable(context, base) -> bool:
+def checkpointable(context: PlanningContext, base: torch.nn.Module) -> bool:
     """Whether the planner may turn gradient checkpointing on for a client: the method honours
     ``train.gradient_checkpointing`` and the model supports it."""
     return CHECKPOINTING in context.method.honours and any(

@@ -7,6 +7,8 @@ import numpy as np
 import torch
 
 from fedtune.planning.knob import Knob, rank_knob
+from fedtune.planning.spec import PlanningContext
+from fedtune.protocol.context import ClientContext
 
 
 def has_shape(base) -> bool:
@@ -29,13 +31,14 @@ def has_shape(base) -> bool:
 MEASURED_LORA_FACTOR = 1.04
 
 
-def measured_lora_knob(context, knob: str | None) -> Knob:
+def measured_lora_knob(context: PlanningContext, knob: str | None) -> Knob:
     """The LoRA methods' knob on a model the memory model cannot price (no transformer config):
     each rank of r, r/2, ..., 1 priced by measuring the run's workspace with that rank's adapter,
     as the sub-model methods' plan prices a sub-model: peak = the base's
     weights and the adapter's + trainable values x 4 x (1 gradient + optimizer states) +
     :data:`MEASURED_LORA_FACTOR` x the saved bytes of one forward; seconds = 3 x its FLOPs x the
     local steps at float32's ``REFERENCE_FLOPS``. The run's quantization and checkpointing only."""
+    from fedtune.methods.base.lora import adapted
     from fedtune.models.train_memory import optimizer_states
     from fedtune.planning.memory import REFERENCE_FLOPS, Prediction, base_weight_bytes
 
@@ -44,14 +47,15 @@ def measured_lora_knob(context, knob: str | None) -> Knob:
 
     def cost(rank: int, *_) -> tuple:
         params = ws.activate(rank).values()
+        model = adapted(ws)
         # the run's base: its batch-norm statistics, its mode and the global RNG left as they were
-        buffers, training = [b.clone() for b in ws.model.buffers()], ws.model.training
+        buffers, training = [b.clone() for b in model.buffers()], model.training
         with torch.random.fork_rng():
-            saved, flops = measure_forward(context, ws.model)
+            saved, flops = measure_forward(context, model)
         with torch.no_grad():
-            for b, kept in zip(ws.model.buffers(), buffers):
+            for b, kept in zip(model.buffers(), buffers):
                 b.copy_(kept)
-        ws.model.train(training)
+        model.train(training)
         trainable = sum(p.numel() for p in params)
         p = Prediction(
             weights=base_weight_bytes(ws.base) + sum(p.numel() * p.element_size() for p in params),
@@ -73,7 +77,7 @@ def measured_lora_knob(context, knob: str | None) -> Knob:
     )  # fmt: skip
 
 
-def measure_forward(context, model) -> tuple[int, int]:
+def measure_forward(context: ClientContext, model: torch.nn.Module) -> tuple[int, int]:
     """(the bytes autograd saves at most, the FLOPs) of one forward of ``context``'s task loss of
     ``model`` (put in training mode) on one batch of client 0's data
     (:class:`~fedtune.models.train_memory.ActivationMeter`, torch's FLOP counter)."""

@@ -288,6 +288,7 @@ class PeakMeter:
         self.device = device
         self.growth: int | None = None
         self.resident: int | None = None
+        self.start: int | None = None  # the allocated (cuda) or resident bytes at entry; None: not read
         self._profiling = False
         self._resident = resident
 
@@ -304,7 +305,7 @@ class PeakMeter:
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self.growth = torch.cuda.max_memory_allocated(self.device) - self.start
+            self.growth = torch.cuda.max_memory_allocated(self.device) - (self.start or 0)
             return
         if self.start is not None:
             peak = _status_bytes("VmHWM")

@@ -29,16 +29,21 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import cache
+from typing import TYPE_CHECKING
 
 import torch
 
 from fedtune.config import ConfigError
 from fedtune.models.precision import DTYPES
 from fedtune.planning.lora_plan import CHECKPOINTING
-from fedtune.planning.spec import Knob, PlanSpec
+from fedtune.planning.spec import Knob, PlanningContext, PlanSpec
 from fedtune.protocol.messages import Message
 from fedtune.protocol.profiles import ClientProfile
 from fedtune.steps import track
+
+if TYPE_CHECKING:
+    from fedtune.protocol.client import Client
+
 
 #: the key of a training reply's metadata with the client's measured peak bytes
 PEAK_BYTES = "peak_bytes"
@@ -124,29 +129,26 @@ def unrunnable(plan: Plan | None, min_replies: int) -> str | None:
     )
 
 
-def pricing(context) -> tuple[str | None, Knob, str]:
+def price_run(context: PlanningContext) -> tuple[str | None, Knob, str]:
     """The run's knob (the profile field the plan sets; None: none), its :class:`Knob` (ladder and
     prices, by the method's own cost model: its :class:`~fedtune.planning.spec.PlanSpec`) and the
-    plan's note, built once per ``context``; ConfigError for a method that registers no plan."""
-    cached = context.__dict__.get("_pricing")
-    if cached is not None:
-        return cached
+    plan's note; ConfigError for a method that registers no plan. The context keeps it
+    (:attr:`~fedtune.planning.spec.PlanningContext.pricing`)."""
     spec = _plan_of(context.method)
     knobs, note = spec.price(context)
-    context.__dict__["_pricing"] = (spec.knob, knobs, note)
     return spec.knob, knobs, note
 
 
-def plan_budgets(context, always: bool = False) -> Plan | None:
+def plan_budgets(context: PlanningContext, always: bool = False) -> Plan | None:
     """The plan of ``context``'s run (a :class:`~fedtune.runtime.RunContext`; each client's budget as
     its node reports it, :attr:`~fedtune.runtime.RunContext.budgeted_profiles`), or None when no
     client states a budget and no node's report was dropped (``always``: the predictions all the
     same); ConfigError for a method that registers no plan."""
-    profiles = context.budgeted_profiles if hasattr(context, "budgeted_profiles") else list(context.run.profiles)
-    dropped = dict(context.reports.dropped) if hasattr(context, "reports") else {}
+    profiles = context.budgeted_profiles
+    dropped = dict(context.reports.dropped)
     if not always and not dropped and not any(has_budget(p) for p in profiles):
         return None
-    knob, knobs, note = pricing(context)
+    knob, knobs, note = context.pricing
     price = cache(knobs.cost)  # each (value, checkpointing, format) priced once for all clients
     rows = [
         _dropped(cid, p, dropped[cid]) if cid in dropped else _plan_client(context, knob, knobs, price, cid, p)
@@ -178,7 +180,7 @@ def _dropped(cid: int, profile: ClientProfile, why: str) -> tuple[ClientPlan, Cl
 
 
 def _plan_client(
-    context, knob: str | None, knobs: Knob, price: Callable, cid: int, profile: ClientProfile
+    context: PlanningContext, knob: str | None, knobs: Knob, price: Callable, cid: int, profile: ClientProfile
 ) -> tuple[ClientPlan, ClientProfile]:
     """Client ``cid``'s row of the plan and its planned profile: the first setting of the search
     (:func:`_candidates`) that fits its budget, else (excluded, or measured when it states its knob)
@@ -254,13 +256,13 @@ def _planned_profile(
     return profile.model_copy(update=update) if update else profile
 
 
-def refusal(context, profile: ClientProfile) -> str | None:
+def refusal(context: PlanningContext, profile: ClientProfile) -> str | None:
     """Why ``profile``'s own setting (its knob, base format, checkpointing and upload codec as it
     states them, else the run's) breaks a budget it states, as the plan says it (a node refuses such
     a setting before it loads anything); None when it holds or no budget is stated."""
     if not has_budget(profile):
         return None
-    knob, knobs, _ = pricing(context)
+    knob, knobs, _ = context.pricing
     value = knobs.stated(profile) if knob is not None else None
     if value is None:  # unstated: what the client trains on (the ladder's first, unless the knob says)
         value = knobs.unstated if knobs.unstated is not None else knobs.ladder[0]
@@ -284,12 +286,12 @@ def bytes_per_value(topk: float | None, wire_dtype: str) -> float:
     return size if topk is None else topk * (size + 4)
 
 
-def compresses(context) -> bool:
+def compresses(context: PlanningContext) -> bool:
     """Whether the run's clients upload through the codec (the method honours it; no secure aggregation)."""
     return set(CODEC_OPTIONS) <= context.method.honours and not context.config.federation.secure_aggregation
 
 
-def _codecs(context, profile: ClientProfile) -> list[tuple[float | None, str]]:
+def _codecs(context: PlanningContext, profile: ClientProfile) -> list[tuple[float | None, str]]:
     """The client's codec ladder: its own (or the federation's), then, where the run's uploads go
     through the codec and the profile states none, each lighter one of :data:`CODECS`."""
     fed = context.config.federation
@@ -329,7 +331,7 @@ def check_profile_codecs(run) -> None:
 
 
 @contextmanager
-def planned_checkpointing(client):
+def planned_checkpointing(client: Client) -> Iterator[None]:
     """Gradient checkpointing on the client's base for the block when its profile has it and the
     run does not (the base is shared by the process's clients: it is turned off again after)."""
     on = client.profile.gradient_checkpointing and not client.config.train.gradient_checkpointing
@@ -344,11 +346,12 @@ def planned_checkpointing(client):
         yield
     finally:
         for m in base.modules():
-            if getattr(m, "is_gradient_checkpointing", False) and hasattr(m, "gradient_checkpointing_disable"):
-                m.gradient_checkpointing_disable()
+            disable = getattr(m, "gradient_checkpointing_disable", None)  # a transformers model's
+            if getattr(m, "is_gradient_checkpointing", False) and callable(disable):
+                disable()
 
 
-def metered_fit(client, message: Message, call: Callable[[Message], Message] | None = None) -> Message:
+def metered_fit(client: Client, message: Message, call: Callable[[Message], Message] | None = None) -> Message:
     """``client.fit(message)`` (or ``call(message)``: a phase of the round) with its measured peak
     (:class:`~fedtune.planning.memory.PeakMeter` on the run's device, plus the frozen base a LoRA
     client holds; a proxy client, its plan's ``peak`` "reported": the client's own ``peak_mem_bytes``,

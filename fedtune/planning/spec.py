@@ -7,9 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from fedtune.protocol.context import MethodView, ServerContext
 from fedtune.protocol.profiles import ClientProfile
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -47,5 +51,59 @@ class PlanSpec:
     (:data:`PeakMode`)."""
 
     knob: str | None
-    price: Callable[[Any], tuple[Knob, str]]
+    price: Callable[[PlanningContext], tuple[Knob, str]]
     peak: PeakMode = "base"
+
+
+class PlannedMethod(MethodView, Protocol):
+    """What the planner reads of the run's method: its plan, as registered."""
+
+    @property
+    def plan(self) -> PlanSpec | None:
+        """Its :class:`PlanSpec` (None: client budgets are not planned for it)."""
+        ...
+
+
+class DroppedReports(Protocol):
+    """What the planner reads of the nodes' reports (:class:`fedtune.planning.node_report.Reports`)."""
+
+    @property
+    def dropped(self) -> dict[int, str]:
+        """Client id -> why its node's report was dropped."""
+        ...
+
+
+class PlanningContext(ServerContext, Protocol):
+    """What the budget planner and a method's cost model read of the run's context
+    (:class:`fedtune.runtime.RunContext`): the server's view, the model's meta-device skeleton, each
+    client's budget as its node reports it, and the run's priced knob."""
+
+    @property
+    def method(self) -> PlannedMethod:
+        """The run's method, with its plan."""
+        ...
+
+    @property
+    def skeleton(self) -> torch.nn.Module:
+        """The task's model on the meta device (shapes, no weights)."""
+        ...
+
+    @property
+    def budgeted_profiles(self) -> list[ClientProfile]:
+        """The config's profiles with each client's budget as its node reports it."""
+        ...
+
+    @property
+    def reports(self) -> DroppedReports:
+        """The nodes' reports the plan reads."""
+        ...
+
+    @property
+    def pricing(self) -> tuple[str | None, Knob, str]:
+        """The run's knob (None: none), its priced :class:`Knob` and the plan's note, built once
+        (:func:`fedtune.planning.planner.price_run`)."""
+        ...
+
+    def base_format(self, profile: ClientProfile) -> tuple[str, str]:
+        """(quantization, dtype) of the base ``profile``'s client trains on."""
+        ...

@@ -5,13 +5,19 @@ more states it in its own plan (:func:`fedtune.planning.lora_plan.lora_plan`'s `
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from fedtune.config import ConfigError
 from fedtune.models.precision import DTYPES
+from fedtune.protocol.context import ClientContext
+
+if TYPE_CHECKING:
+    from fedtune.planning.memory import Workload
 
 
-def lora_workload(context, base):
+def lora_workload(context: ClientContext, base: torch.nn.Module) -> Workload:
     """A client's LoRA training on ``base`` as the run states it (a
     :class:`~fedtune.planning.memory.Workload`), its rows and logit positions the task's
     (:meth:`~fedtune.tasks.base.Task.step_shape`; under DP :meth:`~fedtune.tasks.base.Task.public_step_shape`,

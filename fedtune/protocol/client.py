@@ -10,10 +10,11 @@ of arrays that the engine persists per client id (Flower: the node's ``context.s
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
 
 import numpy as np
 
+from fedtune.config import RunConfig
+from fedtune.protocol.context import ClientContext
 from fedtune.protocol.messages import Message
 from fedtune.protocol.profiles import ClientProfile
 from fedtune.protocol.strategy import secure_layout_of
@@ -26,7 +27,7 @@ class Client(ABC):
         self,
         cid: int,
         profile: ClientProfile,
-        context: Any,
+        context: ClientContext,
         state: dict[str, np.ndarray] | None = None,
     ) -> None:
         """Client ``cid`` with its resource ``profile``, the process's run ``context`` (whose
@@ -35,8 +36,8 @@ class Client(ABC):
         self.cid = cid
         self.profile = profile
         self.context = context
-        self.config = context.config
-        self.options = context.options
+        self.config: RunConfig = context.config
+        self.options: object = context.options  # a method declares its options class: options: MyOptions
         self.state = state if state is not None else {}
 
     @abstractmethod

@@ -22,6 +22,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from fedtune.config import RunConfig
+from fedtune.protocol.context import ServerContext
 from fedtune.protocol.messages import Message
 from fedtune.protocol.validation import COMMON_META, ArraySpec, MetaField
 
@@ -102,12 +104,12 @@ class Strategy(ABC):
 
     aggregation: ServerAggregation | None = None
 
-    def __init__(self, context: Any) -> None:
-        """``context``: the process's run context (:class:`fedtune.runtime.RunContext`): the
-        config, the method's options, the client profiles, the task and its cached model."""
+    def __init__(self, context: ServerContext) -> None:
+        """``context``: the process's run context (:class:`~fedtune.protocol.context.ServerContext`:
+        the config, the method's options, the client profiles, the task and its cached model)."""
         self.context = context
-        self.config = context.config
-        self.options = context.options  # the method's own typed options
+        self.config: RunConfig = context.config
+        self.options: object = context.options  # a method declares its options class: options: MyOptions
 
     @abstractmethod
     def initialize(self) -> None:
@@ -161,9 +163,7 @@ class Strategy(ABC):
         ``num_examples`` required in training replies and at most what the server knows of that
         client (``context.example_bound``: its partition's size; for "evaluate", the test set's). A
         method that reads further keys adds them."""
-        bound = getattr(self.context, "example_bound", None)
-        high = bound(kind, cid) if bound is not None else None
-        examples = COMMON_META["num_examples"].with_high(high)
+        examples = COMMON_META["num_examples"].with_high(self.context.example_bound(kind, cid))
         if kind == "train":  # every training reply says how much data it stands for (its FedAvg weight)
             examples = MetaField(examples.kind, examples.low, examples.high, required=True)
         return {**COMMON_META, "num_examples": examples}

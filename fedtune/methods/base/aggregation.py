@@ -31,6 +31,7 @@ from fedtune.config import ConfigError, RunConfig
 from fedtune.methods.base.privacy import Mechanism, PrivacyParams, privacy_params
 from fedtune.methods.base.robust import Combiner, combiner
 from fedtune.methods.base.server_optimizer import ServerOptimizer, ServerStep
+from fedtune.protocol.context import ClientContext
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import SECURE_LAYOUT, SECURE_MAX_WEIGHT, SECURE_WEIGHT, RoundRules, SecureSum
 
@@ -52,6 +53,15 @@ def plan_aggregation(config: RunConfig) -> AggregationPlan:
     (:func:`~fedtune.methods.base.privacy.privacy_params`)."""
     fed = config.federation
     return AggregationPlan(combiner(fed), privacy_params(config), ServerStep.of(fed), fed.secure_aggregation)
+
+
+def planned(context: ClientContext) -> AggregationPlan:
+    """The run's :class:`AggregationPlan` as ``context`` holds it (resolved once; the protocol, a
+    layer below, cannot name its type): TypeError when it holds something else."""
+    plan = context.run.aggregation
+    if not isinstance(plan, AggregationPlan):
+        raise TypeError(f"the run's aggregation is a {type(plan).__name__}, not an AggregationPlan")
+    return plan
 
 
 def mean_train_loss(replies: Mapping[int, Message]) -> dict[str, float]:

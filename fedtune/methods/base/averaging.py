@@ -10,11 +10,11 @@ The server's side of every such method is composed in :mod:`fedtune.methods.base
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 
-from fedtune.methods.base.aggregation import Aggregation, layout_of, mean_train_loss
+from fedtune.methods.base.aggregation import Aggregation, layout_of, mean_train_loss, planned
 from fedtune.methods.base.robust import ROBUST_AGGREGATION
 from fedtune.models.training import FitResult, seed_for
 from fedtune.protocol.client import Client
@@ -23,6 +23,18 @@ from fedtune.protocol.strategy import SecureSum, Strategy
 from fedtune.protocol.validation import ArraySpec, spec_like
 
 Weighting = Literal["examples", "uniform"]
+
+
+class Weighted(Protocol):
+    """The options of a method whose server averages (:class:`BroadcastAverage`): each declares
+    ``weighting``, the p_i of the mean."""
+
+    @property
+    def weighting(self) -> Weighting:
+        """p_i: by data size ("examples") or 1/N ("uniform")."""
+        ...
+
+
 #: The cross-method options (fedtune.registry.CROSS_METHOD_OPTIONS) a method honours when its server
 #: steps through its :class:`~fedtune.methods.base.aggregation.Aggregation` and its clients upload
 #: through :meth:`UpdateClient.upload`.
@@ -71,10 +83,12 @@ class UpdateClient(Client):
         noised; SecAgg+ with central DP: clipped), and where the server must not see the client's
         numbers (local DP, SecAgg+) the metadata is fixed: ``num_examples`` 1 and ``meta``."""
         fed = self.config.federation
-        private = self.context.run.aggregation.privacy
+        private = planned(self.context).privacy
         if private is None:
             reported = {**result.meta(), **meta}
         else:
+            if rnd is None:
+                raise ValueError(f"client {self.cid}: a private upload needs its round (its noise stream)")
             update = private.kind.client_release(private, update, self.state, self.cid, rnd)
             hidden = private.kind.clips_on_client or fed.secure_aggregation
             reported = {"num_examples": 1, **meta} if hidden else {**result.meta(), **meta}
@@ -83,7 +97,7 @@ class UpdateClient(Client):
     def bound_secure_vector(self, vector: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Under ``privacy.mode``: the mechanism's :meth:`~fedtune.methods.base.privacy.Mechanism.secure_release`
         of ``vector`` (central DP: clipped below C by SecAgg+'s rounding margin)."""
-        private = self.context.run.aggregation.privacy
+        private = planned(self.context).privacy
         return vector if private is None else private.kind.secure_release(private, vector)
 
     def train_seed(self, rnd: int) -> int:
@@ -107,6 +121,7 @@ class BroadcastAverage(Strategy):
 
     global_arrays: dict[str, np.ndarray]
     aggregation: Aggregation
+    options: Weighted
 
     def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict[str, float]:
         """The round's step (class docstring); its metrics: the mean training loss, or under DP
@@ -148,5 +163,5 @@ class BroadcastAverage(Strategy):
         self.aggregation.asked(client_ids)
         return {cid: message for cid in client_ids}
 
-    def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec]:
+    def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec] | list[dict[str, ArraySpec]]:
         return update_of(sent)

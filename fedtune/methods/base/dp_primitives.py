@@ -15,7 +15,7 @@ def fresh_secret() -> np.ndarray:
     return np.frombuffer(secrets.token_bytes(16), dtype=np.uint32).copy()
 
 
-def generator(secret: Sequence[int], *stream: int) -> np.random.Generator:
+def generator(secret: Sequence[int] | np.ndarray, *stream: int) -> np.random.Generator:
     """The generator of ``stream`` (a tuple of non-negative ints) under ``secret``."""
     return np.random.default_rng(np.random.SeedSequence([int(w) for w in secret], spawn_key=stream))
 

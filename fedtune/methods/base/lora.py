@@ -6,18 +6,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from fedtune.methods.base.aggregation import Aggregation
+from fedtune.methods.base.aggregation import Aggregation, planned
 from fedtune.methods.base.averaging import UpdateClient, update_of
 from fedtune.models.tensors import to_numpy
 from fedtune.models.training import FitResult, train_local
+from fedtune.protocol.context import ServerContext
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
 from fedtune.protocol.validation import ArraySpec
+
+if TYPE_CHECKING:
+    from fedtune.models.lora import LoraWorkspace
 
 LORA = ("lora",)  # the task capability every LoRA method requires (register(..., requires=LORA))
 #: The model-scale options (fedtune.registry.CROSS_METHOD_OPTIONS) a LoRA method honours when its
@@ -35,6 +39,14 @@ SERVER_DEVIATIONS = {
     "federation.server_momentum": "a value above 0 (FedAvgM, Hsu et al. 2019) carries earlier rounds' updates into "
     "each step: departs from the method's average",
 }
+
+
+def adapted(ws: LoraWorkspace) -> torch.nn.Module:
+    """``ws``'s PEFT model, which loading a first adapter (:meth:`LoraWorkspace.load`) makes:
+    RuntimeError before one is loaded."""
+    if ws.model is None:
+        raise RuntimeError("LoRA workspace: no adapter loaded yet")
+    return ws.model
 
 
 class RegularizedTask:
@@ -68,7 +80,7 @@ class LoraClient(UpdateClient):
         params = ws.load(arrays, rank, alpha)
         task = self.context.task if penalty is None else RegularizedTask(self.context.task, lambda: penalty(params))
         result = train_local(
-            ws.model,
+            adapted(ws),
             list(params.values()),
             task,
             self.context.partitions[self.cid],
@@ -88,17 +100,17 @@ class GlobalAdapterStrategy(Strategy):
     global_arrays: dict[str, np.ndarray]
     alpha: float | None = None
 
-    def __init__(self, context: Any) -> None:
+    def __init__(self, context: ServerContext) -> None:
         super().__init__(context)
-        self.aggregation: Aggregation = Aggregation(context.run.aggregation)
+        self.aggregation: Aggregation = Aggregation(planned(context))
 
-    def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec]:
+    def reply_spec(self, rnd: int, cid: int, sent: Message) -> dict[str, ArraySpec] | list[dict[str, ArraySpec]]:
         return update_of(sent)
 
     def evaluate(self, rnd: int) -> dict[str, float]:
         ws = self.context.workspace
         ws.load(self.global_arrays, self.rank, self.alpha)
-        return self.context.task.evaluate(ws.model, self.config.train.eval_batch_size)
+        return self.context.task.evaluate(adapted(ws), self.config.train.eval_batch_size)
 
     def state_dict(self) -> dict:
         return {

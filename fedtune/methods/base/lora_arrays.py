@@ -210,10 +210,10 @@ def weighted_product_sum(
     p = weights_sum_to_one(weights)
     out: dict[str, np.ndarray] = {}
     for path in lora_paths(adapters[0]):
-        total = None
-        for pi, si, ad in zip(p, scales, adapters):
-            term = (pi * si) * pair_product(ad, path)
-            total = term if total is None else total + term
+        terms = [(pi * si) * pair_product(ad, path) for pi, si, ad in zip(p, scales, adapters)]
+        total = terms[0]
+        for term in terms[1:]:
+            total = total + term
         out[path] = total
     return out
 

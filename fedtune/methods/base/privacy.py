@@ -67,7 +67,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -432,6 +432,15 @@ class PrivacyParams:
     quantization_step: float = 0.0  # SecAgg+ with central DP (SecureCentralGaussian): the worst rounding step 2c/T
 
 
+class KindNumbers(TypedDict, total=False):
+    """The numbers of :class:`PrivacyParams` that only one kind of mechanism reads."""
+
+    target_quantile: float
+    clip_learning_rate: float
+    sigma_b: float
+    quantization_step: float
+
+
 def mechanism_kind(config: RunConfig) -> type[Mechanism]:
     """The class of the run's mechanism (``privacy.mode`` not "none"): where a new one is chosen."""
     if config.privacy.mode == "local":
@@ -459,9 +468,12 @@ def privacy_params(config: RunConfig) -> PrivacyParams | None:
             f"privacy.delta: {delta:g} is not below 1/num_clients = {1 / n:.3g} (publishing one random client's "
             "data whole is (0, 1/N)-DP: such a delta guarantees nothing)"
         )
+    if p.clip is None or (p.noise_multiplier is None and p.epsilon is None):  # refused by PrivacyConfig._check
+        raise ConfigError("privacy: a mode needs privacy.clip and privacy.noise_multiplier or privacy.epsilon")
     if p.noise_multiplier is not None:
         z = float(p.noise_multiplier)
     else:
+        assert p.epsilon is not None  # narrowed: one of the two is set (checked above)
         try:
             z = accounting.calibrate(p.accountant, p.adjacency, rate, config.rounds, delta, p.epsilon)
         except ValueError as exc:
@@ -472,7 +484,7 @@ def privacy_params(config: RunConfig) -> PrivacyParams | None:
             raise ConfigError(
                 f"privacy.epsilon_budget: {p.epsilon_budget:g} is below the epsilon of one round ({one:.4g})"
             )
-    extra: dict[str, float] = {}  # the kind's own numbers
+    extra: KindNumbers = {}  # the kind's own numbers
     if kind is AdaptiveClipGaussian:
         # Andrew et al.'s m/20, at least z (the update's noise then grows by at most 1/sqrt(3/4) = 1.15x)
         sigma_b = p.clipped_count_stddev if p.clipped_count_stddev is not None else max(m / 20, z)
@@ -481,12 +493,14 @@ def privacy_params(config: RunConfig) -> PrivacyParams | None:
                 f"privacy.clipped_count_stddev: sigma_b = {sigma_b:g} must exceed z / 2 = {z / 2:g} "
                 "(the count query takes that share of the noise; Andrew et al. 2021, Theorem 1)"
             )
-        extra = dict(target_quantile=p.target_quantile, clip_learning_rate=p.clip_learning_rate, sigma_b=sigma_b)
+        extra = {"target_quantile": p.target_quantile, "clip_learning_rate": p.clip_learning_rate, "sigma_b": sigma_b}
     if kind is SecureCentralGaussian:
-        extra = dict(quantization_step=fed.secagg_step())
+        extra = {"quantization_step": fed.secagg_step()}
     common = (float(p.clip), p.per_layer, n, m, p.accountant, p.adjacency, delta, p.epsilon_budget)
-    target = {} if p.epsilon is None else {"target": p.epsilon, "calibrated_for": config.rounds}
-    return PrivacyParams(kind, *common, p.insecure_reproducible_noise, config.seed, z, **target, **extra)
+    calibrated_for = None if p.epsilon is None else config.rounds
+    return PrivacyParams(
+        kind, *common, p.insecure_reproducible_noise, config.seed, z, p.epsilon, calibrated_for, **extra
+    )
 
 
 def mechanism(config: RunConfig) -> Mechanism | None:

@@ -42,11 +42,11 @@ from fedtune.plugins import load_declared, resolve_reference
 ROBUST_AGGREGATION = ("federation.aggregation", "federation.clip_update_norm", "federation.max_client_weight")
 
 
-def weighted_average(updates: list[Mapping[str, np.ndarray]], weights: Iterable[float]) -> dict[str, np.ndarray]:
+def weighted_average(updates: Sequence[Mapping[str, np.ndarray]], weights: Iterable[float]) -> dict[str, np.ndarray]:
     """sum_i p_i u_i with p_i = w_i / sum_j w_j, key by key."""
     w = np.asarray(list(weights), dtype=np.float64)
     w = w / w.sum()
-    return {k: sum(float(p) * u[k] for p, u in zip(w, updates)).astype(np.float32) for k in updates[0]}
+    return {k: np.asarray(sum(float(p) * u[k] for p, u in zip(w, updates))).astype(np.float32) for k in updates[0]}
 
 
 def clip_update(update: Mapping[str, np.ndarray], bound: float) -> dict[str, np.ndarray]:

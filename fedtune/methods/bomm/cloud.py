@@ -74,7 +74,7 @@ from fedtune.methods.bomm.common import (
 )
 from fedtune.methods.bomm.completer import NoCompletion, complete_rows
 from fedtune.methods.bomm.networks import CloudClassifier
-from fedtune.methods.bomm.options import CloudRows
+from fedtune.methods.bomm.options import BommOptions, CloudRows
 from fedtune.methods.bomm.party import COMPLETE, scope_rows
 from fedtune.methods.bomm.pool import CloudRound, M, Pool, union_samples
 from fedtune.models.audio import seeded
@@ -91,6 +91,8 @@ class BommServer(Strategy):
     """BoMM without a cloud (LOCAL, MM-LOCAL): the parties train in ``fit``; the server relays the
     rounds and gathers the parties' metrics. The base of :class:`BommCloud`, whose state it holds
     and checkpoints (the same keys for every BoMM method; empty here)."""
+
+    options: BommOptions  # the method's registered options class (resolve_run validated them)
 
     # -- setup and state -----------------------------------------------------------------------
     def initialize(self) -> None:

@@ -71,7 +71,7 @@ from fedtune.methods.bomm.common import (
     run_device,
 )
 from fedtune.methods.bomm.networks import Adapters
-from fedtune.methods.bomm.options import CloudRows
+from fedtune.methods.bomm.options import BommOptions, CloudRows
 from fedtune.methods.bomm.party_parts import NoFill, NoScheduling
 from fedtune.methods.bomm.scheduler import batch_level_reward, sample_level_reward
 from fedtune.models.audio import seeded
@@ -94,6 +94,8 @@ def scope_rows(aligned: np.ndarray, cloud_rows: CloudRows) -> np.ndarray:
 class BommParty(Client):
     """A party without a cloud (LOCAL, MM-LOCAL): it trains in ``fit``. The base of
     :class:`CloudParty`; assembled from its parts (:meth:`assemble`; the defaults: LOCAL's)."""
+
+    options: BommOptions  # the method's registered options class (resolve_run validated them)
 
     fill: ClassVar[NoFill] = NoFill()
     scheduling: ClassVar[NoScheduling] = NoScheduling()

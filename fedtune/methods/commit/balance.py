@@ -136,7 +136,8 @@ def input_norms(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple
     or answer tokens), of the prefix embeddings, and of the modality inputs (all modalities)."""
     base = plm.unwrap(model)
     with torch.no_grad():
-        emb = base.language_model.get_input_embeddings()(batch["input_ids"])  # (B, L, h)
+        # language_model: a transformers model, which PrefixLM types as an nn.Module
+        emb = base.language_model.get_input_embeddings()(batch["input_ids"])  # type: ignore[operator]  # (B, L, h)
         text = batch["attention_mask"].bool() & ~batch["prefix_mask"] & (batch["labels"] == -100)
         i_t = (emb.float().pow(2).sum(-1) * text).sum(-1).sqrt()  # (B,)
         encoded = base.prefix(batch).flatten(1).float().norm(dim=1)  # (B,)
@@ -247,12 +248,8 @@ class Schedule:
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> Schedule:
-        return cls(
-            int(meta["step"]),
-            [float(k) for k in meta["kappas"]],
-            tuple(float(r) for r in meta["rates"]),
-            int(meta["phase"]),
-        )
+        rate_s, rate_t = (float(r) for r in meta["rates"])  # (beta_S, beta_T): two, else ValueError
+        return cls(int(meta["step"]), [float(k) for k in meta["kappas"]], (rate_s, rate_t), int(meta["phase"]))
 
     @classmethod
     def merge(cls, schedules: Sequence[Schedule], weights: Sequence[float]) -> Schedule:
@@ -264,9 +261,9 @@ class Schedule:
         w = [x / sum(weights) for x in weights]
         n = min(len(s.kappas) for s in schedules)
         kappas = [sum(wi * s.kappas[len(s.kappas) - n + j] for wi, s in zip(w, schedules)) for j in range(n)]
-        rates = tuple(sum(wi * s.rates[i] for wi, s in zip(w, schedules)) for i in range(2))
+        rate_s, rate_t = (float(sum(wi * s.rates[i] for wi, s in zip(w, schedules))) for i in range(2))
         phase = int(sum(wi for wi, s in zip(w, schedules) if s.phase >= 1) >= 0.5)
-        return cls(max(s.step for s in schedules), kappas, rates, phase)
+        return cls(max(s.step for s in schedules), kappas, (rate_s, rate_t), phase)
 
 
 CURVES = ("loss", "kappa", "d_S", "d_T", "H_S", "H_T", "lr_S", "lr_T", "grad_S", "grad_T", "cd_change")
@@ -327,7 +324,7 @@ def train_coordinated(
     (a fresh one per call: one round of one client, like every method's local training); the
     rates are set on its two groups before each step. A component that does not train this step
     (CD) gets no gradient, so the optimizer leaves it and its state alone."""
-    schedule = Schedule(schedule.step, list(schedule.kappas), tuple(schedule.rates), schedule.phase)
+    schedule = Schedule(schedule.step, list(schedule.kappas), schedule.rates, schedule.phase)
     s_params, t_params = groups[S], groups[T]
     everything = s_params + t_params
     optimizer = make_optimizer([{"params": s_params}, {"params": t_params}])
@@ -342,7 +339,7 @@ def train_coordinated(
             batch = to_device(batch, device)
         row: dict[str, float | None] = dict.fromkeys(CURVES)
         if order is None:
-            active = (S, T)
+            active: tuple[str, ...] = (S, T)
             rate_s, rate_t = schedule.rates
         else:
             active = (order[schedule.phase],)
@@ -379,16 +376,16 @@ def train_coordinated(
             optimizer.step()
 
         kappa = None
-        if d_s is not None:
+        if d_s is not None and d_t is not None:  # measured together
             kappa = balance_coefficient(d_t, d_s)
             i_t, encoded, raw = norms
             row.update(kappa=kappa, d_S=d_s, d_T=d_t, H_S=d_s / (i_t + encoded), H_T=d_t / raw)
         if order is not None and schedule.phase == 0:
             window_steps += 1
-            if window_steps == coord.cd_window:
+            if window_steps == coord.cd_window and window is not None:  # set at the phase's start
                 first = groups[order[0]]
-                row["cd_change"] = relative_change(first, window)
-                if row["cd_change"] < coord.cd_tolerance:
+                row["cd_change"] = change = relative_change(first, window)
+                if change < coord.cd_tolerance:
                     schedule.phase = 1
                 window, window_steps = [p.detach().clone() for p in first], 0
         schedule.observe(kappa, coord)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
 import numpy as np
 import torch
@@ -48,19 +48,25 @@ from pydantic import Field
 
 from fedtune.config import ConfigError, RunConfig
 from fedtune.methods.base.averaging import SERVER_STEP_AND_UPLOAD_CODEC, BroadcastAverage, Weighting, client_weights
-from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, GlobalAdapterStrategy, LoraClient
+from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, GlobalAdapterStrategy, LoraClient, adapted
 from fedtune.methods.commit.balance import TRAINERS, Coordination, S, Schedule, T, train_coordinated
 from fedtune.methods.commit.plan import commit_workload
 from fedtune.models.tensors import to_numpy
 from fedtune.models.training import FitResult, make_optimizer, optimizer_arrays, restore_optimizer
 from fedtune.planning.lora_plan import lora_plan
+from fedtune.planning.spec import PlanningContext
+from fedtune.protocol.context import options_as
 from fedtune.protocol.messages import Message
 from fedtune.protocol.validation import MetaField
 from fedtune.registry import MethodOptions, register
 
+if TYPE_CHECKING:
+    from fedtune.planning.memory import Workload
+
+
 ENCODER_LM = "encoder+lm"  # the task capability (Task.capabilities): parameter groups `encoder` and `language_model`
 Trainer = Literal["constant", "language-lr-up", "vision-lr-up", "feature-cd", "language-cd", "commit-clr", "commit"]
-assert set(Trainer.__args__) == set(TRAINERS)
+assert set(get_args(Trainer)) == set(TRAINERS)
 
 
 class CommitOptions(MethodOptions):
@@ -156,6 +162,8 @@ def _finite(values) -> list[float]:
 class CommitStrategy(BroadcastAverage, GlobalAdapterStrategy):
     """CoMMIT and its baselines (options.trainer): coordinated encoder / LM tuning, FedAvg of S and T."""
 
+    options: CommitOptions  # the method's registered options class (resolve_run validated them)
+
     def reply_meta_spec(self, kind: str, cid: int) -> dict[str, MetaField]:
         """Aggregation reads each training reply's ``schedule`` and ``curves``: required mappings (a
         kappa may be inf by eq. (3) when a component's step moved nothing, so their numbers are not
@@ -174,7 +182,7 @@ class CommitStrategy(BroadcastAverage, GlobalAdapterStrategy):
         return {"round": rnd, "rank": self.rank, "schedule": self.schedule.to_meta()}
 
     def aggregate_fit(self, rnd: int, replies: dict[int, Message]) -> dict:
-        metrics = super().aggregate_fit(rnd, replies)
+        metrics: dict[str, Any] = super().aggregate_fit(rnd, replies)  # and the curves, None where unmeasured
         if not replies:
             return metrics
         schedules = [Schedule.from_meta(m.meta["schedule"]) for m in replies.values()]
@@ -201,6 +209,8 @@ class CommitStrategy(BroadcastAverage, GlobalAdapterStrategy):
 
 
 class CommitClient(LoraClient):
+    options: CommitOptions  # the method's registered options class (resolve_run validated them)
+
     def fit(self, message: Message) -> Message:
         start = time.perf_counter()
         received, cfg = message.arrays, self.config.train
@@ -213,13 +223,13 @@ class CommitClient(LoraClient):
         built: list[torch.optim.Optimizer] = []  # train_coordinated builds one optimizer
 
         def optimizer(groups: list[dict]) -> torch.optim.Optimizer:
-            built.append(make_optimizer(groups, cfg))
+            built.append(make_optimizer(groups, cfg))  # type: ignore[arg-type]  # torch's optimizers take param groups
             if self.options.carry_optimizer:  # centralized: continue last round's optimizer
                 restore_optimizer(built[-1], self.state)
             return built[-1]
 
         schedule, curves = train_coordinated(
-            ws.model,
+            adapted(ws),
             component_params(task, params),
             batches,
             coordination(self.options, self.config),
@@ -229,16 +239,21 @@ class CommitClient(LoraClient):
         if self.options.carry_optimizer:
             self.state = optimizer_arrays(built[-1])
         trained = {k: to_numpy(p) for k, p in params.items()}
-        result = FitResult(float(np.mean(curves["loss"])), cfg.local_steps, len(pool), time.perf_counter() - start)
+        result = FitResult(
+            float(np.mean(np.asarray(curves["loss"], dtype=np.float64))),
+            cfg.local_steps,
+            len(pool),
+            time.perf_counter() - start,
+        )
         return self.upload(
             {k: trained[k] - received[k] for k in trained}, result, schedule=schedule.to_meta(), curves=curves
         )
 
 
-def planned_step(context, work):
+def planned_step(context: PlanningContext, work: Workload) -> Workload:
     """A CoMMIT client's step as the planner prices it: FedIT's ``work`` with the run's trainer's
     passes and held tensors (:func:`~fedtune.methods.commit.plan.commit_workload`)."""
-    return commit_workload(context, work, coordination(context.options, context.config))
+    return commit_workload(context, work, coordination(options_as(context, CommitOptions), context.config))
 
 
 register(

@@ -5,9 +5,15 @@ method as its step (no knob: rank r or nothing)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from fedtune.methods.commit.balance import CD_ORDER, Coordination
 from fedtune.planning.memory import Shape
+from fedtune.planning.spec import PlanningContext
+
+if TYPE_CHECKING:
+    from fedtune.planning.memory import Workload
+
 
 #: CoMMIT's local step (:func:`fedtune.methods.commit.balance.train_coordinated`) beyond FedIT's, per
 #: path of the trainer: (forward-backward passes, gradient-free forward passes, copies of the
@@ -23,7 +29,7 @@ COMMIT_STEP: dict[str, tuple[int, int, int, int]] = {
 }
 
 
-def commit_workload(context, work, coord: Coordination):
+def commit_workload(context: PlanningContext, work: Workload, coord: Coordination):
     """``work`` (FedIT's step on the same base) as a CoMMIT client's (:data:`COMMIT_STEP` for the
     trainer ``coord`` runs, :func:`~fedtune.methods.commit.commit.coordination`), with y_hat held
     too: the loss pass's logits over the A + 1 positions the LM head computes (``work.logits``: A,

@@ -19,16 +19,18 @@ import numpy as np
 import torch
 
 from fedtune.methods.fedpft.distill import DistillPairs, distill, distill_error
+from fedtune.methods.fedpft.options import ProxyOptions
 from fedtune.methods.fedpft.support import progress, public_source, task_model
+from fedtune.protocol.context import ServerContext, options_as
 
 
 class ProxyAligner:
     """Distillation of proxy layers from the full model's on the public data set (module docstring);
     ``context``: the server's RunContext."""
 
-    def __init__(self, context: Any) -> None:
+    def __init__(self, context: ServerContext) -> None:
         self.context = context
-        self.config, self.options = context.config, context.options
+        self.config, self.options = context.config, options_as(context, ProxyOptions)
 
     @cached_property
     def public(self) -> tuple[Any, np.ndarray, np.ndarray]:

@@ -21,7 +21,6 @@ import json
 from abc import ABC, abstractmethod
 from functools import cached_property
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -29,8 +28,10 @@ import torch
 from fedtune.checkpoint import load_state, save_state
 from fedtune.methods.fedpft.alignment import ProxyAligner
 from fedtune.methods.fedpft.ffn_proxy import ProxyShape
+from fedtune.methods.fedpft.options import ProxyOptions
 from fedtune.methods.fedpft.support import ModelTask, state_tensors
 from fedtune.models.lora import LoraWorkspace
+from fedtune.protocol.context import ServerContext, options_as
 
 
 class ProxyBuilder(ABC):
@@ -39,9 +40,9 @@ class ProxyBuilder(ABC):
     :attr:`shape` and, when the clients' LoRA targets differ from the task's, :meth:`lora_targets`.
     ``context``: the server's RunContext; ``method_name`` names the cache files."""
 
-    def __init__(self, context: Any, aligner: ProxyAligner, method_name: str) -> None:
+    def __init__(self, context: ServerContext, aligner: ProxyAligner, method_name: str) -> None:
         self.context = context
-        self.config, self.options = context.config, context.options
+        self.config, self.options = context.config, options_as(context, ProxyOptions)
         self.aligner = aligner
         self.method_name = method_name
         self.version = 0  # the proxy's version (FedPFT bumps it at each neuron-level alignment)

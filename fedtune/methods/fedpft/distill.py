@@ -61,9 +61,10 @@ class LayerTap:
         finally:
             for h in handles:
                 h.remove()
-        if any(o is None for o in outputs):
+        ran = [o for o in outputs if o is not None]
+        if len(ran) < len(outputs):
             raise RuntimeError("a tapped layer did not run in the forward pass")
-        return outputs
+        return ran
 
 
 def normalized_mse(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
@@ -89,7 +90,7 @@ class DistillPairs:
         with torch.no_grad():
             targets = LayerTap(self.teacher_layers).run(forward, self.teacher, batch)
         outputs = LayerTap(self.student_layers).run(forward, self.student, batch)
-        out_term = sum(normalized_mse(t, s) for t, s in zip(targets, outputs)) / len(outputs)
+        out_term = torch.as_tensor(sum(normalized_mse(t, s) for t, s in zip(targets, outputs))) / len(outputs)
         if not self.mu or not self.products:
             return out_term, out_term.detach()
         weight_term = sum(normalized_mse(t, weight_product(f)) for t, f in self.products) / len(outputs)

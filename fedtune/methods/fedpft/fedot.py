@@ -31,16 +31,19 @@ from pydantic import Field
 
 from fedtune.config import ConfigError
 from fedtune.methods.base.averaging import SECURE_AGGREGATION, WEIGHTED_SUM_OPTIONS
-from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS
+from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, adapted
 from fedtune.methods.fedpft.alignment import ProxyAligner
 from fedtune.methods.fedpft.construction import ProxyBuilder
 from fedtune.methods.fedpft.distill import DistillPairs
-from fedtune.methods.fedpft.ffn_proxy import ProxyShape, find_stack, keep_layers, uniform_choose
+from fedtune.methods.fedpft.ffn_proxy import ProxyShape, Stack, find_stack, keep_layers, uniform_choose
+from fedtune.methods.fedpft.options import ProxyOptions
 from fedtune.methods.fedpft.plan import ProxyCut, proxy_plan
-from fedtune.methods.fedpft.proxy import ProxyClient, ProxyOptions, ProxyStrategy, rename_layers
+from fedtune.methods.fedpft.proxy import ProxyClient, ProxyStrategy, rename_layers
 from fedtune.methods.fedpft.support import ModelTask, load_tensors, lora_target_modules, state_tensors, task_model
 from fedtune.models.lora import LoraWorkspace
 from fedtune.models.tensors import to_numpy
+from fedtune.planning.spec import PlanningContext
+from fedtune.protocol.context import ServerContext, options_as
 from fedtune.registry import register
 
 
@@ -106,8 +109,11 @@ class LayerDropBuilder(ProxyBuilder):
     """FedOT's proxy: the adapter layers around an emulator, a uniform layer drop of the middle
     layers distilled from the full middle block (module docstring)."""
 
-    def __init__(self, context, aligner: ProxyAligner, method_name: str) -> None:
+    options: FedOTOptions
+
+    def __init__(self, context: ServerContext, aligner: ProxyAligner, method_name: str) -> None:
         super().__init__(context, aligner, method_name)
+        self.options = options_as(context, FedOTOptions)
         self.keep: list[int] = []
         self.n_layers = 0
 
@@ -178,8 +184,10 @@ class FedOTStrategy(ProxyStrategy):
     """FedOT: Offsite-Tuning in FL, adapter layers tuned around a frozen layer-drop emulator (Xiao et al. 2023)."""
 
     method_name = "fedot"
+    options: FedOTOptions  # the method's registered options class (resolve_run validated them)
+    builder: LayerDropBuilder  # what __init__ builds
 
-    def __init__(self, context) -> None:
+    def __init__(self, context: ServerContext) -> None:
         super().__init__(context, LayerDropBuilder(context, ProxyAligner(context), self.method_name))
 
     # -- the adapter --------------------------------------------------------------------------------------
@@ -202,7 +210,7 @@ class FedOTStrategy(ProxyStrategy):
     def evaluate_full(self) -> dict[str, float]:
         ws = self.full_ws
         ws.load(self.to_full(self.global_arrays), self.rank, self.alpha)
-        return self.context.task.evaluate(ws.model, self.config.train.eval_batch_size)
+        return self.context.task.evaluate(adapted(ws), self.config.train.eval_batch_size)
 
     def save(self, run_dir: Path) -> None:
         self.full_ws.save_pretrained(run_dir / "adapter", self.to_full(self.global_arrays), self.rank, self.alpha)
@@ -213,16 +221,18 @@ class FedOTStrategy(ProxyStrategy):
 
 
 class FedOTClient(ProxyClient):
+    options: FedOTOptions  # the method's registered options class (resolve_run validated them)
+
     def proxy_targets(self, model: torch.nn.Module) -> list[str]:
         o = self.options
         positions = adapter_positions(len(self.store["shape"].layers), o.adapter_bottom, o.adapter_top)
         return adapter_targets(self.context.task, model, find_stack(model).path, positions)
 
 
-def proxy_cut(context, base, stack) -> ProxyCut:
+def proxy_cut(context: PlanningContext, base: torch.nn.Module, stack: Stack) -> ProxyCut:
     """FedOT's proxy as the planner prices it: the emulator's kept layers, the adapter layers whole at
     their proxy positions (the full model's layers ``keep[p]``) (:mod:`fedtune.methods.fedpft.plan`)."""
-    o, task, n = context.options, context.task, len(stack)
+    o, task, n = options_as(context, FedOTOptions), context.task, len(stack)
     keep = layer_plan(n, o.adapter_bottom, o.adapter_top, o.emulator_layers)
     positions = adapter_positions(len(keep), o.adapter_bottom, o.adapter_top)
     rank = adapter_budget(o, context.config.model, n)[0]

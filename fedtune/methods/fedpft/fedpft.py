@@ -68,7 +68,7 @@ from pydantic import Field
 
 from fedtune.config import ConfigError
 from fedtune.methods.base.averaging import SECURE_AGGREGATION, WEIGHTED_SUM_OPTIONS
-from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS
+from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, adapted
 from fedtune.methods.fedpft.alignment import ProxyAligner
 from fedtune.methods.fedpft.construction import ProxyBuilder
 from fedtune.methods.fedpft.distill import DistillPairs, count_zero_activations
@@ -93,6 +93,8 @@ from fedtune.methods.fedpft.proxy import (
 from fedtune.methods.fedpft.support import load_tensors, lora_target_modules, state_tensors, task_model
 from fedtune.models.tensors import to_numpy
 from fedtune.models.training import seed_for
+from fedtune.planning.spec import PlanningContext
+from fedtune.protocol.context import ServerContext, options_as
 from fedtune.protocol.messages import Message
 from fedtune.protocol.validation import ArraySpec
 from fedtune.registry import register
@@ -166,7 +168,7 @@ def select_neurons(apoz: np.ndarray, fraction: float, rng: np.random.Generator) 
     return np.sort(order[:n])
 
 
-def neuron_masks(stack: Stack, i: int, selected: np.ndarray) -> dict[torch.nn.Parameter, torch.Tensor]:
+def neuron_masks(stack: Stack, i: int, selected: np.ndarray) -> dict[torch.Tensor, torch.Tensor]:
     """Which entries of layer ``i``'s FFN parameters belong to the ``selected`` neurons (b2: all)."""
     ffn = stack.ffn(i)
     sel = torch.zeros(ffn.width, dtype=torch.bool, device=ffn.up.weight.device)
@@ -226,7 +228,7 @@ class CompressedFfnBuilder(ProxyBuilder):
     It also keeps the proxy's versions: the neurons each neuron-level alignment changed
     (:meth:`new_version`), from which a client's delta is made (:meth:`delta`)."""
 
-    def __init__(self, context, aligner: ProxyAligner, method_name: str) -> None:
+    def __init__(self, context: ServerContext, aligner: ProxyAligner, method_name: str) -> None:
         super().__init__(context, aligner, method_name)
         self.layers: list[int] = []
         self.kept: dict[int, np.ndarray] = {}
@@ -340,8 +342,8 @@ class NeuronLevelAlignment(RoundAlignment):
     picks the high-APoZ neurons and distills only those from the full model; each alignment makes
     a new proxy version (:meth:`CompressedFfnBuilder.new_version`)."""
 
-    def __init__(self, context, builder: CompressedFfnBuilder, aligner: ProxyAligner) -> None:
-        self.context, self.config, self.options = context, context.config, context.options
+    def __init__(self, context: ServerContext, builder: CompressedFfnBuilder, aligner: ProxyAligner) -> None:
+        self.context, self.config, self.options = context, context.config, options_as(context, FedPFTOptions)
         self.builder, self.aligner = builder, aligner
 
     def align_round(self, rnd: int) -> bool:
@@ -368,11 +370,11 @@ class NeuronLevelAlignment(RoundAlignment):
         got = [m for m in replies.values() if TOKENS in m.arrays]
         if not self.align_round(rnd) or not got:
             return {}
-        tokens = sum(m.arrays[TOKENS].astype(np.int64) for m in got)
+        tokens = np.add.reduce([m.arrays[TOKENS].astype(np.int64) for m in got])
         rng = np.random.default_rng([self.config.seed, rnd, 0xA907])
         apoz, selected = {}, {}
         for j, i in enumerate(self.builder.layers):
-            zeros = sum(m.arrays[f"{APOZ}{i}"].astype(np.int64) for m in got)
+            zeros = np.add.reduce([m.arrays[f"{APOZ}{i}"].astype(np.int64) for m in got])
             apoz[i] = zeros / max(int(tokens[j]), 1)  # eq. (14) over the round's clients' data
             selected[i] = select_neurons(apoz[i], self.options.align_fraction, rng)
         record = self.align(selected, rnd, adapter)
@@ -399,11 +401,13 @@ class NeuronLevelAlignment(RoundAlignment):
         params = list(masks)
         for p in lora_params:
             p.requires_grad_(False)
-        for p in params:
-            p.requires_grad_(True)
+        for q in params:
+            q.requires_grad_(True)
         try:
             return self.aligner.run_distillation(
-                layer_pairs(full.model, proxy.model, t_stack, s_stack, self.builder.layers, self.options.align_mu),
+                layer_pairs(
+                    adapted(full), adapted(proxy), t_stack, s_stack, self.builder.layers, self.options.align_mu
+                ),
                 params,
                 self.options.align_steps,
                 rnd,
@@ -411,8 +415,8 @@ class NeuronLevelAlignment(RoundAlignment):
                 masks=masks,
             )
         finally:
-            for p in params:
-                p.requires_grad_(False)
+            for q in params:
+                q.requires_grad_(False)
             for p in lora_params:
                 p.requires_grad_(True)
 
@@ -422,7 +426,7 @@ class FedPFTStrategy(ProxyStrategy):
 
     method_name = "fedpft"
 
-    def __init__(self, context) -> None:
+    def __init__(self, context: ServerContext) -> None:
         aligner = ProxyAligner(context)
         builder = CompressedFfnBuilder(context, aligner, self.method_name)
         super().__init__(context, builder, NeuronLevelAlignment(context, builder, aligner))
@@ -433,6 +437,8 @@ class FedPFTStrategy(ProxyStrategy):
 
 
 class FedPFTClient(ProxyClient):
+    options: FedPFTOptions  # the method's registered options class (resolve_run validated them)
+
     def skeleton_stack(self) -> Stack:
         store = self.store
         if store.get("skeleton") is None:
@@ -474,10 +480,10 @@ class FedPFTClient(ProxyClient):
         return out
 
 
-def proxy_cut(context, base, stack) -> ProxyCut:
+def proxy_cut(context: PlanningContext, base: torch.nn.Module, stack: Stack) -> ProxyCut:
     """FedPFT's proxy as the planner prices it: the compressed layers' FFNs cut to ``keep_ratio``,
     the adapter on every layer at rank r (:mod:`fedtune.methods.fedpft.plan`)."""
-    o, task = context.options, context.task
+    o, task = options_as(context, FedPFTOptions), context.task
     cut = compressed_layers(len(stack), o.retained_layers)
     shape = ProxyShape(widths=tuple((i, kept_width(stack.ffn(i).width, o.keep_ratio)) for i in cut))
     full = lora_target_modules(task, base)

@@ -23,13 +23,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
 
 from fedtune.config import ConfigError
 from fedtune.methods.fedpft.ffn_proxy import ProxyShape, Stack, SubmodelError, apply_shape, find_stack
 from fedtune.models.precision import prepare_base
 from fedtune.planning.memory import Shape, predict
-from fedtune.planning.spec import Knob, PlanSpec
+from fedtune.planning.spec import Knob, PlanningContext, PlanSpec
 from fedtune.planning.workload import lora_workload
+
+if TYPE_CHECKING:
+    from fedtune.planning.memory import Workload
+
 
 #: the settings, largest first
 SETTINGS = ("full", "proxy")
@@ -44,11 +51,11 @@ class ProxyCut:
     rank: int
     shape: ProxyShape
     full_targets: list[str]
-    proxy_targets: Callable[[object, Stack], list[str]]
+    proxy_targets: Callable[[torch.nn.Module, Stack], list[str]]
 
 
 #: a method's cut: (the run's context, its base, the base's layer stack) -> its :class:`ProxyCut`
-Cut = Callable[[object, object, Stack], ProxyCut]
+Cut = Callable[[PlanningContext, torch.nn.Module, Stack], ProxyCut]
 
 
 def proxy_plan(cut: Cut) -> PlanSpec:
@@ -58,7 +65,7 @@ def proxy_plan(cut: Cut) -> PlanSpec:
     return PlanSpec("trains_on", partial(proxy_knob, cut=cut), peak="reported")
 
 
-def proxy_knob(context, cut: Cut) -> tuple[Knob, str]:
+def proxy_knob(context: PlanningContext, cut: Cut) -> tuple[Knob, str]:
     """The knob of a proxy method's run: each setting priced once (:func:`predict_settings`); a
     client that states no setting trains on the proxy."""
     settings = predict_settings(context, lora_workload(context, context.skeleton), cut)
@@ -66,7 +73,7 @@ def proxy_knob(context, cut: Cut) -> tuple[Knob, str]:
     return knob, ""
 
 
-def predict_settings(context, work, cut: Cut) -> dict[str, tuple]:
+def predict_settings(context: PlanningContext, work: Workload, cut: Cut) -> dict[str, tuple]:
     """Each setting's (:class:`~fedtune.planning.memory.Prediction`, upload values) for a client of
     ``context``'s run training with ``work`` (a :class:`~fedtune.planning.memory.Workload`), the
     proxy cut as the method's ``cut`` says."""

@@ -47,24 +47,23 @@ round's clients).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
-from pydantic import Field
 
 from fedtune.config import ConfigError
 from fedtune.methods.base.aggregation import layout_of
 from fedtune.methods.base.averaging import (
     UpdateClient,
-    Weighting,
     client_weights,
     decode_update,
     mean_train_loss,
 )
-from fedtune.methods.base.lora import GlobalAdapterStrategy
+from fedtune.methods.base.lora import GlobalAdapterStrategy, adapted
 from fedtune.methods.fedpft.construction import ProxyBuilder
 from fedtune.methods.fedpft.ffn_proxy import ProxyShape, SubmodelError, apply_shape, find_stack
+from fedtune.methods.fedpft.options import ProxyOptions
 from fedtune.methods.fedpft.support import (
     ModelTask,
     as_arrays,
@@ -77,52 +76,12 @@ from fedtune.methods.fedpft.support import (
 )
 from fedtune.models.lora import LoraWorkspace
 from fedtune.protocol.compression import encoded_base_name
+from fedtune.protocol.context import ServerContext
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import SecureSum
 from fedtune.protocol.validation import ArraySpec, MetaField, spec_like
-from fedtune.registry import MethodOptions
 
 PROXY = "proxy/"  # whole-proxy arrays of a fit message
-
-
-class ProxyOptions(MethodOptions):
-    """Options every proxy method has: FedAvg weights, the public data set and the distillation."""
-
-    weighting: Weighting = Field("examples", description="p_i: data size (FedAvg) or 1/N")
-    distill_before: bool = Field(True, description="distill the proxy from the full model before FL")
-    distill_data: str | None = Field(
-        None,
-        description="public data set (a data.name of the task's kind, e.g. agnews for SST-2) for distillation; "
-        "None: the examples of the task's own training source outside the clients' pool (data.max_train_samples)",
-    )
-    distill_samples: int = Field(4000, gt=0, description="examples of the public set loaded")
-    distill_steps: int = Field(200, ge=0, description="distillation steps before FL")
-    distill_batch_size: int = Field(32, gt=0, description="examples per distillation step")
-    distill_lr: float = Field(6e-4, gt=0, description="AdamW lr, linear warm-up 6 % then decay (paper C.2: 6e-4)")
-    distill_weight_decay: float = Field(0.01, ge=0, description="paper C.2: 0.01")
-    distill_seed: int | None = Field(
-        None,
-        description="seed of the distillation's data draw and order (None: the run's seed); runs that differ only "
-        "in their seed then share one proxy (options.proxy_cache_dir)",
-    )
-    eval_proxy: bool = Field(True, description="also evaluate the proxy with the global adapter (proxy_accuracy)")
-    proxy_cache_dir: str | None = Field(
-        None, description="folder shared by runs for distilled proxies (also cached in the run folder)"
-    )
-
-    #: options that change the proxy built before FL (its cache key); subclasses add theirs
-    proxy_fields: ClassVar[tuple[str, ...]] = (
-        "distill_before",
-        "distill_data",
-        "distill_samples",
-        "distill_steps",
-        "distill_batch_size",
-        "distill_lr",
-        "distill_weight_decay",
-    )
-
-    def distill_seed_of(self, run_seed: int) -> int:
-        return run_seed if self.distill_seed is None else self.distill_seed
 
 
 class GlobalAdapter(NamedTuple):
@@ -156,9 +115,11 @@ class ProxyStrategy(GlobalAdapterStrategy):
     proxy) and aligned during FL (``alignment``: a :class:`RoundAlignment`, none by default), and
     which adapter the clients train (:meth:`adapter_budget`, :meth:`initial_adapter`)."""
 
+    options: ProxyOptions  # the method's registered options class (resolve_run validated them)
+
     method_name: ClassVar[str]
 
-    def __init__(self, context: Any, builder: ProxyBuilder, alignment: RoundAlignment | None = None) -> None:
+    def __init__(self, context: ServerContext, builder: ProxyBuilder, alignment: RoundAlignment | None = None) -> None:
         super().__init__(context)
         self.builder = builder
         self.alignment = alignment or RoundAlignment()
@@ -287,7 +248,7 @@ class ProxyStrategy(GlobalAdapterStrategy):
         if self.options.eval_proxy:
             ws = self.builder.workspace
             ws.load(self.global_arrays, self.rank, self.alpha)
-            proxy = self.context.task.evaluate(ws.model, self.config.train.eval_batch_size)
+            proxy = self.context.task.evaluate(adapted(ws), self.config.train.eval_batch_size)
             metrics.update({f"proxy_{k}": v for k, v in proxy.items()})
         return metrics
 

@@ -12,11 +12,13 @@ import numpy as np
 import torch
 
 from fedtune.config import ConfigError, RunConfig
+from fedtune.methods.base.lora import adapted
 from fedtune.models import precision
 from fedtune.models.lora import LoraWorkspace
 from fedtune.models.tensors import to_numpy
 from fedtune.models.train_memory import ActivationMeter, optimizer_states, training_peak_bytes
 from fedtune.models.training import FitResult, train_local
+from fedtune.protocol.context import ClientContext
 from fedtune.protocol.messages import Message
 from fedtune.tasks import build_task
 from fedtune.tasks.base import subsample
@@ -45,7 +47,7 @@ class ModelTask:
         return self._factory()
 
 
-def task_model(context: Any) -> torch.nn.Module:
+def task_model(context: ClientContext) -> torch.nn.Module:
     """The task's model on the run's ``device`` (:func:`~fedtune.models.precision.place`): what a
     proxy is cut from, and the distillations' teacher."""
     model = context.task.build_model(context.config.seed)
@@ -93,10 +95,11 @@ def train_lora(
     the training's peak memory (:func:`~fedtune.models.train_memory.training_peak_bytes`).
     Returns (trained arrays, fit result, peak bytes)."""
     params = ws.load(arrays, rank, alpha)
-    with ActivationMeter(ws.model) as meter:
-        result = train_local(ws.model, list(params.values()), task, pool, config.train, seed)
+    model = adapted(ws)
+    with ActivationMeter(model) as meter:
+        result = train_local(model, list(params.values()), task, pool, config.train, seed)
     peak = training_peak_bytes(
-        ws.model, list(params.values()), optimizer_states(config.train.optimizer, config.train.momentum), meter.peak
+        model, list(params.values()), optimizer_states(config.train.optimizer, config.train.momentum), meter.peak
     )
     return {k: to_numpy(p) for k, p in params.items()}, result, peak
 

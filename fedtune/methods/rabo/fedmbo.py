@@ -15,8 +15,9 @@ the comparison of Fig. 4 isolates the pruning.
 
 from __future__ import annotations
 
+from fedtune.methods.rabo.options import ImplicitOptions
 from fedtune.methods.rabo.plan import FULL_MODEL_PLAN
-from fedtune.methods.rabo.rabo import BILEVEL, BilevelClient, BilevelStrategy, ImplicitOptions
+from fedtune.methods.rabo.rabo import BILEVEL, BilevelClient, BilevelStrategy
 from fedtune.registry import register
 
 

@@ -40,10 +40,10 @@ def second_order_kernels():
 
 
 def _dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> torch.Tensor:
-    return sum((u * v).sum() for u, v in zip(a, b))
+    return torch.as_tensor(sum((u * v).sum() for u, v in zip(a, b)))  # a tensor itself (0 for no pairs)
 
 
-def _grads(out: torch.Tensor, inputs: Sequence[torch.Tensor], **kw) -> Tensors:
+def _grads(out: torch.Tensor | Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], **kw) -> Tensors:
     got = torch.autograd.grad(out, list(inputs), allow_unused=True, **kw)
     return [torch.zeros_like(t) if g is None else g for g, t in zip(got, inputs)]
 

@@ -96,6 +96,8 @@ class SubModel:
 
     def sub_shape(self, name: str) -> tuple[int, ...]:
         """Shape of tensor ``name`` in the sliced sub-model (structured masks only)."""
+        if self.index is None:
+            raise ValueError(f"{name}: an unstructured mask has no sub-model shape")
         return tuple(len(i) if i is not None else s for i, s in zip(self.index[name], self.masks[name].shape))
 
     def kept(self, name: str) -> int:
@@ -115,10 +117,10 @@ def submodel_of(structure: Structure, units: Mapping[str, np.ndarray]) -> SubMod
     masks = {}
     for name, shape in structure.shapes.items():
         mask = np.ones(shape, dtype=bool)
-        for d, idx in enumerate(index[name]):
-            if idx is not None:
+        for d, kept_idx in enumerate(index[name]):
+            if kept_idx is not None:
                 keep = np.zeros(shape[d], dtype=bool)
-                keep[idx] = True
+                keep[kept_idx] = True
                 mask &= keep.reshape([-1 if i == d else 1 for i in range(len(shape))])
         masks[name] = mask
     return SubModel(masks, {n: tuple(v) for n, v in index.items()}, kept_units)
@@ -153,8 +155,8 @@ def expand(
     (``physical``) or full-size tensors with the pruned entries zero (x (.) m), on ``device`` (the
     model's; built on the host, then moved)."""
     out = {}
-    for n, v in values.items():
-        v = torch.as_tensor(np.asarray(v, dtype=np.float32))
+    for n, array in values.items():
+        v = torch.as_tensor(np.asarray(array, dtype=np.float32))
         if physical:
             out[n] = v.reshape(sub.sub_shape(n)).clone()
         else:

@@ -37,10 +37,12 @@ not in the prediction, so a run measures the training phase of each client again
 from __future__ import annotations
 
 from fedtune.methods.rabo.masks import SubModel, choose_units, expand, materialize, submodel_of, take
+from fedtune.methods.rabo.options import BilevelOptions
 from fedtune.methods.rabo.submodel import model_structure
 from fedtune.planning.measured import measure_forward
 from fedtune.planning.memory import REFERENCE_FLOPS, Prediction
-from fedtune.planning.spec import Knob, PlanSpec
+from fedtune.planning.spec import Knob, PlanningContext, PlanSpec
+from fedtune.protocol.context import options_as
 
 #: the bilevel methods (T plain inner steps, no optimizer states)
 BILEVEL_METHODS = ("rabo", "rafbo", "fedmbo")
@@ -65,7 +67,7 @@ SUBMODEL_SECONDS: dict[str, tuple[float, float]] = {"single-level": (0.719, 0.19
 SUBMODEL_SECONDS |= {"finite-difference": (1.107, 0.69)}
 
 
-def predict_capacity(context, capacity: float, fitted: bool = True) -> tuple[Prediction, int]:
+def predict_capacity(context: PlanningContext, capacity: float, fitted: bool = True) -> tuple[Prediction, int]:
     """The predicted cost of one client of ``context``'s run training at ``capacity``, and the
     values it uploads (its sub-model's, at the mask); ``fitted=False``: the activation term is
     the saved bytes themselves and the seconds flop_s (what the fits start from)."""
@@ -88,8 +90,9 @@ def predict_capacity(context, capacity: float, fitted: bool = True) -> tuple[Pre
     bilevel = config.method in BILEVEL_METHODS  # T plain inner steps
     steps = config.train.local_steps
     if bilevel:
-        inner = task.bilevel_problem(context, context.options).inner
-        steps = context.options.inner_steps if set(inner) <= set(full) else 1
+        options = options_as(context, BilevelOptions)
+        inner = task.bilevel_problem(context, options).inner
+        steps = options.inner_steps if set(inner) <= set(full) else 1
     a, k = SUBMODEL_FIT["bilevel" if bilevel else "single-level"] if fitted else (0, 1.0)
     a_s, b_s = SUBMODEL_SECONDS[SECONDS_KIND[config.method]] if fitted else (0.0, 1.0)
     prediction = Prediction(
@@ -103,7 +106,7 @@ def predict_capacity(context, capacity: float, fitted: bool = True) -> tuple[Pre
     return prediction, sum(sub.kept(n) for n in full)
 
 
-def capacity_knob(context) -> tuple[Knob, str]:
+def capacity_knob(context: PlanningContext) -> tuple[Knob, str]:
     """The sub-model methods' knob: the capacity on :data:`CAPACITIES`, each priced by
     :func:`predict_capacity` (the planner's ``price``)."""
 
@@ -113,7 +116,7 @@ def capacity_knob(context) -> tuple[Knob, str]:
     return Knob(list(CAPACITIES), lambda p: p.capacity, price, "capacity {:g}".format), ""
 
 
-def full_model_knob(context) -> tuple[Knob, str]:
+def full_model_knob(context: PlanningContext) -> tuple[Knob, str]:
     """FedMBO's: the full model (capacity 1) whatever capacity a profile states (the method ignores
     it; the plan's note names the clients whose capacity is ignored)."""
 

@@ -46,13 +46,9 @@ per client over both phases; torch's FLOP counter, about doubles the client's ti
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
-
 import numpy as np
 import torch
-from pydantic import Field
 
-from fedtune.config import RunConfig
 from fedtune.methods.rabo.hypergrad import finite_difference_hypergradient, implicit_hypergradient, second_order_kernels
 from fedtune.methods.rabo.masks import (
     Policy,
@@ -65,58 +61,19 @@ from fedtune.methods.rabo.masks import (
     submodel_of,
     take,
 )
+from fedtune.methods.rabo.options import BilevelOptions, ImplicitOptions, MaskOptions, RaboOptions, RafboOptions
 from fedtune.methods.rabo.plan import CAPACITY_PLAN
 from fedtune.models.bilevel import BilevelProblem
 from fedtune.models.training import seed_for
 from fedtune.protocol.client import Client
+from fedtune.protocol.context import options_as
 from fedtune.protocol.messages import Message
 from fedtune.protocol.strategy import Strategy
 from fedtune.protocol.validation import ArraySpec, MetaField
-from fedtune.registry import MethodOptions, register
+from fedtune.registry import register
 
 INNER, HYPER = "inner", "hypergradient"
 BILEVEL = ("bilevel",)  # the task capability these methods need (a task that offers an (x, y) split)
-
-
-class BilevelOptions(MethodOptions):
-    outer_lr: float = Field(0.01, gt=0, description="alpha: the outer step on x (eq. (8))")
-    inner_lr: float = Field(0.1, gt=0, description="beta: the inner step on y (eqs. (5)-(6))")
-    inner_steps: int = Field(10, ge=1, description="T: inner steps per round (Alg. 1 line 6)")
-    inner_l2: float = Field(1e-3, ge=0, description="lambda: (lambda / 2) ||y||^2 added to g (strong convexity)")
-    outer_loss: Literal["balanced", "vs"] = Field(
-        "balanced", description="loss tuning: f on validation (fedtune.tasks.bilevel_problems)"
-    )
-    count_flops: bool = Field(False, description="count each client's FLOPs (torch's counter; about 2x slower)")
-
-
-class ImplicitOptions(BilevelOptions):
-    solver: Literal["cg", "neumann"] = Field("cg", description="inverse-Hessian-vector product of eq. (7)")
-    solver_iters: int = Field(10, ge=1, description="CG iterations / Neumann terms (Hessian-vector products)")
-    neumann_lr: float = Field(0.1, gt=0, description="Neumann series step (below 2 / the largest curvature)")
-
-
-class MaskOptions(MethodOptions):
-    masks: Policy = Field("importance", description="mask policy M(., R_i): importance, segment, static, rolling, full")
-    segments: list[Annotated[int, Field(ge=0)]] | None = Field(
-        None, description="masks = 'segment': the segment of each client, one per client (default its id)"
-    )
-
-    def config_refusal(self, config: RunConfig) -> str | None:
-        """``segments`` of a length other than ``federation.num_clients``."""
-        clients = config.federation.num_clients
-        if self.segments is not None and len(self.segments) != clients:
-            return f"options.segments: one segment per client expected ({clients} clients), got {len(self.segments)}"
-        return None
-
-
-class RaboOptions(ImplicitOptions, MaskOptions):
-    pass
-
-
-class RafboOptions(BilevelOptions, MaskOptions):
-    fd_coordinates: int = Field(64, ge=1, description="|P|: coordinates of the x sub-model perturbed (Alg. 2 line 3)")
-    fd_mu: float = Field(1e-3, gt=0, description="mu: the smoothing (perturbation size) of eq. (10)")
-    fd_steps: int | None = Field(None, ge=1, description="inner steps of y_hat(x + mu e_p) (default T)")
 
 
 def _counting(enabled: bool):
@@ -131,6 +88,8 @@ def _counting(enabled: bool):
 
 class BilevelStrategy(Strategy):
     """RABO (Algorithm 1) on the server: masks, eq. (6) on y, eq. (8) on x, coverage metrics."""
+
+    options: BilevelOptions  # the method's registered options class (resolve_run validated them)
 
     masked = True
 
@@ -163,11 +122,17 @@ class BilevelStrategy(Strategy):
 
     def submodel(self, rnd: int, cid: int) -> SubModel:
         """m_{q,x}^i, m_{q,y}^i = M(x_q, R_i) (eq. (3)) as one sub-model over x and y."""
-        policy = getattr(self.options, "masks", "full") if self.masked else "full"
+        policy: Policy = self.options.masks if self.masked and isinstance(self.options, MaskOptions) else "full"
         weights = {n: a for part in (self.x, self.y) for n, a in part.items() if n not in self.problem.buffers}
         units = {
             g.name: choose_units(
-                policy, g, self.capacity(cid), rnd, cid, weights, getattr(self.options, "segments", None)
+                policy,
+                g,
+                self.capacity(cid),
+                rnd,
+                cid,
+                weights,
+                self.options.segments if isinstance(self.options, MaskOptions) else None,
             )
             for g in self.structure.groups
         }
@@ -283,6 +248,8 @@ class BilevelStrategy(Strategy):
 class BilevelClient(Client):
     """A client of Algorithm 1: the inner steps (phase 1) and its local hypergradient (phase 2)."""
 
+    options: BilevelOptions  # the method's registered options class (resolve_run validated them)
+
     estimator = "implicit"
 
     def _setup(self, units: dict[str, np.ndarray]) -> tuple[BilevelProblem, SubModel, bool]:
@@ -376,7 +343,7 @@ class BilevelClient(Client):
         xi, zeta = problem.hyper_batches(data)
         xs = [x[n].requires_grad_() for n in xn]
         ys = [y[n].requires_grad_() for n in yn]
-        o = self.options
+        o = options_as(self.context, ImplicitOptions)  # the implicit hypergradient's methods (RABO, FedMBO)
         y_mask = None if physical else [torch.from_numpy(sub.masks[n]).float().to(problem.device) for n in yn]
         hyper, outer = implicit_hypergradient(
             bind(problem.g, xi),
@@ -393,6 +360,8 @@ class BilevelClient(Client):
 
 class FiniteDifferenceClient(BilevelClient):
     """RAFBO's client: the hypergradient of Algorithm 2 (second-order free)."""
+
+    options: RafboOptions  # the method's registered options class (resolve_run validated them)
 
     def coordinates(self, problem, x, sub, physical, names, rnd) -> list[tuple[int, int]]:
         """P_q^i: ``fd_coordinates`` entries of the x sub-model, drawn without replacement (seeded)."""

@@ -41,8 +41,9 @@ from fedtune.methods.rabo.masks import (
     take,
 )
 from fedtune.models.precision import model_device
-from fedtune.models.structure import structure_of
+from fedtune.models.structure import Structure, structure_of
 from fedtune.models.training import FitResult, train_local
+from fedtune.protocol.context import ClientContext
 from fedtune.protocol.messages import Message
 from fedtune.protocol.validation import ArraySpec, MetaField
 from fedtune.registry import MethodOptions
@@ -52,7 +53,7 @@ class SubmodelOptions(MethodOptions):
     server_lr: float = Field(1.0, gt=0, description="step on the coverer-averaged update (1: the average itself)")
 
 
-def model_structure(context):
+def model_structure(context: ClientContext) -> Structure:
     """The unit groups of the task's model over its trainable tensors."""
     names = trainable_tensors(context.model)
     return structure_of(context.model, context.task.head_modules()).restricted(names)
@@ -60,6 +61,8 @@ def model_structure(context):
 
 class SubmodelStrategy(ModelStateStrategy):
     """Partial training: per-client sub-models, parameter-wise aggregation over coverers."""
+
+    options: SubmodelOptions  # the method's registered options class (resolve_run validated them)
 
     policy: Policy = "static"
 
