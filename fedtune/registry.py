@@ -36,7 +36,7 @@ class MethodOptions(BaseModel):
         return None
 
     def secure_refusal(self) -> str | None:
-        """For a method that honours ``federation.secure_aggregation``: one line naming the option
+        """For a method that honours ``secure_aggregation.enabled``: one line naming the option
         of these whose setting makes the server step more than a weighted sum (a rule of
         :data:`fedtune.config.RULES`), else None."""
         return None
@@ -123,18 +123,18 @@ class MethodSpec:
 #: declares those it honours (``register(..., supports=...)``); any other one, set to anything but
 #: its default, stops the run with one line naming the method and the option.
 CROSS_METHOD_OPTIONS: dict[str, Callable[[RunConfig], bool]] = {
-    "federation.server_optimizer": lambda config: not config.federation.plain_server_step(),
+    "server.optimizer": lambda config: not config.server.plain_step(),
     "federation.upload_topk": lambda config: config.federation.upload_topk is not None,
-    "federation.aggregation": lambda config: config.federation.aggregation != "mean",
-    "federation.clip_update_norm": lambda config: config.federation.clip_update_norm is not None,
-    "federation.max_client_weight": lambda config: config.federation.max_client_weight is not None,
+    "robust.aggregation": lambda config: config.robust.aggregation != "mean",
+    "robust.clip_update_norm": lambda config: config.robust.clip_update_norm is not None,
+    "robust.max_client_weight": lambda config: config.robust.max_client_weight is not None,
     "federation.wire_dtype": lambda config: config.federation.wire_dtype != "float32",
     "model.dtype": lambda config: config.model.dtype != "float32",
     "model.quantization": lambda config: config.model.quantization != "none",
     "train.gradient_checkpointing": lambda config: config.train.gradient_checkpointing,
     "device": lambda config: _accelerated(config.device),
     "privacy.mode": lambda config: config.privacy.mode != "none",
-    "federation.secure_aggregation": lambda config: config.federation.secure_aggregation,
+    "secure_aggregation.enabled": lambda config: config.secure_aggregation.enabled,
 }
 
 

@@ -234,7 +234,7 @@ def test_the_secagg_stage_runs_one_round_of_the_suites_fedit_on_flower_with_and_
         assert (c.engine, c.rounds, c.federation.num_clients, c.federation.sample_size()) == ("flower-sim", 1, 10, 10)
         assert (c.method, c.model, c.train, c.privacy.mode) == ("fedit", fedit.model, fedit.train, "none")
         assert c.data.max_train_samples == 200 * 10 and c.options == fedit.options
-    assert (plain.config.federation.secure_aggregation, secure.config.federation.secure_aggregation) == (False, True)
+    assert (plain.config.secure_aggregation.enabled, secure.config.secure_aggregation.enabled) == (False, True)
     assert plain.run_dir == tmp_path / "runs" / "secagg" / "plain"
 
 

@@ -286,7 +286,7 @@ def bytes_per_value(topk: float | None, wire_dtype: str) -> float:
 
 def compresses(context) -> bool:
     """Whether the run's clients upload through the codec (the method honours it; no secure aggregation)."""
-    return set(CODEC_OPTIONS) <= context.method.honours and not context.config.federation.secure_aggregation
+    return set(CODEC_OPTIONS) <= context.method.honours and not context.config.secure_aggregation.enabled
 
 
 def _codecs(context, profile: ClientProfile) -> list[tuple[float | None, str]]:
@@ -324,8 +324,8 @@ def check_profile_codecs(run) -> None:
             raise ConfigError(
                 f"federation.profiles[{cid}].{field_}: method {run.config.method!r} does not compress its uploads"
             )
-        if fed.secure_aggregation:
-            raise ConfigError(f"federation.profiles[{cid}].{field_}: not with federation.secure_aggregation")
+        if run.config.secure_aggregation.enabled:
+            raise ConfigError(f"federation.profiles[{cid}].{field_}: not with secure_aggregation.enabled")
 
 
 @contextmanager

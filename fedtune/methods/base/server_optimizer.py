@@ -1,4 +1,4 @@
-"""The server's step on an aggregated update, shared by every LoRA method (``federation.server_*``).
+"""The server's step on an aggregated update, shared by every LoRA method (``[server]``).
 
 Each method aggregates its clients' replies into one update Delta^t per global array (FedIT and
 FSLoRA: eq. (5)'s sum_i p_i Delta_i; HeteroLoRA: the zero-padded average; FlexLoRA: the new Delta W
@@ -30,12 +30,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedtune.config import FederationConfig
+from fedtune.config import ServerConfig
 
 
 @dataclass(frozen=True)
 class ServerStep:
-    """The server optimizer's settings (``federation.server_*``), read once (:meth:`of`)."""
+    """The server optimizer's settings (``[server]``), read once (:meth:`of`)."""
 
     kind: str
     lr: float
@@ -45,15 +45,15 @@ class ServerStep:
     bias_correction: bool
 
     @classmethod
-    def of(cls, federation: FederationConfig) -> ServerStep:
-        b1, b2 = (float(b) for b in federation.server_betas)
+    def of(cls, server: ServerConfig) -> ServerStep:
+        b1, b2 = (float(b) for b in server.betas)
         return cls(
-            federation.server_optimizer,
-            federation.resolved_server_lr(),
+            server.optimizer,
+            server.resolved_lr(),
             (b1, b2),
-            float(federation.server_eps),
-            float(federation.server_weight_decay),
-            bool(federation.server_bias_correction),
+            float(server.eps),
+            float(server.weight_decay),
+            bool(server.bias_correction),
         )
 
 
