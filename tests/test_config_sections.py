@@ -15,8 +15,7 @@ import tomllib
 from typer.testing import CliRunner
 
 from fedtune.cli import app
-from fedtune.config import ConfigError, KeyMovedWarning, flat_keys, load_config
-from fedtune.config import legacy
+from fedtune.config import ConfigError, KeyMovedWarning, flat_keys, legacy, load_config
 from fedtune.run import run_experiment
 from tests.conftest import TINY, one_line_config_error, tiny
 

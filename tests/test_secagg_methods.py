@@ -161,7 +161,8 @@ def test_secure_aggregation_gives_the_plain_aggregate_within_the_quantization_er
     denominator = 3 if "privacy.mode" in " ".join(extra) else total.weight  # local DP: the fixed m
     bound = total.error / denominator
     if 'privacy.mode="central"' in extra:  # the secure run's clients clip to C - mu (SecAgg+'s margin), the plain to C
-        bound += quantization_margin(config.secure_aggregation.step(config.federation.num_clients), sum(np.size(v) for v in want.values()), 0.05)
+        step = config.secure_aggregation.step(config.federation.num_clients)
+        bound += quantization_margin(step, sum(np.size(v) for v in want.values()), 0.05)
     if 'options.padding="coverage"' in extra:  # rank index 3 is covered by one client of weight 1
         biggest = max(float(np.max(np.abs(v))) for v in want.values())
         bound = (total.error + biggest * total.error / C) / (1 - total.error / C)

@@ -61,9 +61,7 @@ def fslora_replies(strategy, rnd: int, rng) -> dict[int, Message]:
 
 
 # -- server SGD: eq. (5) ---------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "server", [[], ["server.optimizer=sgd", "server.lr=1"], ["server.lr=0.5"]]
-)
+@pytest.mark.parametrize("server", [[], ["server.optimizer=sgd", "server.lr=1"], ["server.lr=0.5"]])
 def test_server_sgd_is_eq5_bit_for_bit_at_lr_1_and_scales_the_sum_otherwise(server):
     """X^{t+1} = X^t + eta sum_i (1/N) scatter_I_i(Delta X_i), written out here with plain numpy
     (float32, clients in reply order): equal bit for bit at eta = 1 (the default) and eta = 1/2."""

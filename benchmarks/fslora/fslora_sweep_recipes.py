@@ -162,9 +162,7 @@ def recipe_changes_report(changes: list[RecipeChange]) -> str:
             f", momentum {now.train.momentum:g}" if now.train.momentum else ""
         )
         if now.method == "fslora":
-            current += f"; server {now.server.optimizer}" + (
-                f" lr {now.server.lr:g}" if now.server.lr else ""
-            )
+            current += f"; server {now.server.optimizer}" + (f" lr {now.server.lr:g}" if now.server.lr else "")
         if c.train is None:
             rows.append([c.recipe.name, c.method, current, "unchanged", c.basis])
             continue

@@ -29,7 +29,9 @@ class ServerConfig(Section):
     betas: list[float] = Field([0.9, 0.999], min_length=2, max_length=2, description="FedAdam's (beta1, beta2)")
     eps: float = Field(1e-8, gt=0, description="FedAdam's epsilon (Reddi et al.'s tau)")
     weight_decay: float = Field(0.0, ge=0, description="FedAdam's decoupled weight decay (torch AdamW: 0.01)")
-    bias_correction: bool = Field(True, description="FedAdam with Adam's bias correction (torch) or without (Reddi et al.)")
+    bias_correction: bool = Field(
+        True, description="FedAdam with Adam's bias correction (torch) or without (Reddi et al.)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ServerConfig:

@@ -40,10 +40,11 @@ class RoundPolicy:
 
     @classmethod
     def of(cls, config: Any, private: bool = False, context: Any = None) -> RoundPolicy:
-        """The policy of ``config`` (a RunConfig: ``federation.*`` and ``robust.max_update_ratio``) and the budgets of ``context`` (a RunContext's
-        ``round_limits``); ``private`` (DP): no outsized-update screen, whose reference would
-        depend on the other clients' updates, but the mechanism's own bound on an upload
-        (``upload_bound``: local DP's clipped and noised norm; the context's run's privacy parameters)."""
+        """The policy of ``config`` (a RunConfig: ``federation.*``, ``robust.max_update_ratio``) and
+        the budgets of ``context`` (a RunContext's ``round_limits``); ``private`` (DP): no
+        outsized-update screen, whose reference would depend on the other clients' updates, but the
+        mechanism's own bound on an upload (``upload_bound``: local DP's clipped and noised norm;
+        the context's run's privacy parameters)."""
         fed, ratio = config.federation, config.robust.max_update_ratio
         ratio = None if private or not ratio else ratio
         limits = context.round_limits() if hasattr(context, "round_limits") else {}

@@ -305,7 +305,6 @@ def check_profile_codecs(run) -> None:
     method (ConfigError naming the first such profile); ``run``: a :class:`~fedtune.runtime.ResolvedRun`."""
     from fedtune.methods import list_methods
 
-    fed = run.config.federation
     for cid, p in enumerate(run.profiles):
         if p.trains_on is not None and (run.method.plan is None or run.method.plan.knob != "trains_on"):
             proxies = [m.name for m in list_methods() if m.plan is not None and m.plan.knob == "trains_on"]

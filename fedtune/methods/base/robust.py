@@ -233,7 +233,6 @@ def combiner(robust: RobustConfig) -> Combiner:
         raise ConfigError(f"robust.aggregation: {name!r} failed ({type(exc).__name__}: {exc})") from None
     if not callable(chosen) or not _takes(chosen, 2):
         raise ConfigError(
-            f"robust.aggregation: {name!r} made {type(chosen).__name__}, "
-            "not a combiner (updates, weights) -> update"
+            f"robust.aggregation: {name!r} made {type(chosen).__name__}, not a combiner (updates, weights) -> update"
         )
     return chosen if robust.clip_update_norm is None else NormClipped(robust.clip_update_norm, chosen)
