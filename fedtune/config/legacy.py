@@ -54,7 +54,8 @@ def note_moved(old: str, new: str, source: str) -> None:
 
 def split_federation(tree: dict[str, Any], source: str = "config", warn: bool = True) -> dict[str, Any]:
     """``tree`` (a config as read) with every old ``[federation]`` key moved to its new section
-    (:data:`MOVED`), a new dict (``tree`` is left as it is); ``warn``: note each (:func:`note_moved`).
+    (:data:`MOVED`), a new dict (``tree`` is left as it is); ``warn``: note each (:func:`note_moved`),
+    naming ``source`` (where the tree was read).
     A key given under both names stops with one line naming both."""
     federation = tree.get("federation")
     if not isinstance(federation, dict) or not MOVED.keys() & federation.keys():
@@ -79,7 +80,7 @@ def split_federation(tree: dict[str, Any], source: str = "config", warn: bool = 
 
 
 def as_before_split(flat: dict[str, Any]) -> dict[str, Any]:
-    """Flat config keys (``{"server.lr": ...}``) under their names from before the split
+    """``flat`` config keys (``{"server.lr": ...}``) under their names from before the split
     (``federation.server_lr``), so that what a DP checkpoint fingerprinted then matches now."""
     back = {".".join(new): f"federation.{old}" for old, new in MOVED.items()}
     return {back.get(k, k): v for k, v in flat.items()}
