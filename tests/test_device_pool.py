@@ -208,8 +208,8 @@ def test_each_worker_runs_the_process_threads_divided_among_the_workers_unless_c
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ('["cpu"]', r"^federation\.client_devices: expected two or more devices, one worker each \(got \['cpu'\]"),
-        ('["cpu", "gpu"]', r"^federation\.client_devices: expected cpu, cuda, cuda:N or mps per entry \(got 'gpu'\)$"),
+        ('["cpu"]', r"^placement\.client_devices: expected two or more devices, one worker each \(got \['cpu'\]"),
+        ('["cpu", "gpu"]', r"^placement\.client_devices: expected cpu, cuda, cuda:N or mps per entry \(got 'gpu'\)$"),
         ('["cpu", "auto"]', r"per entry \(got 'auto'\)$"),
         ("[]", r"expected two or more devices"),
     ],
@@ -221,7 +221,7 @@ def test_a_bad_device_list_is_one_line_naming_the_option(tiny_config, value, mes
 
 @pytest.mark.parametrize("engine", ["flower-sim", "flower"])
 def test_other_engines_refuse_client_devices(tiny_config, engine):
-    with pytest.raises(ConfigError, match=r"^federation\.client_devices: applies to engine = 'embedded' \(flower-sim"):
+    with pytest.raises(ConfigError, match=r"^placement\.client_devices: applies to engine = 'embedded' \(flower-sim"):
         tiny_config(TWO_CPUS, f"engine={engine}")
 
 
@@ -230,7 +230,7 @@ def test_a_cuda_index_this_machine_lacks_stops_before_the_run_folder(tiny_config
     cfg = tiny_config(f'placement.client_devices=["cpu", "cuda:{count}"]')
     with pytest.raises(
         ConfigError,
-        match=rf"^federation\.client_devices: 'cuda:{count}' is not available here \({count} CUDA devices\); "
+        match=rf"^placement\.client_devices: 'cuda:{count}' is not available here \({count} CUDA devices\); "
         r"list devices this machine has$",
     ):
         run_experiment(cfg)

@@ -225,11 +225,11 @@ def test_train_momentum_is_heavy_ball_sgd():
     "overrides, message",
     [
         (["train.momentum=0.9"], r"train\.momentum: applies to train\.optimizer='sgd'"),
-        (["server.optimizer=adam"], r"federation\.server_lr: required"),
-        (["server.eps=1e-3"], r"federation\.server_eps: applies to federation\.server_optimizer='adam'"),
+        (["server.optimizer=adam"], r"server\.lr: required"),
+        (["server.eps=1e-3"], r"server\.eps: applies to server\.optimizer='adam'"),
         (
             ["server.optimizer=adam", "server.lr=1", "server.betas=[0.9, 1.0]"],
-            r"federation\.server_betas",
+            r"server\.betas",
         ),
     ],
 )
