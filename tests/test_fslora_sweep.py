@@ -228,9 +228,7 @@ def test_set_toml_values_keeps_comments_and_other_keys(sweep):
     assert again == new  # a key that holds its value and comment is left as written
     hand = new.replace("lr = 0.003                     # from sweep", "lr = 3e-3  # from sweep")
     assert sweep.set_toml_values(hand, "train", {"lr": 3e-3}, "from sweep") == hand
-    new = sweep.set_toml_values(
-        new, "federation", {"server_optimizer": "adam", "server_lr": 1e-3, "server_weight_decay": 0.01}, "x"
-    )
+    new = sweep.set_toml_values(new, "server", {"optimizer": "adam", "lr": 1e-3, "weight_decay": 0.01}, "x")
     c = sweep.load_config_text(new)
     assert (c.train.optimizer, c.train.lr, c.server.optimizer, c.server.lr) == (
         "adamw",

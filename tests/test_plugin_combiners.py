@@ -41,7 +41,7 @@ class Half:
         return {{k: v * 0.5 for k, v in WeightedMean()(updates, weights).items()}}
 
 
-register_combiner("half", lambda federation: Half(), "half the weighted mean")
+register_combiner("half", lambda robust: Half(), "half the weighted mean")
 '''
 
 
@@ -119,8 +119,8 @@ def test_an_installed_packages_combiner_is_listed_with_its_source_and_resolves_b
 
 IMPORT = "from fedtune.methods.base.robust import register_combiner\n"
 NOT_A_FACTORY = IMPORT + "register_combiner('bad', lambda updates, weights: updates[0])\n"  # a combiner itself
-MAKES_NO_COMBINER = IMPORT + "register_combiner('bad', lambda federation: 3)\n"
-FACTORY_FAILS = IMPORT + "register_combiner('bad', lambda federation: 1 / 0)\n"
+MAKES_NO_COMBINER = IMPORT + "register_combiner('bad', lambda robust: 3)\n"
+FACTORY_FAILS = IMPORT + "register_combiner('bad', lambda robust: 1 / 0)\n"
 BAD = '"usercomb_err.combine:bad"'
 
 
@@ -147,7 +147,7 @@ def test_a_wrong_combiner_is_one_line_naming_the_field_and_nothing_is_written(
     lines = output_lines(result.output)
     assert len(lines) == 1 and lines[0].startswith("error: " + expected), result.output
     if source is NOT_A_FACTORY:
-        assert "register_combiner('bad'): expected a factory taking the [federation] section" in lines[0]
+        assert "register_combiner('bad'): expected a factory taking the [robust] section" in lines[0]
     assert not out.exists()
 
 

@@ -80,7 +80,8 @@ def test_the_fslora_row_runs_configs_fslora_toml_settings_on_the_suites_data_and
     for section, keys in {
         "model": ["lora_rank", "lora_alpha", "lora_dropout", "target_modules"],
         "train": ["optimizer", "lr", "momentum", "batch_size", "local_steps"],
-        "federation": ["profile_choices", "server_optimizer", "server_lr", "server_weight_decay"],
+        "federation": ["profile_choices"],
+        "server": ["optimizer", "lr", "weight_decay"],
     }.items():
         for key in keys:
             assert getattr(getattr(got, section), key) == getattr(getattr(want, section), key), f"{section}.{key}"

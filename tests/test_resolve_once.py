@@ -100,8 +100,14 @@ def test_a_relocated_run_keeps_everything_resolved_but_its_folder(tmp_path):
     assert run.run_dir == tmp_path / run.config.run_name  # the original is unchanged
 
 
+SECURE = "secure_aggregation.enabled=true;engine=flower-sim"
 #: One config per rule of RULES, in table order, with the first line it stops with.
 RULE_CASES = [
+    (f"{SECURE};federation.clients_per_round=1", "secure_aggregation.enabled: needs at least 2 clients per round"),
+    (f"{SECURE};secure_aggregation.quantization_range=2147483648", "secure_aggregation.quantization_range: 4 "),
+    (f"{SECURE};secure_aggregation.num_shares=5", "secure_aggregation.num_shares: expected at most the 4"),
+    (f"{SECURE};secure_aggregation.threshold=5", "secure_aggregation.threshold: expected 2..num_shares = 4"),
+    (f"{SECURE};federation.wire_dtype=bfloat16", "federation.wire_dtype: not with secure_aggregation.enabled"),
     ("placement.gpus_per_client=0.5", "placement.gpus_per_client: applies to engine = 'flower-sim'"),
     ("placement.client_devices=['cpu','cpu'];engine=flower", "placement.client_devices: applies to engine"),
     ("placement.gpus_per_client=0.5;engine=flower-sim", "placement.gpus_per_client: needs device = 'cuda'"),

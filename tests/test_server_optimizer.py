@@ -1,5 +1,5 @@
 """The paper's optimizer and its deviations: ``train.momentum`` (heavy-ball SGD on the clients) and
-the server step on the aggregated update (``federation.server_*``) for every LoRA method: plain
+the server step on the aggregated update (``[server]``) for every LoRA method: plain
 SGD at server lr 1 is eq. (5) bit for bit; ``adam`` is FedAdam (Reddi et al. 2021), checked against
 a hand-written step and against torch's AdamW as the published FSLoRA code calls it."""
 
@@ -241,7 +241,7 @@ def test_bad_optimizer_settings_are_one_line_config_errors(overrides, message):
 @pytest.mark.parametrize("method, extra", [("local", []), ("fedstacklora", ["options.transport=stacks"])])
 def test_a_server_step_the_method_cannot_honour_is_refused(method, extra):
     config = tiny(method, *extra, "server.optimizer=adam", "server.lr=1e-3")
-    with pytest.raises(ConfigError, match="server_optimizer|transport"):
+    with pytest.raises(ConfigError, match="server.optimizer|transport"):
         strategy_of(config)
 
 

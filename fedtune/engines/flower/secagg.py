@@ -15,7 +15,7 @@ A training exchange of m sampled clients (one client per Flower node: the mod's 
 a node's) is four exchanges, all of message type "train":
 
 0. setup: the protocol's parameters; each client answers two public keys;
-1. share keys: each client gets its neighbours' public keys (a ring of ``secagg_num_shares``,
+1. share keys: each client gets its neighbours' public keys (a ring of ``secure_aggregation.num_shares``,
    seeded by (seed, round, attempt)) and answers Shamir shares of its mask seed b_i and of its
    secret key, encrypted for each neighbour;
 2. collect: the fedtune request (the global arrays) plus the forwarded shares; the ClientApp
