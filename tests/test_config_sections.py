@@ -169,7 +169,8 @@ def test_a_file_giving_one_key_under_both_names_is_refused_in_one_line_naming_bo
     path = tmp_path / "both.toml"
     path.write_text(text)
     out = tmp_path / "runs"
-    result = CliRunner().invoke(app, ["run", str(path), "--set", f"output_dir={out}"])
+    sets = sum((["--set", t] for t in [*TINY, "rounds=1", f"output_dir={out}"]), [])
+    result = CliRunner().invoke(app, ["run", str(path), *sets])  # tiny: a wrong version ends in seconds
     lines = result.output.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert all(key in lines[0] for key in both) and "both given" in lines[0] and not out.exists()
