@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict
 
 from fedtune.config import ConfigError, RunConfig
+from fedtune.config.legacy import moved_key, note_moved
 from fedtune.errors import FedtuneError
 from fedtune.planning.spec import PlanSpec
 from fedtune.protocol.client import Client
@@ -138,6 +139,15 @@ CROSS_METHOD_OPTIONS: dict[str, Callable[[RunConfig], bool]] = {
 }
 
 
+def _current_name(option: str, method: str) -> str:
+    """``option`` (a cross-method option ``method`` declares) under its name since ``[federation]``'s
+    split: an old one (``federation.aggregation``) noted and mapped (:mod:`fedtune.config.legacy`)."""
+    new = moved_key(option)
+    if new != option:
+        note_moved(option, new, f"register({method!r}, supports=...)")
+    return new
+
+
 def _accelerated(device: str) -> bool:
     """Whether ``device`` puts models on an accelerator here (``auto`` on a CPU-only machine does not)."""
     from fedtune.models.precision import resolve_device
@@ -168,6 +178,7 @@ def register(
     :data:`CROSS_METHOD_OPTIONS` it honours; ``plan``: its knob and cost model for client budgets
     (:class:`~fedtune.planning.spec.PlanSpec`). A name that is already registered raises
     :class:`DuplicateMethodError`."""
+    supports = tuple(_current_name(option, name) for option in supports)
     unknown = set(supports) - set(CROSS_METHOD_OPTIONS)
     if unknown:
         raise ValueError(f"register({name!r}): unknown cross-method options {sorted(unknown)}")

@@ -271,3 +271,27 @@ def test_a_dp_run_folder_written_before_the_split_resumes_under_its_fingerprint(
     assert "the config" in one_line_config_error(lambda: run_experiment(resumed, resume=True))
     monkeypatch.undo()
     assert run_experiment(resumed, resume=True)["rounds"] == 2
+
+
+def test_a_plugin_method_declaring_an_old_option_name_honours_its_new_one():
+    """``register(..., supports=("federation.aggregation",))`` (a plugin written before the split):
+    the method honours ``robust.aggregation``, with one note. Control: a name that never was an
+    option is still refused."""
+    from fedtune import registry
+    from fedtune.methods.fedavg import FedAvgClient, FedAvgStrategy
+
+    legacy._SEEN.clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            spec = registry.register("old-plugin", FedAvgStrategy, FedAvgClient, supports=("federation.aggregation",))
+        assert spec.honours == {"robust.aggregation"}
+        assert [str(w.message) for w in caught if w.category is KeyMovedWarning] == [
+            "federation.aggregation is now robust.aggregation (register('old-plugin', supports=...); the old key "
+            "is read until the next release)"
+        ]
+    finally:
+        registry._METHODS.pop("old-plugin", None)
+    with pytest.raises(ValueError, match="unknown cross-method options"):
+        registry.register("bad-plugin", FedAvgStrategy, FedAvgClient, supports=("federation.no_such_option",))
+    assert "bad-plugin" not in registry._METHODS

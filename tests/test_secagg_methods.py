@@ -191,7 +191,11 @@ def test_heterolora_coverage_sums_each_rank_indexs_weight(tmp_path, seen, task_i
         ("flexlora", (), "secure_aggregation.enabled: method 'flexlora' does not support it"),
         ("fedstacklora", (), "secure_aggregation.enabled: method 'fedstacklora' does not support it"),
         ("local", (), "secure_aggregation.enabled: method 'local' does not support it"),
-        ("heterolora", ('options.weighting="sparsity"',), "options.weighting: 'sparsity' is not with federation"),
+        (
+            "heterolora",
+            ('options.weighting="sparsity"',),
+            "options.weighting: 'sparsity' is not with secure_aggregation.enabled",
+        ),
         ("heterolora", ("options.self_pruning=true",), "options.self_pruning: not with secure_aggregation.enabled"),
         ("fedpft", (), "options.distill_during: not with secure_aggregation.enabled"),
     ],
