@@ -9,7 +9,7 @@ fedtune's own:
   registers it. They are imported when a name is not one of fedtune's, and by ``fedtune methods
   -v`` / ``fedtune tasks`` / ``fedtune combiners``.
 - a reference in the config: ``method = "my_pkg.method:NAME"`` (``task.kind``,
-  ``federation.aggregation`` likewise) imports ``my_pkg.method`` and looks ``NAME`` up.
+  ``robust.aggregation`` likewise) imports ``my_pkg.method`` and looks ``NAME`` up.
 
 A module that fails to import stops with one line naming it. This module imports nothing of
 fedtune at load: ``fedtune methods`` lists the entry points without pydantic or torch.

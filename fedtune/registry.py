@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict
 
 from fedtune.config import ConfigError, RunConfig
+from fedtune.config.legacy import moved_key, note_moved
 from fedtune.errors import FedtuneError
 from fedtune.planning.spec import PlanSpec
 from fedtune.protocol.client import Client
@@ -36,7 +37,7 @@ class MethodOptions(BaseModel):
         return None
 
     def secure_refusal(self) -> str | None:
-        """For a method that honours ``federation.secure_aggregation``: one line naming the option
+        """For a method that honours ``secure_aggregation.enabled``: one line naming the option
         of these whose setting makes the server step more than a weighted sum (a rule of
         :data:`fedtune.config.RULES`), else None."""
         return None
@@ -123,19 +124,28 @@ class MethodSpec:
 #: declares those it honours (``register(..., supports=...)``); any other one, set to anything but
 #: its default, stops the run with one line naming the method and the option.
 CROSS_METHOD_OPTIONS: dict[str, Callable[[RunConfig], bool]] = {
-    "federation.server_optimizer": lambda config: not config.federation.plain_server_step(),
+    "server.optimizer": lambda config: not config.server.plain_step(),
     "federation.upload_topk": lambda config: config.federation.upload_topk is not None,
-    "federation.aggregation": lambda config: config.federation.aggregation != "mean",
-    "federation.clip_update_norm": lambda config: config.federation.clip_update_norm is not None,
-    "federation.max_client_weight": lambda config: config.federation.max_client_weight is not None,
+    "robust.aggregation": lambda config: config.robust.aggregation != "mean",
+    "robust.clip_update_norm": lambda config: config.robust.clip_update_norm is not None,
+    "robust.max_client_weight": lambda config: config.robust.max_client_weight is not None,
     "federation.wire_dtype": lambda config: config.federation.wire_dtype != "float32",
     "model.dtype": lambda config: config.model.dtype != "float32",
     "model.quantization": lambda config: config.model.quantization != "none",
     "train.gradient_checkpointing": lambda config: config.train.gradient_checkpointing,
     "device": lambda config: _accelerated(config.device),
     "privacy.mode": lambda config: config.privacy.mode != "none",
-    "federation.secure_aggregation": lambda config: config.federation.secure_aggregation,
+    "secure_aggregation.enabled": lambda config: config.secure_aggregation.enabled,
 }
+
+
+def _current_name(option: str, method: str) -> str:
+    """``option`` (a cross-method option ``method`` declares) under its name since ``[federation]``'s
+    split: an old one (``federation.aggregation``) noted and mapped (:mod:`fedtune.config.legacy`)."""
+    new = moved_key(option)
+    if new != option:
+        note_moved(option, new, f"register({method!r}, supports=...)")
+    return new
 
 
 def _accelerated(device: str) -> bool:
@@ -168,6 +178,7 @@ def register(
     :data:`CROSS_METHOD_OPTIONS` it honours; ``plan``: its knob and cost model for client budgets
     (:class:`~fedtune.planning.spec.PlanSpec`). A name that is already registered raises
     :class:`DuplicateMethodError`."""
+    supports = tuple(_current_name(option, name) for option in supports)
     unknown = set(supports) - set(CROSS_METHOD_OPTIONS)
     if unknown:
         raise ValueError(f"register({name!r}): unknown cross-method options {sorted(unknown)}")

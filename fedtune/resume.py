@@ -13,6 +13,7 @@ import numpy as np
 
 from fedtune.checkpoint import load_state
 from fedtune.config import ConfigError, RunConfig, flat_keys
+from fedtune.config.legacy import as_before_split, split_federation, without_added
 from fedtune.engines.rounds import Engine
 
 ROUND_KEY, ENGINE_KEY = "_round", "_engine"  # checkpoint.npz: the strategy's state plus these two
@@ -25,17 +26,20 @@ MAY_CHANGE_PREFIXES = ("logging.",)  # where the metrics also go: a tracker adde
 def check_unchanged(config: RunConfig, started_with: Path) -> None:
     """Refuse to resume with a config other than the one the run started with (config.toml edited,
     or a --set), naming the keys that differ, or without ``run_config.json`` to compare with;
-    ``rounds`` may be raised (and the folder moved), and the trackers (``logging``) changed."""
+    ``rounds`` may be raised (and the folder moved), and the trackers (``logging``) changed. A
+    ``run_config.json`` written before ``[federation]``'s split is read with its keys moved
+    (:func:`~fedtune.config.legacy.split_federation`), and one written before a key was added
+    (:data:`~fedtune.config.legacy.ADDED`) ran with that key's value then."""
     if not started_with.is_file():
         raise ConfigError(
             f"--resume: {str(started_with)!r} is missing, so the config cannot be checked against the one "
             "the run started with; start a new run instead"
         )
     try:
-        before = flat_keys(json.loads(started_with.read_text()))
+        before = without_added(flat_keys(split_federation(json.loads(started_with.read_text()), warn=False)))
     except (OSError, ValueError, AttributeError, RecursionError) as exc:
         raise ConfigError(f"--resume: {str(started_with)!r} cannot be read ({exc})") from None
-    now = flat_keys(config.model_dump(mode="json"))
+    now = without_added(flat_keys(config.model_dump(mode="json")))
     changed = sorted(
         k
         for k in before.keys() | now.keys()
@@ -103,8 +107,12 @@ def check_fingerprints(checkpoint: Path, recorded: dict | None, digests: dict) -
 
 
 def resumable_keys(config: RunConfig) -> dict:
-    """The resolved config's flat keys that a resume may not change (a DP run fingerprints them)."""
-    return {k: v for k, v in flat_keys(config.model_dump(mode="json")).items() if k not in MAY_CHANGE_ON_RESUME}
+    """The resolved config's flat keys that a resume may not change (a DP run fingerprints them),
+    named as before ``[federation]``'s split (:func:`~fedtune.config.legacy.as_before_split`): a DP
+    checkpoint written then fingerprinted those names, and its resume must see the same config; a key
+    added since (:data:`~fedtune.config.legacy.ADDED`) is left out at the value such a run had."""
+    flat = as_before_split(without_added(flat_keys(config.model_dump(mode="json"))))
+    return {k: v for k, v in flat.items() if k not in MAY_CHANGE_ON_RESUME}
 
 
 def _check_fits(built: dict, stored: dict, where: str, path: str = "") -> None:

@@ -66,7 +66,7 @@ LOCAL = ['privacy.mode="local"', f"privacy.clip={C}", f"privacy.noise_multiplier
 FAILING = "federation.profiles=[{failure_prob=1.0},{},{},{}]"  # client 0 fails every request
 SLOW_S = 2.0
 SLOW = f"federation.profiles=[{{}},{{}},{{}},{{delay_s={SLOW_S}}}]"  # client 3 sleeps before each answer
-SECURE = ["federation.secure_aggregation=true", "federation.num_clients=2", "federation.clients_per_round=2"]
+SECURE = ["secure_aggregation.enabled=true", "federation.num_clients=2", "federation.clients_per_round=2"]
 CASES: dict[str, list[str]] = {
     "honest": CENTRAL,
     "failing": [*CENTRAL, FAILING],

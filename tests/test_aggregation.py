@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from fedtune.config import load_config
-from fedtune.config.federation import BUILTIN_AGGREGATIONS
+from fedtune.config.aggregation import BUILTIN_AGGREGATIONS
 from fedtune.engines.local import LocalTransport
 from fedtune.engines.rounds import SecureTransport
 from fedtune.methods.base import accounting
@@ -48,7 +48,7 @@ def test_the_privacy_parameters_are_calibrated_once_at_resolve_and_the_strategy_
 
 def test_the_plan_picks_the_mechanism_combiner_and_server_step_from_the_options(tmp_path):
     dp = ["privacy.clip=0.5", "privacy.noise_multiplier=1"]
-    secure = ["federation.secure_aggregation=true", 'engine="flower-sim"']
+    secure = ["secure_aggregation.enabled=true", 'engine="flower-sim"']
     kinds = {
         LocalGaussian: ['privacy.mode="local"', *dp],
         SecureCentralGaussian: ['privacy.mode="central"', *dp, *secure],
@@ -56,13 +56,13 @@ def test_the_plan_picks_the_mechanism_combiner_and_server_step_from_the_options(
     }
     for kind, extra in kinds.items():
         plan = resolve_run(_config(tmp_path, *extra)).aggregation
-        assert plan.privacy.kind is kind and plan.secure == ("federation.secure_aggregation=true" in extra)
+        assert plan.privacy.kind is kind and plan.secure == ("secure_aggregation.enabled=true" in extra)
     plan = resolve_run(
         _config(
             tmp_path,
-            'federation.aggregation="median"',
-            'federation.server_optimizer="adam"',
-            "federation.server_lr=0.1",
+            'robust.aggregation="median"',
+            'server.optimizer="adam"',
+            "server.lr=0.1",
         )
     ).aggregation
     assert plan.privacy is None and plan.combiner == CoordinateMedian()
@@ -72,9 +72,9 @@ def test_the_plan_picks_the_mechanism_combiner_and_server_step_from_the_options(
 def test_every_configurable_combiner_is_registered_and_clipping_wraps_it(tmp_path):
     own = {name for name, spec in COMBINERS.items() if spec.module.startswith("fedtune.")}
     assert own == set(BUILTIN_AGGREGATIONS)
-    fed = _config(tmp_path, "federation.clip_update_norm=2", "federation.max_client_weight=0.5").federation
+    fed = _config(tmp_path, "robust.clip_update_norm=2", "robust.max_client_weight=0.5").robust
     assert combiner(fed) == NormClipped(2.0, WeightedMean(0.5))
-    trimmed = _config(tmp_path, 'federation.aggregation="trimmed-mean"', "federation.trim_fraction=0.2").federation
+    trimmed = _config(tmp_path, 'robust.aggregation="trimmed-mean"', "robust.trim_fraction=0.2").robust
     assert combiner(trimmed) == TrimmedMean(0.2)
 
 

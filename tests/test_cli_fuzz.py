@@ -57,7 +57,7 @@ CONFLICTS = [
     ["federation.profiles=[{memory_gib=0.0001}]"],
     ["federation.profiles=[{bandwidth_mb=1e-9}]"],
     ["federation.profiles=[{memory_gib=true}]"],
-    ["method=fslora", "federation.aggregation=median"],
+    ["method=fslora", "robust.aggregation=median"],
     ["method=bomm"],
     ["method=flexlora", "privacy.mode=central", "privacy.clip=1", "privacy.noise_multiplier=1"],
     ["privacy.mode=central", "privacy.clip=1", 'privacy.noise_multiplier="1"'],

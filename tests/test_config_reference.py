@@ -41,7 +41,7 @@ def test_a_key_added_without_a_description_is_named(monkeypatch):
 def test_the_aggregation_entry_names_every_combiner_of_fedtune_and_the_two_ways_to_bring_ones_own():
     from fedtune.methods.base.robust import list_combiners
 
-    (row,) = [line for line in markdown().splitlines() if line.startswith("| `federation.aggregation` |")]
+    (row,) = [line for line in markdown().splitlines() if line.startswith("| `robust.aggregation` |")]
     own = [spec.name for spec in list_combiners() if spec.module.startswith("fedtune.")]
     assert own and all(f'("{name}")' in row for name in own), row
     assert "fedtune.combiners" in row and "my_pkg.module:NAME" in row and "refused under DP, SecAgg+" in row

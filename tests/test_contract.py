@@ -83,22 +83,22 @@ def test_unsupported_pairing_names_both(tmp_path):
 
 
 CROSS_OPTION_SETTINGS = {
-    "federation.server_optimizer": ["federation.server_optimizer=adam", "federation.server_lr=1e-3"],
+    "server.optimizer": ["server.optimizer=adam", "server.lr=1e-3"],
     "federation.upload_topk": ["federation.upload_topk=0.1"],
-    "federation.aggregation": ['federation.aggregation="median"'],
-    "federation.clip_update_norm": ["federation.clip_update_norm=1e-6"],
-    "federation.max_client_weight": ["federation.max_client_weight=0.01"],
+    "robust.aggregation": ['robust.aggregation="median"'],
+    "robust.clip_update_norm": ["robust.clip_update_norm=1e-6"],
+    "robust.max_client_weight": ["robust.max_client_weight=0.01"],
     "federation.wire_dtype": ['federation.wire_dtype="bfloat16"'],
     "model.dtype": ['model.dtype="bfloat16"'],
     "model.quantization": ['model.quantization="4bit"'],
     "train.gradient_checkpointing": ["train.gradient_checkpointing=true"],
     "device": ["device=cuda"],  # taken as an accelerator here (the test patches the check)
     "privacy.mode": ['privacy.mode="central"', "privacy.clip=1.0", "privacy.noise_multiplier=1.0"],
-    "federation.secure_aggregation": ["federation.secure_aggregation=true", 'engine="flower-sim"'],
+    "secure_aggregation.enabled": ["secure_aggregation.enabled=true", 'engine="flower-sim"'],
 }
-ROBUST_OPTIONS = ("federation.aggregation", "federation.clip_update_norm", "federation.max_client_weight")
+ROBUST_OPTIONS = ("robust.aggregation", "robust.clip_update_norm", "robust.max_client_weight")
 #: A method's own options an honoured cross-method option needs beside it (otherwise one line names them)
-METHOD_NEEDS = {("fedpft", "federation.secure_aggregation"): ["options.distill_during=false"]}
+METHOD_NEEDS = {("fedpft", "secure_aggregation.enabled"): ["options.distill_during=false"]}
 
 
 @pytest.mark.parametrize("option", sorted(CROSS_OPTION_SETTINGS))
@@ -190,7 +190,7 @@ PINNED = {
     "model.quantization": ["commit", "fedit", "fslora", "heterolora", "local"],
     "privacy.mode": PRIVACY_HONOURING,
     # the weighted sums SecAgg+ computes (fedtune.methods.base.aggregation.Aggregation.secure_sum)
-    "federation.secure_aggregation": ["fedavg", "fedit", "fedot", "fedpetuning", "fedpft", "fslora", "heterolora"],
+    "secure_aggregation.enabled": ["fedavg", "fedit", "fedot", "fedpetuning", "fedpft", "fslora", "heterolora"],
 }
 
 
@@ -207,7 +207,7 @@ def test_a_method_that_honours_update_clipping_changes_with_it(tmp_path, method)
     """A bound of 1e-6 on every update leaves the global state all but where it started."""
     kind = next(k for m, k, _ in CASES if m == method)
     plain, _ = _one_round(tmp_path / "plain", method, kind)
-    clipped, _ = _one_round(tmp_path / "clip", method, kind, *CROSS_OPTION_SETTINGS["federation.clip_update_norm"])
+    clipped, _ = _one_round(tmp_path / "clip", method, kind, *CROSS_OPTION_SETTINGS["robust.clip_update_norm"])
     floats = [k for k in plain if np.asarray(plain[k]).dtype.kind == "f" and k in clipped]
     assert any(not np.array_equal(plain[k], clipped[k]) for k in floats)
 
@@ -218,7 +218,7 @@ def test_a_method_that_honours_a_cross_method_option_changes_with_it(tmp_path, m
     (10 %) uploads fewer bytes, and a bfloat16 wire dtype uploads about half (the state stays float32)."""
     kind = next(k for m, k, _ in CASES if m == method)
     plain, plain_up = _one_round(tmp_path / "plain", method, kind)
-    adam, _ = _one_round(tmp_path / "adam", method, kind, *CROSS_OPTION_SETTINGS["federation.server_optimizer"])
+    adam, _ = _one_round(tmp_path / "adam", method, kind, *CROSS_OPTION_SETTINGS["server.optimizer"])
     floats = [k for k in plain if np.asarray(plain[k]).dtype.kind == "f" and k in adam]
     assert any(not np.array_equal(plain[k], adam[k]) for k in floats)  # the server step changed the state
     _, topk_up = _one_round(tmp_path / "topk", method, kind, *CROSS_OPTION_SETTINGS["federation.upload_topk"])

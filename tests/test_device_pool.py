@@ -1,4 +1,4 @@
-"""The embedded engine's clients spread over devices (``federation.client_devices``): one worker
+"""The embedded engine's clients spread over devices (``placement.client_devices``): one worker
 process per device, with the one-process engine's numbers, states, failures and checkpoints.
 
 Runs on the CPU as ``["cpu", "cpu"]`` (two worker processes); ``tests/test_gpu.py`` has the CUDA
@@ -31,7 +31,7 @@ from fedtune.run import run_experiment
 from fedtune.runtime import resolve_run
 from tests.device_pool_probe import probe_context
 
-TWO_CPUS = 'federation.client_devices=["cpu", "cpu"]'
+TWO_CPUS = 'placement.client_devices=["cpu", "cpu"]'
 #: what differs between two runs of the same config: timings
 TIMINGS = {"wall_s", "compute_s", "client_compute_s"}
 
@@ -208,29 +208,29 @@ def test_each_worker_runs_the_process_threads_divided_among_the_workers_unless_c
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ('["cpu"]', r"^federation\.client_devices: expected two or more devices, one worker each \(got \['cpu'\]"),
-        ('["cpu", "gpu"]', r"^federation\.client_devices: expected cpu, cuda, cuda:N or mps per entry \(got 'gpu'\)$"),
+        ('["cpu"]', r"^placement\.client_devices: expected two or more devices, one worker each \(got \['cpu'\]"),
+        ('["cpu", "gpu"]', r"^placement\.client_devices: expected cpu, cuda, cuda:N or mps per entry \(got 'gpu'\)$"),
         ('["cpu", "auto"]', r"per entry \(got 'auto'\)$"),
         ("[]", r"expected two or more devices"),
     ],
 )
 def test_a_bad_device_list_is_one_line_naming_the_option(tiny_config, value, message):
     with pytest.raises(ConfigError, match=message):
-        tiny_config(f"federation.client_devices={value}")
+        tiny_config(f"placement.client_devices={value}")
 
 
 @pytest.mark.parametrize("engine", ["flower-sim", "flower"])
 def test_other_engines_refuse_client_devices(tiny_config, engine):
-    with pytest.raises(ConfigError, match=r"^federation\.client_devices: applies to engine = 'embedded' \(flower-sim"):
+    with pytest.raises(ConfigError, match=r"^placement\.client_devices: applies to engine = 'embedded' \(flower-sim"):
         tiny_config(TWO_CPUS, f"engine={engine}")
 
 
 def test_a_cuda_index_this_machine_lacks_stops_before_the_run_folder(tiny_config):
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    cfg = tiny_config(f'federation.client_devices=["cpu", "cuda:{count}"]')
+    cfg = tiny_config(f'placement.client_devices=["cpu", "cuda:{count}"]')
     with pytest.raises(
         ConfigError,
-        match=rf"^federation\.client_devices: 'cuda:{count}' is not available here \({count} CUDA devices\); "
+        match=rf"^placement\.client_devices: 'cuda:{count}' is not available here \({count} CUDA devices\); "
         r"list devices this machine has$",
     ):
         run_experiment(cfg)

@@ -151,7 +151,7 @@ def test_a_mixed_fedot_federation_runs_under_secure_aggregation(tmp_path):
     """The full-model clients rename their update back to the proxy's positions before it is
     masked, so SecAgg+ sums every client's in one layout (flower-sim)."""
     profiles = 'federation.profiles=[{trains_on="full"}, {}, {trains_on="full"}]'
-    secure = ("engine=flower-sim", "federation.secure_aggregation=true", "federation.clients_per_round=3")
+    secure = ("engine=flower-sim", "secure_aggregation.enabled=true", "federation.clients_per_round=3")
     summary = launch(config(tmp_path, "fedot", profiles, *secure, "rounds=1"))  # on flower-sim, masked
     (line,) = (json.loads(x) for x in Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines())
     assert line["dropped"] == {} and line["proxy_downloads"] == 1  # client 1 alone holds the proxy

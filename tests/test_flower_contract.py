@@ -121,7 +121,7 @@ def test_loopback_deployment_matches_embedded_engine(tmp_path, method):
     from fedtune.engines.flower.deployment import run_flower_deployment
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    config = tiny(tmp_path / "flower", method, KIND, "seed=5", "engine=flower", "federation.nodes=2")
+    config = tiny(tmp_path / "flower", method, KIND, "seed=5", "engine=flower", "placement.nodes=2")
     seen = []
     summary = run_flower_deployment(config, on_round=seen.append, timeout=300, keep_logs=tmp_path / "logs")
     assert summary["engine"] == "flower" and [r.round for r in seen] == [1, 2]

@@ -97,7 +97,7 @@ def test_deployment_pieces(tmp_path):
     assert commands.client_groups(1000, 2)[1] == list(range(500, 1000))
     config = load_config(None, [*TINY, "federation.num_clients=1000", "federation.clients_per_round=10"])
     assert commands.default_nodes(config) == min(10, os.cpu_count() or 1)
-    assert commands.default_nodes(load_config(None, [*TINY, "federation.nodes=5"])) == 2  # at most one per client
+    assert commands.default_nodes(load_config(None, [*TINY, "placement.nodes=5"])) == 2  # at most one per client
     args = commands.supernode_args("h:1", 5, [0, 1, 2, 7], Path("ca.crt"), Path("k"), Path("/s.secret"), 3)
     node_config = args[args.index("--node-config") + 1]
     assert node_config == 'fedtune-clients="0-2,7" fedtune-threads=3'

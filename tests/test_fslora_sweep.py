@@ -80,7 +80,7 @@ def test_every_method_gets_the_same_grid_weighting_and_settings(sweep, built):
             lrs = sorted({s.config.train.lr for s in group})
             assert lrs == sorted(sweep.LR_GRID[family])  # the same client grid for every row
             if row == "fslora-sadam":
-                assert {(s.config.train.lr, s.config.federation.server_lr) for s in group} == {
+                assert {(s.config.train.lr, s.config.server.lr) for s in group} == {
                     (lr, slr) for lr in lrs for slr in sweep.SERVER_LR_GRID
                 }
             else:
@@ -94,9 +94,9 @@ def test_every_method_gets_the_same_grid_weighting_and_settings(sweep, built):
         else:
             assert (c.train.optimizer, c.train.momentum) == ("sgd", 0.9)
         if spec.labels["row"] == "fslora-sadam":
-            assert (c.federation.server_optimizer, c.federation.server_weight_decay) == ("adam", 0.01)
+            assert (c.server.optimizer, c.server.weight_decay) == ("adam", 0.01)
         else:
-            assert (c.federation.server_optimizer, c.federation.server_lr) == ("sgd", None)
+            assert (c.server.optimizer, c.server.lr) == ("sgd", None)
         if spec.labels["row"] == "fedit":
             assert c.model.lora_rank == sweep.fair_fedit_rank(scale, 0) and c.federation.profile_choices is None
         else:
@@ -228,11 +228,9 @@ def test_set_toml_values_keeps_comments_and_other_keys(sweep):
     assert again == new  # a key that holds its value and comment is left as written
     hand = new.replace("lr = 0.003                     # from sweep", "lr = 3e-3  # from sweep")
     assert sweep.set_toml_values(hand, "train", {"lr": 3e-3}, "from sweep") == hand
-    new = sweep.set_toml_values(
-        new, "federation", {"server_optimizer": "adam", "server_lr": 1e-3, "server_weight_decay": 0.01}, "x"
-    )
+    new = sweep.set_toml_values(new, "server", {"optimizer": "adam", "lr": 1e-3, "weight_decay": 0.01}, "x")
     c = sweep.load_config_text(new)
-    assert (c.train.optimizer, c.train.lr, c.federation.server_optimizer, c.federation.server_lr) == (
+    assert (c.train.optimizer, c.train.lr, c.server.optimizer, c.server.lr) == (
         "adamw",
         3e-3,
         "adam",
@@ -285,9 +283,9 @@ def test_recipe_changes_from_winners(sweep, tmp_path):
     assert (
         c.train.optimizer,
         c.train.lr,
-        c.federation.server_optimizer,
-        c.federation.server_lr,
-        c.federation.server_weight_decay,
+        c.server.optimizer,
+        c.server.lr,
+        c.server.weight_decay,
     ) == ("adamw", 1e-3, "adam", 3e-3, 0.01)
     assert c.model.lora_rank == 64 and c.options["weighting"] == "uniform"  # the rest as written
     fedit = changes["fedit.toml"]

@@ -38,9 +38,9 @@ RULES = [
     (
         "fedstacklora",
         "text-classification",
-        ['options.transport="stacks"', "federation.server_lr=0.5"],
+        ['options.transport="stacks"', "server.lr=0.5"],
         "options.transport: 'stacks' ships B_stack A_stack exactly",
-        ["federation.server_lr=0.5"],
+        ["server.lr=0.5"],
     ),
     (
         "rabo",

@@ -1,7 +1,7 @@
-"""Combiners from the user's own package (``federation.aggregation``): by ``"pkg.module:NAME"`` in a
+"""Combiners from the user's own package (``robust.aggregation``): by ``"pkg.module:NAME"`` in a
 real CLI run (the run's state is the user's combination, not the mean's), by an installed package's
 entry point (group ``fedtune.combiners``, listed by ``fedtune combiners`` with its source), refused
-where the robust combiners are, and one line naming ``federation.aggregation`` for each way a
+where the robust combiners are, and one line naming ``robust.aggregation`` for each way a
 reference can be wrong."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Half:
         return {{k: v * 0.5 for k, v in WeightedMean()(updates, weights).items()}}
 
 
-register_combiner("half", lambda federation: Half(), "half the weighted mean")
+register_combiner("half", lambda robust: Half(), "half the weighted mean")
 '''
 
 
@@ -76,7 +76,7 @@ def test_a_reference_to_a_users_combiner_makes_the_runs_state(tmp_path, monkeypa
     _package(tmp_path / "src", "usercomb_ref", HALF.format(record=str(record)), monkeypatch)
     out = tmp_path / "runs"
     sets = [*TINY, "rounds=1", "train.local_steps=1", "federation.clients_per_round=2", f"output_dir={out}"]
-    result = _cli(*sets, 'federation.aggregation="usercomb_ref.combine:half"')
+    result = _cli(*sets, 'robust.aggregation="usercomb_ref.combine:half"')
     assert result.exit_code == 0, result.output
     (folder,) = out.iterdir()
     summary = json.loads((folder / "summary.json").read_text())
@@ -109,7 +109,7 @@ def test_an_installed_packages_combiner_is_listed_with_its_source_and_resolves_b
     assert "half           half the weighted mean (source: usercomb_ep.combine)" in listed.output
     assert "median         per coordinate, the median (source: fedtune)" in listed.output
 
-    run = resolve_run(load_config(None, [*TINY, 'federation.aggregation="half"', "federation.clip_update_norm=1"]))
+    run = resolve_run(load_config(None, [*TINY, 'robust.aggregation="half"', "robust.clip_update_norm=1"]))
     combine = run.aggregation.combiner
     assert type(combine).__name__ == "NormClipped" and type(combine.combiner).__module__ == "usercomb_ep.combine"
     update = {"w": np.array([2.0, -4.0], dtype=np.float32)}
@@ -119,21 +119,21 @@ def test_an_installed_packages_combiner_is_listed_with_its_source_and_resolves_b
 
 IMPORT = "from fedtune.methods.base.robust import register_combiner\n"
 NOT_A_FACTORY = IMPORT + "register_combiner('bad', lambda updates, weights: updates[0])\n"  # a combiner itself
-MAKES_NO_COMBINER = IMPORT + "register_combiner('bad', lambda federation: 3)\n"
-FACTORY_FAILS = IMPORT + "register_combiner('bad', lambda federation: 1 / 0)\n"
+MAKES_NO_COMBINER = IMPORT + "register_combiner('bad', lambda robust: 3)\n"
+FACTORY_FAILS = IMPORT + "register_combiner('bad', lambda robust: 1 / 0)\n"
 BAD = '"usercomb_err.combine:bad"'
 
 
 @pytest.mark.parametrize(
     ("value", "source", "expected"),
     [
-        ('"meen"', None, "federation.aggregation: unknown combiner 'meen'; expected one of"),
-        ('"usercomb_err.combine:nope"', "", "federation.aggregation: unknown combiner 'usercomb_err.combine:nope'"),
-        ('"no_such_pkg.mod:x"', None, "federation.aggregation: cannot import 'no_such_pkg.mod' (ModuleNotFound"),
-        (BAD, NOT_A_FACTORY, "federation.aggregation: cannot import 'usercomb_err.combine' "),
-        (BAD, MAKES_NO_COMBINER, "federation.aggregation: 'usercomb_err.combine:bad' made int"),
-        (BAD, FACTORY_FAILS, "federation.aggregation: 'usercomb_err.combine:bad' failed (ZeroDivisionError"),
-        ('"a b"', None, "federation.aggregation: expected mean, trimmed-mean, median"),
+        ('"meen"', None, "robust.aggregation: unknown combiner 'meen'; expected one of"),
+        ('"usercomb_err.combine:nope"', "", "robust.aggregation: unknown combiner 'usercomb_err.combine:nope'"),
+        ('"no_such_pkg.mod:x"', None, "robust.aggregation: cannot import 'no_such_pkg.mod' (ModuleNotFound"),
+        (BAD, NOT_A_FACTORY, "robust.aggregation: cannot import 'usercomb_err.combine' "),
+        (BAD, MAKES_NO_COMBINER, "robust.aggregation: 'usercomb_err.combine:bad' made int"),
+        (BAD, FACTORY_FAILS, "robust.aggregation: 'usercomb_err.combine:bad' failed (ZeroDivisionError"),
+        ('"a b"', None, "robust.aggregation: expected mean, trimmed-mean, median"),
     ],
 )
 def test_a_wrong_combiner_is_one_line_naming_the_field_and_nothing_is_written(
@@ -142,12 +142,12 @@ def test_a_wrong_combiner_is_one_line_naming_the_field_and_nothing_is_written(
     if source is not None:
         _package(tmp_path / "src", "usercomb_err", source, monkeypatch)
     out = tmp_path / "runs"
-    result = _cli(*TINY, f"federation.aggregation={value}", f"output_dir={out}")
+    result = _cli(*TINY, f"robust.aggregation={value}", f"output_dir={out}")
     assert result.exit_code == 2, result.output
     lines = output_lines(result.output)
     assert len(lines) == 1 and lines[0].startswith("error: " + expected), result.output
     if source is NOT_A_FACTORY:
-        assert "register_combiner('bad'): expected a factory taking the [federation] section" in lines[0]
+        assert "register_combiner('bad'): expected a factory taking the [robust] section" in lines[0]
     assert not out.exists()
 
 
@@ -155,14 +155,14 @@ def test_a_wrong_combiner_is_one_line_naming_the_field_and_nothing_is_written(
     ("extra", "expected"),
     [
         (["privacy.mode=central", "privacy.clip=1", "privacy.noise_multiplier=1"], "not with privacy.mode"),
-        (["federation.secure_aggregation=true", 'engine="flower-sim"'], "not with federation.secure_aggregation"),
+        (["secure_aggregation.enabled=true", 'engine="flower-sim"'], "not with secure_aggregation.enabled"),
         (["method=fslora"], "method 'fslora' does not support it"),
     ],
 )
 def test_a_users_combiner_is_refused_where_the_robust_ones_are(tmp_path, monkeypatch, extra, expected):
     _package(tmp_path, "usercomb_refused", HALF.format(record=""), monkeypatch)
-    config = [*TINY, "federation.clients_per_round=2", 'federation.aggregation="usercomb_refused.combine:half"', *extra]
-    with pytest.raises(ConfigError, match=rf"^federation.aggregation: {expected}"):
+    config = [*TINY, "federation.clients_per_round=2", 'robust.aggregation="usercomb_refused.combine:half"', *extra]
+    with pytest.raises(ConfigError, match=rf"^robust.aggregation: {expected}"):
         resolve_run(load_config(None, config))
     control = [c for c in config if "aggregation=" not in c]  # the same config with the mean resolves
     resolve_run(load_config(None, control))

@@ -85,7 +85,7 @@ def test_the_noised_mean_goes_through_the_server_optimizer(tmp_path, server):
     by hand: SGD at lr 0.5 gives theta + 0.5 Delta; FedAdam's first step (bias-corrected moments
     Delta and Delta^2, no weight decay) gives theta + 0.5 Delta / (|Delta| + 1e-8).
     Adding the noised mean as it is (the server step skipped) is off by a half of Delta."""
-    extra = ["federation.server_lr=0.5", f'federation.server_optimizer="{server}"']
+    extra = ["server.lr=0.5", f'server.optimizer="{server}"']
     strategy = RunContext(resolve_run(_config(tmp_path, *CENTRAL, *extra))).strategy()
     strategy.initialize()
     before = {k: v.astype(np.float64) for k, v in strategy.global_arrays.items()}
@@ -292,8 +292,8 @@ def test_a_method_without_a_dp_form_refuses_privacy_in_one_line(tmp_path):
         (['privacy.mode="local"', "privacy.clip=1"], "privacy.noise_multiplier: required"),
         ([*CENTRAL, "privacy.epsilon=3"], "privacy: give privacy.noise_multiplier or privacy.epsilon"),
         (["privacy.clip=1"], 'privacy.clip: applies to privacy.mode = "central" or "local"'),
-        ([*CENTRAL, 'federation.aggregation="median"'], "federation.aggregation: not with privacy.mode"),
-        ([*CENTRAL, "federation.clip_update_norm=1"], "federation.clip_update_norm: not with privacy.mode"),
+        ([*CENTRAL, 'robust.aggregation="median"'], "robust.aggregation: not with privacy.mode"),
+        ([*CENTRAL, "robust.clip_update_norm=1"], "robust.clip_update_norm: not with privacy.mode"),
         ([*CENTRAL, 'options.weighting="examples"'], 'options.weighting: "examples" is not DP'),
         ([*CENTRAL, "privacy.epsilon_budget=1e-6"], "privacy.epsilon_budget: 1e-06 is below the epsilon of one round"),
         ([*CENTRAL, "federation.min_replies=2"], "federation.min_replies: not with privacy.mode"),

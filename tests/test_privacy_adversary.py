@@ -327,11 +327,11 @@ def test_no_released_field_depends_on_one_clients_participation_outside_the_mech
     assert _public(plain_honest)["lines"] != _public(plain_failing)["lines"]
 
 
-@pytest.mark.parametrize("extra", [DP["local"], [*DP["central"], "federation.secure_aggregation=true"]])
+@pytest.mark.parametrize("extra", [DP["local"], [*DP["central"], "secure_aggregation.enabled=true"]])
 def test_where_the_server_must_not_see_a_clients_numbers_its_reply_metadata_is_fixed(tmp_path, extra):
     """Local DP and SecAgg+: the real Client.fit replies with num_examples 1 and nothing else (no
     loss, no steps), whatever the client's data. Control: without DP the reply says both."""
-    engine = ['engine="flower-sim"'] if "federation.secure_aggregation=true" in extra else []
+    engine = ['engine="flower-sim"'] if "secure_aggregation.enabled=true" in extra else []
     config = tiny(tmp_path, "fedit", KIND, "federation.num_clients=4", *extra, *engine)
     context = RunContext(resolve_run(config))
     strategy = context.strategy()

@@ -134,7 +134,7 @@ def test_a_dp_run_no_client_contributed_to_says_so_on_stderr_only(tmp_path, caps
         (["privacy.delta=0.5"], "privacy.delta: 0.5 is not below 1/num_clients = 0.25"),
         (["privacy.delta=0.25"], "privacy.delta: 0.25 is not below 1/num_clients = 0.25"),
         (["privacy.noise_multiplier=1e-12"], "privacy.noise_multiplier"),
-        (["federation.max_update_ratio=10"], "federation.max_update_ratio: not with privacy.mode"),
+        (["robust.max_update_ratio=10"], "robust.max_update_ratio: not with privacy.mode"),
     ],
 )
 def test_a_privacy_setting_that_guarantees_nothing_is_one_line_exit_2_nothing_written(tmp_path, extra, key):
@@ -149,4 +149,4 @@ def test_a_privacy_setting_that_guarantees_nothing_is_one_line_exit_2_nothing_wr
     assert len(lines) == 1 and key in lines[0], result.output
     assert not (tmp_path / "refused").exists()
     resolve_run(tiny(tmp_path, "fedit", KIND, *CENTRAL, "federation.num_clients=4", "privacy.delta=0.2"))
-    resolve_run(tiny(tmp_path, "fedit", KIND, "federation.max_update_ratio=10"))
+    resolve_run(tiny(tmp_path, "fedit", KIND, "robust.max_update_ratio=10"))

@@ -61,11 +61,7 @@ def test_the_sweep_runs_first_then_each_arm_at_its_own_rate_and_the_low_epsilons
         assert (c.data.max_train_samples, c.data.max_test_samples) == (20000, None)  # the full test set
         rounds = suite.SWEEP_ROUNDS if spec in plan["sweep"] else 20  # the sweep stops at round 12
         assert (c.rounds, c.eval_every, c.train.local_steps, c.train.batch_size) == (rounds, 2, 1, 8)
-        assert (c.federation.server_optimizer, c.federation.resolved_server_lr(), c.federation.server_momentum) == (
-            "sgd",
-            1.0,
-            0.9,
-        )
+        assert (c.server.optimizer, c.server.resolved_lr(), c.server.momentum) == ("sgd", 1.0, 0.9)
         assert (c.train.optimizer, c.train.weight_decay, c.train.lr) == ("adamw", 0.0, spec.labels["lr"])
         if math.isinf(spec.labels["epsilon"]):
             assert c.privacy.mode == "none"

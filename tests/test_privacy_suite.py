@@ -80,7 +80,8 @@ def test_the_fslora_row_runs_configs_fslora_toml_settings_on_the_suites_data_and
     for section, keys in {
         "model": ["lora_rank", "lora_alpha", "lora_dropout", "target_modules"],
         "train": ["optimizer", "lr", "momentum", "batch_size", "local_steps"],
-        "federation": ["profile_choices", "server_optimizer", "server_lr", "server_weight_decay"],
+        "federation": ["profile_choices"],
+        "server": ["optimizer", "lr", "weight_decay"],
     }.items():
         for key in keys:
             assert getattr(getattr(got, section), key) == getattr(getattr(want, section), key), f"{section}.{key}"
@@ -234,7 +235,7 @@ def test_the_secagg_stage_runs_one_round_of_the_suites_fedit_on_flower_with_and_
         assert (c.engine, c.rounds, c.federation.num_clients, c.federation.sample_size()) == ("flower-sim", 1, 10, 10)
         assert (c.method, c.model, c.train, c.privacy.mode) == ("fedit", fedit.model, fedit.train, "none")
         assert c.data.max_train_samples == 200 * 10 and c.options == fedit.options
-    assert (plain.config.federation.secure_aggregation, secure.config.federation.secure_aggregation) == (False, True)
+    assert (plain.config.secure_aggregation.enabled, secure.config.secure_aggregation.enabled) == (False, True)
     assert plain.run_dir == tmp_path / "runs" / "secagg" / "plain"
 
 

@@ -114,7 +114,7 @@ def test_a_bool_or_a_string_where_a_number_is_expected_is_refused_everywhere(val
         with pytest.raises(ConfigError, match=f"^{prefix}{key}: Input should be a valid (number|integer)"):
             validate_options({key: parse_value(value)}, cls, prefix.rstrip("."))
     assert len(assignments) + len(options) > 80
-    adam = ["federation.server_optimizer=adam", "federation.server_lr=0.1", "federation.server_betas=[0.9, 0.99]"]
+    adam = ["server.optimizer=adam", "server.lr=0.1", "server.betas=[0.9, 0.99]"]
     assert load_config(None, ["train.lr=1", *adam]).train.lr == 1.0  # an int is a number; a list of two betas
 
 

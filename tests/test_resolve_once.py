@@ -100,32 +100,38 @@ def test_a_relocated_run_keeps_everything_resolved_but_its_folder(tmp_path):
     assert run.run_dir == tmp_path / run.config.run_name  # the original is unchanged
 
 
+SECURE = "secure_aggregation.enabled=true;engine=flower-sim"
 #: One config per rule of RULES, in table order, with the first line it stops with.
 RULE_CASES = [
-    ("federation.gpus_per_client=0.5", "federation.gpus_per_client: applies to engine = 'flower-sim'"),
-    ("federation.client_devices=['cpu','cpu'];engine=flower", "federation.client_devices: applies to engine"),
-    ("federation.gpus_per_client=0.5;engine=flower-sim", "federation.gpus_per_client: needs device = 'cuda'"),
-    ("federation.secure_aggregation=true", "federation.secure_aggregation: runs on engine"),
-    ("federation.secure_aggregation=true;engine=flower;federation.nodes=2", "federation.nodes: secure aggregation"),
+    (f"{SECURE};federation.clients_per_round=1", "secure_aggregation.enabled: needs at least 2 clients per round"),
+    (f"{SECURE};secure_aggregation.quantization_range=2147483648", "secure_aggregation.quantization_range: 4 "),
+    (f"{SECURE};secure_aggregation.num_shares=5", "secure_aggregation.num_shares: expected at most the 4"),
+    (f"{SECURE};secure_aggregation.threshold=5", "secure_aggregation.threshold: expected 2..num_shares = 4"),
+    (f"{SECURE};federation.wire_dtype=bfloat16", "federation.wire_dtype: not with secure_aggregation.enabled"),
+    ("placement.gpus_per_client=0.5", "placement.gpus_per_client: applies to engine = 'flower-sim'"),
+    ("placement.client_devices=['cpu','cpu'];engine=flower", "placement.client_devices: applies to engine"),
+    ("placement.gpus_per_client=0.5;engine=flower-sim", "placement.gpus_per_client: needs device = 'cuda'"),
+    ("secure_aggregation.enabled=true", "secure_aggregation.enabled: runs on engine"),
+    ("secure_aggregation.enabled=true;engine=flower;placement.nodes=2", "placement.nodes: secure aggregation"),
     (
-        "federation.secure_aggregation=true;engine=flower-sim;privacy.mode=central;privacy.clip=1;"
+        "secure_aggregation.enabled=true;engine=flower-sim;privacy.mode=central;privacy.clip=1;"
         "privacy.noise_multiplier=1;privacy.adaptive_clip=true",
-        "privacy.adaptive_clip: not with federation.secure_aggregation",
+        "privacy.adaptive_clip: not with secure_aggregation.enabled",
     ),
-    ("DP;federation.aggregation=median", "federation.aggregation: not with privacy.mode"),
-    ("DP;federation.clip_update_norm=1", "federation.clip_update_norm: not with privacy.mode"),
-    ("DP;federation.max_client_weight=0.5", "federation.max_client_weight: not with privacy.mode"),
-    ("DP;federation.max_update_ratio=10", "federation.max_update_ratio: not with privacy.mode"),
+    ("DP;robust.aggregation=median", "robust.aggregation: not with privacy.mode"),
+    ("DP;robust.clip_update_norm=1", "robust.clip_update_norm: not with privacy.mode"),
+    ("DP;robust.max_client_weight=0.5", "robust.max_client_weight: not with privacy.mode"),
+    ("DP;robust.max_update_ratio=10", "robust.max_update_ratio: not with privacy.mode"),
     ("DP;federation.min_replies=2", "federation.min_replies: not with privacy.mode"),
     ("DP;federation.max_retries=0", "federation.max_retries: not with privacy.mode"),
     ("DP;method=heterolora;options.weighting=sparsity", "options.weighting: not with privacy.mode ('sparsity'"),
     ("DP;options.weighting=examples", 'options.weighting: "examples" is not DP'),
     (
-        "federation.secure_aggregation=true;engine=flower-sim;method=heterolora;options.weighting=sparsity",
-        "options.weighting: 'sparsity' is not with federation.secure_aggregation",
+        "secure_aggregation.enabled=true;engine=flower-sim;method=heterolora;options.weighting=sparsity",
+        "options.weighting: 'sparsity' is not with secure_aggregation.enabled",
     ),
     (
-        "method=fedstacklora;options.transport=stacks;federation.server_lr=0.5",
+        "method=fedstacklora;options.transport=stacks;server.lr=0.5",
         "options.transport: 'stacks' ships B_stack A_stack exactly",
     ),
 ]

@@ -18,7 +18,7 @@ from tests.conftest import TINY
 
 
 def fed(**options):
-    return load_config(None, [*TINY, *(f"federation.{k}={v}" for k, v in options.items())]).federation
+    return load_config(None, [*TINY, *(f"robust.{k}={v}" for k, v in options.items())]).robust
 
 
 def test_clip_scales_the_whole_update_to_the_bound_and_leaves_a_smaller_one_alone():
@@ -71,9 +71,9 @@ def test_aggregate_fit_applies_clip_bound_and_trim(method):
     rng = np.random.default_rng(1)
     options = {
         "none": ([], None),
-        "clip": (["federation.clip_update_norm=0.5"], "clip"),
-        "bound": (["federation.max_client_weight=0.3"], "bound"),
-        "trim": (['federation.aggregation="trimmed-mean"', "federation.trim_fraction=0.2"], "trim"),
+        "clip": (["robust.clip_update_norm=0.5"], "clip"),
+        "bound": (["robust.max_client_weight=0.3"], "bound"),
+        "trim": (['robust.aggregation="trimmed-mean"', "robust.trim_fraction=0.2"], "trim"),
     }
     first = _strategy(method)
     sent = first.configure_fit(1, list(range(5)))[0]
@@ -127,8 +127,8 @@ def _trim_mean_30(stacked: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize(
     ("extra", "replies", "reference"),
     [
-        (['federation.aggregation="trimmed-mean"', "federation.trim_fraction=0.3"], 5, _trim_mean_30),
-        (['federation.aggregation="median"'], 4, _coordinate_median),
+        (['robust.aggregation="trimmed-mean"', "robust.trim_fraction=0.3"], 5, _trim_mean_30),
+        (['robust.aggregation="median"'], 4, _coordinate_median),
     ],
     ids=["trim-0.3-of-5", "median-of-4"],
 )
@@ -196,20 +196,20 @@ def test_methods_whose_combination_is_not_a_weighted_sum_refuse_the_options(meth
     merge (weights it would keep using), RABO's bilevel step and BoMM's cloud are not a weighted sum
     of updates: one line naming the method and the option."""
     for option in ('aggregation="median"', "clip_update_norm=1.0", "max_client_weight=0.5"):
-        config = load_config(None, [f"method={method}", *([f"task={task}"] if task else []), f"federation.{option}"])
+        config = load_config(None, [f"method={method}", *([f"task={task}"] if task else []), f"robust.{option}"])
         with pytest.raises(
-            ConfigError, match=rf"^federation.{option.split('=')[0]}: method '{method}' does not support it"
+            ConfigError, match=rf"^robust.{option.split('=')[0]}: method '{method}' does not support it"
         ):
             resolve_run(config)
 
 
 def test_option_combinations_that_would_be_ignored_are_refused():
-    with pytest.raises(ConfigError, match="federation.trim_fraction: applies to"):
-        load_config(None, ["federation.trim_fraction=0.2"])
-    with pytest.raises(ConfigError, match="federation.max_client_weight: bounds the weighted mean"):
-        load_config(None, ['federation.aggregation="median"', "federation.max_client_weight=0.5"])
-    with pytest.raises(ConfigError, match="federation.trim_fraction"):
-        load_config(None, ['federation.aggregation="trimmed-mean"', "federation.trim_fraction=0.5"])
+    with pytest.raises(ConfigError, match="robust.trim_fraction: applies to"):
+        load_config(None, ["robust.trim_fraction=0.2"])
+    with pytest.raises(ConfigError, match="robust.max_client_weight: bounds the weighted mean"):
+        load_config(None, ['robust.aggregation="median"', "robust.max_client_weight=0.5"])
+    with pytest.raises(ConfigError, match="robust.trim_fraction"):
+        load_config(None, ['robust.aggregation="trimmed-mean"', "robust.trim_fraction=0.5"])
 
 
 # -- the default screen against an outsized update ---------------------------------------------------
@@ -226,7 +226,7 @@ def test_outsized_updates_are_those_above_the_ratio_times_the_others_lower_media
     zeros = {c: msg(0.0) for c in range(3)}
     assert list(outsized_updates({0: msg(1.0), 1: msg(1e30)}, zeros, 1000)) == [1]
     lone = outsized_updates({1: msg(1e30)}, {1: msg(1.0)}, 1000)
-    assert lone == {1: "update norm 1e+30 exceeds federation.max_update_ratio = 1000 times its reference 1"}
+    assert lone == {1: "update norm 1e+30 exceeds robust.max_update_ratio = 1000 times its reference 1"}
     assert outsized_updates({0: msg(3.0, 4.0)}, {0: msg(0.004, 0.003)}, 1000) == {}  # norm 5 = 1000 x 0.005
     assert list(outsized_updates({0: msg(3.0, 4.0)}, {0: msg(0.00399, 0.003)}, 1000)) == [0]
     assert outsized_updates({0: msg(0.0), 1: msg(0.0), 2: msg(5.0)}, zeros, 10) == {}
@@ -250,7 +250,7 @@ def test_an_even_count_of_other_replies_takes_the_lower_of_the_two_middle_norms(
     replies = {0: msg(1.0), 1: msg(1.0), 2: msg(4.0), 3: msg(3000.0), 4: msg(3000.0)}
     out = outsized_updates(replies, {c: msg(0.0) for c in replies}, 1000)
     assert sorted(out) == [3, 4], out
-    assert out[3] == "update norm 3e+03 exceeds federation.max_update_ratio = 1000 times its reference 1"
+    assert out[3] == "update norm 3e+03 exceeds robust.max_update_ratio = 1000 times its reference 1"
 
 
 def test_a_huge_finite_update_is_dropped_by_default_and_the_run_goes_on(tiny_config):
@@ -267,13 +267,13 @@ def test_a_huge_finite_update_is_dropped_by_default_and_the_run_goes_on(tiny_con
     lines = [json.loads(x) for x in open(f"{summary['run_dir']}/metrics.jsonl")]
     assert [line["round"] for line in lines] == [1, 2, 3]
     for line in lines:
-        assert list(line["dropped"]) == ["0"] and "exceeds federation.max_update_ratio" in line["dropped"]["0"]
+        assert list(line["dropped"]) == ["0"] and "exceeds robust.max_update_ratio" in line["dropped"]["0"]
         assert np.isfinite(line["loss"])
-    assert RoundPolicy.of(tiny_config().federation).max_update_ratio == 1000
-    assert RoundPolicy.of(tiny_config("federation.max_update_ratio=0").federation).max_update_ratio is None
-    assert RoundPolicy.of(tiny_config().federation, private=True).max_update_ratio is None
+    assert RoundPolicy.of(tiny_config()).max_update_ratio == 1000
+    assert RoundPolicy.of(tiny_config("robust.max_update_ratio=0")).max_update_ratio is None
+    assert RoundPolicy.of(tiny_config(), private=True).max_update_ratio is None
     with pytest.raises(ConfigError, match="max_update_ratio"):
-        tiny_config("federation.max_update_ratio=0.5")
+        tiny_config("robust.max_update_ratio=0.5")
 
 
 def test_under_dp_the_round_loop_screens_nothing_and_clipping_bounds_the_huge_update(tiny_config):
@@ -299,7 +299,7 @@ def test_the_screen_costs_an_honest_run_nothing(tiny_config):
     from fedtune.checkpoint import load_state
     from fedtune.run import run_experiment
 
-    runs = [run_experiment(tiny_config(f"name=r{r}", f"federation.max_update_ratio={r}")) for r in (1000, 0)]
+    runs = [run_experiment(tiny_config(f"name=r{r}", f"robust.max_update_ratio={r}")) for r in (1000, 0)]
     states = [load_state(Path(run["run_dir"], "checkpoint.npz")) for run in runs]
     assert all(not line for run in runs for line in [run["dropped"]])
     for key, value in states[0]["global"].items():
@@ -314,7 +314,7 @@ def test_a_state_that_evaluates_to_a_non_finite_loss_is_never_checkpointed(tiny_
     from fedtune.run import run_experiment
 
     hostile = 'federation.profiles=[{attack="scale", attack_scale=1e30}, {}, {}, {}]'
-    config = tiny_config(hostile, "federation.max_update_ratio=0", "name=poisoned")
+    config = tiny_config(hostile, "robust.max_update_ratio=0", "name=poisoned")
     with pytest.raises(RoundFailed, match="round 1: the aggregated global state evaluates to a non-finite loss"):
         run_experiment(config)
     run_dir = Path(config.output_dir) / "poisoned"

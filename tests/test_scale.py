@@ -245,17 +245,17 @@ def test_the_parameter_storage_does_not_grow_with_the_number_of_clients(tmp_path
 def test_gpu_fractions_go_to_rays_client_resources_and_only_on_the_flower_simulation(monkeypatch):
     from fedtune.engines.flower import simulation
 
-    with pytest.raises(ValueError, match="federation.gpus_per_client: applies to engine = 'flower-sim'"):
-        load_config(None, ["federation.gpus_per_client=0.25", "device=cuda"])
-    with pytest.raises(ValueError, match="federation.gpus_per_client: needs device = 'cuda' or 'auto'"):
-        load_config(None, ["federation.gpus_per_client=0.25", "engine=flower-sim"])
+    with pytest.raises(ValueError, match="placement.gpus_per_client: applies to engine = 'flower-sim'"):
+        load_config(None, ["placement.gpus_per_client=0.25", "device=cuda"])
+    with pytest.raises(ValueError, match="placement.gpus_per_client: needs device = 'cuda' or 'auto'"):
+        load_config(None, ["placement.gpus_per_client=0.25", "engine=flower-sim"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     backend = simulation.ray_backend_config(4, gpus_per_client=0.25)
     assert backend["client_resources"]["num_gpus"] == 0.25 and backend["init_args"]["num_gpus"] == 2
     assert simulation.ray_backend_config(4)["client_resources"]["num_gpus"] == 0.0  # the default: none
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ConfigError, match="^federation.gpus_per_client: this machine has no CUDA device"):
+    with pytest.raises(ConfigError, match="^placement.gpus_per_client: this machine has no CUDA device"):
         simulation.ray_backend_config(4, gpus_per_client=0.25)
 
 

@@ -28,9 +28,9 @@ from tests.test_flower import LoopbackGrid, client_1_fails_in_round_2, task_iden
 KIND = "text-classification"
 C, T = 0.5, 2**24  # quantization step 2C/T = 6e-8
 SECURE = [
-    "federation.secure_aggregation=true",
-    f"federation.secagg_clipping_range={C}",
-    f"federation.secagg_quantization_range={T}",
+    "secure_aggregation.enabled=true",
+    f"secure_aggregation.clipping_range={C}",
+    f"secure_aggregation.quantization_range={T}",
 ]
 ON_SIM = [*SECURE, 'engine="flower-sim"']  # SecAgg+ on the Flower simulation
 ALL_THREE = ["federation.clients_per_round=3"]  # 3 of 3 sampled: 3 shares, threshold 2 (one may drop)
@@ -222,39 +222,39 @@ def test_a_method_that_needs_each_update_refuses_secure_aggregation_in_one_line(
     for method in ("flexlora", "fedstacklora"):
         with pytest.raises(ConfigError) as err:
             resolve_run(tiny(tmp_path, method, KIND, *SECURE, 'engine="flower-sim"'))
-        assert str(err.value).startswith(f"federation.secure_aggregation: method '{method}' does not support it")
+        assert str(err.value).startswith(f"secure_aggregation.enabled: method '{method}' does not support it")
         assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ([*SECURE], 'federation.secure_aggregation: runs on engine = "flower-sim" or "flower"'),
-        (["federation.secagg_threshold=2"], "federation.secagg_threshold: applies to federation.secure_aggregation"),
-        ([*ON_SIM, "federation.clients_per_round=1"], "federation.secure_aggregation: needs at least 2"),
+        ([*SECURE], 'secure_aggregation.enabled: runs on engine = "flower-sim" or "flower"'),
+        (["secure_aggregation.threshold=2"], "secure_aggregation.threshold: applies to secure_aggregation.enabled"),
+        ([*ON_SIM, "federation.clients_per_round=1"], "secure_aggregation.enabled: needs at least 2"),
         (
-            [*ON_SIM, "federation.secagg_quantization_range=2147483648"],
-            "federation.secagg_quantization_range: 4 clients",
+            [*ON_SIM, "secure_aggregation.quantization_range=2147483648"],
+            "secure_aggregation.quantization_range: 4 clients",
         ),
         (
-            [*ON_SIM, "federation.secagg_modulus_range=3000000000"],
-            "federation.secagg_modulus_range: expected a power of 2",
+            [*ON_SIM, "secure_aggregation.modulus_range=3000000000"],
+            "secure_aggregation.modulus_range: expected a power of 2",
         ),
-        ([*ON_SIM, "federation.secagg_threshold=5"], "federation.secagg_threshold: expected 2..secagg_num_shares = 4"),
-        ([*ON_SIM, "federation.secagg_num_shares=5"], "federation.secagg_num_shares: expected at most the 4"),
-        ([*ON_SIM, "federation.upload_topk=0.1"], "federation.upload_topk: not with federation.secure_aggregation"),
+        ([*ON_SIM, "secure_aggregation.threshold=5"], "secure_aggregation.threshold: expected 2..num_shares = 4"),
+        ([*ON_SIM, "secure_aggregation.num_shares=5"], "secure_aggregation.num_shares: expected at most the 4"),
+        ([*ON_SIM, "federation.upload_topk=0.1"], "federation.upload_topk: not with secure_aggregation.enabled"),
         (
-            [*ON_SIM, 'federation.aggregation="median"'],
-            "federation.aggregation: not with federation.secure_aggregation",
+            [*ON_SIM, 'robust.aggregation="median"'],
+            "robust.aggregation: not with secure_aggregation.enabled",
         ),
         (
-            [*SECURE, 'engine="flower"', "federation.nodes=2"],
-            "federation.nodes: secure aggregation needs one client per node",
+            [*SECURE, 'engine="flower"', "placement.nodes=2"],
+            "placement.nodes: secure aggregation needs one client per node",
         ),
         (
             [*ON_SIM, 'privacy.mode="central"', "privacy.clip=1", "privacy.noise_multiplier=1"]
             + ["privacy.adaptive_clip=true"],
-            "privacy.adaptive_clip: not with federation.secure_aggregation",
+            "privacy.adaptive_clip: not with secure_aggregation.enabled",
         ),
     ],
 )

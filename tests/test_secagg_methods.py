@@ -34,9 +34,9 @@ from tests.test_flower import LoopbackGrid, task_identity  # noqa: F401 - fixtur
 
 C, T = 0.5, 2**24  # quantization step 2C/T = 6e-8
 SECURE = [
-    "federation.secure_aggregation=true",
-    f"federation.secagg_clipping_range={C}",
-    f"federation.secagg_quantization_range={T}",
+    "secure_aggregation.enabled=true",
+    f"secure_aggregation.clipping_range={C}",
+    f"secure_aggregation.quantization_range={T}",
     'engine="flower-sim"',
 ]
 SAME_NOISE = "privacy.insecure_reproducible_noise=true"  # tests only: the secure and plain runs draw alike
@@ -161,7 +161,8 @@ def test_secure_aggregation_gives_the_plain_aggregate_within_the_quantization_er
     denominator = 3 if "privacy.mode" in " ".join(extra) else total.weight  # local DP: the fixed m
     bound = total.error / denominator
     if 'privacy.mode="central"' in extra:  # the secure run's clients clip to C - mu (SecAgg+'s margin), the plain to C
-        bound += quantization_margin(config.federation.secagg_step(), sum(np.size(v) for v in want.values()), 0.05)
+        step = config.secure_aggregation.step(config.federation.num_clients)
+        bound += quantization_margin(step, sum(np.size(v) for v in want.values()), 0.05)
     if 'options.padding="coverage"' in extra:  # rank index 3 is covered by one client of weight 1
         biggest = max(float(np.max(np.abs(v))) for v in want.values())
         bound = (total.error + biggest * total.error / C) / (1 - total.error / C)
@@ -187,12 +188,16 @@ def test_heterolora_coverage_sums_each_rank_indexs_weight(tmp_path, seen, task_i
 @pytest.mark.parametrize(
     ("method", "extra", "message"),
     [
-        ("flexlora", (), "federation.secure_aggregation: method 'flexlora' does not support it"),
-        ("fedstacklora", (), "federation.secure_aggregation: method 'fedstacklora' does not support it"),
-        ("local", (), "federation.secure_aggregation: method 'local' does not support it"),
-        ("heterolora", ('options.weighting="sparsity"',), "options.weighting: 'sparsity' is not with federation"),
-        ("heterolora", ("options.self_pruning=true",), "options.self_pruning: not with federation.secure_aggregation"),
-        ("fedpft", (), "options.distill_during: not with federation.secure_aggregation"),
+        ("flexlora", (), "secure_aggregation.enabled: method 'flexlora' does not support it"),
+        ("fedstacklora", (), "secure_aggregation.enabled: method 'fedstacklora' does not support it"),
+        ("local", (), "secure_aggregation.enabled: method 'local' does not support it"),
+        (
+            "heterolora",
+            ('options.weighting="sparsity"',),
+            "options.weighting: 'sparsity' is not with secure_aggregation.enabled",
+        ),
+        ("heterolora", ("options.self_pruning=true",), "options.self_pruning: not with secure_aggregation.enabled"),
+        ("fedpft", (), "options.distill_during: not with secure_aggregation.enabled"),
     ],
 )
 def test_an_aggregation_that_needs_each_update_refuses_secure_aggregation_in_one_line(tmp_path, method, extra, message):

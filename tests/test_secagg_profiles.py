@@ -41,7 +41,7 @@ PLANNED = (
     'federation.device_classes=[{name="small", share=0.4, bandwidth_mb=0.002}, {name="big", share=0.6}]',
     "seed=4",
 )
-SECURE = ("federation.secure_aggregation=true", 'engine="flower-sim"')
+SECURE = ("secure_aggregation.enabled=true", 'engine="flower-sim"')
 #: 3 clients, all sampled (under DP: Poisson rate 1), 2 rounds
 SMALL = ("model.lora_rank=4", "federation.num_clients=3", "federation.clients_per_round=3")
 
@@ -124,9 +124,9 @@ def test_a_poisson_sample_above_the_expected_one_does_not_wrap_the_secure_sum(ti
         "rounds=1",
         "seed=10",
         *SECURE,
-        "federation.secagg_clipping_range=0.5",
-        f"federation.secagg_quantization_range={T}",
-        f"federation.secagg_modulus_range={M}",
+        "secure_aggregation.clipping_range=0.5",
+        f"secure_aggregation.quantization_range={T}",
+        f"secure_aggregation.modulus_range={M}",
         *DP["central"],
     )
     assert mechanism(config).sample(1) == [0, 1, 2, 3]

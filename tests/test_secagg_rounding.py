@@ -36,9 +36,9 @@ PRIVATE_SECURE = [
     "federation.clients_per_round=3",  # 3 of 3: every client sampled, so each run rounds the same 3 vectors
     "rounds=1",
     "seed=4",
-    "federation.secure_aggregation=true",
-    f"federation.secagg_clipping_range={RANGE}",
-    f"federation.secagg_quantization_range={T}",
+    "secure_aggregation.enabled=true",
+    f"secure_aggregation.clipping_range={RANGE}",
+    f"secure_aggregation.quantization_range={T}",
     'engine="flower-sim"',
     'privacy.mode="central"',
     "privacy.noise_multiplier=1",
@@ -148,7 +148,7 @@ def test_a_setup_coarser_than_the_configs_worst_step_is_refused(tmp_path):
     config = _config(tmp_path)
     setup = {Key.STAGE: Stage.SETUP, Key.CLIPPING_RANGE: RANGE}
     check_setup(config, {**setup, Key.TARGET_RANGE: T})
-    check_setup(config, {**setup, Key.TARGET_RANGE: config.federation.secagg_target(3)})
+    check_setup(config, {**setup, Key.TARGET_RANGE: config.secure_aggregation.target(3)})
     check_setup(config, {Key.STAGE: Stage.SHARE_KEYS})  # other stages carry no quantization
     with pytest.raises(ValueError, match=r"SecAgg\+ setup: quantization step .* coarser than this run's worst"):
         check_setup(config, {**setup, Key.TARGET_RANGE: T // 2})
@@ -159,13 +159,13 @@ def test_a_clip_within_the_rounding_margin_stops_in_one_line(tmp_path):
     """T = 16: the step 2c/T = 1/16 lifts 1,123 coordinates by up to 2.1 > C = 1, so no clip keeps the
     quantized update within C: the server stops at its first request, naming the field and the way
     out (every client would refuse the same with its reply)."""
-    config = _config(tmp_path, "federation.secagg_quantization_range=16")
+    config = _config(tmp_path, "secure_aggregation.quantization_range=16")
     with pytest.raises(ConfigError) as stopped:
         _serve(config)
     assert str(stopped.value).startswith(
         "privacy.clip: C = 1 is within SecAgg+'s rounding margin 2.09 for 1123 coordinates (step 0.0625)"
     )
     assert str(stopped.value).endswith(
-        "raise federation.secagg_quantization_range or lower federation.secagg_clipping_range"
+        "raise secure_aggregation.quantization_range or lower secure_aggregation.clipping_range"
     )
     assert "\n" not in str(stopped.value)

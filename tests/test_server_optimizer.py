@@ -1,5 +1,5 @@
 """The paper's optimizer and its deviations: ``train.momentum`` (heavy-ball SGD on the clients) and
-the server step on the aggregated update (``federation.server_*``) for every LoRA method: plain
+the server step on the aggregated update (``[server]``) for every LoRA method: plain
 SGD at server lr 1 is eq. (5) bit for bit; ``adam`` is FedAdam (Reddi et al. 2021), checked against
 a hand-written step and against torch's AdamW as the published FSLoRA code calls it."""
 
@@ -61,9 +61,7 @@ def fslora_replies(strategy, rnd: int, rng) -> dict[int, Message]:
 
 
 # -- server SGD: eq. (5) ---------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "server", [[], ["federation.server_optimizer=sgd", "federation.server_lr=1"], ["federation.server_lr=0.5"]]
-)
+@pytest.mark.parametrize("server", [[], ["server.optimizer=sgd", "server.lr=1"], ["server.lr=0.5"]])
 def test_server_sgd_is_eq5_bit_for_bit_at_lr_1_and_scales_the_sum_otherwise(server):
     """X^{t+1} = X^t + eta sum_i (1/N) scatter_I_i(Delta X_i), written out here with plain numpy
     (float32, clients in reply order): equal bit for bit at eta = 1 (the default) and eta = 1/2."""
@@ -73,7 +71,7 @@ def test_server_sgd_is_eq5_bit_for_bit_at_lr_1_and_scales_the_sum_otherwise(serv
         before = {k: v.copy() for k, v in strategy.global_arrays.items()}
         replies = fslora_replies(strategy, rnd, rng)
         strategy.aggregate_fit(rnd, replies)
-        eta = 0.5 if "federation.server_lr=0.5" in server else 1.0
+        eta = 0.5 if "server.lr=0.5" in server else 1.0
         for name, x in before.items():
             total = np.zeros_like(x)
             for reply in replies.values():
@@ -108,11 +106,11 @@ def test_server_adam_without_bias_correction_matches_a_hand_written_fedadam_step
     strategy = strategy_of(
         tiny(
             "fedit",
-            "federation.server_optimizer=adam",
-            f"federation.server_lr={eta}",
-            f"federation.server_betas=[{b1}, {b2}]",
-            f"federation.server_eps={tau}",
-            "federation.server_bias_correction=false",
+            "server.optimizer=adam",
+            f"server.lr={eta}",
+            f"server.betas=[{b1}, {b2}]",
+            f"server.eps={tau}",
+            "server.bias_correction=false",
         )
     )
     rng = np.random.default_rng(1)
@@ -137,9 +135,9 @@ def test_server_adam_with_bias_correction_is_torch_adamw_on_the_negated_mean_as_
     eta = 5e-4
     config = tiny(
         "fedit",
-        "federation.server_optimizer=adam",
-        f"federation.server_lr={eta}",
-        "federation.server_weight_decay=0.01",
+        "server.optimizer=adam",
+        f"server.lr={eta}",
+        "server.weight_decay=0.01",
     )
     strategy = strategy_of(config)
     params = {k: torch.tensor(v) for k, v in strategy.global_arrays.items()}
@@ -165,7 +163,7 @@ def test_server_momentum_is_heavy_ball_on_the_mean_update_and_survives_a_checkpo
     Wrong versions caught: no buffer (x += eta Delta), an EMA buffer (mu b + (1 - mu) Delta), a
     buffer lost on resume."""
     eta, mu = 0.5, 0.9
-    config = tiny("fedit", f"federation.server_lr={eta}", f"federation.server_momentum={mu}")
+    config = tiny("fedit", f"server.lr={eta}", f"server.momentum={mu}")
     strategy = strategy_of(config)
     rng = np.random.default_rng(3)
     x = {k: v.astype(np.float64) for k, v in strategy.global_arrays.items()}
@@ -186,15 +184,15 @@ def test_server_momentum_is_heavy_ball_on_the_mean_update_and_survives_a_checkpo
 
 
 def test_server_momentum_is_refused_with_adam_and_by_a_method_that_does_not_take_a_server_step():
-    """server_momentum belongs to the sgd server step: with adam it is one line naming it; a method
+    """server.momentum belongs to the sgd server step: with adam it is one line naming it; a method
     with no server step (local training alone) refuses it as it refuses any other server step."""
-    with pytest.raises(ConfigError, match=r"^federation.server_momentum: applies to server_optimizer='sgd'"):
-        tiny("fedit", "federation.server_optimizer=adam", "federation.server_lr=0.1", "federation.server_momentum=0.9")
-    with pytest.raises(ConfigError, match="federation.server_momentum"):
-        tiny("fedit", "federation.server_momentum=1.0")  # mu < 1: else the buffer never forgets
-    with pytest.raises(ConfigError, match=r"^federation.server_optimizer: method 'local' does not support it"):
-        RunContext(resolve_run(load_config(None, ["method=local", *TINY, "federation.server_momentum=0.5"])))
-    assert strategy_of(tiny("fedit", "federation.server_momentum=0.5")).aggregation.server_opt.momentum == 0.5
+    with pytest.raises(ConfigError, match=r"^server.momentum: applies to server.optimizer='sgd'"):
+        tiny("fedit", "server.optimizer=adam", "server.lr=0.1", "server.momentum=0.9")
+    with pytest.raises(ConfigError, match="server.momentum"):
+        tiny("fedit", "server.momentum=1.0")  # mu < 1: else the buffer never forgets
+    with pytest.raises(ConfigError, match=r"^server.optimizer: method 'local' does not support it"):
+        RunContext(resolve_run(load_config(None, ["method=local", *TINY, "server.momentum=0.5"])))
+    assert strategy_of(tiny("fedit", "server.momentum=0.5")).aggregation.server_opt.momentum == 0.5
 
 
 HETLORA = ["options.self_pruning=true", "options.weighting=sparsity", "options.aggregate=modules"]
@@ -209,8 +207,8 @@ def test_every_lora_method_runs_with_server_adam_and_client_momentum(method, ext
     config = tiny(
         method,
         SKETCH,
-        "federation.server_optimizer=adam",
-        "federation.server_lr=1e-3",
+        "server.optimizer=adam",
+        "server.lr=1e-3",
         "train.optimizer=sgd",
         "train.momentum=0.9",
         "train.lr=0.01",
@@ -235,7 +233,7 @@ def test_server_adam_moves_flexlora_delta_w_toward_the_new_aggregate():
     from tests.test_hetero_baselines import fake_replies
 
     full = strategy_of(tiny("flexlora", SKETCH))
-    half = strategy_of(tiny("flexlora", SKETCH, "federation.server_lr=0.5"))
+    half = strategy_of(tiny("flexlora", SKETCH, "server.lr=0.5"))
     for strategy in (full, half):
         messages = strategy.configure_fit(1, [0, 1, 2])
         _, replies = fake_replies(strategy, messages, np.random.default_rng(3))
@@ -265,11 +263,11 @@ def test_train_momentum_is_heavy_ball_sgd():
     "overrides, message",
     [
         (["train.momentum=0.9"], r"train\.momentum: applies to train\.optimizer='sgd'"),
-        (["federation.server_optimizer=adam"], r"federation\.server_lr: required"),
-        (["federation.server_eps=1e-3"], r"federation\.server_eps: applies to federation\.server_optimizer='adam'"),
+        (["server.optimizer=adam"], r"server\.lr: required"),
+        (["server.eps=1e-3"], r"server\.eps: applies to server\.optimizer='adam'"),
         (
-            ["federation.server_optimizer=adam", "federation.server_lr=1", "federation.server_betas=[0.9, 1.0]"],
-            r"federation\.server_betas",
+            ["server.optimizer=adam", "server.lr=1", "server.betas=[0.9, 1.0]"],
+            r"server\.betas",
         ),
     ],
 )
@@ -280,8 +278,8 @@ def test_bad_optimizer_settings_are_one_line_config_errors(overrides, message):
 
 @pytest.mark.parametrize("method, extra", [("local", []), ("fedstacklora", ["options.transport=stacks"])])
 def test_a_server_step_the_method_cannot_honour_is_refused(method, extra):
-    config = tiny(method, *extra, "federation.server_optimizer=adam", "federation.server_lr=1e-3")
-    with pytest.raises(ConfigError, match="server_optimizer|transport"):
+    config = tiny(method, *extra, "server.optimizer=adam", "server.lr=1e-3")
+    with pytest.raises(ConfigError, match="server.optimizer|transport"):
         strategy_of(config)
 
 
@@ -290,7 +288,7 @@ def test_resolved_config_with_the_default_server_step_runs_again(tmp_path):
     adam-only checks."""
     summary = run_experiment(tiny("fedit", "rounds=1", f"output_dir={tmp_path}"))
     again = load_config(Path(summary["run_dir"]) / "config.toml")
-    assert again.federation.server_optimizer == "sgd" and again.federation.resolved_server_lr() == 1.0
+    assert again.server.optimizer == "sgd" and again.server.resolved_lr() == 1.0
 
 
 def test_methods_verbose_labels_the_deviations():
@@ -300,7 +298,7 @@ def test_methods_verbose_labels_the_deviations():
     assert result.exit_code == 0
     block = result.output.split("\nfslora")[1].split("\nheterolora")[0]
     assert "deviation: train.optimizer: 'adamw' (the default) departs from Algorithm 1" in block
-    assert "deviation: federation.server_optimizer: 'adam'" in block
+    assert "deviation: server.optimizer: 'adam'" in block
     assert "options.per_module_sketch = False" in block
     hetero = result.output.split("\nheterolora")[1]
     assert "deviation: options.self_pruning" in hetero and "options.prune_gamma = 0.99" in hetero

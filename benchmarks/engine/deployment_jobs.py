@@ -30,7 +30,7 @@ def job(kind: str, nodes: int, overrides: list[str]) -> None:
     if kind == "plain":
         return print("RESULT " + json.dumps(plain_job(nodes, overrides)), flush=True)
     engine = {"embedded": "embedded", "sim": "flower-sim", "flower": "flower"}[kind]
-    extra = [f"federation.nodes={nodes}"] if kind == "flower" else []
+    extra = [f"placement.nodes={nodes}"] if kind == "flower" else []
     config = load_config(None, [*overrides, f"engine={engine}", *extra])
     if kind == "flower":
         from fedtune.engines.flower.deployment import run_flower_deployment

@@ -162,7 +162,7 @@ def part_rounds(args, out: Path) -> dict:
         for engine, nodes in (("embedded", 0), ("flower", 1), ("flower", 2)):
             label = engine if not nodes else f"flower-{nodes}"
             print(f"[rounds] {name} ({steps} steps): {label} ...", flush=True)
-            extra = [f"federation.nodes={nodes}"] if nodes else []
+            extra = [f"placement.nodes={nodes}"] if nodes else []
             results[label] = run_job(engine, [*overrides, *extra, f"name=rounds-{name}-{label}"], out)
         stats = {label: round_stats(r) for label, r in results.items()}
         e = stats["embedded"]["median_round_s"]

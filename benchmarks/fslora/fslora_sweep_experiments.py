@@ -126,7 +126,7 @@ def run_spec(scale: Scale, row: str, family: str, seed: int, setting: dict[str, 
     rank = fair_fedit_rank(scale, seed) if row == "fedit" else scale.rank
     extra = {"seed": seed, "model.lora_rank": rank, "model.lora_alpha": 2.0 * rank, "train.lr": setting["lr"]}
     if "server_lr" in setting:
-        extra["federation.server_lr"] = setting["server_lr"]
+        extra["server.lr"] = setting["server_lr"]
     overrides = [
         *scale.overrides,
         *OVERLAYS[family],
@@ -246,13 +246,14 @@ def train_values(family: str, setting: dict[str, float]) -> dict[str, Any]:
 
 
 def federation_values(row: str, setting: dict[str, float]) -> dict[str, Any]:
-    """The [federation] server-step values of a row (None: the key is removed, the default)."""
+    """The server-step values of a row, as the sweep's records name them (``server_lr``: the recipe's
+    ``[server] lr``; None: the key is removed, the default)."""
     if row == "fslora-sadam":
-        fed = OVERLAYS_VALUES["fslora-sadam"]["federation"]
+        server = OVERLAYS_VALUES["fslora-sadam"]["server"]
         return {
-            "server_optimizer": fed["server_optimizer"],
+            "server_optimizer": server["optimizer"],
             "server_lr": setting["server_lr"],
-            "server_weight_decay": fed["server_weight_decay"],
+            "server_weight_decay": server["weight_decay"],
         }
     return {"server_optimizer": None, "server_lr": None, "server_weight_decay": None}
 

@@ -18,7 +18,7 @@ from fedtune.harness import (
 
 # -- the winners as recipe values (issue 13, item 6) -------------------------------------------
 
-#: a recipe's method -> the benchmark rows that may set its [train] (and for FSLoRA [federation])
+#: a recipe's method -> the benchmark rows that may set its [train] (and for FSLoRA [server])
 RECIPE_ROWS = {
     "fslora": ["fslora", "fslora-sadam"],
     **{m: [m] for m in ("heterolora", "flexlora", "fedstacklora", "fedit")},
@@ -133,8 +133,9 @@ def apply_change(change: RecipeChange) -> str:
     text = change.recipe.read_text()
     comment = f"benchmarks/fslora/sweep.py: {change.row}, {FAMILY_LABELS[change.family]} ({change.basis})"
     text = set_toml_values(text, "train", change.train, comment)
-    if change.federation is not None:
-        text = set_toml_values(text, "federation", change.federation, comment)
+    if change.federation is not None:  # the sweep's server_* records: the recipe's [server] table
+        server = {k.removeprefix("server_"): v for k, v in change.federation.items()}
+        text = set_toml_values(text, "server", server, comment)
     load_config_text(text)
     return text
 
@@ -161,9 +162,7 @@ def recipe_changes_report(changes: list[RecipeChange]) -> str:
             f", momentum {now.train.momentum:g}" if now.train.momentum else ""
         )
         if now.method == "fslora":
-            current += f"; server {now.federation.server_optimizer}" + (
-                f" lr {now.federation.server_lr:g}" if now.federation.server_lr else ""
-            )
+            current += f"; server {now.server.optimizer}" + (f" lr {now.server.lr:g}" if now.server.lr else "")
         if c.train is None:
             rows.append([c.recipe.name, c.method, current, "unchanged", c.basis])
             continue

@@ -40,7 +40,7 @@ Experiments (``--only``; default ``sweep,table``, FedIT's):
   without DP (6 + 3 + 3 runs).
 - ``secagg``: SecAgg+'s byte overhead (:mod:`privacy_secagg`): one round of the suite's FedIT
   config without DP on Flower's simulation (``engine = "flower-sim"``, Ray), with
-  ``federation.secure_aggregation = true`` and without, on :data:`SECAGG_CLIENTS` = 10 clients all
+  ``secure_aggregation.enabled = true`` and without, on :data:`SECAGG_CLIENTS` = 10 clients all
   sampled (200 examples each, as in the suite; one Ray ClientApp per client, so 10 rather than 100
   nodes), run on the harness's worker pool like the others; writes ``secagg.json`` (MB up and down
   per client each way, their ratio, and how far the two runs' global adapters are apart against
@@ -114,9 +114,9 @@ FSLORA = [
     "train.lr=0.1",
     "train.momentum=0.9",
     "federation.profile_choices={sketch_ratio = [0.125, 0.25, 0.5, 0.75]}",
-    'federation.server_optimizer="adam"',
-    "federation.server_lr=0.003",
-    "federation.server_weight_decay=0.01",
+    'server.optimizer="adam"',
+    "server.lr=0.003",
+    "server.weight_decay=0.01",
 ]
 #: --quick's FSLoRA: tiny-bert's layers allow a rank of at most 32
 QUICK_FSLORA = ["model.lora_rank=16", "model.lora_alpha=32.0"]
@@ -187,7 +187,7 @@ def secagg_runs(quick: bool) -> list[RunSpec]:
     ]
     return [
         RunSpec("plain", scale, {"secure": False}),
-        RunSpec("secagg", [*scale, "federation.secure_aggregation=true"], {"secure": True}),
+        RunSpec("secagg", [*scale, "secure_aggregation.enabled=true"], {"secure": True}),
     ]
 
 

@@ -37,7 +37,7 @@ def secagg_result(specs: list[RunSpec], command: str) -> dict | None:
     a, b = client_bytes(plain), client_bytes(secure)
     if a is None or b is None:
         return None
-    fed, c = secure.config.federation, secure.config
+    fed, c, sa = secure.config.federation, secure.config, secure.config.secure_aggregation
     paths = [s.run_dir / "checkpoint.npz" for s in specs]
     diff = None
     if all(p.is_file() for p in paths):
@@ -47,23 +47,23 @@ def secagg_result(specs: list[RunSpec], command: str) -> dict | None:
         "what": (
             f"one round of the suite's FedIT recipe without DP (model {c.model.name}, rank {c.model.lora_rank}, "
             f"{c.train.local_steps} local steps) on engine {c.engine}, {fed.num_clients} clients all sampled, "
-            "with federation.secure_aggregation = true (SecAgg+) and without"
+            "with secure_aggregation.enabled = true (SecAgg+) and without"
         ),
         "command": command,
         "adapter_coordinates": noised_coordinates(plain),
         "secagg_options": {
-            "clipping_range": fed.secagg_clipping_range,
-            "quantization_range": fed.secagg_quantization_range,
-            "modulus_range": fed.secagg_modulus_range,
-            "num_shares": fed.secagg_shares(),
-            "threshold": fed.secagg_reconstruction_threshold(),
+            "clipping_range": sa.clipping_range,
+            "quantization_range": sa.quantization_range,
+            "modulus_range": sa.modulus_range,
+            "num_shares": sa.shares(fed.sample_size()),
+            "threshold": sa.reconstruction_threshold(sa.shares(fed.sample_size())),
         },
         "plain": a,
         "secagg": b,
         "ratio_up": b["mb_up_per_client"] / a["mb_up_per_client"],
         "ratio_down": b["mb_down_per_client"] / a["mb_down_per_client"],
         "max_abs_difference": diff,
-        "quantization_bound": 2 * fed.secagg_clipping_range / fed.secagg_quantization_range,
+        "quantization_bound": 2 * sa.clipping_range / sa.quantization_range,
     }
 
 

@@ -33,7 +33,7 @@ version stayed within 3 points of the majority rate at 12 rounds with or without
 0.1: ``git show 089480d:benchmarks/results/privacy/scale/README.md``); iid removes that confound from
 a row that is about DP's cost.
 
-Server momentum 0.9 (``federation.server_momentum``, DP-FedAvgM; post-processing of each round's
+Server momentum 0.9 (``server.momentum``, DP-FedAvgM; post-processing of each round's
 release, so it spends no privacy). The version before it (plain FedAvg, evaluated every 4 rounds,
 the mean of rounds 16 and 20; ``git show 517efc7:benchmarks/results/privacy/scale/README.md``) did not
 learn far: no DP 56.04 +- 2.08 %, epsilon 8 55.10 +- 1.71 % (paired -0.94 +- 3.79 points; majority

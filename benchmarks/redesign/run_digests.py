@@ -61,9 +61,9 @@ CENTRAL = (
     "privacy.insecure_reproducible_noise=true",
 )
 SECURE = (
-    "federation.secure_aggregation=true",
-    "federation.secagg_clipping_range=0.5",
-    f"federation.secagg_quantization_range={2**24}",
+    "secure_aggregation.enabled=true",
+    "secure_aggregation.clipping_range=0.5",
+    f"secure_aggregation.quantization_range={2**24}",
     "federation.clients_per_round=3",
 )
 BUDGETS = ("federation.profiles=[{memory_gib=64}, {memory_gib=64, capacity=0.25}, {memory_gib=1e-9}]",)

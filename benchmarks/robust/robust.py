@@ -7,9 +7,9 @@ Every run is ``configs/benchmarks/robust-suite.toml`` (configs/fedit.toml's data
 H; 8 rounds, evaluated every 2) plus the attack (``federation.profiles``: clients 8 and 9 attack)
 and the defence:
 
-- ``clip``: ``federation.clip_update_norm = 6`` (an honest client's round-1 update has L2 norm
+- ``clip``: ``robust.clip_update_norm = 6`` (an honest client's round-1 update has L2 norm
   5.7-5.9 here, measured on three clients; a 100x one about 580);
-- ``trim``: ``federation.aggregation = "trimmed-mean"``, ``trim_fraction = 0.2`` (2 of 10 values
+- ``trim``: ``robust.aggregation = "trimmed-mean"``, ``trim_fraction = 0.2`` (2 of 10 values
   cut at each end of every coordinate: as many as there are attackers).
 
     HF_HUB_OFFLINE=1 FEDTUNE_DATA_DIR=/path/to/shared/data .venv/bin/python benchmarks/robust/robust.py
@@ -31,8 +31,8 @@ ATTACKERS = (8, 9)  # 20 % of the 10 clients
 ATTACKS = {"none": None, "sign-flip": "sign-flip", "scale-100": "scale"}
 DEFENCES = {
     "none": [],
-    "clip": ["federation.clip_update_norm=6.0"],
-    "trim": ['federation.aggregation="trimmed-mean"', "federation.trim_fraction=0.2"],
+    "clip": ["robust.clip_update_norm=6.0"],
+    "trim": ['robust.aggregation="trimmed-mean"', "robust.trim_fraction=0.2"],
 }
 LAST = 2  # a run's figure: the mean of its last 2 evaluations (rounds 6 and 8)
 WITHIN = 3.0  # points of the clean run's accuracy

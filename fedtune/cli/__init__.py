@@ -52,7 +52,7 @@ def run(
             recipe = resume / "config.toml"
             if overwrite:
                 raise ConfigError("--overwrite: a fresh run's option, not one for --resume")
-        config = load_config(recipe, set_)
+        config = load_config(recipe, set_, run_folder=resume is not None)
         from fedtune.progress import RoundPrinter
 
         printer = RoundPrinter(console, config)
@@ -148,7 +148,7 @@ def tasks() -> None:
 
 @app.command()
 def combiners() -> None:
-    """List the combiners (``federation.aggregation``): fedtune's own, then those installed packages
+    """List the combiners (``robust.aggregation``): fedtune's own, then those installed packages
     declare (entry point group fedtune.combiners), each with its source."""
     from fedtune.methods.base.robust import list_combiners
 

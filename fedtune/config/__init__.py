@@ -5,15 +5,19 @@ string means its ``name`` (``data = "sst2"`` is ``[data] name = "sst2"``), so
 ``fedtune run --set method=fedit --set data=sst2`` works.
 
 One module per part: :mod:`~fedtune.config.base` (the error, what sections share),
-:mod:`~fedtune.config.sections` (task, data, model, train), :mod:`~fedtune.config.federation`,
+:mod:`~fedtune.config.sections` (task, data, model, train), :mod:`~fedtune.config.federation`
+(``[federation]``, ``[placement]``), :mod:`~fedtune.config.aggregation` (``[server]``, ``[robust]``,
+``[secure_aggregation]``), :mod:`~fedtune.config.legacy` (the keys from before ``[federation]``'s split),
 :mod:`~fedtune.config.privacy`, :mod:`~fedtune.config.tracking` (``[logging]``),
 :mod:`~fedtune.config.run_config` (the whole run and
 :data:`~fedtune.config.run_config.RULES`, the rules across sections) and
 :mod:`~fedtune.config.loading` (recipes and overrides).
 """
 
+from fedtune.config.aggregation import RobustConfig, SecureAggregationConfig, ServerConfig
 from fedtune.config.base import DEVICE, RUN_NAME, ConfigError, Section
-from fedtune.config.federation import SECAGG_PARAMETERS, FederationConfig
+from fedtune.config.federation import FederationConfig, PlacementConfig
+from fedtune.config.legacy import KeyMovedWarning
 from fedtune.config.loading import (
     SHORTHAND,
     apply_override,
@@ -33,17 +37,21 @@ __all__ = [
     "DEVICE",
     "RULES",
     "RUN_NAME",
-    "SECAGG_PARAMETERS",
     "SHORTHAND",
     "ConfigError",
     "DataConfig",
     "FederationConfig",
+    "KeyMovedWarning",
     "LoggingConfig",
     "MethodRefusals",
     "ModelConfig",
+    "PlacementConfig",
     "PrivacyConfig",
+    "RobustConfig",
     "Rule",
     "RunConfig",
+    "SecureAggregationConfig",
+    "ServerConfig",
     "Section",
     "TaskConfig",
     "TrainConfig",

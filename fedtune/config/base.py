@@ -25,7 +25,7 @@ class Section(BaseModel):
         return {"name": value} if isinstance(value, str) else value
 
 
-#: ``device`` (and each ``federation.client_devices`` entry but ``auto``).
+#: ``device`` (and each ``placement.client_devices`` entry but ``auto``).
 DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]{1,2})?|mps")
 #: A run folder's name: one path component (no separator, no "." or ".."), of characters that need no
 #: quoting in a shell; a default name made from a data set's file name is mapped onto it.

@@ -9,6 +9,7 @@ import tomllib
 from pydantic import BaseModel, ValidationError
 
 from fedtune.config.base import ConfigError
+from fedtune.config.legacy import moved_key, note_moved, split_federation
 from fedtune.config.run_config import RunConfig
 
 
@@ -40,11 +41,15 @@ def parse_value(text: str) -> Any:
 
 
 def apply_override(tree: dict[str, Any], assignment: str) -> None:
-    """Apply one ``assignment`` ``dotted.key=value`` to the nested dict ``tree``, in place."""
+    """Apply one ``assignment`` ``dotted.key=value`` to the nested dict ``tree``, in place (an old
+    ``federation`` key at its new place: :mod:`~fedtune.config.legacy`)."""
     if "=" not in assignment:
         raise ConfigError(f"--set {assignment!r}: expected key=value")
     key, text = assignment.split("=", 1)
-    parts = key.strip().split(".")
+    new = moved_key(key.strip())  # an old [federation] key: its new place (so that it overrides it)
+    if new != key.strip():
+        note_moved(key.strip(), new, "--set")
+    parts = new.split(".")
     node = tree
     for part in parts[:-1]:
         child = node.get(part)
@@ -67,8 +72,12 @@ def flat_keys(tree: dict[str, Any], sep: str = ".") -> dict[str, Any]:
     return out
 
 
-def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Read a TOML recipe (optional), apply ``key=value`` overrides, validate."""
+def load_config(
+    recipe: str | Path | None = None, overrides: list[str] | None = None, run_folder: bool = False
+) -> RunConfig:
+    """Read a TOML recipe (optional), apply ``key=value`` overrides, validate. The recipe's keys from
+    before ``[federation]``'s split are moved with a note (:mod:`~fedtune.config.legacy`), silently
+    where it is a ``run_folder``'s own ``config.toml`` (``--resume``: fedtune wrote them, not the user)."""
     tree: dict[str, Any] = {}
     if recipe is not None:
         path = Path(recipe)
@@ -84,6 +93,7 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
             raise ConfigError(f"recipe {str(path)!r}: invalid TOML (not UTF-8 text)") from None
         except OSError as exc:
             raise ConfigError(f"recipe {str(path)!r}: cannot be read ({exc.strerror})") from None
+        tree = split_federation(tree, f"recipe {str(path)!r}", warn=not run_folder)
     for assignment in overrides or []:
         apply_override(tree, assignment)
     return validated(RunConfig, tree)

@@ -17,8 +17,10 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from fedtune.config.aggregation import RobustConfig, SecureAggregationConfig, ServerConfig
 from fedtune.config.base import DEVICE, RUN_NAME, ConfigError
-from fedtune.config.federation import FederationConfig
+from fedtune.config.federation import FederationConfig, PlacementConfig
+from fedtune.config.legacy import split_federation
 from fedtune.config.privacy import PrivacyConfig
 from fedtune.config.sections import DataConfig, ModelConfig, TaskConfig, TrainConfig
 from fedtune.config.tracking import LoggingConfig
@@ -49,11 +51,24 @@ class RunConfig(BaseModel):
     model: ModelConfig = Field(default_factory=ModelConfig, description="[model]: the base, LoRA, dtype")
     train: TrainConfig = Field(default_factory=TrainConfig, description="[train]: each client's local training")
     federation: FederationConfig = Field(
-        default_factory=FederationConfig, description="[federation]: clients, sampling, aggregation"
+        default_factory=FederationConfig, description="[federation]: clients, sampling, uploads, a round's replies"
+    )
+    server: ServerConfig = Field(default_factory=ServerConfig, description="[server]: the server's optimizer step")
+    robust: RobustConfig = Field(default_factory=RobustConfig, description="[robust]: robust aggregation, reply screen")
+    secure_aggregation: SecureAggregationConfig = Field(
+        default_factory=SecureAggregationConfig, description="[secure_aggregation]: Flower's SecAgg+"
+    )
+    placement: PlacementConfig = Field(
+        default_factory=PlacementConfig, description="[placement]: where each engine runs the clients"
     )
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig, description="[privacy]: client-level DP")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="[logging]: experiment trackers")
     options: dict[str, Any] = Field(default_factory=dict, description="the method's own options")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_federation_keys(cls, value: Any) -> Any:
+        return split_federation(value) if isinstance(value, dict) else value
 
     @model_validator(mode="after")
     def _cross_section_rules(self) -> RunConfig:
@@ -131,12 +146,12 @@ def _config_refusal(config: RunConfig, options: MethodRefusals | None) -> str | 
     return None if options is None else options.config_refusal(config)
 
 
-def _dp_not_with(key: str, broken: Callable[[FederationConfig], object]) -> Rule:
-    """``federation.<key>``, a robust-aggregation setting, refused under DP."""
+def _dp_not_with(key: str, broken: Callable[[RobustConfig], object]) -> Rule:
+    """``robust.<key>``, a robust-aggregation setting, refused under DP."""
     return Rule(
-        ("privacy.mode", f"federation.{key}"),
-        lambda c, o: _dp(c) and broken(c.federation),
-        f"federation.{key}: not with privacy.mode (DP-FedAvg clips and sums every update itself)",
+        ("privacy.mode", f"robust.{key}"),
+        lambda c, o: _dp(c) and broken(c.robust),
+        f"robust.{key}: not with privacy.mode (DP-FedAvg clips and sums every update itself)",
     )
 
 
@@ -150,55 +165,120 @@ def _dp_no_retry(key: str) -> Rule:
     )
 
 
+def _secagg_needs_each_update(config: RunConfig) -> str | None:
+    """The first key ``config`` sets that needs each client's update (refused under SecAgg+), or None."""
+    robust, fed = config.robust, config.federation
+    given = {
+        "robust.aggregation": robust.aggregation != "mean",
+        "federation.upload_topk": fed.upload_topk is not None,
+        "robust.clip_update_norm": robust.clip_update_norm is not None,
+        "robust.max_client_weight": robust.max_client_weight is not None,
+        "federation.wire_dtype": fed.wire_dtype != "float32",
+    }
+    return next((key for key, is_set in given.items() if is_set), None)
+
+
+def _secagg_round(config: RunConfig) -> tuple[SecureAggregationConfig, int, int, int]:
+    """SecAgg+'s settings and a round's clients m, shares per secret and reconstruction threshold."""
+    secure, m = config.secure_aggregation, config.federation.sample_size()
+    shares = secure.shares(m)
+    return secure, m, shares, secure.reconstruction_threshold(shares)
+
+
+def _secure(config: RunConfig) -> bool:
+    return config.secure_aggregation.enabled
+
+
 #: Every rule across the config's sections (and, stage ``"method"``, the method's options), checked
 #: in this order by :func:`check_rules`.
 RULES: tuple[Rule, ...] = (
     Rule(
-        ("federation.gpus_per_client", "engine"),
-        lambda c, o: c.federation.gpus_per_client and c.engine != "flower-sim",
-        "federation.gpus_per_client: applies to engine = 'flower-sim'",
+        ("secure_aggregation.enabled", "federation.clients_per_round"),
+        lambda c, o: _secure(c) and c.federation.sample_size() < 2,
+        "secure_aggregation.enabled: needs at least 2 clients per round (one's sum is its update)",
     ),
     Rule(
-        ("federation.client_devices", "engine"),
-        lambda c, o: c.federation.client_devices is not None and c.engine != "embedded",
-        "federation.client_devices: applies to engine = 'embedded' (flower-sim: federation.gpus_per_client)",
+        ("secure_aggregation.quantization_range", "secure_aggregation.modulus_range", "federation.clients_per_round"),
+        lambda c, o: (
+            _secure(c)
+            and c.federation.sample_size() * c.secure_aggregation.quantization_range
+            >= c.secure_aggregation.modulus_range
+        ),
+        lambda c, o: (
+            f"secure_aggregation.quantization_range: {c.federation.sample_size()} clients x T = "
+            f"{c.secure_aggregation.quantization_range} must stay below secure_aggregation.modulus_range = "
+            f"{c.secure_aggregation.modulus_range} (the sum would wrap around)"
+        ),
     ),
     Rule(
-        ("federation.gpus_per_client", "device"),
-        lambda c, o: c.federation.gpus_per_client and not c.device.startswith(("cuda", "auto")),
-        lambda c, o: f"federation.gpus_per_client: needs device = 'cuda' or 'auto' (got {c.device!r})",
+        ("secure_aggregation.num_shares", "federation.clients_per_round"),
+        lambda c, o: _secure(c) and _secagg_round(c)[2] > _secagg_round(c)[1],
+        lambda c, o: (
+            f"secure_aggregation.num_shares: expected at most the {c.federation.sample_size()} clients sampled "
+            "per round"
+        ),
     ),
     Rule(
-        ("federation.secure_aggregation", "engine"),
-        lambda c, o: c.federation.secure_aggregation and c.engine == "embedded",
-        'federation.secure_aggregation: runs on engine = "flower-sim" or "flower" (Flower\'s SecAgg+; '
+        ("secure_aggregation.threshold", "secure_aggregation.num_shares"),
+        lambda c, o: _secure(c) and not 2 <= _secagg_round(c)[3] <= _secagg_round(c)[2],
+        lambda c, o: (
+            f"secure_aggregation.threshold: expected 2..num_shares = {_secagg_round(c)[2]}, got {_secagg_round(c)[3]}"
+        ),
+    ),
+    Rule(
+        ("secure_aggregation.enabled", "robust", "federation.upload_topk", "federation.wire_dtype"),
+        lambda c, o: _secure(c) and _secagg_needs_each_update(c),
+        lambda c, o: (
+            f"{_secagg_needs_each_update(c)}: not with secure_aggregation.enabled (it needs each update; the server "
+            "sees only their sum)"
+        ),
+    ),
+    Rule(
+        ("placement.gpus_per_client", "engine"),
+        lambda c, o: c.placement.gpus_per_client and c.engine != "flower-sim",
+        "placement.gpus_per_client: applies to engine = 'flower-sim'",
+    ),
+    Rule(
+        ("placement.client_devices", "engine"),
+        lambda c, o: c.placement.client_devices is not None and c.engine != "embedded",
+        "placement.client_devices: applies to engine = 'embedded' (flower-sim: placement.gpus_per_client)",
+    ),
+    Rule(
+        ("placement.gpus_per_client", "device"),
+        lambda c, o: c.placement.gpus_per_client and not c.device.startswith(("cuda", "auto")),
+        lambda c, o: f"placement.gpus_per_client: needs device = 'cuda' or 'auto' (got {c.device!r})",
+    ),
+    Rule(
+        ("secure_aggregation.enabled", "engine"),
+        lambda c, o: _secure(c) and c.engine == "embedded",
+        'secure_aggregation.enabled: runs on engine = "flower-sim" or "flower" (Flower\'s SecAgg+; '
         "the embedded engine has no masking)",
     ),
     Rule(
-        ("federation.secure_aggregation", "federation.nodes", "engine"),
+        ("secure_aggregation.enabled", "placement.nodes", "engine"),
         lambda c, o: (
-            c.federation.secure_aggregation
+            _secure(c)
             and c.engine == "flower"
-            and c.federation.nodes is not None
-            and c.federation.nodes != c.federation.num_clients
+            and c.placement.nodes is not None
+            and c.placement.nodes != c.federation.num_clients
         ),
         lambda c, o: (
-            f"federation.nodes: secure aggregation needs one client per node ({c.federation.num_clients}; SecAgg+ "
-            f"keys and state belong to a node), got {c.federation.nodes}"
+            f"placement.nodes: secure aggregation needs one client per node ({c.federation.num_clients}; SecAgg+ "
+            f"keys and state belong to a node), got {c.placement.nodes}"
         ),
     ),
     Rule(
-        ("federation.secure_aggregation", "privacy.adaptive_clip"),
-        lambda c, o: c.federation.secure_aggregation and c.privacy.adaptive_clip,
-        "privacy.adaptive_clip: not with federation.secure_aggregation (its count needs each update's norm)",
+        ("secure_aggregation.enabled", "privacy.adaptive_clip"),
+        lambda c, o: _secure(c) and c.privacy.adaptive_clip,
+        "privacy.adaptive_clip: not with secure_aggregation.enabled (its count needs each update's norm)",
     ),
-    _dp_not_with("aggregation", lambda fed: fed.aggregation != "mean"),
-    _dp_not_with("clip_update_norm", lambda fed: fed.clip_update_norm),
-    _dp_not_with("max_client_weight", lambda fed: fed.max_client_weight),
+    _dp_not_with("aggregation", lambda robust: robust.aggregation != "mean"),
+    _dp_not_with("clip_update_norm", lambda robust: robust.clip_update_norm),
+    _dp_not_with("max_client_weight", lambda robust: robust.max_client_weight),
     Rule(
-        ("privacy.mode", "federation.max_update_ratio"),
-        lambda c, o: _dp(c) and c.federation.max_update_ratio != _default(c.federation, "max_update_ratio"),
-        "federation.max_update_ratio: not with privacy.mode (its reference, the other replies' norms, would make "
+        ("privacy.mode", "robust.max_update_ratio"),
+        lambda c, o: _dp(c) and c.robust.max_update_ratio != _default(c.robust, "max_update_ratio"),
+        "robust.max_update_ratio: not with privacy.mode (its reference, the other replies' norms, would make "
         "a drop depend on other clients' data; central DP clips every update, local DP drops an upload beyond "
         "what a clipped and noised one can be)",
     ),
@@ -218,8 +298,8 @@ RULES: tuple[Rule, ...] = (
         stage="method",
     ),
     Rule(
-        ("federation.secure_aggregation", "options"),
-        lambda c, o: c.federation.secure_aggregation and _secure_refusal(c, o),
+        ("secure_aggregation.enabled", "options"),
+        lambda c, o: _secure(c) and _secure_refusal(c, o),
         lambda c, o: _secure_refusal(c, o) or "",
         stage="method",
     ),

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 
 def client_devices(config: RunConfig) -> list[str]:
-    """The devices the embedded engine's clients spread over in ``config``: ``federation.client_devices``
+    """The devices the embedded engine's clients spread over in ``config``: ``placement.client_devices``
     (each must exist here, else one line naming the option); by default every visible CUDA device
     when ``device`` is ``cuda`` or ``auto`` and there are two or more; else ``[]`` (the clients
     run in the server's process)."""
@@ -47,12 +47,12 @@ def client_devices(config: RunConfig) -> list[str]:
 
     from fedtune.models.precision import resolve_device
 
-    given = config.federation.client_devices
+    given = config.placement.client_devices
     if given is None:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return [f"cuda:{i}" for i in range(count)] if config.device in ("cuda", "auto") and count > 1 else []
     for name in given:
-        resolve_device(name, "federation.client_devices")
+        resolve_device(name, "placement.client_devices")
     return list(given)
 
 
@@ -64,8 +64,8 @@ def assignment(client_ids: list[int], workers: int) -> list[list[int]]:
 
 def worker_config(config: RunConfig, device: str) -> RunConfig:
     """A worker's config: the run's, computing on ``device`` (and spreading nothing further)."""
-    federation = config.federation.model_copy(update={"client_devices": None})
-    return config.model_copy(update={"device": device, "federation": federation})
+    placement = config.placement.model_copy(update={"client_devices": None})
+    return config.model_copy(update={"device": device, "placement": placement})
 
 
 def client_context(config: RunConfig) -> RunContext:

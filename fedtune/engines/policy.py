@@ -39,12 +39,14 @@ class RoundPolicy:
     privacy: Any = None  # the run's PrivacyParams under DP: its mechanism's bound on each upload
 
     @classmethod
-    def of(cls, fed: Any, private: bool = False, context: Any = None) -> RoundPolicy:
-        """The policy of ``fed`` (``federation.*``) and the budgets of ``context`` (a RunContext's
-        ``round_limits``); ``private`` (DP): no outsized-update screen, whose reference would
-        depend on the other clients' updates, but the mechanism's own bound on an upload
-        (``upload_bound``: local DP's clipped and noised norm; the context's run's privacy parameters)."""
-        ratio = None if private or not fed.max_update_ratio else fed.max_update_ratio
+    def of(cls, config: Any, private: bool = False, context: Any = None) -> RoundPolicy:
+        """The policy of ``config`` (a RunConfig: ``federation.*``, ``robust.max_update_ratio``) and
+        the budgets of ``context`` (a RunContext's ``round_limits``); ``private`` (DP): no
+        outsized-update screen, whose reference would depend on the other clients' updates, but the
+        mechanism's own bound on an upload (``upload_bound``: local DP's clipped and noised norm;
+        the context's run's privacy parameters)."""
+        fed, ratio = config.federation, config.robust.max_update_ratio
+        ratio = None if private or not ratio else ratio
         limits = context.round_limits() if hasattr(context, "round_limits") else {}
         params = context.run.aggregation.privacy if private and hasattr(context, "run") else None
         policy = (fed.min_replies, fed.max_retries, fed.round_timeout_s, fed.max_reply_bytes, ratio)

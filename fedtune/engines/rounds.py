@@ -15,7 +15,7 @@ reply that fails validation: the wrong client id or round, larger than
 (types, ranges, finite numbers: a client's ``num_examples`` is at most what the server knows of
 it), or arrays other than :meth:`Strategy.reply_spec` expects (names, shapes, dtypes, finite
 values; :mod:`fedtune.protocol.validation`), and so is a training reply whose norm exceeds
-``federation.max_update_ratio`` times the round's reference (not under DP; under local DP, one
+``robust.max_update_ratio`` times the round's reference (not under DP; under local DP, one
 beyond what a clipped and noised upload can be). Dropped replies never
 reach ``aggregate_fit``. A round may hold further exchanges after the training one
 (:meth:`Strategy.phases`: RABO's two phases, BoMM's party / cloud exchanges), each with the
@@ -405,6 +405,6 @@ class Engine(ABC):
             c.eval_every,
             on_round,
             start_round,
-            RoundPolicy.of(fed, c.privacy.mode != "none", strategy.context),
+            RoundPolicy.of(c, c.privacy.mode != "none", strategy.context),
             should_stop,
         )

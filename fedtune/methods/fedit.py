@@ -4,7 +4,7 @@ Round t: the server sends the global adapter (every LoRA pair B, A and the class
 client trains it for H local steps and uploads its update Delta_i = theta_i - theta^t; the server
 sets theta^{t+1} = theta^t + sum_i p_i Delta_i, p_i proportional to the client's data size
 (FedAvg; ``options.weighting = "uniform"`` gives p_i = 1/N), through the server optimizer
-(``federation.server_optimizer``; default: exactly this sum).
+(``server.optimizer``; default: exactly this sum).
 """
 
 from __future__ import annotations

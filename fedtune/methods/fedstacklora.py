@@ -12,7 +12,7 @@ server stacks along the rank axis, folding each client's weight and PEFT scale i
     B_stack A_stack = sum_i p_i s_i B_i A_i,     Delta W^{t+1} = Delta W^t + B_stack A_stack
 
 (p_i proportional to data size; ``weighting = "uniform"``: 1/N). The head is averaged FedAvg-style.
-Both go through the server optimizer (``federation.server_optimizer``; default: exactly this sum).
+Both go through the server optimizer (``server.optimizer``; default: exactly this sum).
 
 Differential privacy: refused (``privacy.mode`` stops the run in one line naming the method). What
 a client adds is the product s_i B_i A_i, not its uploaded factors; clipping the factors bounds the
@@ -95,7 +95,7 @@ class FedStackLoRAOptions(MethodOptions):
 
     def config_refusal(self, config: RunConfig) -> str | None:
         """``transport = "stacks"`` with a server step other than x + Delta (which it cannot keep)."""
-        if self.transport == "stacks" and not ServerOptimizer(ServerStep.of(config.federation)).is_identity:
+        if self.transport == "stacks" and not ServerOptimizer(ServerStep.of(config.server)).is_identity:
             return (
                 "options.transport: 'stacks' ships B_stack A_stack exactly, which a server optimizer other than "
                 "sgd at server_lr 1 does not keep; use transport='dense'"

@@ -9,7 +9,7 @@ sparsified one) and forms, per adapted module,
     Delta W^{t+1} = sum_i p_i s_i B_i A_i                       (m, n), p_i proportional to data size
 
 (``weighting = "uniform"``: p_i = 1/N). Delta W replaces the previous one: clients started from the
-previous global, so their products carry it (a ``federation.server_optimizer`` other than plain SGD
+previous global, so their products carry it (a ``server.optimizer`` other than plain SGD
 at lr 1, a deviation, steps from the old Delta W toward the new one instead; the head likewise).
 Redistribution (round t+1): each client gets the truncated SVD at its own rank, U_{r_i} S_{r_i}
 V_{r_i}^T, as B = U_{r_i} S_{r_i} / s_i, A = V_{r_i}^T, so s_i B A is the best rank-r_i

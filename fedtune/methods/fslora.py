@@ -28,7 +28,7 @@ The server keeps, per adapted module, one global rank-r pair B (m, r), A (r, n) 
    I_i) and sets X^{t+1} = X^t + sum_i p_i Delta X_i, p_i = 1/|replies| (eq. (5) with the clients
    that replied). This is a plain mean over clients, not a per-rank mean over the clients that
    drew a rank: eq. (5) keeps the 1/N. The head is averaged with the same weights, as in FedIT.
-   The sum goes through the server optimizer (``federation.server_optimizer``; the default,
+   The sum goes through the server optimizer (``server.optimizer``; the default,
    plain SGD at server lr 1, is eq. (5) exactly).
 
 **When the update is unbiased.** E[S] = I_r (Def. 3.1) makes the sketched *SGD* step unbiased:
@@ -41,7 +41,7 @@ update is then *not* unbiased, and small-k devices move the global adapter less 
 
 Deviations from the paper (labelled in ``fedtune methods --verbose``): ``train.optimizer =
 "adamw"`` (the default; Algorithm 1 uses SGD), ``train.momentum > 0`` (the published GLUE
-clients' SGD momentum 0.9), ``federation.server_optimizer = "adam"`` or ``server_lr != 1`` (the
+clients' SGD momentum 0.9), ``server.optimizer = "adam"`` or ``server_lr != 1`` (the
 published code's server AdamW on the averaged update; eq. (5) adds the plain mean),
 ``options.weighting = "examples"`` (eq. (5) weights 1/N) and ``options.per_module_sketch``
 (the paper draws one S_i^t per device per round). ``options.download = "active"`` changes only
@@ -69,7 +69,7 @@ it) would have sensitivity 2C / n_j, with n_j as small as 1 and changing every r
 noise scale matches; eq. (5) does not divide that way and neither does this form. ``options.weighting
 = "examples"`` is refused (a weight would depend on the data).
 
-**Secure aggregation** (``federation.secure_aggregation``, SecAgg+ on Flower): eq. (5) is a
+**Secure aggregation** (``secure_aggregation.enabled``, SecAgg+ on Flower): eq. (5) is a
 weighted sum of the placed uploads P_i U_i over the clients, so each client places its own upload
 (:meth:`FSLoRAClient.secure_vector`; it knows I_i) and masks P_i U_i; the server divides the sum by
 sum_i w_i (local DP: by m). The server then cannot check a client's I_i against its draw.

@@ -58,12 +58,12 @@ on everyone's) and ``"examples"``; ``aggregate = "modules"`` (a weighted mean of
 replies, whose weights sum to one over |R|, not a fixed m); ``self_pruning`` (whether a client drops
 its tail ranks is decided on its data and shows in the upload's shape, neither clipped nor noised).
 
-**Secure aggregation** (``federation.secure_aggregation``, SecAgg+ on Flower,
+**Secure aggregation** (``secure_aggregation.enabled``, SecAgg+ on Flower,
 :meth:`~fedtune.methods.base.aggregation.Aggregation.secure_sum`). Both forms are weighted sums of per-client
 vectors: client i masks v_i = pad_r(Delta_i) (``aggregate = "modules"``: pad_r(theta_i), its trained
 module) with weight w_i (1, or its data size), and the server divides sum_i w_i v_i by sum_i w_i
 (local DP: by m). With ``padding = "coverage"`` client i also masks the r entries c 1[j < r_i] (c:
-``federation.secagg_clipping_range``), whose sum over c is rank j's coverage weight sum_i w_i 1[j <
+``secure_aggregation.clipping_range``), whose sum over c is rank j's coverage weight sum_i w_i 1[j <
 r_i], the denominator of rank j (:data:`COVERED`). Refused in one line
 (:meth:`HeteroLoRAOptions.secure_refusal`): ``weighting = "sparsity"`` (a weight is the client's own
 adapter norm) and ``self_pruning`` (the server reads each upload's rank).
@@ -165,16 +165,16 @@ class HeteroLoRAOptions(MethodOptions):
         return None
 
     def secure_refusal(self) -> str | None:
-        """federation.secure_aggregation sums the padded updates (or modules) with data-size or
+        """secure_aggregation.enabled sums the padded updates (or modules) with data-size or
         uniform weights, per rank index with ``padding = "coverage"`` (module docstring)."""
         if self.weighting == "sparsity":
             return (
-                "options.weighting: 'sparsity' is not with federation.secure_aggregation (a client's weight is "
+                "options.weighting: 'sparsity' is not with secure_aggregation.enabled (a client's weight is "
                 "its own adapter's norm, which the server would have to see)"
             )
         if self.self_pruning:
             return (
-                "options.self_pruning: not with federation.secure_aggregation (the server must learn each "
+                "options.self_pruning: not with secure_aggregation.enabled (the server must learn each "
                 "client's pruned rank from its upload's shape)"
             )
         return None
@@ -197,7 +197,7 @@ def sparsity_norm(adapter: Mapping[str, np.ndarray], scale: float) -> float:
 
 
 #: Under secure aggregation with ``padding = "coverage"``: the extra entries of a client's vector,
-#: c 1[j < r_i] for the rank indices j = 0..r-1 (c = ``federation.secagg_clipping_range``, so the
+#: c 1[j < r_i] for the rank indices j = 0..r-1 (c = ``secure_aggregation.clipping_range``, so the
 #: entry stays inside the range the mod quantizes); their weighted sum over c is the coverage
 #: weight of rank j, sum_i w_i 1[j < r_i].
 COVERED = "secure/covered"
@@ -315,7 +315,7 @@ class HeteroLoRAStrategy(BroadcastAverage, GlobalAdapterStrategy):
         layout = self.secure_layout()
         arrays, denominator = self.aggregation.secure_sum(total, layout)
         if self.options.padding == "coverage":
-            c = self.config.federation.secagg_clipping_range
+            c = self.config.secure_aggregation.clipping_range
             covered = arrays[COVERED] / c
             covered = np.where(covered > total.error / c, covered, 0.0)
             mean = {}
@@ -356,7 +356,7 @@ class HeteroLoRAClient(LoraClient):
             update = {k: message.arrays[k] + v for k, v in update.items()}
         out = {k: pad_rank(k, v, rank) for k, v in update.items()}
         if COVERED in layout:
-            c = self.config.federation.secagg_clipping_range
+            c = self.config.secure_aggregation.clipping_range
             out[COVERED] = c * (np.arange(rank) < array_rank(update)).astype(np.float64)
         return out
 

@@ -288,7 +288,7 @@ def bytes_per_value(topk: float | None, wire_dtype: str) -> float:
 
 def compresses(context: PlanningContext) -> bool:
     """Whether the run's clients upload through the codec (the method honours it; no secure aggregation)."""
-    return set(CODEC_OPTIONS) <= context.method.honours and not context.config.federation.secure_aggregation
+    return set(CODEC_OPTIONS) <= context.method.honours and not context.config.secure_aggregation.enabled
 
 
 def _codecs(context: PlanningContext, profile: ClientProfile) -> list[tuple[float | None, str]]:
@@ -307,7 +307,6 @@ def check_profile_codecs(run) -> None:
     method (ConfigError naming the first such profile); ``run``: a :class:`~fedtune.runtime.ResolvedRun`."""
     from fedtune.methods import list_methods
 
-    fed = run.config.federation
     for cid, p in enumerate(run.profiles):
         if p.trains_on is not None and (run.method.plan is None or run.method.plan.knob != "trains_on"):
             proxies = [m.name for m in list_methods() if m.plan is not None and m.plan.knob == "trains_on"]
@@ -326,8 +325,8 @@ def check_profile_codecs(run) -> None:
             raise ConfigError(
                 f"federation.profiles[{cid}].{field_}: method {run.config.method!r} does not compress its uploads"
             )
-        if fed.secure_aggregation:
-            raise ConfigError(f"federation.profiles[{cid}].{field_}: not with federation.secure_aggregation")
+        if run.config.secure_aggregation.enabled:
+            raise ConfigError(f"federation.profiles[{cid}].{field_}: not with secure_aggregation.enabled")
 
 
 @contextmanager

@@ -125,7 +125,7 @@ class Strategy(ABC):
         return round metrics."""
 
     def aggregate_secure_fit(self, rnd: int, replies: dict[int, Message], total: SecureSum) -> dict[str, float]:
-        """:meth:`aggregate_fit` of round ``rnd`` under ``federation.secure_aggregation``: ``replies`` hold the
+        """:meth:`aggregate_fit` of round ``rnd`` under ``secure_aggregation.enabled``: ``replies`` hold the
         clients' metadata only (their arrays crossed masked), ``total`` their sum. Only a method
         that declares the option (``register(..., supports=...)``) is ever asked."""
         raise RuntimeError(f"{type(self).__name__} has no secure-aggregation form (it needs each update)")

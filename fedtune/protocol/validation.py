@@ -15,7 +15,7 @@ weighted sum): :meth:`Strategy.reply_meta_spec` declares the keys a method reads
 JSON scalar or list, but a number among them must be finite.
 
 A valid reply may still be outsized: :func:`outsized_updates` finds the training replies whose
-L2 norm exceeds ``federation.max_update_ratio`` times a reference (the larger of the other
+L2 norm exceeds ``robust.max_update_ratio`` times a reference (the larger of the other
 replies' lower median norm and the norm of what the client was sent), a default defence against
 one client's huge but finite update (1e30) that honest rounds never reach.
 """
@@ -237,7 +237,7 @@ def outsized_updates(replies: Mapping[int, Message], sent: Mapping[int, Message]
         reference = max(median, _norm(sent[cid].arrays))
         if reference > 0 and norm > ratio * reference:
             out[cid] = (
-                f"update norm {norm:.3g} exceeds federation.max_update_ratio = {ratio:g} times its "
+                f"update norm {norm:.3g} exceeds robust.max_update_ratio = {ratio:g} times its "
                 f"reference {reference:.3g}"
             )
     return out

@@ -71,7 +71,7 @@ to requests that carry a clipping norm (:func:`only_when_clipping`). fedtune's o
 (``[privacy]``, :mod:`fedtune.methods.base.privacy`) needs nothing of the engine: the strategy
 noises the sum (central) and the clients their uploads (local), as on the embedded engine.
 
-Secure aggregation. With ``federation.secure_aggregation`` the training exchange runs SecAgg+
+Secure aggregation. With ``secure_aggregation.enabled`` the training exchange runs SecAgg+
 (:mod:`.secagg`): Flower's ``secaggplus_mod`` on every ClientApp (:func:`only_when_secure`,
 only for requests carrying its config record), fedtune's server stages in the round loop; the
 strategy gets the sum of the clients' weighted vectors (their updates, or the form the method

@@ -213,15 +213,15 @@ def rounding_seed(run: RunConfig, envelope: Mapping[str, Any] | None) -> int | n
 
 def check_setup(run: RunConfig, record: Mapping[str, Any]) -> None:
     """Refuse (ValueError) a SecAgg+ setup ``record`` whose quantization step 2c/T exceeds the
-    run's worst (:meth:`~fedtune.config.FederationConfig.secagg_step`); other stages pass."""
+    run's worst (:meth:`~fedtune.config.SecureAggregationConfig.step`); other stages pass."""
     if record.get(Key.STAGE) != Stage.SETUP:
         return
     step = 2 * float(record[Key.CLIPPING_RANGE]) / int(record[Key.TARGET_RANGE])
-    worst = run.federation.secagg_step()
+    worst = run.secure_aggregation.step(run.federation.num_clients)
     if not step <= worst * (1 + 1e-12):
         raise ValueError(
             f"SecAgg+ setup: quantization step {step:.3g} is coarser than this run's worst {worst:.3g} "
-            "(federation.secagg_clipping_range / secagg_quantization_range)"
+            "(secure_aggregation.clipping_range / quantization_range)"
         )
 
 

@@ -48,7 +48,7 @@ def sends_compute_s(config: RunConfig) -> bool:
     client's compute time depends on its data); the node then enforces its own deadline
     (:func:`~fedtune.engines.flower.worker.serve_request`). Under central DP without SecAgg+ the
     server is trusted with each update and uses it for the deadlines, but never writes or prints it."""
-    return config.privacy.mode != "local" and not config.federation.secure_aggregation
+    return config.privacy.mode != "local" and not config.secure_aggregation.enabled
 
 
 def keeps_timing(config: RunConfig) -> bool:
@@ -56,7 +56,7 @@ def keeps_timing(config: RunConfig) -> bool:
     DP and without SecAgg+. Under DP the file would be a release outside the mechanism: its lines
     are keyed by the clients asked (the secret sample) and hold each one's data-dependent seconds,
     and even a round's total wall time depends on who was sampled, so no form of it is written."""
-    return config.privacy.mode == "none" and not config.federation.secure_aggregation
+    return config.privacy.mode == "none" and not config.secure_aggregation.enabled
 
 
 class FlowerClientError(FedtuneError, RuntimeError):

@@ -189,12 +189,12 @@ def write_app(folder: Path) -> Path:
 
 
 def default_nodes(config: RunConfig) -> int:
-    """SuperNodes of a loopback deployment of ``config``: ``federation.nodes``, else min(clients sampled per
-    round, cores); one per client under ``federation.secure_aggregation``."""
+    """SuperNodes of a loopback deployment of ``config``: ``placement.nodes``, else min(clients sampled per
+    round, cores); one per client under ``secure_aggregation.enabled``."""
     fed = config.federation
-    if getattr(fed, "secure_aggregation", False):  # SecAgg+ keys and state are a node's
+    if config.secure_aggregation.enabled:  # SecAgg+ keys and state are a node's
         return fed.num_clients
-    nodes: int = getattr(fed, "nodes", None) or min(fed.sample_size(), os.cpu_count() or 1)
+    nodes: int = config.placement.nodes or min(fed.sample_size(), os.cpu_count() or 1)
     return max(1, min(nodes, fed.num_clients))
 
 

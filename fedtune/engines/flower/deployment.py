@@ -3,7 +3,7 @@ keys, and the loopback deployment behind ``fedtune run RECIPE --set engine=flowe
 
 :class:`LoopbackDeployment` starts, on 127.0.0.1 and in a private ``FLWR_HOME`` (a temporary
 folder, mode 0700): one SuperLink and, per node, a SuperNode and its fedtune executor (a node plays
-one client or a group of clients, ``federation.nodes``; default ``min(clients per round,
+one client or a group of clients, ``placement.nodes``; default ``min(clients per round,
 cores)``); :meth:`LoopbackDeployment.run` submits the fedtune app with ``flwr run`` (:func:`write_app`)
 and serves the run's ServerApp in this process. Every process it starts, and every process those
 start, is stopped by PID on exit: after the run, on an error, and on Ctrl-C. Options: TLS

@@ -1,7 +1,7 @@
 """Secure aggregation on Flower: the server side of SecAgg+ (Bell, Bonawitz, Gascon, Lepoint,
 Raykova, "Secure Single-Server Aggregation with (Poly)Logarithmic Overhead", CCS 2020; SecAgg:
 Bonawitz et al., CCS 2017) for Flower's own client mod ``flwr.clientapp.mod.secaggplus_mod``
-(``federation.secure_aggregation``).
+(``secure_aggregation.enabled``).
 
 Why not Flower's ``SecAggPlusWorkflow``: it drives a legacy ``Strategy`` through a
 ``LegacyContext`` (``configure_fit`` with client proxies, ``aggregate_fit`` with ``FitRes``),
@@ -15,7 +15,7 @@ A training exchange of m sampled clients (one client per Flower node: the mod's 
 a node's) is four exchanges, all of message type "train":
 
 0. setup: the protocol's parameters; each client answers two public keys;
-1. share keys: each client gets its neighbours' public keys (a ring of ``secagg_num_shares``,
+1. share keys: each client gets its neighbours' public keys (a ring of ``secure_aggregation.num_shares``,
    seeded by (seed, round, attempt)) and answers Shamir shares of its mask seed b_i and of its
    secret key, encrypted for each neighbour;
 2. collect: the fedtune request (the global arrays) plus the forwarded shares; the ClientApp
@@ -125,7 +125,7 @@ class SecAggPlusTransport(GridTransport):
     """:class:`GridTransport` whose training exchange runs SecAgg+ (see the module docstring);
     every other exchange (evaluation) is :class:`GridTransport`'s. ``grid``, ``node_of`` (client id ->
     node id, one client per node), ``timeout``, ``request_config``: as :class:`GridTransport`'s;
-    ``fed``: the run's ``[federation]`` (its ``secagg_*`` parameters); ``seed``: the run's (the ring).
+    ``config``: the run's (its ``[secure_aggregation]`` and sample size); ``seed``: the run's (the ring).
 
     Each stage is a method that takes the exchange's :class:`_Round` and returns what the next
     needs; the training exchange's state waits for :meth:`unmask` under its (round, attempt), the
@@ -135,7 +135,7 @@ class SecAggPlusTransport(GridTransport):
         self,
         grid: Grid,
         node_of: dict[int, int],
-        fed: Any,
+        config: Any,
         seed: int,
         timeout: float | None = None,
         request_config: Mapping[str, Any] | None = None,
@@ -145,11 +145,11 @@ class SecAggPlusTransport(GridTransport):
         if shared:
             clients = format_clients(c for c, n in node_of.items() if n == shared[0])
             raise ConfigError(
-                f"federation.secure_aggregation: Flower node {shared[0]} plays clients {clients}; SecAgg+ needs "
+                f"secure_aggregation.enabled: Flower node {shared[0]} plays clients {clients}; SecAgg+ needs "
                 "one client per node (its keys and state are a node's)"
             )
-        self.fed, self.seed = fed, seed
-        self.clip, self.M = float(fed.secagg_clipping_range), fed.secagg_modulus_range
+        self.secure, self.sampled, self.seed = config.secure_aggregation, config.federation.sample_size(), seed
+        self.clip, self.M = float(self.secure.clipping_range), self.secure.modulus_range
         self._pending: dict[tuple[int, int], _Round] = {}
 
     def _send(self, stage_of: dict[int, RecordDict], rnd: int) -> dict[int, FlowerMessage]:
@@ -199,12 +199,12 @@ class SecAggPlusTransport(GridTransport):
         order = [self.node_of[cid] for cid in messages]
         m = len(order)
         ring = [order[i] for i in np.random.default_rng([self.seed, rnd, attempt, 0x5EC]).permutation(m)]
-        half = self.fed.secagg_shares() >> 1
+        half = self.secure.shares(self.sampled) >> 1
         neighbours = {nid: {ring[(i + o) % m] for o in range(-half, half + 1)} for i, nid in enumerate(ring)}
         shares = max(len(v) for v in neighbours.values())
-        threshold = self.fed.secagg_reconstruction_threshold(shares)  # of this round's shares
+        threshold = self.secure.reconstruction_threshold(shares)  # of this round's shares
         max_weight, layout = _secure_request(messages)
-        target = self.fed.secagg_target(m)  # a DP round's Poisson sample may exceed the expected m
+        target = self.secure.target(m)  # a DP round's Poisson sample may exceed the expected m
         cid_of = {self.node_of[cid]: cid for cid in messages}
         state = _Round(rnd, attempt, cid_of, neighbours, threshold, target, max_weight=max_weight, layout=layout)
         state.down, state.up = dict.fromkeys(order, 0), dict.fromkeys(order, 0)

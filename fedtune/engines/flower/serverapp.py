@@ -65,7 +65,7 @@ class FlowerEngine(Engine):
         transport.settings = adopt_reports(context, self._reports)
 
     def transport(self) -> GridTransport:
-        """The Grid transport (SecAgg+ under ``federation.secure_aggregation``), built on first use."""
+        """The Grid transport (SecAgg+ under ``secure_aggregation.enabled``), built on first use."""
         if self._transport is None:
             fed = self.config.federation
             node_of = discover_nodes(self.grid, fed.num_clients, self.timeout, self._reports)
@@ -73,11 +73,11 @@ class FlowerEngine(Engine):
             if timing is not None and not self.resume:
                 timing.unlink(missing_ok=True)
             wait = fed.round_timeout_s or self.timeout
-            if fed.secure_aggregation:  # SecAgg+: the server sees only the sum of the updates
+            if self.config.secure_aggregation.enabled:  # SecAgg+: the server sees only the sum of the updates
                 from fedtune.engines.flower.secagg import SecAggPlusTransport
 
                 self._transport = SecAggPlusTransport(
-                    self.grid, node_of, fed, self.config.seed, wait, self.request_config
+                    self.grid, node_of, self.config, self.config.seed, wait, self.request_config
                 )
             else:
                 self._transport = GridTransport(self.grid, node_of, wait, self.request_config, timing)

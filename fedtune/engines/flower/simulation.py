@@ -20,7 +20,7 @@ def ray_backend_config(num_supernodes: int, verbose: bool = False, gpus_per_clie
     """Flower's Ray backend config for a small offline machine: 1 CPU per ClientApp, a private
     local Ray instance (never someone else's cluster) of at most ``num_supernodes`` CPUs, no dashboard,
     its logs shown when ``verbose``; ``gpus_per_client``
-    (``federation.gpus_per_client``): the GPU fraction of each ClientApp, over this machine's GPUs
+    (``placement.gpus_per_client``): the GPU fraction of each ClientApp, over this machine's GPUs
     (Ray sets each actor's CUDA_VISIBLE_DEVICES), none by default."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     gpus = 0
@@ -29,7 +29,7 @@ def ray_backend_config(num_supernodes: int, verbose: bool = False, gpus_per_clie
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if not gpus:
-            raise ConfigError("federation.gpus_per_client: this machine has no CUDA device")
+            raise ConfigError("placement.gpus_per_client: this machine has no CUDA device")
     return {
         "client_resources": {"num_cpus": 1, "num_gpus": float(gpus_per_client)},
         "init_args": {
@@ -69,7 +69,7 @@ def run_flower_simulation(
     if num_supernodes != num_clients:
         raise ValueError(f"num_supernodes={num_supernodes}: one node plays one client, expected {num_clients}")
     setup_process()
-    backend = ray_backend_config(num_supernodes, verbose, config.federation.gpus_per_client)
+    backend = ray_backend_config(num_supernodes, verbose, config.placement.gpus_per_client)
     for key, value in (backend_config or {}).items():
         backend[key] = {**backend.get(key, {}), **value} if isinstance(value, dict) else value
 

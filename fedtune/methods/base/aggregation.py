@@ -1,5 +1,5 @@
 """The server's aggregation, composed: a combiner, an optional privacy mechanism, the server
-optimizer (and, under ``federation.secure_aggregation``, the weighted sum SecAgg+ gives).
+optimizer (and, under ``secure_aggregation.enabled``, the weighted sum SecAgg+ gives).
 
 :func:`plan_aggregation` reads the run's options once, at resolve (:func:`fedtune.runtime.resolve_run`),
 into an :class:`AggregationPlan`: immutable and secret-free, it travels in the ResolvedRun to the
@@ -51,8 +51,9 @@ class AggregationPlan:
 def plan_aggregation(config: RunConfig) -> AggregationPlan:
     """The run's :class:`AggregationPlan`; raises ConfigError on a ``[privacy]`` that cannot run
     (:func:`~fedtune.methods.base.privacy.privacy_params`)."""
-    fed = config.federation
-    return AggregationPlan(combiner(fed), privacy_params(config), ServerStep.of(fed), fed.secure_aggregation)
+    return AggregationPlan(
+        combiner(config.robust), privacy_params(config), ServerStep.of(config.server), config.secure_aggregation.enabled
+    )
 
 
 def planned(context: ClientContext) -> AggregationPlan:

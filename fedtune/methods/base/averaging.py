@@ -38,11 +38,11 @@ class Weighted(Protocol):
 #: The cross-method options (fedtune.registry.CROSS_METHOD_OPTIONS) a method honours when its server
 #: steps through its :class:`~fedtune.methods.base.aggregation.Aggregation` and its clients upload
 #: through :meth:`UpdateClient.upload`.
-SERVER_STEP_AND_UPLOAD_CODEC = ("federation.server_optimizer", "federation.upload_topk", "federation.wire_dtype")
+SERVER_STEP_AND_UPLOAD_CODEC = ("server.optimizer", "federation.upload_topk", "federation.wire_dtype")
 #: ... and when its server also combines the updates with its combiner (:mod:`fedtune.methods.base.robust`).
 WEIGHTED_SUM_OPTIONS = (*SERVER_STEP_AND_UPLOAD_CODEC, *ROBUST_AGGREGATION)
 #: ... and when its server step is a weighted sum SecAgg+ can compute (:meth:`Aggregation.secure_mean`).
-SECURE_AGGREGATION = ("federation.secure_aggregation",)
+SECURE_AGGREGATION = ("secure_aggregation.enabled",)
 
 
 def encode_update(
@@ -90,7 +90,7 @@ class UpdateClient(Client):
             if rnd is None:
                 raise ValueError(f"client {self.cid}: a private upload needs its round (its noise stream)")
             update = private.kind.client_release(private, update, self.state, self.cid, rnd)
-            hidden = private.kind.clips_on_client or fed.secure_aggregation
+            hidden = private.kind.clips_on_client or self.config.secure_aggregation.enabled
             reported = {"num_examples": 1, **meta} if hidden else {**result.meta(), **meta}
         return Message(encode_update(update, *self.profile.upload_codec(fed.upload_topk, fed.wire_dtype)), reported)
 

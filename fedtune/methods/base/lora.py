@@ -33,10 +33,10 @@ MERGING_SCALE_OPTIONS = ("model.dtype", "train.gradient_checkpointing", "device"
 # What departs from a method's paper in the settings every LoRA method shares (``fedtune methods
 # --verbose`` prints these with each method's own, from its options class's ``deviations``).
 SERVER_DEVIATIONS = {
-    "federation.server_optimizer": "'adam' (FedAdam on the averaged update, Reddi et al. 2021; what the published "
+    "server.optimizer": "'adam' (FedAdam on the averaged update, Reddi et al. 2021; what the published "
     "FSLoRA code runs) departs from the method's plain (weighted) average",
-    "federation.server_lr": "a value other than 1 scales the averaged update: departs from the method's average",
-    "federation.server_momentum": "a value above 0 (FedAvgM, Hsu et al. 2019) carries earlier rounds' updates into "
+    "server.lr": "a value other than 1 scales the averaged update: departs from the method's average",
+    "server.momentum": "a value above 0 (FedAvgM, Hsu et al. 2019) carries earlier rounds' updates into "
     "each step: departs from the method's average",
 }
 

@@ -25,7 +25,7 @@ q = m/N (m = ``federation.sample_size()``):
   sigma_b^2)) / m + 1/2, C <- C exp(-eta (b - gamma)) (sigma_b default max(m/20, z)); the
   update's noise multiplier becomes z_Delta = (z^-2 - (2 sigma_b)^-2)^-1/2, so the pair of queries
   is one Gaussian of multiplier z (Andrew et al., Theorem 1) and the accountant is unchanged;
-* :class:`SecureCentralGaussian` (``federation.secure_aggregation`` with ``mode = "central"``):
+* :class:`SecureCentralGaussian` (``secure_aggregation.enabled`` with ``mode = "central"``):
   each client clips its own update before SecAgg+ masks it, the server adds xi to the secure sum.
   The server is trusted to add the noise, not with any individual update; the clients are trusted
   to clip (the masked sum cannot show a skipped clip). The clip is C minus SecAgg+'s rounding
@@ -314,7 +314,7 @@ class SecureCentralGaussian(Mechanism):
             raise ValueError(
                 f"privacy.clip: C = {params.clip:g} is within SecAgg+'s rounding margin {margin:.3g} for "
                 f"{size} coordinates (step {params.quantization_step:.3g}): raise "
-                "federation.secagg_quantization_range or lower federation.secagg_clipping_range"
+                "secure_aggregation.quantization_range or lower secure_aggregation.clipping_range"
             )
         return params.clip - margin
 
@@ -445,7 +445,7 @@ def mechanism_kind(config: RunConfig) -> type[Mechanism]:
     """The class of the run's mechanism (``privacy.mode`` not "none"): where a new one is chosen."""
     if config.privacy.mode == "local":
         return LocalGaussian
-    if config.federation.secure_aggregation:
+    if config.secure_aggregation.enabled:
         return SecureCentralGaussian
     return AdaptiveClipGaussian if config.privacy.adaptive_clip else CentralGaussian
 
@@ -495,7 +495,7 @@ def privacy_params(config: RunConfig) -> PrivacyParams | None:
             )
         extra = {"target_quantile": p.target_quantile, "clip_learning_rate": p.clip_learning_rate, "sigma_b": sigma_b}
     if kind is SecureCentralGaussian:
-        extra = {"quantization_step": fed.secagg_step()}
+        extra = {"quantization_step": config.secure_aggregation.step(n)}
     common = (float(p.clip), p.per_layer, n, m, p.accountant, p.adjacency, delta, p.epsilon_budget)
     calibrated_for = None if p.epsilon is None else config.rounds
     return PrivacyParams(

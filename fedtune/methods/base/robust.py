@@ -1,6 +1,6 @@
 """Robust aggregation of client updates, for the methods whose server adds a weighted mean of
-updates (``federation.aggregation``, ``federation.trim_fraction``, ``federation.clip_update_norm``,
-``federation.max_client_weight``; the registry refuses them for every other method).
+updates (``robust.aggregation``, ``robust.trim_fraction``, ``robust.clip_update_norm``,
+``robust.max_client_weight``; the registry refuses them for every other method).
 
 The defences a user with untrusted parties reaches for, applied in this order:
 
@@ -15,7 +15,7 @@ The defences a user with untrusted parties reaches for, applied in this order:
    (unweighted: the robust estimators ignore the weights, which a client reports itself), or a
    combiner of the user's own package (:func:`register_combiner`, found as :mod:`fedtune.plugins`
    finds methods: entry point group ``fedtune.combiners`` or ``"my_pkg.module:NAME"``), refused
-   wherever the robust ones are (a method that does not honour ``federation.aggregation``, DP,
+   wherever the robust ones are (a method that does not honour ``robust.aggregation``, DP,
    SecAgg+).
 
 A bound only limits the damage: with clipping, f attackers among n can still move the mean by up
@@ -33,13 +33,13 @@ from typing import Protocol
 
 import numpy as np
 
-from fedtune.config import ConfigError, FederationConfig
+from fedtune.config import ConfigError, RobustConfig
 from fedtune.plugins import COMBINERS as COMBINER_GROUP
 from fedtune.plugins import load_declared, resolve_reference
 
 #: The cross-method options (fedtune.registry.CROSS_METHOD_OPTIONS) a method honours when its server
 #: combines updates with its :func:`combiner`.
-ROBUST_AGGREGATION = ("federation.aggregation", "federation.clip_update_norm", "federation.max_client_weight")
+ROBUST_AGGREGATION = ("robust.aggregation", "robust.clip_update_norm", "robust.max_client_weight")
 
 
 def weighted_average(updates: Sequence[Mapping[str, np.ndarray]], weights: Iterable[float]) -> dict[str, np.ndarray]:
@@ -145,12 +145,12 @@ class NormClipped:
         return self.combiner([clip_update(u, self.bound) for u in updates], weights)
 
 
-CombinerFactory = Callable[[FederationConfig], Combiner]
+CombinerFactory = Callable[[RobustConfig], Combiner]
 
 
 @dataclass(frozen=True)
 class CombinerSpec:
-    """A registered combiner: its ``factory`` (the ``[federation]`` section -> a :class:`Combiner`),
+    """A registered combiner: its ``factory`` (the ``[robust]`` section -> a :class:`Combiner`),
     a one-line ``description`` and the ``module`` that registered it."""
 
     name: str
@@ -170,20 +170,20 @@ def _takes(function: Callable, count: int) -> bool:
     return True
 
 
-#: ``federation.aggregation`` -> its combiner: fedtune's own here, a user's package's added by
+#: ``robust.aggregation`` -> its combiner: fedtune's own here, a user's package's added by
 #: :func:`register_combiner`.
 COMBINERS: dict[str, CombinerSpec] = {}
 
 
 def register_combiner(name: str, factory: CombinerFactory, description: str = "") -> CombinerSpec:
-    """Register ``factory`` (called with the ``[federation]`` section, it returns a :class:`Combiner`:
-    ``(updates, weights) -> update``) as ``federation.aggregation = name``; ``description``: one
+    """Register ``factory`` (called with the ``[robust]`` section, it returns a :class:`Combiner`:
+    ``(updates, weights) -> update``) as ``robust.aggregation = name``; ``description``: one
     line (default: the first line of the factory's docstring). A name registered twice, or a
     ``factory`` that cannot take the section, raises."""
     module = sys._getframe(1).f_globals.get("__name__", "?")
     if not callable(factory) or not _takes(factory, 1):
         raise TypeError(
-            f"register_combiner({name!r}): expected a factory taking the [federation] section and returning a "
+            f"register_combiner({name!r}): expected a factory taking the [robust] section and returning a "
             f"combiner (updates, weights) -> update, got {factory!r}"
         )
     if name in COMBINERS:
@@ -193,21 +193,21 @@ def register_combiner(name: str, factory: CombinerFactory, description: str = ""
     return spec
 
 
-register_combiner("mean", lambda fed: WeightedMean(fed.max_client_weight), "the weighted mean (FedAvg)")
-register_combiner("trimmed-mean", lambda fed: TrimmedMean(fed.trim_fraction), "per coordinate, the trimmed mean")
-register_combiner("median", lambda fed: CoordinateMedian(), "per coordinate, the median")
+register_combiner("mean", lambda robust: WeightedMean(robust.max_client_weight), "the weighted mean (FedAvg)")
+register_combiner("trimmed-mean", lambda robust: TrimmedMean(robust.trim_fraction), "per coordinate, the trimmed mean")
+register_combiner("median", lambda robust: CoordinateMedian(), "per coordinate, the median")
 
 
 def get_combiner(name: str) -> CombinerSpec:
-    """The combiner ``federation.aggregation = name`` names: fedtune's own, one an installed package
+    """The combiner ``robust.aggregation = name`` names: fedtune's own, one an installed package
     declares (entry point group ``fedtune.combiners``), or ``"my_pkg.module:NAME"``; one line naming
-    ``federation.aggregation`` when it is none of them."""
-    key = resolve_reference(name, "federation.aggregation")
+    ``robust.aggregation`` when it is none of them."""
+    key = resolve_reference(name, "robust.aggregation")
     if key not in COMBINERS:
-        load_declared(COMBINER_GROUP, "federation.aggregation")
+        load_declared(COMBINER_GROUP, "robust.aggregation")
     if key not in COMBINERS:
         raise ConfigError(
-            f"federation.aggregation: unknown combiner {name!r}; expected one of {', '.join(sorted(COMBINERS))}, "
+            f"robust.aggregation: unknown combiner {name!r}; expected one of {', '.join(sorted(COMBINERS))}, "
             "or my_pkg.module:NAME"
         )
     return COMBINERS[key]
@@ -220,20 +220,19 @@ def list_combiners(plugins: bool = False) -> list[CombinerSpec]:
     return [COMBINERS[k] for k in sorted(COMBINERS)]
 
 
-def combiner(federation: FederationConfig) -> Combiner:
-    """The round's combiner under ``federation``'s robust-aggregation options (see the module
+def combiner(robust: RobustConfig) -> Combiner:
+    """The round's combiner under the ``[robust]`` section ``robust`` (see the module
     docstring); with none set, exactly :func:`weighted_average`. A user's factory that fails, or
-    makes something that is not a combiner, stops with one line naming ``federation.aggregation``."""
-    name = federation.aggregation
+    makes something that is not a combiner, stops with one line naming ``robust.aggregation``."""
+    name = robust.aggregation
     try:
-        chosen = get_combiner(name).factory(federation)
+        chosen = get_combiner(name).factory(robust)
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - the user's factory: any failure is one line
-        raise ConfigError(f"federation.aggregation: {name!r} failed ({type(exc).__name__}: {exc})") from None
+        raise ConfigError(f"robust.aggregation: {name!r} failed ({type(exc).__name__}: {exc})") from None
     if not callable(chosen) or not _takes(chosen, 2):
         raise ConfigError(
-            f"federation.aggregation: {name!r} made {type(chosen).__name__}, "
-            "not a combiner (updates, weights) -> update"
+            f"robust.aggregation: {name!r} made {type(chosen).__name__}, not a combiner (updates, weights) -> update"
         )
-    return chosen if federation.clip_update_norm is None else NormClipped(federation.clip_update_norm, chosen)
+    return chosen if robust.clip_update_norm is None else NormClipped(robust.clip_update_norm, chosen)

@@ -1,4 +1,4 @@
-"""The server's step on an aggregated update, shared by every LoRA method (``federation.server_*``).
+"""The server's step on an aggregated update, shared by every LoRA method (``[server]``).
 
 Each method aggregates its clients' replies into one update Delta^t per global array (FedIT and
 FSLoRA: eq. (5)'s sum_i p_i Delta_i; HeteroLoRA: the zero-padded average; FlexLoRA: the new Delta W
@@ -7,7 +7,7 @@ into the new global state x^{t+1}:
 
 - ``server_optimizer = "sgd"`` (default): x^{t+1} = x^t + eta Delta^t, eta = ``server_lr``
   (default 1). With eta = 1 this is each method's own rule exactly (FSLoRA: eq. (5)), bit for
-  bit. **Deviation** from the papers when eta != 1. With ``server_momentum`` mu > 0, heavy-ball
+  bit. **Deviation** from the papers when eta != 1. With ``server.momentum`` mu > 0, heavy-ball
   momentum on the update (FedAvgM, Hsu et al. 2019, Alg. 1 with the pseudo-gradient -Delta^t):
   b^t = mu b^{t-1} + Delta^t (b^0 = 0), x^{t+1} = x^t + eta b^t; **deviation** too (each round's
   step carries the earlier rounds' updates). Under DP it is post-processing of the released
@@ -35,12 +35,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedtune.config import FederationConfig
+from fedtune.config import ServerConfig
 
 
 @dataclass(frozen=True)
 class ServerStep:
-    """The server optimizer's settings (``federation.server_*``), read once (:meth:`of`)."""
+    """The server optimizer's settings (``[server]``), read once (:meth:`of`)."""
 
     kind: str
     lr: float
@@ -51,16 +51,16 @@ class ServerStep:
     bias_correction: bool
 
     @classmethod
-    def of(cls, federation: FederationConfig) -> ServerStep:
-        b1, b2 = (float(b) for b in federation.server_betas)
+    def of(cls, server: ServerConfig) -> ServerStep:
+        b1, b2 = (float(b) for b in server.betas)
         return cls(
-            federation.server_optimizer,
-            federation.resolved_server_lr(),
-            float(federation.server_momentum),
+            server.optimizer,
+            server.resolved_lr(),
+            float(server.momentum),
             (b1, b2),
-            float(federation.server_eps),
-            float(federation.server_weight_decay),
-            bool(federation.server_bias_correction),
+            float(server.eps),
+            float(server.weight_decay),
+            bool(server.bias_correction),
         )
 
 

@@ -288,13 +288,7 @@ class BommParty(Client):
         pool = np.flatnonzero(labels >= 0)
         if len(pool) == 0:
             raise ConfigError("task.labeled_fraction: a party has no labeled rows to train on")
-        n = len(self.rows)
-        gen_index = np.full(n, -1, dtype=np.int64)
-        gen_mod = np.zeros(0, dtype=np.int64)
-        gen_feat = np.zeros((0, FEATURE_DIM), dtype=np.float32)
-        if completions is not None and len(completions[0]):
-            gen_rows, gen_mod, gen_feat = completions
-            gen_index[gen_rows] = np.arange(len(gen_rows))
+        gen_index, gen_mod, gen_feat = self.completion_lookup(completions)
         seed = seed_for(self.config.seed, rnd, self.cid)
         torch.manual_seed(seed)
         rng = np.random.default_rng(seed)
@@ -342,17 +336,7 @@ class BommParty(Client):
             else:
                 stats["completed"] += int(has.sum())
                 stats["selected"] += int(has.sum())
-            train_mode(sm)
-            if adapters is not None:
-                adapters.train()
-            logits, emb, _, real = self.forward(sm, adapters, local, use, feat_b, mod_b)
-            loss = self.sm_loss(sm, logits, emb, real, y)
-            if adapters is not None and o.adapter_weight:
-                loss = loss + o.adapter_weight * self.adapter_loss(adapters, local, emb, real)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            total += loss.item()
+            total += self.sm_step(sm, adapters, optimizer, local, use, feat_b, mod_b, y)
         self.save(sm, adapters, sched, gen)
         meta = {
             "train_loss": total / steps,
@@ -364,6 +348,33 @@ class BommParty(Client):
         if stats["rewards"]:
             meta["reward_mean"] = stats["reward_sum"] / stats["rewards"]
         return meta
+
+    def completion_lookup(self, completions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``completions`` (party-local rows, generated modality, generated phi-representation; or
+        None) as each of the party's rows' index into them (-1: none), their modalities and features."""
+        gen_index = np.full(len(self.rows), -1, dtype=np.int64)
+        gen_mod = np.zeros(0, dtype=np.int64)
+        gen_feat = np.zeros((0, FEATURE_DIM), dtype=np.float32)
+        if completions is not None and len(completions[0]):
+            gen_rows, gen_mod, gen_feat = completions
+            gen_index[gen_rows] = np.arange(len(gen_rows))
+        return gen_index, gen_mod, gen_feat
+
+    def sm_step(self, sm, adapters, optimizer, local, use, feat_b, mod_b, y) -> float:
+        """One update of the small model ``sm`` (and ``adapters``, weighted by ``options.adapter_weight``)
+        by ``optimizer`` on the rows ``local`` with labels ``y``, those in ``use`` completed with the
+        generated modality ``mod_b`` and features ``feat_b``; the batch's loss."""
+        train_mode(sm)
+        if adapters is not None:
+            adapters.train()
+        logits, emb, _, real = self.forward(sm, adapters, local, use, feat_b, mod_b)
+        loss = self.sm_loss(sm, logits, emb, real, y)
+        if adapters is not None and self.options.adapter_weight:
+            loss = loss + self.options.adapter_weight * self.adapter_loss(adapters, local, emb, real)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return loss.item()
 
     # -- MM-LOCAL: the party's own generator ---------------------------------------------------
     def local_standardizer(self) -> Standardizer:

@@ -307,6 +307,79 @@ def _measure_after_step(model, batch, ref, targets, s_params, t_params, before, 
     return d_s, d_t
 
 
+def _rates(
+    schedule: Schedule, coord: Coordination, order: tuple[str, str] | None
+) -> tuple[tuple[str, ...], float, float]:
+    """This step's trained components and the rates of S and T: both at the schedule's rates, or
+    (CD, ``order`` its two phases) the phase's component at ``coord.lr`` and the other at 0."""
+    if order is None:
+        rate_s, rate_t = schedule.rates
+        return (S, T), rate_s, rate_t
+    active = (order[schedule.phase],)
+    return active, coord.lr if S in active else 0.0, coord.lr if T in active else 0.0
+
+
+def _backward(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    s_params: list[torch.nn.Parameter],
+    t_params: list[torch.nn.Parameter],
+    active: tuple[str, ...],
+    row: dict[str, float | None],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss of ``batch`` and its gradients, recorded in ``row`` (the loss and the normalized
+    gradient norms ||G|| / ||theta|| of ``s_params`` and ``t_params``, Section 4.2), then the gradients
+    of the components not ``active`` dropped; the answer logits and targets."""
+    logits, targets = plm.answer_logits(model, batch)
+    loss = plm.example_losses(logits, targets).mean()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    row["loss"] = float(loss.detach())
+    row["grad_S"] = _norm(p.grad for p in s_params if p.grad is not None) / max(_norm(s_params), 1e-12)
+    row["grad_T"] = _norm(p.grad for p in t_params if p.grad is not None) / max(_norm(t_params), 1e-12)
+    for name, params in ((S, s_params), (T, t_params)):
+        if name not in active:
+            for p in params:
+                p.grad = None
+    return logits, targets
+
+
+def _step_and_measure(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    optimizer: torch.optim.Optimizer,
+    s_params: list[torch.nn.Parameter],
+    t_params: list[torch.nn.Parameter],
+    coord: Coordination,
+    row: dict[str, float | None],
+) -> float | None:
+    """The optimizer step on ``batch`` (``logits``, ``targets``: its answer logits before the step),
+    with eq. (5)'s d_S, d_T measured where ``coord``'s trainer needs them (regularized: before the
+    step; else after it); the step's kappa and the measures recorded in ``row`` (None: unmeasured)."""
+    ref = logits.detach()
+    d_s = d_t = None
+    if coord.regularized or coord.measures:
+        norms = input_norms(model, batch)  # eq. (5)'s norms at theta_t
+    if coord.regularized:
+        d_s, d_t = _regularized_gradients(model, batch, ref, targets, optimizer, s_params, t_params, coord)
+        optimizer.step()
+    elif coord.measures:
+        before = [p.detach().clone() for p in s_params + t_params]
+        optimizer.step()
+        d_s, d_t = _measure_after_step(model, batch, ref, targets, s_params, t_params, before, coord.metric)
+    else:
+        optimizer.step()
+    if d_s is None:
+        return None
+    kappa = balance_coefficient(d_t, d_s)
+    i_t, encoded, raw = norms
+    row.update(kappa=kappa, d_S=d_s, d_T=d_t, H_S=d_s / (i_t + encoded), H_T=d_t / raw)
+    return kappa
+
+
 def train_coordinated(
     model: torch.nn.Module,
     groups: dict[str, list[torch.nn.Parameter]],
@@ -326,7 +399,6 @@ def train_coordinated(
     (CD) gets no gradient, so the optimizer leaves it and its state alone."""
     schedule = Schedule(schedule.step, list(schedule.kappas), schedule.rates, schedule.phase)
     s_params, t_params = groups[S], groups[T]
-    everything = s_params + t_params
     optimizer = make_optimizer([{"params": s_params}, {"params": t_params}])
     curves: dict[str, list[float | None]] = {k: [] for k in CURVES}
     order = CD_ORDER.get(coord.trainer)
@@ -338,48 +410,13 @@ def train_coordinated(
         if device.type != "cpu":  # host batches; eq. (5)'s norms call the embedding on them directly
             batch = to_device(batch, device)
         row: dict[str, float | None] = dict.fromkeys(CURVES)
-        if order is None:
-            active: tuple[str, ...] = (S, T)
-            rate_s, rate_t = schedule.rates
-        else:
-            active = (order[schedule.phase],)
-            rate_s = coord.lr if S in active else 0.0
-            rate_t = coord.lr if T in active else 0.0
-            if schedule.phase == 0 and window is None:
-                window = [p.detach().clone() for p in groups[order[0]]]
+        active, rate_s, rate_t = _rates(schedule, coord, order)
+        if order is not None and schedule.phase == 0 and window is None:
+            window = [p.detach().clone() for p in groups[order[0]]]
         optimizer.param_groups[0]["lr"], optimizer.param_groups[1]["lr"] = rate_s, rate_t
         row["lr_S"], row["lr_T"] = rate_s, rate_t
-
-        logits, targets = plm.answer_logits(model, batch)
-        loss = plm.example_losses(logits, targets).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        row["loss"] = float(loss.detach())
-        row["grad_S"] = _norm(p.grad for p in s_params if p.grad is not None) / max(_norm(s_params), 1e-12)
-        row["grad_T"] = _norm(p.grad for p in t_params if p.grad is not None) / max(_norm(t_params), 1e-12)
-        for name, params in ((S, s_params), (T, t_params)):
-            if name not in active:
-                for p in params:
-                    p.grad = None
-        ref = logits.detach()
-        d_s = d_t = None
-        if coord.regularized or coord.measures:
-            norms = input_norms(model, batch)  # eq. (5)'s norms at theta_t
-        if coord.regularized:
-            d_s, d_t = _regularized_gradients(model, batch, ref, targets, optimizer, s_params, t_params, coord)
-            optimizer.step()
-        elif coord.measures:
-            before = [p.detach().clone() for p in everything]
-            optimizer.step()
-            d_s, d_t = _measure_after_step(model, batch, ref, targets, s_params, t_params, before, coord.metric)
-        else:
-            optimizer.step()
-
-        kappa = None
-        if d_s is not None and d_t is not None:  # measured together
-            kappa = balance_coefficient(d_t, d_s)
-            i_t, encoded, raw = norms
-            row.update(kappa=kappa, d_S=d_s, d_T=d_t, H_S=d_s / (i_t + encoded), H_T=d_t / raw)
+        logits, targets = _backward(model, batch, optimizer, s_params, t_params, active, row)
+        kappa = _step_and_measure(model, batch, logits, targets, optimizer, s_params, t_params, coord, row)
         if order is not None and schedule.phase == 0:
             window_steps += 1
             if window_steps == coord.cd_window and window is not None:  # set at the phase's start

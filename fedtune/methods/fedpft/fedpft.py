@@ -141,7 +141,7 @@ class FedPFTOptions(ProxyOptions):
         the masked vector (each entry times w_i/W, clipped to [-c, c]) does not carry."""
         if self.distill_during and self.align_steps > 0:
             return (
-                "options.distill_during: not with federation.secure_aggregation (the neuron-level alignment pools "
+                "options.distill_during: not with secure_aggregation.enabled (the neuron-level alignment pools "
                 "each client's APoZ counts); fedpft's secure form has distill_during = false"
             )
         return None
