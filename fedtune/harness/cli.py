@@ -105,7 +105,7 @@ def print_plan(plan: Plan, selected: Sequence[str], costs: dict[str, float]) -> 
     for experiment in selected:
         print(f"  {experiment}: {len(plan[experiment])} runs")
         for spec in plan[experiment]:
-            shared = f" = {spec.owner}/{spec.run_dir.name}" if spec.shared else ""
+            shared = f" = {spec.owner}/{spec.folder.name}" if spec.shared else ""
             print(f"    [{run_state(spec)}] {spec.name}{shared}  (~{costs[spec.key] / 60:.1f} min)")
 
 
