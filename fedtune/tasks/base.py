@@ -85,6 +85,12 @@ class Task(ABC):
         self.options = options
 
     @property
+    def tokenizer(self) -> Any:
+        """The tokenizer of a task whose model reads text (an export writes it beside the
+        weights); None for one that has none."""
+        return None
+
+    @property
     def model_name(self) -> str:
         """``model.name``, which :func:`fedtune.tasks.resolve_config` filled in from the task's
         default; one line when it is still unset (a task kind that names no default model)."""
