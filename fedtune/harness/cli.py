@@ -147,7 +147,7 @@ def sweep_selection(
     experiments to run: ``sweep`` joins the ``dependents`` (those planned from its choices) when
     they are selected; :class:`SuiteError` naming the option when bad."""
     selected = list(selected)
-    option, values = getattr(args, "sweep_option", ("--lr-grid", "learning rates"))
+    option, values = args.sweep_option  # add_sweep_options's default
     if args.lr_grid is None:
         if "sweep" in selected:
             raise SuiteError(f"--only sweep: needs {option} (the {values} to sweep)")

@@ -246,8 +246,11 @@ class FewShot(Task):
             raise ConfigError(f"data.name: the few-shot task reads 'omniglot', got {config.data.name!r}")
         if config.model.name not in (None, "conv4"):
             raise ConfigError(f"model.name: the few-shot task builds 'conv4', got {config.model.name!r}")
-        for field in ("max_train_samples", "max_test_samples"):
-            if getattr(config.data, field) is not None:
+        for field, value in (
+            ("max_train_samples", config.data.max_train_samples),
+            ("max_test_samples", config.data.max_test_samples),
+        ):
+            if value is not None:
                 raise ConfigError(
                     f"data.{field}: not used by the few-shot task (episodes need whole characters); leave it unset"
                 )
