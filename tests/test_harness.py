@@ -237,6 +237,18 @@ def test_resume_skips_runs_whose_summary_is_of_the_same_config(recipe, tmp_path)
     assert run_state(r8) == "todo" and load_rounds(r8) == []
 
 
+def test_a_spec_build_plan_has_not_planned_is_an_error_not_a_run_to_do(recipe, tmp_path):
+    """An unplanned spec has no folder: its state is an error naming it (never "todo", which
+    would run it), and its config is one too; once planned, both are the plan's."""
+    spec = RunSpec("r", ["model.lora_rank=4"])
+    with pytest.raises(RuntimeError, match="^run 'r': not planned"):
+        run_state(spec)
+    with pytest.raises(RuntimeError, match="^run 'r': not planned"):
+        spec.resolved
+    planned = build_plan(two_experiments(), recipe, tmp_path)["ranks"][0]
+    assert (planned.folder, planned.resolved) == (planned.run_dir, planned.config) and run_state(planned) == "todo"
+
+
 # -- statistics ---------------------------------------------------------------------------------
 
 
