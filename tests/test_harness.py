@@ -554,8 +554,9 @@ def test_each_finished_run_prints_its_final_accuracy_and_loss(monkeypatch, capsy
     from fedtune.harness import pool
 
     specs = [
-        SimpleNamespace(key=name, owner="sweep", config=SimpleNamespace(name=name), summary=summary)
+        SimpleNamespace(key=name, owner="sweep", config=config, resolved=config, summary=summary)
         for name, summary in (("a", {"final_accuracy": 0.0, "final_loss": 2.6096}), ("b", {"final_accuracy": 0.5}))
+        for config in [SimpleNamespace(name=name)]
     ]
     by_config = {id(s.config): s.summary for s in specs}
     monkeypatch.setattr(

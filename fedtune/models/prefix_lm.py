@@ -347,7 +347,8 @@ class PrefixLM(nn.Module):
 
     def prefix(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """(B, P, hidden): each modality's K prefix embeddings, image first."""
-        parts = [getattr(self, f"{m}_projector")(getattr(self, f"{m}_encoder")(batch[m])) for m in self.modalities]
+        module = self.get_submodule  # the registered f"{modality}_encoder" / f"{modality}_projector"
+        parts = [module(f"{m}_projector")(module(f"{m}_encoder")(batch[m])) for m in self.modalities]
         return torch.cat(parts, dim=1)
 
     def embed(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -50,6 +50,9 @@ from fedtune.models.hub_ids import fedtune_name, hub_id
 from fedtune.trained.loader import evaluation_task, open_run, prepared_base
 
 if TYPE_CHECKING:
+    from peft import PeftModel
+    from torch import nn
+
     from fedtune.tasks.causal_lm import CausalLM
 
 DOLLY = "dolly"
@@ -134,6 +137,15 @@ def _scored_task(config: RunConfig) -> CausalLM:
     if not isinstance(task, CausalLM):
         raise ConfigError(f"task.kind: fedtune eval scores {KIND} tasks, got {config.task.kind!r}")
     return task
+
+
+def _models(target: Target, task: CausalLM) -> tuple[PeftModel | None, nn.Module]:
+    """(the run's adapter on its base, None for a bare model; the model scored: that, else the
+    bare base prepared as a run prepares it)."""
+    if target.run_dir is None or target.adapter_dir is None:
+        return None, prepared_base(task)
+    adapted = open_run(target.run_dir).model(task)
+    return adapted, adapted
 
 
 def unit_config(
@@ -384,8 +396,7 @@ def evaluate(
         torch.set_num_threads(target.config.train.threads)
     names: list[str | None] = list(sets) if sets else [None]
     first = _scored_task(unit_config(target.config, names[0], generate, protocol, num_fewshot))
-    adapted = None if target.run_dir is None or target.adapter_dir is None else open_run(target.run_dir).model(first)
-    model = prepared_base(first) if adapted is None else adapted
+    adapted, model = _models(target, first)
     length = _lm_eval_length(model) if protocol == LM_EVAL else None
     units = []
     for name in names:
