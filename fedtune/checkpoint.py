@@ -35,7 +35,8 @@ def save_state(path: Path, state: dict, private: bool = False) -> None:
     tmp = path.with_suffix(".tmp.npz")
     tmp.unlink(missing_ok=True)
     with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o666), "wb") as out:
-        np.savez(out, __json__=np.frombuffer(json.dumps(plain).encode(), dtype=np.uint8), **flat)
+        json_bytes = np.frombuffer(json.dumps(plain).encode(), dtype=np.uint8)
+        np.savez(out, __json__=json_bytes, **flat)  # type: ignore[arg-type]  # the stub checks **arrays as allow_pickle
     tmp.replace(path)
 
 

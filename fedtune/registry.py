@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -30,6 +31,8 @@ class MethodOptions(BaseModel):
     """Base for a method's own options (the ``[options]`` table of a recipe)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # every number finite
+    #: where the method departs from its paper (option or behaviour -> one line; ``fedtune methods --verbose``)
+    deviations: ClassVar[dict[str, str]] = {}
 
     def privacy_refusal(self) -> str | None:
         """For a method that honours ``privacy.mode``: one line naming the option of these whose

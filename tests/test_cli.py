@@ -19,6 +19,20 @@ def test_methods_lists_one_line_per_method():
     assert {"fedit", "local"} <= set(names)
 
 
+def test_methods_verbose_prints_each_methods_deviations_and_none_for_one_without():
+    """``MethodOptions.deviations`` is every options class's (empty unless a method states some)."""
+    result = runner.invoke(app, ["methods", "--verbose"])
+    assert result.exit_code == 0, result.output
+    per_method: dict[str, list[str]] = {}
+    for line in result.output.splitlines():
+        if line and not line.startswith(" "):
+            lines = per_method.setdefault(line.split()[0], [])
+        elif "deviation:" in line:
+            lines.append(line)
+    assert {"fslora", "local"} <= set(per_method)
+    assert per_method["fslora"] and per_method["local"] == []
+
+
 def test_invalid_value_exits_2_with_one_line_naming_the_key():
     result = runner.invoke(app, ["run", "--set", "data.alpha=0"])
     assert result.exit_code == 2

@@ -55,6 +55,18 @@ def test_unknown_name_is_a_config_error():
         load_text_dataset(DataConfig(name="no-such-set"))
 
 
+@pytest.mark.parametrize("load", ["text", "prompt"])
+def test_unset_name_is_one_line_naming_data_name(load, tmp_path):
+    """A task kind without a default data set leaves data.name None: one line, not AttributeError."""
+    from fedtune.data.llm_text import load_prompt_set
+
+    with pytest.raises(ConfigError, match=r"^data.name: not set"):
+        if load == "text":
+            load_text_dataset(DataConfig())
+        else:
+            load_prompt_set(DataConfig(), tmp_path, None, None)
+
+
 def part(labels, clients, scheme, alpha=0.5, seed=0, **extra):
     return partition(labels, clients, DataConfig(partition=scheme, alpha=alpha, **extra), seed)
 

@@ -237,6 +237,18 @@ def test_resume_skips_runs_whose_summary_is_of_the_same_config(recipe, tmp_path)
     assert run_state(r8) == "todo" and load_rounds(r8) == []
 
 
+def test_a_spec_build_plan_has_not_planned_is_an_error_not_a_run_to_do(recipe, tmp_path):
+    """An unplanned spec has no folder: its state is an error naming it (never "todo", which
+    would run it), and its config is one too; once planned, both are the plan's."""
+    spec = RunSpec("r", ["model.lora_rank=4"])
+    with pytest.raises(RuntimeError, match="^run 'r': not planned"):
+        run_state(spec)
+    with pytest.raises(RuntimeError, match="^run 'r': not planned"):
+        spec.resolved
+    planned = build_plan(two_experiments(), recipe, tmp_path)["ranks"][0]
+    assert (planned.folder, planned.resolved) == (planned.run_dir, planned.config) and run_state(planned) == "todo"
+
+
 # -- statistics ---------------------------------------------------------------------------------
 
 
@@ -542,8 +554,9 @@ def test_each_finished_run_prints_its_final_accuracy_and_loss(monkeypatch, capsy
     from fedtune.harness import pool
 
     specs = [
-        SimpleNamespace(key=name, owner="sweep", config=SimpleNamespace(name=name), summary=summary)
+        SimpleNamespace(key=name, owner="sweep", config=config, resolved=config, summary=summary)
         for name, summary in (("a", {"final_accuracy": 0.0, "final_loss": 2.6096}), ("b", {"final_accuracy": 0.5}))
+        for config in [SimpleNamespace(name=name)]
     ]
     by_config = {id(s.config): s.summary for s in specs}
     monkeypatch.setattr(

@@ -20,6 +20,7 @@ from fedtune.data.images import (
 )
 from fedtune.models import vision
 from fedtune.runtime import RunContext, resolve_run
+from fedtune.tasks import build_task
 
 IMAGE = [
     "task.kind=image-classification",
@@ -354,3 +355,15 @@ def test_hugging_face_model_by_path_uses_its_processor_and_gets_a_fresh_head(tmp
     bigger = RunContext(resolve_run(tiny_config(*IMAGE, f"model.name={tmp_path / 'vit'}", "task.image_size=32"))).task
     with torch.no_grad():  # position embeddings interpolated to 8x8 patches
         assert bigger.build_model(0).eval()(bigger.inputs(bigger.pixels("test")[0][:2])).shape == (2, 10)
+
+
+def test_a_model_name_left_unset_is_one_line_naming_it():
+    """A task kind with no default model leaves model.name None after resolve: asking for the
+    model is one line naming the field, not an AttributeError deep in the loader."""
+    from fedtune.config import load_config
+
+    config = load_config(None, IMAGE)
+    task = build_task(config.model_copy(update={"model": config.model.model_copy(update={"name": None})}))
+    with pytest.raises(ConfigError, match="^model.name: not set, and task 'image-classification' names no default"):
+        task.build_model(0)
+    assert build_task(config).model_name == "small-cnn"

@@ -129,7 +129,7 @@ def methods(
         for name, field in spec.options.model_fields.items():
             about = f"  ({field.description})" if field.description else ""
             typer.echo(f"{pad}options.{name} = {field.default!r}{about}")
-        for key, text in getattr(spec.options, "deviations", {}).items():
+        for key, text in spec.options.deviations.items():
             typer.echo(f"{pad}deviation: {key}: {text}")
 
 
@@ -206,7 +206,10 @@ def plan(
             model = context.config.model
             ratios = speed.calibrate(Shape.of(context.skeleton), model.dtype, model.quantization)
         with speed.calibrated(ratios), steps_shown():
-            text = format_plan(plan_budgets(context, always=True))
+            plan = plan_budgets(context, always=True)
+            if plan is None:  # always=True: a plan, whether or not a client states a budget
+                raise RuntimeError("plan_budgets(always=True) gave no plan")
+            text = format_plan(plan)
     except FedtuneError as exc:
         fail(str(exc), code=exc.exit_code)
     typer.echo(text)
@@ -244,7 +247,7 @@ def export(
         for note in notes:
             console.print(note, markup=False, highlight=False, soft_wrap=True)
         console.print(f"wrote {folder}")
-        if push_to_hub is not None:
+        if push_to_hub is not None and token is not None:  # hub_token gave one (or raised)
             console.print(f"pushed to {push(folder, push_to_hub, token)}")
     except FedtuneError as exc:
         fail(str(exc), code=exc.exit_code)
@@ -316,7 +319,7 @@ def eval_(
             raise ConfigError(f"--backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
         lm_eval = backend == "lm-eval"
         check_backend_options(lm_eval, tasks, protocol, generate, include_path)
-        sets = [t.strip() for t in tasks.split(",") if t.strip()] if lm_eval else parse_sets(tasks)
+        sets = [t.strip() for t in (tasks or "").split(",") if t.strip()] if lm_eval else parse_sets(tasks)
         scored = target_of(target)
         path = out or (scored.run_dir / "eval.json" if scored.run_dir is not None else Path("eval.json"))
         check_free(path, is_eval_result, "--out")  # before the evaluation, which takes a while

@@ -118,8 +118,9 @@ def _fsdd_files(source: Path) -> Iterator[tuple[str, bytes]]:
         return
     with tarfile.open(source) as tar:
         for member in tar:
-            if member.isfile() and member.name.endswith(".wav"):
-                yield member.name, tar.extractfile(member).read()
+            wav = tar.extractfile(member) if member.isfile() and member.name.endswith(".wav") else None
+            if wav is not None:
+                yield member.name, wav.read()
 
 
 def load_fsdd(data_dir: str | Path) -> tuple[AudioSet, AudioSet]:

@@ -100,10 +100,11 @@ def _load_fashion_mnist(cfg: DataConfig) -> tuple[ImageSet, ImageSet]:
             for split in ("train", "t10k")
             for part in ("images", "labels")
         }
-        if all(files.values()):
+        found = {key: path for key, path in files.items() if path is not None}
+        if len(found) == len(files):
             out = []
             for split in ("train", "t10k"):
-                images, labels = read_idx(files[split, "images"]), read_idx(files[split, "labels"])
+                images, labels = read_idx(found[split, "images"]), read_idx(found[split, "labels"])
                 if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
                     raise ConfigError(f"data 'fashion-mnist': {files[split, 'images']} and its labels do not match")
                 out.append(ImageSet(images[..., None].copy(), labels.astype(np.int64), list(FASHION_MNIST_CLASSES)))
@@ -152,7 +153,7 @@ def stack_images(pictures: Sequence, size: int | tuple[int, int] | None = None) 
     for i, p in enumerate(pictures):
         p = p.convert(mode)
         if (p.height, p.width) != tuple(hw):
-            p = p.resize((hw[1], hw[0]), Image.BILINEAR)
+            p = p.resize((hw[1], hw[0]), Image.Resampling.BILINEAR)
         out[i] = np.asarray(p).reshape(out.shape[1:])
     return out
 

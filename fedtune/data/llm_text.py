@@ -56,6 +56,7 @@ from fedtune.data.multiple_choice import (
     multiple_choice_set,
 )
 from fedtune.data.prompt_set import PromptSet, read_csv, read_jsonl, require_file, text_cell
+from fedtune.data.text import source_name
 
 __all__ = [
     "ALL_SETS",
@@ -172,7 +173,8 @@ def load_commonsense(
     index in ``sets``; ``test_per_set`` keeps at most that many questions of each evaluation split
     (drawn with seed 0, order kept)."""
     chosen = check_sets(sets)
-    train, test = [], []
+    train: list[PromptSet] = []
+    test: list[PromptSet] = []
     for label, name in enumerate(chosen):
         for split, out in (("train", train), (eval_split(root, name), test)):
             path = require_file(root / COMMONSENSE_DIR / f"{name}_{split}.jsonl.gz", f"'commonsense' set {name!r}")
@@ -269,7 +271,7 @@ def load_hub(cfg: DataConfig, columns: dict[str, str | list[str]] | None = None)
     and read as a local file's (:func:`local_set`)."""
     from fedtune.data.text import hub_split
 
-    name, parts = cfg.name[len("hub:") :], []
+    name, parts = source_name(cfg)[len("hub:") :], []
     for split in (cfg.train_split, cfg.test_split):
         part = hub_split(name, cfg, split)
         where = f"hub:{name}[{split}]"
@@ -279,7 +281,7 @@ def load_hub(cfg: DataConfig, columns: dict[str, str | list[str]] | None = None)
 
 def load_local(cfg: DataConfig, columns: dict[str, str | list[str]] | None = None) -> tuple[PromptSet, PromptSet]:
     """(training pool, test set) of a local file (``data.test_path``, else a seeded 10 % hold-out)."""
-    path = Path(cfg.name).expanduser()
+    path = Path(source_name(cfg)).expanduser()
     train = _local_rows(path, columns)
     if cfg.test_path:
         return _with_test(train, _local_rows(Path(cfg.test_path).expanduser(), columns))
@@ -297,15 +299,16 @@ def load_prompt_set(
 ):
     """(training pool, test set) of ``data.name``: ``dolly``, ``commonsense``, ``hub:<dataset>``
     or a local file (``columns``: ``task.columns``, for the last two)."""
-    if cfg.name == "dolly":
+    name = source_name(cfg)
+    if name == "dolly":
         train, test = load_dolly(root)
         if test_per_set is not None and test_per_set < len(test):
             test = test.subset(np.arange(test_per_set))
         return train, test
-    if cfg.name == "commonsense":
+    if name == "commonsense":
         return load_commonsense(root, sets, test_per_set)
-    if cfg.name == MMLU:
+    if name == MMLU:
         return load_mmlu(root)
-    if cfg.name.startswith("hub:"):
+    if name.startswith("hub:"):
         return load_hub(cfg, columns)
     return load_local(cfg, columns)

@@ -19,6 +19,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -172,7 +173,26 @@ def _parse_table(path: Path, text_col, label_col, header: bool, errors: str) -> 
     return texts, labels
 
 
-def _split(ds: TextDataset, seed: int = 0) -> tuple[TextDataset, TextDataset]:
+class Splittable(Protocol):
+    """A data set a fixed hold-out can split: its length and a subset by row indices."""
+
+    def __len__(self) -> int: ...
+
+    def subset(self: SetT, idx: np.ndarray) -> SetT: ...
+
+
+SetT = TypeVar("SetT", bound=Splittable)
+
+
+def source_name(cfg: DataConfig) -> str:
+    """``data.name``, which :func:`fedtune.tasks.resolve_config` filled in from the task's default;
+    one line when it is still unset (a task kind that names no default data set)."""
+    if cfg.name is None:
+        raise ConfigError("data.name: not set, and the task kind names no default data set")
+    return cfg.name
+
+
+def _split(ds: SetT, seed: int = 0) -> tuple[SetT, SetT]:
     """Deterministic train/test split of a source that ships no test set."""
     order = np.random.default_rng(seed).permutation(len(ds))
     n_test = int(round(TEST_FRACTION * len(ds)))
@@ -247,17 +267,18 @@ def _load_hub(name: str, cfg: DataConfig, test_split: str, classes: list[str] | 
 
 def load_text_dataset(cfg: DataConfig) -> tuple[TextDataset, TextDataset]:
     """(train pool, test set) for ``cfg.name``, before any subsampling."""
-    if cfg.name == "tweets":
+    name = source_name(cfg)
+    if name == "tweets":
         return _load_tweets()
-    if cfg.name.startswith("hub:"):
-        return _load_hub(cfg.name[4:], cfg, cfg.test_split)
-    if cfg.name in NAMED_SETS:
-        spec = NAMED_SETS[cfg.name]
+    if name.startswith("hub:"):
+        return _load_hub(name[4:], cfg, cfg.test_split)
+    if name in NAMED_SETS:
+        spec = NAMED_SETS[name]
         root = data_dir(cfg)
         train_path, test_path = root / spec.train_file, root / spec.test_file
         if not (train_path.is_file() and test_path.is_file()):
             missing = (
-                f"data '{cfg.name}': {spec.train_file} / {spec.test_file} not found in data directory {root} "
+                f"data '{name}': {spec.train_file} / {spec.test_file} not found in data directory {root} "
                 f"(set data.data_dir or {DATA_DIR_ENV}); the hub dataset would be '{spec.hub_name}'"
             )
             if os.environ.get("HF_HUB_OFFLINE") == "1":
@@ -266,17 +287,17 @@ def load_text_dataset(cfg: DataConfig) -> tuple[TextDataset, TextDataset]:
                 return _load_hub(spec.hub_name, cfg, spec.hub_test_split, spec.classes)
             except ConfigError as exc:
                 raise ConfigError(f"{missing}, which failed: {exc}") from None
-        cols = ("sentence", "label") if spec.header else (0, 1)
+        columns: tuple[str | int, str | int] = ("sentence", "label") if spec.header else (0, 1)
         parts = []
         for path in (train_path, test_path):
-            texts, raw = _read_table(path, *cols, header=spec.header)
+            texts, raw = _read_table(path, columns[0], columns[1], header=spec.header)
             y, names = _encode_labels(raw, spec.classes, str(path))
             parts.append(TextDataset(texts, y, names))
         n = max(len(parts[0].label_names), len(parts[1].label_names))
         for p in parts:
             p.label_names = [str(i) for i in range(n)] if spec.classes is None else p.label_names
         return parts[0], parts[1]
-    path = Path(cfg.name).expanduser()
+    path = Path(name).expanduser()
     if not path.exists():
         raise ConfigError(
             f"data.name: {cfg.name!r} is not a named set (tweets, {', '.join(NAMED_SETS)}), "

@@ -100,8 +100,9 @@ def choice_text(
     if choice is None:
         return "waiting for the sweep"
     text = setting_text(choice.setting)
-    if choice.margin is not None:
-        text += f" by {choice.margin:.2f} points over {setting_text(choice.runner_up[0])}"
+    runner_up = choice.runner_up
+    if runner_up is not None:
+        text += f" by {choice.margin:.2f} points over {setting_text(runner_up[0])}"
     if reference is not None and 100 * choice.score < 100 * reference + LEARNED_POINTS:
         return text + f" — no grid point learned (all within {LEARNED_POINTS:g} points of the {reference_name})"
     key = next(iter(choice.setting))  # the swept rate (a second key, such as a server rate, is not an edge)

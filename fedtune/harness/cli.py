@@ -105,7 +105,7 @@ def print_plan(plan: Plan, selected: Sequence[str], costs: dict[str, float]) -> 
     for experiment in selected:
         print(f"  {experiment}: {len(plan[experiment])} runs")
         for spec in plan[experiment]:
-            shared = f" = {spec.owner}/{spec.run_dir.name}" if spec.shared else ""
+            shared = f" = {spec.owner}/{spec.folder.name}" if spec.shared else ""
             print(f"    [{run_state(spec)}] {spec.name}{shared}  (~{costs[spec.key] / 60:.1f} min)")
 
 
@@ -147,7 +147,7 @@ def sweep_selection(
     experiments to run: ``sweep`` joins the ``dependents`` (those planned from its choices) when
     they are selected; :class:`SuiteError` naming the option when bad."""
     selected = list(selected)
-    option, values = getattr(args, "sweep_option", ("--lr-grid", "learning rates"))
+    option, values = args.sweep_option  # add_sweep_options's default
     if args.lr_grid is None:
         if "sweep" in selected:
             raise SuiteError(f"--only sweep: needs {option} (the {values} to sweep)")

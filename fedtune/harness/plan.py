@@ -39,6 +39,20 @@ class RunSpec:
     owner: str = ""  # experiment whose folder holds the run
 
     @property
+    def resolved(self) -> RunConfig:
+        """``config``, which :func:`build_plan` resolves; an error for a spec it has not planned."""
+        if self.config is None:
+            raise RuntimeError(f"run {self.name!r}: not planned (build_plan resolves its config)")
+        return self.config
+
+    @property
+    def folder(self) -> Path:
+        """``run_dir``, which :func:`build_plan` sets; an error for a spec it has not planned."""
+        if self.run_dir is None:
+            raise RuntimeError(f"run {self.name!r}: not planned (build_plan names its folder)")
+        return self.run_dir
+
+    @property
     def shared(self) -> bool:
         """True when another experiment's folder holds this run."""
         return self.owner != self.experiment

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from contextlib import closing
 from multiprocessing import get_context
@@ -46,7 +46,7 @@ def setup_worker(threads: int = 1) -> None:
 
 def imap_unordered(
     fn: Callable[[Item], Any], items: Iterable[Item], workers: int, threads: int = 1
-) -> Iterator[tuple[Item, Any, str | None]]:
+) -> Generator[tuple[Item, Any, str | None], None, None]:
     """``fn(item)`` for every item in ``workers`` spawned processes (``threads`` torch threads each),
     submitted in the given order; yields ``(item, result, None)`` as each finishes, or
     ``(item, None, error)`` when it raised or its worker died. ``fn`` must be importable (a
@@ -64,6 +64,7 @@ def imap_unordered(
         while waiting:
             finished, waiting = wait(waiting, return_when=FIRST_COMPLETED)
             for future in finished:
+                outcome: tuple[Item, Any, str | None]
                 try:
                     outcome = (futures[future], future.result(), None)
                 except Exception as exc:  # fn raised, or a worker died (killed, out of memory)
@@ -116,7 +117,7 @@ def run_specs(specs: list[RunSpec], costs: dict[str, float], workers: int) -> tu
     total, start, done = len(specs), time.perf_counter(), 0
     remaining = sum(costs[s.key] for s in specs)
     spec_of = {id(s.config): s for s in specs}
-    configs = [s.config for s in sorted(specs, key=lambda s: -costs[s.key])]
+    configs = [s.resolved for s in sorted(specs, key=lambda s: -costs[s.key])]
     try:
         with closing(imap_unordered(run_config, configs, workers)) as results:
             for config, result, error in results:

@@ -56,12 +56,12 @@ def per_device_mb(spec: RunSpec, summary: dict[str, Any]) -> float | None:
     DP run, which releases no bytes."""
     if "total_bytes_up" not in summary:
         return None
-    return summary["total_bytes_up"] / 1e6 / spec.config.federation.num_clients
+    return summary["total_bytes_up"] / 1e6 / spec.resolved.federation.num_clients
 
 
 def curve(spec: RunSpec, metric: str = "accuracy") -> stats.Curve:
     """The finished run's ``(round, cumulative MB up per client, metric)`` at its evaluated rounds."""
-    return stats.evaluations(load_rounds(spec), metric, spec.config.federation.num_clients)
+    return stats.evaluations(load_rounds(spec), metric, spec.resolved.federation.num_clients)
 
 
 def averaged_curve(specs: Sequence[RunSpec], metric: str = "accuracy") -> stats.Curve:
@@ -125,10 +125,10 @@ def runs_section(specs: Sequence[RunSpec], out: Path) -> str:
     rows = []
     for spec in specs:
         s = load_summary(spec)
-        folder = os.path.relpath(spec.run_dir, out)
+        folder = os.path.relpath(spec.folder, out)
         shared = f" (shared with {spec.owner})" if spec.shared else ""
         if s is None:
-            rows.append([spec.name, f"`{folder}`{shared}", "pending", str(spec.config.rounds), "–", "–"])
+            rows.append([spec.name, f"`{folder}`{shared}", "pending", str(spec.resolved.rounds), "–", "–"])
             continue
         acc = "–" if s.get("final_accuracy") is None else f"{100 * s['final_accuracy']:.2f}"
         rows.append(

@@ -24,11 +24,11 @@ def run_state(spec: RunSpec) -> RunState:
     """``done`` (a summary of this very config), ``stale`` (a finished run of another config under
     the same name: it is rerun, the old one moved aside to ``<name>.old-<n>``) or ``todo``."""
     try:
-        json.loads((spec.run_dir / "summary.json").read_text())
+        json.loads((spec.folder / "summary.json").read_text())
     except (OSError, ValueError):  # absent, or cut short by a kill
         return "todo"
     try:
-        saved = RunConfig.model_validate(tomllib.loads((spec.run_dir / "config.toml").read_text()))
+        saved = RunConfig.model_validate(tomllib.loads((spec.folder / "config.toml").read_text()))
     except Exception:
         return "stale"
     return "done" if config_key(saved) == spec.key else "stale"
@@ -44,7 +44,7 @@ def load_finished(spec: RunSpec) -> RunRecord | None:
     if run_state(spec) != "done":
         return None
     try:
-        return load_run(spec.run_dir)
+        return load_run(spec.folder)
     except ReportError:
         return None
 

@@ -18,8 +18,9 @@ process that builds a model from the same seed gets the same weights.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -27,6 +28,11 @@ from torch import nn
 
 from fedtune.config import ConfigError
 from fedtune.process import offline_hint
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+Built = TypeVar("Built")
 
 SMALL_NET = "audio-cnn"
 TINY_WAV2VEC2 = "tiny-wav2vec2"
@@ -66,7 +72,7 @@ class ConvEncoder(nn.Module):
         super().__init__()
         widths = (in_channels, *channels)
         self.blocks = nn.Sequential(*[ConvBlock(a, b) for a, b in zip(widths[:-1], widths[1:])])
-        self.grid = tuple(grid)
+        self.grid: tuple[int, int] = (grid[0], grid[1])
         flat = channels[-1] * self.grid[0] * self.grid[1]
         self.proj = nn.Linear(flat, embed_dim) if embed_dim else None
         self.out_dim = embed_dim or flat
@@ -93,7 +99,7 @@ class AudioConvNet(nn.Module):
         return self.classifier(self.dropout(self.encoder(input_features)))
 
 
-def seeded(seed: int, build):
+def seeded(seed: int, build: Callable[[], Built]) -> Built:
     """``build()`` under ``torch.manual_seed(seed)``, the global RNG state restored afterwards."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -117,10 +123,10 @@ def conv_features(n_mels: int, channels: tuple[int, ...] = (16, 32, 64)) -> tupl
 
 
 # -- Hugging Face audio-classification models ----------------------------------------------------
-def _tiny_wav2vec2(num_labels: int) -> nn.Module:
+def _tiny_wav2vec2(num_labels: int) -> PreTrainedModel:
     from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
 
-    cfg = Wav2Vec2Config(
+    cfg = Wav2Vec2Config(  # type: ignore[call-arg]  # num_labels: PretrainedConfig's, not in the stub
         hidden_size=32,
         num_hidden_layers=2,
         num_attention_heads=2,
@@ -165,7 +171,7 @@ def _model_path(name: str) -> str:
     return str(Path(name).expanduser()) if Path(name).expanduser().exists() else name
 
 
-def load_audio_classifier(name: str, num_labels: int, seed: int) -> nn.Module:
+def load_audio_classifier(name: str, num_labels: int, seed: int) -> PreTrainedModel:
     """HF audio-classification model ``name`` with a fresh ``num_labels`` head initialized from
     ``seed``: the head modules (:func:`audio_head_modules`) are re-initialized with PyTorch's
     default ``reset_parameters`` even when the checkpoint has a head of that size. SpecAugment
@@ -193,11 +199,12 @@ def load_audio_classifier(name: str, num_labels: int, seed: int) -> nn.Module:
     if hasattr(model.config, "apply_spec_augment"):
         model.config.apply_spec_augment = False
 
-    def fresh_head() -> nn.Module:
+    def fresh_head() -> PreTrainedModel:
         for head in audio_head_modules(model):
             for module in model.get_submodule(head).modules():
-                if hasattr(module, "reset_parameters"):
-                    module.reset_parameters()
+                reset = getattr(module, "reset_parameters", None)  # a torch layer's own (third-party)
+                if reset is not None:
+                    reset()
         return model
 
     return seeded(seed, fresh_head)
@@ -245,6 +252,7 @@ def audio_lora_targets(model: nn.Module) -> list[str]:
 def audio_model_names(name: str, num_labels: int) -> tuple[list[str], list[str]]:
     """(LoRA targets, head modules) of model ``name``, read off its module tree built on the
     meta device (no weights loaded or initialized)."""
+    model: nn.Module
     if is_small_net(name):
         model = AudioConvNet(num_labels)
     else:

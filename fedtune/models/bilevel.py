@@ -41,7 +41,7 @@ def gradient_steps(
     for _ in range(steps):
         with torch.enable_grad():
             leaves = [t.requires_grad_() for t in y]
-            grads = torch.autograd.grad(g(xs, leaves), leaves)
+            grads: Sequence[torch.Tensor] = torch.autograd.grad(g(xs, leaves), leaves)
         if mask is not None:
             grads = [gr if m is None else gr * m for gr, m in zip(grads, mask)]
         y = [t.detach() - lr * gr for t, gr in zip(leaves, grads)]

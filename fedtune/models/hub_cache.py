@@ -22,6 +22,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -64,10 +65,12 @@ def _write_gguf_lm(name: str, snapshot: Path) -> str:
     plm.saveable(plm.build_language_model(name, 0, torch.float32)).save_pretrained(snapshot)
     plm.load_lm_tokenizer(name).save_pretrained(snapshot)
     source = plm.gguf_source(name)
+    if source is None:
+        raise ValueError(f"{name!r} is not a packaged GGUF model")
     return f"{source['gguf_file']} of {source['pretrained_model_name_or_path']}, de-quantized to float32"
 
 
-WRITERS = {
+WRITERS: dict[str, Callable[[Path], str]] = {
     "minilm": _write_minilm,
     "smollm2": partial(_write_gguf_lm, "smollm2"),
     "gemma3-270m": partial(_write_gguf_lm, "gemma3-270m"),

@@ -19,13 +19,13 @@ import torch
 from torch import nn
 
 from fedtune.models.generation import positions
-from fedtune.models.prefix_lm import example_losses
+from fedtune.models.prefix_lm import example_losses, peft_base
 from fedtune.steps import advance
 
 
 def language_model(model: nn.Module) -> nn.Module:
     """The Hugging Face causal LM inside ``model`` (a PEFT wrapper's base model, LoRA in place)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+    return peft_base(model)
 
 
 def on_device(batch: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:

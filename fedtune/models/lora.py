@@ -15,11 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from fedtune.config import ConfigError
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 
 def lora_config(task, rank: int, alpha: float | None = None):
@@ -36,7 +40,7 @@ def lora_config(task, rank: int, alpha: float | None = None):
     return LoraConfig(
         task_type=task.peft_task_type,
         r=rank,
-        lora_alpha=cfg.lora_alpha if alpha is None else alpha,
+        lora_alpha=cfg.lora_alpha if alpha is None else alpha,  # type: ignore[arg-type]  # PEFT annotates int, scales by any float
         lora_dropout=cfg.lora_dropout,
         target_modules=targets,
         modules_to_save=task.head_modules() or None,
@@ -104,7 +108,7 @@ class LoraWorkspace:
         if own:
             config = config.model_copy(update={"model": config.model.model_copy(update=own)})
         self.base = prepare_base(task.build_model(seed), config, task.head_modules())
-        self.model = None  # PeftModel once an adapter exists
+        self.model: PeftModel | None = None  # once an adapter exists
         self._params: dict[str, dict[str, torch.nn.Parameter]] = {}
         self._target_names: set[str] | None = None
 
@@ -120,6 +124,13 @@ class LoraWorkspace:
                 f"model.lora_rank: {rank} exceeds what the adapted layers allow; expected at most {bound[0]} "
                 f"(min(in, out) of {bound[1]})"
             )
+
+    @property
+    def peft_model(self) -> PeftModel:
+        """The PEFT wrapper of the base, which :meth:`activate` makes with the first adapter."""
+        if self.model is None:
+            raise RuntimeError("LoRA workspace: no adapter yet (activate one first)")
+        return self.model
 
     @staticmethod
     def adapter_name(rank: int, alpha: float | None = None) -> str:
@@ -140,9 +151,10 @@ class LoraWorkspace:
                     self.model = get_peft_model(self.base, lora_config(self.task, rank, alpha), adapter_name=name)
                 else:
                     self.model.add_adapter(name, lora_config(self.task, rank, alpha))
-        self.model.set_adapter(name)
+        model = self.peft_model
+        model.set_adapter(name)
         if name not in self._params:
-            self._params[name] = {_short_name(n, name): p for n, p in self.model.named_parameters() if p.requires_grad}
+            self._params[name] = {_short_name(n, name): p for n, p in model.named_parameters() if p.requires_grad}
         return self._params[name]
 
     def state(self, rank: int, alpha: float | None = None) -> dict[str, np.ndarray]:
@@ -181,11 +193,11 @@ class LoraWorkspace:
         name = self.adapter_name(rank, alpha)
         self.load(arrays, rank, alpha, bounded=False)
         base = hub_id(str(self.task.config.model.name))
-        self.model.peft_config[name].base_model_name_or_path = base
+        self.peft_model.peft_config[name].base_model_name_or_path = base
         out_dir = Path(out_dir)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=".adapter-") as tmp:
-            self.model.save_pretrained(tmp, selected_adapters=[name])
+            self.peft_model.save_pretrained(tmp, selected_adapters=[name])
             record_base(Path(tmp) / name, base)
             if out_dir.exists():
                 shutil.rmtree(out_dir)

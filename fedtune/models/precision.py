@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -240,10 +240,11 @@ def quantize_linears(
     ]
     what = f"quantizing {len(targets)} linear layers to {'4-bit NF4' if bits == 4 else '8-bit'}"
     for name in track(targets, what, len(targets), "layers"):  # by name: each replaced layer freed before the next
-        lin = model.get_submodule(name)
+        lin = cast(nn.Linear, model.get_submodule(name))  # a target: type(module) is nn.Linear (above)
         weight = lin.weight.data.to(torch.float32 if bits == 4 else torch.float16)
+        new: nn.Module
         if bits == 4:
-            new = bnb.nn.Linear4bit(
+            four = bnb.nn.Linear4bit(
                 lin.in_features,
                 lin.out_features,
                 bias=lin.bias is not None,
@@ -252,13 +253,15 @@ def quantize_linears(
                 quant_type="nf4",
                 device="meta",
             )
-            new.weight = bnb.nn.Params4bit(weight, requires_grad=False, compress_statistics=True, quant_type="nf4")
-            new.support_avx512bf16_for_cpu = False  # the AVX2 path on every CPU (docstring)
+            four.weight = bnb.nn.Params4bit(weight, requires_grad=False, compress_statistics=True, quant_type="nf4")
+            four.support_avx512bf16_for_cpu = False  # the AVX2 path on every CPU (docstring)
+            new = four
         else:
-            new = bnb.nn.Linear8bitLt(
+            eight = bnb.nn.Linear8bitLt(
                 lin.in_features, lin.out_features, bias=lin.bias is not None, has_fp16_weights=False, device="meta"
             )
-            new.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+            eight.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+            new = eight
         if lin.bias is not None:
             new.bias = nn.Parameter(lin.bias.data.to(compute_dtype), requires_grad=False)
         parent, _, child = name.rpartition(".")

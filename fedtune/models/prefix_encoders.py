@@ -15,9 +15,12 @@ features to the prefix embeddings.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
+
+from fedtune.config import ConfigError
 
 
 class Encoder(nn.Module):
@@ -116,6 +119,8 @@ def image_preprocessing(name: str, size: int | None) -> ImagePreprocessing:
     def rgb(v) -> tuple[float, ...]:
         return tuple(v) * 3 if len(v) == 1 else tuple(v)
 
+    if side is None:
+        raise ConfigError(f"task.image_size: model {name!r} states no input size; set one")
     return ImagePreprocessing(int(side), rgb(spec.mean), rgb(spec.std))
 
 
@@ -138,12 +143,14 @@ def build_image_encoder(name: str, size: int | None, seed: int) -> tuple[Encoder
     pre = image_preprocessing(name, size)
     model = vision.build_image_model(spec, 1, seed, (pre.size, pre.size), 3)
     if spec.family in ("mobilenet-v2", "small-cnn"):
-        backbone, tokens_last = model.features, False
+        backbone, tokens_last = model.get_submodule("features"), False
     elif spec.family == "efficientnet-lite0":
         backbone, tokens_last = _EfficientNetFeatures(model), False
-    else:  # HFImageClassifier around a Hugging Face classifier: its base model
+    elif isinstance(model, vision.HFImageClassifier):  # around a Hugging Face classifier: its base model
         extra = {"interpolate_pos_encoding": True} if model.interpolate else {}
         backbone, tokens_last = HFBackbone(model.model.base_model, "pixel_values", **extra), True
+    else:
+        raise TypeError(f"image model {name!r}: no encoder form for a {type(model).__name__}")
     return Encoder(backbone, spec.family in PRETRAINED_IMAGE, tokens_last), pre
 
 
@@ -153,7 +160,7 @@ class _EfficientNetFeatures(nn.Module):
         self.model = model
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.extract_features(x)
+        return cast(Any, self.model).extract_features(x)  # EfficientNet's method: the package is untyped
 
 
 AUDIO_CNN = "audio-cnn"

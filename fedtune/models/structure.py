@@ -128,6 +128,8 @@ def _chain_structure(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> St
     for i, (name, module) in enumerate(layers):
         prefix = f"{name}." if name else ""
         if isinstance(module, _NORMS):
+            if current is None:
+                raise ValueError(f"{name}: a norm layer before any conv or linear layer")
             current += [
                 Member(prefix + t, 0) for t in ("weight", "bias", "running_mean", "running_var") if prefix + t in shapes
             ]

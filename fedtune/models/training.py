@@ -137,7 +137,7 @@ def evaluate_classifier(
         logits, labels, loss = forward(model, batch)
         labels = labels.to(logits.device)
         loss_sum += loss.item() * len(labels)
-        correct += (logits.argmax(-1) == labels).sum().item()
+        correct += int((logits.argmax(-1) == labels).sum().item())
         n += len(labels)
     n = max(n, 1)
     return {"accuracy": correct / n, "loss": loss_sum / n}

@@ -26,13 +26,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
 
 from fedtune.config import ConfigError
 from fedtune.process import offline_hint
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -223,7 +226,7 @@ class HFImageClassifier(nn.Module):
     """A Hugging Face image classifier as a tensor -> logits module (``pixel_values`` in);
     ``interpolate``: resize ViT position embeddings to the input (inputs of another size)."""
 
-    def __init__(self, model: nn.Module, interpolate: bool = False) -> None:
+    def __init__(self, model: PreTrainedModel, interpolate: bool = False) -> None:
         super().__init__()
         self.model = model
         self.interpolate = interpolate
@@ -285,7 +288,10 @@ def image_model_spec(name: str) -> ImageModelSpec:
     return SPECS.get(name) or _hf_spec(name)
 
 
-def _fresh_linear(old: nn.Linear, num_classes: int) -> nn.Linear:
+def _fresh_linear(old: nn.Module | torch.Tensor, num_classes: int) -> nn.Linear:
+    """A new ``num_classes``-way linear head with ``old``'s inputs, weights N(0, 0.01), bias 0."""
+    if not isinstance(old, nn.Linear):
+        raise TypeError(f"expected the model's linear head, got {type(old).__name__}")
     head = nn.Linear(old.in_features, num_classes)
     nn.init.normal_(head.weight, 0, 0.01)
     nn.init.zeros_(head.bias)
@@ -308,9 +314,9 @@ def build_image_model(
         if spec.family == "efficientnet-lite0":
             if image_size[0] != image_size[1]:
                 raise ConfigError(f"task.image_size: efficientnet-lite0 takes square images, got {image_size}")
-            model = pretrained_efficientnet_lite0(num_labels, image_size[0])
-            model._fc = _fresh_linear(model._fc, num_labels)
-            return model
+            net = pretrained_efficientnet_lite0(num_labels, image_size[0])
+            net._fc = _fresh_linear(net._fc, num_labels)
+            return net
         if spec.family == "small-cnn":
             if min(image_size) < 4:
                 raise ConfigError(f"task.image_size: small-cnn needs images of at least 4x4, got {image_size}")
@@ -322,7 +328,7 @@ def build_image_model(
                 raise ConfigError(
                     f"task.image_size: tiny-vit takes square images, a multiple of {TINY_VIT_PATCH}; got {image_size}"
                 )
-            cfg = ViTConfig(
+            cfg = ViTConfig(  # type: ignore[call-arg]  # num_labels: PretrainedConfig's, not in the stub
                 image_size=image_size[0],
                 patch_size=TINY_VIT_PATCH,
                 num_channels=3,

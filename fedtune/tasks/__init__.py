@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from fedtune.config import ConfigError, RunConfig, validate_options
+from fedtune.config import ConfigError, DataConfig, ModelConfig, RunConfig, validate_options
 from fedtune.plugins import TASKS, load_declared, resolve_reference
 from fedtune.tasks.base import _TASKS, Task, TaskOptions, register_task
 
@@ -45,11 +45,11 @@ def resolve_config(config: RunConfig) -> RunConfig:
     """``config`` with the task's defaults filled in where the recipe left them out
     (``data.name``, ``model.name``), so the run folder's config.toml names everything."""
     task = get_task_class(config.task.kind)
-    updates = {}
-    for section in ("data", "model"):
+    updates: dict[str, DataConfig | ModelConfig] = {}
+    for section, current in (("data", config.data), ("model", config.model)):
         value = task.defaults.get(f"{section}.name")
-        if getattr(config, section).name is None and value is not None:
-            updates[section] = getattr(config, section).model_copy(update={"name": value})
+        if current.name is None and value is not None:
+            updates[section] = current.model_copy(update={"name": value})
     return config.model_copy(update=updates) if updates else config
 
 

@@ -117,7 +117,7 @@ class AudioClassification(Task):
 
     @property
     def small_net(self) -> bool:
-        return is_small_net(self.config.model.name)
+        return is_small_net(self.model_name)
 
     @cached_property
     def inputs(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -125,9 +125,11 @@ class AudioClassification(Task):
         (``input_features``) for the small net, the feature extractor's output for HF models."""
         o = self.options
         if self.small_net:
-            return tuple({"input_features": o.features(ds)} for ds in self.data)
-        extractor = load_audio_extractor(self.config.model.name)
-        return tuple(hf_audio_inputs(extractor, ds.waves, ds.sample_rate, o.clip_seconds) for ds in self.data)
+            train, test = ({"input_features": o.features(ds)} for ds in self.data)
+            return train, test
+        extractor = load_audio_extractor(self.model_name)
+        train, test = (hf_audio_inputs(extractor, ds.waves, ds.sample_rate, o.clip_seconds) for ds in self.data)
+        return train, test
 
     def partition(self, num_clients: int, seed: int) -> list[np.ndarray]:
         if self.options.split_by == "label":
@@ -144,18 +146,17 @@ class AudioClassification(Task):
 
     # -- model -------------------------------------------------------------------------------
     def build_model(self, seed: int) -> torch.nn.Module:
-        name = self.config.model.name
         model = (
             build_small_net(self.num_labels, seed)
             if self.small_net
-            else load_audio_classifier(name, self.num_labels, seed)
+            else load_audio_classifier(self.model_name, self.num_labels, seed)
         )
         return freeze_except(model, audio_head_modules(model)) if self.config.model.finetune == "head" else model
 
     @cached_property
     def _model_names(self) -> tuple[list[str], list[str]]:
         """(LoRA targets, head modules) of the model."""
-        return audio_model_names(self.config.model.name, self.num_labels)
+        return audio_model_names(self.model_name, self.num_labels)
 
     def lora_targets(self) -> list[str]:
         return list(self._model_names[0])

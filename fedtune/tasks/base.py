@@ -84,6 +84,20 @@ class Task(ABC):
         self.config = config
         self.options = options
 
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer of a task whose model reads text (an export writes it beside the
+        weights); None for one that has none."""
+        return None
+
+    @property
+    def model_name(self) -> str:
+        """``model.name``, which :func:`fedtune.tasks.resolve_config` filled in from the task's
+        default; one line when it is still unset (a task kind that names no default model)."""
+        if self.config.model.name is None:
+            raise ConfigError(f"model.name: not set, and task {self.kind!r} names no default model")
+        return self.config.model.name
+
     # -- data --------------------------------------------------------------------------------
     @abstractmethod
     def load(self) -> tuple[Any, Any]:
@@ -91,6 +105,10 @@ class Task(ABC):
 
     @cached_property
     def data(self) -> tuple[Any, Any]:
+        """(training pool, test set) as :meth:`prepare` makes them, once."""
+        return self.prepare()
+
+    def prepare(self) -> tuple[Any, Any]:
         """(training pool, test set), subsampled to ``data.max_train_samples`` (with the run's
         seed) and ``data.max_test_samples`` (seed 0: every run of a set tests on the same examples);
         prepared on the CPU also when first read while a model's skeleton is built on the meta device."""
@@ -131,10 +149,15 @@ class Task(ABC):
         or over one of its ``columns`` where the pool has them)."""
         from fedtune.data.partition import partition
 
-        return partition(self.train.labels, num_clients, self.config.data, seed, getattr(self.train, "columns", None))
+        return partition(self.train.labels, num_clients, self.config.data, seed, self.partition_columns())
+
+    def partition_columns(self) -> dict[str, np.ndarray] | None:
+        """The training pool's further integer columns by name (``data.partition = "column"``
+        reads ``data.client_column`` there); default none."""
+        return None
 
     #: what :meth:`majority_rate` is, as the run's summary line names it
-    reference_name: ClassVar[str] = "majority-class rate"
+    reference_name: str = "majority-class rate"
 
     def majority_rate(self) -> float:
         """The reference accuracy a learned model must beat: the test set's majority-class rate."""

@@ -215,8 +215,8 @@ class LossTuning(BilevelProblem):
     def data(self, cid: int, rnd: int):
         train, val = self.split(cid)
         counts = np.bincount(self.context.task.train.labels[val], minlength=self.classes).astype(np.float32)
-        weights = np.where(counts > 0, 1.0 / np.maximum(counts, 1), 0.0).astype(np.float32)
-        weights = torch.from_numpy(weights).to(self.device)
+        inverse = np.where(counts > 0, 1.0 / np.maximum(counts, 1), 0.0).astype(np.float32)
+        weights = torch.from_numpy(inverse).to(self.device)
         return {"train": train, "val": val, "weights": weights, "cid": cid, "round": rnd}
 
     def _batches(self, data, pool: np.ndarray, steps: int, tag: int) -> list:

@@ -159,6 +159,10 @@ class CausalLM(Task):
     def label_names(self) -> list[str]:
         return self.train.label_names
 
+    def partition_columns(self) -> dict[str, np.ndarray]:
+        """The pool's given client assignments (``task.columns``; :attr:`PromptSet.columns`)."""
+        return self.train.columns
+
     @cached_property
     def tokenizer(self):
         return plm.load_lm_tokenizer(self.config.model.name)
@@ -231,7 +235,7 @@ class CausalLM(Task):
     def build_model(self, seed: int) -> torch.nn.Module:
         """The LM, every weight trainable (LoRA methods freeze them under PEFT); with
         ``model.finetune = "head"`` only the output embedding (tied to the input one in SmolLM2)."""
-        model = plm.build_language_model(self.config.model.name, seed, load_dtype(self.config.model))
+        model = plm.build_language_model(self.model_name, seed, load_dtype(self.config.model))
         if self.config.model.finetune == "full":
             return model.requires_grad_(True)
         model.get_output_embeddings().weight.requires_grad_(True)
@@ -363,7 +367,7 @@ class CausalLM(Task):
         ``data.max_length``."""
         items = []
         length, side = self.config.data.max_length, self.options.truncation_side
-        for i in np.flatnonzero(ds.multiple_choice):
+        for i in np.flatnonzero(ds.multiple_choice).tolist():
             for prompt, ids, chars in self.choice_pairs(ds, i):
                 row, k = prompting.encode_pair(prompt, ids, length, side, self.keep_start)
                 items.append((int(i), row, k, chars))
@@ -377,7 +381,7 @@ class CausalLM(Task):
         if self.options.choice_scoring != "lm-eval" or not ds.multiple_choice.all():
             for i, (p, r) in enumerate(zip(self.prompts(ds), self.responses(ds.responses))):
                 cut[i] = len(p) + len(r) > length
-        for i in np.flatnonzero(ds.multiple_choice):
+        for i in np.flatnonzero(ds.multiple_choice).tolist():
             cut[i] |= any(len(p) + len(x) > length for p, x, _ in self.choice_pairs(ds, i))
         return cut
 

@@ -98,6 +98,7 @@ class ImageClassification(Task):
 
     defaults = {"data.name": "fashion-mnist", "model.name": "mobilenet-v2"}
     Options = ImageClassificationOptions
+    options: ImageClassificationOptions
     peft_task_type = None  # a custom module (tensor in, logits out)
     test_overrides = (
         "model.name=tiny-vit",
@@ -117,11 +118,10 @@ class ImageClassification(Task):
         source = cfg.model_copy(update={"data_dir": str(data_dir(cfg))}).model_dump_json(include=SOURCE_FIELDS)
         return _load_shared(source, self.options.image_column, self.options.image_size)
 
-    @cached_property
-    def data(self) -> tuple[ImageSet, ImageSet]:
+    def prepare(self) -> tuple[ImageSet, ImageSet]:
         """(training pool, test set): subsampled as every task's, then long-tailed when
         ``task.imbalance_ratio`` is set (class counts exact in the pool the clients share)."""
-        train, test = Task.data.func(self)
+        train, test = super().prepare()
         if self.options.imbalance_ratio is not None:
             train = train.subset(long_tail_indices(train.labels, self.options.imbalance_ratio, self.config.seed))
         return train, test
@@ -133,7 +133,7 @@ class ImageClassification(Task):
     # -- the model's input ---------------------------------------------------------------------
     @cached_property
     def spec(self) -> ImageModelSpec:
-        return image_model_spec(self.config.model.name)
+        return image_model_spec(self.model_name)
 
     @property
     def input_size(self) -> tuple[int, int]:
@@ -165,7 +165,7 @@ class ImageClassification(Task):
     def lora_targets(self) -> list[str]:
         if self._targets is None:
             self.build_model(self.config.seed)
-        return list(self._targets)
+        return list(self._targets or [])  # build_model set them
 
     def head_modules(self) -> list[str]:
         return list(self.spec.head)
@@ -174,8 +174,8 @@ class ImageClassification(Task):
     def train_batches(self, pool: np.ndarray, batch_size: int, steps: int, rng: np.random.Generator):
         images, labels = self.pixels("train")
         for idx in index_batches(pool, batch_size, steps, rng):
-            idx = torch.from_numpy(idx)
-            yield self.inputs(images[idx]), labels[idx]
+            rows = torch.from_numpy(idx)
+            yield self.inputs(images[rows]), labels[rows]
 
     def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch

@@ -33,6 +33,7 @@ from pydantic import Field
 
 from fedtune.config import ConfigError
 from fedtune.data import instruction as idata
+from fedtune.data.text import source_name
 from fedtune.models import prefix_lm as plm
 from fedtune.models.precision import load_dtype, model_device, to_device
 from fedtune.tasks.base import Task, TaskOptions, register_task
@@ -133,7 +134,7 @@ class Instruction(Task):
 
     def _items(self) -> tuple[idata.Items, idata.Items]:
         cfg = self.config.data
-        name = cfg.name
+        name = source_name(cfg)
         if self.family == "spoken":
             return self._recordings()
         from fedtune.data.images import load_image_set
@@ -151,7 +152,8 @@ class Instruction(Task):
                     )
                 )
             return out[0], out[1]
-        return tuple(idata.Items({"image": s.images}, {"label": s.labels}) for s in splits)
+        train, test = (idata.Items({"image": s.images}, {"label": s.labels}) for s in splits)
+        return train, test
 
     def _recordings(self) -> tuple[idata.Items, idata.Items]:
         """FSDD as the audio encoder's input: per-clip standardized log-mels (``audio-cnn``) or
@@ -229,7 +231,7 @@ class Instruction(Task):
         (frozen when pretrained, unless ``task.train_encoder``) and projectors, each random part
         drawn from ``seed`` (image encoder seed, audio encoder seed + 1, projectors seed + 2, + 3)."""
         opts = self.options
-        lm = plm.build_language_model(self.config.model.name, seed, load_dtype(self.config.model))
+        lm = plm.build_language_model(self.model_name, seed, load_dtype(self.config.model))
         lm.requires_grad_(self.config.model.finetune == "full")
         encoders, projectors = {}, {}
         for i, modality in enumerate(self.modalities):

@@ -29,7 +29,7 @@ accuracy and cross-entropy on the complete test set, plus ``accuracy_image_only`
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 import torch
@@ -197,7 +197,7 @@ class PairedMultimodal(Task):
         w = self.options.unimodal_weight
         if w == 0:
             return F.cross_entropy(model(**inputs), labels)
-        fused, single = model.all_logits(**inputs)
+        fused, single = cast(FusionClassifier, model).all_logits(**inputs)  # its model (a PEFT wrapper forwards it)
         present = inputs["mask"]
         per_modality = F.cross_entropy(single[present], labels.unsqueeze(1).expand_as(present)[present])
         return F.cross_entropy(fused, labels) + w * per_modality

@@ -59,14 +59,17 @@ class TextClassification(Task):
         """(training pool, test set), tokenized once (clients index the pool with their partition)."""
         from fedtune.models.loading import tokenizer_key
 
-        length, key = self.config.data.max_length, tokenizer_key(self.config.model.name)
-        return tuple(TokenizedSet.cached(lambda: self.tokenizer, key, ds.texts, ds.labels, length) for ds in self.data)
+        length, key = self.config.data.max_length, tokenizer_key(self.model_name)
+        train, test = (
+            TokenizedSet.cached(lambda: self.tokenizer, key, ds.texts, ds.labels, length) for ds in self.data
+        )
+        return train, test
 
     # -- model -------------------------------------------------------------------------------
     def build_model(self, seed: int) -> torch.nn.Module:
         from fedtune.models.loading import load_classifier
 
-        model = load_classifier(self.config.model.name, self.num_labels, seed)
+        model = load_classifier(self.model_name, self.num_labels, seed)
         return freeze_except(model, HEAD) if self.config.model.finetune == "head" else model
 
     def lora_targets(self) -> list[str]:

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -47,6 +48,12 @@ from fedtune.data.llm_text import ALL_SETS, MMLU, MMLU_GROUPS, MMLU_SUBJECTS
 from fedtune.data.lm_eval_formats import WITH_ACC_NORM
 from fedtune.models.hub_ids import fedtune_name, hub_id
 from fedtune.trained.loader import evaluation_task, open_run, prepared_base
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from torch import nn
+
+    from fedtune.tasks.causal_lm import CausalLM
 
 DOLLY = "dolly"
 FILE_SUFFIXES = (".jsonl", ".csv")  # a local file as a set: {question, choices, gold} (or prompt/response) rows
@@ -120,6 +127,25 @@ def target_of(arg: str) -> Target:
         raise ConfigError(f"{arg!r}: no such folder (expected a run folder, a model folder or a model name)")
     name = fedtune_name(arg)
     return Target(load_config(None, [f"task.kind={KIND}", f"model.name={name}"]), None, name, None)
+
+
+def _scored_task(config: RunConfig) -> CausalLM:
+    """The :data:`KIND` task of ``config`` for scoring (:func:`evaluation_task`); one line for another kind."""
+    from fedtune.tasks.causal_lm import CausalLM
+
+    task = evaluation_task(config)
+    if not isinstance(task, CausalLM):
+        raise ConfigError(f"task.kind: fedtune eval scores {KIND} tasks, got {config.task.kind!r}")
+    return task
+
+
+def _models(target: Target, task: CausalLM) -> tuple[PeftModel | None, nn.Module]:
+    """(the run's adapter on its base, None for a bare model; the model scored: that, else the
+    bare base prepared as a run prepares it)."""
+    if target.run_dir is None or target.adapter_dir is None:
+        return None, prepared_base(task)
+    adapted = open_run(target.run_dir).model(task)
+    return adapted, adapted
 
 
 def unit_config(
@@ -368,14 +394,14 @@ def evaluate(
         raise ConfigError(f"--baseline: {target.label!r} is a bare model; --baseline compares a run with its base")
     if target.config.train.threads:
         torch.set_num_threads(target.config.train.threads)
-    names = sets or [None]
-    first = evaluation_task(unit_config(target.config, names[0], generate, protocol, num_fewshot))
-    model = prepared_base(first) if target.adapter_dir is None else open_run(target.run_dir).model(first)
+    names: list[str | None] = list(sets) if sets else [None]
+    first = _scored_task(unit_config(target.config, names[0], generate, protocol, num_fewshot))
+    adapted, model = _models(target, first)
     length = _lm_eval_length(model) if protocol == LM_EVAL else None
     units = []
     for name in names:
         drawn = limit if draw == SEEDED else None
-        task = evaluation_task(unit_config(target.config, name, generate, protocol, num_fewshot, length, drawn))
+        task = _scored_task(unit_config(target.config, name, generate, protocol, num_fewshot, length, drawn))
         first_per_set(task, limit if draw == FIRST else None)
         units.append((name or "run test set", task))
     batch = batch_size or target.config.train.eval_batch_size
@@ -407,8 +433,8 @@ def evaluate(
         "metrics": raw,
         "examples": examples,
     }
-    if baseline:
-        with model.disable_adapter():
+    if baseline and adapted is not None:  # a bare model's --baseline is refused above
+        with adapted.disable_adapter():
             base_rows, base_raw, base_examples = _score(units, model, batch, progress, "base: ")
         diffs = paired(examples, base_examples)
         result["baseline"] = {

@@ -34,6 +34,7 @@ import os
 import secrets
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fedtune.config import ConfigError
 from fedtune.models import prefix_lm as plm
@@ -43,11 +44,14 @@ from fedtune.run_folder import holds_run, rename_aside, run_folder_around
 from fedtune.steps import step
 from fedtune.trained.loader import ADAPTER_CONFIG, TrainedRun
 
+if TYPE_CHECKING:
+    from fedtune.tasks import Task
+
 RUN_FILES = ("prompt_template.json",)  # run files a user of the export needs beside the weights
 
 
-def _save_tokenizer(task, out: Path) -> None:
-    tokenizer = getattr(task, "tokenizer", None)
+def _save_tokenizer(task: Task, out: Path) -> None:
+    tokenizer = task.tokenizer
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
 

@@ -13,12 +13,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from fedtune.config import ConfigError, RunConfig, load_config
 from fedtune.runtime import resolve_run
 from fedtune.tasks import Task
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 ADAPTER = "adapter"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -66,7 +70,7 @@ class TrainedRun:
     def task(self, config: RunConfig | None = None) -> Task:
         return make_task(config or self.config)
 
-    def model(self, task: Task) -> torch.nn.Module:
+    def model(self, task: Task) -> PeftModel:
         """The adapter on the run's base, prepared as the run's (eval mode)."""
         from peft import PeftModel
 

@@ -372,7 +372,7 @@ def _step_and_measure(
         d_s, d_t = _measure_after_step(model, batch, ref, targets, s_params, t_params, before, coord.metric)
     else:
         optimizer.step()
-    if d_s is None:
+    if d_s is None or d_t is None:  # measured together
         return None
     kappa = balance_coefficient(d_t, d_s)
     i_t, encoded, raw = norms
