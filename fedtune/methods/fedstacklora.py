@@ -54,7 +54,7 @@ from fedtune.methods.base.averaging import (
     decode_update,
     mean_train_loss,
 )
-from fedtune.methods.base.lora import LORA, MERGING_SCALE_OPTIONS, SERVER_DEVIATIONS, LoraClient, adapted, client_rank
+from fedtune.methods.base.lora import LORA, MERGING_SCALE_OPTIONS, SERVER_DEVIATIONS, LoraClient, client_rank
 from fedtune.methods.base.lora_arrays import (
     a_name,
     array_rank,
@@ -200,7 +200,7 @@ class FedStackLoRAStrategy(Strategy):
         arrays = {k: np.zeros(tuple(p.shape), dtype=np.float32) for k, p in params.items()}
         ws.load({**arrays, **self.head}, self.rank)
         with merged_into_base(ws, self.merged):
-            return self.context.task.evaluate(adapted(ws), self.config.train.eval_batch_size)
+            return self.context.task.evaluate(ws.peft_model, self.config.train.eval_batch_size)
 
     def state_dict(self) -> dict:
         return {

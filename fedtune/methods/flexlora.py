@@ -51,7 +51,6 @@ from fedtune.methods.base.lora import (
     MERGING_SCALE_OPTIONS,
     SERVER_DEVIATIONS,
     GlobalAdapterStrategy,
-    adapted,
     client_rank,
 )
 from fedtune.methods.base.lora_arrays import (
@@ -164,7 +163,7 @@ class FlexLoRAStrategy(GlobalAdapterStrategy):
         zero_b = {k: (np.zeros_like(v) if is_lora_b(k) else v) for k, v in self.global_arrays.items()}
         ws.load(zero_b, self.rank)
         with merged_into_base(ws, self.delta):
-            return self.context.task.evaluate(adapted(ws), self.config.train.eval_batch_size)
+            return self.context.task.evaluate(ws.peft_model, self.config.train.eval_batch_size)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "init": dict(self.init_arrays), "delta": dict(self.delta)}

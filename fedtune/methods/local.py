@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from fedtune.methods.base.averaging import mean_train_loss
-from fedtune.methods.base.lora import LORA, SCALE_OPTIONS, LoraClient, adapted
+from fedtune.methods.base.lora import LORA, SCALE_OPTIONS, LoraClient
 from fedtune.methods.fedit import FedITStrategy
 from fedtune.planning.lora_plan import lora_plan
 from fedtune.protocol.messages import Message
@@ -90,7 +90,7 @@ class LocalClient(LoraClient):
     def evaluate(self, message: Message) -> Message:
         ws = self.context.workspace
         ws.load(self._adapter(message), message.meta["rank"])
-        return Message({}, self.context.task.evaluate(adapted(ws), self.config.train.eval_batch_size))
+        return Message({}, self.context.task.evaluate(ws.peft_model, self.config.train.eval_batch_size))
 
 
 register("local", LocalStrategy, LocalClient, requires=LORA, supports=SCALE_OPTIONS, plan=lora_plan(None))

@@ -38,7 +38,6 @@ def measured_lora_knob(context: PlanningContext, knob: str | None) -> Knob:
     weights and the adapter's + trainable values x 4 x (1 gradient + optimizer states) +
     :data:`MEASURED_LORA_FACTOR` x the saved bytes of one forward; seconds = 3 x its FLOPs x the
     local steps at float32's ``REFERENCE_FLOPS``. The run's quantization and checkpointing only."""
-    from fedtune.methods.base.lora import adapted
     from fedtune.models.train_memory import optimizer_states
     from fedtune.planning.memory import REFERENCE_FLOPS, Prediction, base_weight_bytes
 
@@ -47,7 +46,7 @@ def measured_lora_knob(context: PlanningContext, knob: str | None) -> Knob:
 
     def cost(rank: int, *_) -> tuple:
         params = ws.activate(rank).values()
-        model = adapted(ws)
+        model = ws.peft_model
         # the run's base: its batch-norm statistics, its mode and the global RNG left as they were
         buffers, training = [b.clone() for b in model.buffers()], model.training
         with torch.random.fork_rng():

@@ -21,7 +21,7 @@ from fedtune.protocol.strategy import Strategy
 from fedtune.protocol.validation import ArraySpec
 
 if TYPE_CHECKING:
-    from fedtune.models.lora import LoraWorkspace
+    pass
 
 LORA = ("lora",)  # the task capability every LoRA method requires (register(..., requires=LORA))
 #: The model-scale options (fedtune.registry.CROSS_METHOD_OPTIONS) a LoRA method honours when its
@@ -39,14 +39,6 @@ SERVER_DEVIATIONS = {
     "server.momentum": "a value above 0 (FedAvgM, Hsu et al. 2019) carries earlier rounds' updates into "
     "each step: departs from the method's average",
 }
-
-
-def adapted(ws: LoraWorkspace) -> torch.nn.Module:
-    """``ws``'s PEFT model, which loading a first adapter (:meth:`LoraWorkspace.load`) makes:
-    RuntimeError before one is loaded."""
-    if ws.model is None:
-        raise RuntimeError("LoRA workspace: no adapter loaded yet")
-    return ws.model
 
 
 class RegularizedTask:
@@ -80,7 +72,7 @@ class LoraClient(UpdateClient):
         params = ws.load(arrays, rank, alpha)
         task = self.context.task if penalty is None else RegularizedTask(self.context.task, lambda: penalty(params))
         result = train_local(
-            adapted(ws),
+            ws.peft_model,
             list(params.values()),
             task,
             self.context.partitions[self.cid],
@@ -110,7 +102,7 @@ class GlobalAdapterStrategy(Strategy):
     def evaluate(self, rnd: int) -> dict[str, float]:
         ws = self.context.workspace
         ws.load(self.global_arrays, self.rank, self.alpha)
-        return self.context.task.evaluate(adapted(ws), self.config.train.eval_batch_size)
+        return self.context.task.evaluate(ws.peft_model, self.config.train.eval_batch_size)
 
     def state_dict(self) -> dict:
         return {

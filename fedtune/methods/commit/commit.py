@@ -48,7 +48,7 @@ from pydantic import Field
 
 from fedtune.config import ConfigError, RunConfig
 from fedtune.methods.base.averaging import SERVER_STEP_AND_UPLOAD_CODEC, BroadcastAverage, Weighting, client_weights
-from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, GlobalAdapterStrategy, LoraClient, adapted
+from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, GlobalAdapterStrategy, LoraClient
 from fedtune.methods.commit.balance import TRAINERS, Coordination, S, Schedule, T, train_coordinated
 from fedtune.methods.commit.plan import commit_workload
 from fedtune.models.tensors import to_numpy
@@ -229,7 +229,7 @@ class CommitClient(LoraClient):
             return built[-1]
 
         schedule, curves = train_coordinated(
-            adapted(ws),
+            ws.peft_model,
             component_params(task, params),
             batches,
             coordination(self.options, self.config),

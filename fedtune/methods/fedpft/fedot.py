@@ -31,7 +31,7 @@ from pydantic import Field
 
 from fedtune.config import ConfigError
 from fedtune.methods.base.averaging import SECURE_AGGREGATION, WEIGHTED_SUM_OPTIONS
-from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, adapted
+from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS
 from fedtune.methods.fedpft.alignment import ProxyAligner
 from fedtune.methods.fedpft.construction import ProxyBuilder
 from fedtune.methods.fedpft.distill import DistillPairs
@@ -210,7 +210,7 @@ class FedOTStrategy(ProxyStrategy):
     def evaluate_full(self) -> dict[str, float]:
         ws = self.full_ws
         ws.load(self.to_full(self.global_arrays), self.rank, self.alpha)
-        return self.context.task.evaluate(adapted(ws), self.config.train.eval_batch_size)
+        return self.context.task.evaluate(ws.peft_model, self.config.train.eval_batch_size)
 
     def save(self, run_dir: Path) -> None:
         self.full_ws.save_pretrained(run_dir / "adapter", self.to_full(self.global_arrays), self.rank, self.alpha)

@@ -68,7 +68,7 @@ from pydantic import Field
 
 from fedtune.config import ConfigError
 from fedtune.methods.base.averaging import SECURE_AGGREGATION, WEIGHTED_SUM_OPTIONS
-from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS, adapted
+from fedtune.methods.base.lora import LORA, SERVER_DEVIATIONS
 from fedtune.methods.fedpft.alignment import ProxyAligner
 from fedtune.methods.fedpft.construction import ProxyBuilder
 from fedtune.methods.fedpft.distill import DistillPairs, count_zero_activations
@@ -406,7 +406,7 @@ class NeuronLevelAlignment(RoundAlignment):
         try:
             return self.aligner.run_distillation(
                 layer_pairs(
-                    adapted(full), adapted(proxy), t_stack, s_stack, self.builder.layers, self.options.align_mu
+                    full.peft_model, proxy.peft_model, t_stack, s_stack, self.builder.layers, self.options.align_mu
                 ),
                 params,
                 self.options.align_steps,

@@ -60,7 +60,7 @@ from fedtune.methods.base.averaging import (
     decode_update,
     mean_train_loss,
 )
-from fedtune.methods.base.lora import GlobalAdapterStrategy, adapted
+from fedtune.methods.base.lora import GlobalAdapterStrategy
 from fedtune.methods.fedpft.construction import ProxyBuilder
 from fedtune.methods.fedpft.ffn_proxy import ProxyShape, SubmodelError, apply_shape, find_stack
 from fedtune.methods.fedpft.options import ProxyOptions
@@ -248,7 +248,7 @@ class ProxyStrategy(GlobalAdapterStrategy):
         if self.options.eval_proxy:
             ws = self.builder.workspace
             ws.load(self.global_arrays, self.rank, self.alpha)
-            proxy = self.context.task.evaluate(adapted(ws), self.config.train.eval_batch_size)
+            proxy = self.context.task.evaluate(ws.peft_model, self.config.train.eval_batch_size)
             metrics.update({f"proxy_{k}": v for k, v in proxy.items()})
         return metrics
 

@@ -12,7 +12,6 @@ import numpy as np
 import torch
 
 from fedtune.config import ConfigError, RunConfig
-from fedtune.methods.base.lora import adapted
 from fedtune.models import precision
 from fedtune.models.lora import LoraWorkspace
 from fedtune.models.tensors import to_numpy
@@ -95,7 +94,7 @@ def train_lora(
     the training's peak memory (:func:`~fedtune.models.train_memory.training_peak_bytes`).
     Returns (trained arrays, fit result, peak bytes)."""
     params = ws.load(arrays, rank, alpha)
-    model = adapted(ws)
+    model = ws.peft_model
     with ActivationMeter(model) as meter:
         result = train_local(model, list(params.values()), task, pool, config.train, seed)
     peak = training_peak_bytes(
