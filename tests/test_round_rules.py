@@ -16,11 +16,19 @@ from fedtune.protocol.strategy import RoundRules, Strategy
 CLIENTS, PER_ROUND = 6, 2
 
 
+class Unbounded:
+    """The one member of a server context the round loop reads (through ``reply_meta_spec``): a
+    bound on a reply's ``num_examples`` far above the 1 every reply here states."""
+
+    def example_bound(self, kind: str, cid: int) -> int:
+        return 1_000_000
+
+
 class Probe(Strategy):
     """A strategy of no model that answers ``rules`` and records what the loop asked of it."""
 
     def __init__(self, rules: RoundRules) -> None:
-        self.context: Any = None
+        self.context: Any = Unbounded()
         self.rules = rules
         self.asked: list[list[int]] = []  # configure_fit's clients, per call
         self.aggregated: list[list[int]] = []  # aggregate_fit's replies, per call

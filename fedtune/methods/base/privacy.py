@@ -67,7 +67,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any
 
 import numpy as np
 
@@ -432,15 +432,6 @@ class PrivacyParams:
     quantization_step: float = 0.0  # SecAgg+ with central DP (SecureCentralGaussian): the worst rounding step 2c/T
 
 
-class KindNumbers(TypedDict, total=False):
-    """The numbers of :class:`PrivacyParams` that only one kind of mechanism reads."""
-
-    target_quantile: float
-    clip_learning_rate: float
-    sigma_b: float
-    quantization_step: float
-
-
 def mechanism_kind(config: RunConfig) -> type[Mechanism]:
     """The class of the run's mechanism (``privacy.mode`` not "none"): where a new one is chosen."""
     if config.privacy.mode == "local":
@@ -484,7 +475,7 @@ def privacy_params(config: RunConfig) -> PrivacyParams | None:
             raise ConfigError(
                 f"privacy.epsilon_budget: {p.epsilon_budget:g} is below the epsilon of one round ({one:.4g})"
             )
-    extra: KindNumbers = {}  # the kind's own numbers
+    extra: dict[str, Any] = {}  # the kind's own numbers (PrivacyParams' fields of one kind of mechanism)
     if kind is AdaptiveClipGaussian:
         # Andrew et al.'s m/20, at least z (the update's noise then grows by at most 1/sqrt(3/4) = 1.15x)
         sigma_b = p.clipped_count_stddev if p.clipped_count_stddev is not None else max(m / 20, z)

@@ -5,17 +5,17 @@ FSLoRA: eq. (5)'s sum_i p_i Delta_i; HeteroLoRA: the zero-padded average; FlexLo
 minus the old one; FedStackLoRA: the stacked product B_stack A_stack). This module turns Delta^t
 into the new global state x^{t+1}:
 
-- ``server_optimizer = "sgd"`` (default): x^{t+1} = x^t + eta Delta^t, eta = ``server_lr``
+- ``server.optimizer = "sgd"`` (default): x^{t+1} = x^t + eta Delta^t, eta = ``server.lr``
   (default 1). With eta = 1 this is each method's own rule exactly (FSLoRA: eq. (5)), bit for
   bit. **Deviation** from the papers when eta != 1. With ``server.momentum`` mu > 0, heavy-ball
   momentum on the update (FedAvgM, Hsu et al. 2019, Alg. 1 with the pseudo-gradient -Delta^t):
   b^t = mu b^{t-1} + Delta^t (b^0 = 0), x^{t+1} = x^t + eta b^t; **deviation** too (each round's
   step carries the earlier rounds' updates). Under DP it is post-processing of the released
-  aggregates: it spends no privacy (DP-FedAvgM, the server optimizer of McMahan et al. 2018).
-- ``server_optimizer = "adam"``: FedAdam (Reddi et al. 2021, Alg. 2) with the pseudo-gradient
+  aggregates: it spends no privacy (DP-FedAvgM).
+- ``server.optimizer = "adam"``: FedAdam (Reddi et al. 2021, Alg. 2) with the pseudo-gradient
   -Delta^t: m^t = b1 m^{t-1} + (1 - b1) Delta^t, v^t = b2 v^{t-1} + (1 - b2) (Delta^t)^2,
   x^{t+1} = x^t (1 - eta wd) + eta m_hat^t / (sqrt(v_hat^t) + eps), with m_hat = m / (1 - b1^t) and
-  v_hat = v / (1 - b2^t) when ``server_bias_correction`` (torch's Adam/AdamW, the default) and
+  v_hat = v / (1 - b2^t) when ``server.bias_correction`` (torch's Adam/AdamW, the default) and
   m_hat = m, v_hat = v without it (Reddi et al.'s form, where eps is their tau). This is what the
   published FSLoRA code runs (``torch.optim.AdamW(lr=server_lr)`` on the negated mean update:
   betas (0.9, 0.999), eps 1e-8, bias correction, weight decay 0.01). **Deviation** from every

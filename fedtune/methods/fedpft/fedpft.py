@@ -395,9 +395,7 @@ class NeuronLevelAlignment(RoundAlignment):
         full.load(*adapter)
         lora_params = list(proxy.load(*adapter).values())
         t_stack, s_stack = find_stack(full.base), find_stack(self.builder.proxy)
-        masks = {}
-        for i, idx in selected.items():
-            masks.update(neuron_masks(s_stack, i, idx))
+        masks = {p: m for i, idx in selected.items() for p, m in neuron_masks(s_stack, i, idx).items()}
         params = list(masks)
         for p in lora_params:
             p.requires_grad_(False)
