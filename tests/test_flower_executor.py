@@ -8,6 +8,7 @@ process per message would start some in every round); its control, on stock Flow
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -220,7 +221,7 @@ def test_the_executor_serves_the_next_task_after_one_it_could_not_complete(monke
 
     served = []
 
-    def serve(address, token, identify=True):
+    def serve(address, token, identify=True, stop=None):
         served.append(token)
         if token == "t1":
             raise RuntimeError("task t1 is gone")
@@ -231,6 +232,66 @@ def test_the_executor_serves_the_next_task_after_one_it_could_not_complete(monke
     executor.run_executor("127.0.0.1:1", b"secret")
     assert served == ["t1", "t2"] and runtime_api.task_claimed_at[0] is None
     assert "task not completed (RuntimeError: task t1 is gone)" in capsys.readouterr().err
+
+
+def _closed_port() -> int:
+    """A port of 127.0.0.1 nothing listens on (a SuperNode gone: every connection refused)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ends_after_stop(thread: threading.Thread, stop: threading.Event) -> None:
+    """``thread`` (started) is still retrying its refused call after 1.5 s, as Flower retries a
+    SuperNode not up yet, and ends within 5 s of ``stop`` being set."""
+    thread.join(1.5)
+    assert thread.is_alive(), "the call gave up before it was told to stop"
+    stop.set()
+    thread.join(5)
+    assert not thread.is_alive(), "still retrying a SuperNode that is gone after being told to stop"
+
+
+def test_a_runtime_call_to_a_supernode_gone_stops_retrying_once_told():
+    """Flower's retry invoker retries a refused connection without end (waits growing to 20 s); a
+    client given ``stop`` must give up once it is set, raising the connection's error."""
+    import httpx
+    from flwr.proto.runtime_pb2 import PullTaskInputRequest
+
+    from fedtune.engines.flower import runtime_api
+
+    stop, errors = threading.Event(), []
+    client = runtime_api.runtime_client(f"127.0.0.1:{_closed_port()}", token="t", stop=stop)
+
+    def call():
+        try:
+            client.PullTaskInput(PullTaskInputRequest())
+        except Exception as exc:  # noqa: BLE001 - the error is the test's
+            errors.append(exc)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    _ends_after_stop(thread, stop)
+    assert len(errors) == 1 and isinstance(errors[0], httpx.ConnectError)
+
+
+@pytest.mark.parametrize("stage", ["claim", "task"])
+def test_a_node_served_in_place_ends_when_stopped_after_its_supernode_went_away(monkeypatch, stage):
+    """The loopback deployment's first node (:class:`NodeThread`, a thread of the ``fedtune run``
+    process) was pulling a standby when the deployment stopped its SuperNode; its pull retried for
+    ever, and the pull's worker threads, joined at interpreter exit, kept the finished run's process
+    alive (seen: 6 minutes, until killed). Stopping the node must end it, whether it was claiming a
+    task or serving one (``stage``: the task's own client, through serve_task)."""
+    from fedtune.engines.flower import executor, runtime_api, worker
+
+    if stage == "task":  # a task claimed just before the SuperNode went away
+        monkeypatch.setattr(runtime_api, "claim_tasks", lambda client, task_type, idle: iter(["token"]))
+    monkeypatch.setattr(worker, "serving_in_place", contextlib.nullcontext)
+    node = executor.NodeThread(f"127.0.0.1:{_closed_port()}", b"secret")
+    thread = threading.Thread(target=node._serve, daemon=True)  # noqa: SLF001 - the thread's own body
+    thread.start()
+    _ends_after_stop(thread, node.done)
 
 
 # -- a real deployment -----------------------------------------------------------------------------

@@ -28,7 +28,6 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 #: the component of fedtune's ClientApp in a FAB (``[tool.flwr.app.components] clientapp``)
@@ -46,13 +45,14 @@ def write_secret(path: Path) -> Path:
     return path
 
 
-def serve_task(address: str, token: str, identify: bool = True) -> None:
+def serve_task(address: str, token: str, identify: bool = True, stop: threading.Event | None = None) -> None:
     """Run one claimed task (``token``) of the SuperNode at ``address``: pull the Context, run and
     message, answer it with fedtune's ClientApp in this process, push the reply and the Context
     back and mark the task completed (failed, with an error reply, when the app raised or the FAB
     names another ClientApp), as ``flwr-clientapp`` does. A standby (:mod:`.standby`) leaves the
     Context as it was (not pushed back). ``identify``: set Flower's process-wide task identity to
-    the task's (False in the server's process: :class:`NodeThread`)."""
+    the task's (False in the server's process: :class:`NodeThread`); ``stop``: once set, a call to
+    the SuperNode that fails is not retried (:func:`.runtime_api.retry_invoker`)."""
     from flwr.app import Error
     from flwr.app import Message as FlowerMessage
     from flwr.common.config import get_fab_config
@@ -63,7 +63,7 @@ def serve_task(address: str, token: str, identify: bool = True) -> None:
     from fedtune.engines.flower.runtime_api import pull_task_input, runtime_client, task_heartbeat
     from fedtune.engines.flower.standby import STANDBY
 
-    client = runtime_client(address, token=token)
+    client = runtime_client(address, token=token, stop=stop)
     heartbeat = task_heartbeat(client)
     message = context = reply = None
     status, details = SubStatus.FAILED, "ClientApp task failed"
@@ -89,20 +89,21 @@ def serve_task(address: str, token: str, identify: bool = True) -> None:
             client.close()
 
 
-def serve_tasks(address: str, secret: bytes, idle: Callable[[], bool] = lambda: True, identify: bool = True) -> None:
+def serve_tasks(address: str, secret: bytes, stop: threading.Event | None = None, identify: bool = True) -> None:
     """Claim and serve the ClientApp tasks of the SuperNode at ``address`` (signed with ``secret``),
-    one at a time, until the SuperNode goes away or ``idle()``, asked while none is waiting, says
-    False: every message of the node in this process (:func:`serve_task`; a task that fails on the
-    way, its reply or output refused, is reported on stderr and the next one served). ``identify``:
-    as :func:`serve_task`'s."""
+    one at a time, until the SuperNode goes away or ``stop`` is set (asked while no task waits):
+    every message of the node in this process (:func:`serve_task`; a task that fails on the way,
+    its reply or output refused, is reported on stderr and the next one served). ``identify``,
+    ``stop``: as :func:`serve_task`'s."""
     from flwr.supercore.constant import TaskType
 
     from fedtune.engines.flower.runtime_api import claim_tasks, runtime_client, task_claimed_at
 
-    for token in claim_tasks(runtime_client(address, secret=secret), TaskType.CLIENT_APP, idle):
+    idle = (lambda: True) if stop is None else (lambda: not stop.is_set())
+    for token in claim_tasks(runtime_client(address, secret=secret, stop=stop), TaskType.CLIENT_APP, idle):
         task_claimed_at[0] = time.time()
         try:
-            serve_task(address, token, identify)
+            serve_task(address, token, identify, stop)
         except Exception as exc:  # noqa: BLE001 - a task the SuperNode dropped meanwhile: serve the next
             print(f"fedtune executor: task not completed ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
         finally:
@@ -148,14 +149,15 @@ class NodeThread:
 
         with serving_in_place():
             try:
-                serve_tasks(self.address, self.secret, idle=lambda: not self.done.is_set(), identify=False)
+                serve_tasks(self.address, self.secret, self.done, identify=False)
             except Exception:
                 if not self.done.is_set():  # the SuperNode went away while the deployment runs: say so
                     raise
 
     def stop(self, timeout: float = STOP_WAIT_S) -> None:
         """Stop claiming tasks and wait up to ``timeout`` s for the one in progress (a straggler's, past
-        its round's timeout: it ends on its own, its reply refused by the stopped SuperNode)."""
+        its round's timeout: it ends on its own, its reply refused by the stopped SuperNode); from
+        now on a call to the SuperNode that fails gives up instead of retrying."""
         self.done.set()
         if self.thread is not None:
             self.thread.join(timeout)

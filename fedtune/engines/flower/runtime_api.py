@@ -13,6 +13,7 @@ same Flower functions, with a retry after :data:`BACKOFF_S` s (doubling up to :d
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
@@ -28,18 +29,37 @@ _ACQUIRE = "/flwr.proto.Runtime/AcquireTask"  # the Runtime API call the SuperEx
 task_claimed_at: list[float | None] = [None]
 
 
+def retry_invoker(stop: threading.Event | None = None) -> Any:
+    """Flower's HTTP retry invoker (a refused connection or a 502/503/504 retried without end, waits
+    growing to 20 s); with ``stop``, one that gives up once ``stop`` is set, its wait cut short then.
+    A node served in place (:class:`~.executor.NodeThread`) whose SuperNode went away while it
+    pulled a message would otherwise retry for ever, and the pull's worker threads, joined at
+    interpreter exit, keep the finished ``fedtune run`` from exiting."""
+    from flwr.supercore.retry import make_simple_http_retry_invoker
+
+    invoker = make_simple_http_retry_invoker()
+    if stop is not None:
+        flower_gives_up = invoker.should_giveup
+        invoker.should_giveup = lambda exc: stop.is_set() or flower_gives_up(exc)
+        invoker.wait_function = stop.wait
+    return invoker
+
+
 def runtime_client(
-    address: str, root_certificates: bytes | None = None, token: str | None = None, secret: bytes | None = None
+    address: str,
+    root_certificates: bytes | None = None,
+    token: str | None = None,
+    secret: bytes | None = None,
+    stop: threading.Event | None = None,
 ) -> Any:
     """A Flower Runtime API client of the SuperLink or SuperNode at ``address`` (TLS when
     ``root_certificates``, the CA's PEM bytes, are given): with a task's ``token``, or claiming tasks
-    with the SuperExec ``secret``."""
+    with the SuperExec ``secret``; its calls stop retrying once ``stop`` is set (:func:`retry_invoker`)."""
     from flwr.supercore.interceptors import (
         RuntimeTokenHttpInterceptor,
         RuntimeVersionHttpInterceptor,
         SuperExecAuthHttpInterceptor,
     )
-    from flwr.supercore.retry import make_simple_http_retry_invoker
     from flwr.supercore.runtime import RuntimeHttpClient
 
     interceptors: list[Any] = [RuntimeVersionHttpInterceptor(component_name="SuperExec")]
@@ -52,7 +72,7 @@ def runtime_client(
         insecure=root_certificates is None,
         root_certificates=root_certificates,
         interceptors=interceptors,
-        retry_invoker=make_simple_http_retry_invoker(),
+        retry_invoker=retry_invoker(stop),
     )
 
 
