@@ -38,10 +38,15 @@ def retry_invoker(stop: threading.Event | None = None) -> Any:
     from flwr.supercore.retry import make_simple_http_retry_invoker
 
     invoker = make_simple_http_retry_invoker()
-    if stop is not None:
-        flower_gives_up = invoker.should_giveup
-        invoker.should_giveup = lambda exc: stop.is_set() or flower_gives_up(exc)
-        invoker.wait_function = stop.wait
+    flower_gives_up = invoker.should_giveup
+    if stop is None or flower_gives_up is None:
+        return invoker
+
+    def wait(seconds: float) -> None:
+        stop.wait(seconds)
+
+    invoker.should_giveup = lambda exc: stop.is_set() or flower_gives_up(exc)
+    invoker.wait_function = wait
     return invoker
 
 
