@@ -89,3 +89,64 @@ def test_standby_on_a_prompt_server_keeps_its_lead(task_identity):  # noqa: F811
     pump = Standby(grid, lead_s=0.3)
     seen = _run_idle_node(pump, grid, seconds=20, delay=0.0, requests_at=(0.0, 10.0))
     assert seen["empties"] == [] and pump.slept == 0 and pump.lead_s == 0.3
+
+
+class CountingGrid(QueueGrid):
+    """A QueueGrid that records each pull's message ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pulls: list[list[str]] = []
+
+    def pull_messages(self, ids):
+        self.pulls.append(list(ids))
+        return super().pull_messages(ids)
+
+
+def test_standby_pulls_only_where_a_reply_can_be(task_identity):  # noqa: F811
+    """Every pull is a request to the SuperLink that costs the server's process time (a node trained
+    in that process slowed by up to ~40 % at 20 pulls a second): a busy node's standbys wait behind
+    its request, and a node that just answered one holds the next at least HOLD_S, so neither is
+    pulled; the node that answered its request is pulled at once."""
+    grid = CountingGrid()
+    pump = Standby(grid, lead_s=0.3)
+    grid.push_messages([FlowerMessage(RecordDict(), dst_node_id=NODE, message_type="train", group_id="1")])
+    pump.sent([NODE])
+    for step in range(20):  # the node trains 1 s: nothing to pull
+        pump.tick(now=step * 0.05)
+    assert grid.pulls == []
+    grid.take(NODE)  # the request, answered
+    pump.replied(NODE, now=1.0)
+    first = grid.take(NODE)  # the standby behind it, held, answered
+    pump.tick(now=1.0)
+    assert len(grid.pulls) == 1  # the node is idle: its standby's reply may be there
+    grid.answer(first)
+    pump.tick(now=1.05)  # pulled; the next standby is held for at least HOLD_S from now
+    pulls = len(grid.pulls)
+    quiet_until = 1.05 + standby.HOLD_S - 2 * pump.period_s
+    for t in (1.1, 1.2, 1.3, quiet_until - 0.01):
+        pump.tick(now=t)
+    assert len(grid.pulls) == pulls, "pulled within the hold of the node's next standby"
+    pump.tick(now=quiet_until)
+    assert len(grid.pulls) == pulls + 1
+
+
+def test_exchange_pulls_back_off_while_no_reply_arrives_and_not_beyond_the_cap(monkeypatch, task_identity):  # noqa: F811
+    """The server pulls replies 0.05 s after its push, the wait growing 1.5-fold to POLL_MAX_S while
+    none arrives (a fixed 0.05 s took a node trained in the server's process up to ~40 % longer)."""
+    from fedtune.engines.flower import codec, transport
+
+    grid = QueueGrid()
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) == 12:  # the node answers after 12 empty pulls
+            grid.answer(grid.take(NODE))
+
+    monkeypatch.setattr(transport.time, "sleep", sleep)
+    message = FlowerMessage(RecordDict(), dst_node_id=NODE, message_type="train", group_id="1")
+    ids, replies = transport.exchange(grid, [message], timeout=None)
+    assert len(replies) == 1 and replies[0].metadata.reply_to_message_id == ids[0]
+    assert waits[0] == pytest.approx(codec.POLL_S * 1.5) and max(waits) == codec.POLL_MAX_S
+    assert all(b >= a for a, b in zip(waits, waits[1:]))

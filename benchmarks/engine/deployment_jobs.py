@@ -16,6 +16,7 @@ from pathlib import Path
 
 ENGINE = Path(__file__).resolve().parent
 PLAIN_APP = ENGINE / "plain_flower_app"
+JOB_LIMIT_S = 3600.0  # a job still running after this long is stopped and reported as failed (a hang)
 
 
 def job(kind: str, nodes: int, overrides: list[str]) -> None:
@@ -88,6 +89,14 @@ def run_job(script: Path, kind: str, nodes: int, overrides: list[str], out: Path
     root, rss, pss = psutil.Process(proc.pid), 0, 0
     peaks: dict[str, list[float]] = {}  # role -> [peak summed RSS, most processes at once, peak RSS of one]
     while proc.poll() is None:
+        if time.perf_counter() - start > JOB_LIMIT_S:  # a hang (one was seen: a run's process not exiting)
+            for p in [*root.children(recursive=True), root]:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+            proc.wait()
+            raise RuntimeError(f"{kind} job ({nodes} nodes) still running after {JOB_LIMIT_S:.0f} s: stopped")
         total_rss = total_pss = 0
         now: dict[str, list[float]] = {}
         try:

@@ -39,7 +39,8 @@ NODE_CLIENTS = "fedtune-clients"  # node_config: the client ids a node plays, "0
 NODE_THREADS = "fedtune-threads"  # node_config: torch threads of the node's training
 
 ENGINE_KEYS = ("resume", "timeout", "clipping-norm")  # Flower run config keys for the ServerApp
-POLL_S = 0.05  # seconds between two pulls of replies from the grid
+POLL_S = 0.05  # seconds between two pulls of replies from the grid, right after a push or a reply
+POLL_MAX_S = 0.25  # ... growing to this while none arrives (each pull costs the server's process time)
 
 
 def sends_compute_s(config: RunConfig) -> bool:

@@ -75,6 +75,7 @@ class Standby:
         self.due: dict[int, float] = {}  # node -> when its next standby goes out (monotonic s)
         self.followed: set[int] = set()  # the nodes of the latest exchange: the ones kept awake
         self.pushed = 0  # standbys pushed so far
+        self.quiet: dict[int, float] = {}  # node -> until when no standby reply of it can arrive (monotonic s)
         self.done = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -144,16 +145,25 @@ class Standby:
             self.due[node] = (time.monotonic() if now is None else now) + self.lead_s
 
     def tick(self, now: float | None = None) -> None:
-        """Pull the standby replies that arrived and push the standbys due by ``now`` (monotonic s):
-        a node that answered one holds the next, queued (the one after is due :attr:`lead_s` s
-        later), or found none and sleeps (one goes out at once)."""
+        """Pull the standby replies that may have arrived and push the standbys due by ``now``
+        (monotonic s): a node that answered one holds the next, queued (the one after is due
+        :attr:`lead_s` s later), or found none and sleeps (one goes out at once).
+
+        Pulled only where a reply can be there: not a busy node's (its standbys wait behind its
+        request), nor a node's within a hold of its last standby reply (the SuperNode holds the
+        next one at least :data:`HOLD_S`; less two periods of slack for when that reply was seen).
+        Each pull is a request to the SuperLink and costs the server's process time, which a node
+        trained in that process (and the server's own evaluation) then lacks (docs/flower.md)."""
+        start = time.monotonic() if now is None else now
         with self.lock:
-            pending = list(self.queued)
+            pending = [m for m, n in self.queued.items() if n not in self.busy and self.quiet.get(n, 0.0) <= start]
         got = pull_replies(self.grid, pending) if pending else []
         now = time.monotonic() if now is None else now
         with self.lock:
             for reply in got:
                 node = self.queued.pop(reply.metadata.reply_to_message_id, None)
+                if node is not None:
+                    self.quiet[node] = now + HOLD_S - 2 * self.period_s
                 if node is not None and node in self.followed and node not in self.busy:
                     waiting = sum(1 for n in self.queued.values() if n == node)
                     self.due[node] = now + self.lead_s if waiting > self.spares else now

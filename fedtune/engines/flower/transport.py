@@ -22,6 +22,7 @@ from fedtune.engines.flower.codec import (
     CLIPPING_NORM,
     COMPUTE_S,
     PHASE,
+    POLL_MAX_S,
     POLL_S,
     RECORD,
     ROUND,
@@ -48,9 +49,11 @@ def exchange(
     pulled_at: dict[str, float] | None = None,
     standby: Standby | None = None,
 ) -> tuple[list[str], list[FlowerMessage]]:
-    """Push ``messages`` through ``grid`` and pull their replies every ``poll_s`` seconds until all
-    arrived or ``timeout`` seconds passed (Grid's public push, :func:`.runtime_api.pull_replies`;
-    Flower's ``send_and_receive`` waits 3 s between pulls). Returns the pushed message ids (in
+    """Push ``messages`` through ``grid`` and pull their replies until all arrived or ``timeout``
+    seconds passed (Grid's public push, :func:`.runtime_api.pull_replies`), ``poll_s`` seconds
+    after the push or a reply, the wait growing 1.5-fold to :data:`.codec.POLL_MAX_S` while none
+    arrives (Flower's ``send_and_receive`` waits 3 s between pulls; each pull costs the server's
+    process time, which a node trained in that process lacks: docs/flower.md). Returns the pushed message ids (in
     order) and the replies; ``pulled_at`` receives each reply's arrival time (epoch s) by the id of
     the message it answers; ``standby`` (a deployment's) is told which nodes got requests and which
     answered them (:class:`.standby.Standby`). A server that shares its base with a node it serves in
@@ -74,8 +77,10 @@ def _exchange(
     pending = set(ids)
     deadline = None if timeout is None else time.monotonic() + timeout
     replies: list[FlowerMessage] = []
+    wait = poll_s
     while pending:
         got = pull_replies(grid, pending)
+        wait = poll_s if got else min(max(poll_s, POLL_MAX_S), wait * 1.5)
         if pulled_at is not None:
             now = time.time()
             pulled_at.update((reply.metadata.reply_to_message_id, now) for reply in got)
@@ -86,7 +91,7 @@ def _exchange(
         pending.difference_update(reply.metadata.reply_to_message_id for reply in got)
         if not pending or (deadline is not None and time.monotonic() >= deadline):
             break
-        time.sleep(poll_s)
+        time.sleep(wait)
     return ids, replies
 
 
