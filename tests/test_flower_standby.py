@@ -150,3 +150,43 @@ def test_exchange_pulls_back_off_while_no_reply_arrives_and_not_beyond_the_cap(m
     assert len(replies) == 1 and replies[0].metadata.reply_to_message_id == ids[0]
     assert waits[0] == pytest.approx(codec.POLL_S * 1.5) and max(waits) == codec.POLL_MAX_S
     assert all(b >= a for a, b in zip(waits, waits[1:]))
+
+
+def test_a_request_reply_seen_late_brings_the_next_standby_forward(task_identity):  # noqa: F811
+    """The node takes the standby behind its request as soon as it pushed the reply and asks again
+    a hold later; the next standby must be there by then. The server's pulls back off to 0.25 s
+    while it waits, so a reply may be seen up to that late: the next standby is due ``lead_s``
+    after the reply's earliest arrival, not after the pull that found it (seen sending an idle
+    node of a 2-node deployment to Flower's 3 s sleep)."""
+    grid = QueueGrid()
+    pump = Standby(grid, lead_s=0.3)
+    pump.sent([NODE])
+    pump.replied(NODE, now=10.0, late=0.25)
+    assert pump.due[NODE] == pytest.approx(10.05)
+    pump.sent([NODE])
+    pump.replied(NODE, now=20.0, late=0.4)  # later than the lead: at once
+    assert pump.due[NODE] == pytest.approx(20.0)
+
+
+def test_exchange_tells_the_standby_how_late_a_reply_may_be(monkeypatch, task_identity):  # noqa: F811
+    """The ``late`` the exchange passes is the sleep before the pull that found the reply."""
+    from fedtune.engines.flower import transport
+
+    grid, told, waits = QueueGrid(), [], []
+
+    class Recorder:
+        def sent(self, nodes):
+            list(nodes)
+
+        def replied(self, node, now=None, late=0.0):
+            told.append(late)
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) == 6:
+            grid.answer(grid.take(NODE))
+
+    monkeypatch.setattr(transport.time, "sleep", sleep)
+    message = FlowerMessage(RecordDict(), dst_node_id=NODE, message_type="train", group_id="1")
+    transport.exchange(grid, [message], timeout=None, standby=Recorder())
+    assert told == [pytest.approx(waits[-1])] and waits[-1] > waits[0]

@@ -133,16 +133,18 @@ class Standby:
             self.idle_pushes = {m: v for m, v in self.idle_pushes.items() if self.queued.get(m) not in self.busy}
             self._push(sorted(self.followed) * (1 + self.spares))
 
-    def replied(self, node: int, now: float | None = None) -> None:
-        """``node`` answered a request (at ``now``, monotonic s); having answered them all it holds
-        the standby queued behind them, and the next one is due :attr:`lead_s` s later."""
+    def replied(self, node: int, now: float | None = None, late: float = 0.0) -> None:
+        """``node``'s reply to a request was seen at ``now`` (monotonic s), having reached the
+        SuperLink up to ``late`` s before (the wait before the pull that found it); having answered
+        them all the node holds the standby queued behind them, and the next one is due
+        :attr:`lead_s` s after the reply's earliest arrival (at once if that is past)."""
         with self.lock:
             left = self.busy.get(node, 0) - 1
             if left > 0:
                 self.busy[node] = left
                 return
             self.busy.pop(node, None)
-            self.due[node] = (time.monotonic() if now is None else now) + self.lead_s
+            self.due[node] = (time.monotonic() if now is None else now) + max(0.0, self.lead_s - late)
 
     def tick(self, now: float | None = None) -> None:
         """Pull the standby replies that may have arrived and push the standbys due by ``now``

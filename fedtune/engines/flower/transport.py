@@ -77,16 +77,16 @@ def _exchange(
     pending = set(ids)
     deadline = None if timeout is None else time.monotonic() + timeout
     replies: list[FlowerMessage] = []
-    wait = poll_s
+    wait = waited = poll_s  # the next sleep; the one before this pull (a reply found came up to that late)
     while pending:
         got = pull_replies(grid, pending)
-        wait = poll_s if got else min(max(poll_s, POLL_MAX_S), wait * 1.5)
+        waited, wait = wait, (poll_s if got else min(max(poll_s, POLL_MAX_S), wait * 1.5))
         if pulled_at is not None:
             now = time.time()
             pulled_at.update((reply.metadata.reply_to_message_id, now) for reply in got)
         if standby is not None:
             for reply in got:
-                standby.replied(node_of[reply.metadata.reply_to_message_id])
+                standby.replied(node_of[reply.metadata.reply_to_message_id], late=waited)
         replies.extend(got)
         pending.difference_update(reply.metadata.reply_to_message_id for reply in got)
         if not pending or (deadline is not None and time.monotonic() >= deadline):
