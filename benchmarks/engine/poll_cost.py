@@ -12,8 +12,8 @@ Numbers and the before / after of the change they led to: benchmarks/results/flo
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 from deployment_jobs import job
@@ -35,18 +35,21 @@ def slow_polls(period_s: float = 0.25) -> None:
     standby.Standby.__init__.__defaults__ = (standby.LEAD_S, period_s)
 
 
-def main(argv: list[str]) -> None:
-    variant, kind, nodes, out = argv[0], argv[1], int(argv[2]), Path(argv[3])
-    if variant not in ("current", "slow"):
-        raise SystemExit(f"variant: expected current or slow, got {variant!r}")
-    if variant == "slow":
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("variant", choices=["current", "slow"], help="the code's polling, or both polls at 0.25 s")
+    parser.add_argument("kind", choices=["embedded", "flower"])
+    parser.add_argument("nodes", type=int, help="deployment nodes (0 for embedded)")
+    parser.add_argument("out", type=Path, help="folder for the run folder")
+    args = parser.parse_args(argv)
+    if args.variant == "slow":
         slow_polls()
-    name = f"{variant}-{kind}-{nodes}"
-    job(kind, nodes, [*MINILM, *SETTING, f"name={name}", f"output_dir={out}"])
-    for line in (out / name / "metrics.jsonl").read_text().splitlines():
+    name = f"{args.variant}-{args.kind}-{args.nodes}"
+    job(args.kind, args.nodes, [*MINILM, *SETTING, f"name={name}", f"output_dir={args.out}"])
+    for line in (args.out / name / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
         print(r["round"], f"wall {r['wall_s']:.2f}", f"compute {sum(r['client_compute_s'].values()):.2f}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
