@@ -61,6 +61,7 @@ class QueueGrid:
 
 
 def _request(grid: QueueGrid, pump: Standby, node: int) -> None:
+    pump.sending([node])
     grid.push_messages([FlowerMessage(RecordDict(), dst_node_id=node, message_type="train", group_id="1")])
     pump.sent([node])
 
@@ -143,10 +144,11 @@ def test_standby_stops_with_its_thread(task_identity):  # noqa: F811
     assert pump.pushed == pushed and pump.thread is None
 
 
-def _serve_with(monkeypatch, app_ref: str, app, message_type: str = "train"):
+def _serve_with(monkeypatch, app_ref: str, app, message_type: str = "train", pushed_at: list | None = None):
     """:func:`executor.serve_task` on a claimed task of ``message_type`` whose FAB names
     ``app_ref``, fedtune's ClientApp replaced by ``app``, the Runtime API faked: (the reply it
-    pushed, the (status, Context) of its task output)."""
+    pushed, the (status, Context) of its task output); ``pushed_at`` receives the reply's push time
+    (monotonic s)."""
     import io
     import zipfile
 
@@ -178,7 +180,13 @@ def _serve_with(monkeypatch, app_ref: str, app, message_type: str = "train"):
     monkeypatch.setattr(runtime_api, "runtime_client", lambda *a, **k: Closable())
     monkeypatch.setattr(runtime_api, "task_heartbeat", lambda client: Closable())
     monkeypatch.setattr(runtime_api, "pull_task_input", lambda client, identify=True: given)
-    monkeypatch.setattr(run_clientapp, "push_message", lambda client, reply, ctx: pushed.append(reply))
+
+    def push_message(client, reply, ctx):
+        pushed.append(reply)
+        if pushed_at is not None:
+            pushed_at.append(time.monotonic())
+
+    monkeypatch.setattr(run_clientapp, "push_message", push_message)
     monkeypatch.setattr(run_clientapp, "push_task_output", lambda client, ctx, st, details: outputs.append((st, ctx)))
     monkeypatch.setattr(clientapp, "client_app", app)
     executor.serve_task("127.0.0.1:1", "token")
@@ -212,6 +220,52 @@ def test_the_executor_answers_each_task_in_place_and_a_failure_as_flower_does(mo
     reply, (status, _), _ = _serve_with(monkeypatch, "other:client", lambda m, c: called.append(m))
     assert reply.has_error() and "runs fedtune.engines.flower.clientapp:client_app only" in reply.error.reason
     assert "other:client" in reply.error.reason and status == "failed" and called == []
+
+
+@pytest.mark.parametrize("message_type", [STANDBY, "train"])
+def test_the_executor_answers_a_standby_after_the_first_reply_check(monkeypatch, task_identity, message_type):  # noqa: F811
+    """A SuperNode checks for the reply as soon as it has confirmed a message, then every 0.5 s: an
+    executor that answered a standby before that first check made the node hold it 0.1 s and ask
+    again before the server's next standby was there (Flower's 3 s sleep, seen on a 2-node
+    deployment). A standby's reply waits until REPLY_AFTER_S after the claim; a request's does not."""
+    from fedtune.engines.flower import standby
+
+    ours, pushed_at = "fedtune.engines.flower.clientapp:client_app", []
+    start = time.monotonic()
+    answer = lambda message, context: FlowerMessage(RecordDict(), reply_to=message)  # noqa: E731
+    reply, (status, _), _ = _serve_with(monkeypatch, ours, answer, message_type, pushed_at)
+    took = pushed_at[0] - start
+    if message_type == STANDBY:
+        assert took >= standby.REPLY_AFTER_S
+    else:
+        assert took < standby.REPLY_AFTER_S / 2
+    assert status == "completed" and not reply.has_error()
+
+
+def test_the_executor_claims_its_next_task_a_while_after_a_standby(monkeypatch):
+    """A SuperNode that took a standby sees its reply at its next reply check, 0.2-0.3 s after the
+    executor answered: no task can come sooner, and each claim is an HTTP request the SuperNode
+    serves. After a request, the next claim goes out at once."""
+    from fedtune.engines.flower import executor, runtime_api
+    from fedtune.engines.flower.standby import CLAIM_AFTER_S
+
+    ended, claimed = {}, {}
+
+    def claims(client, task_type, idle):
+        for token in ("standby", "train", "last"):
+            claimed[token] = time.monotonic()
+            yield token
+
+    def serve(address, token, identify=True, stop=None):
+        ended[token] = time.monotonic()
+        return token == "standby"
+
+    monkeypatch.setattr(runtime_api, "claim_tasks", claims)
+    monkeypatch.setattr(runtime_api, "runtime_client", lambda *a, **k: object())
+    monkeypatch.setattr(executor, "serve_task", serve)
+    executor.serve_tasks("127.0.0.1:1", b"secret")
+    assert claimed["train"] - ended["standby"] >= CLAIM_AFTER_S
+    assert claimed["last"] - ended["train"] < CLAIM_AFTER_S / 2
 
 
 def test_the_executor_serves_the_next_task_after_one_it_could_not_complete(monkeypatch, capsys):

@@ -45,14 +45,16 @@ def write_secret(path: Path) -> Path:
     return path
 
 
-def serve_task(address: str, token: str, identify: bool = True, stop: threading.Event | None = None) -> None:
+def serve_task(address: str, token: str, identify: bool = True, stop: threading.Event | None = None) -> bool:
     """Run one claimed task (``token``) of the SuperNode at ``address``: pull the Context, run and
     message, answer it with fedtune's ClientApp in this process, push the reply and the Context
     back and mark the task completed (failed, with an error reply, when the app raised or the FAB
     names another ClientApp), as ``flwr-clientapp`` does. A standby (:mod:`.standby`) leaves the
-    Context as it was (not pushed back). ``identify``: set Flower's process-wide task identity to
-    the task's (False in the server's process: :class:`NodeThread`); ``stop``: once set, a call to
-    the SuperNode that fails is not retried (:func:`.runtime_api.retry_invoker`)."""
+    Context as it was (not pushed back) and is answered no sooner than
+    :data:`.standby.REPLY_AFTER_S` after the claim (:func:`.standby.hold_reply`). ``identify``: set
+    Flower's process-wide task identity to the task's (False in the server's process:
+    :class:`NodeThread`); ``stop``: once set, a call to the SuperNode that fails is not retried
+    (:func:`.runtime_api.retry_invoker`). Returns whether the task was a standby."""
     from flwr.app import Error
     from flwr.app import Message as FlowerMessage
     from flwr.common.config import get_fab_config
@@ -61,8 +63,9 @@ def serve_task(address: str, token: str, identify: bool = True, stop: threading.
 
     from fedtune.engines.flower.clientapp import client_app
     from fedtune.engines.flower.runtime_api import pull_task_input, runtime_client, task_heartbeat
-    from fedtune.engines.flower.standby import STANDBY
+    from fedtune.engines.flower.standby import STANDBY, hold_reply
 
+    claimed = time.monotonic()
     client = runtime_client(address, token=token, stop=stop)
     heartbeat = task_heartbeat(client)
     message = context = reply = None
@@ -79,35 +82,44 @@ def serve_task(address: str, token: str, identify: bool = True, stop: threading.
         if message is not None:
             reply = FlowerMessage(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=details), reply_to=message)
     finally:
+        standby = message is not None and message.metadata.message_type == STANDBY
         try:
             if reply is not None and context is not None:
+                if standby:
+                    hold_reply(claimed, stop)
                 push_message(client, reply, context)
         finally:
-            standby = message is not None and message.metadata.message_type == STANDBY
             push_task_output(client, None if standby else context, status, details)
             heartbeat.stop()
             client.close()
+    return standby
 
 
 def serve_tasks(address: str, secret: bytes, stop: threading.Event | None = None, identify: bool = True) -> None:
     """Claim and serve the ClientApp tasks of the SuperNode at ``address`` (signed with ``secret``),
     one at a time, until the SuperNode goes away or ``stop`` is set (asked while no task waits):
     every message of the node in this process (:func:`serve_task`; a task that fails on the way,
-    its reply or output refused, is reported on stderr and the next one served). ``identify``,
+    its reply or output refused, is reported on stderr and the next one served); the next claim
+    after a standby waits :data:`.standby.CLAIM_AFTER_S` (no task can come sooner). ``identify``,
     ``stop``: as :func:`serve_task`'s."""
     from flwr.supercore.constant import TaskType
 
     from fedtune.engines.flower.runtime_api import claim_tasks, runtime_client, task_claimed_at
+    from fedtune.engines.flower.standby import CLAIM_AFTER_S
 
     idle = (lambda: True) if stop is None else (lambda: not stop.is_set())
+    pause = time.sleep if stop is None else stop.wait
     for token in claim_tasks(runtime_client(address, secret=secret, stop=stop), TaskType.CLIENT_APP, idle):
         task_claimed_at[0] = time.time()
+        standby = False
         try:
-            serve_task(address, token, identify, stop)
+            standby = serve_task(address, token, identify, stop)
         except Exception as exc:  # noqa: BLE001 - a task the SuperNode dropped meanwhile: serve the next
             print(f"fedtune executor: task not completed ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
         finally:
             task_claimed_at[0] = None
+        if standby:
+            pause(CLAIM_AFTER_S)
 
 
 def run_executor(address: str, secret: bytes, threads: int | None = None) -> None:

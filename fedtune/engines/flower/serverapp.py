@@ -51,7 +51,9 @@ class FlowerEngine(Engine):
         self.shares_base = shares_base
         self.run_dir = run.run_dir
         self.grid, self.timeout, self.request_config, self.resume = grid, timeout, request_config, resume
-        self.standby = isinstance(grid, HttpGrid)  # a deployment's ServerApp (not the simulation's)
+        # a deployment's ServerApp (not the simulation's) keeps its SuperNodes from Flower's 3 s idle
+        # sleep from the nodes' discovery on
+        self.standby = Standby(grid) if isinstance(grid, HttpGrid) else None
         self._transport: GridTransport | None = None
         self._reports: dict[int, tuple[str, Any]] = {}  # client id -> (its node, the budget it reported)
 
@@ -68,7 +70,9 @@ class FlowerEngine(Engine):
         """The Grid transport (SecAgg+ under ``secure_aggregation.enabled``), built on first use."""
         if self._transport is None:
             fed = self.config.federation
-            node_of = discover_nodes(self.grid, fed.num_clients, self.timeout, self._reports)
+            if self.standby is not None:
+                self.standby.start()
+            node_of = discover_nodes(self.grid, fed.num_clients, self.timeout, self._reports, self.standby)
             timing = self.run_dir / TIMING_FILE if keeps_timing(self.config) else None  # never under DP
             if timing is not None and not self.resume:
                 timing.unlink(missing_ok=True)
@@ -81,8 +85,7 @@ class FlowerEngine(Engine):
                 )
             else:
                 self._transport = GridTransport(self.grid, node_of, wait, self.request_config, timing)
-            if self.standby:  # a deployment: keep its SuperNodes from Flower's 3 s idle sleep
-                self._transport.standby = Standby(self.grid).start()
+            self._transport.standby = self.standby
         return self._transport
 
     def run(self, strategy: Any, *args: Any, **kwargs: Any) -> list[RoundRecord]:
@@ -91,8 +94,8 @@ class FlowerEngine(Engine):
         try:
             return super().run(strategy, *args, **kwargs)
         finally:
-            if self._transport is not None and self._transport.standby is not None:
-                self._transport.standby.stop()
+            if self.standby is not None:
+                self.standby.stop()
 
 
 def serve(

@@ -53,11 +53,13 @@ def exchange(
     seconds passed (Grid's public push, :func:`.runtime_api.pull_replies`), ``poll_s`` seconds
     after the push or a reply, the wait growing 1.5-fold to :data:`.codec.POLL_MAX_S` while none
     arrives (Flower's ``send_and_receive`` waits 3 s between pulls; each pull costs the server's
-    process time, which a node trained in that process lacks: docs/flower.md). Returns the pushed message ids (in
-    order) and the replies; ``pulled_at`` receives each reply's arrival time (epoch s) by the id of
-    the message it answers; ``standby`` (a deployment's) is told which nodes got requests and which
-    answered them (:class:`.standby.Standby`). A server that shares its base with a node it serves in
-    place lends it the base's turn meanwhile (:data:`.worker.SHARED`)."""
+    process time, which a node trained in that process lacks: docs/flower.md). Returns the pushed
+    message ids (in order) and the replies; ``pulled_at`` receives each reply's arrival time (epoch
+    s) by the id of the message it answers; ``standby`` (a deployment's) is told which nodes get
+    requests, and which answered them and how late at most: since the last pull that missed the
+    reply began (on a loaded machine the pulls themselves run late: a reply seen 0.85 s after the
+    node sent it) (:class:`.standby.Standby`). A server that shares its base with a node it serves
+    in place lends it the base's turn meanwhile (:data:`.worker.SHARED`)."""
     with SHARED.lent():
         return _exchange(grid, messages, timeout, poll_s, pulled_at, standby)
 
@@ -70,23 +72,30 @@ def _exchange(
     pulled_at: dict[str, float] | None,
     standby: Standby | None,
 ) -> tuple[list[str], list[FlowerMessage]]:
-    ids = list(grid.push_messages(messages))
-    node_of = {i: m.metadata.dst_node_id for i, m in zip(ids, messages)}
+    nodes = [m.metadata.dst_node_id for m in messages]
     if standby is not None:
-        standby.sent(node_of[i] for i in ids if i)
+        standby.sending(nodes)
+    ids = list(grid.push_messages(messages))
+    node_of = dict(zip(ids, nodes))
+    if standby is not None:
+        standby.sent([n for i, n in zip(ids, nodes) if i], refused=[n for i, n in zip(ids, nodes) if not i])
     pending = set(ids)
     deadline = None if timeout is None else time.monotonic() + timeout
     replies: list[FlowerMessage] = []
-    wait = waited = poll_s  # the next sleep; the one before this pull (a reply found came up to that late)
+    wait = poll_s  # the next sleep
+    missed = time.monotonic()  # a reply found now reached the SuperLink after this: the last pull that missed it
     while pending:
+        asked = time.monotonic()
         got = pull_replies(grid, pending)
-        waited, wait = wait, (poll_s if got else min(max(poll_s, POLL_MAX_S), wait * 1.5))
+        wait = poll_s if got else min(max(poll_s, POLL_MAX_S), wait * 1.5)
         if pulled_at is not None:
             now = time.time()
             pulled_at.update((reply.metadata.reply_to_message_id, now) for reply in got)
         if standby is not None:
+            seen = time.monotonic()
             for reply in got:
-                standby.replied(node_of[reply.metadata.reply_to_message_id], late=waited)
+                standby.replied(node_of[reply.metadata.reply_to_message_id], now=seen, late=seen - missed)
+        missed = asked
         replies.extend(got)
         pending.difference_update(reply.metadata.reply_to_message_id for reply in got)
         if not pending or (deadline is not None and time.monotonic() >= deadline):
@@ -96,12 +105,17 @@ def _exchange(
 
 
 def discover_nodes(
-    grid: Grid, num_clients: int, timeout: float | None = None, reports: dict[int, tuple[str, Any]] | None = None
+    grid: Grid,
+    num_clients: int,
+    timeout: float | None = None,
+    reports: dict[int, tuple[str, Any]] | None = None,
+    standby: Standby | None = None,
 ) -> dict[int, int]:
     """Client id -> Flower node id, from the client ids each connected node of ``grid`` reports;
     asks new nodes as they connect until every client id 0..N-1 (N: ``num_clients``) has one (or
     ``timeout`` seconds). ``reports`` receives, for each client of a node that states a budget, (the
-    node's label, its report as received: :mod:`fedtune.engines.flower.budgets`)."""
+    node's label, its report as received: :mod:`fedtune.engines.flower.budgets`); ``standby`` (a
+    deployment's) keeps the nodes asked awake for the first round (:func:`exchange`)."""
     start = time.monotonic()
     asked: set[int] = set()
     node_of: dict[int, int] = {}
@@ -114,7 +128,7 @@ def discover_nodes(
                 for n in new
             ]
             left = None if timeout is None else max(1.0, timeout - (time.monotonic() - start))
-            for reply in exchange(grid, hello, left)[1]:
+            for reply in exchange(grid, hello, left, standby=standby)[1]:
                 nid = reply.metadata.src_node_id
                 if reply.has_error():
                     raise FlowerClientError(None, nid, 0, "query", reply.error.reason)
