@@ -13,7 +13,7 @@ from flwr.app import Message as FlowerMessage
 from fedtune.engines.flower import standby
 from fedtune.engines.flower.standby import STANDBY, Standby
 from tests.test_flower import task_identity  # noqa: F401 - fixture
-from tests.test_flower_executor import QueueGrid
+from tests.test_flower_executor import QueueGrid, _request
 
 NODE = 7
 
@@ -210,6 +210,18 @@ def test_exchange_tells_the_standby_how_late_a_reply_may_be(monkeypatch, task_id
     assert told == [(pytest.approx(clock[0]), pytest.approx(0.3 + waits[-1] + 0.3))]
 
 
+def _held_after_a_request(grid: QueueGrid, pump: Standby):
+    """A request pushed, answered and its reply seen at 1.0; the node then holds the standby queued
+    behind it, and the next one goes out at 1.3 (due ``lead_s`` after the reply). The held one."""
+    _request(grid, pump, NODE)
+    grid.answer(grid.take(NODE))
+    pump.replied(NODE, now=1.0)
+    held = grid.take(NODE)
+    pump.tick(now=1.3)
+    assert grid.queued(NODE) == [STANDBY]
+    return held
+
+
 def test_a_stale_standby_reply_does_not_postpone_the_standby_a_request_reply_made_due(task_identity):  # noqa: F811
     """A busy node's standby replies are pulled only after its request's reply: the one it answered
     before taking the request says nothing of its queue now. Seen on a 2-node deployment: those
@@ -217,17 +229,8 @@ def test_a_stale_standby_reply_does_not_postpone_the_standby_a_request_reply_mad
     past the node's next ask, and the node slept 3 s."""
     grid = QueueGrid()
     pump = Standby(grid, lead_s=0.3)
-    pump.sending([NODE])
-    grid.push_messages([FlowerMessage(RecordDict(), dst_node_id=NODE, message_type="train", group_id="1")])
-    pump.sent([NODE])
-    grid.answer(grid.take(NODE))
-    pump.replied(NODE, now=1.0)
-    held = grid.take(NODE)  # the standby behind the first request
-    pump.tick(now=1.3)  # due: the next standby queued behind the held one
-    assert grid.queued(NODE) == [STANDBY]
-    pump.sending([NODE])
-    grid.push_messages([FlowerMessage(RecordDict(), dst_node_id=NODE, message_type="train", group_id="2")])
-    pump.sent([NODE])  # the next request, behind that standby; a standby behind it
+    held = _held_after_a_request(grid, pump)
+    _request(grid, pump, NODE)  # the next request, behind the queued standby; a standby behind it
     grid.answer(held)
     grid.answer(grid.take(NODE))  # the standby queued before the request: answered, not pulled (busy)
     grid.answer(grid.take(NODE))  # the request
@@ -271,9 +274,7 @@ def test_no_standby_goes_out_to_a_node_while_its_request_is_being_pushed(task_id
     1.2-1.4 s every round). A node whose request the SuperLink refused is idle again."""
     grid = QueueGrid()
     pump = Standby(grid, lead_s=0.3)
-    pump.sending([NODE])
-    grid.push_messages([FlowerMessage(RecordDict(), dst_node_id=NODE, message_type="train", group_id="1")])
-    pump.sent([NODE])
+    _request(grid, pump, NODE)
     grid.answer(grid.take(NODE))
     pump.replied(NODE, now=1.0)  # the round's last reply; the next standby due at 1.3
     grid.take(NODE)  # the standby behind the request, held
@@ -296,13 +297,7 @@ def test_the_next_standby_is_due_a_lead_after_the_earliest_arrival_of_the_reply_
     a lead counted from the late pull came after the node's ask, seen on a loaded machine)."""
     grid = QueueGrid()
     pump = Standby(grid, lead_s=0.3)
-    pump.sending([NODE])
-    grid.push_messages([FlowerMessage(RecordDict(), dst_node_id=NODE, message_type="train", group_id="1")])
-    pump.sent([NODE])
-    grid.answer(grid.take(NODE))
-    pump.replied(NODE, now=1.0)
-    held = grid.take(NODE)  # the standby behind the request
-    pump.tick(now=1.3)  # the next one queued behind it
+    held = _held_after_a_request(grid, pump)
     for t in (1.4, 1.45, 1.5):
         pump.tick(now=t)  # the held one's reply not there yet
     grid.answer(held)  # at 1.55; the node takes the queued one
