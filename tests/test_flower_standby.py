@@ -307,3 +307,28 @@ def test_the_next_standby_is_due_a_lead_after_the_earliest_arrival_of_the_reply_
         assert grid.queued(NODE) == [] and pump.due[NODE] == pytest.approx(1.8)
         pump.tick(now=1.8)
     assert grid.queued(NODE) == [STANDBY]
+
+
+def test_a_run_that_ends_before_its_rounds_stops_its_standby_messages(tmp_path, task_identity):  # noqa: F811
+    """The pump starts before the nodes' discovery; a run that ends there (no node came within the
+    timeout) or before its first round must not leave it pushing standbys to a deployment that is
+    shutting down."""
+    import threading
+
+    from flwr.superlink.grid import HttpGrid
+
+    from fedtune.config import load_config
+    from fedtune.engines.flower.serverapp import serve
+    from tests.test_flower import TINY
+
+    class NoNodes(HttpGrid):  # a deployment's Grid (standby messages on) that no node joins
+        def __init__(self) -> None:
+            pass
+
+        def get_node_ids(self):
+            return []
+
+    cfg = load_config(None, [*TINY, f"output_dir={tmp_path}", "name=no-nodes"])
+    with pytest.raises(TimeoutError, match="none plays clients"):
+        serve(NoNodes(), cfg, timeout=1)
+    assert [t for t in threading.enumerate() if t.name == "fedtune-standby"] == []

@@ -94,8 +94,13 @@ class FlowerEngine(Engine):
         try:
             return super().run(strategy, *args, **kwargs)
         finally:
-            if self.standby is not None:
-                self.standby.stop()
+            self.close()
+
+    def close(self) -> None:
+        """Stop a deployment's standby messages (idempotent): after the rounds, or where the run
+        ends before them (the nodes' discovery timed out, the budget plan or an input refused)."""
+        if self.standby is not None:
+            self.standby.stop()
 
 
 def serve(
@@ -122,6 +127,7 @@ def serve(
         try:
             return run_experiment(run, on_round, on_start, engine=engine, resume=resume)
         finally:
+            engine.close()
             if shares_base:
                 SHARED.server = None
 
