@@ -75,10 +75,7 @@ def hold_reply(claimed: float, stop: threading.Event | None = None) -> None:
     reply check has passed by then, so it holds the standby one full reply poll (:data:`HOLD_S`)."""
     left = claimed + REPLY_AFTER_S - time.monotonic()
     if left > 0:
-        if stop is None:
-            time.sleep(left)
-        else:
-            stop.wait(left)
+        (time.sleep if stop is None else stop.wait)(left)
 
 
 class Standby:
