@@ -110,3 +110,157 @@ def test_a_reply_with_a_bad_layout_is_a_drop_naming_it(task_identity):  # noqa: 
     reply = FlowerMessage(content, dst_node_id=1, message_type="train")
     got = GridTransport._delivery(reply, 4, "", sent, 10, {})
     assert got.reply is None and got.error.startswith("undecodable reply") and "(3,)" in got.error
+
+
+# -- bundles: a node's clients of one exchange in one message, in the fewest Flower objects ----------
+def _bundle(cids: list[int], failed: tuple[int, ...] = (), broadcast: dict | None = None) -> RecordDict:
+    """A bundle as GridTransport (``broadcast``: one Message for every client) or fedtune's ClientApp
+    (each client its own arrays; ``failed``: clients that raised) build it before compaction."""
+    content = RecordDict()
+    shared = codec.pack_arrays(broadcast) if broadcast is not None else None
+    for cid in cids:
+        if cid in failed:
+            continue
+        arrays = broadcast or {
+            "lora_A": np.full((2, 3), cid, np.float32),
+            "lora_B": np.arange(4, dtype=np.float32) * cid,
+            "steps": np.array([cid, cid + 1], np.int64),
+            "half": np.full(5, 0.5 * cid, np.float16),
+        }
+        extra = {codec.ROUND: 3, codec.COMPUTE_S: 0.25 * cid, codec.PHASE: "train", "flag": cid % 2 == 0}
+        codec.pack(Message(arrays, {"n": cid}), cid, shared, f"-{cid}", content, **extra)
+    errors = {f"error-{c}": "ValueError: boom" for c in failed}
+    content[codec.BUNDLE] = ConfigRecord({codec.CLIENTS: cids, **errors, "t-enter": 1.5})
+    return content
+
+
+def _objects(content: RecordDict) -> int:
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+    return len(get_all_nested_objects(FlowerMessage(content, dst_node_id=1, message_type="train", group_id="1")))
+
+
+def _through_flower(content: RecordDict) -> RecordDict:
+    """``content`` deflated into Flower's objects and inflated back, as it crosses a hop."""
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+    from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
+
+    message = FlowerMessage(content, dst_node_id=1, message_type="train", group_id="1")
+    contents = {oid: obj.deflate() for oid, obj in get_all_nested_objects(message).items()}
+    return inflate_object_from_contents(message.object_id, contents).content
+
+
+def test_a_compact_bundle_is_six_flower_objects_and_expands_to_every_clients_records(task_identity):  # noqa: F811
+    """A bundle was a ConfigRecord, an ArrayRecord and an Array and chunk per dtype for every client,
+    each object an HTTP request per hop (4 float32 LoRA replies: 19); compact, 4 and an Array and chunk
+    per dtype whatever the clients, and exactly the same records back."""
+    original = _bundle([0, 1, 2, 5], failed=(2,))
+    compact = codec.compact_bundle(_bundle([0, 1, 2, 5], failed=(2,)))
+    assert _objects(original) == 3 + 3 * (2 + 2 * 3) and _objects(compact) == 4 + 2 * 3  # 3 dtypes
+    assert _objects(codec.compact_bundle(_bundle(list(range(12))))) == 4 + 2 * 3
+    back = codec.expand_bundle(_through_flower(compact))
+    assert sorted(back) == sorted(original)
+    assert dict(back[codec.BUNDLE]) == dict(original[codec.BUNDLE])  # clients, the error, the times
+    for cid in (0, 1, 5):
+        record, sent = dict(back[f"{codec.RECORD}-{cid}"]), dict(original[f"{codec.RECORD}-{cid}"])
+        assert record == sent and [type(v) for v in record.values()] == [type(v) for v in sent.values()]
+        got, want = codec.unpack(back, f"-{cid}"), codec.unpack(original, f"-{cid}")
+        assert got[0] == want[0] == cid and got[1].encode() == want[1].encode()  # arrays, dtypes, shapes, meta
+
+
+def test_a_broadcast_travels_once_in_a_compact_bundle(task_identity):  # noqa: F811
+    adapter = {"lora_A": np.linspace(0, 1, 600, dtype=np.float32).reshape(20, 30), "scale": np.ones(1, np.float32)}
+    compact = codec.compact_bundle(_bundle(list(range(8)), broadcast=adapter))
+    assert [a.numpy().size for a in compact[codec.BUNDLE_ARRAYS].values()] == [601]  # one copy, not 8
+    back = codec.expand_bundle(_through_flower(compact))
+    for cid in range(8):
+        arrays = codec.unpack(back, f"-{cid}")[1].arrays
+        assert list(arrays) == list(adapter) and all(np.array_equal(arrays[k], adapter[k]) for k in adapter)
+
+
+def _edit_slices(edit):
+    def apply(content: RecordDict) -> None:
+        head = content[codec.BUNDLE]
+        slices = json.loads(head[codec.SLICES])
+        edit(slices)
+        head[codec.SLICES] = json.dumps(slices)
+
+    return apply
+
+
+def _set_head(key, value):
+    def apply(content: RecordDict) -> None:
+        content[codec.BUNDLE][key] = value
+
+    return apply
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (_edit_slices(lambda s: s["0"]["<f4"].__setitem__(1, 10**6)), "lies outside"),  # reads past its pool
+        (_edit_slices(lambda s: s["0"]["<f4"].__setitem__(2, [10**6])), "lies outside"),
+        (_edit_slices(lambda s: s["0"]["<f4"].__setitem__(0, "<f8")), "lies outside"),  # a pool not there
+        (_edit_slices(lambda s: s["0"]["<f4"].__setitem__(1, -2)), r"not \[array, start, shape\]"),
+        (_edit_slices(lambda s: s["0"].__setitem__("<f4", [["<f4"], 0, [2]])), r"not \[array, start, shape\]"),
+        (_edit_slices(lambda s: s["0"]["<f4"].__setitem__(2, [2.5])), r"not \[array, start, shape\]"),
+        (_edit_slices(lambda s: s.__setitem__("9", {})), "clients .'9'. it does not carry"),
+        (_edit_slices(lambda s: s.pop("1")), "client 1 has a record only"),
+        (_set_head(codec.SLICES, "{not json"), "'slices' is not JSON"),
+        (_set_head(codec.SLICES, "[]"), "JSON object"),
+        (_set_head(codec.CLIENTS, "0,1"), "list of client ids"),
+        (lambda c: c[codec.BUNDLE_ARRAYS].__setitem__("<f4", Array(np.ones((2, 2), np.float32))), "not flat"),
+        (lambda c: c[codec.BUNDLE_ARRAYS].__setitem__("<f4", Array(np.ones(40))), "holds <f8"),
+        (lambda c: c.__delitem__(codec.BUNDLE_ARRAYS), "carries"),
+    ],
+)
+def test_a_peers_compact_bundle_that_does_not_add_up_is_refused(task_identity, edit, expected):  # noqa: F811
+    compact = _through_flower(codec.compact_bundle(_bundle([0, 1])))
+    edit(compact)
+    with pytest.raises(ValueError, match=expected):
+        codec.expand_bundle(compact)
+
+
+def test_a_bundle_reply_that_does_not_decode_drops_its_clients_only(task_identity):  # noqa: F811
+    """GridTransport over a grid whose node 2 answers its bundle with slices past its arrays: clients 2
+    and 3 are drops naming why, clients 0 and 1 (node 1's bundle) are delivered."""
+    import uuid
+
+    from fedtune.engines.flower.transport import GridTransport
+
+    class Grid:
+        def __init__(self):
+            self.replies, self.sent = {}, []
+
+        def push_messages(self, messages):
+            ids = []
+            for message in messages:
+                self.sent.append(message)
+                message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+                asked = codec.expand_bundle(message.content)
+                content = RecordDict()
+                for cid in asked[codec.BUNDLE][codec.CLIENTS]:
+                    _, request, _ = codec.unpack(asked, f"-{cid}")
+                    reply = Message({k: v + cid for k, v in request.arrays.items()}, {"cid": cid})
+                    codec.pack(reply, cid, suffix=f"-{cid}", into=content, **{codec.ROUND: 1})
+                content[codec.BUNDLE] = ConfigRecord({codec.CLIENTS: asked[codec.BUNDLE][codec.CLIENTS]})
+                content = codec.compact_bundle(content)
+                if message.metadata.dst_node_id == 2:
+                    _edit_slices(lambda s: s["2"]["<f4"].__setitem__(1, 10**6))(content)
+                self.replies[message.metadata.message_id] = FlowerMessage(content, reply_to=message)
+                ids.append(message.metadata.message_id)
+            return ids
+
+        def pull_messages(self, ids):
+            return [self.replies.pop(i) for i in list(ids) if i in self.replies]
+
+    grid = Grid()
+    transport = GridTransport(grid, {0: 1, 1: 1, 2: 2, 3: 2}, timeout=5)
+    sent = Message({"w": np.arange(3, dtype=np.float32)}, {"round": 1})
+    got = transport("train", 1, dict.fromkeys(range(4), sent))
+    assert [_objects(m.content) for m in grid.sent] == [6, 6]  # the request bundles: compact, the broadcast once
+    for cid in (0, 1):
+        assert got[cid].error is None and got[cid].sender == cid
+        np.testing.assert_array_equal(got[cid].reply.arrays["w"], sent.arrays["w"] + cid)
+    for cid in (2, 3):
+        assert got[cid].reply is None and got[cid].error.startswith("undecodable reply") and "outside" in got[cid].error

@@ -174,7 +174,7 @@ def run_stats(run_dir: Path, kind: str, nodes: int, clients: int) -> dict:
 
     rounds = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     walls = [r["wall_s"] for r in rounds]
-    fixed = []
+    fixed, over = [], []
     for r in rounds:
         compute = {int(c): s for c, s in r["client_compute_s"].items()}
         if kind == "flower":
@@ -182,12 +182,42 @@ def run_stats(run_dir: Path, kind: str, nodes: int, clients: int) -> dict:
         else:
             path = sum(compute.values())
         fixed.append(r["wall_s"] - path)
+        over.append(r["wall_s"] / path if path > 0 else float("nan"))
     return {
         "rounds_s": walls,
         "round_s": _median_later(walls),
         "first_round_s": walls[0],
         "fixed_s": None if kind == "sim" else _median_later(fixed),
+        "x_own_compute": None if kind == "sim" else _median_later(over),
+        "stages_s": timing_stages(run_dir / "flower_timing.jsonl", walls) if kind == "flower" else None,
     }
+
+
+STAGES = ("dispatch_s", "startup_s", "return_s")  # flower_timing.jsonl: a request's way out and its reply's back
+
+
+def timing_stages(path: Path, walls: list[float]) -> dict[str, float] | None:
+    """Where a deployment's fixed cost went (the engine's ``flower_timing.jsonl``), per training round
+    (its last attempt; ``walls``: the rounds' wall times from metrics.jsonl) for the request whose
+    reply came last: dispatch (the server's push to the node's claim), startup (the claim to the
+    ClientApp's handler), return (the handler's end to the server's pull of the reply) and server
+    (the rest of the round: the handler outside the Client calls, encoding, aggregation,
+    bookkeeping); each stage's median of rounds 2..R-1; None without the file (DP, SecAgg+)."""
+    if not path.is_file():
+        return None
+    last: dict[int, dict] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if row.get("kind") == "train" and row.get("clients"):
+            last[row["round"]] = row
+    stages: dict[str, list[float]] = {k: [] for k in (*STAGES, "server_s")}
+    for rnd, row in sorted(last.items()):
+        c = max(row["clients"].values(), key=lambda c: sum(c[k] for k in (*STAGES, "handler_s")))
+        for k in STAGES:
+            stages[k].append(c[k])
+        if 1 <= rnd <= len(walls):
+            stages["server_s"].append(walls[rnd - 1] - sum(c[k] for k in STAGES) - c["compute_s"])
+    return {k: _median_later(v) for k, v in stages.items()} if last else None
 
 
 def plain_stats(times: Path) -> dict:
@@ -196,13 +226,15 @@ def plain_stats(times: Path) -> dict:
     ends = {x["round"]: x["t"] for x in lines if "round" in x}
     metrics = next(x["train_metrics"] for x in lines if x.get("done"))
     walls = [ends[r] - ends[r - 1] for r in sorted(ends) if r > 0]
-    fixed = [w - float(metrics[str(r)]["compute_s"]) for r, w in enumerate(walls, start=1)]
+    compute = [float(metrics[str(r)]["compute_s"]) for r in range(1, len(walls) + 1)]
+    fixed = [w - c for w, c in zip(walls, compute, strict=True)]
     handler = [float(metrics[str(r)]["handler_s"]) for r in range(1, len(walls) + 1)]
     return {
         "rounds_s": walls,
         "round_s": _median_later(walls),
         "first_round_s": walls[0],
         "fixed_s": _median_later(fixed),
+        "x_own_compute": _median_later([w / c if c > 0 else float("nan") for w, c in zip(walls, compute, strict=True)]),
         "handler_s": _median_later(handler),
     }
 

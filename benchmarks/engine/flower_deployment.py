@@ -17,9 +17,11 @@ steps (``--steps``), each setting on:
   (a ``flwr-clientapp`` process per message).
 
 Reported per row: seconds per round (median of rounds 2..R-1: round 1 also loads the model and
-data, round R evaluates), the ratio to embedded, the fixed cost per round (the round's wall time
-minus the compute on its critical path: the slowest node's Client calls, one after another; the
-plain app: its slowest client's training; embedded: every client's; the simulation: not given),
+data, round R evaluates), the ratio to embedded, the ratio to the round's own compute on its
+critical path (the slowest node's Client calls, one after another; the plain app: its slowest
+client's training; embedded: every client's; the simulation: not given; free of the machine's
+drift between two jobs), the fixed cost per round (the round's wall time minus that compute) and,
+for fedtune's deployments, where it went (``flower_timing.jsonl``: dispatch, startup, return),
 and the peak memory of the job's whole process tree, sampled every 0.5 s: summed RSS (a page shared
 by two processes counted twice) and summed PSS (each shared page split between its processes: the
 memory the tree holds).
@@ -162,8 +164,10 @@ def goals(engines: dict) -> list[str]:
     if fixed:
         lines.append(f"- fixed cost per round <= 2 s: deployment rows {min(fixed):.2f}-{max(fixed):.2f} s")
     if (10, "flower", 1) in by and (10, "embedded", 0) in by:
-        ratio = by[(10, "flower", 1)]["round_s"] / by[(10, "embedded", 0)]["round_s"]
-        lines.append(f"- 10-step round, 1 node <= 1.3x embedded: {ratio:.2f}x")
+        one = by[(10, "flower", 1)]
+        ratio = one["round_s"] / by[(10, "embedded", 0)]["round_s"]
+        own = f"; over the round's own compute {one['x_own_compute']:.2f}x" if one.get("x_own_compute") else ""
+        lines.append(f"- 10-step round, 1 node <= 1.3x embedded: {ratio:.2f}x{own}")
     for steps in sorted({s for s, _, _ in by}):
         if (steps, "flower", 1) in by and (steps, "flower", 2) in by:
             one, two = by[(steps, "flower", 1)]["round_s"], by[(steps, "flower", 2)]["round_s"]
@@ -184,6 +188,38 @@ def goals(engines: dict) -> list[str]:
     return lines
 
 
+OWN_COMPUTE = (
+    "*x own compute*: each round's wall time over its compute on the critical path (embedded: every "
+    "client's Client calls; a deployment: its slowest node's), median of the same rounds: free of the "
+    "machine's drift between two jobs (x embedded divides rows run minutes apart). On 1 node the compute "
+    "on the critical path is the embedded engine's (the 4 clients one after another), so there it is "
+    "the deployment's cost over the same work."
+)
+
+
+def stages_table(engines: dict) -> list[str]:
+    """Where the deployments' fixed cost went (:func:`deployment_jobs.timing_stages`), a row per one."""
+    rows = [(s["local_steps"], r) for s in engines["settings"] for r in s["rows"] if r.get("stages_s")]
+    if not rows:
+        return []
+    lines = [
+        "Where the fixed cost went (`flower_timing.jsonl`; the request whose reply came last, median of the "
+        "same rounds): *dispatch* the server's push to the node's claim, *startup* the claim to the ClientApp's "
+        "handler, *return* the handler's end to the server's pull of the reply, *server* the rest of the round "
+        "(encoding, aggregation, bookkeeping).",
+        "",
+        "| local steps | engine | dispatch s | startup s | return s | server s |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for steps, r in rows:
+        t = r["stages_s"]
+        lines.append(
+            f"| {steps} | {label(r['kind'], r['nodes'])} | {t['dispatch_s']:.2f} | {t['startup_s']:.2f} | "
+            f"{t['return_s']:.2f} | {t['server_s']:.2f} |"
+        )
+    return [*lines, ""]
+
+
 def markdown(result: dict) -> str:
     lines = ["# fedtune on a Flower deployment", "", "Written by `benchmarks/engine/flower_deployment.py`.", ""]
     if "engines" in result:
@@ -194,21 +230,22 @@ def markdown(result: dict) -> str:
         lines += [""]
         lines += [f"`{e['command']}`; {e['machine']}.", ""]
         lines += [
-            "| local steps | engine | s/round | x embedded | fixed s/round | first round s | peak RSS MB | "
-            "peak PSS MB | load |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| local steps | engine | s/round | x embedded | x own compute | fixed s/round | first round s | "
+            "peak RSS MB | peak PSS MB | load |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for s in e["settings"]:
             emb = next((r for r in s["rows"] if r["kind"] == "embedded"), None)
             for r in s["rows"]:
                 ratio = f"{r['round_s'] / emb['round_s']:.2f}" if emb else "-"
                 fixed = f"{r['fixed_s']:.2f}" if r["fixed_s"] is not None else "-"
+                own = f"{r['x_own_compute']:.2f}" if r.get("x_own_compute") is not None else "-"
                 lines.append(
-                    f"| {s['local_steps']} | {label(r['kind'], r['nodes'])} | {r['round_s']:.2f} | {ratio} | {fixed} | "
-                    f"{r['first_round_s']:.1f} | {r['peak_rss_mb']:.0f} | {r['peak_pss_mb']:.0f} | "
+                    f"| {s['local_steps']} | {label(r['kind'], r['nodes'])} | {r['round_s']:.2f} | {ratio} | {own} | "
+                    f"{fixed} | {r['first_round_s']:.1f} | {r['peak_rss_mb']:.0f} | {r['peak_pss_mb']:.0f} | "
                     f"{r['load'][0]:.1f}-{r['load'][1]:.1f} |"
                 )
-        lines += ["", "Goals (issue 50), from this table:", "", *goals(e), ""]
+        lines += ["", OWN_COMPUTE, "", *stages_table(e), "Goals (issue 50), from this table:", "", *goals(e), ""]
     if "scale" in result:
         s = result["scale"]
         lines += ["## Fixed cost per round against nodes (tiny-bert, 16 clients, 1 local step)", ""]

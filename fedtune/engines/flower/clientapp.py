@@ -36,6 +36,8 @@ from fedtune.engines.flower.codec import (
     ROUND,
     STATE,
     TIMES,
+    compact_bundle,
+    expand_bundle,
     format_clients,
     from_array_record,
     keeps_timing,
@@ -116,17 +118,17 @@ def handle_client_message(config: RunConfig | None, message: FlowerMessage, cont
         if secure:  # the mod masks fitres.parameters and clears every ArrayRecord
             _as_fit_res(content, json.loads(record[META]), reply)
         return FlowerMessage(content, reply_to=message)
-    bundle: Mapping[str, Any] = message.content[BUNDLE]
-    cids = [int(c) for c in bundle[CLIENTS]]
+    requests = expand_bundle(message.content)
+    cids = [int(c) for c in cast(list[int], requests[BUNDLE][CLIENTS])]
     content, errors = RecordDict(), dict[str, str]()
     for cid in cids:
         try:
-            reply, extra = _serve_one(config, kind, message.content, f"-{cid}", clients, context)
+            reply, extra = _serve_one(config, kind, requests, f"-{cid}", clients, context)
             pack(reply, cid, suffix=f"-{cid}", into=content, **extra)
         except Exception as exc:  # noqa: BLE001 - this client is dropped, the others still answer
             errors[f"error-{cid}"] = f"{type(exc).__name__}: {exc}"
     content[BUNDLE] = ConfigRecord({CLIENTS: cids, **errors, **_times(config, entered)})
-    return FlowerMessage(content, reply_to=message)
+    return FlowerMessage(compact_bundle(content), reply_to=message)
 
 
 def _times(config: RunConfig, entered: float) -> dict[str, Any]:

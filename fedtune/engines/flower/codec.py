@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
+from math import prod
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from fedtune.engines.flower.packing import pack_arrays, unpack_arrays
+from fedtune.engines.flower.packing import KINDS, pack_arrays, unpack_arrays
 from fedtune.errors import FedtuneError
 from fedtune.protocol.messages import Message
 
@@ -31,6 +32,8 @@ CLIPPING_NORM = "clipping_norm"  # ConfigRecord key read by Flower's clipping mo
 AS_WEIGHTS = "update-as-weights"  # ConfigRecord key of a request: reply with received + update
 STATE = "fedtune-state"  # context.state key prefix: f"{STATE}-{cid}" holds a client's state
 BUNDLE = "fedtune-bundle"  # ConfigRecord of a bundle: CLIENTS (request); CLIENTS, errors, TIMES (reply)
+BUNDLE_ARRAYS = "fedtune-bundle-arrays"  # ArrayRecord of a compact bundle: its clients' arrays (compact_bundle)
+SLICES = "slices"  # BUNDLE key of a compact bundle: where each client's arrays lie in BUNDLE_ARRAYS (JSON)
 TIMES = ("t-process", "t-enter", "t-exit")  # reply: ClientApp process start, handler entry and exit (epoch s)
 TIMING_FILE = "flower_timing.jsonl"  # run folder: where the Flower engine's time went, per exchange (not under DP)
 
@@ -121,6 +124,99 @@ def unpack(content: RecordDict, suffix: str = "") -> tuple[int, Message, int]:
     arrays = unpack_arrays(cast(ArrayRecord, content[ARRAYS + suffix]), cast(str, record[LAYOUT]))
     message = Message(arrays, json.loads(cast(str, record[META])))
     return int(cast(int, record[CID])), message, message.nbytes
+
+
+def compact_bundle(content: RecordDict) -> RecordDict:
+    """A bundle's ``content`` (each client's records as :func:`pack` adds them, keys suffixed
+    ``-<cid>``, and :data:`BUNDLE`) in the fewest Flower objects: Flower moves every record, Array and
+    chunk of a message as an object of its own, one HTTP request per hop (server -> SuperLink ->
+    SuperNode -> ClientApp and back), and a SuperNode that finds a reply's object not yet pushed by
+    its ClientApp waits 0.5 s for it; a bundle of 4 clients' replies was 19 objects, pushed over
+    0.2-0.5 s. Here every client's arrays share one Array per dtype in :data:`BUNDLE_ARRAYS` (an Array
+    two clients share, as a broadcast, once), their places in :data:`BUNDLE` under :data:`SLICES`,
+    and every client's ConfigRecord entries move into :data:`BUNDLE` as ``<cid>:<key>``: 4 objects and
+    an Array and chunk per dtype whatever the clients (6 for LoRA adapters). :func:`expand_bundle` is
+    the inverse."""
+    head = dict(cast(ConfigRecord, content[BUNDLE]))
+    cids = [int(c) for c in cast(list[int], head[CLIENTS])]
+    pools: dict[str, list[np.ndarray]] = {}
+    sizes: dict[str, int] = {}
+    placed: dict[str, list[object]] = {}  # an Array's object id -> its place [pool, start, shape]
+    slices: dict[str, dict[str, list[object]]] = {}
+    for cid in cids:
+        if ARRAYS + f"-{cid}" not in content:
+            continue  # a client that failed: its error is in the head
+        slices[str(cid)] = {}
+        for key, array in cast(ArrayRecord, content[ARRAYS + f"-{cid}"]).items():
+            if array.object_id not in placed:
+                value = array.numpy()
+                pool = value.dtype.str
+                pools.setdefault(pool, []).append(value.reshape(-1))
+                placed[array.object_id] = [pool, sizes.get(pool, 0), list(value.shape)]
+                sizes[pool] = sizes.get(pool, 0) + value.size
+            slices[str(cid)][key] = placed[array.object_id]
+        record = cast(ConfigRecord, content[RECORD + f"-{cid}"])
+        head.update({f"{cid}:{key}": value for key, value in record.items()})
+    head[SLICES] = json.dumps(slices, separators=(",", ":"))
+    compact = RecordDict({BUNDLE: ConfigRecord(head)})
+    compact[BUNDLE_ARRAYS] = ArrayRecord({pool: Array(np.concatenate(parts)) for pool, parts in pools.items()})
+    return compact
+
+
+def expand_bundle(content: RecordDict) -> RecordDict:
+    """Inverse of :func:`compact_bundle` (a peer's: checked first, a ValueError names what does not
+    match): each client's records under its suffixed keys, and :data:`BUNDLE` without theirs."""
+    if BUNDLE not in content.config_records or BUNDLE_ARRAYS not in content.array_records:
+        raise ValueError(f"a bundle carries {BUNDLE!r} and {BUNDLE_ARRAYS!r} records (keys: {sorted(content)})")
+    head = dict(cast(ConfigRecord, content[BUNDLE]))
+    pools = {key: array.numpy() for key, array in cast(ArrayRecord, content[BUNDLE_ARRAYS]).items()}
+    try:
+        slices = json.loads(str(head.pop(SLICES, "{}")))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"bundle: {SLICES!r} is not JSON ({exc})") from None
+    clients = head.get(CLIENTS)
+    if not isinstance(clients, list) or not all(isinstance(c, int) for c in clients) or not isinstance(slices, dict):
+        raise ValueError(f"bundle: expected {CLIENTS!r} as a list of client ids and {SLICES!r} as a JSON object")
+    cids = [int(c) for c in clients]
+    if set(slices) - {str(c) for c in cids}:
+        raise ValueError(f"bundle: arrays for clients {sorted(set(slices) - set(map(str, cids)))} it does not carry")
+    for pool, value in pools.items():
+        if value.ndim != 1 or value.dtype.str != pool or value.dtype.kind not in KINDS:
+            raise ValueError(f"bundle: array {pool!r} holds {value.dtype.str} of shape {value.shape}, not flat {pool}")
+    expanded = RecordDict()
+    for cid in cids:
+        prefix = f"{cid}:"
+        record = {k.removeprefix(prefix): head.pop(k) for k in [k for k in head if k.startswith(prefix)]}
+        places = slices.get(str(cid))
+        if not record and places is None:
+            continue  # a client that failed
+        if not record or not isinstance(places, dict):
+            raise ValueError(f"bundle: client {cid} has {'a record' if record else 'arrays'} only")
+        arrays = {}
+        for key, place in places.items():
+            pool, start, shape = _place(place, key)
+            if pool not in pools or start + prod(shape) > pools[pool].size:
+                raise ValueError(f"bundle: client {cid}'s {key!r} lies outside the bundle's arrays")
+            arrays[key] = Array(pools[pool][start : start + prod(shape)].reshape(shape))
+        expanded[ARRAYS + f"-{cid}"] = ArrayRecord(arrays)
+        expanded[RECORD + f"-{cid}"] = ConfigRecord(record)
+    expanded[BUNDLE] = ConfigRecord(head)
+    return expanded
+
+
+def _place(place: object, key: str) -> tuple[str, int, list[int]]:
+    """A :data:`SLICES` entry ``[pool, start, shape]`` checked (``key``: the array's, for the error)."""
+    if (
+        isinstance(place, list)
+        and len(place) == 3
+        and isinstance(place[0], str)
+        and isinstance(place[1], int)
+        and place[1] >= 0
+        and isinstance(place[2], list)
+        and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in place[2])
+    ):
+        return place[0], place[1], place[2]
+    raise ValueError(f"bundle: the place of {key!r} is not [array, start, shape]: {place!r}")
 
 
 def parse_clients(text: str | int) -> list[int]:

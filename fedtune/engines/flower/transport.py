@@ -28,6 +28,8 @@ from fedtune.engines.flower.codec import (
     ROUND,
     TIMES,
     FlowerClientError,
+    compact_bundle,
+    expand_bundle,
     format_clients,
     pack,
     unpack,
@@ -154,6 +156,19 @@ def discover_nodes(
         time.sleep(0.2)
 
 
+def _expand(reply: FlowerMessage, target_of: Mapping[str, list[int]]) -> str | None:
+    """A bundle ``reply`` (to a request of ``target_of`` that carried several clients) expanded in place
+    (:func:`.codec.expand_bundle`): None, or why it does not decode (each of its clients a drop)."""
+    carried = target_of.get(reply.metadata.reply_to_message_id)
+    if carried is None or len(carried) < 2 or reply.has_error():
+        return None
+    try:
+        reply.content = expand_bundle(reply.content)
+    except Exception as exc:  # noqa: BLE001 - a reply that does not even decode is a drop
+        return f"undecodable reply ({exc})"
+    return None
+
+
 class GridTransport:
     """Send a round's messages through a Flower Grid in one batch and collect the replies; a
     client that fails (an error reply) or does not answer within ``timeout`` seconds is a failed
@@ -216,18 +231,24 @@ class GridTransport:
                     _, down[cid] = pack(message, cid, records[id(message)], suffix, content, **scalars)
                 if len(group) > 1:
                     content[BUNDLE] = ConfigRecord({CLIENTS: group})
+                    content = compact_bundle(content)
                 out.append(FlowerMessage(content, dst_node_id=nid, message_type=wire, group_id=str(rnd)))
                 targets.append(group)
         pushed = time.time()
         pulled_at: dict[str, float] = {}
         ids, replies = exchange(self.grid, out, self.timeout, pulled_at=pulled_at, standby=self.standby)
         target_of = dict(zip(ids, targets))  # request id -> the client ids it carried
-        self._log_timing(kind, rnd, attempt, pushed, replies, target_of, pulled_at)
+        undecodable = {id(r): e for r in replies if (e := _expand(r, target_of)) is not None}
+        decoded = [r for r in replies if id(r) not in undecodable]
+        self._log_timing(kind, rnd, attempt, pushed, decoded, target_of, pulled_at)
         received: dict[int, Delivery] = {}
         for reply in replies:
             carried = target_of.get(reply.metadata.reply_to_message_id)
             if carried is None:
                 continue  # not a reply to this batch: ignore
+            if id(reply) in undecodable:
+                received.update((cid, Delivery(None, down[cid], error=undecodable[id(reply)])) for cid in carried)
+                continue
             for cid in carried:
                 received[cid] = self._delivery(
                     reply, cid, "" if len(carried) == 1 else f"-{cid}", messages[cid], down[cid], extra
