@@ -164,8 +164,9 @@ def compact_bundle(content: RecordDict) -> RecordDict:
 
 
 def expand_bundle(content: RecordDict) -> RecordDict:
-    """Inverse of :func:`compact_bundle` (a peer's: checked first, a ValueError names what does not
-    match): each client's records under its suffixed keys, and :data:`BUNDLE` without theirs."""
+    """Inverse of :func:`compact_bundle`: the bundle ``content`` (a peer's: checked first, a ValueError
+    names what does not match) with each client's records under its suffixed keys again, and
+    :data:`BUNDLE` without theirs."""
     if BUNDLE not in content.config_records or BUNDLE_ARRAYS not in content.array_records:
         raise ValueError(f"a bundle carries {BUNDLE!r} and {BUNDLE_ARRAYS!r} records (keys: {sorted(content)})")
     head = dict(cast(ConfigRecord, content[BUNDLE]))
