@@ -37,7 +37,7 @@ tiny-bert and MiniLM, 2 clients a round, 1 local step, 3 rounds; a table per tag
 the code before a change, ``after``) in benchmarks/results/flower_memory.{md,json}.
 
 Each job runs in a subprocess (``--job``); the machine's load average is recorded before and after
-each. Writes benchmarks/results/flower_deployment.{md,json}. About 25 minutes on 2 cores;
+each. Writes benchmarks/results/flower_deployment.{md,json}. About 65 minutes on 2 cores (2026-11-29);
 ``--quick`` is a smoke run (2 clients, 1 and 2 nodes, no simulation; 3 rounds, 1 local step and
 scale to 4 nodes unless ``--rounds`` / ``--steps`` / ``--scale-nodes`` say otherwise; results in
 ``flower_deployment_quick.*``, with ``--steps S`` in ``flower_deployment_quick_Ssteps.*``).
