@@ -303,7 +303,10 @@ class GridTransport:
             head: Mapping[str, Any] | None = reply.content.config_records.get(BUNDLE if len(group) > 1 else RECORD)
             if head is None or not all(key in head for key in TIMES):
                 continue
-            t_process, t_enter, t_exit = (float(head[key]) for key in TIMES)
+            try:  # a peer's: a time that is not a number is left out of the timing file, not a crash
+                t_process, t_enter, t_exit = (float(head[key]) for key in TIMES)
+            except (TypeError, ValueError):
+                continue
             records: list[Mapping[str, Any] | None] = [
                 reply.content.config_records.get(RECORD + (f"-{c}" if len(group) > 1 else "")) for c in group
             ]
