@@ -221,40 +221,48 @@ def test_a_peers_compact_bundle_that_does_not_add_up_is_refused(task_identity, e
         codec.expand_bundle(compact)
 
 
+class _Grid:
+    """A grid whose nodes answer each bundle as fedtune's ClientApp would (every array + its client id),
+    ``tamper(node, content)`` editing a node's compact reply as a hostile peer would."""
+
+    def __init__(self, tamper=lambda node, content: None):
+        self.replies, self.sent, self.tamper = {}, [], tamper
+
+    def push_messages(self, messages):
+        import uuid
+
+        ids = []
+        for message in messages:
+            self.sent.append(message)
+            message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            asked = codec.expand_bundle(message.content)
+            content = RecordDict()
+            for cid in asked[codec.BUNDLE][codec.CLIENTS]:
+                _, request, _ = codec.unpack(asked, f"-{cid}")
+                reply = Message({k: v + cid for k, v in request.arrays.items()}, {"cid": cid})
+                codec.pack(reply, cid, suffix=f"-{cid}", into=content, **{codec.ROUND: 1, codec.COMPUTE_S: 0.5})
+            times = dict(zip(codec.TIMES, (10.0, 10.5, 12.0)))
+            content[codec.BUNDLE] = ConfigRecord({codec.CLIENTS: asked[codec.BUNDLE][codec.CLIENTS], **times})
+            content = codec.compact_bundle(content)
+            self.tamper(message.metadata.dst_node_id, content)
+            self.replies[message.metadata.message_id] = FlowerMessage(content, reply_to=message)
+            ids.append(message.metadata.message_id)
+        return ids
+
+    def pull_messages(self, ids):
+        return [self.replies.pop(i) for i in list(ids) if i in self.replies]
+
+
 def test_a_bundle_reply_that_does_not_decode_drops_its_clients_only(task_identity):  # noqa: F811
     """GridTransport over a grid whose node 2 answers its bundle with slices past its arrays: clients 2
     and 3 are drops naming why, clients 0 and 1 (node 1's bundle) are delivered."""
-    import uuid
-
     from fedtune.engines.flower.transport import GridTransport
 
-    class Grid:
-        def __init__(self):
-            self.replies, self.sent = {}, []
+    def past_its_arrays(node, content):
+        if node == 2:
+            _edit_slices(lambda s: s["2"]["<f4"].__setitem__(1, 10**6))(content)
 
-        def push_messages(self, messages):
-            ids = []
-            for message in messages:
-                self.sent.append(message)
-                message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
-                asked = codec.expand_bundle(message.content)
-                content = RecordDict()
-                for cid in asked[codec.BUNDLE][codec.CLIENTS]:
-                    _, request, _ = codec.unpack(asked, f"-{cid}")
-                    reply = Message({k: v + cid for k, v in request.arrays.items()}, {"cid": cid})
-                    codec.pack(reply, cid, suffix=f"-{cid}", into=content, **{codec.ROUND: 1})
-                content[codec.BUNDLE] = ConfigRecord({codec.CLIENTS: asked[codec.BUNDLE][codec.CLIENTS]})
-                content = codec.compact_bundle(content)
-                if message.metadata.dst_node_id == 2:
-                    _edit_slices(lambda s: s["2"]["<f4"].__setitem__(1, 10**6))(content)
-                self.replies[message.metadata.message_id] = FlowerMessage(content, reply_to=message)
-                ids.append(message.metadata.message_id)
-            return ids
-
-        def pull_messages(self, ids):
-            return [self.replies.pop(i) for i in list(ids) if i in self.replies]
-
-    grid = Grid()
+    grid = _Grid(past_its_arrays)
     transport = GridTransport(grid, {0: 1, 1: 1, 2: 2, 3: 2}, timeout=5)
     sent = Message({"w": np.arange(3, dtype=np.float32)}, {"round": 1})
     got = transport("train", 1, dict.fromkeys(range(4), sent))
@@ -264,3 +272,41 @@ def test_a_bundle_reply_that_does_not_decode_drops_its_clients_only(task_identit
         np.testing.assert_array_equal(got[cid].reply.arrays["w"], sent.arrays["w"] + cid)
     for cid in (2, 3):
         assert got[cid].reply is None and got[cid].error.startswith("undecodable reply") and "outside" in got[cid].error
+
+
+@pytest.mark.parametrize("bad", ["soon", float("nan"), float("inf")])
+def test_a_peers_timing_field_that_is_not_a_number_leaves_the_timing_file_only(task_identity, tmp_path, bad):  # noqa: F811
+    """The times a node's reply carries for the timing file are a peer's: node 2's ``t-enter`` that is
+    not a finite number must neither crash the server nor reach the file; its clients' updates, which
+    do not depend on it, are delivered, and node 1's times are written as measured."""
+    from fedtune.engines.flower.transport import GridTransport
+
+    def bad_time(node, content):
+        if node == 2:
+            content[codec.BUNDLE]["t-enter"] = bad
+
+    timing = tmp_path / "flower_timing.jsonl"
+    transport = GridTransport(_Grid(bad_time), {0: 1, 1: 1, 2: 2, 3: 2}, timeout=5, timing_path=timing)
+    got = transport("train", 1, dict.fromkeys(range(4), Message({"w": np.zeros(3, np.float32)}, {"round": 1})))
+    assert all(got[cid].error is None and got[cid].sender == cid for cid in range(4))
+    (line,) = [json.loads(x) for x in timing.read_text().splitlines()]
+    assert list(line["clients"]) == ["0+1"]
+    entry = line["clients"]["0+1"]
+    assert (entry["startup_s"], entry["handler_s"], entry["compute_s"]) == (0.5, 1.5, 1.0)
+
+
+@pytest.mark.parametrize(("bad", "expected"), [(float("nan"), "not finite"), (-3.0, "negative"), ("1s", "1s")])
+def test_a_peers_compute_seconds_that_would_dodge_a_deadline_is_a_drop(task_identity, tmp_path, bad, expected):  # noqa: F811
+    """A client's ``compute_s`` decides its deadline (``seconds > deadline_s``, which a NaN never is):
+    one that is not a finite, non-negative number makes that client's reply a drop, its bundle mate's not."""
+    from fedtune.engines.flower.transport import GridTransport
+
+    def bad_seconds(node, content):
+        if node == 2:
+            content[codec.BUNDLE][f"3:{codec.COMPUTE_S}"] = bad
+
+    transport = GridTransport(_Grid(bad_seconds), {0: 1, 1: 1, 2: 2, 3: 2}, timeout=5, timing_path=tmp_path / "t")
+    got = transport("train", 1, dict.fromkeys(range(4), Message({"w": np.zeros(3, np.float32)}, {"round": 1})))
+    assert [got[cid].error is None for cid in range(4)] == [True, True, True, False]
+    assert got[3].error.startswith("undecodable reply") and expected in got[3].error
+    assert [got[cid].seconds for cid in range(3)] == [0.5, 0.5, 0.5]

@@ -4,6 +4,7 @@ node), replies put back in the order of configure_fit, and the per-exchange timi
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -274,7 +275,10 @@ class GridTransport:
             if extra.get(AS_WEIGHTS):  # received + clipped update -> the (clipped) update
                 message = Message({k: v - sent.arrays[k] for k, v in message.arrays.items()}, message.meta)
             record: Mapping[str, Any] = reply.content[RECORD + suffix]
-            return Delivery(message, down, up, float(record.get(COMPUTE_S, 0.0)), sender, int(record.get(ROUND, -1)))
+            seconds = _finite(record.get(COMPUTE_S, 0.0))
+            if seconds < 0:  # (a NaN, refused above, would slip past every ``seconds > deadline``)
+                raise ValueError(f"{COMPUTE_S} = {seconds} is negative")
+            return Delivery(message, down, up, seconds, sender, int(record.get(ROUND, -1)))
         except Exception as exc:  # noqa: BLE001 - a reply that does not even decode is a drop
             return Delivery(None, down, error=f"undecodable reply ({exc})")
 
@@ -303,18 +307,19 @@ class GridTransport:
             head: Mapping[str, Any] | None = reply.content.config_records.get(BUNDLE if len(group) > 1 else RECORD)
             if head is None or not all(key in head for key in TIMES):
                 continue
-            try:  # a peer's: a time that is not a number is left out of the timing file, not a crash
-                t_process, t_enter, t_exit = (float(head[key]) for key in TIMES)
-            except (TypeError, ValueError):
-                continue
             records: list[Mapping[str, Any] | None] = [
                 reply.content.config_records.get(RECORD + (f"-{c}" if len(group) > 1 else "")) for c in group
             ]
+            try:  # a peer's: a time that is not a finite number leaves its message out of the file, not a crash
+                t_process, t_enter, t_exit = (_finite(head[key]) for key in TIMES)
+                compute = sum(_finite(r.get(COMPUTE_S, 0.0)) for r in records if r is not None)
+            except (TypeError, ValueError):
+                continue
             messages["+".join(map(str, group))] = {
                 "dispatch_s": round(t_process - pushed, 4),
                 "startup_s": round(t_enter - t_process, 4),
                 "handler_s": round(t_exit - t_enter, 4),
-                "compute_s": round(sum(float(r.get(COMPUTE_S, 0.0)) for r in records if r is not None), 4),
+                "compute_s": round(compute, 4),
                 "return_s": round(pulled_at.get(reply.metadata.reply_to_message_id, t_exit) - t_exit, 4),
             }
         line = {
@@ -326,3 +331,11 @@ class GridTransport:
         }
         with open(self.timing_path, "a") as sink:
             sink.write(json.dumps(line) + "\n")
+
+
+def _finite(value: Any) -> float:
+    """``value`` (a peer's timing field) as a finite float; ValueError or TypeError otherwise."""
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{value!r} is not finite")
+    return number
