@@ -144,11 +144,18 @@ def test_standby_stops_with_its_thread(task_identity):  # noqa: F811
     assert pump.pushed == pushed and pump.thread is None
 
 
-def _serve_with(monkeypatch, app_ref: str, app, message_type: str = "train", pushed_at: list | None = None):
+def _serve_with(
+    monkeypatch,
+    app_ref: str,
+    app,
+    message_type: str = "train",
+    pushed_at: list | None = None,
+    beats: list | None = None,
+):
     """:func:`executor.serve_task` on a claimed task of ``message_type`` whose FAB names
     ``app_ref``, fedtune's ClientApp replaced by ``app``, the Runtime API faked: (the reply it
     pushed, the (status, Context) of its task output); ``pushed_at`` receives the reply's push time
-    (monotonic s)."""
+    (monotonic s), ``beats`` "start" and "stop" of the task's heartbeat sender."""
     import io
     import zipfile
 
@@ -174,11 +181,17 @@ def _serve_with(monkeypatch, app_ref: str, app, message_type: str = "train", pus
             pass
 
         def stop(self):
-            pass
+            if beats is not None:
+                beats.append("stop")
+
+    def heartbeat(client):
+        if beats is not None:
+            beats.append("start")
+        return Closable()
 
     given = (message, context, None, type("Fab", (), {"content": fab.getvalue()}))
     monkeypatch.setattr(runtime_api, "runtime_client", lambda *a, **k: Closable())
-    monkeypatch.setattr(runtime_api, "task_heartbeat", lambda client: Closable())
+    monkeypatch.setattr(runtime_api, "task_heartbeat", heartbeat)
     monkeypatch.setattr(runtime_api, "pull_task_input", lambda client, identify=True: given)
 
     def push_message(client, reply, ctx):
@@ -211,9 +224,16 @@ def test_the_executor_answers_each_task_in_place_and_a_failure_as_flower_does(mo
     reply, (status, _), _ = _serve_with(monkeypatch, ours, fail)
     assert reply.has_error() and "bad luck" in reply.error.reason and status == "failed"
 
+    # a task's heartbeat runs from its input's pull to its output's push; a standby (done within a
+    # second, Flower's heartbeat deadline is a minute) sends none: one request fewer per standby
+    beats = []
+    _serve_with(monkeypatch, ours, answer, beats=beats)
+    assert beats == ["start", "stop"]
+
     # a standby leaves the node's Context as it was: none pushed back
-    reply, (status, ctx), _ = _serve_with(monkeypatch, ours, answer, message_type=STANDBY)
-    assert status == "completed" and ctx is None
+    beats = []
+    reply, (status, ctx), _ = _serve_with(monkeypatch, ours, answer, message_type=STANDBY, beats=beats)
+    assert status == "completed" and ctx is None and beats == []
 
     # fedtune's ClientApp only: a FAB naming another one is refused, the app never called
     called = []

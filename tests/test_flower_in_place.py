@@ -60,6 +60,23 @@ def test_a_node_in_place_trains_only_in_its_turn_on_the_servers_base(monkeypatch
     thread.join(5)
 
 
+def test_a_node_frees_the_last_clients_pages_before_each_client_as_embedded(monkeypatch):
+    """The embedded engine hands the heap's freed pages back before each client trains
+    (``release_free_memory``, tests/test_scale.py); a node serving its clients one after another
+    (a bundle) asks the same before each of them, before its Client call."""
+    order = []
+    monkeypatch.setattr(worker, "_process_context", lambda config, threads=None: _Context())
+    monkeypatch.setattr(worker, "release_free_memory", lambda: order.append("release"))
+    monkeypatch.setattr(
+        worker, "answer", lambda client, kind, request, seed, rnd, attempt: order.append("fit") or request
+    )
+    monkeypatch.setattr(worker, "sends_compute_s", lambda config: True)
+    config = type("Config", (), {"seed": 0})()
+    for cid in (0, 1, 2):
+        worker.serve_request(config, "train", cid, Message({}, {}), {}, 1, 0)
+    assert order == ["release", "fit"] * 3
+
+
 class _Grid:
     """A Grid whose one node answers each request from a thread of its own that must take the base's
     turn first (a node served in place): the reply exists only once the node had its turn."""

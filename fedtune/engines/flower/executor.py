@@ -50,7 +50,8 @@ def serve_task(address: str, token: str, identify: bool = True, stop: threading.
     message, answer it with fedtune's ClientApp in this process, push the reply and the Context
     back and mark the task completed (failed, with an error reply, when the app raised or the FAB
     names another ClientApp), as ``flwr-clientapp`` does. A standby (:mod:`.standby`) leaves the
-    Context as it was (not pushed back) and is answered no sooner than
+    Context as it was (not pushed back), sends no task heartbeat (one request fewer of the dozen a
+    standby costs; it ends long before Flower's heartbeat deadline) and is answered no sooner than
     :data:`.standby.REPLY_AFTER_S` after the claim (:func:`.standby.hold_reply`). ``identify``: set
     Flower's process-wide task identity to the task's (False in the server's process:
     :class:`NodeThread`); ``stop``: once set, a call to the SuperNode that fails is not retried
@@ -67,11 +68,12 @@ def serve_task(address: str, token: str, identify: bool = True, stop: threading.
 
     claimed = time.monotonic()
     client = runtime_client(address, token=token, stop=stop)
-    heartbeat = task_heartbeat(client)
-    message = context = reply = None
+    heartbeat = message = context = reply = None
     status, details = SubStatus.FAILED, "ClientApp task failed"
     try:
         message, context, _, fab = pull_task_input(client, identify)
+        if message.metadata.message_type != STANDBY:  # a standby ends within a second: no heartbeat
+            heartbeat = task_heartbeat(client)
         ref = get_fab_config(fab.content)["tool"]["flwr"]["app"]["components"]["clientapp"]
         if ref != CLIENT_APP_REF:
             raise RuntimeError(f"this node's fedtune executor runs {CLIENT_APP_REF} only; the run's app names {ref}")
@@ -90,7 +92,8 @@ def serve_task(address: str, token: str, identify: bool = True, stop: threading.
                 push_message(client, reply, context)
         finally:
             push_task_output(client, None if standby else context, status, details)
-            heartbeat.stop()
+            if heartbeat is not None:
+                heartbeat.stop()
             client.close()
     return standby
 
@@ -150,7 +153,12 @@ class NodeThread:
         self.thread: threading.Thread | None = None
 
     def start(self) -> NodeThread:
-        """Start serving (idempotent)."""
+        """Start serving (idempotent); the process's threads share their malloc arenas from now on
+        (:func:`~fedtune.process.limit_malloc_arenas`: the node's freed training buffers reused by the
+        server's evaluation, as in the embedded engine's one thread)."""
+        from fedtune.process import limit_malloc_arenas
+
+        limit_malloc_arenas()
         if self.thread is None:
             self.thread = threading.Thread(target=self._serve, daemon=True, name="fedtune-node-in-place")
             self.thread.start()

@@ -23,7 +23,7 @@ from fedtune.config import RunConfig
 from fedtune.engines.flower.budgets import node_client
 from fedtune.engines.flower.codec import sends_compute_s
 from fedtune.engines.rounds import answer
-from fedtune.process import setup_process
+from fedtune.process import release_free_memory, setup_process
 from fedtune.protocol.messages import Message
 
 if TYPE_CHECKING:
@@ -140,6 +140,7 @@ def serve_request(
     DP, SecAgg+), a call slower than the round's or the client's deadline raises
     :class:`DeadlineMissed` instead (the client's state of that call is not kept)."""
     context = _process_context(config, threads)
+    release_free_memory()  # the last client's freed pages go back before this one trains, as embedded
     with SHARED.turn() if hasattr(_IN_PLACE, "contexts") else nullcontext():  # in place: the base's turn
         client = context.client(cid, state) if budget is None else node_client(context, cid, state, budget)
         start = time.perf_counter()
