@@ -150,8 +150,10 @@ def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> None:
     A freed buffer stays in the arena of the thread that allocated it, for that arena's next
     allocation. A loopback deployment trains its first node in a thread of the server's process
     (:class:`~fedtune.engines.flower.executor.NodeThread`) while the main thread evaluates and saves:
-    with an arena each, the process kept both working sets (MiniLM, 1 local step: 60-110 MB more at
-    its peak, ``benchmarks/results/flower_memory.md``); the embedded engine's one thread reuses one."""
+    with an arena each, the process kept both working sets; the embedded engine's one thread reuses
+    one. MiniLM, 4 clients, 1 local step, 1 node: the process's peak PSS 1061-1183 MB (4 runs), with 2
+    arenas and the node's trims (:func:`release_free_memory`) 938-1020 MB (3 runs), embedded 883-992
+    MB (2026-11-29; ``benchmarks/results/flower_deployment.md`` for the whole tree)."""
     libc = _glibc()
     if libc is not None and "MALLOC_ARENA_MAX" not in os.environ:
         libc.mallopt(M_ARENA_MAX, int(arenas))

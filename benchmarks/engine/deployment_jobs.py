@@ -74,6 +74,8 @@ def plain_job(nodes: int, overrides: list[str]) -> dict:
         done = subprocess.run(args, env=d.env(), cwd=d.home, capture_output=True, text=True, timeout=3600)
         if done.returncode != 0 or not times.is_file() or '"done"' not in times.read_text():
             raise RuntimeError(f"plain app failed ({done.returncode}): {(done.stdout + done.stderr)[-3000:]}")
+        if '"train_metrics": {}' in times.read_text():  # Flower's FedAvg goes on when every client failed
+            raise RuntimeError(f"plain app: no client trained: {(done.stdout + done.stderr)[-3000:]}")
     return {"times": str(times)}
 
 
@@ -246,7 +248,8 @@ def run_parts(parts: dict, args, stem: str, markdown, script: str) -> None:
     part run alone keeps the others' earlier results."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("FEDTUNE_DATA_DIR", str(ENGINE.parents[2] / "shared" / "data"))
+    data = Path(os.environ.get("FEDTUNE_DATA_DIR", ENGINE.parents[2] / "shared" / "data"))
+    os.environ["FEDTUNE_DATA_DIR"] = str(data.resolve())  # the plain app's ClientApps run in another folder
     results = ENGINE.parent / "results"
     results.mkdir(exist_ok=True)
     path = results / f"{stem}.json"
