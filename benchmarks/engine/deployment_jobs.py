@@ -80,7 +80,10 @@ def plain_job(nodes: int, overrides: list[str]) -> dict:
 
 
 def run_job(script: Path, kind: str, nodes: int, overrides: list[str], out: Path) -> dict:
-    """``job`` in a subprocess of ``script``: its result, peak tree memory (RSS and PSS sums) and load."""
+    """``job`` in a subprocess of ``script``: its result, peak tree memory (RSS and PSS sums), each role's
+    peak memory and CPU seconds (each process's at its last sample: up to 0.5 s of a process's last
+    moments missed), the CPU cores Flower's control plane (SuperLink and SuperNodes) kept busy over the
+    job's wall time, and the machine's load."""
     import psutil
 
     load_before = os.getloadavg()[0]
@@ -90,6 +93,7 @@ def run_job(script: Path, kind: str, nodes: int, overrides: list[str], out: Path
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     root, rss, pss = psutil.Process(proc.pid), 0, 0
     peaks: dict[str, list[float]] = {}  # role -> [peak summed RSS, most processes at once, peak RSS of one]
+    cpu: dict[int, tuple[str, float]] = {}  # pid -> (role, its CPU seconds at the last sample)
     while proc.poll() is None:
         if time.perf_counter() - start > JOB_LIMIT_S:  # a hang (one was seen: a run's process not exiting)
             for p in [*root.children(recursive=True), root]:
@@ -104,7 +108,8 @@ def run_job(script: Path, kind: str, nodes: int, overrides: list[str], out: Path
         try:
             for p in [root, *root.children(recursive=True)]:
                 try:
-                    m, name = p.memory_full_info(), role(p, root)
+                    m, name, used = p.memory_full_info(), role(p, root), p.cpu_times()
+                    cpu[p.pid] = (name, used.user + used.system)
                     total_rss, total_pss = total_rss + m.rss, total_pss + m.pss
                     held = now.setdefault(name, [0, 0, 0])
                     held[0], held[1], held[2] = held[0] + m.rss, held[1] + 1, max(held[2], m.rss)
@@ -127,6 +132,8 @@ def run_job(script: Path, kind: str, nodes: int, overrides: list[str], out: Path
         stats = plain_stats(Path(result["times"]))
     else:
         stats = run_stats(Path(result["run_dir"]), kind, nodes, clients)
+    wall = time.perf_counter() - start
+    cpu_s = {name: sum(s for n, s in cpu.values() if n == name) for name in peaks}
     return {
         **stats,
         "kind": kind,
@@ -134,9 +141,11 @@ def run_job(script: Path, kind: str, nodes: int, overrides: list[str], out: Path
         "peak_rss_mb": rss / 2**20,
         "peak_pss_mb": pss / 2**20,
         "roles": {
-            k: {"peak_rss_mb": v[0] / 2**20, "processes": int(v[1]), "one_mb": v[2] / 2**20} for k, v in peaks.items()
+            k: {"peak_rss_mb": v[0] / 2**20, "processes": int(v[1]), "one_mb": v[2] / 2**20, "cpu_s": cpu_s[k]}
+            for k, v in peaks.items()
         },
-        "job_wall_s": time.perf_counter() - start,
+        "control_plane_cores": (cpu_s.get("superlink", 0.0) + cpu_s.get("supernode", 0.0)) / wall,
+        "job_wall_s": wall,
         "load": [load_before, os.getloadavg()[0]],
     }
 
@@ -241,15 +250,21 @@ def plain_stats(times: Path) -> dict:
     }
 
 
+def set_job_env() -> None:
+    """The environment every job inherits: offline, and ``FEDTUNE_DATA_DIR`` an absolute path (default
+    ``../shared/data`` beside the checkout): the plain app's ClientApps run in another folder."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    data = Path(os.environ.get("FEDTUNE_DATA_DIR", ENGINE.parents[2] / "shared" / "data"))
+    os.environ["FEDTUNE_DATA_DIR"] = str(data.resolve())
+
+
 def run_parts(parts: dict, args, stem: str, markdown, script: str) -> None:
     """Run the ``parts`` (name -> function of ``args`` and a scratch folder) that ``args.part``
     names, each stamped with the command and the machine's load at its start and end, writing
     benchmarks/results/``stem``.{json,md} (``markdown``: the results as Markdown) after each; a
     part run alone keeps the others' earlier results."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    data = Path(os.environ.get("FEDTUNE_DATA_DIR", ENGINE.parents[2] / "shared" / "data"))
-    os.environ["FEDTUNE_DATA_DIR"] = str(data.resolve())  # the plain app's ClientApps run in another folder
+    set_job_env()
     results = ENGINE.parent / "results"
     results.mkdir(exist_ok=True)
     path = results / f"{stem}.json"

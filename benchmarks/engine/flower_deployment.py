@@ -28,7 +28,8 @@ memory the tree holds).
 
 Scale (``--part scale``): a loopback deployment of 1, 2, 4, 8 and 16 nodes (processes) running
 FedIT on the tiny test model (``tiny-bert``, tweets), 16 clients all sampled, 1 local step, 4
-rounds: the fixed cost per round against nodes.
+rounds: the fixed cost per round against nodes, and the CPU cores Flower's control plane (the
+SuperLink and the SuperNodes) kept busy.
 
 Memory (``--part memory --tag T``, run alone): the peak RSS of each process of the tree by its role
 (the job's own process: the ServerApp and, on a deployment, the node it serves in place; the
@@ -195,6 +196,11 @@ OWN_COMPUTE = (
     "on the critical path is the embedded engine's (the 4 clients one after another), so there it is "
     "the deployment's cost over the same work."
 )
+CONTROL_PLANE = (
+    "*control plane cores*: the CPU seconds of the SuperLink and the SuperNodes (Flower's processes) over "
+    "the job's wall time, the job's start and end included: the share of the machine's cores they kept "
+    "busy (each role's CPU seconds are in the JSON's `roles`)."
+)
 
 
 def stages_table(engines: dict) -> list[str]:
@@ -250,14 +256,18 @@ def markdown(result: dict) -> str:
         s = result["scale"]
         lines += ["## Fixed cost per round against nodes (tiny-bert, 16 clients, 1 local step)", ""]
         lines += [f"`{s['command']}`; {s['machine']}.", ""]
-        lines += ["| nodes | s/round | fixed s/round | first round s | peak RSS MB | peak PSS MB | load |"]
-        lines += ["|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "| nodes | s/round | fixed s/round | first round s | peak RSS MB | peak PSS MB | control plane cores | "
+            "load |"
+        ]
+        lines += ["|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in s["rows"]:
+            cores = f"{r['control_plane_cores']:.2f}" if "control_plane_cores" in r else "-"
             lines.append(
                 f"| {r['nodes']} | {r['round_s']:.2f} | {r['fixed_s']:.2f} | {r['first_round_s']:.1f} | "
-                f"{r['peak_rss_mb']:.0f} | {r['peak_pss_mb']:.0f} | {r['load'][0]:.1f}-{r['load'][1]:.1f} |"
+                f"{r['peak_rss_mb']:.0f} | {r['peak_pss_mb']:.0f} | {cores} | {r['load'][0]:.1f}-{r['load'][1]:.1f} |"
             )
-        lines.append("")
+        lines += ["", CONTROL_PLANE, ""]
     memory = sorted(k for k in result if k.startswith("memory"))
     embedded = {r["model"]: r["peak_rss_mb"] for k in memory for r in result[k]["rows"] if r["kind"] == "embedded"}
     for name in memory:
