@@ -108,7 +108,9 @@ def run_job(script: Path, kind: str, nodes: int, overrides: list[str], out: Path
         try:
             for p in [root, *root.children(recursive=True)]:
                 try:
-                    m, name, used = p.memory_full_info(), role(p, root), p.cpu_times()
+                    m, used = p.memory_full_info(), p.cpu_times()
+                    known = cpu.get(p.pid, ("other", 0.0))[0]  # a process that ended shows no command line:
+                    name = known if known != "other" else role(p, root)  # it keeps the role it was seen in
                     cpu[p.pid] = (name, used.user + used.system)
                     total_rss, total_pss = total_rss + m.rss, total_pss + m.pss
                     held = now.setdefault(name, [0, 0, 0])
