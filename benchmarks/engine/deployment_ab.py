@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from deployment_jobs import run_job, set_job_env
-from flower_deployment import MINILM
+from flower_deployment import engines_job
 
 KEPT = ("round_s", "fixed_s", "control_plane_cores", "peak_pss_mb", "load")
 
@@ -70,8 +70,7 @@ def main() -> None:
     set_job_env()
     args.out.mkdir(parents=True, exist_ok=True)
     arms = {"A": None} if args.b is None else {"A": None, "B": args.b}
-    overrides = [*MINILM, "federation.num_clients=4", "federation.clients_per_round=4", f"rounds={args.rounds}"]
-    overrides += [f"eval_every={args.rounds}", f"train.local_steps={args.steps}"]
+    overrides = engines_job(4, args.rounds, args.steps)
     jobs: dict[str, list[dict]] = {arm: [] for arm in arms}
     for i in range(args.repeats):
         for arm in list(arms) if i % 2 == 0 else list(arms)[::-1]:

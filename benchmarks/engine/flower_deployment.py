@@ -71,6 +71,13 @@ TINY = ["method=fedit", "model.name=tiny-bert", "data=tweets", "data.max_train_s
 TINY += ["data.max_test_samples=100", "train.batch_size=16", "train.lr=1e-3", "train.threads=1"]
 
 
+def engines_job(clients: int, rounds: int, steps: int) -> list[str]:
+    """The settings of an engines job (FedIT on MiniLM, ``clients`` all sampled, ``rounds`` rounds
+    evaluated at the last, ``steps`` local steps); also standby_trace.py's and deployment_ab.py's."""
+    overrides = [*MINILM, f"federation.num_clients={clients}", f"federation.clients_per_round={clients}"]
+    return overrides + [f"rounds={rounds}", f"eval_every={rounds}", f"train.local_steps={steps}"]
+
+
 def label(kind: str, nodes: int) -> str:
     nodes_text = f"{nodes} node{'s' * (nodes > 1)}"
     return {"embedded": "embedded", "sim": "flower-sim", "plain": f"plain Flower app, {nodes_text}"}.get(
@@ -83,8 +90,7 @@ def part_engines(args, out: Path) -> dict:
     rows.append(("plain", args.clients))  # the plain app: one client per SuperNode, as Flower's examples
     settings = []
     for steps in args.steps:
-        overrides = [*MINILM, f"federation.num_clients={args.clients}", f"federation.clients_per_round={args.clients}"]
-        overrides += [f"rounds={args.rounds}", f"eval_every={args.rounds}", f"train.local_steps={steps}"]
+        overrides = engines_job(args.clients, args.rounds, steps)
         results = []
         for kind, nodes in rows:
             print(f"[engines] {steps} steps: {label(kind, nodes)} ...", flush=True)

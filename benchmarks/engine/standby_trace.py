@@ -23,7 +23,7 @@ import statistics
 from datetime import datetime, timezone
 from pathlib import Path
 
-from flower_deployment import MINILM
+from flower_deployment import engines_job
 
 SLEEP_S = 1.0  # a reply and the node's next message further apart than this: the node slept
 STAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})")
@@ -126,8 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     from fedtune.engines.flower.deployment import run_flower_deployment
 
     name = f"trace-{args.nodes}"
-    overrides = [*MINILM, "federation.num_clients=4", "federation.clients_per_round=4"]
-    overrides += [f"rounds={args.rounds}", f"eval_every={args.rounds}", f"train.local_steps={args.steps}"]
+    overrides = engines_job(4, args.rounds, args.steps)
     overrides += [f"name={name}", f"output_dir={args.out}", "engine=flower", f"placement.nodes={args.nodes}"]
     run_flower_deployment(load_config(None, overrides), timeout=1800, keep_logs=args.out / "logs")
     nodes = {log.stem: read_node(node_events(log)) for log in sorted((args.out / "logs").glob("supernode*[0-9].log"))}
