@@ -65,6 +65,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=5, help="jobs per arm")
     args = parser.parse_args()
+    for name in ("nodes", "repeats"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name} {getattr(args, name)}: expected at least 1")
     if args.b is not None and not (args.b / "fedtune" / "__init__.py").is_file():
         raise SystemExit(f"--b {args.b}: expected a folder holding a fedtune package (fedtune/__init__.py)")
     set_job_env()
